@@ -1,0 +1,279 @@
+"""Checkpoints that cannot lie: full state, atomic, verified.
+
+Layout of `RUN_DIR/checkpoints/step_NNNNNN/`:
+    model.safetensors       parameters by our model's names
+    optimizer.safetensors   AdamW moments and step counters (absent in weights-only checkpoints)
+    train_state.json        step, tokens seen, loss-scale state, schedule position, RNG, spikes
+    data_state.json         loader state incl. data fingerprints
+    config.toml             the resolved config that produced it
+    tokenizer.model         a copy, so export/generate work without the data dir
+    manifest.json           written LAST: format version, code version, SHA-256 + size of each file
+
+Design choices: a checkpoint is written into `step_NNNNNN.tmp/`, every file and the directory
+are fsynced, then the directory is renamed; a crash at any moment leaves either the old set or
+the new set, and a directory without a manifest, or whose files do not match it, does not exist
+for resume. Tensors are safetensors (never pickle); everything else is JSON/TOML a person can
+read. Hashing is done on the bytes just written, in the writer thread, so verification at save
+time costs one read of data already in the page cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from mspretrain import __version__
+from mspretrain import config as cfgmod
+from mspretrain.config import Config
+from mspretrain.errors import UserError
+
+FORMAT_VERSION = 1
+STEP_RE = re.compile(r"^step_(\d{6,})$")
+MODEL_FILE = "model.safetensors"
+OPTIM_FILE = "optimizer.safetensors"
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    dir: Path
+    step: int
+    config: Config
+    data_dir: Path | None
+    tokenizer_path: Path | None
+
+
+# --------------------------------------------------------------------------- writing
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False), encoding="utf-8")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def write_checkpoint_dir(
+    final_dir: Path,
+    *,
+    step: int,
+    model: dict[str, np.ndarray],
+    optimizer: dict[str, np.ndarray] | None,
+    train_state: dict[str, Any],
+    data_state: dict[str, Any] | None,
+    config: Config,
+    tokenizer_path: Path | None = None,
+) -> Path:
+    """Write a complete checkpoint to `final_dir` atomically (tmp dir, fsync, rename).
+
+    On any error the temporary directory is removed and the error re-raised; nothing that
+    existed before is touched.
+    """
+    final_dir = Path(final_dir)
+    tmp = final_dir.with_name(final_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, str(tmp / MODEL_FILE),
+                  metadata={"format": "mspretrain", "step": str(step)})
+        if optimizer is not None:
+            save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIM_FILE),
+                      metadata={"format": "mspretrain", "step": str(step)})
+        _write_json(tmp / "train_state.json", dict(train_state, step=step))
+        if data_state is not None:
+            _write_json(tmp / "data_state.json", data_state)
+        cfgmod.save(config, tmp / "config.toml")
+        if tokenizer_path is not None and Path(tokenizer_path).is_file():
+            shutil.copyfile(tokenizer_path, tmp / Path(tokenizer_path).name)
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            _fsync(p)
+            files[p.name] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        manifest = {"format_version": FORMAT_VERSION, "code_version": __version__, "step": step,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+        _write_json(tmp / MANIFEST, manifest)
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
+        if final_dir.exists():  # re-saving the same step (e.g. after a rewind): replace it whole
+            shutil.rmtree(final_dir)
+        os.replace(tmp, final_dir)
+        _fsync(final_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final_dir
+
+
+def write_weights_only_checkpoint(out_dir: str | Path, tensors: dict[str, np.ndarray], config: Config,
+                                  tokenizer_path: str | Path | None = None) -> Path:
+    """A checkpoint with weights, config and manifest only (what `convert --from-hf` produces)."""
+    return write_checkpoint_dir(Path(out_dir), step=0, model=tensors, optimizer=None,
+                                train_state={"step": 0, "weights_only": True}, data_state=None,
+                                config=config, tokenizer_path=Path(tokenizer_path) if tokenizer_path else None)
+
+
+# --------------------------------------------------------------------------- verifying
+
+def verify(ckpt_dir: Path, *, deep: bool = True) -> str | None:
+    """None when the checkpoint matches its manifest, else the reason it does not."""
+    ckpt_dir = Path(ckpt_dir)
+    mpath = ckpt_dir / MANIFEST
+    if not mpath.is_file():
+        return "no manifest.json (the save did not finish)"
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (ValueError, KeyError, UnicodeDecodeError):
+        return "manifest.json is unreadable"
+    for required in (MODEL_FILE, "train_state.json", "config.toml"):
+        if required not in files:
+            return f"manifest lists no {required}"
+    for name, meta in files.items():
+        p = ckpt_dir / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != meta["bytes"]:
+            return f"{name} size mismatch ({p.stat().st_size} bytes, manifest says {meta['bytes']})"
+        if deep and _sha256(p) != meta["sha256"]:
+            return f"{name} sha256 mismatch"
+    return None
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every finished-looking checkpoint dir, oldest first (tmp dirs excluded)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def clean_tmp_dirs(run_dir: Path, log: Callable[[str], None] = print) -> None:
+    root = Path(run_dir) / "checkpoints"
+    if root.is_dir():
+        for p in root.glob("*.tmp"):
+            log(f"removing unfinished checkpoint {p.name} (left by an interrupted save)")
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_verified(run_dir: Path, log: Callable[[str], None] = print) -> Path | None:
+    """Newest checkpoint whose manifest verifies; corrupt ones are reported and skipped."""
+    bad: list[tuple[str, str]] = []
+    chosen = None
+    for step, d in reversed(list_checkpoints(run_dir)):
+        reason = verify(d)
+        if reason is None:
+            chosen = d
+            break
+        bad.append((d.name, reason))
+    for name, reason in bad:
+        log(f"checkpoint {name} is corrupt: {reason} — using {chosen.name if chosen else 'no checkpoint (fresh start)'}")
+    return chosen
+
+
+# --------------------------------------------------------------------------- reading
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing", "run `mspretrain recover RUN_DIR` to rebuild it") from None
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{path} is corrupt", "run `mspretrain recover RUN_DIR` to rebuild it") from None
+
+
+def _run_meta(run_dir: Path) -> dict[str, Any]:
+    p = run_dir / "run_meta.json"
+    if p.is_file():
+        try:
+            return json.loads(p.read_text(encoding="utf-8"))
+        except ValueError:
+            return {}
+    return {}
+
+
+def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda s: None) -> CheckpointRef:
+    """A RUN_DIR (newest verified checkpoint) or a CKPT_DIR (must verify itself)."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p} does not exist", "pass a run dir (mspretrain train --run DIR) or a checkpoint dir")
+    if (p / MANIFEST).is_file() or STEP_RE.match(p.name):
+        reason = verify(p)
+        if reason:
+            raise UserError(f"checkpoint {p} does not verify: {reason}", "use another checkpoint (see `mspretrain checkpoints RUN_DIR --verify`)")
+        ckpt, run_dir = p, (p.parent.parent if p.parent.name == "checkpoints" else None)
+    else:
+        ckpt = latest_verified(p, log=log)
+        if ckpt is None:
+            raise UserError(f"{p} holds no verified checkpoint", "train first (mspretrain train ... --run DIR), or pass a checkpoint dir")
+        run_dir = p
+    m = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))
+    cfg = cfgmod.load(ckpt / "config.toml")
+    meta = _run_meta(run_dir) if run_dir else {}
+    data_dir = Path(meta["data_dir"]) if meta.get("data_dir") else None
+    tok = None
+    for cand in [ckpt / "tokenizer.model", ckpt / "tokenizer.json"] + (
+            [run_dir / "tokenizer.model", run_dir / "tokenizer.json"] if run_dir else []) + (
+            [data_dir / "tokenizer.model", data_dir / "tokenizer.json"] if data_dir else []):
+        if cand.is_file():
+            tok = cand
+            break
+    return CheckpointRef(dir=ckpt, step=int(m.get("step", 0)), config=cfg, data_dir=data_dir, tokenizer_path=tok)
+
+
+def read_model_tensors(ref: CheckpointRef) -> dict[str, np.ndarray]:
+    return load_file(str(ref.dir / MODEL_FILE))
+
+
+def read_optimizer_tensors(ref_or_dir: CheckpointRef | Path) -> dict[str, np.ndarray] | None:
+    d = ref_or_dir.dir if isinstance(ref_or_dir, CheckpointRef) else Path(ref_or_dir)
+    p = d / OPTIM_FILE
+    return load_file(str(p)) if p.is_file() else None
+
+
+# --------------------------------------------------------------------------- retention
+
+def prune(run_dir: Path, keep_last: int, keep_every: int, log: Callable[[str], None] = print) -> list[Path]:
+    """Keep the newest `keep_last`, every `keep_every`-th step, and always the newest verified one."""
+    ckpts = list_checkpoints(run_dir)
+    keep = {s for s, _ in ckpts[-keep_last:]}
+    if keep_every:
+        keep |= {s for s, _ in ckpts if s % keep_every == 0}
+    newest_ok = latest_verified(run_dir, log=lambda s: None)
+    removed = []
+    for step, d in ckpts:
+        if step in keep or d == newest_ok:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed

@@ -1,0 +1,101 @@
+"""The `mspretrain` console script: one subcommand per stage of the pipeline.
+
+Each subcommand lives in `mspretrain/commands/NAME.py` and exposes `add_arguments(parser)` and
+`run(args) -> int`. Modules are imported only when their command runs, so `--help` and
+`doctor` stay fast (importing MindSpore takes seconds). A `UserError` becomes one `error:` line
+plus a `hint:` line on stderr and exit code 2; any other exception is a bug and keeps its
+traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Sequence
+
+from mspretrain import __version__
+from mspretrain.errors import UserError
+
+# The CLI's own subcommand table: name -> (module, one-line help).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("mspretrain.commands.prepare", "clean, dedup, tokenize raw text into Megatron shards"),
+    "train": ("mspretrain.commands.train", "train (or resume) a model on a data dir"),
+    "eval": ("mspretrain.commands.eval", "perplexity of a run or checkpoint on a split"),
+    "generate": ("mspretrain.commands.generate", "sample text from a run or checkpoint"),
+    "export": ("mspretrain.commands.export", "export a checkpoint to a HF Llama folder or MINDIR"),
+    "convert": ("mspretrain.commands.convert", "import HF Llama safetensors weights as a checkpoint"),
+    "checkpoints": ("mspretrain.commands.checkpoints", "list (and verify) the checkpoints of a run"),
+    "recover": ("mspretrain.commands.recover", "rebuild a lost train/data state from weights and metrics"),
+    "report": ("mspretrain.commands.report", "one self-contained HTML report of a run"),
+    "dashboard": ("mspretrain.commands.dashboard", "start TensorBoard on a run dir (127.0.0.1)"),
+    "plan": ("mspretrain.commands.plan", "memory, steps, warm-up, time and cost before launch"),
+    "doctor": ("mspretrain.commands.doctor", "check this machine's environment"),
+    "diagnose": ("mspretrain.commands.diagnose", "find OOMs, NaN storms, spikes, timeouts in a run's logs"),
+    "demo": ("mspretrain.commands.demo", "the whole pipeline on the embedded Chinese poetry corpus"),
+}
+
+EPILOG = """examples:
+  mspretrain demo --quick
+  mspretrain prepare my_corpus/ --out data/ --vocab-size 16000
+  mspretrain train --config configs/demo.toml --data data/ --run runs/a train.max_steps=300
+  mspretrain eval runs/a --json
+  mspretrain generate runs/a --prompt 春风 --max-new-tokens 48
+
+Every command takes --help, and section.key=value config overrides after its options."""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mspretrain",
+        description="Pretrain Llama-style Chinese language models on MindSpore (CPU for development, Ascend 910B in production).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"mspretrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(
+            name, help=help_text, description=(module.__doc__ or help_text).strip().split("\n\n")[0],
+            epilog=getattr(module, "EXAMPLES", None), formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--verbose" in argv:
+        os.environ["GLOG_v"] = "1"
+    # Build only the chosen subcommand so `mspretrain train --help` does not import the world.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        parser = build_parser(chosen if chosen in COMMANDS else None)
+        args, extra = parser.parse_known_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        # Leftover words of the form section.key=value are config overrides.
+        bad = [e for e in extra if "=" not in e or e.startswith("-")]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        args.overrides = [e for e in extra if e not in bad]
+        return int(args._module.run(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc.cause}", file=sys.stderr)
+        if exc.fix:
+            print(f"hint: {exc.fix}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

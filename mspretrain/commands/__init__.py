@@ -1,0 +1,1 @@
+"""Command adapters: argparse in, library calls out. Library modules never import these."""

@@ -1,0 +1,42 @@
+"""Helpers shared by the command adapters."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mspretrain import config as cfgmod
+from mspretrain.config import Config
+
+
+def add_config_argument(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--config", metavar="FILE", required=required,
+                   help="TOML config (see configs/); section.key=value overrides may follow the options")
+
+
+def add_quiet_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress bars, fewer lines")
+    p.add_argument("--verbose", action="store_true", help="bring MindSpore's native logs back")
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    """The config file (if any) with the command line's section.key=value overrides applied."""
+    return cfgmod.load(getattr(args, "config", None), getattr(args, "overrides", ()))
+
+
+def progress_enabled(args: argparse.Namespace) -> bool:
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
+def say(args: argparse.Namespace, text: str) -> None:
+    if not getattr(args, "quiet", False):
+        print(text, flush=True)
+
+
+def existing_path(path: str, what: str, fix: str) -> Path:
+    from mspretrain.errors import UserError
+
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{what} {p} does not exist", fix)
+    return p

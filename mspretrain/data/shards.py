@@ -1,0 +1,159 @@
+"""Megatron indexed-dataset shards (`.bin` + `.idx`), byte-compatible with Megatron-LM.
+
+Layout of `PREFIX.idx` (all little-endian):
+    b"MMIDIDX\\x00\\x00"   magic (9 bytes)
+    <Q  version = 1
+    <B  dtype code (1 u8, 2 i8, 3 i16, 4 i32, 5 i64, 6 f64, 7 f32, 8 u16)
+    <Q  sequence count S
+    <Q  document-index count D
+    int32[S]  sequence lengths (tokens)
+    int64[S]  byte pointers of each sequence into PREFIX.bin
+    int64[D]  document indices: [0, 1, ..., S] (one sequence per document here)
+`PREFIX.bin` holds the token arrays back to back, no header.
+
+Design choices: the writer streams tokens straight to disk (memory stays bounded by the
+lengths array); both files are written under a `.tmp` name and renamed only by `finalize`,
+so a crash mid-write never leaves a finished-looking shard. The reader memory-maps both files
+and never copies tokens.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from mspretrain.errors import UserError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES: dict[int, type] = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 (2 bytes per token) whenever the vocabulary fits, else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardWriter:
+    """Appends one document (a token array) at a time; `finalize()` publishes the pair."""
+
+    def __init__(self, prefix: str | Path, dtype: np.dtype | type) -> None:
+        self.prefix = Path(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF:
+            raise ValueError(f"dtype {self.dtype} has no Megatron code")
+        self._bin_tmp = self.prefix.with_name(self.prefix.name + ".bin.tmp")
+        self._idx_tmp = self.prefix.with_name(self.prefix.name + ".idx.tmp")
+        self._bin = open(self._bin_tmp, "wb")
+        self._lengths: list[int] = []
+        self.tokens = 0
+
+    def add(self, tokens: np.ndarray | list[int]) -> None:
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(arr.tobytes(order="C"))
+        self._lengths.append(int(arr.size))
+        self.tokens += int(arr.size)
+
+    def add_many(self, docs: list[np.ndarray]) -> None:
+        """Write several documents with one `write` call (the hot path of `prepare`)."""
+        if not docs:
+            return
+        arrs = [np.asarray(d, dtype=self.dtype) for d in docs]
+        self._bin.write(np.concatenate(arrs).tobytes())
+        for a in arrs:
+            self._lengths.append(int(a.size))
+            self.tokens += int(a.size)
+
+    def finalize(self) -> None:
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        write_index(self._idx_tmp, np.asarray(self._lengths, dtype=np.int32), self.dtype)
+        _fsync_file(self._idx_tmp)
+        # .bin first: an .idx without its .bin is detectably broken, the reverse could look whole.
+        os.replace(self._bin_tmp, Path(str(self.prefix) + ".bin"))
+        os.replace(self._idx_tmp, Path(str(self.prefix) + ".idx"))
+
+    def abort(self) -> None:
+        if not self._bin.closed:
+            self._bin.close()
+        for p in (self._bin_tmp, self._idx_tmp):
+            p.unlink(missing_ok=True)
+
+
+def index_bytes(lengths: np.ndarray, dtype: np.dtype | type) -> bytes:
+    """The exact bytes of a Megatron `.idx` for these sequence lengths."""
+    dtype = np.dtype(dtype)
+    lengths = np.asarray(lengths, dtype=np.int32)
+    n = int(lengths.size)
+    pointers = np.zeros(n, dtype=np.int64)
+    if n > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    doc_idx = np.arange(n + 1, dtype=np.int64)
+    header = MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF[dtype])
+    header += struct.pack("<Q", n) + struct.pack("<Q", n + 1)
+    return header + lengths.tobytes() + pointers.tobytes() + doc_idx.tobytes()
+
+
+def write_index(path: str | Path, lengths: np.ndarray, dtype: np.dtype | type) -> None:
+    with open(path, "wb") as f:
+        f.write(index_bytes(lengths, dtype))
+
+
+class IndexedDataset:
+    """Read-only view of a `.bin/.idx` pair through `np.memmap` (no copies)."""
+
+    def __init__(self, prefix: str | Path) -> None:
+        self.prefix = Path(prefix)
+        idx_path = Path(str(self.prefix) + ".idx")
+        bin_path = Path(str(self.prefix) + ".bin")
+        for p in (idx_path, bin_path):
+            if not p.is_file():
+                raise UserError(f"shard file {p} is missing", "run `mspretrain prepare` to (re)create the data dir")
+        with open(idx_path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+        if len(head) < HEADER_SIZE or head[: len(MAGIC)] != MAGIC:
+            raise UserError(f"{idx_path} is not a Megatron index file (bad magic)", "re-run `mspretrain prepare` for this data dir")
+        off = len(MAGIC)
+        (version,) = struct.unpack_from("<Q", head, off)
+        (code,) = struct.unpack_from("<B", head, off + 8)
+        (n_seq,) = struct.unpack_from("<Q", head, off + 9)
+        (n_doc,) = struct.unpack_from("<Q", head, off + 17)
+        if version != VERSION or code not in DTYPE_CODES:
+            raise UserError(f"{idx_path} has version {version} / dtype code {code}, which this reader does not know", "re-run `mspretrain prepare`")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected = HEADER_SIZE + n_seq * 4 + n_seq * 8 + n_doc * 8
+        if idx_path.stat().st_size != expected:
+            raise UserError(f"{idx_path} is truncated or corrupt ({idx_path.stat().st_size} bytes, expected {expected})", "re-run `mspretrain prepare`")
+        idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        self.lengths = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=HEADER_SIZE)
+        self.pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=HEADER_SIZE + 4 * n_seq)
+        self.doc_idx = np.frombuffer(idx, dtype=np.int64, count=n_doc, offset=HEADER_SIZE + 12 * n_seq)
+        n_tokens = int(self.lengths.sum(dtype=np.int64))
+        if bin_path.stat().st_size != n_tokens * self.dtype.itemsize:
+            raise UserError(f"{bin_path} does not match its index ({bin_path.stat().st_size} bytes for {n_tokens} tokens)", "re-run `mspretrain prepare`")
+        # np.memmap refuses empty files; an empty split is a valid (if useless) shard.
+        self.tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype) if n_tokens
+                       else np.zeros(0, dtype=self.dtype))
+        self.n_tokens = n_tokens
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(self.pointers[i]) // self.dtype.itemsize
+        return self.tokens[start : start + int(self.lengths[i])]

@@ -1,0 +1,193 @@
+"""Tokenizer: a thin, typed wrapper over SentencePiece (and HF `tokenizers` JSON files).
+
+Design choices: the training recipe is Llama's (BPE, byte fallback, split digits, identity
+normaliser, character coverage 0.9995) so any Chinese character or byte survives a round
+trip; special ids are fixed (unk 0, bos 1, eos 2, pad 3 for our own models) and recorded in the
+manifest. A vocabulary too small for the characters SentencePiece must cover lowers the
+coverage with a warning, or fails in one line — never with a SentencePiece trace.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from mspretrain.errors import UserError
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Tokenizer:
+    """Common surface of a SentencePiece model or an HF `tokenizers` JSON file."""
+
+    path: Path
+    _sp: object | None = None
+    _hf: object | None = None
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        """Load `tokenizer.model` / `tokenizer.json`, or a directory holding one of them."""
+        p = Path(path)
+        if p.is_dir():
+            for name in TOKENIZER_FILES:
+                if (p / name).is_file():
+                    p = p / name
+                    break
+            else:
+                raise UserError(f"no tokenizer.model or tokenizer.json in {path}", "pass --tokenizer PATH to a SentencePiece .model or HF tokenizer.json file")
+        if not p.is_file():
+            raise UserError(f"tokenizer {p} does not exist", "pass --tokenizer with a path to a SentencePiece .model or a tokenizer.json file")
+        if p.suffix == ".json":
+            try:
+                from tokenizers import Tokenizer as HFTokenizer
+
+                return cls(path=p, _hf=HFTokenizer.from_file(str(p)))
+            except ImportError:
+                raise UserError("reading tokenizer.json needs the `tokenizers` package", "pip install tokenizers, or use a SentencePiece tokenizer.model") from None
+            except Exception as exc:  # the HF library raises plain Exceptions on bad JSON
+                raise UserError(f"{p} is not a valid HF tokenizer.json ({str(exc).splitlines()[0][:120]})", "pass a tokenizer.json saved by HF tokenizers, or a SentencePiece .model") from None
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.LoadFromSerializedProto(p.read_bytes())
+        except Exception:
+            raise UserError(f"{p} is not a SentencePiece model", "pass a tokenizer.model written by SentencePiece (or by `mspretrain prepare`)") from None
+        return cls(path=p, _sp=sp)
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def vocab_size(self) -> int:
+        if self._sp is not None:
+            return int(self._sp.GetPieceSize())
+        return int(self._hf.get_vocab_size(with_added_tokens=True))
+
+    def _hf_id(self, *names: str) -> int:
+        for n in names:
+            i = self._hf.token_to_id(n)
+            if i is not None:
+                return int(i)
+        return -1
+
+    @property
+    def bos_id(self) -> int:
+        return int(self._sp.bos_id()) if self._sp is not None else self._hf_id("<s>", "<|begin_of_text|>", "<bos>")
+
+    @property
+    def eos_id(self) -> int:
+        return int(self._sp.eos_id()) if self._sp is not None else self._hf_id("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>")
+
+    @property
+    def pad_id(self) -> int:
+        return int(self._sp.pad_id()) if self._sp is not None else self._hf_id("<pad>")
+
+    @property
+    def unk_id(self) -> int:
+        return int(self._sp.unk_id()) if self._sp is not None else self._hf_id("<unk>")
+
+    def special_ids(self) -> dict[str, int]:
+        return {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id, "unk": self.unk_id}
+
+    def sha256(self) -> str:
+        return sha256_file(self.path)
+
+    # ----------------------------------------------------------------- encode / decode
+    def encode(self, text: str) -> list[int]:
+        if self._sp is not None:
+            return list(self._sp.EncodeAsIds(text))
+        return list(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+        if self._sp is not None:
+            return self._sp.Encode(list(texts), out_type=int, num_threads=num_threads)
+        return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        if self._sp is not None:
+            return self._sp.DecodeIds(ids)
+        return self._hf.decode(ids, skip_special_tokens=True)
+
+    def save_to(self, directory: str | Path) -> Path:
+        """Copy the tokenizer file into `directory` under its canonical name."""
+        out = Path(directory) / ("tokenizer.json" if self._hf is not None else "tokenizer.model")
+        out.write_bytes(self.path.read_bytes())
+        return out
+
+
+def train_sentencepiece(
+    texts: Iterable[str],
+    out_dir: str | Path,
+    vocab_size: int,
+    *,
+    character_coverage: float = 0.9995,
+    num_threads: int = 2,
+    seed: int = 1234,
+) -> tuple[Tokenizer, list[str]]:
+    """Train a Llama-style BPE model from `texts` into `out_dir/tokenizer.model`.
+
+    Returns the tokenizer and warnings (e.g. the coverage had to be lowered). Raises
+    `UserError` when no vocabulary size can work for this text.
+    """
+    import sentencepiece as spm
+
+    sentences = [t for t in texts if t]
+    if not sentences:
+        raise UserError("no text left to train a tokenizer on", "check the input files, or lower prepare.min_chars")
+    warnings: list[str] = []
+    coverage = character_coverage
+    for attempt in range(6):
+        model = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.Train(
+                sentence_iterator=iter(sentences),
+                model_writer=model,
+                model_type="bpe",
+                vocab_size=vocab_size,
+                character_coverage=coverage,
+                byte_fallback=True,
+                split_digits=True,
+                normalization_rule_name="identity",
+                remove_extra_whitespaces=False,
+                allow_whitespace_only_pieces=True,
+                add_dummy_prefix=False,
+                unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+                max_sentence_length=1 << 16,
+                num_threads=num_threads,
+                random_seed=seed,
+                train_extremely_large_corpus=False,
+                minloglevel=2,
+            )
+            break
+        except RuntimeError as exc:
+            msg = str(exc)
+            if "Vocabulary size is smaller than required_chars" in msg or "vocab_size" in msg and "required" in msg:
+                if coverage <= 0.98:
+                    raise UserError(
+                        f"prepare.vocab_size = {vocab_size} is too small for the characters of this corpus",
+                        "raise prepare.vocab_size (Chinese text needs roughly 5000-8000+; 16000-32000 is typical)") from None
+                coverage = round(coverage - 0.0025 if coverage > 0.99 else coverage - 0.005, 4)
+                continue
+            if "Vocabulary size too high" in msg or "vocab_size" in msg and "too high" in msg.lower():
+                raise UserError(f"prepare.vocab_size = {vocab_size} is larger than this corpus can fill", "lower prepare.vocab_size or add more text") from None
+            raise UserError(f"SentencePiece could not train: {msg.splitlines()[-1][:160]}", "check the corpus and prepare.vocab_size") from None
+    else:  # pragma: no cover - loop always breaks or raises
+        raise UserError("SentencePiece could not train", "raise prepare.vocab_size")
+    if coverage != character_coverage:
+        warnings.append(f"vocab {vocab_size} is small for this corpus: character coverage lowered from {character_coverage} to {coverage} (rare characters fall back to bytes)")
+    out = Path(out_dir) / "tokenizer.model"
+    out.write_bytes(model.getvalue())
+    return Tokenizer.load(out), warnings

@@ -1,0 +1,81 @@
+"""Device selection: one place decides CPU or Ascend and which Ascend-only options apply.
+
+Design choices: `device.target = auto` picks Ascend when MindSpore was built for it and an NPU is
+visible, else CPU. Options that only Ascend can run (fused FlashAttention, dataset sink mode,
+graph-kernel fusion) are chosen here and reported at start-up, so the rest of the code asks
+`DeviceInfo` instead of probing MindSpore itself. bf16 is refused on CPU before any compute.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from mspretrain.config import Config
+from mspretrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    target: str  # "cpu" | "ascend"
+    threads: int
+    flash_attention: bool
+    sink_mode: bool
+    graph_kernel_fusion: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def describe(self) -> str:
+        opts = [f"device {self.target}", f"{self.threads} threads"]
+        for name in ("flash_attention", "sink_mode", "graph_kernel_fusion"):
+            opts.append(f"{name.replace('_', ' ')} {'on' if getattr(self, name) else 'off'}")
+        return ", ".join(opts)
+
+
+def ascend_available() -> bool:
+    """True when an NPU device node is visible and this MindSpore build can drive it."""
+    # Check the device node first: asking MindSpore on a CPU-only box prints a loader error.
+    if not any(os.path.exists(p) for p in ("/dev/davinci0", "/dev/davinci_manager")):
+        return False
+    try:
+        import mindspore as ms
+
+        return bool(ms.hal.is_available("Ascend"))
+    except Exception:  # an import or runtime failure simply means no usable Ascend here
+        return False
+
+
+def resolve_target(target: str) -> str:
+    if target == "auto":
+        return "ascend" if ascend_available() else "cpu"
+    if target == "ascend" and not ascend_available():
+        raise UserError("device.target = ascend but no Ascend NPU is visible (/dev/davinci*)",
+                        "use device.target=cpu (or auto) on this machine")
+    return target
+
+
+def plan_device(cfg: Config) -> DeviceInfo:
+    """Decide the device and its options from the config, without touching MindSpore."""
+    target = resolve_target(cfg.device.target)
+    threads = cfg.device.threads or (os.cpu_count() or 1)
+    on_ascend = target == "ascend"
+    notes = []
+    if not on_ascend:
+        notes.append("math attention (FlashAttentionScore is Ascend-only)")
+    return DeviceInfo(target=target, threads=threads, flash_attention=on_ascend, sink_mode=on_ascend,
+                      graph_kernel_fusion=on_ascend, notes=tuple(notes))
+
+
+def setup_mindspore(info: DeviceInfo, *, deterministic: bool = True) -> None:
+    """Point MindSpore at the device. Global mode stays PyNative; hot paths are `ms.jit`."""
+    import mindspore as ms
+
+    ms.set_device("Ascend" if info.target == "ascend" else "CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    if info.target == "cpu":
+        try:
+            ms.runtime.set_cpu_affinity(False)
+        except Exception:  # older/newer runtimes without this knob are fine
+            pass
+    if deterministic and info.target == "ascend":
+        ms.set_context(deterministic="ON")
+    if info.graph_kernel_fusion:
+        ms.set_context(enable_graph_kernel=True)

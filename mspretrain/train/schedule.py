@@ -1,0 +1,102 @@
+"""Learning-rate schedules as pure functions of the optimizer step.
+
+Design choices: the schedule is computed on the host from the number of *applied* optimizer
+updates and fed to the compiled step as a scalar tensor, so an overflowed (skipped) fp16 step
+does not advance it and resume needs only that one integer. Closed forms, no state.
+
+Kinds:
+- `cosine`: linear warm-up to lr, cosine decay to min_lr_ratio * lr at the last step.
+- `two_phase` (the field report): linear warm-up to lr, then a cosine rise to peak_ratio * lr
+  over another warm-up length, then cosine decay to min_lr.
+- `wsd`: warm-up, stable at lr, linear decay to min_lr over the last decay_fraction of steps.
+- `constant`: warm-up then flat.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mspretrain.config import Config
+from mspretrain.errors import UserError
+
+
+def auto_warmup_steps(tokens: int, global_batch: int, seq_len: int) -> int:
+    """The field report's rule: warm up over 2 % of one pass over the data."""
+    return max(1, math.ceil(0.02 * tokens / (global_batch * seq_len)))
+
+
+def scaled_lr(lr: float, global_batch: int, scaling: str) -> float:
+    """`sqrt` scaling relative to a reference global batch of 32 sequences."""
+    return lr * math.sqrt(global_batch / 32) if scaling == "sqrt" else lr
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str
+    lr: float
+    warmup: int
+    total: int
+    min_lr: float
+    decay_fraction: float = 0.2
+    peak_ratio: float = 1.2
+
+    def __call__(self, step: int) -> float:
+        """Learning rate for optimizer update number `step` (0-based)."""
+        if self.warmup and step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        if self.kind == "constant":
+            return self.lr
+        if self.kind == "wsd":
+            decay = max(1, int(round(self.total * self.decay_fraction)))
+            start = self.total - decay
+            if step < start:
+                return self.lr
+            frac = min(1.0, (step - start + 1) / decay)
+            return self.lr + (self.min_lr - self.lr) * frac
+        if self.kind == "two_phase":
+            peak = self.lr * self.peak_ratio
+            rise_end = min(self.total, 2 * self.warmup)
+            if step < rise_end:
+                frac = (step - self.warmup + 1) / max(1, rise_end - self.warmup)
+                return self.lr + (peak - self.lr) * 0.5 * (1 - math.cos(math.pi * frac))
+            return _cosine(step - rise_end, self.total - rise_end, peak, self.min_lr)
+        return _cosine(step - self.warmup, self.total - self.warmup, self.lr, self.min_lr)
+
+    def describe(self) -> str:
+        return (f"{self.kind}: warm-up {self.warmup} steps to lr {self.lr:.3g}"
+                + (f", peak {self.lr * self.peak_ratio:.3g}" if self.kind == "two_phase" else "")
+                + f", {self.total} steps in all, min lr {self.min_lr:.3g}")
+
+
+def _cosine(i: int, n: int, hi: float, lo: float) -> float:
+    if n <= 1:
+        return lo if i >= 0 else hi
+    frac = min(1.0, max(0.0, i / (n - 1)))
+    return lo + (hi - lo) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def total_steps(cfg: Config) -> int:
+    """Optimizer steps the run will take: max_steps, or the token budget in steps, whichever is first."""
+    t = cfg.train
+    per_step = t.global_batch * cfg.data.seq_len
+    candidates = [s for s in (t.max_steps, math.ceil(t.max_tokens / per_step) if t.max_tokens else 0) if s]
+    return min(candidates)
+
+
+def build_schedule(cfg: Config, data_tokens: int | None) -> Schedule:
+    """Resolve the config's schedule (auto warm-up needs the data dir's measured tokens)."""
+    s, t = cfg.schedule, cfg.train
+    total = total_steps(cfg)
+    if s.warmup_steps == "auto":
+        if not data_tokens:
+            raise UserError('schedule.warmup_steps = "auto" needs the data dir\'s token count', "pass --data, or set schedule.warmup_steps to an integer")
+        warmup = auto_warmup_steps(data_tokens, t.global_batch, cfg.data.seq_len)
+        warmup = min(warmup, max(1, total // 10))  # auto never eats more than a tenth of a short run
+    else:
+        warmup = int(s.warmup_steps)
+        if warmup >= total:
+            raise UserError(f"schedule.warmup_steps = {warmup} is not shorter than the run ({total} steps)",
+                            "lower schedule.warmup_steps or raise train.max_steps")
+    lr = scaled_lr(cfg.optim.lr, t.global_batch, cfg.optim.lr_scaling)
+    return Schedule(kind=s.kind, lr=lr, warmup=warmup, total=total, min_lr=lr * s.min_lr_ratio,
+                    decay_fraction=s.decay_fraction, peak_ratio=s.peak_ratio)

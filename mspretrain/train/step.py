@@ -1,0 +1,169 @@
+"""The numerics of one optimizer step, compiled: forward, loss, accumulation, loss scale, unscale,
+all-reduce, clipping, AdamW. Nothing here knows about data files, logging or checkpoints.
+
+Two compiled functions share fp32 accumulator buffers:
+  `accumulate(tokens, positions, segments, scale)`  — one micro-batch: forward, summed token NLL
+      (fp32 log-softmax) times `scale / global_tokens`, backward, grads added to the buffers.
+  `apply(lr, inv_scale)`  — once per step: all-reduce (sum over ranks), unscale, overflow check,
+      global-norm clipping, AdamW, zero the buffers; returns (global NLL sum, finite, grad norm).
+The order is the field report's: scale → accumulate → unscale → clip → step. The scale is a
+host value fixed for the whole window. Loss = sum of token NLL over the global batch ÷ target
+tokens of the global batch, so batch size and accumulation do not change it.
+
+An overflowed step changes no weight and no moment and does not advance the AdamW step counter:
+the update sits under a graph `if finite:` (no Python `if` on a device tensor). The host reads
+one scalar per step (the finite flag, with the loss) to update the loss scale and the lr
+schedule; that is the only device→host sync of a step.
+
+AdamW is written out (PyTorch semantics: bias-corrected moments, eps outside the sqrt,
+decoupled weight decay `p *= 1 - lr·wd`) instead of `nn.AdamWeightDecay`, which has no bias
+correction, so that it can be checked against `torch.optim.AdamW` number for number.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from mspretrain.config import OptimConfig
+
+
+def decay_mask(names: list[str], decay_embeddings: bool) -> list[bool]:
+    """No weight decay on norms and biases; on embeddings only when asked."""
+    out = []
+    for n in names:
+        if "norm" in n or n.endswith("bias"):
+            out.append(False)
+        elif "embed" in n:
+            out.append(decay_embeddings)
+        else:
+            out.append(True)
+    return out
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean token NLL over the global batch (z-loss excluded)
+    grad_norm: float  # global norm of the unscaled gradients, before clipping
+    finite: bool  # False: overflow, the update was skipped
+
+
+class TrainStep:
+    """Holds the optimizer state and the compiled accumulate/apply functions for one model."""
+
+    def __init__(self, model: nn.Cell, optim: OptimConfig, *, global_tokens: int, world: int = 1,
+                 jit: bool = True) -> None:
+        from mspretrain.model.loss import token_nll
+
+        self.model = model
+        self.params = tuple(model.trainable_params())
+        self.names = [p.name for p in self.params]
+        self.world = world
+        self.global_tokens = float(global_tokens)
+        self.beta1, self.beta2, self.eps = optim.beta1, optim.beta2, optim.eps
+        self.clip = float(optim.grad_clip)
+        self.z_loss = float(optim.z_loss)
+        self.wd = [optim.weight_decay if d else 0.0 for d in decay_mask(self.names, optim.decay_embeddings)]
+        zeros = lambda p, prefix: Parameter(ops.zeros(p.shape, ms.float32), name=f"{prefix}.{p.name}", requires_grad=False)
+        self.accum = ms.ParameterTuple([zeros(p, "accum") for p in self.params])
+        self.exp_avg = ms.ParameterTuple([zeros(p, "exp_avg") for p in self.params])
+        self.exp_avg_sq = ms.ParameterTuple([zeros(p, "exp_avg_sq") for p in self.params])
+        self.opt_step = Parameter(Tensor(0, ms.int32), name="opt_step", requires_grad=False)
+        self.loss_accum = Parameter(Tensor(0.0, ms.float32), name="loss_accum", requires_grad=False)
+        self.allreduce = ops.AllReduce(ops.ReduceOp.SUM) if world > 1 else None
+
+        inv_tokens = 1.0 / self.global_tokens
+        z = self.z_loss
+
+        def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+            logits = model(inputs, positions, segments)  # (B, T, V) fp32
+            nll, lse = token_nll(logits, targets)  # (B, T) fp32 each
+            nll_sum = nll.sum()
+            obj = nll_sum
+            if z > 0:
+                obj = obj + z * (lse * lse).sum()
+            return obj * (scale * inv_tokens), nll_sum
+
+        grad_fn = ms.value_and_grad(objective, None, self.params, has_aux=True)
+
+        def accumulate(tokens, positions, segments, scale):
+            (_, nll_sum), grads = grad_fn(tokens, positions, segments, scale)
+            for acc, g in zip(self.accum, grads):
+                ops.assign_add(acc, g.astype(ms.float32))
+            ops.assign_add(self.loss_accum, nll_sum)
+            return nll_sum
+
+        def apply(lr: Tensor, inv_scale: Tensor):
+            grads = [acc * inv_scale for acc in self.accum]
+            loss_sum = self.loss_accum * 1.0
+            if self.allreduce is not None:
+                grads = [self.allreduce(g) for g in grads]
+                loss_sum = self.allreduce(loss_sum)
+            finite = ms.amp.all_finite(grads)
+            sq = ops.stack([(g * g).sum() for g in grads]).sum()
+            norm = ops.sqrt(sq)
+            if finite:
+                coef = ops.ones((), ms.float32)
+                if self.clip > 0:
+                    coef = ops.minimum(coef, self.clip / (norm + 1e-6))
+                step = self.opt_step + 1
+                ops.assign(self.opt_step, step)
+                t = step.astype(ms.float32)
+                bc1 = 1.0 - ops.pow(self.beta1, t)
+                bc2 = 1.0 - ops.pow(self.beta2, t)
+                for p, g, m, v, wd in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.wd):
+                    g = g * coef
+                    m_new = self.beta1 * m + (1.0 - self.beta1) * g
+                    v_new = self.beta2 * v + (1.0 - self.beta2) * (g * g)
+                    ops.assign(m, m_new)
+                    ops.assign(v, v_new)
+                    denom = ops.sqrt(v_new / bc2) + self.eps
+                    p32 = p.astype(ms.float32)
+                    if wd:
+                        p32 = p32 * (1.0 - lr * wd)
+                    ops.assign(p, (p32 - lr * (m_new / bc1) / denom).astype(p.dtype))
+            for acc in self.accum:
+                ops.assign(acc, ops.zeros_like(acc))
+            ops.assign(self.loss_accum, ops.zeros_like(self.loss_accum))
+            return loss_sum, finite, norm
+
+        self._accumulate: Callable[..., Any] = ms.jit(accumulate) if jit else accumulate
+        self._apply: Callable[..., Any] = ms.jit(apply) if jit else apply
+
+    # ----------------------------------------------------------------- running
+    def run(self, micro_batches: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]],
+            lr: float, scale: float) -> StepResult:
+        """One optimizer step over this rank's micro-batches (tokens (B, T+1), positions, segments)."""
+        scale_t = Tensor(scale, ms.float32)
+        for tokens, positions, segments in micro_batches:
+            self._accumulate(Tensor(tokens), None if positions is None else Tensor(positions),
+                             None if segments is None else Tensor(segments), scale_t)
+        loss_sum, finite, norm = self._apply(Tensor(lr, ms.float32), Tensor(1.0 / scale, ms.float32))
+        return StepResult(loss=float(loss_sum.asnumpy()) / self.global_tokens,
+                          grad_norm=float(norm.asnumpy()), finite=bool(finite.asnumpy()))
+
+    # ----------------------------------------------------------------- state
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {"opt_step": np.asarray(self.opt_step.asnumpy(), dtype=np.int64)}
+        for name, m, v in zip(self.names, self.exp_avg, self.exp_avg_sq):
+            out[f"exp_avg.{name}"] = m.asnumpy()
+            out[f"exp_avg_sq.{name}"] = v.asnumpy()
+        return out
+
+    def load_optimizer_state(self, tensors: dict[str, np.ndarray]) -> None:
+        from mspretrain.errors import UserError
+
+        expected = {"opt_step"} | {f"{k}.{n}" for n in self.names for k in ("exp_avg", "exp_avg_sq")}
+        missing, unexpected = expected - set(tensors), set(tensors) - expected
+        if missing or unexpected:
+            raise UserError(f"optimizer state does not match the model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",
+                            "resume with the model config the checkpoint was written with")
+        self.opt_step.set_data(Tensor(int(tensors["opt_step"]), ms.int32))
+        for name, m, v in zip(self.names, self.exp_avg, self.exp_avg_sq):
+            m.set_data(Tensor(tensors[f"exp_avg.{name}"].astype(np.float32)))
+            v.set_data(Tensor(tensors[f"exp_avg_sq.{name}"].astype(np.float32)))
