@@ -1,0 +1,40 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Each installs what it needs
+# into .venv (Python 3.10/3.11; MindSpore 2.10 needs numpy < 2, pinned in pyproject.toml).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: demo demo-quick test bench clean npm
+
+$(VENV)/.base: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e .
+	@touch $@
+
+$(VENV)/.test: $(VENV)/.base pyproject.toml
+	$(PIP) install -e '.[test]'
+	@touch $@
+
+# The demo fetches its corpus with `npm pack` (npm registry only); install npm if it is missing.
+npm:
+	@command -v npm >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq npm; } \
+	  || { echo "error: npm is needed to fetch the demo corpus — install Node.js/npm, or run: $(VENV)/bin/mspretrain prepare YOUR_TEXT --out data"; exit 2; }
+
+demo: $(VENV)/.base npm
+	$(VENV)/bin/mspretrain demo
+
+demo-quick: $(VENV)/.base npm
+	$(VENV)/bin/mspretrain demo --quick
+
+test: $(VENV)/.test
+	$(PY) -m pytest
+
+bench: $(VENV)/.test
+	$(PY) benchmarks/prepare_bench.py
+	$(PY) benchmarks/loader_bench.py
+	$(PY) benchmarks/train_bench.py
+
+clean:
+	rm -rf $(VENV) mspretrain-demo .pytest_cache

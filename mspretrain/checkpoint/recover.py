@@ -1,0 +1,149 @@
+"""Rebuild `train_state.json` / `data_state.json` of a checkpoint whose weights are intact.
+
+Sources of truth, in order: the step in the directory name; `metrics.jsonl` for the loss
+scale and skipped steps at that step; the config for tokens per step; the loader's order being
+a pure function of (seed, position), the data position is `step × global_batch` samples.
+The RNG needs no state (training has no stochastic op; init and data order come from the
+seed). The spike detector restarts with an empty window: said, not hidden.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mspretrain.checkpoint import store
+from mspretrain.config import load as load_config
+from mspretrain.errors import UserError
+
+WEIGHT_FILES = (store.MODEL_FILE, store.OPTIM_FILE, "config.toml")
+
+
+def _weights_intact(ckpt: Path) -> str | None:
+    """None when model/optimizer/config match the manifest (the states may be broken)."""
+    mpath = ckpt / store.MANIFEST
+    if not mpath.is_file():
+        return "no manifest.json"
+    try:
+        files = json.loads(mpath.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError):
+        return "manifest.json is unreadable"
+    for name in WEIGHT_FILES:
+        if name not in files or not (ckpt / name).is_file():
+            return f"{name} is missing"
+        if store._sha256(ckpt / name) != files[name]["sha256"]:
+            return f"{name} sha256 mismatch"
+    return None
+
+
+def _metrics_at(run_dir: Path, step: int) -> dict:
+    """The last value of each metric logged at or before `step`."""
+    out: dict = {}
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn last line of a crashed run
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            out.update(rec)
+    return out
+
+
+def recover(run_dir: Path, step: int | None = None) -> list[str]:
+    from mspretrain.data.loader import Loader
+    from mspretrain.data.mixing import mix_schedule, normalise
+
+    run_dir = Path(run_dir)
+    ckpts = store.list_checkpoints(run_dir)
+    if step is not None:
+        ckpts = [(s, d) for s, d in ckpts if s == step]
+        if not ckpts:
+            raise UserError(f"{run_dir} has no checkpoint for step {step}", "see `mspretrain checkpoints RUN_DIR`")
+    chosen, problems = None, []
+    for s, d in reversed(ckpts):
+        reason = _weights_intact(d)
+        if reason is None:
+            chosen = (s, d)
+            break
+        problems.append(f"{d.name}: weights not usable ({reason})")
+    if chosen is None:
+        raise UserError(f"no checkpoint in {run_dir} has intact weights" + (f" ({problems[0]})" if problems else ""),
+                        "nothing to recover from: start a new run")
+    s, d = chosen
+    report = problems[:]
+    if store.verify(d) is None:
+        return report + [f"{d.name} verifies: nothing to recover"]
+    cfg = load_config(d / "config.toml")
+    meta = json.loads((run_dir / "run_meta.json").read_text(encoding="utf-8")) if (run_dir / "run_meta.json").is_file() else {}
+    world = int(meta.get("world_size", 1))
+    m = _metrics_at(run_dir, s)
+    rebuilt, guessed = [], []
+
+    ts_ok = _json_ok(d / "train_state.json")
+    if not ts_ok:
+        tokens = s * cfg.train.global_batch * cfg.data.seq_len
+        skipped = int(m.get("skipped", 0))
+        ts = {"step": s, "applied_steps": s - skipped, "tokens_seen": tokens, "skipped_steps": skipped,
+              "rng": {"seed": cfg.train.seed, "note": "reseeded deterministically from the run seed"},
+              "world_size": world, "recovered": True}
+        scale = m.get("loss_scale")
+        if scale is not None:
+            ts["loss_scale"] = {"scale": float(scale), "steps": s, "good_steps": 0, "warming": False}
+            rebuilt.append(f"loss scale {scale:g} (from metrics.jsonl at step {m.get('step')})")
+        else:
+            guessed.append("loss scale: not in metrics.jsonl, the config's initial scale will be used")
+        (d / "train_state.json").write_text(json.dumps(ts, indent=1, sort_keys=True), encoding="utf-8")
+        rebuilt.append(f"train_state.json: step {s}, {tokens:,} tokens seen, {skipped} skipped steps")
+        guessed.append("spike detector window: restarts empty")
+
+    if not _json_ok(d / "data_state.json"):
+        data_dir = meta.get("data_dir")
+        if not data_dir or not Path(data_dir).is_dir():
+            raise UserError(f"cannot rebuild data_state.json: the run's data dir {data_dir!r} is not available",
+                            "restore the data dir (run_meta.json names it) and run recover again")
+        sources = [(data_dir, 1.0)] + [(x["path"], float(x.get("weight", 1.0))) for x in cfg.data.sources]
+        mb = (cfg.train.micro_batch or cfg.train.global_batch // world)
+        loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=mb, seed=cfg.train.seed,
+                        rank=0, world=world, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
+                        token_dtype=cfg.data.token_dtype, log=lambda x: None)
+        total = s * cfg.train.global_batch
+        if len(sources) == 1:
+            consumed = (total,)
+        else:
+            probs = normalise([w for _, w in sources])
+            sched = mix_schedule(np.zeros(len(sources), dtype=np.int64), probs, total)
+            consumed = tuple(int(c) for c in np.bincount(sched, minlength=len(sources)))
+        (d / "data_state.json").write_text(json.dumps(loader.state_at(consumed), indent=1, sort_keys=True), encoding="utf-8")
+        rebuilt.append(f"data_state.json: {total:,} samples consumed (step {s} x global batch {cfg.train.global_batch})")
+
+    _rewrite_manifest(d)
+    if not rebuilt:
+        rebuilt.append("manifest.json (the state files were readable; their hashes were refreshed)")
+    return report + [f"recovered {d.name}:"] + [f"  rebuilt {r}" for r in rebuilt] + [f"  note: {g}" for g in guessed] + [
+        f"{d.name} verifies again; `mspretrain train` on {run_dir} resumes from it"]
+
+
+def _json_ok(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+
+
+def _rewrite_manifest(d: Path) -> None:
+    mpath = d / store.MANIFEST
+    manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    files = {}
+    for p in sorted(d.iterdir()):
+        if p.name != store.MANIFEST and p.is_file():
+            files[p.name] = {"sha256": store._sha256(p), "bytes": p.stat().st_size}
+    manifest["files"] = files
+    manifest["recovered"] = True
+    tmp = mpath.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
+    store._fsync(tmp)
+    tmp.replace(mpath)

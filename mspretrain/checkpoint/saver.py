@@ -1,0 +1,78 @@
+"""Saving checkpoints without stalling training.
+
+Design choices: at the step boundary the trainer copies parameters and moments to host memory
+(the only part that must block, since the next step overwrites them); a background thread then
+writes, hashes, fsyncs and renames. A second save waits for the first, and `close()` waits for
+the last, so at most one extra copy of the state lives in host memory. A failed write (disk
+full, permissions) leaves the previous checkpoints intact and removes its temp dir; the error is
+kept and handed to the trainer at the next save or at close, which then stops or goes on per
+`checkpoint.on_error`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mspretrain.checkpoint.store import prune, step_dir_name, write_checkpoint_dir
+from mspretrain.config import Config
+
+
+class Saver:
+    def __init__(self, run_dir: Path, *, keep_last: int, keep_every: int, async_save: bool = True,
+                 log: Callable[[str], None] = print) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.async_save = async_save
+        self.log = log
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_saved: int | None = None
+        self.stall_s: list[float] = []  # time the training thread was blocked per save
+        self.write_s: list[float] = []  # time the writer took per save
+
+    def save(self, *, step: int, model: dict[str, np.ndarray], optimizer: dict[str, np.ndarray] | None,
+             train_state: dict[str, Any], data_state: dict[str, Any] | None, config: Config,
+             tokenizer_path: Path | None, stall_started: float | None = None) -> None:
+        """Hand a host copy of the state to the writer. Raises a previous write's error first."""
+        t0 = stall_started if stall_started is not None else time.perf_counter()
+        self.wait()
+        self.root.mkdir(parents=True, exist_ok=True)
+        kwargs = dict(step=step, model=model, optimizer=optimizer, train_state=train_state,
+                      data_state=data_state, config=config, tokenizer_path=tokenizer_path)
+        if self.async_save:
+            self._thread = threading.Thread(target=self._write, kwargs=kwargs, name=f"ckpt-{step}", daemon=False)
+            self._thread.start()
+        else:
+            self._write(**kwargs)
+            self.raise_error()
+        self.stall_s.append(time.perf_counter() - t0)
+
+    def _write(self, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        step = kwargs["step"]
+        try:
+            write_checkpoint_dir(self.root / step_dir_name(step), **kwargs)
+            self.last_saved = step
+            prune(self.root.parent, self.keep_last, self.keep_every, log=self.log)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
+            self._error = exc
+        finally:
+            self.write_s.append(time.perf_counter() - t0)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def close(self) -> None:
+        self.wait()

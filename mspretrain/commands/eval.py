@@ -1,0 +1,48 @@
+"""Perplexity (and bits per character) of a run or checkpoint on a split of a data dir."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mspretrain.commands.common import add_quiet_argument
+from mspretrain.errors import UserError
+
+EXAMPLES = """examples:
+  mspretrain eval runs/demo
+  mspretrain eval runs/demo/checkpoints/step_000300 --data data/ --batch-size 3 --json"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", metavar="RUN_DIR|CKPT_DIR")
+    p.add_argument("--data", metavar="DATA_DIR", help="default: the data dir the run was trained on")
+    p.add_argument("--split", default="valid", choices=["train", "valid"])
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=0, help="bound the number of predicted tokens (0 = whole split)")
+    p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "tokens", "bpc"}')
+    add_quiet_argument(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mspretrain.eval.loading import load_for_inference
+    from mspretrain.eval.perplexity import evaluate_split
+
+    if args.batch_size <= 0:
+        raise UserError(f"--batch-size {args.batch_size} must be positive", "use e.g. --batch-size 8")
+    loaded = load_for_inference(args.path, log=(lambda s: None) if args.json else print)
+    data_dir = Path(args.data) if args.data else loaded.ref.data_dir
+    if data_dir is None or not (data_dir / "manifest.json").is_file():
+        raise UserError(f"no data dir to evaluate on ({data_dir or 'unknown'})", "pass --data DATA_DIR (the output of `mspretrain prepare`)")
+    manifest = json.loads((data_dir / "manifest.json").read_text(encoding="utf-8"))
+    if manifest.get("tokenizer_sha256") and loaded.tokenizer.sha256() != manifest["tokenizer_sha256"]:
+        raise UserError(f"{data_dir} was tokenized with a different tokenizer than the model's",
+                        "evaluate on a data dir prepared with the model's tokenizer (prepare --tokenizer RUN_DIR/tokenizer.model)")
+    res = evaluate_split(loaded.model, data_dir, split=args.split, seq_len=loaded.config.data.seq_len,
+                         batch_size=args.batch_size, max_tokens=args.max_tokens,
+                         chars_per_token=manifest.get("chars_per_token"))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        bpc = f", {res['bpc']:.3f} bits/char" if "bpc" in res else ""
+        print(f"{loaded.ref.dir.name}: {args.split} perplexity {res['ppl']:.3f} (nll {res['nll']:.4f}{bpc}) over {res['tokens']:,} tokens")
+    return 0

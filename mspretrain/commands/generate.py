@@ -1,0 +1,48 @@
+"""Sample text from a run or checkpoint."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from mspretrain.commands.common import add_quiet_argument
+
+EXAMPLES = """examples:
+  mspretrain generate runs/demo --prompt 春风 --max-new-tokens 48
+  mspretrain generate runs/demo --prompt 明月 --greedy --json"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", metavar="RUN_DIR|CKPT_DIR")
+    p.add_argument("--prompt", action="append", required=True, help="may be given several times")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--repetition-penalty", type=float, default=1.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
+    p.add_argument("--json", action="store_true")
+    add_quiet_argument(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mspretrain.eval.generate import SamplingParams, generate
+    from mspretrain.eval.loading import load_for_inference
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, stop_at_eos=not args.no_stop)
+    params.check()
+    loaded = load_for_inference(args.path, log=(lambda s: None) if args.json else print)
+    out = []
+    for prompt in args.prompt:
+        g = generate(loaded.model, loaded.tokenizer, prompt, params, max_seq_len=loaded.config.model.max_seq_len)
+        out.append({"prompt": prompt, "text": g.text, "tokens": len(g.ids), "tokens_per_s": round(g.tokens_per_s, 2)})
+        if not args.json:
+            print(f"{prompt}{g.text}")
+            if not args.quiet:
+                print(f"  ({len(g.ids)} tokens, {g.tokens_per_s:.1f} tokens/s)")
+    if args.json:
+        print(json.dumps(out if len(out) > 1 else out[0], ensure_ascii=False))
+    return 0

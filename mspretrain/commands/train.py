@@ -1,0 +1,46 @@
+"""Train a model on a data dir; if the run dir holds a checkpoint, resume from the newest one that verifies."""
+from __future__ import annotations
+
+import argparse
+
+from mspretrain.commands.common import add_config_argument, add_quiet_argument, existing_path, load_config, progress_enabled
+
+EXAMPLES = """examples:
+  mspretrain train --config configs/tiny.toml --data data/ --run runs/tiny train.max_steps=50
+  mspretrain train --config configs/demo.toml --data data/ --run runs/demo      # resumes if runs/demo has a checkpoint
+  msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=logs --join=True \\
+        $(which mspretrain) train --config configs/tiny.toml --data data/ --run runs/dp"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_argument(p)
+    p.add_argument("--data", required=True, metavar="DATA_DIR", help="output of `mspretrain prepare`")
+    p.add_argument("--run", required=True, metavar="RUN_DIR", help="where metrics, logs and checkpoints go")
+    p.add_argument("--allow-config-change", action="store_true", help="resume even if the config changes numerics")
+    p.add_argument("--allow-data-change", action="store_true", help="resume even if the data dir's fingerprint changed")
+    p.add_argument("--cpu-quota", type=float, default=None, metavar="PCT",
+                   help="cap this process at PCT%% of all cores (cgroup v2, else affinity + nice)")
+    add_quiet_argument(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    cfg = load_config(args)
+    if args.cpu_quota is not None:
+        cfg = replace(cfg, device=replace(cfg.device, cpu_quota=args.cpu_quota))
+    existing_path(args.data, "data dir", "run `mspretrain prepare INPUT --out DATA_DIR` first")
+    if cfg.device.cpu_quota:
+        from mspretrain.ops.isolate import apply_cpu_quota
+
+        apply_cpu_quota(cfg.device.cpu_quota, log=print)
+    from mspretrain.train.trainer import Trainer
+
+    log = (lambda s: None) if args.quiet else print
+    trainer = Trainer(cfg, args.data, args.run, allow_config_change=args.allow_config_change,
+                      allow_data_change=args.allow_data_change, log=log, progress=progress_enabled(args))
+    summary = trainer.train()
+    if not args.quiet:
+        last = f"{summary.losses[-1]:.4f}" if summary.losses else "n/a"
+        print(f"done: step {summary.step}, {summary.tokens_seen:,} tokens, last loss {last}, run dir {summary.run_dir}")
+    return 0

@@ -1,0 +1,395 @@
+"""The training loop: data → step → metrics → eval → checkpoint → signals. No numerics here.
+
+Reads top to bottom: `Trainer.__init__` resolves config, device, world, data and (if the run dir
+has one) the newest verified checkpoint; `train()` loops over `train_step()` and the periodic
+work; `save()` hands a host copy of the full state to the background saver.
+
+Design choices:
+- Resume is exact: the state to continue is the weights, the AdamW moments and counter, the
+  loss-scale numbers, the loader's few integers, the spike detector's window and the step/token
+  counters. Nothing else influences the next step (there is no dropout), so an interrupted and
+  resumed run produces bit-identical weights on CPU.
+- A config change that alters numerics (model shape, seq_len, global batch, seed) is refused on
+  resume unless `allow_config_change`; the budget (max_steps/max_tokens) may always change.
+- SIGINT/SIGTERM finish the current step, write a checkpoint and return normally.
+- Only rank 0 writes files; all ranks run the same numerics and agree on skips (the overflow
+  flag comes from the all-reduced gradients).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mspretrain import __version__
+from mspretrain import config as cfgmod
+from mspretrain.checkpoint import store
+from mspretrain.checkpoint.saver import Saver
+from mspretrain.config import Config
+from mspretrain.device import DeviceInfo, plan_device, setup_mindspore
+from mspretrain.errors import UserError
+from mspretrain.train import distributed
+from mspretrain.train.loss_scale import LossScaler
+from mspretrain.train.schedule import Schedule, build_schedule, total_steps
+
+NUMERIC_KEYS = ("model", "data.seq_len", "data.reset_attention_at_eos", "train.global_batch", "train.seed")
+
+
+def config_changes(old: Config, new: Config) -> list[str]:
+    """Human-readable list of numerics-altering differences between two configs."""
+    out = []
+    for key in NUMERIC_KEYS:
+        section, _, name = key.partition(".")
+        a, b = getattr(old, section), getattr(new, section)
+        if name:
+            a, b = getattr(a, name), getattr(b, name)
+            if a != b:
+                out.append(f"{key}: {a} -> {b}")
+        else:
+            for f in dataclasses.fields(a):
+                va, vb = getattr(a, f.name), getattr(b, f.name)
+                if va != vb:
+                    out.append(f"{section}.{f.name}: {va} -> {vb}")
+    return out
+
+
+def read_data_manifest(data_dir: Path) -> dict[str, Any]:
+    from mspretrain.data.loader import read_manifest
+
+    return read_manifest(data_dir)
+
+
+@dataclass
+class Summary:
+    run_dir: Path
+    start_step: int
+    step: int
+    tokens_seen: int
+    losses: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    skipped: int = 0
+    stopped_by_signal: bool = False
+    final_checkpoint: Path | None = None
+    stall_s: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, data_dir: str | Path, run_dir: str | Path, *,
+                 allow_config_change: bool = False, allow_data_change: bool = False,
+                 log: Callable[[str], None] = print, progress: bool = False) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.run_dir = Path(run_dir)
+        self._print = log
+        self.device: DeviceInfo = plan_device(cfg)
+        cfgmod.validate(cfg, device=self.device.target)
+        self.manifest = read_data_manifest(self.data_dir)
+        vocab = int(self.manifest["vocab_size"])
+        if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
+            raise UserError(f"model.vocab_size = {cfg.model.vocab_size} but the data dir's tokenizer has {vocab} pieces",
+                            f"set model.vocab_size={vocab} (or 0 to take it from the data dir)")
+        cfg = replace(cfg, model=cfgmod.resolve_model(cfg.model, vocab))
+        setup_mindspore(self.device)
+        self.world = distributed.init(self.device.target)
+        self.micro, self.accum_steps = cfgmod.micro_batches(cfg, self.world.size)
+
+        # ---- resume: the newest checkpoint that verifies (rank 0 decides what it logs)
+        self.resume_from: Path | None = None
+        if self.run_dir.exists():
+            store.clean_tmp_dirs(self.run_dir, log=self.log) if self.world.is_main else None
+            self.resume_from = store.latest_verified(self.run_dir, log=self.log)
+        if self.resume_from is not None:
+            old = cfgmod.load(self.resume_from / "config.toml")
+            changes = config_changes(old, cfg)
+            if changes and not allow_config_change:
+                raise UserError(f"the config changes numerics of the run in {self.run_dir}: {'; '.join(changes)}",
+                                "use the original values, a new --run dir, or --allow-config-change")
+            for c in changes:
+                self.log(f"config change accepted on resume: {c}")
+        self.cfg = cfg
+        self.schedule: Schedule = build_schedule(cfg, int(self.manifest["tokens"]["train"]))
+        self.total_steps = total_steps(cfg)
+        self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
+        self.allow_data_change = allow_data_change
+        self.progress = progress
+        self._stop_signal: int | None = None
+
+    # ----------------------------------------------------------------- logging
+    def log(self, text: str) -> None:
+        if getattr(self, "world", None) is None or self.world.is_main:
+            self._print(text)
+            if self.run_dir.is_dir():
+                with open(self.run_dir / "train.log", "a", encoding="utf-8") as f:
+                    f.write(time.strftime("%Y-%m-%d %H:%M:%S ") + text + "\n")
+
+    # ----------------------------------------------------------------- setup
+    def _build(self) -> None:
+        import mindspore as ms
+
+        from mspretrain.data.loader import Loader
+        from mspretrain.model.llama import Llama
+        from mspretrain.monitor.metrics import MetricsLogger
+        from mspretrain.monitor.spikes import SpikeDetector
+        from mspretrain.train.step import TrainStep
+
+        cfg = self.cfg
+        ms.set_seed(cfg.train.seed)
+        np.random.seed(cfg.train.seed % (2**32))
+        self.model = Llama(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=self.device.target,
+                           seed=cfg.train.seed)
+        self.step_fn = TrainStep(self.model, cfg.optim, global_tokens=self.global_tokens, world=self.world.size,
+                                 jit=cfg.train.mode == "jit")
+        sources = [(str(self.data_dir), 1.0)] + [(s["path"], float(s.get("weight", 1.0))) for s in cfg.data.sources]
+        self.loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=self.micro,
+                             seed=cfg.train.seed, rank=self.world.rank, world=self.world.size,
+                             reset_attention_at_eos=cfg.data.reset_attention_at_eos,
+                             token_dtype=cfg.data.token_dtype, log=self.log)
+        self.scaler = LossScaler.from_config(cfg.precision)
+        self.spikes = SpikeDetector(cfg.spike)
+        self.spikes.warmup_steps = self.schedule.warmup
+        self.step = 0
+        self.applied = 0
+        self.tokens_seen = 0
+        self.skipped = 0
+        self.rewinds = 0
+        if self.resume_from is not None:
+            self._load(self.resume_from, restore_data=True)
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfgmod.save(self.cfg, self.run_dir / "config.toml")
+            tok = self._tokenizer_file()
+            if tok is not None:
+                (self.run_dir / tok.name).write_bytes(tok.read_bytes())
+            meta = {"data_dir": str(self.data_dir), "world_size": self.world.size, "code_version": __version__,
+                    "hardware": {"platform": platform.platform(), "cpus": __import__("os").cpu_count(),
+                                 "device": self.device.target, "python": sys.version.split()[0],
+                                 "mindspore": ms.__version__}}
+            (self.run_dir / "run_meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        self.metrics = MetricsLogger(self.run_dir, cfg.metrics, enabled=self.world.is_main,
+                                     resume_step=self.step if self.resume_from is not None else None, log=self.log)
+        self.saver = Saver(self.run_dir, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
+                           async_save=cfg.checkpoint.async_save, log=self.log)
+
+    def _tokenizer_file(self) -> Path | None:
+        for name in ("tokenizer.model", "tokenizer.json"):
+            if (self.data_dir / name).is_file():
+                return self.data_dir / name
+        return None
+
+    def _load(self, ckpt: Path, *, restore_data: bool) -> None:
+        """Restore the full state of a checkpoint into the live objects."""
+        from mspretrain.model.llama import load_numpy
+
+        ts = store.read_json(ckpt / "train_state.json")
+        load_numpy(self.model, store.load_file(str(ckpt / store.MODEL_FILE)))
+        opt = store.read_optimizer_tensors(ckpt)
+        if opt is None:
+            raise UserError(f"checkpoint {ckpt.name} has no optimizer state", "resume from a training checkpoint, or start a new --run dir from these weights")
+        self.step_fn.load_optimizer_state(opt)
+        self.step = int(ts["step"])
+        self.applied = int(ts.get("applied_steps", self.step))
+        self.tokens_seen = int(ts.get("tokens_seen", self.step * self.global_tokens))
+        self.skipped = int(ts.get("skipped_steps", 0))
+        self.scaler.load_state(ts.get("loss_scale", {}))
+        if "spikes" in ts:
+            self.spikes.load_state(ts["spikes"])
+        if restore_data:
+            ds = store.read_json(ckpt / "data_state.json")
+            self.loader.load_state(ds, allow_data_change=self.allow_data_change)
+        self.log(f"resumed from {ckpt.name}: step {self.step}, {self.tokens_seen:,} tokens seen, loss scale {self.scaler.scale:g}")
+
+    # ----------------------------------------------------------------- state
+    def train_state(self) -> dict[str, Any]:
+        return {"step": self.step, "applied_steps": self.applied, "tokens_seen": self.tokens_seen,
+                "skipped_steps": self.skipped, "loss_scale": self.scaler.state(), "spikes": self.spikes.state(),
+                "schedule": {"kind": self.schedule.kind, "position": self.applied, "warmup": self.schedule.warmup,
+                             "total": self.schedule.total, "lr": self.schedule(self.applied)},
+                "rng": {"seed": self.cfg.train.seed, "note": "no stochastic ops in training; init and data order derive from the seed"},
+                "world_size": self.world.size}
+
+    def save(self) -> Path | None:
+        """Checkpoint the state after `self.step` (rank 0 writes; the copy to host blocks briefly)."""
+        if not self.world.is_main:
+            return None
+        from mspretrain.model.llama import state_numpy
+
+        t0 = time.perf_counter()
+        try:
+            self.saver.save(step=self.step, model=state_numpy(self.model), optimizer=self.step_fn.optimizer_state(),
+                            train_state=self.train_state(), data_state=self.loader.state(), config=self.cfg,
+                            tokenizer_path=self._tokenizer_file(), stall_started=t0)
+        except OSError as exc:
+            self._save_failed(exc)
+        return self.run_dir / "checkpoints" / store.step_dir_name(self.step)
+
+    def _save_failed(self, exc: OSError) -> None:
+        msg = f"checkpoint save failed: {exc.strerror or exc} — previous checkpoints are intact"
+        if self.cfg.checkpoint.on_error == "stop":
+            raise UserError(msg, "free disk space (or fix permissions) and run the same command to resume")
+        self.log(f"warning: {msg}; training continues (checkpoint.on_error=continue)")
+
+    # ----------------------------------------------------------------- loop
+    def train(self) -> Summary:
+        self._build()
+        from mspretrain.monitor.mfu import device_peak_tflops, flops_per_token
+
+        start = self.step
+        summary = Summary(run_dir=self.run_dir, start_step=start, step=start, tokens_seen=self.tokens_seen)
+        self.log(f"{self.device.describe()}; world {self.world.size}; micro-batch {self.micro} x {self.accum_steps} accumulation")
+        self.log(f"schedule {self.schedule.describe()}")
+        if start >= self.total_steps:
+            self.log(f"nothing to do: the run is at step {start} and the budget is {self.total_steps} steps")
+            self.saver.close()
+            self.metrics.close()
+            return summary
+        flops_tok = flops_per_token(self.cfg.model, self.cfg.data.seq_len)
+        peak = device_peak_tflops(self.device.target, self.cfg.precision.dtype, self.cfg.device.peak_tflops) * 1e12
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        profiler = self._profiler()
+        t_window, tok_window = time.perf_counter(), 0
+        t_begin = time.perf_counter()
+        try:
+            while self.step < self.total_steps and self._stop_signal is None:
+                profiler.step_begin(self.step + 1)
+                res, lr, scale = self.train_step()
+                profiler.step_end(self.step)
+                tok_window += self.global_tokens
+                values: dict[str, float] = {"loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": scale,
+                                            "skipped": self.skipped}
+                if self.step == start + 1:  # the first step includes graph compilation
+                    t_window, tok_window = time.perf_counter(), 0
+                elif self.step % self.cfg.metrics.throughput_every == 0 or self.step % self.cfg.train.log_every == 0:
+                    dt = max(time.perf_counter() - t_window, 1e-9)
+                    tps = tok_window / dt
+                    per_dev = tps / self.world.size
+                    values.update(tokens_per_s=tps, samples_per_s=tps / self.cfg.data.seq_len,
+                                  mfu=flops_tok * per_dev / peak if peak else 0.0, real_token_share=1.0,
+                                  tokens_per_device_hour=per_dev * 3600)
+                    if self.cfg.cost.price_per_device_hour:
+                        values["cost_per_btok"] = self.cfg.cost.price_per_device_hour / (per_dev * 3600) * 1e9
+                    summary.tokens_per_s = tps
+                    t_window, tok_window = time.perf_counter(), 0
+                if self.step % self.cfg.metrics.memory_every == 0 or self.step == start + 1:
+                    values["mem_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                summary.losses.append(res.loss)
+                self._spikes(res, values)
+                self.metrics.log(self.step, values)
+                if self.step % self.cfg.train.log_every == 0 or self.step == start + 1 or self.step == self.total_steps:
+                    self._console(values, t_begin, start)
+                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
+                    self.evaluate()
+                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
+                    self.save()
+            summary.final_checkpoint = self.save()
+            self.saver.close()
+        except OSError as exc:
+            self._save_failed(exc)
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            profiler.close()
+            self.metrics.close()
+        summary.step, summary.tokens_seen, summary.skipped = self.step, self.tokens_seen, self.skipped
+        summary.stall_s = list(self.saver.stall_s)
+        if self._stop_signal is not None:
+            summary.stopped_by_signal = True
+            self.log(f"stopped by {signal.Signals(self._stop_signal).name} after step {self.step}; checkpoint written. "
+                     f"Resume with: mspretrain train --config {self.run_dir / 'config.toml'} --data {self.data_dir} --run {self.run_dir}")
+        return summary
+
+    def train_step(self) -> tuple[Any, float, float]:
+        """Fetch this rank's micro-batches, run the compiled step, update the host counters."""
+        lr = self.schedule(self.applied)
+        scale = self.scaler.scale
+        micro = []
+        for _ in range(self.accum_steps):
+            b = self.loader.next_batch()
+            micro.append((b.tokens, b.positions, b.segments))
+        res = self.step_fn.run(micro, lr, scale)
+        self.scaler.update(res.finite)
+        self.step += 1
+        self.tokens_seen += self.global_tokens
+        if res.finite:
+            self.applied += 1
+        else:
+            self.skipped += 1
+            self.log(f"step {self.step}: gradient overflow at loss scale {scale:g} — update skipped, scale now {self.scaler.scale:g}")
+        return res, lr, scale
+
+    def _spikes(self, res: Any, values: dict[str, float]) -> None:
+        events = self.spikes.update(self.step, res.loss, res.grad_norm)
+        for e in events:
+            self.log(f"step {self.step}: {e}")
+        if events and any("loss" in e and "spike" in e for e in events):
+            values["spike"] = 1.0
+            if self.cfg.spike.action == "rewind":
+                self.rewind()
+                values["rewind"] = float(self.step)
+        if self.spikes.nonfinite_streak >= self.cfg.spike.max_nonfinite:
+            self.saver.close()
+            last = store.latest_verified(self.run_dir, log=lambda s: None)
+            raise UserError(f"the loss was non-finite for {self.spikes.nonfinite_streak} steps in a row (step {self.step}); stopped to save compute",
+                            f"lower optim.lr or use precision.dtype=fp32, then resume from {last.name if last else 'scratch'}")
+
+    def rewind(self) -> None:
+        """PaLM's remedy: reload the last good checkpoint and skip past the batches that led here."""
+        self.saver.wait()
+        ckpt = store.latest_verified(self.run_dir, log=self.log)
+        if ckpt is None or self.rewinds >= 3:
+            self.log("spike: no checkpoint to rewind to (or 3 rewinds already); continuing")
+            return
+        spike_step = self.step
+        skip = self.cfg.spike.rewind_skip
+        self._load(ckpt, restore_data=skip > 0)
+        for _ in range(skip * self.accum_steps):
+            self.loader.next_batch()
+        self.rewinds += 1
+        self.log(f"spike at step {spike_step}: rewound to {ckpt.name}, skipping "
+                 f"{skip if skip else spike_step - self.step} steps of data")
+
+    def evaluate(self) -> float:
+        from mspretrain.eval.perplexity import evaluate_split
+
+        res = evaluate_split(self.model, self.data_dir, split="valid", seq_len=self.cfg.data.seq_len,
+                             batch_size=self.cfg.eval.batch_size, max_tokens=self.cfg.eval.max_tokens)
+        self.metrics.log(self.step, {"eval/ppl": res["ppl"], "eval/nll": res["nll"]})
+        self.log(f"step {self.step}: valid ppl {res['ppl']:.2f} over {res['tokens']:,} tokens")
+        return res["ppl"]
+
+    def _console(self, v: dict[str, float], t_begin: float, start: int) -> None:
+        done = self.step - start
+        elapsed = time.perf_counter() - t_begin
+        eta = elapsed / max(done, 1) * (self.total_steps - self.step)
+        parts = [f"step {self.step}/{self.total_steps}", f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
+                 f"gnorm {v['grad_norm']:.3f}", f"scale {v['loss_scale']:g}"]
+        if "tokens_per_s" in v:
+            parts += [f"{v['tokens_per_s']:,.0f} tok/s", f"mfu {100 * v['mfu']:.1f}%"]
+        parts.append(f"eta {_fmt_time(eta)}")
+        self.log(" | ".join(parts))
+
+    def _profiler(self) -> Any:
+        from mspretrain.ops.profiler import StepProfiler
+
+        return StepProfiler(self.run_dir, self.cfg.profile.steps if self.world.is_main else "", log=self.log)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._stop_signal is not None:  # a second Ctrl-C means now
+            raise KeyboardInterrupt
+        self._stop_signal = signum
+        self.log(f"received {signal.Signals(signum).name}: finishing step {self.step + 1}, then writing a checkpoint")
+
+
+def _fmt_time(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

@@ -1,0 +1,109 @@
+"""The compiled train step against independent references.
+
+- loss normalisation, clipping and AdamW against PyTorch autograd + torch.optim.AdamW;
+- k micro-batches == one batch of k*b (loss and weights after 3 steps);
+- an overflowed fp16 step changes no weight and no moment, and does not advance AdamW.
+"""
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from mspretrain.config import ModelConfig, OptimConfig, resolve_model
+from mspretrain.model.llama import Llama, state_numpy
+from mspretrain.train.step import TrainStep, decay_mask
+
+V, D = 50, 16
+
+
+class Bigram(nn.Cell):
+    """logits = embed[tokens] @ w: small enough to mirror exactly in PyTorch."""
+
+    def __init__(self, emb: np.ndarray, w: np.ndarray) -> None:
+        super().__init__()
+        self.embed = Parameter(Tensor(emb), name="embed.weight")
+        self.w = Parameter(Tensor(w), name="proj.weight")
+
+    def construct(self, tokens, positions=None, segments=None):
+        return ops.matmul(ops.gather(self.embed, tokens, 0), self.w)
+
+
+def test_decay_mask():
+    assert decay_mask(["embed.weight", "layers.0.attn_norm.weight", "x.bias", "layers.0.attn.wqkv.weight"], False) == [False, False, False, True]
+    assert decay_mask(["embed.weight"], True) == [True]
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_adamw_matches_torch(clip):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    emb = rng.normal(0, 0.5, (V, D)).astype(np.float32)
+    w = rng.normal(0, 0.5, (D, V)).astype(np.float32)
+    batches = [rng.integers(0, V, (4, 9)).astype(np.int32) for _ in range(3)]
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=clip)
+    model = Bigram(emb, w)
+    step = TrainStep(model, optim, global_tokens=4 * 8, jit=True)
+    ours = [step.run([(b, None, None)], lr=1e-2, scale=1.0) for b in batches]
+
+    te = torch.tensor(emb, requires_grad=True)
+    tw = torch.tensor(w, requires_grad=True)
+    opt = torch.optim.AdamW([{"params": [te], "weight_decay": 0.0}, {"params": [tw], "weight_decay": 0.1}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for b, res in zip(batches, ours):
+        tb = torch.tensor(b, dtype=torch.long)
+        logits = te[tb[:, :-1]] @ tw
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tb[:, 1:].reshape(-1), reduction="sum") / (4 * 8)
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.sqrt(te.grad.pow(2).sum() + tw.grad.pow(2).sum())
+        if clip:
+            torch.nn.utils.clip_grad_norm_([te, tw], clip)
+        opt.step()
+        assert res.loss == pytest.approx(loss.item(), rel=1e-5)
+        assert res.grad_norm == pytest.approx(norm.item(), rel=1e-4)
+    np.testing.assert_allclose(model.embed.asnumpy(), te.detach().numpy(), atol=1e-6)
+    np.testing.assert_allclose(model.w.asnumpy(), tw.detach().numpy(), atol=1e-6)
+    opt_state = step.optimizer_state()
+    assert int(opt_state["opt_step"]) == 3
+    np.testing.assert_allclose(opt_state["exp_avg.proj.weight"], opt.state[tw]["exp_avg"].numpy(), atol=1e-7)
+
+
+def _tiny(dtype="fp32"):
+    cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64), vocab_size=128)
+    return Llama(cfg, dtype=dtype, seed=7)
+
+
+def test_accumulation_equals_one_big_batch():
+    rng = np.random.default_rng(1)
+    data = [rng.integers(0, 128, (8, 17)).astype(np.int32) for _ in range(3)]
+    optim = OptimConfig(lr=1e-3)
+    a, b = _tiny(), _tiny()
+    sa = TrainStep(a, optim, global_tokens=8 * 16)
+    sb = TrainStep(b, optim, global_tokens=8 * 16)
+    for batch in data:
+        ra = sa.run([(batch, None, None)], lr=1e-3, scale=1.0)
+        rb = sb.run([(batch[i:i + 2], None, None) for i in range(0, 8, 2)], lr=1e-3, scale=1.0)
+        assert abs(ra.loss - rb.loss) <= 1e-6
+    wa, wb = state_numpy(a), state_numpy(b)
+    for k in wa:
+        np.testing.assert_allclose(wa[k], wb[k], atol=1e-6, err_msg=k)
+
+
+def test_fp16_overflow_skips_the_update_bit_exactly():
+    model = _tiny("fp16")
+    step = TrainStep(model, OptimConfig(lr=1e-3), global_tokens=4 * 16)
+    batch = np.random.default_rng(2).integers(0, 128, (4, 17)).astype(np.int32)
+    first = step.run([(batch, None, None)], lr=1e-3, scale=64.0)
+    assert first.finite
+    before_w, before_o = state_numpy(model), step.optimizer_state()
+    res = step.run([(batch, None, None)], lr=1e-3, scale=3e38)  # scaled grads overflow fp32 -> inf
+    assert not res.finite
+    after_w, after_o = state_numpy(model), step.optimizer_state()
+    for k in before_w:
+        assert np.array_equal(before_w[k], after_w[k]), k
+    for k in before_o:
+        assert np.array_equal(before_o[k], after_o[k]), k
+    assert int(after_o["opt_step"]) == 1
+    again = step.run([(batch, None, None)], lr=1e-3, scale=64.0)  # buffers were cleared: a normal step
+    assert again.finite and int(step.optimizer_state()["opt_step"]) == 2
