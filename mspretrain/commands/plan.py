@@ -1,0 +1,68 @@
+"""Plan a run before launch: parameters, memory per device, steps, warm-up, lr, wall time and cost."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from mspretrain.commands.common import add_config_argument, load_config
+from mspretrain.config import Config
+
+EXAMPLES = """examples:
+  mspretrain plan --config configs/tiny.toml --data data/
+  mspretrain plan --model llama2-7b --devices 8 --tokens 120e9 data.seq_len=4096 train.global_batch=512 precision.dtype=bf16
+  mspretrain plan --config configs/llama2-7b.toml --devices 8 --tokens 2e12 --tokens-per-s 4100 --recompute --json"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_argument(p)
+    p.add_argument("--model", metavar="PRESET", help="a model preset (e.g. llama2-7b) instead of the config's model section")
+    p.add_argument("--devices", type=int, default=1, help="number of devices (data parallel)")
+    p.add_argument("--tokens", type=float, help="token budget, e.g. 120e9 (default: the data dir's train tokens, or the config)")
+    p.add_argument("--data", metavar="DIR", help="data dir: its measured tokens set the budget and the auto warm-up")
+    p.add_argument("--tokens-per-s", type=float, metavar="X", help="tokens/s per device (measured or given) for time and cost")
+    p.add_argument("--from-run", metavar="RUN_DIR", help="take tokens/s per device from a run's metrics.jsonl (median)")
+    p.add_argument("--device-mem-gb", type=float, default=64.0, help="device memory in GB (Ascend 910B: 64)")
+    p.add_argument("--zero", action="store_true", help="optimizer-state sharding across devices (Ascend)")
+    p.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _measured_tokens_per_s(run_dir: Path) -> float | None:
+    from mspretrain.monitor.report import read_metrics, series
+
+    records, _ = read_metrics(run_dir / "metrics.jsonl")
+    tps = series(records, "tokens_per_s")[1]
+    meta = run_dir / "run_meta.json"
+    world = json.loads(meta.read_text())["world_size"] if meta.exists() else 1
+    return statistics.median(tps) / world if tps else None
+
+
+def _reapply_model_overrides(cfg: Config, args: argparse.Namespace) -> Config:
+    """Re-apply model.* overrides on top of a preset so `--model llama2-7b model.n_layers=2` works."""
+    from mspretrain.config import apply_overrides
+
+    return apply_overrides(cfg, [o for o in getattr(args, "overrides", ()) if o.startswith("model.")])
+
+
+def run(args: argparse.Namespace) -> int:
+    from mspretrain.errors import UserError
+    from mspretrain.ops.plan import format_plan, make_plan, preset_model
+
+    cfg = load_config(args)
+    if args.model:
+        cfg = replace(cfg, model=preset_model(args.model))
+        cfg = _reapply_model_overrides(cfg, args)
+    tps = args.tokens_per_s
+    if tps is None and args.from_run:
+        tps = _measured_tokens_per_s(Path(args.from_run))
+        if tps is None:
+            raise UserError(f"{args.from_run} has no tokens_per_s in metrics.jsonl", "run a few more steps (throughput is logged every metrics.throughput_every steps)")
+    plan = make_plan(cfg, devices=args.devices, tokens=int(args.tokens) if args.tokens else None,
+                     data_dir=Path(args.data) if args.data else None, tokens_per_s_per_device=tps,
+                     device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute)
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    return 0
+

@@ -1,0 +1,122 @@
+"""Model FLOPs per token, device peaks, and the throughput figures logged with every run.
+
+Design choices:
+- FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B):
+
+      flops_per_token = 6 * N + 12 * L * d * T
+
+  N counts the parameters that take part in a matrix multiply: every attention and MLP
+  projection of the L layers plus the output projection (lm_head, d x V). The input embedding is
+  a gather and RMSNorm is elementwise, so neither is counted; with tied embeddings the output
+  projection is still a matmul and is still counted. 6 = 2 FLOPs per multiply-add x (1 forward +
+  2 backward). 12 * L * d * T is the attention score and value matmuls (QK^T and PV, forward and
+  backward) for a sequence of T tokens, d = n_heads * head_dim; like PaLM it is not halved for the
+  causal mask, so MFU stays comparable with published numbers. Recomputation is *not* counted:
+  this is model FLOPs utilisation, not hardware FLOPs utilisation.
+- Peaks: a small table of dense (non-sparse) vendor figures per dtype, overridable with
+  `device.peak_tflops`. CPUs have no table entry: their fp32 peak is measured at start with a
+  numpy (BLAS) sgemm, which is what a well-tuned fp32 matmul reaches on this host — a practical
+  ceiling rather than a datasheet number. On a shared, busy host the measurement is low and MFU
+  therefore high; pin `device.peak_tflops` when comparing runs.
+"""
+from __future__ import annotations
+
+import time
+
+from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.errors import UserError
+
+# Dense peak TFLOPS per device and compute dtype. None = no reliable published figure.
+# Ascend 910B: vendor and cloud listings give 280-376 TFLOPS fp16 depending on the SKU
+# (910B4 ... 910B1); 313 is the figure usually quoted for the 910B2/B3 in 8-card Atlas 800T A2
+# servers. We found no published fp32 peak for the 910B (fp32 matmuls run on the cube in HF32 or
+# on the vector unit): set device.peak_tflops for fp32 runs on Ascend.
+# NVIDIA (datasheets, SXM, dense): A100 312 bf16/fp16, 19.5 fp32 (156 TF32);
+# H100 SXM 989 bf16/fp16, 67 fp32 (495 TF32).
+PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
+    "ascend910b": {"fp16": 313.0, "bf16": 313.0, "fp32": None},
+    "a100": {"fp16": 312.0, "bf16": 312.0, "fp32": 19.5},
+    "h100": {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0},
+}
+_TARGET_ALIASES = {"ascend": "ascend910b", "910b": "ascend910b", "npu": "ascend910b"}
+
+_cpu_peak_cache: dict[float, float] = {}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that are matmul weights: q, k, v, o, w1, w2, w3 per layer, plus lm_head."""
+    m = resolve_model(cfg)
+    if not m.vocab_size:
+        raise UserError("model.vocab_size is unknown, so FLOPs per token cannot be computed",
+                        "set model.vocab_size or resolve the model against the data dir first")
+    head_dim = m.dim // m.n_heads
+    kv_dim = m.n_kv_heads * head_dim
+    per_layer = 2 * m.dim * m.dim + 2 * m.dim * kv_dim + 3 * m.dim * m.ffn_dim
+    return m.n_layers * per_layer + m.dim * m.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N_matmul + 12 * n_layers * dim * seq_len (PaLM, appendix B)."""
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def measure_cpu_peak_tflops(seconds: float = 0.5) -> float:
+    """fp32 matmul rate of this host in TFLOPS, measured with numpy (the BLAS numpy links).
+
+    Best rate over repeated 512x512 sgemms for about `seconds`; cached per process.
+    """
+    if seconds in _cpu_peak_cache:
+        return _cpu_peak_cache[seconds]
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n = 512
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a @ b  # warm the BLAS threads
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        dt = time.perf_counter() - t0
+        best = max(best, 4 * 2 * n**3 / dt)
+        if time.perf_counter() >= deadline:
+            break
+    _cpu_peak_cache[seconds] = best / 1e12
+    return _cpu_peak_cache[seconds]
+
+
+def device_peak_tflops(target: str, dtype: str, override: float = 0.0) -> float:
+    """Per-device peak for MFU: the override if set, a measurement on CPU, else the table (0 = unknown)."""
+    if override > 0:
+        return float(override)
+    key = target.lower()
+    if key == "cpu":
+        return measure_cpu_peak_tflops()
+    key = _TARGET_ALIASES.get(key, key)
+    value = PEAK_TFLOPS.get(key, {}).get(dtype)
+    return float(value) if value else 0.0
+
+
+def throughput_metrics(*, tokens: int, samples: int, seconds: float, flops_per_token: float,
+                       peak_tflops: float, devices: int, real_tokens: int | None = None,
+                       price_per_device_hour: float = 0.0) -> dict[str, float]:
+    """The field report's yardsticks over one measurement window (all devices together).
+
+    tokens/samples are what the whole job consumed in `seconds`; real_tokens excludes padding;
+    MFU is omitted when the peak is unknown, cost when no price is configured.
+    """
+    if seconds <= 0 or tokens <= 0:
+        return {}
+    tps = tokens / seconds
+    out = {"tokens_per_s": tps, "samples_per_s": samples / seconds,
+           "tokens_per_device_hour": tps * 3600.0 / devices}
+    if peak_tflops > 0:
+        out["mfu"] = tps * flops_per_token / (devices * peak_tflops * 1e12)
+    if real_tokens is not None:
+        out["real_token_share"] = real_tokens / tokens
+    if price_per_device_hour > 0:
+        out["cost_per_btok"] = price_per_device_hour / out["tokens_per_device_hour"] * 1e9
+    return out

@@ -1,0 +1,325 @@
+"""One self-contained HTML report of a run (plots embedded as base64 PNG), plus the PNGs.
+
+Design choices:
+- Reads only files: `metrics.jsonl`, `config.toml`, `run_meta.json`, `train.log` and the data
+  dir's `manifest.json`. No MindSpore import, so a report of a live run costs a second and can
+  be made on any machine the run dir is copied to.
+- Tolerant by construction: a partial last line (the run is still writing), unknown keys and
+  missing metrics are skipped, and a panel without data says so instead of failing.
+- matplotlib's object API (`Figure` + Agg canvas), never pyplot: no global state, no display.
+- Numbers that are estimates are labelled as such (tokens from steps x batch x seq_len when the
+  run does not log `tokens`; wall time from throughput when it does not log `elapsed_s`).
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from mspretrain import config as cfgmod
+from mspretrain.errors import UserError
+from mspretrain.monitor.spikes import scan_metrics
+
+_PANELS = (  # (file stem, title)
+    ("loss", "Training loss (spikes marked)"), ("eval_ppl", "Eval perplexity"), ("lr", "Learning rate"),
+    ("grad_norm", "Gradient norm"), ("loss_scale", "Loss scale and skipped steps"),
+    ("throughput", "Throughput and MFU"), ("memory", "Memory"))
+
+
+def read_metrics(path: Path) -> tuple[list[dict], int]:
+    """Records sorted by step (a later line for the same step wins) and the number of unreadable lines."""
+    by_step: dict[int, dict] = {}
+    bad = 0
+    if not path.exists():
+        return [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            step = int(rec["step"])
+        except (ValueError, KeyError, TypeError):
+            bad += 1  # a line the writer has not finished yet, or a torn write
+            continue
+        by_step.setdefault(step, {}).update(rec)
+    return [by_step[s] for s in sorted(by_step)], bad
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs.append(int(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def _load_run_config(run_dir: Path) -> tuple[cfgmod.Config | None, str]:
+    path = run_dir / "config.toml"
+    if not path.exists():
+        return None, ""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        return cfgmod.load(path), text
+    except UserError:
+        return None, text  # written by another version: show the text, use defaults
+
+
+def _data_dir(run_dir: Path, meta: dict) -> Path | None:
+    if meta.get("data_dir"):
+        return Path(meta["data_dir"])
+    log = run_dir / "train.log"
+    if log.exists():
+        m = re.search(r"\bdata(?:[ _]dir)?\s*[=:]\s*(\S+)", log.read_text(encoding="utf-8", errors="replace")[:20000])
+        if m:
+            return Path(m.group(1).strip("'\","))
+    return None
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    """Everything the header shows, as plain values (also used by `diagnose` and tests)."""
+    run_dir = Path(run_dir)
+    records, bad = read_metrics(run_dir / "metrics.jsonl")
+    cfg, cfg_text = _load_run_config(run_dir)
+    meta_path = run_dir / "run_meta.json"
+    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.exists() else {}
+    data_dir = _data_dir(run_dir, meta)
+    manifest = {}
+    if data_dir and (data_dir / "manifest.json").exists():
+        manifest = json.loads((data_dir / "manifest.json").read_text(encoding="utf-8"))
+    c = cfg or cfgmod.Config()
+    world = int(meta.get("world_size", 1) or 1)
+    last = records[-1]["step"] if records else 0
+    tokens_logged = series(records, "tokens")[1]
+    tokens = int(tokens_logged[-1]) if tokens_logged else last * c.train.global_batch * c.data.seq_len
+    tps = series(records, "tokens_per_s")[1]
+    elapsed = series(records, "elapsed_s")[1]
+    if elapsed:
+        hours, hours_note = elapsed[-1] / 3600, "logged"
+    elif tps:
+        hours, hours_note = tokens / (sum(tps) / len(tps)) / 3600, "estimated from mean tokens/s"
+    else:
+        hours, hours_note = None, "unknown"
+    warmup = c.schedule.warmup_steps if isinstance(c.schedule.warmup_steps, int) else 0
+    if c.schedule.warmup_steps == "auto" and manifest.get("tokens", {}).get("train"):
+        from mspretrain.train.schedule import auto_warmup_steps
+        warmup = auto_warmup_steps(int(manifest["tokens"]["train"]), c.train.global_batch, c.data.seq_len)
+    events = scan_metrics(records, c.spike, warmup=warmup)
+    losses = series(records, "loss")[1]
+    finite = [x for x in losses if math.isfinite(x)]
+    ppl = series(records, "eval/ppl")[1]
+    mfu = series(records, "mfu")[1]
+    skipped = series(records, "skipped")[1]
+    price = c.cost.price_per_device_hour
+    device_hours = hours * world if hours is not None else None
+    metrics_file = run_dir / "metrics.jsonl"
+    return {
+        "run_dir": str(run_dir), "config_text": cfg_text, "config": cfg, "meta": meta,
+        "data_dir": str(data_dir) if data_dir else None, "manifest": manifest, "records": records,
+        "bad_lines": bad, "last_step": last, "tokens": tokens, "tokens_logged": bool(tokens_logged),
+        "world_size": world, "hardware": meta.get("hardware"), "hours": hours, "hours_note": hours_note,
+        "device_hours": device_hours, "cost": device_hours * price if device_hours and price else None,
+        "price": price, "final_loss": finite[-1] if finite else None,
+        "best_ppl": min(ppl) if ppl else None, "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
+        "mean_mfu": sum(mfu) / len(mfu) if mfu else None, "events": events, "warmup": warmup,
+        "nonfinite": sum(1 for x in losses if not math.isfinite(x)),
+        "skipped": (max(skipped) if skipped and all(b >= a for a, b in zip(skipped, skipped[1:])) else sum(skipped)) if skipped else 0,
+        "updated_s_ago": time.time() - metrics_file.stat().st_mtime if metrics_file.exists() else None,
+    }
+
+
+# ---------------------------------------------------------------------------- plots
+
+def _figure(title: str):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.2, 3.2), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _plot(stem: str, title: str, s: dict) -> Any | None:
+    """One panel as a matplotlib Figure, or None when the run has no data for it."""
+    recs = s["records"]
+    if stem == "loss":
+        xs, ys = series(recs, "loss")
+        fin = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]
+        if not xs:
+            return None
+        fig, ax = _figure(title)
+        if fin:
+            ax.plot([x for x, _ in fin], [y for _, y in fin], lw=1, color="tab:blue", label="loss")
+        spikes = [e for e in s["events"] if e["kind"] == "loss_spike"]
+        if spikes:
+            ax.scatter([e["step"] for e in spikes], [e["value"] for e in spikes], color="red", marker="x",
+                       s=40, zorder=3, label=f"spike (> rolling mean + {s['config'].spike.threshold if s['config'] else 0.3})")
+        for i, e in enumerate(e for e in s["events"] if e["kind"] == "nonfinite"):
+            ax.axvline(e["step"], color="orange", lw=0.8, alpha=0.6, label="non-finite loss" if i == 0 else None)
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=8)
+        return fig
+    if stem == "loss_scale":
+        xs, ys = series(recs, "loss_scale")
+        kx, ky = series(recs, "skipped")
+        if not xs and not kx:
+            return None
+        fig, ax = _figure(title)
+        lines = []
+        if xs:
+            lines += ax.plot(xs, ys, lw=1.2, color="tab:purple", label="loss scale")
+            if min(ys) > 0:
+                ax.set_yscale("log", base=2)
+            ax.set_ylabel("loss scale")
+        if kx:
+            ax2 = ax.twinx()
+            lines += ax2.step(kx, ky, where="post", color="tab:red", lw=1, ls="--", label="skipped steps (total)")
+            ax2.set_ylabel("skipped steps")
+        ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8)
+        return fig
+    if stem == "throughput":
+        xs, ys = series(recs, "tokens_per_s")
+        mx, my = series(recs, "mfu")
+        if not xs and not mx:
+            return None
+        fig, ax = _figure(title)
+        lines = []
+        if xs:
+            lines += ax.plot(xs, ys, lw=1.2, color="tab:green", label="tokens/s")
+            ax.set_ylabel("tokens/s")
+        if mx:
+            ax2 = ax.twinx()
+            lines += ax2.plot(mx, [100 * v for v in my], lw=1, color="tab:orange", ls="--", label="MFU %")
+            ax2.set_ylabel("MFU %")
+        ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8)
+        return fig
+    key, ylabel, logy = {"eval_ppl": ("eval/ppl", "perplexity", True), "lr": ("lr", "lr", False),
+                         "grad_norm": ("grad_norm", "grad norm", True), "memory": ("mem_mb", "MB", False)}[stem]
+    xs, ys = series(recs, key)
+    pts = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]
+    if not pts:
+        return None
+    fig, ax = _figure(title)
+    ax.plot([x for x, _ in pts], [y for _, y in pts], lw=1, marker="o" if len(pts) < 30 else None, ms=3)
+    if logy and min(y for _, y in pts) > 0 and max(y for _, y in pts) / min(y for _, y in pts) > 20:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    if stem == "grad_norm":
+        for e in (e for e in s["events"] if e["kind"] == "grad_norm"):
+            ax.scatter([e["step"]], [e["value"]], color="red", marker="x", s=40, zorder=3)
+    return fig
+
+
+# ---------------------------------------------------------------------------- html
+
+def _fmt(v: Any, spec: str = ",.4g") -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def _duration(hours: float) -> str:
+    sec = hours * 3600
+    return f"{sec:.0f} s" if sec < 120 else (f"{sec / 60:.1f} min" if sec < 7200 else f"{hours:,.2f} h")
+
+
+def _table(rows: list[tuple[str, Any]]) -> str:
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
+    return f"<table>{body}</table>"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1000px;color:#222}
+h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:13px;margin:6px 0}th{text-align:left;padding:2px 14px 2px 0;color:#555;font-weight:normal}
+td{padding:2px 8px}.grid{display:grid;grid-template-columns:1fr 1fr;gap:12px 28px}
+img{max-width:100%;border:1px solid #eee}pre{background:#f6f6f6;padding:8px;font-size:12px;overflow:auto}
+.warn{color:#a33}.muted{color:#888;font-size:13px}"""
+
+
+def build_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Write RUN_DIR/report/*.png and the HTML (default RUN_DIR/report/report.html); return the HTML path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run dir {run_dir} does not exist", "pass the --run directory of a training run")
+    s = summarize(run_dir)
+    if not s["records"] and not s["config_text"]:
+        raise UserError(f"{run_dir} has no metrics.jsonl and no config.toml", "is this a run dir? `mspretrain train --run DIR` writes them")
+    png_dir = run_dir / "report"
+    png_dir.mkdir(parents=True, exist_ok=True)
+    panels = []
+    for stem, title in _PANELS:
+        fig = _plot(stem, title, s)
+        if fig is None:
+            panels.append(f"<div><h3>{html.escape(title)}</h3><p class=muted>no data in metrics.jsonl</p></div>")
+            continue
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        (png_dir / f"{stem}.png").write_bytes(buf.getvalue())
+        b64 = base64.b64encode(buf.getvalue()).decode("ascii")
+        panels.append(f'<div><img alt="{html.escape(title)}" src="data:image/png;base64,{b64}"></div>')
+    out = Path(out) if out else png_dir / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(s, panels), encoding="utf-8")
+    return out
+
+
+def render_html(s: dict, panels: list[str]) -> str:
+    c, man = s["config"], s["manifest"]
+    run_rows = [("run dir", s["run_dir"]), ("last step", _fmt(s["last_step"], ",d")),
+                ("tokens seen", _fmt(s["tokens"], ",d") + ("" if s["tokens_logged"] else " (steps × global batch × seq len)")),
+                ("wall time", (_duration(s["hours"]) + " (" + s["hours_note"] + ")") if s["hours"] is not None else "—"),
+                ("device-hours", _fmt(s["device_hours"], ",.4g")),
+                ("cost", (_fmt(s["cost"], ",.4g") + f" at {s['price']:g} per device-hour") if s["cost"] else "— (set cost.price_per_device_hour)"),
+                ("final loss", _fmt(s["final_loss"])), ("best eval perplexity", _fmt(s["best_ppl"])),
+                ("mean tokens/s", _fmt(s["mean_tokens_per_s"], ",.0f")),
+                ("mean MFU", _fmt(100 * s["mean_mfu"], ".2f") + " %" if s["mean_mfu"] is not None else "—"),
+                ("loss spikes", len([e for e in s["events"] if e["kind"] == "loss_spike"])),
+                ("grad-norm spikes", len([e for e in s["events"] if e["kind"] == "grad_norm"])),
+                ("non-finite losses", s["nonfinite"]), ("skipped steps", _fmt(s["skipped"], ",.0f"))]
+    hw = s["hardware"]
+    hw_rows = [("hardware", ", ".join(f"{k}: {v}" for k, v in hw.items()) if isinstance(hw, dict) else (hw or "—")),
+               ("world size", s["world_size"])]
+    if c is not None:
+        m = c.model
+        hw_rows += [("model", f"dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads (kv {m.n_kv_heads or m.n_heads}), vocab {m.vocab_size or 'from data'}"),
+                    ("batch", f"global {c.train.global_batch} × seq {c.data.seq_len}"),
+                    ("optimizer", f"lr {c.optim.lr:g}" + (" (x sqrt(batch/32))" if c.optim.lr_scaling == "sqrt" else "") + f", {c.schedule.kind}, warm-up {c.schedule.warmup_steps}"),
+                    ("precision", c.precision.dtype)]
+    data_rows = [("data dir", s["data_dir"] or "— (not recorded; the lead's run_meta.json has data_dir)")]
+    if man:
+        tok = man.get("tokens", {})
+        data_rows += [("train / valid tokens", f"{_fmt(tok.get('train'), ',d')} / {_fmt(tok.get('valid'), ',d')}"),
+                      ("documents", json.dumps(man.get("documents"))), ("characters", _fmt(man.get("characters"), ",d")),
+                      ("chars per token", _fmt(man.get("chars_per_token"), ".3f")), ("vocab size", _fmt(man.get("vocab_size"), ",d")),
+                      ("fingerprint", str(man.get("fingerprint", "—"))[:16])]
+    notes = []
+    if s["bad_lines"]:
+        notes.append(f"{s['bad_lines']} unreadable line(s) in metrics.jsonl skipped (a run still writing leaves a partial last line).")
+    if s["updated_s_ago"] is not None and s["updated_s_ago"] < 600:
+        notes.append(f"metrics.jsonl was updated {s['updated_s_ago']:.0f} s ago: the run may still be going; rerun the report to refresh.")
+    events = "".join(f"<li>{html.escape(e['message'])}</li>" for e in s["events"][:50])
+    more = f"<li>… {len(s['events']) - 50} more</li>" if len(s["events"]) > 50 else ""
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>mspretrain report — {html.escape(Path(s['run_dir']).name)}</title>
+<style>{_CSS}</style></head><body>
+<h1>mspretrain run report: {html.escape(Path(s['run_dir']).name)}</h1>
+<p class=muted>generated {time.strftime('%Y-%m-%d %H:%M:%S')}</p>
+{''.join(f'<p class=warn>{html.escape(n)}</p>' for n in notes)}
+<div class=grid><div><h2>Totals</h2>{_table(run_rows)}</div>
+<div><h2>Hardware and model</h2>{_table(hw_rows)}<h2>Data</h2>{_table(data_rows)}</div></div>
+<h2>Curves</h2><div class=grid>{''.join(panels)}</div>
+<h2>Events</h2><ul>{events or '<li>none</li>'}{more}</ul>
+<h2>Config</h2><details><summary>config.toml</summary><pre>{html.escape(s['config_text'] or '(no config.toml)')}</pre></details>
+</body></html>
+"""

@@ -1,0 +1,1 @@
+"""mspretrain.ops: running a job — plan, doctor, diagnose, CPU isolation, profiler."""

@@ -1,0 +1,259 @@
+"""`mspretrain diagnose RUN_DIR|LOGFILE`: why did the job die at 2 a.m.?
+
+Design choices:
+- Reads what a run leaves behind: our `train.log` and `metrics.jsonl`, and every `*.log` below
+  the run dir (msrun's `worker_N.log` / `scheduler.log`, MindSpore's own logs). Nothing is
+  imported from MindSpore, so it runs on a laptop with a copied log dir.
+- Log problems are regular expressions over single lines, tried in a fixed priority order (the
+  kernel OOM killer is "killed", not "device OOM"); each line gets at most one kind. A kind is
+  reported once per file with its first evidence line (file:line) and a count.
+- Metric problems reuse `monitor.spikes.scan_metrics` (loss spikes, grad-norm spikes, non-finite
+  runs) so the report, the live trainer and diagnose agree on what a spike is.
+- Stragglers: per-rank step times parsed from worker logs (`step_time=`, MindSpore's `per step
+  time: X ms`, or our `N tok/s`); a rank whose median is > 1.5x the median of the other ranks is named.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mspretrain import config as cfgmod
+from mspretrain.errors import UserError
+from mspretrain.monitor.spikes import scan_metrics
+
+ADVICE = {
+    "killed": "the process was killed (SIGKILL or the kernel OOM killer): check host memory (`dmesg | grep -i oom`), "
+              "lower data.prefetch or use --cpu-quota; `mspretrain train` resumes from the newest verified checkpoint",
+    "oom": "device/host memory ran out: lower train.micro_batch (global_batch stays, accumulation grows), recompute, or "
+           "shard optimizer state; `mspretrain plan` shows memory per device before launch",
+    "disk_full": "the disk is full: free space or lower checkpoint.keep_last; checkpoints are written to step_N.tmp and "
+                 "renamed, so the last verified one is intact — resume after freeing space",
+    "comm_timeout": "a collective timed out: usually another rank failed or stalled first — find its error in the other "
+                    "worker logs; check links (`hccn_tool`, `npu-smi info`); raise HCCL_EXEC_TIMEOUT/HCCL_CONNECT_TIMEOUT for slow starts",
+    "nonfinite": "non-finite losses in a row: lower optim.lr or lengthen warm-up, check fp16 loss scaling "
+                 "(precision.init_scale), keep optim.grad_clip on; resume from a checkpoint before the storm (spike.action=rewind)",
+    "overflow": "fp16 overflow: many steps skipped in a row; the loss scale is collapsing — lower lr, check the data "
+                "around these steps, or train in bf16 on Ascend",
+    "loss_spike": "loss spike: if isolated and it recovers, ignore it; if it repeats, lower lr, inspect the data at that "
+                  "step (a bad shard), or set spike.action=rewind",
+    "grad_norm": "gradient-norm spike: often precedes a loss spike; check lr and optim.grad_clip, and the data at that step",
+    "straggler": "one rank is far slower than the others, so every step waits for it: check that host (other jobs, "
+                 "thermal throttling, `npu-smi info`), its data loading (CPU share, disk) and its network link",
+    "exception": "the process stopped on this error; the lines above it in the file show where",
+}
+
+# (kind, pattern), in priority order: the first matching kind claims the line.
+LOG_RULES: list[tuple[str, re.Pattern]] = [
+    ("killed", re.compile(r"Killed process \d+|oom-kill|invoked oom-killer|^\s*Killed\s*$|\b\d+ Killed\b|\bsignal 9\b|SIGKILL|"
+                          r"(?:exit|error|return)\s*code[:=]?\s*-9\b|exitcode:?\s*-9\b|exit status -9\b|exit code 137\b", re.I)),
+    ("disk_full", re.compile(r"No space left on device|ENOSPC|Disk quota exceeded|\[Errno 28\]")),
+    ("oom", re.compile(r"out of memory|\bOOM\b|MemoryError|memory isn't enough|memory is not enough|"
+                       r"Allocate memory failed|Malloc device memory failed|alloc(?:ate)?\w* .{0,40}failed|std::bad_alloc|\bEL0004\b", re.I)),
+    ("comm_timeout", re.compile(r"(?:hccl|mccl|nccl|collective|all_?reduce|all_?gather|broadcast|heartbeat|rendezvous|"
+                                r"socket|notify).{0,160}(?:time ?out|timed out)|(?:time ?out|timed out).{0,160}(?:hccl|mccl|rank|collective)|"
+                                r"\bEI000[2-9]\b|\bEI0010\b", re.I)),
+    ("nonfinite", re.compile(r"\bloss[ =:]+[-+]?(?:nan|inf)\b|non-finite for \d+ steps", re.I)),
+]
+EXCEPTION = re.compile(r"^(?:\[[A-Z]+\].*?)?\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+STEP_TIME = [
+    (re.compile(r"step[_ ]time\s*[=:]\s*([\d.]+)\s*(ms|s)?", re.I), "time"),
+    (re.compile(r"per step time:?\s*([\d.]+)\s*(ms)", re.I), "time"),
+    (re.compile(r"([\d][\d,]*(?:\.\d+)?)\s*tok(?:ens)?/s"), "rate"),
+]
+STRAGGLER_FACTOR = 1.5
+NONFINITE_RUN = 3
+OVERFLOW_RUN = 5
+
+
+@dataclass
+class Finding:
+    kind: str
+    file: str
+    line: int
+    evidence: str
+    count: int = 1
+    advice: str = ""
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" if self.line else self.file
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def scan_log(path: Path, root: Path) -> tuple[list[Finding], list[tuple[int, float, str, int]]]:
+    """Findings of one log file, and its step-time samples (line, time per step, text, format index)."""
+    first: dict[str, Finding] = {}
+    times: list[tuple[int, float, str, int]] = []
+    last_exc: Finding | None = None
+    claimed: set[int] = set()
+    fmt: int | None = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for no, raw in enumerate(f, 1):
+            line = raw.rstrip("\n")
+            for kind, rx in LOG_RULES:
+                if rx.search(line):
+                    claimed.add(no)
+                    if kind in first:
+                        first[kind].count += 1
+                    else:
+                        first[kind] = Finding(kind, _rel(path, root), no, line.strip()[:300])
+                    break
+            m = EXCEPTION.search(line.strip())
+            if m and no not in claimed:
+                last_exc = Finding("exception", _rel(path, root), no, line.strip()[:300])
+            for idx, (rx, what) in enumerate(STEP_TIME):
+                if fmt is not None and idx != fmt:
+                    continue  # one format per file, so ranks are compared in the same unit
+                t = rx.search(line)
+                if t:
+                    fmt = idx
+                    v = float(t.group(1).replace(",", ""))
+                    if what == "rate":
+                        v = 1.0 / v if v > 0 else math.inf
+                    elif (t.group(2) or "s").lower() == "ms":
+                        v /= 1000.0
+                    times.append((no, v, line.strip()[:300], idx))
+                    break
+    out = list(first.values())
+    # A non-finite loss line or two is noise the spike detector also reports; a storm is news.
+    out = [f for f in out if f.kind != "nonfinite" or f.count >= NONFINITE_RUN or "non-finite for" in f.evidence]
+    if last_exc is not None:
+        out.append(last_exc)
+    return out, times
+
+
+def scan_metrics_file(path: Path, root: Path, spike_cfg: cfgmod.SpikeConfig) -> list[Finding]:
+    records, lines = [], {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for no, raw in enumerate(f, 1):
+            try:
+                rec = json.loads(raw)
+                step = int(rec["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            records.append(rec)
+            lines[step] = (no, raw.strip()[:300])
+    rel = _rel(path, root)
+    out: list[Finding] = []
+    events = scan_metrics(records, spike_cfg)
+    for kind in ("loss_spike", "grad_norm"):
+        ev = [e for e in events if e["kind"] == kind]
+        if ev:
+            no, text = lines[ev[0]["step"]]
+            steps = ", ".join(str(e["step"]) for e in ev[:8]) + (" …" if len(ev) > 8 else "")
+            out.append(Finding(kind, rel, no, f"{ev[0]['message']} (steps {steps})", count=len(ev)))
+    # Runs of non-finite losses and of skipped (overflowed) steps.
+    run_start, run_len, best = None, 0, (None, 0)
+    prev_skipped, skip_start, skip_len, skip_best = None, None, 0, (None, 0)
+    for rec in sorted(records, key=lambda r: r["step"]):
+        loss = rec.get("loss")
+        if isinstance(loss, (int, float)):
+            if not math.isfinite(loss):
+                run_start = run_start if run_len else rec["step"]
+                run_len += 1
+                best = max(best, (run_start, run_len), key=lambda x: x[1])
+            else:
+                run_len = 0
+        sk = rec.get("skipped")
+        if isinstance(sk, (int, float)):
+            if prev_skipped is not None and sk > prev_skipped:
+                skip_start = skip_start if skip_len else rec["step"]
+                skip_len += 1
+                skip_best = max(skip_best, (skip_start, skip_len), key=lambda x: x[1])
+            elif prev_skipped is not None:
+                skip_len = 0
+            prev_skipped = sk
+    if best[1] >= NONFINITE_RUN:
+        no, text = lines[best[0]]
+        out.append(Finding("nonfinite", rel, no, f"{best[1]} non-finite losses in a row from step {best[0]}: {text}", count=best[1]))
+    if skip_best[1] >= OVERFLOW_RUN:
+        no, text = lines[skip_best[0]]
+        out.append(Finding("overflow", rel, no, f"{skip_best[1]} skipped steps in a row from step {skip_best[0]}: {text}", count=skip_best[1]))
+    return out
+
+
+def find_stragglers(times_by_file: dict[str, list[tuple[int, float, str, int]]]) -> list[Finding]:
+    """Ranks (worker_N logs) whose median step time is > STRAGGLER_FACTOR x the median over ranks."""
+    groups: dict[int, dict[str, tuple[float, list]]] = {}
+    for name, samples in times_by_file.items():
+        if re.search(r"worker_\d+", name) and len(samples) >= 2:
+            # Skip the first sample: it includes graph compilation.
+            groups.setdefault(samples[0][3], {})[name] = (statistics.median(s[1] for s in samples[1:]), samples)
+    out = []
+    for ranks in groups.values():
+        out += _stragglers_in(ranks)
+    return out
+
+
+def _stragglers_in(ranks: dict[str, tuple[float, list]]) -> list[Finding]:
+    if len(ranks) < 2:
+        return []
+    out = []
+    for name, (med, samples) in sorted(ranks.items()):
+        # Against the median of the *other* ranks, so two ranks are enough to name a straggler.
+        overall = statistics.median(m for n, (m, _) in ranks.items() if n != name)
+        if overall > 0 and med > STRAGGLER_FACTOR * overall:
+            no, _, text, _ = samples[1]
+            rank = re.search(r"worker_(\d+)", name).group(1)
+            unit = "s/step" if samples[0][3] < 2 else "s per token (1 / tok/s)"
+            out.append(Finding("straggler", name, no, f"rank {rank} is {med / overall:.1f}x slower than the other ranks "
+                                                    f"({med:.3g} vs {overall:.3g} {unit}); e.g. {text}", count=len(samples)))
+    return out
+
+
+def diagnose(target: Path) -> list[Finding]:
+    target = Path(target)
+    if not target.exists():
+        raise UserError(f"{target} does not exist", "pass a run dir (with train.log / metrics.jsonl / worker logs) or one log file")
+    root = target if target.is_dir() else target.parent
+    spike_cfg = cfgmod.SpikeConfig()
+    if target.is_dir() and (target / "config.toml").is_file():
+        try:
+            spike_cfg = cfgmod.load(target / "config.toml").spike
+        except UserError:
+            pass
+    if target.is_dir():
+        logs = sorted(p for p in target.rglob("*.log") if "profile" not in p.relative_to(target).parts)
+        metrics = [p for p in [target / "metrics.jsonl"] if p.is_file()]
+        if not logs and not metrics:
+            raise UserError(f"{target} has no *.log files and no metrics.jsonl", "pass the --run dir of a training run or msrun's --log_dir")
+    else:
+        logs, metrics = ([], [target]) if target.suffix == ".jsonl" else ([target], [])
+    findings: list[Finding] = []
+    times: dict[str, list] = {}
+    for p in logs:
+        found, t = scan_log(p, root)
+        findings += found
+        times[_rel(p, root)] = t
+    for p in metrics:
+        findings += scan_metrics_file(p, root, spike_cfg)
+    findings += find_stragglers(times)
+    order = list(ADVICE)
+    findings.sort(key=lambda f: (order.index(f.kind), f.file, f.line))
+    for f in findings:
+        f.advice = ADVICE[f.kind]
+    return findings
+
+
+def format_findings(findings: list[Finding]) -> str:
+    if not findings:
+        return "no problems found (checked: OOM, killed, disk full, comm timeouts, non-finite storms, spikes, stragglers)"
+    lines = []
+    for f in findings:
+        lines.append(f"[{f.kind}] {f.where()}" + (f"  ({f.count} lines)" if f.count > 1 else ""))
+        lines.append(f"    evidence: {f.evidence}")
+        lines.append(f"    advice:   {f.advice}")
+    return "\n".join(lines)
+
+
+def as_json(findings: list[Finding]) -> str:
+    return json.dumps([asdict(f) for f in findings], ensure_ascii=False, indent=1)

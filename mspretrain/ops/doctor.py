@@ -1,0 +1,191 @@
+"""`mspretrain doctor`: is this machine ready to train? Each finding is ok / warn / fail with a fix.
+
+Design choices:
+- Checks read versions and files; none changes the machine. MindSpore is imported once (about
+  two seconds) because "does it import and which device targets does it see" is the question.
+- fail = training will not start or will break (numpy 2, MindSpore missing, no room for one
+  checkpoint, an Ascend target without a visible NPU); warn = it will run but worse than it could
+  (network filesystem, oversubscribed threads, noisy native logs). Exit code 1 only on a fail.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mspretrain.config import Config
+from mspretrain.monitor.metrics import MOUNTINFO, _nearest_existing, is_network_fs, mount_of
+
+ASCEND_HOME = Path("/usr/local/Ascend")
+GB = 1024**3
+
+
+@dataclass
+class Finding:
+    status: str  # "ok" | "warn" | "fail"
+    name: str
+    detail: str
+    fix: str = ""
+
+
+def _version_of(path: Path, key: str = "version") -> str | None:
+    """`key=value` (or `key: value`) from an Ascend version file."""
+    try:
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            m = re.match(rf"\s*{key}\s*[=:]\s*(\S+)", line, re.IGNORECASE)
+            if m:
+                return m.group(1).strip("\"'")
+    except OSError:
+        return None
+    return None
+
+
+def check_python_stack() -> list[Finding]:
+    out = [Finding("ok" if sys.version_info >= (3, 9) else "fail", "python", sys.version.split()[0],
+                   "use Python 3.9-3.11 (MindSpore 2.x wheels)")]
+    try:
+        import numpy
+        major = int(numpy.__version__.split(".")[0])
+        out.append(Finding("ok" if major < 2 else "fail", "numpy", numpy.__version__ + (" (< 2, as MindSpore needs)" if major < 2 else ""),
+                           'pip install "numpy<2" — MindSpore 2.x binaries fail at model build with numpy 2'))
+    except ImportError:
+        out.append(Finding("fail", "numpy", "not installed", 'pip install "numpy<2"'))
+    for mod, why in (("tensorboardX", "TensorBoard event files"), ("matplotlib", "`mspretrain report` plots")):
+        found = importlib.util.find_spec(mod) is not None
+        out.append(Finding("ok" if found else "warn", mod, "installed" if found else f"missing: no {why}", f"pip install {mod}"))
+    tb = importlib.util.find_spec("tensorboard") is not None
+    out.append(Finding("ok", "tensorboard", "installed" if tb else "not installed (optional: only `mspretrain dashboard` needs it)"))
+    return out
+
+
+def check_mindspore(target: str = "auto") -> list[Finding]:
+    try:
+        import mindspore as ms
+        import mindspore.hal as hal
+    except Exception as exc:  # an import error of a native library is not always ImportError
+        return [Finding("fail", "mindspore", f"cannot import: {exc}", 'pip install "mindspore==2.10.0" "numpy<2" (Ascend: the wheel matching your CANN)')]
+    avail = []
+    for t in ("CPU", "Ascend", "GPU"):
+        try:
+            if hal.is_available(t):
+                avail.append(t)
+        except Exception:
+            pass
+    out = [Finding("ok", "mindspore", f"{ms.__version__}; device targets available: {', '.join(avail) or 'none'}")]
+    if target == "ascend" and "Ascend" not in avail:
+        out.append(Finding("fail", "device", "device.target = ascend but MindSpore sees no Ascend device",
+                           "source /usr/local/Ascend/ascend-toolkit/set_env.sh, check `npu-smi info`, and install the Ascend MindSpore wheel"))
+    return out
+
+
+def check_ascend(root: Path = ASCEND_HOME) -> list[Finding]:
+    if not root.exists() and not os.environ.get("ASCEND_HOME_PATH"):
+        return [Finding("ok", "ascend", f"no {root}: not an Ascend host (CPU development is fine)")]
+    out = []
+    driver = _version_of(root / "driver" / "version.info", "Version")
+    out.append(Finding("ok" if driver else "warn", "ascend driver", driver or f"no {root}/driver/version.info",
+                       "install the Ascend driver (Ascend-hdk-*-npu-driver) matching your CANN"))
+    cann = None
+    for cand in [root / "ascend-toolkit" / "latest" / "version.cfg", *sorted((root / "ascend-toolkit" / "latest").glob("*/ascend_toolkit_install.info"))]:
+        cann = _version_of(cand) or _version_of(cand, "toolkit_installed_version")
+        if cann:
+            break
+    out.append(Finding("ok" if cann else "warn", "CANN toolkit", cann or "version not found under ascend-toolkit/latest",
+                       "install the CANN toolkit that your MindSpore wheel was built for"))
+    env_ok = bool(os.environ.get("ASCEND_OPP_PATH") or "Ascend" in os.environ.get("LD_LIBRARY_PATH", ""))
+    out.append(Finding("ok" if env_ok else "warn", "CANN environment", "set_env.sh sourced" if env_ok else "ASCEND_OPP_PATH unset",
+                       "source /usr/local/Ascend/ascend-toolkit/set_env.sh before training"))
+    return out
+
+
+def check_launcher_and_threads(cfg: Config) -> list[Finding]:
+    out = []
+    msrun = shutil.which("msrun")
+    out.append(Finding("ok" if msrun else "warn", "msrun", msrun or "not on PATH",
+                       "activate the venv MindSpore is installed in (msrun ships with it); msrun workers run `python` from PATH"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    omp = os.environ.get("OMP_NUM_THREADS")
+    detail = f"{cores} usable cores; OMP_NUM_THREADS={omp or 'unset'}; device.threads={cfg.device.threads or 'all'}"
+    bad = (omp and omp.isdigit() and int(omp) > cores) or cfg.device.threads > cores
+    out.append(Finding("warn" if bad else "ok", "threads", detail,
+                       f"keep OMP_NUM_THREADS and device.threads <= {cores}: oversubscribed threads slow every step"))
+    v = os.environ.get("GLOG_v")
+    noisy = v is not None and v.strip() in ("0", "1")
+    glog = f"GLOG_v={v if v is not None else 'unset (mspretrain sets 3)'}"
+    for k in ("GLOG_logtostderr", "GLOG_stderrthreshold", "GLOG_log_dir"):
+        if k in os.environ:
+            glog += f", {k}={os.environ[k]}"
+    out.append(Finding("warn" if noisy else "ok", "native logs", glog,
+                       "unset GLOG_v (or set GLOG_v=3): INFO/DEBUG native logs bury the loss lines; use --verbose when debugging"))
+    return out
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, _, rest = line.partition(":")
+            out[k] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def check_run_dir(run_dir: Path, cfg: Config, mountinfo: str | Path = MOUNTINFO) -> list[Finding]:
+    from mspretrain.ops.plan import _param_count, checkpoint_bytes
+
+    out = []
+    where = _nearest_existing(Path(run_dir))
+    mount = mount_of(where, mountinfo)
+    if mount:
+        net = is_network_fs(mount[1])
+        out.append(Finding("warn" if net else "ok", "run dir filesystem", f"{mount[1]} at {mount[0]} (for {run_dir})",
+                           "put --run on a local disk (metrics and checkpoints block on a network FS) and rsync it to shared storage"))
+    # Before `prepare` the vocab is unknown: the configured tokenizer size is the best guess.
+    m = cfg.model if cfg.model.vocab_size else replace(cfg.model, vocab_size=cfg.prepare.vocab_size)
+    ckpt = checkpoint_bytes(_param_count(m))
+    need = ckpt * (cfg.checkpoint.keep_last + 1)  # keep_last kept + the one being written
+    free = shutil.disk_usage(where).free
+    status = "fail" if free < ckpt else ("warn" if free < need else "ok")
+    out.append(Finding(status, "disk", f"{free / GB:,.1f} GB free in {where}; a checkpoint is {ckpt / GB:,.3f} GB, "
+                                       f"{cfg.checkpoint.keep_last} kept + 1 in flight = {need / GB:,.3f} GB",
+                       "free space, lower checkpoint.keep_last, or choose another --run dir"))
+    mem = _meminfo()
+    if "MemAvailable" in mem:
+        avail = mem["MemAvailable"]
+        need_host = 16 * _param_count(m) if cfg.device.target in ("cpu", "auto") else 2 * GB
+        status = "warn" if avail < max(need_host, 2 * GB) else "ok"
+        out.append(Finding(status, "memory", f"{avail / GB:,.1f} GB available of {mem.get('MemTotal', 0) / GB:,.1f} GB",
+                           "close other jobs or train a smaller model; `mspretrain plan` estimates the need"))
+    return out
+
+
+def check_cgroup(cfg: Config, cgroup_root: Path = Path("/sys/fs/cgroup")) -> list[Finding]:
+    from mspretrain.ops.isolate import cgroup_v2_writable
+
+    ok, why = cgroup_v2_writable(cgroup_root)
+    if ok:
+        return [Finding("ok", "cpu isolation", f"cgroup v2 with the cpu controller at {cgroup_root}")]
+    status = "warn" if cfg.device.cpu_quota > 0 else "ok"
+    return [Finding(status, "cpu isolation", f"no cgroup v2 quota possible ({why}); --cpu-quota falls back to CPU affinity + nice",
+                    "run as root on a host with a writable cgroup v2 hierarchy (systemd-run --scope -p CPUQuota=60% also works)")]
+
+
+def run_checks(run_dir: Path, cfg: Config, *, mountinfo: str | Path = MOUNTINFO) -> list[Finding]:
+    return (check_python_stack() + check_mindspore(cfg.device.target) + check_ascend()
+            + check_launcher_and_threads(cfg) + check_run_dir(run_dir, cfg, mountinfo) + check_cgroup(cfg))
+
+
+def format_findings(findings: list[Finding]) -> str:
+    lines = []
+    for f in findings:
+        lines.append(f"[{f.status:^4}] {f.name}: {f.detail}")
+        if f.status != "ok" and f.fix:
+            lines.append(f"       fix: {f.fix}")
+    n = {s: sum(1 for f in findings if f.status == s) for s in ("ok", "warn", "fail")}
+    lines.append(f"{n['ok']} ok, {n['warn']} warn, {n['fail']} fail")
+    return "\n".join(lines)

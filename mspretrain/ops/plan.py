@@ -1,0 +1,209 @@
+"""`mspretrain plan`: parameters, memory per device, steps, warm-up, lr, time and cost — before launch.
+
+Design choices:
+- Pure arithmetic on the config: no MindSpore import, answers in milliseconds, testable by hand.
+- Memory per device (bytes), P = parameters, D = devices, "zero" = optimizer-state sharding
+  (MindSpore's parallel optimizer, Ascend only):
+    master weights  4P (fp32)          / D with zero
+    half weights    2P (fp16/bf16 only: the copy the matmuls read)
+    gradients       4P (fp32 accumulation buffers that train/step.py keeps across micro-batches)
+    micro-batch     4P (fp32 gradients of one micro-batch before they are added to the buffers: an
+      gradients        upper bound, the graph compiler may free them layer by layer)
+    Adam moments    8P (fp32 m and v)  / D with zero
+    activations     per micro-batch of b sequences of length s, per layer (e = 2 bytes for
+                    fp16/bf16 compute, 4 for fp32; h = dim, f = ffn_dim, kv = n_kv_heads*head_dim,
+                    a = n_heads):  e*s*b*(6h + 2kv + 4f) + attention
+                    i.e. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+                    Transformer Models", eq. 1) redone for Llama: SwiGLU MLP, RMSNorm, no dropout.
+                    attention = (4 + e)*a*s^2*b for the math path (fp32 softmax output for its
+                    backward plus the probabilities cast back for P@V; one tensor when e = 4), or
+                    64*a*s*b with Ascend's FlashAttentionScore (fp32 row max and sum, 8 lanes
+                    each) — flash is what our model runs on Ascend in fp16/bf16. With full recomputation
+                    only each layer's input (e*s*b*h) is kept, plus one layer's activations while it
+                    is recomputed. Plus fp32 logits and log-probabilities: 8*s*b*V.
+  Framework workspace, communication buffers and fragmentation are not modelled: the plan warns
+  above 90 % of device memory, not only above 100 %.
+- Warm-up and lr come from `train.schedule` (the same functions the trainer uses), so the plan
+  and the run cannot disagree.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from mspretrain.config import Config, ModelConfig, micro_batches, resolve_model
+from mspretrain.errors import UserError
+from mspretrain.model.presets import param_count, preset
+from mspretrain.train.schedule import auto_warmup_steps, scaled_lr
+
+GB = 1024**3
+# MindSpore Transformers' published llama2_7b pretraining throughput (seq 4096, wikitext-2, 8 devices):
+# 4,100 tokens/s/p on Atlas 900 A2 PoDc (910B) — docs/model_cards/llama2.md ("模型性能") of
+# mindspore-lab/mindformers; the same table lists 4,160 tokens/s/p for pretrain_llama2_7b_bf16.yaml
+# on Atlas 800T A2.
+MINDFORMERS_LLAMA2_7B = {
+    "tokens_per_s_per_device": 4100.0, "seq_len": 4096, "devices": 8, "hardware": "Atlas 900 A2 PoDc (Ascend 910B)",
+    "source": "MindSpore Transformers docs/model_cards/llama2.md, model performance table: llama2_7b pretrain, wiki, seq 4096, 4100 tks/s/p",
+}
+LLAMA2_7B_PARAMS = 6_738_415_616  # HF meta-llama/Llama-2-7b-hf
+
+
+def _param_count(m: ModelConfig) -> int:
+    return int(param_count(m))
+
+
+def preset_model(name: str) -> ModelConfig:
+    return preset(name)
+
+
+def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str, recompute: bool,
+                     flash: bool = False) -> int:
+    """Activation memory of one micro-batch on one device (see the module docstring)."""
+    m = resolve_model(m)
+    e = 4 if dtype == "fp32" else 2
+    s, b, h, f, a = seq_len, micro_batch, m.dim, m.ffn_dim, m.n_heads
+    kv = m.n_kv_heads * (m.dim // m.n_heads)
+    attention = 64 * a * s * b if flash else (4 if e == 4 else 4 + e) * a * s * s * b
+    per_layer = e * s * b * (6 * h + 2 * kv + 4 * f) + attention
+    logits = 8 * s * b * m.vocab_size
+    if recompute:
+        return m.n_layers * e * s * b * h + per_layer + logits
+    return m.n_layers * per_layer + logits
+
+
+def checkpoint_bytes(params: int) -> int:
+    """One checkpoint on disk: fp32 weights + fp32 Adam m and v (safetensors), JSON negligible."""
+    return 12 * params
+
+
+def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path | None,
+              tokens_per_s_per_device: float | None, device_mem_gb: float = 64.0,
+              zero: bool = False, recompute: bool = False, flash: bool | None = None) -> dict:
+    """The plan as a dict (bytes, steps, hours); `format_plan` prints it.
+
+    flash: whether attention runs as Ascend's fused kernel; default: fp16/bf16 on a non-CPU target.
+    """
+    if devices < 1:
+        raise UserError(f"--devices {devices} must be at least 1", "give the number of devices, e.g. --devices 8")
+    m, t = cfg.model, cfg.train
+    manifest_tokens = None
+    if data_dir is not None:
+        mpath = Path(data_dir) / "manifest.json"
+        if not mpath.is_file():
+            raise UserError(f"{mpath} does not exist", "pass --data with a data dir written by `mspretrain prepare`")
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        manifest_tokens = int(manifest["tokens"]["train"])
+        if not m.vocab_size:
+            m = replace(m, vocab_size=int(manifest["vocab_size"]))
+    if not m.vocab_size:
+        raise UserError("model.vocab_size is 0 (taken from the data dir at train time)", "pass --data DIR or set model.vocab_size=N")
+    m = resolve_model(m)
+    seq, gb = cfg.data.seq_len, t.global_batch
+    micro, accum = micro_batches(cfg, devices)
+    per_step = gb * seq
+    budget = tokens or manifest_tokens or t.max_tokens or (t.max_steps * per_step if t.max_steps else 0)
+    if not budget:
+        raise UserError("no token budget", "pass --tokens N, --data DIR, or set train.max_tokens / train.max_steps")
+    steps = math.ceil(budget / per_step)
+    if cfg.schedule.warmup_steps == "auto":
+        warmup = auto_warmup_steps(manifest_tokens or budget, gb, seq)
+        warmup_note = f"auto: ceil(0.02 x {manifest_tokens or budget:,} / ({gb} x {seq}))"
+    else:
+        warmup, warmup_note = int(cfg.schedule.warmup_steps), "from schedule.warmup_steps"
+    lr = scaled_lr(cfg.optim.lr, gb, cfg.optim.lr_scaling)
+
+    P = _param_count(m)
+    half = cfg.precision.dtype in ("fp16", "bf16")
+    if flash is None:
+        flash = half and cfg.device.target != "cpu"
+    shard = devices if zero else 1
+    mem = {
+        "master_weights": 4 * P / shard,
+        "half_weights": 2 * P if half else 0,
+        "gradients": 4 * P,
+        "micro_gradients": 4 * P,
+        "adam_moments": 8 * P / shard,
+        "activations": activation_bytes(m, seq, micro, cfg.precision.dtype, recompute, flash),
+    }
+    mem["total"] = sum(mem.values())
+    other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash)
+    plan: dict[str, Any] = {
+        "model": {"dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
+                  "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
+        "params": P, "devices": devices, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
+        "seq_len": seq, "dtype": cfg.precision.dtype, "zero": zero, "recompute": recompute, "flash_attention": flash,
+        "tokens": budget, "tokens_source": "--tokens" if tokens else ("data dir" if manifest_tokens else "config"),
+        "steps": steps, "warmup_steps": warmup, "warmup_note": warmup_note,
+        "lr": lr, "lr_note": f"{cfg.optim.lr:g} x sqrt({gb}/32)" if cfg.optim.lr_scaling == "sqrt" else "no scaling",
+        "memory_bytes": mem, "activations_other_bytes": other, "device_mem_gb": device_mem_gb,
+        "checkpoint_bytes": checkpoint_bytes(P), "warnings": [],
+    }
+    total_gb = mem["total"] / GB
+    if total_gb > device_mem_gb:
+        fixes = [f for f, ok in (("--recompute", not recompute), ("--zero (Ascend)", not zero and devices > 1),
+                                 ("a smaller train.micro_batch", micro > 1)) if ok]
+        plan["warnings"].append(f"WILL NOT FIT: {total_gb:.1f} GB per device > {device_mem_gb:g} GB device memory"
+                                + (f"; try {', '.join(fixes)}" if fixes else "; use more devices with model parallelism or a smaller model"))
+    elif total_gb > 0.9 * device_mem_gb:
+        plan["warnings"].append(f"tight: {total_gb:.1f} GB of {device_mem_gb:g} GB per device; workspace and fragmentation "
+                                "are not in this estimate")
+    if tokens_per_s_per_device:
+        hours = budget / (tokens_per_s_per_device * devices) / 3600
+        plan["time"] = {"tokens_per_s_per_device": tokens_per_s_per_device, "hours": hours, "device_hours": hours * devices}
+        if cfg.cost.price_per_device_hour:
+            plan["time"]["cost"] = hours * devices * cfg.cost.price_per_device_hour
+    if abs(P - LLAMA2_7B_PARAMS) / LLAMA2_7B_PARAMS < 0.01:
+        ref = dict(MINDFORMERS_LLAMA2_7B)
+        ref["hours_at_reference"] = budget / (ref["tokens_per_s_per_device"] * devices) / 3600
+        if tokens_per_s_per_device:
+            ref["ratio"] = tokens_per_s_per_device / ref["tokens_per_s_per_device"]
+        plan["reference"] = ref
+    return plan
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:,.2f} GB"
+
+
+def format_plan(plan: dict) -> str:
+    m, mem = plan["model"], plan["memory_bytes"]
+    lines = [
+        f"model      dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads (kv {m['n_kv_heads']}), ffn {m['ffn_dim']}, vocab {m['vocab_size']:,}",
+        f"params     {plan['params']:,} ({plan['params'] / 1e9:.2f} B)",
+        f"layout     {plan['devices']} devices, global batch {plan['global_batch']} = micro {plan['micro_batch']} x accum {plan['accumulation']} x {plan['devices']}, seq {plan['seq_len']}, {plan['dtype']}"
+        + (", optimizer sharding" if plan["zero"] else "") + (", recompute" if plan["recompute"] else "")
+        + (", flash attention" if plan["flash_attention"] else ""),
+        f"tokens     {plan['tokens']:,} (from {plan['tokens_source']})",
+        f"steps      {plan['steps']:,}",
+        f"warm-up    {plan['warmup_steps']:,} steps ({plan['warmup_note']})",
+        f"lr         {plan['lr']:.3g} ({plan['lr_note']})",
+        "memory per device:",
+    ]
+    for key, label in (("master_weights", "master weights (fp32)"), ("half_weights", "half-precision weights"),
+                       ("gradients", "gradient buffers (fp32)"), ("micro_gradients", "micro-batch gradients (fp32)"),
+                       ("adam_moments", "Adam moments (fp32)"),
+                       ("activations", "activations" + (" (recompute)" if plan["recompute"] else ""))):
+        if mem[key]:
+            lines.append(f"  {label:<28} {_gb(mem[key]):>12}")
+    lines.append(f"  {'total':<28} {_gb(mem['total']):>12}   of {plan['device_mem_gb']:g} GB")
+    alt = "without" if plan["recompute"] else "with"
+    lines.append(f"  (activations {alt} recompute: {_gb(plan['activations_other_bytes'])})")
+    lines.append(f"checkpoint {_gb(plan['checkpoint_bytes'])} on disk each")
+    if "time" in plan:
+        tm = plan["time"]
+        lines.append(f"time       {tm['hours']:,.1f} h ({tm['hours'] / 24:,.1f} days) at {tm['tokens_per_s_per_device']:,.0f} tokens/s/device, "
+                     f"{tm['device_hours']:,.0f} device-hours" + (f", cost {tm['cost']:,.2f}" if "cost" in tm else ""))
+    else:
+        lines.append("time       — (give --tokens-per-s, measured from a short run: `mspretrain report` shows it)")
+    if "reference" in plan:
+        r = plan["reference"]
+        lines.append(f"reference  MindSpore Transformers llama2_7b pretraining: {r['tokens_per_s_per_device']:,.0f} tokens/s/device "
+                     f"(seq {r['seq_len']}, {r['devices']} x {r['hardware']}) -> {r['hours_at_reference']:,.1f} h for this budget"
+                     + (f"; your figure is {r['ratio']:.2f}x of it" if "ratio" in r else ""))
+        lines.append(f"           source: {r['source']}")
+    for w in plan["warnings"]:
+        lines.append(f"WARNING: {w}")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""`plan`: numbers for a small config equal a hand computation; 7B parameters equal HF's count."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mspretrain import config as cfgmod
+from mspretrain.cli import main
+from mspretrain.config import ModelConfig
+from mspretrain.errors import UserError
+from mspretrain.ops.plan import LLAMA2_7B_PARAMS, _param_count, checkpoint_bytes, format_plan, make_plan
+
+LLAMA2_7B = ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, ffn_dim=11008, max_seq_len=4096)
+# Small config by hand: dim 64, 2 layers, 4 heads, vocab 1000, ffn = 32 * ceil(int(2*256/3) / 32) = 192.
+P_SMALL = 1000 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 192 + 2 * 64) + 64 + 64 * 1000  # embed, layers, final norm, head
+assert P_SMALL == 234_816
+
+
+def small_cfg(*overrides: str) -> cfgmod.Config:
+    return cfgmod.load(None, ["model.vocab_size=1000", "train.max_steps=100", *overrides])
+
+
+def test_small_fp32_plan_by_hand():
+    plan = make_plan(small_cfg(), devices=1, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    assert plan["params"] == P_SMALL
+    mem = plan["memory_bytes"]
+    assert mem["master_weights"] == 4 * P_SMALL and mem["half_weights"] == 0
+    assert mem["gradients"] == 4 * P_SMALL and mem["micro_gradients"] == 4 * P_SMALL
+    assert mem["adam_moments"] == 8 * P_SMALL
+    # activations, fp32 (e=4), s=64, b=8, h=64, kv=64, f=192, a=4, 2 layers, V=1000:
+    per_layer = 4 * 64 * 8 * (6 * 64 + 2 * 64 + 4 * 192) + 4 * 4 * 64 * 64 * 8
+    logits = 8 * 64 * 8 * 1000
+    assert mem["activations"] == 2 * per_layer + logits
+    assert plan["activations_other_bytes"] == 2 * 4 * 64 * 8 * 64 + per_layer + logits  # with recompute
+    assert mem["total"] == 20 * P_SMALL + 2 * per_layer + logits
+    assert plan["tokens"] == 100 * 8 * 64 and plan["steps"] == 100
+    assert plan["warmup_steps"] == math.ceil(0.02 * 51200 / (8 * 64)) == 2
+    assert plan["lr"] == 3e-4 and plan["checkpoint_bytes"] == checkpoint_bytes(P_SMALL) == 12 * P_SMALL
+    assert plan["warnings"] == [] and "time" not in plan and "reference" not in plan
+
+
+def test_sharding_half_precision_recompute_time_cost_and_sqrt_lr():
+    cfg = small_cfg("precision.dtype=fp16", "optim.lr_scaling=sqrt", "cost.price_per_device_hour=2.5", "device.target=cpu")
+    plan = make_plan(cfg, devices=2, tokens=1_024_000, data_dir=None, tokens_per_s_per_device=1000.0,
+                     zero=True, recompute=True)
+    mem = plan["memory_bytes"]
+    assert plan["micro_batch"] == 4 and plan["accumulation"] == 1 and plan["flash_attention"] is False
+    assert mem["master_weights"] == 4 * P_SMALL / 2 and mem["adam_moments"] == 8 * P_SMALL / 2
+    assert mem["half_weights"] == 2 * P_SMALL
+    # fp16: e=2, math attention keeps (4 + 2) bytes per probability; recompute keeps each layer's input.
+    per_layer = 2 * 64 * 4 * (6 * 64 + 2 * 64 + 4 * 192) + 6 * 4 * 64 * 64 * 4
+    assert mem["activations"] == 2 * 2 * 64 * 4 * 64 + per_layer + 8 * 64 * 4 * 1000
+    assert plan["steps"] == 1_024_000 // 512 and plan["warmup_steps"] == math.ceil(0.02 * 2000)
+    assert plan["lr"] == pytest.approx(3e-4 * math.sqrt(8 / 32))
+    hours = 1_024_000 / (1000 * 2) / 3600
+    assert plan["time"] == pytest.approx({"tokens_per_s_per_device": 1000.0, "hours": hours,
+                                          "device_hours": 2 * hours, "cost": 2 * hours * 2.5})
+
+
+def test_data_dir_tokens_set_budget_and_auto_warmup(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"tokens": {"train": 5_000_000, "valid": 1}, "vocab_size": 777}))
+    cfg = cfgmod.load(None, ["train.max_steps=10", "train.global_batch=16", "data.seq_len=128", "model.max_seq_len=128"])
+    plan = make_plan(cfg, devices=1, tokens=None, data_dir=tmp_path, tokens_per_s_per_device=None)
+    assert plan["model"]["vocab_size"] == 777 and plan["tokens_source"] == "data dir"
+    assert plan["steps"] == math.ceil(5_000_000 / 2048) and plan["warmup_steps"] == math.ceil(0.02 * 5_000_000 / 2048)
+
+
+def test_llama2_7b_param_count_matches_hf():
+    from mspretrain.model.presets import preset
+
+    assert _param_count(LLAMA2_7B) == LLAMA2_7B_PARAMS == 6_738_415_616
+    assert _param_count(preset("llama2-7b")) == 6_738_415_616
+
+
+def test_llama2_7b_on_8_devices_warns_and_cites_reference():
+    cfg = cfgmod.Config(model=LLAMA2_7B, data=cfgmod.DataConfig(seq_len=4096),
+                        train=cfgmod.TrainConfig(global_batch=512, micro_batch=1, max_steps=1),
+                        precision=cfgmod.PrecisionConfig(dtype="bf16"), device=cfgmod.DeviceConfig(target="ascend"))
+    plan = make_plan(cfg, devices=8, tokens=120_000_000_000, data_dir=None, tokens_per_s_per_device=3000.0)
+    assert plan["flash_attention"] and plan["accumulation"] == 64
+    assert plan["warnings"] and plan["warnings"][0].startswith("WILL NOT FIT")
+    fits = make_plan(cfg, devices=8, tokens=120_000_000_000, data_dir=None, tokens_per_s_per_device=None,
+                     device_mem_gb=80.0, zero=True, recompute=True)
+    assert fits["memory_bytes"]["total"] < 80 * 1024**3 and not any("NOT FIT" in w for w in fits["warnings"])
+    ref = plan["reference"]
+    assert ref["tokens_per_s_per_device"] == 4100.0 and "llama2.md" in ref["source"]
+    assert ref["ratio"] == pytest.approx(3000 / 4100)
+    text = format_plan(plan)
+    assert "WARNING: WILL NOT FIT" in text and "4,100 tokens/s/device" in text and "6,738,415,616" in text
+
+
+def test_errors_are_user_errors(capsys):
+    with pytest.raises(UserError):
+        make_plan(small_cfg(), devices=3, tokens=None, data_dir=None, tokens_per_s_per_device=None)  # 8 % 3
+    with pytest.raises(UserError):
+        make_plan(cfgmod.load(None, ["train.max_steps=5"]), devices=1, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    assert main(["plan", "--devices", "0", "model.vocab_size=1000", "train.max_steps=5"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_plan_cli_with_preset(capsys):
+    assert main(["plan", "--model", "llama2-7b", "--devices", "8", "--tokens", "1e9", "data.seq_len=4096",
+                 "train.global_batch=64", "train.micro_batch=1", "precision.dtype=bf16", "model.n_layers=16"]) == 0
+    out = capsys.readouterr().out
+    assert "dim 4096, 16 layers" in out  # the preset, with a model.* override on top
+
+
+def test_plan_cli_json(capsys):
+    assert main(["plan", "--json", "--tokens", "51200", "--tokens-per-s", "100", "model.vocab_size=1000", "train.max_steps=1"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["params"] == P_SMALL and plan["steps"] == 100 and plan["time"]["hours"] == pytest.approx(51200 / 100 / 3600)

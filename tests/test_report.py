@@ -1,0 +1,209 @@
+"""HTML report: from a real tiny run and from synthetic run dirs (live, partial, sparse), plus
+TensorBoard dashboard wiring and a headless-Chromium screenshot when Chromium is installed."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mspretrain import config as cfgmod
+from mspretrain.cli import main
+from mspretrain.monitor.report import build_report, read_metrics, summarize
+
+PANELS = ("loss", "eval_ppl", "lr", "grad_norm", "loss_scale", "throughput", "memory")
+
+
+class _Collect(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.imgs: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.imgs.append(dict(attrs)["src"])
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def parse(html_path: Path) -> _Collect:
+    p = _Collect()
+    p.feed(html_path.read_text(encoding="utf-8"))
+    p.close()
+    return p
+
+
+def assert_plot_png(data: bytes) -> None:
+    img = np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float32)
+    assert img.shape[0] > 100 and img.shape[1] > 300
+    # A plot has ink: a good share of non-white pixels, not a blank canvas.
+    assert (img < 200).mean() > 0.01
+
+
+def write_data_dir(root: Path) -> Path:
+    d = root / "data"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({
+        "fingerprint": "abc123", "tokens": {"train": 51200, "valid": 1000}, "vocab_size": 1000,
+        "special_ids": {"bos": 1, "eos": 2, "pad": 0, "unk": 3}, "documents": {"train": 300, "valid": 5},
+        "characters": 80000, "chars_per_token": 1.56}))
+    return d
+
+
+def synthetic_run(root: Path, *, partial: bool = True) -> Path:
+    run = root / "run"
+    run.mkdir()
+    cfg = cfgmod.load(None, ["train.max_steps=200", "cost.price_per_device_hour=3.0", "schedule.warmup_steps=10"])
+    cfgmod.save(cfg, run / "config.toml")
+    (run / "run_meta.json").write_text(json.dumps({"data_dir": str(write_data_dir(root)), "world_size": 2,
+                                                   "hardware": {"device": "cpu", "cpus": 2}}))
+    lines = []
+    for s in range(1, 201):
+        rec = {"step": s, "loss": 6.0 - 2.0 * (1 - math.exp(-s / 50)), "lr": 3e-4, "loss_scale": 1024.0, "skipped": 0}
+        if s == 120:
+            rec["loss"] += 1.0  # the planted spike
+        if s % 10 == 0:
+            rec.update(grad_norm=1.0, tokens_per_s=2000.0, mfu=0.31, elapsed_s=s * 0.5)
+        if s % 50 == 0:
+            rec.update({"mem_mb": 800.0 + s, "eval/ppl": 300.0 / s})
+        lines.append(json.dumps(rec))
+    text = "\n".join(lines) + "\n"
+    if partial:
+        text += '{"step": 201, "loss": 3.9'  # the writer is mid-line: a live run
+    (run / "metrics.jsonl").write_text(text)
+    return run
+
+
+def test_report_from_synthetic_live_run(tmp_path):
+    run = synthetic_run(tmp_path)
+    out = build_report(run)
+    assert out == run / "report" / "report.html"
+    page = parse(out)
+    assert len(page.imgs) == len(PANELS)
+    for src, stem in zip(page.imgs, PANELS):
+        assert src.startswith("data:image/png;base64,")
+        data = base64.b64decode(src.split(",", 1)[1])
+        assert data == (run / "report" / f"{stem}.png").read_bytes()
+        assert_plot_png(data)
+    text = " ".join(page.text)
+    assert "step 120: loss spike" in text  # the spike is listed (and marked on the loss plot)
+    assert "1 unreadable line" in text and "may still be going" in text
+    assert "abc123" in text and "51,200" in text  # the data manifest summary
+    s = summarize(run)
+    assert s["last_step"] == 200 and s["world_size"] == 2
+    assert s["tokens"] == 200 * 8 * 64  # steps x global batch x seq len (no `tokens` logged)
+    assert s["hours"] == pytest.approx(100 / 3600) and s["hours_note"] == "logged"
+    assert s["cost"] == pytest.approx(100 / 3600 * 2 * 3.0)
+    assert s["best_ppl"] == pytest.approx(1.5)
+    assert [e["step"] for e in s["events"] if e["kind"] == "loss_spike"] == [120]
+
+
+def test_report_with_missing_metrics_and_out_file(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 / s}) + "\n" for s in range(1, 30)))
+    out = build_report(run, tmp_path / "elsewhere" / "r.html")
+    page = parse(out)
+    assert len(page.imgs) == 1  # only the loss panel has data
+    assert " ".join(page.text).count("no data in metrics.jsonl") == len(PANELS) - 1
+    assert sorted(p.name for p in (run / "report").glob("*.png")) == ["loss.png"]
+
+
+def test_read_metrics_later_line_wins_and_bad_lines_counted(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 2, "loss": 1}\n{"step": 1, "loss": 5}\nnot json\n{"step": 2, "loss": 7, "lr": 1}\n')
+    recs, bad = read_metrics(p)
+    assert recs == [{"step": 1, "loss": 5}, {"step": 2, "loss": 7, "lr": 1}] and bad == 1
+
+
+def test_report_cli(tmp_path, capsys):
+    run = synthetic_run(tmp_path, partial=False)
+    assert main(["report", str(run), "--out", str(tmp_path / "x.html")]) == 0
+    assert (tmp_path / "x.html").is_file()
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_dashboard_binds_localhost_or_says_how_to_install(tmp_path, capsys, monkeypatch):
+    from mspretrain.commands import dashboard
+
+    (tmp_path / "tb").mkdir()
+    monkeypatch.setattr(dashboard, "tensorboard_command", lambda logdir, port: None)
+    assert main(["dashboard", str(tmp_path)]) == 2
+    assert "pip install" in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(dashboard, "tensorboard_command", lambda logdir, port: ["tb", logdir, "127.0.0.1", str(port)])
+    monkeypatch.setattr(dashboard.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert main(["dashboard", str(tmp_path), "--port", "7007"]) == 0
+    assert calls == [["tb", str(tmp_path / "tb"), "127.0.0.1", "7007"]]
+    monkeypatch.undo()
+    cmd = dashboard.tensorboard_command("d", 6006)
+    assert cmd is None or cmd[cmd.index("--host") + 1] == "127.0.0.1"
+
+
+# ------------------------------------------------------------------ a real tiny run
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """Twelve steps of the tiny config through the real Trainer, on a random-token data dir."""
+    from mspretrain.data.shards import ShardWriter, token_dtype
+    from mspretrain.train.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("real")
+    data = root / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    tokens = {}
+    for split, n in (("train", 60), ("valid", 8)):
+        w = ShardWriter(data / split, token_dtype(256))
+        tokens[split] = 0
+        for _ in range(n):
+            doc = np.append(rng.integers(4, 256, size=int(rng.integers(20, 60))), 2)
+            w.add(doc)
+            tokens[split] += len(doc)
+        w.finalize()
+    (data / "manifest.json").write_text(json.dumps({
+        "fingerprint": "fp-real", "tokens": tokens, "vocab_size": 256, "documents": {"train": 60, "valid": 8},
+        "special_ids": {"bos": 1, "eos": 2, "pad": 0, "unk": 3}}))
+    cfg = cfgmod.load(Path(__file__).parent.parent / "configs" / "tiny.toml", [
+        "train.max_steps=12", "metrics.grad_norm_every=2", "metrics.memory_every=3", "metrics.throughput_every=2",
+        "eval.every=6", "eval.max_tokens=256", "checkpoint.every=0", "cost.price_per_device_hour=2.0"])
+    Trainer(cfg, data, root / "run", log=lambda s: None).train()
+    return root / "run"
+
+
+def test_report_from_real_tiny_run(real_run):
+    out = build_report(real_run)
+    page = parse(out)
+    assert len(page.imgs) == len(PANELS)  # the trainer logs every metric a panel needs
+    for src in page.imgs:
+        assert_plot_png(base64.b64decode(src.split(",", 1)[1]))
+    s = summarize(real_run)
+    assert s["last_step"] == 12 and s["mean_tokens_per_s"] > 0 and s["cost"] > 0
+    assert s["manifest"]["fingerprint"] == "fp-real"
+
+
+CHROMIUM = shutil.which("chromium") or (Path("/usr/bin/chromium").exists() and "/usr/bin/chromium")
+
+
+@pytest.mark.skipif(not CHROMIUM, reason="Chromium is not installed (Debian package `chromium`)")
+def test_report_screenshot_in_headless_chromium(tmp_path):
+    run = synthetic_run(tmp_path)
+    html_path = build_report(run)
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+                    "--window-size=1100,2200", "--hide-scrollbars", html_path.as_uri()],
+                   check=True, timeout=120, capture_output=True)
+    img = np.asarray(Image.open(shot).convert("L"), dtype=np.float32)
+    assert img.shape == (2200, 1100)
+    assert (img < 200).mean() > 0.02  # text and plots were painted, not an empty page
