@@ -45,8 +45,16 @@ EPILOG = """examples:
 Every command takes --help, and section.key=value config overrides after its options."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the contract's error format: `error: …` and `hint: …`, exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"error: {message}\nhint: see `{self.prog} --help`\n")
+        sys.exit(2)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mspretrain",
         description="Pretrain Llama-style Chinese language models on MindSpore (CPU for development, Ascend 910B in production).",
         epilog=EPILOG,
@@ -55,7 +63,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mspretrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        if only is not None and name != only:
+        if name != only:  # only the chosen command's module is imported
             sub.add_parser(name, help=help_text, add_help=False)
             continue
         module = importlib.import_module(module_name)

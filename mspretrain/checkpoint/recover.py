@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from mspretrain.checkpoint import store
 from mspretrain.config import load as load_config
 from mspretrain.errors import UserError
+from mspretrain.train.loss_scale import LossScaler
 
 WEIGHT_FILES = (store.MODEL_FILE, store.OPTIM_FILE, "config.toml")
 
@@ -37,9 +36,9 @@ def _weights_intact(ckpt: Path) -> str | None:
     return None
 
 
-def _metrics_at(run_dir: Path, step: int) -> dict:
-    """The last value of each metric logged at or before `step`."""
-    out: dict = {}
+def _read_metrics(run_dir: Path, step: int) -> dict[int, dict]:
+    """Records of metrics.jsonl by step, up to `step` (later lines of a resumed run win)."""
+    out: dict[int, dict] = {}
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return out
@@ -49,13 +48,30 @@ def _metrics_at(run_dir: Path, step: int) -> dict:
         except ValueError:
             continue  # a torn last line of a crashed run
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
-            out.update(rec)
+            out.setdefault(rec["step"], {}).update(rec)
     return out
+
+
+def _replay_loss_scale(cfg, records: dict[int, dict], step: int) -> LossScaler | None:
+    """The scaler after `step` steps, replayed from the per-step skip counts (exact when every step is logged)."""
+    scaler = LossScaler.from_config(cfg.precision)
+    prev = 0
+    for s in range(1, step + 1):
+        rec = records.get(s)
+        if rec is None or "skipped" not in rec:
+            return None
+        used = rec.get("loss_scale")
+        if used is not None and scaler.mode != "none" and abs(float(used) - scaler.scale) > 1e-6 * scaler.scale:
+            return None  # the log disagrees with the replay: do not guess
+        skipped = int(rec["skipped"])
+        scaler.update(skipped == prev)
+        prev = skipped
+    return scaler
 
 
 def recover(run_dir: Path, step: int | None = None) -> list[str]:
     from mspretrain.data.loader import Loader
-    from mspretrain.data.mixing import mix_schedule, normalise
+    from mspretrain.data.mixing import consumed_after, normalise
 
     run_dir = Path(run_dir)
     ckpts = store.list_checkpoints(run_dir)
@@ -80,7 +96,10 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
     cfg = load_config(d / "config.toml")
     meta = json.loads((run_dir / "run_meta.json").read_text(encoding="utf-8")) if (run_dir / "run_meta.json").is_file() else {}
     world = int(meta.get("world_size", 1))
-    m = _metrics_at(run_dir, s)
+    records = _read_metrics(run_dir, s)
+    m: dict = {}
+    for k in sorted(records):
+        m.update(records[k])
     rebuilt, guessed = [], []
 
     ts_ok = _json_ok(d / "train_state.json")
@@ -90,10 +109,13 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
         ts = {"step": s, "applied_steps": s - skipped, "tokens_seen": tokens, "skipped_steps": skipped,
               "rng": {"seed": cfg.train.seed, "note": "reseeded deterministically from the run seed"},
               "world_size": world, "recovered": True}
-        scale = m.get("loss_scale")
-        if scale is not None:
-            ts["loss_scale"] = {"scale": float(scale), "steps": s, "good_steps": 0, "warming": False}
-            rebuilt.append(f"loss scale {scale:g} (from metrics.jsonl at step {m.get('step')})")
+        scaler = _replay_loss_scale(cfg, records, s)
+        if scaler is not None:
+            ts["loss_scale"] = scaler.state()
+            rebuilt.append(f"loss scale {scaler.scale:g} (replayed over the {s} steps of metrics.jsonl)")
+        elif m.get("loss_scale") is not None:
+            ts["loss_scale"] = {"scale": float(m["loss_scale"]), "good_steps": 0, "warming": False}
+            guessed.append(f"loss scale {m['loss_scale']:g}: the last logged value; its growth counter restarts")
         else:
             guessed.append("loss scale: not in metrics.jsonl, the config's initial scale will be used")
         (d / "train_state.json").write_text(json.dumps(ts, indent=1, sort_keys=True), encoding="utf-8")
@@ -111,12 +133,7 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
                         rank=0, world=world, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
                         token_dtype=cfg.data.token_dtype, log=lambda x: None)
         total = s * cfg.train.global_batch
-        if len(sources) == 1:
-            consumed = (total,)
-        else:
-            probs = normalise([w for _, w in sources])
-            sched = mix_schedule(np.zeros(len(sources), dtype=np.int64), probs, total)
-            consumed = tuple(int(c) for c in np.bincount(sched, minlength=len(sources)))
+        consumed = tuple(int(c) for c in consumed_after(normalise([w for _, w in sources]), total))
         (d / "data_state.json").write_text(json.dumps(loader.state_at(consumed), indent=1, sort_keys=True), encoding="utf-8")
         rebuilt.append(f"data_state.json: {total:,} samples consumed (step {s} x global batch {cfg.train.global_batch})")
 

@@ -43,6 +43,10 @@ OPTIM_FILE = "optimizer.safetensors"
 MANIFEST = "manifest.json"
 
 
+class SaveError(OSError):
+    """A checkpoint could not be written (disk full, permissions, ...); nothing was published."""
+
+
 @dataclass(frozen=True)
 class CheckpointRef:
     dir: Path
@@ -102,6 +106,7 @@ def write_checkpoint_dir(
         tmp.mkdir(parents=True)
         save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, str(tmp / MODEL_FILE),
                   metadata={"format": "mspretrain", "step": str(step)})
+        _fault_delay()
         if optimizer is not None:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIM_FILE),
                       metadata={"format": "mspretrain", "step": str(step)})
@@ -124,10 +129,21 @@ def write_checkpoint_dir(
             shutil.rmtree(final_dir)
         os.replace(tmp, final_dir)
         _fsync(final_dir.parent)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # safetensors reports I/O failures as its own error type: one type for callers to catch
+        raise SaveError(str(exc).replace("Error while serializing: ", "")) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final_dir
+
+
+def _fault_delay() -> None:
+    """Fault-injection hook for the crash tests: hold a save open mid-write for N seconds."""
+    delay = os.environ.get("MSPRETRAIN_FAULT_SAVE_DELAY")
+    if delay:
+        time.sleep(float(delay))
 
 
 def write_weights_only_checkpoint(out_dir: str | Path, tensors: dict[str, np.ndarray], config: Config,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -128,6 +129,35 @@ class Tokenizer:
         return out
 
 
+MIN_COVERAGE = 0.98  # below this, too many characters would become byte sequences: refuse
+_META_PIECES = 4 + 256  # unk/bos/eos/pad + the 256 byte-fallback pieces
+
+
+def _coverage_for(sentences: list[str], vocab_size: int, wanted: float) -> tuple[float, int]:
+    """(character coverage that fits `vocab_size`, vocab needed for `wanted` coverage).
+
+    SentencePiece keeps the most frequent characters until their share reaches the coverage and
+    refuses to train if they (plus the meta pieces) outnumber the vocabulary; computing the
+    fitting coverage from the character counts up front costs one counting pass instead of a
+    failed training attempt per guess.
+    """
+    import numpy as np
+
+    cps = np.frombuffer("".join(sentences).encode("utf-32-le"), dtype=np.uint32)
+    counts = np.bincount(cps)
+    counts = np.sort(counts[counts > 0])[::-1]
+    share = np.cumsum(counts) / float(cps.size)  # share[k-1] = coverage of the top k characters
+    needed = int(np.searchsorted(share, wanted)) + 1 + _META_PIECES + 2
+    room = vocab_size - _META_PIECES - 2  # 2 spare: ties, and ' ' counted as '▁'
+    if room >= counts.size or share[max(room - 1, 0)] >= wanted:
+        return wanted, needed
+    if room < 2:
+        return 0.0, needed
+    # SentencePiece stops adding characters once the covered share reaches the coverage, so
+    # the share of the top room-1 characters keeps it at or below `room`.
+    return float(share[room - 2]), needed
+
+
 def train_sentencepiece(
     texts: Iterable[str],
     out_dir: str | Path,
@@ -140,7 +170,8 @@ def train_sentencepiece(
     """Train a Llama-style BPE model from `texts` into `out_dir/tokenizer.model`.
 
     Returns the tokenizer and warnings (e.g. the coverage had to be lowered). Raises
-    `UserError` when no vocabulary size can work for this text.
+    `UserError` when no vocabulary size can work for this text. SentencePiece's BPE trainer
+    has no randomness (no sampling: every sentence is used), so `seed` is recorded only.
     """
     import sentencepiece as spm
 
@@ -148,8 +179,14 @@ def train_sentencepiece(
     if not sentences:
         raise UserError("no text left to train a tokenizer on", "check the input files, or lower prepare.min_chars")
     warnings: list[str] = []
-    coverage = character_coverage
-    for attempt in range(6):
+    coverage, needed = _coverage_for(sentences, vocab_size, character_coverage)
+    too_small = UserError(
+        f"prepare.vocab_size = {vocab_size} is too small for the characters of this corpus (about {needed} needed "
+        f"for character coverage {character_coverage})",
+        f"raise prepare.vocab_size to {needed} or more (Chinese text needs roughly 5000-8000+; 16000-32000 is typical)")
+    for _attempt in range(4):
+        if coverage < MIN_COVERAGE:
+            raise too_small
         model = io.BytesIO()
         try:
             spm.SentencePieceTrainer.Train(
@@ -167,27 +204,41 @@ def train_sentencepiece(
                 unk_id=0, bos_id=1, eos_id=2, pad_id=3,
                 max_sentence_length=1 << 16,
                 num_threads=num_threads,
-                random_seed=seed,
                 train_extremely_large_corpus=False,
                 minloglevel=2,
             )
             break
         except RuntimeError as exc:
             msg = str(exc)
-            if "Vocabulary size is smaller than required_chars" in msg or "vocab_size" in msg and "required" in msg:
-                if coverage <= 0.98:
-                    raise UserError(
-                        f"prepare.vocab_size = {vocab_size} is too small for the characters of this corpus",
-                        "raise prepare.vocab_size (Chinese text needs roughly 5000-8000+; 16000-32000 is typical)") from None
-                coverage = round(coverage - 0.0025 if coverage > 0.99 else coverage - 0.005, 4)
+            if "smaller than required_chars" in msg:
+                # The estimate missed by a few characters (SentencePiece counts after its own
+                # normalisation): step down and try again.
+                coverage = round(coverage - 0.002, 6)
                 continue
-            if "Vocabulary size too high" in msg or "vocab_size" in msg and "too high" in msg.lower():
-                raise UserError(f"prepare.vocab_size = {vocab_size} is larger than this corpus can fill", "lower prepare.vocab_size or add more text") from None
+            if "too high" in msg.lower():
+                limit = re.search(r"<=\s*(\d+)", msg)
+                at_most = f" (at most {limit.group(1)})" if limit else ""
+                raise UserError(f"prepare.vocab_size = {vocab_size} is larger than this corpus can fill{at_most}",
+                                f"lower prepare.vocab_size{' to ' + limit.group(1) if limit else ''}, or add more text") from None
             raise UserError(f"SentencePiece could not train: {msg.splitlines()[-1][:160]}", "check the corpus and prepare.vocab_size") from None
-    else:  # pragma: no cover - loop always breaks or raises
-        raise UserError("SentencePiece could not train", "raise prepare.vocab_size")
+    else:
+        raise too_small
     if coverage != character_coverage:
-        warnings.append(f"vocab {vocab_size} is small for this corpus: character coverage lowered from {character_coverage} to {coverage} (rare characters fall back to bytes)")
+        warnings.append(f"vocab {vocab_size} is small for this corpus: character coverage lowered from {character_coverage} "
+                        f"to {coverage:.6g} (rarer characters become byte tokens; about {needed} pieces would keep {character_coverage})")
     out = Path(out_dir) / "tokenizer.model"
-    out.write_bytes(model.getvalue())
+    out.write_bytes(_without_thread_count(model.getvalue()))
     return Tokenizer.load(out), warnings
+
+
+def _without_thread_count(proto: bytes) -> bytes:
+    """The model with the recorded `num_threads` cleared: it is the only trace the thread count
+    leaves (the pieces do not depend on it), and it would make outputs differ by machine."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # needs protobuf; without it the model stays as trained
+        return proto
+    m = sentencepiece_model_pb2.ModelProto()
+    m.ParseFromString(proto)
+    m.trainer_spec.ClearField("num_threads")
+    return m.SerializeToString(deterministic=True)

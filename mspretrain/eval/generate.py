@@ -87,7 +87,10 @@ def _logits_fn(model: Any, length: int) -> Any:
     if length not in cache:
         import mindspore as ms
 
-        cache[length] = ms.jit(lambda tokens: model(tokens))
+        def logits(tokens):
+            return model(tokens)
+
+        cache[length] = ms.jit(logits)
     return cache[length]
 
 

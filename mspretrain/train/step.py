@@ -163,7 +163,7 @@ class TrainStep:
         if missing or unexpected:
             raise UserError(f"optimizer state does not match the model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",
                             "resume with the model config the checkpoint was written with")
-        self.opt_step.set_data(Tensor(int(tensors["opt_step"]), ms.int32))
+        self.opt_step.set_data(Tensor(int(np.asarray(tensors["opt_step"]).reshape(-1)[0]), ms.int32))
         for name, m, v in zip(self.names, self.exp_avg, self.exp_avg_sq):
             m.set_data(Tensor(tensors[f"exp_avg.{name}"].astype(np.float32)))
             v.set_data(Tensor(tensors[f"exp_avg_sq.{name}"].astype(np.float32)))

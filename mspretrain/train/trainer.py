@@ -81,6 +81,7 @@ class Summary:
     stopped_by_signal: bool = False
     final_checkpoint: Path | None = None
     stall_s: list[float] = field(default_factory=list)
+    loss_spikes: int = 0
 
 
 class Trainer:
@@ -161,6 +162,7 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped = 0
         self.rewinds = 0
+        self.loss_spikes = 0
         if self.resume_from is not None:
             self._load(self.resume_from, restore_data=True)
         if self.world.is_main:
@@ -223,16 +225,20 @@ class Trainer:
         from mspretrain.model.llama import state_numpy
 
         t0 = time.perf_counter()
+        # asnumpy() on CPU returns a view of the live parameter memory: the writer thread needs a
+        # snapshot, or the next step would change the weights while they are being written.
+        model = {k: v.copy() for k, v in state_numpy(self.model).items()}
+        optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
         try:
-            self.saver.save(step=self.step, model=state_numpy(self.model), optimizer=self.step_fn.optimizer_state(),
+            self.saver.save(step=self.step, model=model, optimizer=optim,
                             train_state=self.train_state(), data_state=self.loader.state(), config=self.cfg,
                             tokenizer_path=self._tokenizer_file(), stall_started=t0)
-        except OSError as exc:
+        except store.SaveError as exc:
             self._save_failed(exc)
         return self.run_dir / "checkpoints" / store.step_dir_name(self.step)
 
-    def _save_failed(self, exc: OSError) -> None:
-        msg = f"checkpoint save failed: {exc.strerror or exc} — previous checkpoints are intact"
+    def _save_failed(self, exc: store.SaveError) -> None:
+        msg = f"checkpoint save failed: {exc.strerror or exc}; previous checkpoints are intact"
         if self.cfg.checkpoint.on_error == "stop":
             raise UserError(msg, "free disk space (or fix permissions) and run the same command to resume")
         self.log(f"warning: {msg}; training continues (checkpoint.on_error=continue)")
@@ -259,12 +265,14 @@ class Trainer:
         t_begin = time.perf_counter()
         try:
             while self.step < self.total_steps and self._stop_signal is None:
+                t_step = time.perf_counter()
                 profiler.step_begin(self.step + 1)
                 res, lr, scale = self.train_step()
                 profiler.step_end(self.step)
                 tok_window += self.global_tokens
                 values: dict[str, float] = {"loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": scale,
-                                            "skipped": self.skipped}
+                                            "skipped": self.skipped, "tokens": self.tokens_seen,
+                                            "elapsed_s": round(time.perf_counter() - t_begin, 3)}
                 if self.step == start + 1:  # the first step includes graph compilation
                     t_window, tok_window = time.perf_counter(), 0
                 elif self.step % self.cfg.metrics.throughput_every == 0 or self.step % self.cfg.train.log_every == 0:
@@ -278,20 +286,23 @@ class Trainer:
                         values["cost_per_btok"] = self.cfg.cost.price_per_device_hour / (per_dev * 3600) * 1e9
                     summary.tokens_per_s = tps
                     t_window, tok_window = time.perf_counter(), 0
-                if self.step % self.cfg.metrics.memory_every == 0 or self.step == start + 1:
+                if self.step % self.cfg.metrics.memory_every == 0:
                     values["mem_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 summary.losses.append(res.loss)
                 self._spikes(res, values)
                 self.metrics.log(self.step, values)
                 if self.step % self.cfg.train.log_every == 0 or self.step == start + 1 or self.step == self.total_steps:
                     self._console(values, t_begin, start)
+                    if not self.world.is_main:  # per-rank timing in the msrun worker logs, for straggler diagnosis
+                        print(f"rank={self.world.rank} step={self.step} step_time={(time.perf_counter() - t_step):.3f}s", flush=True)
                 if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
                     self.evaluate()
                 if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
                     self.save()
             summary.final_checkpoint = self.save()
             self.saver.close()
-        except OSError as exc:
+            self._replica_check()
+        except store.SaveError as exc:
             self._save_failed(exc)
         finally:
             for s, h in old_handlers.items():
@@ -300,6 +311,10 @@ class Trainer:
             self.metrics.close()
         summary.step, summary.tokens_seen, summary.skipped = self.step, self.tokens_seen, self.skipped
         summary.stall_s = list(self.saver.stall_s)
+        summary.loss_spikes = self.loss_spikes
+        if summary.step > start:
+            self.log(f"spike detector: {self.loss_spikes} loss spike(s) above {self.cfg.spike.threshold} over the rolling "
+                     f"mean after warm-up in steps {start + 1}-{summary.step}")
         if self._stop_signal is not None:
             summary.stopped_by_signal = True
             self.log(f"stopped by {signal.Signals(self._stop_signal).name} after step {self.step}; checkpoint written. "
@@ -326,10 +341,11 @@ class Trainer:
         return res, lr, scale
 
     def _spikes(self, res: Any, values: dict[str, float]) -> None:
-        events = self.spikes.update(self.step, res.loss, res.grad_norm)
-        for e in events:
-            self.log(f"step {self.step}: {e}")
-        if events and any("loss" in e and "spike" in e for e in events):
+        findings = self.spikes.check(self.step, res.loss, res.grad_norm)
+        for f in findings:
+            self.log(f"warning: {f['message']}")
+        if any(f["kind"] == "loss_spike" for f in findings):
+            self.loss_spikes += 1
             values["spike"] = 1.0
             if self.cfg.spike.action == "rewind":
                 self.rewind()
@@ -355,6 +371,23 @@ class Trainer:
         self.rewinds += 1
         self.log(f"spike at step {spike_step}: rewound to {ckpt.name}, skipping "
                  f"{skip if skip else spike_step - self.step} steps of data")
+
+    def _replica_check(self) -> None:
+        """Every rank records a hash of its weights; data parallel replicas must be identical."""
+        if self.world.size == 1:
+            return
+        import hashlib
+
+        from mspretrain.model.llama import state_numpy
+
+        h = hashlib.sha256()
+        for name, arr in sorted(state_numpy(self.model).items()):
+            h.update(name.encode())
+            h.update(arr.tobytes())
+        ranks = self.run_dir / "ranks"
+        ranks.mkdir(parents=True, exist_ok=True)
+        (ranks / f"rank_{self.world.rank}.json").write_text(
+            json.dumps({"rank": self.world.rank, "step": self.step, "weights_sha256": h.hexdigest()}), encoding="utf-8")
 
     def evaluate(self) -> float:
         from mspretrain.eval.perplexity import evaluate_split

@@ -1,0 +1,166 @@
+"""Checkpoints that cannot lie: corruption is detected, crashes never leave a valid-looking half
+checkpoint, a full disk loses nothing, SIGKILL + resume is bit-identical, recover rebuilds state."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from mspretrain.checkpoint import store
+from mspretrain.cli import main
+from tests.conftest import TINY
+
+FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json", "data_state.json", "config.toml", "manifest.json")
+
+
+def _train_cmd(data: Path, run: Path, *over: str) -> list[str]:
+    return [sys.executable, "-m", "mspretrain.cli", "train", "--config", str(TINY), "--data", str(data),
+            "--run", str(run), "train.log_every=1", *over]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory, tiny_data) -> Path:
+    run = tmp_path_factory.mktemp("ck") / "run"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
+                 "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=3"]) == 0
+    return run
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "delete"])
+def test_corrupt_newest_checkpoint_falls_back(four_steps, tmp_path, damage):
+    for name in FILES:
+        run = tmp_path / f"{damage}-{name}"
+        shutil.copytree(four_steps, run)
+        f = run / "checkpoints" / "step_000004" / name
+        if damage == "delete":
+            f.unlink()
+        elif damage == "truncate":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        else:
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            f.write_bytes(bytes(data))
+        lines: list[str] = []
+        chosen = store.latest_verified(run, log=lines.append)
+        assert chosen is not None and chosen.name == "step_000002", (damage, name)
+        assert len(lines) == 1 and lines[0].startswith("checkpoint step_000004 is corrupt:") and "using step_000002" in lines[0], lines
+
+
+def test_tmp_dir_is_ignored_and_cleaned(four_steps, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(four_steps, run)
+    half = run / "checkpoints" / "step_000006.tmp"
+    shutil.copytree(run / "checkpoints" / "step_000004", half)
+    assert [s for s, _ in store.list_checkpoints(run)] == [2, 4]
+    store.clean_tmp_dirs(run, log=lambda s: None)
+    assert not half.exists()
+
+
+def test_disk_full_keeps_previous_checkpoint(four_steps, tmp_path, tiny_data):
+    run = tmp_path / "run"
+    shutil.copytree(four_steps, run)
+    limit = (run / "checkpoints" / "step_000004" / "model.safetensors").stat().st_size + 1024  # optimizer file is ~2x
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG as an OSError instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run(_train_cmd(tiny_data, run, "train.max_steps=6", "checkpoint.every=2", "checkpoint.async_save=false"),
+                          capture_output=True, text=True, preexec_fn=small_files, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert err[0].startswith("error: checkpoint save failed") and "Traceback" not in proc.stderr
+    assert [s for s, _ in store.list_checkpoints(run)] == [2, 4]
+    assert store.verify(run / "checkpoints" / "step_000004") is None
+    assert not list((run / "checkpoints").glob("*.tmp"))
+
+
+def _run_until_killed(cmd: list[str], run: Path, kill_at: int, during_save: bool, env: dict) -> None:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:
+            if during_save:
+                if list((run / "checkpoints").glob(f"step_{kill_at:06d}.tmp")) if (run / "checkpoints").is_dir() else []:
+                    break
+            elif (run / "metrics.jsonl").is_file() and max(_losses(run) or {0: 0}) >= kill_at:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the run never reached the kill point")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("trial", ["random_step", "during_save"])
+def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, trial):
+    over = ("train.max_steps=8", "checkpoint.every=1", "checkpoint.keep_last=2")
+    env = {**os.environ, "GLOG_v": "3"}
+    ref = tmp_path / "ref"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(ref), "--quiet", *over]) == 0
+    run = tmp_path / "crash"
+    rng = np.random.default_rng(zlib.crc32(trial.encode()))
+    kill_at = int(rng.integers(3, 7))
+    if trial == "during_save":
+        env["MSPRETRAIN_FAULT_SAVE_DELAY"] = "3"  # the save of step kill_at is held open mid-write
+    _run_until_killed(_train_cmd(tiny_data, run, *over), run, kill_at, trial == "during_save", env)
+    if trial == "during_save":
+        assert (run / "checkpoints" / f"step_{kill_at:06d}.tmp").exists()  # the kill hit a half-written save
+    had_checkpoint = store.latest_verified(run, log=lambda s: None) is not None
+    resumed = subprocess.run(_train_cmd(tiny_data, run, *over), capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "GLOG_v": "3"})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert ("resumed from step_" in resumed.stdout) == had_checkpoint
+    a = load_file(str(ref / "checkpoints" / "step_000008" / "model.safetensors"))
+    b = load_file(str(run / "checkpoints" / "step_000008" / "model.safetensors"))
+    assert _losses(ref) == _losses(run), (kill_at, _losses(ref), _losses(run))  # the whole series, incl. after the resume
+    differ = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not differ, (kill_at, differ)
+    assert not list((run / "checkpoints").glob("*.tmp"))
+
+
+def test_recover_rebuilds_deleted_train_state(tmp_path, tiny_data, capsys):
+    run = tmp_path / "run"
+    base = ["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
+            "precision.dtype=fp16", "precision.init_scale=1024", "precision.growth_interval=2", "checkpoint.every=2"]
+    assert main(base + ["train.max_steps=4"]) == 0
+    ckpt = run / "checkpoints" / "step_000004"
+    saved = json.loads((ckpt / "train_state.json").read_text())
+    (ckpt / "train_state.json").unlink()
+    (ckpt / "data_state.json").unlink()
+    assert store.verify(ckpt) is not None
+    assert main(["recover", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "rebuilt train_state.json: step 4" in out and "rebuilt data_state.json" in out
+    assert store.verify(ckpt) is None
+    rebuilt = json.loads((ckpt / "train_state.json").read_text())
+    assert rebuilt["step"] == saved["step"] and rebuilt["tokens_seen"] == saved["tokens_seen"]
+    assert rebuilt["loss_scale"]["scale"] == saved["loss_scale"]["scale"]
+    assert main(base + ["train.max_steps=6"]) == 0
+    log = (run / "train.log").read_text()
+    assert f"resumed from step_000004: step 4, {saved['tokens_seen']:,} tokens seen, loss scale {saved['loss_scale']['scale']:g}" in log
+    assert sorted(_losses(run)) == [1, 2, 3, 4, 5, 6]
