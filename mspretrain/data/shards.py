@@ -18,6 +18,7 @@ and never copies tokens.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from pathlib import Path
@@ -59,30 +60,62 @@ class ShardWriter:
         self._bin_tmp = self.prefix.with_name(self.prefix.name + ".bin.tmp")
         self._idx_tmp = self.prefix.with_name(self.prefix.name + ".idx.tmp")
         self._bin = open(self._bin_tmp, "wb")
-        self._lengths: list[int] = []
+        # Lengths are kept as int32 arrays (4 bytes per document), not a list of Python ints.
+        self._lengths: list[np.ndarray] = []
         self.tokens = 0
+        self.documents = 0
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def _check_range(self, tokens: np.ndarray) -> None:
+        # A silent wrap-around (id 70000 stored as uint16) would corrupt the data unnoticed.
+        if tokens.size and tokens.dtype != self.dtype and tokens.dtype.kind in "iu":
+            lo, hi = int(np.min(tokens)), int(np.max(tokens))
+            if lo < np.iinfo(self.dtype).min or hi > np.iinfo(self.dtype).max:
+                raise ValueError(f"token id {lo if lo < 0 else hi} does not fit {self.dtype}")
 
     def add(self, tokens: np.ndarray | list[int]) -> None:
-        arr = np.asarray(tokens, dtype=self.dtype)
+        src = np.asarray(tokens)
+        self._check_range(src)
+        arr = src.astype(self.dtype, copy=False)
         self._bin.write(arr.tobytes(order="C"))
-        self._lengths.append(int(arr.size))
+        self._lengths.append(np.array([arr.size], dtype=np.int32))
         self.tokens += int(arr.size)
+        self.documents += 1
 
     def add_many(self, docs: list[np.ndarray]) -> None:
-        """Write several documents with one `write` call (the hot path of `prepare`)."""
+        """Write several documents with one `write` call."""
         if not docs:
             return
-        arrs = [np.asarray(d, dtype=self.dtype) for d in docs]
-        self._bin.write(np.concatenate(arrs).tobytes())
-        for a in arrs:
-            self._lengths.append(int(a.size))
-            self.tokens += int(a.size)
+        arrs = [np.asarray(d) for d in docs]
+        self.add_flat(np.concatenate(arrs), np.array([a.size for a in arrs], dtype=np.int32))
+
+    def add_flat(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Write documents given back to back in `tokens`, `lengths[i]` tokens each (the hot
+        path of `prepare`: one write, no per-document Python work)."""
+        lengths = np.asarray(lengths, dtype=np.int32)
+        if int(lengths.sum(dtype=np.int64)) != len(tokens):
+            raise ValueError(f"lengths sum to {int(lengths.sum())} but {len(tokens)} tokens were given")
+        if lengths.size and int(lengths.min()) < 0:
+            raise ValueError("negative document length")
+        tokens = np.asarray(tokens)
+        self._check_range(tokens)
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self._lengths.append(lengths)
+        self.tokens += len(tokens)
+        self.documents += int(lengths.size)
 
     def finalize(self) -> None:
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
-        write_index(self._idx_tmp, np.asarray(self._lengths, dtype=np.int32), self.dtype)
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
+        write_index(self._idx_tmp, lengths, self.dtype)
         _fsync_file(self._idx_tmp)
         # .bin first: an .idx without its .bin is detectably broken, the reverse could look whole.
         os.replace(self._bin_tmp, Path(str(self.prefix) + ".bin"))
@@ -112,6 +145,25 @@ def index_bytes(lengths: np.ndarray, dtype: np.dtype | type) -> bytes:
 def write_index(path: str | Path, lengths: np.ndarray, dtype: np.dtype | type) -> None:
     with open(path, "wb") as f:
         f.write(index_bytes(lengths, dtype))
+
+
+def data_fingerprint(data_dir: str | Path) -> str:
+    """SHA-256 over the split indices and the tokenizer of a data dir (what `prepare` records).
+
+    The `.idx` files pin every document's length and position and the tokenizer pins the ids,
+    so a re-prepared or edited data dir changes the fingerprint; the `.bin` files are not read,
+    which keeps this cheap for terabyte corpora.
+    """
+    d = Path(data_dir)
+    h = hashlib.sha256()
+    names = [n for n in ("train.idx", "valid.idx") if (d / n).is_file()]
+    names += [n for n in ("tokenizer.model", "tokenizer.json") if (d / n).is_file()]
+    for name in names:
+        h.update(name.encode() + b"\0")
+        with open(d / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 class IndexedDataset:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path

@@ -1,0 +1,512 @@
+"""`prepare`: raw text in, a verified data dir out (tokenizer, Megatron shards, manifest).
+
+Pipeline: read (main process, streaming) -> clean + hash [+ MinHash] [+ tokenize] (worker
+processes, chunks of ~256 K characters) -> dedup + split + write (main process, input order).
+
+Design choices:
+- Work is cut into chunks in input order and results are consumed in that order, with a
+  bounded number in flight, so the output is byte-identical whatever `workers` is, and memory
+  stays bounded whatever the corpus size (`multiprocessing.Pool.imap` would read ahead without
+  limit).
+- With a given tokenizer everything happens in one pass: workers clean and tokenize. When the
+  tokenizer must be trained, pass 1 cleans and spools the kept documents to disk (and keeps a
+  bounded, uniformly drawn sample for training), then pass 2 tokenizes the spool. Trade-off:
+  a spool the size of the cleaned text on disk, instead of cleaning twice.
+- The train/valid split is a pure function of (document, seed) (see `dedup.uniforms`). If
+  the hash puts no document in one split, the last document of the other split moves there,
+  so a small corpus still gets both splits; documents keep their input order.
+- Everything is built in a hidden sibling directory `.NAME.partial/` and renamed to NAME only
+  when complete (`manifest.json` is written last), so a crash never leaves a data dir that
+  looks finished; an existing NAME is replaced only with `overwrite`.
+- The manifest holds no timestamps or absolute paths: same input + same seed -> same bytes.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import multiprocessing as mp
+import os
+import shutil
+import struct
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from mspretrain import __version__
+from mspretrain.config import Config, PrepareConfig, validate
+from mspretrain.data import clean, dedup, sources
+from mspretrain.data.clean import Cleaner
+from mspretrain.data.shards import IndexedDataset, ShardWriter, data_fingerprint, token_dtype
+from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
+from mspretrain.errors import UserError
+
+CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
+CHUNK_DOCS = 4096
+SPLITS = ("train", "valid")
+_OUR_FILES = {"manifest.json", "tokenizer.model", "tokenizer.json", "train.bin", "train.idx", "valid.bin", "valid.idx"}
+_W: dict = {}  # per-worker state, set by _init_worker
+
+
+# --------------------------------------------------------------------------- worker side
+
+def _init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | None) -> None:
+    if mp.parent_process() is not None:
+        # HF tokenizers would start a thread per core in every worker process.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _W.clear()
+    _W.update(cfg=cfg, cleaner=Cleaner(cfg), dtype=dtype,
+              tok=Tokenizer.load(tokenizer_path) if tokenizer_path else None)
+
+
+def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(flat token ids with EOS after each document, tokens per document incl. EOS)."""
+    tok: Tokenizer = _W["tok"]
+    ids = tok.encode_batch(texts, num_threads=1) if texts else []
+    eos = tok.eos_id
+    for x in ids:  # in place: cheaper than building new lists
+        x.append(eos)
+    lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=_W["dtype"], count=int(lengths.sum(dtype=np.int64)))
+    return flat, lengths
+
+
+def _clean_chunk(docs: list[str]) -> dict:
+    cfg: PrepareConfig = _W["cfg"]
+    cleaner: Cleaner = _W["cleaner"]
+    cleaner.changed.clear()
+    cleaner.dropped.clear()
+    texts = [t for t in cleaner.clean_many(docs) if t is not None]
+    keys = dedup.dedup_keys(texts)
+    out = {"docs_in": len(docs), "chars_in": sum(map(len, docs)), "changed": dict(cleaner.changed),
+           "dropped": dict(cleaner.dropped), "keys": keys,
+           "chars": np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)),
+           "u": dedup.split_numbers(keys, cfg.seed),
+           "sigs": dedup.signatures(texts, cfg.seed) if cfg.near_dedup else None}
+    if _W["tok"] is not None:
+        out["tokens"], out["lengths"] = _encode(texts)
+    else:
+        out["texts"] = texts
+    return out
+
+
+def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _encode(texts)
+
+
+# --------------------------------------------------------------------------- main side helpers
+
+def _chunks(items: Iterable[str]) -> Iterator[list[str]]:
+    chunk, size = [], 0
+    for item in items:
+        chunk.append(item)
+        size += len(item)
+        if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _ordered(pool, fn: Callable, chunks: Iterable, in_flight: int) -> Iterator:
+    """Results of fn over chunks, in order, with at most `in_flight` chunks queued."""
+    if pool is None:
+        yield from map(fn, chunks)
+        return
+    pending: deque = deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(fn, (chunk,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _pool(workers: int, *init_args):
+    if workers <= 1:
+        _init_worker(*init_args)
+        return None
+    # fork is fast; after MindSpore has started its threads in this process, forking is unsafe.
+    method = "spawn" if "mindspore" in sys.modules else "fork"
+    if method == "fork":  # build the cleaner's lookup tables once, for all workers to inherit
+        clean.char_table()
+    ctx = mp.get_context(method)
+    return ctx.Pool(workers, initializer=_init_worker, initargs=init_args)
+
+
+class _Spool:
+    """Length-prefixed UTF-8 documents on disk, between pass 1 and pass 2."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = open(path, "wb")
+        self.documents = 0
+
+    def add_many(self, texts: list[str]) -> None:
+        for t in texts:
+            b = t.encode("utf-8")
+            self._f.write(struct.pack("<I", len(b)) + b)
+        self.documents += len(texts)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def read(self, progress: Callable[[int], None] | None) -> Iterator[str]:
+        with open(self.path, "rb") as f:
+            while head := f.read(4):
+                (n,) = struct.unpack("<I", head)
+                yield f.read(n).decode("utf-8")
+                if progress:
+                    progress(n + 4)
+
+
+class _Sink:
+    """Dedup, split and hand documents (token arrays or texts) to the two split writers."""
+
+    def __init__(self, cfg: PrepareConfig, outs: dict, sample_chars: int) -> None:
+        self.cfg, self.outs = cfg, outs
+        self.exact = dedup.ExactDedup()
+        self.near = dedup.NearDedup(cfg.near_dedup_threshold, cfg.seed) if cfg.near_dedup else None
+        self.changed: Counter = Counter()
+        self.dropped: Counter = Counter()
+        self.docs_in = self.chars_in = 0
+        self.docs = dict.fromkeys(SPLITS, 0)
+        self.chars = dict.fromkeys(SPLITS, 0)
+        # The latest document of each split is held back until the next one (see finish).
+        self.held: dict = dict.fromkeys(SPLITS)
+        self.sample: list = []  # bottom-k heap of (-u, order, text) for the tokenizer
+        self.sample_chars, self.sample_budget, self.order = 0, sample_chars, 0
+
+    def take(self, r: dict) -> None:
+        self.docs_in += r["docs_in"]
+        self.chars_in += r["chars_in"]
+        self.changed.update(r["changed"])
+        self.dropped.update(r["dropped"])
+        keys = r["keys"]
+        kept = []
+        for i in range(len(keys) // 16):  # the one per-document loop: the dedup indexes
+            if self.exact.seen(keys[16 * i: 16 * i + 16]):
+                self.dropped["exact_dup"] += 1
+            elif self.near is not None and self.near.seen(r["sigs"][i]):
+                self.dropped["near_dup"] += 1
+            else:
+                kept.append(i)
+        kept = np.asarray(kept, dtype=np.int64)
+        in_valid = r["u"][kept, 0] < self.cfg.valid_fraction
+        tokens = r.get("tokens")
+        if tokens is not None:
+            starts = np.cumsum(r["lengths"], dtype=np.int64) - r["lengths"]
+        for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
+            if not sel.size:
+                continue
+            self.docs[split] += int(sel.size)
+            self.chars[split] += int(r["chars"][sel].sum())
+            if tokens is None and split == "train" and self.sample_budget:
+                for i in sel:
+                    self._sample(float(r["u"][i, 1]), r["texts"][i])
+            # Each split holds back its latest document, which can still move (see finish).
+            if self.held[split] is not None:
+                self.outs[split].add_many([self.held[split][0]])
+            body, last = sel[:-1], int(sel[-1])
+            if tokens is None:
+                self.outs[split].add_many([r["texts"][i] for i in body])
+                self.held[split] = (r["texts"][last], int(r["chars"][last]))
+            else:
+                lens = r["lengths"][body]
+                # the position of every token of the body documents in `tokens`, in order
+                pos = np.repeat(starts[body] - (np.cumsum(lens, dtype=np.int64) - lens), lens) + np.arange(int(lens.sum()))
+                self.outs[split].add_flat(tokens[pos], lens)
+                self.held[split] = (tokens[starts[last]: starts[last] + r["lengths"][last]].copy(), int(r["chars"][last]))
+
+    def _sample(self, u: float, text: str) -> None:
+        heapq.heappush(self.sample, (-u, self.order, text))
+        self.order += 1
+        self.sample_chars += len(text)
+        while self.sample_chars > self.sample_budget and len(self.sample) > 1:
+            self.sample_chars -= len(heapq.heappop(self.sample)[2])
+
+    def finish(self) -> list[str]:
+        """Write the held documents, moving one across if a split would be empty."""
+        notes = []
+        moved = None
+        if self.docs["valid"] == 0 and self.cfg.valid_fraction > 0 and self.docs["train"] >= 2:
+            moved = ("train", "valid")
+        elif self.docs["train"] == 0 and self.docs["valid"] >= 1:
+            moved = ("valid", "train")
+        for split in SPLITS:
+            held = self.held[split]
+            if held is not None:
+                dest = moved[1] if moved and moved[0] == split else split
+                self.outs[dest].add_many([held[0]])
+        if moved:
+            src, dst = moved
+            self.docs[src] -= 1
+            self.docs[dst] += 1
+            self.chars[src] -= self.held[src][1]
+            self.chars[dst] += self.held[src][1]
+            notes.append(f"the hash split left {dst} empty: moved the last {src} document to {dst}")
+        if self.docs["valid"] == 0 and self.cfg.valid_fraction > 0:
+            notes.append("the valid split is empty (too few documents): eval will have nothing to measure")
+        return notes
+
+    def sample_texts(self) -> list[str]:
+        """The tokenizer sample in input order, long documents cut into ≤ 4,096-character pieces."""
+        return [p for _, _, t in sorted(self.sample, key=lambda e: e[1]) for p in sources.cut_text(t, 4096)]
+
+
+# --------------------------------------------------------------------------- output dir
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file", "give a directory path for the data dir")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"output dir {out} already exists and is not empty", "pass --overwrite to replace it, or choose another --out")
+        if not (out / "manifest.json").is_file() and not {p.name for p in out.iterdir()} <= _OUR_FILES:
+            raise UserError(f"output dir {out} holds files that prepare did not write; refusing to replace it",
+                            "choose a new --out directory (or empty this one yourself)")
+
+
+def _publish(work: Path, out: Path) -> None:
+    old = out.with_name(f".{out.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if out.is_dir():
+        os.replace(out, old)
+    os.replace(work, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_config(cfg: PrepareConfig) -> None:
+    # `validate` checks a whole Config and insists on a training budget; prepare needs neither.
+    validate(Config(prepare=cfg, train=replace(Config().train, max_steps=1)))
+
+
+def _progress_bar(enabled: bool, total: int, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                dynamic_ncols=True, leave=False)
+
+
+# --------------------------------------------------------------------------- prepare
+
+def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, tokenizer: str | None = None,
+            overwrite: bool = False, workers: int | None = None, progress: bool = False,
+            log: Callable[[str], None] = print, seq_len: int | None = None) -> dict:
+    """Clean, dedup, tokenize `inputs` into the data dir `out_dir`; returns the manifest.
+
+    `tokenizer`: an existing `tokenizer.model` / `tokenizer.json` (or a dir holding one);
+    otherwise a SentencePiece BPE of `cfg.vocab_size` is trained on a sample. `seq_len` is only
+    used to warn when a split is shorter than one training window.
+    """
+    t0 = time.time()
+    _check_config(cfg)
+    workers = max(1, int(workers if workers is not None else len(os.sched_getaffinity(0))))
+    out = Path(out_dir).expanduser()
+    _check_out(out, overwrite)
+    stats = sources.SourceStats()
+    paths = sources.discover(inputs, stats)
+    given = Tokenizer.load(tokenizer) if tokenizer else None
+    if given is not None and given.eos_id < 0:
+        raise UserError(f"tokenizer {tokenizer} has no end-of-sequence token", "use a tokenizer with an EOS token such as </s>")
+    warnings: list[str] = []
+
+    def warn(msg: str) -> None:
+        if len(warnings) < 100:
+            warnings.append(msg)
+        log(f"warning: {msg}")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(work, ignore_errors=True)  # left over by a crashed run
+    work.mkdir()
+    try:
+        manifest = _run(paths, work, cfg, given, workers, progress, log, warn, stats)
+        manifest["inputs"] = [str(i) for i in inputs]
+        manifest["warnings"] = warnings
+        if seq_len:
+            manifest["seq_len"] = seq_len
+            for split in SPLITS:
+                if manifest["tokens"][split] < seq_len + 1 and (split == "train" or cfg.valid_fraction > 0):
+                    warn(f"the {split} split has {manifest['tokens'][split]} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+        path = work / "manifest.json"
+        path.write_text(json.dumps(manifest, ensure_ascii=False, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        _fsync_dir(work)
+        _publish(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    tok = manifest["tokens"]
+    log(f"wrote {out}: {manifest['documents']['train']:,} + {manifest['documents']['valid']:,} documents, "
+        f"{tok['train']:,} train + {tok['valid']:,} valid tokens, {manifest['chars_per_token']:.2f} chars/token "
+        f"({time.time() - t0:.1f} s)")
+    return manifest
+
+
+def _run(paths, work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,
+         log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats) -> dict:
+    in_flight = 2 * workers + 1
+    t0 = time.time()
+    total_bytes = sum(p.stat().st_size for p in paths)
+    log(f"reading {len(paths)} file{'s' * (len(paths) != 1)} ({total_bytes / 1e6:,.1f} MB) with {workers} worker{'s' * (workers != 1)}")
+    if given is not None:
+        tok_path = given.save_to(work)
+        tok = Tokenizer.load(tok_path)
+    dtype = token_dtype(given.vocab_size) if given is not None else token_dtype(cfg.vocab_size)
+    writers = {s: ShardWriter(work / s, dtype) for s in SPLITS}
+    spools = None if given is not None else {s: _Spool(work / f"{s}.spool") for s in SPLITS}
+    sink = _Sink(cfg, writers if given is not None else spools, 0 if given is not None else cfg.tokenizer_sample_chars)
+    bar = _progress_bar(progress, total_bytes, "clean" if given is None else "clean+tokenize")
+    pool = _pool(workers, cfg, str(tok_path) if given is not None else None, dtype.name)
+    try:
+        docs = sources.iter_documents(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
+                                      stats=stats, warn=warn, progress=bar.update if bar else None)
+        for result in _ordered(pool, _clean_chunk, _chunks(docs), in_flight):
+            sink.take(result)
+        warnings = sink.finish()
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if bar is not None:
+            bar.close()
+    for w in warnings:
+        warn(w)
+    if sink.docs["train"] + sink.docs["valid"] == 0:
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(sink.dropped.items())) or "none"
+        raise UserError(f"no documents left: {sink.docs_in} read, all dropped (dropped: {dropped})",
+                        "check the inputs (--text-field for .jsonl, --doc-per-line for .txt), or relax prepare.min_chars and the filters")
+    kept = sink.docs["train"] + sink.docs["valid"]
+    log(f"kept {kept:,} of {sink.docs_in:,} documents ({sink.chars['train'] + sink.chars['valid']:,} characters, "
+        f"{time.time() - t0:.1f} s)")
+
+    tok_info: dict = {"trained": given is None}
+    if given is None:
+        for s in spools.values():
+            s.close()
+        sample = sink.sample_texts()
+        n_chars = sum(map(len, sample))
+        log(f"training a SentencePiece BPE tokenizer (vocab {cfg.vocab_size:,}) on {n_chars:,} characters")
+        trained, tok_warnings = train_sentencepiece(sample, work, cfg.vocab_size, character_coverage=cfg.character_coverage,
+                                                    num_threads=workers, seed=cfg.seed)
+        del sample
+        log(f"trained the tokenizer ({time.time() - t0:.1f} s)")
+        for w in tok_warnings:
+            warn(w)
+        tok_path, tok = trained.path, trained
+        tok_info.update(sample_characters=n_chars, character_coverage=cfg.character_coverage, warnings=tok_warnings)
+        if token_dtype(tok.vocab_size) != dtype:
+            raise AssertionError("trained vocab does not fit the planned token dtype")
+        bar = _progress_bar(progress, sum(s.path.stat().st_size for s in spools.values()), "tokenize")
+        pool = _pool(workers, cfg, str(tok_path), dtype.name)
+        try:
+            for split in SPLITS:
+                texts = spools[split].read(bar.update if bar else None)
+                for flat, lengths in _ordered(pool, _tokenize_chunk, _chunks(texts), in_flight):
+                    writers[split].add_flat(flat, lengths)
+        finally:
+            if pool is not None:
+                pool.terminate()
+            if bar is not None:
+                bar.close()
+        for s in spools.values():
+            s.path.unlink()
+    else:
+        tok_info["source"] = str(given.path)
+    for w in writers.values():
+        w.finalize()
+    return _manifest(work, cfg, stats, sink, tok, tok_info, dtype)
+
+
+def _manifest(work: Path, cfg: PrepareConfig, stats: sources.SourceStats, sink: _Sink, tok: Tokenizer,
+              tok_info: dict, dtype: np.dtype) -> dict:
+    tokens = {s: int(IndexedDataset(work / s).n_tokens) for s in SPLITS}
+    docs = {s: len(IndexedDataset(work / s)) for s in SPLITS}
+    if docs != sink.docs:
+        raise AssertionError(f"shards hold {docs} documents, the sink counted {sink.docs}")
+    characters = sink.chars["train"] + sink.chars["valid"]
+    text_tokens = tokens["train"] + tokens["valid"] - docs["train"] - docs["valid"]  # without the EOS
+    return {
+        "format": "mspretrain-data/1",
+        "created_by": f"mspretrain {__version__}",
+        "files": stats.to_dict(),
+        "rules": Cleaner(cfg).rules(),
+        "changed": dict(sorted(sink.changed.items())),
+        "dropped": dict(sorted(sink.dropped.items())),
+        "documents_in": sink.docs_in,
+        "characters_in": sink.chars_in,
+        "documents": docs,
+        "characters": characters,
+        "characters_by_split": dict(sink.chars),
+        "tokens": tokens,
+        "chars_per_token": round(characters / max(text_tokens, 1), 4),
+        "eos_appended": True,
+        "token_dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "special_ids": tok.special_ids(),
+        "tokenizer": {"file": tok.path.name, **tok_info},
+        "tokenizer_sha256": tok.sha256(),
+        "split": {"valid_fraction": cfg.valid_fraction, "seed": cfg.seed,
+                  "method": "valid if blake2b(document key, key=seed) / 2^64 < valid_fraction"},
+        "fingerprint": data_fingerprint(work),
+    }
+
+
+# --------------------------------------------------------------------------- inspect
+
+def inspect(data_dir: str | Path, n_docs: int = 3, max_chars: int = 200) -> str:
+    """A readable summary of a data dir's manifest and the first documents, decoded."""
+    d = Path(data_dir).expanduser()
+    path = d / "manifest.json"
+    if not path.is_file():
+        raise UserError(f"{d} has no manifest.json, so it is not a prepared data dir", "run `mspretrain prepare INPUT... --out DATA_DIR` first")
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{path} is not valid JSON", "re-run `mspretrain prepare` for this data dir") from None
+    tok = Tokenizer.load(d)
+    f = m.get("files", {})
+    lines = [
+        f"data dir     {d}",
+        f"inputs       {', '.join(m.get('inputs', []))}",
+        f"files        {f.get('files', '?')} read, by encoding {f.get('by_encoding', {})}, skipped {f.get('skipped', {})}, "
+        f"{f.get('bytes_dropped', 0)} undecodable bytes dropped",
+        f"documents    {m.get('documents_in', '?'):,} in -> train {m['documents']['train']:,}, valid {m['documents']['valid']:,}",
+        f"characters   {m.get('characters_in', 0):,} in -> {m.get('characters', 0):,} kept",
+        f"changed      {m.get('changed', {})}",
+        f"dropped      {m.get('dropped', {})}",
+        f"tokens       train {m['tokens']['train']:,}, valid {m['tokens']['valid']:,} ({m.get('token_dtype', '?')}, "
+        f"{m.get('chars_per_token', 0):.2f} chars/token, EOS after each document)",
+        f"tokenizer    {m.get('tokenizer', {}).get('file', '?')}, vocab {m['vocab_size']:,}, special ids {m['special_ids']}, "
+        f"sha256 {m.get('tokenizer_sha256', '')[:16]}",
+        f"fingerprint  {m['fingerprint']}",
+    ]
+    if m.get("warnings"):
+        lines.append(f"warnings     {len(m['warnings'])}: " + "; ".join(m["warnings"][:3]))
+    eos = tok.eos_id
+    for split in SPLITS:
+        ds = IndexedDataset(d / split)
+        for i in range(min(n_docs if split == "train" else 1, len(ds))):
+            ids = ds[i]
+            ids = ids[:-1] if len(ids) and ids[-1] == eos else ids
+            text = tok.decode(ids.tolist())
+            text = text if len(text) <= max_chars else text[:max_chars] + "…"
+            lines.append(f"\n[{split} #{i}, {len(ds[i])} tokens]\n{text}")
+    return "\n".join(lines)

@@ -1,0 +1,386 @@
+"""Input discovery and streaming document readers for `prepare`.
+
+Design choices:
+- Inputs are files, directories (walked recursively, hidden entries skipped, sorted) and globs.
+  Inside directories only `.txt` / `.jsonl` (optionally `.gz` / `.zst`) are read; a file named
+  explicitly is read as text whatever its name. An input that matches nothing is an error: a
+  typo must not silently shrink the corpus.
+- Everything streams: files are read line by line through an incremental decoder, with a cap on
+  how much of one line is held at a time. A document longer than `MAX_DOC_CHARS` is cut into
+  pieces (counted) instead of growing without bound: pretraining packs documents into windows
+  anyway, so a cut costs one EOS and nothing else.
+- The encoding is detected per file from its first 64 KiB: a BOM, else strict UTF-8, else
+  `charset-normalizer` (GBK/GB2312 are read as GB18030, their superset). Bytes that still do
+  not decode are dropped and counted, never fatal. A file that looks binary (known magic
+  numbers, many control bytes, or no plausible encoding) is skipped with a warning.
+- Trade-off: detection reads a file's head twice (once to sniff, once to stream); the sample
+  is small, and it keeps the reader a plain `TextIOWrapper` (decoding in C).
+"""
+from __future__ import annotations
+
+import codecs
+import glob
+import gzip
+import io
+import json
+import re
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from mspretrain.errors import UserError
+
+MAX_DOC_CHARS = 1_000_000  # longer documents are cut into pieces of at most this many characters
+MAX_JSONL_LINE_CHARS = 16_000_000  # a longer .jsonl record is skipped (it cannot be parsed piecewise)
+SAMPLE_BYTES = 1 << 16
+TEXT_SUFFIXES = (".txt", ".text")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd")
+_MAGIC = (  # file types people leave next to their text
+    (b"\x89PNG", "PNG image"), (b"\xff\xd8\xff", "JPEG image"), (b"GIF8", "GIF image"),
+    (b"%PDF", "PDF"), (b"PK\x03\x04", "zip archive"), (b"\x7fELF", "executable"),
+    (b"\x1f\x8b", "gzip data without a .gz name"), (b"\x28\xb5\x2f\xfd", "zstd data without a .zst name"),
+    (b"BZh", "bzip2 data"), (b"\xfd7zXZ", "xz data"), (b"SQLite format", "SQLite database"),
+)
+_BOMS = ((codecs.BOM_UTF8, "utf-8-sig", "utf-8-bom"), (codecs.BOM_UTF32_LE, "utf-32", "utf-32"),
+         (codecs.BOM_UTF32_BE, "utf-32", "utf-32"), (codecs.BOM_UTF16_LE, "utf-16", "utf-16"),
+         (codecs.BOM_UTF16_BE, "utf-16", "utf-16"))
+_GB_FAMILY = {"gb2312", "gbk", "gb18030", "hz", "cp936", "euc_cn"}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\x1b") + b"\x7f"
+
+# Undecodable bytes are dropped and counted through a named codec error handler.
+_dropped = [0]
+
+
+def _count_and_drop(exc: UnicodeError) -> tuple[str, int]:
+    if isinstance(exc, UnicodeDecodeError):
+        _dropped[0] += exc.end - exc.start
+        return "", exc.end
+    raise exc
+
+
+codecs.register_error("mspretrain.drop", _count_and_drop)
+
+
+@dataclass
+class SourceStats:
+    """What the readers saw; ends up in the manifest."""
+
+    files: int = 0
+    by_encoding: Counter = field(default_factory=Counter)
+    skipped: Counter = field(default_factory=Counter)  # reason -> files
+    ignored: int = 0  # files in walked directories that are not .txt/.jsonl
+    bytes_in: int = 0  # bytes read from disk (compressed size for .gz/.zst)
+    bytes_dropped: int = 0  # undecodable bytes removed
+    documents: int = 0
+    split_long: int = 0  # documents cut at MAX_DOC_CHARS
+    jsonl_broken: int = 0
+    jsonl_no_field: int = 0
+    jsonl_too_long: int = 0
+
+    def to_dict(self) -> dict:
+        return {"files": self.files, "by_encoding": dict(sorted(self.by_encoding.items())),
+                "skipped": dict(sorted(self.skipped.items())), "ignored": self.ignored,
+                "bytes_in": self.bytes_in, "bytes_dropped": self.bytes_dropped,
+                "documents": self.documents, "split_long": self.split_long,
+                "jsonl_broken": self.jsonl_broken, "jsonl_no_field": self.jsonl_no_field,
+                "jsonl_too_long": self.jsonl_too_long}
+
+
+# --------------------------------------------------------------------------- discovery
+
+def _strip_compression(name: str) -> str:
+    low = name.lower()
+    for suf in COMPRESSED_SUFFIXES:
+        if low.endswith(suf):
+            return low[: -len(suf)]
+    return low
+
+
+def is_jsonl(path: Path) -> bool:
+    return _strip_compression(path.name).endswith(JSONL_SUFFIXES)
+
+
+def _supported(path: Path) -> bool:
+    return _strip_compression(path.name).endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)
+
+
+def discover(inputs: Sequence[str], stats: SourceStats | None = None) -> list[Path]:
+    """The files to read, in a deterministic order; `UserError` if an input matches nothing."""
+    if not inputs:
+        raise UserError("no input given", "name files, directories or globs: mspretrain prepare corpus/ --out data/")
+    found: list[Path] = []
+    for raw in inputs:
+        p = Path(raw).expanduser()
+        if p.is_file():
+            found.append(p)
+        elif p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file()
+                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            usable = [f for f in files if _supported(f)]
+            if stats is not None:
+                stats.ignored += len(files) - len(usable)
+            if not usable:
+                raise UserError(f"directory {p} holds no .txt or .jsonl files (also .gz/.zst)",
+                                "point prepare at your text files, or rename them to .txt / .jsonl")
+            found.extend(usable)
+        elif glob.has_magic(raw):
+            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
+            if not matches:
+                raise UserError(f"no files match {raw}", "check the pattern (quote it so the shell does not expand it) or list the files")
+            found.extend(matches)
+        else:
+            raise UserError(f"input {raw} does not exist", "check the path; inputs may be files, directories or globs")
+    unique: dict[Path, None] = {}
+    for f in found:
+        unique.setdefault(f.resolve(), None)
+    return list(unique)
+
+
+# --------------------------------------------------------------------------- opening and sniffing
+
+def _open_binary(path: Path):
+    """(decompressed binary stream, raw file object) for the path's compression suffix."""
+    raw = open(path, "rb")
+    low = path.name.lower()
+    try:
+        if low.endswith(".gz"):
+            return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+        if low.endswith((".zst", ".zstd")):
+            import zstandard
+
+            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)), raw
+    except Exception:
+        raw.close()
+        raise
+    return raw, raw
+
+
+def _sample(path: Path) -> tuple[bytes, bool]:
+    """The first SAMPLE_BYTES decompressed bytes, and whether that is the whole file."""
+    stream, raw = _open_binary(path)
+    try:
+        head = stream.read(SAMPLE_BYTES + 1)
+    finally:
+        stream.close()
+        raw.close()
+    return head[:SAMPLE_BYTES], len(head) <= SAMPLE_BYTES
+
+
+def binary_reason(sample: bytes) -> str | None:
+    """Why a file's head looks binary rather than text, or None."""
+    for magic, what in _MAGIC:
+        if sample.startswith(magic):
+            return what
+    if sample and not sample.startswith(tuple(b for b, _, _ in _BOMS)):
+        ctrl = len(sample) - len(sample.translate(None, _CONTROL_BYTES))
+        if ctrl > 0.1 * len(sample):
+            return f"{100 * ctrl // len(sample)}% control bytes"
+    return None
+
+
+def detect_encoding(sample: bytes, complete: bool) -> tuple[str, str] | None:
+    """(Python codec, label for the manifest), or None when no encoding is plausible."""
+    for bom, codec, label in _BOMS:
+        if sample.startswith(bom):
+            return codec, label
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(sample, final=complete)
+        return "utf-8", "utf-8"
+    except UnicodeDecodeError as exc:
+        # A few stray bytes in an otherwise UTF-8 file: read it as UTF-8 and drop them.
+        bad = _undecodable(sample, "utf-8")
+        if bad <= max(4, len(sample) // 1000) and exc.start > 0:
+            return "utf-8", "utf-8"
+    from charset_normalizer import from_bytes
+
+    best = from_bytes(sample).best()
+    if best is None:
+        # charset-normalizer gives up on short GB18030 text with four-byte sequences; for a
+        # Chinese toolkit, strict GB18030 that decodes to mostly CJK is a safe second opinion.
+        try:
+            text = codecs.getincrementaldecoder("gb18030")().decode(sample, final=complete)
+        except UnicodeDecodeError:
+            return None
+        wide = [ch for ch in text if ord(ch) > 0x7F]
+        cjk = sum(1 for ch in wide if "\u3000" <= ch <= "\u9fff" or "\uff00" <= ch <= "\uffef" or ch >= "\U00020000")
+        return ("gb18030", "gb18030") if wide and cjk >= 0.8 * len(wide) else None
+    name = codecs.lookup(best.encoding).name.replace("-", "_")
+    if name in _GB_FAMILY or name.startswith("gb"):
+        # GB18030 decodes all of GBK/GB2312; the label says what the head actually needed.
+        return "gb18030", "gbk" if _undecodable(sample, "gbk", complete) == 0 else "gb18030"
+    return best.encoding, name
+
+
+def _undecodable(sample: bytes, codec: str, complete: bool = False) -> int:
+    before = _dropped[0]
+    codecs.getincrementaldecoder(codec)(errors="mspretrain.drop").decode(sample, final=complete)
+    n = _dropped[0] - before
+    _dropped[0] = before
+    return n
+
+
+# --------------------------------------------------------------------------- reading documents
+
+def cut_text(text: str, limit: int) -> list[str]:
+    """Pieces of at most `limit` characters, cut at a newline near the limit when there is one."""
+    pieces = []
+    while len(text) > limit:
+        nl = text.rfind("\n", limit - limit // 10, limit)
+        at = nl + 1 if nl >= 0 else limit
+        pieces.append(text[:at])
+        text = text[at:]
+    pieces.append(text)
+    return pieces
+
+
+def _chomp(text: str) -> str:
+    """Without its final newline (the document separator, not part of the document)."""
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _text_docs(f: io.TextIOBase, per_line: bool, stats: SourceStats) -> Iterator[str]:
+    buf: list[str] = []
+    size = 0
+    while True:
+        line = f.readline(MAX_DOC_CHARS)
+        if not line:
+            break
+        if per_line:
+            if line.strip():
+                if not line.endswith("\n") and len(line) >= MAX_DOC_CHARS:
+                    stats.split_long += 1  # a piece of an over-long line
+                yield _chomp(line)
+            continue
+        if not line.strip():
+            if buf:
+                yield _chomp("".join(buf))
+                buf, size = [], 0
+            continue
+        buf.append(line)
+        size += len(line)
+        if size >= MAX_DOC_CHARS:
+            stats.split_long += 1
+            yield _chomp("".join(buf))
+            buf, size = [], 0
+    if buf:
+        yield _chomp("".join(buf))
+
+
+def _jsonl_docs(f: io.TextIOBase, text_field: str, stats: SourceStats) -> Iterator[str]:
+    while True:
+        line = f.readline(MAX_JSONL_LINE_CHARS)
+        if not line:
+            break
+        if not line.endswith("\n") and len(line) >= MAX_JSONL_LINE_CHARS:
+            stats.jsonl_too_long += 1
+            while (rest := f.readline(MAX_JSONL_LINE_CHARS)) and not rest.endswith("\n"):
+                pass
+            continue
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            stats.jsonl_broken += 1
+            continue
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            stats.jsonl_no_field += 1
+            continue
+        if "\\u" in line and _SURROGATE.search(text):
+            # A "\ud800" escape without its pair: not text, and not encodable as UTF-8.
+            text, n = _SURROGATE.subn("", text)
+            stats.bytes_dropped += n
+        pieces = cut_text(text, MAX_DOC_CHARS)
+        stats.split_long += len(pieces) - 1
+        yield from pieces
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What a damaged file raises while being read (a bug elsewhere must still surface)."""
+    import zstandard
+
+    return OSError, EOFError, zlib.error, zstandard.ZstdError
+
+
+def iter_file(path: Path, *, doc_per_line: bool = False, text_field: str = "text",
+              stats: SourceStats, warn: Callable[[str], None],
+              progress: Callable[[int], None] | None = None) -> Iterator[str]:
+    """Documents of one file; problems become counted skips and a warning, never an exception."""
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            stats.skipped["empty"] += 1
+            warn(f"{path}: empty file, skipped")
+            return
+        sample, complete = _sample(path)
+    except _read_errors() as exc:
+        stats.skipped["unreadable"] += 1
+        warn(f"{path}: cannot be read ({type(exc).__name__}: {exc}), skipped")
+        return
+    if complete and not sample.strip():
+        stats.skipped["empty"] += 1
+        warn(f"{path}: no text, skipped")
+        stats.bytes_in += size
+        if progress:
+            progress(size)
+        return
+    reason = binary_reason(sample)
+    enc = None if reason else detect_encoding(sample, complete)
+    if reason or enc is None:
+        stats.skipped["binary"] += 1
+        warn(f"{path}: looks binary ({reason or 'no text encoding fits'}), skipped")
+        stats.bytes_in += size
+        if progress:
+            progress(size)
+        return
+    codec, label = enc
+    stats.files += 1
+    stats.by_encoding[label] += 1
+    before = (_dropped[0], stats.jsonl_broken, stats.jsonl_no_field, stats.jsonl_too_long, stats.documents)
+    stream, raw = _open_binary(path)
+    done = 0
+    try:
+        f = io.TextIOWrapper(stream, encoding=codec, errors="mspretrain.drop", newline=None)
+        docs = _jsonl_docs(f, text_field, stats) if is_jsonl(path) else _text_docs(f, doc_per_line, stats)
+        for doc in docs:
+            stats.documents += 1
+            yield doc
+            if progress and not stats.documents & 255:
+                pos = raw.tell()
+                progress(pos - done)
+                done = pos
+    except _read_errors() as exc:  # a corrupt .gz/.zst stream fails mid-way: keep what was read
+        stats.skipped["corrupt"] += 1
+        warn(f"{path}: stopped reading after {stats.documents - before[4]} documents ({type(exc).__name__}: {exc})")
+    finally:
+        stream.close()
+        raw.close()
+    stats.bytes_in += size
+    if progress:
+        progress(size - done)
+    dropped = _dropped[0] - before[0]
+    stats.bytes_dropped += dropped
+    if dropped:
+        warn(f"{path}: {dropped} undecodable bytes dropped (read as {label})")
+    broken, no_field, too_long = (stats.jsonl_broken - before[1], stats.jsonl_no_field - before[2],
+                                  stats.jsonl_too_long - before[3])
+    if broken or no_field or too_long:
+        parts = [f"{broken} broken lines"] * bool(broken) + [f"{no_field} lines without a string '{text_field}' field"] * bool(no_field) \
+            + [f"{too_long} lines over {MAX_JSONL_LINE_CHARS:,} characters"] * bool(too_long)
+        warn(f"{path}: skipped {', '.join(parts)}")
+    if stats.documents == before[4]:
+        warn(f"{path}: no documents found" + (f" (is the text in a field other than '{text_field}'? use --text-field)" if is_jsonl(path) else ""))
+
+
+def iter_documents(paths: Sequence[Path], *, doc_per_line: bool = False, text_field: str = "text",
+                   stats: SourceStats, warn: Callable[[str], None],
+                   progress: Callable[[int], None] | None = None) -> Iterator[str]:
+    """Documents of all files, in order."""
+    for path in paths:
+        yield from iter_file(path, doc_per_line=doc_per_line, text_field=text_field, stats=stats,
+                             warn=warn, progress=progress)

@@ -1,0 +1,169 @@
+"""Input discovery and readers: encodings (GBK / GB18030 / UTF-8-BOM twins of a UTF-8 file),
+compression, document splitting, bad files as counted skips, bounded memory."""
+from __future__ import annotations
+
+import gzip
+import json
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from mspretrain.data import sources
+from mspretrain.data.sources import SourceStats, discover, iter_documents, iter_file
+from mspretrain.errors import UserError
+
+DOCS = ["静夜思\n床前明月光，疑是地上霜。\n举头望明月，低头思故乡。",
+        "今天天气很好，我们去公园散步。\n看到很多人在放风筝，孩子们笑得很开心。",
+        "数据准备：清洗、去重、分词，然后写成二进制分片。"]
+
+
+def read(path: Path, **kw) -> tuple[list[str], SourceStats, list[str]]:
+    stats, warnings = SourceStats(), []
+    docs = list(iter_file(path, stats=stats, warn=warnings.append, **kw))
+    return [d.rstrip("\n") for d in docs], stats, warnings
+
+
+def write_txt(path: Path, docs: list[str], encoding: str = "utf-8") -> Path:
+    path.write_bytes(("\n\n".join(docs) + "\n").encode(encoding))
+    return path
+
+
+@pytest.mark.parametrize("encoding,label", [("utf-8-sig", "utf-8-bom"), ("gbk", "gbk"), ("gb18030", "gbk"), ("utf-16", "utf-16")])
+def test_encoding_twins_give_the_same_documents(tmp_path, encoding, label):
+    utf8, _, _ = read(write_txt(tmp_path / "a.txt", DOCS))
+    twin, stats, warnings = read(write_txt(tmp_path / "b.txt", DOCS, encoding))
+    assert twin == utf8 == DOCS
+    assert stats.by_encoding == {label: 1} and stats.bytes_dropped == 0 and not warnings
+
+
+def test_gb18030_beyond_gbk(tmp_path):
+    docs = ["𠮷野家的牛肉饭，€5。", "生僻字：𪚥𠀀，还有欧元符号€。"] + DOCS
+    utf8, _, _ = read(write_txt(tmp_path / "a.txt", docs))
+    twin, stats, _ = read(write_txt(tmp_path / "b.txt", docs, "gb18030"))
+    assert twin == utf8 == docs and stats.by_encoding == {"gb18030": 1}
+
+
+def test_undecodable_bytes_are_counted_and_dropped(tmp_path):
+    raw = ("\n\n".join(DOCS * 20)).encode("utf-8")
+    bad = raw[:100] + b"\xff\xfe" + raw[100:] + b"\x80"
+    (tmp_path / "bad.txt").write_bytes(bad)
+    docs, stats, warnings = read(tmp_path / "bad.txt")
+    assert stats.bytes_dropped == 3 and stats.by_encoding == {"utf-8": 1}
+    assert "".join(docs).replace("\n", "") == raw.decode().replace("\n", "")
+    assert any("3 undecodable bytes" in w for w in warnings)
+
+
+def test_blank_line_blocks_and_doc_per_line(tmp_path):
+    p = write_txt(tmp_path / "a.txt", DOCS)
+    assert read(p)[0] == DOCS
+    lines = read(p, doc_per_line=True)[0]
+    assert lines == [ln for d in DOCS for ln in d.split("\n")]
+    (tmp_path / "crlf.txt").write_bytes("第一段\r\n还是第一段\r\n\r\n   \r\n第二段".encode())
+    assert read(tmp_path / "crlf.txt")[0] == ["第一段\n还是第一段", "第二段"]
+
+
+def test_jsonl_fields_and_broken_lines(tmp_path):
+    lines = [json.dumps({"text": DOCS[0], "id": 1}, ensure_ascii=False), "{broken json", "",
+             json.dumps({"content": "别的字段"}, ensure_ascii=False), json.dumps({"text": 42}), json.dumps([1, 2]),
+             json.dumps({"text": DOCS[1]}, ensure_ascii=False)]
+    p = tmp_path / "a.jsonl"
+    p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    docs, stats, warnings = read(p)
+    assert docs == DOCS[:2]
+    assert stats.jsonl_broken == 1 and stats.jsonl_no_field == 3
+    assert any("1 broken lines" in w and "3 lines without" in w for w in warnings)
+    (tmp_path / "s.jsonl").write_text('{"text": "春眠\\ud800不觉晓\\ud83d\\ude00"}\n', encoding="utf-8")
+    docs, stats, _ = read(tmp_path / "s.jsonl")  # a lone surrogate escape is dropped, a pair kept
+    assert docs == ["春眠不觉晓😀"] and stats.bytes_dropped == 1
+    docs, stats, _ = read(p, text_field="content")
+    assert docs == ["别的字段"] and stats.jsonl_no_field == 4
+
+
+def test_compressed_inputs(tmp_path):
+    payload = ("\n\n".join(DOCS) + "\n").encode()
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(payload))
+    (tmp_path / "b.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(payload))
+    jl = "\n".join(json.dumps({"text": d}, ensure_ascii=False) for d in DOCS).encode()
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(jl))
+    (tmp_path / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jl))
+    for name in ("a.txt.gz", "b.txt.zst", "c.jsonl.gz", "d.jsonl.zst"):
+        assert read(tmp_path / name)[0] == DOCS, name
+    # A truncated archive keeps what was readable and says so.
+    many = "".join(f"第{i}段：{DOCS[i % 3]}\n\n" for i in range(5000)).encode()
+    whole = gzip.compress(many)
+    (tmp_path / "e.txt.gz").write_bytes(whole[: len(whole) * 2 // 3])
+    docs, stats, warnings = read(tmp_path / "e.txt.gz")
+    assert 1000 < len(docs) < 5000 and docs[0].startswith("第0段")
+    assert stats.skipped["corrupt"] == 1 and any("stopped reading" in w for w in warnings)
+    (tmp_path / "f.txt.gz").write_bytes(whole[:50])  # broken before any text
+    docs, stats, warnings = read(tmp_path / "f.txt.gz")
+    assert docs == [] and stats.skipped["unreadable"] == 1 and "cannot be read" in warnings[0]
+
+
+def test_bad_files_are_counted_skips(tmp_path):
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 20
+    (tmp_path / "image.txt").write_bytes(png)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blank.txt").write_bytes(b"\n\n  \n")
+    (tmp_path / "random.txt").write_bytes(bytes((i * 7919 + 13) % 256 for i in range(5000)))
+    write_txt(tmp_path / "good.txt", DOCS)
+    stats, warnings = SourceStats(), []
+    docs = list(iter_documents(discover([str(tmp_path)], stats), stats=stats, warn=warnings.append))
+    assert [d.rstrip("\n") for d in docs] == DOCS
+    assert stats.skipped == {"binary": 2, "empty": 2} and stats.files == 1
+    assert sum("looks binary" in w for w in warnings) == 2 and sum("empty" in w or "no text" in w for w in warnings) == 2
+
+
+def test_nul_bytes_do_not_make_a_text_file_binary(tmp_path):
+    (tmp_path / "nul.txt").write_bytes("春眠\x00不觉晓\x00\n\n夜来风雨声".encode())
+    docs, stats, _ = read(tmp_path / "nul.txt")
+    assert docs == ["春眠\x00不觉晓\x00", "夜来风雨声"] and stats.files == 1  # the cleaner drops the NULs
+
+
+def test_long_line_is_cut_with_bounded_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "MAX_DOC_CHARS", 1000)
+    line = "".join(DOCS).replace("\n", "") * 60
+    (tmp_path / "long.txt").write_text(line, encoding="utf-8")
+    for per_line in (False, True):
+        docs, stats, _ = read(tmp_path / "long.txt", doc_per_line=per_line)
+        assert "".join(docs) == line and max(map(len, docs)) <= 1000
+        assert stats.split_long == len(docs) - 1 >= 3
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": line}, ensure_ascii=False), encoding="utf-8")
+    docs, stats, _ = read(tmp_path / "long.jsonl")
+    assert "".join(docs) == line and max(map(len, docs)) <= 1000 and stats.split_long == len(docs) - 1
+
+
+def test_memory_stays_bounded(tmp_path):
+    p = tmp_path / "big.txt"
+    with open(p, "w", encoding="utf-8") as f:
+        for i in range(40000):
+            f.write(f"第{i}段。" + DOCS[i % 3] + "\n\n")
+    size = p.stat().st_size
+    tracemalloc.start()
+    n = sum(1 for _ in iter_file(p, stats=SourceStats(), warn=lambda _: None))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert n == 40000 and size > 4_000_000 and peak < size / 8
+
+
+def test_discovery(tmp_path):
+    (tmp_path / "sub" / ".hidden").mkdir(parents=True)
+    for name in ("b.txt", "a.jsonl", "sub/c.txt.gz", "sub/.hidden/x.txt", "notes.md", "sub/pic.png"):
+        (tmp_path / name).write_bytes(b"x")
+    stats = SourceStats()
+    found = discover([str(tmp_path)], stats)
+    assert [p.relative_to(tmp_path.resolve()).as_posix() for p in found] == ["a.jsonl", "b.txt", "sub/c.txt.gz"]
+    assert stats.ignored == 2
+    assert discover([str(tmp_path / "*.txt"), str(tmp_path / "b.txt")]) == [(tmp_path / "b.txt").resolve()]
+    assert discover([str(tmp_path / "notes.md")]) == [(tmp_path / "notes.md").resolve()]  # named explicitly: read
+    with pytest.raises(UserError, match="no files match"):
+        discover([str(tmp_path / "*.nothing")])
+    with pytest.raises(UserError, match="does not exist"):
+        discover([str(tmp_path / "missing.txt")])
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(UserError, match="holds no .txt"):
+        discover([str(tmp_path / "empty_dir")])
+    with pytest.raises(UserError, match="no input"):
+        discover([])
