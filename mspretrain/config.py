@@ -121,6 +121,9 @@ class PrecisionConfig:
     growth_interval: int = 1000
     min_scale: float = 1.0
     max_scale: float = 2.0**24
+    # Data-parallel gradient all-reduce in fp16 halves the bytes on the wire (the field report's
+    # Ascend setting); lm_head's gradient always stays fp32. Loss-scaled, so overflow is caught.
+    allreduce_dtype: str = "fp32"  # "fp32" | "fp16"
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.mode": ("jit", "pynative"),
     "precision.dtype": ("fp32", "fp16", "bf16"),
     "precision.loss_scale": ("auto", "dynamic", "static", "none"),
+    "precision.allreduce_dtype": ("fp32", "fp16"),
     "checkpoint.on_error": ("stop", "continue"),
     "device.target": ("auto", "cpu", "ascend"),
     "spike.action": ("warn", "rewind"),

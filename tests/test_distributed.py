@@ -45,23 +45,42 @@ def test_rank_detection():
     assert "--worker_num=16" in line and "--local_worker_num=8" in line and "--node_rank=1" in line
 
 
-@pytest.mark.skipif(shutil.which("msrun") is None, reason="msrun not on PATH")
-def test_two_ranks_match_one_process(tmp_path, tiny_data):
-    from mspretrain.cli import main
+ARGS = ["train.max_steps=5", "checkpoint.every=0", "--quiet"]
 
-    args = ["train", "--config", str(TINY), "--data", str(tiny_data), "train.max_steps=5", "checkpoint.every=0", "--quiet"]
-    assert main(args[:3] + ["--run", str(tmp_path / "one")] + args[3:]) == 0
 
+def _msrun(tmp_path: Path, data: Path, run: Path, *extra: str) -> None:
     exe = shutil.which("mspretrain") or str(Path(sys.executable).with_name("mspretrain"))
-    cmd = ["msrun", "--worker_num=2", "--local_worker_num=2", f"--master_port={_free_port()}",
-           f"--log_dir={tmp_path / 'logs'}", "--join=True", exe] + args[:3] + ["--run", str(tmp_path / "two")] + args[3:]
+    logs = tmp_path / f"logs-{run.name}"
+    cmd = ["msrun", "--worker_num=2", "--local_worker_num=2", f"--master_port={_free_port()}", f"--log_dir={logs}",
+           "--join=True", exe, "train", "--config", str(TINY), "--data", str(data), "--run", str(run), *ARGS, *extra]
     env = {**os.environ, "GLOG_v": "3", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("worker_*.log")))
-    assert proc.returncode == 0, logs[-3000:]
-    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
-    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5]
+    text = "".join(p.read_text() for p in sorted(logs.glob("worker_*.log")))
+    assert proc.returncode == 0, text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_data) -> Path:
+    from mspretrain.cli import main
+
+    run = tmp_path_factory.mktemp("dp") / "one"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), *ARGS]) == 0
+    return run
+
+
+def _replica_hashes(run: Path) -> list[str]:
+    return [json.loads(p.read_text())["weights_sha256"] for p in sorted((run / "ranks").glob("rank_*.json"))]
+
+
+@pytest.mark.skipif(shutil.which("msrun") is None, reason="msrun not on PATH")
+@pytest.mark.parametrize("wire", ["fp32", "fp16"])
+def test_two_ranks_match_one_process(tmp_path, tiny_data, one_process, wire):
+    two = tmp_path / f"two-{wire}"
+    _msrun(tmp_path, tiny_data, two, f"precision.allreduce_dtype={wire}")
+    one, got = _metrics(one_process), _metrics(two)
+    assert sorted(one) == sorted(got) == [1, 2, 3, 4, 5]
+    tol = 1e-5 if wire == "fp32" else 1e-3  # fp16 on the wire rounds each gradient to 11 bits
     for step in one:
-        assert abs(one[step] - two[step]) <= 1e-5, (step, one[step], two[step])
-    hashes = [json.loads(p.read_text())["weights_sha256"] for p in sorted((tmp_path / "two" / "ranks").glob("rank_*.json"))]
+        assert abs(one[step] - got[step]) <= tol, (step, one[step], got[step])
+    hashes = _replica_hashes(two)
     assert len(hashes) == 2 and hashes[0] == hashes[1]  # replicas stayed identical

@@ -56,7 +56,7 @@ class TrainStep:
     """Holds the optimizer state and the compiled accumulate/apply functions for one model."""
 
     def __init__(self, model: nn.Cell, optim: OptimConfig, *, global_tokens: int, world: int = 1,
-                 jit: bool = True) -> None:
+                 jit: bool = True, allreduce_fp16: bool = False) -> None:
         from mspretrain.model.loss import token_nll
 
         self.model = model
@@ -98,12 +98,19 @@ class TrainStep:
             ops.assign_add(self.loss_accum, nll_sum)
             return nll_sum
 
+        # fp16 on the wire for every gradient but lm_head's (the field report's exemption)
+        wire16 = [allreduce_fp16 and "lm_head" not in n for n in self.names]
+
         def apply(lr: Tensor, inv_scale: Tensor):
-            grads = [acc * inv_scale for acc in self.accum]
+            grads = [acc * 1.0 for acc in self.accum]
             loss_sum = self.loss_accum * 1.0
             if self.allreduce is not None:
-                grads = [self.allreduce(g) for g in grads]
+                # Reduce the *scaled* sums: fp16 keeps small gradients above its underflow, and a
+                # sum that overflows becomes inf, which the finite check below turns into a skip.
+                grads = [self.allreduce(g.astype(ms.float16)).astype(ms.float32) if w16 else self.allreduce(g)
+                         for g, w16 in zip(grads, wire16)]
                 loss_sum = self.allreduce(loss_sum)
+            grads = [g * inv_scale for g in grads]
             finite = ms.amp.all_finite(grads)
             sq = ops.stack([(g * g).sum() for g in grads]).sum()
             norm = ops.sqrt(sq)

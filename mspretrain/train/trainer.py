@@ -148,7 +148,7 @@ class Trainer:
         self.model = Llama(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=self.device.target,
                            seed=cfg.train.seed)
         self.step_fn = TrainStep(self.model, cfg.optim, global_tokens=self.global_tokens, world=self.world.size,
-                                 jit=cfg.train.mode == "jit")
+                                 jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16")
         sources = [(str(self.data_dir), 1.0)] + [(s["path"], float(s.get("weight", 1.0))) for s in cfg.data.sources]
         self.loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=self.micro,
                              seed=cfg.train.seed, rank=self.world.rank, world=self.world.size,
