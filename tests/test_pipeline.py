@@ -6,6 +6,7 @@ bit-identical and the loss series after the resume point identical.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -143,3 +144,16 @@ def test_sigterm_writes_checkpoint_and_exits_zero(tmp_path, tiny_data):
     ckpts = store.list_checkpoints(run)
     assert len(ckpts) == 1 and store.verify(ckpts[0][1]) is None
     assert ckpts[0][0] == max(r["step"] for r in metrics(run))
+
+
+def test_demo_runs_end_to_end_on_a_local_corpus(tmp_path, corpus_file, capsys):
+    """The demo's orchestration (prepare → ppl before → train → ppl after → poems → next steps) without npm."""
+    args = ["demo", "--quick", "--workdir", str(tmp_path / "demo"), "--corpus", str(corpus_file), "--config", str(TINY),
+            "prepare.vocab_size=512", "train.max_steps=12", "checkpoint.every=0", "schedule.warmup_steps=2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    before, after = [float(x) for x in re.search(r"valid ppl ([\d.]+) before -> ([\d.]+) after", out).groups()]
+    assert after < before
+    assert out.count("sample    ") == 3 and "mspretrain export" in out and "mspretrain report" in out
+    assert main(args) == 0  # a second run reuses the data and the finished run
+    assert "reusing" in capsys.readouterr().out

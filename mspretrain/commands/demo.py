@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller corpus and 60 steps (~2 minutes)")
     p.add_argument("--config", default=None, help="default: configs/demo.toml")
     p.add_argument("--cache", default=None, help="corpus cache dir (default: $MSPRETRAIN_CACHE or ~/.cache/mspretrain)")
+    p.add_argument("--corpus", default=None, metavar="PATH",
+                   help="use this text (files/dirs as for `prepare`) instead of fetching chinese-poetry")
     add_quiet_argument(p)
 
 
@@ -40,8 +42,8 @@ def _config(args: argparse.Namespace):
         raise UserError(f"demo config {path} not found", "pass --config with a TOML file such as configs/demo.toml")
     cfg = cfgmod.load(path)
     if args.quick:
-        cfg = cfgmod.apply_overrides(cfg, ["train.max_steps=60", "eval.every=0", "checkpoint.every=30",
-                                           "eval.max_tokens=16384", "prepare.vocab_size=6000"])
+        cfg = cfgmod.apply_overrides(cfg, ["train.max_steps=40", "eval.every=0", "checkpoint.every=20",
+                                           "eval.max_tokens=8192", "prepare.vocab_size=7100"])
     return cfgmod.apply_overrides(cfg, getattr(args, "overrides", []))
 
 
@@ -61,8 +63,12 @@ def run(args: argparse.Namespace) -> int:
     if (data_dir / "manifest.json").is_file():
         say(f"-- data: reusing {data_dir}")
     else:
-        say("-- corpus: chinese-poetry@2.0.1 from the npm registry (cached after the first run)")
-        corpus = poetry_corpus(Path(args.cache) if args.cache else None, max_docs=max_docs, log=say)
+        if args.corpus:
+            corpus = Path(args.corpus)
+            say(f"-- corpus: {corpus}")
+        else:
+            say("-- corpus: chinese-poetry@2.0.1 from the npm registry (cached after the first run)")
+            corpus = poetry_corpus(Path(args.cache) if args.cache else None, max_docs=max_docs, log=say)
         say(f"-- prepare: cleaning, tokenizer (vocab {cfg.prepare.vocab_size}), shards -> {data_dir}")
         work.mkdir(parents=True, exist_ok=True)
         prepare([str(corpus)], data_dir, cfg.prepare, progress=progress_enabled(args), log=say)

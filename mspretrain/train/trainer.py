@@ -403,7 +403,9 @@ class Trainer:
         elapsed = time.perf_counter() - t_begin
         eta = elapsed / max(done, 1) * (self.total_steps - self.step)
         parts = [f"step {self.step}/{self.total_steps}", f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
-                 f"gnorm {v['grad_norm']:.3f}", f"scale {v['loss_scale']:g}"]
+                 f"gnorm {v['grad_norm']:.3f}"]
+        if self.scaler.mode != "none":
+            parts.append(f"scale {v['loss_scale']:g}")
         if "tokens_per_s" in v:
             parts += [f"{v['tokens_per_s']:,.0f} tok/s", f"mfu {100 * v['mfu']:.1f}%"]
         parts.append(f"eta {_fmt_time(eta)}")
