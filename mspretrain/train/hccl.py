@@ -1,0 +1,74 @@
+"""HCCL topology files for Ascend clusters (written here, consumed only on Ascend).
+
+Two files, both plain JSON:
+- a **rank table** (HCCL's `RANK_TABLE_FILE`, version 1.0): the servers, their NPUs, each NPU's
+  device IP and global rank. msrun builds its cluster dynamically and does not need it; the
+  classic `mindspore.communication.init()` launch without msrun does.
+- a **chip-group plan** after the field report: ranks grouped by chip (2 chips × 4 devices on a
+  910B board), so a two-level all-reduce can reduce inside a chip over the on-chip links first.
+  The field report feeds such a file to HCCL as a "whitelist"; HCCL's real `HCCL_WHITELIST_FILE`
+  is an IP allow-list (`{"host_ip": [...]}`), so we write the groups as a plan for
+  `mindspore.communication.create_group` and the IP list separately, under their true names.
+Only the file formats are tested on CPU; their effect is Ascend's.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+from pathlib import Path
+
+from mspretrain.errors import UserError
+
+
+def _check_ip(ip: str, what: str) -> str:
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError:
+        raise UserError(f"{what} {ip!r} is not an IP address", "give dotted IPv4 addresses, e.g. 192.168.100.101") from None
+    return ip
+
+
+def rank_table(servers: list[dict]) -> dict:
+    """servers = [{"host_ip": "...", "device_ips": ["...", ...]}, ...] in rank order."""
+    if not servers:
+        raise UserError("no servers given for the rank table", "list at least one server with its device IPs")
+    per = {len(s.get("device_ips", [])) for s in servers}
+    if len(per) != 1 or 0 in per:
+        raise UserError("every server must list the same, non-zero number of device IPs", "e.g. 8 device IPs per 910B server")
+    rank = 0
+    out = []
+    for s in servers:
+        devices = []
+        for dev_id, ip in enumerate(s["device_ips"]):
+            devices.append({"device_id": str(dev_id), "device_ip": _check_ip(ip, "device IP"), "rank_id": str(rank)})
+            rank += 1
+        host = _check_ip(s["host_ip"], "host IP")
+        out.append({"server_id": host, "device": devices, "host_nic_ip": "reserve"})
+    return {"version": "1.0", "server_count": str(len(servers)), "server_list": out, "status": "completed"}
+
+
+def chip_groups(n_devices: int = 8, per_chip: int = 4) -> list[dict]:
+    """The field report's grouping: consecutive ranks share a chip (2 chips x 4 devices per board)."""
+    if n_devices <= 0 or per_chip <= 0 or n_devices % per_chip:
+        raise UserError(f"{n_devices} devices do not split into chips of {per_chip}", "use e.g. 8 devices with 4 per chip")
+    return [{"group_name": f"chip{c}", "ranks": list(range(c * per_chip, (c + 1) * per_chip)), "group_type": "chip"}
+            for c in range(n_devices // per_chip)]
+
+
+def write_topology(out_dir: str | Path, servers: list[dict], per_chip: int = 4) -> list[Path]:
+    """rank_table.json, chip_groups.json and hccl_whitelist.json (host IPs) in `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = rank_table(servers)
+    n = sum(len(s["device_ips"]) for s in servers)
+    files = {
+        "rank_table.json": table,
+        "chip_groups.json": {"groups": chip_groups(n, per_chip)},
+        "hccl_whitelist.json": {"host_ip": [s["host_ip"] for s in servers]},
+    }
+    paths = []
+    for name, obj in files.items():
+        p = out / name
+        p.write_text(json.dumps(obj, indent=2), encoding="utf-8")
+        paths.append(p)
+    return paths
