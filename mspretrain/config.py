@@ -70,8 +70,8 @@ class PrepareConfig:
 @dataclass(frozen=True)
 class DataConfig:
     seq_len: int = 64
-    # Corpus mixing: extra weighted data dirs, e.g. sources = [{path = "a/", weight = 0.7}, ...].
-    # Empty = the single --data dir with weight 1.
+    # Corpus mixing: weighted data dirs, e.g. sources = [{path = "a/", weight = 0.7}, {path = "b/",
+    # weight = 0.3}], all tokenized with the --data dir's tokenizer. Empty = the --data dir alone.
     sources: tuple = ()
     reset_attention_at_eos: bool = False
     token_dtype: str = "int32"  # int64 for the Ascend gather issue in the field report

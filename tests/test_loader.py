@@ -333,7 +333,9 @@ def test_seq_len_differs_from_prepare_is_fine(tmp_path):
 def test_resolve_sources(tmp_path):
     assert resolve_sources(tmp_path) == [(tmp_path, 1.0)]
     assert resolve_sources(None, ({"path": "a", "weight": 0.3},)) == [(Path("a"), 0.3)]
-    assert resolve_sources("d", ({"path": "a", "weight": 0.3},)) == [(Path("d"), 1.0), (Path("a"), 0.3)]
+    assert resolve_sources("a", ({"path": "a", "weight": 0.3}, {"path": "b", "weight": 0.7})) == [(Path("a"), 0.3), (Path("b"), 0.7)]
+    with pytest.raises(UserError, match="does not list the --data dir"):
+        resolve_sources("d", ({"path": "a", "weight": 0.3},))
     with pytest.raises(UserError, match="data.sources"):
         resolve_sources(None, ({"dir": "a"},))
     with pytest.raises(UserError, match="no data"):

@@ -128,3 +128,28 @@ def test_retention_keeps_last_and_every(tmp_path):
                                    data_state=None, config=Config())
     store.prune(run, keep_last=2, keep_every=3, log=lambda s: None)
     assert [s for s, _ in store.list_checkpoints(run)] == [3, 6, 7]
+
+
+def test_mixing_two_data_dirs_and_refusing_a_foreign_tokenizer(tmp_path, tiny_data, tiny_cfg):
+    from dataclasses import replace
+
+    from mspretrain.data.prepare import prepare
+    from tests.conftest import make_poems
+
+    text = tmp_path / "more.txt"
+    text.write_text("\n\n".join(make_poems(300, seed=5)) + "\n", encoding="utf-8")
+    same = tmp_path / "same"
+    prepare([str(text)], same, tiny_cfg.prepare, tokenizer=str(tiny_data / "tokenizer.model"), workers=1, log=lambda s: None)
+    sources = f'data.sources=[{{path="{tiny_data}", weight=0.7}}, {{path="{same}", weight=0.3}}]'
+    run = tmp_path / "mix"
+    s = make(tiny_data, run, sources, "train.max_steps=3", "checkpoint.every=0").train()
+    assert s.step == 3
+    state = json.loads((run / "checkpoints" / "step_000003" / "data_state.json").read_text())
+    consumed = [src["consumed"] for src in state["sources"]]
+    assert sum(consumed) == 3 * 4 and consumed[0] > consumed[1] > 0
+
+    foreign = tmp_path / "foreign"
+    prepare([str(text)], foreign, replace(tiny_cfg.prepare, vocab_size=400), workers=1, log=lambda s: None)
+    bad = f'data.sources=[{{path="{tiny_data}", weight=0.5}}, {{path="{foreign}", weight=0.5}}]'
+    with pytest.raises(UserError, match="different tokenizer"):
+        make(tiny_data, tmp_path / "bad", bad, "train.max_steps=3")

@@ -70,7 +70,7 @@ def _replay_loss_scale(cfg, records: dict[int, dict], step: int) -> LossScaler |
 
 
 def recover(run_dir: Path, step: int | None = None) -> list[str]:
-    from mspretrain.data.loader import Loader
+    from mspretrain.data.loader import Loader, resolve_sources
     from mspretrain.data.mixing import consumed_after, normalise
 
     run_dir = Path(run_dir)
@@ -127,7 +127,7 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
         if not data_dir or not Path(data_dir).is_dir():
             raise UserError(f"cannot rebuild data_state.json: the run's data dir {data_dir!r} is not available",
                             "restore the data dir (run_meta.json names it) and run recover again")
-        sources = [(data_dir, 1.0)] + [(x["path"], float(x.get("weight", 1.0))) for x in cfg.data.sources]
+        sources = resolve_sources(data_dir, cfg.data.sources)
         mb = (cfg.train.micro_batch or cfg.train.global_batch // world)
         loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=mb, seed=cfg.train.seed,
                         rank=0, world=world, reset_attention_at_eos=cfg.data.reset_attention_at_eos,

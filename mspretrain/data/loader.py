@@ -72,16 +72,21 @@ def read_manifest(data_dir: str | Path) -> dict:
 
 
 def resolve_sources(data_dir: str | Path | None, sources: tuple | list = ()) -> list[tuple[Path, float]]:
-    """The `--data` dir (weight 1) followed by the extra `data.sources` entries ({path, weight}),
-    as `config.DataConfig.sources` describes them."""
-    out = [(Path(data_dir), 1.0)] if data_dir is not None else []
+    """The weighted data dirs of `data.sources` ({path, weight}), which must include the `--data` dir
+    (it supplies the tokenizer and manifest); with no `data.sources`, the `--data` dir alone."""
+    out = []
     for i, s in enumerate(sources):
         if not isinstance(s, dict) or "path" not in s or set(s) - {"path", "weight"}:
             raise UserError(f"data.sources[{i}] = {s!r} is not {{path, weight}}",
                             'write data.sources = [{path = "dir", weight = 0.7}, ...]')
         out.append((Path(s["path"]), float(s.get("weight", 1.0))))
     if not out:
-        raise UserError("no data given", "pass --data DATA_DIR or set data.sources = [{path = ..., weight = ...}]")
+        if data_dir is None:
+            raise UserError("no data given", "pass --data DATA_DIR or set data.sources = [{path = ..., weight = ...}]")
+        return [(Path(data_dir), 1.0)]
+    if data_dir is not None and Path(data_dir).resolve() not in {p.resolve() for p, _ in out}:
+        raise UserError(f"data.sources does not list the --data dir {data_dir}",
+                        f'add it with its weight, e.g. {{path = "{data_dir}", weight = 0.5}}')
     return out
 
 

@@ -99,6 +99,7 @@ class Trainer:
             raise UserError(f"model.vocab_size = {cfg.model.vocab_size} but the data dir's tokenizer has {vocab} pieces",
                             f"set model.vocab_size={vocab} (or 0 to take it from the data dir)")
         cfg = replace(cfg, model=cfgmod.resolve_model(cfg.model, vocab))
+        self.sources = self._check_sources(cfg)
         setup_mindspore(self.device)
         self.world = distributed.init(self.device.target)
         self.micro, self.accum_steps = cfgmod.micro_batches(cfg, self.world.size)
@@ -123,6 +124,19 @@ class Trainer:
         self.allow_data_change = allow_data_change
         self.progress = progress
         self._stop_signal: int | None = None
+
+    def _check_sources(self, cfg: Config) -> list[tuple[Path, float]]:
+        """The weighted data dirs; all must share the --data dir's tokenizer."""
+        from mspretrain.data.loader import resolve_sources
+
+        sources = resolve_sources(self.data_dir, cfg.data.sources)
+        want = self.manifest.get("tokenizer_sha256")
+        for path, _ in sources:
+            other = read_data_manifest(path)
+            if want and other.get("tokenizer_sha256") != want:
+                raise UserError(f"data dir {path} was tokenized with a different tokenizer than {self.data_dir}",
+                                f"prepare it again with --tokenizer {self.data_dir / 'tokenizer.model'}")
+        return sources
 
     # ----------------------------------------------------------------- logging
     def log(self, text: str) -> None:
@@ -149,8 +163,7 @@ class Trainer:
                            seed=cfg.train.seed)
         self.step_fn = TrainStep(self.model, cfg.optim, global_tokens=self.global_tokens, world=self.world.size,
                                  jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16")
-        sources = [(str(self.data_dir), 1.0)] + [(s["path"], float(s.get("weight", 1.0))) for s in cfg.data.sources]
-        self.loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=self.micro,
+        self.loader = Loader(self.sources, split="train", seq_len=cfg.data.seq_len, batch_size=self.micro,
                              seed=cfg.train.seed, rank=self.world.rank, world=self.world.size,
                              reset_attention_at_eos=cfg.data.reset_attention_at_eos,
                              token_dtype=cfg.data.token_dtype, log=self.log)
