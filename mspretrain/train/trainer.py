@@ -421,7 +421,8 @@ class Trainer:
             parts.append(f"scale {v['loss_scale']:g}")
         if "tokens_per_s" in v:
             parts += [f"{v['tokens_per_s']:,.0f} tok/s", f"mfu {100 * v['mfu']:.1f}%"]
-        parts.append(f"eta {_fmt_time(eta)}")
+        if done > 1:  # the first step includes graph compilation: no ETA from it
+            parts.append(f"eta {_fmt_time(eta)}")
         self.log(" | ".join(parts))
 
     def _profiler(self) -> Any:
