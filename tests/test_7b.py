@@ -1,0 +1,142 @@
+"""The 7B-on-8x910B recipe (configs/llama2-7b-910b.toml), checked as far as a CPU box can:
+
+1. its model has Llama-2-7B's 6,738,415,616 parameters, by the closed form and by building our
+   real `Llama` module at full size with shape-only (not allocated) parameters;
+2. `mspretrain plan` for it on 8 devices equals a hand computation, byte for byte;
+3. one real fp16 train step of the same config scaled down (2 layers, dim 64, seq 32, the data
+   dir's vocabulary, one rank's share of the batch) runs on CPU with the field report's
+   loss-scale warm-up and the fp32 lm_head.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from mspretrain import config as cfgmod
+from mspretrain.model.presets import param_count
+from mspretrain.ops.plan import format_plan, make_plan
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama2-7b-910b.toml"
+P_7B = 6_738_415_616  # HF meta-llama/Llama-2-7b-hf num_parameters()
+GB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def cfg_7b() -> cfgmod.Config:
+    cfg = cfgmod.load(CONFIG)
+    cfgmod.validate(cfg)
+    return cfg
+
+
+def test_param_count_closed_form(cfg_7b):
+    m = cfgmod.resolve_model(cfg_7b.model)
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (4096, 32, 32, 32, 11008, 32000)
+    # By hand: embed + lm_head 2 x 32000 x 4096; per layer q,k,v,o 4 x 4096^2 + MLP 3 x 4096 x 11008
+    # + 2 norms x 4096; final norm 4096.
+    by_hand = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096) + 4096
+    assert by_hand == P_7B
+    assert param_count(m) == P_7B
+
+
+def test_full_size_module_built_shape_only(cfg_7b, monkeypatch):
+    """Our Llama class at 7B size with lazily initialised parameters: ~0.4 GB of RSS, not 27 GB."""
+    import mindspore as ms
+    from mindspore import Parameter
+    from mindspore.common.initializer import Normal, initializer
+
+    import mspretrain.model.llama as llama
+
+    # The model draws its init from numpy; swap in MindSpore's lazy initializer so that
+    # `no_init_parameters` keeps every large weight as shape + dtype only.
+    monkeypatch.setattr(llama, "_normal", lambda rng, shape, std: Parameter(initializer(Normal(std), shape, ms.float32), name="weight"))
+    with ms.nn.utils.no_init_parameters():
+        model = llama.Llama(cfgmod.resolve_model(cfg_7b.model), dtype=cfg_7b.precision.dtype, device="cpu")
+    params = model.trainable_params()
+    assert sum(math.prod(p.shape) for p in params) == P_7B
+    assert len(params) == 1 + 32 * 6 + 1 + 1  # embed; per layer 2 norms, wqkv, wo, w13, w2; final norm; lm_head
+    big = [p for p in params if math.prod(p.shape) > 4096]
+    assert big and all(p.has_init for p in big)  # still unallocated
+    assert all(p.dtype == ms.float32 for p in params)  # fp32 master weights
+    assert model.dtype == ms.float16 and model.lm_head.dtype == ms.float32  # fp16 compute, fp32 lm_head island
+    assert model.layers[0].attn.wqkv.weight.shape == (3 * 4096, 4096)
+
+
+def test_memory_plan_on_8_devices_by_hand(cfg_7b):
+    plan = make_plan(cfg_7b, devices=8, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    assert plan["params"] == P_7B
+    assert (plan["micro_batch"], plan["accumulation"], plan["flash_attention"]) == (1, 32, True)
+    # Budget 120e9 tokens at 256 x 2048 = 524,288 tokens per step.
+    assert plan["steps"] == 228_882 == math.ceil(120e9 / 524_288)
+    assert plan["warmup_steps"] == 4_578 == math.ceil(0.02 * 120e9 / 524_288)
+    mem = plan["memory_bytes"]
+    assert mem["master_weights"] == 4 * P_7B and mem["half_weights"] == 2 * P_7B
+    assert mem["gradients"] == mem["micro_gradients"] == 4 * P_7B and mem["adam_moments"] == 8 * P_7B
+    # Activations, fp16 (2 bytes), s=2048, b=1, h=4096, kv=4096, f=11008, 32 heads, flash attention:
+    # per layer 2 x 2048 x (6 x 4096 + 2 x 4096 + 4 x 11008) = 314,572,800 + flash 64 x 32 x 2048 = 4,194,304;
+    # logits + log-probs fp32 8 x 2048 x 32000 = 524,288,000.
+    assert mem["activations"] == 32 * 318_767_104 + 524_288_000 == 10_724_835_328
+    assert mem["total"] == 158_969_978_880  # 148.05 GB: 22 bytes per parameter + activations
+    assert plan["warnings"] and plan["warnings"][0].startswith("WILL NOT FIT: 148.1 GB")
+    assert plan["reference"]["tokens_per_s_per_device"] == 4100.0
+    assert "148.05 GB   of 64 GB" in format_plan(plan)
+
+    # With optimizer-state sharding and full recomputation: 4P/8 + 2P + 4P + 4P + 8P/8 = 11.5 P,
+    # activations = each layer's input 32 x 2 x 2048 x 4096 + one layer + logits.
+    sharded = make_plan(cfg_7b, devices=8, tokens=None, data_dir=None, tokens_per_s_per_device=None, zero=True, recompute=True)
+    act = 32 * 2 * 2048 * 4096 + 318_767_104 + 524_288_000
+    assert sharded["memory_bytes"]["activations"] == act == 1_379_926_016
+    assert sharded["memory_bytes"]["total"] == 23 * P_7B // 2 + act == 78_871_705_600  # 73.45 GB > 64 GB
+    assert sharded["warnings"][0].startswith("WILL NOT FIT")
+
+
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory, tiny_data):
+    from mspretrain.train.trainer import Trainer
+
+    # The 910B config, scaled down: same precision, loss-scale schedule, optimizer, schedule kind,
+    # micro-batch 1 with accumulation; global batch 32 = one of the 8 ranks' share of 256.
+    small = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_dim=0",
+             "model.vocab_size=0", "model.max_seq_len=64", "data.seq_len=32", "train.global_batch=32",
+             "train.micro_batch=1", "train.max_steps=1", "train.log_every=1", "device.target=cpu",
+             "eval.every=0", "metrics.tensorboard=false"]
+    cfg = cfgmod.load(CONFIG, small)
+    run = tmp_path_factory.mktemp("step7b") / "run"
+    lines: list[str] = []
+    trainer = Trainer(cfg, tiny_data, run, log=lines.append)
+    summary = trainer.train()
+    return trainer, summary, run, lines
+
+
+def test_one_real_fp16_step_of_the_scaled_down_config(one_step, tiny_data):
+    trainer, summary, run, lines = one_step
+    vocab = json.loads((tiny_data / "manifest.json").read_text())["vocab_size"]
+    assert trainer.cfg.model.vocab_size == vocab and trainer.accum_steps == 32 and trainer.micro == 1
+    assert summary.step == 1 and summary.skipped == 0
+    loss = summary.losses[0]
+    assert math.isfinite(loss) and abs(loss - math.log(vocab)) < 0.1 * math.log(vocab)  # ~ln V at init
+    # The field report's loss-scale schedule: the step ran at 64, the next one warms towards 1,024.
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["step"] == 1 and record["loss_scale"] == 64.0
+    assert trainer.scaler.scale == pytest.approx(64 + (1024 - 64) / 500)
+    import mindspore as ms
+
+    assert trainer.model.dtype == ms.float16 and trainer.model.lm_head.weight.dtype == ms.float32
+
+
+def test_the_step_changed_the_weights_and_checkpointed_fp32(one_step):
+    trainer, summary, run, lines = one_step
+    ckpt = run / "checkpoints" / "step_000001"
+    weights = load_file(str(ckpt / "model.safetensors"))
+    assert all(w.dtype == np.float32 for w in weights.values())
+    assert all(np.isfinite(w).all() for w in weights.values())
+    state = json.loads((ckpt / "train_state.json").read_text())
+    assert state["step"] == 1 and state["skipped_steps"] == 0
+    assert state["loss_scale"]["scale"] == pytest.approx(65.92)
+    optim = load_file(str(ckpt / "optimizer.safetensors"))
+    moments = [v for k, v in optim.items() if k.startswith("exp_avg.")]
+    assert moments and any(np.abs(m).max() > 0 for m in moments)  # AdamW took a step
