@@ -75,7 +75,6 @@ class DataConfig:
     sources: tuple = ()
     reset_attention_at_eos: bool = False
     token_dtype: str = "int32"  # int64 for the Ascend gather issue in the field report
-    prefetch: int = 2
 
 
 @dataclass(frozen=True)
@@ -389,8 +388,6 @@ def validate(cfg: Config, *, device: str | None = None) -> None:
         _fail("data.seq_len", f"= {d.seq_len} must be positive", "set data.seq_len to e.g. 64 (tests) or 2048 (production)")
     if d.seq_len > m.max_seq_len:
         _fail("data.seq_len", f"= {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}", "raise model.max_seq_len or lower data.seq_len")
-    if d.prefetch < 0:
-        _fail("data.prefetch", f"= {d.prefetch} must not be negative", "set data.prefetch to 0 or more")
 
     p = cfg.prepare
     if p.vocab_size < 256 + 4:

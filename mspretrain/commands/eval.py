@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="valid", choices=["train", "valid"])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=0, help="bound the number of predicted tokens (0 = whole split)")
+    p.add_argument("--seq-len", type=int, default=0, help="window length (default: the run's data.seq_len)")
     p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "tokens", "bpc"}')
     add_quiet_argument(p)
 
@@ -37,7 +38,11 @@ def run(args: argparse.Namespace) -> int:
     if manifest.get("tokenizer_sha256") and loaded.tokenizer.sha256() != manifest["tokenizer_sha256"]:
         raise UserError(f"{data_dir} was tokenized with a different tokenizer than the model's",
                         "evaluate on a data dir prepared with the model's tokenizer (prepare --tokenizer RUN_DIR/tokenizer.model)")
-    res = evaluate_split(loaded.model, data_dir, split=args.split, seq_len=loaded.config.data.seq_len,
+    seq_len = args.seq_len or loaded.config.data.seq_len
+    if not 0 < seq_len <= loaded.config.model.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} is outside 1..{loaded.config.model.max_seq_len} (the model's context)",
+                        "pick a window the model was built for")
+    res = evaluate_split(loaded.model, data_dir, split=args.split, seq_len=seq_len,
                          batch_size=args.batch_size, max_tokens=args.max_tokens,
                          chars_per_token=manifest.get("chars_per_token"))
     if args.json:

@@ -62,7 +62,6 @@ MEANINGS: dict[str, str] = {
     "prepare.seed": "seed for the valid split and the tokenizer's sample",
     "data.seq_len": "tokens per training sequence (each window reads seq_len + 1 tokens)",
     "data.reset_attention_at_eos": "block-diagonal attention and positions restarting at each document in a packed window",
-    "data.prefetch": "queue depth of the loader's background prefetch thread (`Prefetcher` in data/loader.py; the trainer currently reads batches synchronously)",
     "optim.lr": "peak learning rate",
     "optim.weight_decay": "decoupled AdamW weight decay (not applied to norms; embeddings only with decay_embeddings)",
     "optim.beta1": "AdamW first-moment decay",

@@ -27,7 +27,7 @@ from mspretrain.monitor.spikes import scan_metrics
 
 ADVICE = {
     "killed": "the process was killed (SIGKILL or the kernel OOM killer): check host memory (`dmesg | grep -i oom`), "
-              "lower data.prefetch or use --cpu-quota; `mspretrain train` resumes from the newest verified checkpoint",
+              "use --cpu-quota or fewer workers per host; `mspretrain train` resumes from the newest verified checkpoint",
     "oom": "device/host memory ran out: lower train.micro_batch (global_batch stays, accumulation grows), recompute, or "
            "shard optimizer state; `mspretrain plan` shows memory per device before launch",
     "disk_full": "the disk is full: free space or lower checkpoint.keep_last; checkpoints are written to step_N.tmp and "

@@ -121,6 +121,11 @@ def check_launcher_and_threads(cfg: Config) -> list[Finding]:
             glog += f", {k}={os.environ[k]}"
     out.append(Finding("warn" if noisy else "ok", "native logs", glog,
                        "unset GLOG_v (or set GLOG_v=3): INFO/DEBUG native logs bury the loss lines; use --verbose when debugging"))
+    cache = os.environ.get("MS_COMPILER_CACHE_ENABLE", "")
+    # Measured: with the compile cache a resumed run trains with zero gradients (loss frozen, grad norm 0).
+    out.append(Finding("warn" if cache.strip() in ("1", "true", "True") else "ok", "compile cache",
+                       f"MS_COMPILER_CACHE_ENABLE={cache or 'unset'}",
+                       "unset MS_COMPILER_CACHE_ENABLE: a cached graph ignores the parameters restored on resume"))
     return out
 
 
