@@ -201,6 +201,8 @@ class Config:
 
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(Config))
+# Keys that earlier versions wrote into run dirs and checkpoints: ignored when read, so old runs resume.
+RETIRED: frozenset[str] = frozenset({"data.prefetch"})
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.token_dtype": ("int32", "int64"),
     "optim.lr_scaling": ("none", "sqrt"),
@@ -258,6 +260,8 @@ def _section_from_dict(section: str, cls: type, values: dict[str, Any], base: An
     known = {f.name for f in fields(cls)}
     updates = {}
     for key, value in values.items():
+        if f"{section}.{key}" in RETIRED:
+            continue
         if key not in known:
             close = [k for k in known if k.startswith(key[:3])]
             hint = f"did you mean {section}.{close[0]}?" if close else f"valid keys: {', '.join(sorted(known))}"
