@@ -77,13 +77,15 @@ def _tiny(dtype="fp32"):
 def test_accumulation_equals_one_big_batch():
     rng = np.random.default_rng(1)
     data = [rng.integers(0, 128, (8, 17)).astype(np.int32) for _ in range(3)]
-    optim = OptimConfig(lr=1e-3)
+    # Adam turns a last-bit difference in a near-zero gradient into up to +-lr: keep lr small so
+    # that the 1e-6 weight tolerance tests the accumulation, not Adam's sign sensitivity.
+    optim = OptimConfig(lr=1e-4)
     a, b = _tiny(), _tiny()
     sa = TrainStep(a, optim, global_tokens=8 * 16)
     sb = TrainStep(b, optim, global_tokens=8 * 16)
     for batch in data:
-        ra = sa.run([(batch, None, None)], lr=1e-3, scale=1.0)
-        rb = sb.run([(batch[i:i + 2], None, None) for i in range(0, 8, 2)], lr=1e-3, scale=1.0)
+        ra = sa.run([(batch, None, None)], lr=1e-4, scale=1.0)
+        rb = sb.run([(batch[i:i + 2], None, None) for i in range(0, 8, 2)], lr=1e-4, scale=1.0)
         assert abs(ra.loss - rb.loss) <= 1e-6
     wa, wb = state_numpy(a), state_numpy(b)
     for k in wa:

@@ -1,0 +1,98 @@
+"""Export a checkpoint as an HF Llama folder (safetensors) or a verified MINDIR graph.
+
+Formats: `hf` writes config.json, model.safetensors, generation_config.json and the tokenizer, loadable
+with transformers' AutoModelForCausalLM/AutoTokenizer; `mindir` writes model.mindir (dynamic batch and
+sequence) and export.json, then loads the file back and checks its logits against the model.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from mspretrain.commands.common import add_quiet_argument, say
+from mspretrain.errors import UserError
+
+FORMATS = ("hf", "mindir")
+
+EXAMPLES = """examples:
+  mspretrain export runs/a --format hf --out exports/a-hf
+  mspretrain export runs/a/checkpoints/step_000500 --format mindir --out exports/a-mindir
+  mspretrain export runs/a --format hf --out exports/a-hf --overwrite"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", metavar="RUN_DIR|CKPT_DIR", help="a run dir (newest verified checkpoint) or one checkpoint dir")
+    p.add_argument("--format", required=True, metavar="FORMAT",
+                   help="hf: HF Llama folder (config.json, model.safetensors, generation_config.json, tokenizer); "
+                        "mindir: MindSpore MINDIR graph with dynamic batch/sequence, verified against the model")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; must be empty unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--dtype", default="fp32", metavar="fp32|fp16", help="mindir: compute dtype of the exported graph (default fp32)")
+    add_quiet_argument(p)
+
+
+def staging_dir(out: Path, overwrite: bool, source: Path) -> Path:
+    """A fresh temporary sibling of `out` to write into; refuses a non-empty `out` without overwrite."""
+    out, source = out.resolve(), source.resolve()
+    if out == source or out in source.parents:
+        raise UserError(f"--out {out} would replace the checkpoint being read", "choose an output directory outside the run/checkpoint")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is a file", "choose a directory path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"output directory {out} exists and is not empty", "choose another --out, or pass --overwrite to replace it")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Move a finished staging dir into place (replacing `out` when it exists)."""
+    out = out.resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    fmt = str(args.format).lower()
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {args.format!r}", f"use --format {' or --format '.join(FORMATS)}")
+    if args.dtype not in ("fp32", "fp16"):
+        raise UserError(f"--dtype {args.dtype!r} is not supported for export", "use --dtype fp32 (default) or fp16")
+    from mspretrain.checkpoint.store import read_model_tensors, resolve_checkpoint
+
+    ref = resolve_checkpoint(args.path)
+    out = Path(args.out)
+    tmp = staging_dir(out, args.overwrite, ref.dir)
+    try:
+        if fmt == "hf":
+            from mspretrain.config import resolve_model
+            from mspretrain.model.hf import write_hf_dir
+
+            tensors = read_model_tensors(ref)
+            vocab = int(tensors["embed.weight"].shape[0]) if "embed.weight" in tensors else None
+            write_hf_dir(tmp, resolve_model(ref.config.model, vocab), tensors, ref.tokenizer_path)
+            publish(tmp, out)
+            say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF Llama, fp32 safetensors)")
+        else:
+            from mspretrain.model.llama import from_checkpoint
+            from mspretrain.model.mindir import export_mindir
+
+            model, ref = from_checkpoint(str(ref.dir), dtype=args.dtype)
+            ids = {}
+            if ref.tokenizer_path is not None:
+                from mspretrain.data.tokenizer import Tokenizer
+
+                tok = Tokenizer.load(ref.tokenizer_path)
+                ids = tok.special_ids()
+                tok.save_to(tmp)
+            meta = export_mindir(model, tmp, special_ids=ids)
+            publish(tmp, out)
+            print(f"MINDIR logits max abs diff vs model: {meta['verified_max_abs_diff']:.3g} (tolerance {meta['tolerance']:g})")
+            say(args, f"exported step {ref.step} from {ref.dir} to {out / meta['file']} (+ export.json)")
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0

@@ -1,0 +1,310 @@
+"""Bridge to Hugging Face Llama folders: config.json, safetensors, tokenizer — both directions.
+
+Design choices:
+- Only safetensors are read, never pickle: `.bin`/`.pt` weights are refused in one line. The
+  reader parses the safetensors header itself and memory-maps the data, so bf16/fp16 shards
+  (numpy has no bf16) become fp32 without torch; sharded folders follow their index json.
+- Names map one to one except two fusions: q/k/v_proj rows concatenate into `attn.wqkv`,
+  gate/up_proj into `mlp.w13`. Both sides use the rotate-half RoPE layout, so nothing is permuted.
+- Anything we cannot represent exactly (other activations, biases, RoPE scaling, a head_dim that
+  is not dim / n_heads) is refused rather than approximated: a silently different model is worse
+  than an error.
+- Export writes fp32 weights with the `{"format": "pt"}` metadata transformers expects, a
+  `config.json` readable by transformers 4.x and 5.x (both `rope_theta` and `rope_parameters`),
+  `generation_config.json`, and the tokenizer with a `tokenizer_config.json` for `AutoTokenizer`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mspretrain.config import ModelConfig
+from mspretrain.errors import UserError
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old HF checkpoints saved the RoPE buffer; it is a constant
+
+
+# --------------------------------------------------------------------------- config
+
+def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """A resolved ModelConfig from an HF Llama config dict; anything not representable is refused."""
+    archs = hf.get("architectures") or []
+    if (archs and "LlamaForCausalLM" not in archs) or hf.get("model_type", "llama") != "llama":
+        what = archs[0] if archs else hf.get("model_type")
+        raise UserError(f"{source} describes a {what} model, not a Llama (LlamaForCausalLM)",
+                        "convert only Llama-architecture checkpoints (model_type \"llama\")")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if not isinstance(hf.get(key), int):
+            raise UserError(f"{source} has no integer {key}", "pass the config.json written by transformers for this model")
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported", "only SwiGLU (silu) Llama models convert")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise UserError(f"{source}: attention/MLP biases are not supported", "only bias-free Llama models convert")
+    if hf.get("head_dim") not in (None, dim // heads):
+        raise UserError(f"{source}: head_dim {hf['head_dim']} != hidden_size / num_attention_heads", "only the standard head size is supported")
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise UserError(f"{source}: RoPE scaling {rope_type!r} is not supported", "only plain RoPE (rope_type default) Llama models convert")
+    return ModelConfig(
+        dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
+        ffn_dim=hf["intermediate_size"], max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)))
+
+
+def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> dict[str, Any]:
+    """config.json for transformers' LlamaForCausalLM (fp32 weights)."""
+    ids = special_ids or {}
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.dim // m.n_heads,
+        "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+        "pretraining_tp": 1, "use_cache": True, "torch_dtype": "float32", "dtype": "float32",
+    }
+    for name in ("bos", "eos", "pad"):
+        if ids.get(name, -1) >= 0:
+            out[f"{name}_token_id"] = ids[name]
+    return out
+
+
+# --------------------------------------------------------------------------- tensor names
+
+def _layer_names(i: int) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    return {f"layers.{i}.attn_norm.weight": p + "input_layernorm.weight",
+            f"layers.{i}.attn.wo.weight": p + "self_attn.o_proj.weight",
+            f"layers.{i}.mlp_norm.weight": p + "post_attention_layernorm.weight",
+            f"layers.{i}.mlp.w2.weight": p + "mlp.down_proj.weight"}
+
+
+def expected_hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    hd = m.dim // m.n_heads
+    shapes = {"model.embed_tokens.weight": (m.vocab_size, m.dim), "model.norm.weight": (m.dim,)}
+    if not m.tie_embeddings:
+        shapes["lm_head.weight"] = (m.vocab_size, m.dim)
+    for i in range(m.n_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (m.dim,), p + "post_attention_layernorm.weight": (m.dim,),
+                       p + "self_attn.q_proj.weight": (m.n_heads * hd, m.dim),
+                       p + "self_attn.k_proj.weight": (m.n_kv_heads * hd, m.dim),
+                       p + "self_attn.v_proj.weight": (m.n_kv_heads * hd, m.dim),
+                       p + "self_attn.o_proj.weight": (m.dim, m.n_heads * hd),
+                       p + "mlp.gate_proj.weight": (m.ffn_dim, m.dim), p + "mlp.up_proj.weight": (m.ffn_dim, m.dim),
+                       p + "mlp.down_proj.weight": (m.dim, m.ffn_dim)})
+    return shapes
+
+
+def hf_to_ours(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.ndarray]:
+    """HF tensor names/layout -> ours (fp32); checks every name and shape against the config."""
+    shapes = expected_hf_shapes(m)
+    extra = [k for k in tensors if k not in shapes and not k.endswith(_IGNORED_SUFFIXES)
+             and not (m.tie_embeddings and k == "lm_head.weight")]  # some tied checkpoints store it twice
+    if extra:
+        raise UserError(f"unexpected tensor {extra[0]} in the HF weights", "the weights do not belong to a plain Llama with this config.json")
+    for name, shape in shapes.items():
+        if name not in tensors:
+            raise UserError(f"HF weights have no tensor {name}", "the safetensors files are incomplete or belong to another config.json")
+        if tuple(tensors[name].shape) != shape:
+            raise UserError(f"HF tensor {name} has shape {tuple(tensors[name].shape)}, config.json implies {shape}",
+                            "the weights and config.json do not belong together")
+    f32 = lambda k: np.asarray(tensors[k], dtype=np.float32)  # noqa: E731
+    out = {"embed.weight": f32("model.embed_tokens.weight"), "norm.weight": f32("model.norm.weight")}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = f32("lm_head.weight")
+    for i in range(m.n_layers):
+        p = f"model.layers.{i}."
+        out.update({ours: f32(theirs) for ours, theirs in _layer_names(i).items()})
+        out[f"layers.{i}.attn.wqkv.weight"] = np.concatenate(
+            [f32(p + "self_attn.q_proj.weight"), f32(p + "self_attn.k_proj.weight"), f32(p + "self_attn.v_proj.weight")])
+        out[f"layers.{i}.mlp.w13.weight"] = np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")])
+    return out
+
+
+def our_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter names and shapes for a resolved config (what the Llama cell holds)."""
+    hd = m.dim // m.n_heads
+    shapes = {"embed.weight": (m.vocab_size, m.dim), "norm.weight": (m.dim,)}
+    if not m.tie_embeddings:
+        shapes["lm_head.weight"] = (m.vocab_size, m.dim)
+    for i in range(m.n_layers):
+        shapes.update({f"layers.{i}.attn_norm.weight": (m.dim,), f"layers.{i}.mlp_norm.weight": (m.dim,),
+                       f"layers.{i}.attn.wqkv.weight": ((m.n_heads + 2 * m.n_kv_heads) * hd, m.dim),
+                       f"layers.{i}.attn.wo.weight": (m.dim, m.n_heads * hd),
+                       f"layers.{i}.mlp.w13.weight": (2 * m.ffn_dim, m.dim),
+                       f"layers.{i}.mlp.w2.weight": (m.dim, m.ffn_dim)})
+    return shapes
+
+
+def ours_to_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.ndarray]:
+    """Our tensor names/layout -> HF's, splitting the fused projections."""
+    for name, shape in our_shapes(m).items():
+        if name not in tensors:
+            raise UserError(f"checkpoint has no tensor {name}", "the checkpoint and its config.toml do not match")
+        if tuple(tensors[name].shape) != shape:
+            raise UserError(f"checkpoint tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}",
+                            "the checkpoint and its config.toml do not match")
+    hd = m.dim // m.n_heads
+    q_rows, kv_rows = m.n_heads * hd, m.n_kv_heads * hd
+    out = {"model.embed_tokens.weight": tensors["embed.weight"], "model.norm.weight": tensors["norm.weight"]}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = tensors["lm_head.weight"]
+    for i in range(m.n_layers):
+        p = f"model.layers.{i}."
+        out.update({theirs: tensors[ours] for ours, theirs in _layer_names(i).items()})
+        wqkv = tensors[f"layers.{i}.attn.wqkv.weight"]  # rows: (H + 2KV) * hd
+        out[p + "self_attn.q_proj.weight"] = wqkv[:q_rows]
+        out[p + "self_attn.k_proj.weight"] = wqkv[q_rows:q_rows + kv_rows]
+        out[p + "self_attn.v_proj.weight"] = wqkv[q_rows + kv_rows:]
+        w13 = tensors[f"layers.{i}.mlp.w13.weight"]  # rows: 2F (gate, then up)
+        out[p + "mlp.gate_proj.weight"] = w13[:m.ffn_dim]
+        out[p + "mlp.up_proj.weight"] = w13[m.ffn_dim:]
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------- safetensors reading
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of one .safetensors file as numpy; floats become fp32 (bf16 included)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not a readable safetensors file ({exc.__class__.__name__})", "re-download or re-save the weights") from None
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if path.stat().st_size > 8 + n else np.zeros(0, np.uint8)
+    out = {}
+    for name, meta in header.items():
+        if meta["dtype"] not in _ST_DTYPES:
+            raise UserError(f"{path.name}: tensor {name} has unsupported dtype {meta['dtype']}", "save the weights as fp32, fp16 or bf16")
+        begin, end = meta["data_offsets"]
+        raw = data[begin:end].view(_ST_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+        if meta["dtype"] == "BF16":
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)  # bf16 is the top half of an fp32
+        elif raw.dtype.kind == "f":
+            raw = raw.astype(np.float32)
+        out[name] = np.array(raw)  # detach from the memmap
+    return out
+
+
+def weight_files(hf_dir: Path) -> list[Path]:
+    """The safetensors files of an HF folder (via the index when sharded); refuses pickled weights."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError):
+            raise UserError(f"{index} is not a valid safetensors index", "re-save the model with save_pretrained(safe_serialization=True)") from None
+        files = [hf_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"shard {missing[0].name} listed in {index.name} is missing", "download every shard of the model")
+        return files
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = [p for p in sorted(hf_dir.iterdir()) if p.suffix in _PICKLE_SUFFIXES]
+    if pickled:
+        raise UserError(f"{hf_dir} has only pickled PyTorch weights ({pickled[0].name}): safetensors are required (pickles are never loaded)",
+                        "provide safetensors: model.save_pretrained(DIR, safe_serialization=True), or download the .safetensors files")
+    raise UserError(f"no *.safetensors weights in {hf_dir}", "pass an HF model folder with config.json and model*.safetensors")
+
+
+def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Path | None]:
+    """(resolved ModelConfig, our tensors, tokenizer path or None) from an HF Llama folder."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir} is not a directory", "pass the HF model folder (with config.json and *.safetensors)")
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"{hf_dir} has no config.json", "pass an HF model folder saved with save_pretrained (config.json + *.safetensors)")
+    try:
+        hf_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{cfg_path} is not valid JSON", "re-save the model config") from None
+    m = config_from_hf(hf_cfg, str(cfg_path))
+    tok_path = next((hf_dir / n for n in ("tokenizer.model", "tokenizer.json") if (hf_dir / n).is_file()), None)
+    if tok_path is not None:
+        from mspretrain.data.tokenizer import Tokenizer
+
+        tok_vocab = Tokenizer.load(tok_path).vocab_size
+        if tok_vocab != m.vocab_size:
+            raise UserError(f"tokenizer {tok_path.name} has {tok_vocab} tokens but config.json says vocab_size {m.vocab_size}",
+                            "the tokenizer and the weights must belong to the same model; fix vocab_size or use the matching tokenizer")
+    tensors: dict[str, np.ndarray] = {}
+    for f in weight_files(hf_dir):
+        tensors.update(read_safetensors(f))
+    return m, hf_to_ours(tensors, m), tok_path
+
+
+# --------------------------------------------------------------------------- writing
+
+def _sp_add_dummy_prefix(path: Path) -> bool:
+    """Whether a SentencePiece model prepends '▁' (decides HF's add_prefix_space)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        proto = pb.ModelProto()
+        proto.ParseFromString(path.read_bytes())
+        return bool(proto.normalizer_spec.add_dummy_prefix)
+    except Exception:  # protobuf missing or an odd file: Llama's own default
+        return True
+
+
+def _tokenizer_files(out: Path, tok_path: Path, max_len: int) -> dict[str, int]:
+    """Copy the tokenizer and write the json files AutoTokenizer reads; returns the special ids."""
+    from mspretrain.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tok_path)
+    tok.save_to(out)
+    ids = tok.special_ids()
+    piece = (tok._sp.IdToPiece if tok._sp is not None else tok._hf.id_to_token)
+    special = {f"{name}_token": piece(ids[name]) for name in ("bos", "eos", "unk", "pad") if ids[name] >= 0}
+    if tok._sp is not None:
+        tcfg = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": False,
+                "add_prefix_space": _sp_add_dummy_prefix(tok_path), "clean_up_tokenization_spaces": False}
+    else:
+        tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    tcfg["model_max_length"] = max_len
+    (out / "tokenizer_config.json").write_text(json.dumps(dict(tcfg, **special), indent=2, ensure_ascii=False), encoding="utf-8")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False), encoding="utf-8")
+    return ids
+
+
+def write_hf_dir(out: str | Path, m: ModelConfig, tensors: dict[str, np.ndarray], tokenizer_path: str | Path | None = None) -> Path:
+    """Write an HF Llama folder that `AutoModelForCausalLM.from_pretrained(out)` loads cleanly."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids: dict[str, int] = {}
+    if tokenizer_path is not None:
+        from mspretrain.data.tokenizer import Tokenizer
+
+        tok_vocab = Tokenizer.load(tokenizer_path).vocab_size
+        if tok_vocab != m.vocab_size:
+            raise UserError(f"tokenizer {Path(tokenizer_path).name} has {tok_vocab} tokens but the model's vocab_size is {m.vocab_size}",
+                            "export with the tokenizer the model was trained with")
+        ids = _tokenizer_files(out, Path(tokenizer_path), m.max_seq_len)
+    save_file(ours_to_hf(tensors, m), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config_to_hf(m, ids), indent=2), encoding="utf-8")
+    gen = {"_from_model_config": True, **{f"{k}_token_id": ids[k] for k in ("bos", "eos", "pad") if ids.get(k, -1) >= 0}}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
+    return out

@@ -1,0 +1,443 @@
+"""Llama-2 in MindSpore, in one file.
+
+Design choices (and the trade-off taken):
+- HF tensor layout, fused: the query/key/value projections are one parameter `wqkv` (rows: the H
+  query heads, then the KV key heads, then the KV value heads) and the SwiGLU gate/up projections
+  one parameter `w13` (gate rows, then up rows): one tensor to load, save, decay and clip each. At
+  compute time the *weight* is split into row blocks (q+k | v, gate | up), not the activation,
+  because MindSpore's CPU Split/Concat copy and the activation is the larger tensor (measured in
+  docs/benchmarks/train.md). Weights are (out, in) like PyTorch, so the bridge never transposes.
+- RoPE uses HF's rotate-half convention (not Meta's interleaved pairs), so HF checkpoints load
+  without permuting q/k rows. cos/sin tables are built once in float64, stored as float32 `Tensor`
+  constants: not Parameters, not in the state dict, not seen by the optimizer.
+- Grouped-query attention never repeats K/V: the G = H / KV query heads that share a KV head are
+  folded into the query-length axis, so one batched MatMul per KV head does the work.
+- Masks are additive fp32 biases built once per forward and shared by all layers: causal, and,
+  when `segments` is given, block-diagonal by document so attention never crosses a document.
+- Precision policy: parameters are fp32 master weights; `dtype` (fp32/fp16/bf16) is the compute
+  dtype weights and activations are cast to. fp32 islands: RMSNorm statistics, attention softmax,
+  the lm_head (input, weight and logits). Logits are always fp32. With fp32 no cast is emitted.
+- Attention kernel by device: the math path everywhere; Ascend's fused `FlashAttentionScore`
+  (fp16/bf16 only, BNSD layout, native GQA) when device is ascend. The flash path's argument
+  layout is unit-tested on CPU against a reference of the documented semantics; the kernel
+  itself is verified only on Ascend.
+- Initialisation is Llama's, explicit and seeded: normal(0, init_std) for embedding and linear
+  weights, the residual projections (wo, w2) scaled by 1/sqrt(2 * n_layers), norms at one.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.ops.operations.nn_ops import FlashAttentionScore
+
+from mspretrain.config import ModelConfig
+from mspretrain.errors import UserError
+
+if TYPE_CHECKING:
+    from mspretrain.checkpoint.store import CheckpointRef
+
+COMPUTE_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
+ATTENTION_KINDS = ("auto", "math", "flash")
+NEG = -1e9  # additive mask value; the softmax runs in fp32, so exp(NEG - max) is exactly 0
+FLASH_MASK_SIZE = 2048  # FlashAttentionScore's compressed causal mask is always 2048 x 2048
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin of shape (max_seq_len, head_dim) in HF's rotate-half layout, float32."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (hd/2,)
+    angles = np.outer(np.arange(max_seq_len, dtype=np.float64), inv_freq)  # (S, hd/2)
+    angles = np.concatenate([angles, angles], axis=-1)  # (S, hd)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, T, N, hd); cos/sin broadcastable to it, e.g. (T, 1, hd) or (B, T, 1, hd)."""
+    x1, x2 = ops.split(x, x.shape[-1] // 2, -1)  # split, not slicing: its gradient is one Concat
+    rotated = ops.concat((-x2, x1), -1)  # rotate_half(x)
+    return x * cos + rotated * sin
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """Sum over the last axis as a GEMM with a ones vector: (..., D) -> (..., 1) fp32. MindSpore's CPU
+    ReduceSum is several times slower than its MatMul kernel on these shapes (see loss.py)."""
+    D = x.shape[-1]
+    return ops.matmul(x.reshape(-1, D), ops.ones((D, 1), ms.float32)).reshape(x.shape[:-1] + (1,))
+
+
+def rms_statistic(x: Tensor, eps: float) -> Tensor:
+    """1 / RMS over the last axis in fp32 (an fp32 island): x (..., D) -> (..., 1) float32."""
+    xf = x.astype(ms.float32)
+    return ops.rsqrt(row_sum(xf * xf) / x.shape[-1] + eps)
+
+
+def softmax_fp32(scores: Tensor) -> Tensor:
+    """Attention softmax in fp32 (an fp32 island), whatever the compute dtype."""
+    return ops.softmax(scores.astype(ms.float32), -1)
+
+
+class SoftmaxFP32(nn.Cell):
+    """softmax_fp32 with a hand-written backward, dx = p * (dp - rowsum(dp * p)), whose row sum is a
+    GEMM: MindSpore's generated softmax backward spends most of its time in ReduceSum."""
+
+    def construct(self, scores: Tensor) -> Tensor:
+        return softmax_fp32(scores)
+
+    def bprop(self, scores: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor]:
+        return ((out * (dout - row_sum(dout * out))).astype(scores.dtype),)
+
+
+class RMSNormFn(nn.Cell):
+    """y = x * rms_statistic(x) * w, with the statistics in fp32 and a hand-written backward (the
+    generated one is a chain of slow ReduceSum/Tile ops): with xh = x * r and g = dy * w,
+    dw = sum over tokens of dy * xh, dx = r * (g - xh * mean(g * xh))."""
+
+    def __init__(self, eps: float, dtype: ms.Type) -> None:
+        super().__init__()
+        self.eps = eps
+        self.dtype = dtype
+
+    def construct(self, x: Tensor, w: Tensor) -> Tensor:
+        y = x.astype(ms.float32) * rms_statistic(x, self.eps)
+        if self.dtype == ms.float32:
+            return y * w
+        return y.astype(self.dtype) * w.astype(self.dtype)
+
+    def bprop(self, x: Tensor, w: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor, Tensor]:
+        D = x.shape[-1]
+        r = rms_statistic(x, self.eps)  # recomputed: (..., 1) fp32
+        xh = x.astype(ms.float32) * r  # (..., D)
+        dy = dout.astype(ms.float32)
+        dw = ops.matmul(ops.ones((1, dy.size // D), ms.float32), (dy * xh).reshape(-1, D)).reshape(D)  # column sum
+        g = dy * w
+        dx = r * g - (r * (row_sum(g * xh) / D)) * xh
+        return dx.astype(x.dtype), dw
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Parameter:
+    return Parameter(Tensor(rng.standard_normal(shape, dtype=np.float32) * np.float32(std)), name="weight")
+
+
+class Linear(nn.Cell):
+    """y = x @ W^T without bias; W (out, in) fp32, cast to the compute dtype at use."""
+
+    def __init__(self, in_dim: int, out_dim: int, std: float, rng: np.random.Generator, dtype: ms.Type) -> None:
+        super().__init__()
+        self.out_dim = out_dim
+        self.dtype = dtype
+        self.weight = _normal(rng, (out_dim, in_dim), std)
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor) -> Tensor:
+        w = self.weight if self.dtype == ms.float32 else self.weight.astype(self.dtype)
+        lead = x.shape[:-1]
+        y = self.matmul(x.reshape(-1, x.shape[-1]), w)  # (N, out)
+        return y.reshape(lead + (self.out_dim,))
+
+    def parts(self, x: Tensor, rows: tuple[int, ...]) -> tuple[Tensor, ...]:
+        """x @ W_i^T for consecutive row blocks W_i of a fused weight. The weight is split, not the
+        output: on CPU, MindSpore's Split/Concat copy, and an (out, in) weight is far smaller than the
+        (tokens, out) activation, so this beats one big MatMul followed by a split (see train.md)."""
+        w = self.weight if self.dtype == ms.float32 else self.weight.astype(self.dtype)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        return tuple(self.matmul(x2, wi).reshape(lead + (n,)) for wi, n in zip(ops.split(w, rows, 0), rows))
+
+
+class Embedding(nn.Cell):
+    def __init__(self, vocab: int, dim: int, std: float, rng: np.random.Generator) -> None:
+        super().__init__()
+        self.weight = _normal(rng, (vocab, dim), std)
+
+    def construct(self, tokens: Tensor) -> Tensor:
+        return ops.gather(self.weight, tokens, 0)  # (B, T) -> (B, T, D) fp32
+
+
+class RMSNorm(nn.Cell):
+    def __init__(self, dim: int, eps: float, dtype: ms.Type) -> None:
+        super().__init__()
+        self.fn = RMSNormFn(eps, dtype)
+        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.fn(x, self.weight)
+
+
+class Attention(nn.Cell):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, dtype: ms.Type, use_flash: bool) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
+        self.group = cfg.n_heads // cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.dtype = dtype
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim, cfg.init_std, rng, dtype)
+        self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim, out_std, rng, dtype)
+        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
+        self.bmm_pv = ops.BatchMatMul()
+        self.softmax = SoftmaxFP32()
+        self.use_flash = use_flash
+        if use_flash:
+            # Causal without documents: leftUpCausal (sparse_mode 2) with the compressed 2048x2048
+            # mask; with documents: the full (B, 1, T, T) mask (sparse_mode 0). 1 = masked out.
+            self.flash_causal = FlashAttentionScore(
+                head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=2147483647, next_tokens=0,
+                input_layout="BNSD", sparse_mode=2)
+            self.flash_masked = FlashAttentionScore(
+                head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=2147483647, next_tokens=0,
+                input_layout="BNSD", sparse_mode=0)
+            self.flash_causal_mask = Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, discard: Tensor | None) -> Tensor:
+        q, k, v = self.project(x, cos, sin)
+        o = self._flash(q, k, v, discard) if self.use_flash else self.attend(q, k, v, bias)  # (B, H, T, hd)
+        return self.output(o)
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D) -> q (B, H, T, hd), k and v (B, KV, T, hd), RoPE applied to q and k."""
+        B, T = x.shape[0], x.shape[1]
+        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
+        qk, v = self.wqkv.parts(x, ((H + KV) * hd, KV * hd))  # (B, T, (H+KV)*hd), (B, T, KV*hd)
+        qk = apply_rope(qk.reshape(B, T, H + KV, hd), cos, sin)  # one RoPE call for q and k
+        q, k = ops.split(qk.transpose(0, 2, 1, 3), (H, KV), 1)  # (B, H, T, hd), (B, KV, T, hd)
+        return q, k, v.reshape(B, T, KV, hd).transpose(0, 2, 1, 3)  # v: (B, KV, T, hd)
+
+    def output(self, o: Tensor) -> Tensor:
+        B, H, T, hd = o.shape
+        return self.wo(o.transpose(0, 2, 1, 3).reshape(B, T, H * hd))  # (B, T, H*hd) -> (B, T, D)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """Math path. q (B, H, T, hd), k/v (B, KV, S, hd), bias (B|1, 1, T, S) -> (B, H, T, hd)."""
+        B, T, S = q.shape[0], q.shape[2], k.shape[2]
+        KV, G, hd = self.n_kv, self.group, self.head_dim
+        q = (q * self.scale).reshape(B, KV, G * T, hd)  # heads sharing a KV head: (B, KV, G*T, hd)
+        scores = self.bmm_qk(q, k)  # (B, KV, G*T, S)
+        if G > 1:
+            scores = scores.reshape(B, KV, G, T, S).astype(ms.float32) + bias.expand_dims(1)  # bias (B|1, 1, 1, T, S)
+        else:
+            scores = scores.astype(ms.float32) + bias  # bias (B|1, 1, T, S)
+        probs = self.softmax(scores).astype(self.dtype).reshape(B, KV, G * T, S)  # (B, KV, G*T, S)
+        o = self.bmm_pv(probs, v)  # (B, KV, G*T, hd)
+        return o.reshape(B, KV * G, T, hd)  # head h = kv * G + g, as HF's repeat_kv: (B, H, T, hd)
+
+    def _flash(self, q: Tensor, k: Tensor, v: Tensor, discard: Tensor | None) -> Tensor:
+        if discard is None:
+            out = self.flash_causal(q, k, v, None, None, None, self.flash_causal_mask, None, None, None)
+        else:
+            out = self.flash_masked(q, k, v, None, None, None, discard, None, None, None)
+        return out[3]  # (softmax_max, softmax_sum, softmax_out, attention_out)
+
+
+class MLP(nn.Cell):
+    """SwiGLU: w2(silu(x w1^T) * (x w3^T)), with w1 and w3 fused into w13."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, dtype: ms.Type) -> None:
+        super().__init__()
+        self.ffn = cfg.ffn_dim
+        self.w13 = Linear(cfg.dim, 2 * cfg.ffn_dim, cfg.init_std, rng, dtype)
+        self.w2 = Linear(cfg.ffn_dim, cfg.dim, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng, dtype)
+
+    def construct(self, x: Tensor) -> Tensor:
+        gate, up = self.w13.parts(x, (self.ffn, self.ffn))  # (B, T, F) each
+        return self.w2(ops.silu(gate) * up)
+
+
+class Block(nn.Cell):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, dtype: ms.Type, use_flash: bool) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype)
+        self.attn = Attention(cfg, rng, dtype, use_flash)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype)
+        self.mlp = MLP(cfg, rng, dtype)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, discard: Tensor | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, bias, discard)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def cached(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, kc: Tensor, vc: Tensor,
+               slot: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Decoding with a static-shape cache kc/vc (B, KV, S, hd). slot None: prefill from position 0
+        (the T new keys fill slots 0..T-1); else slot (1, 1, S, 1) is 1 at the one position written."""
+        q, k, v = self.attn.project(self.attn_norm(x), cos, sin)  # k, v: (B, KV, T, hd)
+        if slot is None:
+            pad = ops.zeros((k.shape[0], k.shape[1], kc.shape[2] - k.shape[2], k.shape[3]), kc.dtype)
+            kc, vc = ops.concat((k.astype(kc.dtype), pad), 2), ops.concat((v.astype(vc.dtype), pad), 2)
+        else:  # a blend, not a scatter: static shapes and exact (x*1 + y*0 == x)
+            kc = kc * (1 - slot) + k.astype(kc.dtype) * slot
+            vc = vc * (1 - slot) + v.astype(vc.dtype) * slot
+        x = x + self.attn.output(self.attn.attend(q, kc, vc, bias))
+        return x + self.mlp(self.mlp_norm(x)), kc, vc
+
+
+def select_attention(attention: str, device: str, dtype: str) -> bool:
+    """True when the fused Ascend kernel should run; errors for impossible requests."""
+    if attention not in ATTENTION_KINDS:
+        raise UserError(f"attention = {attention!r} is not one of {', '.join(ATTENTION_KINDS)}", "use auto (flash on Ascend, math elsewhere)")
+    if attention == "math":
+        return False
+    flash_ok = device == "ascend" and dtype in ("fp16", "bf16")
+    if attention == "flash" and not flash_ok:
+        raise UserError(f"FlashAttentionScore needs device ascend and dtype fp16/bf16 (got {device}, {dtype})",
+                        "use attention=math (or auto) on this device / dtype")
+    return flash_ok
+
+
+class Llama(nn.Cell):
+    """Llama-2 decoder. construct(tokens (B,T) int32, positions=None, segments=None) -> logits (B,T,V) fp32.
+
+    `positions` (B, T) restart RoPE at document starts; `segments` (B, T) (document id per token) keep
+    attention inside a document. `dtype` is the compute dtype, `attention` auto|math|flash, `device`
+    cpu|ascend (picks the kernel), `seed` the initialisation (numpy PCG64, independent of MindSpore).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype: str = "fp32", attention: str = "auto", device: str = "cpu",
+                 seed: int = 0) -> None:
+        super().__init__()
+        if dtype not in COMPUTE_DTYPES:
+            raise UserError(f"precision dtype {dtype!r} is not one of fp32, fp16, bf16", "set precision.dtype=fp32 (CPU) or fp16/bf16 (Ascend)")
+        if dtype == "bf16" and device == "cpu":
+            raise UserError("precision.dtype = bf16 is not supported on CPU (MindSpore has no CPU bf16 kernels)",
+                            "use precision.dtype=fp32 (or fp16) on CPU; bf16 is for Ascend")
+        if cfg.vocab_size <= 0 or cfg.n_kv_heads <= 0 or cfg.ffn_dim <= 0:
+            raise UserError("model config is not resolved (vocab_size, n_kv_heads or ffn_dim is 0)",
+                            "call mspretrain.config.resolve_model(cfg.model, tokenizer.vocab_size) first")
+        self.cfg = cfg
+        self.dtype_name = dtype
+        self.dtype = COMPUTE_DTYPES[dtype]
+        self.use_flash = select_attention(attention, device, dtype)
+        rng = np.random.default_rng(seed)
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
+        self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.dtype)
+        self.tied = cfg.tie_embeddings
+        if not self.tied:
+            self.lm_head = Linear(cfg.dim, cfg.vocab_size, cfg.init_std, rng, ms.float32)  # fp32 island
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)  # constants, (S, hd) fp32
+        self.head_matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None) -> Tensor:
+        T = tokens.shape[1]
+        x = self.embed(tokens)  # (B, T, D) fp32
+        if self.dtype != ms.float32:
+            x = x.astype(self.dtype)
+        cos, sin = self._rope(positions, T)
+        bias, discard = self._mask(segments, T)
+        for layer in self.layers:
+            x = layer(x, cos, sin, bias, discard)
+        return self._head(x)
+
+    def _head(self, x: Tensor) -> Tensor:
+        B, T = x.shape[0], x.shape[1]
+        h = self.norm(x).astype(ms.float32).reshape(B * T, -1)  # (B*T, D) fp32: lm_head is an fp32 island
+        w = self.embed.weight if self.tied else self.lm_head.weight
+        return self.head_matmul(h, w).reshape(B, T, -1)  # (B, T, V) fp32
+
+    # ----------------------------------------------------------------- incremental decoding
+    def init_cache(self, batch: int, max_len: int) -> tuple[Tensor, ...]:
+        """A zeroed K/V cache: (k_0, v_0, k_1, v_1, ...), each (batch, n_kv_heads, max_len, head_dim)."""
+        if not 0 < max_len <= self.cfg.max_seq_len:
+            raise UserError(f"cache length {max_len} is outside 1..model.max_seq_len = {self.cfg.max_seq_len}",
+                            "generate fewer tokens or use a model with a longer context")
+        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.dim // self.cfg.n_heads)
+        return tuple(ops.zeros(shape, self.dtype) for _ in range(2 * self.cfg.n_layers))
+
+    def prefill(self, tokens: Tensor, cache: tuple[Tensor, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Run a prompt (B, T) from position 0: (logits (B, T, V) fp32, cache holding positions 0..T-1)."""
+        T, S = tokens.shape[1], cache[0].shape[2]
+        x = self.embed(tokens).astype(self.dtype)
+        cos, sin = self._rope(None, T)
+        idx_q, idx_k = ops.arange(T).expand_dims(1), ops.arange(S).expand_dims(0)
+        bias = ops.stop_gradient(((idx_k <= idx_q).astype(ms.float32) - 1.0) * -NEG).reshape(1, 1, T, S)
+        new = ()
+        for i, layer in enumerate(self.layers):
+            x, kc, vc = layer.cached(x, cos, sin, bias, cache[2 * i], cache[2 * i + 1], None)
+            new = new + (kc, vc)
+        return self._head(x), new
+
+    def decode_step(self, token: Tensor, pos: Tensor, cache: tuple[Tensor, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """One token per row, token (B, 1) at position `pos` (int32 scalar tensor, same for all rows):
+        (logits (B, 1, V) fp32, updated cache). Static shapes, so one compiled graph serves every step."""
+        S = cache[0].shape[2]
+        x = self.embed(token).astype(self.dtype)  # (B, 1, D)
+        p = pos.reshape(1, 1)
+        cos, sin = self._rope(p, 1)  # (1, 1, 1, hd)
+        idx = ops.arange(S)
+        bias = (((idx <= pos).astype(ms.float32) - 1.0) * -NEG).reshape(1, 1, 1, S)  # keys 0..pos visible
+        slot = (idx == pos).astype(self.dtype).reshape(1, 1, S, 1)
+        new = ()
+        for i, layer in enumerate(self.layers):
+            x, kc, vc = layer.cached(x, cos, sin, bias, cache[2 * i], cache[2 * i + 1], slot)
+            new = new + (kc, vc)
+        return self._head(x), new
+
+    def _rope(self, positions: Tensor | None, T: int) -> tuple[Tensor, Tensor]:
+        if positions is None:
+            cos, sin = self.rope_cos[:T].expand_dims(1), self.rope_sin[:T].expand_dims(1)  # (T, 1, hd)
+        else:
+            cos = ops.gather(self.rope_cos, positions, 0).expand_dims(2)  # (B, T, 1, hd)
+            sin = ops.gather(self.rope_sin, positions, 0).expand_dims(2)
+        if self.dtype != ms.float32:
+            cos, sin = cos.astype(self.dtype), sin.astype(self.dtype)
+        # Constants: stop_gradient spares the backward pass the reductions of d(loss)/d(cos, sin).
+        return ops.stop_gradient(cos), ops.stop_gradient(sin)
+
+    def _mask(self, segments: Tensor | None, T: int) -> tuple[Tensor, Tensor | None]:
+        """Additive fp32 bias (B|1, 1, T, T) for the math path; bool discard mask for flash."""
+        idx = ops.arange(T)
+        allowed = idx.expand_dims(0) <= idx.expand_dims(1)  # (T, T): key j visible from query i iff j <= i
+        if segments is not None:
+            same = segments.expand_dims(2) == segments.expand_dims(1)  # (B, T, T)
+            allowed = ops.logical_and(allowed.expand_dims(0), same)  # (B, T, T)
+        else:
+            allowed = allowed.expand_dims(0)  # (1, T, T)
+        allowed = allowed.expand_dims(1)  # (B|1, 1, T, T)
+        bias = ops.stop_gradient((allowed.astype(ms.float32) - 1.0) * -NEG)  # 0 where visible, NEG where masked
+        discard = ops.logical_not(allowed) if (self.use_flash and segments is not None) else None
+        return bias, discard
+
+
+# --------------------------------------------------------------------------- state <-> numpy
+
+def state_numpy(model: Llama) -> dict[str, np.ndarray]:
+    """Every parameter by name as fp32 numpy (RoPE tables are constants and not included)."""
+    return {p.name: p.asnumpy() for p in model.get_parameters()}
+
+
+def load_numpy(model: Llama, tensors: dict[str, np.ndarray]) -> None:
+    """Strict load: a missing, unexpected or mis-shaped tensor raises UserError naming it."""
+    params = {p.name: p for p in model.get_parameters()}
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    if missing:
+        raise UserError(f"checkpoint has no tensor {missing[0]}" + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""),
+                        "the checkpoint was written for a different model config; use the config saved with it")
+    if unexpected:
+        raise UserError(f"checkpoint has an unexpected tensor {unexpected[0]}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""),
+                        "the checkpoint was written for a different model config (tie_embeddings? n_layers?)")
+    for name, p in params.items():
+        arr = np.asarray(tensors[name])
+        if tuple(arr.shape) != tuple(p.shape):
+            raise UserError(f"tensor {name} has shape {tuple(arr.shape)}, the model expects {tuple(p.shape)}",
+                            "the checkpoint was written for a different model config; use the config saved with it")
+    for name, p in params.items():
+        p.set_data(Tensor(np.ascontiguousarray(tensors[name], dtype=np.float32)))
+
+
+def from_checkpoint(path: str, *, dtype: str = "fp32", attention: str = "auto", device: str = "cpu") -> tuple[Llama, CheckpointRef]:
+    """(model with the checkpoint's weights, CheckpointRef) for a RUN_DIR or CKPT_DIR."""
+    from mspretrain.checkpoint.store import read_model_tensors, resolve_checkpoint
+    from mspretrain.config import resolve_model
+
+    ref = resolve_checkpoint(path)
+    tensors = read_model_tensors(ref)
+    if "embed.weight" not in tensors:
+        raise UserError(f"checkpoint {ref.dir} has no embed.weight", "this is not an mspretrain model checkpoint")
+    cfg = resolve_model(ref.config.model, int(tensors["embed.weight"].shape[0]))
+    model = Llama(cfg, dtype=dtype, attention=attention, device=device)
+    load_numpy(model, tensors)
+    return model, ref

@@ -1,0 +1,77 @@
+"""Named model presets as plain constructors, and the analytic parameter count.
+
+Design choices: a preset is a function returning a `ModelConfig` (architecture only), looked up
+by name through one plain dict; there is no registry to extend. Presets meant for a data dir's own
+tokenizer (`tiny`, `demo`) leave `vocab_size = 0` so it is taken from the data; the larger ones
+use Llama's 32,000. `param_count` is the closed form of HF `LlamaForCausalLM`'s count (tied
+embeddings counted once), checked against HF in the tests.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.errors import UserError
+
+
+def tiny() -> ModelConfig:
+    """Unit tests and smoke runs: seconds per step on a laptop CPU."""
+    return ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=0, vocab_size=0, max_seq_len=512)
+
+
+def demo() -> ModelConfig:
+    """The CPU demo (configs/demo.toml): ~5 M parameters with an 8 k vocabulary, grouped-query attention."""
+    return ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=0, max_seq_len=256)
+
+
+def gpt_125m() -> ModelConfig:
+    """GPT-3 Small shape with the Llama block (~134 M with a 32 k vocabulary)."""
+    return ModelConfig(dim=768, n_layers=12, n_heads=12, vocab_size=32000, max_seq_len=2048)
+
+
+def gpt_350m() -> ModelConfig:
+    """GPT-3 Medium shape with the Llama block (~370 M with a 32 k vocabulary)."""
+    return ModelConfig(dim=1024, n_layers=24, n_heads=16, vocab_size=32000, max_seq_len=2048)
+
+
+def llama_1b() -> ModelConfig:
+    """TinyLlama-1.1B's shape: 22 layers, 4 KV heads."""
+    return ModelConfig(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000, max_seq_len=2048)
+
+
+def llama2_7b() -> ModelConfig:
+    """Meta's Llama-2-7B (6.74 B parameters)."""
+    return ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000,
+                       max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-5)
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny,
+    "demo": demo,
+    "125m": gpt_125m,
+    "350m": gpt_350m,
+    "1b": llama_1b,
+    "llama2-7b": llama2_7b,
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The ModelConfig of a named preset; unknown names are a UserError listing the choices."""
+    if name not in PRESETS:
+        raise UserError(f"unknown model preset {name!r}", f"choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters, equal to HF `LlamaForCausalLM(...).num_parameters()` for the same config."""
+    m = resolve_model(cfg)
+    if m.vocab_size <= 0:
+        raise UserError("model.vocab_size is 0 (taken from the tokenizer at train time), so the parameter count is unknown",
+                        "pass model.vocab_size=N (e.g. the tokenizer's vocabulary size)")
+    head_dim = m.dim // m.n_heads
+    attn = m.dim * (m.n_heads + 2 * m.n_kv_heads) * head_dim + m.n_heads * head_dim * m.dim  # wqkv + wo
+    mlp = 3 * m.dim * m.ffn_dim  # w1, w3 (fused as w13) and w2
+    block = attn + mlp + 2 * m.dim  # two RMSNorm weights
+    embed = m.vocab_size * m.dim
+    head = 0 if m.tie_embeddings else m.vocab_size * m.dim
+    return embed + m.n_layers * block + m.dim + head
