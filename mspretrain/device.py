@@ -72,8 +72,10 @@ def setup_mindspore(info: DeviceInfo, *, deterministic: bool = True) -> None:
     ms.set_context(mode=ms.PYNATIVE_MODE)
     if info.target == "cpu":
         try:
-            ms.runtime.set_cpu_affinity(False)
-        except Exception:  # older/newer runtimes without this knob are fine
+            # MindSpore's CPU kernels default to 25 threads; on a small box that oversubscription
+            # costs ~1.5x per step (measured in benchmarks/train_bench.py). Settable once per process.
+            ms.device_context.cpu.op_tuning.threads_num(info.threads)
+        except Exception:  # already set by an earlier call in this process, or an older runtime
             pass
     if deterministic and info.target == "ascend":
         ms.set_context(deterministic="ON")
