@@ -68,7 +68,13 @@ def setup_mindspore(info: DeviceInfo, *, deterministic: bool = True) -> None:
     """Point MindSpore at the device. Global mode stays PyNative; hot paths are `ms.jit`."""
     import mindspore as ms
 
-    ms.set_device("Ascend" if info.target == "ascend" else "CPU")
+    target = "Ascend" if info.target == "ascend" else "CPU"
+    try:
+        ms.set_device(target)
+    except RuntimeError:
+        # Already fixed for this process (a kernel ran, or an earlier call): fine if it is the same device.
+        if ms.get_context("device_target") != target:
+            raise
     ms.set_context(mode=ms.PYNATIVE_MODE)
     if info.target == "cpu":
         try:
