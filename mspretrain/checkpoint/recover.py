@@ -14,6 +14,7 @@ from pathlib import Path
 from mspretrain.checkpoint import store
 from mspretrain.config import load as load_config
 from mspretrain.errors import UserError
+from mspretrain.fsutil import fsync_path
 from mspretrain.train.loss_scale import LossScaler
 
 WEIGHT_FILES = (store.MODEL_FILE, store.OPTIM_FILE, "config.toml")
@@ -162,5 +163,5 @@ def _rewrite_manifest(d: Path) -> None:
     manifest["recovered"] = True
     tmp = mpath.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
-    store._fsync(tmp)
+    fsync_path(tmp)
     tmp.replace(mpath)

@@ -35,6 +35,7 @@ from mspretrain import __version__
 from mspretrain import config as cfgmod
 from mspretrain.config import Config
 from mspretrain.errors import UserError
+from mspretrain.fsutil import fsync_path
 
 FORMAT_VERSION = 1
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -65,13 +66,6 @@ def _sha256(path: Path) -> str:
             h.update(chunk)
     return h.hexdigest()
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -118,17 +112,17 @@ def write_checkpoint_dir(
             shutil.copyfile(tokenizer_path, tmp / Path(tokenizer_path).name)
         files = {}
         for p in sorted(tmp.iterdir()):
-            _fsync(p)
+            fsync_path(p)
             files[p.name] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
         manifest = {"format_version": FORMAT_VERSION, "code_version": __version__, "step": step,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
         _write_json(tmp / MANIFEST, manifest)
-        _fsync(tmp / MANIFEST)
-        _fsync(tmp)
+        fsync_path(tmp / MANIFEST)
+        fsync_path(tmp)
         if final_dir.exists():  # re-saving the same step (e.g. after a rewind): replace it whole
             shutil.rmtree(final_dir)
         os.replace(tmp, final_dir)
-        _fsync(final_dir.parent)
+        fsync_path(final_dir.parent)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         # safetensors reports I/O failures as its own error type: one type for callers to catch

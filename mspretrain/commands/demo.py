@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     print("\nnext:")
     print(f"  mspretrain report {run_dir}                       # (a) HTML report with the curves")
     print(f"  mspretrain train --config {run_dir / 'config.toml'} --data {data_dir} --run {run_dir} train.max_steps={summary.step + 300}   # (b) continue training")
-    print(f"  mspretrain prepare YOUR_TEXT_DIR --out my-data && mspretrain train --config configs/demo.toml --data my-data --run runs/mine   # (c) your own text")
+    print("  mspretrain prepare YOUR_TEXT_DIR --out my-data && mspretrain train --config configs/demo.toml --data my-data --run runs/mine   # (c) your own text")
     print(f"  mspretrain export {run_dir} --format hf --out {work / 'hf'}   # (d) a Hugging Face Llama folder")
     if after["ppl"] >= before["ppl"]:
         raise UserError(f"the demo did not learn (perplexity {before['ppl']:.1f} -> {after['ppl']:.1f})",

@@ -45,6 +45,7 @@ from mspretrain.data.clean import Cleaner
 from mspretrain.data.shards import IndexedDataset, ShardWriter, data_fingerprint, token_dtype
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
 from mspretrain.errors import UserError
+from mspretrain.fsutil import fsync_path
 
 CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
 CHUNK_DOCS = 4096
@@ -282,13 +283,6 @@ def _publish(work: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _check_config(cfg: PrepareConfig) -> None:
     # `validate` checks a whole Config and insists on a training budget; prepare needs neither.
@@ -349,7 +343,7 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
         path.write_text(json.dumps(manifest, ensure_ascii=False, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        _fsync_dir(work)
+        fsync_path(work)
         _publish(work, out)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

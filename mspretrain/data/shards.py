@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.errors import UserError
+from mspretrain.fsutil import fsync_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -40,13 +41,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 (2 bytes per token) whenever the vocabulary fits, else int32."""
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
 
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:
@@ -116,7 +110,7 @@ class ShardWriter:
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
         write_index(self._idx_tmp, lengths, self.dtype)
-        _fsync_file(self._idx_tmp)
+        fsync_path(self._idx_tmp)
         # .bin first: an .idx without its .bin is detectably broken, the reverse could look whole.
         os.replace(self._bin_tmp, Path(str(self.prefix) + ".bin"))
         os.replace(self._idx_tmp, Path(str(self.prefix) + ".idx"))
