@@ -51,7 +51,7 @@ ARGS = ["train.max_steps=5", "checkpoint.every=0", "--quiet"]
 def _msrun(tmp_path: Path, data: Path, run: Path, *extra: str) -> None:
     exe = shutil.which("mspretrain") or str(Path(sys.executable).with_name("mspretrain"))
     logs = tmp_path / f"logs-{run.name}"
-    cmd = ["msrun", "--worker_num=2", "--local_worker_num=2", f"--master_port={_free_port()}", f"--log_dir={logs}",
+    cmd = [MSRUN, "--worker_num=2", "--local_worker_num=2", f"--master_port={_free_port()}", f"--log_dir={logs}",
            "--join=True", exe, "train", "--config", str(TINY), "--data", str(data), "--run", str(run), *ARGS, *extra]
     env = {**os.environ, "GLOG_v": "3", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -72,7 +72,11 @@ def _replica_hashes(run: Path) -> list[str]:
     return [json.loads(p.read_text())["weights_sha256"] for p in sorted((run / "ranks").glob("rank_*.json"))]
 
 
-@pytest.mark.skipif(shutil.which("msrun") is None, reason="msrun not on PATH")
+# msrun ships with MindSpore next to this interpreter; CI runs the venv's python without the venv on PATH.
+MSRUN = shutil.which("msrun", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+
+
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 @pytest.mark.parametrize("wire", ["fp32", "fp16"])
 def test_two_ranks_match_one_process(tmp_path, tiny_data, one_process, wire):
     two = tmp_path / f"two-{wire}"
