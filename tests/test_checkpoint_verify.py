@@ -1,0 +1,104 @@
+"""verify(): cheap checks before any hashing, parallel hashing with the same reasons as before,
+and a deterministic answer (the first failing file in sorted-name order). No MindSpore needed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mspretrain import config as cfgmod
+from mspretrain.checkpoint import store
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    model = {"w": rng.standard_normal((64, 32)).astype(np.float32), "b": np.zeros(32, np.float32)}
+    optim = {f"{k}.{n}": np.ones_like(v) for n, v in model.items() for k in ("exp_avg", "exp_avg_sq")}
+    return store.write_checkpoint_dir(tmp_path / "checkpoints" / "step_000002", step=2, model=model, optimizer=optim,
+                                      train_state={"tokens": 10}, data_state={"pos": 3}, config=cfgmod.Config())
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _no_hashing(monkeypatch) -> None:
+    def fail(*args, **kwargs):
+        raise AssertionError("hashed a file although a cheap check had already failed")
+
+    monkeypatch.setattr(store, "_sha256", fail)
+
+
+def test_intact_checkpoint_verifies(ckpt):
+    assert store.verify(ckpt) is None
+    assert store.verify(ckpt, deep=False) is None
+
+
+def test_truncation_is_found_without_hashing(ckpt, monkeypatch):
+    f = ckpt / store.OPTIM_FILE
+    size = f.stat().st_size
+    f.write_bytes(f.read_bytes()[: size // 2])
+    _no_hashing(monkeypatch)
+    assert store.verify(ckpt) == f"optimizer.safetensors size mismatch ({size // 2} bytes, manifest says {size})"
+
+
+def test_deleted_file_is_found_without_hashing(ckpt, monkeypatch):
+    (ckpt / "data_state.json").unlink()
+    _no_hashing(monkeypatch)
+    assert store.verify(ckpt) == "data_state.json is missing"
+
+
+def test_size_problem_is_reported_before_an_earlier_files_bad_hash(ckpt, monkeypatch):
+    _flip(ckpt / "config.toml")  # sorts first, but only hashing would find it
+    (ckpt / "train_state.json").unlink()
+    _no_hashing(monkeypatch)
+    assert store.verify(ckpt) == "train_state.json is missing"
+
+
+def test_bit_flip_is_a_sha256_mismatch(ckpt):
+    _flip(ckpt / store.OPTIM_FILE)
+    assert store.verify(ckpt) == "optimizer.safetensors sha256 mismatch"
+    assert store.verify(ckpt, deep=False) is None  # same size: only the hash can tell
+
+
+def test_two_corrupt_files_report_the_first_in_sorted_order(ckpt):
+    _flip(ckpt / store.OPTIM_FILE)
+    _flip(ckpt / store.MODEL_FILE)
+    for _ in range(5):  # threads finish in any order; the answer must not
+        assert store.verify(ckpt) == "model.safetensors sha256 mismatch"
+
+
+def test_hashing_runs_in_the_verify_thread_pool(ckpt, monkeypatch):
+    import threading
+
+    seen: set[str] = set()
+    real = store._sha256
+
+    def spy(path, stop=None):
+        seen.add(threading.current_thread().name)
+        return real(path, stop)
+
+    monkeypatch.setattr(store, "_sha256", spy)
+    assert store.verify(ckpt) is None
+    assert all(n.startswith("verify") for n in seen)
+
+
+def test_latest_verified_skips_a_corrupt_newest(ckpt):
+    run = ckpt.parent.parent
+    newer = store.write_checkpoint_dir(run / "checkpoints" / "step_000004", step=4, model={"w": np.ones(8, np.float32)},
+                                       optimizer=None, train_state={}, data_state=None, config=cfgmod.Config())
+    _flip(newer / store.MODEL_FILE)
+    lines: list[str] = []
+    assert store.latest_verified(run, log=lines.append) == ckpt
+    assert lines == ["checkpoint step_000004 is corrupt: model.safetensors sha256 mismatch — using step_000002"]
+
+
+def test_missing_manifest_and_unreadable_manifest(ckpt):
+    (ckpt / store.MANIFEST).write_text("{not json", encoding="utf-8")
+    assert store.verify(ckpt) == "manifest.json is unreadable"
+    (ckpt / store.MANIFEST).unlink()
+    assert store.verify(ckpt) == "no manifest.json (the save did not finish)"
