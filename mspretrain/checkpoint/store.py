@@ -222,6 +222,9 @@ def _check_hashes(ckpt_dir: Path, files: dict[str, dict[str, Any]], pool: Thread
             digest = _sha256(ckpt_dir / name, stop=lambda: first_bad[0] < i)
         except _Stop:
             return
+        except BaseException:
+            first_bad[0] = -1  # an I/O error ends the verify: stop the other threads too
+            raise
         if digest != files[name]["sha256"]:
             with lock:
                 first_bad[0] = min(first_bad[0], i)
