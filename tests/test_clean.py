@@ -174,3 +174,71 @@ def test_near_dedup_catches_edits_not_different_text():
     assert seen == [False, True, False, True]
     exact = dedup.ExactDedup()
     assert [exact.seen(dedup.dedup_key(t)) for t in (base, edited)] == [False, False]  # exact misses it
+
+
+# --------------------------------------------------------------------------- fast paths vs their references
+
+def _table_chars(bit: int, limit: int = 0x10000) -> list[str]:
+    return [chr(c) for c in np.flatnonzero(clean.char_table()[:limit] & bit).tolist()]
+
+
+def test_nfkc_regex_runs_equal_the_table_path():
+    # nfkc finds runs with a BMP regex; _nfkc_by_table (the previous implementation) with the
+    # code-point table. A character class that missed or added a character would show here.
+    rng = np.random.default_rng(3)
+    marked = _table_chars(clean.NFKC)
+    pools = [marked, list("春眠不觉晓，。！？（）…　 abcAB12\n"), clean._PROTECT_CHARS,
+             ["\u0301", "\u0308", "\u1100", "\u1161", "\u11a8", "e", "ｅ", "ﬁ", "①", "㈠", "\u3000"]]
+    texts = []
+    for _ in range(3000):
+        k = int(rng.integers(1, 12))
+        texts.append("".join(str(rng.choice(pools[int(rng.integers(0, len(pools)))])) for _ in range(k)))
+    texts += [c for c in marked[::7]]  # every 7th marked character alone, and after a CJK one
+    texts += ["春" + c for c in marked[3::7]]
+    for t in texts:
+        assert clean.nfkc(t) == clean._nfkc_by_table(t), repr(t)
+    # Beyond the BMP the table path is taken; the result is the same either way.
+    for t in ["𝐀𝐁１２春", "𠮷ＡＢ，", "😀ﬁ"]:
+        assert clean.nfkc(t) == clean._nfkc_by_table(t)
+    assert clean.nfkc("𝐀𝐁１２春") == "AB12春"
+
+
+def _reference_normalize_whitespace(text: str) -> str:
+    text = "\n".join(" ".join(line.split()) for line in text.splitlines())
+    text = re.sub("\n{3,}", "\n\n", text)
+    return text.strip()
+
+
+def test_normalize_whitespace_one_line_shortcut_equals_the_general_path():
+    rng = np.random.default_rng(4)
+    pieces = ["春眠", "ab", " ", "  ", "\t", "\u3000", "\xa0", "\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d",
+              "\x1e", "\x1f", "\x85", "\u2028", "\u2029", "\u2009"]
+    texts = ["".join(rng.choice(pieces, size=int(k))) for k in rng.integers(0, 12, size=4000)]
+    for t in texts:
+        assert clean.normalize_whitespace(t) == _reference_normalize_whitespace(t), repr(t)
+
+
+def test_ngram_bound_is_an_upper_bound_and_the_filter_is_exact():
+    # The bucket bound lets clean_many skip the exact n-gram sort; it must never be below the
+    # exact fraction, or a document over the threshold would be kept.
+    rng = np.random.default_rng(5)
+    alphabets = [list("春风明月江南山水花落日夜，。！abc 123\n"), list("哈啊"), list("春风，")]
+    texts = []
+    for n in rng.integers(0, 300, size=600):
+        a = alphabets[int(rng.integers(0, 3))]
+        texts.append("".join(rng.choice(a, size=int(n))))
+    texts += ["哈哈" * 40, "", "ab" * 30 + "中文" * 5, PLAIN * 3, "x" * 49, "x" * 50, "春，" * 60]
+    for n in (1, 2):
+        exact = clean.top_ngram_fractions(texts, n)
+        bound = clean.top_ngram_bounds(texts, n)
+        assert (bound >= exact - 1e-12).all()
+        for threshold in (0.05, 0.2, 0.5, 0.9):
+            np.testing.assert_array_equal(clean.top_ngram_exceeds(texts, threshold, n), exact > threshold)
+    assert clean.top_ngram_bounds([], 2).size == 0
+
+
+def test_exact_dedup_fresh_equals_seen_in_order():
+    keys = [dedup.dedup_key(t) for t in ["a", "b", "a", "c", "b", "b", "d"]]
+    one, many = dedup.ExactDedup(), dedup.ExactDedup()
+    assert many.fresh(b"".join(keys[:3])) + many.fresh(b"".join(keys[3:])) == [not one.seen(k) for k in keys]
+    assert dedup.dedup_keys(["a", "春"]) == dedup.dedup_key("a") + dedup.dedup_key("春")

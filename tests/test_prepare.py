@@ -115,6 +115,18 @@ def test_given_tokenizer_gives_the_same_shards(raw, prepared, tmp_path):
     assert m["tokenizer"]["trained"] is False
 
 
+def test_encode_flat_equals_per_document_encode(prepared):
+    # prepare's workers take SentencePiece's int32 buffers; the ids must be encode()'s plus EOS.
+    tok = Tokenizer.load(prepared[0])
+    texts = ["床前明月光，疑是地上霜。", "", "abc 123", "春" * 300, "😀𠮷"]
+    flat, lengths = tok.encode_flat(texts, tok.eos_id, np.dtype(np.uint16))
+    want = [tok.encode(t) + [tok.eos_id] for t in texts]
+    assert flat.dtype == np.uint16 and lengths.tolist() == [len(w) for w in want]
+    assert flat.tolist() == [i for w in want for i in w]
+    empty, no_lengths = tok.encode_flat([], tok.eos_id, np.dtype(np.uint16))
+    assert empty.size == 0 and no_lengths.size == 0
+
+
 def test_hf_tokenizer_json(raw, tmp_path):
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 

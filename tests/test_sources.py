@@ -167,3 +167,35 @@ def test_discovery(tmp_path):
         discover([str(tmp_path / "empty_dir")])
     with pytest.raises(UserError, match="no input"):
         discover([])
+
+
+def _readline_docs(f, stats: SourceStats) -> list[str]:
+    """The previous one-document-per-line reader (a readline loop): the reference."""
+    out = []
+    while line := f.readline(sources.MAX_DOC_CHARS):
+        if line.strip():
+            if not line.endswith("\n") and len(line) >= sources.MAX_DOC_CHARS:
+                stats.split_long += 1
+            out.append(line[:-1] if line.endswith("\n") else line)
+    return out
+
+
+@pytest.mark.parametrize("max_chars,read_chars", [(7, 5), (7, 7), (7, 16), (50, 3), (1000, 64)])
+def test_block_line_reader_equals_readline(monkeypatch, max_chars, read_chars):
+    # Lines are read in blocks and split in C; documents, cut points and split_long counts must
+    # be those of the readline loop, wherever blocks and over-long lines begin and end.
+    import io
+    import random
+
+    monkeypatch.setattr(sources, "MAX_DOC_CHARS", max_chars)
+    monkeypatch.setattr(sources, "READ_CHARS", read_chars)
+    rng = random.Random(max_chars * 100 + read_chars)
+    parts = ["春眠不觉晓", "a", " ", "\t", "\u3000", "\n", "\n", "\r\n", "\r", "x" * 6, "y" * 7, "z" * 8, "长" * 15]
+    for trial in range(300):
+        text = "".join(rng.choice(parts) for _ in range(rng.randrange(0, 40)))
+        ref_stats, new_stats = SourceStats(), SourceStats()
+        want = _readline_docs(io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8", newline=None), ref_stats)
+        f = io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8", newline=None)
+        got = [d for batch in sources._line_doc_batches(f, new_stats) for d in batch]
+        assert got == want, repr(text)
+        assert new_stats.split_long == ref_stats.split_long, repr(text)

@@ -20,7 +20,8 @@ Design choices:
   rules to documents of 50+ words: on a 20-character quatrain one repeated word is noise.
 - Speed: most documents need few rules, so `clean_many` first classifies every code point of a
   batch through one lookup table (numpy) and runs a rule on a document only when one of its
-  triggers occurs; the n-gram statistics are computed for the whole batch with one sort.
+  triggers occurs; the n-gram statistics are computed for the whole batch, first as a cheap
+  upper bound (hashed buckets), then exactly (one sort) for the few documents the bound cannot clear.
   `Cleaner.__call__` is the plain one-document path; tests hold the two equal.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ import html
 import re
 import unicodedata
 from collections import Counter
+from typing import Iterable
 
 import numpy as np
 
@@ -105,36 +107,72 @@ def strip_html(text: str) -> str:
     return text
 
 
-def nfkc(text: str) -> str:
-    """NFKC except for Chinese full-width punctuation (kept as written).
+@functools.lru_cache(maxsize=1)
+def nfkc_runs() -> re.Pattern:
+    """A regex matching each maximal run of BMP characters with the NFKC bit of `char_table`
+    (one class of ~470 ranges, which `re` compiles to a bitmap; `prepare` builds it before
+    forking its workers). Characters beyond the BMP are left out: `re` would test them as a
+    list of ~180 ranges per character, 20x slower, so such texts take `_nfkc_by_table`."""
+    marked = np.flatnonzero(char_table()[:0x10000] & NFKC)
+    breaks = np.flatnonzero(np.diff(marked) != 1)
+    firsts, lasts = np.r_[marked[0], marked[breaks + 1]], np.r_[marked[breaks], marked[-1]]
+    ranges = "".join(f"\\u{a:04x}" if a == b else f"\\u{a:04x}-\\u{b:04x}" for a, b in zip(firsts.tolist(), lasts.tolist()))
+    return re.compile(f"[{ranges}]+")
 
-    Only the runs of characters NFKC may change are normalised, each with the character before
-    it (which a combining mark may compose with): the rest of the text is stable under NFKC, and
-    `unicodedata.normalize` on a whole Chinese document was the slowest step of the cleaner."""
-    if text.isascii():
-        return text
-    marked = np.flatnonzero(char_table()[_code_points(text)] & NFKC).tolist()
-    if not marked:
-        return text
-    out, done, i = [], 0, 0
-    while i < len(marked):
-        j = i
-        while j + 1 < len(marked) and marked[j + 1] == marked[j] + 1:
-            j += 1
-        start, end = marked[i], marked[j] + 1
+
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
+
+
+def _normalize_runs(text: str, runs: Iterable[tuple[int, int]]) -> str:
+    """`text` with each (start, end) run NFKC-normalised together with the character before it
+    (which a combining mark may compose with), unless that character is protected punctuation."""
+    out, done = [], 0
+    for start, end in runs:
         if start > done and text[start - 1] not in _PROTECTED:
             start -= 1
         out.append(text[done:start])
         out.append(unicodedata.normalize("NFKC", text[start:end]))
-        done, i = end, j + 1
+        done = end
+    if not out:
+        return text
     out.append(text[done:])
     return "".join(out)
+
+
+def _nfkc_by_table(text: str) -> str:
+    """`nfkc` through the code-point table: the reference, and the path for texts beyond the BMP."""
+    marked = np.flatnonzero(char_table()[_code_points(text)] & NFKC)
+    if not marked.size:
+        return text
+    breaks = np.flatnonzero(np.diff(marked) != 1)
+    firsts, lasts = np.r_[marked[0], marked[breaks + 1]], np.r_[marked[breaks], marked[-1]]
+    return _normalize_runs(text, zip(firsts.tolist(), (lasts + 1).tolist()))
+
+
+def nfkc(text: str) -> str:
+    """NFKC except for Chinese full-width punctuation (kept as written).
+
+    Only the runs of characters NFKC may change are normalised, each with the character before
+    it: the rest of the text is stable under NFKC, and `unicodedata.normalize` on a whole
+    Chinese document was the slowest step of the cleaner. The runs are found by one regex scan
+    in C (~2 us for a short document; most documents that reach this rule, after an earlier
+    rule changed them, have no run at all)."""
+    if text.isascii():
+        return text
+    if _ASTRAL.search(text):
+        return _nfkc_by_table(text)
+    return _normalize_runs(text, (m.span() for m in nfkc_runs().finditer(text)))
 
 
 def normalize_whitespace(text: str) -> str:
     """Every run of whitespace inside a line becomes one space, lines lose their edge spaces,
     3+ newlines become 2, and the document is stripped ("whitespace" is `str.isspace`)."""
-    text = "\n".join(" ".join(line.split()) for line in text.splitlines())
+    lines = text.splitlines()
+    if len(lines) <= 1:
+        # Every line boundary of `splitlines` is whitespace to `split`, so one line (with or
+        # without its break) needs no join of lines, and the result has no edge spaces.
+        return " ".join(text.split())
+    text = "\n".join([" ".join(line.split()) for line in lines])
     if "\n\n\n" in text:
         text = _MANY_NEWLINES.sub("\n\n", text)
     return text.strip()
@@ -159,6 +197,18 @@ def top_ngram_fraction(text: str, n: int = 2) -> float:
     return min(1.0, n * top / len(chars))
 
 
+def _word_code_points(texts: list[str], shortest: int) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """(indices of the texts of `shortest`+ characters, their letter/digit/CJK code points back to
+    back as uint32, the position of each code point's text in that list, letters per text)."""
+    idx = [i for i, t in enumerate(texts) if len(t) >= shortest]
+    batch = [texts[i] for i in idx]
+    cps = _code_points("".join(batch))
+    doc = np.repeat(np.arange(len(batch), dtype=np.int64), [len(t) for t in batch])
+    keep = (char_table()[cps] & WORD).astype(bool)
+    cps, doc = cps[keep], doc[keep]
+    return idx, cps, doc, np.bincount(doc, minlength=len(batch))
+
+
 def top_ngram_fractions(texts: list[str], n: int = 2) -> np.ndarray:
     """`top_ngram_fraction` of many documents at once (n <= 2): one UTF-32 encode and one sort
     for the whole batch instead of a Python Counter per document (~5x slower)."""
@@ -166,15 +216,10 @@ def top_ngram_fractions(texts: list[str], n: int = 2) -> np.ndarray:
         raise ValueError("top_ngram_fractions packs (document, n-gram) into 64 bits: n <= 2, < 2^21 documents")
     out = np.zeros(len(texts))
     shortest = max(NGRAM_MIN_CHARS, n + 1)
-    idx = [i for i, t in enumerate(texts) if len(t) >= shortest]
+    idx, cps, doc, words = _word_code_points(texts, shortest)
     if not idx:
         return out
-    batch = [texts[i] for i in idx]
-    cps = _code_points("".join(batch))
-    doc = np.repeat(np.arange(len(batch), dtype=np.uint64), [len(t) for t in batch])
-    keep = (char_table()[cps] & WORD).astype(bool)
-    cps, doc = cps[keep].astype(np.uint64), doc[keep]
-    words = np.bincount(doc.astype(np.int64), minlength=len(batch))
+    cps, doc = cps.astype(np.uint64), doc.astype(np.uint64)
     m = cps.size - n + 1
     if m <= 0:
         return out
@@ -183,7 +228,7 @@ def top_ngram_fractions(texts: list[str], n: int = 2) -> np.ndarray:
     for j in range(n):
         grams |= cps[j: j + m] << np.uint64(21 * (n - 1 - j))
     keys = np.sort(grams[same])
-    top = np.zeros(len(batch), dtype=np.int64)
+    top = np.zeros(len(idx), dtype=np.int64)
     if keys.size:
         run_starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
         runs = np.diff(np.r_[run_starts, keys.size])  # occurrences of each (document, n-gram)
@@ -191,6 +236,56 @@ def top_ngram_fractions(texts: list[str], n: int = 2) -> np.ndarray:
         doc_starts = np.flatnonzero(np.r_[True, run_doc[1:] != run_doc[:-1]])
         top[run_doc[doc_starts]] = np.maximum.reduceat(runs, doc_starts)
     out[idx] = np.where(words >= shortest, np.minimum(1.0, n * top / np.maximum(words, 1)), 0.0)
+    return out
+
+
+NGRAM_BUCKETS = 128
+
+
+def top_ngram_bounds(texts: list[str], n: int = 2) -> np.ndarray:
+    """An upper bound of `top_ngram_fraction` per document, without a sort: each n-gram is
+    hashed into one of NGRAM_BUCKETS buckets per document and the fullest bucket counted (a
+    bucket holds every occurrence of its n-grams, so it counts at least the top n-gram). With
+    ~80 n-grams per poem the fullest bucket holds 3-5, below a filter threshold, so only the
+    few documents near it need the exact sort of `top_ngram_fractions`."""
+    if not 1 <= n <= 2:
+        raise ValueError("top_ngram_bounds handles n <= 2")
+    out = np.zeros(len(texts))
+    shortest = max(NGRAM_MIN_CHARS, n + 1)
+    lens = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+    idx = np.flatnonzero(lens >= shortest)
+    if not idx.size:
+        return out
+    batch = texts if idx.size == len(texts) else [texts[i] for i in idx.tolist()]
+    lens = lens[idx]
+    cps = _code_points("".join(batch))
+    keep = (char_table()[cps] & WORD).view(bool)
+    words = np.add.reduceat(keep, np.cumsum(lens) - lens, dtype=np.int64)  # letters per document
+    cps = cps[keep]
+    m = cps.size - n + 1
+    if m <= 0:
+        return out
+    h = cps[:m] * np.uint32(0x9E3779B1)  # uint32 math wraps: a multiplicative hash
+    if n == 2:
+        h = (h ^ cps[1:]) * np.uint32(0x85EBCA6B)
+    bucket = (h >> np.uint32(32 - 7)).astype(np.int64)  # top 7 bits: NGRAM_BUCKETS = 128
+    if n == 2:  # an n-gram across two documents goes to an extra bucket, left out below
+        ends = np.cumsum(words) - 1
+        bucket[ends[(ends >= 0) & (ends < m)]] = NGRAM_BUCKETS
+    doc = np.repeat(np.arange(len(batch), dtype=np.int64), words)[:m]
+    counts = np.bincount(doc * (NGRAM_BUCKETS + 1) + bucket, minlength=len(batch) * (NGRAM_BUCKETS + 1))
+    top = counts.reshape(len(batch), NGRAM_BUCKETS + 1)[:, :NGRAM_BUCKETS].max(axis=1)
+    out[idx] = np.where(words >= shortest, np.minimum(1.0, n * top / np.maximum(words, 1)), 0.0)
+    return out
+
+
+def top_ngram_exceeds(texts: list[str], threshold: float, n: int = 2) -> np.ndarray:
+    """`top_ngram_fractions(texts, n) > threshold`, computing the exact fraction only where the
+    cheap bound of `top_ngram_bounds` does not already rule it out."""
+    out = np.zeros(len(texts), dtype=bool)
+    maybe = np.flatnonzero(top_ngram_bounds(texts, n) > threshold).tolist()
+    if maybe:
+        out[maybe] = top_ngram_fractions([texts[i] for i in maybe], n) > threshold
     return out
 
 
@@ -297,9 +392,9 @@ class Cleaner:
         out = [self._line_filters(self._modify(t, f)) for t, f in zip(texts, flags)]
         if self.cfg.max_top_ngram_fraction < 1:
             alive = [i for i, t in enumerate(out) if t is not None]
-            fracs = top_ngram_fractions([out[i] for i in alive])
-            for i, f in zip(alive, fracs):
-                if f > self.cfg.max_top_ngram_fraction:
+            over = top_ngram_exceeds([out[i] for i in alive], self.cfg.max_top_ngram_fraction)
+            for i, f in zip(alive, over.tolist()):
+                if f:
                     out[i] = None
                     self.dropped["max_top_ngram_fraction"] += 1
         return out

@@ -23,7 +23,6 @@ Design choices:
 from __future__ import annotations
 
 import heapq
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -68,13 +67,7 @@ def _init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | No
 def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(flat token ids with EOS after each document, tokens per document incl. EOS)."""
     tok: Tokenizer = _W["tok"]
-    ids = tok.encode_batch(texts, num_threads=1) if texts else []
-    eos = tok.eos_id
-    for x in ids:  # in place: cheaper than building new lists
-        x.append(eos)
-    lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=_W["dtype"], count=int(lengths.sum(dtype=np.int64)))
-    return flat, lengths
+    return tok.encode_flat(texts, tok.eos_id, np.dtype(_W["dtype"]))
 
 
 def _clean_chunk(docs: list[str]) -> dict:
@@ -102,14 +95,22 @@ def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 # --------------------------------------------------------------------------- main side helpers
 
-def _chunks(items: Iterable[str]) -> Iterator[list[str]]:
-    chunk, size = [], 0
-    for item in items:
-        chunk.append(item)
-        size += len(item)
-        if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
-            yield chunk
-            chunk, size = [], 0
+def _chunks(batches: Iterable[list[str]]) -> Iterator[list[str]]:
+    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents)."""
+    chunk: list[str] = []
+    size = 0
+    for batch in batches:
+        n = sum(map(len, batch))
+        if size + n < CHUNK_CHARS and len(chunk) + len(batch) < CHUNK_DOCS:
+            chunk.extend(batch)  # the common case: the whole batch fits
+            size += n
+            continue
+        for item in batch:
+            chunk.append(item)
+            size += len(item)
+            if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
+                yield chunk
+                chunk, size = [], 0
     if chunk:
         yield chunk
 
@@ -136,8 +137,20 @@ def _pool(workers: int, *init_args):
     method = "spawn" if "mindspore" in sys.modules else "fork"
     if method == "fork":  # build the cleaner's lookup tables once, for all workers to inherit
         clean.char_table()
+        clean.nfkc_runs()
     ctx = mp.get_context(method)
     return ctx.Pool(workers, initializer=_init_worker, initargs=init_args)
+
+
+def _batched(items: Iterable[str], n: int = 256) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 class _Spool:
@@ -188,16 +201,16 @@ class _Sink:
         self.chars_in += r["chars_in"]
         self.changed.update(r["changed"])
         self.dropped.update(r["dropped"])
-        keys = r["keys"]
-        kept = []
-        for i in range(len(keys) // 16):  # the one per-document loop: the dedup indexes
-            if self.exact.seen(keys[16 * i: 16 * i + 16]):
-                self.dropped["exact_dup"] += 1
-            elif self.near is not None and self.near.seen(r["sigs"][i]):
-                self.dropped["near_dup"] += 1
-            else:
-                kept.append(i)
-        kept = np.asarray(kept, dtype=np.int64)
+        fresh = self.exact.fresh(r["keys"])  # the one per-document step: the dedup indexes
+        kept = np.flatnonzero(np.asarray(fresh, dtype=bool))
+        if kept.size < len(fresh):  # (a Counter keeps zero entries, and the manifest would show them)
+            self.dropped["exact_dup"] += len(fresh) - kept.size
+        if self.near is not None:
+            near = np.asarray([self.near.seen(r["sigs"][i]) for i in kept.tolist()], dtype=bool)
+            if near.any():
+                self.dropped["near_dup"] += int(near.sum())
+            kept = kept[~near]
+        kept = kept.astype(np.int64)
         in_valid = r["u"][kept, 0] < self.cfg.valid_fraction
         tokens = r.get("tokens")
         if tokens is not None:
@@ -371,7 +384,7 @@ def _run(paths, work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers
     bar = _progress_bar(progress, total_bytes, "clean" if given is None else "clean+tokenize")
     pool = _pool(workers, cfg, str(tok_path) if given is not None else None, dtype.name)
     try:
-        docs = sources.iter_documents(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
+        docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                       stats=stats, warn=warn, progress=bar.update if bar else None)
         for result in _ordered(pool, _clean_chunk, _chunks(docs), in_flight):
             sink.take(result)
@@ -412,7 +425,7 @@ def _run(paths, work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers
         pool = _pool(workers, cfg, str(tok_path), dtype.name)
         try:
             for split in SPLITS:
-                texts = spools[split].read(bar.update if bar else None)
+                texts = _batched(spools[split].read(bar.update if bar else None))
                 for flat, lengths in _ordered(pool, _tokenize_chunk, _chunks(texts), in_flight):
                     writers[split].add_flat(flat, lengths)
         finally:
