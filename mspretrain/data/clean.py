@@ -84,7 +84,8 @@ def char_table() -> np.ndarray:
     t[[ord(ch) for ch in _PROTECT_CHARS]] &= ~np.uint8(NFKC)
     codes = np.arange(0x110000)
     markup = re.compile(f"[{_CONTROL_CLASS}<&@]")
-    t[[c for c in range(0x10000) if markup.match(chr(c))]] |= MARKUP
+    bmp = "".join(map(chr, range(0x10000)))  # one regex scan, not 65,536 matches (0.4 s, serial in prepare)
+    t[[m.start() for m in markup.finditer(bmp)]] |= MARKUP
     t[[c for c in range(0x10000) if chr(c).isalnum()]] |= WORD
     t[codes >= 0x10000] |= WORD
     space = [c for c in range(0x10000) if chr(c).isspace()]  # none beyond the BMP
