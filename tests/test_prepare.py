@@ -207,6 +207,26 @@ def test_crash_mid_write_leaves_nothing_finished_looking(raw, tmp_path, monkeypa
     assert calls and list(tmp_path.iterdir()) == []  # no data dir, no .partial left behind
 
 
+def test_every_file_is_fsynced_before_the_data_dir_is_published(raw, tmp_path, monkeypatch):
+    # The shard writers leave durability to prepare, which fsyncs all files at once: a file
+    # missing from that batch could be lost by a power cut after the data dir looks finished.
+    from mspretrain.data import prepare as prep
+
+    synced: list[Path] = []
+    real_fsync, real_publish = prep.fsync_path, prep._publish
+    monkeypatch.setattr(prep, "fsync_path", lambda p: (synced.append(Path(p)), real_fsync(p)))
+
+    def publish(work: Path, out: Path) -> None:
+        files = {p for p in work.iterdir()}
+        assert files and files <= set(synced) and work in synced
+        assert synced.index(work) > max(synced.index(f) for f in files)  # the directory last
+        real_publish(work, out)
+
+    monkeypatch.setattr(prep, "_publish", publish)
+    prepare([str(raw)], tmp_path / "data", CFG, workers=1, **QUIET)
+    assert (tmp_path / "data" / "manifest.json").is_file()
+
+
 def test_hard_kill_mid_write_then_rerun(raw, tmp_path):
     # os._exit skips every cleanup handler, like a SIGKILL or a power cut.
     code = ("import os, sys\nfrom mspretrain.data import shards\nfrom mspretrain.cli import main\n"

@@ -104,13 +104,18 @@ class ShardWriter:
         self.tokens += len(tokens)
         self.documents += int(lengths.size)
 
-    def finalize(self) -> None:
+    def finalize(self, fsync: bool = True) -> None:
+        """Write the index and rename both files into place. `fsync=False` leaves durability to
+        the caller, who must fsync both files before publishing them anywhere (`prepare`
+        builds them in a hidden directory and fsyncs all its files at once)."""
         self._bin.flush()
-        os.fsync(self._bin.fileno())
+        if fsync:
+            os.fsync(self._bin.fileno())
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
         write_index(self._idx_tmp, lengths, self.dtype)
-        fsync_path(self._idx_tmp)
+        if fsync:
+            fsync_path(self._idx_tmp)
         # .bin first: an .idx without its .bin is detectably broken, the reverse could look whole.
         os.replace(self._bin_tmp, Path(str(self.prefix) + ".bin"))
         os.replace(self._idx_tmp, Path(str(self.prefix) + ".idx"))
