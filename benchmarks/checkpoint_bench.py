@@ -287,7 +287,7 @@ def resume_model_7b(big: dict, disk: dict, ranks: int = 8, cores_per_rank: int =
     weights) plus `ranks` optimizer shards (2 fp32 Adam moments, 1/ranks each). Every rank
     verifies every file (so all pick the same checkpoint); the node's page cache holds the
     checkpoint, so the disk delivers each byte once whichever rank asks first. Each rank hashes
-    with a thread per file on `cores_per_rank` free cores (a 910B node: 192 cores for 8 ranks).
+    with a thread per file on `cores_per_rank` free cores (assumed; e.g. 192 host cores, 8 ranks).
     Then each rank loads the weights plus its own shard from the page cache at the measured warm
     load rate. Not included: host-to-device copies and graph compilation.
     """
