@@ -88,6 +88,9 @@ class OptimConfig:
     decay_embeddings: bool = False
     lr_scaling: str = "none"  # "none" | "sqrt": lr * sqrt(global_batch / 32)
     z_loss: float = 0.0
+    # ZeRO-1: each data-parallel rank keeps the Adam moments of the parameters it owns (about
+    # 1/N of them), updates those and broadcasts them; no effect with one rank.
+    shard_optimizer: bool = False
 
 
 @dataclass(frozen=True)

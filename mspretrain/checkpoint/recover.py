@@ -17,7 +17,7 @@ from mspretrain.errors import UserError
 from mspretrain.fsutil import fsync_path
 from mspretrain.train.loss_scale import LossScaler
 
-WEIGHT_FILES = (store.MODEL_FILE, store.OPTIM_FILE, "config.toml")
+WEIGHT_FILES = (store.MODEL_FILE, "config.toml")  # plus the optimizer file(s)
 
 
 def _weights_intact(ckpt: Path) -> str | None:
@@ -29,7 +29,10 @@ def _weights_intact(ckpt: Path) -> str | None:
         files = json.loads(mpath.read_text(encoding="utf-8"))["files"]
     except (ValueError, KeyError):
         return "manifest.json is unreadable"
-    for name in WEIGHT_FILES:
+    optim = store.optimizer_files(files)
+    if not optim:
+        return "the manifest lists no optimizer state"
+    for name in WEIGHT_FILES + tuple(optim):
         if name not in files or not (ckpt / name).is_file():
             return f"{name} is missing"
         if store._sha256(ckpt / name) != files[name]["sha256"]:

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mspretrain.checkpoint.store import prune, step_dir_name, write_checkpoint_dir
+from mspretrain.checkpoint import shards
+from mspretrain.checkpoint.store import optimizer_shard_name, prune, step_dir_name, write_checkpoint_dir
 from mspretrain.config import Config
 
 
@@ -36,18 +37,32 @@ class Saver:
 
     def save(self, *, step: int, model: dict[str, np.ndarray], optimizer: dict[str, np.ndarray] | None,
              train_state: dict[str, Any], data_state: dict[str, Any] | None, config: Config,
-             tokenizer_path: Path | None, stall_started: float | None = None) -> None:
-        """Hand a host copy of the state to the writer. Raises a previous write's error first."""
+             tokenizer_path: Path | None, stall_started: float | None = None, world: int = 1) -> None:
+        """Hand a host copy of the state to the writer. Raises a previous write's error first.
+
+        world > 1: `optimizer` is rank 0's shard of a sharded run; the other ranks' shards are
+        collected (see checkpoint/shards.py) before the manifest is written."""
+        kwargs: dict[str, Any] = dict(step=step, model=model, optimizer=optimizer, train_state=train_state,
+                                      data_state=data_state, config=config, tokenizer_path=tokenizer_path)
+        if world > 1:
+            kwargs["optimizer_file"] = optimizer_shard_name(0, world)
+            kwargs["collect"] = lambda tmp: shards.collect(self.root, step, world, tmp)
+        self._start(self._write, kwargs, step, stall_started)
+
+    def save_shard(self, *, step: int, rank: int, world: int, optimizer: dict[str, np.ndarray],
+                   stall_started: float | None = None) -> None:
+        """Rank R > 0 of a sharded run: write this rank's optimizer shard for rank 0 to publish."""
+        self._start(self._write_shard, dict(step=step, rank=rank, world=world, tensors=optimizer), step, stall_started)
+
+    def _start(self, target: Callable[..., None], kwargs: dict[str, Any], step: int, stall_started: float | None) -> None:
         t0 = stall_started if stall_started is not None else time.perf_counter()
         self.wait()
         self.root.mkdir(parents=True, exist_ok=True)
-        kwargs = dict(step=step, model=model, optimizer=optimizer, train_state=train_state,
-                      data_state=data_state, config=config, tokenizer_path=tokenizer_path)
         if self.async_save:
-            self._thread = threading.Thread(target=self._write, kwargs=kwargs, name=f"ckpt-{step}", daemon=False)
+            self._thread = threading.Thread(target=target, kwargs=kwargs, name=f"ckpt-{step}", daemon=False)
             self._thread.start()
         else:
-            self._write(**kwargs)
+            target(**kwargs)
             self.raise_error()
         self.stall_s.append(time.perf_counter() - t0)
 
@@ -58,6 +73,16 @@ class Saver:
             write_checkpoint_dir(self.root / step_dir_name(step), **kwargs)
             self.last_saved = step
             prune(self.root.parent, self.keep_last, self.keep_every, log=self.log)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
+            self._error = exc
+        finally:
+            self.write_s.append(time.perf_counter() - t0)
+
+    def _write_shard(self, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            shards.write_shard(self.root, **kwargs)
+            self.last_saved = kwargs["step"]
         except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
             self._error = exc
         finally:

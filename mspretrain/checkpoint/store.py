@@ -3,6 +3,9 @@
 Layout of `RUN_DIR/checkpoints/step_NNNNNN/`:
     model.safetensors       parameters by our model's names
     optimizer.safetensors   AdamW moments and step counters (absent in weights-only checkpoints)
+      or optimizer-RRRRR-of-NNNNN.safetensors, one per rank, when the optimizer state is
+      sharded (`optim.shard_optimizer`): each holds the moments of the parameters that rank
+      owns, and `opt_step`; their union is the whole state, so any world size can resume
     train_state.json        step, tokens seen, loss-scale state, schedule position, RNG, spikes
     data_state.json         loader state incl. data fingerprints
     config.toml             the resolved config that produced it
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from mspretrain import __version__
@@ -43,6 +47,7 @@ FORMAT_VERSION = 1
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
+OPTIM_SHARD_RE = re.compile(r"^optimizer-(\d{5})-of-(\d{5})\.safetensors$")
 MANIFEST = "manifest.json"
 
 
@@ -104,6 +109,15 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def optimizer_shard_name(rank: int, world: int) -> str:
+    return f"optimizer-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def optimizer_files(names: Any) -> list[str]:
+    """The optimizer files among `names` (one whole file, or the shards of a sharded run), sorted."""
+    return sorted(n for n in names if n == OPTIM_FILE or OPTIM_SHARD_RE.match(n))
+
+
 def write_checkpoint_dir(
     final_dir: Path,
     *,
@@ -114,9 +128,13 @@ def write_checkpoint_dir(
     data_state: dict[str, Any] | None,
     config: Config,
     tokenizer_path: Path | None = None,
+    optimizer_file: str = OPTIM_FILE,
+    collect: Callable[[Path], dict[str, dict[str, Any]]] | None = None,
 ) -> Path:
     """Write a complete checkpoint to `final_dir` atomically (tmp dir, fsync, rename).
 
+    `collect(tmp)`: moves files written by other ranks (optimizer shards) into `tmp` before the
+    manifest is written, and returns their manifest entries (hashed by the rank that wrote them).
     On any error the temporary directory is removed and the error re-raised; nothing that
     existed before is touched.
     """
@@ -130,7 +148,7 @@ def write_checkpoint_dir(
                   metadata={"format": "mspretrain", "step": str(step)})
         _fault_delay()
         if optimizer is not None:
-            save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIM_FILE),
+            save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / optimizer_file),
                       metadata={"format": "mspretrain", "step": str(step)})
         _write_json(tmp / "train_state.json", dict(train_state, step=step))
         if data_state is not None:
@@ -138,10 +156,11 @@ def write_checkpoint_dir(
         cfgmod.save(config, tmp / "config.toml")
         if tokenizer_path is not None and Path(tokenizer_path).is_file():
             shutil.copyfile(tokenizer_path, tmp / Path(tokenizer_path).name)
-        files = {}
+        files = collect(tmp) if collect is not None else {}
         for p in sorted(tmp.iterdir()):
-            fsync_path(p)
-            files[p.name] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
+            if p.name not in files:
+                fsync_path(p)
+                files[p.name] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
         manifest = {"format_version": FORMAT_VERSION, "code_version": __version__, "step": step,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
         _write_json(tmp / MANIFEST, manifest)
@@ -348,10 +367,29 @@ def read_model_tensors(ref: CheckpointRef) -> dict[str, np.ndarray]:
     return load_file(str(ref.dir / MODEL_FILE))
 
 
-def read_optimizer_tensors(ref_or_dir: CheckpointRef | Path) -> dict[str, np.ndarray] | None:
+def optimizer_keys(ckpt_dir: Path) -> set[str]:
+    """Every tensor name of the optimizer state, over all its files (headers only)."""
+    keys: set[str] = set()
+    for name in optimizer_files(p.name for p in Path(ckpt_dir).iterdir()):
+        with safe_open(str(Path(ckpt_dir) / name), framework="numpy") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def read_optimizer_tensors(ref_or_dir: CheckpointRef | Path, keys: set[str] | None = None) -> dict[str, np.ndarray] | None:
+    """The optimizer state (None in a weights-only checkpoint), or only `keys` of it: a rank of a
+    sharded run reads the tensors it owns from whichever shard holds them, nothing else."""
     d = ref_or_dir.dir if isinstance(ref_or_dir, CheckpointRef) else Path(ref_or_dir)
-    p = d / OPTIM_FILE
-    return load_file(str(p)) if p.is_file() else None
+    names = optimizer_files(p.name for p in d.iterdir())
+    if not names:
+        return None
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        with safe_open(str(d / name), framework="numpy") as f:
+            for k in f.keys():
+                if (keys is None or k in keys) and k not in out:
+                    out[k] = f.get_tensor(k)
+    return out
 
 
 # --------------------------------------------------------------------------- retention

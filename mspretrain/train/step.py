@@ -15,6 +15,14 @@ the update sits under a graph `if finite:` (no Python `if` on a device tensor). 
 one scalar per step (the finite flag, with the loss) to update the loss scale and the lr
 schedule; that is the only device→host sync of a step.
 
+Optimizer-state sharding (ZeRO-1, `optim.shard_optimizer`): every parameter has one owner rank
+(`assign_owners`, balanced by element count); a rank keeps Adam moments only for what it owns,
+updates only those parameters, then every parameter is broadcast from its owner. Gradients are
+still all-reduced in full, so the grad norm, the clipping factor and the overflow decision are
+the same on every rank, and an owner computes exactly what an unsharded rank would: sharded and
+unsharded runs are equal to the bit. We write it out (one `ops.Broadcast` per owner) instead of
+using MindSpore's parallel optimizer, which is Ascend-only and would not apply to this AdamW.
+
 AdamW is written out (PyTorch semantics: bias-corrected moments, eps outside the sqrt,
 decoupled weight decay `p *= 1 - lr·wd`) instead of `nn.AdamWeightDecay`, which has no bias
 correction, so that it can be checked against `torch.optim.AdamW` number for number.
@@ -45,6 +53,21 @@ def decay_mask(names: list[str], decay_embeddings: bool) -> list[bool]:
     return out
 
 
+def assign_owners(sizes: list[int], world: int) -> list[int]:
+    """Owner rank of each parameter: largest first, to the rank holding the fewest elements so far.
+
+    Deterministic (ties go to the lower index and the lower rank), so every rank computes the
+    same table without communicating, and a resumed run with the same world gets the same one.
+    """
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
 @dataclass
 class StepResult:
     loss: float  # mean token NLL over the global batch (z-loss excluded)
@@ -56,7 +79,7 @@ class TrainStep:
     """Holds the optimizer state and the compiled accumulate/apply functions for one model."""
 
     def __init__(self, model: nn.Cell, optim: OptimConfig, *, global_tokens: int, world: int = 1,
-                 jit: bool = True, allreduce_fp16: bool = False) -> None:
+                 rank: int = 0, jit: bool = True, allreduce_fp16: bool = False, shard: bool = False) -> None:
         from mspretrain.model.loss import token_nll
 
         self.model = model
@@ -68,10 +91,22 @@ class TrainStep:
         self.clip = float(optim.grad_clip)
         self.z_loss = float(optim.z_loss)
         self.wd = [optim.weight_decay if d else 0.0 for d in decay_mask(self.names, optim.decay_embeddings)]
+        self.rank = rank
+        self.sharded = shard and world > 1
+        sizes = [int(np.prod(p.shape)) for p in self.params]
+        self.owner = assign_owners(sizes, world) if self.sharded else [rank] * len(self.params)
+        self.own = [i for i, r in enumerate(self.owner) if r == rank]  # indices whose moments live here
+        self.own_params = ms.ParameterTuple([self.params[i] for i in self.own])
+        self.own_wd = [self.wd[i] for i in self.own]
+        self._own_mask = [r == rank for r in self.owner]
         zeros = lambda p, prefix: Parameter(ops.zeros(p.shape, ms.float32), name=f"{prefix}.{p.name}", requires_grad=False)
         self.accum = ms.ParameterTuple([zeros(p, "accum") for p in self.params])
-        self.exp_avg = ms.ParameterTuple([zeros(p, "exp_avg") for p in self.params])
-        self.exp_avg_sq = ms.ParameterTuple([zeros(p, "exp_avg_sq") for p in self.params])
+        self.exp_avg = ms.ParameterTuple([zeros(self.params[i], "exp_avg") for i in self.own])
+        self.exp_avg_sq = ms.ParameterTuple([zeros(self.params[i], "exp_avg_sq") for i in self.own])
+        # one broadcast per parameter, from its owner (a multi-tensor Broadcast mixes up tensors of
+        # different shapes on CPU: wrong-rank assigns in graph mode, memcpy overlap errors eagerly)
+        self._bcast_ops = [ops.Broadcast(r) for r in self.owner] if self.sharded else []
+        self._bcast_recv = [r != rank for r in self.owner]
         self.opt_step = Parameter(Tensor(0, ms.int32), name="opt_step", requires_grad=False)
         self.loss_accum = Parameter(Tensor(0.0, ms.float32), name="loss_accum", requires_grad=False)
         self.allreduce = ops.AllReduce(ops.ReduceOp.SUM) if world > 1 else None
@@ -123,7 +158,11 @@ class TrainStep:
                 t = step.astype(ms.float32)
                 bc1 = 1.0 - ops.pow(self.beta1, t)
                 bc2 = 1.0 - ops.pow(self.beta2, t)
-                for p, g, m, v, wd in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.wd):
+                own_grads = []
+                for g, own in zip(grads, self._own_mask):  # a constant mask: unrolled at compile time
+                    if own:
+                        own_grads.append(g)
+                for p, g, m, v, wd in zip(self.own_params, own_grads, self.exp_avg, self.exp_avg_sq, self.own_wd):
                     g = g * coef
                     m_new = self.beta1 * m + (1.0 - self.beta1) * g
                     v_new = self.beta2 * v + (1.0 - self.beta2) * (g * g)
@@ -134,6 +173,14 @@ class TrainStep:
                     if wd:
                         p32 = p32 * (1.0 - lr * wd)
                     ops.assign(p, (p32 - lr * (m_new / bc1) / denom).astype(p.dtype))
+            for bcast, p, receive in zip(self._bcast_ops, self.params, self._bcast_recv):
+                # `p * 1.0`, not `p`: a Parameter handed straight to Broadcast is read before the
+                # assign above (measured on CPU), a computed tensor after it. Chained through
+                # `loss_sum` so every rank issues the broadcasts in the same order.
+                out = bcast((ops.depend(p * 1.0, loss_sum),))[0]
+                if receive:
+                    ops.assign(p, out)
+                loss_sum = ops.depend(loss_sum, out)
             for acc in self.accum:
                 ops.assign(acc, ops.zeros_like(acc))
             ops.assign(self.loss_accum, ops.zeros_like(self.loss_accum))
@@ -155,22 +202,32 @@ class TrainStep:
                           grad_norm=float(norm.asnumpy()), finite=bool(finite.asnumpy()))
 
     # ----------------------------------------------------------------- state
+    def state_keys(self, owned_only: bool = False) -> set[str]:
+        """Tensor names of the optimizer state: all of it, or the part this rank holds."""
+        names = [self.names[i] for i in self.own] if owned_only else self.names
+        return {"opt_step"} | {f"{k}.{n}" for n in names for k in ("exp_avg", "exp_avg_sq")}
+
     def optimizer_state(self) -> dict[str, np.ndarray]:
+        """This rank's part of the state (all of it unless sharded); views of live memory on CPU."""
         out: dict[str, np.ndarray] = {"opt_step": np.asarray(self.opt_step.asnumpy(), dtype=np.int64)}
-        for name, m, v in zip(self.names, self.exp_avg, self.exp_avg_sq):
-            out[f"exp_avg.{name}"] = m.asnumpy()
-            out[f"exp_avg_sq.{name}"] = v.asnumpy()
+        for i, m, v in zip(self.own, self.exp_avg, self.exp_avg_sq):
+            out[f"exp_avg.{self.names[i]}"] = m.asnumpy()
+            out[f"exp_avg_sq.{self.names[i]}"] = v.asnumpy()
         return out
 
-    def load_optimizer_state(self, tensors: dict[str, np.ndarray]) -> None:
+    def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
+        """Load this rank's part from `tensors`. `available`: every key the checkpoint holds (all
+        shards), checked against the whole model so a checkpoint of another model is refused
+        even when the part this rank reads happens to match."""
         from mspretrain.errors import UserError
 
-        expected = {"opt_step"} | {f"{k}.{n}" for n in self.names for k in ("exp_avg", "exp_avg_sq")}
-        missing, unexpected = expected - set(tensors), set(tensors) - expected
+        have = set(tensors) if available is None else available
+        full = self.state_keys()
+        missing, unexpected = full - have, have - full
         if missing or unexpected:
             raise UserError(f"optimizer state does not match the model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",
                             "resume with the model config the checkpoint was written with")
         self.opt_step.set_data(Tensor(int(np.asarray(tensors["opt_step"]).reshape(-1)[0]), ms.int32))
-        for name, m, v in zip(self.names, self.exp_avg, self.exp_avg_sq):
-            m.set_data(Tensor(tensors[f"exp_avg.{name}"].astype(np.float32)))
-            v.set_data(Tensor(tensors[f"exp_avg_sq.{name}"].astype(np.float32)))
+        for i, m, v in zip(self.own, self.exp_avg, self.exp_avg_sq):
+            m.set_data(Tensor(tensors[f"exp_avg.{self.names[i]}"].astype(np.float32)))
+            v.set_data(Tensor(tensors[f"exp_avg_sq.{self.names[i]}"].astype(np.float32)))

@@ -162,7 +162,8 @@ class Trainer:
         self.model = Llama(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=self.device.target,
                            seed=cfg.train.seed)
         self.step_fn = TrainStep(self.model, cfg.optim, global_tokens=self.global_tokens, world=self.world.size,
-                                 jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16")
+                                 rank=self.world.rank, jit=cfg.train.mode == "jit",
+                                 allreduce_fp16=cfg.precision.allreduce_dtype == "fp16", shard=cfg.optim.shard_optimizer)
         self.loader = Loader(self.sources, split="train", seq_len=cfg.data.seq_len, batch_size=self.micro,
                              seed=cfg.train.seed, rank=self.world.rank, world=self.world.size,
                              reset_attention_at_eos=cfg.data.reset_attention_at_eos,
@@ -206,10 +207,13 @@ class Trainer:
 
         ts = store.read_json(ckpt / "train_state.json")
         load_numpy(self.model, store.load_file(str(ckpt / store.MODEL_FILE)))
-        opt = store.read_optimizer_tensors(ckpt)
-        if opt is None:
+        available = store.optimizer_keys(ckpt)
+        if not available:
             raise UserError(f"checkpoint {ckpt.name} has no optimizer state", "resume from a training checkpoint, or start a new --run dir from these weights")
-        self.step_fn.load_optimizer_state(opt)
+        # only the part this rank holds is read (all of it unless the optimizer is sharded), from
+        # whichever file has it: a sharded checkpoint resumes with any world size, sharded or not
+        opt = store.read_optimizer_tensors(ckpt, keys=self.step_fn.state_keys(owned_only=True))
+        self.step_fn.load_optimizer_state(opt, available=available)
         self.step = int(ts["step"])
         self.applied = int(ts.get("applied_steps", self.step))
         self.tokens_seen = int(ts.get("tokens_seen", self.step * self.global_tokens))
@@ -232,20 +236,28 @@ class Trainer:
                 "world_size": self.world.size}
 
     def save(self) -> Path | None:
-        """Checkpoint the state after `self.step` (rank 0 writes; the copy to host blocks briefly)."""
-        if not self.world.is_main:
+        """Checkpoint the state after `self.step` (rank 0 writes; the copy to host blocks briefly).
+
+        With a sharded optimizer every rank writes its own optimizer shard and rank 0 publishes."""
+        sharded = self.step_fn.sharded
+        if not self.world.is_main and not sharded:
             return None
         from mspretrain.model.llama import state_numpy
 
         t0 = time.perf_counter()
         # asnumpy() on CPU returns a view of the live parameter memory: the writer thread needs a
         # snapshot, or the next step would change the weights while they are being written.
-        model = {k: v.copy() for k, v in state_numpy(self.model).items()}
         optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
         try:
+            if not self.world.is_main:
+                self.saver.save_shard(step=self.step, rank=self.world.rank, world=self.world.size,
+                                      optimizer=optim, stall_started=t0)
+                return None
+            model = {k: v.copy() for k, v in state_numpy(self.model).items()}
             self.saver.save(step=self.step, model=model, optimizer=optim,
                             train_state=self.train_state(), data_state=self.loader.state(), config=self.cfg,
-                            tokenizer_path=self._tokenizer_file(), stall_started=t0)
+                            tokenizer_path=self._tokenizer_file(), stall_started=t0,
+                            world=self.world.size if sharded else 1)
         except store.SaveError as exc:
             self._save_failed(exc)
         return self.run_dir / "checkpoints" / store.step_dir_name(self.step)

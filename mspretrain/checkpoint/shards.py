@@ -1,0 +1,90 @@
+"""Optimizer shards of a sharded run: every rank writes its own, rank 0 publishes the checkpoint.
+
+Protocol (all ranks see the same filesystem: one node's disk, or the shared storage a multi-node
+job writes checkpoints to):
+  rank R > 0   writes `checkpoints/step_NNNNNN.rankR.tmp/optimizer-R-of-N.safetensors`, fsyncs it,
+               then writes `shard.json` (its SHA-256 and size) last; on failure `error.json`.
+  rank 0       writes the rest into `step_NNNNNN.tmp/`, waits for every `shard.json`, moves the
+               shards in (a rename on the same filesystem), writes the manifest and renames the
+               directory: the checkpoint appears whole or not at all, as unsharded ones do.
+A staging dir ends in `.tmp`, so one left by a crash is removed by the next start's cleanup
+(rank 0 cleans before the first step; other ranks cannot save before that step's all-reduce).
+Each rank hashes its own shard, so rank 0 does not re-read 7/8 of the optimizer state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from mspretrain.checkpoint.store import SaveError, _sha256, optimizer_shard_name, step_dir_name
+from mspretrain.fsutil import fsync_path
+
+# How long rank 0 waits for another rank's shard. Generous: a 7B run's shard is ~7 GB, written
+# at the same time as rank 0's 27 GB model file.
+WAIT_S = 3600.0
+
+
+def staging_dir(root: Path, step: int, rank: int) -> Path:
+    return Path(root) / f"{step_dir_name(step)}.rank{rank}.tmp"
+
+
+def write_shard(root: Path, step: int, rank: int, world: int, tensors: dict[str, np.ndarray]) -> None:
+    """Rank R's part of a checkpoint; raises SaveError (after telling rank 0) when it cannot."""
+    d = staging_dir(root, step, rank)
+    name = optimizer_shard_name(rank, world)
+    try:
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / name),
+                  metadata={"format": "mspretrain", "step": str(step)})
+        fsync_path(d / name)
+        _publish(d / "shard.json", {"file": name, "sha256": _sha256(d / name), "bytes": (d / name).stat().st_size})
+    except Exception as exc:
+        msg = str(exc).replace("Error while serializing: ", "")
+        try:  # best effort: rank 0 stops waiting and reports this rank's reason
+            _publish(d / "error.json", {"error": msg})
+        except OSError:
+            pass
+        raise SaveError(f"rank {rank}: {msg}") from exc
+
+
+def _publish(path: Path, obj: dict[str, Any]) -> None:
+    """Write a small JSON file so that a reader never sees it half written."""
+    tmp = path.with_suffix(".part")
+    tmp.write_text(json.dumps(obj), encoding="utf-8")
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def collect(root: Path, step: int, world: int, into: Path, *, wait_s: float = WAIT_S,
+            poll_s: float = 0.05) -> dict[str, dict[str, Any]]:
+    """Wait for ranks 1..N-1, move their shards into `into`; their manifest entries."""
+    entries: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + wait_s
+    for rank in range(1, world):
+        d = staging_dir(root, step, rank)
+        while not (d / "shard.json").is_file():
+            if (d / "error.json").is_file():
+                reason = json.loads((d / "error.json").read_text(encoding="utf-8")).get("error", "unknown error")
+                shutil.rmtree(d, ignore_errors=True)
+                raise SaveError(f"rank {rank} could not write its optimizer shard: {reason}")
+            if time.monotonic() > deadline:
+                raise SaveError(f"rank {rank} did not deliver its optimizer shard for step {step} within {wait_s:.0f} s")
+            time.sleep(poll_s)
+        meta = json.loads((d / "shard.json").read_text(encoding="utf-8"))
+        src = d / meta["file"]
+        if src.stat().st_size != meta["bytes"]:
+            raise SaveError(f"rank {rank}'s optimizer shard has {src.stat().st_size} bytes, it reported {meta['bytes']}")
+        os.replace(src, into / meta["file"])
+        shutil.rmtree(d, ignore_errors=True)
+        entries[meta["file"]] = {"sha256": meta["sha256"], "bytes": meta["bytes"]}
+    return entries
