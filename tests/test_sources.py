@@ -199,3 +199,70 @@ def test_block_line_reader_equals_readline(monkeypatch, max_chars, read_chars):
         got = [d for batch in sources._line_doc_batches(f, new_stats) for d in batch]
         assert got == want, repr(text)
         assert new_stats.split_long == ref_stats.split_long, repr(text)
+
+
+def _read_raw(path: Path, stats: SourceStats, warnings: list[str]) -> list[str]:
+    """What prepare does with raw=True: decode the RawLines blocks, count, then report."""
+    docs = []
+    for unit in sources.iter_file_batches(path, doc_per_line=True, stats=stats, warn=warnings.append, raw=True):
+        if isinstance(unit, sources.RawLines):
+            got, dropped, split_long = sources.decode_raw(unit)
+            sources.count_raw(stats, unit.file, len(got), dropped, split_long)
+            docs.extend(got)
+        else:
+            docs.extend(unit)
+    sources.report_raw_files(stats, warnings.append)
+    return docs
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "gb18030"])
+@pytest.mark.parametrize("max_chars,read_bytes", [(7, 5), (7, 16), (40, 3), (1000, 64), (1000, 1 << 16)])
+def test_raw_blocks_equal_the_decoding_reader(tmp_path, monkeypatch, encoding, max_chars, read_bytes):
+    # prepare's main process cuts one-document-per-line files into undecoded blocks of whole
+    # lines; documents, counts and warnings must be those of the decoding reader, with \r\n,
+    # lone \r, undecodable bytes, blank and over-long lines anywhere around the cuts.
+    import random
+
+    monkeypatch.setattr(sources, "MAX_DOC_CHARS", max_chars)
+    monkeypatch.setattr(sources, "RAW_READ_BYTES", read_bytes)
+    rng = random.Random(hash((encoding, max_chars, read_bytes)) & 0xFFFF)
+    parts = ["春眠不觉晓", "a", " ", "\t", "\u3000", "\n", "\n", "\r\n", "\r", "x" * 6, "长" * 15, "𠮷"]
+    bad = [b"\xff", b"\xe4\xb8", b"\x81"]  # invalid in UTF-8; \x81 alone is a truncated GB18030 lead byte
+    for trial in range(60):
+        chunks = []
+        for _ in range(rng.randrange(0, 40)):
+            if rng.random() < 0.05:
+                chunks.append(rng.choice(bad))
+            else:
+                chunks.append(rng.choice(parts).encode("gb18030" if encoding == "gb18030" else "utf-8"))
+        body = b"".join(chunks)
+        if encoding == "utf-8-sig":
+            body = b"\xef\xbb\xbf" + body
+        if not body.strip() or b"".join(chunks).startswith((b"\xff", b"\x81")):
+            continue
+        path = tmp_path / f"t{trial}.txt"
+        path.write_bytes(body)
+        want_stats, want_warn = SourceStats(), []
+        want = list(iter_file(path, doc_per_line=True, stats=want_stats, warn=want_warn.append))
+        got_stats, got_warn = SourceStats(), []
+        got = _read_raw(path, got_stats, got_warn)
+        assert got == want, body
+        d = got_stats.to_dict()
+        assert d == want_stats.to_dict(), body
+        assert sorted(got_warn) == sorted(want_warn), body
+
+
+def test_raw_blocks_fall_back_on_a_line_without_end(tmp_path, monkeypatch):
+    # A line longer than 4 * MAX_DOC_CHARS bytes switches the rest of the file to the decoding
+    # reader, which cuts it into pieces (memory stays bounded).
+    monkeypatch.setattr(sources, "MAX_DOC_CHARS", 50)
+    monkeypatch.setattr(sources, "RAW_READ_BYTES", 32)
+    text = "短行一\n" + "长" * 500 + "\n短行二\n\n短行三"
+    path = tmp_path / "long.txt"
+    path.write_text(text, encoding="utf-8")
+    want_stats = SourceStats()
+    want = list(iter_file(path, doc_per_line=True, stats=want_stats, warn=lambda _: None))
+    stats, units = SourceStats(), list(sources.iter_file_batches(path, doc_per_line=True, stats=SourceStats(), warn=lambda _: None, raw=True))
+    assert any(isinstance(u, list) for u in units)  # the fallback was taken
+    got = _read_raw(path, stats, [])
+    assert got == want and stats.split_long == want_stats.split_long == 10 and stats.raw_files

@@ -2,6 +2,9 @@
 
 Pipeline: read (main process, streaming) -> clean + hash [+ MinHash] [+ tokenize] (worker
 processes, chunks of ~256 K characters) -> dedup + split + write (main process, input order).
+One-document-per-line files in UTF-8 / GB18030 reach the workers as undecoded blocks of whole
+lines (`sources.RawLines`): the main process then only reads bytes, dedups and writes, and
+stays off the critical path (it used to decode, split and pickle every document).
 
 Design choices:
 - Work is cut into chunks in input order and results are consumed in that order, with a
@@ -71,7 +74,12 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return tok.encode_flat(texts, tok.eos_id, np.dtype(_W["dtype"]))
 
 
-def _clean_chunk(docs: list[str]) -> dict:
+def _clean_chunk(docs: list[str] | sources.RawLines) -> dict:
+    raw = None
+    if isinstance(docs, sources.RawLines):  # decoded here, in parallel, not in the main process
+        block = docs
+        docs, dropped, split_long = sources.decode_raw(block)
+        raw = (block.file, len(docs), dropped, split_long)
     cfg: PrepareConfig = _W["cfg"]
     cleaner: Cleaner = _W["cleaner"]
     cleaner.changed.clear()
@@ -82,7 +90,7 @@ def _clean_chunk(docs: list[str]) -> dict:
            "dropped": dict(cleaner.dropped), "keys": keys,
            "chars": np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)),
            "u": dedup.split_numbers(keys, cfg.seed),
-           "sigs": dedup.signatures(texts, cfg.seed) if cfg.near_dedup else None}
+           "sigs": dedup.signatures(texts, cfg.seed) if cfg.near_dedup else None, "raw": raw}
     if _W["tok"] is not None:
         out["tokens"], out["lengths"] = _encode(texts)
     else:
@@ -96,11 +104,18 @@ def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 # --------------------------------------------------------------------------- main side helpers
 
-def _chunks(batches: Iterable[list[str]]) -> Iterator[list[str]]:
-    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents)."""
+def _chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str] | sources.RawLines]:
+    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents); a
+    `RawLines` block is a chunk of its own (the documents before it go first)."""
     chunk: list[str] = []
     size = 0
     for batch in batches:
+        if isinstance(batch, sources.RawLines):
+            if chunk:
+                yield chunk
+                chunk, size = [], 0
+            yield batch
+            continue
         n = sum(map(len, batch))
         if size + n < CHUNK_CHARS and len(chunk) + len(batch) < CHUNK_DOCS:
             chunk.extend(batch)  # the common case: the whole batch fits
@@ -384,7 +399,7 @@ def _run(paths, work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers
     log(f"reading {len(paths)} file{'s' * (len(paths) != 1)} ({total_bytes / 1e6:,.1f} MB) with {workers} worker{'s' * (workers != 1)}")
     if given is not None:
         tok_path = given.save_to(work)
-        tok = Tokenizer.load(tok_path)
+        tok = replace(given, path=tok_path)  # the same model: no second parse (serial time before the workers start)
     dtype = token_dtype(given.vocab_size) if given is not None else token_dtype(cfg.vocab_size)
     writers = {s: ShardWriter(work / s, dtype) for s in SPLITS}
     spools = None if given is not None else {s: _Spool(work / f"{s}.spool") for s in SPLITS}
@@ -393,9 +408,12 @@ def _run(paths, work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers
     pool = _pool(workers, cfg, str(tok_path) if given is not None else None, dtype.name)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
-                                      stats=stats, warn=warn, progress=bar.update if bar else None)
+                                    stats=stats, warn=warn, progress=bar.update if bar else None, raw=True)
         for result in _ordered(pool, _clean_chunk, _chunks(docs), in_flight):
+            if result["raw"] is not None:
+                sources.count_raw(stats, *result["raw"])
             sink.take(result)
+        sources.report_raw_files(stats, warn)
         warnings = sink.finish()
     finally:
         if pool is not None:

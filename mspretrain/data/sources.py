@@ -81,6 +81,9 @@ class SourceStats:
     jsonl_broken: int = 0
     jsonl_no_field: int = 0
     jsonl_too_long: int = 0
+    # Files read as `RawLines`: [path, label, documents, bytes dropped], filled in as the blocks
+    # are decoded (possibly in other processes); see `RawLines` and `report_raw_files`.
+    raw_files: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"files": self.files, "by_encoding": dict(sorted(self.by_encoding.items())),
@@ -309,6 +312,115 @@ def _line_doc_batches(f: io.TextIOBase, stats: SourceStats) -> Iterator[list[str
         yield _line_pieces(carry, stats)
 
 
+def _whole_lines_docs(text: str, stats: SourceStats) -> list[str]:
+    """The documents of text that starts at a line start and ends after a newline (or at the end
+    of the file): what the `readline(MAX_DOC_CHARS)` loop makes of those lines."""
+    lines = text.split("\n")
+    last = lines.pop()  # "" when the text ends with a newline, else the file's unterminated last line
+    if lines and max(map(len, lines)) >= MAX_DOC_CHARS:
+        docs = [piece for line in lines for piece in _line_pieces(line + "\n", stats)]
+    else:
+        docs = [line for line in lines if line and not line.isspace()]
+    if last:
+        docs.extend(_line_pieces(last, stats))
+    return docs
+
+
+# Codecs in which the byte b"\n" is only ever a newline (never part of a multi-byte character),
+# so a file can be cut into blocks of whole lines before it is decoded.
+RAW_CODECS = ("utf-8", "utf-8-sig", "gb18030")
+RAW_READ_BYTES = 3 << 18  # bytes per read of a file passed on as `RawLines` (~260 K Chinese characters)
+
+
+@dataclass
+class RawLines:
+    """Whole lines of a one-document-per-line file, not decoded yet.
+
+    `prepare` hands these to its worker processes, so its main process only reads bytes: it
+    used to decode, split and pickle every document (~1 CPU s per 50 MB, serial). Cutting after
+    a b"\n" keeps decoding exact (undecodable bytes and \r\n pairs never straddle a cut) and
+    keeps the documents those of the `readline` loop."""
+
+    data: bytes
+    codec: str
+    file: int  # index into `SourceStats.raw_files`
+
+
+def decode_raw(block: RawLines) -> tuple[list[str], int, int]:
+    """(documents, undecodable bytes dropped, documents cut at MAX_DOC_CHARS) of a block."""
+    before = _dropped[0]
+    text = block.data.decode(block.codec, errors="mspretrain.drop")
+    dropped = _dropped[0] - before
+    _dropped[0] = before  # counted by the caller, not by the file being read in this process
+    if "\r" in text:  # universal newlines, as TextIOWrapper(newline=None) reads them
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    stats = SourceStats()
+    docs = _whole_lines_docs(text, stats)
+    return docs, dropped, stats.split_long
+
+
+def count_raw(stats: SourceStats, file: int, documents: int, dropped: int, split_long: int) -> None:
+    """Add what decoding a block of `stats.raw_files[file]` found to the totals."""
+    stats.documents += documents
+    stats.bytes_dropped += dropped
+    stats.split_long += split_long
+    stats.raw_files[file][2] += documents
+    stats.raw_files[file][3] += dropped
+
+
+def report_raw_files(stats: SourceStats, warn: Callable[[str], None]) -> None:
+    """The per-file warnings of files read as `RawLines`, once all their blocks are decoded."""
+    for path, label, documents, dropped in stats.raw_files:
+        if dropped:
+            warn(f"{path}: {dropped} undecodable bytes dropped (read as {label})")
+        if not documents:
+            warn(f"{path}: no documents found")
+
+
+class _Prefixed(io.RawIOBase):
+    """`head`, then the rest of `stream`: a stream to read on from, after bytes already taken."""
+
+    def __init__(self, head: bytes, stream) -> None:
+        self.head, self.stream = head, stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if self.head:
+            data, self.head = self.head[: len(b)], self.head[len(b):]
+        else:
+            data = self.stream.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def _raw_line_blocks(stream, codec: str, file: int, stats: SourceStats) -> Iterator[RawLines | list[str]]:
+    """Blocks of whole lines of a one-document-per-line file, as `RawLines`. A line with no end
+    after 4 * MAX_DOC_CHARS bytes (at least MAX_DOC_CHARS characters) switches the rest of the
+    file to the decoding reader, which cuts it into pieces while memory stays bounded."""
+    carry = b""
+    if codec == "utf-8-sig":
+        head = stream.read(len(codecs.BOM_UTF8))
+        carry = head[len(codecs.BOM_UTF8):] if head == codecs.BOM_UTF8 else head
+        codec = "utf-8"
+    while data := stream.read(RAW_READ_BYTES):
+        buf = carry + data
+        cut = buf.rfind(b"\n") + 1
+        if not cut:
+            carry = buf
+            if len(carry) >= 4 * MAX_DOC_CHARS:
+                f = io.TextIOWrapper(io.BufferedReader(_Prefixed(carry, stream)), encoding=codec,
+                                     errors="mspretrain.drop", newline=None)
+                yield from _line_doc_batches(f, stats)
+                return
+            continue
+        carry = buf[cut:]
+        yield RawLines(buf[:cut], codec, file)
+    if carry:
+        yield RawLines(carry, codec, file)
+
+
 def _jsonl_docs(f: io.TextIOBase, text_field: str, stats: SourceStats) -> Iterator[str]:
     while True:
         line = f.readline(MAX_JSONL_LINE_CHARS)
@@ -374,8 +486,12 @@ def iter_file(path: Path, *, doc_per_line: bool = False, text_field: str = "text
 
 def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str = "text",
                       stats: SourceStats, warn: Callable[[str], None],
-                      progress: Callable[[int], None] | None = None) -> Iterator[list[str]]:
-    """`iter_file` in lists of documents (no per-document Python work for the caller)."""
+                      progress: Callable[[int], None] | None = None, raw: bool = False) -> Iterator[list[str] | RawLines]:
+    """`iter_file` in lists of documents (no per-document Python work for the caller).
+
+    With `raw`, a one-document-per-line file in a RAW_CODECS encoding comes as `RawLines`
+    blocks instead: the caller decodes them (`decode_raw`), adds the counts (`count_raw`) and
+    finally calls `report_raw_files` for the warnings about those files."""
     try:
         size = path.stat().st_size
         if size == 0:
@@ -407,32 +523,45 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     stats.files += 1
     stats.by_encoding[label] += 1
     before = (_dropped[0], stats.jsonl_broken, stats.jsonl_no_field, stats.jsonl_too_long, stats.documents)
-    stream, raw = _open_binary(path)
+    stream, rawf = _open_binary(path)
     done = 0
+    as_raw = raw and doc_per_line and not is_jsonl(path) and codec in RAW_CODECS
+    if as_raw:
+        stats.raw_files.append([path, label, 0, 0])
     try:
-        f = io.TextIOWrapper(stream, encoding=codec, errors="mspretrain.drop", newline=None)
-        if is_jsonl(path):
-            batches = _batched(_jsonl_docs(f, text_field, stats))
+        if as_raw:
+            batches = _raw_line_blocks(stream, codec, len(stats.raw_files) - 1, stats)
         else:
-            batches = _line_doc_batches(f, stats) if doc_per_line else _batched(_text_docs(f, stats))
+            f = io.TextIOWrapper(stream, encoding=codec, errors="mspretrain.drop", newline=None)
+            if is_jsonl(path):
+                batches = _batched(_jsonl_docs(f, text_field, stats))
+            else:
+                batches = _line_doc_batches(f, stats) if doc_per_line else _batched(_text_docs(f, stats))
         for batch in batches:
-            stats.documents += len(batch)
+            if not isinstance(batch, RawLines):
+                stats.documents += len(batch)
+                if as_raw:
+                    stats.raw_files[-1][2] += len(batch)
             yield batch
             if progress:
-                pos = raw.tell()
+                pos = rawf.tell()
                 progress(pos - done)
                 done = pos
     except _read_errors() as exc:  # a corrupt .gz/.zst stream fails mid-way: keep what was read
         stats.skipped["corrupt"] += 1
-        warn(f"{path}: stopped reading after {stats.documents - before[4]} documents ({type(exc).__name__}: {exc})")
+        read = f"{done:,} bytes" if as_raw else f"{stats.documents - before[4]} documents"
+        warn(f"{path}: stopped reading after {read} ({type(exc).__name__}: {exc})")
     finally:
         stream.close()
-        raw.close()
+        rawf.close()
     stats.bytes_in += size
     if progress:
         progress(size - done)
     dropped = _dropped[0] - before[0]
     stats.bytes_dropped += dropped
+    if as_raw:  # its blocks are decoded later: report_raw_files warns
+        stats.raw_files[-1][3] += dropped
+        return
     if dropped:
         warn(f"{path}: {dropped} undecodable bytes dropped (read as {label})")
     broken, no_field, too_long = (stats.jsonl_broken - before[1], stats.jsonl_no_field - before[2],
@@ -456,8 +585,8 @@ def iter_documents(paths: Sequence[Path], *, doc_per_line: bool = False, text_fi
 
 def iter_batches(paths: Sequence[Path], *, doc_per_line: bool = False, text_field: str = "text",
                  stats: SourceStats, warn: Callable[[str], None],
-                 progress: Callable[[int], None] | None = None) -> Iterator[list[str]]:
-    """`iter_documents` in lists of documents, in order."""
+                 progress: Callable[[int], None] | None = None, raw: bool = False) -> Iterator[list[str] | RawLines]:
+    """`iter_documents` in lists of documents (or `RawLines`, see `iter_file_batches`), in order."""
     for path in paths:
         yield from iter_file_batches(path, doc_per_line=doc_per_line, text_field=text_field, stats=stats,
-                                     warn=warn, progress=progress)
+                                     warn=warn, progress=progress, raw=raw)
