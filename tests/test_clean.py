@@ -242,3 +242,17 @@ def test_exact_dedup_fresh_equals_seen_in_order():
     one, many = dedup.ExactDedup(), dedup.ExactDedup()
     assert many.fresh(b"".join(keys[:3])) + many.fresh(b"".join(keys[3:])) == [not one.seen(k) for k in keys]
     assert dedup.dedup_keys(["a", "春"]) == dedup.dedup_key("a") + dedup.dedup_key("春")
+
+
+def test_url_and_email_prechecks_never_skip_a_match():
+    # remove_urls / remove_emails skip the regex when "://", "www." (any case) or "@" is absent.
+    rng = np.random.default_rng(6)
+    pieces = ["http", "https", "ftp", "://", ":/", "/", "www", "WwW", "wWw.", ".", "example", "com", "a", "@",
+              "b.cn", "春眠", " ", "，", "x1", "-", "_", "%", "+"]
+    texts = ["".join(rng.choice(pieces, size=int(k))) for k in rng.integers(0, 14, size=5000)]
+    hits = 0
+    for t in texts:
+        assert clean.remove_urls(t) == clean._URL.sub("", t), t
+        assert clean.remove_emails(t) == clean._EMAIL.sub("", t), t
+        hits += clean._URL.search(t) is not None
+    assert hits > 100

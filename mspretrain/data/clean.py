@@ -55,6 +55,7 @@ _HTML_ENTITY = re.compile(r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-
 # take a sentence's final ASCII punctuation with it.
 _URL = re.compile(r"(?:(?<![A-Za-z0-9])(?:https?|ftp)://|(?<![A-Za-z0-9])www\.)[^\s<>\"'\u3000-\u303f\u3400-\u9fff\uff00-\uffef]*"
                   r"[^\s<>\"'\u3000-\u303f\u3400-\u9fff\uff00-\uffef.,;:!?)\]}]", re.I)
+_WWW = re.compile(r"www\.", re.I)
 _EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
 # Full-width punctuation that NFKC would turn into ASCII, and the ellipsis it would spell "...".
 _PROTECT_CHARS = ([chr(c) for c in range(0xFF01, 0xFF10)] + [chr(c) for c in range(0xFF1A, 0xFF21)]
@@ -106,6 +107,15 @@ def strip_html(text: str) -> str:
     if "&" in text:
         text = _HTML_ENTITY.sub(lambda m: html.unescape(m.group()), text)
     return text
+
+
+def remove_urls(text: str) -> str:
+    # Every URL the pattern takes holds "://" or "www." (any case): a cheap test first.
+    return _URL.sub("", text) if "://" in text or _WWW.search(text) else text
+
+
+def remove_emails(text: str) -> str:
+    return _EMAIL.sub("", text) if "@" in text else text
 
 
 @functools.lru_cache(maxsize=1)
@@ -332,7 +342,7 @@ class Cleaner:
 
             self._t2s = opencc.OpenCC("t2s")
         fns = {"drop_control": lambda t: _CONTROL.sub("", t), "strip_html": strip_html,
-               "remove_urls": lambda t: _URL.sub("", t), "remove_emails": lambda t: _EMAIL.sub("", t),
+               "remove_urls": remove_urls, "remove_emails": remove_emails,
                "nfkc": nfkc, "t2s": lambda t: self._t2s.convert(t),
                "char_whitelist": lambda t: _NOT_WHITELISTED.sub("", t), "normalize_whitespace": normalize_whitespace}
         # (rule, function, the trigger bit a document needs for the rule to have work; 0 = any)
@@ -390,7 +400,16 @@ class Cleaner:
         """`[self(t) for t in texts]`, skipping rules a document cannot trigger, with the n-gram
         filter computed for the batch at once."""
         flags = triggers(texts).tolist()
-        out = [self._line_filters(self._modify(t, f)) for t, f in zip(texts, flags)]
+        modify, line_filters = self._modify, self._line_filters
+        # The common cases written out (a method call per document was ~10 % of the cleaner):
+        # no trigger means no modifying rule has work, and a one-line, non-blank document of
+        # min_chars+ characters passes every line filter.
+        if self._always:
+            texts = [modify(t, f) for t, f in zip(texts, flags)]
+        else:
+            texts = [modify(t, f) if f else t for t, f in zip(texts, flags)]
+        least = max(self.cfg.min_chars, 1)
+        out = [t if len(t) >= least and "\n" not in t and not t.isspace() else line_filters(t) for t in texts]
         if self.cfg.max_top_ngram_fraction < 1:
             alive = [i for i, t in enumerate(out) if t is not None]
             over = top_ngram_exceeds([out[i] for i in alive], self.cfg.max_top_ngram_fraction)
