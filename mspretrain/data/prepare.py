@@ -247,10 +247,11 @@ class _Sink:
                 self.outs[split].add_many([r["texts"][i] for i in body])
                 self.held[split] = (r["texts"][last], int(r["chars"][last]))
             else:
-                lens = r["lengths"][body]
-                # the position of every token of the body documents in `tokens`, in order
-                pos = np.repeat(starts[body] - (np.cumsum(lens, dtype=np.int64) - lens), lens) + np.arange(int(lens.sum()))
-                self.outs[split].add_flat(tokens[pos], lens)
+                # the tokens of the body documents, in order (`body` is ascending): a mask over
+                # documents repeated per token is cheaper than computing every token's position
+                in_body = np.zeros(len(r["lengths"]), dtype=bool)
+                in_body[body] = True
+                self.outs[split].add_flat(tokens[np.repeat(in_body, r["lengths"])], r["lengths"][body])
                 self.held[split] = (tokens[starts[last]: starts[last] + r["lengths"][last]].copy(), int(r["chars"][last]))
 
     def _sample(self, u: float, text: str) -> None:
