@@ -152,8 +152,7 @@ def _pool(workers: int, *init_args):
     # fork is fast; after MindSpore has started its threads in this process, forking is unsafe.
     method = "spawn" if "mindspore" in sys.modules else "fork"
     if method == "fork":  # build the cleaner's lookup tables once, for all workers to inherit
-        clean.char_table()
-        clean.nfkc_runs()
+        clean.warm_up()
     ctx = mp.get_context(method)
     return ctx.Pool(workers, initializer=_init_worker, initargs=init_args)
 
