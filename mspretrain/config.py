@@ -88,8 +88,8 @@ class OptimConfig:
     decay_embeddings: bool = False
     lr_scaling: str = "none"  # "none" | "sqrt": lr * sqrt(global_batch / 32)
     z_loss: float = 0.0
-    # ZeRO-1: each data-parallel rank keeps the Adam moments of the parameters it owns (about
-    # 1/N of them), updates those and broadcasts them; no effect with one rank.
+    # ZeRO-1: each data-parallel rank keeps the Adam moments (and fp32 masters) of the parameters
+    # it owns (about 1/N of them), updates those and broadcasts them; no effect with one rank.
     shard_optimizer: bool = False
 
 
@@ -111,6 +111,9 @@ class TrainConfig:
     seed: int = 1234
     log_every: int = 10
     mode: str = "jit"  # "jit" | "pynative"
+    # Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    # activation memory drops to one layer's worth plus each layer's input, for ~1/3 more compute.
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,12 @@ class PrecisionConfig:
     # Data-parallel gradient all-reduce in fp16 halves the bytes on the wire (the field report's
     # Ascend setting); lm_head's gradient always stays fp32. Loss-scaled, so overflow is caught.
     allreduce_dtype: str = "fp32"  # "fp32" | "fp16"
+    # "fp32": parameters are the fp32 master weights, cast to `dtype` at use. "compute": the
+    # decoder layers' matrices are stored in `dtype`, and fp32 master copies
+    # live with the optimizer state (sharded with it under optim.shard_optimizer): 2 instead of
+    # 4 bytes per parameter on every device. Same numbers either way: the matmuls read the same
+    # rounded weights.
+    param_dtype: str = "fp32"  # "fp32" | "compute"
 
 
 @dataclass(frozen=True)
@@ -214,6 +223,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.dtype": ("fp32", "fp16", "bf16"),
     "precision.loss_scale": ("auto", "dynamic", "static", "none"),
     "precision.allreduce_dtype": ("fp32", "fp16"),
+    "precision.param_dtype": ("fp32", "compute"),
     "checkpoint.on_error": ("stop", "continue"),
     "device.target": ("auto", "cpu", "ascend"),
     "spike.action": ("warn", "rewind"),
@@ -464,6 +474,9 @@ def validate(cfg: Config, *, device: str | None = None) -> None:
         _fail("precision.growth_interval", f"= {pr.growth_interval} must be positive", "use e.g. 1000")
     if pr.scale_warmup_to and pr.scale_warmup_steps <= 0:
         _fail("precision.scale_warmup_steps", "must be positive when scale_warmup_to is set", "the field report warms 64 -> 1024 over 500 steps")
+    if pr.param_dtype == "compute" and pr.dtype == "fp32":
+        _fail("precision.param_dtype", "= compute only applies to fp16/bf16 compute (with dtype fp32 the parameters are fp32 already)",
+              "set precision.dtype=fp16 (or bf16 on Ascend), or leave precision.param_dtype=fp32")
 
     c = cfg.checkpoint
     if c.every < 0 or c.keep_last < 1 or c.keep_every < 0:

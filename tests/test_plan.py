@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import dataclasses
 import math
 
 import pytest
@@ -26,7 +27,7 @@ def test_small_fp32_plan_by_hand():
     plan = make_plan(small_cfg(), devices=1, tokens=None, data_dir=None, tokens_per_s_per_device=None)
     assert plan["params"] == P_SMALL
     mem = plan["memory_bytes"]
-    assert mem["master_weights"] == 4 * P_SMALL and mem["half_weights"] == 0
+    assert mem["weights"] == 4 * P_SMALL and mem["half_weights"] == mem["master_weights"] == 0
     assert mem["gradients"] == 4 * P_SMALL and mem["micro_gradients"] == 4 * P_SMALL
     assert mem["adam_moments"] == 8 * P_SMALL
     # activations, fp32 (e=4), s=64, b=8, h=64, kv=64, f=192, a=4, 2 layers, V=1000:
@@ -47,8 +48,13 @@ def test_sharding_half_precision_recompute_time_cost_and_sqrt_lr():
                      zero=True, recompute=True)
     mem = plan["memory_bytes"]
     assert plan["micro_batch"] == 4 and plan["accumulation"] == 1 and plan["flash_attention"] is False
-    assert mem["master_weights"] == 4 * P_SMALL / 2 and mem["adam_moments"] == 8 * P_SMALL / 2
-    assert mem["half_weights"] == 2 * P_SMALL
+    assert mem["weights"] == 4 * P_SMALL and mem["adam_moments"] == 8 * P_SMALL / 2
+    assert mem["half_weights"] == 2 * P_SMALL and mem["master_weights"] == 0  # fp32 parameters: no masters
+    half = make_plan(small_cfg("precision.dtype=fp16", "precision.param_dtype=compute", "optim.shard_optimizer=true"),
+                     devices=2, tokens=1_024_000, data_dir=None, tokens_per_s_per_device=None)
+    hm = half["memory_bytes"]
+    assert (hm["weights"], hm["half_weights"], hm["master_weights"], hm["micro_gradients"]) == (2 * P_SMALL, 0, 4 * P_SMALL / 2, 2 * P_SMALL)
+    assert half["zero"] and hm["adam_moments"] == 8 * P_SMALL / 2 and half["checkpoint_bytes"] == 14 * P_SMALL
     # fp16: e=2, math attention keeps (4 + 2) bytes per probability; recompute keeps each layer's input.
     per_layer = 2 * 64 * 4 * (6 * 64 + 2 * 64 + 4 * 192) + 6 * 4 * 64 * 64 * 4
     assert mem["activations"] == 2 * 2 * 64 * 4 * 64 + per_layer + 8 * 64 * 4 * 1000
@@ -81,9 +87,10 @@ def test_llama2_7b_on_8_devices_warns_and_cites_reference():
     plan = make_plan(cfg, devices=8, tokens=120_000_000_000, data_dir=None, tokens_per_s_per_device=3000.0)
     assert plan["flash_attention"] and plan["accumulation"] == 64
     assert plan["warnings"] and plan["warnings"][0].startswith("WILL NOT FIT")
-    fits = make_plan(cfg, devices=8, tokens=120_000_000_000, data_dir=None, tokens_per_s_per_device=None,
-                     device_mem_gb=80.0, zero=True, recompute=True)
-    assert fits["memory_bytes"]["total"] < 80 * 1024**3 and not any("NOT FIT" in w for w in fits["warnings"])
+    half = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, param_dtype="compute"))
+    fits = make_plan(half, devices=8, tokens=120_000_000_000, data_dir=None, tokens_per_s_per_device=None,
+                     zero=True, recompute=True)
+    assert fits["memory_bytes"]["total"] < 64 * 1024**3 and not any("NOT FIT" in w for w in fits["warnings"])
     ref = plan["reference"]
     assert ref["tokens_per_s_per_device"] == 4100.0 and "llama2.md" in ref["source"]
     assert ref["ratio"] == pytest.approx(3000 / 4100)

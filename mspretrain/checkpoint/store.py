@@ -364,7 +364,8 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda s: 
 
 
 def read_model_tensors(ref: CheckpointRef) -> dict[str, np.ndarray]:
-    return load_file(str(ref.dir / MODEL_FILE))
+    """Weights by name as fp32 (runs with fp16 parameters store those as fp16)."""
+    return {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in load_file(str(ref.dir / MODEL_FILE)).items()}
 
 
 def optimizer_keys(ckpt_dir: Path) -> set[str]:

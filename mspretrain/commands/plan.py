@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-s", type=float, metavar="X", help="tokens/s per device (measured or given) for time and cost")
     p.add_argument("--from-run", metavar="RUN_DIR", help="take tokens/s per device from a run's metrics.jsonl (median)")
     p.add_argument("--device-mem-gb", type=float, default=64.0, help="device memory in GB (Ascend 910B: 64)")
-    p.add_argument("--zero", action="store_true", help="optimizer-state sharding across devices (Ascend)")
-    p.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    p.add_argument("--zero", action="store_true", help="optimizer-state sharding across devices (as optim.shard_optimizer=true)")
+    p.add_argument("--recompute", action="store_true", help="full activation recomputation (as train.recompute=true)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

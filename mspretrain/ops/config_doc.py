@@ -76,7 +76,7 @@ MEANINGS: dict[str, str] = {
     "precision.scale_warmup_steps": "length of the linear loss-scale warm-up (the field report: 500)",
     "schedule.kind": "learning-rate schedule: warm-up then cosine decay, the field report's two-phase warm-up, warmup-stable-decay, or constant",
     "train.mode": "jit compiles the step with ms.jit (about 2.3x faster); pynative runs it eagerly, for debugging",
-    "precision.dtype": "compute dtype; weights stay fp32 masters and the lm_head, norms, softmax and loss stay fp32 (bf16 is Ascend-only)",
+    "precision.dtype": "compute dtype; the lm_head, norms, softmax and loss stay fp32, weights too unless precision.param_dtype=compute (bf16 is Ascend-only)",
     "device.target": "auto = Ascend when an NPU is visible, else CPU",
     "spike.action": "what a loss spike does: log a warning, or rewind to the last checkpoint and skip the batches",
     "checkpoint.every": "steps between checkpoints (one is always written at the end and on Ctrl-C)",

@@ -3,12 +3,16 @@
 Design choices:
 - Pure arithmetic on the config: no MindSpore import, answers in milliseconds, testable by hand.
 - Memory per device (bytes), P = parameters, D = devices, "zero" = optimizer-state sharding
-  (MindSpore's parallel optimizer, Ascend only):
-    master weights  4P (fp32)          / D with zero
-    half weights    2P (fp16/bf16 only: the copy the matmuls read)
+  (`optim.shard_optimizer`, train/step.py), "half" = `precision.param_dtype = "compute"` with
+  fp16/bf16 compute (the decoder's matrices stored in half precision; embedding, lm_head and
+  norms stay fp32 — counted as if all were half, they are ~2 % of a 7B model):
+    weights         4P (fp32 masters, what the model holds)  — or with half: 2P
+    half weights    2P (fp16/bf16 without half: the cast copy the matmuls read) — 0 with half
+    master weights  0                                        — with half: 4P, / D with zero
     gradients       4P (fp32 accumulation buffers that train/step.py keeps across micro-batches)
-    micro-batch     4P (fp32 gradients of one micro-batch before they are added to the buffers: an
-      gradients        upper bound, the graph compiler may free them layer by layer)
+    micro-batch     4P (gradients of one micro-batch before they are added to the buffers, in the
+      gradients        parameter dtype: 2P with half; an upper bound, the graph compiler may free
+                       them layer by layer)
     Adam moments    8P (fp32 m and v)  / D with zero
     activations     per micro-batch of b sequences of length s, per layer (e = 2 bytes for
                     fp16/bf16 compute, 4 for fp32; h = dim, f = ffn_dim, kv = n_kv_heads*head_dim,
@@ -74,9 +78,11 @@ def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
     return m.n_layers * per_layer + logits
 
 
-def checkpoint_bytes(params: int) -> int:
-    """One checkpoint on disk: fp32 weights + fp32 Adam m and v (safetensors), JSON negligible."""
-    return 12 * params
+def checkpoint_bytes(params: int, half_params: str | None = None) -> int:
+    """One checkpoint on disk: fp32 weights + fp32 Adam m and v (safetensors), JSON negligible.
+    With parameters stored in fp16 the weights file holds them as fp16 and the optimizer state
+    adds the fp32 masters (14 bytes); bf16 weights are written as fp32 (numpy has no bf16): 16."""
+    return {None: 12, "fp16": 14, "bf16": 16}[half_params] * params
 
 
 def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path | None,
@@ -84,8 +90,12 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
               zero: bool = False, recompute: bool = False, flash: bool | None = None) -> dict:
     """The plan as a dict (bytes, steps, hours); `format_plan` prints it.
 
+    zero / recompute: also taken from the config (optim.shard_optimizer, train.recompute), so a
+    plan of a config shows what that config will run; the flags ask "what if".
     flash: whether attention runs as Ascend's fused kernel; default: fp16/bf16 on a non-CPU target.
     """
+    zero = zero or cfg.optim.shard_optimizer
+    recompute = recompute or cfg.train.recompute
     if devices < 1:
         raise UserError(f"--devices {devices} must be at least 1", "give the number of devices, e.g. --devices 8")
     m, t = cfg.model, cfg.train
@@ -120,11 +130,13 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     if flash is None:
         flash = half and cfg.device.target != "cpu"
     shard = devices if zero else 1
+    half_params = half and cfg.precision.param_dtype == "compute"
     mem = {
-        "master_weights": 4 * P / shard,
-        "half_weights": 2 * P if half else 0,
+        "weights": 2 * P if half_params else 4 * P,
+        "half_weights": 2 * P if half and not half_params else 0,
+        "master_weights": 4 * P / shard if half_params else 0,
         "gradients": 4 * P,
-        "micro_gradients": 4 * P,
+        "micro_gradients": 2 * P if half_params else 4 * P,
         "adam_moments": 8 * P / shard,
         "activations": activation_bytes(m, seq, micro, cfg.precision.dtype, recompute, flash),
     }
@@ -139,11 +151,12 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         "steps": steps, "warmup_steps": warmup, "warmup_note": warmup_note,
         "lr": lr, "lr_note": f"{cfg.optim.lr:g} x sqrt({gb}/32)" if cfg.optim.lr_scaling == "sqrt" else "no scaling",
         "memory_bytes": mem, "activations_other_bytes": other, "device_mem_gb": device_mem_gb,
-        "checkpoint_bytes": checkpoint_bytes(P), "warnings": [],
+        "checkpoint_bytes": checkpoint_bytes(P, cfg.precision.dtype if half_params else None), "warnings": [],
     }
     total_gb = mem["total"] / GB
     if total_gb > device_mem_gb:
-        fixes = [f for f, ok in (("--recompute", not recompute), ("--zero (Ascend)", not zero and devices > 1),
+        fixes = [f for f, ok in (("--recompute", not recompute), ("--zero", not zero and devices > 1),
+                                 ("precision.param_dtype=compute", half and not half_params),
                                  ("a smaller train.micro_batch", micro > 1)) if ok]
         plan["warnings"].append(f"WILL NOT FIT: {total_gb:.1f} GB per device > {device_mem_gb:g} GB device memory"
                                 + (f"; try {', '.join(fixes)}" if fixes else "; use more devices with model parallelism or a smaller model"))
@@ -182,8 +195,11 @@ def format_plan(plan: dict) -> str:
         f"lr         {plan['lr']:.3g} ({plan['lr_note']})",
         "memory per device:",
     ]
-    for key, label in (("master_weights", "master weights (fp32)"), ("half_weights", "half-precision weights"),
-                       ("gradients", "gradient buffers (fp32)"), ("micro_gradients", "micro-batch gradients (fp32)"),
+    half_params = mem["master_weights"] > 0
+    for key, label in (("weights", "weights (fp16/bf16 matrices)" if half_params else "weights (fp32 masters)"),
+                       ("half_weights", "half-precision weight copies"), ("master_weights", "fp32 master weights"),
+                       ("gradients", "gradient buffers (fp32)"),
+                       ("micro_gradients", "micro-batch gradients" + (" (half)" if half_params else " (fp32)")),
                        ("adam_moments", "Adam moments (fp32)"),
                        ("activations", "activations" + (" (recompute)" if plan["recompute"] else ""))):
         if mem[key]:

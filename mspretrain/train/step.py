@@ -23,6 +23,12 @@ the same on every rank, and an owner computes exactly what an unsharded rank wou
 unsharded runs are equal to the bit. We write it out (one `ops.Broadcast` per owner) instead of
 using MindSpore's parallel optimizer, which is Ascend-only and would not apply to this AdamW.
 
+Half-precision parameters (`precision.param_dtype = "compute"`, `half_params` here): the decoder's
+matrices are stored in the compute dtype and an fp32 master copy of each lives with the optimizer
+state, on its owner rank; AdamW updates the master and writes the rounded value into the
+parameter. The forward pass reads exactly the rounded weights it would cast at use, so losses
+equal those of fp32 parameters bit for bit (tests/test_memory_options.py).
+
 AdamW is written out (PyTorch semantics: bias-corrected moments, eps outside the sqrt,
 decoupled weight decay `p *= 1 - lr·wd`) instead of `nn.AdamWeightDecay`, which has no bias
 correction, so that it can be checked against `torch.optim.AdamW` number for number.
@@ -79,7 +85,10 @@ class TrainStep:
     """Holds the optimizer state and the compiled accumulate/apply functions for one model."""
 
     def __init__(self, model: nn.Cell, optim: OptimConfig, *, global_tokens: int, world: int = 1,
-                 rank: int = 0, jit: bool = True, allreduce_fp16: bool = False, shard: bool = False) -> None:
+                 rank: int = 0, jit: bool = True, allreduce_fp16: bool = False, shard: bool = False,
+                 half_params: list[str] | None = None) -> None:
+        """half_params: names of parameters to store in the model's compute dtype from now on;
+        their fp32 values become master copies held with the optimizer state (by their owner)."""
         from mspretrain.model.loss import token_nll
 
         self.model = model
@@ -98,6 +107,16 @@ class TrainStep:
         self.own = [i for i, r in enumerate(self.owner) if r == rank]  # indices whose moments live here
         self.own_params = ms.ParameterTuple([self.params[i] for i in self.own])
         self.own_wd = [self.wd[i] for i in self.own]
+        # Master weights: an fp32 copy for each owned parameter stored in half precision, taken
+        # before the parameter is rounded; fp32 parameters are their own masters.
+        half = set(half_params or ())
+        self._own_has_master = [self.names[i] in half for i in self.own]
+        self.own_masters = ms.ParameterTuple([
+            Parameter(Tensor(self.params[i].asnumpy().copy()), name=f"master.{self.names[i]}", requires_grad=False)
+            if self.names[i] in half else self.params[i] for i in self.own])
+        for p in self.params:
+            if p.name in half:
+                p.set_dtype(model.dtype)
         self._own_mask = [r == rank for r in self.owner]
         zeros = lambda p, prefix: Parameter(ops.zeros(p.shape, ms.float32), name=f"{prefix}.{p.name}", requires_grad=False)
         self.accum = ms.ParameterTuple([zeros(p, "accum") for p in self.params])
@@ -162,17 +181,21 @@ class TrainStep:
                 for g, own in zip(grads, self._own_mask):  # a constant mask: unrolled at compile time
                     if own:
                         own_grads.append(g)
-                for p, g, m, v, wd in zip(self.own_params, own_grads, self.exp_avg, self.exp_avg_sq, self.own_wd):
+                for p, master, has_master, g, m, v, wd in zip(self.own_params, self.own_masters, self._own_has_master,
+                                                               own_grads, self.exp_avg, self.exp_avg_sq, self.own_wd):
                     g = g * coef
                     m_new = self.beta1 * m + (1.0 - self.beta1) * g
                     v_new = self.beta2 * v + (1.0 - self.beta2) * (g * g)
                     ops.assign(m, m_new)
                     ops.assign(v, v_new)
                     denom = ops.sqrt(v_new / bc2) + self.eps
-                    p32 = p.astype(ms.float32)
+                    p32 = master * 1.0  # the fp32 master (the parameter itself when it is fp32)
                     if wd:
                         p32 = p32 * (1.0 - lr * wd)
-                    ops.assign(p, (p32 - lr * (m_new / bc1) / denom).astype(p.dtype))
+                    p_new = p32 - lr * (m_new / bc1) / denom
+                    if has_master:
+                        ops.assign(master, p_new)
+                    ops.assign(p, p_new.astype(p.dtype))
             for bcast, p, receive in zip(self._bcast_ops, self.params, self._bcast_recv):
                 # `p * 1.0`, not `p`: a Parameter handed straight to Broadcast is read before the
                 # assign above (measured on CPU), a computed tensor after it. Chained through
@@ -204,15 +227,18 @@ class TrainStep:
     # ----------------------------------------------------------------- state
     def state_keys(self, owned_only: bool = False) -> set[str]:
         """Tensor names of the optimizer state: all of it, or the part this rank holds."""
-        names = [self.names[i] for i in self.own] if owned_only else self.names
-        return {"opt_step"} | {f"{k}.{n}" for n in names for k in ("exp_avg", "exp_avg_sq")}
+        idx = self.own if owned_only else range(len(self.names))
+        keys = {"opt_step"} | {f"{k}.{self.names[i]}" for i in idx for k in ("exp_avg", "exp_avg_sq")}
+        return keys | {f"master.{self.names[i]}" for i in idx if self.params[i].dtype != ms.float32}
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         """This rank's part of the state (all of it unless sharded); views of live memory on CPU."""
         out: dict[str, np.ndarray] = {"opt_step": np.asarray(self.opt_step.asnumpy(), dtype=np.int64)}
-        for i, m, v in zip(self.own, self.exp_avg, self.exp_avg_sq):
+        for i, m, v, master, has_master in zip(self.own, self.exp_avg, self.exp_avg_sq, self.own_masters, self._own_has_master):
             out[f"exp_avg.{self.names[i]}"] = m.asnumpy()
             out[f"exp_avg_sq.{self.names[i]}"] = v.asnumpy()
+            if has_master:
+                out[f"master.{self.names[i]}"] = master.asnumpy()
         return out
 
     def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
@@ -225,9 +251,14 @@ class TrainStep:
         full = self.state_keys()
         missing, unexpected = full - have, have - full
         if missing or unexpected:
+            if all(k.startswith("master.") for k in missing | unexpected):
+                raise UserError("precision.param_dtype differs from the run that wrote the checkpoint (fp32 master copies "
+                                + ("missing)" if missing else "unexpected)"), "resume with the precision.param_dtype of the checkpoint's config.toml")
             raise UserError(f"optimizer state does not match the model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",
                             "resume with the model config the checkpoint was written with")
         self.opt_step.set_data(Tensor(int(np.asarray(tensors["opt_step"]).reshape(-1)[0]), ms.int32))
-        for i, m, v in zip(self.own, self.exp_avg, self.exp_avg_sq):
+        for i, m, v, master, has_master in zip(self.own, self.exp_avg, self.exp_avg_sq, self.own_masters, self._own_has_master):
             m.set_data(Tensor(tensors[f"exp_avg.{self.names[i]}"].astype(np.float32)))
             v.set_data(Tensor(tensors[f"exp_avg_sq.{self.names[i]}"].astype(np.float32)))
+            if has_master:
+                master.set_data(Tensor(tensors[f"master.{self.names[i]}"].astype(np.float32)))

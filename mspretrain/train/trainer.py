@@ -151,7 +151,7 @@ class Trainer:
         import mindspore as ms
 
         from mspretrain.data.loader import Loader
-        from mspretrain.model.llama import Llama
+        from mspretrain.model.llama import Llama, half_eligible
         from mspretrain.monitor.metrics import MetricsLogger
         from mspretrain.monitor.spikes import SpikeDetector
         from mspretrain.train.step import TrainStep
@@ -161,9 +161,14 @@ class Trainer:
         np.random.seed(cfg.train.seed % (2**32))
         self.model = Llama(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=self.device.target,
                            seed=cfg.train.seed)
+        if cfg.train.recompute:
+            for layer in self.model.layers:
+                layer.recompute()
+        half = half_eligible(self.model) if cfg.precision.param_dtype == "compute" and cfg.precision.dtype != "fp32" else []
         self.step_fn = TrainStep(self.model, cfg.optim, global_tokens=self.global_tokens, world=self.world.size,
                                  rank=self.world.rank, jit=cfg.train.mode == "jit",
-                                 allreduce_fp16=cfg.precision.allreduce_dtype == "fp16", shard=cfg.optim.shard_optimizer)
+                                 allreduce_fp16=cfg.precision.allreduce_dtype == "fp16", shard=cfg.optim.shard_optimizer,
+                                 half_params=half)
         self.loader = Loader(self.sources, split="train", seq_len=cfg.data.seq_len, batch_size=self.micro,
                              seed=cfg.train.seed, rank=self.world.rank, world=self.world.size,
                              reset_attention_at_eos=cfg.data.reset_attention_at_eos,
@@ -253,7 +258,7 @@ class Trainer:
                 self.saver.save_shard(step=self.step, rank=self.world.rank, world=self.world.size,
                                       optimizer=optim, stall_started=t0)
                 return None
-            model = {k: v.copy() for k, v in state_numpy(self.model).items()}
+            model = {k: v.copy() for k, v in state_numpy(self.model, keep_fp16=True).items()}
             self.saver.save(step=self.step, model=model, optimizer=optim,
                             train_state=self.train_state(), data_state=self.loader.state(), config=self.cfg,
                             tokenizer_path=self._tokenizer_file(), stall_started=t0,
