@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "recover": ("mspretrain.commands.recover", "rebuild a lost train/data state from weights and metrics"),
     "report": ("mspretrain.commands.report", "one self-contained HTML report of a run"),
     "dashboard": ("mspretrain.commands.dashboard", "start TensorBoard on a run dir (127.0.0.1)"),
+    "launch": ("mspretrain.commands.launch", "run a command on N data-parallel workers through msrun"),
     "plan": ("mspretrain.commands.plan", "memory, steps, warm-up, time and cost before launch"),
     "doctor": ("mspretrain.commands.doctor", "check this machine's environment"),
     "diagnose": ("mspretrain.commands.diagnose", "find OOMs, NaN storms, spikes, timeouts in a run's logs"),

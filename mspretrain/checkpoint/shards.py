@@ -26,9 +26,9 @@ from safetensors.numpy import save_file
 from mspretrain.checkpoint.store import SaveError, _sha256, optimizer_shard_name, step_dir_name
 from mspretrain.fsutil import fsync_path
 
-# How long rank 0 waits for another rank's shard. Generous: a 7B run's shard is ~7 GB, written
-# at the same time as rank 0's 27 GB model file.
-WAIT_S = 3600.0
+# How long rank 0 waits for another rank's shard after writing its own files. Generous: a 7B
+# run's shard is ~10 GB (moments and masters), written while rank 0 writes its 14 GB.
+WAIT_S = 1800.0
 
 
 def staging_dir(root: Path, step: int, rank: int) -> Path:
@@ -78,7 +78,8 @@ def collect(root: Path, step: int, world: int, into: Path, *, wait_s: float = WA
                 shutil.rmtree(d, ignore_errors=True)
                 raise SaveError(f"rank {rank} could not write its optimizer shard: {reason}")
             if time.monotonic() > deadline:
-                raise SaveError(f"rank {rank} did not deliver its optimizer shard for step {step} within {wait_s:.0f} s")
+                raise SaveError(f"rank {rank} did not deliver its optimizer shard for step {step} within {wait_s:.0f} s "
+                                "(with optim.shard_optimizer the run dir must be on storage every rank shares)")
             time.sleep(poll_s)
         meta = json.loads((d / "shard.json").read_text(encoding="utf-8"))
         src = d / meta["file"]

@@ -67,9 +67,11 @@ def init(target: str, env: dict[str, str] | None = None) -> World:
 
 
 def msrun_command(nproc: int, args: list[str], *, nodes: int = 1, node_rank: int = 0,
-                  master_addr: str = "127.0.0.1", master_port: int = 8118, log_dir: str = "msrun_log") -> str:
-    """The msrun line for `nproc` workers per node (total nproc × nodes)."""
+                  master_addr: str = "127.0.0.1", master_port: int = 8118, log_dir: str = "msrun_log",
+                  script: str = "mspretrain") -> str:
+    """The msrun line for `nproc` workers per node (total nproc × nodes); msrun runs
+    `python SCRIPT ARGS...` in each worker, so `script` is the mspretrain console script's path."""
     parts = ["msrun", f"--worker_num={nproc * nodes}", f"--local_worker_num={nproc}",
              f"--master_addr={master_addr}", f"--master_port={master_port}", f"--node_rank={node_rank}",
-             f"--log_dir={log_dir}", "--join=True", "-m", "mspretrain.cli"] + list(args)
+             f"--log_dir={log_dir}", "--join=True", script] + list(args)
     return " ".join(shlex.quote(p) for p in parts)

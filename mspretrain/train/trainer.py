@@ -182,8 +182,10 @@ class Trainer:
         self.skipped = 0
         self.rewinds = 0
         self.loss_spikes = 0
+        self._last_save_step: int | None = None
         if self.resume_from is not None:
             self._load(self.resume_from, restore_data=True)
+            self._last_save_step = self.step
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfgmod.save(self.cfg, self.run_dir / "config.toml")
@@ -245,6 +247,7 @@ class Trainer:
 
         With a sharded optimizer every rank writes its own optimizer shard and rank 0 publishes."""
         sharded = self.step_fn.sharded
+        self._last_save_step = self.step  # every rank knows which step the newest save is for
         if not self.world.is_main and not sharded:
             return None
         from mspretrain.model.llama import state_numpy
@@ -388,8 +391,7 @@ class Trainer:
 
     def rewind(self) -> None:
         """PaLM's remedy: reload the last good checkpoint and skip past the batches that led here."""
-        self.saver.wait()
-        ckpt = store.latest_verified(self.run_dir, log=self.log)
+        ckpt = self._rewind_target()
         if ckpt is None or self.rewinds >= 3:
             self.log("spike: no checkpoint to rewind to (or 3 rewinds already); continuing")
             return
@@ -401,6 +403,27 @@ class Trainer:
         self.rewinds += 1
         self.log(f"spike at step {spike_step}: rewound to {ckpt.name}, skipping "
                  f"{skip if skip else spike_step - self.step} steps of data")
+
+    def _rewind_target(self) -> Path | None:
+        """The checkpoint to rewind to, the same on every rank.
+
+        One process: the newest that verifies. Under msrun every rank takes the step of the newest
+        save of this run (all ranks save at the same steps), waiting until rank 0 has published it:
+        "newest on disk" could differ between ranks while rank 0's writer is still at work."""
+        self.saver.wait()
+        if self.world.size == 1 or self._last_save_step is None:
+            return store.latest_verified(self.run_dir, log=self.log)
+        from mspretrain.checkpoint.shards import WAIT_S
+
+        target = self.run_dir / "checkpoints" / store.step_dir_name(self._last_save_step)
+        deadline = time.monotonic() + WAIT_S
+        while store.verify(target, deep=False) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        reason = store.verify(target)
+        if reason is not None:
+            self.log(f"spike: checkpoint {target.name} is not usable ({reason})")
+            return None
+        return target
 
     def _replica_check(self) -> None:
         """Every rank records a hash of its weights; data parallel replicas must be identical."""
