@@ -256,3 +256,28 @@ def test_url_and_email_prechecks_never_skip_a_match():
         assert clean.remove_emails(t) == clean._EMAIL.sub("", t), t
         hits += clean._URL.search(t) is not None
     assert hits > 100
+
+
+def test_char_table_disk_cache_is_exact_and_checked(tmp_path, monkeypatch):
+    # char_table is kept on disk between runs; what comes back must be what was built, and a
+    # damaged file must be rebuilt rather than trusted.
+    monkeypatch.setenv("MSPRETRAIN_CACHE", str(tmp_path))
+    fresh = clean.build_char_table()
+    calls = []
+
+    def builder() -> np.ndarray:
+        calls.append(1)
+        return fresh.copy()
+
+    first = clean._cached_table(builder)
+    second = clean._cached_table(builder)
+    assert len(calls) == 1  # the second came from the file
+    np.testing.assert_array_equal(first, fresh)
+    np.testing.assert_array_equal(second, fresh)
+    (cached,) = tmp_path.glob("char_table-*.bin")
+    damaged = bytearray(cached.read_bytes())
+    damaged[0x4E00] ^= 0xFF
+    cached.write_bytes(bytes(damaged))
+    np.testing.assert_array_equal(clean._cached_table(builder), fresh)
+    assert len(calls) == 2
+    np.testing.assert_array_equal(clean.char_table(), fresh)  # the table prepare uses, however it was obtained
