@@ -136,6 +136,9 @@ def test_one_real_fp16_step_of_the_scaled_down_config(one_step, tiny_data):
     import mindspore as ms
 
     assert trainer.model.dtype == ms.float16 and trainer.model.lm_head.weight.dtype == ms.float32
+    assert trainer.model.layers[0].attn.wqkv.weight.dtype == ms.float16  # param_dtype = "compute"
+    # the config's memory options are reported at start-up (sharding needs more than one rank)
+    assert any(line.endswith("accumulation; fp16 matrices with fp32 masters, layer recompute") for line in lines), lines[:3]
 
 
 def test_the_step_changed_the_weights_and_checkpointed_masters(one_step):

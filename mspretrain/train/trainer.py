@@ -283,7 +283,8 @@ class Trainer:
 
         start = self.step
         summary = Summary(run_dir=self.run_dir, start_step=start, step=start, tokens_seen=self.tokens_seen)
-        self.log(f"{self.device.describe()}; world {self.world.size}; micro-batch {self.micro} x {self.accum_steps} accumulation")
+        self.log(f"{self.device.describe()}; world {self.world.size}; micro-batch {self.micro} x {self.accum_steps} accumulation"
+                 + self._memory_options())
         self.log(f"schedule {self.schedule.describe()}")
         if start >= self.total_steps:
             self.log(f"nothing to do: the run is at step {start} and the budget is {self.total_steps} steps")
@@ -403,6 +404,19 @@ class Trainer:
         self.rewinds += 1
         self.log(f"spike at step {spike_step}: rewound to {ckpt.name}, skipping "
                  f"{skip if skip else spike_step - self.step} steps of data")
+
+    def _memory_options(self) -> str:
+        """The memory options in effect, for the start-up line (rank 0's share of the state)."""
+        parts = []
+        if self.step_fn.sharded:
+            sizes = [int(np.prod(p.shape)) for p in self.step_fn.params]
+            mine = sum(sizes[i] for i in self.step_fn.own)
+            parts.append(f"optimizer state sharded over {self.world.size} ranks (rank {self.world.rank} holds {mine / sum(sizes):.0%})")
+        if self.cfg.precision.param_dtype == "compute" and self.cfg.precision.dtype != "fp32":
+            parts.append(f"{self.cfg.precision.dtype} matrices with fp32 masters")
+        if self.cfg.train.recompute:
+            parts.append("layer recompute")
+        return "; " + ", ".join(parts) if parts else ""
 
     def _rewind_target(self) -> Path | None:
         """The checkpoint to rewind to, the same on every rank.
