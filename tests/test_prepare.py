@@ -125,6 +125,12 @@ def test_encode_flat_equals_per_document_encode(prepared):
     assert flat.tolist() == [i for w in want for i in w]
     empty, no_lengths = tok.encode_flat([], tok.eos_id, np.dtype(np.uint16))
     assert empty.size == 0 and no_lengths.size == 0
+    # The C++ buffers (private API, probed at first use) and the public EncodeAsNumpy agree.
+    assert tok._sp_buffers() is not None  # sentencepiece as pinned: the fast path is taken
+    public = Tokenizer.load(prepared[0])
+    public._raw_checked, public._raw_encode = True, None
+    for got, want in zip(public.encode_flat(texts, tok.eos_id, np.dtype(np.uint16)), (flat, lengths)):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_hf_tokenizer_json(raw, tmp_path):
