@@ -187,8 +187,10 @@ def test_nfkc_regex_runs_equal_the_table_path():
     # code-point table. A character class that missed or added a character would show here.
     rng = np.random.default_rng(3)
     marked = _table_chars(clean.NFKC)
+    astral_marked = [c for c in _table_chars(clean.NFKC, 0x110000) if ord(c) > 0xFFFF]  # math letters, ...
     pools = [marked, list("春眠不觉晓，。！？（）…　 abcAB12\n"), clean._PROTECT_CHARS,
-             ["\u0301", "\u0308", "\u1100", "\u1161", "\u11a8", "e", "ｅ", "ﬁ", "①", "㈠", "\u3000"]]
+             ["\u0301", "\u0308", "\u1100", "\u1161", "\u11a8", "e", "ｅ", "ﬁ", "①", "㈠", "\u3000"],
+             ["𠮷", "😀", "\U0002a6d6", "\U0001f600"] + astral_marked[::25]]
     texts = []
     for _ in range(3000):
         k = int(rng.integers(1, 12))
@@ -197,7 +199,8 @@ def test_nfkc_regex_runs_equal_the_table_path():
     texts += ["春" + c for c in marked[3::7]]
     for t in texts:
         assert clean.nfkc(t) == clean._nfkc_by_table(t), repr(t)
-    # Beyond the BMP the table path is taken; the result is the same either way.
+    assert any(ord(ch) > 0xFFFF for t in texts for ch in t)
+    # Beyond the BMP: the table path for marked characters, the regex for unmarked ones.
     for t in ["𝐀𝐁１２春", "𠮷ＡＢ，", "😀ﬁ"]:
         assert clean.nfkc(t) == clean._nfkc_by_table(t)
     assert clean.nfkc("𝐀𝐁１２春") == "AB12春"

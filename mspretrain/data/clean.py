@@ -228,7 +228,11 @@ def nfkc(text: str) -> str:
     if text.isascii() or not _nfkc_work().search(text):
         return text
     if _ASTRAL.search(text):
-        return _nfkc_by_table(text)
+        # Most characters beyond the BMP (CJK extensions, emoji) are not marked and simply
+        # end a run, as in the table path; only a marked one needs that path.
+        table = char_table()
+        if any(table[ord(m.group())] & NFKC for m in _ASTRAL.finditer(text)):
+            return _nfkc_by_table(text)
     return _normalize_runs(text, (m.span() for m in nfkc_runs().finditer(text)))
 
 
