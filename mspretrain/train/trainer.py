@@ -488,7 +488,10 @@ class Trainer:
         if self._stop_signal is not None:  # a second Ctrl-C means now
             raise KeyboardInterrupt
         self._stop_signal = signum
-        self.log(f"received {signal.Signals(signum).name}: finishing step {self.step + 1}, then writing a checkpoint")
+        # MindSpore's runtime installs its own SIGINT handler each time it runs a graph, and that
+        # handler raises SIGTERM (measured): a Ctrl-C during a step arrives here as SIGTERM.
+        name = "SIGTERM (or Ctrl-C)" if signum == signal.SIGTERM else signal.Signals(signum).name
+        self.log(f"received {name}: finishing step {self.step + 1}, then writing a checkpoint")
 
 
 def _fmt_time(s: float) -> str:
