@@ -503,21 +503,22 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
         stats.skipped["unreadable"] += 1
         warn(f"{path}: cannot be read ({type(exc).__name__}: {exc}), skipped")
         return
-    if complete and not sample.strip():
-        stats.skipped["empty"] += 1
-        warn(f"{path}: no text, skipped")
+
+    def skip(kind: str, why: str) -> None:
+        """A file read but not used: counted, warned about, and its bytes shown as done."""
+        stats.skipped[kind] += 1
+        warn(f"{path}: {why}, skipped")
         stats.bytes_in += size
         if progress:
             progress(size)
+
+    if complete and not sample.strip():
+        skip("empty", "no text")
         return
     reason = binary_reason(sample)
     enc = None if reason else detect_encoding(sample, complete)
     if reason or enc is None:
-        stats.skipped["binary"] += 1
-        warn(f"{path}: looks binary ({reason or 'no text encoding fits'}), skipped")
-        stats.bytes_in += size
-        if progress:
-            progress(size)
+        skip("binary", f"looks binary ({reason or 'no text encoding fits'})")
         return
     codec, label = enc
     stats.files += 1
