@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: demo demo-quick test bench clean npm
 
-$(VENV)/.base: pyproject.toml
+$(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -e .

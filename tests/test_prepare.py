@@ -125,12 +125,25 @@ def test_encode_flat_equals_per_document_encode(prepared):
     assert flat.tolist() == [i for w in want for i in w]
     empty, no_lengths = tok.encode_flat([], tok.eos_id, np.dtype(np.uint16))
     assert empty.size == 0 and no_lengths.size == 0
-    # The C++ buffers (private API, probed at first use) and the public EncodeAsNumpy agree.
-    assert tok._sp_buffers() is not None  # sentencepiece as pinned: the fast path is taken
+    # Without our C encoder (tests/test_bpe.py): SentencePiece's C++ buffers (private API,
+    # probed at first use) and the public EncodeAsNumpy agree with it.
+    buffers = Tokenizer.load(prepared[0])
+    buffers._bpe_checked = True
+    assert buffers._sp_buffers() is not None  # sentencepiece as pinned: that path is taken
     public = Tokenizer.load(prepared[0])
-    public._raw_checked, public._raw_encode = True, None
-    for got, want in zip(public.encode_flat(texts, tok.eos_id, np.dtype(np.uint16)), (flat, lengths)):
-        np.testing.assert_array_equal(got, want)
+    public._bpe_checked = public._raw_checked = True
+    for other in (buffers, public):
+        for got, want in zip(other.encode_flat(texts, tok.eos_id, np.dtype(np.uint16)), (flat, lengths)):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_sentencepiece_encoder_gives_the_same_shards(raw, prepared, tmp_path, monkeypatch):
+    # The workers inherit the switch: prepare with SentencePiece's encoder instead of ours.
+    monkeypatch.setenv("MSPRETRAIN_BPE", "sentencepiece")
+    out, _ = prepared
+    prepare([str(raw)], tmp_path / "sp", CFG, tokenizer=str(out / "tokenizer.model"), workers=2, **QUIET)
+    for name in ("train.bin", "train.idx", "valid.bin", "valid.idx"):
+        assert (out / name).read_bytes() == (tmp_path / "sp" / name).read_bytes(), name
 
 
 def test_hf_tokenizer_json(raw, tmp_path):

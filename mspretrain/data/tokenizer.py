@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,8 @@ class Tokenizer:
     _hf: object | None = None
     _raw_encode: object | None = field(default=None, repr=False, compare=False)
     _raw_checked: bool = field(default=False, repr=False, compare=False)
+    _bpe: object | None = field(default=None, repr=False, compare=False)
+    _bpe_checked: bool = field(default=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -123,7 +126,19 @@ class Tokenizer:
         so no Python int is built per token (building them cost as much as 20 % of encoding)."""
         import numpy as np
 
-        ids, lengths = self._encode_ids(list(texts))
+        texts = list(texts)
+        fast = self._bpe_encoder()
+        if fast is not None:
+            try:
+                ids_bytes, length_bytes = fast.encode(texts, eos_id)
+            except UnicodeEncodeError:  # a lone surrogate: SentencePiece decides what happens
+                pass
+            else:
+                flat, lengths = np.frombuffer(ids_bytes, np.int32), np.frombuffer(length_bytes, np.int32)
+                if flat.size and int(flat.max()) > np.iinfo(dtype).max:
+                    raise ValueError(f"token id {int(flat.max())} does not fit {np.dtype(dtype)}")
+                return flat.astype(dtype), lengths.copy()
+        ids, lengths = self._encode_ids(texts)
         lengths = lengths + np.int32(1)
         total = int(lengths.sum(dtype=np.int64))
         ends = np.cumsum(lengths, dtype=np.int64) - 1
@@ -153,6 +168,54 @@ class Tokenizer:
             arrays = [np.asarray(x, dtype=np.int64) for x in self.encode_batch(texts, num_threads=1)]
         lengths = np.fromiter(map(len, arrays), dtype=np.int32, count=len(arrays))
         return np.concatenate(arrays), lengths
+
+    def _bpe_encoder(self):
+        """Our C BPE encoder (mspretrain/data/_bpe.c) for this model, or None.
+
+        SentencePiece's encode builds a protobuf with piece and surface strings for every token,
+        which is most of its cost when only ids are wanted; the C encoder runs the same merge
+        algorithm without it (2.6x less CPU on the benchmark corpus). It covers the model shape
+        `prepare` trains (BPE, identity normaliser, no dummy prefix, no whitespace removal,
+        byte fallback, only normal/control/unknown/byte pieces); any other model, a missing
+        extension, MSPRETRAIN_BPE=sentencepiece, or a probe text encoded differently from
+        SentencePiece's `EncodeAsIds` leaves SentencePiece in charge. Built once per tokenizer."""
+        if self._bpe_checked:
+            return self._bpe
+        self._bpe_checked = True
+        if self._sp is None or os.environ.get("MSPRETRAIN_BPE", "").lower() == "sentencepiece":
+            return None
+        try:
+            from sentencepiece import sentencepiece_model_pb2
+
+            from mspretrain.data._bpe import Encoder
+        except ImportError:  # extension not built (no C compiler at install), or no protobuf
+            return None
+        m = sentencepiece_model_pb2.ModelProto()
+        m.ParseFromString(self._sp.serialized_model_proto())
+        norm, kind = m.normalizer_spec, sentencepiece_model_pb2.ModelProto.SentencePiece
+        if (m.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.BPE or norm.precompiled_charsmap
+                or norm.add_dummy_prefix or norm.remove_extra_whitespaces or not norm.escape_whitespaces
+                or not m.trainer_spec.byte_fallback):
+            return None
+        pieces, scores, ids, byte_ids = [], [], [], [-1] * 256
+        for i, piece in enumerate(m.pieces):
+            if piece.type == kind.NORMAL:
+                pieces.append(piece.piece.encode("utf-8"))
+                scores.append(piece.score)
+                ids.append(i)
+            elif piece.type == kind.BYTE:
+                byte_ids[int(piece.piece[3:5], 16)] = i
+            elif piece.type not in (kind.CONTROL, kind.UNKNOWN):  # user-defined or unused pieces
+                return None
+        if -1 in byte_ids:
+            return None
+        encoder = Encoder(pieces, scores, ids, byte_ids)
+        probe = ["春眠不觉晓，处处闻啼鸟。 夜来 abc 123!", "", "😀𠮷\x00 \n x", "  a  b ", "aaaaaaaa 的的的的的的"]
+        flat, _ = encoder.encode(probe, -1)
+        if memoryview(flat).cast("i").tolist() != [i for t in probe for i in list(self._sp.EncodeAsIds(t)) + [-1]]:
+            return None
+        self._bpe = encoder
+        return encoder
 
     def _sp_buffers(self):
         """SentencePiece's C++ batch encoder without the Python wrapper's per-text numpy array,
