@@ -28,12 +28,18 @@ typedef struct {
 } Slot;
 
 typedef struct {
+    uint64_t key; /* (left id << 32 | right id) + 1; 0 = empty slot */
+    int32_t id;   /* the merged piece */
     float score;
-    int32_t left, right, size;
+} PairSlot;
+
+typedef struct {
+    float score;
+    int32_t left, right, size, id;
 } Pair;
 
 typedef struct {
-    int32_t start, len, prev, next;
+    int32_t start, len, prev, next, id; /* id -1: not a piece (byte fallback) */
 } Symbol;
 
 typedef struct {
@@ -41,6 +47,9 @@ typedef struct {
     Slot *slots;
     uint64_t mask;
     char *blob;
+    PairSlot *pairs; /* every split of a piece into two pieces, by their ids */
+    uint64_t pair_mask;
+    int32_t *bmp_ids; /* id of each single-character piece below U+10000, else -1 */
     int32_t byte_ids[256];
     /* scratch, reused across texts */
     Symbol *sym;
@@ -82,6 +91,39 @@ static inline const Slot *lookup(const Encoder *e, const char *p, Py_ssize_t n) 
         if (s->hash == h && s->len == n && memcmp(e->blob + s->offset, p, (size_t)n) == 0) return s;
         i = (i + 1) & e->mask;
     }
+}
+
+static inline uint64_t pair_key(int32_t l, int32_t r) {
+    return (((uint64_t)(uint32_t)l << 32) | (uint32_t)r) + 1;
+}
+
+static inline uint64_t pair_slot(uint64_t key, uint64_t mask) {
+    return ((key * 0x9E3779B97F4A7C15ULL) >> 20) & mask;
+}
+
+static inline const PairSlot *lookup_pair(const Encoder *e, int32_t l, int32_t r) {
+    uint64_t key = pair_key(l, r);
+    for (uint64_t i = pair_slot(key, e->pair_mask);; i = (i + 1) & e->pair_mask) {
+        const PairSlot *s = &e->pairs[i];
+        if (s->key == key) return s;
+        if (s->key == 0) return NULL;
+    }
+}
+
+/* id of the piece made of one UTF-8 character, or -1 */
+static inline int32_t char_id(const Encoder *e, const char *p, int len) {
+    const unsigned char *u = (const unsigned char *)p;
+    uint32_t cp;
+    switch (len) {
+    case 1: cp = u[0]; break;
+    case 2: cp = ((uint32_t)(u[0] & 0x1F) << 6) | (u[1] & 0x3F); break;
+    case 3: cp = ((uint32_t)(u[0] & 0x0F) << 12) | ((uint32_t)(u[1] & 0x3F) << 6) | (u[2] & 0x3F); break;
+    default: {
+        const Slot *s = lookup(e, p, len);
+        return s ? s->id : -1;
+    }
+    }
+    return e->bmp_ids[cp];
 }
 
 /* heap order: higher score first; equal scores: smaller left first (SentencePiece's comparator) */
@@ -127,9 +169,10 @@ static Pair heap_pop(Encoder *e) {
 static inline int maybe_add(Encoder *e, int32_t left, int32_t right) {
     if (left < 0 || right < 0) return 0;
     const Symbol *l = &e->sym[left], *r = &e->sym[right];
-    const Slot *s = lookup(e, e->norm + l->start, l->len + r->len);
+    if (l->id < 0 || r->id < 0) return 0; /* checked at init: no piece holds a non-piece character */
+    const PairSlot *s = lookup_pair(e, l->id, r->id);
     if (!s) return 0;
-    Pair p = {s->score, left, right, l->len + r->len};
+    Pair p = {s->score, left, right, l->len + r->len, s->id};
     return heap_push(e, p);
 }
 
@@ -189,6 +232,7 @@ static int encode_one(Encoder *e, const char *text, Py_ssize_t n, IntBuf *out) {
         Symbol *s = &e->sym[count];
         s->start = (int32_t)i;
         s->len = len;
+        s->id = char_id(e, e->norm + i, len);
         s->prev = count - 1;
         s->next = count + 1;
         count++;
@@ -204,6 +248,7 @@ static int encode_one(Encoder *e, const char *text, Py_ssize_t n, IntBuf *out) {
         /* stale: a side was merged away, or grew since this pair was queued */
         if (l->len == 0 || r->len == 0 || l->len + r->len != top.size) continue;
         l->len += r->len;
+        l->id = top.id;
         l->next = r->next;
         if (r->next >= 0) e->sym[r->next].prev = top.left;
         r->len = 0;
@@ -212,9 +257,8 @@ static int encode_one(Encoder *e, const char *text, Py_ssize_t n, IntBuf *out) {
     }
     for (int32_t i = 0; i != -1; i = e->sym[i].next) {
         const Symbol *s = &e->sym[i];
-        const Slot *hit = lookup(e, e->norm + s->start, s->len);
-        if (hit) {
-            if (put(out, hit->id) < 0) return -1;
+        if (s->id >= 0) {
+            if (put(out, s->id) < 0) return -1;
         } else {
             for (int32_t k = 0; k < s->len; k++)
                 if (put(out, e->byte_ids[(unsigned char)e->norm[s->start + k]]) < 0) return -1;
@@ -226,6 +270,8 @@ static int encode_one(Encoder *e, const char *text, Py_ssize_t n, IntBuf *out) {
 static void Encoder_dealloc(Encoder *e) {
     free(e->slots);
     free(e->blob);
+    free(e->pairs);
+    free(e->bmp_ids);
     free(e->sym);
     free(e->heap);
     free(e->norm);
@@ -285,6 +331,61 @@ static int Encoder_init(Encoder *e, PyObject *args, PyObject *kw) {
     for (int i = 0; i < 256; i++) {
         e->byte_ids[i] = (int32_t)PyLong_AsLong(PyList_GET_ITEM(byte_ids, i));
         if (PyErr_Occurred()) return -1;
+    }
+    /* Single characters below U+10000 by table; merges by the ids of their two halves. A merge
+     * looks at the ids of the two symbols, so every character inside a piece must be a piece
+     * itself (true of trained models: rare characters are dropped before merging); a model
+     * where it is not is refused and stays with SentencePiece. */
+    e->bmp_ids = (int32_t *)malloc(65536 * sizeof(int32_t));
+    if (!e->bmp_ids) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < 65536; i++) e->bmp_ids[i] = -1;
+    Py_ssize_t splits = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PyList_GET_ITEM(pieces, i);
+        const char *b = PyBytes_AS_STRING(p);
+        Py_ssize_t len = PyBytes_GET_SIZE(p);
+        int first = utf8_len((unsigned char)b[0]);
+        if (first == len && first < 4) {
+            const Slot *s = lookup(e, b, len);
+            uint32_t cp = 0;
+            const unsigned char *u = (const unsigned char *)b;
+            cp = len == 1 ? u[0] : len == 2 ? ((uint32_t)(u[0] & 0x1F) << 6) | (u[1] & 0x3F)
+                                            : ((uint32_t)(u[0] & 0x0F) << 12) | ((uint32_t)(u[1] & 0x3F) << 6) | (u[2] & 0x3F);
+            e->bmp_ids[cp] = s->id;
+        }
+        for (Py_ssize_t k = 0; k < len; k += utf8_len((unsigned char)b[k])) {
+            if (k > 0) splits++;
+            int cl = utf8_len((unsigned char)b[k]);
+            if (k + cl > len || !lookup(e, b + k, cl)) {
+                PyErr_SetString(PyExc_ValueError, "a piece holds a character that is not a piece");
+                return -1;
+            }
+        }
+    }
+    uint64_t pcap = 16;
+    while (pcap < (uint64_t)splits * 2 + 2) pcap <<= 1;
+    e->pairs = (PairSlot *)calloc((size_t)pcap, sizeof(PairSlot));
+    if (!e->pairs) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->pair_mask = pcap - 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PyList_GET_ITEM(pieces, i);
+        const char *b = PyBytes_AS_STRING(p);
+        Py_ssize_t len = PyBytes_GET_SIZE(p);
+        const Slot *whole = lookup(e, b, len);
+        for (Py_ssize_t k = utf8_len((unsigned char)b[0]); k < len; k += utf8_len((unsigned char)b[k])) {
+            const Slot *l = lookup(e, b, k), *r = lookup(e, b + k, len - k);
+            if (!l || !r) continue;
+            uint64_t key = pair_key(l->id, r->id);
+            uint64_t j = pair_slot(key, e->pair_mask);
+            while (e->pairs[j].key != 0) j = (j + 1) & e->pair_mask;
+            e->pairs[j] = (PairSlot){key, whole->id, whole->score};
+        }
     }
     return 0;
 }

@@ -209,7 +209,10 @@ class Tokenizer:
                 return None
         if -1 in byte_ids:
             return None
-        encoder = Encoder(pieces, scores, ids, byte_ids)
+        try:
+            encoder = Encoder(pieces, scores, ids, byte_ids)
+        except ValueError:  # e.g. a piece holding a character that is not a piece itself
+            return None
         probe = ["春眠不觉晓，处处闻啼鸟。 夜来 abc 123!", "", "😀𠮷\x00 \n x", "  a  b ", "aaaaaaaa 的的的的的的"]
         flat, _ = encoder.encode(probe, -1)
         if memoryview(flat).cast("i").tolist() != [i for t in probe for i in list(self._sp.EncodeAsIds(t)) + [-1]]:
