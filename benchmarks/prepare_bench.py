@@ -8,6 +8,8 @@ documents wrapped in HTML, 2 % with a URL, 2 % with full-width digits, 3 % exact
 (a) `prepare(..., tokenizer=T, workers=N)`: read, clean, dedup, split, tokenize in N processes,
     write uint16 Megatron shards and the manifest (everything `mspretrain prepare` does, minus
     training the tokenizer, which both sides share).
+(a') The same with `MSPRETRAIN_BPE=sentencepiece`: SentencePiece's own encoder in the workers
+    instead of ours (mspretrain/data/_bpe.c); the shards are byte-identical, only the time differs.
 (b) The field report's recipe (section 4.2): `f.readlines()`, per-line `encode`, truncate or
     pad every line to 2,048 tokens with EOS, `np.array(..., dtype=np.int64).tofile(...)`. Run in
     blocks of 4,096 lines appended to the file, which only helps it (the original builds one
@@ -23,6 +25,7 @@ import os
 import random
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mspretrain.config import PrepareConfig  # noqa: E402
 from mspretrain.data.corpus import poetry_corpus  # noqa: E402
 from mspretrain.data.prepare import prepare  # noqa: E402
-from mspretrain.data.tokenizer import train_sentencepiece  # noqa: E402
+from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece  # noqa: E402
 
 SEQ = 2048
 
@@ -125,15 +128,21 @@ def main() -> None:
         # shared machine hits both sides alike; the best run of each side is reported.
         load0 = os.getloadavg()[0]
         cfg = PrepareConfig(vocab_size=args.vocab_size, doc_per_line=True, valid_fraction=0.01)
-        ours_runs, recipe_runs = [], []
+        ours_runs, sp_runs, recipe_runs = [], [], []
         for i in range(args.repeat):
-            out = work / f"data{i}"
-            la = os.getloadavg()[0]
-            cpu = _cpu()
-            t = time.time()
-            m = prepare([str(corpus)], out, cfg, tokenizer=str(tok.path), workers=args.workers, log=lambda _: None)
-            ours_runs.append((time.time() - t, [b - a for a, b in zip(cpu, _cpu())], la, m, out))
-            print(f"  run {i + 1}: prepare {ours_runs[-1][0]:.2f} s wall, {sum(ours_runs[-1][1]):.2f} CPU s (load {la:.2f})", flush=True)
+            for runs, encoder, label in ((ours_runs, "", "prepare"), (sp_runs, "sentencepiece", "prepare, SentencePiece encoder")):
+                os.environ["MSPRETRAIN_BPE"] = encoder  # read by the workers when they load the tokenizer
+                out = work / f"data{i}{encoder}"
+                la = os.getloadavg()[0]
+                cpu = _cpu()
+                t = time.time()
+                m = prepare([str(corpus)], out, cfg, tokenizer=str(tok.path), workers=args.workers, log=lambda _: None)
+                runs.append((time.time() - t, [b - a for a, b in zip(cpu, _cpu())], la, m, out))
+                print(f"  run {i + 1}: {label} {runs[-1][0]:.2f} s wall, {sum(runs[-1][1]):.2f} CPU s (load {la:.2f})", flush=True)
+            os.environ.pop("MSPRETRAIN_BPE")
+            same = all((ours_runs[-1][4] / f).read_bytes() == (sp_runs[-1][4] / f).read_bytes()
+                       for f in ("train.bin", "train.idx", "valid.bin", "valid.idx"))
+            assert same, "the two encoders wrote different shards"
 
             la = os.getloadavg()[0]
             cpu = _cpu()
@@ -144,40 +153,50 @@ def main() -> None:
             print(f"  run {i + 1}: recipe  {recipe_runs[-1][0]:.2f} s wall, {recipe_runs[-1][1]:.2f} CPU s (load {la:.2f})", flush=True)
         load1 = os.getloadavg()[0]
         t_ours, cpu_ours, _, m, out = min(ours_runs, key=lambda x: x[0])
+        t_sp, cpu_sp = min(sp_runs, key=lambda x: x[0])[:2]
         t_recipe, cpu_recipe, _, r = min(recipe_runs, key=lambda x: x[0])
         ours_tokens = m["tokens"]["train"] + m["tokens"]["valid"]
         ours_bytes = sum((out / f"{s}.bin").stat().st_size for s in ("train", "valid"))
 
-        # The floor under any pipeline that uses this tokenizer: encoding alone, one thread, in
-        # batches, ids as numpy buffers (the cheapest way SentencePiece hands them back).
+        # Encoding alone, one thread, in batches: SentencePiece (ids as numpy buffers, the
+        # cheapest way it hands them back) and our C encoder, on the raw lines.
         import sentencepiece as spm
 
         sp = spm.SentencePieceProcessor(model_file=str(tok.path))
+        ours_encoder = Tokenizer.load(tok.path)._bpe_encoder()
         lines = corpus.read_text(encoding="utf-8").splitlines()
         cpu = _cpu()
         for start in range(0, len(lines), 4096):
             sp.EncodeAsNumpy(lines[start: start + 4096], num_threads=1)
         cpu_encode = sum(b - a for a, b in zip(cpu, _cpu()))
+        cpu = _cpu()
+        for start in range(0, len(lines), 4096):
+            ours_encoder.encode(lines[start: start + 4096], tok.eos_id)
+        cpu_encode_ours = sum(b - a for a, b in zip(cpu, _cpu()))
         del lines
 
         ours_cps, recipe_cps = n_chars / t_ours, n_chars / t_recipe
         print(f"load average during the runs: {load0:.2f} -> {load1:.2f} on {os.cpu_count()} cores (other jobs share the machine); "
               f"best of {args.repeat} run(s) per side")
-        print(f"{'':28s}{'prepare':>16s}{'field recipe':>16s}")
-        print(f"{'seconds':28s}{t_ours:16.2f}{t_recipe:16.2f}")
-        print(f"{'chars/s':28s}{ours_cps:16,.0f}{recipe_cps:16,.0f}")
-        print(f"{'CPU seconds (all processes)':28s}{sum(cpu_ours):16.2f}{cpu_recipe:16.2f}")
-        print(f"{'  of which main process':28s}{cpu_ours[0]:16.2f}{cpu_recipe:16.2f}")
-        print(f"{'chars per CPU second':28s}{n_chars / sum(cpu_ours):16,.0f}{n_chars / cpu_recipe:16,.0f}")
+        print(f"{'':28s}{'prepare':>16s}{'field recipe':>16s}{'prepare, SP enc.':>18s}")
+        print(f"{'seconds':28s}{t_ours:16.2f}{t_recipe:16.2f}{t_sp:18.2f}")
+        print(f"{'chars/s':28s}{ours_cps:16,.0f}{recipe_cps:16,.0f}{n_chars / t_sp:18,.0f}")
+        print(f"{'CPU seconds (all processes)':28s}{sum(cpu_ours):16.2f}{cpu_recipe:16.2f}{sum(cpu_sp):18.2f}")
+        print(f"{'  of which main process':28s}{cpu_ours[0]:16.2f}{cpu_recipe:16.2f}{cpu_sp[0]:18.2f}")
+        print(f"{'chars per CPU second':28s}{n_chars / sum(cpu_ours):16,.0f}{n_chars / cpu_recipe:16,.0f}{n_chars / sum(cpu_sp):18,.0f}")
         print(f"{'bytes on disk':28s}{ours_bytes:16,}{r['bytes']:16,}")
         print(f"{'stored tokens':28s}{ours_tokens:16,}{r['bytes'] // 8:16,}")
         print(f"{'real tokens':28s}{ours_tokens:16,}{r['real_tokens']:16,}")
         print(f"{'bytes per real token':28s}{ours_bytes / ours_tokens:16.2f}{r['bytes'] / r['real_tokens']:16.2f}")
         print(f"{'real share of stored':28s}{1.0:16.1%}{r['real_tokens'] / (r['bytes'] // 8):16.1%}")
         print(f"{'tokens cut at 2,048':28s}{0:16,}{r['lost_tokens']:16,}")
-        print(f"SentencePiece encoding alone (1 thread): {cpu_encode:.2f} CPU s, so no pipeline using this tokenizer "
-              f"can beat the recipe by more than {cpu_recipe / cpu_encode:.1f}x per CPU second "
-              f"({args.workers * cpu_recipe / cpu_encode:.1f}x wall clock on {args.workers} idle cores)")
+        print(f"encoding alone (1 thread, same ids): SentencePiece {cpu_encode:.2f} CPU s, ours {cpu_encode_ours:.2f} CPU s "
+              f"({cpu_encode / cpu_encode_ours:.1f}x less)")
+        print(f"prepare with our encoder / with SentencePiece's: {t_sp / t_ours:.2f}x wall clock, "
+              f"{sum(cpu_sp) / sum(cpu_ours):.2f}x per CPU second (byte-identical shards)")
+        print(f"medians: prepare {statistics.median(r[0] for r in ours_runs):.2f} s, recipe "
+              f"{statistics.median(r[0] for r in recipe_runs):.2f} s, ratio "
+              f"{statistics.median(r[0] for r in recipe_runs) / statistics.median(r[0] for r in ours_runs):.1f}x")
         print(f"speed ratio prepare / recipe: {ours_cps / recipe_cps:.1f}x wall clock, "
               f"{(n_chars / sum(cpu_ours)) / (n_chars / cpu_recipe):.1f}x per CPU second "
               f"(prepare also cleaned {sum(m['changed'].values()):,} rule hits and dropped "
