@@ -174,7 +174,7 @@ class Tokenizer:
 
         SentencePiece's encode builds a protobuf with piece and surface strings for every token,
         which is most of its cost when only ids are wanted; the C encoder runs the same merge
-        algorithm without it (2.6x less CPU on the benchmark corpus). It covers the model shape
+        algorithm without it (4-5x less CPU on the benchmark corpus, docs/benchmarks/prepare.md). It covers the model shape
         `prepare` trains (BPE, identity normaliser, no dummy prefix, no whitespace removal,
         byte fallback, only normal/control/unknown/byte pieces); any other model, a missing
         extension, MSPRETRAIN_BPE=sentencepiece, or a probe text encoded differently from
@@ -211,7 +211,7 @@ class Tokenizer:
             return None
         try:
             encoder = Encoder(pieces, scores, ids, byte_ids)
-        except ValueError:  # e.g. a piece holding a character that is not a piece itself
+        except (ValueError, TypeError):  # e.g. a piece holding a character that is not a piece itself
             return None
         probe = ["春眠不觉晓，处处闻啼鸟。 夜来 abc 123!", "", "😀𠮷\x00 \n x", "  a  b ", "aaaaaaaa 的的的的的的"]
         flat, _ = encoder.encode(probe, -1)
