@@ -102,3 +102,48 @@ def test_missing_manifest_and_unreadable_manifest(ckpt):
     assert store.verify(ckpt) == "manifest.json is unreadable"
     (ckpt / store.MANIFEST).unlink()
     assert store.verify(ckpt) == "no manifest.json (the save did not finish)"
+
+
+# ---------------------------------------------------------------- verify and load in one read
+
+def test_tensors_from_bytes_equal_safetensors(tmp_path):
+    # Our zero-copy reader against the library, on every dtype a checkpoint holds.
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(1)
+    tensors = {"f32": rng.standard_normal((3, 5)).astype(np.float32), "f16": rng.standard_normal(7).astype(np.float16),
+               "f64": rng.standard_normal((2, 2)), "i64": np.arange(5, dtype=np.int64), "i32": np.arange(-3, 3, dtype=np.int32),
+               "u8": np.arange(9, dtype=np.uint8).reshape(3, 3), "scalar": np.array(4.5, np.float32), "empty": np.zeros((0, 4), np.float32)}
+    save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"format": "np"})
+    got = store.tensors_from_bytes(bytearray((tmp_path / "t.safetensors").read_bytes()))
+    want = load_file(str(tmp_path / "t.safetensors"))
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_latest_verified_read_keeps_the_verified_bytes(ckpt):
+    run = ckpt.parent.parent
+    chosen, kept = store.latest_verified_read(run, {store.MODEL_FILE}.__contains__, log=lambda s: None)
+    assert chosen == ckpt and set(kept) == {store.MODEL_FILE}
+    assert bytes(kept[store.MODEL_FILE]) == (ckpt / store.MODEL_FILE).read_bytes()
+    # what resume loads is what was verified, even if the file changes on disk afterwards
+    before = store.tensors_from_bytes(kept[store.MODEL_FILE])
+    _flip(ckpt / store.MODEL_FILE)
+    np.testing.assert_array_equal(store.tensors_from_bytes(kept[store.MODEL_FILE])["w"], before["w"])
+    opt = store.read_optimizer_tensors(ckpt, keys={"exp_avg.w"}, verified={})
+    assert set(opt) == {"exp_avg.w"}
+
+
+def test_latest_verified_read_skips_a_corrupt_newest(ckpt, tmp_path):
+    newer = store.write_checkpoint_dir(ckpt.parent / "step_000004", step=4, model={"w": np.ones((2, 2), np.float32)},
+                                       optimizer={"exp_avg.w": np.ones((2, 2), np.float32)}, train_state={}, data_state={},
+                                       config=cfgmod.Config())
+    _flip(newer / store.MODEL_FILE)
+    logs = []
+    chosen, kept = store.latest_verified_read(ckpt.parent.parent, {store.MODEL_FILE, store.OPTIM_FILE}.__contains__, log=logs.append)
+    assert chosen == ckpt and set(kept) == {store.MODEL_FILE, store.OPTIM_FILE}
+    assert logs == ["checkpoint step_000004 is corrupt: model.safetensors sha256 mismatch — using step_000002"]
+    opt = store.read_optimizer_tensors(ckpt, verified=kept)
+    np.testing.assert_array_equal(opt["exp_avg_sq.b"], np.ones(32, np.float32))
