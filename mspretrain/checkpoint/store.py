@@ -100,22 +100,6 @@ def _sha256(path: Path, stop: Callable[[], bool] | None = None) -> str:
     return h.hexdigest()
 
 
-def _read_and_hash(path: Path, stop: Callable[[], bool] | None = None) -> tuple[str, bytearray]:
-    """SHA-256 of a file and its bytes, read once into one buffer (no copy per chunk). Resume
-    loads the tensors from this buffer, so the bytes it loads are exactly the bytes it verified,
-    and the disk is read once, not once to verify and again to load."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        _advise_sequential(f.fileno())
-        buf = bytearray(os.fstat(f.fileno()).st_size)
-        view, pos = memoryview(buf), 0
-        while pos < len(buf) and (n := f.readinto(view[pos: pos + _HASH_CHUNK])):
-            h.update(view[pos: pos + n])  # a file that shrank meanwhile hashes short: mismatch
-            pos += n
-            if stop is not None and stop():
-                raise _Stop
-    return h.hexdigest(), buf
-
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False), encoding="utf-8")
@@ -241,10 +225,8 @@ def _check_sizes(ckpt_dir: Path, files: dict[str, dict[str, Any]]) -> str | None
     return None
 
 
-def _check_hashes(ckpt_dir: Path, files: dict[str, dict[str, Any]], pool: ThreadPoolExecutor,
-                  keep: Callable[[str], bool] | None = None) -> tuple[str | None, dict[str, bytearray]]:
-    """SHA-256 of every file, hashed concurrently; (the first mismatch in sorted-name order, or
-    None; the bytes of the files `keep` names, read while hashing them).
+def _check_hashes(ckpt_dir: Path, files: dict[str, dict[str, Any]], pool: ThreadPoolExecutor) -> str | None:
+    """SHA-256 of every file, hashed concurrently; the first mismatch in sorted-name order.
 
     Files are started largest first, so the longest hash is not left for last. Once file i is
     known bad, files sorted after i cannot change the answer: their hashing is abandoned.
@@ -252,15 +234,11 @@ def _check_hashes(ckpt_dir: Path, files: dict[str, dict[str, Any]], pool: Thread
     names = sorted(files)
     first_bad = [len(names)]  # index of the first mismatch seen so far; a list so threads share it
     lock = threading.Lock()
-    kept: dict[str, bytearray] = {}
 
     def check(i: int) -> None:
         name = names[i]
         try:
-            if keep is not None and keep(name):
-                digest, kept[name] = _read_and_hash(ckpt_dir / name, stop=lambda: first_bad[0] < i)
-            else:
-                digest = _sha256(ckpt_dir / name, stop=lambda: first_bad[0] < i)
+            digest = _sha256(ckpt_dir / name, stop=lambda: first_bad[0] < i)
         except _Stop:
             return
         except BaseException:
@@ -273,22 +251,19 @@ def _check_hashes(ckpt_dir: Path, files: dict[str, dict[str, Any]], pool: Thread
     order = sorted(range(len(names)), key=lambda i: -files[names[i]]["bytes"])
     for fut in [pool.submit(check, i) for i in order]:
         fut.result()  # re-raises I/O errors, as the sequential hash did
-    if first_bad[0] < len(names):
-        return f"{names[first_bad[0]]} sha256 mismatch", {}
-    return None, kept
+    return f"{names[first_bad[0]]} sha256 mismatch" if first_bad[0] < len(names) else None
 
 
-def _verify(ckpt_dir: Path, deep: bool, pool: ThreadPoolExecutor | None,
-            keep: Callable[[str], bool] | None = None) -> tuple[str | None, dict[str, bytearray]]:
+def _verify(ckpt_dir: Path, deep: bool, pool: ThreadPoolExecutor | None) -> str | None:
     files, reason = _read_manifest_files(ckpt_dir)
     if reason is None:
         reason = _check_sizes(ckpt_dir, files)
     if reason is not None or not deep:
-        return reason, {}
+        return reason
     if pool is not None:
-        return _check_hashes(ckpt_dir, files, pool, keep)
+        return _check_hashes(ckpt_dir, files, pool)
     with ThreadPoolExecutor(max_workers=min(len(files), _VERIFY_THREADS), thread_name_prefix="verify") as own:
-        return _check_hashes(ckpt_dir, files, own, keep)
+        return _check_hashes(ckpt_dir, files, own)
 
 
 def verify(ckpt_dir: Path, *, deep: bool = True) -> str | None:
@@ -297,7 +272,7 @@ def verify(ckpt_dir: Path, *, deep: bool = True) -> str | None:
     Cheap checks (manifest, existence, sizes) cover every file before any hashing; then the
     files are hashed concurrently. The reason names the first failing file in sorted order.
     """
-    return _verify(Path(ckpt_dir), deep, None)[0]
+    return _verify(Path(ckpt_dir), deep, None)
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -323,26 +298,19 @@ def clean_tmp_dirs(run_dir: Path, log: Callable[[str], None] = print) -> None:
 
 def latest_verified(run_dir: Path, log: Callable[[str], None] = print) -> Path | None:
     """Newest checkpoint whose manifest verifies; corrupt ones are reported and skipped."""
-    return latest_verified_read(run_dir, lambda name: False, log=log)[0]
-
-
-def latest_verified_read(run_dir: Path, keep: Callable[[str], bool],
-                         log: Callable[[str], None] = print) -> tuple[Path | None, dict[str, bytearray]]:
-    """`latest_verified`, plus the verified bytes of the chosen checkpoint's files that `keep`
-    names (what resume is about to load: `tensors_from_bytes` reads them without a copy)."""
     bad: list[tuple[str, str]] = []
-    chosen, kept = None, {}
+    chosen = None
     # one pool for all candidates: falling back past a corrupt checkpoint starts no new threads
     with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="verify") as pool:
         for step, d in reversed(list_checkpoints(run_dir)):
-            reason, kept = _verify(d, True, pool, keep)
+            reason = _verify(d, True, pool)
             if reason is None:
                 chosen = d
                 break
             bad.append((d.name, reason))
     for name, reason in bad:
         log(f"checkpoint {name} is corrupt: {reason} — using {chosen.name if chosen else 'no checkpoint (fresh start)'}")
-    return chosen, kept
+    return chosen
 
 
 # --------------------------------------------------------------------------- reading
@@ -395,34 +363,6 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda s: 
     return CheckpointRef(dir=ckpt, step=int(m.get("step", 0)), config=cfg, data_dir=data_dir, tokenizer_path=tok)
 
 
-# safetensors dtype names (the format's spec) -> numpy; every dtype our checkpoints hold
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-
-
-def tensors_from_bytes(buf: bytearray) -> dict[str, np.ndarray]:
-    """The tensors of a safetensors file held in memory, as views of `buf` (no copy).
-
-    safetensors' own `load(bytes)` needs an immutable copy of the whole file and copies every
-    tensor again: three times the memory of a 27 GB weights file. The format is an 8-byte
-    little-endian header length, a JSON header of name -> dtype, shape and byte range, then the
-    little-endian data. A dtype outside `_ST_DTYPES` goes to the library."""
-    n = int.from_bytes(buf[:8], "little")
-    header = json.loads(bytes(buf[8: 8 + n]))
-    header.pop("__metadata__", None)
-    if any(info["dtype"] not in _ST_DTYPES for info in header.values()):
-        from safetensors.numpy import load
-
-        return load(bytes(buf))
-    out = {}
-    for name, info in header.items():
-        dtype = np.dtype(_ST_DTYPES[info["dtype"]]).newbyteorder("<")
-        start, end = info["data_offsets"]
-        out[name] = np.frombuffer(buf, dtype=dtype, count=(end - start) // dtype.itemsize,
-                                  offset=8 + n + start).reshape(info["shape"])
-    return out
-
-
 def read_model_tensors(ref: CheckpointRef) -> dict[str, np.ndarray]:
     """Weights by name as fp32 (runs with fp16 parameters store those as fp16)."""
     return {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in load_file(str(ref.dir / MODEL_FILE)).items()}
@@ -437,22 +377,15 @@ def optimizer_keys(ckpt_dir: Path) -> set[str]:
     return keys
 
 
-def read_optimizer_tensors(ref_or_dir: CheckpointRef | Path, keys: set[str] | None = None,
-                           verified: dict[str, bytearray] | None = None) -> dict[str, np.ndarray] | None:
+def read_optimizer_tensors(ref_or_dir: CheckpointRef | Path, keys: set[str] | None = None) -> dict[str, np.ndarray] | None:
     """The optimizer state (None in a weights-only checkpoint), or only `keys` of it: a rank of a
-    sharded run reads the tensors it owns from whichever shard holds them, nothing else. Files
-    in `verified` (bytes kept by `latest_verified_read`) are taken from there, not from disk."""
+    sharded run reads the tensors it owns from whichever shard holds them, nothing else."""
     d = ref_or_dir.dir if isinstance(ref_or_dir, CheckpointRef) else Path(ref_or_dir)
     names = optimizer_files(p.name for p in d.iterdir())
     if not names:
         return None
     out: dict[str, np.ndarray] = {}
     for name in names:
-        if verified and name in verified:
-            for k, v in tensors_from_bytes(verified[name]).items():
-                if (keys is None or k in keys) and k not in out:
-                    out[k] = v
-            continue
         with safe_open(str(d / name), framework="numpy") as f:
             for k in f.keys():
                 if (keys is None or k in keys) and k not in out:

@@ -106,12 +106,9 @@ class Trainer:
 
         # ---- resume: the newest checkpoint that verifies (rank 0 decides what it logs)
         self.resume_from: Path | None = None
-        # the bytes of the files this rank will load, kept from the verify pass: one read each
-        self._verified: dict[str, bytearray] = {}
         if self.run_dir.exists():
             store.clean_tmp_dirs(self.run_dir, log=self.log) if self.world.is_main else None
-            own = {store.MODEL_FILE, store.OPTIM_FILE, store.optimizer_shard_name(self.world.rank, self.world.size)}
-            self.resume_from, self._verified = store.latest_verified_read(self.run_dir, own.__contains__, log=self.log)
+            self.resume_from = store.latest_verified(self.run_dir, log=self.log)
         if self.resume_from is not None:
             old = cfgmod.load(self.resume_from / "config.toml")
             changes = config_changes(old, cfg)
@@ -216,20 +213,14 @@ class Trainer:
         from mspretrain.model.llama import load_numpy
 
         ts = store.read_json(ckpt / "train_state.json")
-        # bytes verified at start-up, if this is that checkpoint (a rewind reads from disk)
-        verified, self._verified = (self._verified if ckpt == self.resume_from else {}), {}
-        if store.MODEL_FILE in verified:
-            load_numpy(self.model, store.tensors_from_bytes(verified.pop(store.MODEL_FILE)))
-        else:
-            load_numpy(self.model, store.load_file(str(ckpt / store.MODEL_FILE)))
+        load_numpy(self.model, store.load_file(str(ckpt / store.MODEL_FILE)))
         available = store.optimizer_keys(ckpt)
         if not available:
             raise UserError(f"checkpoint {ckpt.name} has no optimizer state", "resume from a training checkpoint, or start a new --run dir from these weights")
         # only the part this rank holds is read (all of it unless the optimizer is sharded), from
         # whichever file has it: a sharded checkpoint resumes with any world size, sharded or not
-        opt = store.read_optimizer_tensors(ckpt, keys=self.step_fn.state_keys(owned_only=True), verified=verified)
+        opt = store.read_optimizer_tensors(ckpt, keys=self.step_fn.state_keys(owned_only=True))
         self.step_fn.load_optimizer_state(opt, available=available)
-        del verified, opt  # the buffers: up to the whole checkpoint's size in host memory
         self.step = int(ts["step"])
         self.applied = int(ts.get("applied_steps", self.step))
         self.tokens_seen = int(ts.get("tokens_seen", self.step * self.global_tokens))
