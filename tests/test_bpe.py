@@ -10,6 +10,7 @@ import pytest
 from sentencepiece import sentencepiece_model_pb2
 
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
+from mspretrain.errors import UserError
 from tests.conftest import make_poems
 
 EXTRA = "abcxyz ABC 0123456789 .,!?-_/ \t\n\r\x00 ＡＢ１２　😀🀄𠮷 é\u0301 \ufffd\uffff ▁ 龘靐齉"
@@ -104,3 +105,9 @@ def test_environment_switch(tok, monkeypatch):
 def test_id_that_does_not_fit_the_dtype(tok):
     with pytest.raises(ValueError, match="does not fit"):
         tok.encode_flat(["床前明月光"], 300, np.dtype(np.uint8))
+
+
+def test_unknown_switch_value_is_an_error(tok, monkeypatch):
+    monkeypatch.setenv("MSPRETRAIN_BPE", "fast")
+    with pytest.raises(UserError, match="MSPRETRAIN_BPE=fast is not an encoder choice"):
+        Tokenizer.load(tok.path).encode_flat(["床前明月光"], tok.eos_id, np.dtype(np.uint16))

@@ -182,7 +182,11 @@ class Tokenizer:
         if self._bpe_checked:
             return self._bpe
         self._bpe_checked = True
-        if self._sp is None or os.environ.get("MSPRETRAIN_BPE", "").lower() == "sentencepiece":
+        choice = os.environ.get("MSPRETRAIN_BPE", "").strip().lower()
+        if choice not in ("", "auto", "sentencepiece"):
+            raise UserError(f"MSPRETRAIN_BPE={choice} is not an encoder choice",
+                            "unset MSPRETRAIN_BPE (our encoder where it applies), or set it to sentencepiece")
+        if self._sp is None or choice == "sentencepiece":
             return None
         try:
             from sentencepiece import sentencepiece_model_pb2
