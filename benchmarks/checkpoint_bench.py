@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from mspretrain import config as cfgmod  # noqa: E402
 from mspretrain.checkpoint import store  # noqa: E402
 from mspretrain.checkpoint.saver import Saver  # noqa: E402
+from mspretrain.errors import UserError  # noqa: E402
 from mspretrain.model.presets import param_count, preset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,7 +262,7 @@ def check_layout(model_cfg) -> None:
     from mspretrain.model.llama import Llama, half_eligible
 
     model = Llama(model_cfg, seed=0)
-    half = {p.name for p in model.get_parameters()} & set(half_eligible(model))
+    half = set(half_eligible(model))
     want = sum(int(np.prod(p.shape)) for p in model.get_parameters() if p.name in half)
     cfg = cfgmod.apply_overrides(cfgmod.Config(), ["precision.dtype=fp16", "precision.param_dtype=compute"])
     cfg = replace(cfg, model=model_cfg)
@@ -307,10 +308,6 @@ def bench_disk(work: Path, layout: dict[str, int], scale: int, rounds: int = 3) 
     The three run in `rounds`, interleaved, so a busy minute of the shared disk hits each kind
     alike. Every run is kept: on a VM the host may still cache recently read or written blocks
     (O_DIRECT bypasses only the guest's cache) and other tenants share the disk."""
-    need = sum(layout.values()) // scale
-    free = shutil.disk_usage(work).free
-    if free < 1.5 * need:
-        raise SystemExit(f"{work}: {free / 1e9:.1f} GB free, the disk test needs {1.5 * need / 1e9:.1f} GB; pass a larger --scale")
     ck = write_7b_shaped(work, layout, scale)
     tensors = sorted((p for p in ck.iterdir() if p.suffix == ".safetensors"), key=lambda p: -p.stat().st_size)
     out: dict = {"scale": scale, "ck_bytes": sum(p.stat().st_size for p in ck.iterdir()),
@@ -412,18 +409,45 @@ def resume_model_7b(big: dict, disk: dict, layout: dict[str, int], config_name: 
           f"measured {big['verify_warm_par_s']:.2f} s")
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit 2: a bad input is not a traceback."""
+    print(f"checkpoint_bench: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--big", default="350m", help="second preset to measure (default 350m)")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--scale", type=int, default=4,
+    ap.add_argument("--scale", type=positive_int, default=4,
                     help="the 7B-shaped checkpoint read and verified cold is 1/SCALE of the 93.8 GB of "
                          f"configs/{SEVEN_B} (default 4: 23.5 GB)")
     args = ap.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="ckbench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        # presets that take their vocabulary from the tokenizer (tiny, demo) get Llama-2's 32,000
+        big_cfg = cfgmod.resolve_model(preset(args.big), 32000)
+    except UserError as e:
+        fail(f"--big: {e}")
+    layout = layout_7b(cfgmod.load(ROOT / "configs" / SEVEN_B))
+    created = args.workdir is None or not Path(args.workdir).exists()  # ours to remove on failure
+    try:
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="ckbench-"))
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"cannot use {args.workdir} as the work dir ({e.strerror}); pass a writable --workdir")
+    # checked before minutes of work: the 7B-shaped checkpoint, plus room for the 350m saves
+    need = 1.5 * sum(layout.values()) / args.scale
+    free = shutil.disk_usage(work).free
+    if free < need:
+        shutil.rmtree(work, ignore_errors=True) if created else None
+        fail(f"{work}: {free / 1e9:.1f} GB free, the disk test needs {need / 1e9:.1f} GB; pass a larger --scale or another --workdir")
     demo_cfg = cfgmod.resolve_model(cfgmod.load(ROOT / "configs" / "demo.toml").model, 8000)
-    big_cfg = cfgmod.resolve_model(preset(args.big), None)
     print(f"workdir {work}")
     rows = []
     for name, mcfg in (("demo", demo_cfg), (args.big, big_cfg)):
@@ -446,9 +470,7 @@ def main() -> None:
           f"({100 * demo['stall_async_s'] / (d['step_s'] * every):.3f} % of the {every}-step save interval); "
           f"in a real run {d['stall_in_run_s'] * 1e3:.1f} ms; train start -> first resumed step {d['resume_to_first_step_s']:.1f} s "
           f"(includes graph compilation)")
-    cfg7 = cfgmod.load(ROOT / "configs" / SEVEN_B)
     check_layout(demo_cfg)
-    layout = layout_7b(cfg7)
     disk = bench_disk(work, layout, args.scale)
     resume_model_7b(rows[1][1], disk, layout, SEVEN_B)
     shutil.rmtree(work, ignore_errors=True) if not args.workdir else None
