@@ -159,6 +159,13 @@ class DeviceConfig:
     threads: int = 0  # 0 = all cores
     cpu_quota: float = 0.0  # percent of all cores for the training process (cgroup v2); 0 = off
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = from the built-in table / measured
+    # mindspore.set_deterministic: reproducible kernels and (on Ascend) HCCL_DETERMINISTIC=true with
+    # serial kernel compilation, which costs step and compile time there. On by default; on
+    # Ascend it is the user's choice (false for speed once a run is known to be healthy).
+    deterministic: bool = True
+    # "O1" (Ascend only): graph-kernel fusion through ms.jit's jit_level; "O0" is what MindSpore
+    # Transformers trains with on 910B. The old enable_graph_kernel flag is deprecated in 2.10.
+    jit_level: str = "O0"
 
 
 @dataclass(frozen=True)
@@ -226,6 +233,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.param_dtype": ("fp32", "compute"),
     "checkpoint.on_error": ("stop", "continue"),
     "device.target": ("auto", "cpu", "ascend"),
+    "device.jit_level": ("O0", "O1"),
     "spike.action": ("warn", "rewind"),
 }
 
@@ -474,6 +482,12 @@ def validate(cfg: Config, *, device: str | None = None) -> None:
         _fail("precision.growth_interval", f"= {pr.growth_interval} must be positive", "use e.g. 1000")
     if pr.scale_warmup_to and pr.scale_warmup_steps <= 0:
         _fail("precision.scale_warmup_steps", "must be positive when scale_warmup_to is set", "the field report warms 64 -> 1024 over 500 steps")
+    scaled = pr.loss_scale in ("dynamic", "static") or (pr.loss_scale == "auto" and pr.dtype == "fp16")
+    if pr.allreduce_dtype == "fp16" and not scaled:
+        # Unscaled per-rank gradients of a large model's mean loss (~1e-6) sit below fp16's normal
+        # range (6.1e-5): on the wire they flush to zero or keep a few bits.
+        _fail("precision.allreduce_dtype", f"= fp16 needs loss scaling, which is off here (dtype {pr.dtype}, loss_scale {pr.loss_scale})",
+              "use precision.allreduce_dtype=fp32, or turn loss scaling on (precision.loss_scale=dynamic)")
     if pr.param_dtype == "compute" and pr.dtype == "fp32":
         _fail("precision.param_dtype", "= compute only applies to fp16/bf16 compute (with dtype fp32 the parameters are fp32 already)",
               "set precision.dtype=fp16 (or bf16 on Ascend), or leave precision.param_dtype=fp32")

@@ -1,9 +1,23 @@
 """Device selection: one place decides CPU or Ascend and which Ascend-only options apply.
 
 Design choices: `device.target = auto` picks Ascend when MindSpore was built for it and an NPU is
-visible, else CPU. Options that only Ascend can run (fused FlashAttention, dataset sink mode,
-graph-kernel fusion) are chosen here and reported at start-up, so the rest of the code asks
-`DeviceInfo` instead of probing MindSpore itself. bf16 is refused on CPU before any compute.
+visible, else CPU. What actually runs is decided here and reported at start-up, so the rest of
+the code asks `DeviceInfo` instead of probing MindSpore itself, and the start-up line never
+claims an option that does not run:
+- attention: FlashAttentionScore only where `model.llama.select_attention` picks it (Ascend,
+  fp16/bf16, a head size the kernel takes); the math path otherwise, fp32 on Ascend included.
+- graph-kernel fusion stays off (MindSpore Transformers trains at jit_level O0 without it). The
+  old `set_context(enable_graph_kernel=True)` is deprecated in MindSpore 2.10 in favour of
+  `jit_level` (mindspore/context.py: "Please use jit_config={'jit_level': 'O1'} instead");
+  `device.jit_level = "O1"` is the opt-in, carried in `DeviceInfo.jit_level` for the `ms.jit`
+  calls (graph/api.py: `jit(..., jit_level="O0")` is a per-function argument whose default
+  O0 is what compiles unless the caller passes O1).
+- determinism: `device.deterministic` through `mindspore.set_deterministic` (device_manager.py),
+  which on Ascend sets HCCL_DETERMINISTIC=true and TE_PARALLEL_COMPILER=1 (serial kernel
+  compilation): reproducible all-reduces and kernels at a cost in step time and compile time.
+  MindSpore allows one call per process, so a second setup in the same process keeps the first.
+- no dataset sink mode: the train loop feeds batches from Python (data/loader.py).
+bf16 is refused on CPU before any compute.
 """
 from __future__ import annotations
 
@@ -18,16 +32,16 @@ from mspretrain.errors import UserError
 class DeviceInfo:
     target: str  # "cpu" | "ascend"
     threads: int
-    flash_attention: bool
-    sink_mode: bool
-    graph_kernel_fusion: bool
+    flash_attention: bool  # FlashAttentionScore runs (else the math attention)
+    jit_level: str = "O0"
+    deterministic: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def describe(self) -> str:
-        opts = [f"device {self.target}", f"{self.threads} threads"]
-        for name in ("flash_attention", "sink_mode", "graph_kernel_fusion"):
-            opts.append(f"{name.replace('_', ' ')} {'on' if getattr(self, name) else 'off'}")
-        return ", ".join(opts)
+        opts = [f"device {self.target}", f"{self.threads} threads",
+                f"attention {'flash (FlashAttentionScore)' if self.flash_attention else 'math'}",
+                f"jit_level {self.jit_level}", f"deterministic {'on' if self.deterministic else 'off'}"]
+        return ", ".join(opts) + "".join(f"; {n}" for n in self.notes)
 
 
 def ascend_available() -> bool:
@@ -36,9 +50,11 @@ def ascend_available() -> bool:
     if not any(os.path.exists(p) for p in ("/dev/davinci0", "/dev/davinci_manager")):
         return False
     try:
-        import mindspore as ms
+        # mindspore.device_context.ascend.is_available replaces the deprecated ms.hal.is_available
+        # (mindspore/hal/device.py says so in 2.10).
+        from mindspore.device_context.ascend import is_available
 
-        return bool(ms.hal.is_available("Ascend"))
+        return bool(is_available())
     except Exception:  # an import or runtime failure simply means no usable Ascend here
         return False
 
@@ -52,25 +68,48 @@ def resolve_target(target: str) -> str:
     return target
 
 
-def plan_device(cfg: Config) -> DeviceInfo:
-    """Decide the device and its options from the config, without touching MindSpore."""
-    target = resolve_target(cfg.device.target)
+def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
+    """Decide the device and its options from the config, without touching MindSpore.
+
+    `target`: an already resolved target (tests pass "ascend" to see what a 910B would run)."""
+    from mspretrain.model.llama import flash_head_dim_problem, select_attention
+
+    target = target or resolve_target(cfg.device.target)
     threads = cfg.device.threads or (os.cpu_count() or 1)
-    on_ascend = target == "ascend"
+    dtype = cfg.precision.dtype
+    head_dim = cfg.model.dim // cfg.model.n_heads if cfg.model.n_heads else 0
+    flash = select_attention("auto", target, dtype, head_dim)
     notes = []
-    if not on_ascend:
+    if target != "ascend":
         notes.append("math attention (FlashAttentionScore is Ascend-only)")
-    return DeviceInfo(target=target, threads=threads, flash_attention=on_ascend, sink_mode=on_ascend,
-                      graph_kernel_fusion=on_ascend, notes=tuple(notes))
+        if cfg.device.jit_level != "O0":
+            raise UserError(f"device.jit_level = {cfg.device.jit_level} is an Ascend option (graph-kernel fusion)",
+                            "leave device.jit_level=O0 on CPU")
+    elif dtype == "fp32":
+        notes.append("math attention (FlashAttentionScore has no fp32)")
+    elif not flash:
+        notes.append(f"math attention ({flash_head_dim_problem(head_dim)})")
+    return DeviceInfo(target=target, threads=threads, flash_attention=flash, jit_level=cfg.device.jit_level,
+                      deterministic=cfg.device.deterministic, notes=tuple(notes))
 
 
-def setup_mindspore(info: DeviceInfo, *, deterministic: bool = True) -> None:
-    """Point MindSpore at the device. Global mode stays PyNative; hot paths are `ms.jit`."""
+def setup_mindspore(info: DeviceInfo, *, device_id: int | None = None) -> None:
+    """Point MindSpore at the device. Global mode stays PyNative; hot paths are `ms.jit`.
+
+    device_id: the NPU to bind on Ascend; None = the rank table's DEVICE_ID when this process was
+    started from one (train/distributed.py), else MindSpore's choice (msrun negotiates it)."""
     import mindspore as ms
 
     target = "Ascend" if info.target == "ascend" else "CPU"
+    if info.target == "ascend" and device_id is None:
+        from mspretrain.train.distributed import select_launch
+
+        device_id = select_launch(info.target).device_id
     try:
-        ms.set_device(target)
+        if device_id is None:
+            ms.set_device(target)
+        else:
+            ms.set_device(target, device_id)
     except RuntimeError:
         # Already fixed for this process (a kernel ran, or an earlier call): fine if it is the same device.
         if ms.get_context("device_target") != target:
@@ -83,7 +122,7 @@ def setup_mindspore(info: DeviceInfo, *, deterministic: bool = True) -> None:
             ms.device_context.cpu.op_tuning.threads_num(info.threads)
         except Exception:  # already set by an earlier call in this process, or an older runtime
             pass
-    if deterministic and info.target == "ascend":
-        ms.set_context(deterministic="ON")
-    if info.graph_kernel_fusion:
-        ms.set_context(enable_graph_kernel=True)
+    try:
+        ms.set_deterministic(info.deterministic)
+    except RuntimeError:  # "can not be set repeatedly": the first setup of this process stands
+        pass

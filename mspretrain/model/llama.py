@@ -44,6 +44,17 @@ COMPUTE_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
 ATTENTION_KINDS = ("auto", "math", "flash")
 NEG = -1e9  # additive mask value; the softmax runs in fp32, so exp(NEG - max) is exactly 0
 FLASH_MASK_SIZE = 2048  # FlashAttentionScore's compressed causal mask is always 2048 x 2048
+# FlashAttentionScore's head size D: "a multiple of 16, with the max value of 512"
+# (mindspore/ops/auto_generate/gen_ops_prim.py, FlashAttentionScore's doc, MindSpore 2.10).
+FLASH_HEAD_MULTIPLE, FLASH_HEAD_MAX = 16, 512
+
+
+def flash_head_dim_problem(head_dim: int) -> str | None:
+    """Why FlashAttentionScore cannot take this head size, or None when it can."""
+    if head_dim % FLASH_HEAD_MULTIPLE or not 0 < head_dim <= FLASH_HEAD_MAX:
+        return (f"head size {head_dim} is not a multiple of {FLASH_HEAD_MULTIPLE} up to {FLASH_HEAD_MAX}, "
+                "which FlashAttentionScore needs")
+    return None
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -190,12 +201,16 @@ class Attention(nn.Cell):
             self.flash_masked = FlashAttentionScore(
                 head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=2147483647, next_tokens=0,
                 input_layout="BNSD", sparse_mode=0)
-            self.flash_causal_mask = Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, discard: Tensor | None) -> Tensor:
         q, k, v = self.project(x, cos, sin)
-        o = self._flash(q, k, v, discard) if self.use_flash else self.attend(q, k, v, bias)  # (B, H, T, hd)
-        return self.output(o)
+        return self.output(self.core(q, k, v, bias, discard))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, discard: Tensor | None) -> Tensor:
+        """The attention this layer runs (flash or math) on projected q (B, H, T, hd), k/v (B, KV, T, hd).
+
+        Public so that `mspretrain selftest` can compare the two kernels on the same inputs."""
+        return self._flash(q, k, v, discard) if self.use_flash else self.attend(q, k, v, bias)  # (B, H, T, hd)
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q (B, H, T, hd), k and v (B, KV, T, hd), RoPE applied to q and k."""
@@ -224,9 +239,10 @@ class Attention(nn.Cell):
         o = self.bmm_pv(probs, v)  # (B, KV, G*T, hd)
         return o.reshape(B, KV * G, T, hd)  # head h = kv * G + g, as HF's repeat_kv: (B, H, T, hd)
 
-    def _flash(self, q: Tensor, k: Tensor, v: Tensor, discard: Tensor | None) -> Tensor:
-        if discard is None:
-            out = self.flash_causal(q, k, v, None, None, None, self.flash_causal_mask, None, None, None)
+    def _flash(self, q: Tensor, k: Tensor, v: Tensor, discard: Tensor) -> Tensor:
+        """discard: the model's one compressed (2048, 2048) causal mask, or a (B, 1, T, T) document mask."""
+        if discard.ndim == 2:  # a static shape: the kernel is chosen at compile time
+            out = self.flash_causal(q, k, v, None, None, None, discard, None, None, None)
         else:
             out = self.flash_masked(q, k, v, None, None, None, discard, None, None, None)
         return out[3]  # (softmax_max, softmax_sum, softmax_out, attention_out)
@@ -273,8 +289,11 @@ class Block(nn.Cell):
         return x + self.mlp(self.mlp_norm(x)), kc, vc
 
 
-def select_attention(attention: str, device: str, dtype: str) -> bool:
-    """True when the fused Ascend kernel should run; errors for impossible requests."""
+def select_attention(attention: str, device: str, dtype: str, head_dim: int | None = None) -> bool:
+    """True when the fused Ascend kernel should run; errors for impossible requests.
+
+    auto falls back to the math path where the kernel cannot run (and device.py says so at
+    start-up); an explicit "flash" that cannot run is an error."""
     if attention not in ATTENTION_KINDS:
         raise UserError(f"attention = {attention!r} is not one of {', '.join(ATTENTION_KINDS)}", "use auto (flash on Ascend, math elsewhere)")
     if attention == "math":
@@ -283,7 +302,10 @@ def select_attention(attention: str, device: str, dtype: str) -> bool:
     if attention == "flash" and not flash_ok:
         raise UserError(f"FlashAttentionScore needs device ascend and dtype fp16/bf16 (got {device}, {dtype})",
                         "use attention=math (or auto) on this device / dtype")
-    return flash_ok
+    problem = flash_head_dim_problem(head_dim) if head_dim is not None else None
+    if attention == "flash" and problem:
+        raise UserError(f"FlashAttentionScore cannot run: {problem}", "choose model.dim / model.n_heads = 64 or 128, or attention=math")
+    return flash_ok and problem is None
 
 
 class Llama(nn.Cell):
@@ -308,7 +330,10 @@ class Llama(nn.Cell):
         self.cfg = cfg
         self.dtype_name = dtype
         self.dtype = COMPUTE_DTYPES[dtype]
-        self.use_flash = select_attention(attention, device, dtype)
+        self.use_flash = select_attention(attention, device, dtype, cfg.dim // cfg.n_heads)
+        # One compressed causal mask for all layers (a per-layer copy was 32 x 4 MB for 7B).
+        self.flash_causal_mask = (Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
+                                  if self.use_flash else None)
         rng = np.random.default_rng(seed)
         self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
         self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])
@@ -397,7 +422,9 @@ class Llama(nn.Cell):
             allowed = allowed.expand_dims(0)  # (1, T, T)
         allowed = allowed.expand_dims(1)  # (B|1, 1, T, T)
         bias = ops.stop_gradient((allowed.astype(ms.float32) - 1.0) * -NEG)  # 0 where visible, NEG where masked
-        discard = ops.logical_not(allowed) if (self.use_flash and segments is not None) else None
+        discard = None
+        if self.use_flash:
+            discard = self.flash_causal_mask if segments is None else ops.logical_not(allowed)
         return bias, discard
 
 

@@ -10,6 +10,15 @@ update and agrees on overflow skips; only rank 0 writes checkpoints and metrics 
 and one broadcast per parameter), not MindSpore's parallel optimizer, which CPU refuses
 ("parallel optimizer only supports Ascend in data parallel mode") and which would not apply to
 our hand-written AdamW; so it runs, and is tested, on both backends.
+
+The classic rank-table launch (one process per NPU started by a script, with `RANK_TABLE_FILE`,
+`RANK_ID`, `RANK_SIZE`, `DEVICE_ID` set) is supported too: that process must bind its own NPU
+(`set_device("Ascend", DEVICE_ID)`; without an id MindSpore 2.10 binds device 0 —
+mindspore/device_manager.py, `set_device`: "In a distributed scenario with other startup
+methods, `device_id` is set to 0") and then call `init("hccl")`, which reads the rank table.
+`select_launch` decides which launch this process is in from the environment alone, so the
+decision is tested on CPU; the HCCL initialisation itself only runs on Ascend and is unverified
+here. A rank table on CPU is refused: it describes NPUs and HCCL, which CPU does not have.
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ from dataclasses import dataclass
 from mspretrain.errors import UserError
 
 MSRUN_VARS = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT")
+RANK_TABLE_VARS = ("RANK_TABLE_FILE", "RANK_ID", "RANK_SIZE", "DEVICE_ID")
 
 
 @dataclass(frozen=True)
@@ -52,18 +62,66 @@ def detect(env: dict[str, str] | None = None) -> World | None:
     return World(rank=rank, size=size)
 
 
-def init(target: str, env: dict[str, str] | None = None) -> World:
-    """Initialise communication when under msrun; a single process otherwise."""
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started: "single", "msrun" or "rank_table", its world, and the NPU
+    it must bind (rank table only: msrun negotiates the device id itself)."""
+    kind: str
+    world: World
+    device_id: int | None = None
+
+
+def _rank_table(env: dict[str, str]) -> Launch:
+    missing = [v for v in RANK_TABLE_VARS if v not in env]
+    if missing:
+        raise UserError(f"rank-table launch environment is half set (missing {', '.join(missing)})",
+                        "set RANK_TABLE_FILE, RANK_ID, RANK_SIZE and DEVICE_ID for every process, or launch with `mspretrain launch` (msrun)")
+    try:
+        rank, size, device_id = int(env["RANK_ID"]), int(env["RANK_SIZE"]), int(env["DEVICE_ID"])
+    except ValueError:
+        raise UserError("RANK_ID / RANK_SIZE / DEVICE_ID are not integers", "set them to the values of this process's entry in the rank table") from None
+    if not 0 <= rank < size:
+        raise UserError(f"RANK_ID = {rank} is outside 0..{size - 1} (RANK_SIZE = {size})", "set RANK_ID from the rank table's rank_id of this process")
+    if device_id < 0:
+        raise UserError(f"DEVICE_ID = {device_id} is negative", "set DEVICE_ID to this process's NPU (0-7 on an 8-NPU server)")
+    table = env["RANK_TABLE_FILE"]
+    if not os.path.isfile(table):
+        raise UserError(f"RANK_TABLE_FILE {table} does not exist", "point it at the rank table (`mspretrain` writes one with train/hccl.py's write_topology)")
+    return Launch("rank_table", World(rank=rank, size=size), device_id)
+
+
+def select_launch(target: str, env: dict[str, str] | None = None) -> Launch:
+    """Which launch this process is in, decided from the environment without touching MindSpore.
+
+    msrun's variables win (msrun also exports RANK_ID/RANK_SIZE); else RANK_TABLE_FILE means the
+    classic launch, which needs all four variables and device.target ascend."""
+    env = dict(os.environ if env is None else env)
     world = detect(env)
-    if world is None or world.size == 1:
+    if world is not None:
+        return Launch("msrun", world)
+    if "RANK_TABLE_FILE" in env:
+        if target != "ascend":
+            raise UserError("RANK_TABLE_FILE is set, but a rank table launches HCCL on Ascend NPUs and the device is CPU",
+                            "unset RANK_TABLE_FILE on CPU; for several CPU processes use `mspretrain launch --nproc N -- train ...` (msrun)")
+        return _rank_table(env)
+    return Launch("single", World())
+
+
+def init(target: str, env: dict[str, str] | None = None) -> World:
+    """Initialise communication for the launch in `env` (msrun or rank table); one process otherwise.
+
+    Call after `device.setup_mindspore`, which binds the rank table's DEVICE_ID."""
+    launch = select_launch(target, env)
+    if launch.world.size == 1:
         return World()
-    import mindspore as ms
     from mindspore.communication import get_group_size, get_rank, init as comm_init
 
+    # HCCL on Ascend (for msrun and the rank table alike), MindSpore's CPU collectives otherwise.
     comm_init("hccl" if target == "ascend" else None)
-    world = World(rank=get_rank(), size=get_group_size())
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=False)
-    return world
+    # No set_auto_parallel_context: the gradient all-reduce is written by hand in train/step.py,
+    # and DATA_PARALLEL mode with gradients_mean=False only configured MindSpore's own
+    # (unused) gradient reducer; the call is deprecated in MindSpore 2.10.
+    return World(rank=get_rank(), size=get_group_size())
 
 
 def msrun_command(nproc: int, args: list[str], *, nodes: int = 1, node_rank: int = 0,

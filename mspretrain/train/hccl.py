@@ -5,7 +5,11 @@ Two files, both plain JSON:
   device IP and global rank. msrun builds its cluster dynamically and does not need it; the
   classic `mindspore.communication.init()` launch without msrun does.
 - a **chip-group plan** after the field report: ranks grouped by chip (2 chips × 4 devices on a
-  910B board), so a two-level all-reduce can reduce inside a chip over the on-chip links first.
+  board), so a two-level all-reduce can reduce inside a chip over the on-chip links first.
+  That 2 × 4 grouping describes the older Atlas training servers (first-generation Ascend 910,
+  two groups of four NPUs on HCCS). We found no source confirming it for the Atlas 800T A2
+  (910B): there the grouping is unverified and may buy nothing. Use `per_chip` to match your
+  server's documented topology.
   The field report feeds such a file to HCCL as a "whitelist"; HCCL's real `HCCL_WHITELIST_FILE`
   is an IP allow-list (`{"host_ip": [...]}`), so we write the groups as a plan for
   `mindspore.communication.create_group` and the IP list separately, under their true names.
@@ -48,7 +52,8 @@ def rank_table(servers: list[dict]) -> dict:
 
 
 def chip_groups(n_devices: int = 8, per_chip: int = 4) -> list[dict]:
-    """The field report's grouping: consecutive ranks share a chip (2 chips x 4 devices per board)."""
+    """The field report's grouping: consecutive ranks share a chip (2 chips x 4 devices per board,
+    as on older Atlas training servers; unverified for the Atlas 800T A2, see the module doc)."""
     if n_devices <= 0 or per_chip <= 0 or n_devices % per_chip:
         raise UserError(f"{n_devices} devices do not split into chips of {per_chip}", "use e.g. 8 devices with 4 per chip")
     return [{"group_name": f"chip{c}", "ranks": list(range(c * per_chip, (c + 1) * per_chip)), "group_type": "chip"}

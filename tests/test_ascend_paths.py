@@ -1,0 +1,164 @@
+"""Paths that only a 910B runs, checked on CPU with the environment or config that triggers them
+(issue 19, items 1-9): MindSpore's device/communication calls are recorded, not executed."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import mindspore as ms
+
+from mspretrain import config as cfgmod
+from mspretrain import device
+from mspretrain.errors import UserError
+from mspretrain.model import llama
+from mspretrain.train import distributed
+
+
+def _table_env(tmp_path, **over) -> dict[str, str]:
+    table = tmp_path / "rank_table.json"
+    table.write_text("{}")
+    return {"RANK_TABLE_FILE": str(table), "RANK_ID": "3", "RANK_SIZE": "8", "DEVICE_ID": "3", **over}
+
+
+# ------------------------------------------------------------------ 1. rank-table launch
+
+def test_rank_table_launch_is_selected_with_its_device(tmp_path):
+    env = _table_env(tmp_path)
+    launch = distributed.select_launch("ascend", env)
+    assert (launch.kind, launch.world, launch.device_id) == ("rank_table", distributed.World(rank=3, size=8), 3)
+    # msrun's variables win (msrun exports RANK_ID/RANK_SIZE too); no variables: one process
+    msrun = {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": "1", "RANK_ID": "1"}
+    assert distributed.select_launch("ascend", {**env, **msrun}).kind == "msrun"
+    assert distributed.select_launch("ascend", {}) == distributed.Launch("single", distributed.World())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"DEVICE_ID": None}, "missing DEVICE_ID"), ({"RANK_ID": "8"}, "outside 0..7"),
+    ({"RANK_SIZE": "x"}, "not integers"), ({"RANK_TABLE_FILE": "/nonexistent/t.json"}, "does not exist")])
+def test_rank_table_launch_refuses_a_bad_environment(tmp_path, change, message):
+    env = {k: v for k, v in {**_table_env(tmp_path), **change}.items() if v is not None}
+    with pytest.raises(UserError, match=message):
+        distributed.select_launch("ascend", env)
+
+
+def test_rank_table_on_cpu_is_refused_in_one_line(tmp_path):
+    with pytest.raises(UserError, match="RANK_TABLE_FILE is set"):
+        distributed.select_launch("cpu", _table_env(tmp_path))
+
+
+def test_rank_table_binds_device_id_then_initialises_hccl(tmp_path, monkeypatch):
+    """setup_mindspore binds DEVICE_ID (not MindSpore's default 0), init() asks for hccl, and no
+    deprecated auto-parallel context is set (the all-reduce is written by hand)."""
+    import mindspore.communication as comm
+
+    calls: list[tuple] = []
+    for k, v in _table_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(ms, "set_device", lambda *a: calls.append(("set_device", *a)))
+    monkeypatch.setattr(ms, "set_context", lambda **kw: calls.append(("set_context", kw)))
+    monkeypatch.setattr(ms, "set_deterministic", lambda flag: calls.append(("set_deterministic", flag)))
+    monkeypatch.setattr(ms, "set_auto_parallel_context", lambda **kw: calls.append(("set_auto_parallel_context", kw)))
+    monkeypatch.setattr(comm, "init", lambda backend=None: calls.append(("init", backend)))
+    monkeypatch.setattr(comm, "get_rank", lambda: 3)
+    monkeypatch.setattr(comm, "get_group_size", lambda: 8)
+    info = device.plan_device(cfgmod.load(None, ["precision.dtype=fp16"]), target="ascend")
+    device.setup_mindspore(info)
+    world = distributed.init("ascend")
+    assert ("set_device", "Ascend", 3) in calls
+    assert ("init", "hccl") in calls
+    assert world == distributed.World(rank=3, size=8)
+    assert not [c for c in calls if c[0] == "set_auto_parallel_context"]
+    # item 3: graph-kernel fusion is not switched on through the deprecated flag
+    assert not [c for c in calls if c[0] == "set_context" and "enable_graph_kernel" in c[1]]
+    # item 4: determinism through set_deterministic, not set_context(deterministic=...)
+    assert ("set_deterministic", True) in calls
+    assert not [c for c in calls if c[0] == "set_context" and "deterministic" in c[1]]
+
+
+# ------------------------------------------------------------------ 2. fp16 on the wire needs loss scaling
+
+def test_fp16_allreduce_is_refused_without_loss_scaling():
+    bf16 = cfgmod.load(None, ["precision.dtype=bf16", "precision.allreduce_dtype=fp16", "train.max_steps=1"])
+    with pytest.raises(UserError, match="allreduce_dtype = fp16 needs loss scaling"):
+        cfgmod.validate(bf16, device="ascend")
+    cfgmod.validate(replace(bf16, precision=replace(bf16.precision, loss_scale="dynamic")), device="ascend")
+    fp16 = cfgmod.load(None, ["precision.dtype=fp16", "precision.allreduce_dtype=fp16", "train.max_steps=1"])
+    cfgmod.validate(fp16, device="ascend")  # auto = dynamic for fp16
+    with pytest.raises(UserError, match="needs loss scaling"):
+        cfgmod.validate(replace(fp16, precision=replace(fp16.precision, loss_scale="none")), device="ascend")
+
+
+# ------------------------------------------------------------------ 3, 4. jit_level and determinism are config keys
+
+def test_jit_level_and_deterministic_keys(monkeypatch):
+    cfg = cfgmod.load(None, ["precision.dtype=fp16"])
+    info = device.plan_device(cfg, target="ascend")
+    assert (info.jit_level, info.deterministic) == ("O0", True)
+    info = device.plan_device(cfgmod.load(None, ["device.jit_level=O1", "device.deterministic=false"]), target="ascend")
+    assert (info.jit_level, info.deterministic) == ("O1", False)
+    assert "jit_level O1" in info.describe() and "deterministic off" in info.describe()
+    with pytest.raises(UserError, match="Ascend option"):
+        device.plan_device(cfgmod.load(None, ["device.jit_level=O1"]), target="cpu")
+    with pytest.raises(UserError, match="not one of O0, O1"):
+        cfgmod.validate(cfgmod.load(None, ["device.jit_level=O2", "train.max_steps=1"]), device="ascend")
+    seen: list[bool] = []
+    monkeypatch.setattr(ms, "set_deterministic", lambda flag: seen.append(flag))
+    device.setup_mindspore(device.plan_device(cfgmod.load(None, ["device.target=cpu", "device.deterministic=false"])))
+    device.setup_mindspore(device.plan_device(cfgmod.load(None, ["device.target=cpu"])))
+    assert seen == [False, True]
+
+
+# ------------------------------------------------------------------ 5. FlashAttentionScore's head size
+
+@pytest.mark.parametrize("head_dim, ok", [(16, True), (64, True), (128, True), (512, True), (24, False), (8, False), (528, False)])
+def test_flash_head_size_is_checked_in_the_selection(head_dim, ok):
+    assert llama.select_attention("auto", "ascend", "fp16", head_dim) is ok
+    if ok:
+        assert llama.select_attention("flash", "ascend", "bf16", head_dim)
+    else:
+        with pytest.raises(UserError, match=f"head size {head_dim} is not a multiple of 16 up to 512"):
+            llama.select_attention("flash", "ascend", "bf16", head_dim)
+
+
+# ------------------------------------------------------------------ 6. one causal mask for all layers
+
+def test_one_flash_causal_mask_for_all_layers(tiny_cfg):
+    m = cfgmod.resolve_model(replace(tiny_cfg.model, n_layers=3), 256)
+    model = llama.Llama(m, dtype="fp16", device="ascend")  # builds the flash path; nothing runs on CPU here
+    assert model.use_flash
+    masks = [t for cell in model.cells_and_names() for t in vars(cell[1]).values()
+             if isinstance(t, ms.Tensor) and tuple(t.shape) == (llama.FLASH_MASK_SIZE,) * 2]
+    assert len(masks) == 1
+    seen = []
+
+    def fake_kernel(q, k, v, real_shift, drop_mask, padding_mask, attn_mask, prefix, qlen, kvlen):
+        seen.append(attn_mask)
+        return None, None, None, q  # attention_out: shape (B, H, T, hd) is all the caller needs
+
+    for layer in model.layers:
+        layer.attn.flash_causal = fake_kernel
+    model(ms.Tensor(np.zeros((1, 8), np.int32)))
+    assert len(seen) == 3 and all(x is model.flash_causal_mask for x in seen)
+
+
+# ------------------------------------------------------------------ 8. the start-up line says what runs
+
+def test_startup_line_reports_what_runs():
+    on = device.plan_device(cfgmod.load(None, ["precision.dtype=bf16"]), target="ascend").describe()
+    assert "attention flash" in on and "sink" not in on and "graph kernel" not in on
+    fp32 = device.plan_device(cfgmod.load(None, []), target="ascend")
+    assert not fp32.flash_attention and "attention math" in fp32.describe() and "no fp32" in fp32.describe()
+    odd = device.plan_device(cfgmod.load(None, ["precision.dtype=fp16", "model.dim=96", "model.n_heads=4"]), target="ascend")
+    assert not odd.flash_attention and "head size 24" in odd.describe()
+    assert "attention math" in device.plan_device(cfgmod.load(None, ["device.target=cpu"])).describe()
+
+
+# ------------------------------------------------------------------ 9. MINDIR tolerance follows the dtype
+
+def test_mindir_tolerance_is_dtype_aware():
+    from mspretrain.model import mindir
+
+    assert mindir.tolerance_for("fp32") == mindir.TOLERANCE == 1e-4
+    assert mindir.tolerance_for("fp32") < mindir.tolerance_for("fp16") < mindir.tolerance_for("bf16")
