@@ -31,6 +31,7 @@ THROUGHPUT_KEYS = ("tokens_per_s", "samples_per_s", "mfu", "real_token_share",
 INTERVAL_FIELD: dict[str, str] = {
     "loss": "loss_every", "lr": "lr_every", "loss_scale": "loss_scale_every",
     "grad_norm": "grad_norm_every", "mem_mb": "memory_every",
+    "device_mem_mb": "memory_every", "device_mem_reserved_mb": "memory_every",
     **{k: "throughput_every" for k in THROUGHPUT_KEYS},
 }
 

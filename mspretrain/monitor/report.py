@@ -202,6 +202,19 @@ def _plot(stem: str, title: str, s: dict) -> Any | None:
             ax2.set_ylabel("MFU %")
         ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8)
         return fig
+    if stem == "memory":
+        # host RSS and (Ascend) device memory are separate metrics: one line each, never summed
+        named = [(k, label) for k, label in (("mem_mb", "host RSS (peak)"), ("device_mem_mb", "device allocated (peak)"),
+                                              ("device_mem_reserved_mb", "device reserved (peak)")) if series(recs, k)[0]]
+        if not named:
+            return None
+        fig, ax = _figure(title)
+        for k, label in named:
+            xs, ys = series(recs, k)
+            ax.plot(xs, ys, lw=1, marker="o" if len(xs) < 30 else None, ms=3, label=label)
+        ax.set_ylabel("MB")
+        ax.legend(fontsize=8)
+        return fig
     key, ylabel, logy = {"eval_ppl": ("eval/ppl", "perplexity", True), "lr": ("lr", "lr", False),
                          "grad_norm": ("grad_norm", "grad norm", True), "memory": ("mem_mb", "MB", False)}[stem]
     xs, ys = series(recs, key)

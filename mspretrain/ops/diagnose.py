@@ -241,7 +241,28 @@ def diagnose(target: Path) -> list[Finding]:
     findings.sort(key=lambda f: (order.index(f.kind), f.file, f.line))
     for f in findings:
         f.advice = ADVICE[f.kind]
+        if f.kind == "oom" and metrics:
+            f.advice += _device_memory_note(metrics[0])
     return findings
+
+
+def _device_memory_note(metrics_path: Path) -> str:
+    """The run's last device-memory figures (monitor/memory.py, Ascend only), for the OOM advice."""
+    last: dict = {}
+    with open(metrics_path, encoding="utf-8", errors="replace") as f:
+        for raw in f:
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "device_mem_mb" in rec:
+                last = rec
+    if not last:
+        return ""
+    reserved = last.get("device_mem_reserved_mb")
+    return (f"; last logged device memory (step {last.get('step')}): peak allocated {last['device_mem_mb'] / 1024:.1f} GB"
+            + (f", peak reserved {reserved / 1024:.1f} GB" if isinstance(reserved, (int, float)) else "")
+            + " — compare with `mspretrain plan`'s estimate and the device's capacity")
 
 
 def format_findings(findings: list[Finding]) -> str:

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import math
 import platform
-import resource
 import signal
 import sys
 import time
@@ -38,6 +37,7 @@ from mspretrain.checkpoint.saver import Saver
 from mspretrain.config import Config
 from mspretrain.device import DeviceInfo, plan_device, setup_mindspore
 from mspretrain.errors import UserError
+from mspretrain.monitor.memory import memory_metrics
 from mspretrain.train import distributed
 from mspretrain.train.loss_scale import LossScaler
 from mspretrain.train.schedule import Schedule, build_schedule, total_steps
@@ -321,7 +321,8 @@ class Trainer:
                     summary.tokens_per_s = tps
                     t_window, tok_window = time.perf_counter(), 0
                 if self.step % self.cfg.metrics.memory_every == 0:
-                    values["mem_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                    # host RSS as mem_mb; on Ascend also the NPU's peak allocated/reserved (monitor/memory.py)
+                    values.update(memory_metrics(self.device.target))
                 summary.losses.append(res.loss)
                 self._spikes(res, values)
                 self.metrics.log(self.step, values)
