@@ -288,6 +288,28 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def move_aside(run_dir: Path) -> list[Path]:
+    """`train --restart` over checkpoints that all fail verification: keep them, out of the way.
+
+    `checkpoints/` becomes `checkpoints.failed-<UTC time>/` and `metrics.jsonl` goes into it, so
+    the new run neither resumes from nor prunes them and its metrics do not follow the old ones.
+    Moving the dir back to `checkpoints/` makes them repairable with `mspretrain recover` again.
+    """
+    run_dir = Path(run_dir)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = run_dir / f"checkpoints.failed-{stamp}"
+    n = 1
+    while dest.exists():  # two restarts in one second: never merge into an older aside dir
+        dest = run_dir / f"checkpoints.failed-{stamp}-{n}"
+        n += 1
+    os.replace(run_dir / "checkpoints", dest)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        os.replace(metrics, dest / "metrics.jsonl")
+    fsync_path(run_dir)
+    return [dest]
+
+
 def clean_tmp_dirs(run_dir: Path, log: Callable[[str], None] = print) -> None:
     root = Path(run_dir) / "checkpoints"
     if root.is_dir():
@@ -309,7 +331,7 @@ def latest_verified(run_dir: Path, log: Callable[[str], None] = print) -> Path |
                 break
             bad.append((d.name, reason))
     for name, reason in bad:
-        log(f"checkpoint {name} is corrupt: {reason} — using {chosen.name if chosen else 'no checkpoint (fresh start)'}")
+        log(f"checkpoint {name} is corrupt: {reason} — " + (f"using {chosen.name}" if chosen else "no other checkpoint verifies"))
     return chosen
 
 

@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="where metrics, logs and checkpoints go")
     p.add_argument("--allow-config-change", action="store_true", help="resume even if the config changes numerics")
     p.add_argument("--allow-data-change", action="store_true", help="resume even if the data dir's fingerprint changed")
+    p.add_argument("--restart", action="store_true",
+                   help="when every checkpoint of RUN_DIR fails verification, move them (and metrics.jsonl) "
+                        "to checkpoints.failed-<time>/ and start from step 0 instead of refusing")
     p.add_argument("--cpu-quota", type=float, default=None, metavar="PCT",
                    help="cap this process at PCT%% of all cores (cgroup v2, else affinity + nice)")
     add_quiet_argument(p)
@@ -38,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
     log = (lambda s: None) if args.quiet else print
     trainer = Trainer(cfg, args.data, args.run, allow_config_change=args.allow_config_change,
-                      allow_data_change=args.allow_data_change, log=log, progress=progress_enabled(args))
+                      allow_data_change=args.allow_data_change, log=log, progress=progress_enabled(args),
+                      restart=args.restart)
     summary = trainer.train()
     if not args.quiet:
         last = f"{summary.losses[-1]:.4f}" if summary.losses else "n/a"

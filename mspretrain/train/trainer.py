@@ -32,6 +32,7 @@ import numpy as np
 
 from mspretrain import __version__
 from mspretrain import config as cfgmod
+from mspretrain.checkpoint import lock as run_lock
 from mspretrain.checkpoint import store
 from mspretrain.checkpoint.saver import Saver
 from mspretrain.config import Config
@@ -87,7 +88,7 @@ class Summary:
 class Trainer:
     def __init__(self, cfg: Config, data_dir: str | Path, run_dir: str | Path, *,
                  allow_config_change: bool = False, allow_data_change: bool = False,
-                 log: Callable[[str], None] = print, progress: bool = False) -> None:
+                 log: Callable[[str], None] = print, progress: bool = False, restart: bool = False) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.run_dir = Path(run_dir)
         self._print = log
@@ -102,6 +103,8 @@ class Trainer:
         self.sources = self._check_sources(cfg)
         setup_mindspore(self.device)
         self.world = distributed.init(self.device.target)
+        if self.world.is_main:  # one writer per run dir; the other msrun ranks are the same job
+            run_lock.acquire(self.run_dir, "train", log=self._print)
         self.micro, self.accum_steps = cfgmod.micro_batches(cfg, self.world.size)
 
         # ---- resume: the newest checkpoint that verifies (rank 0 decides what it logs)
@@ -109,6 +112,15 @@ class Trainer:
         if self.run_dir.exists():
             store.clean_tmp_dirs(self.run_dir, log=self.log) if self.world.is_main else None
             self.resume_from = store.latest_verified(self.run_dir, log=self.log)
+            if self.resume_from is None and store.list_checkpoints(self.run_dir):
+                # starting from step 0 here would append to the old metrics and later prune the
+                # damaged checkpoints that `recover` could have repaired
+                if not restart:
+                    raise UserError(f"every checkpoint in {self.run_dir / 'checkpoints'} fails verification; not starting over them from step 0",
+                                    f"repair one with `mspretrain recover {self.run_dir}`, or pass --restart to move them aside and start from step 0")
+                if self.world.is_main:
+                    moved = store.move_aside(self.run_dir)
+                    self.log(f"--restart: the unverifiable checkpoints and metrics were moved to {', '.join(p.name for p in moved)}")
         if self.resume_from is not None:
             old = cfgmod.load(self.resume_from / "config.toml")
             changes = config_changes(old, cfg)

@@ -1,0 +1,104 @@
+"""One writer per run dir: an exclusive `flock` on `RUN_DIR/.mspretrain.lock`.
+
+Two `train` processes on one `--run` would interleave their metrics and replace each other's
+checkpoints and config; `recover` rewriting a manifest under a live trainer is as bad. Whoever
+writes a run dir takes this lock first, and anyone else is refused in one line naming the
+holder's PID and host.
+
+Design choices:
+- `fcntl.flock` on a file inside the run dir, held for the life of the process: the kernel drops
+  it when the process dies (even by SIGKILL), so a stale lock never blocks the next run and no
+  "is that PID still alive?" guessing is needed. The PID and host written into the file are for
+  the error message only; the lock itself is the kernel's.
+- Per process the lock is re-entrant: flock conflicts between two open files of the same process,
+  and a process that trains and then recovers the same run dir (tests, notebooks) is one writer.
+- Under msrun only rank 0 takes it (the caller decides): the other ranks of the same job write
+  their optimizer shards into the same run dir by design.
+- On NFS, flock is emulated with POSIX locks by Linux (nfs(5), "local_lock"); it still excludes
+  other hosts on NFSv4. On filesystems without locks (some FUSE mounts) `flock` fails with
+  ENOLCK/EOPNOTSUPP: then we proceed with a warning rather than refuse every run.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+from mspretrain.errors import UserError
+
+LOCK_NAME = ".mspretrain.lock"
+
+# path of the lock file (resolved) -> open fd, for the life of the process
+_held: dict[str, int] = {}
+
+
+def _holder(path: Path) -> str:
+    """'PID 123 on host h (since ...)' from the lock file, or a vaguer phrase if it is unreadable."""
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        return f"PID {int(info['pid'])} on host {info['host']} ({info.get('command', '?')}, since {info.get('since', '?')})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def ensure_run_dir(run_dir: Path) -> Path:
+    """Create the run dir, or refuse in one line when it cannot be one (a file, read-only, ...)."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run {run_dir} is a file, not a directory", "pass a directory (it is created if missing)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"--run {run_dir}: a parent of it is a file", "pass a path under a directory") from None
+    except OSError as exc:
+        raise UserError(f"cannot create run dir {run_dir}: {exc.strerror}", "pass a --run dir you can write to") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise UserError(f"run dir {run_dir} is not writable", "fix its permissions or pass another --run dir")
+    return run_dir
+
+
+def acquire(run_dir: str | Path, command: str, log: Callable[[str], None] = print) -> Path:
+    """Take the run dir's lock for the rest of this process's life; refuse if another holds it."""
+    run_dir = ensure_run_dir(Path(run_dir))
+    path = run_dir / LOCK_NAME
+    key = str(path.resolve())
+    if key in _held:
+        try:
+            same = os.path.samestat(os.fstat(_held[key]), os.stat(path))
+        except OSError:
+            same = False
+        if same:
+            return path
+        os.close(_held.pop(key))  # the run dir was deleted and made again: lock the new file
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise UserError(f"cannot open the lock file {path}: {exc.strerror}", "pass a --run dir you can write to") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise UserError(f"run dir {run_dir} is in use by {_holder(path)}",
+                            "wait for it to finish (or stop it), or use another --run dir") from None
+        log(f"warning: cannot lock {run_dir} ({exc.strerror}); make sure no other process writes to it")
+        return path
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    _held[key] = fd
+    return path
+
+
+def release(run_dir: str | Path) -> None:
+    """Drop this process's lock on `run_dir` early (exit drops it anyway)."""
+    key = str((Path(run_dir) / LOCK_NAME).resolve())
+    fd = _held.pop(key, None)
+    if fd is not None:
+        os.close(fd)  # closing the last descriptor releases the flock
