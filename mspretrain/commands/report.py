@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
-from mspretrain.commands.common import existing_path
+from mspretrain.commands.common import existing_path, refuse_overrides
+from mspretrain.errors import UserError
 
 EXAMPLES = """examples:
   mspretrain report runs/demo
@@ -18,11 +20,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="FILE", help="HTML file to write (default RUN_DIR/report/report.html)")
 
 
-def run(args: argparse.Namespace) -> int:
+# The start of every report render_html writes: how an earlier report is told from any other file.
+_REPORT_MARK = b"<title>mspretrain report"
+
+
+def _check_out(out: Path) -> None:
+    """`--out` may name a new file or an earlier report, nothing else (not the run's config.toml)."""
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory", "name the HTML file to write, e.g. --out report.html")
+    if out.exists() or out.is_symlink():
+        try:
+            with open(out, "rb") as f:
+                head = f.read(512)
+        except OSError:
+            head = b""
+        if _REPORT_MARK not in head:
+            raise UserError(f"--out {out} exists and is not an earlier mspretrain report; refusing to replace it",
+                            "name a new file (or an earlier report) with --out")
+
+
+def _write(run_dir: Path, out: Path) -> Path:
+    """Build into a hidden sibling and rename over `out`: an interrupted report leaves the old one whole."""
     from mspretrain.monitor.report import build_report
 
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        build_report(run_dir, tmp)
+        os.replace(tmp, out)
+    except OSError as exc:  # a read-only run dir (the PNGs go to RUN_DIR/report/), a full disk
+        raise UserError(f"cannot write the report: {exc.strerror} ({exc.filename or out})",
+                        "free space or fix permissions; --out FILE puts the HTML elsewhere") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    refuse_overrides(args, "report", "the report shows what the run recorded; rerun `mspretrain report RUN_DIR` without them")
     run_dir = existing_path(args.run_dir, "run dir", "pass the --run dir of `mspretrain train`")
-    out = build_report(run_dir, Path(args.out) if args.out else None)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is a file, not a run dir", "pass the --run dir of `mspretrain train`")
+    out = Path(args.out) if args.out else run_dir / "report" / "report.html"
+    _check_out(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create {out.parent}: {exc.strerror}", "name an --out file in a directory you can write to") from None
+    out = _write(run_dir, out)
     print(f"report: {out}")
     print(f"plots:  {run_dir / 'report'}/*.png")
     return 0

@@ -20,7 +20,9 @@ Design choices:
   so a small corpus still gets both splits; documents keep their input order.
 - Everything is built in a hidden sibling directory `.NAME.partial/` and renamed to NAME only
   when complete (`manifest.json` is written last), so a crash never leaves a data dir that
-  looks finished; an existing NAME is replaced only with `overwrite`.
+  looks finished; an existing NAME is replaced only with `overwrite`, and then only the files
+  an earlier prepare listed in its manifest (`outputs`): inputs inside NAME are refused, and
+  other files in NAME are kept.
 - The manifest holds no timestamps or absolute paths: same input + same seed -> same bytes.
 """
 from __future__ import annotations
@@ -308,15 +310,38 @@ class _Sink:
 
 # --------------------------------------------------------------------------- output dir
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def _owned(out: Path) -> set[str]:
+    """Names in `out` that a previous prepare wrote (its manifest's `outputs`; older manifests
+    predate that key and get the fixed set prepare has always written). No manifest: none."""
+    try:
+        m = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return set()
+    listed = m.get("outputs") if isinstance(m, dict) else None
+    if isinstance(listed, list) and all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in listed):
+        return set(listed)
+    return set(_OUR_FILES)
+
+
+def _check_out(out: Path, overwrite: bool, inputs: list[Path]) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file", "give a directory path for the data dir")
+    root = out.resolve()
+    for p in inputs:  # `--overwrite` must never delete or replace what it is reading
+        if p == root or root in p.parents:
+            raise UserError(f"input {p} is inside --out {out}", "move the input out of the data dir, or choose another --out")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"output dir {out} already exists and is not empty", "pass --overwrite to replace it, or choose another --out")
-        if not (out / "manifest.json").is_file() and not {p.name for p in out.iterdir()} <= _OUR_FILES:
-            raise UserError(f"output dir {out} holds files that prepare did not write; refusing to replace it",
+        if not (out / "manifest.json").is_file():
+            raise UserError(f"output dir {out} holds files that prepare did not write (it has no manifest.json); refusing to replace it",
                             "choose a new --out directory (or empty this one yourself)")
+        # Files prepare did not write stay where they are; one with the name of an output would
+        # have to be replaced, so that is refused.
+        clash = sorted(n for n in _OUR_FILES if (out / n).exists() and n not in _owned(out))
+        if clash:
+            raise UserError(f"output dir {out} holds {clash[0]}, which no earlier prepare wrote (no manifest lists it); refusing to replace it",
+                            "move that file elsewhere, or choose a new --out directory")
 
 
 def _fsync_all(paths: list[Path]) -> None:
@@ -328,14 +353,35 @@ def _fsync_all(paths: list[Path]) -> None:
 
 
 def _publish(work: Path, out: Path) -> None:
-    old = out.with_name(f".{out.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if out.is_dir():
+    """Make `work` the data dir `out`. Only files an earlier prepare listed in its manifest are
+    removed or replaced; anything else in `out` stays (`_check_out` refused name clashes)."""
+    if not out.is_dir():
+        os.replace(work, out)
+        return
+    owned = _owned(out)
+    if {p.name for p in out.iterdir()} <= owned:  # all ours: swap the whole dir at once
+        old = out.with_name(f".{out.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
         os.replace(out, old)
-    os.replace(work, out)
-    shutil.rmtree(old, ignore_errors=True)
-
+        os.replace(work, out)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    # Others' files live here too: replace ours file by file. The old manifest goes first and
+    # the new one comes last, so a crash in between leaves a dir that is not a data dir (the
+    # loader refuses it) rather than a mix that looks finished.
+    (out / "manifest.json").unlink(missing_ok=True)
+    fsync_path(out)
+    new = {p.name for p in work.iterdir()}
+    for name in sorted(owned - new):
+        if (out / name).is_file():
+            (out / name).unlink()
+    for name in sorted(new - {"manifest.json"}):
+        os.replace(work / name, out / name)
+    fsync_path(out)
+    os.replace(work / "manifest.json", out / "manifest.json")
+    fsync_path(out)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def _check_config(cfg: PrepareConfig) -> None:
@@ -367,9 +413,9 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     _check_config(cfg)
     workers = max(1, int(workers if workers is not None else len(os.sched_getaffinity(0))))
     out = Path(out_dir).expanduser()
-    _check_out(out, overwrite)
     stats = sources.SourceStats()
     paths = sources.discover(inputs, stats)
+    _check_out(out, overwrite, paths)
     given = Tokenizer.load(tokenizer) if tokenizer else None
     if given is not None and given.eos_id < 0:
         raise UserError(f"tokenizer {tokenizer} has no end-of-sequence token", "use a tokenizer with an EOS token such as </s>")
@@ -393,6 +439,8 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
             for split in SPLITS:
                 if manifest["tokens"][split] < seq_len + 1 and (split == "train" or cfg.valid_fraction > 0):
                     warn(f"the {split} split has {manifest['tokens'][split]} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+        # what this prepare wrote: the only files a later `--overwrite` may remove or replace
+        manifest["outputs"] = sorted([p.name for p in work.iterdir()] + ["manifest.json"])
         path = work / "manifest.json"
         path.write_text(json.dumps(manifest, ensure_ascii=False, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         # Files and their directory at once: nothing in `work` is visible before `_publish`, so

@@ -1,0 +1,140 @@
+"""Issue 18: nothing the user has is ever lost, and no input crashes a command.
+
+Every refusal goes through `mspretrain.cli.main` and must be exactly one `error:` line plus one
+`hint:` line, exit code 2, no traceback, and must leave the user's files byte for byte as they
+were. (The run-dir lock and the all-checkpoints-corrupt refusal are in test_lock.py; the
+safetensors / config.json fuzzing is in test_fuzz_readers.py.)"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mspretrain.cli import main
+from tests.conftest import make_poems
+
+
+def refused(capsys, *args: object) -> str:
+    """Run the CLI, assert the one-line refusal contract, return stderr."""
+    rc = main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
+    return err
+
+
+def tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# --------------------------------------------------------------------------- item 2: prepare --overwrite
+
+PREP = ["--vocab-size", "400", "--workers", "1", "--quiet", "prepare.valid_fraction=0.1", "prepare.min_chars=4"]
+
+
+@pytest.fixture(scope="module")
+def poems_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("poems")
+    (d / "a.txt").write_text("\n\n".join(make_poems(150, seed=11)) + "\n", encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def prepared(poems_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prep") / "data"
+    assert main(["prepare", str(poems_dir), "--out", str(out), *PREP]) == 0
+    return out
+
+
+def test_prepare_manifest_lists_its_outputs(prepared):
+    m = json.loads((prepared / "manifest.json").read_text())
+    assert sorted(m["outputs"]) == sorted(p.name for p in prepared.iterdir())
+
+
+@pytest.mark.parametrize("where", ["file", "dir", "glob", "out_itself"])
+def test_prepare_refuses_inputs_inside_out(prepared, poems_dir, tmp_path, capsys, where):
+    out = tmp_path / "data"
+    shutil.copytree(prepared, out)
+    (out / "sub").mkdir()
+    shutil.copy(poems_dir / "a.txt", out / "sub" / "corpus.txt")
+    before = tree(out)
+    arg = {"file": out / "sub" / "corpus.txt", "dir": out / "sub", "glob": f"{out}/**/*.txt", "out_itself": out}[where]
+    err = refused(capsys, "prepare", arg, "--out", out, "--overwrite", *PREP)
+    assert "inside --out" in err
+    assert tree(out) == before
+
+
+def test_prepare_overwrite_replaces_only_what_prepare_wrote(prepared, poems_dir, tmp_path, capsys):
+    out = tmp_path / "data"
+    shutil.copytree(prepared, out)
+    (out / "notes.md").write_text("my notes", encoding="utf-8")
+    (out / "runs").mkdir()
+    (out / "runs" / "keep.bin").write_bytes(b"\x00\x01")
+    (out / "train.bin").write_bytes(b"garbage")  # listed in the manifest: prepare's to replace
+    assert main(["prepare", str(poems_dir), "--out", str(out), "--overwrite", *PREP]) == 0
+    assert (out / "notes.md").read_text(encoding="utf-8") == "my notes"
+    assert (out / "runs" / "keep.bin").read_bytes() == b"\x00\x01"
+    assert (out / "train.bin").read_bytes() == (prepared / "train.bin").read_bytes()
+    assert json.loads((out / "manifest.json").read_text()) == json.loads((prepared / "manifest.json").read_text())
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no .partial / .old left
+
+
+@pytest.mark.parametrize("case", ["unlisted_name", "no_manifest", "bad_manifest", "out_is_file"])
+def test_prepare_overwrite_refuses_to_replace_a_file_it_did_not_write(prepared, poems_dir, tmp_path, capsys, case):
+    out = tmp_path / "data"
+    if case == "out_is_file":
+        out.write_text("a file", encoding="utf-8")
+        before = {"": out.read_bytes()}
+    else:
+        shutil.copytree(prepared, out)
+        if case == "unlisted_name":  # a name prepare could write, but the manifest does not list it
+            (out / "tokenizer.json").write_text("{\"mine\": 1}", encoding="utf-8")
+        elif case == "no_manifest":
+            (out / "manifest.json").unlink()
+        else:
+            (out / "manifest.json").write_text("{not json", encoding="utf-8")
+        before = tree(out)
+    refused(capsys, "prepare", poems_dir, "--out", out, "--overwrite", *PREP)
+    assert (tree(out) if out.is_dir() else {"": out.read_bytes()}) == before
+
+
+# --------------------------------------------------------------------------- item 3: report --out
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[train]\nmax_steps = 3\n", encoding="utf-8")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in (1, 2, 3)))
+    return run
+
+
+@pytest.mark.parametrize("target", ["config.toml", "metrics.jsonl", "other.html", "dir"])
+def test_report_out_never_replaces_a_file_it_did_not_write(run_dir, tmp_path, capsys, target):
+    if target == "other.html":
+        out = tmp_path / "other.html"
+        out.write_text("<html><title>my page</title></html>", encoding="utf-8")
+    elif target == "dir":
+        out = tmp_path / "somedir"
+        out.mkdir()
+    else:
+        out = run_dir / target
+    before = tree(tmp_path)
+    refused(capsys, "report", run_dir, "--out", out)
+    assert tree(tmp_path) == before
+
+
+def test_report_out_writes_new_files_and_replaces_earlier_reports(run_dir, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    assert main(["report", str(run_dir), "--out", str(out)]) == 0
+    first = out.read_bytes()
+    assert b"<title>mspretrain report" in first
+    assert main(["report", str(run_dir), "--out", str(out)]) == 0  # an earlier report: replaced
+    assert b"<title>mspretrain report" in out.read_bytes()
+    assert main(["report", str(run_dir)]) == 0  # the default place, twice
+    assert main(["report", str(run_dir)]) == 0
+    assert not [p for p in tmp_path.rglob(".*.tmp")]
