@@ -381,6 +381,15 @@ def _fail(key: str, problem: str, fix: str) -> None:
 
 def validate(cfg: Config, *, device: str | None = None) -> None:
     """Reject impossible values before any compute. `device` is the resolved target, if known."""
+    # Every float of every section, present and future: NaN/inf pass `x < 0`-style range checks
+    # (every comparison with NaN is False), and a NaN weight decay writes NaN weights into
+    # checkpoints that verify. One loop over the schema, so a new float key cannot skip it.
+    for sec in fields(Config):
+        for f in fields(getattr(cfg, sec.name)):
+            value = getattr(getattr(cfg, sec.name), f.name)
+            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(v, float) and not math.isfinite(v):
+                    _fail(f"{sec.name}.{f.name}", f"= {v} is not a finite number", f"give {sec.name}.{f.name} a finite value (see docs/config-reference.md)")
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -474,6 +483,8 @@ def validate(cfg: Config, *, device: str | None = None) -> None:
     pr = cfg.precision
     if pr.dtype == "bf16" and device == "cpu":
         _fail("precision.dtype", "= bf16 is not supported on CPU (MindSpore has no CPU bf16 kernels)", "use precision.dtype=fp32 (or fp16) on CPU; bf16 is for Ascend")
+    if pr.scale_warmup_to < 0:
+        _fail("precision.scale_warmup_to", f"= {pr.scale_warmup_to} must not be negative", "use 0 (no warm-up of the scale) or e.g. 1024")
     if not pr.init_scale > 0:
         _fail("precision.init_scale", f"= {pr.init_scale} must be positive", "the field report uses 64")
     if not 0 < pr.min_scale <= pr.max_scale:
@@ -501,6 +512,8 @@ def validate(cfg: Config, *, device: str | None = None) -> None:
         _fail("eval.batch_size", "must be positive (and every/max_tokens not negative)", "use e.g. eval.batch_size=8")
     if cfg.device.threads < 0:
         _fail("device.threads", f"= {cfg.device.threads} must not be negative", "use 0 for all cores")
+    if cfg.device.peak_tflops < 0:
+        _fail("device.peak_tflops", f"= {cfg.device.peak_tflops} must not be negative", "use 0 for the built-in table, or the device's peak TFLOPs")
     if not 0 <= cfg.device.cpu_quota <= 100:
         _fail("device.cpu_quota", f"= {cfg.device.cpu_quota} is outside [0, 100]", "give a percentage of all cores, e.g. 60 (0 = off)")
     for f in fields(MetricsConfig):
@@ -508,12 +521,17 @@ def validate(cfg: Config, *, device: str | None = None) -> None:
         if f.type in ("int", int) and v <= 0:
             _fail(f"metrics.{f.name}", f"= {v} must be positive", "give an interval in steps, e.g. 1, 50 or 200")
     sp = cfg.spike
+    if not sp.threshold > 0:
+        _fail("spike.threshold", f"= {sp.threshold} must be positive", "the field report's bar is 0.3 (a loss 0.3 above the rolling mean)")
     if sp.window < 2 or sp.threshold <= 0 or sp.max_nonfinite < 1 or sp.rewind_skip < 0:
         _fail("spike.window", "needs window >= 2, threshold > 0, max_nonfinite >= 1, rewind_skip >= 0", "the defaults are window 50, threshold 0.3, max_nonfinite 10")
+    if not sp.grad_norm_factor > 0:
+        _fail("spike.grad_norm_factor", f"= {sp.grad_norm_factor} must be positive", "the default is 5 (a grad norm 5x the rolling median)")
     for i, src in enumerate(cfg.data.sources):
         if not isinstance(src, dict) or "path" not in src or set(src) - {"path", "weight"}:
             _fail(f"data.sources[{i}]", "must be a table {path = \"DIR\", weight = W}", 'write data.sources = [{path = "a/", weight = 0.7}, {path = "b/", weight = 0.3}]')
-        if not isinstance(src.get("weight", 1.0), (int, float)) or src.get("weight", 1.0) <= 0:
+        w = src.get("weight", 1.0)
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not (w > 0 and math.isfinite(w)):
             _fail(f"data.sources[{i}].weight", "must be a positive number", "weights are relative, e.g. 0.7 and 0.3")
     if cfg.cost.price_per_device_hour < 0:
         _fail("cost.price_per_device_hour", "must not be negative", "use 0 for no cost figures")

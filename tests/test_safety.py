@@ -138,3 +138,67 @@ def test_report_out_writes_new_files_and_replaces_earlier_reports(run_dir, tmp_p
     assert main(["report", str(run_dir)]) == 0  # the default place, twice
     assert main(["report", str(run_dir)]) == 0
     assert not [p for p in tmp_path.rglob(".*.tmp")]
+
+
+# --------------------------------------------------------------------------- item 5: config floats
+
+def _float_keys() -> list[str]:
+    """Every float key of the schema, including keys added after this test was written."""
+    from dataclasses import fields
+
+    from mspretrain.config import Config
+
+    base = Config()
+    return [f"{s.name}.{f.name}" for s in fields(Config) for f in fields(getattr(base, s.name))
+            if isinstance(getattr(getattr(base, s.name), f.name), float)]
+
+
+def test_every_float_key_refuses_nan_and_inf():
+    from mspretrain import config as cfgmod
+    from mspretrain.errors import UserError
+
+    keys = _float_keys()
+    assert {"optim.weight_decay", "optim.z_loss", "optim.grad_clip", "spike.threshold", "model.rope_theta",
+            "device.peak_tflops"} <= set(keys)
+    for key in keys:
+        for bad in ("nan", "inf", "-inf"):
+            cfg = cfgmod.load(None, [f"{key}={bad}", "train.max_steps=10"])
+            with pytest.raises(UserError) as exc:
+                cfgmod.validate(cfg)
+            assert key in exc.value.cause, (key, bad, exc.value.cause)
+
+
+@pytest.mark.parametrize("override", ["optim.weight_decay=-0.1", "optim.z_loss=-1e-4", "optim.grad_clip=-1",
+                                      "spike.threshold=-0.3", "spike.grad_norm_factor=0", "model.rope_theta=-10000",
+                                      "device.peak_tflops=-312", "precision.scale_warmup_to=-1", "precision.init_scale=0",
+                                      "cost.price_per_device_hour=-2"])
+def test_float_keys_out_of_their_range(override):
+    from mspretrain import config as cfgmod
+    from mspretrain.errors import UserError
+
+    with pytest.raises(UserError) as exc:
+        cfgmod.validate(cfgmod.load(None, [override, "train.max_steps=10"]))
+    assert override.split("=")[0] in exc.value.cause
+
+
+@pytest.mark.parametrize("override", ["optim.weight_decay=nan", "optim.z_loss=inf", "spike.threshold=nan",
+                                      "model.rope_theta=inf", "optim.grad_clip=nan"])
+def test_train_refuses_nonfinite_config_before_touching_the_run(tiny_data, tmp_path, capsys, override):
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "--quiet", override)
+    assert not run.exists()
+
+
+def test_nonfinite_data_source_weight(tmp_path):
+    from dataclasses import replace
+
+    from mspretrain import config as cfgmod
+    from mspretrain.errors import UserError
+
+    for w in (float("nan"), float("inf"), -1.0, 0.0, True):
+        cfg = cfgmod.load(None, ["train.max_steps=10"])
+        cfg = replace(cfg, data=replace(cfg.data, sources=({"path": "a", "weight": w},)))
+        with pytest.raises(UserError):
+            cfgmod.validate(cfg)
