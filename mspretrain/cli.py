@@ -76,6 +76,27 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _override_hint(words: list[str]) -> str | None:
+    """`--max-steps 5` names a config key: point at the override spelling (`train.max_steps=5`)."""
+    from dataclasses import fields
+
+    from mspretrain.config import Config
+
+    base = Config()
+    for i, word in enumerate(words):
+        if not word.startswith("--"):
+            continue
+        name, _, value = word[2:].partition("=")
+        name = name.replace("-", "_")
+        if not value and i + 1 < len(words) and not words[i + 1].startswith("-"):
+            value = words[i + 1]
+        keys = [f"{s.name}.{name}" for s in fields(Config) if name in {f.name for f in fields(getattr(base, s.name))}]
+        if keys:
+            spelled = " or ".join(f"{k}={value or 'VALUE'}" for k in keys)
+            return f"config keys are overrides after the options, not --flags: did you mean {spelled}?"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--verbose" in argv:
@@ -91,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Leftover words of the form section.key=value are config overrides.
         bad = [e for e in extra if "=" not in e or e.startswith("-")]
         if bad:
+            hint = _override_hint(bad)
+            if hint:
+                raise UserError(f"unrecognized arguments: {' '.join(bad)}", hint)
             parser.error(f"unrecognized arguments: {' '.join(bad)}")
         args.overrides = [e for e in extra if e not in bad]
         return int(args._module.run(args) or 0)

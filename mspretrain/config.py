@@ -12,6 +12,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -284,7 +285,8 @@ def _section_from_dict(section: str, cls: type, values: dict[str, Any], base: An
         if f"{section}.{key}" in RETIRED:
             continue
         if key not in known:
-            close = [k for k in known if k.startswith(key[:3])]
+            # difflib's ratio, best first, ties by name: the same hint on every run (a set's order is not)
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
             hint = f"did you mean {section}.{close[0]}?" if close else f"valid keys: {', '.join(sorted(known))}"
             raise UserError(f"unknown config key {section}.{key}", hint)
         updates[key] = _coerce(f"{section}.{key}", value, hints[key])
@@ -349,8 +351,19 @@ def dumps(cfg: Config) -> str:
     return tomli_w.dumps(to_dict(cfg))
 
 
-def save(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(dumps(cfg), encoding="utf-8")
+def save(cfg: Config, path: str | Path, notes: dict[str, str] | None = None) -> None:
+    """Write `cfg` as TOML; `notes` ({"train.micro_batch": "text"}) become comments on those keys' lines."""
+    text = dumps(cfg)
+    if notes:
+        lines, section = [], ""
+        for line in text.splitlines():
+            if line.startswith("["):
+                section = line.strip("[]")
+            key = line.split(" = ", 1)[0]
+            note = notes.get(f"{section}.{key}") if " = " in line else None
+            lines.append(f"{line}  # {note}" if note else line)
+        text = "\n".join(lines) + "\n"
+    Path(path).write_text(text, encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- resolving

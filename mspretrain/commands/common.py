@@ -40,3 +40,25 @@ def existing_path(path: str, what: str, fix: str) -> Path:
     if not p.exists():
         raise UserError(f"{what} {p} does not exist", fix)
     return p
+
+
+def refuse_overrides(args: argparse.Namespace, command: str, instead: str) -> None:
+    """Commands that read a finished run take no section.key=value overrides: refuse them in one
+    line rather than ignore them (an ignored argument is a wrong answer)."""
+    from mspretrain.errors import UserError
+
+    overrides = list(getattr(args, "overrides", ()) or ())
+    if overrides:
+        raise UserError(f"`mspretrain {command}` takes no config overrides (got {' '.join(overrides)}): it uses the run's saved config",
+                        instead)
+
+
+def refuse_data_dir(path: str, command: str) -> None:
+    """A data dir also has a manifest.json: name the mix-up instead of "checkpoint does not verify"."""
+    from mspretrain.errors import UserError
+
+    p = Path(path)
+    if (p / "manifest.json").is_file() and (p / "train.idx").is_file():
+        raise UserError(f"{p} is a data dir (the output of `mspretrain prepare`), not a run or checkpoint",
+                        f"pass the --run dir of `mspretrain train`, e.g. mspretrain {command} RUN_DIR"
+                        + (f" --data {p}" if command == "eval" else ""))

@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mspretrain.commands.common import add_quiet_argument
+from mspretrain.commands.common import add_quiet_argument, refuse_data_dir, refuse_overrides
 from mspretrain.errors import UserError
 
 EXAMPLES = """examples:
@@ -28,8 +28,14 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.eval.loading import load_for_inference
     from mspretrain.eval.perplexity import evaluate_split
 
+    refuse_overrides(args, "eval", "use eval's own options, e.g. --max-tokens 65536 --batch-size 8 (see `mspretrain eval --help`)")
     if args.batch_size <= 0:
         raise UserError(f"--batch-size {args.batch_size} must be positive", "use e.g. --batch-size 8")
+    if args.max_tokens < 0:
+        raise UserError(f"--max-tokens {args.max_tokens} must not be negative", "use 0 for the whole split, or e.g. --max-tokens 32768")
+    if args.seq_len < 0:
+        raise UserError(f"--seq-len {args.seq_len} must not be negative", "use 0 for the run's data.seq_len")
+    refuse_data_dir(args.path, "eval")
     loaded = load_for_inference(args.path, log=(lambda s: None) if args.json else print)
     data_dir = Path(args.data) if args.data else loaded.ref.data_dir
     if data_dir is None or not (data_dir / "manifest.json").is_file():
@@ -49,5 +55,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res))
     else:
         bpc = f", {res['bpc']:.3f} bits/char" if "bpc" in res else ""
-        print(f"{loaded.ref.dir.name}: {args.split} perplexity {res['ppl']:.3f} (nll {res['nll']:.4f}{bpc}) over {res['tokens']:,} tokens")
+        print(f"{loaded.ref.dir.name}: {args.split} perplexity {res['ppl']:.3f} (nll {res['nll']:.4f}{bpc}) over {res['tokens']:,} tokens"
+              f"{scope_note(args.split, args.max_tokens, loaded.config.eval.max_tokens)}")
     return 0
+
+
+def scope_note(split: str, max_tokens: int, run_max_tokens: int) -> str:
+    """Which tokens were scored, next to the number: the run's own evals (report, demo, train.log)
+    score only the first eval.max_tokens, so the two perplexities differ and both are right."""
+    scope = f"the first {max_tokens:,} of the {split} split (--max-tokens)" if max_tokens else f"the whole {split} split"
+    if split == "valid" and run_max_tokens and run_max_tokens != max_tokens:
+        scope += f"; the run's own evals score the first {run_max_tokens:,} (eval.max_tokens)"
+    return f": {scope}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mspretrain.commands.common import add_quiet_argument
+from mspretrain.commands.common import add_quiet_argument, refuse_data_dir, refuse_overrides
 
 EXAMPLES = """examples:
   mspretrain generate runs/demo --prompt 春风 --max-new-tokens 48
@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.eval.generate import SamplingParams, generate
     from mspretrain.eval.loading import load_for_inference
 
+    refuse_overrides(args, "generate", "use generate's own options, e.g. --temperature 0.8 --top-k 50 (see `mspretrain generate --help`)")
+    refuse_data_dir(args.path, "generate")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, stop_at_eos=not args.no_stop)
@@ -38,11 +40,21 @@ def run(args: argparse.Namespace) -> int:
     out = []
     for prompt in args.prompt:
         g = generate(loaded.model, loaded.tokenizer, prompt, params, max_seq_len=loaded.config.model.max_seq_len)
-        out.append({"prompt": prompt, "text": g.text, "tokens": len(g.ids), "tokens_per_s": round(g.tokens_per_s, 2)})
+        out.append({"prompt": prompt, "text": g.text, "tokens": len(g.ids), "tokens_per_s": round(g.tokens_per_s, 2),
+                    "stopped": "eos" if g.stopped_at_eos else ("max_new_tokens" if len(g.ids) >= params.max_new_tokens else "context")})
         if not args.json:
             print(f"{prompt}{g.text}")
             if not args.quiet:
-                print(f"  ({len(g.ids)} tokens, {g.tokens_per_s:.1f} tokens/s)")
+                print(f"  ({len(g.ids)} tokens, {g.tokens_per_s:.1f} tokens/s{_stop_reason(g, params.max_new_tokens, loaded.config.model.max_seq_len)})")
     if args.json:
         print(json.dumps(out if len(out) > 1 else out[0], ensure_ascii=False))
     return 0
+
+
+def _stop_reason(g, max_new_tokens: int, context: int) -> str:
+    """Why generation ended early, when it did: EOS, or the model's context (model.max_seq_len)."""
+    if g.stopped_at_eos:
+        return ", stopped at end-of-text"
+    if len(g.ids) < max_new_tokens:
+        return f", stopped at the model's context of {context} tokens (prompt included)"
+    return ""

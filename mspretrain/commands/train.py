@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import Sequence
 
 from mspretrain.commands.common import add_config_argument, add_quiet_argument, existing_path, load_config, progress_enabled
+from mspretrain.config import Config
 
 EXAMPLES = """examples:
   mspretrain train --config configs/tiny.toml --data data/ --run runs/tiny train.max_steps=50
   mspretrain train --config configs/demo.toml --data data/ --run runs/demo      # resumes if runs/demo has a checkpoint
+  mspretrain train --model 125m --config configs/demo.toml --data data/ --run runs/125m   # a preset's architecture
   msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=logs --join=True \\
         $(which mspretrain) train --config configs/tiny.toml --data data/ --run runs/dp"""
 
@@ -16,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_argument(p)
     p.add_argument("--data", required=True, metavar="DATA_DIR", help="output of `mspretrain prepare`")
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="where metrics, logs and checkpoints go")
+    p.add_argument("--model", metavar="PRESET",
+                   help="a model preset (125m, 350m, 1b, llama2-7b, demo, tiny) instead of the config's [model]; "
+                        "the vocabulary comes from the data dir, model.* overrides still apply")
     p.add_argument("--allow-config-change", action="store_true", help="resume even if the config changes numerics")
     p.add_argument("--allow-data-change", action="store_true", help="resume even if the data dir's fingerprint changed")
     p.add_argument("--restart", action="store_true",
@@ -26,10 +32,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_quiet_argument(p)
 
 
+def with_preset(cfg: Config, name: str, overrides: Sequence[str] = ()) -> Config:
+    """`cfg` with a preset's architecture (vocab from the data dir), then the model.* overrides again."""
+    from dataclasses import replace
+
+    from mspretrain import config as cfgmod
+    from mspretrain.model.presets import preset
+
+    cfg = replace(cfg, model=replace(preset(name), vocab_size=0))
+    return cfgmod.apply_overrides(cfg, [o for o in overrides if o.startswith("model.")])
+
+
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     cfg = load_config(args)
+    if args.model:
+        cfg = with_preset(cfg, args.model, getattr(args, "overrides", ()))
     if args.cpu_quota is not None:
         cfg = replace(cfg, device=replace(cfg.device, cpu_quota=args.cpu_quota))
     existing_path(args.data, "data dir", "run `mspretrain prepare INPUT --out DATA_DIR` first")

@@ -141,7 +141,7 @@ def _meminfo() -> dict[str, int]:
 
 
 def check_run_dir(run_dir: Path, cfg: Config, mountinfo: str | Path = MOUNTINFO) -> list[Finding]:
-    from mspretrain.ops.plan import _param_count, checkpoint_bytes
+    from mspretrain.ops.plan import _param_count, make_plan
 
     out = []
     where = _nearest_existing(Path(run_dir))
@@ -152,7 +152,10 @@ def check_run_dir(run_dir: Path, cfg: Config, mountinfo: str | Path = MOUNTINFO)
                            "put --run on a local disk (metrics and checkpoints block on a network FS) and rsync it to shared storage"))
     # Before `prepare` the vocab is unknown: the configured tokenizer size is the best guess.
     m = cfg.model if cfg.model.vocab_size else replace(cfg.model, vocab_size=cfg.prepare.vocab_size)
-    ckpt = checkpoint_bytes(_param_count(m))
+    # the plan's figure, from the plan's own function: fp16/bf16 parameters with fp32 masters make a
+    # checkpoint 14-16 bytes per parameter, not 12 (doctor and plan must not disagree)
+    ckpt = int(make_plan(replace(cfg, model=m), devices=1, tokens=1, data_dir=None,
+                         tokens_per_s_per_device=None)["checkpoint_bytes"])
     need = ckpt * (cfg.checkpoint.keep_last + 1)  # keep_last kept + the one being written
     free = shutil.disk_usage(where).free
     status = "fail" if free < ckpt else ("warn" if free < need else "ok")

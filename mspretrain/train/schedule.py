@@ -100,3 +100,36 @@ def build_schedule(cfg: Config, data_tokens: int | None) -> Schedule:
     lr = scaled_lr(cfg.optim.lr, t.global_batch, cfg.optim.lr_scaling)
     return Schedule(kind=s.kind, lr=lr, warmup=warmup, total=total, min_lr=lr * s.min_lr_ratio,
                     decay_fraction=s.decay_fraction, peak_ratio=s.peak_ratio)
+
+
+def continuation_overrides(lr: float, lr_scaling: str = "none") -> str:
+    """Overrides that continue a run at learning rate `lr` (a constant tail): no warm-up, no jump.
+
+    `repr` prints the shortest decimal that reads back as the same float, so the tail starts at
+    exactly the learning rate the run was at."""
+    return (f"schedule.kind=constant schedule.warmup_steps=0 optim.lr={lr!r}"
+            + (" optim.lr_scaling=none" if lr_scaling != "none" else ""))
+
+
+def resume_notes(old: dict | None, new: Schedule, position: int, lr_scaling: str = "none") -> list[str]:
+    """What a resume changes in the schedule, for the log: both shapes, and the learning rate of the
+    next update under each. Empty when nothing changes.
+
+    `old` is the checkpoint's train_state["schedule"] ({kind, warmup, total, lr}, lr being the
+    rate of update `position`); raising train.max_steps re-stretches a cosine, so a finished run's
+    lr jumps from its floor back up: the notes say so and print the continuous alternative."""
+    if not old or not {"kind", "warmup", "total", "lr"} <= set(old):
+        return []
+    lr_old, lr_new = float(old["lr"]), new(position)
+    same_lr = math.isclose(lr_old, lr_new, rel_tol=1e-9, abs_tol=0.0)
+    if (old["kind"], int(old["warmup"]), int(old["total"])) == (new.kind, new.warmup, new.total) and same_lr:
+        return []
+    notes = [f"schedule changes on resume: was {old['kind']} with warm-up {old['warmup']}, {old['total']} steps in all; "
+             f"now {new.describe()}"]
+    if same_lr:
+        notes.append(f"the learning rate stays continuous: {lr_old:.3g} at update {position + 1}")
+    else:
+        notes.append(f"the learning rate of update {position + 1} jumps from {lr_old:.3g} to {lr_new:.3g} (x{lr_new / lr_old if lr_old else float('inf'):.2f}): "
+                     "this is a new schedule, not a plain continuation")
+        notes.append(f"to continue at {lr_old:.3g} instead (a constant tail), add: {continuation_overrides(lr_old, lr_scaling)}")
+    return notes

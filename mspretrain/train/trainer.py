@@ -41,7 +41,7 @@ from mspretrain.errors import UserError
 from mspretrain.monitor.memory import memory_metrics
 from mspretrain.train import distributed
 from mspretrain.train.loss_scale import LossScaler
-from mspretrain.train.schedule import Schedule, build_schedule, total_steps
+from mspretrain.train.schedule import Schedule, build_schedule, resume_notes, total_steps
 
 NUMERIC_KEYS = ("model", "data.seq_len", "data.reset_attention_at_eos", "train.global_batch", "train.seed")
 
@@ -132,6 +132,13 @@ class Trainer:
         self.cfg = cfg
         self.schedule: Schedule = build_schedule(cfg, int(self.manifest["tokens"]["train"]))
         self.total_steps = total_steps(cfg)
+        if self.resume_from is not None:  # a raised budget re-stretches the schedule: say how
+            ts = store.read_json(self.resume_from / "train_state.json")
+            for note in resume_notes(ts.get("schedule"), self.schedule, int(ts.get("applied_steps", ts["step"])),
+                                     cfg.optim.lr_scaling):
+                self.log(note)
+        # a short run still gets a few points of every metric (grad norm every 50 draws nothing in 40 steps)
+        self.sampling = sampling_for_run(cfg.metrics, self.total_steps)
         self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
         self.allow_data_change = allow_data_change
         self.progress = progress
@@ -200,7 +207,7 @@ class Trainer:
             self._last_save_step = self.step
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfgmod.save(self.cfg, self.run_dir / "config.toml")
+            cfgmod.save(self.cfg, self.run_dir / "config.toml", notes=self._resolved_notes())
             tok = self._tokenizer_file()
             if tok is not None:
                 (self.run_dir / tok.name).write_bytes(tok.read_bytes())
@@ -209,10 +216,25 @@ class Trainer:
                                  "device": self.device.target, "python": sys.version.split()[0],
                                  "mindspore": ms.__version__}}
             (self.run_dir / "run_meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        self.metrics = MetricsLogger(self.run_dir, cfg.metrics, enabled=self.world.is_main,
+        self.metrics = MetricsLogger(self.run_dir, self.sampling, enabled=self.world.is_main,
                                      resume_step=self.step if self.resume_from is not None else None, log=self.log)
         self.saver = Saver(self.run_dir, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
                            async_save=cfg.checkpoint.async_save, log=self.log)
+
+    def _resolved_notes(self) -> dict[str, str]:
+        """The automatic (0) values as they ran, for comments in RUN_DIR/config.toml. The keys stay
+        automatic so the same file resumes on another world size or machine."""
+        notes = {}
+        if not self.cfg.train.micro_batch:
+            notes["train.micro_batch"] = f"0 = automatic; this run: {self.micro} per rank x {self.accum_steps} accumulation on {self.world.size} rank(s)"
+        if not self.cfg.device.threads:
+            notes["device.threads"] = f"0 = all cores; this run: {self.device.threads}"
+        if self.cfg.schedule.warmup_steps == "auto":
+            notes["schedule.warmup_steps"] = f"this run: {self.schedule.warmup} steps"
+        for f in dataclasses.fields(self.sampling):
+            if getattr(self.sampling, f.name) != getattr(self.cfg.metrics, f.name):
+                notes[f"metrics.{f.name}"] = f"this run: every {getattr(self.sampling, f.name)} (intervals capped at {self.total_steps} steps / 8)"
+        return notes
 
     def _tokenizer_file(self) -> Path | None:
         for name in ("tokenizer.model", "tokenizer.json"):
@@ -332,18 +354,19 @@ class Trainer:
                         values["cost_per_btok"] = self.cfg.cost.price_per_device_hour / (per_dev * 3600) * 1e9
                     summary.tokens_per_s = tps
                     t_window, tok_window = time.perf_counter(), 0
-                if self.step % self.cfg.metrics.memory_every == 0:
+                if self.step % self.sampling.memory_every == 0:
                     # host RSS as mem_mb; on Ascend also the NPU's peak allocated/reserved (monitor/memory.py)
                     values.update(memory_metrics(self.device.target))
                 summary.losses.append(res.loss)
                 self._spikes(res, values)
-                self.metrics.log(self.step, values)
                 if self.step % self.cfg.train.log_every == 0 or self.step == start + 1 or self.step == self.total_steps:
                     self._console(values, t_begin, start)
                     if not self.world.is_main:  # per-rank timing in the msrun worker logs, for straggler diagnosis
                         print(f"rank={self.world.rank} step={self.step} step_time={(time.perf_counter() - t_step):.3f}s", flush=True)
-                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
-                    self.evaluate()
+                # every run ends with an eval (eval.every = 0 means only then), in the step's own record
+                if (self.cfg.eval.every and self.step % self.cfg.eval.every == 0) or self.step == self.total_steps:
+                    self.evaluate(values)
+                self.metrics.log(self.step, values)
                 if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
                     self.save()
             summary.final_checkpoint = self.save()
@@ -469,12 +492,16 @@ class Trainer:
         (ranks / f"rank_{self.world.rank}.json").write_text(
             json.dumps({"rank": self.world.rank, "step": self.step, "weights_sha256": h.hexdigest()}), encoding="utf-8")
 
-    def evaluate(self) -> float:
+    def evaluate(self, values: dict[str, float] | None = None) -> float:
+        """Valid perplexity; logged into `values` (the step's metrics record) when given."""
         from mspretrain.eval.perplexity import evaluate_split
 
         res = evaluate_split(self.model, self.data_dir, split="valid", seq_len=self.cfg.data.seq_len,
                              batch_size=self.cfg.eval.batch_size, max_tokens=self.cfg.eval.max_tokens)
-        self.metrics.log(self.step, {"eval/ppl": res["ppl"], "eval/nll": res["nll"]})
+        if values is None:
+            self.metrics.log(self.step, {"eval/ppl": res["ppl"], "eval/nll": res["nll"]})
+        else:
+            values.update({"eval/ppl": res["ppl"], "eval/nll": res["nll"]})
         self.log(f"step {self.step}: valid ppl {res['ppl']:.2f} over {res['tokens']:,} tokens")
         return res["ppl"]
 
@@ -505,6 +532,12 @@ class Trainer:
         # handler raises SIGTERM (measured): a Ctrl-C during a step arrives here as SIGTERM.
         name = "SIGTERM (or Ctrl-C)" if signum == signal.SIGTERM else signal.Signals(signum).name
         self.log(f"received {name}: finishing step {self.step + 1}, then writing a checkpoint")
+
+
+def sampling_for_run(m: cfgmod.MetricsConfig, total: int) -> cfgmod.MetricsConfig:
+    """The metric intervals, each capped at total/8 steps so a short run draws every panel."""
+    cap = max(1, total // 8)
+    return replace(m, **{f.name: min(getattr(m, f.name), cap) for f in dataclasses.fields(m) if f.name.endswith("_every")})
 
 
 def _fmt_time(s: float) -> str:
