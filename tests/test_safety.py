@@ -202,3 +202,61 @@ def test_nonfinite_data_source_weight(tmp_path):
         cfg = replace(cfg, data=replace(cfg.data, sources=({"path": "a", "weight": w},)))
         with pytest.raises(UserError):
             cfgmod.validate(cfg)
+
+
+# --------------------------------------------------------------------------- item 6: the data dir's tokenizer and ids
+
+def _data_copy(tiny_data: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    shutil.copytree(tiny_data, d)
+    return d
+
+
+def _train_refused(capsys, data: Path, tmp_path: Path) -> str:
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    err = refused(capsys, "train", "--config", TINY, "--data", data, "--run", run, "--quiet", "train.max_steps=3")
+    assert not run.exists()
+    return err
+
+
+def test_replaced_tokenizer_of_the_same_size_is_refused(tiny_data, poems_dir, tmp_path, capsys):
+    d = _data_copy(tiny_data, tmp_path)
+    other = tmp_path / "other"  # another tokenizer with the same vocabulary size, trained on other text
+    vocab = json.loads((d / "manifest.json").read_text())["vocab_size"]
+    assert main(["prepare", str(poems_dir), "--out", str(other), "--vocab-size", str(vocab), "--workers", "1", "--quiet",
+                 "prepare.min_chars=4"]) == 0
+    assert (other / "tokenizer.model").read_bytes() != (d / "tokenizer.model").read_bytes()
+    shutil.copy(other / "tokenizer.model", d / "tokenizer.model")
+    assert "SHA-256" in _train_refused(capsys, d, tmp_path)
+
+
+@pytest.mark.parametrize("vocab", [100, 300, 1])
+def test_edited_manifest_vocab_below_the_ids_is_refused(tiny_data, tmp_path, capsys, vocab):
+    from mspretrain.data.loader import check_data_dir
+    from mspretrain.errors import UserError
+
+    d = _data_copy(tiny_data, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    m["vocab_size"] = vocab
+    (d / "manifest.json").write_text(json.dumps(m))
+    (d / "tokenizer.model").unlink()  # so the check that fires is the shards' largest id
+    err = _train_refused(capsys, d, tmp_path)
+    assert "token id" in err and f"vocab_size {vocab}" in err
+    with pytest.raises(UserError):
+        check_data_dir(d, m)
+
+
+def test_edited_manifest_vocab_disagreeing_with_the_tokenizer(tiny_data, tmp_path, capsys):
+    d = _data_copy(tiny_data, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    m["vocab_size"] += 7  # above every id, so only the tokenizer comparison can catch it
+    (d / "manifest.json").write_text(json.dumps(m))
+    assert "pieces" in _train_refused(capsys, d, tmp_path)
+
+
+def test_intact_data_dir_passes_the_check(tiny_data):
+    from mspretrain.data.loader import check_data_dir, read_manifest
+
+    check_data_dir(tiny_data, read_manifest(tiny_data))

@@ -64,6 +64,12 @@ def config_changes(old: Config, new: Config) -> list[str]:
     return out
 
 
+def check_data_dir(data_dir: Path, manifest: dict[str, Any]) -> None:
+    from mspretrain.data.loader import check_data_dir as check
+
+    check(data_dir, manifest)
+
+
 def read_data_manifest(data_dir: Path) -> dict[str, Any]:
     from mspretrain.data.loader import read_manifest
 
@@ -95,6 +101,7 @@ class Trainer:
         self.device: DeviceInfo = plan_device(cfg)
         cfgmod.validate(cfg, device=self.device.target)
         self.manifest = read_data_manifest(self.data_dir)
+        check_data_dir(self.data_dir, self.manifest)  # the tokenizer and the ids the model will see
         vocab = int(self.manifest["vocab_size"])
         if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
             raise UserError(f"model.vocab_size = {cfg.model.vocab_size} but the data dir's tokenizer has {vocab} pieces",
@@ -152,6 +159,8 @@ class Trainer:
         want = self.manifest.get("tokenizer_sha256")
         for path, _ in sources:
             other = read_data_manifest(path)
+            if path.resolve() != self.data_dir:  # the --data dir was checked above
+                check_data_dir(path, other)
             if want and other.get("tokenizer_sha256") != want:
                 raise UserError(f"data dir {path} was tokenized with a different tokenizer than {self.data_dir}",
                                 f"prepare it again with --tokenizer {self.data_dir / 'tokenizer.model'}")
