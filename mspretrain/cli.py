@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("mspretrain.commands.launch", "run a command on N data-parallel workers through msrun"),
     "plan": ("mspretrain.commands.plan", "memory, steps, warm-up, time and cost before launch"),
     "doctor": ("mspretrain.commands.doctor", "check this machine's environment"),
+    "selftest": ("mspretrain.commands.selftest", "a new node's verdict in minutes: kernels, steps, collectives, disk, speed"),
     "diagnose": ("mspretrain.commands.diagnose", "find OOMs, NaN storms, spikes, timeouts in a run's logs"),
     "demo": ("mspretrain.commands.demo", "the whole pipeline on the embedded Chinese poetry corpus"),
 }

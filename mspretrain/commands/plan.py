@@ -13,7 +13,8 @@ from mspretrain.config import Config
 EXAMPLES = """examples:
   mspretrain plan --config configs/tiny.toml --data data/
   mspretrain plan --model llama2-7b --devices 8 --tokens 120e9 data.seq_len=4096 train.global_batch=512 precision.dtype=bf16
-  mspretrain plan --config configs/llama2-7b.toml --devices 8 --tokens 2e12 --tokens-per-s 4100 --recompute --json"""
+  mspretrain plan --config configs/llama2-7b.toml --devices 8 --tokens 2e12 --tokens-per-s 4100 --recompute --json
+  mspretrain plan --config configs/llama2-7b-910b.toml --devices 8 --from-selftest selftest.json"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", metavar="DIR", help="data dir: its measured tokens set the budget and the auto warm-up")
     p.add_argument("--tokens-per-s", type=float, metavar="X", help="tokens/s per device (measured or given) for time and cost")
     p.add_argument("--from-run", metavar="RUN_DIR", help="take tokens/s per device from a run's metrics.jsonl (median)")
+    p.add_argument("--from-selftest", metavar="FILE", help="take tokens/s per device from `mspretrain selftest --json` (its decoder-layer timing)")
     p.add_argument("--device-mem-gb", type=float, default=64.0, help="device memory in GB (Ascend 910B: 64)")
     p.add_argument("--zero", action="store_true", help="optimizer-state sharding across devices (as optim.shard_optimizer=true)")
     p.add_argument("--recompute", action="store_true", help="full activation recomputation (as train.recompute=true)")
@@ -53,12 +55,13 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     if args.model:
-        model = preset_model(args.model)
-        if args.data:  # the data dir's tokenizer sets the vocabulary, as it will in `train`
-            model = replace(model, vocab_size=0)
-        cfg = replace(cfg, model=model)
+        cfg = replace(cfg, model=preset_model(args.model))
         cfg = _reapply_model_overrides(cfg, args)
     tps = args.tokens_per_s
+    if tps is None and args.from_selftest:
+        from mspretrain.ops.selftest import measured_tokens_per_s, read_selftest
+
+        tps = measured_tokens_per_s(read_selftest(args.from_selftest), cfg, source=args.from_selftest)
     if tps is None and args.from_run:
         tps = _measured_tokens_per_s(Path(args.from_run))
         if tps is None:

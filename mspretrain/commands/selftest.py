@@ -1,0 +1,38 @@
+"""Check a new node in minutes before committing compute: devices, versions, environment, flash attention against the math path, fp16/bf16 train steps with an injected overflow, collectives bandwidth, checkpoint disk speed and a 7B resume estimate, and one decoder layer's tokens/s and MFU.
+
+On CPU every check CPU supports runs and the others say "needs Ascend" (never "passed").
+Exit code 1 when a check fails, 0 otherwise."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mspretrain.commands.common import add_config_argument, load_config
+
+EXAMPLES = """examples:
+  mspretrain selftest --config configs/llama2-7b-910b.toml --run /data/runs/7b
+  mspretrain selftest --config configs/llama2-7b-910b.toml --run /data/runs/7b --json > selftest.json
+  mspretrain plan --config configs/llama2-7b-910b.toml --devices 8 --from-selftest selftest.json
+  mspretrain selftest --quick                      # small shapes (what CI runs on CPU)
+
+The JSON schema is in docs/operators.md ("mspretrain selftest")."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_argument(p)
+    p.add_argument("--run", metavar="RUN_DIR", default=".",
+                   help="where the run will write: the checkpoint check measures this disk (scratch files in RUN_DIR/selftest/, removed after)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (for `plan --from-selftest`)")
+    p.add_argument("--quick", action="store_true", help="smaller checkpoint and collective sizes, fewer timing repeats")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mspretrain.ops.selftest import failed, format_table, run_selftest
+
+    cfg = load_config(args)
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if not args.json else (lambda s: None)
+    doc = run_selftest(cfg, Path(args.run), quick=args.quick, log=log)
+    print(json.dumps(doc, indent=1) if args.json else format_table(doc))
+    return 1 if failed(doc) else 0

@@ -1,0 +1,519 @@
+"""`mspretrain selftest`: the first command on a new node — a verdict in minutes, before a month of compute.
+
+Each check is a function returning a `Check` with a status:
+- "passed" / "failed": it ran here and its numbers are in the result;
+- "needs Ascend": this machine cannot run it (CPU development box); never reported as passed;
+- "skipped": it could run but an earlier result or an option made it pointless (said why).
+Design choices:
+- Checks that compare two numeric paths go through one function each (`compare_outputs` for
+  FlashAttentionScore against the math attention), so CPU tests run the comparison logic with
+  the math path on both sides and the 910B run only swaps the candidate.
+- The training-step check uses only the public `TrainStep(...).run(micro_batches, lr, scale)`
+  and `LossScaler`: an overflow is injected by running one step with an infinite scale (every
+  dtype overflows on it), which must come back not finite, change no weight, and halve the
+  scaler's scale.
+- Measured numbers feed the plan: the decoder-layer timing gives tokens/s per device, written to
+  the JSON as `tokens_per_s_per_device`, which `mspretrain plan --from-selftest FILE` reads.
+- Nothing here writes outside `--run DIR/selftest/` (removed at the end) and the JSON the user asks for.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mspretrain import config as cfgmod
+from mspretrain.config import Config
+from mspretrain.errors import UserError
+
+PASSED, FAILED, NEEDS_ASCEND, SKIPPED = "passed", "failed", "needs Ascend", "skipped"
+STATUSES = (PASSED, FAILED, NEEDS_ASCEND, SKIPPED)
+GB = 1e9
+# max |flash - fp32 math| accepted per dtype on attention outputs of N(0, 1) inputs: the output's
+# own rounding is at most |out| x 2^-11 (fp16) / 2^-8 (bf16) with |out| <= ~3, plus the kernel's
+# blockwise (online) softmax, which rounds its partial sums in the compute dtype.
+ATTENTION_TOLERANCE = {"fp16": 1e-2, "bf16": 3e-2}
+LLAMA_VOCAB = 32000  # used for FLOPs per token when neither the config nor --data gives a vocabulary
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    seconds: float = 0.0
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"name": self.name, "status": self.status, "detail": self.detail, "seconds": round(self.seconds, 2)}
+        out.update(self.data)
+        return out
+
+
+@dataclass
+class Context:
+    """What every check may read: the config, the resolved target, the run dir's scratch space."""
+    cfg: Config
+    target: str  # "cpu" | "ascend"
+    work: Path
+    quick: bool = False
+    devices: int = 1
+    vocab_note: str = ""
+    results: dict[str, Any] = field(default_factory=dict)  # numbers later checks use
+
+
+# --------------------------------------------------------------------------- the one comparison
+
+@dataclass(frozen=True)
+class Comparison:
+    max_abs_diff: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.max_abs_diff <= self.tolerance)  # NaN compares False: a NaN never passes
+
+
+def compare_outputs(candidate: np.ndarray, reference: np.ndarray, dtype: str) -> Comparison:
+    """Max |candidate - reference| (in fp32) against the tolerance for `dtype`; shapes must agree."""
+    a, b = np.asarray(candidate, np.float32), np.asarray(reference, np.float32)
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
+    diff = float(np.abs(a - b).max()) if a.size else 0.0
+    if not np.isfinite(a).all():
+        diff = float("nan")
+    return Comparison(diff, ATTENTION_TOLERANCE[dtype])
+
+
+def attention_inputs(cfg_model, dtype: str, *, batch: int = 2, seq: int = 128, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random q (B, H, T, hd), k/v (B, KV, T, hd) from N(0, 1) and document ids (two documents per row)."""
+    rng = np.random.default_rng(seed)
+    hd = cfg_model.dim // cfg_model.n_heads
+    q = rng.standard_normal((batch, cfg_model.n_heads, seq, hd)).astype(np.float32)
+    k = rng.standard_normal((batch, cfg_model.n_kv_heads, seq, hd)).astype(np.float32)
+    v = rng.standard_normal((batch, cfg_model.n_kv_heads, seq, hd)).astype(np.float32)
+    cut = np.array([seq // 3, seq // 2])[:batch]
+    segments = (np.arange(seq)[None, :] >= cut[:, None]).astype(np.int32)
+    return {"q": q, "k": k, "v": v, "segments": segments}
+
+
+def attention_output(model, inputs: dict[str, np.ndarray], *, documents: bool) -> np.ndarray:
+    """Layer 0's attention kernel of `model` (flash or math, as the model selected) on `inputs`, in
+    the model's compute dtype; the masks come from the model itself, as in training."""
+    import mindspore as ms
+
+    q, k, v = (ms.Tensor(inputs[n]).astype(model.dtype) for n in ("q", "k", "v"))
+    seg = ms.Tensor(inputs["segments"]) if documents else None
+    bias, discard = model._mask(seg, q.shape[2])
+    return model.layers[0].attn.core(q, k, v, bias, discard).astype(ms.float32).asnumpy()
+
+
+def compare_attention(candidate, reference, dtype: str, *, seq: int = 128, seed: int = 0) -> dict[str, Comparison]:
+    """Causal and document-masked attention of `candidate` against `reference` (two Llama models of
+    the same shape; GQA when the shape has fewer KV heads), on the same random inputs."""
+    inputs = attention_inputs(candidate.cfg, dtype, seq=seq, seed=seed)
+    return {kind: compare_outputs(attention_output(candidate, inputs, documents=docs),
+                                  attention_output(reference, inputs, documents=docs), dtype)
+            for kind, docs in (("causal", False), ("documents", True))}
+
+
+# --------------------------------------------------------------------------- checks
+
+def _timed(name: str, fn: Callable[[], Check]) -> Check:
+    t0 = time.perf_counter()
+    try:
+        check = fn()
+    except UserError as exc:
+        check = Check(name, FAILED, f"{exc.cause} ({exc.fix})" if getattr(exc, "fix", None) else str(exc))
+    except Exception as exc:  # a check that crashes is a failed check, with the reason, not a traceback
+        check = Check(name, FAILED, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+    check.seconds = time.perf_counter() - t0
+    return check
+
+
+def check_devices(ctx: Context) -> Check:
+    if ctx.target != "ascend":
+        return Check("devices", NEEDS_ASCEND, f"no NPU visible; running on CPU ({os.cpu_count()} cores)",
+                     data={"npus": 0, "cpu_cores": os.cpu_count()})
+    from mindspore.device_context.ascend import device_count
+
+    n = int(device_count())
+    nodes = len([p for p in Path("/dev").glob("davinci[0-9]*")])
+    ok = n >= 1 and (nodes in (0, n))
+    return Check("devices", PASSED if ok else FAILED,
+                 f"{n} NPUs visible to MindSpore" + (f", {nodes} /dev/davinci* nodes" if nodes else ""), data={"npus": n})
+
+
+def check_versions(ctx: Context) -> Check:
+    import mindspore as ms
+
+    from mspretrain import __version__
+    from mspretrain.ops.doctor import check_ascend
+
+    cann = next((f.detail for f in check_ascend() if f.name == "CANN toolkit"), None)
+    data = {"mindspore": ms.__version__, "mspretrain": __version__, "python": sys.version.split()[0], "cann": cann}
+    ok = ms.__version__.startswith("2.10")
+    return Check("versions", PASSED if ok else FAILED,
+                 f"MindSpore {ms.__version__}, CANN {cann or 'not installed'}, Python {data['python']}"
+                 + ("" if ok else " (mspretrain is built and tested against MindSpore 2.10)"), data=data)
+
+
+def check_doctor(ctx: Context) -> Check:
+    from mspretrain.ops.doctor import run_checks
+
+    findings = run_checks(ctx.work.parent, ctx.cfg)
+    fails = [f for f in findings if f.status == "fail"]
+    warns = [f for f in findings if f.status == "warn"]
+    detail = (f"{len(findings)} environment checks: {len(fails)} failed, {len(warns)} warnings"
+              + "".join(f"; FAIL {f.name}: {f.detail}" for f in fails) + "".join(f"; warn {f.name}" for f in warns))
+    return Check("doctor", FAILED if fails else PASSED, detail,
+                 data={"findings": [asdict(f) for f in findings]})
+
+
+def check_attention(ctx: Context, dtype: str) -> Check:
+    name = f"flash attention {dtype}"
+    if ctx.target != "ascend":
+        return Check(name, NEEDS_ASCEND, "FlashAttentionScore runs only on Ascend (the comparison is tested on CPU with the math path)")
+    from mspretrain.model.llama import Llama
+
+    # the config's head size and GQA grouping, one layer, at most 8 heads: the kernel, not the model, is under test
+    m = ctx.cfg.model
+    hd = m.dim // m.n_heads
+    heads = min(m.n_heads, 8)
+    kv = max(1, heads // (m.n_heads // m.n_kv_heads))
+    shape = cfgmod.resolve_model(replace(m, dim=hd * heads, n_heads=heads, n_kv_heads=kv, n_layers=1, ffn_dim=0,
+                                         vocab_size=256, max_seq_len=max(m.max_seq_len, 256)))
+    flash = Llama(shape, dtype=dtype, attention="flash", device="ascend")
+    math32 = Llama(shape, dtype="fp32", attention="math", device="ascend")
+    res = compare_attention(flash, math32, dtype, seq=256)
+    ok = all(c.passed for c in res.values())
+    detail = ", ".join(f"{k} max |diff| {c.max_abs_diff:.3g}" for k, c in res.items())
+    return Check(name, PASSED if ok else FAILED,
+                 f"FlashAttentionScore vs fp32 math attention (head size {hd}, {heads} heads / {kv} KV heads, 256 tokens): "
+                 f"{detail} (tolerance {ATTENTION_TOLERANCE[dtype]:g})",
+                 data={k: asdict(c) for k, c in res.items()})
+
+
+def check_train_step(ctx: Context, dtype: str) -> Check:
+    """Three steps of a tiny model with dynamic loss scaling; the second has an injected overflow."""
+    name = f"train step {dtype}"
+    if dtype == "bf16" and ctx.target != "ascend":
+        return Check(name, NEEDS_ASCEND, "bf16 has no CPU kernels in MindSpore")
+    from mspretrain.model.llama import Llama
+    from mspretrain.train.loss_scale import LossScaler
+    from mspretrain.train.step import TrainStep
+
+    m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64))
+    model = Llama(m, dtype=dtype, device=ctx.target, seed=0)
+    batch, seq = 2, 32
+    # --quick on CPU runs the step eagerly: the same TrainStep, without ~30 s of graph compilation
+    step = TrainStep(model, cfgmod.OptimConfig(lr=1e-3), global_tokens=batch * seq,
+                     jit=not (ctx.quick and ctx.target != "ascend"))
+    scaler = LossScaler.from_config(cfgmod.PrecisionConfig(dtype=dtype, loss_scale="dynamic", init_scale=1024.0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, m.vocab_size, (batch, seq + 1)).astype(np.int32)
+    weights = lambda: [p.asnumpy().copy() for p in model.trainable_params()]  # noqa: E731
+    losses, problems = [], []
+    for i, inject in enumerate((False, True, False)):
+        before, scale_before = weights(), scaler.scale
+        res = step.run([(tokens, None, None)], 1e-3, float("inf") if inject else scaler.scale)
+        scaler.update(res.finite)
+        changed = any(not np.array_equal(a, b) for a, b in zip(before, weights()))
+        if inject:
+            if res.finite:
+                problems.append("the injected overflow was not detected")
+            if changed:
+                problems.append("the overflowed step changed weights")
+            if scaler.scale != scale_before * 0.5:
+                problems.append(f"scale {scale_before:g} -> {scaler.scale:g}, not halved")
+        else:
+            losses.append(res.loss)
+            if not (res.finite and np.isfinite(res.loss)):
+                problems.append(f"step {i + 1} is not finite (loss {res.loss})")
+            elif not changed:
+                problems.append(f"step {i + 1} changed no weight")
+    detail = (f"3 steps of a 2-layer model, dynamic loss scale 1024: losses {losses[0]:.4f} -> {losses[-1]:.4f}; "
+              f"overflow injected at step 2: skipped, weights unchanged, scale halved to {scaler.scale:g}"
+              if not problems else "; ".join(problems))
+    return Check(name, FAILED if problems else PASSED, detail,
+                 data={"losses": losses, "final_scale": scaler.scale, "skipped": scaler.overflows})
+
+
+def check_collectives(ctx: Context) -> Check:
+    name = "collectives"
+    if ctx.target != "ascend":
+        return Check(name, NEEDS_ASCEND, "AllReduce/AllGather/Broadcast/ReduceScatter bandwidth is measured across the node's NPUs "
+                                         "through msrun with HCCL; CPU data parallel is covered by tests/test_distributed.py")
+    from mspretrain.ops import collectives_worker
+
+    n = ctx.results.get("npus", 0)
+    if n < 2:
+        return Check(name, SKIPPED, f"{n} NPU visible: nothing to communicate with")
+    out = ctx.work / "collectives"
+    out.mkdir(parents=True, exist_ok=True)
+    size_mb = 64 if ctx.quick else 256
+    res = collectives_worker.launch(n, out, size_mb=size_mb, target="ascend")
+    return _collectives_check(res, n, size_mb)
+
+
+def _collectives_check(res: dict[str, Any], n: int, size_mb: int) -> Check:
+    bad = [k for k, v in res["ops"].items() if not v["correct"]]
+    detail = f"{n} devices, {size_mb} MB per op: " + ", ".join(
+        f"{k} {v['bus_gbps']:.1f} GB/s bus" for k, v in res["ops"].items())
+    if bad:
+        detail += f"; WRONG RESULT from {', '.join(bad)}"
+    return Check("collectives", FAILED if bad else PASSED, detail, data={"devices": n, "ops": res["ops"]})
+
+
+def check_checkpoint(ctx: Context) -> Check:
+    """Write, verify, cold-read and load a checkpoint on the run dir's disk; predict a 7B resume."""
+    from safetensors.numpy import load_file
+
+    from mspretrain.checkpoint import store
+    from mspretrain.checkpoint.diskspeed import layout_7b, read_cold, verify_time
+    from mspretrain.model.presets import preset
+
+    total = (64 if ctx.quick else 512) * 2**20
+    rng = np.random.default_rng(0)
+    n_model = total // 3 // 4  # a third as weights, two thirds as optimizer state, as in a real checkpoint
+    model = {"w": rng.standard_normal(n_model, dtype=np.float32)}
+    optim = {"exp_avg.w": rng.standard_normal(n_model, dtype=np.float32),
+             "exp_avg_sq.w": rng.standard_normal(n_model, dtype=np.float32)}
+    ck = ctx.work / "checkpoints" / store.step_dir_name(1)
+    t0 = time.perf_counter()
+    store.write_checkpoint_dir(ck, step=1, model=model, optimizer=optim, train_state={"selftest": True},
+                               data_state=None, config=ctx.cfg)
+    t_write = time.perf_counter() - t0
+    files = [ck / store.MODEL_FILE, ck / store.OPTIM_FILE]
+    nbytes = sum(p.stat().st_size for p in files)
+    problem = store.verify(ck)
+    t0 = time.perf_counter()
+    mode = ""
+    for p in files:
+        _, mode = read_cold(p)
+    t_read = time.perf_counter() - t0
+    loaded = {**load_file(str(files[0])), **load_file(str(files[1]))}
+    same = all(np.array_equal(loaded[k], v) for k, v in {**model, **optim}.items())
+    sha = _sha256_rate()
+    write_bps, read_bps = nbytes / t_write, nbytes / t_read
+    # a 7B checkpoint as this config would write it on one 8-device node (weights + optimizer state)
+    cfg7 = replace(ctx.cfg, model=preset("llama2-7b"))
+    layout = layout_7b(cfg7, ranks=8)
+    ck_bytes, largest = sum(layout.values()), max(layout.values())
+    own = [v for k, v in layout.items() if k != store.MODEL_FILE][0]
+    cores = max(1, (os.cpu_count() or 8) // max(ctx.devices, 1))
+    t_verify = verify_time(ck_bytes, largest, read_bps, read_bps, sha, sha * cores)
+    t_load = (layout[store.MODEL_FILE] + own) / read_bps
+    ok = problem is None and same
+    detail = (f"{nbytes / 2**20:.0f} MB written (fsync + hash) at {write_bps / GB:.2f} GB/s, read cold ({mode}) at "
+              f"{read_bps / GB:.2f} GB/s, verify {'ok' if problem is None else 'FAILED: ' + problem}, load "
+              f"{'bit-identical' if same else 'DIFFERENT'}; predicted Llama-2-7B resume ({ck_bytes / 1e9:.0f} GB, {ctx.devices} "
+              f"device(s), {cores} cores each for hashing): verify {t_verify:.0f} s + load {t_load:.0f} s = {(t_verify + t_load) / 60:.1f} min")
+    return Check("checkpoint", PASSED if ok else FAILED, detail,
+                 data={"bytes": nbytes, "write_gbps": write_bps / GB, "cold_read_gbps": read_bps / GB, "read_mode": mode,
+                       "sha256_gbps": sha / GB, "resume_7b_s": t_verify + t_load, "resume_7b_bytes": ck_bytes})
+
+
+def _sha256_rate(size: int = 64 << 20) -> float:
+    data = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8).tobytes()
+    t0 = time.perf_counter()
+    hashlib.sha256(data).digest()
+    return size / (time.perf_counter() - t0)
+
+
+def layer_flops_per_token(m, seq: int) -> float:
+    """Training FLOPs of one decoder layer per token, on monitor/mfu.py's accounting (PaLM appendix B)."""
+    hd = m.dim // m.n_heads
+    params = 2 * m.dim * m.dim + 2 * m.dim * m.n_kv_heads * hd + 3 * m.dim * m.ffn_dim
+    return 6.0 * params + 12.0 * m.dim * seq
+
+
+def check_layer(ctx: Context) -> Check:
+    """One decoder layer of the chosen config, forward + backward, timed; tokens/s and MFU per device."""
+    name = "decoder layer"
+    dtype = ctx.cfg.precision.dtype
+    if dtype == "bf16" and ctx.target != "ascend":
+        return Check(name, NEEDS_ASCEND, "the config computes in bf16, which has no CPU kernels")
+    import mindspore as ms
+
+    from mspretrain.model import llama
+    from mspretrain.monitor.mfu import device_peak_tflops, flops_per_token
+
+    m = ctx.cfg.model
+    seq = ctx.cfg.data.seq_len
+    micro = ctx.cfg.train.micro_batch or 1
+    if ctx.quick and ctx.target != "ascend":
+        seq = min(seq, 256)
+    layer_cfg = cfgmod.resolve_model(replace(m, n_layers=1, max_seq_len=max(m.max_seq_len, seq), vocab_size=m.vocab_size or 1))
+    use_flash = llama.select_attention("auto", ctx.target, dtype, layer_cfg.dim // layer_cfg.n_heads)
+    compute = llama.COMPUTE_DTYPES[dtype]
+    block = llama.Block(layer_cfg, np.random.default_rng(0), compute, use_flash)
+    if ctx.cfg.train.recompute:
+        block.recompute()
+    cos, sin = llama.rope_tables(layer_cfg.dim // layer_cfg.n_heads, seq, layer_cfg.rope_theta)
+    cos_t, sin_t = (ms.Tensor(t[:, None, :]).astype(compute) for t in (cos, sin))  # (T, 1, hd), as Llama._rope
+    causal = np.triu(np.ones((seq, seq), np.float32), 1) * llama.NEG
+    bias = ms.Tensor(causal[None, None])
+    discard = ms.Tensor(np.triu(np.ones((llama.FLASH_MASK_SIZE,) * 2, np.uint8), 1)) if use_flash else None
+    x = ms.Tensor(np.random.default_rng(1).standard_normal((micro, seq, layer_cfg.dim)).astype(np.float32)).astype(compute)
+    params = block.trainable_params()
+
+    def loss(x):
+        return block(x, cos_t, sin_t, bias, discard).astype(ms.float32).sum()
+
+    grad = ms.jit(ms.value_and_grad(loss, None, params)) if ctx.cfg.train.mode == "jit" else ms.value_and_grad(loss, None, params)
+
+    def once() -> None:
+        _, grads = grad(x)
+        grads[0].asnumpy()  # wait for the device
+
+    once()  # compile
+    reps = 2 if ctx.quick else 5
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    t_layer = float(np.median(times))
+    tokens = micro * seq
+    rate = layer_flops_per_token(layer_cfg, seq) * tokens / t_layer  # achieved FLOP/s on this layer
+    vocab = m.vocab_size or LLAMA_VOCAB
+    full = cfgmod.resolve_model(replace(m, vocab_size=vocab))
+    tps = rate / flops_per_token(full, seq)  # whole model, assuming every matmul runs at this layer's rate
+    peak = device_peak_tflops(ctx.target, dtype, ctx.cfg.device.peak_tflops) * 1e12
+    mfu = rate / peak if peak else None
+    ctx.results["tokens_per_s_per_device"] = tps
+    data = {"dtype": dtype, "seq_len": seq, "micro_batch": micro, "layer_s": t_layer, "layer_tflops": rate / 1e12,
+            "tokens_per_s_per_device": tps, "mfu": mfu, "flash_attention": use_flash,
+            "model": {"dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": layer_cfg.n_kv_heads,
+                      "ffn_dim": layer_cfg.ffn_dim, "vocab_size": vocab}}
+    detail = (f"{dtype}, {micro} x {seq} tokens, {'flash' if use_flash else 'math'} attention: {t_layer * 1e3:.1f} ms forward+backward "
+              f"({rate / 1e12:.3g} TFLOPS) -> {tps:,.0f} tokens/s per device for all {m.n_layers} layers"
+              + (f", MFU {mfu:.1%}" if mfu is not None else ", MFU unknown (set device.peak_tflops)")
+              + (f" (vocabulary {vocab}: {ctx.vocab_note})" if not m.vocab_size else ""))
+    detail += _plan_estimate(ctx, full, tps, data)
+    return Check(name, PASSED, detail, data=data)
+
+
+def _plan_estimate(ctx: Context, model, tps: float, data: dict[str, Any]) -> str:
+    from mspretrain.ops.plan import make_plan
+
+    try:
+        plan = make_plan(replace(ctx.cfg, model=model), devices=ctx.devices, tokens=None, data_dir=None,
+                         tokens_per_s_per_device=tps)
+    except UserError as exc:
+        return f"; no plan wall time ({exc.cause})"
+    hours = (plan.get("time") or {}).get("hours")  # make_plan's wall time at the measured rate
+    if hours is None:
+        return ""
+    data["plan_hours"] = hours
+    return f"; plan: {hours:,.1f} h wall time on {ctx.devices} device(s) for the config's budget"
+
+
+# --------------------------------------------------------------------------- running
+
+def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick: bool = False,
+                 only: tuple[str, ...] = (), log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Every check in order; returns the JSON document (see docs/operators.md, "selftest")."""
+    from mspretrain.device import plan_device, resolve_target, setup_mindspore
+
+    t_start = time.perf_counter()
+    target = target or resolve_target(cfg.device.target)
+    cfgmod.validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)), device=target)
+    setup_mindspore(plan_device(cfg, target=target))
+    work = Path(run_dir) / "selftest"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    ctx = Context(cfg=cfg, target=target, work=work, quick=quick)
+    ctx.vocab_note = "not in the config, Llama-2's 32000 assumed for FLOPs"
+    steps: list[tuple[str, Callable[[], Check]]] = [
+        ("devices", lambda: check_devices(ctx)), ("versions", lambda: check_versions(ctx)),
+        ("doctor", lambda: check_doctor(ctx)),
+        ("flash attention fp16", lambda: check_attention(ctx, "fp16")),
+        ("flash attention bf16", lambda: check_attention(ctx, "bf16")),
+        ("train step fp16", lambda: check_train_step(ctx, "fp16")),
+        ("train step bf16", lambda: check_train_step(ctx, "bf16")),
+        ("collectives", lambda: check_collectives(ctx)), ("checkpoint", lambda: check_checkpoint(ctx)),
+        ("decoder layer", lambda: check_layer(ctx)),
+    ]
+    checks = []
+    try:
+        for name, fn in steps:
+            if only and name not in only:
+                checks.append(Check(name, SKIPPED, "not selected (--only)"))
+                continue
+            log(f"selftest: {name} ...")
+            check = _timed(name, fn)
+            if name == "devices":
+                ctx.results["npus"] = check.data.get("npus", 0)
+                ctx.devices = max(1, check.data.get("npus", 0))
+            checks.append(check)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    import mindspore as ms
+
+    doc = {"selftest_version": 1, "target": target, "mindspore": ms.__version__, "quick": quick,
+           "devices": ctx.devices, "seconds": round(time.perf_counter() - t_start, 1),
+           "checks": [c.as_dict() for c in checks],
+           "tokens_per_s_per_device": ctx.results.get("tokens_per_s_per_device")}
+    layer = next((c for c in checks if c.name == "decoder layer" and c.status == PASSED), None)
+    if layer is not None:
+        doc["config"] = {**layer.data["model"], "seq_len": layer.data["seq_len"], "dtype": layer.data["dtype"]}
+    return doc
+
+
+def failed(doc: dict[str, Any]) -> bool:
+    return any(c["status"] == FAILED for c in doc["checks"])
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    width = max(len(c["name"]) for c in doc["checks"])
+    lines = [f"{'check':<{width}}  {'status':<12}  {'time':>6}  detail"]
+    for c in doc["checks"]:
+        lines.append(f"{c['name']:<{width}}  {c['status']:<12}  {c['seconds']:>5.1f}s  {c['detail']}")
+    n = {s: sum(c["status"] == s for c in doc["checks"]) for s in STATUSES}
+    lines.append(f"{n[PASSED]} passed, {n[FAILED]} failed, {n[NEEDS_ASCEND]} need Ascend, {n[SKIPPED]} skipped "
+                 f"in {doc['seconds']:.0f} s on {doc['target']}"
+                 + ("" if doc["target"] == "ascend" else " — this is not a verdict on a 910B node"))
+    return "\n".join(lines)
+
+
+def read_selftest(path: str | Path) -> dict[str, Any]:
+    """A selftest JSON as written by `mspretrain selftest --json`; one-line errors otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"selftest file {p} does not exist", "write one with `mspretrain selftest --config CFG --json > selftest.json`")
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{p} is not JSON", "pass the output of `mspretrain selftest --json`") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("checks"), list):
+        raise UserError(f"{p} is not a selftest result (no \"checks\" list)", "pass the output of `mspretrain selftest --json`")
+    return doc
+
+
+def measured_tokens_per_s(doc: dict[str, Any], cfg: Config, source: str = "the selftest") -> float:
+    """tokens/s per device measured by the selftest's decoder-layer check, for the plan of `cfg`."""
+    tps = doc.get("tokens_per_s_per_device")
+    if not isinstance(tps, (int, float)) or tps <= 0:
+        layer = next((c for c in doc["checks"] if c.get("name") == "decoder layer"), {})
+        raise UserError(f"{source} has no measured tokens/s (decoder layer: {layer.get('status', 'missing')})",
+                        "run `mspretrain selftest --json` with the same config on the target device")
+    measured = doc.get("config") or {}
+    m = cfg.model
+    mine = {"dim": m.dim, "n_heads": m.n_heads, "seq_len": cfg.data.seq_len, "dtype": cfg.precision.dtype}
+    differ = [f"{k} {measured.get(k)} vs {v}" for k, v in mine.items() if measured.get(k) is not None and measured.get(k) != v]
+    if differ:
+        raise UserError(f"{source} measured another shape ({', '.join(differ)})",
+                        "run the selftest with the config you plan (same model, data.seq_len and precision.dtype)")
+    return float(tps)

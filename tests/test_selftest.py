@@ -1,0 +1,154 @@
+"""`mspretrain selftest` on CPU: the comparison logic with the math path on both sides, the whole CPU
+selftest end to end (what CI runs), its JSON, and `plan --from-selftest`."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mspretrain import config as cfgmod
+from mspretrain.cli import main
+from mspretrain.model.llama import Llama
+from mspretrain.ops import selftest
+from tests.conftest import TINY
+
+ASCEND_ONLY = {"devices", "flash attention fp16", "flash attention bf16", "train step bf16", "collectives"}
+CPU_RUNS = {"versions", "doctor", "train step fp16", "checkpoint", "decoder layer"}
+
+
+# --------------------------------------------------------------------------- the one comparison
+
+def test_compare_outputs_tolerance_nan_and_shape():
+    ref = np.random.default_rng(0).standard_normal((2, 4, 8, 16)).astype(np.float32)
+    assert selftest.compare_outputs(ref, ref, "fp16") == selftest.Comparison(0.0, 1e-2)
+    near = ref + 0.009
+    assert selftest.compare_outputs(near, ref, "fp16").passed
+    assert not selftest.compare_outputs(ref + 0.011, ref, "fp16").passed
+    assert selftest.compare_outputs(ref + 0.011, ref, "bf16").passed  # bf16 keeps 3 fewer mantissa bits
+    nan = ref.copy()
+    nan[0, 0, 0, 0] = np.nan
+    assert not selftest.compare_outputs(nan, ref, "fp16").passed
+    with pytest.raises(ValueError, match="shapes differ"):
+        selftest.compare_outputs(ref[:1], ref, "fp16")
+
+
+@pytest.fixture(scope="module")
+def gqa_models():
+    m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64))
+    return Llama(m, dtype="fp16", device="cpu"), Llama(m, dtype="fp32", device="cpu")
+
+
+def test_attention_comparison_with_the_math_path_on_both_sides(gqa_models):
+    """fp16 math against fp32 math: the comparison a 910B runs with flash as the candidate."""
+    half, full = gqa_models
+    res = selftest.compare_attention(half, full, "fp16", seq=48)
+    assert set(res) == {"causal", "documents"}
+    for c in res.values():
+        assert c.passed and 0 < c.max_abs_diff < 5e-3  # a real fp16 rounding difference, well inside the bound
+
+
+def test_attention_comparison_catches_a_kernel_that_ignores_documents(gqa_models, monkeypatch):
+    half, full = gqa_models
+    causal_only = half._mask
+    monkeypatch.setattr(half, "_mask", lambda segments, T: causal_only(None, T))  # documents ignored
+    res = selftest.compare_attention(half, full, "fp16", seq=48)
+    assert res["causal"].passed and not res["documents"].passed
+
+
+# --------------------------------------------------------------------------- end to end on CPU (CI)
+
+@pytest.fixture(scope="module")
+def cpu_selftest(tmp_path_factory):
+    """`mspretrain selftest --quick --json` as CI runs it: exit code and the JSON it prints."""
+    import contextlib
+    import io
+
+    run = tmp_path_factory.mktemp("selftest") / "run"
+    cfg_file = run.parent / "tiny.toml"
+    shutil.copy(TINY, cfg_file)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["selftest", "--config", str(cfg_file), "--run", str(run), "--quick", "--json", "model.vocab_size=512"])
+    return code, json.loads(out.getvalue()), run, cfg_file
+
+
+def test_cpu_selftest_end_to_end(cpu_selftest):
+    code, doc, run, _ = cpu_selftest
+    assert code == 0, [c for c in doc["checks"] if c["status"] == "failed"]
+    by_name = {c["name"]: c for c in doc["checks"]}
+    assert set(by_name) == ASCEND_ONLY | CPU_RUNS
+    assert all(set(c) >= {"name", "status", "detail", "seconds"} and c["status"] in selftest.STATUSES for c in doc["checks"])
+    for name in ASCEND_ONLY:  # never "passed" on CPU
+        assert by_name[name]["status"] == "needs Ascend", by_name[name]
+    for name in CPU_RUNS:
+        assert by_name[name]["status"] == "passed", by_name[name]
+    step = by_name["train step fp16"]
+    assert step["skipped"] == 1 and step["final_scale"] == 512.0 and len(step["losses"]) == 2
+    ck = by_name["checkpoint"]
+    assert ck["write_gbps"] > 0 and ck["cold_read_gbps"] > 0 and ck["resume_7b_s"] > 0
+    layer = by_name["decoder layer"]
+    assert layer["tokens_per_s_per_device"] == doc["tokens_per_s_per_device"] > 0 and 0 < layer["mfu"] < 1
+    assert doc["config"] == {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 192,
+                             "vocab_size": 512, "seq_len": 32, "dtype": "fp32"}
+    assert doc["target"] == "cpu" and doc["seconds"] < 120
+    assert not (run / "selftest").exists()  # scratch space removed
+
+
+def test_table_says_it_is_not_a_verdict_on_cpu(cpu_selftest):
+    _, doc, _, _ = cpu_selftest
+    table = selftest.format_table(doc)
+    assert "needs Ascend" in table and "not a verdict on a 910B node" in table
+
+
+def test_plan_from_selftest(cpu_selftest, tmp_path, capsys):
+    _, doc, _, cfg_file = cpu_selftest
+    path = tmp_path / "selftest.json"
+    path.write_text(json.dumps(doc))
+    assert main(["plan", "--config", str(cfg_file), "--from-selftest", str(path), "--json", "model.vocab_size=512"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["time"]["tokens_per_s_per_device"] == pytest.approx(doc["tokens_per_s_per_device"])
+    # another shape than the one measured: refused in one line
+    assert main(["plan", "--config", str(cfg_file), "--from-selftest", str(path), "model.vocab_size=512", "data.seq_len=64"]) == 2
+    assert "measured another shape (seq_len 32 vs 64)" in capsys.readouterr().err
+    # a selftest without a measurement (the layer needed Ascend) and a file that is not one
+    no_rate = {**doc, "tokens_per_s_per_device": None,
+               "checks": [dict(c, status="needs Ascend") if c["name"] == "decoder layer" else c for c in doc["checks"]]}
+    path.write_text(json.dumps(no_rate))
+    assert main(["plan", "--config", str(cfg_file), "--from-selftest", str(path), "model.vocab_size=512"]) == 2
+    assert "no measured tokens/s (decoder layer: needs Ascend)" in capsys.readouterr().err
+    path.write_text("[1, 2]")
+    assert main(["plan", "--config", str(cfg_file), "--from-selftest", str(path)]) == 2
+    assert "is not a selftest result" in capsys.readouterr().err
+
+
+def test_selftest_refuses_a_bad_config_in_one_line(capsys, tmp_path):
+    assert main(["selftest", "--run", str(tmp_path), "precision.dtype=bf16", "device.target=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: precision.dtype = bf16 is not supported on CPU") and err.count("\n") == 2
+
+
+# --------------------------------------------------------------------------- collectives through msrun
+
+MSRUN = shutil.which("msrun", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+
+
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_collectives_worker_on_two_cpu_processes(tmp_path):
+    """The worker the 910B selftest launches, on 2 CPU workers: results checked, bandwidth measured."""
+    from mspretrain.ops import collectives_worker
+
+    res = collectives_worker.launch(2, tmp_path, size_mb=4, target="cpu")
+    assert res["devices"] == 2 and set(res["ops"]) == {"AllReduce", "AllGather", "Broadcast"}
+    for op in res["ops"].values():
+        assert op["correct"] and op["bus_gbps"] > 0
+    check = selftest._collectives_check(res, 2, 4)
+    assert check.status == "passed" and "AllReduce" in check.detail
+    res["ops"]["AllGather"]["correct"] = False
+    assert selftest._collectives_check(res, 2, 4).status == "failed"
+    assert collectives_worker.bus_factor("AllReduce", 8) == 2 * 7 / 8 and collectives_worker.bus_factor("Broadcast", 8) == 1.0
