@@ -1,0 +1,369 @@
+"""Peak memory of real train steps, measured, beside what `mspretrain plan` predicts (issue 16).
+
+For each model size and memory mode a fresh process (two msrun workers for the sharded mode)
+runs the trainer itself (`Trainer.train()`: the same model, TrainStep, loader and loop as
+`mspretrain train`) for a few steps on a small prepared data dir, and measures host memory:
+
+    peak = VmHWM over the steps - VmRSS at the baseline
+
+The baseline is taken after imports, MindSpore set-up, world init and the data manifest, just
+before the model is built; VmHWM is reset there (`/proc/self/clear_refs` "5"), and again around
+each phase, so the peak of each phase is known too: model built, TrainStep built (buffers,
+moments, masters), each accumulate() and apply() call (the first includes graph compilation),
+and later steps. MindSpore's memory statistics read 0 on CPU, so resident memory is the measure.
+
+Modes: fp32 (replicated, world 1); fp16 + fp32 masters (`precision.dtype=fp16`,
+`precision.param_dtype=compute`, world 1); shard2 (2 msrun workers, `optim.shard_optimizer=true`,
+and `optim.shard_gradients=true` when `OptimConfig` has that key). The planner's number is
+`make_plan(cfg, devices=N)["memory_bytes"]["peak"]` (or `["total"]` when it has no peak).
+The verdict is the per-parameter slope between sizes, measured vs planned (target: within 15 %).
+
+    python benchmarks/memory_bench.py                                 # 10m,60m,120m x fp32,fp16,shard2
+    python benchmarks/memory_bench.py --sizes 2m,10m --modes fp32 --steps 3   # smoke
+    python benchmarks/memory_bench.py --sizes 1024x5 --modes shard2    # a size as DIMxLAYERS
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("GLOG_v", "3")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GiB = 1024**3
+# name -> (dim, n_layers); heads = dim / 64, ffn by Llama's rule, vocab from the data dir (512).
+SIZES = {"2m": (256, 2), "10m": (512, 3), "30m": (768, 4), "60m": (1024, 5), "120m": (1280, 6),
+         "250m": (1536, 9)}
+MODES = {
+    "fp32": (1, ["precision.dtype=fp32"]),
+    "fp16": (1, ["precision.dtype=fp16", "precision.param_dtype=compute"]),
+    "shard2": (2, ["precision.dtype=fp32", "optim.shard_optimizer=true"]),
+}
+
+
+class BadArgs(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, not argparse's usage block
+        raise BadArgs(message)
+
+
+def parse_size(s: str) -> tuple[int, int]:
+    if s in SIZES:
+        return SIZES[s]
+    m = re.fullmatch(r"(\d+)x(\d+)", s)
+    if not m or int(m.group(1)) % 64:
+        raise BadArgs(f"--sizes: {s!r} is neither one of {', '.join(SIZES)} nor DIMxLAYERS with DIM a multiple of 64")
+    return int(m.group(1)), int(m.group(2))
+
+
+def has_shard_gradients() -> bool:
+    from mspretrain.config import OptimConfig
+
+    return "shard_gradients" in {f.name for f in dataclasses.fields(OptimConfig)}
+
+
+def overrides(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, micro: int = 0) -> list[str]:
+    dim, layers = size
+    world, extra = MODES[mode]
+    out = [f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={dim // 64}", "model.n_kv_heads=0",
+           f"model.max_seq_len={seq}", f"data.seq_len={seq}", f"train.global_batch={batch}", f"train.max_steps={steps}",
+           "train.log_every=1000", "checkpoint.every=0", "eval.every=0", "schedule.warmup_steps=1", f"train.micro_batch={micro}", *extra]
+    if mode == "shard2" and has_shard_gradients():
+        out.append("optim.shard_gradients=true")
+    return out
+
+
+# --------------------------------------------------------------------------- in the worker
+
+def _status() -> dict[str, int]:
+    """VmRSS and VmHWM in bytes."""
+    text = open("/proc/self/status").read()
+    return {k: int(re.search(rf"{k}:\s+(\d+) kB", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
+
+
+class Probe:
+    """Phase peaks: `mark(name)` records the VmHWM since the previous mark and resets it."""
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.phases: list[dict] = []
+        self.peak = 0
+
+    def start(self) -> None:
+        open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+        self.base = _status()["VmRSS"]
+
+    def mark(self, name: str) -> None:
+        s = _status()
+        self.peak = max(self.peak, s["VmHWM"])
+        self.phases.append({"phase": name, "hwm": s["VmHWM"] - self.base, "rss": s["VmRSS"] - self.base})
+        open("/proc/self/clear_refs", "w").write("5")
+
+
+def worker(args: argparse.Namespace) -> int:
+    import mindspore as ms
+
+    from mspretrain import config as cfgmod
+    from mspretrain.train import step as stepmod
+    from mspretrain.train.trainer import Trainer
+
+    cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", args.override)
+    run_dir = Path(args.run)
+    probe = Probe()
+    if args.ms_set_memory:  # e.g. "0GB,0.1GB,1024GB,O1": MindSpore's pool knobs (set_memory), to try
+        a = args.ms_set_memory.split(",")
+        ms.runtime.set_memory(*a)
+    trainer = Trainer(cfg, args.data, run_dir, log=lambda s: None)  # imports, device, world, data manifest
+    rank = trainer.world.rank
+
+    # Attribute memory to the points between which it grows (in this process only): the model
+    # built, TrainStep built (buffers, moments, masters), and each call of every graph compiled
+    # with ms.jit (accumulate, apply, or one fused step; the first call of each includes its
+    # compilation), whatever TrainStep's internals are called.
+    orig_init = stepmod.TrainStep.__init__
+    orig_jit = ms.jit
+
+    def marked(fn, name):
+        def call(*a, **k):
+            out = fn(*a, **k)
+            ms.runtime.synchronize()  # graphs run asynchronously: attribute memory to the call that used it
+            probe.mark(f"step {trainer.step + 1} {name}")
+            return out
+        return call
+
+    def jit(function=None, *a, **k):
+        if function is None:
+            return lambda f: jit(f, *a, **k)
+        return marked(orig_jit(function, *a, **k), getattr(function, "__name__", "graph"))
+
+    def init(self, *a, **k):
+        probe.mark("model built")
+        ms.jit = jit
+        orig_init(self, *a, **k)
+        probe.mark("TrainStep built (buffers, moments, masters)")
+
+    stepmod.TrainStep.__init__ = init
+    orig_step = Trainer.train_step
+
+    def train_step(self):
+        out = orig_step(self)
+        probe.mark(f"step {self.step} end")
+        # The final checkpoint save after the last step is not part of the step: stop here.
+        if self.step >= self.total_steps:
+            result["peak"] = probe.peak - probe.base
+            result["rss_end"] = _status()["VmRSS"] - probe.base
+            # How much of what is resident is cache rather than live tensors: MindSpore's pool
+            # (empty_cache, documented for Ascend only) and glibc's free lists (malloc_trim).
+            try:
+                ms.runtime.empty_cache()
+            except Exception as e:  # noqa: BLE001 - a diagnostic; report and go on
+                result["empty_cache_error"] = str(e)[:200]
+            result["rss_after_empty_cache"] = _status()["VmRSS"] - probe.base
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            result["rss_after_malloc_trim"] = _status()["VmRSS"] - probe.base
+        return out
+
+    Trainer.train_step = train_step
+    result: dict = {"rank": rank, "world": trainer.world.size}
+    t0 = time.time()
+    probe.start()
+    result["baseline_rss"] = probe.base
+    trainer.train()
+    result["phases"] = probe.phases
+    result["params"] = sum(int(p.size) for p in trainer.model.trainable_params())
+    result["seconds"] = time.time() - t0
+    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+# --------------------------------------------------------------------------- in the parent
+
+def planned(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, vocab: int, micro: int = 0) -> dict:
+    from mspretrain import config as cfgmod
+    from mspretrain.ops.plan import make_plan
+
+    world = MODES[mode][0]
+    cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", overrides(size, mode, seq, batch, steps, micro) + [f"model.vocab_size={vocab}"])
+    mem = make_plan(cfg, devices=world, tokens=batch * seq, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]
+    key = "peak" if "peak" in mem else "total"
+    return {"bytes": float(mem[key]), "key": key, "parts": {k: float(v) for k, v in mem.items() if isinstance(v, (int, float))}}
+
+
+def make_data(dest: Path) -> Path:
+    """A small data dir (vocab 512) prepared from the tests' synthetic poem corpus."""
+    from mspretrain import config as cfgmod
+    from mspretrain.data.prepare import prepare
+    from tests.conftest import make_poems
+
+    if (dest / "manifest.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    corpus = dest.parent / "poems.txt"
+    corpus.write_text("\n\n".join(make_poems(1200)) + "\n", encoding="utf-8")
+    prepare([str(corpus)], dest, cfgmod.load(ROOT / "configs" / "tiny.toml").prepare, workers=1, log=lambda s: None)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(size_name: str, mode: str, args: argparse.Namespace, data: Path, work: Path) -> list[dict]:
+    size = parse_size(size_name)
+    world = MODES[mode][0]
+    tag = f"{size_name}-{mode}"
+    out = work / tag
+    run = work / f"run-{tag}"
+    shutil.rmtree(run, ignore_errors=True)
+    wargs = ["--worker", "--data", str(data), "--run", str(run), "--out", str(out)]
+    if args.ms_set_memory:
+        wargs += ["--ms-set-memory", args.ms_set_memory]
+    for o in overrides(size, mode, args.seq, args.batch, args.steps, args.micro):
+        wargs += ["--override", o]
+    py = sys.executable
+    env = {**os.environ, "GLOG_v": "3"}
+    if world == 1:
+        cmd = [py, str(Path(__file__).resolve()), *wargs]
+    else:
+        msrun = shutil.which("msrun", path=f"{Path(py).parent}:{os.environ.get('PATH', '')}")
+        if msrun is None:
+            print(f"{tag}: skipped, msrun not found next to {py}")
+            return []
+        # msrun runs `python` from PATH: put this interpreter's directory first.
+        env["PATH"] = f"{Path(py).parent}:{env.get('PATH', '')}"
+        cmd = [msrun, f"--worker_num={world}", f"--local_worker_num={world}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", f"--log_dir={work / ('logs-' + tag)}", "--join=True",
+               str(Path(__file__).resolve()), *wargs]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
+    files = sorted(work.glob(f"{tag}.rank*.json"))
+    if proc.returncode != 0 or len(files) != world:
+        logs = "".join(p.read_text()[-1500:] for p in sorted((work / f"logs-{tag}").glob("worker_*.log"))) if world > 1 else ""
+        print(f"{tag}: FAILED (exit {proc.returncode})\n{(proc.stderr or '')[-2000:]}{logs}")
+        return []
+    res = [json.loads(p.read_text()) for p in files]
+    for p in files:
+        p.unlink()
+    for r in res:
+        r["wall_s"] = time.time() - t0
+    return res
+
+
+def slopes(rows: list[dict]) -> list[dict]:
+    out = []
+    rows = sorted(rows, key=lambda r: r["params"])
+    pairs = list(zip(rows, rows[1:]))
+    if len(rows) > 2:
+        pairs.append((rows[0], rows[-1]))
+    for a, b in pairs:
+        dp = b["params"] - a["params"]
+        meas = (b["peak"] - a["peak"]) / dp
+        plan = (b["plan"] - a["plan"]) / dp
+        out.append({"from": a["size"], "to": b["size"], "measured_bytes_per_param": meas,
+                    "planned_bytes_per_param": plan, "ratio": meas / plan if plan else float("nan")})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="10m,60m,120m", help=f"comma list of {', '.join(SIZES)} or DIMxLAYERS")
+    ap.add_argument("--modes", default="fp32,fp16,shard2", help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4, help="global batch (split over the workers in shard2)")
+    ap.add_argument("--micro", type=int, default=0,
+                    help="train.micro_batch per rank (0 = no accumulation; 1 with --batch 4 = 4 micro-batches on one rank)")
+    ap.add_argument("--work", help="scratch dir (data dir, runs); default: a temp dir, removed at the end")
+    ap.add_argument("--ms-set-memory", metavar="INIT,INC,MAX,LEVEL",
+                    help="call mindspore.runtime.set_memory(...) in each worker first (an experiment knob)")
+    ap.add_argument("--json", action="store_true")
+    # worker mode (one size x mode, run by the parent or by msrun)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
+    try:
+        args = ap.parse_args(argv)
+        if args.worker:
+            return worker(args)
+        sizes = [s for s in args.sizes.split(",") if s]
+        for s in sizes:
+            parse_size(s)
+        modes = [m for m in args.modes.split(",") if m]
+        bad = [m for m in modes if m not in MODES]
+        if bad or not modes or not sizes:
+            raise BadArgs(f"--modes: unknown {bad} (choose from {', '.join(MODES)})" if bad else "--sizes and --modes must not be empty")
+        if args.steps < 2 or args.seq < 8 or args.batch < 2 or args.batch % 2:
+            raise BadArgs("--steps >= 2, --seq >= 8 and an even --batch >= 2 are required")
+        if args.micro < 0 or (args.micro and (args.batch // 2) % args.micro):
+            raise BadArgs("--micro must divide --batch / 2 (the per-rank batch of the 2-worker mode)")
+    except BadArgs as e:
+        print(f"memory_bench: {e}", file=sys.stderr)
+        return 2
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="memory_bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    data = make_data(work / "data")
+    vocab = json.loads((data / "manifest.json").read_text())["vocab_size"]
+    print(f"memory_bench: seq {args.seq}, global batch {args.batch}, micro-batch {args.micro or 'all'}, {args.steps} steps, vocab {vocab}; "
+          f"shard_gradients key {'present' if has_shard_gradients() else 'absent'}; load {os.getloadavg()[0]:.1f}")
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for mode in modes:
+        for s in sizes:
+            res = run_one(s, mode, args, data, work)
+            if not res:
+                continue
+            r = max(res, key=lambda r: r["peak"])  # the rank that needed most
+            p = planned(parse_size(s), mode, args.seq, args.batch, args.steps, vocab, args.micro)
+            row = {"size": s, "mode": mode, "params": r["params"], "peak": r["peak"], "rss_end": r["rss_end"],
+                   "baseline_rss": r["baseline_rss"], "plan": p["bytes"], "plan_key": p["key"], "plan_parts": p["parts"],
+                   "ranks_peak": [x["peak"] for x in res], "phases": r["phases"], "wall_s": r["wall_s"],
+                   **{k: r[k] for k in ("rss_after_empty_cache", "rss_after_malloc_trim", "empty_cache_error") if k in r}}
+            results[mode].append(row)
+            print(f"{mode:7s} {s:>6s} {r['params'] / 1e6:7.1f} M params: measured peak {r['peak'] / GiB:6.2f} GiB "
+                  f"({r['peak'] / r['params']:5.1f} B/param), planned {p['key']} {p['bytes'] / GiB:6.2f} GiB "
+                  f"({p['bytes'] / r['params']:5.1f} B/param); baseline {r['baseline_rss'] / GiB:.2f} GiB; "
+                  f"{r['wall_s']:.0f} s", flush=True)
+            for ph in r["phases"]:
+                print(f"          {ph['phase']:<46s} peak {ph['hwm'] / GiB:6.2f}  rss after {ph['rss'] / GiB:6.2f} GiB")
+            if "rss_after_malloc_trim" in r:
+                print(f"          after the last step: rss {r['rss_end'] / GiB:.2f}, after ms.runtime.empty_cache() "
+                      f"{r['rss_after_empty_cache'] / GiB:.2f}, after malloc_trim(0) {r['rss_after_malloc_trim'] / GiB:.2f} GiB"
+                      + (f" (empty_cache: {r['empty_cache_error']})" if "empty_cache_error" in r else ""))
+    print("per-parameter slope (bytes/param between sizes), measured vs planned:")
+    summary = {}
+    for mode, rows in results.items():
+        if len(rows) < 2:
+            continue
+        summary[mode] = slopes(rows)
+        for s in summary[mode]:
+            ok = abs(s["ratio"] - 1) <= 0.15
+            print(f"  {mode:7s} {s['from']:>6s} -> {s['to']:<6s} measured {s['measured_bytes_per_param']:6.1f}, "
+                  f"planned {s['planned_bytes_per_param']:6.1f}  ratio {s['ratio']:.2f} {'(within 15 %)' if ok else '(OFF by more than 15 %)'}")
+    if args.json:
+        print(json.dumps({"results": results, "slopes": summary}, indent=1))
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
