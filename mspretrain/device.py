@@ -81,14 +81,14 @@ def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
     flash = select_attention("auto", target, dtype, head_dim)
     notes = []
     if target != "ascend":
-        notes.append("math attention (FlashAttentionScore is Ascend-only)")
+        notes.append("FlashAttentionScore is Ascend-only")
         if cfg.device.jit_level != "O0":
             raise UserError(f"device.jit_level = {cfg.device.jit_level} is an Ascend option (graph-kernel fusion)",
                             "leave device.jit_level=O0 on CPU")
     elif dtype == "fp32":
-        notes.append("math attention (FlashAttentionScore has no fp32)")
+        notes.append("FlashAttentionScore has no fp32")
     elif not flash:
-        notes.append(f"math attention ({flash_head_dim_problem(head_dim)})")
+        notes.append(flash_head_dim_problem(head_dim))
     return DeviceInfo(target=target, threads=threads, flash_attention=flash, jit_level=cfg.device.jit_level,
                       deterministic=cfg.device.deterministic, notes=tuple(notes))
 

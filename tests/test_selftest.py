@@ -74,8 +74,11 @@ def cpu_selftest(tmp_path_factory):
     shutil.copy(TINY, cfg_file)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["selftest", "--config", str(cfg_file), "--run", str(run), "--quick", "--json", "model.vocab_size=512"])
-    return code, json.loads(out.getvalue()), run, cfg_file
+        code = main(["selftest", "--config", str(cfg_file), "--run", str(run), "--quick", "--json",
+                     "--out", str(run.parent / "selftest.json"), "model.vocab_size=512"])
+    doc = json.loads(out.getvalue())
+    assert json.loads((run.parent / "selftest.json").read_text()) == doc  # --out writes the same JSON
+    return code, doc, run, cfg_file
 
 
 def test_cpu_selftest_end_to_end(cpu_selftest):

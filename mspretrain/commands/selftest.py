@@ -13,7 +13,7 @@ from mspretrain.commands.common import add_config_argument, load_config
 
 EXAMPLES = """examples:
   mspretrain selftest --config configs/llama2-7b-910b.toml --run /data/runs/7b
-  mspretrain selftest --config configs/llama2-7b-910b.toml --run /data/runs/7b --json > selftest.json
+  mspretrain selftest --config configs/llama2-7b-910b.toml --run /data/runs/7b --out selftest.json
   mspretrain plan --config configs/llama2-7b-910b.toml --devices 8 --from-selftest selftest.json
   mspretrain selftest --quick                      # small shapes (what CI runs on CPU)
 
@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", metavar="RUN_DIR", default=".",
                    help="where the run will write: the checkpoint check measures this disk (scratch files in RUN_DIR/selftest/, removed after)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (for `plan --from-selftest`)")
+    p.add_argument("--out", metavar="FILE", help="also write the JSON to FILE (the table still goes to stdout)")
     p.add_argument("--quick", action="store_true", help="smaller checkpoint and collective sizes, fewer timing repeats")
 
 
@@ -34,5 +35,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if not args.json else (lambda s: None)
     doc = run_selftest(cfg, Path(args.run), quick=args.quick, log=log)
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(doc, indent=1) if args.json else format_table(doc))
     return 1 if failed(doc) else 0
