@@ -1,7 +1,7 @@
 """The compiled train step against independent references.
 
 - loss normalisation, clipping and AdamW against PyTorch autograd + torch.optim.AdamW;
-- k micro-batches == one batch of k*b (loss and weights after 3 steps);
+- k micro-batches == one batch of k*b (loss, grad norm, weights and Adam moments after 3 steps);
 - an overflowed fp16 step changes no weight and no moment, and does not advance AdamW.
 """
 import numpy as np
@@ -69,6 +69,16 @@ def test_adamw_matches_torch(clip):
     np.testing.assert_allclose(opt_state["exp_avg.proj.weight"], opt.state[tw]["exp_avg"].numpy(), atol=1e-7)
 
 
+def assert_close_rel(got: np.ndarray, want: np.ndarray, rtol: float, what: str) -> None:
+    """|got - want| / |want| over the whole tensor: a relative tolerance that means something for
+    tensors whose elements are mostly tiny (most exp_avg_sq values are below 1e-6, so an absolute
+    1e-6 passes anything) and that one near-zero element's last-bit noise cannot fail."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.linalg.norm(want) > 0, f"{what}: the reference is all zeros, nothing is compared"
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
 def _tiny(dtype="fp32"):
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64), vocab_size=128)
     return Llama(cfg, dtype=dtype, seed=7)
@@ -79,7 +89,9 @@ def test_accumulation_equals_one_big_batch():
     data = [rng.integers(0, 128, (8, 17)).astype(np.int32) for _ in range(3)]
     # Adam turns a last-bit difference in a near-zero gradient into up to +-lr: keep lr small so
     # that the 1e-6 weight tolerance tests the accumulation, not Adam's sign sensitivity.
-    optim = OptimConfig(lr=1e-4)
+    # No clipping: both sides clipped to the same norm would have the same moments whatever the
+    # accumulated scale (the grad norm, compared below, is taken before clipping either way).
+    optim = OptimConfig(lr=1e-4, grad_clip=0.0)
     a, b = _tiny(), _tiny()
     sa = TrainStep(a, optim, global_tokens=8 * 16)
     sb = TrainStep(b, optim, global_tokens=8 * 16)
@@ -87,9 +99,16 @@ def test_accumulation_equals_one_big_batch():
         ra = sa.run([(batch, None, None)], lr=1e-4, scale=1.0)
         rb = sb.run([(batch[i:i + 2], None, None) for i in range(0, 8, 2)], lr=1e-4, scale=1.0)
         assert abs(ra.loss - rb.loss) <= 1e-6
+        # Clipping at 1.0 and Adam's g/sqrt(v) both hide a gradient scale from the weights (a 4x
+        # accumulated gradient moved them by 4e-7): the grad norm and the moments do not hide it.
+        assert rb.grad_norm == pytest.approx(ra.grad_norm, rel=1e-5)
     wa, wb = state_numpy(a), state_numpy(b)
     for k in wa:
         np.testing.assert_allclose(wa[k], wb[k], atol=1e-6, err_msg=k)
+    oa, ob = sa.optimizer_state(), sb.optimizer_state()
+    assert set(oa) == set(ob) and int(oa["opt_step"]) == int(ob["opt_step"]) == 3
+    for k in sorted(set(oa) - {"opt_step"}):
+        assert_close_rel(ob[k], oa[k], 1e-5, k)  # measured <= 6e-7; a 4x gradient gives 3 (exp_avg) and 15 (exp_avg_sq)
 
 
 def test_fp16_overflow_skips_the_update_bit_exactly():
