@@ -93,6 +93,8 @@ def test_cpu_selftest_end_to_end(cpu_selftest):
         assert by_name[name]["status"] == "passed", by_name[name]
     step = by_name["train step fp16"]
     assert step["skipped"] == 1 and step["final_scale"] == 512.0 and len(step["losses"]) == 2
+    # fp16 against the same steps in fp32, through the same comparison as flash vs math
+    assert 0 < max(abs(x - y) for x, y in zip(step["losses"], step["fp32_losses"])) <= selftest.LOSS_TOLERANCE["fp16"]
     ck = by_name["checkpoint"]
     assert ck["write_gbps"] > 0 and ck["cold_read_gbps"] > 0 and ck["resume_7b_s"] > 0
     layer = by_name["decoder layer"]

@@ -42,6 +42,9 @@ GB = 1e9
 # own rounding is at most |out| x 2^-11 (fp16) / 2^-8 (bf16) with |out| <= ~3, plus the kernel's
 # blockwise (online) softmax, which rounds its partial sums in the compute dtype.
 ATTENTION_TOLERANCE = {"fp16": 1e-2, "bf16": 3e-2}
+# max |loss - fp32 loss| over the train-step check's two finite steps (mean token NLL ~5.5): a
+# loss carries the rounding of every layer, about 2^-11 (fp16) / 2^-8 (bf16) relative per layer.
+LOSS_TOLERANCE = {"fp16": 1e-2, "bf16": 5e-2}  # measured on CPU: fp16 3e-5 from fp32
 LLAMA_VOCAB = 32000  # used for FLOPs per token when neither the config nor --data gives a vocabulary
 
 
@@ -83,15 +86,17 @@ class Comparison:
         return bool(self.max_abs_diff <= self.tolerance)  # NaN compares False: a NaN never passes
 
 
-def compare_outputs(candidate: np.ndarray, reference: np.ndarray, dtype: str) -> Comparison:
-    """Max |candidate - reference| (in fp32) against the tolerance for `dtype`; shapes must agree."""
+def compare_outputs(candidate: np.ndarray, reference: np.ndarray, dtype: str,
+                    tolerances: dict[str, float] = ATTENTION_TOLERANCE) -> Comparison:
+    """Max |candidate - reference| (in fp32) against `tolerances[dtype]`; shapes must agree.
+    The one comparison of two numeric paths: flash vs math attention, fp16/bf16 vs fp32 steps."""
     a, b = np.asarray(candidate, np.float32), np.asarray(reference, np.float32)
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
     diff = float(np.abs(a - b).max()) if a.size else 0.0
     if not np.isfinite(a).all():
         diff = float("nan")
-    return Comparison(diff, ATTENTION_TOLERANCE[dtype])
+    return Comparison(diff, tolerances[dtype])
 
 
 def attention_inputs(cfg_model, dtype: str, *, batch: int = 2, seq: int = 128, seed: int = 0) -> dict[str, np.ndarray]:
@@ -212,24 +217,20 @@ def check_attention(ctx: Context, dtype: str) -> Check:
                  data={k: asdict(c) for k, c in res.items()})
 
 
-def check_train_step(ctx: Context, dtype: str) -> Check:
-    """Three steps of a tiny model with dynamic loss scaling; the second has an injected overflow."""
-    name = f"train step {dtype}"
-    if dtype == "bf16" and ctx.target != "ascend":
-        return Check(name, NEEDS_ASCEND, "bf16 has no CPU kernels in MindSpore")
+def three_steps(dtype: str, target: str, *, jit: bool) -> tuple[list[float], list[str], Any]:
+    """Three steps of a tiny model with dynamic loss scaling (1024) through the public TrainStep API;
+    the second runs with an infinite scale (an overflow in any dtype). Returns the two finite
+    steps' losses, the problems seen, and the LossScaler."""
     from mspretrain.model.llama import Llama
     from mspretrain.train.loss_scale import LossScaler
     from mspretrain.train.step import TrainStep
 
     m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64))
-    model = Llama(m, dtype=dtype, device=ctx.target, seed=0)
+    model = Llama(m, dtype=dtype, device=target, seed=0)
     batch, seq = 2, 32
-    # --quick on CPU runs the step eagerly: the same TrainStep, without ~30 s of graph compilation
-    step = TrainStep(model, cfgmod.OptimConfig(lr=1e-3), global_tokens=batch * seq,
-                     jit=not (ctx.quick and ctx.target != "ascend"))
+    step = TrainStep(model, cfgmod.OptimConfig(lr=1e-3), global_tokens=batch * seq, jit=jit)
     scaler = LossScaler.from_config(cfgmod.PrecisionConfig(dtype=dtype, loss_scale="dynamic", init_scale=1024.0))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, m.vocab_size, (batch, seq + 1)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (batch, seq + 1)).astype(np.int32)
     weights = lambda: [p.asnumpy().copy() for p in model.trainable_params()]  # noqa: E731
     losses, problems = [], []
     for i, inject in enumerate((False, True, False)):
@@ -250,11 +251,29 @@ def check_train_step(ctx: Context, dtype: str) -> Check:
                 problems.append(f"step {i + 1} is not finite (loss {res.loss})")
             elif not changed:
                 problems.append(f"step {i + 1} changed no weight")
-    detail = (f"3 steps of a 2-layer model, dynamic loss scale 1024: losses {losses[0]:.4f} -> {losses[-1]:.4f}; "
+    return losses, problems, scaler
+
+
+def check_train_step(ctx: Context, dtype: str) -> Check:
+    """fp16/bf16 steps with an injected overflow, their losses compared with the same steps in fp32."""
+    name = f"train step {dtype}"
+    if dtype == "bf16" and ctx.target != "ascend":
+        return Check(name, NEEDS_ASCEND, "bf16 has no CPU kernels in MindSpore")
+    # --quick on CPU runs the steps eagerly: the same TrainStep, without ~30 s of graph compilation
+    jit = not (ctx.quick and ctx.target != "ascend")
+    losses, problems, scaler = three_steps(dtype, ctx.target, jit=jit)
+    ref, ref_problems, _ = three_steps("fp32", ctx.target, jit=jit)
+    problems += [f"fp32 reference: {p}" for p in ref_problems]
+    cmp = compare_outputs(np.array(losses), np.array(ref), dtype, LOSS_TOLERANCE) if len(losses) == len(ref) else None
+    if cmp is not None and not cmp.passed:
+        problems.append(f"losses {[round(x, 4) for x in losses]} differ from fp32's {[round(x, 4) for x in ref]} "
+                        f"by {cmp.max_abs_diff:.3g} (tolerance {cmp.tolerance:g})")
+    detail = (f"3 steps of a 2-layer model, dynamic loss scale 1024: losses {losses[0]:.4f} -> {losses[-1]:.4f} "
+              f"(fp32: {ref[0]:.4f} -> {ref[-1]:.4f}, max |diff| {cmp.max_abs_diff:.2g} <= {cmp.tolerance:g}); "
               f"overflow injected at step 2: skipped, weights unchanged, scale halved to {scaler.scale:g}"
               if not problems else "; ".join(problems))
     return Check(name, FAILED if problems else PASSED, detail,
-                 data={"losses": losses, "final_scale": scaler.scale, "skipped": scaler.overflows})
+                 data={"losses": losses, "fp32_losses": ref, "final_scale": scaler.scale, "skipped": scaler.overflows})
 
 
 def check_collectives(ctx: Context) -> Check:
