@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -149,6 +150,23 @@ def test_dashboard_binds_localhost_or_says_how_to_install(tmp_path, capsys, monk
     monkeypatch.undo()
     cmd = dashboard.tensorboard_command("d", 6006)
     assert cmd is None or cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    # TensorBoard is absent from the test venv (cmd is None above): build the real command lines
+    # as if it were installed, as an executable on PATH and as a module only, and run `dashboard`
+    # through the real tensorboard_command.
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(dashboard.shutil, "which", lambda name: "/opt/tb/bin/tensorboard" if name == "tensorboard" else None)
+    assert dashboard.tensorboard_command("d", 6006) == ["/opt/tb/bin/tensorboard", "--logdir", "d", "--host", "127.0.0.1", "--port", "6006"]
+    calls = []
+    monkeypatch.setattr(dashboard.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert main(["dashboard", str(tmp_path), "--port", "7007"]) == 0
+    assert calls == [["/opt/tb/bin/tensorboard", "--logdir", str(tmp_path / "tb"), "--host", "127.0.0.1", "--port", "7007"]]
+    assert "http://127.0.0.1:7007" in capsys.readouterr().out
+    monkeypatch.setattr(dashboard.shutil, "which", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "tensorboard" else real_find_spec(name, *a))
+    assert dashboard.tensorboard_command("d", 6006) == [sys.executable, "-m", "tensorboard.main", "--logdir", "d",
+                                                         "--host", "127.0.0.1", "--port", "6006"]
 
 
 # ------------------------------------------------------------------ a real tiny run
