@@ -65,13 +65,13 @@ def check_python_stack() -> list[Finding]:
 def check_mindspore(target: str = "auto") -> list[Finding]:
     try:
         import mindspore as ms
-        import mindspore.hal as hal
+        from mindspore import device_context  # ms.hal.is_available is deprecated in MindSpore 2.10 (hal/device.py)
     except Exception as exc:  # an import error of a native library is not always ImportError
         return [Finding("fail", "mindspore", f"cannot import: {exc}", 'pip install "mindspore==2.10.0" "numpy<2" (Ascend: the wheel matching your CANN)')]
     avail = []
     for t in ("CPU", "Ascend", "GPU"):
         try:
-            if hal.is_available(t):
+            if getattr(device_context, t.lower()).is_available():
                 avail.append(t)
         except Exception:
             pass
