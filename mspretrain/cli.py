@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("mspretrain.commands.doctor", "check this machine's environment"),
     "selftest": ("mspretrain.commands.selftest", "a new node's verdict in minutes: kernels, steps, collectives, disk, speed"),
     "diagnose": ("mspretrain.commands.diagnose", "find OOMs, NaN storms, spikes, timeouts in a run's logs"),
-    "demo": ("mspretrain.commands.demo", "the whole pipeline on the embedded Chinese poetry corpus"),
+    "demo": ("mspretrain.commands.demo", "the whole pipeline on a Chinese poetry corpus (fetched once from npm)"),
 }
 
 EPILOG = """examples:

@@ -225,3 +225,59 @@ def test_report_screenshot_in_headless_chromium(tmp_path):
     img = np.asarray(Image.open(shot).convert("L"), dtype=np.float32)
     assert img.shape == (2200, 1100)
     assert (img < 200).mean() > 0.02  # text and plots were painted, not an empty page
+
+
+# ------------------------------------------------------------------ issue 23: what the report says
+
+def test_report_events_come_from_train_log_and_wall_time_covers_every_session(tmp_path):
+    # item 5: a Ctrl-C and a resume showed as "Events: none", and wall time covered the last session only
+    run = synthetic_run(tmp_path, partial=False)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        if "elapsed_s" in r and r["step"] > 100:
+            # a second session restarts the clock; its first step (compiling) is slower than all of session 1
+            r["elapsed_s"] = 60.0 + (r["step"] - 100) * 0.25
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "train.log").write_text(
+        "2026-12-01 08:00:00 device cpu, 2 threads; world 1; micro-batch 8 x 1 accumulation\n"
+        "2026-12-01 08:00:00 schedule cosine: warm-up 10 steps to lr 0.0003, 200 steps in all, min lr 3e-05\n"
+        "2026-12-01 08:00:50 received SIGTERM (or Ctrl-C): finishing step 101, then writing a checkpoint\n"
+        "2026-12-01 08:00:51 stopped by SIGTERM after step 101; checkpoint written. Resume with: ...\n"
+        "2026-12-01 08:05:00 resumed from step_000100: step 100, 51,200 tokens seen, loss scale 1024\n"
+        "2026-12-01 08:05:00 device cpu, 2 threads; world 1; micro-batch 8 x 1 accumulation\n"
+        "2026-12-01 08:05:01 step 150/200 | loss 4.1 | lr 3e-04 | gnorm 1.0\n")
+    s = summarize(run)
+    assert s["sessions"] == 2 and s["hours_note"] == "logged, sum of 2 sessions"
+    assert s["hours"] == pytest.approx((50.0 + 85.0) / 3600)  # session 1 ends at 50 s (step 100), session 2 at 85 s
+    assert [line[20:36] for line in s["log_events"]] == ["received SIGTERM", "stopped by SIGTE", "resumed from ste"]
+    text = " ".join(parse(build_report(run)).text)
+    assert "received SIGTERM (or Ctrl-C): finishing step 101" in text and "resumed from step_000100" in text
+    assert "step 150/200" not in text  # progress lines are not events
+    (run / "train.log").unlink()  # without the log, the clock's drop alone marks a session: not here (60 > 50)
+    assert summarize(run)["sessions"] == 1
+
+
+def test_report_says_what_its_numbers_are(tmp_path):
+    # item 10: documents as numbers not JSON, the warm-up that ran, peak memory, one throughput curve,
+    # and "no loss scaling" for an fp32 run instead of a flat line on a +-0.04 axis
+    from mspretrain.monitor.report import _plot
+
+    run = synthetic_run(tmp_path, partial=False)
+    cfgmod.save(cfgmod.load(None, ["train.max_steps=200", "schedule.warmup_steps=\"auto\""]), run / "config.toml")
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        r["loss_scale"] = 1.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s = summarize(run)
+    # auto warm-up: ceil(0.02 x 51,200 / (8 x 64)) = 2, as the trainer's schedule resolves it
+    assert s["warmup"] == 2
+    page = build_report(run).read_text(encoding="utf-8")
+    assert "train 300, valid 5" in page and '{"train"' not in page
+    assert "cosine, warm-up 2 steps (auto)" in page
+    assert 'alt="Peak memory (host RSS' in page and 'alt="Throughput (right axis: MFU)"' in page
+    fig = _plot("throughput", "t", s)
+    assert len(fig.axes[0].lines) == 1  # tokens/s and MFU are one curve with two axes
+    fig = _plot("loss_scale", "t", s)
+    ax = fig.axes[0]
+    assert ax.get_ylim() == (0.0, 2.0)
+    assert any("no loss scaling (fp32)" in t.get_text() for t in ax.texts)

@@ -1,4 +1,4 @@
-"""The whole pipeline on the embedded corpus: Tang and Song poems → shards → Llama-2 → perplexity → poems.
+"""The whole pipeline on a Chinese poetry corpus: Tang and Song poems → shards → Llama-2 → perplexity → poems.
 
 Fetches `chinese-poetry@2.0.1` (MIT) from the npm registry into a cache on first use, converts it
 to Simplified Chinese, prepares shards, trains the `demo` config, evaluates valid perplexity
@@ -16,8 +16,8 @@ from mspretrain.commands.common import add_quiet_argument, progress_enabled
 from mspretrain.errors import UserError
 
 EXAMPLES = """examples:
-  mspretrain demo                 # ~10 minutes on 2 cores
-  mspretrain demo --quick         # ~2 minute smoke run
+  mspretrain demo                 # 300 steps, ~10 minutes on 2 cores
+  mspretrain demo --quick         # 40 steps, ~4 minutes on 2 cores
   mspretrain demo --workdir /tmp/demo train.max_steps=500"""
 
 PROMPTS = ("春风", "明月", "江南")
@@ -26,7 +26,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default="mspretrain-demo", help="where data/ and run/ go (default: ./mspretrain-demo)")
-    p.add_argument("--quick", action="store_true", help="a smaller corpus and 60 steps (~2 minutes)")
+    p.add_argument("--quick", action="store_true", help="a smaller corpus and 40 steps (~4 minutes on 2 cores)")
     p.add_argument("--config", default=None, help="default: configs/demo.toml")
     p.add_argument("--cache", default=None, help="corpus cache dir (default: $MSPRETRAIN_CACHE or ~/.cache/mspretrain)")
     p.add_argument("--corpus", default=None, metavar="PATH",
@@ -34,10 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_quiet_argument(p)
 
 
+def config_path(args: argparse.Namespace) -> Path:
+    """The demo's config file, absolute: the printed next steps must work from any directory."""
+    return (Path(args.config) if args.config else CONFIG_DIR / "demo.toml").resolve()
+
+
 def _config(args: argparse.Namespace):
     from mspretrain import config as cfgmod
 
-    path = Path(args.config) if args.config else CONFIG_DIR / "demo.toml"
+    path = config_path(args)
     if not path.is_file():
         raise UserError(f"demo config {path} not found", "pass --config with a TOML file such as configs/demo.toml")
     cfg = cfgmod.load(path)
@@ -122,10 +127,17 @@ def run(args: argparse.Namespace) -> int:
     for g in samples:
         print(f"sample    {g.prompt}{g.text}".replace("\n", " / "))
     print(f"run dir   {run_dir.resolve()}  ({minutes:.1f} minutes in all)")
+    # (b) keeps the learning rate where the run ended: raising train.max_steps alone would
+    # re-stretch the cosine and jump back up from its floor (the trainer says so at resume)
+    from mspretrain.train.schedule import continuation_overrides
+
+    tail = continuation_overrides(trainer.schedule(trainer.applied), cfg.optim.lr_scaling)
     print("\nnext:")
     print(f"  mspretrain report {run_dir}                       # (a) HTML report with the curves")
-    print(f"  mspretrain train --config {run_dir / 'config.toml'} --data {data_dir} --run {run_dir} train.max_steps={summary.step + 300}   # (b) continue training")
-    print("  mspretrain prepare YOUR_TEXT_DIR --out my-data && mspretrain train --config configs/demo.toml --data my-data --run runs/mine   # (c) your own text")
+    print(f"  mspretrain train --config {run_dir / 'config.toml'} --data {data_dir} --run {run_dir} train.max_steps={summary.step + 300} {tail}"
+          "   # (b) 300 more steps at the final learning rate")
+    print(f"  mspretrain prepare YOUR_TEXT_DIR --out my-data && mspretrain train --config {config_path(args)} --data my-data --run runs/mine"
+          "   # (c) your own text")
     print(f"  mspretrain export {run_dir} --format hf --out {work / 'hf'}   # (d) a Hugging Face Llama folder")
     if after["ppl"] >= before["ppl"]:
         raise UserError(f"the demo did not learn (perplexity {before['ppl']:.1f} -> {after['ppl']:.1f})",

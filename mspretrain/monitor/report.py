@@ -29,7 +29,7 @@ from mspretrain.monitor.spikes import scan_metrics
 _PANELS = (  # (file stem, title)
     ("loss", "Training loss (spikes marked)"), ("eval_ppl", "Eval perplexity"), ("lr", "Learning rate"),
     ("grad_norm", "Gradient norm"), ("loss_scale", "Loss scale and skipped steps"),
-    ("throughput", "Throughput and MFU"), ("memory", "Memory"))
+    ("throughput", "Throughput (right axis: MFU)"), ("memory", "Peak memory (host RSS; device on Ascend)"))
 
 
 def read_metrics(path: Path) -> tuple[list[dict], int]:
@@ -43,12 +43,45 @@ def read_metrics(path: Path) -> tuple[list[dict], int]:
             continue
         try:
             rec = json.loads(line)
-            step = int(rec["step"])
+            step = rec["step"]
         except (ValueError, KeyError, TypeError):
             bad += 1  # a line the writer has not finished yet, or a torn write
             continue
-        by_step.setdefault(step, {}).update(rec)
+        # Every consumer (plots, spikes, totals) may then assume: an int step, number values.
+        # A hand-edited or foreign line with a string loss or an infinite step is skipped.
+        if not (_is_number(step) and math.isfinite(step) and step == int(step) and 0 <= step < 2**53):
+            bad += 1
+            continue
+        clean = {k: v for k, v in rec.items() if k != "step" and _is_number(v)
+                 and (abs(v) <= 1e100 or (k in _MAY_BE_NONFINITE and not math.isfinite(v)))}
+        by_step.setdefault(int(step), {}).update(clean, step=int(step))
     return [by_step[s] for s in sorted(by_step)], bad
+
+
+# A non-finite value is a finding for these keys (counted and marked); for the others (tokens,
+# elapsed_s, ...) it is a corrupt line, as is any value beyond 1e100 (no metric we log gets near:
+# matplotlib's ticks overflow on a 1e308 range).
+_MAY_BE_NONFINITE = frozenset({"loss", "grad_norm", "loss_scale", "eval/ppl", "eval/nll"})
+
+
+def _is_number(v: Any) -> bool:
+    """A JSON number that float() can take (an int beyond float range is not: 1e400 as an int)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, float) or abs(v) < 2**1023
+
+
+def _read_object(path: Path) -> tuple[dict, str | None]:
+    """A JSON object file the run wrote ({} when absent), or ({}, why it cannot be used)."""
+    if not path.exists():
+        return {}, None
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError):
+        return {}, f"{path.name} is not valid JSON: ignored"
+    if not isinstance(obj, dict):
+        return {}, f"{path.name} is not a JSON object: ignored"
+    return obj, None
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -88,29 +121,30 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     records, bad = read_metrics(run_dir / "metrics.jsonl")
     cfg, cfg_text = _load_run_config(run_dir)
-    meta_path = run_dir / "run_meta.json"
-    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.exists() else {}
+    meta, meta_note = _read_object(run_dir / "run_meta.json")
+    if not isinstance(meta.get("data_dir"), (str, type(None))):
+        meta = {k: v for k, v in meta.items() if k != "data_dir"}
     data_dir = _data_dir(run_dir, meta)
-    manifest = {}
-    if data_dir and (data_dir / "manifest.json").exists():
-        manifest = json.loads((data_dir / "manifest.json").read_text(encoding="utf-8"))
+    manifest, _ = _read_object(data_dir / "manifest.json") if data_dir else ({}, None)
+    if not isinstance(manifest.get("tokens"), dict):
+        manifest = {k: v for k, v in manifest.items() if k != "tokens"}
     c = cfg or cfgmod.Config()
-    world = int(meta.get("world_size", 1) or 1)
+    ws = meta.get("world_size", 1)
+    world = ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else 1
     last = records[-1]["step"] if records else 0
     tokens_logged = series(records, "tokens")[1]
     tokens = int(tokens_logged[-1]) if tokens_logged else last * c.train.global_batch * c.data.seq_len
     tps = series(records, "tokens_per_s")[1]
-    elapsed = series(records, "elapsed_s")[1]
+    elapsed = series(records, "elapsed_s")
+    sessions = _session_seconds(elapsed, _session_starts(run_dir / "train.log"))
     if elapsed:
-        hours, hours_note = elapsed[-1] / 3600, "logged"
+        hours = sum(sessions) / 3600
+        hours_note = "logged" if len(sessions) == 1 else f"logged, sum of {len(sessions)} sessions"
     elif tps:
         hours, hours_note = tokens / (sum(tps) / len(tps)) / 3600, "estimated from mean tokens/s"
     else:
         hours, hours_note = None, "unknown"
-    warmup = c.schedule.warmup_steps if isinstance(c.schedule.warmup_steps, int) else 0
-    if c.schedule.warmup_steps == "auto" and manifest.get("tokens", {}).get("train"):
-        from mspretrain.train.schedule import auto_warmup_steps
-        warmup = auto_warmup_steps(int(manifest["tokens"]["train"]), c.train.global_batch, c.data.seq_len)
+    warmup = _resolved_warmup(c, manifest)
     events = scan_metrics(records, c.spike, warmup=warmup)
     losses = series(records, "loss")[1]
     finite = [x for x in losses if math.isfinite(x)]
@@ -123,16 +157,72 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     return {
         "run_dir": str(run_dir), "config_text": cfg_text, "config": cfg, "meta": meta,
         "data_dir": str(data_dir) if data_dir else None, "manifest": manifest, "records": records,
-        "bad_lines": bad, "last_step": last, "tokens": tokens, "tokens_logged": bool(tokens_logged),
+        "bad_lines": bad, "meta_note": meta_note, "last_step": last, "tokens": tokens, "tokens_logged": bool(tokens_logged),
         "world_size": world, "hardware": meta.get("hardware"), "hours": hours, "hours_note": hours_note,
         "device_hours": device_hours, "cost": device_hours * price if device_hours and price else None,
         "price": price, "final_loss": finite[-1] if finite else None,
         "best_ppl": min(ppl) if ppl else None, "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
         "mean_mfu": sum(mfu) / len(mfu) if mfu else None, "events": events, "warmup": warmup,
+        "sessions": len(sessions), "log_events": log_events(run_dir / "train.log"),
         "nonfinite": sum(1 for x in losses if not math.isfinite(x)),
         "skipped": (max(skipped) if skipped and all(b >= a for a, b in zip(skipped, skipped[1:])) else sum(skipped)) if skipped else 0,
         "updated_s_ago": time.time() - metrics_file.stat().st_mtime if metrics_file.exists() else None,
     }
+
+
+def _session_starts(log: Path) -> set[int]:
+    """First step of each training session, from train.log: every session logs its start-up line
+    ("...; world N; micro-batch ..."), after "resumed from step_X: step N" when it resumed."""
+    if not log.exists():
+        return set()
+    starts, resumed = set(), 0
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        m = re.search(r"resumed from step_\d+: step (\d+)", line)
+        if m:
+            resumed = int(m.group(1))
+        elif "; world " in line and "micro-batch" in line:
+            starts.add(resumed + 1)
+            resumed = 0
+    return starts
+
+
+def _session_seconds(elapsed: tuple[list[int], list[float]], starts: set[int]) -> list[float]:
+    """Wall seconds per training session. `elapsed_s` restarts at every session, so the run's time
+    is the sum of each session's last value; a session starts at a step train.log names, or where
+    `elapsed_s` drops (no train.log). A session's clock starts at its first step (compilation
+    included, checkpoint loading not)."""
+    out: list[float] = []
+    prev, prev_step = None, 0
+    for step, e in zip(*elapsed):
+        if prev is None or e < prev or any(prev_step < st <= step for st in starts):
+            out.append(0.0)
+        out[-1] = e
+        prev, prev_step = e, step
+    return out
+
+
+def _resolved_warmup(c: cfgmod.Config, manifest: dict) -> int:
+    """The warm-up that ran: the trainer's own schedule (auto resolved against the data's tokens)."""
+    from mspretrain.train.schedule import build_schedule
+
+    try:
+        return build_schedule(c, int(manifest.get("tokens", {}).get("train", 0)) or None).warmup
+    except (UserError, ValueError, TypeError):
+        return c.schedule.warmup_steps if isinstance(c.schedule.warmup_steps, int) else 0
+
+
+# Lines of train.log worth a reader's attention: interruptions, resumes, changes, warnings, skips.
+_LOG_EVENT = re.compile(r"received SIG|stopped by|resumed from|config change accepted|schedule changes on resume|"
+                        r"learning rate of update|warning:|gradient overflow|spike at step|rewound|checkpoint save failed|"
+                        r"nothing to do|--restart")
+
+
+def log_events(path: Path, limit: int = 200) -> list[str]:
+    """The notable lines of train.log (with their timestamps), oldest first."""
+    if not path.exists():
+        return []
+    lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if _LOG_EVENT.search(ln)]
+    return lines[-limit:]
 
 
 # ---------------------------------------------------------------------------- plots
@@ -173,6 +263,17 @@ def _plot(stem: str, title: str, s: dict) -> Any | None:
         kx, ky = series(recs, "skipped")
         if not xs and not kx:
             return None
+        if set(ys) <= {1.0} and not any(ky):
+            # fp32 (or loss_scale = "none"): say so; autoscaled, the flat line sat on a +-0.04 axis
+            fig, ax = _figure(title)
+            ax.plot(xs, ys, lw=1.2, color="tab:purple")
+            ax.set_ylim(0, 2)
+            ax.set_yticks([1])
+            ax.set_ylabel("loss scale")
+            dtype = s["config"].precision.dtype if s["config"] else "fp32"
+            ax.text(0.5, 0.72, f"no loss scaling ({dtype}): scale 1 at every step,\nno step skipped",
+                    transform=ax.transAxes, ha="center", va="center", fontsize=12)
+            return fig
         fig, ax = _figure(title)
         lines = []
         if xs:
@@ -192,6 +293,16 @@ def _plot(stem: str, title: str, s: dict) -> Any | None:
         if not xs and not mx:
             return None
         fig, ax = _figure(title)
+        ratios = [100 * m / t for t, m in zip(ys, my) if t] if xs and mx and xs == mx else []
+        if ratios and max(ratios) - min(ratios) <= 1e-9 * max(abs(r) for r in ratios):
+            # MFU is tokens/s times a constant (FLOPs per token / peak): one curve, read on either axis
+            r = ratios[0]
+            ax.plot(xs, ys, lw=1.2, color="tab:green", marker="o" if len(xs) < 30 else None, ms=3)
+            ax.set_ylabel("tokens/s")
+            if r > 0:
+                sec = ax.secondary_yaxis("right", functions=(lambda t: t * r, lambda m: m / r))
+                sec.set_ylabel("MFU %")
+            return fig
         lines = []
         if xs:
             lines += ax.plot(xs, ys, lw=1.2, color="tab:green", label="tokens/s")
@@ -223,6 +334,10 @@ def _plot(stem: str, title: str, s: dict) -> Any | None:
         return None
     fig, ax = _figure(title)
     ax.plot([x for x, _ in pts], [y for _, y in pts], lw=1, marker="o" if len(pts) < 30 else None, ms=3)
+    if stem == "eval_ppl":  # on the run's step axis, with the value written out: often one or two points
+        ax.set_xlim(0, max(s["last_step"], pts[-1][0]) * 1.04)
+        x, y = pts[-1]
+        ax.annotate(f"{y:,.1f}", (x, y), textcoords="offset points", xytext=(-6, 6), ha="right", fontsize=9)
     if logy and min(y for _, y in pts) > 0 and max(y for _, y in pts) / min(y for _, y in pts) > 20:
         ax.set_yscale("log")
     ax.set_ylabel(ylabel)
@@ -240,6 +355,13 @@ def _fmt(v: Any, spec: str = ",.4g") -> str:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def _documents(docs: Any) -> str:
+    """{"train": 11851, "valid": 143} as "train 11,851, valid 143"."""
+    if isinstance(docs, dict):
+        return ", ".join(f"{k} {_fmt(v, ',d')}" for k, v in docs.items())
+    return _fmt(docs, ",d") if isinstance(docs, int) else _fmt(docs)
 
 
 def _duration(hours: float) -> str:
@@ -276,6 +398,7 @@ def build_report(run_dir: Path, out: Path | None = None) -> Path:
         if fig is None:
             panels.append(f"<div><h3>{html.escape(title)}</h3><p class=muted>no data in metrics.jsonl</p></div>")
             continue
+
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
         (png_dir / f"{stem}.png").write_bytes(buf.getvalue())
@@ -307,22 +430,24 @@ def render_html(s: dict, panels: list[str]) -> str:
         m = c.model
         hw_rows += [("model", f"dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads (kv {m.n_kv_heads or m.n_heads}), vocab {m.vocab_size or 'from data'}"),
                     ("batch", f"global {c.train.global_batch} × seq {c.data.seq_len}"),
-                    ("optimizer", f"lr {c.optim.lr:g}" + (" (x sqrt(batch/32))" if c.optim.lr_scaling == "sqrt" else "") + f", {c.schedule.kind}, warm-up {c.schedule.warmup_steps}"),
+                    ("optimizer", f"lr {c.optim.lr:g}" + (" (x sqrt(batch/32))" if c.optim.lr_scaling == "sqrt" else "") + f", {c.schedule.kind}, warm-up {s['warmup']} steps"
+                                  + (" (auto)" if c.schedule.warmup_steps == "auto" else "")),
                     ("precision", c.precision.dtype)]
     data_rows = [("data dir", s["data_dir"] or "— (not recorded; the lead's run_meta.json has data_dir)")]
     if man:
         tok = man.get("tokens", {})
         data_rows += [("train / valid tokens", f"{_fmt(tok.get('train'), ',d')} / {_fmt(tok.get('valid'), ',d')}"),
-                      ("documents", json.dumps(man.get("documents"))), ("characters", _fmt(man.get("characters"), ",d")),
+                      ("documents", _documents(man.get("documents"))), ("characters", _fmt(man.get("characters"), ",d")),
                       ("chars per token", _fmt(man.get("chars_per_token"), ".3f")), ("vocab size", _fmt(man.get("vocab_size"), ",d")),
                       ("fingerprint", str(man.get("fingerprint", "—"))[:16])]
-    notes = []
+    notes = [s["meta_note"]] if s.get("meta_note") else []
     if s["bad_lines"]:
         notes.append(f"{s['bad_lines']} unreadable line(s) in metrics.jsonl skipped (a run still writing leaves a partial last line).")
     if s["updated_s_ago"] is not None and s["updated_s_ago"] < 600:
         notes.append(f"metrics.jsonl was updated {s['updated_s_ago']:.0f} s ago: the run may still be going; rerun the report to refresh.")
     events = "".join(f"<li>{html.escape(e['message'])}</li>" for e in s["events"][:50])
     more = f"<li>… {len(s['events']) - 50} more</li>" if len(s["events"]) > 50 else ""
+    events += "".join(f"<li><code>{html.escape(line)}</code></li>" for line in s["log_events"])
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>mspretrain report — {html.escape(Path(s['run_dir']).name)}</title>
 <style>{_CSS}</style></head><body>
@@ -332,7 +457,7 @@ def render_html(s: dict, panels: list[str]) -> str:
 <div class=grid><div><h2>Totals</h2>{_table(run_rows)}</div>
 <div><h2>Hardware and model</h2>{_table(hw_rows)}<h2>Data</h2>{_table(data_rows)}</div></div>
 <h2>Curves</h2><div class=grid>{''.join(panels)}</div>
-<h2>Events</h2><ul>{events or '<li>none</li>'}{more}</ul>
+<h2>Events</h2><p class=muted>loss and grad-norm spikes from metrics.jsonl; interruptions, resumes, schedule and config changes, warnings from train.log</p><ul>{events or '<li>none</li>'}{more}</ul>
 <h2>Config</h2><details><summary>config.toml</summary><pre>{html.escape(s['config_text'] or '(no config.toml)')}</pre></details>
 </body></html>
 """
