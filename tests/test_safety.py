@@ -260,3 +260,156 @@ def test_intact_data_dir_passes_the_check(tiny_data):
     from mspretrain.data.loader import check_data_dir, read_manifest
 
     check_data_dir(tiny_data, read_manifest(tiny_data))
+
+
+# --------------------------------------------------------------------------- item 8: crashes become one line
+
+def test_prepare_file_too_large_is_one_line_and_publishes_nothing(poems_dir, tmp_path):
+    """EFBIG for real: RLIMIT_FSIZE in a child process (SIGXFSZ ignored, so write() fails)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+            "from mspretrain.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = tmp_path / "data"
+    r = subprocess.run([sys.executable, "-c", code, "prepare", str(poems_dir), "--out", str(out), *PREP],
+                       cwd=ROOT, capture_output=True, text=True, env={"GLOG_v": "3", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and "File too large" in lines[0], r.stderr
+    assert lines[1].startswith("hint: ") and "Traceback" not in r.stderr
+    assert not out.exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("err", ["ENOSPC", "EDQUOT", "EROFS"])
+def test_prepare_disk_errors_are_one_line(poems_dir, tmp_path, capsys, monkeypatch, err):
+    import errno
+    import os
+
+    from mspretrain.data import prepare as prep
+
+    code = getattr(errno, err)
+
+    def full(self, *a, **k):
+        raise OSError(code, os.strerror(code), str(tmp_path / ".data.partial" / "train.bin"))
+
+    monkeypatch.setattr(prep._Sink, "take", full)
+    out = tmp_path / "data"
+    assert os.strerror(code) in refused(capsys, "prepare", poems_dir, "--out", out, *PREP)
+    assert not out.exists() and not (tmp_path / ".data.partial").exists()
+
+
+@pytest.mark.parametrize("edit", ["bytes_str", "sha_int", "files_list", "step_str", "manifest_list", "name_escapes", "entry_null"])
+def test_malformed_checkpoint_manifest_is_a_corrupt_checkpoint(reference_run, tmp_path, capsys, edit):
+    from mspretrain.checkpoint import store
+
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    newest = store.list_checkpoints(run)[-1][1]
+    mpath = newest / "manifest.json"
+    m = json.loads(mpath.read_text())
+    if edit == "bytes_str":
+        m["files"]["model.safetensors"]["bytes"] = "123"
+    elif edit == "sha_int":
+        m["files"]["config.toml"]["sha256"] = 5
+    elif edit == "files_list":
+        m["files"] = list(m["files"])
+    elif edit == "step_str":
+        m["step"] = "eight"
+    elif edit == "manifest_list":
+        m = [m]
+    elif edit == "name_escapes":
+        m["files"]["../../config.toml"] = m["files"].pop("config.toml")
+    else:
+        m["files"]["train_state.json"] = None
+    mpath.write_text(json.dumps(m))
+    reason = store.verify(newest)
+    assert reason and "malformed" in reason
+    # the fallback that train and eval use goes on to the previous checkpoint
+    chosen = store.latest_verified(run, log=lambda s: None)
+    assert chosen is not None and chosen.name < newest.name
+    assert store.resolve_checkpoint(run).dir == chosen
+    rc = main(["checkpoints", str(run), "--verify"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in err and f"{newest.name}" in out and "CORRUPT: manifest.json is malformed" in out
+    refused(capsys, "generate", newest, "--prompt", "春")  # the malformed dir named itself: one line
+
+
+@pytest.mark.parametrize("manifest", [{}, {"documents": 5, "tokens": "many"}, {"vocab_size": "x", "inputs": 3},
+                                      {"files": [1], "chars_per_token": "?", "warnings": "w"}])
+def test_inspect_tolerates_manifests_lacking_keys(tiny_data, tmp_path, capsys, manifest):
+    d = _data_copy(tiny_data, tmp_path)
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["prepare", "--inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "data dir" in out and "[train #0" in out
+    (d / "manifest.json").write_text("[1, 2]")
+    refused(capsys, "prepare", "--inspect", d)
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "nan"], ["--temperature", "inf"], ["--repetition-penalty", "nan"],
+                                   ["--repetition-penalty=-inf"], ["--top-p", "nan"]])
+def test_generate_nonfinite_sampling_is_one_line(tmp_path, capsys, flags):
+    run = tmp_path / "run"
+    run.mkdir()
+    refused(capsys, "generate", run, "--prompt", "春", *flags)
+
+
+@pytest.mark.parametrize("line", ['{"step": 1, "loss": "abc"}', '{"step": 1, "loss": [1]}', '{"step": Infinity, "loss": 1}',
+                                  '{"step": 1, "tokens": 1e400}', '{"step": 1e300, "loss": 2}', '{"step": 1, "mem_mb": -1e308, "lr": 1e308}',
+                                  '{"step": 1, "loss": 1' + "0" * 400 + '}'])
+def test_report_survives_non_numeric_metrics(run_dir, tmp_path, capsys, line):
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "r.html")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("meta", ["{bad", "[1, 2]", '"text"', '{"world_size": "x"}', '{"hardware": 5, "data_dir": 7}'])
+def test_report_survives_a_malformed_run_meta(run_dir, tmp_path, capsys, meta):
+    (run_dir / "run_meta.json").write_text(meta)
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "r.html")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides", [["model.max_seq_len=1000000000"], ["train.global_batch=10000000"],
+                                       ["data.seq_len=200000", "model.max_seq_len=200000"], ["model.dim=65536", "model.n_heads=64"]])
+def test_train_refuses_what_cannot_fit_in_memory_before_compute(tiny_data, tmp_path, capsys, overrides):
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    err = refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "--quiet", "train.max_steps=3", *overrides)
+    assert "GB of memory" in err and "plan" in err
+
+
+def test_fits_refuses_above_physical_and_warns_above_available(tiny_cfg):
+    from dataclasses import replace
+
+    from mspretrain.config import resolve_model
+    from mspretrain.errors import UserError
+    from mspretrain.ops.fits import GB, check_fits, estimate_bytes
+
+    cfg = replace(tiny_cfg, model=resolve_model(tiny_cfg.model, 512))
+    need = estimate_bytes(cfg, 1)
+    said: list[str] = []
+    check_fits(cfg, 1, "cpu", log=said.append, memory=(64 * GB, 32 * GB))
+    assert not said
+    check_fits(cfg, 1, "cpu", log=said.append, memory=(64 * GB, need - 1))
+    assert said and said[0].startswith("warning:")
+    with pytest.raises(UserError):
+        check_fits(cfg, 1, "cpu", log=said.append, memory=(need - 1, None))
+    check_fits(cfg, 1, "ascend", memory=(1, 1))  # host RAM is not the limit on Ascend
+
+
+@pytest.mark.parametrize("what", ["bin_file", "corpus_file"])
+def test_data_that_is_a_file_says_so(tiny_data, tmp_path, capsys, what):
+    from tests.conftest import TINY
+
+    data = tiny_data / "train.bin" if what == "bin_file" else tmp_path / "corpus.txt"
+    if what == "corpus_file":
+        data.write_text("春眠不觉晓", encoding="utf-8")
+    err = refused(capsys, "train", "--config", TINY, "--data", data, "--run", tmp_path / "run", "--quiet", "train.max_steps=3")
+    assert "is a file" in err and "does not exist" not in err

@@ -203,13 +203,43 @@ def _read_manifest_files(ckpt_dir: Path) -> tuple[dict[str, dict[str, Any]] | No
     if not mpath.is_file():
         return None, "no manifest.json (the save did not finish)"
     try:
-        files = json.loads(mpath.read_text(encoding="utf-8"))["files"]
-    except (ValueError, KeyError, UnicodeDecodeError):
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
         return None, "manifest.json is unreadable"
+    except OSError as exc:
+        return None, f"manifest.json cannot be read ({exc.strerror})"
+    problem = _manifest_problem(manifest)
+    if problem:  # a malformed manifest is one more corrupt checkpoint: the fallback goes on
+        return None, f"manifest.json is malformed ({problem})"
+    files = manifest["files"]
     for required in (MODEL_FILE, "train_state.json", "config.toml"):
         if required not in files:
             return None, f"manifest lists no {required}"
     return files, None
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with a manifest's types, or None. Every field verify and resume read is
+    checked here, so a hand-edited manifest is a corrupt checkpoint, never a traceback."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    step = manifest.get("step", 0)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {step!r} is not a non-negative integer"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "no `files` object"
+    for name, entry in files.items():
+        if Path(name).name != name or name in ("", ".", ".."):  # names stay inside the checkpoint dir
+            return f"file name {name!r} is not a plain name"
+        if not isinstance(entry, dict):
+            return f"the entry of {name} is not an object"
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"{name}: bytes {size!r} is not a size"
+        if not isinstance(digest, str) or len(digest) != 64:
+            return f"{name}: sha256 {digest!r} is not a SHA-256"
+    return None
 
 
 def _check_sizes(ckpt_dir: Path, files: dict[str, dict[str, Any]]) -> str | None:

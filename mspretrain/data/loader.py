@@ -54,6 +54,8 @@ def read_manifest(data_dir: str | Path) -> dict:
     d = Path(data_dir)
     fix = f"run `mspretrain prepare INPUT... --out {d}` to create the data dir"
     if not d.is_dir():
+        if d.exists():  # e.g. --data train.bin, or the corpus file itself
+            raise UserError(f"--data {d} is a file; a data dir is the directory `mspretrain prepare --out` wrote", fix)
         raise UserError(f"data dir {d} does not exist", fix)
     path = d / "manifest.json"
     if not path.is_file():

@@ -28,6 +28,7 @@ Design choices:
 from __future__ import annotations
 
 import ctypes
+import errno
 import heapq
 import json
 import multiprocessing as mp
@@ -58,6 +59,7 @@ CHUNK_DOCS = 4096
 SPLITS = ("train", "valid")
 _OUR_FILES = {"manifest.json", "tokenizer.model", "tokenizer.json", "train.bin", "train.idx", "valid.bin", "valid.idx"}
 _W: dict = {}  # per-worker state, set by _init_worker
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
 # --------------------------------------------------------------------------- worker side
@@ -77,8 +79,21 @@ def _keep_freed_memory() -> None:
     mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD: keep up to 128 MB free at the top of the heap
 
 
+def _die_with_parent() -> None:
+    """A worker is killed (SIGKILL) when prepare dies: orphans used to find their pipe gone and
+    print a BrokenPipeError traceback each. Linux `prctl(PR_SET_PDEATHSIG)`; elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, 9)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9
+    except (OSError, AttributeError):
+        return
+    if mp.parent_process() is not None and os.getppid() != mp.parent_process().pid:
+        os._exit(0)  # the parent died before prctl took effect
+
+
 def _init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | None) -> None:
     if mp.parent_process() is not None:
+        _die_with_parent()
         # HF tokenizers would start a thread per core in every worker process.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         _keep_freed_memory()  # a worker process only: the caller's process keeps its settings
@@ -411,7 +426,11 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     """
     t0 = time.time()
     _check_config(cfg)
-    workers = max(1, int(workers if workers is not None else len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0))
+    workers = max(1, int(workers if workers is not None else cores))
+    if workers > cores:  # more processes than cores only adds memory and switching: never a fork bomb
+        log(f"warning: --workers {workers} is more than the {cores} cores this process may use; using {cores}")
+        workers = cores
     out = Path(out_dir).expanduser()
     stats = sources.SourceStats()
     paths = sources.discover(inputs, stats)
@@ -426,10 +445,13 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
             warnings.append(msg)
         log(f"warning: {msg}")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     work = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(work, ignore_errors=True)  # left over by a crashed run
-    work.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)  # left over by a crashed run
+        work.mkdir()
+    except OSError as exc:
+        raise UserError(f"cannot create {work}: {exc.strerror}", "choose an --out in a directory you can write to") from None
     try:
         manifest = _run(paths, work, cfg, given, workers, progress, log, warn, stats)
         manifest["inputs"] = [str(i) for i in inputs]
@@ -447,6 +469,15 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
         # only "all durable before the rename" matters, not the order among them.
         _fsync_all([*sorted(p for p in work.iterdir() if p.is_file()), work])
         _publish(work, out)
+    except OSError as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        if exc.errno in _WRITE_ERRNOS:  # disk full, file too large, quota, read-only, permission
+            where = exc.filename or work
+            fix = (f"free disk space where {out} goes (or choose another --out), then run the same command"
+                   if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else
+                   f"fix the permissions of {where} (or choose another --out)")
+            raise UserError(f"prepare stopped: {exc.strerror} ({where}); nothing was published", fix) from None
+        raise
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -580,27 +611,48 @@ def inspect(data_dir: str | Path, n_docs: int = 3, max_chars: int = 200) -> str:
         m = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise UserError(f"{path} is not valid JSON", "re-run `mspretrain prepare` for this data dir") from None
+    if not isinstance(m, dict):
+        raise UserError(f"{path} is a JSON {type(m).__name__}, not an object", "re-run `mspretrain prepare` for this data dir")
     tok = Tokenizer.load(d)
-    f = m.get("files", {})
+
+    def get(*keys: str) -> object:
+        """m[k1][k2]... or "?" when a key is missing or a level is not an object (an old or edited manifest)."""
+        v: object = m
+        for k in keys:
+            v = v.get(k, "?") if isinstance(v, dict) else "?"
+        return v
+
+    def num(*keys: str) -> str:
+        v = get(*keys)
+        return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+    cpt = get("chars_per_token")
+    inputs = get("inputs")
     lines = [
         f"data dir     {d}",
-        f"inputs       {', '.join(m.get('inputs', []))}",
-        f"files        {f.get('files', '?')} read, by encoding {f.get('by_encoding', {})}, skipped {f.get('skipped', {})}, "
-        f"{f.get('bytes_dropped', 0)} undecodable bytes dropped",
-        f"documents    {m.get('documents_in', '?'):,} in -> train {m['documents']['train']:,}, valid {m['documents']['valid']:,}",
-        f"characters   {m.get('characters_in', 0):,} in -> {m.get('characters', 0):,} kept",
-        f"changed      {m.get('changed', {})}",
-        f"dropped      {m.get('dropped', {})}",
-        f"tokens       train {m['tokens']['train']:,}, valid {m['tokens']['valid']:,} ({m.get('token_dtype', '?')}, "
-        f"{m.get('chars_per_token', 0):.2f} chars/token, EOS after each document)",
-        f"tokenizer    {m.get('tokenizer', {}).get('file', '?')}, vocab {m['vocab_size']:,}, special ids {m['special_ids']}, "
-        f"sha256 {m.get('tokenizer_sha256', '')[:16]}",
-        f"fingerprint  {m['fingerprint']}",
+        f"inputs       {', '.join(map(str, inputs)) if isinstance(inputs, list) else inputs}",
+        f"files        {get('files', 'files')} read, by encoding {get('files', 'by_encoding')}, skipped {get('files', 'skipped')}, "
+        f"{get('files', 'bytes_dropped')} undecodable bytes dropped",
+        f"documents    {num('documents_in')} in -> train {num('documents', 'train')}, valid {num('documents', 'valid')}",
+        f"characters   {num('characters_in')} in -> {num('characters')} kept",
+        f"changed      {get('changed')}",
+        f"dropped      {get('dropped')}",
+        f"tokens       train {num('tokens', 'train')}, valid {num('tokens', 'valid')} ({get('token_dtype')}, "
+        f"{f'{cpt:.2f}' if isinstance(cpt, (int, float)) else cpt} chars/token, EOS after each document)",
+        f"tokenizer    {get('tokenizer', 'file')}, vocab {num('vocab_size')}, special ids {get('special_ids')}, "
+        f"sha256 {str(get('tokenizer_sha256'))[:16]}",
+        f"fingerprint  {get('fingerprint')}",
     ]
-    if m.get("warnings"):
-        lines.append(f"warnings     {len(m['warnings'])}: " + "; ".join(m["warnings"][:3]))
+    missing = [k for k in ("documents", "tokens", "vocab_size", "fingerprint") if k not in m]
+    if missing:
+        lines.append(f"note         manifest.json lacks {', '.join(missing)}: not written by this version of prepare, or edited")
+    if isinstance(m.get("warnings"), list) and m["warnings"]:
+        lines.append(f"warnings     {len(m['warnings'])}: " + "; ".join(map(str, m["warnings"][:3])))
     eos = tok.eos_id
     for split in SPLITS:
+        if not (d / f"{split}.idx").is_file():
+            lines.append(f"\n[{split}: no {split}.idx]")
+            continue
         ds = IndexedDataset(d / split)
         for i in range(min(n_docs if split == "train" else 1, len(ds))):
             ids = ds[i]

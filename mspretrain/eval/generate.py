@@ -13,6 +13,7 @@ joined by it), so EOS is the document-start context the model knows.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,12 +37,13 @@ class SamplingParams:
     def check(self) -> None:
         if self.max_new_tokens <= 0:
             raise UserError(f"--max-new-tokens {self.max_new_tokens} must be positive", "use e.g. --max-new-tokens 64")
-        if not self.greedy and self.temperature <= 0:
-            raise UserError(f"--temperature {self.temperature} must be positive", "use e.g. 0.8, or --greedy")
+        # `not x > 0` rather than `x <= 0`: NaN fails every comparison, and would sample garbage
+        if not (self.temperature > 0 and math.isfinite(self.temperature)) and not self.greedy:
+            raise UserError(f"--temperature {self.temperature} must be a positive finite number", "use e.g. 0.8, or --greedy")
         if self.top_k < 0 or not 0 < self.top_p <= 1:
             raise UserError("--top-k must be >= 0 and --top-p in (0, 1]", "use e.g. --top-k 50 --top-p 0.95")
-        if self.repetition_penalty <= 0:
-            raise UserError(f"--repetition-penalty {self.repetition_penalty} must be positive", "use 1.0 (off) to 1.3")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise UserError(f"--repetition-penalty {self.repetition_penalty} must be a positive finite number", "use 1.0 (off) to 1.3")
 
 
 @dataclass

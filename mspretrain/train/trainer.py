@@ -38,6 +38,7 @@ from mspretrain.checkpoint.saver import Saver
 from mspretrain.config import Config
 from mspretrain.device import DeviceInfo, plan_device, setup_mindspore
 from mspretrain.errors import UserError
+from mspretrain.ops.fits import check_fits
 from mspretrain.monitor.memory import memory_metrics
 from mspretrain.train import distributed
 from mspretrain.train.loss_scale import LossScaler
@@ -113,6 +114,7 @@ class Trainer:
         if self.world.is_main:  # one writer per run dir; the other msrun ranks are the same job
             run_lock.acquire(self.run_dir, "train", log=self._print)
         self.micro, self.accum_steps = cfgmod.micro_batches(cfg, self.world.size)
+        check_fits(cfg, self.world.size, self.device.target, log=self.log)  # before any allocation
 
         # ---- resume: the newest checkpoint that verifies (rank 0 decides what it logs)
         self.resume_from: Path | None = None
