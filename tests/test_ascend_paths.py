@@ -155,6 +155,17 @@ def test_startup_line_reports_what_runs():
     assert "attention math" in device.plan_device(cfgmod.load(None, ["device.target=cpu"])).describe()
 
 
+@pytest.mark.parametrize("overrides", [["precision.dtype=fp16"], ["precision.dtype=bf16"], [],
+                                       ["precision.dtype=fp16", "model.dim=96", "model.n_heads=4"]])
+def test_startup_line_agrees_with_the_model_that_runs(overrides):
+    """What the line claims is what Llama builds from the same config (the trainer passes attention auto)."""
+    cfg = cfgmod.load(None, overrides)
+    info = device.plan_device(cfg, target="ascend")
+    model = llama.Llama(cfgmod.resolve_model(replace(cfg.model, n_layers=1), 64), dtype=cfg.precision.dtype,
+                        attention="auto", device="ascend")
+    assert info.flash_attention is model.use_flash
+
+
 # ------------------------------------------------------------------ 9. MINDIR tolerance follows the dtype
 
 def test_mindir_tolerance_is_dtype_aware():
