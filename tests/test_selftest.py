@@ -102,7 +102,7 @@ def test_cpu_selftest_end_to_end(cpu_selftest):
     assert doc["config"] == {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 192,
                              "vocab_size": 512, "seq_len": 32, "dtype": "fp32"}
     assert doc["target"] == "cpu" and doc["seconds"] < 120
-    assert not (run / "selftest").exists()  # scratch space removed
+    assert not run.exists()  # scratch space removed, and the run dir the selftest created with it
 
 
 def test_table_says_it_is_not_a_verdict_on_cpu(cpu_selftest):
@@ -133,9 +133,22 @@ def test_plan_from_selftest(cpu_selftest, tmp_path, capsys):
 
 
 def test_selftest_refuses_a_bad_config_in_one_line(capsys, tmp_path):
-    assert main(["selftest", "--run", str(tmp_path), "precision.dtype=bf16", "device.target=cpu"]) == 2
+    assert main(["selftest", "--run", str(tmp_path), "model.n_heads=3", "device.target=cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: precision.dtype = bf16 is not supported on CPU") and err.count("\n") == 2
+    assert err.startswith("error: model.n_heads = 3 does not divide model.dim = 64") and err.count("\n") == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bf16_config_on_cpu_is_checked_not_refused(tmp_path):
+    """The 910B's bf16 config on a CPU box: its bf16 checks say "needs Ascend", the user's files stay."""
+    (tmp_path / "selftest").mkdir()
+    (tmp_path / "selftest" / "mine.txt").write_text("the user's")
+    cfg = cfgmod.load(TINY, ["precision.dtype=bf16", "device.target=cpu"])
+    doc = selftest.run_selftest(cfg, tmp_path, only=("decoder layer", "train step bf16", "versions"))
+    status = {c["name"]: c["status"] for c in doc["checks"]}
+    assert status["decoder layer"] == status["train step bf16"] == "needs Ascend" and status["versions"] == "passed"
+    assert status["checkpoint"] == "skipped" and doc["tokens_per_s_per_device"] is None and "config" not in doc
+    assert (tmp_path / "selftest" / "mine.txt").read_text() == "the user's" and sorted(p.name for p in tmp_path.iterdir()) == ["selftest"]
 
 
 # --------------------------------------------------------------------------- collectives through msrun

@@ -23,7 +23,7 @@ The JSON schema is in docs/operators.md ("mspretrain selftest")."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_argument(p)
     p.add_argument("--run", metavar="RUN_DIR", default=".",
-                   help="where the run will write: the checkpoint check measures this disk (scratch files in RUN_DIR/selftest/, removed after)")
+                   help="where the run will write: the checkpoint check measures this disk (scratch files in RUN_DIR/.selftest-*/, removed after)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (for `plan --from-selftest`)")
     p.add_argument("--out", metavar="FILE", help="also write the JSON to FILE (the table still goes to stdout)")
     p.add_argument("--quick", action="store_true", help="smaller checkpoint and collective sizes, fewer timing repeats")

@@ -14,7 +14,8 @@ Design choices:
   scaler's scale.
 - Measured numbers feed the plan: the decoder-layer timing gives tokens/s per device, written to
   the JSON as `tokens_per_s_per_device`, which `mspretrain plan --from-selftest FILE` reads.
-- Nothing here writes outside `--run DIR/selftest/` (removed at the end) and the JSON the user asks for.
+- Nothing here writes outside a fresh `--run DIR/.selftest-XXXX/` (removed at the end; a run dir
+  the selftest created is removed too if it stays empty) and the JSON the user asks for.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -459,12 +461,14 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
 
     t_start = time.perf_counter()
     target = target or resolve_target(cfg.device.target)
-    cfgmod.validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)), device=target)
+    # a bf16 config on a CPU box is still worth checking: the bf16 checks say "needs Ascend"
+    on_this_device = target if not (target == "cpu" and cfg.precision.dtype == "bf16") else None
+    cfgmod.validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)), device=on_this_device)
     setup_mindspore(plan_device(cfg, target=target))
-    work = Path(run_dir) / "selftest"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".selftest-", dir=run_dir))  # never a name the user's files could have
     ctx = Context(cfg=cfg, target=target, work=work, quick=quick)
     ctx.vocab_note = "not in the config, Llama-2's 32000 assumed for FLOPs"
     steps: list[tuple[str, Callable[[], Check]]] = [
@@ -491,6 +495,8 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
             checks.append(check)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if created and not any(run_dir.iterdir()):
+            run_dir.rmdir()
     import mindspore as ms
 
     doc = {"selftest_version": 1, "target": target, "mindspore": ms.__version__, "quick": quick,
