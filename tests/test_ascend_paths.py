@@ -32,6 +32,9 @@ def test_rank_table_launch_is_selected_with_its_device(tmp_path):
     msrun = {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": "1", "RANK_ID": "1"}
     assert distributed.select_launch("ascend", {**env, **msrun}).kind == "msrun"
     assert distributed.select_launch("ascend", {}) == distributed.Launch("single", distributed.World())
+    # MindSpore's other name for the table
+    other = {("MINDSPORE_HCCL_CONFIG_PATH" if k == "RANK_TABLE_FILE" else k): v for k, v in env.items()}
+    assert distributed.select_launch("ascend", other).device_id == 3
 
 
 @pytest.mark.parametrize("change, message", [

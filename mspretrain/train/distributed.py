@@ -30,6 +30,8 @@ from mspretrain.errors import UserError
 
 MSRUN_VARS = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT")
 RANK_TABLE_VARS = ("RANK_TABLE_FILE", "RANK_ID", "RANK_SIZE", "DEVICE_ID")
+# MindSpore reads the table from either name (mindspore/communication/management.py, _check_parallel_envs)
+TABLE_NAMES = ("RANK_TABLE_FILE", "MINDSPORE_HCCL_CONFIG_PATH")
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class Launch:
 
 
 def _rank_table(env: dict[str, str]) -> Launch:
-    missing = [v for v in RANK_TABLE_VARS if v not in env]
+    table = next(env[v] for v in TABLE_NAMES if v in env)
+    missing = [v for v in RANK_TABLE_VARS[1:] if v not in env]
     if missing:
         raise UserError(f"rank-table launch environment is half set (missing {', '.join(missing)})",
                         "set RANK_TABLE_FILE, RANK_ID, RANK_SIZE and DEVICE_ID for every process, or launch with `mspretrain launch` (msrun)")
@@ -84,7 +87,6 @@ def _rank_table(env: dict[str, str]) -> Launch:
         raise UserError(f"RANK_ID = {rank} is outside 0..{size - 1} (RANK_SIZE = {size})", "set RANK_ID from the rank table's rank_id of this process")
     if device_id < 0:
         raise UserError(f"DEVICE_ID = {device_id} is negative", "set DEVICE_ID to this process's NPU (0-7 on an 8-NPU server)")
-    table = env["RANK_TABLE_FILE"]
     if not os.path.isfile(table):
         raise UserError(f"RANK_TABLE_FILE {table} does not exist", "point it at the rank table (`mspretrain` writes one with train/hccl.py's write_topology)")
     return Launch("rank_table", World(rank=rank, size=size), device_id)
@@ -93,15 +95,16 @@ def _rank_table(env: dict[str, str]) -> Launch:
 def select_launch(target: str, env: dict[str, str] | None = None) -> Launch:
     """Which launch this process is in, decided from the environment without touching MindSpore.
 
-    msrun's variables win (msrun also exports RANK_ID/RANK_SIZE); else RANK_TABLE_FILE means the
-    classic launch, which needs all four variables and device.target ascend."""
+    msrun's variables win (msrun also exports RANK_ID/RANK_SIZE/DEVICE_ID, and RANK_TABLE_FILE when
+    given --rank_table_file); else RANK_TABLE_FILE (or MINDSPORE_HCCL_CONFIG_PATH) means the classic
+    launch, which needs RANK_ID, RANK_SIZE, DEVICE_ID and device.target ascend."""
     env = dict(os.environ if env is None else env)
     world = detect(env)
     if world is not None:
         return Launch("msrun", world)
-    if "RANK_TABLE_FILE" in env:
+    if any(v in env for v in TABLE_NAMES):
         if target != "ascend":
-            raise UserError("RANK_TABLE_FILE is set, but a rank table launches HCCL on Ascend NPUs and the device is CPU",
+            raise UserError(f"{next(v for v in TABLE_NAMES if v in env)} is set, but a rank table launches HCCL on Ascend NPUs and the device is CPU",
                             "unset RANK_TABLE_FILE on CPU; for several CPU processes use `mspretrain launch --nproc N -- train ...` (msrun)")
         return _rank_table(env)
     return Launch("single", World())
