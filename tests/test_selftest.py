@@ -61,6 +61,31 @@ def test_attention_comparison_catches_a_kernel_that_ignores_documents(gqa_models
     assert res["causal"].passed and not res["documents"].passed
 
 
+def _math_in_place_of_flash(attn, q, k, v, discard):
+    """A stand-in for FlashAttentionScore built from what the flash path receives: the compressed
+    causal mask or the (B, 1, T, T) document mask, 1 = masked out (as the op's doc says)."""
+    import mindspore as ms
+
+    T = q.shape[2]
+    keep = np.tril(np.ones((T, T), np.float32))[None, None] if discard.ndim == 2 else 1.0 - discard.asnumpy().astype(np.float32)
+    return attn.attend(q, k, v, ms.Tensor((keep - 1.0) * 1e9))
+
+
+@pytest.mark.parametrize("overrides, status", [
+    (["model.dim=1024", "model.n_heads=16", "model.n_kv_heads=4"], "passed"),  # 8 of 16 heads, groups of 4 kept
+    (["model.n_kv_heads=0"], "passed"), (["model.dim=96", "model.n_heads=4"], "skipped")])
+def test_the_ascend_attention_check_with_a_stand_in_kernel(monkeypatch, overrides, status):
+    """check_attention as a 910B runs it, the kernel replaced by the math path fed the flash inputs."""
+    from mspretrain.model import llama
+
+    monkeypatch.setattr(llama.Attention, "_flash", _math_in_place_of_flash)
+    ctx = selftest.Context(cfg=cfgmod.load(TINY, overrides), target="ascend", work=Path("unused"))
+    check = selftest.check_attention(ctx, "fp16")
+    assert check.status == status, check.detail
+    if status == "passed":
+        assert 0 < check.data["documents"]["max_abs_diff"] <= 1e-2 and "max |diff|" in check.detail
+
+
 # --------------------------------------------------------------------------- end to end on CPU (CI)
 
 @pytest.fixture(scope="module")
