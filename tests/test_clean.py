@@ -206,6 +206,36 @@ def test_nfkc_regex_runs_equal_the_table_path():
     assert clean.nfkc("𝐀𝐁１２春") == "AB12春"
 
 
+def test_nfkc_equals_unicodedata_with_the_documented_exemptions():
+    # An independent reference: unicodedata.normalize("NFKC") on everything except the documented
+    # exemptions, which are defined here from Unicode categories, not from clean's own lists:
+    # full-width ASCII punctuation and symbols (U+FF01-FF5E, categories P* and S*) and the ellipsis.
+    import unicodedata
+
+    exempt = frozenset(chr(c) for c in range(0xFF01, 0xFF5F) if unicodedata.category(chr(c))[0] in "PS") | {"\u2026"}
+    assert {"，", "！", "？", "：", "；", "（", "）", "～", "…"} <= exempt and not {"Ａ", "１"} & exempt
+
+    def reference(text: str) -> str:
+        out, seg = [], []
+        for ch in text:
+            if ch in exempt:
+                out += [unicodedata.normalize("NFKC", "".join(seg)), ch]
+                seg = []
+            else:
+                seg.append(ch)
+        return "".join(out) + unicodedata.normalize("NFKC", "".join(seg))
+
+    rng = np.random.default_rng(5)
+    pools = [[chr(c) for c in range(0x30000) if unicodedata.decomposition(chr(c)) and not 0xD800 <= c < 0xE000],  # compatibility forms
+             [chr(c) for c in range(0x10000) if unicodedata.category(chr(c))[0] == "M"],  # combining marks
+             [chr(c) for c in range(0x1100, 0x1200)],  # Hangul jamo (compose with each other)
+             list("春眠不觉晓处处闻啼鸟abcAB12 \n\u3000") + ["𠮷", "😀"], sorted(exempt)]
+    for _ in range(5000):
+        text = "".join((lambda p: p[int(rng.integers(0, len(p)))])(pools[int(rng.integers(0, len(pools)))])
+                       for _ in range(int(rng.integers(1, 10))))
+        assert clean.nfkc(text) == reference(text), repr(text)
+
+
 def _reference_normalize_whitespace(text: str) -> str:
     text = "\n".join(" ".join(line.split()) for line in text.splitlines())
     text = re.sub("\n{3,}", "\n\n", text)

@@ -85,8 +85,19 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_data, short_run, capsys)
         assert main(args) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert err[0].startswith("error: ") and len(err) <= 2, (args, err)
+        # the contract (docs/DESIGN.md): exactly one `error:` line and one `hint:` line
+        assert len(err) == 2 and err[1].startswith("hint: "), (args, err)
         assert "Traceback" not in "\n".join(err)
     assert not (tmp_path / "r" / "checkpoints").exists()
+    # resume refuses every numerics-changing key, not only model.dim, and names it
+    metrics_before = (short_run / "metrics.jsonl").read_text()
+    for over, key in (("data.seq_len=16", "data.seq_len: 32 -> 16"), ("train.global_batch=8", "train.global_batch: 4 -> 8"),
+                      ("train.seed=7", "train.seed: 1234 -> 7")):
+        assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(short_run), over]) == 2, over
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 2 and err[0].startswith("error: the config changes numerics") and key in err[0], (over, err)
+        assert err[1].startswith("hint: ") and "--allow-config-change" in err[1], err
+    assert (short_run / "metrics.jsonl").read_text() == metrics_before  # nothing of the run was touched
 
 
 def _trainer(cfg_overrides, data, run):
