@@ -24,9 +24,11 @@ from mspretrain.model.hf import read_safetensors
 from mspretrain.model.llama import Llama, from_checkpoint, state_numpy
 from mspretrain.model.loss import token_nll
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-spm = pytest.importorskip("sentencepiece")
+# Plain imports, not importorskip: torch and transformers are pinned test dependencies
+# (pyproject [test]); a missing one must fail collection loudly, not skip every parity test.
+import sentencepiece as spm  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 V = 320
 
@@ -67,6 +69,7 @@ def one_line_error(rc, err, needle):
     lines = err.strip().splitlines()
     assert lines[0].startswith("error:") and needle in lines[0], err
     assert len(lines) <= 2 and "Traceback" not in err
+    assert len(lines) == 2 and lines[1].startswith("hint:"), err  # the contract: one error line, one hint line
 
 
 @pytest.fixture(scope="module")

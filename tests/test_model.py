@@ -18,8 +18,10 @@ from mspretrain.model.llama import Llama, load_numpy, state_numpy
 from mspretrain.model.loss import token_nll
 from mspretrain.model.presets import PRESETS, param_count, preset
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+# Plain imports, not importorskip: torch and transformers are pinned test dependencies
+# (pyproject [test]); a missing one must fail collection loudly, not skip every parity test.
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 V = 320
 
