@@ -76,6 +76,28 @@ def test_round_trip_equals_cleaned_documents(raw, prepared):
     assert all("<p>" not in t for t in got["train"] + got["valid"])
 
 
+def test_small_corpus_gives_the_documents_written_out_here(tmp_path):
+    """expected_docs() above reuses the cleaner and dedup key: a bug shared by prepare and its
+    reference would pass there. Here every expected document is written out by hand."""
+    poems = make_poems(30, seed=1)
+    dirty = [
+        ("<p>春风又绿江南岸，明月何时照我还。</p>", "春风又绿江南岸，明月何时照我还。"),  # HTML tags go
+        ("ＡＢＣ１２３，春眠不觉晓！", "ABC123，春眠不觉晓！"),  # NFKC, full-width punctuation kept
+        ("床前明月光，疑是地上霜。\t举头望明月。", "床前明月光，疑是地上霜。 举头望明月。"),  # odd whitespace
+        ("短诗", None),  # below min_chars
+        (poems[3], None),  # an exact duplicate
+        ("两个黄鹂鸣翠柳，一行白鹭上青天。&amp;", "两个黄鹂鸣翠柳，一行白鹭上青天。&"),  # entities unescaped
+    ]
+    (tmp_path / "t.txt").write_text("\n\n".join(poems + [d for d, _ in dirty]) + "\n", encoding="utf-8")
+    m = prepare([str(tmp_path / "t.txt")], tmp_path / "o", replace(CFG, vocab_size=400), workers=1, **QUIET)
+    want = poems + [w for _, w in dirty if w is not None]
+    got = {s: decoded(tmp_path / "o", s) for s in ("train", "valid")}
+    assert sorted(got["train"] + got["valid"]) == sorted(want) and len(got["train"]) + len(got["valid"]) == len(want)
+    for split in ("train", "valid"):  # each split keeps the input order
+        assert got[split] == [d for d in want if d in got[split]], split
+    assert m["documents_in"] == len(poems) + len(dirty)
+
+
 def test_manifest(raw, prepared):
     out, m = prepared
     assert json.loads((out / "manifest.json").read_text(encoding="utf-8")) == m
