@@ -413,3 +413,61 @@ def test_data_that_is_a_file_says_so(tiny_data, tmp_path, capsys, what):
         data.write_text("春眠不觉晓", encoding="utf-8")
     err = refused(capsys, "train", "--config", TINY, "--data", data, "--run", tmp_path / "run", "--quiet", "train.max_steps=3")
     assert "is a file" in err and "does not exist" not in err
+
+
+# --------------------------------------------------------------------------- item 9: resource bombs
+
+def test_workers_are_capped_at_the_cores(poems_dir, tmp_path, capsys):
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    for n in (100000, cores + 1):
+        out = tmp_path / f"d{n}"
+        assert main(["prepare", str(poems_dir), "--out", str(out), *[a for a in PREP if a not in ("--workers", "1", "--quiet")],
+                     "--workers", str(n)]) == 0
+        text = capsys.readouterr().out
+        assert f"warning: --workers {n} is more than the {cores} cores" in text
+        assert f"with {cores} worker" in text
+
+
+def test_recursive_glob_does_not_follow_symlink_loops(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    d = tmp_path / "corpus" / "a"
+    d.mkdir(parents=True)
+    (d / "x.txt").write_text("春眠不觉晓，处处闻啼鸟。", encoding="utf-8")
+    (d / "up").symlink_to("..")          # a loop through the parent
+    (d / "self").symlink_to(".")         # and one onto itself
+    code = ("import sys; from mspretrain.data.sources import discover; "
+            "print([str(p) for p in discover(sys.argv[1:])])")
+    r = subprocess.run([sys.executable, "-c", code, f"{tmp_path}/corpus/**/*.txt", f"{tmp_path}/corpus/*/*.txt"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert eval(r.stdout) == [str(d / "x.txt")]
+
+
+def test_diagnose_streams_a_long_log_in_bounded_memory(tmp_path):
+    import tracemalloc
+
+    from mspretrain.ops.diagnose import diagnose
+
+    log = tmp_path / "worker_0.log"
+    with open(log, "w", encoding="utf-8") as f:
+        for i in range(1, 60_001):  # ~6 MB of progress lines, a step time on every one
+            f.write(f"2026-12-01 08:00:00 step {i}/999999 | loss 4.{i % 97:04d} | lr 3.00e-04 | gnorm 0.{i % 89:03d} | "
+                    f"{12000 + i % 999:,} tok/s | mfu 1.2% | eta 1h00m\n")
+        f.write("RuntimeError: Allocate memory failed on device 0\n")
+    tracemalloc.start()
+    findings = diagnose(log)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert [f.kind for f in findings] == ["oom"] and findings[0].line == 60_001
+    assert peak < 3 << 20, peak  # 0.5 MB of step times as floats; a tuple per line was ~20 MB
+
+
+@pytest.mark.parametrize("port", ["70000", "0", "-1", "65536"])
+def test_dashboard_port_out_of_range(tmp_path, capsys, port):
+    refused(capsys, "dashboard", tmp_path, f"--port={port}")

@@ -33,6 +33,8 @@ def tensorboard_command(logdir: str, port: int) -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.port <= 65535:  # checked before TensorBoard starts and fails with a traceback of its own
+        raise UserError(f"--port {args.port} is not a TCP port (1-65535)", "use e.g. --port 6006")
     run_dir = existing_path(args.run_dir, "run dir", "pass the --run dir of `mspretrain train`")
     logdir = run_dir / "tb" if (run_dir / "tb").is_dir() else run_dir
     cmd = tensorboard_command(str(logdir), args.port)

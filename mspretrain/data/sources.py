@@ -132,7 +132,7 @@ def discover(inputs: Sequence[str], stats: SourceStats | None = None) -> list[Pa
                                 "point prepare at your text files, or rename them to .txt / .jsonl")
             found.extend(usable)
         elif glob.has_magic(raw):
-            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
+            matches = _glob(p)
             if not matches:
                 raise UserError(f"no files match {raw}", "check the pattern (quote it so the shell does not expand it) or list the files")
             found.extend(matches)
@@ -142,6 +142,25 @@ def discover(inputs: Sequence[str], stats: SourceStats | None = None) -> list[Pa
     for f in found:
         unique.setdefault(f.resolve(), None)
     return list(unique)
+
+
+def _glob(pattern: Path) -> list[Path]:
+    """Files matching `pattern` (`**` included), sorted, without following symlinked directories.
+
+    `glob.glob(recursive=True)` follows directory symlinks, so a link to a parent loops until
+    the path is too long (it never returned in 20 s on a two-level loop). pathlib's `**` does not
+    descend into symlinks (CPython 3.11 `pathlib._RecursiveWildcardSelector`). Hidden files and
+    directories are skipped, as `glob.glob` and directory inputs do.
+    """
+    parts = pattern.parts
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    root = Path(*parts[:first]) if first else Path(".")
+    found = []
+    for m in root.glob(str(Path(*parts[first:]))):
+        rel = m.relative_to(root).parts
+        if m.is_file() and not any(part.startswith(".") for part in rel):
+            found.append(m)
+    return sorted(found)
 
 
 # --------------------------------------------------------------------------- opening and sniffing
