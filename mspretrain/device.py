@@ -6,7 +6,9 @@ the code asks `DeviceInfo` instead of probing MindSpore itself, and the start-up
 claims an option that does not run:
 - attention: FlashAttentionScore only where `model.llama.select_attention` picks it (Ascend,
   fp16/bf16, a head size the kernel takes); the math path otherwise, fp32 on Ascend included.
-- graph-kernel fusion stays off (MindSpore Transformers trains at jit_level O0 without it). The
+- graph-kernel fusion stays off (MindSpore Transformers' pretraining config
+  configs/qwen3/pretrain_qwen3_32b_4k.yaml runs jit_level "O0"; some of its fine-tuning configs
+  opt into "O1"; its predict configs set enable_graph_kernel: False). The
   old `set_context(enable_graph_kernel=True)` is deprecated in MindSpore 2.10 in favour of
   `jit_level` (mindspore/context.py: "Please use jit_config={'jit_level': 'O1'} instead");
   `device.jit_level = "O1"` is the opt-in, carried in `DeviceInfo.jit_level` for the `ms.jit`
