@@ -85,6 +85,25 @@ def test_spike_rewind_restores_weights_and_skips_batches(rewind_run):
     t.metrics.close()
 
 
+def test_rewind_skip_skips_that_many_steps_of_data(rewind_run):
+    """spike.rewind_skip > 0: the data position is the checkpoint's plus rewind_skip steps' worth
+    of batches (0, tested above, keeps the position the spike was reached at)."""
+    import dataclasses
+
+    t, run = rewind_run
+    t.cfg = dataclasses.replace(t.cfg, spike=dataclasses.replace(t.cfg.spike, rewind_skip=3))
+    saved = json.loads((run / "checkpoints" / "step_000004" / "data_state.json").read_text())
+    lines: list[str] = []
+    t._print = lines.append
+    t.spikes.check = lambda step, loss, gn=None: [{"kind": "loss_spike", "message": f"step {step}: loss spike"}]
+    t._spikes(StepResult(loss=9.0, grad_norm=1.0, finite=True), {})
+    assert t.step == 4
+    per_step = t.accum_steps * t.micro  # sequences one optimizer step reads on this (only) rank
+    assert saved["samples"] > 0 and t.loader.state()["samples"] == saved["samples"] + 3 * per_step
+    assert any("rewound to step_000004, skipping 3 steps of data" in line for line in lines), lines
+    t.metrics.close()
+
+
 def test_persistent_nonfinite_loss_stops_the_run(tmp_path, tiny_data):
     t = make(tiny_data, tmp_path / "r", "spike.max_nonfinite=2")
     t._build()
