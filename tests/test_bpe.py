@@ -40,12 +40,32 @@ def reference(tok: Tokenizer, texts: list[str]) -> tuple[list[int], list[int]]:
     return [i for x in ids for i in x], [len(x) for x in ids]
 
 
+def _built_or_buildable() -> bool:
+    """False only where the extension is missing and there is no C compiler to build it: the
+    README supports installing without one (prepare then uses SentencePiece's encoder)."""
+    import shutil
+    import sysconfig
+
+    try:
+        from mspretrain.data import _bpe  # noqa: F401
+
+        return True
+    except ImportError:
+        cc = (sysconfig.get_config_var("CC") or "cc").split()
+        return bool(cc) and shutil.which(cc[0]) is not None
+
+
+NEEDS_EXTENSION = pytest.mark.skipif(not _built_or_buildable(), reason="no C compiler here: the C encoder is optional and was not built")
+
+
+@NEEDS_EXTENSION
 def test_the_extension_is_built():
     # The build is optional (pip succeeds without a compiler), so a broken build would only
     # show as a slower prepare; on a machine with a compiler it must be there.
     from mspretrain.data import _bpe  # noqa: F401
 
 
+@NEEDS_EXTENSION
 def test_same_ids_as_sentencepiece(tok):
     assert tok._bpe_encoder() is not None  # the model prepare trains is one the C encoder covers
     texts = texts_to_check()

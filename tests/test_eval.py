@@ -12,7 +12,7 @@ from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.errors import UserError
 from mspretrain.eval.generate import SamplingParams, generate, sample_next
-from mspretrain.eval.perplexity import evaluate_tokens, windows
+from mspretrain.eval.perplexity import evaluate_tokens
 from mspretrain.model.llama import Llama
 
 SEQ = 16
@@ -38,17 +38,22 @@ def test_perplexity_is_independent_of_batch_size(model_and_tokens):
 
 def test_perplexity_equals_numpy(model_and_tokens):
     model, tokens = model_and_tokens
-    starts = windows(tokens, SEQ)
-    batch = np.stack([tokens[s : s + SEQ + 1] for s in starts]).astype(np.int32)  # (N, SEQ+1)
+    # The windows are cut here with numpy's own stride view, not with perplexity.windows(): a bug
+    # shared by the code and its reference must not pass. Packed windows of SEQ+1 tokens, stride SEQ.
+    batch = np.lib.stride_tricks.sliding_window_view(tokens, SEQ + 1)[::SEQ].astype(np.int32)  # (N, SEQ+1)
+    assert batch.shape == (40, SEQ + 1) and np.array_equal(batch[1, 0], tokens[SEQ])
     logits = model(ms.Tensor(batch[:, :-1])).asnumpy().astype(np.float64)  # (N, SEQ, V)
     logp = logits - logits.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-    nll = -np.take_along_axis(logp, batch[:, 1:, None].astype(np.int64), -1).mean()
+    token_nll = -np.take_along_axis(logp, batch[:, 1:, None].astype(np.int64), -1)[..., 0]  # (N, SEQ)
+    nll = token_nll.mean()
     ours = evaluate_tokens(model, tokens, seq_len=SEQ, batch_size=8)
+    assert ours["tokens"] == batch.shape[0] * SEQ
     assert ours["nll"] == pytest.approx(nll, rel=1e-6)
     assert ours["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)  # fp32 log-softmax vs float64 numpy
     capped = evaluate_tokens(model, tokens, seq_len=SEQ, batch_size=8, max_tokens=5 * SEQ)
     assert capped["tokens"] == 5 * SEQ
+    assert capped["nll"] == pytest.approx(token_nll[:5].mean(), rel=1e-6)  # the first 5 windows
 
 
 def test_too_short_split_is_a_user_error(model_and_tokens):
