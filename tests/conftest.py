@@ -62,3 +62,62 @@ def tiny_data(tmp_path_factory, corpus_file, tiny_cfg) -> Path:
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare([str(corpus_file)], out, tiny_cfg.prepare, workers=1, log=lambda s: None)
     return out
+
+
+# One tiny training run that several test files compare against (single process, fp32, cosine
+# schedule over 8 steps, a checkpoint after every step, all kept). Before this, four tests each
+# trained their own copy with the same config except `max_steps`: three compilations saved.
+REFERENCE_STEPS = 8
+# grad_norm_every=1: the grad norm of every step is compared (a gradient scale error that clipping
+# and Adam hide from the weights shows there); it does not change the numerics.
+REFERENCE_ARGS = (f"train.max_steps={REFERENCE_STEPS}", "checkpoint.every=1", f"checkpoint.keep_last={REFERENCE_STEPS}",
+                  "metrics.grad_norm_every=1")
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, tiny_data) -> Path:
+    """Read-only: copy it (shutil.copytree) before training on or damaging it."""
+    from mspretrain.cli import main
+
+    run = tmp_path_factory.mktemp("reference") / "run"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
+                 "train.log_every=1", *REFERENCE_ARGS]) == 0
+    return run
+
+
+def relative_error(got, want) -> float:
+    """|got - want| / |want| over the whole tensor: a relative tolerance that means something for
+    tensors whose elements are mostly tiny (most exp_avg_sq values are below 1e-6, so an absolute
+    1e-6 passes anything) and that one near-zero element's last-bit noise cannot fail."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.linalg.norm(want) > 0, "the reference is all zeros: nothing would be compared"
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def assert_close_rel(got, want, rtol: float, what: str) -> None:
+    err = relative_error(got, want)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
+def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
+    """Model and optimizer files of two checkpoint dirs (any number of optimizer shards) agree
+    tensor by tensor within `rtol` (relative_error), with the same names and the same AdamW step."""
+    from safetensors.numpy import load_file
+
+    def optimizer(d: Path) -> dict:
+        out: dict = {}
+        for f in sorted(d.glob("optimizer*.safetensors")):
+            part = load_file(str(f))
+            assert not (set(part) - {"opt_step"}) & set(out), f"{f.name} repeats another shard's tensors"
+            out.update(part)
+        return out
+
+    for a, b in ((load_file(str(got / "model.safetensors")), load_file(str(want / "model.safetensors"))),
+                 (optimizer(got), optimizer(want))):
+        assert a and set(a) == set(b), sorted(set(a) ^ set(b))
+        for k in sorted(b):
+            if k == "opt_step":
+                assert int(np.asarray(a[k]).reshape(-1)[0]) == int(np.asarray(b[k]).reshape(-1)[0])
+            else:
+                assert_close_rel(a[k], b[k], rtol, f"{got.name} {k}")
