@@ -104,6 +104,23 @@ def test_rewind_skip_skips_that_many_steps_of_data(rewind_run):
     t.metrics.close()
 
 
+def test_second_ctrl_c_stops_at_once(tmp_path, tiny_data):
+    """The first Ctrl-C asks for a checkpoint after the current step; a second one means now."""
+    import signal
+
+    t = make(tiny_data, tmp_path / "r")
+    lines: list[str] = []
+    t._print, t.step = lines.append, 3  # mid-run (the handlers are installed once training started)
+    assert t._stop_signal is None
+    t._on_signal(signal.SIGINT, None)
+    assert t._stop_signal == signal.SIGINT  # the loop finishes the step and checkpoints
+    assert lines == ["received SIGINT: finishing step 4, then writing a checkpoint"]
+    with pytest.raises(KeyboardInterrupt):
+        t._on_signal(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):  # the runtime may deliver the second one as SIGTERM
+        t._on_signal(signal.SIGTERM, None)
+
+
 def test_persistent_nonfinite_loss_stops_the_run(tmp_path, tiny_data):
     t = make(tiny_data, tmp_path / "r", "spike.max_nonfinite=2")
     t._build()
