@@ -158,3 +158,22 @@ def test_the_step_changed_the_weights_and_checkpointed_masters(one_step):
     assert moments and any(np.abs(m).max() > 0 for m in moments)  # AdamW took a step
     for k in half:  # the stored fp16 weight is the rounded fp32 master
         np.testing.assert_array_equal(weights[k], optim[f"master.{k}"].astype(np.float16))
+    # "changed the weights": against the initial weights, rebuilt here the way the trainer builds
+    # them (same seed). fp32 values: the master of an fp16 weight, the weight itself otherwise.
+    import mindspore as ms
+
+    from mspretrain.model.llama import Llama, state_numpy
+
+    cfg = trainer.cfg
+    ms.set_seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed % (2**32))
+    initial = state_numpy(Llama(cfg.model, dtype=cfg.precision.dtype, seed=cfg.train.seed))
+    assert set(initial) == set(weights)
+    after = {k: optim[f"master.{k}"] if k in half else weights[k] for k in weights}
+    for k in sorted(after):
+        changed = after[k].astype(np.float32) != initial[k].astype(np.float32)
+        if k == "embed.weight":  # rows of tokens absent from the batch get no gradient (and no decay)
+            assert 0 < changed.any(axis=1).sum() < changed.shape[0], k
+            assert np.array_equal(after[k][~changed.any(axis=1)], initial[k][~changed.any(axis=1)])  # the same init
+        else:
+            assert changed.mean() > 0.5, (k, changed.mean())
