@@ -165,13 +165,20 @@ def test_short_runs_sample_every_metric(run4):
 
 def test_eval_prints_which_tokens_it_scored(capsys, run4):
     # item 11: the whole split vs the run's eval.max_tokens
+    from mspretrain.commands.eval import scope_note
+
     code, out, _ = _run_cli(capsys, ["eval", str(run4), "--quiet"])
     assert code == 0
     line = out.strip().splitlines()[-1]
-    assert re.search(r"over [\d,]+ tokens: the whole valid split; the run's own evals score the first 4,096 \(eval.max_tokens\)$", line), line
+    scored = int(re.search(r"over ([\d,]+) tokens", line).group(1).replace(",", ""))
+    assert scored < 4096 and line.endswith(f"over {scored:,} tokens: the whole valid split")  # the run's evals (4,096) saw the same
     code, out, _ = _run_cli(capsys, ["eval", str(run4), "--max-tokens", "64", "--quiet"])
     assert out.strip().splitlines()[-1].endswith("over 64 tokens: the first 64 of the valid split (--max-tokens); "
-                                                  "the run's own evals score the first 4,096 (eval.max_tokens)")
+                                                  "the run's own evals score up to the first 4,096 (eval.max_tokens)")
+    # the demo's case: 84,000 valid tokens, the run's evals limited to the first 32,768
+    assert scope_note("valid", 0, 32768, 84000) == (": the whole valid split; the run's own evals score up to the first "
+                                                    "32,768 (eval.max_tokens)")
+    assert scope_note("valid", 32768, 32768, 32768) == ": the first 32,768 of the valid split (--max-tokens)"
 
 
 def test_resume_with_a_raised_budget_prints_the_schedule_change_and_the_tail_keeps_the_lr(run4, tiny_data, tmp_path):

@@ -56,14 +56,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         bpc = f", {res['bpc']:.3f} bits/char" if "bpc" in res else ""
         print(f"{loaded.ref.dir.name}: {args.split} perplexity {res['ppl']:.3f} (nll {res['nll']:.4f}{bpc}) over {res['tokens']:,} tokens"
-              f"{scope_note(args.split, args.max_tokens, loaded.config.eval.max_tokens)}")
+              f"{scope_note(args.split, args.max_tokens, loaded.config.eval.max_tokens, res['tokens'])}")
     return 0
 
 
-def scope_note(split: str, max_tokens: int, run_max_tokens: int) -> str:
+def scope_note(split: str, max_tokens: int, run_max_tokens: int, scored: int) -> str:
     """Which tokens were scored, next to the number: the run's own evals (report, demo, train.log)
     score only the first eval.max_tokens, so the two perplexities differ and both are right."""
-    scope = f"the first {max_tokens:,} of the {split} split (--max-tokens)" if max_tokens else f"the whole {split} split"
-    if split == "valid" and run_max_tokens and run_max_tokens != max_tokens:
-        scope += f"; the run's own evals score the first {run_max_tokens:,} (eval.max_tokens)"
+    whole = not max_tokens or scored < max_tokens  # the limit was not reached: the split was shorter
+    scope = f"the whole {split} split" if whole else f"the first {max_tokens:,} of the {split} split (--max-tokens)"
+    # the run's evals scored the same tokens when their limit covers what was scored here
+    same = run_max_tokens == 0 if not whole else (run_max_tokens == 0 or run_max_tokens >= scored)
+    if split == "valid" and not same:
+        scope += f"; the run's own evals score up to the first {run_max_tokens:,} (eval.max_tokens)"
     return f": {scope}"

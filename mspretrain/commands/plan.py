@@ -55,7 +55,10 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     if args.model:
-        cfg = replace(cfg, model=preset_model(args.model))
+        model = preset_model(args.model)
+        if args.data:  # the data dir's tokenizer sets the vocabulary, as it will in `train`
+            model = replace(model, vocab_size=0)
+        cfg = replace(cfg, model=model)
         cfg = _reapply_model_overrides(cfg, args)
     tps = args.tokens_per_s
     if tps is None and args.from_selftest:
