@@ -218,6 +218,27 @@ def test_sharded_optimizer_matches_one_process_and_resumes_anywhere(tmp_path, ti
         assert_same_checkpoint(_step_dir(resumed, step), _step_dir(reference_run, step), 1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_fp16_wire_overflow_skips_the_step_on_every_rank(tmp_path, tiny_data):
+    """Scaled gradients that fit fp32 but not fp16 (max 65,504) overflow on the wire only: every
+    rank sees the same inf after the all-reduce, so all skip the update and halve the scale
+    together, and the replicas stay equal. (One process has no wire: it would not skip.)"""
+    run = tmp_path / "overflow"
+    _msrun(tmp_path, tiny_data, run, "precision.allreduce_dtype=fp16", "precision.loss_scale=dynamic",
+           f"precision.init_scale={2.0 ** 24}", "metrics.loss_scale_every=1",
+           args=["train.max_steps=6", "checkpoint.every=0", "--quiet"])
+    recs = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert recs[0]["skipped"] == 1, recs[0]  # 2^24 x a gradient of ~0.004 is past fp16's range
+    assert 0 < recs[-1]["skipped"] < 6, recs[-1]  # the scale came down until steps applied again
+    state = json.loads((_step_dir(run, 6) / "train_state.json").read_text())
+    assert state["skipped_steps"] == recs[-1]["skipped"] and state["applied_steps"] == 6 - recs[-1]["skipped"]
+    assert state["loss_scale"]["scale"] < 2.0 ** 24
+    hashes = _replica_hashes(run)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]  # both ranks skipped the same steps
+
+
 SPIKE_ARGS = ["train.max_steps=5", "checkpoint.every=0", "--quiet"]
 
 
