@@ -148,3 +148,221 @@ def test_commands_in_the_docs_parse(path):
     for block in shell_blocks(path.read_text(encoding="utf-8")):
         for line in _command_lines(block):
             _assert_parses(line, str(path.relative_to(ROOT)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Every command block in the docs runs, and the numbers it prints are the numbers the docs show.
+#
+# A ```console block is a session: `$ command` lines, each followed by its output. Each session
+# of the docs is either run here (and its output compared line by line, numbers at the precision
+# the docs print them) or excluded below with the reason. A new session that is neither fails
+# `test_every_console_session_is_run_or_excluded`.
+
+def console_sessions(text: str) -> list[tuple[str, list[str]]]:
+    """(command, expected output lines) for every `$ ` line of the ```console blocks of a text."""
+    out: list[tuple[str, list[str]]] = []
+    body, lang = None, ""
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if body is None:
+                body, lang = [], line[3:].strip()
+            else:
+                body, lang = None, ""
+            continue
+        if body is None or lang != "console":
+            continue
+        if line.startswith("$ "):
+            out.append((line[2:].strip(), []))
+        elif out and line.strip():
+            out[-1][1].append(line)
+    return out
+
+
+def test_console_sessions_reads_commands_and_their_output():
+    text = "x\n```console\n$ a 1\nout 1\n\n$ b\nout 2\n```\n```bash\n$ c\n```\n"
+    assert console_sessions(text) == [("a 1", ["out 1"]), ("b", ["out 2"])]
+
+
+# Output that is not a property of the code: speeds, durations, ages, dates, scratch paths.
+# Everything else in a line (losses, perplexities, counts, parameter numbers) must match exactly
+# as printed, i.e. at the precision the docs show.
+VOLATILE = (r"[\d,]+ tok/s", r"mfu [\d.]+%", r"eta \S+", r"\([\d.]+ s\)", r"[\d.]+ tokens/s", r"\d+(?:\.\d+)?(?:s|m|h)(?=\s+\w+$)",
+            r"/tmp/\S+", r"\d+\.\d+ minutes")
+
+
+def line_pattern(expected: str) -> re.Pattern:
+    """A doc output line as a regex: the volatile parts are wildcards, the rest is literal."""
+    parts, pos = [], 0
+    spans = sorted((m.start(), m.end()) for v in VOLATILE for m in re.finditer(v, expected))
+    for start, end in spans:
+        if start < pos:
+            continue
+        parts.append(re.escape(expected[pos:start]))
+        parts.append(r".+?")
+        pos = end
+    parts.append(re.escape(expected[pos:]))
+    return re.compile("".join(parts).replace(r"\ ", r"\s+"))
+
+
+def test_line_pattern_keeps_numbers_and_masks_timings():
+    p = line_pattern("step 5/40 | loss 6.1547 | lr 9.94e-04 | gnorm 1.504 | 366 tok/s | mfu 1.0% | eta 3m53s")
+    assert p.fullmatch("step 5/40 | loss 6.1547 | lr 9.94e-04 | gnorm 1.504 | 1,022 tok/s | mfu 2.8% | eta 0m51s")
+    assert not p.fullmatch("step 5/40 | loss 6.1548 | lr 9.94e-04 | gnorm 1.504 | 366 tok/s | mfu 1.0% | eta 3m53s")
+
+
+def compare_output(expected: list[str], actual: str, where: str) -> list[str]:
+    """The expected lines that no line of `actual` matches, in order (a `...` line skips ahead)."""
+    lines = [ln.rstrip() for ln in actual.splitlines()]
+    missing, i = [], 0
+    for exp in expected:
+        if exp.strip() == "..." or exp.strip() == "^C":
+            continue
+        pat = line_pattern(exp.rstrip())
+        j = next((k for k in range(i, len(lines)) if pat.fullmatch(lines[k])), None)
+        if j is None:
+            missing.append(f"{where}: {exp}")
+        else:
+            i = j + 1
+    return missing
+
+
+def transcript(text: str) -> dict[str, list[str]]:
+    """`$ command` -> its outputs in order (a command may run twice), from a transcript in the
+    walkthrough's format."""
+    out: dict[str, list[str]] = {}
+    for chunk in ("\n" + text).split("\n$ ")[1:]:
+        cmd, _, rest = chunk.partition("\n")
+        out.setdefault(cmd.strip(), []).append(rest)
+    return out
+
+
+# Sessions not run here, and why. Keys are (doc, command prefix).
+EXCLUDED: dict[tuple[str, str], str] = {
+    ("quickstart.md", "mspretrain demo"): "downloads the corpus (85 MB) and trains for minutes; the demo's numbers are "
+                                          "measured by the demo itself and recorded in docs/benchmarks.md",
+    ("operators.md", "mspretrain selftest"): "a minute of checks; tests/test_selftest.py runs it",
+    ("operators.md", "msrun "): "two MindSpore workers and a scheduler (minutes at load); tests/test_distributed.py runs msrun",
+    ("operators.md", "mspretrain checkpoints runs/rec"): "needs a checkpoint corrupted by hand; tests/test_checkpoint_verify.py does that",
+    ("operators.md", "mspretrain recover runs/rec"): "the same corrupted run dir; tests/test_checkpoint.py runs recover",
+    ("operators.md", "mspretrain checkpoints runs/mine"): "ages of a 15-minute-old run; the same table is compared in quickstart.md",
+    ("operators.md", "mspretrain diagnose msrun_log"): "the log dir of the msrun rehearsal (excluded above)",
+    ("operators.md", "cat runs/dp/ranks/"): "the run dir of the msrun rehearsal (excluded above)",
+    ("operators.md", "mspretrain train"): "--cpu-quota and profiling runs; tests/test_isolate.py and tests/test_profiler.py run them",
+    ("operators.md", "mspretrain report"): "the quick start's report, compared there",
+    ("operators.md", "mspretrain doctor --config"): "shows the Ascend failure of a CPU box in part (`...`); the disk check is "
+                                                    "tests/test_doc_promises.py::test_doctor_takes_the_checkpoint_size_from_the_plan",
+}
+
+
+def _excluded(doc: str, command: str) -> str | None:
+    return next((why for (d, prefix), why in EXCLUDED.items() if d == doc and command.startswith(prefix)), None)
+
+
+# Run here: the quick start (scripts/walkthrough.sh is its sessions 1-6; then the commands of
+# AFTER_WALKTHROUGH in its workdir) with from-pytorch.md's round trip, the doctor's list of checks
+# and the plans (pure arithmetic, deterministic to the digit).
+RUN_BY_WALKTHROUGH = ("ls ", "head ", "mspretrain prepare", "mspretrain train", "mspretrain checkpoints", "mspretrain eval",
+                      "mspretrain generate", "mspretrain export", "python load_hf.py", "mspretrain report", "mspretrain convert")
+AFTER_WALKTHROUGH = ("mspretrain prepare --inspect data", "mspretrain report runs/mine",
+                     "mspretrain convert --from-hf hf --out ckpt/from-hf", "mspretrain eval ckpt/from-hf --data data")
+# quickstart.md §4's "train longer": run in a copy of the workdir, so runs/mine stays at step 40
+CONTINUE = "mspretrain train --config configs/tiny.toml --data data --run runs/mine train.max_steps=60"
+
+
+def _how_run(doc: str, command: str) -> str | None:
+    if doc in ("quickstart.md", "from-pytorch.md") and command.startswith(RUN_BY_WALKTHROUGH):
+        return "walkthrough"
+    if command.startswith("mspretrain plan") or command == "mspretrain doctor" or command.startswith("mspretrain diagnose tests/"):
+        return "direct"
+    return None
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=[p.name for p in DOC_FILES])
+def test_every_console_session_is_run_or_excluded(path):
+    for command, _ in console_sessions(path.read_text(encoding="utf-8")):
+        assert _how_run(path.name, command) or _excluded(path.name, command), (
+            f"{path.name}: `$ {command}` is neither run by tests/test_docs.py nor in its EXCLUDED table with a reason")
+
+
+def _direct_sessions() -> list[tuple[str, str, list[str]]]:
+    return [(p.name, cmd, exp) for p in DOC_FILES for cmd, exp in console_sessions(p.read_text(encoding="utf-8"))
+            if _how_run(p.name, cmd) == "direct"]
+
+
+@pytest.mark.parametrize("doc,command,expected", _direct_sessions(), ids=[f"{d}: {c}" for d, c, _ in _direct_sessions()])
+def test_direct_sessions_print_what_the_docs_show(doc, command, expected, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    command, _, pipe = command.partition(" | ")
+    argv = shlex.split(command)[1:]
+    main(argv)
+    out = capsys.readouterr()
+    actual = out.out + out.err
+    if pipe:  # the one filter the docs use: `| grep -E PATTERN`
+        grep = shlex.split(pipe)
+        assert grep[:2] == ["grep", "-E"] and len(grep) == 3, f"{doc}: run `{pipe}` here, or add the session to EXCLUDED"
+        actual = "\n".join(line for line in actual.splitlines() if re.search(grep[2], line))
+    if argv == ["doctor"]:
+        # the machine's versions and free space differ; the checks (status and name) must not
+        expected = [e.split(":")[0] for e in expected if e.startswith("[")]
+        actual = "\n".join(a.split(":")[0] for a in actual.splitlines() if a.startswith("["))
+        assert len(expected) == len(actual.splitlines()), f"{doc}: `{command}` prints {len(actual.splitlines())} checks, the docs show {len(expected)}"
+        expected = [re.sub(r"^\[\s*(ok|warn|fail)\s*\]\s*", "", e) for e in expected]
+        actual = "\n".join(re.sub(r"^\[\s*(ok|warn|fail)\s*\]\s*", "", a) for a in actual.splitlines())
+    missing = compare_output(expected, actual, f"{doc}: $ {command}")
+    assert not missing, "lines the docs show that the command did not print:\n" + "\n".join(missing) + "\n--- actual:\n" + actual
+
+
+@pytest.fixture(scope="module")
+def walkthrough_transcript(tmp_path_factory) -> dict[str, str]:
+    """scripts/walkthrough.sh (the quick start, sessions 1-6), then AFTER_WALKTHROUGH in its workdir."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    work = tmp_path_factory.mktemp("docs-walkthrough")
+    env = dict(os.environ, GLOG_v="3")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "walkthrough.sh"), str(work)], env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = proc.stdout + proc.stderr
+    import shutil
+
+    for command in AFTER_WALKTHROUGH:
+        more = subprocess.run(shlex.split(command), cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        text += f"\n$ {command}\n" + more.stdout + more.stderr
+    ran = transcript(text)
+    copy = work.parent / "docs-walkthrough-continued"
+    shutil.copytree(work, copy, ignore=shutil.ignore_patterns("hf", "ckpt"))
+    more = subprocess.run(shlex.split(CONTINUE), cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    ran[CONTINUE] = [more.stdout + more.stderr]
+    return ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["quickstart.md", "from-pytorch.md"])
+def test_walkthrough_sessions_print_what_the_docs_show(walkthrough_transcript, name):
+    """Every quick-start session (and from-pytorch's round trip), against the real run. The Ctrl-C
+    lands at step 10 or 11 depending on timing: lines that name the stop step are compared only
+    when the run stopped where the docs did."""
+    ran = walkthrough_transcript
+    doc = (DOCS / name).read_text(encoding="utf-8")
+    missing = []
+    stop_doc = re.search(r"stopped by SIG\w+ after step (\d+)", doc)
+    stop_run = re.search(r"stopped by SIG\w+ after step (\d+)", "\n".join(o for outs in ran.values() for o in outs))
+    same_stop = bool(stop_doc and stop_run and stop_doc.group(1) == stop_run.group(1))
+    seen: dict[str, int] = {}
+    for command, expected in console_sessions(doc):
+        if _how_run(name, command) != "walkthrough":
+            continue
+        assert command in ran, f"{name}: `$ {command}` is not in the walkthrough's transcript"
+        k = seen[command] = seen.get(command, -1) + 1  # the k-th time the docs run it is the k-th time the run did
+        output = ran[command][min(k, len(ran[command]) - 1)]
+        if not same_stop and stop_doc:
+            stop = int(stop_doc.group(1))
+            expected = [e for e in expected if not re.search(rf"\b(step_{stop:06d}|step {stop}\b|step {stop + 1}\b|steps {stop + 1}-|SIG)", e)
+                        and not (command.startswith("mspretrain checkpoints") or "tokens seen" in e or e.startswith("done: step"))]
+        missing += compare_output(expected, output, f"{name}: $ {command}")
+    assert not missing, f"lines {name} shows that the run did not print:\n" + "\n".join(missing)
