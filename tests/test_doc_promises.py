@@ -201,3 +201,28 @@ def test_resume_with_a_raised_budget_prints_the_schedule_change_and_the_tail_kee
     t.train()
     lrs = [r["lr"] for r in _records(run)]
     assert lrs[3:] == [lrs[3]] * 5 and lrs[3] == pytest.approx(1e-4)  # step 4 (the floor) .. 8: no jump
+
+
+def test_demo_prints_an_absolute_config_path(tmp_path, monkeypatch):
+    # item 14: next step (c) named configs/demo.toml relative to the cwd
+    import argparse
+
+    from mspretrain.commands.demo import config_path
+
+    monkeypatch.chdir(tmp_path)  # outside the repo
+    path = config_path(argparse.Namespace(config=None))
+    assert path.is_absolute() and path.is_file() and path == ROOT / "configs" / "demo.toml"
+    assert config_path(argparse.Namespace(config="mine.toml")) == tmp_path / "mine.toml"
+
+
+def test_generate_says_why_it_stopped():
+    # item 14: --no-stop --max-new-tokens 300 silently stopped at the context limit
+    from mspretrain.commands.generate import _stop_reason
+    from mspretrain.eval.generate import Generation
+
+    def gen(n: int, eos: bool) -> Generation:
+        return Generation(prompt="春风", text="", ids=list(range(n)), tokens_per_s=0.0, stopped_at_eos=eos)
+
+    assert _stop_reason(gen(125, False), 300, 128) == ", stopped at the model's context of 128 tokens (prompt included)"
+    assert _stop_reason(gen(7, True), 300, 128) == ", stopped at end-of-text"
+    assert _stop_reason(gen(300, False), 300, 2048) == ""
