@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from mspretrain.checkpoint import store
 from mspretrain.cli import main
-from tests.conftest import TINY
+from tests.conftest import REFERENCE_STEPS, TINY
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json", "data_state.json", "config.toml", "manifest.json")
 
@@ -42,10 +42,17 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def four_steps(tmp_path_factory, tiny_data) -> Path:
+def four_steps(tmp_path_factory, reference_run) -> Path:
+    """A run stopped after step 4 with checkpoints at steps 2 and 4: cut from the session's
+    reference run (no training of its own; copies of the same numbers, minus the later steps)."""
     run = tmp_path_factory.mktemp("ck") / "run"
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
-                 "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=3"]) == 0
+    shutil.copytree(reference_run, run)
+    for step, ckpt in store.list_checkpoints(run):
+        if step not in (2, 4):
+            shutil.rmtree(ckpt)
+    (run / "metrics.jsonl").write_text("".join(l + "\n" for l in (run / "metrics.jsonl").read_text().splitlines()
+                                               if json.loads(l).get("step", 0) <= 4))
+    assert [s for s, _ in store.list_checkpoints(run)] == [2, 4]
     return run
 
 
@@ -116,12 +123,13 @@ def _run_until_killed(cmd: list[str], run: Path, kill_at: int, during_save: bool
         proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trial", ["random_step", "during_save"])
-def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, trial):
-    over = ("train.max_steps=8", "checkpoint.every=1", "checkpoint.keep_last=2")
+def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, reference_run, trial):
+    # the session's reference run has the same numerics (it only keeps more checkpoints)
+    over = (f"train.max_steps={REFERENCE_STEPS}", "checkpoint.every=1", "checkpoint.keep_last=2")
     env = {**os.environ, "GLOG_v": "3"}
-    ref = tmp_path / "ref"
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(ref), "--quiet", *over]) == 0
+    ref = reference_run
     run = tmp_path / "crash"
     rng = np.random.default_rng(zlib.crc32(trial.encode()))
     kill_at = int(rng.integers(3, 7))
@@ -131,10 +139,17 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, trial):
     if trial == "during_save":
         assert (run / "checkpoints" / f"step_{kill_at:06d}.tmp").exists()  # the kill hit a half-written save
     had_checkpoint = store.latest_verified(run, log=lambda s: None) is not None
+    # A kill before the first save would make a from-scratch rerun pass everything below as
+    # "resumed": the kill point is after several steps, so a checkpoint must have been published.
+    published = store.latest_verified(run, log=lambda s: None)
+    assert published is not None, f"no checkpoint was published before the kill at step {kill_at}"
+    published_step = int(json.loads((published / "train_state.json").read_text())["step"])
+    assert 1 <= published_step <= kill_at and published.name == f"step_{published_step:06d}"
     resumed = subprocess.run(_train_cmd(tiny_data, run, *over), capture_output=True, text=True, timeout=300,
                              env={**os.environ, "GLOG_v": "3"})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert ("resumed from step_" in resumed.stdout) == had_checkpoint
+    assert f"resumed from {published.name}: step {published_step}," in resumed.stdout, resumed.stdout[-2000:]
     a = load_file(str(ref / "checkpoints" / "step_000008" / "model.safetensors"))
     b = load_file(str(run / "checkpoints" / "step_000008" / "model.safetensors"))
     assert _losses(ref) == _losses(run), (kill_at, _losses(ref), _losses(run))  # the whole series, incl. after the resume
