@@ -90,8 +90,15 @@ class OptimConfig:
     lr_scaling: str = "none"  # "none" | "sqrt": lr * sqrt(global_batch / 32)
     z_loss: float = 0.0
     # ZeRO-1: each data-parallel rank keeps the Adam moments (and fp32 masters) of the parameters
-    # it owns (about 1/N of them), updates those and broadcasts them; no effect with one rank.
+    # it owns (about 1/N of them), updates those and all-gathers them; no effect with one rank.
     shard_optimizer: bool = False
+    # ZeRO-2 (implies shard_optimizer): a rank also keeps the fp32 gradient-accumulation buffers
+    # only for what it owns; every micro-batch's gradients are reduce-scattered into them. Saves
+    # 4 bytes x (N-1)/N per parameter, costs one reduction per micro-batch instead of one per step.
+    shard_gradients: bool = False
+    # Cap of one collective's flat buffer in MB (a transient copy): gradients and parameters cross
+    # ranks in a few buckets instead of one collective per parameter. 0 = one per parameter.
+    bucket_mb: float = 256.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +174,10 @@ class DeviceConfig:
     # "O1" (Ascend only): graph-kernel fusion through ms.jit's jit_level; "O0" is what MindSpore
     # Transformers trains with on 910B. The old enable_graph_kernel flag is deprecated in 2.10.
     jit_level: str = "O0"
+    # Usable device memory in GB: 0 = the default (58 on Ascend 910B, the cap MindSpore
+    # Transformers' 910B pretraining templates give max_device_memory; the machine's RAM on CPU).
+    # `plan` compares its modelled peak with it, and on Ascend it is MindSpore's max_device_memory.
+    max_device_memory: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -527,6 +538,10 @@ def validate(cfg: Config, *, device: str | None = None) -> None:
         _fail("device.threads", f"= {cfg.device.threads} must not be negative", "use 0 for all cores")
     if cfg.device.peak_tflops < 0:
         _fail("device.peak_tflops", f"= {cfg.device.peak_tflops} must not be negative", "use 0 for the built-in table, or the device's peak TFLOPs")
+    if cfg.device.max_device_memory < 0:
+        _fail("device.max_device_memory", f"= {cfg.device.max_device_memory} must not be negative", "use 0 for the default (58 GB on Ascend 910B), or the usable GB per device")
+    if cfg.optim.bucket_mb < 0:
+        _fail("optim.bucket_mb", f"= {cfg.optim.bucket_mb} must not be negative", "use e.g. 256, or 0 for one collective per parameter")
     if not 0 <= cfg.device.cpu_quota <= 100:
         _fail("device.cpu_quota", f"= {cfg.device.cpu_quota} is outside [0, 100]", "give a percentage of all cores, e.g. 60 (0 = off)")
     for f in fields(MetricsConfig):

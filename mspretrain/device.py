@@ -38,6 +38,13 @@ class DeviceInfo:
     jit_level: str = "O0"
     deterministic: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
+    max_device_memory_gb: float = 0.0  # Ascend: the runtime pool's cap (device.max_device_memory); 0 on CPU
+
+    def memory_setting(self) -> str | None:
+        """`max_size` for `mindspore.runtime.set_memory` (MindSpore 2.10 runtime/memory.py, the
+        successor of set_context(max_device_memory=...)): MindSpore Transformers' 910B templates
+        use 58GB. None on CPU, where the pool is host memory and is left alone."""
+        return f"{self.max_device_memory_gb:g}GB" if self.target == "ascend" and self.max_device_memory_gb > 0 else None
 
     def describe(self) -> str:
         opts = [f"device {self.target}", f"{self.threads} threads",
@@ -91,8 +98,11 @@ def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
         notes.append("FlashAttentionScore has no fp32")
     elif not flash:
         notes.append(flash_head_dim_problem(head_dim))
+    from mspretrain.ops.plan import ASCEND_910B_USABLE_GB
+
+    mem_gb = (cfg.device.max_device_memory or ASCEND_910B_USABLE_GB) if target == "ascend" else 0.0
     return DeviceInfo(target=target, threads=threads, flash_attention=flash, jit_level=cfg.device.jit_level,
-                      deterministic=cfg.device.deterministic, notes=tuple(notes))
+                      deterministic=cfg.device.deterministic, notes=tuple(notes), max_device_memory_gb=mem_gb)
 
 
 def setup_mindspore(info: DeviceInfo, *, device_id: int | None = None) -> None:
@@ -123,6 +133,11 @@ def setup_mindspore(info: DeviceInfo, *, device_id: int | None = None) -> None:
             # costs ~1.5x per step (measured in benchmarks/train_bench.py). Settable once per process.
             ms.device_context.cpu.op_tuning.threads_num(info.threads)
         except Exception:  # already set by an earlier call in this process, or an older runtime
+            pass
+    if info.memory_setting() is not None:
+        try:
+            ms.runtime.set_memory(max_size=info.memory_setting())
+        except RuntimeError:  # "can not be set repeatedly": the first setup of this process stands
             pass
     try:
         ms.set_deterministic(info.deterministic)

@@ -25,6 +25,7 @@ from mspretrain.ops.plan import format_plan, make_plan
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama2-7b-910b.toml"
 P_7B = 6_738_415_616  # HF meta-llama/Llama-2-7b-hf num_parameters()
 GB = 1024**3
+P_HALF = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # the decoder matrices: fp16 with param_dtype=compute
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,8 @@ def test_full_size_module_built_shape_only(cfg_7b, monkeypatch):
 
 def test_memory_plan_on_8_devices_by_hand(cfg_7b):
     # Why the memory options are on: the same recipe with replicated fp32 state.
-    replicated = dataclasses.replace(cfg_7b, optim=dataclasses.replace(cfg_7b.optim, shard_optimizer=False),
-                                     train=dataclasses.replace(cfg_7b.train, recompute=False),
+    replicated = dataclasses.replace(cfg_7b, optim=dataclasses.replace(cfg_7b.optim, shard_optimizer=False, shard_gradients=False),
+                                     train=dataclasses.replace(cfg_7b.train, recompute=False, micro_batch=1),
                                      precision=dataclasses.replace(cfg_7b.precision, param_dtype="fp32"))
     plan = make_plan(replicated, devices=8, tokens=None, data_dir=None, tokens_per_s_per_device=None)
     assert plan["params"] == P_7B
@@ -79,29 +80,45 @@ def test_memory_plan_on_8_devices_by_hand(cfg_7b):
     assert plan["steps"] == 228_882 == math.ceil(120e9 / 524_288)
     assert plan["warmup_steps"] == 4_578 == math.ceil(0.02 * 120e9 / 524_288)
     mem = plan["memory_bytes"]
-    assert mem["weights"] == 4 * P_7B and mem["half_weights"] == 2 * P_7B and mem["master_weights"] == 0
+    assert mem["weights"] == 4 * P_7B and mem["half_weights"] == 2 * P_HALF and mem["master_weights"] == 0
     assert mem["gradients"] == mem["micro_gradients"] == 4 * P_7B and mem["adam_moments"] == 8 * P_7B
     # Activations, fp16 (2 bytes), s=2048, b=1, h=4096, kv=4096, f=11008, 32 heads, flash attention:
     # per layer 2 x 2048 x (6 x 4096 + 2 x 4096 + 4 x 11008) = 314,572,800 + flash 64 x 32 x 2048 = 4,194,304;
     # logits + log-probs fp32 8 x 2048 x 32000 = 524,288,000.
     assert mem["activations"] == 32 * 318_767_104 + 524_288_000 == 10_724_835_328
-    assert mem["total"] == 158_969_978_880  # 148.05 GB: 22 bytes per parameter + activations
-    assert plan["warnings"] and plan["warnings"][0].startswith("WILL NOT FIT: 148.1 GB")
+    persistent = 4 * P_7B + 2 * P_HALF + 4 * P_7B + 8 * P_7B  # weights, cast copies, accumulation, moments
+    assert mem["peak"] >= persistent + mem["activations"] + 4 * P_7B  # + one micro-batch's gradients
+    assert plan["warnings"] and plan["warnings"][0].startswith(f"WILL NOT FIT: peak {mem['peak'] / GB:.1f} GB per device > 58 GB usable")
     assert plan["reference"]["tokens_per_s_per_device"] == 4100.0
-    assert "148.05 GB   of 64 GB" in format_plan(plan)
 
-    # The config as shipped: optimizer-state sharding (masters and moments / 8), fp16 matrices,
-    # full recomputation: 2P + 4P/8 + 4P + 2P + 8P/8 = 9.5 P, activations = each layer's input
-    # 32 x 2 x 2048 x 4096 + one layer + logits.
+    # The config as shipped: ZeRO-2 (moments, masters and accumulation buffers of the owned
+    # parameters), fp16 decoder matrices, recompute, micro-batch 4 x 8 accumulated. Owners: the
+    # half-precision matrices split evenly (4 of each kind per rank), the embedding and lm_head
+    # on ranks 0 and 1: the heaviest rank owns 809,500,672 + 131,072,000 parameters.
     sharded = make_plan(cfg_7b, devices=8, tokens=None, data_dir=None, tokens_per_s_per_device=None)
     smem = sharded["memory_bytes"]
-    assert (smem["weights"], smem["half_weights"], smem["master_weights"]) == (2 * P_7B, 0, 4 * P_7B / 8)
-    assert smem["micro_gradients"] == 2 * P_7B and smem["adam_moments"] == 8 * P_7B / 8
-    act = 32 * 2 * 2048 * 4096 + 318_767_104 + 524_288_000
-    assert smem["activations"] == act == 1_379_926_016
-    assert smem["total"] == 19 * P_7B // 2 + act == 65_394_874_368  # 60.90 GB < 64 GB
-    assert sharded["warnings"] == ["tight: 60.9 GB of 64 GB per device; workspace and fragmentation are not in this estimate"]
+    assert (sharded["micro_batch"], sharded["accumulation"], sharded["shard_gradients"]) == (4, 8, True)
+    p32 = P_7B - P_HALF
+    owned_half, owned = P_HALF // 8, P_HALF // 8 + 131_072_000
+    assert owned_half == 809_500_672
+    assert (smem["weights"], smem["half_weights"], smem["master_weights"]) == (2 * P_HALF + 4 * p32, 0, 4 * owned_half)
+    assert smem["micro_gradients"] == 2 * P_HALF + 4 * p32
+    assert smem["adam_moments"] == 8 * owned and smem["gradients"] == 4 * owned
+    # recompute: each layer's input 32 x 2 x 2048 x 4 x 4096, one layer's activations, logits 8 x 2048 x 4 x 32000
+    act = 32 * 2 * 2048 * 4 * 4096 + (2 * 2048 * 4 * (6 * 4096 + 2 * 4096 + 4 * 11008) + 64 * 32 * 2048 * 4) + 8 * 2048 * 4 * 32000
+    assert smem["activations"] == act == 5_519_704_064
+    assert smem["update_temporaries"] == 8 * 131_072_000  # the largest owned parameter: the embedding
+    assert smem["framework_reserve"] == GB
+    persistent = smem["weights"] + smem["master_weights"] + smem["adam_moments"] + smem["gradients"]
+    accumulate = act + smem["micro_gradients"] + smem["collective_buffers"] / (1 + 1 / 8)  # flat copy + the 1/8 ReduceScatter result
+    assert smem["peak"] >= persistent + act + smem["micro_gradients"] + GB
+    assert smem["peak"] <= persistent + accumulate + smem["collective_buffers"] + GB
+    assert smem["peak"] <= 52e9  # the margin: <= 52 GB of the 58 usable
+    assert sharded["warnings"] == []
     assert sharded["checkpoint_bytes"] == 14 * P_7B  # fp16 weights + fp32 masters + moments
+    calls, wire = sharded["collectives_per_step"]["calls"], sharded["collectives_per_step"]["bytes"]
+    assert 8 * 2 * P_7B <= wire <= 8 * 2 * P_7B * 1.05 + 2 * P_7B * 1.05 + 8 * 4 * 262_410_240  # 8 fp16 reductions + a gather
+    assert calls < 8 * 195  # buckets instead of one collective per parameter
 
 
 @pytest.fixture(scope="module")

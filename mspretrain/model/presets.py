@@ -75,3 +75,30 @@ def param_count(cfg: ModelConfig) -> int:
     embed = m.vocab_size * m.dim
     head = 0 if m.tie_embeddings else m.vocab_size * m.dim
     return embed + m.n_layers * block + m.dim + head
+
+
+def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every trainable parameter, in the order `Llama.trainable_params()` gives
+    them: the planner lays out owners and buckets from this exactly as the train step does."""
+    m = resolve_model(cfg)
+    if m.vocab_size <= 0:
+        raise UserError("model.vocab_size is 0 (taken from the tokenizer at train time), so the parameter shapes are unknown",
+                        "pass model.vocab_size=N (e.g. the tokenizer's vocabulary size)")
+    hd = m.dim // m.n_heads
+    out: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (m.vocab_size, m.dim))]
+    for i in range(m.n_layers):
+        out += [(f"layers.{i}.attn_norm.weight", (m.dim,)),
+                (f"layers.{i}.attn.wqkv.weight", ((m.n_heads + 2 * m.n_kv_heads) * hd, m.dim)),
+                (f"layers.{i}.attn.wo.weight", (m.dim, m.n_heads * hd)),
+                (f"layers.{i}.mlp_norm.weight", (m.dim,)),
+                (f"layers.{i}.mlp.w13.weight", (2 * m.ffn_dim, m.dim)),
+                (f"layers.{i}.mlp.w2.weight", (m.dim, m.ffn_dim))]
+    out.append(("norm.weight", (m.dim,)))
+    if not m.tie_embeddings:
+        out.append(("lm_head.weight", (m.vocab_size, m.dim)))
+    return out
+
+
+def is_half_eligible(name: str) -> bool:
+    """The decoder layers' matrices (see `model.llama.half_eligible`, which uses this rule)."""
+    return name.startswith("layers.") and "norm" not in name

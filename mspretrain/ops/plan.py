@@ -2,31 +2,32 @@
 
 Design choices:
 - Pure arithmetic on the config: no MindSpore import, answers in milliseconds, testable by hand.
-- Memory per device (bytes), P = parameters, D = devices, "zero" = optimizer-state sharding
-  (`optim.shard_optimizer`, train/step.py), "half" = `precision.param_dtype = "compute"` with
-  fp16/bf16 compute (the decoder's matrices stored in half precision; embedding, lm_head and
-  norms stay fp32 — counted as if all were half, they are ~2 % of a 7B model):
-    weights         4P (fp32 masters, what the model holds)  — or with half: 2P
-    half weights    2P (fp16/bf16 without half: the cast copy the matmuls read) — 0 with half
-    master weights  0                                        — with half: 4P, / D with zero
-    gradients       4P (fp32 accumulation buffers that train/step.py keeps across micro-batches)
-    micro-batch     4P (gradients of one micro-batch before they are added to the buffers, in the
-      gradients        parameter dtype: 2P with half; an upper bound, the graph compiler may free
-                       them layer by layer)
-    Adam moments    8P (fp32 m and v)  / D with zero
-    activations     per micro-batch of b sequences of length s, per layer (e = 2 bytes for
-                    fp16/bf16 compute, 4 for fp32; h = dim, f = ffn_dim, kv = n_kv_heads*head_dim,
-                    a = n_heads):  e*s*b*(6h + 2kv + 4f) + attention
-                    i.e. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-                    Transformer Models", eq. 1) redone for Llama: SwiGLU MLP, RMSNorm, no dropout.
-                    attention = (4 + e)*a*s^2*b for the math path (fp32 softmax output for its
-                    backward plus the probabilities cast back for P@V; one tensor when e = 4), or
-                    64*a*s*b with Ascend's FlashAttentionScore (fp32 row max and sum, 8 lanes
-                    each) — flash is what our model runs on Ascend in fp16/bf16. With full recomputation
-                    only each layer's input (e*s*b*h) is kept, plus one layer's activations while it
-                    is recomputed. Plus fp32 logits and log-probabilities: 8*s*b*V.
-  Framework workspace, communication buffers and fragmentation are not modelled: the plan warns
-  above 90 % of device memory, not only above 100 %.
+- Memory per device (bytes) is `memory_model`: the buffers train/step.py allocates, counted from the
+  model's real parameter list, owners and buckets (train/layout.py), for the most loaded rank, and
+  `peak`, the largest set alive at once, which is what is compared with the usable device memory
+  (`device.max_device_memory`; 58 GB on a 910B as in MindSpore Transformers' templates):
+    weights          parameters in their storage dtype (2 bytes for fp16/bf16 matrices with
+                     precision.param_dtype=compute, else 4)
+    half weights     fp16/bf16 compute with fp32 parameters: the cast copies the matmuls read (2 bytes)
+    master weights   4 bytes per owned half-precision parameter
+    gradients        fp32 accumulation buffers: only with accumulation; owned parameters only
+                     with optim.shard_gradients
+    micro gradients  one micro-batch's gradients in the parameter dtype (alive at the end of backward)
+    Adam moments     8 bytes per owned parameter
+    activations      per micro-batch of b sequences of length s, per layer (e = 2 bytes for
+                     fp16/bf16 compute, 4 for fp32; h = dim, f = ffn_dim, kv = n_kv_heads*head_dim,
+                     a = n_heads):  e*s*b*(6h + 2kv + 4f) + attention
+                     i.e. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+                     Transformer Models", eq. 1) redone for Llama: SwiGLU MLP, RMSNorm, no dropout.
+                     attention = (4 + e)*a*s^2*b for the math path (fp32 softmax output for its
+                     backward plus the probabilities cast back for P@V; one tensor when e = 4), or
+                     64*a*s*b with Ascend's FlashAttentionScore (fp32 row max and sum, 8 lanes
+                     each). With full recomputation only each layer's input (e*s*b*h) is kept, plus
+                     one layer's activations while it is recomputed. Plus fp32 logits and
+                     log-probabilities: 8*s*b*V.
+    collective buckets  the largest bucket's flat copy and its result
+    update temporaries  8 bytes x the largest owned parameter (scaled gradient, masked copy)
+    framework reserve   Ascend: 1 GiB of kernel workspace and HCCL buffers (assumed, not measured)
 - Warm-up and lr come from `train.schedule` (the same functions the trainer uses), so the plan
   and the run cannot disagree.
 """
@@ -76,6 +77,70 @@ def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
     if recompute:
         return m.n_layers * e * s * b * h + per_layer + logits
     return m.n_layers * per_layer + logits
+
+
+# MindSpore Transformers' 910B pretraining templates cap the runtime's pool at 58 GB of the 64 GB
+# (context.max_device_memory: "58GB" in e.g. configs/llama2/pretrain_llama2_7b.yaml): the rest is
+# left to HCCL and the driver. We plan against the same figure (device.max_device_memory).
+ASCEND_910B_USABLE_GB = 58.0
+# Inside that pool, kernel workspace and HCCL's own buffers (HCCL_BUFFSIZE, 200 MB per communicator by
+# default): an assumption from the documented defaults, not measured (no 910B here).
+ASCEND_RESERVE_BYTES = GB
+
+
+def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum: int, zero: bool, shard_grads: bool,
+                 recompute: bool, flash: bool, target: str) -> tuple[dict[str, float], Any]:
+    """Bytes per device by kind, for the most loaded rank, plus `peak`: the largest set alive at once.
+
+    Exactly the buffers train/step.py allocates (tests/test_zero2.py checks them against a real
+    TrainStep): parameters in their storage dtype; fp32 masters and Adam moments of the owned
+    parameters; fp32 accumulation buffers only with accumulation (for the owned parameters with
+    sharded gradients). Transients: one micro-batch's gradients (parameter dtype, all alive at the
+    end of the backward pass), the activations, the largest collective bucket (flat copy and result),
+    and the update's per-tensor temporaries (scaled gradient and its masked copy, 8 bytes x the
+    largest owned parameter). Phases: accumulate = activations + micro-batch gradients (+ the
+    reduction with sharded gradients); update = collectives + update temporaries (+ the micro-batch
+    gradients without accumulation, where the update runs in the same graph)."""
+    from mspretrain.model.presets import is_half_eligible, param_shapes
+    from mspretrain.train.layout import cap_elements, plan_layout
+
+    shapes = param_shapes(m)
+    sizes = [math.prod(s) for _, s in shapes]
+    half = cfg.precision.dtype in ("fp16", "bf16")
+    half_params = half and cfg.precision.param_dtype == "compute"
+    is_half = [half_params and is_half_eligible(n) for n, _ in shapes]
+    wire16 = [cfg.precision.allreduce_dtype == "fp16" and "lm_head" not in n for n, _ in shapes]
+    layout = plan_layout(sizes, is_half, wire16, devices, shard=zero, shard_grads=shard_grads, cap=cap_elements(cfg.optim.bucket_mb))
+    owned = layout.owned(layout.heaviest_rank()) if layout.sharded else list(range(len(sizes)))
+    accum_idx = owned if layout.shard_grads else list(range(len(sizes)))
+    pbytes = [2 if h else 4 for h in is_half]
+    mem: dict[str, float] = {
+        "weights": sum(n * b for n, b in zip(sizes, pbytes)),
+        # fp16/bf16 compute with fp32 parameters: the cast copy of each decoder matrix the matmuls read
+        "half_weights": sum(2 * n for (name, _), n in zip(shapes, sizes) if is_half_eligible(name)) if half and not half_params else 0,
+        "master_weights": sum(4 * sizes[i] for i in owned if is_half[i]),
+        "gradients": sum(4 * sizes[i] for i in accum_idx) if accum > 1 else 0,
+        "micro_gradients": sum(n * b for n, b in zip(sizes, pbytes)),
+        "adam_moments": sum(8 * sizes[i] for i in owned),
+        "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash),
+    }
+    red, gat = layout.largest_bucket_bytes()
+    # a flat copy and the result: AllReduce's result is the whole bucket; ReduceScatter's (Ascend) 1/N
+    reduce_t = red + (red / devices if layout.shard_grads and target == "ascend" else red) if devices > 1 else 0
+    gather_t = gat + gat / devices if devices > 1 else 0
+    mem["collective_buffers"] = max(reduce_t, gather_t)
+    mem["update_temporaries"] = 8 * max(sizes[i] for i in owned)
+    mem["framework_reserve"] = ASCEND_RESERVE_BYTES if target == "ascend" else 0
+    persistent = sum(mem[k] for k in ("weights", "half_weights", "master_weights", "gradients", "adam_moments"))
+    update = mem["collective_buffers"] + mem["update_temporaries"]
+    if accum > 1:
+        accumulate = mem["activations"] + mem["micro_gradients"] + (reduce_t if layout.shard_grads else 0)
+    else:
+        accumulate = mem["activations"] + mem["micro_gradients"]
+        update += mem["micro_gradients"]
+    mem["total"] = sum(mem.values())
+    mem["peak"] = persistent + max(accumulate, update) + mem["framework_reserve"]
+    return mem, layout
 
 
 def checkpoint_bytes(params: int, half_params: str | None = None) -> int:
@@ -129,40 +194,37 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     half = cfg.precision.dtype in ("fp16", "bf16")
     if flash is None:
         flash = half and cfg.device.target != "cpu"
-    shard = devices if zero else 1
     half_params = half and cfg.precision.param_dtype == "compute"
-    mem = {
-        "weights": 2 * P if half_params else 4 * P,
-        "half_weights": 2 * P if half and not half_params else 0,
-        "master_weights": 4 * P / shard if half_params else 0,
-        "gradients": 4 * P,
-        "micro_gradients": 2 * P if half_params else 4 * P,
-        "adam_moments": 8 * P / shard,
-        "activations": activation_bytes(m, seq, micro, cfg.precision.dtype, recompute, flash),
-    }
-    mem["total"] = sum(mem.values())
+    shard_grads = cfg.optim.shard_gradients
+    target = "ascend" if (cfg.device.target == "ascend" or flash) else cfg.device.target
+    mem, layout = memory_model(m, cfg, devices=devices, micro=micro, accum=accum, zero=zero, shard_grads=shard_grads,
+                               recompute=recompute, flash=flash, target=target)
+    usable_gb = cfg.device.max_device_memory or (ASCEND_910B_USABLE_GB if target == "ascend" else device_mem_gb)
+    calls, wire_bytes = layout.traffic(accum)
     other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash)
     plan: dict[str, Any] = {
         "model": {"dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
                   "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
         "params": P, "devices": devices, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
-        "seq_len": seq, "dtype": cfg.precision.dtype, "zero": zero, "recompute": recompute, "flash_attention": flash,
+        "seq_len": seq, "dtype": cfg.precision.dtype, "zero": zero or shard_grads, "shard_gradients": shard_grads and devices > 1,
+        "recompute": recompute, "flash_attention": flash,
         "tokens": budget, "tokens_source": "--tokens" if tokens else ("data dir" if manifest_tokens else "config"),
         "steps": steps, "warmup_steps": warmup, "warmup_note": warmup_note,
         "lr": lr, "lr_note": f"{cfg.optim.lr:g} x sqrt({gb}/32)" if cfg.optim.lr_scaling == "sqrt" else "no scaling",
-        "memory_bytes": mem, "activations_other_bytes": other, "device_mem_gb": device_mem_gb,
+        "memory_bytes": mem, "activations_other_bytes": other, "device_mem_gb": usable_gb,
+        "collectives_per_step": {"calls": calls, "bytes": wire_bytes},
         "checkpoint_bytes": checkpoint_bytes(P, cfg.precision.dtype if half_params else None), "warnings": [],
     }
-    total_gb = mem["total"] / GB
-    if total_gb > device_mem_gb:
-        fixes = [f for f, ok in (("--recompute", not recompute), ("--zero", not zero and devices > 1),
+    peak_gb = mem["peak"] / GB
+    if peak_gb > usable_gb:
+        fixes = [f for f, ok in (("--recompute", not recompute), ("optim.shard_gradients=true", not shard_grads and devices > 1 and accum > 1),
+                                 ("--zero", not zero and devices > 1),
                                  ("precision.param_dtype=compute", half and not half_params),
                                  ("a smaller train.micro_batch", micro > 1)) if ok]
-        plan["warnings"].append(f"WILL NOT FIT: {total_gb:.1f} GB per device > {device_mem_gb:g} GB device memory"
+        plan["warnings"].append(f"WILL NOT FIT: peak {peak_gb:.1f} GB per device > {usable_gb:g} GB usable"
                                 + (f"; try {', '.join(fixes)}" if fixes else "; use more devices with model parallelism or a smaller model"))
-    elif total_gb > 0.9 * device_mem_gb:
-        plan["warnings"].append(f"tight: {total_gb:.1f} GB of {device_mem_gb:g} GB per device; workspace and fragmentation "
-                                "are not in this estimate")
+    elif peak_gb > 0.9 * usable_gb:
+        plan["warnings"].append(f"tight: peak {peak_gb:.1f} GB of {usable_gb:g} GB usable per device; fragmentation is not in this estimate")
     if tokens_per_s_per_device:
         hours = budget / (tokens_per_s_per_device * devices) / 3600
         plan["time"] = {"tokens_per_s_per_device": tokens_per_s_per_device, "hours": hours, "device_hours": hours * devices}
@@ -187,7 +249,8 @@ def format_plan(plan: dict) -> str:
         f"model      dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads (kv {m['n_kv_heads']}), ffn {m['ffn_dim']}, vocab {m['vocab_size']:,}",
         f"params     {plan['params']:,} ({plan['params'] / 1e9:.2f} B)",
         f"layout     {plan['devices']} devices, global batch {plan['global_batch']} = micro {plan['micro_batch']} x accum {plan['accumulation']} x {plan['devices']}, seq {plan['seq_len']}, {plan['dtype']}"
-        + (", optimizer sharding" if plan["zero"] else "") + (", recompute" if plan["recompute"] else "")
+        + ((", optimizer and gradient sharding" if plan["shard_gradients"] else ", optimizer sharding") if plan["zero"] else "")
+        + (", recompute" if plan["recompute"] else "")
         + (", flash attention" if plan["flash_attention"] else ""),
         f"tokens     {plan['tokens']:,} (from {plan['tokens_source']})",
         f"steps      {plan['steps']:,}",
@@ -196,15 +259,20 @@ def format_plan(plan: dict) -> str:
         "memory per device:",
     ]
     half_params = mem["master_weights"] > 0
-    for key, label in (("weights", "weights (fp16/bf16 matrices)" if half_params else "weights (fp32 masters)"),
+    for key, label in (("weights", "weights (fp16/bf16 matrices)" if half_params else "weights (fp32)"),
                        ("half_weights", "half-precision weight copies"), ("master_weights", "fp32 master weights"),
-                       ("gradients", "gradient buffers (fp32)"),
-                       ("micro_gradients", "micro-batch gradients" + (" (half)" if half_params else " (fp32)")),
+                       ("gradients", "accumulation buffers (fp32)"),
+                       ("micro_gradients", "micro-batch gradients" + (" (half)" if half_params else "")),
                        ("adam_moments", "Adam moments (fp32)"),
-                       ("activations", "activations" + (" (recompute)" if plan["recompute"] else ""))):
+                       ("activations", "activations" + (" (recompute)" if plan["recompute"] else "")),
+                       ("collective_buffers", "collective buckets"), ("update_temporaries", "update temporaries"),
+                       ("framework_reserve", "framework reserve")):
         if mem[key]:
             lines.append(f"  {label:<28} {_gb(mem[key]):>12}")
-    lines.append(f"  {'total':<28} {_gb(mem['total']):>12}   of {plan['device_mem_gb']:g} GB")
+    lines.append(f"  {'peak (largest set alive)':<28} {_gb(mem['peak']):>12}   of {plan['device_mem_gb']:g} GB usable")
+    c = plan["collectives_per_step"]
+    if plan["devices"] > 1:
+        lines.append(f"collectives {c['calls']:,} per step, {c['bytes'] / GB:,.2f} GB handed to them per step per device")
     alt = "without" if plan["recompute"] else "with"
     lines.append(f"  (activations {alt} recompute: {_gb(plan['activations_other_bytes'])})")
     lines.append(f"checkpoint {_gb(plan['checkpoint_bytes'])} on disk each")

@@ -198,7 +198,9 @@ class Trainer:
         self.step_fn = TrainStep(self.model, cfg.optim, global_tokens=self.global_tokens, world=self.world.size,
                                  rank=self.world.rank, jit=cfg.train.mode == "jit",
                                  allreduce_fp16=cfg.precision.allreduce_dtype == "fp16", shard=cfg.optim.shard_optimizer,
-                                 half_params=half)
+                                 shard_grads=cfg.optim.shard_gradients, bucket_mb=cfg.optim.bucket_mb,
+                                 device=self.device.target, accumulation=self.accum_steps, half_params=half,
+                                 jit_level=cfg.device.jit_level)
         self.loader = Loader(self.sources, split="train", seq_len=cfg.data.seq_len, batch_size=self.micro,
                              seed=cfg.train.seed, rank=self.world.rank, world=self.world.size,
                              reset_attention_at_eos=cfg.data.reset_attention_at_eos,
@@ -458,7 +460,11 @@ class Trainer:
         if self.step_fn.sharded:
             sizes = [int(np.prod(p.shape)) for p in self.step_fn.params]
             mine = sum(sizes[i] for i in self.step_fn.own)
-            parts.append(f"optimizer state sharded over {self.world.size} ranks (rank {self.world.rank} holds {mine / sum(sizes):.0%})")
+            parts.append(f"optimizer state{' and gradients' if self.step_fn.shard_grads else ''} sharded over "
+                         f"{self.world.size} ranks (rank {self.world.rank} holds {mine / sum(sizes):.0%})")
+        if self.world.size > 1:
+            c = self.step_fn.collectives(self.accum_steps)
+            parts.append(f"{c['calls']} collectives and {c['bytes'] / 2**20:,.1f} MB on the wire per step")
         if self.cfg.precision.param_dtype == "compute" and self.cfg.precision.dtype != "fp32":
             parts.append(f"{self.cfg.precision.dtype} matrices with fp32 masters")
         if self.cfg.train.recompute:

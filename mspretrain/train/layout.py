@@ -1,0 +1,234 @@
+"""Who owns which parameter, and how gradients and parameters are packed for the collectives.
+
+Pure arithmetic on parameter sizes (no MindSpore): every rank computes the same tables without
+communicating, the planner uses the same numbers the step allocates, and the tests check them
+by hand.
+
+Two packings, both into flat 1-D buckets of at most `cap` elements (a parameter larger than the
+cap gets a bucket of its own; parameters are never split):
+- `flat_buckets`: replicated data, one AllReduce per bucket. Parameters of one wire dtype per
+  bucket, in parameter order.
+- `rank_buckets`: sharded data. Bucket k is the concatenation over ranks r = 0..N-1 of a segment
+  of `length` elements holding chunk k of the parameters rank r owns (zero padded), so that a
+  ReduceScatter hands rank r exactly its own gradients and an AllGather of each rank's segment
+  gives every rank every owner's parameters. Each rank's owned list is cut into the same number
+  of chunks of about equal size, so the padding stays small (the parameters are balanced across
+  ranks by `assign_owners`).
+Why buckets: one collective per parameter is ~195 AllReduce + ~195 Broadcast per step for a 7B
+model, each paying a launch and a latency; a few large buckets keep the link busy. Why a cap:
+a bucket is a transient copy, so the cap bounds the extra memory of the reduction.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def assign_owners(sizes: list[int], world: int) -> list[int]:
+    """Owner rank of each parameter: largest first, to the rank holding the fewest elements so far.
+
+    Deterministic (ties go to the lower index and the lower rank), so every rank computes the
+    same table without communicating, and a resumed run with the same world gets the same one.
+    """
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+@dataclass(frozen=True)
+class FlatBucket:
+    indices: tuple[int, ...]  # parameter indices, in order
+    sizes: tuple[int, ...]  # their element counts
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass(frozen=True)
+class RankBucket:
+    segments: tuple[tuple[int, ...], ...]  # segments[r]: parameter indices rank r owns in this bucket
+    sizes: tuple[tuple[int, ...], ...]  # their element counts
+    length: int  # elements per rank segment (the largest segment; others are zero padded)
+
+    @property
+    def numel(self) -> int:
+        return self.length * len(self.segments)
+
+    def used(self, rank: int) -> int:
+        return sum(self.sizes[rank])
+
+
+def flat_buckets(sizes: list[int], keys: list[object], cap: int) -> list[FlatBucket]:
+    """Parameters grouped by key (e.g. the wire dtype), then packed in order into buckets of at
+    most `cap` elements. cap <= 0: one bucket per parameter."""
+    out: list[FlatBucket] = []
+    for key in dict.fromkeys(keys):
+        cur: list[int] = []
+        total = 0
+        for i, (n, k) in enumerate(zip(sizes, keys)):
+            if k != key:
+                continue
+            if cur and (cap <= 0 or total + n > cap):
+                out.append(FlatBucket(tuple(cur), tuple(sizes[j] for j in cur)))
+                cur, total = [], 0
+            cur.append(i)
+            total += n
+        if cur:
+            out.append(FlatBucket(tuple(cur), tuple(sizes[j] for j in cur)))
+    return out
+
+
+def _chunks(indices: list[int], sizes: list[int], n_chunks: int) -> list[list[int]]:
+    """Cut an ordered list into n_chunks runs of about equal element count (some may be empty)."""
+    total = sum(sizes[i] for i in indices)
+    out: list[list[int]] = [[] for _ in range(n_chunks)]
+    acc = 0
+    for i in indices:
+        # the chunk this parameter's midpoint falls in: balanced without look-ahead
+        k = min(n_chunks - 1, int((acc + sizes[i] / 2) * n_chunks / total)) if total else 0
+        out[k].append(i)
+        acc += sizes[i]
+    return out
+
+
+def rank_buckets(owner: list[int], sizes: list[int], keys: list[object], world: int,
+                 cap: int) -> tuple[list[RankBucket], list[int]]:
+    """Buckets for sharded collectives, grouped by key (wire or parameter dtype): see the module
+    docstring. cap: elements of the whole bucket (all ranks' segments); cap <= 0: the k-th owned
+    parameter of every rank per bucket.
+
+    Returns (buckets, singletons): a bucket more than a quarter padding (one rank owns a large
+    parameter that no other rank can match, e.g. lm_head alone on an fp32 wire) is dissolved and
+    its parameters go to `singletons`, which the step moves with one collective each, so padding
+    never costs more than a third of the bytes it moves."""
+    buckets: list[RankBucket] = []
+    singletons: list[int] = []
+    for key in dict.fromkeys(keys):
+        mine = [[i for i in range(len(sizes)) if owner[i] == r and keys[i] == key] for r in range(world)]
+        load = max(sum(sizes[i] for i in m) for m in mine)
+        if load == 0:
+            continue
+        most = max(len(m) for m in mine)
+        if cap <= 0:  # the k-th owned parameter of every rank
+            n_chunks = most
+            per_rank = [[m[k:k + 1] for k in range(most)] for m in mine]
+        else:
+            n_chunks = min(most, max(1, math.ceil(load * world / cap)))
+            per_rank = [_chunks(m, sizes, n_chunks) for m in mine]
+        for k in range(n_chunks):
+            segs = tuple(tuple(per_rank[r][k]) for r in range(world))
+            if not any(segs):
+                continue
+            seg_sizes = tuple(tuple(sizes[i] for i in s) for s in segs)
+            b = RankBucket(segs, seg_sizes, max(sum(s) for s in seg_sizes))
+            if 4 * sum(b.used(r) for r in range(world)) < 3 * b.numel:
+                singletons.extend(sorted(i for s in segs for i in s))
+            else:
+                buckets.append(b)
+    return buckets, sorted(singletons)
+
+
+def assign_owners_grouped(sizes: list[int], keys: list[object], world: int) -> list[int]:
+    """`assign_owners` within each key group (the parameter dtype), largest group first and
+    continuing from the loads so far: every rank's share of each group is balanced, so the
+    groups' rank buckets need little padding, and the total stays balanced."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    groups = list(dict.fromkeys(keys))
+    groups.sort(key=lambda k: -sum(n for n, kk in zip(sizes, keys) if kk == k))
+    for key in groups:
+        for i in sorted((i for i in range(len(sizes)) if keys[i] == key), key=lambda i: (-sizes[i], i)):
+            r = min(range(world), key=lambda r: (load[r], r))
+            owner[i] = r
+            load[r] += sizes[i]
+    return owner
+
+
+def cap_elements(bucket_mb: float) -> int:
+    """The bucket cap in elements of 4 bytes (0 = one collective per parameter)."""
+    return int(bucket_mb * 2**20 // 4) if bucket_mb > 0 else 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything the step and the planner derive from the parameter sizes: owners and the
+    packing of each collective. `wire16[i]`: gradient i crosses ranks in fp16; `half[i]`:
+    parameter i is stored in fp16/bf16."""
+
+    sizes: tuple[int, ...]
+    half: tuple[bool, ...]
+    wire16: tuple[bool, ...]
+    world: int
+    sharded: bool  # optimizer state (ZeRO-1)
+    shard_grads: bool  # and gradients (ZeRO-2)
+    owner: tuple[int, ...]
+    reduce_flat: tuple[FlatBucket, ...]  # replicated gradients: AllReduce
+    reduce_rank: tuple[RankBucket, ...]  # sharded gradients: ReduceScatter
+    reduce_single: tuple[int, ...]  # sharded gradients too lopsided to bucket: AllReduce each
+    gather_rank: tuple[RankBucket, ...]  # owners' parameters: AllGather
+    gather_single: tuple[int, ...]  # Broadcast each
+
+    def owned(self, rank: int) -> list[int]:
+        return [i for i, r in enumerate(self.owner) if r == rank]
+
+    def heaviest_rank(self) -> int:
+        """The rank holding the most elements (the one whose memory decides whether a run fits)."""
+        return max(range(self.world), key=lambda r: (sum(self.sizes[i] for i in self.owned(r)), -r))
+
+    def traffic(self, accumulation: int = 1) -> tuple[int, int]:
+        """(collective calls, bytes a rank hands to them) per step: payload sizes; a ring moves
+        about 2·(N-1)/N of an AllReduce's payload and (N-1)/N of the others'. With sharded
+        gradients the reduction runs once per micro-batch."""
+        wb = lambda i: 2 if self.wire16[i] else 4
+        pb = lambda i: 2 if self.half[i] else 4
+        first = lambda b: next(s for s in b.segments if s)[0]
+        red_calls = len(self.reduce_flat) + len(self.reduce_rank) + len(self.reduce_single)
+        red_bytes = (sum(n * wb(i) for b in self.reduce_flat for i, n in zip(b.indices, b.sizes))
+                     + sum(b.numel * wb(first(b)) for b in self.reduce_rank)
+                     + sum(self.sizes[i] * wb(i) for i in self.reduce_single))
+        times = accumulation if self.shard_grads else 1
+        gather_calls = len(self.gather_rank) + len(self.gather_single)
+        gather_bytes = (sum(b.numel * pb(first(b)) for b in self.gather_rank)
+                        + sum(self.sizes[i] * pb(i) for i in self.gather_single))
+        return red_calls * times + gather_calls, red_bytes * times + gather_bytes
+
+    def largest_bucket_bytes(self) -> tuple[int, int]:
+        """(largest reduction payload, largest gather payload) in bytes: the transient copies."""
+        wb = lambda i: 2 if self.wire16[i] else 4
+        pb = lambda i: 2 if self.half[i] else 4
+        first = lambda b: next(s for s in b.segments if s)[0]
+        red = [sum(n * wb(i) for i, n in zip(b.indices, b.sizes)) for b in self.reduce_flat]
+        red += [b.numel * wb(first(b)) for b in self.reduce_rank] + [self.sizes[i] * wb(i) for i in self.reduce_single]
+        gat = [b.numel * pb(first(b)) for b in self.gather_rank] + [self.sizes[i] * pb(i) for i in self.gather_single]
+        return max(red, default=0), max(gat, default=0)
+
+
+def plan_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: int, *, shard: bool,
+                shard_grads: bool, cap: int) -> Layout:
+    """Owners and buckets for `world` data-parallel ranks (world 1: no collectives)."""
+    shard_grads = shard_grads and world > 1
+    sharded = (shard or shard_grads) and world > 1
+    pkeys = ["half" if h else "fp32" for h in half]
+    wkeys = ["fp16" if w else "fp32" for w in wire16]
+    owner = assign_owners_grouped(sizes, pkeys, world) if sharded else [0] * len(sizes)
+    reduce_flat: list[FlatBucket] = []
+    reduce_rank: list[RankBucket] = []
+    reduce_single: list[int] = []
+    gather_rank: list[RankBucket] = []
+    gather_single: list[int] = []
+    if world > 1:
+        if shard_grads:
+            # grouped by parameter dtype too: owners are balanced within those groups (little padding)
+            rkeys = [f"{w}/{k}" for w, k in zip(wkeys, pkeys)]
+            reduce_rank, reduce_single = rank_buckets(owner, sizes, rkeys, world, cap)
+        else:
+            reduce_flat = flat_buckets(sizes, wkeys, cap)
+        if sharded:
+            gather_rank, gather_single = rank_buckets(owner, sizes, pkeys, world, cap)
+    return Layout(tuple(sizes), tuple(half), tuple(wire16), world, sharded, shard_grads, tuple(owner),
+                  tuple(reduce_flat), tuple(reduce_rank), tuple(reduce_single), tuple(gather_rank), tuple(gather_single))
