@@ -1,10 +1,22 @@
-"""Training throughput: our MindSpore jit train step vs HF transformers LlamaForCausalLM (PyTorch eager).
+"""Training throughput: our MindSpore jit train step vs HF transformers LlamaForCausalLM (PyTorch eager)
+and vs MindSpore Transformers' LlamaForCausalLM (the incumbent, same MindSpore).
 
-Same config, batch, thread count, machine and run for both. For each config it prints tokens/s of
-both, the ratio (ours / PyTorch; target >= 0.8), and MFU against the fp32 matmul peak of this
-machine measured in the same run (the better of PyTorch's and MindSpore's 1024^3 GEMM).
-Rounds alternate between the two frameworks so a change in machine load hits both; the median
-per-round ratio is reported, and the ratio of the best rounds (least disturbed by other processes).
+Same config, batch, thread count, machine and run for all sides. For each config it prints tokens/s
+of each, the ratios (ours / PyTorch, target >= 0.8; ours / MindSpore Transformers, target >= 1.3 on
+tiny-7.5M and >= 1.0 on demo), and MFU against the fp32 matmul peak of this machine measured in the
+same run (the better of PyTorch's and MindSpore's 1024^3 GEMM). Rounds interleave the sides so a
+change in machine load hits all of them; the median per-round ratio is reported, and the ratio of
+the best rounds (least disturbed by other processes).
+
+MindSpore Transformers runs in its own venv (mindformers 2.0.0 needs --no-deps and a stub
+`hyper_parallel`; `../shared/peers/mindformers/` builds it: `MFVENV=.venv-mindformers bash
+../shared/peers/mindformers/setup.sh`). This script starts that venv's python on itself
+(`--mindformers-child`) as a long-lived child and asks it for timed steps between ours and PyTorch's,
+so the child is idle while the others run. Its step: `LlamaForCausalLM` (graph mode, its own
+cross-entropy), `MFTrainOneStepCell` with clipping at 1.0 and an isfinite overflow check in place of
+the Ascend-only float-status ops (the peer README's CPU workarounds), `nn.AdamWeightDecay`
+(weight decay 0.1, none on norms). The side is skipped with one line when the venv or the peer dir
+is missing (`--mindformers-venv`, `--peer-dir`, or $MINDFORMERS_VENV / $MINDFORMERS_PEER_DIR).
 
 The train step is the same on both sides: forward, mean token NLL (fp32), backward, global-norm
 clipping at 1.0, AdamW (beta 0.9/0.95, eps 1e-8, weight decay 0.1, none on norms). Ours is the
@@ -13,7 +25,8 @@ swaps in a bare value_and_grad + `nn.AdamWeightDecay` graph (and drops clipping 
 Theirs: HF's default attention (sdpa), `F.cross_entropy` on fp32 logits, `clip_grad_norm_`,
 `torch.optim.AdamW` (foreach).
 
-    python benchmarks/train_bench.py                      # tiny-7.5M and demo
+    python benchmarks/train_bench.py                      # tiny-7.5M and demo, three sides
+    python benchmarks/train_bench.py --threads 2 --mindformers-venv .venv-mindformers --peer-dir ../shared/peers/mindformers
     python benchmarks/train_bench.py --configs tiny-7.5M --rounds 5
     python benchmarks/train_bench.py --configs tiny-7.5M --profile /tmp/prof   # + MindSpore profiler top ops
 """
@@ -31,6 +44,79 @@ from pathlib import Path
 
 os.environ.setdefault("GLOG_v", "3")
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def mindformers_child(spec: dict) -> int:
+    """Runs in the MindSpore Transformers venv (not ours): build its Llama train step on `spec`'s
+    shape, then serve timing requests from stdin ("N" -> run N steps, reply seconds per step) so
+    the parent can interleave it with the other sides. Replies are lines starting with "MFBENCH "
+    (mindformers prints to stdout too)."""
+    import mindspore as ms
+    import mindspore.common.dtype as mstype
+    import numpy as np
+    from mindspore import Tensor, nn, ops
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    ms.device_context.cpu.op_tuning.threads_num(spec["threads"])
+    ms.set_seed(0)
+    from mindformers import LlamaConfig, LlamaForCausalLM
+    from mindformers.wrapper import MFTrainOneStepCell
+
+    B, S, V = spec["batch"], spec["seq"], spec["vocab"]
+    cfg = LlamaConfig(batch_size=B, seq_length=S, hidden_size=spec["dim"], num_layers=spec["n_layers"],
+                      num_heads=spec["n_heads"], n_kv_heads=spec["n_kv_heads"], vocab_size=V,
+                      intermediate_size=spec["ffn_dim"], rms_norm_eps=spec["norm_eps"],
+                      compute_dtype="float32", layernorm_compute_type="float32", softmax_compute_type="float32",
+                      rotary_dtype="float32", param_init_type="float32", use_past=False, use_flash_attention=False,
+                      fine_grain_interleave=1, fused_rms_norm=False, qkv_concat=False, use_rope_slice=True)
+    net = LlamaForCausalLM(cfg)
+    net.set_train(True)
+    params = net.trainable_params()
+    decay = [p for p in params if "norm" not in p.name]
+    rest = [p for p in params if "norm" in p.name]
+    opt = nn.AdamWeightDecay([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8)
+    nonfinite = ops.MultitypeFuncGraph("nonfinite")
+
+    @nonfinite.register("Tensor")
+    def _nf(g):
+        return ops.logical_not(ops.isfinite(g).all()).astype(mstype.float32)
+
+    class CPUTrainOneStepCell(MFTrainOneStepCell):
+        # MindSpore's loss-scale cell checks overflow with Ascend-only NPU(Get|Clear)FloatStatusV2
+        # on every non-GPU target; on CPU use isfinite (the peer harness's workaround).
+        def start_overflow_check(self, pre_cond, compute_input):
+            return Tensor([0] * 8, mstype.int32), compute_input
+
+        def get_overflow_status(self, status, compute_output):
+            return ops.AddN()(self.hyper_map(nonfinite, compute_output)) > 0
+
+    cell = CPUTrainOneStepCell(net, opt, use_clip_grad=True, max_grad_norm=1.0)
+    cell.set_train(True)
+    # the same token ids as the other sides: the model slices (B, S+1) into inputs and labels itself
+    x = Tensor(np.asarray(spec["data"], dtype=np.int32))
+
+    def step() -> float:
+        return float(cell(x)[0].asnumpy())
+
+    loss = step()  # compiles
+    nparams = sum(int(np.prod(p.shape)) for p in params)
+    print(f"MFBENCH ready {loss} {nparams}", flush=True)
+    for line in sys.stdin:
+        n = int(line)
+        if n <= 0:
+            break
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        print(f"MFBENCH {(time.perf_counter() - t0) / n}", flush=True)
+    return 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--mindformers-child"]:
+    sys.exit(mindformers_child(json.loads(sys.stdin.readline())))
+
 sys.path.insert(0, str(ROOT))
 
 import mindspore as ms  # noqa: E402
@@ -47,7 +133,8 @@ def bench_configs() -> dict[str, tuple[ModelConfig, int, int]]:
     """name -> (resolved model config, seq_len, batch). `demo` is configs/demo.toml as shipped."""
     from mspretrain import config as cfgmod
 
-    tiny = resolve_model(ModelConfig(dim=256, n_layers=4, n_heads=4, vocab_size=8000, max_seq_len=256))
+    # ffn 768: the reference shape of issue 16 (MindSpore Transformers' rule rounds to a multiple of 256)
+    tiny = resolve_model(ModelConfig(dim=256, n_layers=4, n_heads=4, vocab_size=8000, max_seq_len=256, ffn_dim=768))
     demo_toml = ROOT / "configs" / "demo.toml"
     if demo_toml.is_file():
         c = cfgmod.load(demo_toml)
@@ -127,6 +214,58 @@ def torch_step(cfg: ModelConfig, data: np.ndarray, minimal: bool = False):
     return step
 
 
+class MindformersStep:
+    """MindSpore Transformers' train step in a child process on its own venv (see the docstring)."""
+
+    def __init__(self, python: Path, stubs: Path, cfg: ModelConfig, data: np.ndarray, threads: int) -> None:
+        import subprocess
+        import tempfile
+
+        spec = {"batch": data.shape[0], "seq": data.shape[1] - 1, "vocab": cfg.vocab_size, "dim": cfg.dim,
+                "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "ffn_dim": cfg.ffn_dim,
+                "norm_eps": cfg.norm_eps, "threads": threads, "data": data.tolist()}
+        env = {**os.environ, "GLOG_v": "3", "PYTHONPATH": str(stubs)}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="mindformers-child-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).resolve()), "--mindformers-child"], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, cwd="/tmp")
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        ready = self._reply()
+        self.first_loss, self.params = float(ready[1]), int(ready[2])
+
+    def _reply(self) -> list[str]:
+        for line in self.proc.stdout:
+            if line.startswith("MFBENCH "):
+                return line.split()[1:]
+        self.log.seek(0)
+        raise RuntimeError(f"the MindSpore Transformers child exited ({self.proc.wait()}): {self.log.read()[-2000:]}")
+
+    def timed(self, n: int) -> float:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return float(self._reply()[0])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("0\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        os.unlink(self.log.name)
+
+
+def find_mindformers(venv: str | None, peer_dir: str | None) -> tuple[Path, Path] | str:
+    """(peer venv's python, the harness's stubs dir), or why the side is skipped."""
+    venv_p = Path(venv or os.environ.get("MINDFORMERS_VENV") or ROOT / ".venv-mindformers")
+    peer_p = Path(peer_dir or os.environ.get("MINDFORMERS_PEER_DIR") or ROOT.parent / "shared" / "peers" / "mindformers")
+    python, stubs = venv_p / "bin" / "python", peer_p / "stubs"
+    if not python.is_file():
+        return (f"no python in the MindSpore Transformers venv {venv_p} (build it: MFVENV={venv_p} bash "
+                f"{peer_p / 'setup.sh'}; or pass --mindformers-venv)")
+    if not (stubs / "hyper_parallel").is_dir():
+        return f"no stubs/hyper_parallel in the peer dir {peer_p} (pass --peer-dir with the CPU harness)"
+    return python, stubs
+
+
 # --------------------------------------------------------------------------- measurement
 
 def timed(step, n: int) -> float:
@@ -179,8 +318,20 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1, help="timed steps per round")
     ap.add_argument("--profile", metavar="DIR", help="also run the MindSpore profiler on our step and print the top ops")
     ap.add_argument("--minimal", action="store_true", help="bare value_and_grad + AdamW steps on both sides (no clipping)")
+    ap.add_argument("--mindformers-venv", metavar="DIR", help="MindSpore Transformers venv (default $MINDFORMERS_VENV or ./.venv-mindformers)")
+    ap.add_argument("--peer-dir", metavar="DIR", help="the CPU harness with stubs/ (default $MINDFORMERS_PEER_DIR or ../shared/peers/mindformers)")
+    ap.add_argument("--no-mindformers", action="store_true", help="two sides only")
     ap.add_argument("--json", action="store_true")
+    ap.error = lambda msg: (print(f"train_bench: {msg}", file=sys.stderr), sys.exit(2))  # one line, exit 2
     args = ap.parse_args()
+    configs = bench_configs()
+    unknown = [c for c in args.configs.split(",") if c not in configs]
+    if unknown or args.threads < 1 or args.rounds < 1 or args.steps < 1:
+        ap.error(f"unknown --configs {unknown} (choose from {', '.join(configs)})" if unknown
+                 else "--threads, --rounds and --steps must be >= 1")
+    mf = "--no-mindformers given" if args.no_mindformers else find_mindformers(args.mindformers_venv, args.peer_dir)
+    if isinstance(mf, str):
+        print(f"MindSpore Transformers side skipped: {mf}")
 
     import torch
 
@@ -191,7 +342,6 @@ def main() -> int:
     print(f"threads {args.threads}, load average {load_before:.1f}; fp32 matmul peak: torch {peaks['torch']:.1f}, "
           f"mindspore {peaks['mindspore']:.1f} GFLOP/s")
     results = {"threads": args.threads, "peak_gflops": peaks, "load_average": load_before, "configs": {}}
-    configs = bench_configs()
     for name in args.configs.split(","):
         cfg, seq, batch = configs[name]
         data = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
@@ -201,28 +351,50 @@ def main() -> int:
         compile_s = time.perf_counter() - t0
         theirs = torch_step(cfg, data, args.minimal)
         loss_theirs = theirs()
-        rounds = []
-        for _ in range(args.rounds):
-            a, b = timed(ours, args.steps), timed(theirs, args.steps)
-            rounds.append((a, b))
+        sides = {"ours": lambda: timed(ours, args.steps), "torch": lambda: timed(theirs, args.steps)}
+        mfs = None
+        if not isinstance(mf, str):
+            if args.minimal:
+                print("  (--minimal: MindSpore Transformers' step still clips at 1.0)")
+            mfs = MindformersStep(mf[0], mf[1], cfg, data, args.threads)
+            sides["mindformers"] = lambda: mfs.timed(args.steps)
+        names = list(sides)
+        rounds: list[dict[str, float]] = []
+        for i in range(args.rounds):
+            # rotate the order each round: no side always follows the same one
+            order = names[i % len(names):] + names[:i % len(names)]
+            rounds.append({n: sides[n]() for n in order})
+        if mfs is not None:
+            mfs.close()
         tok = batch * seq
-        ours_tps = statistics.median(tok / a for a, _ in rounds)
-        theirs_tps = statistics.median(tok / b for _, b in rounds)
-        ratio = statistics.median(b / a for a, b in rounds)
+        tps = {n: statistics.median(tok / r[n] for r in rounds) for n in names}
+        best = {n: tok / min(r[n] for r in rounds) for n in names}
+        ratio = {n: statistics.median(r[n] / r["ours"] for r in rounds) for n in names if n != "ours"}
         # Best round of each: the estimate least disturbed by other processes on a shared machine.
-        best_ratio = min(b for _, b in rounds) / min(a for a, _ in rounds)
+        best_ratio = {n: best["ours"] / best[n] for n in ratio}
         fpt = matmul_flops_per_token(cfg, seq)
-        res = {"seq": seq, "batch": batch, "params_matmul_flops_per_token": fpt, "compile_s": compile_s,
-               "load_average": os.getloadavg()[0],
-               "ours_tokens_per_s": ours_tps, "torch_tokens_per_s": theirs_tps, "ratio": ratio,
-               "best_round_ratio": best_ratio, "ours_best_tokens_per_s": tok / min(a for a, _ in rounds),
-               "torch_best_tokens_per_s": tok / min(b for _, b in rounds),
+        res = {"seq": seq, "batch": batch, "ffn_dim": cfg.ffn_dim, "params_matmul_flops_per_token": fpt,
+               "compile_s": compile_s, "load_average": os.getloadavg()[0],
+               "ours_tokens_per_s": tps["ours"], "torch_tokens_per_s": tps["torch"], "ratio": ratio["torch"],
+               "best_round_ratio": best_ratio["torch"], "ours_best_tokens_per_s": best["ours"],
+               "torch_best_tokens_per_s": best["torch"],
                "first_loss": {"ours": loss_ours, "torch": loss_theirs},
-               "rounds_ms": [(a * 1e3, b * 1e3) for a, b in rounds]}
-        print(f"{name:10s} dim {cfg.dim} L{cfg.n_layers} H{cfg.n_heads}/{cfg.n_kv_heads} V{cfg.vocab_size} seq {seq} batch {batch}: "
-              f"ours {ours_tps:,.0f} tok/s, PyTorch eager {theirs_tps:,.0f} tok/s, "
-              f"ratio {ratio:.2f}x (best rounds {best_ratio:.2f}x)  [compile {compile_s:.1f}s; "
-              f"rounds ms {', '.join(f'{a:.0f}/{b:.0f}' for a, b in res['rounds_ms'])}]")
+               "rounds_ms": [{n: r[n] * 1e3 for n in names} for r in rounds]}
+        if mfs is not None:
+            res.update(mindformers_tokens_per_s=tps["mindformers"], mindformers_best_tokens_per_s=best["mindformers"],
+                       ratio_mindformers=ratio["mindformers"], best_round_ratio_mindformers=best_ratio["mindformers"],
+                       mindformers_params=mfs.params)
+            res["first_loss"]["mindformers"] = mfs.first_loss
+        print(f"{name:10s} dim {cfg.dim} L{cfg.n_layers} H{cfg.n_heads}/{cfg.n_kv_heads} ffn {cfg.ffn_dim} V{cfg.vocab_size} "
+              f"seq {seq} batch {batch} [compile {compile_s:.1f}s, load {res['load_average']:.1f}]:")
+        print(f"  tokens/s (median of {args.rounds} rounds): ours {tps['ours']:,.0f}, PyTorch eager {tps['torch']:,.0f}"
+              + (f", MindSpore Transformers {tps['mindformers']:,.0f}" if mfs else ""))
+        print(f"  ours / PyTorch eager {ratio['torch']:.2f}x (best rounds {best_ratio['torch']:.2f}x)"
+              + (f"; ours / MindSpore Transformers {ratio['mindformers']:.2f}x (best rounds {best_ratio['mindformers']:.2f}x)"
+                 if mfs else ""))
+        print(f"  rounds ms ({'/'.join(names)}): " + ", ".join("/".join(f"{r[n] * 1e3:.0f}" for n in names) for r in rounds))
+        print("  first loss: " + ", ".join(f"{k} {v:.4f}" for k, v in res["first_loss"].items())
+              + (f"; parameters: MindSpore Transformers {mfs.params:,}" if mfs else ""))
         for fw, gflops in matmul_peak().items():  # re-measured between configs: the best is the peak
             peaks[fw] = max(peaks[fw], gflops)
         if args.profile:
@@ -238,7 +410,12 @@ def main() -> int:
         fpt = res["params_matmul_flops_per_token"]
         res["ours_mfu"] = res["ours_tokens_per_s"] * fpt / (peak * 1e9)
         res["torch_mfu"] = res["torch_tokens_per_s"] * fpt / (peak * 1e9)
-        print(f"{name:10s} MFU vs the run's best fp32 GEMM ({peak:.1f} GFLOP/s): ours {res['ours_mfu']:.1%}, PyTorch {res['torch_mfu']:.1%}")
+        mf_mfu = ""
+        if "mindformers_tokens_per_s" in res:
+            res["mindformers_mfu"] = res["mindformers_tokens_per_s"] * fpt / (peak * 1e9)
+            mf_mfu = f", MindSpore Transformers {res['mindformers_mfu']:.1%}"
+        print(f"{name:10s} MFU vs the run's best fp32 GEMM ({peak:.1f} GFLOP/s): ours {res['ours_mfu']:.1%}, "
+              f"PyTorch {res['torch_mfu']:.1%}{mf_mfu}")
     results["peak_gflops"] = peaks
     results["load_average_after"] = os.getloadavg()[0]
     if args.json:
