@@ -471,3 +471,124 @@ def test_diagnose_streams_a_long_log_in_bounded_memory(tmp_path):
 @pytest.mark.parametrize("port", ["70000", "0", "-1", "65536"])
 def test_dashboard_port_out_of_range(tmp_path, capsys, port):
     refused(capsys, "dashboard", tmp_path, f"--port={port}")
+
+
+# --------------------------------------------------------------------------- item 10: messages that say what happened
+
+def _mixed_lines(n: int) -> list[tuple[str, str]]:
+    utf = ["春眠不觉晓，处处闻啼鸟。", "夜来风雨声，花落知多少。", "白日依山尽，黄河入海流。"]
+    gbk = ["床前明月光，疑是地上霜。", "举头望明月，低头思故乡。"]
+    return [(f"{i}{gbk[i % 2]}", "gbk") if i % 3 == 0 else (f"{i}{utf[i % 3]}", "utf-8") for i in range(n)]
+
+
+@pytest.mark.parametrize("bad_lines", [0, 2])
+def test_a_file_mixing_gbk_and_utf8_lines_is_read_line_by_line(tmp_path, bad_lines):
+    from mspretrain.data import sources
+
+    lines = _mixed_lines(300)
+    raw = [t.encode(enc) for t, enc in lines]
+    for k in range(bad_lines):
+        raw.insert(100 + k, b"\xff\xfe\x81 damaged")
+    p = tmp_path / "mixed.txt"
+    p.write_bytes(b"\n".join(raw) + b"\n")
+    stats, warns = sources.SourceStats(), []
+    docs = [d for b in sources.iter_file_batches(p, doc_per_line=True, stats=stats, warn=warns.append) for d in b]
+    expected = [t for t, _ in lines]  # the reference: each line decoded with the encoding it was written in
+    assert [d for d in docs if "damaged" not in d] == expected
+    assert dict(stats.by_encoding) == {"utf-8+gb18030": 1} and not stats.skipped
+    assert any("100 lines read as GB18030" in w for w in warns), warns
+    assert any(f"{bad_lines} lines fit neither" in w for w in warns) == bool(bad_lines)
+
+
+def test_prepare_reads_a_mixed_file_instead_of_calling_it_binary(tmp_path, capsys):
+    p = tmp_path / "mixed.txt"
+    p.write_bytes(b"\n".join(t.encode(enc) for t, enc in _mixed_lines(600)) + b"\n")
+    out = tmp_path / "data"
+    assert main(["prepare", str(p), "--out", str(out), "--doc-per-line", "--vocab-size", "340", "--workers", "1", "--quiet",
+                 "prepare.valid_fraction=0.1", "prepare.min_chars=4"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["files"]["by_encoding"] == {"utf-8+gb18030": 1} and m["documents_in"] == 600
+
+
+@pytest.mark.parametrize("files", [{"a.txt": b"", "b.txt": b"\x89PNG\r\n\x1a\n" + bytes(range(256))},
+                                   {"only.txt": b"\x00\x01\x02" * 100},
+                                   {"x.jsonl": b"", "y.txt": b"   \n\n", "z.txt": b"%PDF-1.4 ..."}])
+def test_all_inputs_skipped_says_so(tmp_path, capsys, files):
+    d = tmp_path / "in"
+    d.mkdir()
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    err = refused(capsys, "prepare", d, "--out", tmp_path / "o", *PREP)
+    first, hint = err.strip().splitlines()
+    assert f"all {len(files)} input file" in first and "were skipped" in first and "dropped: none" not in first
+    assert "--text-field" not in hint
+
+
+# (a small .zst is one zstd block: cut anywhere, nothing of it decodes, so there is nothing to keep)
+@pytest.mark.parametrize("suffix,n_lines", [(".gz", 300), (".gz", 30000), (".zst", 30000)])
+def test_truncated_compressed_file_keeps_the_lines_before_the_damage(tmp_path, n_lines, suffix):
+    import gzip
+
+    import zstandard
+
+    from mspretrain.data import sources
+
+    lines = [f"第{i}行，春眠不觉晓，处处闻啼鸟，夜来风雨声。" for i in range(n_lines)]
+    raw = ("\n".join(lines) + "\n").encode()
+    comp = gzip.compress(raw) if suffix == ".gz" else zstandard.ZstdCompressor().compress(raw)
+    p = tmp_path / f"t{suffix}"
+    p.write_bytes(comp[: len(comp) * 2 // 3])
+    stats, warns = sources.SourceStats(), []
+    got: list[str] = []
+    for b in sources.iter_file_batches(p, doc_per_line=True, stats=stats, warn=warns.append, raw=True):
+        got += sources.decode_raw(b)[0] if isinstance(b, sources.RawLines) else b
+    known = set(lines)
+    whole = [g for g in got if g in known]
+    assert len(whole) >= len(lines) // 3, (len(whole), len(lines))  # most of the 2/3 that is there
+    assert whole == lines[:len(whole)]
+
+
+def test_eval_without_a_verified_checkpoint_does_not_say_fresh_start(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000010").mkdir(parents=True)  # a save that never finished
+    rc = main(["eval", str(run)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "fresh start" not in out + err and "no verified checkpoint" in err
+
+
+def test_prepare_workers_die_with_a_killed_parent_without_tracebacks(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT, make_poems
+
+    src = tmp_path / "big.txt"
+    src.write_text("\n\n".join(make_poems(2000, seed=9) * 20) + "\n", encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "mspretrain.cli", "prepare", str(src), "--out", str(tmp_path / "o"),
+                             "--workers", "2", "--vocab-size", "400", "prepare.min_chars=4"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, GLOG_v="3"))
+    children: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(children) < 2 and proc.poll() is None:
+        try:
+            children = [int(c) for c in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        except OSError:
+            pass
+        time.sleep(0.05)
+    if len(children) < 2:
+        proc.kill()
+        pytest.skip("prepare finished before its workers could be seen")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{c}") and "Z" not in open(f"/proc/{c}/stat").read().split()[2]
+                                             for c in children if os.path.exists(f"/proc/{c}/stat")):
+        time.sleep(0.1)
+    alive = [c for c in children if os.path.exists(f"/proc/{c}/stat") and open(f"/proc/{c}/stat").read().split()[2] != "Z"]
+    err = proc.stderr.read()
+    assert not alive, alive
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

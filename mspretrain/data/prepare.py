@@ -519,6 +519,11 @@ def _run(paths, work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers
             bar.close()
     for w in warnings:
         warn(w)
+    if sink.docs["train"] + sink.docs["valid"] == 0 and stats.files == 0:
+        # nothing was read at all: the reason is in the skips, not in the fields or the filters
+        why = ", ".join(f"{v} {k}" for k, v in sorted(stats.skipped.items()))
+        raise UserError(f"no documents left: all {len(paths)} input file{'s' * (len(paths) != 1)} were skipped ({why})",
+                        "the warnings above say why for each file; prepare reads UTF-8 / GB18030 text (.txt, .jsonl, optionally .gz / .zst)")
     if sink.docs["train"] + sink.docs["valid"] == 0:
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(sink.dropped.items())) or "none"
         raise UserError(f"no documents left: {sink.docs_in} read, all dropped (dropped: {dropped})",

@@ -66,6 +66,92 @@ def _count_and_drop(exc: UnicodeError) -> tuple[str, int]:
 codecs.register_error("mspretrain.drop", _count_and_drop)
 
 
+# --------------------------------------------------------------------------- files mixing UTF-8 and GB18030 lines
+
+MIXED_CODEC = "mspretrain-mixed"
+_mixed_lines = [0, 0]  # lines read as GB18030, lines that fit neither encoding (bytes dropped)
+_MIXED_HOLD = 1 << 20  # a line with no end yet is decoded in pieces beyond this: memory stays bounded
+
+
+def _decode_line(line: bytes, errors: str) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    try:
+        text = line.decode("gb18030")
+        _mixed_lines[0] += 1
+        return text
+    except UnicodeDecodeError:
+        _mixed_lines[1] += 1
+        return line.decode("utf-8", errors=errors)
+
+
+class _MixedDecoder(codecs.IncrementalDecoder):
+    """Each line as UTF-8, else as GB18030, else UTF-8 with the bad bytes dropped (and counted).
+    Files concatenated from a GBK source and a UTF-8 one were called binary: no single
+    encoding decodes them, but every line has one."""
+
+    def __init__(self, errors: str = "strict") -> None:
+        super().__init__(errors)
+        self.buf = b""
+
+    def decode(self, input: bytes, final: bool = False) -> str:  # noqa: A002 (codecs' signature)
+        data = self.buf + bytes(input)
+        cut = len(data) if final else data.rfind(b"\n") + 1
+        if not cut and len(data) > _MIXED_HOLD:
+            cut = len(data) - 4  # keep a possibly split multi-byte character for the next call
+        self.buf = data[cut:]
+        return "".join(_decode_line(line, self.errors) for line in data[:cut].splitlines(keepends=True))
+
+    def reset(self) -> None:
+        self.buf = b""
+
+    def getstate(self) -> tuple[bytes, int]:
+        return self.buf, 0
+
+    def setstate(self, state: tuple[bytes, int]) -> None:
+        self.buf = state[0]
+
+
+def _mixed_search(name: str) -> codecs.CodecInfo | None:
+    if name.replace("_", "-") != MIXED_CODEC:
+        return None
+
+    def decode(data: bytes, errors: str = "strict") -> tuple[str, int]:
+        return _MixedDecoder(errors).decode(data, final=True), len(data)
+
+    return codecs.CodecInfo(name=MIXED_CODEC, encode=codecs.utf_8_encode, decode=decode,
+                            incrementaldecoder=_MixedDecoder)
+
+
+codecs.register(_mixed_search)
+
+
+def mixed_lines_fit(sample: bytes, complete: bool) -> bool:
+    """Whether a head no single encoding decodes is UTF-8 and GB18030 lines: nearly every whole
+    line (90 %) decodes strictly one way or the other, and the GB18030 ones read as Chinese."""
+    lines = sample.splitlines()
+    if not complete and lines:
+        lines = lines[:-1]  # the sample may end inside a line
+    gb_text, ok, bad = [], 0, 0
+    for line in (ln for ln in lines if ln.strip()):
+        try:
+            line.decode("utf-8")
+            ok += 1
+            continue
+        except UnicodeDecodeError:
+            pass
+        try:
+            gb_text.append(line.decode("gb18030"))
+            ok += 1
+        except UnicodeDecodeError:
+            bad += 1  # a damaged line: dropped bytes when read, counted
+    wide = [ch for t in gb_text for ch in t if ord(ch) > 0x7F]
+    cjk = sum(1 for ch in wide if "\u3000" <= ch <= "\u9fff" or "\uff00" <= ch <= "\uffef")
+    return ok > 0 and bad <= 0.1 * (ok + bad) and bool(wide) and cjk >= 0.8 * len(wide)
+
+
 @dataclass
 class SourceStats:
     """What the readers saw; ends up in the manifest."""
@@ -185,11 +271,23 @@ def _open_binary(path: Path):
 def _sample(path: Path) -> tuple[bytes, bool]:
     """The first SAMPLE_BYTES decompressed bytes, and whether that is the whole file."""
     stream, raw = _open_binary(path)
-    try:
-        head = stream.read(SAMPLE_BYTES + 1)
+    chunks: list[bytes] = []
+    got = 0
+    try:  # read1 by read1: a stream damaged within the sample still shows the bytes before it
+        while got <= SAMPLE_BYTES:
+            d = stream.read1(SAMPLE_BYTES + 1 - got)
+            if not d:
+                break
+            chunks.append(d)
+            got += len(d)
+    except _read_errors():
+        if not chunks:
+            raise
+        # the reader meets the damage again, keeps the whole lines before it and warns
     finally:
         stream.close()
         raw.close()
+    head = b"".join(chunks)
     return head[:SAMPLE_BYTES], len(head) <= SAMPLE_BYTES
 
 
@@ -414,6 +512,34 @@ class _Prefixed(io.RawIOBase):
         return len(data)
 
 
+class _Damaged(Exception):
+    """A read error (a truncated .gz, a corrupt .zst) after `lines`: the whole lines read before it."""
+
+    def __init__(self, lines: RawLines | None, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.lines, self.cause = lines, cause
+
+
+def _read_salvaging(stream, carry: bytes, codec: str, file: int) -> bytes:
+    """Up to RAW_READ_BYTES decompressed bytes, one `read1` at a time: `read(n)` of a gzip stream
+    that ends early raises and drops the megabytes it had already decompressed, which lost every
+    line of a small truncated file. On an error, the whole lines read so far ride on `_Damaged`."""
+    chunks: list[bytes] = []
+    got = 0
+    try:
+        while got < RAW_READ_BYTES:
+            d = stream.read1(RAW_READ_BYTES - got)
+            if not d:
+                break
+            chunks.append(d)
+            got += len(d)
+    except _read_errors() as exc:
+        buf = carry + b"".join(chunks)
+        cut = buf.rfind(b"\n") + 1
+        raise _Damaged(RawLines(buf[:cut], codec, file) if cut else None, exc) from exc
+    return b"".join(chunks)
+
+
 def _raw_line_blocks(stream, codec: str, file: int, stats: SourceStats) -> Iterator[RawLines | list[str]]:
     """Blocks of whole lines of a one-document-per-line file, as `RawLines`. A line with no end
     after 4 * MAX_DOC_CHARS bytes (at least MAX_DOC_CHARS characters) switches the rest of the
@@ -423,7 +549,7 @@ def _raw_line_blocks(stream, codec: str, file: int, stats: SourceStats) -> Itera
         head = stream.read(len(codecs.BOM_UTF8))
         carry = head[len(codecs.BOM_UTF8):] if head == codecs.BOM_UTF8 else head
         codec = "utf-8"
-    while data := stream.read(RAW_READ_BYTES):
+    while data := _read_salvaging(stream, carry, codec, file):
         buf = carry + data
         cut = buf.rfind(b"\n") + 1
         if not cut:
@@ -536,6 +662,8 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
         return
     reason = binary_reason(sample)
     enc = None if reason else detect_encoding(sample, complete)
+    if enc is None and not reason and mixed_lines_fit(sample, complete):
+        enc = (MIXED_CODEC, "utf-8+gb18030")  # decoded line by line (the raw path is for one codec)
     if reason or enc is None:
         skip("binary", f"looks binary ({reason or 'no text encoding fits'})")
         return
@@ -543,6 +671,7 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     stats.files += 1
     stats.by_encoding[label] += 1
     before = (_dropped[0], stats.jsonl_broken, stats.jsonl_no_field, stats.jsonl_too_long, stats.documents)
+    mixed_before = list(_mixed_lines)
     stream, rawf = _open_binary(path)
     done = 0
     as_raw = raw and doc_per_line and not is_jsonl(path) and codec in RAW_CODECS
@@ -567,9 +696,14 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
                 pos = rawf.tell()
                 progress(pos - done)
                 done = pos
-    except _read_errors() as exc:  # a corrupt .gz/.zst stream fails mid-way: keep what was read
+    except (_Damaged, *_read_errors()) as exc:  # a corrupt .gz/.zst stream fails mid-way: keep what was read
+        if isinstance(exc, _Damaged):
+            if exc.lines is not None:
+                yield exc.lines  # the whole lines before the damage
+            exc = exc.cause
         stats.skipped["corrupt"] += 1
-        read = f"{done:,} bytes" if as_raw else f"{stats.documents - before[4]} documents"
+        read = (f"{rawf.tell():,} of {size:,} bytes (the whole lines before the damage are kept)" if as_raw
+                else f"{stats.documents - before[4]} documents")
         warn(f"{path}: stopped reading after {read} ({type(exc).__name__}: {exc})")
     finally:
         stream.close()
@@ -582,7 +716,11 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     if as_raw:  # its blocks are decoded later: report_raw_files warns
         stats.raw_files[-1][3] += dropped
         return
-    if dropped:
+    if codec == MIXED_CODEC:
+        gb, bad = _mixed_lines[0] - mixed_before[0], _mixed_lines[1] - mixed_before[1]
+        warn(f"{path}: mixes encodings: {gb} lines read as GB18030, the others as UTF-8"
+             + (f"; {bad} lines fit neither ({dropped} bytes dropped)" if bad else ""))
+    elif dropped:
         warn(f"{path}: {dropped} undecodable bytes dropped (read as {label})")
     broken, no_field, too_long = (stats.jsonl_broken - before[1], stats.jsonl_no_field - before[2],
                                   stats.jsonl_too_long - before[3])
