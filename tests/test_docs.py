@@ -186,7 +186,7 @@ def test_console_sessions_reads_commands_and_their_output():
 # Output that is not a property of the code: speeds, durations, ages, dates, scratch paths.
 # Everything else in a line (losses, perplexities, counts, parameter numbers) must match exactly
 # as printed, i.e. at the precision the docs show.
-VOLATILE = (r"[\d,]+ tok/s", r"mfu [\d.]+%", r"eta \S+", r"\([\d.]+ s\)", r"[\d.]+ tokens/s", r"\d+(?:\.\d+)?(?:s|m|h)(?=\s+\w+$)",
+VOLATILE = (r"[\d,]+ tok/s", r"mfu [\d.]+%", r"eta \S+", r"\b\d+(?:\.\d+)? s\)", r"[\d.]+ tokens/s", r"\d+(?:\.\d+)?(?:s|m|h)(?=\s+\w+$)",
             r"/tmp/\S+", r"\d+\.\d+ minutes")
 
 
@@ -208,6 +208,9 @@ def test_line_pattern_keeps_numbers_and_masks_timings():
     p = line_pattern("step 5/40 | loss 6.1547 | lr 9.94e-04 | gnorm 1.504 | 366 tok/s | mfu 1.0% | eta 3m53s")
     assert p.fullmatch("step 5/40 | loss 6.1547 | lr 9.94e-04 | gnorm 1.504 | 1,022 tok/s | mfu 2.8% | eta 0m51s")
     assert not p.fullmatch("step 5/40 | loss 6.1548 | lr 9.94e-04 | gnorm 1.504 | 366 tok/s | mfu 1.0% | eta 3m53s")
+    p = line_pattern("kept 1,200 of 1,200 documents (34,800 characters, 0.4 s)")
+    assert p.fullmatch("kept 1,200 of 1,200 documents (34,800 characters, 2.6 s)")
+    assert not p.fullmatch("kept 1,199 of 1,200 documents (34,800 characters, 0.4 s)")
 
 
 def compare_output(expected: list[str], actual: str, where: str) -> list[str]:
