@@ -356,13 +356,17 @@ class Trainer:
                                             "elapsed_s": round(time.perf_counter() - t_begin, 3)}
                 if self.step == start + 1:  # the first step includes graph compilation
                     t_window, tok_window = time.perf_counter(), 0
+                    self._run_s = 0.0
                 elif self.step % self.cfg.metrics.throughput_every == 0 or self.step % self.cfg.train.log_every == 0:
                     dt = max(time.perf_counter() - t_window, 1e-9)
                     tps = tok_window / dt
                     per_dev = tps / self.world.size
+                    # host_share: the part of the wall time outside the compiled step (data, metrics,
+                    # logging): what the once-per-step read of loss/norm/finite can cost the device
                     values.update(tokens_per_s=tps, samples_per_s=tps / self.cfg.data.seq_len,
                                   mfu=flops_tok * per_dev / peak if peak else 0.0, real_token_share=1.0,
-                                  tokens_per_device_hour=per_dev * 3600)
+                                  tokens_per_device_hour=per_dev * 3600, host_share=max(0.0, 1.0 - self._run_s / dt))
+                    self._run_s = 0.0
                     if self.cfg.cost.price_per_device_hour:
                         values["cost_per_btok"] = self.cfg.cost.price_per_device_hour / (per_dev * 3600) * 1e9
                     summary.tokens_per_s = tps
@@ -412,7 +416,9 @@ class Trainer:
         for _ in range(self.accum_steps):
             b = self.loader.next_batch()
             micro.append((b.tokens, b.positions, b.segments))
+        t_run = time.perf_counter()
         res = self.step_fn.run(micro, lr, scale)
+        self._run_s = getattr(self, "_run_s", 0.0) + time.perf_counter() - t_run
         self.scaler.update(res.finite)
         self.step += 1
         self.tokens_seen += self.global_tokens
