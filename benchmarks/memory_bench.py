@@ -141,7 +141,12 @@ def worker(args: argparse.Namespace) -> int:
     def marked(fn, name):
         def call(*a, **k):
             out = fn(*a, **k)
-            ms.runtime.synchronize()  # graphs run asynchronously: attribute memory to the call that used it
+            # Graphs run asynchronously, and synchronize() alone was seen returning before a fused
+            # step's graph had finished: read the outputs to host, which waits for the graph.
+            ms.runtime.synchronize()
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if hasattr(t, "asnumpy"):
+                    t.asnumpy()
             probe.mark(f"step {trainer.step + 1} {name}")
             return out
         return call
@@ -232,7 +237,7 @@ def run_one(size_name: str, mode: str, args: argparse.Namespace, data: Path, wor
     out = work / tag
     run = work / f"run-{tag}"
     shutil.rmtree(run, ignore_errors=True)
-    wargs = ["--worker", "--data", str(data), "--run", str(run), "--out", str(out)]
+    wargs = ["--bench-worker", "--data", str(data), "--run", str(run), "--out", str(out)]
     if args.ms_set_memory:
         wargs += ["--ms-set-memory", args.ms_set_memory]
     for o in overrides(size, mode, args.seq, args.batch, args.steps, args.micro):
@@ -281,6 +286,33 @@ def slopes(rows: list[dict]) -> list[dict]:
     return out
 
 
+def markdown(results: dict[str, list[dict]], summary: dict[str, list[dict]]) -> str:
+    """The tables docs/benchmarks/memory.md shows (from the results of one run)."""
+    out = ["| mode | params | measured peak | B/param | planned | B/param | TrainStep built | 1st accumulate / fused | 1st apply | after empty_cache / malloc_trim |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode, rows in results.items():
+        for r in rows:
+            ph = {p["phase"]: p["hwm"] for p in r["phases"]}
+            built = ph.get("TrainStep built (buffers, moments, masters)", 0.0)
+            first = [v for k, v in ph.items() if k.startswith("step 1 ") and not k.endswith(" end")]
+            acc, app = (first + [0.0, 0.0])[:2]
+            prev = [p["rss"] for p in r["phases"] if p["phase"].startswith("TrainStep built")]
+            acc_inc = acc - (prev[0] if prev else 0.0)
+            app_inc = app - acc if len(first) > 1 else 0.0
+            trim = (f"{r['rss_after_empty_cache'] / GiB:.2f} / {r['rss_after_malloc_trim'] / GiB:.2f}"
+                    if "rss_after_malloc_trim" in r else "—")
+            out.append(f"| {mode} | {r['params'] / 1e6:.1f} M | {r['peak'] / GiB:.2f} GiB | {r['peak'] / r['params']:.0f} | "
+                       f"{r['plan'] / GiB:.2f} GiB ({r['plan_key']}) | {r['plan'] / r['params']:.0f} | "
+                       f"+{(built - ph.get('model built', 0.0)) / GiB:.2f} | +{acc_inc / GiB:.2f} | "
+                       + (f"+{app_inc / GiB:.2f}" if len(first) > 1 else "—") + f" | {trim} |")
+    out += ["", "| mode | sizes | measured B/param | planned B/param | measured / planned |", "|---|---|---:|---:|---:|"]
+    for mode, rows in summary.items():
+        for x in rows:
+            out.append(f"| {mode} | {x['from']} → {x['to']} | {x['measured_bytes_per_param']:.1f} | "
+                       f"{x['planned_bytes_per_param']:.1f} | {x['ratio']:.2f} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10m,60m,120m", help=f"comma list of {', '.join(SIZES)} or DIMxLAYERS")
@@ -294,15 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms-set-memory", metavar="INIT,INC,MAX,LEVEL",
                     help="call mindspore.runtime.set_memory(...) in each worker first (an experiment knob)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--markdown", action="store_true", help="also print the tables docs/benchmarks/memory.md shows")
     # worker mode (one size x mode, run by the parent or by msrun)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--bench-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
     try:
         args = ap.parse_args(argv)
-        if args.worker:
+        if args.bench_worker:
             return worker(args)
         sizes = [s for s in args.sizes.split(",") if s]
         for s in sizes:
@@ -358,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = abs(s["ratio"] - 1) <= 0.15
             print(f"  {mode:7s} {s['from']:>6s} -> {s['to']:<6s} measured {s['measured_bytes_per_param']:6.1f}, "
                   f"planned {s['planned_bytes_per_param']:6.1f}  ratio {s['ratio']:.2f} {'(within 15 %)' if ok else '(OFF by more than 15 %)'}")
+    if args.markdown:
+        print(markdown(results, summary))
     if args.json:
         print(json.dumps({"results": results, "slopes": summary}, indent=1))
     if not args.work:
