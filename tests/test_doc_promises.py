@@ -179,6 +179,8 @@ def test_eval_prints_which_tokens_it_scored(capsys, run4):
     assert scope_note("valid", 0, 32768, 84000) == (": the whole valid split; the run's own evals score up to the first "
                                                     "32,768 (eval.max_tokens)")
     assert scope_note("valid", 32768, 32768, 32768) == ": the first 32,768 of the valid split (--max-tokens)"
+    assert scope_note("valid", 64, 0, 64) == (": the first 64 of the valid split (--max-tokens); the run's own evals "
+                                              "score the whole split (eval.max_tokens = 0)")
 
 
 def test_resume_with_a_raised_budget_prints_the_schedule_change_and_the_tail_keeps_the_lr(run4, tiny_data, tmp_path):

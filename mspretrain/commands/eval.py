@@ -66,7 +66,8 @@ def scope_note(split: str, max_tokens: int, run_max_tokens: int, scored: int) ->
     whole = not max_tokens or scored < max_tokens  # the limit was not reached: the split was shorter
     scope = f"the whole {split} split" if whole else f"the first {max_tokens:,} of the {split} split (--max-tokens)"
     # the run's evals scored the same tokens when their limit covers what was scored here
-    same = run_max_tokens == 0 if not whole else (run_max_tokens == 0 or run_max_tokens >= scored)
+    same = run_max_tokens == max_tokens if not whole else (run_max_tokens == 0 or run_max_tokens >= scored)
     if split == "valid" and not same:
-        scope += f"; the run's own evals score up to the first {run_max_tokens:,} (eval.max_tokens)"
+        scope += (f"; the run's own evals score up to the first {run_max_tokens:,} (eval.max_tokens)" if run_max_tokens
+                  else "; the run's own evals score the whole split (eval.max_tokens = 0)")
     return f": {scope}"
