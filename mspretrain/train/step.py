@@ -154,7 +154,10 @@ class TrainStep:
         self._ar = [(b.indices, b.sizes, self.wire[b.indices[0]]) for b in self.layout.reduce_flat]
         self._rs = [(b.segments, b.sizes, b.length, used(b), self.wire[first(b)]) for b in self.layout.reduce_rank]
         self._rs_single = list(self.layout.reduce_single)
-        self._ag = [(b.segments, b.sizes, b.length, used(b), pdtype[first(b)]) for b in self.layout.gather_rank]
+        # MindSpore 2.10's CPU AllGather (mccl) fails to launch on fp16 (measured): on CPU half
+        # parameters cross as fp32, which fp16 -> fp32 -> fp16 round-trips exactly; HCCL takes fp16.
+        gather_dtype = lambda dt: ms.float32 if device != "ascend" and dt in (ms.float16, ms.bfloat16) else dt
+        self._ag = [(b.segments, b.sizes, b.length, used(b), gather_dtype(pdtype[first(b)])) for b in self.layout.gather_rank]
         self._ag_single = list(self.layout.gather_single)
         # `_reduce` returns the gradients it produces in this order (graph code cannot use dicts):
         # every index (replicated) or the owned ones (sharded), bucket by bucket
@@ -166,8 +169,13 @@ class TrainStep:
         self._order_pos = [self._order.index(i) if i in self._order else -1 for i in range(len(self.params))]
         self.allreduce = ops.AllReduce(ops.ReduceOp.SUM) if world > 1 else None
         # MindSpore 2.10: ReduceScatter has HCCL (Ascend) and NCCL kernels, none for CPU (mccl).
-        self.reduce_scatter = ops.ReduceScatter(ops.ReduceOp.SUM) if self.shard_grads and device == "ascend" else None
-        self.allgather = ops.AllGather() if self._ag else None
+        # (one instance per bucket, like the AllGathers below: shapes differ between buckets)
+        self._reduce_scatters = [ops.ReduceScatter(ops.ReduceOp.SUM) for _ in self._rs] if device == "ascend" else []
+        # AllGather on Ascend (HCCL), one per bucket. On CPU (mccl) a second AllGather in one graph
+        # fails ("Memcpy error, dest size is 256, src size is 65536" in RingAllGather, measured with
+        # one primitive per bucket too), so there each rank all-reduces the bucket with its own
+        # segment in place and zeros elsewhere: the same numbers, selected by device.
+        self._allgathers = [ops.AllGather() for _ in self._ag] if device == "ascend" else []
         # one Broadcast per unbucketed parameter, from its owner (a multi-tensor Broadcast mixes up
         # tensors of different shapes on CPU: wrong-rank assigns in graph mode, memcpy overlap errors eagerly)
         self._bcast = [ops.Broadcast(self.owner[i]) for i in self._ag_single]
@@ -191,8 +199,8 @@ class TrainStep:
 
         def fused(tokens, positions, segments, scale, lr, inv_scale):
             (_, nll_sum), grads = self._grad_fn(tokens, positions, segments, scale)
-            reduced = self._reduce(list(grads))
-            loss_sum = nll_sum if self.allreduce is None else self.allreduce(nll_sum)
+            reduced, last = self._reduce(list(grads))
+            loss_sum = nll_sum if self.allreduce is None else self.allreduce(ops.depend(nll_sum, last))
             return self._finish(reduced, loss_sum, lr, inv_scale)
 
         self._fused: Callable[..., Any] = self._jit(fused) if self._jit else fused
@@ -202,15 +210,18 @@ class TrainStep:
             self._ensure_accum()
 
     # ----------------------------------------------------------------- graph pieces
-    def _reduce(self, grads: list[Tensor], in_order: bool = False) -> list[Tensor]:
+    def _reduce(self, grads: list[Tensor], in_order: bool = False) -> tuple[list[Tensor], Tensor | None]:
         """Sum the (scaled) gradients over ranks, bucket by bucket. `grads` is indexed like the
         parameters, or (in_order) like `self._order`. Returns fp32 tensors in `self._order`: all
         of them, or with sharded gradients only this rank's own. One bucket is alive at a time:
-        each bucket's flat copy is made after the previous bucket's result."""
+        each bucket's flat copy is made after the previous bucket's result. Also returns the last
+        collective's result: every collective of a step is chained after the one before it, so all
+        ranks issue them in one order (the graph scheduler may otherwise reorder independent ones,
+        and mccl then pairs a rank's loss all-reduce with another's bucket: measured)."""
         if in_order:  # replicated buffers already in bucket order: a permutation of all indices
             grads = [grads[self._order_pos[i]] for i in range(len(self.params))]
         if self.world == 1:
-            return [g.astype(ms.float32) for g in grads]
+            return [g.astype(ms.float32) for g in grads], None
         out: list[Tensor] = []
         prev: Tensor | None = None
         for indices, sizes, wire in self._ar:  # replicated gradients: AllReduce
@@ -221,7 +232,7 @@ class TrainStep:
             prev = red
             for i, piece in zip(indices, _pieces(red, sizes)):
                 out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
-        for segments, sizes, length, used, wire in self._rs:  # sharded gradients: each rank ends with its own segment
+        for k, (segments, sizes, length, used, wire) in enumerate(self._rs):  # sharded gradients: each rank ends with its own segment
             parts = []
             for r in range(self.world):
                 parts += [grads[i].reshape(-1).astype(wire) for i in segments[r]]
@@ -231,7 +242,7 @@ class TrainStep:
             if prev is not None:
                 flat = ops.depend(flat, prev)
             start = self.rank * length
-            mine = self.reduce_scatter(flat) if self.reduce_scatter is not None else self.allreduce(flat)[start:start + length]
+            mine = self._reduce_scatters[k](flat) if self._reduce_scatters else self.allreduce(flat)[start:start + length]
             prev = mine
             if segments[self.rank]:
                 own = mine if used[self.rank] == length else mine[:used[self.rank]]
@@ -245,7 +256,7 @@ class TrainStep:
             prev = red
             if self.owner[i] == self.rank:
                 out.append(red.astype(ms.float32))
-        return out
+        return out, prev
 
     def _finish(self, grads: list[Tensor], loss_sum: Tensor, lr: Tensor, inv_scale: Tensor):
         """Norm, overflow check, update of the owned parameters, then every rank gets every owner's
@@ -254,7 +265,7 @@ class TrainStep:
         # (on MindSpore's CPU backend every full-size graph intermediate stays resident)
         sq = ops.stack([ops.matmul(g.reshape(1, -1), g.reshape(-1, 1)).reshape(()) for g in grads]).sum()
         if self.shard_grads and self.allreduce is not None:
-            sq = self.allreduce(sq)  # the owners' partial sums: the same global norm on every rank
+            sq = self.allreduce(ops.depend(sq, loss_sum))  # the owners' partial sums: the same global norm on every rank
         finite = ops.isfinite(sq)
         norm = ops.sqrt(sq) * inv_scale
         # Branch-free skip: on overflow the kernel runs as an exact no-op (beta1 = beta2 = 1,
@@ -283,32 +294,40 @@ class TrainStep:
             self._adamw(master, self.exp_avg[k], self.exp_avg_sq[k], lr_t, b1, b2, eps_t, wd, g)
             if self._own_has_master[k]:
                 ops.assign(self.params[i], master.astype(self.params[i].dtype))
-        self._gather(ops.depend(loss_sum, finite))
+        # the returned loss depends on the last collective: a collective whose result a rank does
+        # not use would otherwise be pruned from that rank's graph only, and the ranks' sequences
+        # of collectives would no longer pair up (measured: a hang-free mismatch error in mccl)
+        loss_sum = ops.depend(loss_sum, self._gather(ops.depend(ops.depend(loss_sum, finite), sq)))
         return loss_sum, finite, norm
 
-    def _gather(self, after: Tensor) -> None:
+    def _gather(self, after: Tensor) -> Tensor:
         """Owners' parameters to every rank: bucketed AllGather, Broadcast for the rest."""
         prev = after
-        for segments, sizes, length, used, dtype in self._ag:
+        for k, (segments, sizes, length, used, dtype) in enumerate(self._ag):
             # `p * 1`, a computed tensor, not the Parameter: a Parameter handed straight to a
             # collective is read before the update's assign (measured on CPU), a computed one after.
-            parts = [(self.params[i] * 1).reshape(-1) for i in segments[self.rank]]
+            parts = [(self.params[i] * 1).reshape(-1).astype(dtype) for i in segments[self.rank]]
             if length > used[self.rank]:
                 parts.append(ops.zeros((length - used[self.rank],), dtype))
-            flat = ops.depend(_flat(parts), prev)
-            full = self.allgather(flat)
+            if self._allgathers:
+                full = self._allgathers[k](ops.depend(_flat(parts), prev))
+            else:
+                before, after_ = self.rank * length, (self.world - 1 - self.rank) * length
+                parts = ([ops.zeros((before,), dtype)] if before else []) + parts + ([ops.zeros((after_,), dtype)] if after_ else [])
+                full = self.allreduce(ops.depend(_flat(parts), prev))
             prev = full
             for r in range(self.world):
                 if r == self.rank or not segments[r]:
                     continue
                 start = r * length
                 for i, piece in zip(segments[r], _pieces(full[start:start + used[r]], sizes[r])):
-                    ops.assign(self.params[i], piece.reshape(self.params[i].shape))
+                    ops.assign(self.params[i], piece.reshape(self.params[i].shape).astype(self.params[i].dtype))
         for i, bcast in zip(self._ag_single, self._bcast):
             out = bcast((ops.depend(self.params[i] * 1, prev),))[0]
             if self.owner[i] != self.rank:
                 ops.assign(self.params[i], out)
             prev = out
+        return prev
 
     def _ensure_accum(self) -> None:
         if self.accum is not None:
@@ -324,7 +343,8 @@ class TrainStep:
         def accumulate(tokens, positions, segments, scale, first):
             (_, nll_sum), grads = self._grad_fn(tokens, positions, segments, scale)
             if self.shard_grads:  # reduce every micro-batch; keep only the owned sums
-                grads = self._reduce(list(grads))
+                grads, last = self._reduce(list(grads))
+                nll_sum = ops.depend(nll_sum, last)  # keeps every collective in every rank's graph
             else:
                 grads = [grads[i].astype(ms.float32) for i in self._order]
             for acc, g in zip(self.accum, grads):
@@ -335,10 +355,10 @@ class TrainStep:
         def apply(lr, inv_scale):
             loss_sum = self.loss_accum * 1.0
             if not self.shard_grads and self.world > 1:  # reduce the buffers in place, bucket by bucket
-                reduced = self._reduce(list(self.accum), in_order=True)
+                reduced, last = self._reduce(list(self.accum), in_order=True)
                 for acc, g in zip(self.accum, reduced):
                     ops.assign(acc, g)
-                loss_sum = self.allreduce(loss_sum)
+                loss_sum = self.allreduce(ops.depend(loss_sum, last))
             grads = list(self.accum)
             if self.shard_grads:
                 loss_sum = self.allreduce(loss_sum)
