@@ -21,6 +21,12 @@ Design choices (and the trade-off taken):
   (fp16/bf16 only, BNSD layout, native GQA) when device is ascend. The flash path's argument
   layout is unit-tested on CPU against a reference of the documented semantics; the kernel
   itself is verified only on Ascend.
+- CPU speed (math path): no elementwise op takes a broadcast operand where it can be avoided,
+  because MindSpore's CPU Mul/Add/Sub are ~2.5x slower then (docs/benchmarks/train.md, issue 16
+  section). RoPE tables and the causal bias are broadcast to full shape once per forward and
+  shared by all layers; per-row statistics (RMSNorm's 1/rms, the softmax backward's row sum) are
+  spread to full rows by an outer-product GEMM (`spread`). Both are exact: the numbers are
+  bit-identical to the broadcasting form.
 - Initialisation is Llama's, explicit and seeded: normal(0, init_std) for embedding and linear
   weights, the residual projections (wo, w2) scaled by 1/sqrt(2 * n_layers), norms at one.
 """
@@ -79,6 +85,13 @@ def row_sum(x: Tensor) -> Tensor:
     return ops.matmul(x.reshape(-1, D), ops.ones((D, 1), ms.float32)).reshape(x.shape[:-1] + (1,))
 
 
+def spread(col: Tensor, n: int) -> Tensor:
+    """(..., 1) -> (..., n), the column repeated, as an outer-product GEMM with a ones row. MindSpore's
+    CPU elementwise kernels take 2.5x longer when an operand is broadcast ((2048, 256) * (2048, 1):
+    0.85-0.97 ms vs 0.34-0.46 ms same-shape), so a column used by same-shape ops is spread first."""
+    return ops.matmul(col.reshape(-1, 1), ops.ones((1, n), col.dtype)).reshape(col.shape[:-1] + (n,))
+
+
 def rms_statistic(x: Tensor, eps: float) -> Tensor:
     """1 / RMS over the last axis in fp32 (an fp32 island): x (..., D) -> (..., 1) float32."""
     xf = x.astype(ms.float32)
@@ -98,7 +111,7 @@ class SoftmaxFP32(nn.Cell):
         return softmax_fp32(scores)
 
     def bprop(self, scores: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor]:
-        return ((out * (dout - row_sum(dout * out))).astype(scores.dtype),)
+        return ((out * (dout - spread(row_sum(dout * out), out.shape[-1]))).astype(scores.dtype),)
 
 
 class RMSNormFn(nn.Cell):
@@ -112,19 +125,20 @@ class RMSNormFn(nn.Cell):
         self.dtype = dtype
 
     def construct(self, x: Tensor, w: Tensor) -> Tensor:
-        y = x.astype(ms.float32) * rms_statistic(x, self.eps)
+        y = x.astype(ms.float32) * spread(rms_statistic(x, self.eps), x.shape[-1])
         if self.dtype == ms.float32:
             return y * w
         return y.astype(self.dtype) * w.astype(self.dtype)
 
     def bprop(self, x: Tensor, w: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor, Tensor]:
         D = x.shape[-1]
-        r = rms_statistic(x, self.eps)  # recomputed: (..., 1) fp32
+        r_row = rms_statistic(x, self.eps)  # recomputed: (..., 1) fp32
+        r = spread(r_row, D)
         xh = x.astype(ms.float32) * r  # (..., D)
         dy = dout.astype(ms.float32)
         dw = ops.matmul(ops.ones((1, dy.size // D), ms.float32), (dy * xh).reshape(-1, D)).reshape(D)  # column sum
         g = dy * w
-        dx = r * g - (r * (row_sum(g * xh) / D)) * xh
+        dx = r * g - spread(r_row * (row_sum(g * xh) / D), D) * xh
         return dx.astype(x.dtype), dw
 
 
@@ -226,15 +240,12 @@ class Attention(nn.Cell):
         return self.wo(o.transpose(0, 2, 1, 3).reshape(B, T, H * hd))  # (B, T, H*hd) -> (B, T, D)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-        """Math path. q (B, H, T, hd), k/v (B, KV, S, hd), bias (B|1, 1, T, S) -> (B, H, T, hd)."""
+        """Math path. q (B, H, T, hd), k/v (B, KV, S, hd), bias (B|1, 1, T, S) or (B, H, T, S) -> (B, H, T, hd)."""
         B, T, S = q.shape[0], q.shape[2], k.shape[2]
         KV, G, hd = self.n_kv, self.group, self.head_dim
         q = (q * self.scale).reshape(B, KV, G * T, hd)  # heads sharing a KV head: (B, KV, G*T, hd)
         scores = self.bmm_qk(q, k)  # (B, KV, G*T, S)
-        if G > 1:
-            scores = scores.reshape(B, KV, G, T, S).astype(ms.float32) + bias.expand_dims(1)  # bias (B|1, 1, 1, T, S)
-        else:
-            scores = scores.astype(ms.float32) + bias  # bias (B|1, 1, T, S)
+        scores = scores.reshape(B, KV * G, T, S).astype(ms.float32) + bias  # bias (B|1, 1, T, S) or (B, H, T, S)
         probs = self.softmax(scores).astype(self.dtype).reshape(B, KV, G * T, S)  # (B, KV, G*T, S)
         o = self.bmm_pv(probs, v)  # (B, KV, G*T, hd)
         return o.reshape(B, KV * G, T, hd)  # head h = kv * G + g, as HF's repeat_kv: (B, H, T, hd)
@@ -352,6 +363,14 @@ class Llama(nn.Cell):
             x = x.astype(self.dtype)
         cos, sin = self._rope(positions, T)
         bias, discard = self._mask(segments, T)
+        if not self.use_flash:
+            # Broadcast once per forward, used by every layer forward and backward in same-shape ops
+            # (a broadcast operand makes MindSpore's CPU Mul/Add 2.5x slower; see spread()). The full
+            # bias is one more (B, H, T, T) fp32 tensor per step, next to the L saved probabilities.
+            B, H, KV, hd = x.shape[0], self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.dim // self.cfg.n_heads
+            cos = ops.broadcast_to(cos, (B, T, H + KV, hd))  # q and k heads get RoPE in one call
+            sin = ops.broadcast_to(sin, (B, T, H + KV, hd))
+            bias = ops.broadcast_to(bias, (B, H, T, T))
         for layer in self.layers:
             x = layer(x, cos, sin, bias, discard)
         return self._head(x)
