@@ -96,7 +96,8 @@ def test_disk_full_keeps_previous_checkpoint(four_steps, tmp_path, tiny_data):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     proc = subprocess.run(_train_cmd(tiny_data, run, "train.max_steps=6", "checkpoint.every=2", "checkpoint.async_save=false"),
-                          capture_output=True, text=True, preexec_fn=small_files, timeout=300)
+                          capture_output=True, text=True, preexec_fn=small_files, timeout=300,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})  # no .pyc cut at the file-size limit
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()
     assert err[0].startswith("error: checkpoint save failed") and "Traceback" not in proc.stderr

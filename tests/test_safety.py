@@ -275,7 +275,9 @@ def test_prepare_file_too_large_is_one_line_and_publishes_nothing(poems_dir, tmp
             "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
             "from mspretrain.cli import main; sys.exit(main(sys.argv[1:]))")
     out = tmp_path / "data"
-    r = subprocess.run([sys.executable, "-c", code, "prepare", str(poems_dir), "--out", str(out), *PREP],
+    # -B: with RLIMIT_FSIZE a first import would write .pyc files cut at 4096 bytes (CPython does not
+    # check the length of that write), and every later import of those modules fails
+    r = subprocess.run([sys.executable, "-B", "-c", code, "prepare", str(poems_dir), "--out", str(out), *PREP],
                        cwd=ROOT, capture_output=True, text=True, env={"GLOG_v": "3", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
