@@ -158,4 +158,6 @@ def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, t
         assert abs(a[step] - b[step]) <= (1e-5 if step <= 5 else 5e-5), (step, a[step], b[step])
     hashes = _replica_hashes(two)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
-    assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(one, FINAL), 5e-4)  # measured 1.6e-4 (embedding, step 8)
+    # fp16 weights: one ulp is ~1e-3 relative, and summation order flips some roundings (measured
+    # 1.6e-4 and 7.7e-4 in two runs), as in the fp16-wire test of test_distributed.py
+    assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(one, FINAL), 5e-3)
