@@ -69,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
         tps = _measured_tokens_per_s(Path(args.from_run))
         if tps is None:
             raise UserError(f"{args.from_run} has no tokens_per_s in metrics.jsonl", "run a few more steps (throughput is logged every metrics.throughput_every steps)")
+    # every value is checked as `train` would (NaN, ranges, choices); the budget alone may come
+    # from --tokens or --data instead, and make_plan refuses a plan without any
+    from mspretrain.config import validate
+
+    validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)))
     plan = make_plan(cfg, devices=args.devices, tokens=int(args.tokens) if args.tokens else None,
                      data_dir=Path(args.data) if args.data else None, tokens_per_s_per_device=tps,
                      device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute)
