@@ -5,6 +5,9 @@ scale and skipped steps at that step; the config for tokens per step; the loader
 a pure function of (seed, position), the data position is `step × global_batch` samples.
 The RNG needs no state (training has no stochastic op; init and data order come from the
 seed). The spike detector restarts with an empty window: said, not hidden.
+
+Lives in ops/ (layer 5), not checkpoint/ (layer 3): replaying the loss scale needs
+`train/loss_scale` and the data position needs `data/loader`, both read here as a job would.
 """
 from __future__ import annotations
 
