@@ -1,7 +1,8 @@
-"""Durability helper shared by the writers of shards, data dirs and checkpoints."""
+"""Durability helpers shared by the writers of shards, data dirs, checkpoints and run files."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -12,3 +13,28 @@ def fsync_path(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_write(path: str | Path, data: bytes | str, *, fsync: bool = True) -> None:
+    """Replace `path` with `data` so that a reader, or a crash at any moment, sees either the old
+    file whole or the new one whole, never a torn one. `str` is written as UTF-8.
+
+    The temporary file lives in the same directory (os.replace is atomic only within one
+    filesystem) and is removed if anything fails before the rename. `fsync=False` skips both
+    fsyncs: still atomic for readers, but not durable across a power cut (for files the caller
+    fsyncs later, or scratch output)."""
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if fsync:
+        fsync_path(path.parent)  # makes the rename itself survive a crash

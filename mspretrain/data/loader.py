@@ -23,7 +23,6 @@ Design choices:
 """
 from __future__ import annotations
 
-import json
 import math
 import queue
 import threading
@@ -34,11 +33,15 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from mspretrain.data.mixing import epoch_permutation, mix_schedule, normalise, ordinals
+from mspretrain.data.manifest import check_data_dir, read_manifest
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.errors import UserError
 
+# check_data_dir is re-exported until train/trainer.py, commands/demo.py and tests/test_eval.py
+# import it and read_manifest from data.manifest (their owners switch)
+__all__ = ["Batch", "Loader", "check_data_dir", "read_manifest", "resolve_sources"]
+
 STATE_VERSION = 1
-REQUIRED_MANIFEST_KEYS = {"fingerprint": str, "tokens": dict, "vocab_size": int, "special_ids": dict}
 TOKEN_DTYPES = {"int32": np.int32, "int64": np.int64}
 
 
@@ -47,70 +50,6 @@ class Batch:
     tokens: np.ndarray  # (B, seq_len + 1) token_dtype; inputs = tokens[:, :-1], targets = tokens[:, 1:]
     positions: np.ndarray | None = None  # (B, seq_len) int32, only with reset_attention_at_eos
     segments: np.ndarray | None = None  # (B, seq_len) int32, only with reset_attention_at_eos
-
-
-def read_manifest(data_dir: str | Path) -> dict:
-    """The data dir's manifest.json, checked for the keys the loader relies on."""
-    d = Path(data_dir)
-    fix = f"run `mspretrain prepare INPUT... --out {d}` to create the data dir"
-    if not d.is_dir():
-        if d.exists():  # e.g. --data train.bin, or the corpus file itself
-            raise UserError(f"--data {d} is a file; a data dir is the directory `mspretrain prepare --out` wrote", fix)
-        raise UserError(f"data dir {d} does not exist", fix)
-    path = d / "manifest.json"
-    if not path.is_file():
-        raise UserError(f"{d} has no manifest.json, so it is not a prepared data dir", fix)
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})", f"re-run `mspretrain prepare ... --out {d}`") from None
-    if not isinstance(manifest, dict):
-        raise UserError(f"{path} is not a JSON object", f"re-run `mspretrain prepare ... --out {d}`")
-    for key, typ in REQUIRED_MANIFEST_KEYS.items():
-        if not isinstance(manifest.get(key), typ):
-            raise UserError(f"{path} lacks `{key}` ({typ.__name__}), so it was not written by `mspretrain prepare`",
-                            f"re-run `mspretrain prepare ... --out {d}`")
-    return manifest
-
-
-_SCAN_TOKENS = 1 << 26  # tokens per chunk of the largest-id scan: 128 MB of uint16 at a time
-
-
-def check_data_dir(data_dir: str | Path, manifest: dict) -> None:
-    """Before training: the tokenizer is the one prepare wrote, and no token id reaches past the
-    vocabulary. A replaced tokenizer.model of the same size would otherwise train (and be copied
-    into the run) without a word; an edited vocab_size crashes inside MindSpore's Gather.
-
-    Costs one pass over the shards (measured 3-4 GB/s on the 2-core box from the page cache: about
-    0.3 s per GB of tokens), skipped for uint16 shards when the vocabulary is >= 65,536 (no id can exceed it).
-    """
-    from mspretrain.data.tokenizer import TOKENIZER_FILES, Tokenizer, sha256_file
-
-    d = Path(data_dir)
-    vocab = int(manifest["vocab_size"])
-    again = f"re-run `mspretrain prepare ... --out {d}` (or restore the files prepare wrote)"
-    tok_path = next((d / n for n in TOKENIZER_FILES if (d / n).is_file()), None)
-    want = manifest.get("tokenizer_sha256")
-    if tok_path is not None and isinstance(want, str):
-        if sha256_file(tok_path) != want:
-            raise UserError(f"{tok_path} is not the tokenizer the data was encoded with (its SHA-256 differs from manifest.json's)",
-                            f"put back the tokenizer prepare wrote, or {again}")
-        tok_vocab = Tokenizer.load(tok_path).vocab_size
-        if tok_vocab != vocab:
-            raise UserError(f"{d}/manifest.json says vocab_size {vocab} but {tok_path.name} has {tok_vocab} pieces", again)
-    for split in ("train", "valid"):
-        if not (d / f"{split}.idx").is_file():
-            continue
-        tokens = IndexedDataset(d / split).tokens
-        if tokens.size == 0 or (tokens.dtype == np.uint16 and vocab >= 1 << 16):
-            continue
-        for i in range(0, tokens.size, _SCAN_TOKENS):
-            chunk = tokens[i:i + _SCAN_TOKENS]
-            top, low = int(chunk.max()), int(chunk.min()) if chunk.dtype.kind == "i" else 0
-            if top >= vocab or low < 0:
-                bad = top if top >= vocab else low
-                raise UserError(f"{d}/{split}.bin holds token id {bad}, but manifest.json says vocab_size {vocab}",
-                                f"the shards and the manifest do not belong together: {again}")
 
 
 def resolve_sources(data_dir: str | Path | None, sources: tuple | list = ()) -> list[tuple[Path, float]]:
