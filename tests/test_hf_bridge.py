@@ -16,12 +16,13 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+from mspretrain.checkpoint.model import load_model
 from mspretrain.checkpoint.store import read_model_tensors, resolve_checkpoint, write_weights_only_checkpoint
 from mspretrain.cli import main
 from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.model.hf import read_safetensors
-from mspretrain.model.llama import Llama, from_checkpoint, state_numpy
+from mspretrain.model.llama import Llama, state_numpy
 from mspretrain.model.loss import token_nll
 
 # Plain imports, not importorskip: torch and transformers are pinned test dependencies
@@ -101,7 +102,8 @@ def test_convert_matches_hf_logits_and_loss(hf_dirs, work, tied, capsys):
     out = root / f"ckpt_tied{int(tied)}"
     rc, stdout, err = cli(capsys, "convert", "--from-hf", d, "--out", out)
     assert rc == 0, err
-    model, ref = from_checkpoint(str(out))
+    loaded = load_model(out)
+    model, ref = loaded.model, loaded.ref
     assert ref.config.model.tie_embeddings == tied and ref.tokenizer_path is not None
     assert ("lm_head.weight" in read_model_tensors(ref)) == (not tied)
     tok = np.random.default_rng(3).integers(0, V, (2, 33)).astype(np.int32)

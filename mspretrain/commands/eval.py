@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mspretrain.eval.loading import load_for_inference
+    from mspretrain.checkpoint.model import load_model
     from mspretrain.eval.perplexity import evaluate_split
 
     refuse_overrides(args, "eval", "use eval's own options, e.g. --max-tokens 65536 --batch-size 8 (see `mspretrain eval --help`)")
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len < 0:
         raise UserError(f"--seq-len {args.seq_len} must not be negative", "use 0 for the run's data.seq_len")
     refuse_data_dir(args.path, "eval")
-    loaded = load_for_inference(args.path, log=(lambda s: None) if args.json else print)
+    loaded = load_model(args.path, log=(lambda s: None) if args.json else print)
     data_dir = Path(args.data) if args.data else loaded.ref.data_dir
     if data_dir is None or not (data_dir / "manifest.json").is_file():
         raise UserError(f"no data dir to evaluate on ({data_dir or 'unknown'})", "pass --data DATA_DIR (the output of `mspretrain prepare`)")

@@ -77,18 +77,16 @@ def run(args: argparse.Namespace) -> int:
             publish(tmp, out)
             say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF Llama, fp32 safetensors)")
         else:
-            from mspretrain.model.llama import from_checkpoint
+            from mspretrain.checkpoint.model import load_model
             from mspretrain.model.mindir import export_mindir
 
-            model, ref = from_checkpoint(str(ref.dir), dtype=args.dtype)
+            # the portable math path on whatever box exports; the checkpoint was verified above
+            loaded = load_model(ref, dtype=args.dtype, device="cpu", need_tokenizer=False)
             ids = {}
-            if ref.tokenizer_path is not None:
-                from mspretrain.data.tokenizer import Tokenizer
-
-                tok = Tokenizer.load(ref.tokenizer_path)
-                ids = tok.special_ids()
-                tok.save_to(tmp)
-            meta = export_mindir(model, tmp, special_ids=ids)
+            if loaded.tokenizer is not None:
+                ids = loaded.tokenizer.special_ids()
+                loaded.tokenizer.save_to(tmp)
+            meta = export_mindir(loaded.model, tmp, special_ids=ids)
             publish(tmp, out)
             print(f"MINDIR logits max abs diff vs model: {meta['verified_max_abs_diff']:.3g} (tolerance {meta['tolerance']:g})")
             say(args, f"exported step {ref.step} from {ref.dir} to {out / meta['file']} (+ export.json)")

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mspretrain.eval.generate import SamplingParams, generate
-    from mspretrain.eval.loading import load_for_inference
+    from mspretrain.checkpoint.model import load_model
 
     refuse_overrides(args, "generate", "use generate's own options, e.g. --temperature 0.8 --top-k 50 (see `mspretrain generate --help`)")
     refuse_data_dir(args.path, "generate")
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
                             top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, stop_at_eos=not args.no_stop)
     params.check()
-    loaded = load_for_inference(args.path, log=(lambda s: None) if args.json else print)
+    loaded = load_model(args.path, log=(lambda s: None) if args.json else print)
     out = []
     for prompt in args.prompt:
         g = generate(loaded.model, loaded.tokenizer, prompt, params, max_seq_len=loaded.config.model.max_seq_len)

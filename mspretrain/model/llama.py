@@ -33,7 +33,6 @@ Design choices (and the trade-off taken):
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import mindspore as ms
 import numpy as np
@@ -42,9 +41,6 @@ from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from mspretrain.config import ModelConfig
 from mspretrain.errors import UserError
-
-if TYPE_CHECKING:
-    from mspretrain.checkpoint.store import CheckpointRef
 
 COMPUTE_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
 ATTENTION_KINDS = ("auto", "math", "flash")
@@ -490,18 +486,3 @@ def load_numpy(model: Llama, tensors: dict[str, np.ndarray]) -> None:
     for name, p in params.items():
         t = Tensor(np.ascontiguousarray(tensors[name], dtype=np.float32))
         p.set_data(t if p.dtype == ms.float32 else t.astype(p.dtype))
-
-
-def from_checkpoint(path: str, *, dtype: str = "fp32", attention: str = "auto", device: str = "cpu") -> tuple[Llama, CheckpointRef]:
-    """(model with the checkpoint's weights, CheckpointRef) for a RUN_DIR or CKPT_DIR."""
-    from mspretrain.checkpoint.store import read_model_tensors, resolve_checkpoint
-    from mspretrain.config import resolve_model
-
-    ref = resolve_checkpoint(path)
-    tensors = read_model_tensors(ref)
-    if "embed.weight" not in tensors:
-        raise UserError(f"checkpoint {ref.dir} has no embed.weight", "this is not an mspretrain model checkpoint")
-    cfg = resolve_model(ref.config.model, int(tensors["embed.weight"].shape[0]))
-    model = Llama(cfg, dtype=dtype, attention=attention, device=device)
-    load_numpy(model, tensors)
-    return model, ref
