@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("mspretrain.commands.doctor", "check this machine's environment"),
     "selftest": ("mspretrain.commands.selftest", "a new node's verdict in minutes: kernels, steps, collectives, disk, speed"),
     "diagnose": ("mspretrain.commands.diagnose", "find OOMs, NaN storms, spikes, timeouts in a run's logs"),
+    "audit": ("mspretrain.commands.audit", "check a run's history across resumes and rewinds against the data plan"),
     "demo": ("mspretrain.commands.demo", "the whole pipeline on a Chinese poetry corpus (fetched once from npm)"),
 }
 

@@ -1,0 +1,102 @@
+"""`RUN_DIR/batches.jsonl`: one line per optimizer step saying which data it trained on.
+
+Each step's line holds the loader position before the step (per-source consumed counts of the
+global sample order), a hash of the global batch's sample ids (`data/order.py`), the world size,
+the lr, the loss scale, whether the update was applied, and the applied-update count before the
+step. Rewinds and resumes add a marker line. `mspretrain audit` recomputes all of it from the
+loader's pure plan; `mspretrain spike` lists the samples of a step from the logged position.
+
+Design choices:
+- Rank 0 writes for the whole world: the position is global (every rank holds the same loader
+  state) and the batch's ids follow from it, so no rank has to send anything.
+- A separate file, not `metrics.jsonl`: these are not scalars to plot (TensorBoard would draw the
+  hash), and they are kept every step, never sampled.
+- The cost per step is one slice of a cached permutation, a SHA-256 of a few KB and a buffered
+  line write; flushed at every checkpoint and at the end (`docs/benchmarks.md` measures it).
+- Resume truncates the file to steps <= the checkpoint's step, like `metrics.jsonl`: the steps
+  after the checkpoint were not kept, so the history stays the history of the weights.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mspretrain.data.order import SamplePlan, batch_hash
+
+FILE = "batches.jsonl"
+
+
+def plan_for(loader: Any) -> SamplePlan:
+    """The sample plan of a `data.loader.Loader` (its sources, weights and seed)."""
+    return SamplePlan(windows=tuple(int(s.n) for s in loader._sources),
+                      weights=tuple(float(s.weight) for s in loader._sources), seed=int(loader.seed))
+
+
+def position(loader: Any) -> list[int]:
+    """The loader's global position: samples consumed per source, all ranks together."""
+    return [int(s["consumed"]) for s in loader.state()["sources"]]
+
+
+def truncate(path: Path, step: int) -> None:
+    """Keep the history of the weights saved at `step`: every line up to the LAST record of that
+    step (after a rewind, steps repeat; the checkpoint belongs to the latest pass)."""
+    if not path.is_file():
+        return
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            lines.append((line, json.loads(line)))
+        except ValueError:
+            continue  # a line cut by a crash
+    last = max((i for i, (_, rec) in enumerate(lines) if rec.get("step") == step), default=None)
+    if last is None:  # no record of that step (a checkpoint from before this file): keep steps <= it
+        kept = [line for line, rec in lines if isinstance(rec.get("step"), int) and rec["step"] <= step]
+    else:
+        kept = [line for line, _ in lines[:last + 1]]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+class BatchLog:
+    """Writes `batches.jsonl` on rank 0; every method is a no-op elsewhere."""
+
+    def __init__(self, run_dir: Path, *, plan: SamplePlan, global_batch: int, enabled: bool,
+                 resume_step: int | None = None, world: int = 1) -> None:
+        self.path = Path(run_dir) / FILE
+        self.plan, self.global_batch, self.enabled = plan, global_batch, enabled
+        self._file = None
+        if not enabled:
+            return
+        if resume_step is not None:
+            truncate(self.path, resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if resume_step is not None:
+            self._write({"resume": {"step": resume_step, "world": world}})
+
+    def step(self, step: int, pos: list[int], *, world: int, lr: float, scale: float, applied_before: int,
+             finite: bool) -> None:
+        """Record optimizer step `step`, which started at loader position `pos`."""
+        if self._file is None:
+            return
+        ids = self.plan.batch(pos, self.global_batch)
+        self._write({"step": step, "pos": pos, "hash": batch_hash(ids), "world": world, "lr": lr,
+                     "scale": scale, "applied": applied_before, "finite": bool(finite)})
+
+    def rewind(self, at: int, to: int, skip: int, pos: list[int]) -> None:
+        """A spike rewind at step `at` reloaded step `to`; the next step starts at `pos`."""
+        if self._file is not None:
+            self._write({"rewind": {"from": at, "to": to, "skip": skip, "pos": pos}})
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        self._file.write(json.dumps(rec) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
