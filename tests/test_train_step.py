@@ -119,3 +119,47 @@ def test_fp16_overflow_skips_the_update_bit_exactly():
     assert int(after_o["opt_step"]) == 1
     again = step.run([(batch, None, None)], lr=1e-3, scale=64.0)  # buffers were cleared: a normal step
     assert again.finite and int(step.optimizer_state()["opt_step"]) == 2
+
+
+def test_frozen_groups_stay_bit_identical_and_hold_no_optimizer_state():
+    """train.trainable = ["embeddings", "lm_head"] (stage 1 of the Chinese-LLaMA recipe): after 3
+    steps, with and without accumulation, every other parameter is bit-identical, the optimizer
+    state and the accumulation buffers hold only the trained parameters, and the first update of
+    the trained ones equals a step that trains everything (AdamW is per parameter; no clipping)."""
+    from mspretrain.model.groups import param_groups
+
+    rng = np.random.default_rng(5)
+    data = [rng.integers(0, 128, (4, 17)).astype(np.int32) for _ in range(3)]
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.0)
+    groups = ["embeddings", "lm_head"]
+    full_model = _tiny()
+    full = TrainStep(full_model, optim, global_tokens=4 * 16)
+    full.run([(data[0], None, None)], lr=1e-3, scale=1.0)
+    after_one = state_numpy(full_model)
+    for micro in (4, 2):  # fused graph; two micro-batches accumulated
+        model = _tiny()
+        before = {k: v.copy() for k, v in state_numpy(model).items()}
+        step = TrainStep(model, optim, global_tokens=4 * 16, trainable=groups)
+        trained = {"embed.weight", "lm_head.weight"}
+        assert set(step.names) == trained and {p.name for p in step.frozen} == set(before) - trained
+        for k, batch in enumerate(data):
+            res = step.run([(batch[i:i + micro], None, None) for i in range(0, 4, micro)], lr=1e-3, scale=1.0)
+            assert res.finite and np.isfinite(res.loss)
+            if k == 0:
+                for name in trained:
+                    np.testing.assert_allclose(state_numpy(model)[name], after_one[name], rtol=0, atol=1e-6, err_msg=name)
+        after = state_numpy(model)
+        for name, value in before.items():
+            if name in trained:
+                assert not np.array_equal(after[name], value), f"{name} was not trained"
+            else:
+                assert np.array_equal(after[name], value), f"frozen {name} changed"
+        state = step.optimizer_state()
+        assert set(state) == step.state_keys() == {"opt_step"} | {f"{m}.{n}" for m in ("exp_avg", "exp_avg_sq") for n in trained}
+        assert int(state["opt_step"]) == 3
+        if micro < 4:
+            assert sorted(p.name for p in step.accum) == sorted(f"accum.{n}" for n in trained)
+        have = step.buffer_bytes()
+        n_trained = sum(int(np.prod(p.shape)) for p in step.params)
+        assert have["adam_moments"] == 8 * n_trained and have["weights"] == 4 * sum(v.size for v in before.values())
+    assert param_groups("embed.weight", tied=True) == {"embeddings", "lm_head"}

@@ -45,6 +45,14 @@ The grad norm is the same on every rank (owners' partial sums of squares are all
 clipping and the overflow decision agree everywhere, and an owner computes exactly what an
 unsharded rank would.
 
+Frozen parameters (`trainable`, the config's `train.trainable` groups, model/groups.py): the step
+sees only the trained parameters. Gradients are taken for those alone, and every table above
+(owners, buckets, masters, moments, accumulation buffers, the optimizer state's keys) is built
+from them, so a frozen parameter costs its weights and nothing else, never changes, and is never
+reduced or gathered. The grad norm and clipping are over the trained parameters, as in PyTorch
+where frozen tensors have no `.grad`. A frozen parameter in `half_params` is stored rounded to the
+compute dtype (what the forward pass reads anyway) and needs no master.
+
 Half-precision parameters (`precision.param_dtype = "compute"`, `half_params` here): the decoder's
 matrices are stored in the compute dtype and an fp32 master copy of each lives with the optimizer
 state, on its owner rank; AdamW updates the master and writes the rounded value into the
@@ -62,6 +70,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config import OptimConfig
+from mspretrain.model.groups import trainable_mask
 from mspretrain.train.layout import assign_owners, cap_elements, plan_layout
 
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners"]
@@ -104,16 +113,20 @@ class TrainStep:
                  rank: int = 0, jit: bool = True, allreduce_fp16: bool = False, shard: bool = False,
                  shard_grads: bool = False, half_params: list[str] | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, device: str = "cpu", accumulation: int | None = None,
-                 jit_level: str = "O0") -> None:
+                 jit_level: str = "O0", trainable: list[str] | tuple[str, ...] | None = None) -> None:
         """half_params: names of parameters to store in the model's compute dtype from now on;
         their fp32 values become master copies held with the optimizer state (by their owner).
         bucket_mb: cap of one collective's flat buffer (0 = one collective per parameter).
         accumulation: micro-batches per step, when known (> 1 allocates the buffers now).
-        jit_level: MindSpore's graph optimisation level for the compiled functions (device.jit_level)."""
+        jit_level: MindSpore's graph optimisation level for the compiled functions (device.jit_level).
+        trainable: parameter groups to train (train.trainable); None or ["all"]: every parameter."""
         from mspretrain.model.loss import token_nll
 
         self.model = model
-        self.params = tuple(model.trainable_params())
+        every = tuple(model.trainable_params())
+        keep = trainable_mask([p.name for p in every], trainable, tied=bool(getattr(model, "tied", False)))
+        self.params = tuple(p for p, k in zip(every, keep) if k)  # the trained ones: all tables below index these
+        self.frozen = tuple(p for p, k in zip(every, keep) if not k)
         self.names = [p.name for p in self.params]
         self.world, self.rank, self.device = world, rank, device
         self.global_tokens = float(global_tokens)
@@ -135,7 +148,7 @@ class TrainStep:
         self.own_masters = ms.ParameterTuple([
             Parameter(Tensor(self.params[i].asnumpy().copy()), name=f"master.{self.names[i]}", requires_grad=False)
             if self.names[i] in half else self.params[i] for i in self.own])
-        for p in self.params:
+        for p in self.params + self.frozen:
             if p.name in half:
                 p.set_dtype(model.dtype)
         zeros = lambda i, prefix: Parameter(ops.zeros(self.params[i].shape, ms.float32), name=f"{prefix}.{self.names[i]}", requires_grad=False)
@@ -389,7 +402,7 @@ class TrainStep:
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of the tensors this step keeps alive between steps, by kind (what `plan` models)."""
         nbytes = lambda ps: sum(int(np.prod(p.shape)) * (2 if p.dtype in (ms.float16, ms.bfloat16) else 4) for p in ps)
-        return {"weights": nbytes(self.params),
+        return {"weights": nbytes(self.params + self.frozen),
                 "master_weights": nbytes([m for m, h in zip(self.own_masters, self._own_has_master) if h]),
                 "adam_moments": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq),
                 "gradients": nbytes(self.accum) if self.accum is not None else 0}
