@@ -200,6 +200,13 @@ def test_export_refuses_non_empty_out_and_unknown_format(our_ckpt, work, capsys)
     assert not (busy / "keep.txt").exists() and (busy / "config.json").is_file()
     one_line_error(*cli(capsys, "export", ck, "--format", "onnx", "--out", root / "x")[::2], "unknown export format")
     one_line_error(*cli(capsys, "export", root / "busy", "--format", "hf", "--out", root / "y")[::2], "no verified checkpoint")
+    # a tokenizer of another size next to the weights: refused before anything is written
+    odd = shutil.copytree(ck, root / "odd_tok")
+    train_tokenizer(odd / "tokenizer.model", V + 20)
+    odd_ck = write_weights_only_checkpoint(root / "odd_ck", read_model_tensors(resolve_checkpoint(ck)),
+                                           resolve_checkpoint(ck).config, tokenizer_path=odd / "tokenizer.model")
+    one_line_error(*cli(capsys, "export", odd_ck, "--format", "hf", "--out", root / "z")[::2], "tokens but the model's vocab_size")
+    assert not (root / "z").exists()
 
 
 # --------------------------------------------------------------------------- bad HF inputs

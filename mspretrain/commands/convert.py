@@ -27,9 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from mspretrain.checkpoint.hf_folder import read_hf_folder
     from mspretrain.checkpoint.store import write_weights_only_checkpoint
     from mspretrain.config import Config, DataConfig
-    from mspretrain.model.hf import read_hf_dir
     from mspretrain.model.presets import param_count
 
     src, out = Path(args.from_hf), Path(args.out)
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"output directory {out} exists and is not empty", "choose another --out, or pass --overwrite to replace it")
     if src.exists() and out.exists() and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents):
         raise UserError(f"--out {out} would replace the HF folder being read", "choose an output directory outside it")
-    model_cfg, tensors, tok_path = read_hf_dir(src)
+    model_cfg, tensors, tok_path = read_hf_folder(src)
     cfg = replace(Config(), model=model_cfg, data=DataConfig(seq_len=min(DataConfig().seq_len, model_cfg.max_seq_len)))
     write_weights_only_checkpoint(out, tensors, cfg, tokenizer_path=tok_path)
     say(args, f"converted {src} -> {out}: {param_count(model_cfg):,} parameters, {model_cfg.n_layers} layers, "

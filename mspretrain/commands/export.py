@@ -68,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     tmp = staging_dir(out, args.overwrite, ref.dir)
     try:
         if fmt == "hf":
+            from mspretrain.checkpoint.hf_folder import write_hf_folder
             from mspretrain.config import resolve_model
-            from mspretrain.model.hf import write_hf_dir
 
             tensors = read_model_tensors(ref)
             vocab = int(tensors["embed.weight"].shape[0]) if "embed.weight" in tensors else None
-            write_hf_dir(tmp, resolve_model(ref.config.model, vocab), tensors, ref.tokenizer_path)
+            write_hf_folder(tmp, resolve_model(ref.config.model, vocab), tensors, ref.tokenizer_path)
             publish(tmp, out)
             say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF Llama, fp32 safetensors)")
         else:

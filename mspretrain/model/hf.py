@@ -1,4 +1,4 @@
-"""Bridge to Hugging Face Llama folders: config.json, safetensors, tokenizer — both directions.
+"""Bridge to Hugging Face Llama folders: config.json and safetensors, both directions.
 
 Design choices:
 - Only safetensors are read, never pickle: `.bin`/`.pt` weights are refused in one line. The
@@ -17,15 +17,18 @@ Design choices:
   is not dim / n_heads) is refused rather than approximated: a silently different model is worse
   than an error.
 - Export writes fp32 weights with the `{"format": "pt"}` metadata transformers expects, a
-  `config.json` readable by transformers 4.x and 5.x (both `rope_theta` and `rope_parameters`),
-  `generation_config.json`, and the tokenizer with a `tokenizer_config.json` for `AutoTokenizer`.
+  `config.json` readable by transformers 4.x and 5.x (both `rope_theta` and `rope_parameters`)
+  and `generation_config.json`.
+- The tokenizer files are not read or written here: that needs `data/tokenizer`, and data and
+  model are siblings in layer 2 that do not import each other. `checkpoint/hf_folder.py`
+  (layer 3) joins the two for `convert` and `export`.
 """
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -290,8 +293,12 @@ def weight_files(hf_dir: Path) -> list[Path]:
     raise UserError(f"no *.safetensors weights in {hf_dir}", "pass an HF model folder with config.json and model*.safetensors")
 
 
-def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Path | None]:
-    """(resolved ModelConfig, our tensors, tokenizer path or None) from an HF Llama folder."""
+def read_hf_dir(hf_dir: str | Path, check_tokenizer: Callable[[Path, ModelConfig], None] | None = None,
+                ) -> tuple[ModelConfig, dict[str, np.ndarray], Path | None]:
+    """(resolved ModelConfig, our tensors, tokenizer path or None) from an HF Llama folder.
+
+    The tokenizer is found, not read: `check_tokenizer(path, config)` is called before the
+    weights are read, so a mismatch is refused in a second instead of after gigabytes."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise UserError(f"{hf_dir} is not a directory", "pass the HF model folder (with config.json and *.safetensors)")
@@ -304,13 +311,8 @@ def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray],
         raise UserError(f"{cfg_path} is not valid JSON", "re-save the model config") from None
     m = config_from_hf(hf_cfg, str(cfg_path))
     tok_path = next((hf_dir / n for n in ("tokenizer.model", "tokenizer.json") if (hf_dir / n).is_file()), None)
-    if tok_path is not None:
-        from mspretrain.data.tokenizer import Tokenizer
-
-        tok_vocab = Tokenizer.load(tok_path).vocab_size
-        if tok_vocab != m.vocab_size:
-            raise UserError(f"tokenizer {tok_path.name} has {tok_vocab} tokens but config.json says vocab_size {m.vocab_size}",
-                            "the tokenizer and the weights must belong to the same model; fix vocab_size or use the matching tokenizer")
+    if tok_path is not None and check_tokenizer is not None:
+        check_tokenizer(tok_path, m)
     tensors: dict[str, np.ndarray] = {}
     for f in weight_files(hf_dir):
         tensors.update(read_safetensors(f))
@@ -319,53 +321,15 @@ def read_hf_dir(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray],
 
 # --------------------------------------------------------------------------- writing
 
-def _sp_add_dummy_prefix(path: Path) -> bool:
-    """Whether a SentencePiece model prepends '▁' (decides HF's add_prefix_space)."""
-    try:
-        from sentencepiece import sentencepiece_model_pb2 as pb
-
-        proto = pb.ModelProto()
-        proto.ParseFromString(path.read_bytes())
-        return bool(proto.normalizer_spec.add_dummy_prefix)
-    except Exception:  # protobuf missing or an odd file: Llama's own default
-        return True
-
-
-def _tokenizer_files(out: Path, tok_path: Path, max_len: int) -> dict[str, int]:
-    """Copy the tokenizer and write the json files AutoTokenizer reads; returns the special ids."""
-    from mspretrain.data.tokenizer import Tokenizer
-
-    tok = Tokenizer.load(tok_path)
-    tok.save_to(out)
-    ids = tok.special_ids()
-    piece = (tok._sp.IdToPiece if tok._sp is not None else tok._hf.id_to_token)
-    special = {f"{name}_token": piece(ids[name]) for name in ("bos", "eos", "unk", "pad") if ids[name] >= 0}
-    if tok._sp is not None:
-        tcfg = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": False,
-                "add_prefix_space": _sp_add_dummy_prefix(tok_path), "clean_up_tokenization_spaces": False}
-    else:
-        tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    tcfg["model_max_length"] = max_len
-    (out / "tokenizer_config.json").write_text(json.dumps(dict(tcfg, **special), indent=2, ensure_ascii=False), encoding="utf-8")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False), encoding="utf-8")
-    return ids
-
-
-def write_hf_dir(out: str | Path, m: ModelConfig, tensors: dict[str, np.ndarray], tokenizer_path: str | Path | None = None) -> Path:
-    """Write an HF Llama folder that `AutoModelForCausalLM.from_pretrained(out)` loads cleanly."""
+def write_hf_dir(out: str | Path, m: ModelConfig, tensors: dict[str, np.ndarray],
+                 special_ids: dict[str, int] | None = None) -> Path:
+    """Write the weights and configs of an HF Llama folder that `AutoModelForCausalLM.from_pretrained(out)`
+    loads cleanly; `special_ids` (bos/eos/pad) go into config.json and generation_config.json."""
     from safetensors.numpy import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    ids: dict[str, int] = {}
-    if tokenizer_path is not None:
-        from mspretrain.data.tokenizer import Tokenizer
-
-        tok_vocab = Tokenizer.load(tokenizer_path).vocab_size
-        if tok_vocab != m.vocab_size:
-            raise UserError(f"tokenizer {Path(tokenizer_path).name} has {tok_vocab} tokens but the model's vocab_size is {m.vocab_size}",
-                            "export with the tokenizer the model was trained with")
-        ids = _tokenizer_files(out, Path(tokenizer_path), m.max_seq_len)
+    ids = special_ids or {}
     save_file(ours_to_hf(tensors, m), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config_to_hf(m, ids), indent=2), encoding="utf-8")
     gen = {"_from_model_config": True, **{f"{k}_token_id": ids[k] for k in ("bos", "eos", "pad") if ids.get(k, -1) >= 0}}
