@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("mspretrain.commands.generate", "sample text from a run or checkpoint"),
     "export": ("mspretrain.commands.export", "export a checkpoint to a HF Llama folder or MINDIR"),
     "convert": ("mspretrain.commands.convert", "import HF Llama safetensors weights as a checkpoint"),
+    "tokenizer": ("mspretrain.commands.tokenizer", "extend a SentencePiece tokenizer with new pieces, base ids unchanged"),
     "checkpoints": ("mspretrain.commands.checkpoints", "list (and verify) the checkpoints of a run"),
     "recover": ("mspretrain.commands.recover", "rebuild a lost train/data state from weights and metrics"),
     "report": ("mspretrain.commands.report", "one self-contained HTML report of a run"),
