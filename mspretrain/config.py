@@ -2,10 +2,16 @@
 
 Design choices:
 - One dataclass per TOML section; the section name is the field name on `Config`.
-- Every value is checked before any compute (`validate`), with a message naming the key and
-  the fix. Unknown keys are errors, never silently ignored.
+- Each section checks itself when it is built (`__post_init__`): a config that exists is valid,
+  whether it came from a file, a `key=value` override or `dataclasses.replace`. Every error names
+  the key and the fix. Unknown keys are errors, never silently ignored. Choices are `Literal`
+  types, so the schema is the one list of allowed values.
+- Rules that span sections or depend on the job (the device, a training budget) are small named
+  functions (`check_seq_len`, `check_device`, `check_budget`) called where they apply;
+  `validate` runs the ones a training run needs.
 - `key=value` overrides from the command line are parsed as TOML values (`lr=3e-4`,
-  `tie_embeddings=true`, `warmup_steps="auto"`), falling back to a bare string.
+  `tie_embeddings=true`, `warmup_steps="auto"`), falling back to a bare string. The file and all
+  overrides of a section are applied in one step, so the order of overrides never matters.
 - Values that depend on other values (ffn_dim, n_kv_heads, micro_batch) are resolved once into
   the saved config so a run dir always shows the numbers that ran.
 """
@@ -13,20 +19,71 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tomli_w
 
 from mspretrain.errors import UserError
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (pyproject: tomli; python_version < "3.11")
+    import tomli as tomllib
+
+
+def _fail(key: str, problem: str, fix: str) -> None:
+    raise UserError(f"{key} {problem}", fix)
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def choices(cls: type, name: str) -> tuple[Any, ...]:
+    """The allowed values of a `Literal` field (or of the items of a tuple of them); () if free."""
+    typ = _hints(cls)[name]
+    if get_origin(typ) is tuple:
+        typ = get_args(typ)[0]
+    return get_args(typ) if get_origin(typ) is Literal else ()
+
+
+class _Section:
+    """What every section checks, then the section's own rules (`check`).
+
+    The finite-number check loops over the schema, so a new float key cannot skip it: NaN passes
+    `x < 0`-style range checks (every comparison with NaN is False), and a NaN weight decay
+    writes NaN weights into checkpoints that verify.
+    """
+
+    SECTION = ""  # the TOML section name, for the keys in error messages
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            key, value = f"{self.SECTION}.{f.name}", getattr(self, f.name)
+            items = value if isinstance(value, tuple) else (value,)
+            for v in items:
+                if isinstance(v, float) and not math.isfinite(v):
+                    _fail(key, f"= {v} is not a finite number", f"give {key} a finite value (see docs/config-reference.md)")
+            allowed = choices(type(self), f.name)
+            for v in items if allowed else ():
+                if v not in allowed:
+                    _fail(key, f"= {v!r} is not one of {', '.join(allowed)}", f"set {key} to one of: {', '.join(allowed)}")
+        self.check()
+
+    def check(self) -> None:
+        """The section's own rules: its keys alone and how they combine within the section."""
+
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Section):
     """Architecture only: no batch size, no parallel layout, no paths."""
+
+    SECTION = "model"
 
     dim: int = 64
     n_layers: int = 2
@@ -41,10 +98,34 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
 
+    def check(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+            if getattr(self, name) <= 0:
+                _fail(f"model.{name}", f"= {getattr(self, name)} must be positive", f"set model.{name} to a positive integer")
+        for name in ("n_kv_heads", "vocab_size", "ffn_dim"):
+            if getattr(self, name) < 0:
+                _fail(f"model.{name}", f"= {getattr(self, name)} must not be negative", f"set model.{name} to 0 (automatic) or a positive integer")
+        if self.dim % self.n_heads:
+            _fail("model.n_heads", f"= {self.n_heads} does not divide model.dim = {self.dim}",
+                  "choose n_heads so that dim / n_heads is a whole number (e.g. dim 64, n_heads 4)")
+        if (self.dim // self.n_heads) % 2:
+            _fail("model.dim", f"/ n_heads = {self.dim // self.n_heads} is odd", "RoPE needs an even head size: change dim or n_heads")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            _fail("model.n_kv_heads", f"= {kv} does not divide model.n_heads = {self.n_heads}", "choose n_kv_heads among the divisors of n_heads")
+        if not self.rope_theta > 0:
+            _fail("model.rope_theta", f"= {self.rope_theta} must be positive", "the Llama-2 value is 10000")
+        if not self.norm_eps > 0:
+            _fail("model.norm_eps", f"= {self.norm_eps} must be positive", "the Llama-2 value is 1e-5")
+        if not self.init_std > 0:
+            _fail("model.init_std", f"= {self.init_std} must be positive", "the Llama value is 0.02")
+
 
 @dataclass(frozen=True)
-class PrepareConfig:
+class PrepareConfig(_Section):
     """How `prepare` turns raw text into shards (cleaning rules are switchable one by one)."""
+
+    SECTION = "prepare"
 
     vocab_size: int = 8000
     character_coverage: float = 0.9995
@@ -67,19 +148,49 @@ class PrepareConfig:
     near_dedup_threshold: float = 0.8
     seed: int = 1234
 
+    def check(self) -> None:
+        if self.vocab_size < 256 + 4:
+            _fail("prepare.vocab_size", f"= {self.vocab_size} is too small", "byte fallback alone needs 260 pieces; use 8000-32000 for Chinese")
+        if not 0 < self.character_coverage <= 1:
+            _fail("prepare.character_coverage", f"= {self.character_coverage} is outside (0, 1]", "the Llama value is 0.9995")
+        if not 0 <= self.valid_fraction < 1:
+            _fail("prepare.valid_fraction", f"= {self.valid_fraction} is outside [0, 1)", "use e.g. 0.01")
+        if not 0 < self.near_dedup_threshold <= 1:
+            _fail("prepare.near_dedup_threshold", f"= {self.near_dedup_threshold} is outside (0, 1]", "use e.g. 0.8")
+        for name in ("max_dup_line_fraction", "max_top_ngram_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                _fail(f"prepare.{name}", f"= {getattr(self, name)} is outside (0, 1]", "use 1 to switch the filter off")
+        if self.min_chars < 0:
+            _fail("prepare.min_chars", f"= {self.min_chars} must not be negative", "use 0 to keep every document")
+
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(_Section):
+    SECTION = "data"
+
     seq_len: int = 64
     # Corpus mixing: weighted data dirs, e.g. sources = [{path = "a/", weight = 0.7}, {path = "b/",
     # weight = 0.3}], all tokenized with the --data dir's tokenizer. Empty = the --data dir alone.
     sources: tuple = ()
     reset_attention_at_eos: bool = False
-    token_dtype: str = "int32"  # int64 for the Ascend gather issue in the field report
+    token_dtype: Literal["int32", "int64"] = "int32"  # int64 for the Ascend gather issue in the field report
+
+    def check(self) -> None:
+        if self.seq_len <= 0:
+            _fail("data.seq_len", f"= {self.seq_len} must be positive", "set data.seq_len to e.g. 64 (tests) or 2048 (production)")
+        for i, src in enumerate(self.sources):
+            if not isinstance(src, dict) or "path" not in src or set(src) - {"path", "weight"}:
+                _fail(f"data.sources[{i}]", "must be a table {path = \"DIR\", weight = W}",
+                      'write data.sources = [{path = "a/", weight = 0.7}, {path = "b/", weight = 0.3}]')
+            w = src.get("weight", 1.0)
+            if not isinstance(w, (int, float)) or isinstance(w, bool) or not (w > 0 and math.isfinite(w)):
+                _fail(f"data.sources[{i}].weight", "must be a positive number", "weights are relative, e.g. 0.7 and 0.3")
 
 
 @dataclass(frozen=True)
-class OptimConfig:
+class OptimConfig(_Section):
+    SECTION = "optim"
+
     lr: float = 3e-4
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -87,7 +198,7 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables it
     decay_embeddings: bool = False
-    lr_scaling: str = "none"  # "none" | "sqrt": lr * sqrt(global_batch / 32)
+    lr_scaling: Literal["none", "sqrt"] = "none"  # "none" | "sqrt": lr * sqrt(global_batch / 32)
     z_loss: float = 0.0
     # ZeRO-1: each data-parallel rank keeps the Adam moments (and fp32 masters) of the parameters
     # it owns (about 1/N of them), updates those and all-gathers them; no effect with one rank.
@@ -100,34 +211,101 @@ class OptimConfig:
     # ranks in a few buckets instead of one collective per parameter. 0 = one per parameter.
     bucket_mb: float = 256.0
 
+    def check(self) -> None:
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            _fail("optim.lr", f"= {self.lr} must be a non-negative number", "the usual range is 1e-4 to 1e-3")
+        if self.weight_decay < 0:
+            _fail("optim.weight_decay", f"= {self.weight_decay} must not be negative", "the Llama value is 0.1")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"optim.{name}", f"= {getattr(self, name)} is outside [0, 1)", "Llama uses beta1 0.9, beta2 0.95")
+        if not self.eps > 0:
+            _fail("optim.eps", f"= {self.eps} must be positive", "the Llama value is 1e-8")
+        if self.grad_clip < 0:
+            _fail("optim.grad_clip", f"= {self.grad_clip} must not be negative", "use 1.0, or 0 to disable clipping")
+        if self.z_loss < 0:
+            _fail("optim.z_loss", f"= {self.z_loss} must not be negative", "use 0 (off) or e.g. 1e-4")
+        if self.bucket_mb < 0:
+            _fail("optim.bucket_mb", f"= {self.bucket_mb} must not be negative", "use e.g. 256, or 0 for one collective per parameter")
+
 
 @dataclass(frozen=True)
-class ScheduleConfig:
-    kind: str = "cosine"  # "cosine" | "two_phase" | "wsd" | "constant"
+class ScheduleConfig(_Section):
+    SECTION = "schedule"
+
+    kind: Literal["cosine", "two_phase", "wsd", "constant"] = "cosine"  # "cosine" | "two_phase" | "wsd" | "constant"
     warmup_steps: Union[int, str] = "auto"  # int or "auto" (field report formula on data tokens)
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2  # WSD: last share of steps spent decaying
     peak_ratio: float = 1.2  # two_phase: second phase rises to peak_ratio * lr
 
+    def check(self) -> None:
+        if isinstance(self.warmup_steps, str):
+            if self.warmup_steps != "auto":
+                _fail("schedule.warmup_steps", f"= {self.warmup_steps!r} is neither an integer nor \"auto\"",
+                      'write schedule.warmup_steps=100 or schedule.warmup_steps="auto"')
+        elif self.warmup_steps < 0:
+            _fail("schedule.warmup_steps", f"= {self.warmup_steps} must not be negative", "use 0 for no warm-up")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail("schedule.min_lr_ratio", f"= {self.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
+        if not 0 < self.decay_fraction <= 1:
+            _fail("schedule.decay_fraction", f"= {self.decay_fraction} is outside (0, 1]", "use e.g. 0.2")
+        if self.peak_ratio < 1:
+            _fail("schedule.peak_ratio", f"= {self.peak_ratio} must be at least 1", "the field report uses 1.2")
+
+
+# The parameter groups `train.trainable` can name (issue 20's stage-1 training: embeddings, lm_head).
+ParamGroup = Literal["all", "embeddings", "attention", "mlp", "norms", "lm_head"]
+
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(_Section):
+    SECTION = "train"
+
     max_steps: int = 0  # 0 = not set; at least one of max_steps / max_tokens is needed
     max_tokens: int = 0
     global_batch: int = 8  # sequences per optimizer step, over all ranks and micro-batches
     micro_batch: int = 0  # 0 = global_batch / world size (no accumulation)
     seed: int = 1234
     log_every: int = 10
-    mode: str = "jit"  # "jit" | "pynative"
+    mode: Literal["jit", "pynative"] = "jit"  # "jit" | "pynative"
     # Recompute each decoder layer's activations in the backward pass instead of keeping them:
     # activation memory drops to one layer's worth plus each layer's input, for ~1/3 more compute.
     recompute: bool = False
+    # Parameter groups the optimizer updates; the rest stay frozen. "all" (alone) = every
+    # parameter; else any of "embeddings", "attention", "mlp", "norms", "lm_head", e.g.
+    # ["embeddings", "lm_head"] for the first stage of continued pretraining on a new vocabulary.
+    trainable: tuple[ParamGroup, ...] = ("all",)
+
+    def check(self) -> None:
+        if self.max_steps < 0 or self.max_tokens < 0:
+            _fail("train.max_steps", "and train.max_tokens must not be negative", "give a positive step or token budget")
+        if self.global_batch <= 0:
+            _fail("train.global_batch", f"= {self.global_batch} must be positive", "set train.global_batch to e.g. 8")
+        if self.micro_batch < 0:
+            _fail("train.micro_batch", f"= {self.micro_batch} must not be negative", "use 0 for global_batch / world size")
+        if self.micro_batch and self.global_batch % self.micro_batch:
+            _fail("train.global_batch", f"= {self.global_batch} is not divisible by train.micro_batch = {self.micro_batch}",
+                  "make global_batch a multiple of micro_batch")
+        if self.log_every <= 0:
+            _fail("train.log_every", f"= {self.log_every} must be positive", "use e.g. 10")
+        groups = list(self.trainable)
+        if not groups:
+            _fail("train.trainable", "is empty: nothing would train", 'use train.trainable=["all"], or name parameter groups')
+        if len(set(groups)) != len(groups):
+            _fail("train.trainable", f"= {groups} names a group twice", "name each parameter group once")
+        if "all" in groups and len(groups) > 1:
+            _fail("train.trainable", f"= {groups} mixes \"all\" with other groups",
+                  'use train.trainable=["all"] alone, or list only the groups to train')
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
-    dtype: str = "fp32"  # "fp32" | "fp16" | "bf16"
-    loss_scale: str = "auto"  # "auto" (dynamic for fp16, none otherwise) | "dynamic" | "static" | "none"
+class PrecisionConfig(_Section):
+    SECTION = "precision"
+
+    dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # "fp32" | "fp16" | "bf16"
+    # "auto" (dynamic for fp16, none otherwise) | "dynamic" | "static" | "none"
+    loss_scale: Literal["auto", "dynamic", "static", "none"] = "auto"
     init_scale: float = 64.0  # the field report's starting scale
     scale_warmup_to: float = 0.0  # 0 = no linear warm-up of the scale
     scale_warmup_steps: int = 0
@@ -136,34 +314,77 @@ class PrecisionConfig:
     max_scale: float = 2.0**24
     # Data-parallel gradient all-reduce in fp16 halves the bytes on the wire (the field report's
     # Ascend setting); lm_head's gradient always stays fp32. Loss-scaled, so overflow is caught.
-    allreduce_dtype: str = "fp32"  # "fp32" | "fp16"
+    allreduce_dtype: Literal["fp32", "fp16"] = "fp32"  # "fp32" | "fp16"
     # "fp32": parameters are the fp32 master weights, cast to `dtype` at use. "compute": the
     # decoder layers' matrices are stored in `dtype`, and fp32 master copies
     # live with the optimizer state (sharded with it under optim.shard_optimizer): 2 instead of
     # 4 bytes per parameter on every device. Same numbers either way: the matmuls read the same
     # rounded weights.
-    param_dtype: str = "fp32"  # "fp32" | "compute"
+    param_dtype: Literal["fp32", "compute"] = "fp32"  # "fp32" | "compute"
+
+    def check(self) -> None:
+        if self.scale_warmup_to < 0:
+            _fail("precision.scale_warmup_to", f"= {self.scale_warmup_to} must not be negative", "use 0 (no warm-up of the scale) or e.g. 1024")
+        if not self.init_scale > 0:
+            _fail("precision.init_scale", f"= {self.init_scale} must be positive", "the field report uses 64")
+        if not 0 < self.min_scale <= self.max_scale:
+            _fail("precision.min_scale", f"= {self.min_scale} must be positive and at most max_scale", "use e.g. min_scale 1, max_scale 16777216")
+        if self.growth_interval <= 0:
+            _fail("precision.growth_interval", f"= {self.growth_interval} must be positive", "use e.g. 1000")
+        if self.scale_warmup_to and self.scale_warmup_steps <= 0:
+            _fail("precision.scale_warmup_steps", "must be positive when scale_warmup_to is set", "the field report warms 64 -> 1024 over 500 steps")
+        scaled = self.loss_scale in ("dynamic", "static") or (self.loss_scale == "auto" and self.dtype == "fp16")
+        if self.allreduce_dtype == "fp16" and not scaled:
+            # Unscaled per-rank gradients of a large model's mean loss (~1e-6) sit below fp16's normal
+            # range (6.1e-5): on the wire they flush to zero or keep a few bits.
+            _fail("precision.allreduce_dtype", f"= fp16 needs loss scaling, which is off here (dtype {self.dtype}, loss_scale {self.loss_scale})",
+                  "use precision.allreduce_dtype=fp32, or turn loss scaling on (precision.loss_scale=dynamic)")
+        if self.param_dtype == "compute" and self.dtype == "fp32":
+            _fail("precision.param_dtype", "= compute only applies to fp16/bf16 compute (with dtype fp32 the parameters are fp32 already)",
+                  "set precision.dtype=fp16 (or bf16 on Ascend), or leave precision.param_dtype=fp32")
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(_Section):
+    SECTION = "checkpoint"
+
     every: int = 100
     keep_last: int = 3
     keep_every: int = 0  # also keep every keep_every-th step forever; 0 = off
     async_save: bool = True
-    on_error: str = "stop"  # "stop" | "continue"
+    on_error: Literal["stop", "continue"] = "stop"  # "stop" | "continue"
+
+    def check(self) -> None:
+        if self.every < 0 or self.keep_last < 1 or self.keep_every < 0:
+            _fail("checkpoint.keep_last", "must be at least 1 (and every/keep_every not negative)",
+                  "use e.g. checkpoint.every=100 checkpoint.keep_last=3")
 
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(_Section):
+    SECTION = "eval"
+
     every: int = 0  # 0 = only at the end
     max_tokens: int = 200_000
     batch_size: int = 8
+    # Multiple-choice JSONL file (one question with its choices and answer per line) scored during
+    # training; "" = none.
+    choices_file: str = ""
+    choices_dev_file: str = ""  # JSONL of solved examples the few-shot prompts are drawn from; "" = none
+    choices_shots: int = 0  # solved examples from choices_dev_file put before each question (0 = zero-shot)
+
+    def check(self) -> None:
+        if self.every < 0 or self.max_tokens < 0 or self.batch_size <= 0:
+            _fail("eval.batch_size", "must be positive (and every/max_tokens not negative)", "use e.g. eval.batch_size=8")
+        if self.choices_shots < 0:
+            _fail("eval.choices_shots", f"= {self.choices_shots} must not be negative", "use 0 (zero-shot) or e.g. 5")
 
 
 @dataclass(frozen=True)
-class DeviceConfig:
-    target: str = "auto"  # "auto" | "cpu" | "ascend"
+class DeviceConfig(_Section):
+    SECTION = "device"
+
+    target: Literal["auto", "cpu", "ascend"] = "auto"  # "auto" | "cpu" | "ascend"
     threads: int = 0  # 0 = all cores
     cpu_quota: float = 0.0  # percent of all cores for the training process (cgroup v2); 0 = off
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = from the built-in table / measured
@@ -173,16 +394,29 @@ class DeviceConfig:
     deterministic: bool = True
     # "O1" (Ascend only): graph-kernel fusion through ms.jit's jit_level; "O0" is what MindSpore
     # Transformers trains with on 910B. The old enable_graph_kernel flag is deprecated in 2.10.
-    jit_level: str = "O0"
+    jit_level: Literal["O0", "O1"] = "O0"
     # Usable device memory in GB: 0 = the default (58 on Ascend 910B, the cap MindSpore
     # Transformers' 910B pretraining templates give max_device_memory; the machine's RAM on CPU).
     # `plan` compares its modelled peak with it, and on Ascend it is MindSpore's max_device_memory.
     max_device_memory: float = 0.0
 
+    def check(self) -> None:
+        if self.threads < 0:
+            _fail("device.threads", f"= {self.threads} must not be negative", "use 0 for all cores")
+        if self.peak_tflops < 0:
+            _fail("device.peak_tflops", f"= {self.peak_tflops} must not be negative", "use 0 for the built-in table, or the device's peak TFLOPs")
+        if self.max_device_memory < 0:
+            _fail("device.max_device_memory", f"= {self.max_device_memory} must not be negative",
+                  "use 0 for the default (58 GB on Ascend 910B), or the usable GB per device")
+        if not 0 <= self.cpu_quota <= 100:
+            _fail("device.cpu_quota", f"= {self.cpu_quota} is outside [0, 100]", "give a percentage of all cores, e.g. 60 (0 = off)")
+
 
 @dataclass(frozen=True)
-class MetricsConfig:
+class MetricsConfig(_Section):
     """Each metric is sampled at its own interval (in steps), as the field report recommends."""
+
+    SECTION = "metrics"
 
     loss_every: int = 1
     lr_every: int = 1
@@ -192,24 +426,49 @@ class MetricsConfig:
     throughput_every: int = 10
     tensorboard: bool = True
 
+    def check(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name.endswith("_every") and v <= 0:
+                _fail(f"metrics.{f.name}", f"= {v} must be positive", "give an interval in steps, e.g. 1, 50 or 200")
+
 
 @dataclass(frozen=True)
-class SpikeConfig:
+class SpikeConfig(_Section):
+    SECTION = "spike"
+
     window: int = 50  # rolling window of the loss mean
     threshold: float = 0.3  # flag a loss this far above the rolling mean (the field report's bar)
     grad_norm_factor: float = 5.0  # flag a grad norm this many times the rolling median
-    action: str = "warn"  # "warn" | "rewind"
+    action: Literal["warn", "rewind"] = "warn"  # "warn" | "rewind"
     rewind_skip: int = 0  # batches to skip after a rewind; 0 = as many as the steps rewound
     max_nonfinite: int = 10  # stop after this many non-finite losses in a row
 
+    def check(self) -> None:
+        if not self.threshold > 0:
+            _fail("spike.threshold", f"= {self.threshold} must be positive", "the field report's bar is 0.3 (a loss 0.3 above the rolling mean)")
+        if self.window < 2 or self.max_nonfinite < 1 or self.rewind_skip < 0:
+            _fail("spike.window", "needs window >= 2, threshold > 0, max_nonfinite >= 1, rewind_skip >= 0",
+                  "the defaults are window 50, threshold 0.3, max_nonfinite 10")
+        if not self.grad_norm_factor > 0:
+            _fail("spike.grad_norm_factor", f"= {self.grad_norm_factor} must be positive", "the default is 5 (a grad norm 5x the rolling median)")
+
 
 @dataclass(frozen=True)
-class CostConfig:
+class CostConfig(_Section):
+    SECTION = "cost"
+
     price_per_device_hour: float = 0.0  # in your currency; 0 = no cost figures
 
+    def check(self) -> None:
+        if self.price_per_device_hour < 0:
+            _fail("cost.price_per_device_hour", "must not be negative", "use 0 for no cost figures")
+
 
 @dataclass(frozen=True)
-class ProfileConfig:
+class ProfileConfig(_Section):
+    SECTION = "profile"
+
     steps: str = ""  # e.g. "10-20": run the MindSpore profiler for those steps
 
 
@@ -234,27 +493,19 @@ class Config:
 SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(Config))
 # Keys that earlier versions wrote into run dirs and checkpoints: ignored when read, so old runs resume.
 RETIRED: frozenset[str] = frozenset({"data.prefetch"})
-CHOICES: dict[str, tuple[str, ...]] = {
-    "data.token_dtype": ("int32", "int64"),
-    "optim.lr_scaling": ("none", "sqrt"),
-    "schedule.kind": ("cosine", "two_phase", "wsd", "constant"),
-    "train.mode": ("jit", "pynative"),
-    "precision.dtype": ("fp32", "fp16", "bf16"),
-    "precision.loss_scale": ("auto", "dynamic", "static", "none"),
-    "precision.allreduce_dtype": ("fp32", "fp16"),
-    "precision.param_dtype": ("fp32", "compute"),
-    "checkpoint.on_error": ("stop", "continue"),
-    "device.target": ("auto", "cpu", "ascend"),
-    "device.jit_level": ("O0", "O1"),
-    "spike.action": ("warn", "rewind"),
-}
 
 
 # --------------------------------------------------------------------------- loading
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """Check one value against its annotated type; ints are accepted where floats are."""
+    """Check one value against its annotated type; ints are accepted where floats are.
+
+    Allowed values of `Literal` fields are the section's own check (the same message whether the
+    value came from TOML, an override or `replace`), so here a Literal only passes the value on.
+    """
     origin = get_origin(typ)
+    if origin is Literal:
+        return value
     if origin is Union:
         for option in get_args(typ):
             try:
@@ -277,10 +528,11 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         raise UserError(f"{key} = {value!r} is not a number", f"give {key} a number, e.g. {key}=0.001")
-    if typ is tuple:
+    if typ is tuple or origin is tuple:
         if isinstance(value, (list, tuple)):
             return tuple(value)
-        raise UserError(f"{key} = {value!r} is not a list", f"write {key} as a TOML array")
+        example = '["embeddings", "lm_head"]' if key == "train.trainable" else "[...]"
+        raise UserError(f"{key} = {value!r} is not a list", f"write {key} as a TOML array, e.g. {key}={example}")
     if typ is str:
         if isinstance(value, str):
             return value
@@ -289,7 +541,7 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
 
 
 def _section_from_dict(section: str, cls: type, values: dict[str, Any], base: Any) -> Any:
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     known = {f.name for f in fields(cls)}
     updates = {}
     for key, value in values.items():
@@ -301,7 +553,7 @@ def _section_from_dict(section: str, cls: type, values: dict[str, Any], base: An
             hint = f"did you mean {section}.{close[0]}?" if close else f"valid keys: {', '.join(sorted(known))}"
             raise UserError(f"unknown config key {section}.{key}", hint)
         updates[key] = _coerce(f"{section}.{key}", value, hints[key])
-    return replace(base, **updates)
+    return replace(base, **updates)  # one replace: the section checks itself on the final values
 
 
 def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
@@ -318,8 +570,13 @@ def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
 
 
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a TOML config (or start from defaults) and apply `section.key=value` overrides."""
-    cfg = Config()
+    """Read a TOML config (or start from defaults) and apply `section.key=value` overrides.
+
+    The file's values and the overrides are merged first and each section is built once, so an
+    override may fix what the file alone would get wrong (and the order of overrides does not
+    matter for rules that combine keys, such as precision.param_dtype with precision.dtype).
+    """
+    raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -328,8 +585,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
             raw = tomllib.loads(p.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"config file {p} is not valid TOML: {exc}", "fix the syntax (key = value, strings in quotes)") from None
-        cfg = from_dict(raw, cfg)
-    return apply_overrides(cfg, overrides)
+    return from_dict(_merge(raw, overrides))
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -347,11 +603,20 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, name, value
 
 
-def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+def _merge(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """`raw` with the overrides laid over it (the last one of a key wins)."""
+    merged = dict(raw)
     for text in overrides:
         section, name, value = parse_override(text)
-        cfg = from_dict({section: {name: value}}, cfg)
-    return cfg
+        table = merged.get(section, {})
+        if isinstance(table, dict):  # a non-table section is reported by from_dict
+            merged[section] = {**table, name: value}
+    return merged
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """`cfg` with `section.key=value` overrides; each section is rebuilt once with all of its overrides."""
+    return from_dict(_merge({}, overrides), cfg)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -397,179 +662,46 @@ def resolve_model(m: ModelConfig, vocab_size: int | None = None) -> ModelConfig:
     return replace(m, **updates)
 
 
-# --------------------------------------------------------------------------- validation
+# --------------------------------------------------------------------------- rules across sections
+# Each section has checked its own keys when it was built; these rules need more than one section
+# or a fact about the job, and are called where they apply.
 
-def _fail(key: str, problem: str, fix: str) -> None:
-    raise UserError(f"{key} {problem}", fix)
+def check_seq_len(cfg: Config) -> None:
+    """The training window fits the model's RoPE tables."""
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        _fail("data.seq_len", f"= {cfg.data.seq_len} exceeds model.max_seq_len = {cfg.model.max_seq_len}",
+              "raise model.max_seq_len or lower data.seq_len")
 
 
-def validate(cfg: Config, *, device: str | None = None) -> None:
-    """Reject impossible values before any compute. `device` is the resolved target, if known."""
-    # Every float of every section, present and future: NaN/inf pass `x < 0`-style range checks
-    # (every comparison with NaN is False), and a NaN weight decay writes NaN weights into
-    # checkpoints that verify. One loop over the schema, so a new float key cannot skip it.
-    for sec in fields(Config):
-        for f in fields(getattr(cfg, sec.name)):
-            value = getattr(getattr(cfg, sec.name), f.name)
-            for v in (value if isinstance(value, (tuple, list)) else (value,)):
-                if isinstance(v, float) and not math.isfinite(v):
-                    _fail(f"{sec.name}.{f.name}", f"= {v} is not a finite number", f"give {sec.name}.{f.name} a finite value (see docs/config-reference.md)")
-    for key, allowed in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in allowed:
-            _fail(key, f"= {value!r} is not one of {', '.join(allowed)}", f"set {key} to one of: {', '.join(allowed)}")
+def check_device(cfg: Config, device: str) -> None:
+    """What the resolved device ("cpu" or "ascend") cannot run."""
+    if cfg.precision.dtype == "bf16" and device == "cpu":
+        _fail("precision.dtype", "= bf16 is not supported on CPU (MindSpore has no CPU bf16 kernels)",
+              "use precision.dtype=fp32 (or fp16) on CPU; bf16 is for Ascend")
 
-    m = cfg.model
-    for name in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
-        if getattr(m, name) <= 0:
-            _fail(f"model.{name}", f"= {getattr(m, name)} must be positive", f"set model.{name} to a positive integer")
-    for name in ("n_kv_heads", "vocab_size", "ffn_dim"):
-        if getattr(m, name) < 0:
-            _fail(f"model.{name}", f"= {getattr(m, name)} must not be negative", f"set model.{name} to 0 (automatic) or a positive integer")
-    if m.dim % m.n_heads:
-        _fail("model.n_heads", f"= {m.n_heads} does not divide model.dim = {m.dim}", "choose n_heads so that dim / n_heads is a whole number (e.g. dim 64, n_heads 4)")
-    if (m.dim // m.n_heads) % 2:
-        _fail("model.dim", f"/ n_heads = {m.dim // m.n_heads} is odd", "RoPE needs an even head size: change dim or n_heads")
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv:
-        _fail("model.n_kv_heads", f"= {kv} does not divide model.n_heads = {m.n_heads}", "choose n_kv_heads among the divisors of n_heads")
-    if not m.rope_theta > 0:
-        _fail("model.rope_theta", f"= {m.rope_theta} must be positive", "the Llama-2 value is 10000")
-    if not m.norm_eps > 0:
-        _fail("model.norm_eps", f"= {m.norm_eps} must be positive", "the Llama-2 value is 1e-5")
-    if not m.init_std > 0:
-        _fail("model.init_std", f"= {m.init_std} must be positive", "the Llama value is 0.02")
 
-    d = cfg.data
-    if d.seq_len <= 0:
-        _fail("data.seq_len", f"= {d.seq_len} must be positive", "set data.seq_len to e.g. 64 (tests) or 2048 (production)")
-    if d.seq_len > m.max_seq_len:
-        _fail("data.seq_len", f"= {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}", "raise model.max_seq_len or lower data.seq_len")
-
-    p = cfg.prepare
-    if p.vocab_size < 256 + 4:
-        _fail("prepare.vocab_size", f"= {p.vocab_size} is too small", "byte fallback alone needs 260 pieces; use 8000-32000 for Chinese")
-    if not 0 < p.character_coverage <= 1:
-        _fail("prepare.character_coverage", f"= {p.character_coverage} is outside (0, 1]", "the Llama value is 0.9995")
-    if not 0 <= p.valid_fraction < 1:
-        _fail("prepare.valid_fraction", f"= {p.valid_fraction} is outside [0, 1)", "use e.g. 0.01")
-    if not 0 < p.near_dedup_threshold <= 1:
-        _fail("prepare.near_dedup_threshold", f"= {p.near_dedup_threshold} is outside (0, 1]", "use e.g. 0.8")
-    for name in ("max_dup_line_fraction", "max_top_ngram_fraction"):
-        if not 0 < getattr(p, name) <= 1:
-            _fail(f"prepare.{name}", f"= {getattr(p, name)} is outside (0, 1]", "use 1 to switch the filter off")
-    if p.min_chars < 0:
-        _fail("prepare.min_chars", f"= {p.min_chars} must not be negative", "use 0 to keep every document")
-
-    o = cfg.optim
-    if not (o.lr >= 0 and math.isfinite(o.lr)):
-        _fail("optim.lr", f"= {o.lr} must be a non-negative number", "the usual range is 1e-4 to 1e-3")
-    if o.weight_decay < 0:
-        _fail("optim.weight_decay", f"= {o.weight_decay} must not be negative", "the Llama value is 0.1")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(o, name) < 1:
-            _fail(f"optim.{name}", f"= {getattr(o, name)} is outside [0, 1)", "Llama uses beta1 0.9, beta2 0.95")
-    if not o.eps > 0:
-        _fail("optim.eps", f"= {o.eps} must be positive", "the Llama value is 1e-8")
-    if o.grad_clip < 0:
-        _fail("optim.grad_clip", f"= {o.grad_clip} must not be negative", "use 1.0, or 0 to disable clipping")
-    if o.z_loss < 0:
-        _fail("optim.z_loss", f"= {o.z_loss} must not be negative", "use 0 (off) or e.g. 1e-4")
-
-    s = cfg.schedule
-    if isinstance(s.warmup_steps, str):
-        if s.warmup_steps != "auto":
-            _fail("schedule.warmup_steps", f"= {s.warmup_steps!r} is neither an integer nor \"auto\"", 'write schedule.warmup_steps=100 or schedule.warmup_steps="auto"')
-    elif s.warmup_steps < 0:
-        _fail("schedule.warmup_steps", f"= {s.warmup_steps} must not be negative", "use 0 for no warm-up")
-    if not 0 <= s.min_lr_ratio <= 1:
-        _fail("schedule.min_lr_ratio", f"= {s.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
-    if not 0 < s.decay_fraction <= 1:
-        _fail("schedule.decay_fraction", f"= {s.decay_fraction} is outside (0, 1]", "use e.g. 0.2")
-    if s.peak_ratio < 1:
-        _fail("schedule.peak_ratio", f"= {s.peak_ratio} must be at least 1", "the field report uses 1.2")
-
-    t = cfg.train
-    if t.max_steps < 0 or t.max_tokens < 0:
-        _fail("train.max_steps", "and train.max_tokens must not be negative", "give a positive step or token budget")
+def check_budget(t: TrainConfig) -> None:
+    """A training run needs to know when to stop (plan and prepare do not)."""
     if t.max_steps == 0 and t.max_tokens == 0:
         _fail("train.max_steps", "and train.max_tokens are both missing", "set one of them, e.g. train.max_steps=100")
-    if t.global_batch <= 0:
-        _fail("train.global_batch", f"= {t.global_batch} must be positive", "set train.global_batch to e.g. 8")
-    if t.micro_batch < 0:
-        _fail("train.micro_batch", f"= {t.micro_batch} must not be negative", "use 0 for global_batch / world size")
-    if t.micro_batch and t.global_batch % t.micro_batch:
-        _fail("train.global_batch", f"= {t.global_batch} is not divisible by train.micro_batch = {t.micro_batch}", "make global_batch a multiple of micro_batch")
-    if t.log_every <= 0:
-        _fail("train.log_every", f"= {t.log_every} must be positive", "use e.g. 10")
 
-    pr = cfg.precision
-    if pr.dtype == "bf16" and device == "cpu":
-        _fail("precision.dtype", "= bf16 is not supported on CPU (MindSpore has no CPU bf16 kernels)", "use precision.dtype=fp32 (or fp16) on CPU; bf16 is for Ascend")
-    if pr.scale_warmup_to < 0:
-        _fail("precision.scale_warmup_to", f"= {pr.scale_warmup_to} must not be negative", "use 0 (no warm-up of the scale) or e.g. 1024")
-    if not pr.init_scale > 0:
-        _fail("precision.init_scale", f"= {pr.init_scale} must be positive", "the field report uses 64")
-    if not 0 < pr.min_scale <= pr.max_scale:
-        _fail("precision.min_scale", f"= {pr.min_scale} must be positive and at most max_scale", "use e.g. min_scale 1, max_scale 16777216")
-    if pr.growth_interval <= 0:
-        _fail("precision.growth_interval", f"= {pr.growth_interval} must be positive", "use e.g. 1000")
-    if pr.scale_warmup_to and pr.scale_warmup_steps <= 0:
-        _fail("precision.scale_warmup_steps", "must be positive when scale_warmup_to is set", "the field report warms 64 -> 1024 over 500 steps")
-    scaled = pr.loss_scale in ("dynamic", "static") or (pr.loss_scale == "auto" and pr.dtype == "fp16")
-    if pr.allreduce_dtype == "fp16" and not scaled:
-        # Unscaled per-rank gradients of a large model's mean loss (~1e-6) sit below fp16's normal
-        # range (6.1e-5): on the wire they flush to zero or keep a few bits.
-        _fail("precision.allreduce_dtype", f"= fp16 needs loss scaling, which is off here (dtype {pr.dtype}, loss_scale {pr.loss_scale})",
-              "use precision.allreduce_dtype=fp32, or turn loss scaling on (precision.loss_scale=dynamic)")
-    if pr.param_dtype == "compute" and pr.dtype == "fp32":
-        _fail("precision.param_dtype", "= compute only applies to fp16/bf16 compute (with dtype fp32 the parameters are fp32 already)",
-              "set precision.dtype=fp16 (or bf16 on Ascend), or leave precision.param_dtype=fp32")
 
-    c = cfg.checkpoint
-    if c.every < 0 or c.keep_last < 1 or c.keep_every < 0:
-        _fail("checkpoint.keep_last", "must be at least 1 (and every/keep_every not negative)", "use e.g. checkpoint.every=100 checkpoint.keep_last=3")
-
-    e = cfg.eval
-    if e.every < 0 or e.max_tokens < 0 or e.batch_size <= 0:
-        _fail("eval.batch_size", "must be positive (and every/max_tokens not negative)", "use e.g. eval.batch_size=8")
-    if cfg.device.threads < 0:
-        _fail("device.threads", f"= {cfg.device.threads} must not be negative", "use 0 for all cores")
-    if cfg.device.peak_tflops < 0:
-        _fail("device.peak_tflops", f"= {cfg.device.peak_tflops} must not be negative", "use 0 for the built-in table, or the device's peak TFLOPs")
-    if cfg.device.max_device_memory < 0:
-        _fail("device.max_device_memory", f"= {cfg.device.max_device_memory} must not be negative", "use 0 for the default (58 GB on Ascend 910B), or the usable GB per device")
-    if cfg.optim.bucket_mb < 0:
-        _fail("optim.bucket_mb", f"= {cfg.optim.bucket_mb} must not be negative", "use e.g. 256, or 0 for one collective per parameter")
-    if not 0 <= cfg.device.cpu_quota <= 100:
-        _fail("device.cpu_quota", f"= {cfg.device.cpu_quota} is outside [0, 100]", "give a percentage of all cores, e.g. 60 (0 = off)")
-    for f in fields(MetricsConfig):
-        v = getattr(cfg.metrics, f.name)
-        if f.type in ("int", int) and v <= 0:
-            _fail(f"metrics.{f.name}", f"= {v} must be positive", "give an interval in steps, e.g. 1, 50 or 200")
-    sp = cfg.spike
-    if not sp.threshold > 0:
-        _fail("spike.threshold", f"= {sp.threshold} must be positive", "the field report's bar is 0.3 (a loss 0.3 above the rolling mean)")
-    if sp.window < 2 or sp.threshold <= 0 or sp.max_nonfinite < 1 or sp.rewind_skip < 0:
-        _fail("spike.window", "needs window >= 2, threshold > 0, max_nonfinite >= 1, rewind_skip >= 0", "the defaults are window 50, threshold 0.3, max_nonfinite 10")
-    if not sp.grad_norm_factor > 0:
-        _fail("spike.grad_norm_factor", f"= {sp.grad_norm_factor} must be positive", "the default is 5 (a grad norm 5x the rolling median)")
-    for i, src in enumerate(cfg.data.sources):
-        if not isinstance(src, dict) or "path" not in src or set(src) - {"path", "weight"}:
-            _fail(f"data.sources[{i}]", "must be a table {path = \"DIR\", weight = W}", 'write data.sources = [{path = "a/", weight = 0.7}, {path = "b/", weight = 0.3}]')
-        w = src.get("weight", 1.0)
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not (w > 0 and math.isfinite(w)):
-            _fail(f"data.sources[{i}].weight", "must be a positive number", "weights are relative, e.g. 0.7 and 0.3")
-    if cfg.cost.price_per_device_hour < 0:
-        _fail("cost.price_per_device_hour", "must not be negative", "use 0 for no cost figures")
+def validate(cfg: Config, *, device: str | None = None, budget: bool = True) -> None:
+    """The rules across sections a run needs. `device` is the resolved target, if known;
+    `budget=False` for jobs that do not train (plan takes its budget from --tokens or --data)."""
+    check_seq_len(cfg)
+    if device is not None:
+        check_device(cfg, device)
+    if budget:
+        check_budget(cfg.train)
 
 
 def micro_batches(cfg: Config, world_size: int) -> tuple[int, int]:
     """(micro_batch per rank, accumulation steps) for a world size; errors name the fix."""
     t = cfg.train
     if t.global_batch % world_size:
-        raise UserError(f"train.global_batch = {t.global_batch} is not divisible by {world_size} ranks", "make global_batch a multiple of the number of devices")
+        raise UserError(f"train.global_batch = {t.global_batch} is not divisible by {world_size} ranks",
+                        "make global_batch a multiple of the number of devices")
     per_rank = t.global_batch // world_size
     mb = t.micro_batch or per_rank
     if per_rank % mb:

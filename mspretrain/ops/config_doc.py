@@ -8,8 +8,8 @@ Design choices:
 - Fields whose meaning their name alone does not carry and that have no comment get a short text
   from `MEANINGS` below. A field with neither is an error (`undocumented()`), which the docs test
   turns into a failure naming the field — a new key cannot land undocumented.
-- Types, defaults and allowed values come from the live dataclasses and `config.CHOICES`, so
-  they are the values the code uses, rendered as TOML.
+- Types, defaults and allowed values come from the live dataclasses (choices are their `Literal`
+  types, read through `config.choices`), so they are the values the code uses, rendered as TOML.
 - Output is deterministic (no dates, no paths): regenerating gives the same bytes, which is what
   the up-to-date test compares.
 
@@ -27,7 +27,7 @@ import re
 import sys
 import tokenize
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from mspretrain import config as cfgmod
 
@@ -163,13 +163,17 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, int):
         return f"{value:_}" if abs(value) >= 10_000 else str(value)
     if isinstance(value, tuple):
-        return "[]" if not value else repr(list(value))
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
 
 
 def _type_name(typ: Any) -> str:
     if typ is tuple:
         return "array of tables"
+    if get_origin(typ) is Literal:  # the allowed values are listed in the meaning
+        return _type_name(type(get_args(typ)[0]))
+    if get_origin(typ) is tuple:  # tuple[X, ...]
+        return f"array of {_type_name(get_args(typ)[0])}s"
     args = getattr(typ, "__args__", None)
     if args:  # Union[int, str]
         return " or ".join(_type_name(a) for a in args)
@@ -194,8 +198,9 @@ def reference_rows() -> list[tuple[str, list[tuple[str, str, str, str]]]]:
             meaning = comments.get(key, "")
             if not meaning or _is_choice_list(meaning):
                 meaning = MEANINGS.get(key, "")
-            if key in cfgmod.CHOICES and not all(f'"{c}"' in meaning for c in cfgmod.CHOICES[key]):
-                meaning = f"{meaning}; one of: {', '.join(cfgmod.CHOICES[key])}" if meaning else f"one of: {', '.join(cfgmod.CHOICES[key])}"
+            allowed = cfgmod.choices(type(obj), f.name)
+            if allowed and not all(f'"{c}"' in meaning for c in allowed):
+                meaning = f"{meaning}; one of: {', '.join(allowed)}" if meaning else f"one of: {', '.join(allowed)}"
             rows.append((f.name, _type_name(hints[f.name]), _toml_value(getattr(obj, f.name)), meaning))
         out.append((section, rows))
     return out
