@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,85 @@ def test_cli_json_and_errors(capsys, tmp_path):
     assert main(["diagnose", str(tmp_path / "missing")]) == 2
     with pytest.raises(UserError):
         diagnose(tmp_path)  # an empty dir: nothing to read
+
+
+# ---------------------------------------------------------------- --hang (heartbeats)
+def _beats(run: Path, now: float, ranks: list[dict]) -> None:
+    """Heartbeat files as the writer leaves them (monitor/heartbeat.py's record)."""
+    import socket
+
+    d = run / "heartbeat"
+    d.mkdir(parents=True, exist_ok=True)
+    for r in ranks:
+        rec = {"rank": r["rank"], "world": len(ranks), "step": r["step"], "phase": r["phase"], "collectives": r["step"] * 6,
+               "collectives_per_step": 6, "pid": 1000 + r["rank"], "host": r.get("host", socket.gethostname()),
+               "time": now - r.get("age", 1.0), "phase_since": now - r.get("phase_s", 1.0), "started": now - 500}
+        (d / f"rank_{r['rank']:05d}.json").write_text(json.dumps(rec))
+
+
+def test_hang_names_the_lagging_rank_and_its_phase(tmp_path):
+    from mspretrain.ops.diagnose import hang_report
+
+    now = 10_000.0
+    running = lambda pid: "running"
+    _beats(tmp_path, now, [{"rank": 0, "step": 57, "phase": "step", "phase_s": 3}, {"rank": 1, "step": 57, "phase": "data", "phase_s": 1}])
+    text, lag = hang_report(tmp_path, now=now, probe=running)
+    assert not lag and "all ranks agree: step 57" in text
+
+    # rank 1 is SIGSTOPped while fetching data; rank 0 waits in the step's collectives
+    _beats(tmp_path, now, [{"rank": 0, "step": 57, "phase": "step", "phase_s": 40},
+                           {"rank": 1, "step": 57, "phase": "data", "phase_s": 41, "age": 41}])
+    text, lag = hang_report(tmp_path, now=now, probe=lambda pid: "stopped" if pid == 1001 else "running")
+    assert lag
+    first = text.splitlines()[1]
+    assert first.startswith("LAGGING: rank 1 is stopped") and "step 57 (phase data" in first
+    assert "rank 0: step 57, phase step" in text and "waiting for the lagging rank" in text
+    # the same seen from another host (no /proc): silent while the others beat
+    text, lag = hang_report(tmp_path, now=now, probe=lambda pid: "running" if pid == 1000 else "dead")
+    assert lag and "LAGGING: rank 1 died" in text
+    _beats(tmp_path, now, [{"rank": 0, "step": 57, "phase": "step", "phase_s": 40},
+                           {"rank": 1, "step": 57, "phase": "data", "phase_s": 41, "age": 41, "host": "elsewhere"}])
+    text, lag = hang_report(tmp_path, now=now, probe=running)
+    assert lag and "LAGGING: rank 1 went silent" in text and "phase data" in text
+
+    # alive and beating, but stuck in data loading while the peer waits in the step
+    _beats(tmp_path, now, [{"rank": 0, "step": 12, "phase": "step", "phase_s": 90},
+                           {"rank": 1, "step": 12, "phase": "data", "phase_s": 90}])
+    text, lag = hang_report(tmp_path, now=now, probe=running)
+    assert lag and "LAGGING: rank 1 is stuck outside the step" in text and "phase data" in text
+    # a rank a step behind a peer that waits for it
+    _beats(tmp_path, now, [{"rank": 0, "step": 12, "phase": "step", "phase_s": 90}, {"rank": 1, "step": 11, "phase": "eval", "phase_s": 5}])
+    text, lag = hang_report(tmp_path, now=now, probe=running)
+    assert lag and "LAGGING: rank 1 is behind at step 11 (phase eval" in text
+
+    _beats(tmp_path, now, [{"rank": 0, "step": 8, "phase": "done", "age": 900}, {"rank": 1, "step": 8, "phase": "done", "age": 900}])
+    text, lag = hang_report(tmp_path, now=now, probe=lambda pid: "dead")
+    assert not lag and "all ranks finished at step 8" in text
+
+
+def test_hang_cli_errors(tmp_path, capsys):
+    assert main(["diagnose", str(tmp_path), "--hang"]) == 2
+    err = capsys.readouterr().err
+    assert "has no heartbeats" in err and len(err.strip().splitlines()) == 2
+    assert main(["diagnose", str(tmp_path), "--hang", "--stale-after", "nan"]) == 2
+    assert "not a positive number" in capsys.readouterr().err
+
+
+def test_process_state_sees_a_stopped_and_a_dead_process():
+    import signal
+    import subprocess
+
+    from mspretrain.ops.diagnose import process_state
+
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        assert process_state(p.pid) == "running"
+        os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.time() + 5
+        while process_state(p.pid) != "stopped" and time.time() < deadline:
+            time.sleep(0.02)
+        assert process_state(p.pid) == "stopped"
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+    assert process_state(p.pid) == "dead"
