@@ -1,0 +1,95 @@
+"""`train --init-from PATH`: find the weights, check them against the run, grow the vocabulary.
+
+PATH is one of
+- an mspretrain checkpoint: a step dir, a run dir (its newest checkpoint that verifies), or what
+  `convert --from-hf` writes; it must verify against its manifest (checkpoint/store.py);
+- an HF Llama folder (config.json + *.safetensors), converted in memory (model/init_from.py).
+A folder with a manifest.json is a checkpoint; one without it that holds a config.json or weight
+files is an HF folder (and is refused in one line if one of the two is missing or bad). Only the weights are taken: optimizer state, schedule and loss scale start fresh.
+
+When the data dir's tokenizer extends the init model's (model/resize.py), the new embedding and
+lm_head rows are initialised from the base tokenizer's split of each new piece; this module is
+where the tokenizers are read (data/, layer 2), so the model layer needs none.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mspretrain.checkpoint import store
+from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.errors import UserError
+from mspretrain.model.init_from import InitWeights, from_hf_dir, run_model_config
+from mspretrain.model.resize import check_extends, resize_vocab
+
+
+def load_init(path: str | Path, log: Callable[[str], None] = lambda s: None) -> InitWeights:
+    """The weights, config and provenance of PATH; one-line UserError when it is missing or bad."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"--init-from {p} does not exist", "pass a checkpoint (run dir, step dir, `convert --from-hf` output) or an HF Llama folder")
+    if not p.is_dir():
+        raise UserError(f"--init-from {p} is a file, not a directory", "pass the folder holding the weights (config.json + *.safetensors, or a checkpoint)")
+    looks_hf = (p / "config.json").is_file() or any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
+    if looks_hf and not (p / store.MANIFEST).is_file():
+        return from_hf_dir(p)  # names what is missing: config.json, safetensors, a bad file
+    ref = store.resolve_checkpoint(p, log=log)  # verifies the manifest (SHA-256 of every file)
+    tensors = store.read_model_tensors(ref)
+    if "embed.weight" not in tensors:
+        raise UserError(f"checkpoint {ref.dir} has no embed.weight", "this is not an mspretrain model checkpoint")
+    model_cfg = resolve_model(ref.config.model, int(tensors["embed.weight"].shape[0]))
+    manifest = json.loads((ref.dir / store.MANIFEST).read_text(encoding="utf-8"))
+    files = {store.MODEL_FILE: manifest["files"][store.MODEL_FILE]["sha256"]}  # verified just now
+    return InitWeights(path=p, kind="checkpoint", source_dir=ref.dir, config=model_cfg, tensors=tensors, files=files,
+                       tokenizer_path=ref.tokenizer_path)
+
+
+def pieces(tok: Any) -> list[str]:
+    """Every piece of a data/tokenizer.py Tokenizer, by id."""
+    if tok._sp is not None:
+        return [tok._sp.IdToPiece(i) for i in range(tok.vocab_size)]
+    return [tok._hf.id_to_token(i) for i in range(tok.vocab_size)]
+
+
+def base_splits(base_tok: Any, new_tok: Any, start: int) -> list[list[int]]:
+    """For each new piece (ids start..): the base tokenizer's ids for the piece's text. The text is
+    the new tokenizer's decode of that one id (SentencePiece's '▁' becomes a space there)."""
+    return [list(base_tok.encode(new_tok.decode([i]))) for i in range(start, new_tok.vocab_size)]
+
+
+@dataclass(frozen=True)
+class InitPlan:
+    """What the trainer needs: the run's model config, the tensors to load before step 0, and the
+    record for run_meta.json ({"path", "kind", "dir", "files", "resized"})."""
+
+    model: ModelConfig
+    tensors: dict[str, np.ndarray]
+    meta: dict[str, Any]
+
+
+def plan_init(init: InitWeights, own: ModelConfig, data_tokenizer: Path, explicit: set[str] | None = None) -> InitPlan:
+    """Check `init` against the training config's model keys and the data dir's tokenizer, and
+    grow its vocabulary to the data dir's when that tokenizer extends the init model's."""
+    from mspretrain.data.tokenizer import Tokenizer
+
+    data_tok = Tokenizer.load(data_tokenizer)
+    model = run_model_config(own, init.config, data_tok.vocab_size, explicit)
+    base_vocab = init.config.vocab_size
+    resized: dict[str, Any] | None = None
+    tensors = init.tensors
+    if init.tokenizer_path is not None:
+        base_tok = Tokenizer.load(init.tokenizer_path)
+        check_extends(pieces(base_tok), pieces(data_tok))
+        if data_tok.vocab_size > base_vocab:
+            unusable = {i for i in base_tok.special_ids().values() if i >= 0}
+            tensors, resized = resize_vocab(init.tensors, data_tok.vocab_size, base_splits(base_tok, data_tok, base_vocab), unusable)
+    elif data_tok.vocab_size > base_vocab:
+        raise UserError(f"the init weights at {init.path} come without a tokenizer, so the {data_tok.vocab_size - base_vocab} new pieces "
+                        "of the data dir's tokenizer cannot be initialised from their base-tokenizer split",
+                        "put the init model's tokenizer.model (or tokenizer.json) next to its weights")
+    meta = dict(init.provenance(), resized=resized)
+    return InitPlan(model=model, tensors=tensors, meta=meta)

@@ -1,0 +1,221 @@
+"""Continued pretraining from published weights (issue 20 items 1, 3, 4): init sources (an HF
+Llama folder made here with transformers, its converted checkpoint, a run dir), the vocabulary
+resize against an independent reference, the one-line refusals, and the parameter groups."""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("GLOG_v", "3")
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+import torch
+import transformers
+from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+from mspretrain.checkpoint.init_source import load_init, plan_init
+from mspretrain.cli import main
+from mspretrain.config import ModelConfig
+from mspretrain.errors import UserError
+from mspretrain.model.groups import param_groups, trainable_mask
+from mspretrain.model.resize import resize_vocab
+from tests.conftest import TINY
+from tests.test_hf_bridge import V, train_tokenizer
+
+CHARS = [chr(c) for c in range(0x4E00, 0x4E00 + 40)]  # the base tokenizer's characters (test_hf_bridge)
+NEW_PIECES = ["一丁", "万丈", "下丌", "下丌不"]  # pieces the base lacks (BPE: each a merge of two symbols)
+CONTROL_PIECE = "<ctl_new>"  # decodes to "": its rows fall back to the overall mean
+
+
+def tiny_model() -> ModelConfig:
+    from mspretrain import config as cfgmod
+
+    return cfgmod.load(TINY).model
+
+
+def hf_llama(seed: int = 0, vocab: int = V, tied: bool = False):
+    """Matches configs/tiny.toml's model keys (dim 64, 2 layers, 4 heads, 2 KV heads, 128 positions)."""
+    torch.manual_seed(seed)
+    hc = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    return transformers.LlamaForCausalLM(hc).eval()
+
+
+def extend_tokenizer(base: Path, out: Path, pieces: list[str], control: list[str] = ()) -> Path:
+    """Chinese-LLaMA's merge: the base proto with pieces appended (base ids unchanged)."""
+    proto = sp_pb2.ModelProto()
+    proto.ParseFromString(base.read_bytes())
+    have = {p.piece for p in proto.pieces}
+    low = min(p.score for p in proto.pieces)
+    for k, text in enumerate(pieces):
+        assert text not in have
+        proto.pieces.add(piece=text, score=low - 1 - k, type=sp_pb2.ModelProto.SentencePiece.NORMAL)
+    for text in control:
+        proto.pieces.add(piece=text, score=0.0, type=sp_pb2.ModelProto.SentencePiece.CONTROL)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(proto.SerializeToString())
+    return out
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    """An HF folder (weights, config.json, tokenizer.model), its converted checkpoint, an extended tokenizer."""
+    root = tmp_path_factory.mktemp("init_from")
+    tok = train_tokenizer(root / "tok" / "tokenizer.model", V)
+    hf_dir = root / "hf"
+    model = hf_llama()
+    model.save_pretrained(hf_dir)
+    shutil.copy(tok, hf_dir / "tokenizer.model")
+    ckpt = root / "converted"
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(ckpt), "--quiet"]) == 0
+    ext = extend_tokenizer(tok, root / "ext" / "tokenizer.model", NEW_PIECES, [CONTROL_PIECE])
+    return {"root": root, "tok": tok, "hf": hf_dir, "model": model, "ckpt": ckpt, "ext": ext}
+
+
+# --------------------------------------------------------------------------- sources
+
+def test_hf_folder_equals_its_converted_checkpoint_bit_for_bit(src):
+    a, b = load_init(src["hf"]), load_init(src["ckpt"])
+    assert (a.kind, b.kind) == ("hf", "checkpoint")
+    assert a.config == b.config and a.config.vocab_size == V
+    assert a.tensors.keys() == b.tensors.keys()
+    for k in a.tensors:
+        assert a.tensors[k].dtype == b.tensors[k].dtype == np.float32
+        assert np.array_equal(a.tensors[k], b.tensors[k]), k
+    # the weights are HF's own tensors (an independent read through torch)
+    sd = src["model"].state_dict()
+    assert np.array_equal(a.tensors["embed.weight"], sd["model.embed_tokens.weight"].numpy())
+    assert np.array_equal(a.tensors["layers.1.attn.wo.weight"], sd["model.layers.1.self_attn.o_proj.weight"].numpy())
+    import hashlib
+
+    assert a.files == {"model.safetensors": hashlib.sha256((src["hf"] / "model.safetensors").read_bytes()).hexdigest()}
+    assert b.files == {"model.safetensors": hashlib.sha256((src["ckpt"] / "model.safetensors").read_bytes()).hexdigest()}
+    assert a.tokenizer_path is not None and b.tokenizer_path is not None
+
+
+def test_same_vocabulary_keeps_the_tensors(src):
+    plan = plan_init(load_init(src["hf"]), tiny_model(), src["tok"])
+    assert plan.model.vocab_size == V and plan.meta["resized"] is None
+    assert plan.meta["files"] == load_init(src["hf"]).files and plan.meta["kind"] == "hf"
+    assert plan.model.rope_theta == 10000.0 and plan.model.ffn_dim == 96 and plan.model.max_seq_len == 128
+
+
+# --------------------------------------------------------------------------- resize
+
+def test_resize_keeps_base_rows_and_new_rows_are_the_split_means(src):
+    init = load_init(src["hf"])
+    plan = plan_init(init, tiny_model(), src["ext"])
+    n_new = len(NEW_PIECES) + 1
+    assert plan.model.vocab_size == V + n_new
+    base_sp, ext_sp = spm.SentencePieceProcessor(), spm.SentencePieceProcessor()
+    base_sp.Load(str(src["tok"]))
+    ext_sp.Load(str(src["ext"]))
+    sd = src["model"].state_dict()
+    for ours, theirs in (("embed.weight", "model.embed_tokens.weight"), ("lm_head.weight", "lm_head.weight")):
+        hf = sd[theirs].numpy().astype(np.float64)
+        got = plan.tensors[ours]
+        assert got.shape == (V + n_new, 64) and got.dtype == np.float32
+        assert np.array_equal(got[:V], sd[theirs].numpy())  # base rows bit-identical to the HF weights
+        for k, text in enumerate(NEW_PIECES):
+            ids = base_sp.EncodeAsIds(text)
+            assert ids and ext_sp.EncodeAsIds(text) == [V + k]  # the extension is used whole
+            np.testing.assert_array_equal(got[V + k], hf[ids].mean(axis=0).astype(np.float32), err_msg=f"{ours} {text}")
+        np.testing.assert_array_equal(got[V + n_new - 1], hf.mean(axis=0).astype(np.float32))  # the control piece
+    assert plan.meta["resized"] == {"base_vocab": V, "vocab": V + n_new, "split_mean": len(NEW_PIECES), "overall_mean": 1,
+                                    "overall_mean_ids": [V + n_new - 1]}
+    # every other tensor is passed through unchanged
+    assert all(plan.tensors[k] is init.tensors[k] for k in init.tensors if k not in ("embed.weight", "lm_head.weight"))
+
+
+def test_resize_tied_and_special_ids():
+    emb = np.arange(12, dtype=np.float32).reshape(4, 3)
+    out, rec = resize_vocab({"embed.weight": emb, "norm.weight": np.ones(3, np.float32)}, 6, [[1, 2], [0, 9]], unusable={0})
+    assert "lm_head.weight" not in out and np.array_equal(out["embed.weight"][:4], emb)
+    np.testing.assert_array_equal(out["embed.weight"][4], emb[1:3].mean(axis=0))
+    np.testing.assert_array_equal(out["embed.weight"][5], emb.mean(axis=0))  # 0 is unusable, 9 outside the base vocab
+    assert (rec["split_mean"], rec["overall_mean"], rec["overall_mean_ids"]) == (1, 1, [5])
+
+
+# --------------------------------------------------------------------------- refusals
+
+def _refused(fn, *needles):
+    with pytest.raises(UserError) as exc:
+        fn()
+    e = exc.value
+    assert "\n" not in e.cause and "\n" not in e.fix and e.fix, str(e)
+    for needle in needles:
+        assert needle in e.cause, e.cause
+    return e
+
+
+def test_refusals_are_one_line(src):
+    root = src["root"]
+    init = load_init(src["hf"])
+    proto = sp_pb2.ModelProto()
+    proto.ParseFromString(src["tok"].read_bytes())
+    del proto.pieces[V - 5:]  # the base tokenizer less its last 5 pieces
+    small = root / "small" / "tokenizer.model"
+    small.parent.mkdir()
+    small.write_bytes(proto.SerializeToString())
+    _refused(lambda: plan_init(init, tiny_model(), small), "shrinking", str(V - 5), str(V))
+    reordered = extend_tokenizer(src["tok"], root / "reordered" / "tokenizer.model", NEW_PIECES)
+    proto = sp_pb2.ModelProto()
+    proto.ParseFromString(reordered.read_bytes())
+    proto.pieces[300].piece, proto.pieces[301].piece = proto.pieces[301].piece, proto.pieces[300].piece
+    reordered.write_bytes(proto.SerializeToString())
+    _refused(lambda: plan_init(init, tiny_model(), reordered), "does not extend the init model's tokenizer", "id 300")
+    _refused(lambda: plan_init(init, replace(tiny_model(), dim=128), src["tok"]), "model.dim = 128", "64")
+    _refused(lambda: plan_init(init, replace(tiny_model(), n_kv_heads=4), src["tok"]), "model.n_kv_heads = 4", "2")
+    _refused(lambda: load_init(root / "nowhere"), "does not exist")
+    nocfg = root / "nocfg"
+    shutil.copytree(src["hf"], nocfg)
+    (nocfg / "config.json").unlink()
+    _refused(lambda: load_init(nocfg), "no config.json")
+    bad = root / "bad_st"
+    shutil.copytree(src["hf"], bad)
+    raw = bytearray((bad / "model.safetensors").read_bytes())
+    raw[8:16] = b"{{{{{{{{"  # a header that is not JSON
+    (bad / "model.safetensors").write_bytes(bytes(raw))
+    _refused(lambda: load_init(bad), "not a valid safetensors file")
+    corrupt = root / "corrupt_ckpt"
+    shutil.copytree(src["ckpt"], corrupt)
+    raw = bytearray((corrupt / "model.safetensors").read_bytes())
+    raw[-1] ^= 0xFF  # same size, other bytes: only the SHA-256 sees it
+    (corrupt / "model.safetensors").write_bytes(bytes(raw))
+    _refused(lambda: load_init(corrupt), "does not verify", "sha256 mismatch")
+    # no tokenizer with the init weights: new pieces cannot be split
+    notok = root / "notok"
+    shutil.copytree(src["hf"], notok)
+    (notok / "tokenizer.model").unlink()
+    _refused(lambda: plan_init(load_init(notok), tiny_model(), src["ext"]), "without a tokenizer")
+
+
+# --------------------------------------------------------------------------- groups
+
+def test_parameter_groups_cover_the_llama_names():
+    from mspretrain.model.hf import our_shapes
+
+    names = list(our_shapes(replace(tiny_model(), vocab_size=64, n_kv_heads=2, ffn_dim=96)))
+    want = {"embed.weight": "embeddings", "lm_head.weight": "lm_head", "norm.weight": "norms",
+            "layers.0.attn_norm.weight": "norms", "layers.1.mlp_norm.weight": "norms",
+            "layers.0.attn.wqkv.weight": "attention", "layers.1.attn.wo.weight": "attention",
+            "layers.0.mlp.w13.weight": "mlp", "layers.1.mlp.w2.weight": "mlp"}
+    assert set(want) <= set(names)
+    for n in names:
+        assert len(param_groups(n)) == 1
+    for n, g in want.items():
+        assert param_groups(n) == {g}
+    assert trainable_mask(names, ("all",)) == [True] * len(names)
+    mask = dict(zip(names, trainable_mask(names, ("embeddings", "lm_head"))))
+    assert {n for n, m in mask.items() if m} == {"embed.weight", "lm_head.weight"}
+    # tied: the embedding is the lm_head, trained when either group is
+    assert trainable_mask(["embed.weight", "norm.weight"], ["lm_head"], tied=True) == [True, False]
+    _refused(lambda: trainable_mask(["embed.weight", "norm.weight"], ["lm_head"], tied=False), "selects no parameter")
+    with pytest.raises(ValueError):
+        param_groups("proj.weight")
