@@ -1,9 +1,14 @@
-"""Durability helpers shared by the writers of shards, data dirs, checkpoints and run files."""
+"""Durability helpers shared by the writers of shards, data dirs, checkpoints and run files, and the
+one way to read a JSON file a person may have edited or truncated."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from mspretrain.errors import UserError
 
 
 def fsync_path(path: str | Path) -> None:
@@ -38,3 +43,19 @@ def atomic_write(path: str | Path, data: bytes | str, *, fsync: bool = True) -> 
         raise
     if fsync:
         fsync_path(path.parent)  # makes the rename itself survive a crash
+
+
+def read_json(path: str | Path, fix: str) -> Any:
+    """The parsed JSON of `path`, or a one-line UserError naming the file (unreadable, not UTF-8,
+    not JSON). Whether the file exists, and what the document must hold, is the caller's to say."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not valid JSON (not UTF-8 at byte {e.start})", fix) from None
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror or e})", fix) from None
+    try:
+        return json.loads(text)
+    except ValueError as e:  # json.JSONDecodeError; its message names the line and column
+        raise UserError(f"{path} is not valid JSON ({' '.join(str(e).split())})", fix) from None

@@ -101,3 +101,8 @@ class DataPaths:
 
     def idx(self, split: str) -> Path:
         return self.root / f"{split}.idx"
+
+    def files(self) -> list[Path]:
+        """Every file `prepare` may write here (it writes one of the two tokenizer files)."""
+        return [self.manifest, self.tokenizer_model, self.tokenizer_json,
+                *(f(split) for split in SPLITS for f in (self.bin, self.idx))]

@@ -116,6 +116,30 @@ def test_manifest(raw, prepared):
     assert m["files"]["by_encoding"] == {"utf-8": 2} and m["files"]["bytes_dropped"] == 0
     assert m["rules"]["strip_html"] is True and m["split"]["valid_fraction"] == 0.1
     assert (out / "train.bin").stat().st_size == 2 * m["tokens"]["train"]  # 2 bytes per token, no padding
+    # per input file, named as the input named them, in reading order; the totals are their sums
+    assert m["input_files"] == [
+        {"name": f"{raw.as_posix()}/a.txt", "status": "read", "encoding": "utf-8", "bytes": (raw / "a.txt").stat().st_size, "documents": 202},
+        {"name": f"{raw.as_posix()}/b.jsonl", "status": "read", "encoding": "utf-8", "bytes": (raw / "b.jsonl").stat().st_size,
+         "documents": 200}]
+    assert sum(f["documents"] for f in m["input_files"]) == m["files"]["documents"] == m["documents_in"]
+
+
+def test_manifest_counts_losses_per_input_file_with_relative_names(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    poems = make_poems(60, seed=4)
+    (tmp_path / "in" / "clean.txt").write_text("\n".join(p.replace("\n", "") for p in poems[:30]) + "\n", encoding="utf-8")
+    lossy = ("\n".join(p.replace("\n", "") for p in poems[30:]) + "\n").encode() + b"\xff\xff\xff tail line here\n"
+    (tmp_path / "in" / "sub" / "lossy.txt").write_bytes(lossy)
+    (tmp_path / "in" / "sub" / "empty.txt").write_bytes(b"")
+    for workers in (1, 2):  # the blocks of one file are decoded in the workers: the counts must not depend on it
+        m = prepare(["in"], f"out{workers}", replace(CFG, doc_per_line=True), workers=workers, **QUIET)
+        assert [(f["name"], f["status"], f.get("bytes_dropped", 0), f["documents"]) for f in m["input_files"]] == [
+            ("in/clean.txt", "read", 0, 30), ("in/sub/empty.txt", "empty", 0, 0), ("in/sub/lossy.txt", "read", 3, 31)]
+        assert m["files"]["bytes_dropped"] == 3 and m["files"]["skipped"] == {"empty": 1}
+    assert (tmp_path / "out1" / "manifest.json").read_bytes() == (tmp_path / "out2" / "manifest.json").read_bytes()
+    text = inspect(tmp_path / "out1")
+    assert "lossy files  2: in/sub/empty.txt: empty; in/sub/lossy.txt: bytes_dropped 3" in text
 
 
 def test_same_input_same_seed_byte_identical(raw, prepared, tmp_path):
@@ -252,17 +276,18 @@ def test_every_file_is_fsynced_before_the_data_dir_is_published(raw, tmp_path, m
     # The shard writers leave durability to prepare, which fsyncs all files at once: a file
     # missing from that batch could be lost by a power cut after the data dir looks finished.
     from mspretrain.data import prepare as prep
+    from mspretrain.data import publish as pub
 
     synced: list[Path] = []
-    real_fsync, real_publish = prep.fsync_path, prep._publish
-    monkeypatch.setattr(prep, "fsync_path", lambda p: (synced.append(Path(p)), real_fsync(p)))
+    real_fsync, real_publish = pub.fsync_path, prep.publish
+    monkeypatch.setattr(pub, "fsync_path", lambda p: (synced.append(Path(p)), real_fsync(p)))
 
     def publish(work: Path, out: Path) -> None:
         files = {p for p in work.iterdir()}
         assert files and files <= set(synced) and work in synced  # files and directory, before the rename
         real_publish(work, out)
 
-    monkeypatch.setattr(prep, "_publish", publish)
+    monkeypatch.setattr(prep, "publish", publish)
     prepare([str(raw)], tmp_path / "data", CFG, workers=1, **QUIET)
     assert (tmp_path / "data" / "manifest.json").is_file()
 

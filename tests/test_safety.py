@@ -289,14 +289,14 @@ def test_prepare_disk_errors_are_one_line(poems_dir, tmp_path, capsys, monkeypat
     import errno
     import os
 
-    from mspretrain.data import prepare as prep
+    from mspretrain.data.sink import Sink
 
     code = getattr(errno, err)
 
     def full(self, *a, **k):
         raise OSError(code, os.strerror(code), str(tmp_path / ".data.partial" / "train.bin"))
 
-    monkeypatch.setattr(prep._Sink, "take", full)
+    monkeypatch.setattr(Sink, "take", full)
     out = tmp_path / "data"
     assert os.strerror(code) in refused(capsys, "prepare", poems_dir, "--out", out, *PREP)
     assert not out.exists() and not (tmp_path / ".data.partial").exists()

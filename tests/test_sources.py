@@ -169,7 +169,7 @@ def test_discovery(tmp_path):
         discover([])
 
 
-def _readline_docs(f, stats: SourceStats) -> list[str]:
+def _readline_docs(f, stats: sources.FileCounts) -> list[str]:
     """The previous one-document-per-line reader (a readline loop): the reference."""
     out = []
     while line := f.readline(sources.MAX_DOC_CHARS):
@@ -193,7 +193,7 @@ def test_block_line_reader_equals_readline(monkeypatch, max_chars, read_chars):
     parts = ["春眠不觉晓", "a", " ", "\t", "\u3000", "\n", "\n", "\r\n", "\r", "x" * 6, "y" * 7, "z" * 8, "长" * 15]
     for trial in range(300):
         text = "".join(rng.choice(parts) for _ in range(rng.randrange(0, 40)))
-        ref_stats, new_stats = SourceStats(), SourceStats()
+        ref_stats, new_stats = sources.FileCounts("ref"), sources.FileCounts("new")
         want = _readline_docs(io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8", newline=None), ref_stats)
         f = io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8", newline=None)
         got = [d for batch in sources._line_doc_batches(f, new_stats) for d in batch]
@@ -249,6 +249,7 @@ def test_raw_blocks_equal_the_decoding_reader(tmp_path, monkeypatch, encoding, m
         assert got == want, body
         d = got_stats.to_dict()
         assert d == want_stats.to_dict(), body
+        assert got_stats.per_file_dicts() == want_stats.per_file_dicts(), body  # the file's own counts too
         assert sorted(got_warn) == sorted(want_warn), body
 
 
@@ -265,4 +266,49 @@ def test_raw_blocks_fall_back_on_a_line_without_end(tmp_path, monkeypatch):
     stats, units = SourceStats(), list(sources.iter_file_batches(path, doc_per_line=True, stats=SourceStats(), warn=lambda _: None, raw=True))
     assert any(isinstance(u, list) for u in units)  # the fallback was taken
     got = _read_raw(path, stats, [])
-    assert got == want and stats.split_long == want_stats.split_long == 10 and stats.raw_files
+    assert got == want and stats.split_long == want_stats.split_long == 10 and stats.per_file[0].raw
+
+
+def test_counts_are_per_file_and_named_as_the_user_named_them(tmp_path, monkeypatch):
+    # dropped bytes land on the file that had them, even when another file's blocks are decoded
+    # in this process between two reads of it (prepare with one worker does exactly that)
+    monkeypatch.setattr(sources, "RAW_READ_BYTES", 16)
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_bytes("春眠不觉晓\n处处闻啼鸟\n".encode() * 4 + b"\xff\xfe\n")
+    (corpus / "sub" / "b.txt").write_bytes("夜来风雨声\n".encode() * 6 + b"bad\x81\n")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "花落知多少"}) + "\n{broken\n", encoding="utf-8")
+    (tmp_path / "d.txt").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    named = sources.discover_named(["corpus", "c.jsonl", "*.txt"])
+    assert [n for _, n in named] == ["corpus/a.txt", "corpus/sub/b.txt", "c.jsonl", "d.txt"]
+    assert [p for p, _ in named] == discover(["corpus", "c.jsonl", "*.txt"]) and all(p.is_absolute() for p, _ in named)
+    stats, warnings = SourceStats(), []
+    batches = sources.iter_batches([p for p, _ in named], names=[n for _, n in named], doc_per_line=True,
+                                   stats=stats, warn=warnings.append, raw=True)
+    for unit in batches:
+        if isinstance(unit, sources.RawLines):
+            got, dropped, split_long = sources.decode_raw(unit)
+            sources.count_raw(stats, unit.file, len(got), dropped, split_long)
+    sources.report_raw_files(stats, warnings.append)
+    per = {d["name"]: d for d in stats.per_file_dicts()}
+    assert per["corpus/a.txt"] == {"name": "corpus/a.txt", "status": "read", "encoding": "utf-8",
+                                   "bytes": (corpus / "a.txt").stat().st_size, "documents": 8, "bytes_dropped": 2}
+    assert per["corpus/sub/b.txt"]["bytes_dropped"] == 1 and per["corpus/sub/b.txt"]["documents"] == 7
+    assert per["c.jsonl"]["documents"] == 1 and per["c.jsonl"]["jsonl_broken"] == 1 and "bytes_dropped" not in per["c.jsonl"]
+    assert per["d.txt"] == {"name": "d.txt", "status": "empty", "bytes": 0, "documents": 0}
+    # the totals are the sums of the files
+    assert stats.bytes_dropped == 3 and stats.documents == 16 and stats.files == 3 and stats.skipped == {"empty": 1}
+    assert any("a.txt: 2 undecodable bytes dropped" in w for w in warnings)
+    assert any("b.txt: 1 undecodable bytes dropped" in w for w in warnings)
+
+
+def test_decoding_outside_a_file_counts_nothing_anywhere(tmp_path):
+    # the codec error handler only counts for the file whose reader is running
+    p = write_txt(tmp_path / "a.txt", ["春眠不觉晓"])
+    stats = SourceStats()
+    it = sources.iter_file_batches(p, stats=stats, warn=lambda _: None)
+    next(it)
+    assert b"x\xffy".decode("utf-8", errors="mspretrain.drop") == "xy"  # between two steps of the reader
+    list(it)
+    assert stats.per_file[0].bytes_dropped == 0

@@ -5,7 +5,6 @@ here, so a missing, unreadable or foreign manifest is refused in one line, the s
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,42 +12,36 @@ import numpy as np
 
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.errors import UserError
+from mspretrain.fsutil import read_json
 from mspretrain.paths import SPLITS, DataPaths
 
 # the keys everything downstream relies on, with their JSON types
 REQUIRED_MANIFEST_KEYS: dict[str, type] = {"fingerprint": str, "tokens": dict, "vocab_size": int, "special_ids": dict}
 
 
-def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    """The data dir's manifest.json, checked for the keys the loader and trainer rely on."""
+def read_manifest(data_dir: str | Path, *, required: dict[str, type] = REQUIRED_MANIFEST_KEYS) -> dict[str, Any]:
+    """The data dir's manifest.json, checked for the `required` keys and their types (by default
+    the ones the loader and trainer rely on; `prepare --inspect` asks for none, to show what an old
+    or edited manifest still holds)."""
     paths = DataPaths(data_dir)
     d, path = paths.root, paths.manifest
     fix = f"run `mspretrain prepare INPUT... --out {d}` to create the data dir"
     again = f"re-run `mspretrain prepare ... --out {d}`"
     if not d.is_dir():
         if d.exists():  # e.g. --data train.bin, or the corpus file itself
-            raise UserError(f"--data {d} is a file; a data dir is the directory `mspretrain prepare --out` wrote", fix)
+            raise UserError(f"{d} is a file, not a data dir (the directory `mspretrain prepare --out` wrote)", fix)
         raise UserError(f"data dir {d} does not exist", fix)
     if not path.is_file():
         raise UserError(f"{d} has no manifest.json, so it is not a prepared data dir", fix)
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read {path} ({e.strerror or e})", "check the file's permissions") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({_one_line(e)})", again) from None
+    manifest = read_json(path, again)
     if not isinstance(manifest, dict):
         raise UserError(f"{path} is not a JSON object", again)
-    for key, typ in REQUIRED_MANIFEST_KEYS.items():
+    for key, typ in required.items():
         # bool is an int in Python, but `"vocab_size": true` is not a vocabulary size
         value = manifest.get(key)
         if not isinstance(value, typ) or isinstance(value, bool):
             raise UserError(f"{path} lacks `{key}` ({typ.__name__}), so it was not written by `mspretrain prepare`", again)
     return manifest
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())
 
 
 _SCAN_TOKENS = 1 << 26  # tokens per chunk of the largest-id scan: 128 MB of uint16 at a time

@@ -26,9 +26,11 @@ import json
 import re
 import zlib
 from collections import Counter
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from mspretrain.errors import UserError
 
@@ -52,13 +54,53 @@ _GB_FAMILY = {"gb2312", "gbk", "gb18030", "hz", "cp936", "euc_cn"}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\x1b") + b"\x7f"
 
-# Undecodable bytes are dropped and counted through a named codec error handler.
-_dropped = [0]
+
+
+@dataclass
+class FileCounts:
+    """What reading one input file found. The readers fill one per file; `SourceStats` sums them,
+    and the manifest lists them (`sources`), so a file that lost bytes or documents is named."""
+
+    name: str  # the file as the user named it (under the input dir or glob), not resolved
+    path: Path | None = None  # where it was read (resolved); named in warnings, not in the manifest
+    status: str = "read"  # or why it was skipped: "empty", "unreadable", "binary"; "corrupt" = read in part
+    encoding: str = ""  # the label of the encoding it was read in; "" when it was not read
+    bytes_in: int = 0  # bytes on disk (compressed size for .gz/.zst)
+    documents: int = 0
+    bytes_dropped: int = 0  # undecodable bytes the decoder removed
+    surrogates_dropped: int = 0  # lone "\udXXX" escapes removed from .jsonl text
+    split_long: int = 0  # documents cut at MAX_DOC_CHARS
+    jsonl_broken: int = 0
+    jsonl_no_field: int = 0
+    jsonl_too_long: int = 0
+    mixed_gb18030_lines: int = 0  # in a file mixing encodings: lines read as GB18030 ...
+    mixed_bad_lines: int = 0  # ... and lines that fit neither (their bad bytes dropped)
+    raw: bool = False  # read as `RawLines` blocks, decoded (and counted) by the caller
+
+    _REPORTED = ("documents", "bytes_dropped", "surrogates_dropped", "split_long", "jsonl_broken", "jsonl_no_field",
+                 "jsonl_too_long", "mixed_gb18030_lines", "mixed_bad_lines")
+
+    def to_dict(self) -> dict:
+        """The manifest's entry: name, status, encoding, bytes, and the counters that are not zero."""
+        d: dict = {"name": self.name, "status": self.status}
+        if self.encoding:
+            d["encoding"] = self.encoding
+        d["bytes"] = self.bytes_in
+        d.update((k, getattr(self, k)) for k in self._REPORTED if getattr(self, k) or k == "documents")
+        return d
+
+
+# Undecodable bytes are dropped and counted through a named codec error handler. The registry of
+# error handlers is process-wide, so the handler finds the counts of the file being decoded
+# through a context variable, set only while that file's decoder runs (`_counting_into`).
+_COUNTS: ContextVar[FileCounts | None] = ContextVar("mspretrain_file_counts", default=None)
 
 
 def _count_and_drop(exc: UnicodeError) -> tuple[str, int]:
     if isinstance(exc, UnicodeDecodeError):
-        _dropped[0] += exc.end - exc.start
+        counts = _COUNTS.get()
+        if counts is not None:
+            counts.bytes_dropped += exc.end - exc.start
         return "", exc.end
     raise exc
 
@@ -66,10 +108,31 @@ def _count_and_drop(exc: UnicodeError) -> tuple[str, int]:
 codecs.register_error("mspretrain.drop", _count_and_drop)
 
 
+@contextmanager
+def _counting_into(counts: FileCounts) -> Iterator[FileCounts]:
+    token = _COUNTS.set(counts)
+    try:
+        yield counts
+    finally:
+        _COUNTS.reset(token)
+
+
+def _counted(batches: Iterable, counts: FileCounts) -> Iterator:
+    """`batches`, with `counts` receiving the dropped bytes of each step of the reader, and only
+    of it: between steps the consumer runs (and may decode another file's blocks)."""
+    it = iter(batches)
+    while True:
+        with _counting_into(counts):
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+        yield batch
+
+
 # --------------------------------------------------------------------------- files mixing UTF-8 and GB18030 lines
 
 MIXED_CODEC = "mspretrain-mixed"
-_mixed_lines = [0, 0]  # lines read as GB18030, lines that fit neither encoding (bytes dropped)
 _MIXED_HOLD = 1 << 20  # a line with no end yet is decoded in pieces beyond this: memory stays bounded
 
 
@@ -78,12 +141,13 @@ def _decode_line(line: bytes, errors: str) -> str:
         return line.decode("utf-8")
     except UnicodeDecodeError:
         pass
+    counts = _COUNTS.get() or FileCounts("")
     try:
         text = line.decode("gb18030")
-        _mixed_lines[0] += 1
+        counts.mixed_gb18030_lines += 1
         return text
     except UnicodeDecodeError:
-        _mixed_lines[1] += 1
+        counts.mixed_bad_lines += 1
         return line.decode("utf-8", errors=errors)
 
 
@@ -154,22 +218,57 @@ def mixed_lines_fit(sample: bytes, complete: bool) -> bool:
 
 @dataclass
 class SourceStats:
-    """What the readers saw; ends up in the manifest."""
+    """What the readers saw: one `FileCounts` per input file, and their totals for the manifest."""
 
-    files: int = 0
-    by_encoding: Counter = field(default_factory=Counter)
-    skipped: Counter = field(default_factory=Counter)  # reason -> files
+    per_file: list[FileCounts] = field(default_factory=list)  # in reading order
     ignored: int = 0  # files in walked directories that are not .txt/.jsonl
-    bytes_in: int = 0  # bytes read from disk (compressed size for .gz/.zst)
-    bytes_dropped: int = 0  # undecodable bytes removed
-    documents: int = 0
-    split_long: int = 0  # documents cut at MAX_DOC_CHARS
-    jsonl_broken: int = 0
-    jsonl_no_field: int = 0
-    jsonl_too_long: int = 0
-    # Files read as `RawLines`: [path, label, documents, bytes dropped], filled in as the blocks
-    # are decoded (possibly in other processes); see `RawLines` and `report_raw_files`.
-    raw_files: list = field(default_factory=list)
+
+    def _sum(self, key: str) -> int:
+        return sum(getattr(f, key) for f in self.per_file)
+
+    @property
+    def files(self) -> int:
+        """Files read (a corrupt one too: read up to its damage)."""
+        return sum(1 for f in self.per_file if f.encoding)
+
+    @property
+    def by_encoding(self) -> Counter:
+        return Counter(f.encoding for f in self.per_file if f.encoding)
+
+    @property
+    def skipped(self) -> Counter:  # reason -> files
+        return Counter(f.status for f in self.per_file if f.status != "read")
+
+    @property
+    def bytes_in(self) -> int:
+        return self._sum("bytes_in")
+
+    @property
+    def bytes_dropped(self) -> int:
+        return self._sum("bytes_dropped") + self._sum("surrogates_dropped")
+
+    @property
+    def documents(self) -> int:
+        return self._sum("documents")
+
+    @property
+    def split_long(self) -> int:
+        return self._sum("split_long")
+
+    @property
+    def jsonl_broken(self) -> int:
+        return self._sum("jsonl_broken")
+
+    @property
+    def jsonl_no_field(self) -> int:
+        return self._sum("jsonl_no_field")
+
+    @property
+    def jsonl_too_long(self) -> int:
+        return self._sum("jsonl_too_long")
+
+    def per_file_dicts(self) -> list[dict]:
+        return [f.to_dict() for f in self.per_file]
 
     def to_dict(self) -> dict:
         return {"files": self.files, "by_encoding": dict(sorted(self.by_encoding.items())),
@@ -200,13 +299,20 @@ def _supported(path: Path) -> bool:
 
 def discover(inputs: Sequence[str], stats: SourceStats | None = None) -> list[Path]:
     """The files to read, in a deterministic order; `UserError` if an input matches nothing."""
+    return [path for path, _ in discover_named(inputs, stats)]
+
+
+def discover_named(inputs: Sequence[str], stats: SourceStats | None = None) -> list[tuple[Path, str]]:
+    """`discover`, each file with the name the manifest gives it: as the user named it (an input
+    file as given, a file found under a directory or by a glob joined to it), so the manifest
+    holds no absolute path the command line did not."""
     if not inputs:
         raise UserError("no input given", "name files, directories or globs: mspretrain prepare corpus/ --out data/")
-    found: list[Path] = []
+    found: list[tuple[Path, str]] = []
     for raw in inputs:
         p = Path(raw).expanduser()
         if p.is_file():
-            found.append(p)
+            found.append((p, raw))
         elif p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file()
                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
@@ -216,18 +322,18 @@ def discover(inputs: Sequence[str], stats: SourceStats | None = None) -> list[Pa
             if not usable:
                 raise UserError(f"directory {p} holds no .txt or .jsonl files (also .gz/.zst)",
                                 "point prepare at your text files, or rename them to .txt / .jsonl")
-            found.extend(usable)
+            found.extend((f, (Path(raw) / f.relative_to(p)).as_posix()) for f in usable)
         elif glob.has_magic(raw):
             matches = _glob(p)
             if not matches:
                 raise UserError(f"no files match {raw}", "check the pattern (quote it so the shell does not expand it) or list the files")
-            found.extend(matches)
+            found.extend((m, m.as_posix()) for m in matches)
         else:
             raise UserError(f"input {raw} does not exist", "check the path; inputs may be files, directories or globs")
-    unique: dict[Path, None] = {}
-    for f in found:
-        unique.setdefault(f.resolve(), None)
-    return list(unique)
+    unique: dict[Path, str] = {}
+    for f, name in found:
+        unique.setdefault(f.resolve(), name)  # a file named twice is read once, under its first name
+    return list(unique.items())
 
 
 def _glob(pattern: Path) -> list[Path]:
@@ -337,11 +443,9 @@ def detect_encoding(sample: bytes, complete: bool) -> tuple[str, str] | None:
 
 
 def _undecodable(sample: bytes, codec: str, complete: bool = False) -> int:
-    before = _dropped[0]
-    codecs.getincrementaldecoder(codec)(errors="mspretrain.drop").decode(sample, final=complete)
-    n = _dropped[0] - before
-    _dropped[0] = before
-    return n
+    with _counting_into(FileCounts("")) as counts:
+        codecs.getincrementaldecoder(codec)(errors="mspretrain.drop").decode(sample, final=complete)
+    return counts.bytes_dropped
 
 
 # --------------------------------------------------------------------------- reading documents
@@ -363,7 +467,7 @@ def _chomp(text: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
-def _text_docs(f: io.TextIOBase, stats: SourceStats) -> Iterator[str]:
+def _text_docs(f: io.TextIOBase, counts: FileCounts) -> Iterator[str]:
     """Blank-line separated documents."""
     buf: list[str] = []
     size = 0
@@ -379,14 +483,14 @@ def _text_docs(f: io.TextIOBase, stats: SourceStats) -> Iterator[str]:
         buf.append(line)
         size += len(line)
         if size >= MAX_DOC_CHARS:
-            stats.split_long += 1
+            counts.split_long += 1
             yield _chomp("".join(buf))
             buf, size = [], 0
     if buf:
         yield _chomp("".join(buf))
 
 
-def _line_pieces(line: str, stats: SourceStats) -> list[str]:
+def _line_pieces(line: str, counts: FileCounts) -> list[str]:
     """What `readline(MAX_DOC_CHARS)` calls would make of one line (`line` ends with its newline,
     if it has one): the non-blank pieces, chomped, each full-length unterminated piece counted."""
     out = []
@@ -394,12 +498,12 @@ def _line_pieces(line: str, stats: SourceStats) -> list[str]:
         piece = line[at: at + MAX_DOC_CHARS]
         if piece.strip():
             if not piece.endswith("\n") and len(piece) >= MAX_DOC_CHARS:
-                stats.split_long += 1  # a piece of an over-long line
+                counts.split_long += 1  # a piece of an over-long line
             out.append(_chomp(piece))
     return out
 
 
-def _line_doc_batches(f: io.TextIOBase, stats: SourceStats) -> Iterator[list[str]]:
+def _line_doc_batches(f: io.TextIOBase, counts: FileCounts) -> Iterator[list[str]]:
     """One document per non-blank line, a list per block of text read.
 
     The same documents as a `readline(MAX_DOC_CHARS)` loop (over-long lines cut into pieces at
@@ -416,30 +520,30 @@ def _line_doc_batches(f: io.TextIOBase, stats: SourceStats) -> Iterator[list[str
         docs: list[str] = []
         if lines and max(map(len, lines)) >= MAX_DOC_CHARS:
             for line in lines:
-                docs.extend(_line_pieces(line + "\n", stats))
+                docs.extend(_line_pieces(line + "\n", counts))
         else:  # the common case: "not blank" is `line.strip()`, without building the copy
             docs = [line for line in lines if line and not line.isspace()]
         cut = len(carry) - len(carry) % MAX_DOC_CHARS
         if cut:  # whole MAX_DOC_CHARS pieces of a line that has no end yet
-            docs.extend(_line_pieces(carry[:cut], stats))
+            docs.extend(_line_pieces(carry[:cut], counts))
             carry = carry[cut:]
         if docs:
             yield docs
     if carry:
-        yield _line_pieces(carry, stats)
+        yield _line_pieces(carry, counts)
 
 
-def _whole_lines_docs(text: str, stats: SourceStats) -> list[str]:
+def _whole_lines_docs(text: str, counts: FileCounts) -> list[str]:
     """The documents of text that starts at a line start and ends after a newline (or at the end
     of the file): what the `readline(MAX_DOC_CHARS)` loop makes of those lines."""
     lines = text.split("\n")
     last = lines.pop()  # "" when the text ends with a newline, else the file's unterminated last line
     if lines and max(map(len, lines)) >= MAX_DOC_CHARS:
-        docs = [piece for line in lines for piece in _line_pieces(line + "\n", stats)]
+        docs = [piece for line in lines for piece in _line_pieces(line + "\n", counts)]
     else:
         docs = [line for line in lines if line and not line.isspace()]
     if last:
-        docs.extend(_line_pieces(last, stats))
+        docs.extend(_line_pieces(last, counts))
     return docs
 
 
@@ -460,38 +564,38 @@ class RawLines:
 
     data: bytes
     codec: str
-    file: int  # index into `SourceStats.raw_files`
+    file: int  # index into `SourceStats.per_file`
 
 
 def decode_raw(block: RawLines) -> tuple[list[str], int, int]:
     """(documents, undecodable bytes dropped, documents cut at MAX_DOC_CHARS) of a block."""
-    before = _dropped[0]
-    text = block.data.decode(block.codec, errors="mspretrain.drop")
-    dropped = _dropped[0] - before
-    _dropped[0] = before  # counted by the caller, not by the file being read in this process
+    # counted here, for the caller to add to the file's counts (`count_raw`): the block may be
+    # decoded in another process, or while the main process reads another file
+    with _counting_into(FileCounts("")) as counts:
+        text = block.data.decode(block.codec, errors="mspretrain.drop")
     if "\r" in text:  # universal newlines, as TextIOWrapper(newline=None) reads them
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    stats = SourceStats()
-    docs = _whole_lines_docs(text, stats)
-    return docs, dropped, stats.split_long
+    docs = _whole_lines_docs(text, counts)
+    return docs, counts.bytes_dropped, counts.split_long
 
 
 def count_raw(stats: SourceStats, file: int, documents: int, dropped: int, split_long: int) -> None:
-    """Add what decoding a block of `stats.raw_files[file]` found to the totals."""
-    stats.documents += documents
-    stats.bytes_dropped += dropped
-    stats.split_long += split_long
-    stats.raw_files[file][2] += documents
-    stats.raw_files[file][3] += dropped
+    """Add what decoding a block of `stats.per_file[file]` found to that file's counts."""
+    counts = stats.per_file[file]
+    counts.documents += documents
+    counts.bytes_dropped += dropped
+    counts.split_long += split_long
 
 
 def report_raw_files(stats: SourceStats, warn: Callable[[str], None]) -> None:
     """The per-file warnings of files read as `RawLines`, once all their blocks are decoded."""
-    for path, label, documents, dropped in stats.raw_files:
-        if dropped:
-            warn(f"{path}: {dropped} undecodable bytes dropped (read as {label})")
-        if not documents:
-            warn(f"{path}: no documents found")
+    for counts in stats.per_file:
+        if not counts.raw:
+            continue
+        if counts.bytes_dropped:
+            warn(f"{counts.path}: {counts.bytes_dropped} undecodable bytes dropped (read as {counts.encoding})")
+        if not counts.documents:
+            warn(f"{counts.path}: no documents found")
 
 
 class _Prefixed(io.RawIOBase):
@@ -540,7 +644,7 @@ def _read_salvaging(stream, carry: bytes, codec: str, file: int) -> bytes:
     return b"".join(chunks)
 
 
-def _raw_line_blocks(stream, codec: str, file: int, stats: SourceStats) -> Iterator[RawLines | list[str]]:
+def _raw_line_blocks(stream, codec: str, file: int, counts: FileCounts) -> Iterator[RawLines | list[str]]:
     """Blocks of whole lines of a one-document-per-line file, as `RawLines`. A line with no end
     after 4 * MAX_DOC_CHARS bytes (at least MAX_DOC_CHARS characters) switches the rest of the
     file to the decoding reader, which cuts it into pieces while memory stays bounded."""
@@ -557,7 +661,7 @@ def _raw_line_blocks(stream, codec: str, file: int, stats: SourceStats) -> Itera
             if len(carry) >= 4 * MAX_DOC_CHARS:
                 f = io.TextIOWrapper(io.BufferedReader(_Prefixed(carry, stream)), encoding=codec,
                                      errors="mspretrain.drop", newline=None)
-                yield from _line_doc_batches(f, stats)
+                yield from _line_doc_batches(f, counts)
                 return
             continue
         carry = buf[cut:]
@@ -566,13 +670,13 @@ def _raw_line_blocks(stream, codec: str, file: int, stats: SourceStats) -> Itera
         yield RawLines(carry, codec, file)
 
 
-def _jsonl_docs(f: io.TextIOBase, text_field: str, stats: SourceStats) -> Iterator[str]:
+def _jsonl_docs(f: io.TextIOBase, text_field: str, counts: FileCounts) -> Iterator[str]:
     while True:
         line = f.readline(MAX_JSONL_LINE_CHARS)
         if not line:
             break
         if not line.endswith("\n") and len(line) >= MAX_JSONL_LINE_CHARS:
-            stats.jsonl_too_long += 1
+            counts.jsonl_too_long += 1
             while (rest := f.readline(MAX_JSONL_LINE_CHARS)) and not rest.endswith("\n"):
                 pass
             continue
@@ -581,18 +685,18 @@ def _jsonl_docs(f: io.TextIOBase, text_field: str, stats: SourceStats) -> Iterat
         try:
             record = json.loads(line)
         except ValueError:
-            stats.jsonl_broken += 1
+            counts.jsonl_broken += 1
             continue
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
-            stats.jsonl_no_field += 1
+            counts.jsonl_no_field += 1
             continue
         if "\\u" in line and _SURROGATE.search(text):
             # A "\ud800" escape without its pair: not text, and not encodable as UTF-8.
             text, n = _SURROGATE.subn("", text)
-            stats.bytes_dropped += n
+            counts.surrogates_dropped += n
         pieces = cut_text(text, MAX_DOC_CHARS)
-        stats.split_long += len(pieces) - 1
+        counts.split_long += len(pieces) - 1
         yield from pieces
 
 
@@ -631,29 +735,33 @@ def iter_file(path: Path, *, doc_per_line: bool = False, text_field: str = "text
 
 def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str = "text",
                       stats: SourceStats, warn: Callable[[str], None],
-                      progress: Callable[[int], None] | None = None, raw: bool = False) -> Iterator[list[str] | RawLines]:
-    """`iter_file` in lists of documents (no per-document Python work for the caller).
+                      progress: Callable[[int], None] | None = None, raw: bool = False,
+                      name: str | None = None) -> Iterator[list[str] | RawLines]:
+    """`iter_file` in lists of documents (no per-document Python work for the caller). The file's
+    counts go to a new `FileCounts` (named `name`, by default the path) at the end of `stats.per_file`.
 
     With `raw`, a one-document-per-line file in a RAW_CODECS encoding comes as `RawLines`
     blocks instead: the caller decodes them (`decode_raw`), adds the counts (`count_raw`) and
     finally calls `report_raw_files` for the warnings about those files."""
+    counts = FileCounts(str(path) if name is None else name, path)
+    stats.per_file.append(counts)
     try:
         size = path.stat().st_size
         if size == 0:
-            stats.skipped["empty"] += 1
+            counts.status = "empty"
             warn(f"{path}: empty file, skipped")
             return
         sample, complete = _sample(path)
     except _read_errors() as exc:
-        stats.skipped["unreadable"] += 1
+        counts.status = "unreadable"
         warn(f"{path}: cannot be read ({type(exc).__name__}: {exc}), skipped")
         return
 
     def skip(kind: str, why: str) -> None:
         """A file read but not used: counted, warned about, and its bytes shown as done."""
-        stats.skipped[kind] += 1
+        counts.status = kind
         warn(f"{path}: {why}, skipped")
-        stats.bytes_in += size
+        counts.bytes_in = size
         if progress:
             progress(size)
 
@@ -668,29 +776,22 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
         skip("binary", f"looks binary ({reason or 'no text encoding fits'})")
         return
     codec, label = enc
-    stats.files += 1
-    stats.by_encoding[label] += 1
-    before = (_dropped[0], stats.jsonl_broken, stats.jsonl_no_field, stats.jsonl_too_long, stats.documents)
-    mixed_before = list(_mixed_lines)
+    counts.encoding = label
     stream, rawf = _open_binary(path)
     done = 0
-    as_raw = raw and doc_per_line and not is_jsonl(path) and codec in RAW_CODECS
-    if as_raw:
-        stats.raw_files.append([path, label, 0, 0])
+    counts.raw = raw and doc_per_line and not is_jsonl(path) and codec in RAW_CODECS
     try:
-        if as_raw:
-            batches = _raw_line_blocks(stream, codec, len(stats.raw_files) - 1, stats)
+        if counts.raw:
+            batches = _raw_line_blocks(stream, codec, len(stats.per_file) - 1, counts)
         else:
             f = io.TextIOWrapper(stream, encoding=codec, errors="mspretrain.drop", newline=None)
             if is_jsonl(path):
-                batches = _batched(_jsonl_docs(f, text_field, stats))
+                batches = _batched(_jsonl_docs(f, text_field, counts))
             else:
-                batches = _line_doc_batches(f, stats) if doc_per_line else _batched(_text_docs(f, stats))
-        for batch in batches:
+                batches = _line_doc_batches(f, counts) if doc_per_line else _batched(_text_docs(f, counts))
+        for batch in _counted(batches, counts):
             if not isinstance(batch, RawLines):
-                stats.documents += len(batch)
-                if as_raw:
-                    stats.raw_files[-1][2] += len(batch)
+                counts.documents += len(batch)
             yield batch
             if progress:
                 pos = rawf.tell()
@@ -701,34 +802,31 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
             if exc.lines is not None:
                 yield exc.lines  # the whole lines before the damage
             exc = exc.cause
-        stats.skipped["corrupt"] += 1
-        read = (f"{rawf.tell():,} of {size:,} bytes (the whole lines before the damage are kept)" if as_raw
-                else f"{stats.documents - before[4]} documents")
+        counts.status = "corrupt"
+        read = (f"{rawf.tell():,} of {size:,} bytes (the whole lines before the damage are kept)" if counts.raw
+                else f"{counts.documents} documents")
         warn(f"{path}: stopped reading after {read} ({type(exc).__name__}: {exc})")
     finally:
         stream.close()
         rawf.close()
-    stats.bytes_in += size
+    counts.bytes_in = size
     if progress:
         progress(size - done)
-    dropped = _dropped[0] - before[0]
-    stats.bytes_dropped += dropped
-    if as_raw:  # its blocks are decoded later: report_raw_files warns
-        stats.raw_files[-1][3] += dropped
+    if counts.raw:  # its blocks are decoded later: report_raw_files warns
         return
+    dropped = counts.bytes_dropped
     if codec == MIXED_CODEC:
-        gb, bad = _mixed_lines[0] - mixed_before[0], _mixed_lines[1] - mixed_before[1]
+        gb, bad = counts.mixed_gb18030_lines, counts.mixed_bad_lines
         warn(f"{path}: mixes encodings: {gb} lines read as GB18030, the others as UTF-8"
              + (f"; {bad} lines fit neither ({dropped} bytes dropped)" if bad else ""))
     elif dropped:
         warn(f"{path}: {dropped} undecodable bytes dropped (read as {label})")
-    broken, no_field, too_long = (stats.jsonl_broken - before[1], stats.jsonl_no_field - before[2],
-                                  stats.jsonl_too_long - before[3])
+    broken, no_field, too_long = counts.jsonl_broken, counts.jsonl_no_field, counts.jsonl_too_long
     if broken or no_field or too_long:
         parts = [f"{broken} broken lines"] * bool(broken) + [f"{no_field} lines without a string '{text_field}' field"] * bool(no_field) \
             + [f"{too_long} lines over {MAX_JSONL_LINE_CHARS:,} characters"] * bool(too_long)
         warn(f"{path}: skipped {', '.join(parts)}")
-    if stats.documents == before[4]:
+    if not counts.documents:
         warn(f"{path}: no documents found" + (f" (is the text in a field other than '{text_field}'? use --text-field)" if is_jsonl(path) else ""))
 
 
@@ -743,8 +841,10 @@ def iter_documents(paths: Sequence[Path], *, doc_per_line: bool = False, text_fi
 
 def iter_batches(paths: Sequence[Path], *, doc_per_line: bool = False, text_field: str = "text",
                  stats: SourceStats, warn: Callable[[str], None],
-                 progress: Callable[[int], None] | None = None, raw: bool = False) -> Iterator[list[str] | RawLines]:
-    """`iter_documents` in lists of documents (or `RawLines`, see `iter_file_batches`), in order."""
-    for path in paths:
+                 progress: Callable[[int], None] | None = None, raw: bool = False,
+                 names: Sequence[str] | None = None) -> Iterator[list[str] | RawLines]:
+    """`iter_documents` in lists of documents (or `RawLines`, see `iter_file_batches`), in order;
+    `names` (one per path, see `discover_named`) name the files' counts."""
+    for i, path in enumerate(paths):
         yield from iter_file_batches(path, doc_per_line=doc_per_line, text_field=text_field, stats=stats,
-                                     warn=warn, progress=progress, raw=raw)
+                                     warn=warn, progress=progress, raw=raw, name=None if names is None else names[i])

@@ -34,6 +34,7 @@ import numpy as np
 
 from mspretrain.config import ModelConfig
 from mspretrain.errors import UserError
+from mspretrain.fsutil import read_json
 
 _ST_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # read as fp32
@@ -270,10 +271,11 @@ def weight_files(hf_dir: Path) -> list[Path]:
     """The safetensors files of an HF folder (via the index when sharded); refuses pickled weights."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise UserError(f"{index} is not a valid safetensors index", "re-save the model with save_pretrained(safe_serialization=True)") from None
+        resave = "re-save the model with save_pretrained(safe_serialization=True)"
+        doc = read_json(index, resave)
+        if not isinstance(doc, dict) or "weight_map" not in doc:
+            raise UserError(f"{index} is not a valid safetensors index (no weight_map)", resave)
+        weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) and Path(v).name == v and v not in ("", ".", "..")
                                                        for v in weight_map.values()):
             raise UserError(f"{index} maps tensors to something other than file names in {hf_dir}",
@@ -305,10 +307,7 @@ def read_hf_dir(hf_dir: str | Path, check_tokenizer: Callable[[Path, ModelConfig
     cfg_path = hf_dir / "config.json"
     if not cfg_path.is_file():
         raise UserError(f"{hf_dir} has no config.json", "pass an HF model folder saved with save_pretrained (config.json + *.safetensors)")
-    try:
-        hf_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise UserError(f"{cfg_path} is not valid JSON", "re-save the model config") from None
+    hf_cfg = read_json(cfg_path, "re-save the model config")
     m = config_from_hf(hf_cfg, str(cfg_path))
     tok_path = next((hf_dir / n for n in ("tokenizer.model", "tokenizer.json") if (hf_dir / n).is_file()), None)
     if tok_path is not None and check_tokenizer is not None:

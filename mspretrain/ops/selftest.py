@@ -20,7 +20,6 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -36,6 +35,7 @@ import numpy as np
 from mspretrain import config as cfgmod
 from mspretrain.config import Config
 from mspretrain.errors import UserError
+from mspretrain.fsutil import read_json
 
 PASSED, FAILED, NEEDS_ASCEND, SKIPPED = "passed", "failed", "needs Ascend", "skipped"
 STATUSES = (PASSED, FAILED, NEEDS_ASCEND, SKIPPED)
@@ -530,10 +530,7 @@ def read_selftest(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"selftest file {p} does not exist", "write one with `mspretrain selftest --config CFG --out selftest.json`")
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise UserError(f"{p} is not JSON", "pass the output of `mspretrain selftest --json`") from None
+    doc = read_json(p, "pass the output of `mspretrain selftest --json`")
     if not isinstance(doc, dict) or not isinstance(doc.get("checks"), list):
         raise UserError(f"{p} is not a selftest result (no \"checks\" list)", "pass the output of `mspretrain selftest --json`")
     return doc

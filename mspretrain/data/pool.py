@@ -1,0 +1,83 @@
+"""Work for `prepare`'s worker processes, cut into chunks and consumed in input order.
+
+Results are taken in the order the chunks were made, with a bounded number in
+flight, so the output is byte-identical whatever the number of workers, and memory stays bounded
+whatever the corpus size (`multiprocessing.Pool.imap` would read ahead without limit).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+from collections import deque
+from typing import Callable, Iterable, Iterator
+
+from mspretrain.data import sources
+
+CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
+CHUNK_DOCS = 4096
+
+
+def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str] | sources.RawLines]:
+    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents); a
+    `RawLines` block is a chunk of its own (the documents before it go first)."""
+    chunk: list[str] = []
+    size = 0
+    for batch in batches:
+        if isinstance(batch, sources.RawLines):
+            if chunk:
+                yield chunk
+                chunk, size = [], 0
+            yield batch
+            continue
+        n = sum(map(len, batch))
+        if size + n < CHUNK_CHARS and len(chunk) + len(batch) < CHUNK_DOCS:
+            chunk.extend(batch)  # the common case: the whole batch fits
+            size += n
+            continue
+        for item in batch:
+            chunk.append(item)
+            size += len(item)
+            if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def batched(items: Iterable[str], n: int = 256) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def ordered(pool, fn: Callable, work: Iterable, in_flight: int) -> Iterator:
+    """Results of fn over `work`, in order, with at most `in_flight` items queued (no pool: in this process)."""
+    if pool is None:
+        yield from map(fn, work)
+        return
+    pending: deque = deque()
+    for item in work:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def start_pool(workers: int, initializer: Callable, initargs: tuple, warm_up: Callable[[], None] | None = None):
+    """A process pool of `workers`, or None (after running `initializer` here) for one worker.
+    The caller terminates it. `warm_up` runs first when the workers fork, for them to inherit."""
+    if workers <= 1:
+        initializer(*initargs)
+        return None
+    # fork is fast; after MindSpore has started its threads in this process, forking is unsafe.
+    method = "spawn" if "mindspore" in sys.modules else "fork"
+    if method == "fork" and warm_up is not None:
+        warm_up()
+    ctx = mp.get_context(method)
+    return ctx.Pool(workers, initializer=initializer, initargs=initargs)

@@ -1,0 +1,120 @@
+"""The main-process side of `prepare`'s pass 1: dedup, the train/valid split, the tokenizer sample.
+
+Design choices:
+- The split is a pure function of (document, seed) (see `dedup.uniforms`). If the hash puts no
+  document in one split, the last document of the other split moves there, so a small corpus
+  still gets both splits; documents keep their input order.
+- The tokenizer sample is a bottom-k of the same per-document uniforms: a uniform sample of the
+  train documents, bounded in characters, whatever the corpus size.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+
+import numpy as np
+
+from mspretrain.config import PrepareConfig
+from mspretrain.data import dedup, sources
+from mspretrain.paths import SPLITS
+
+
+class Sink:
+    """Dedup, split and hand documents (token arrays or texts) to the two split writers.
+
+    The one place that sees each document's fate: in `take`, `sel` holds a chunk's kept
+    documents of one split in output order (the last one is held back, and `finish` may move it
+    to the other split). A per-document record written beside the shards belongs there, one
+    writer per split next to `outs[split]`, following the same hold-back and move.
+    """
+
+    def __init__(self, cfg: PrepareConfig, outs: dict, sample_chars: int) -> None:
+        self.cfg, self.outs = cfg, outs
+        self.exact = dedup.ExactDedup()
+        self.near = dedup.NearDedup(cfg.near_dedup_threshold, cfg.seed) if cfg.near_dedup else None
+        self.changed: Counter = Counter()
+        self.dropped: Counter = Counter()
+        self.docs_in = self.chars_in = 0
+        self.docs = dict.fromkeys(SPLITS, 0)
+        self.chars = dict.fromkeys(SPLITS, 0)
+        # The latest document of each split is held back until the next one (see finish).
+        self.held: dict = dict.fromkeys(SPLITS)
+        self.sample: list = []  # bottom-k heap of (-u, order, text) for the tokenizer
+        self.sample_chars, self.sample_budget, self.order = 0, sample_chars, 0
+
+    def take(self, r: dict) -> None:
+        self.docs_in += r["docs_in"]
+        self.chars_in += r["chars_in"]
+        self.changed.update(r["changed"])
+        self.dropped.update(r["dropped"])
+        fresh = self.exact.fresh(r["keys"])  # the one per-document step: the dedup indexes
+        kept = np.flatnonzero(np.asarray(fresh, dtype=bool))
+        if kept.size < len(fresh):  # (a Counter keeps zero entries, and the manifest would show them)
+            self.dropped["exact_dup"] += len(fresh) - kept.size
+        if self.near is not None:
+            near = np.asarray([self.near.seen(r["sigs"][i]) for i in kept.tolist()], dtype=bool)
+            if near.any():
+                self.dropped["near_dup"] += int(near.sum())
+            kept = kept[~near]
+        kept = kept.astype(np.int64)
+        in_valid = r["u"][kept, 0] < self.cfg.valid_fraction
+        tokens = r.get("tokens")
+        if tokens is not None:
+            starts = np.cumsum(r["lengths"], dtype=np.int64) - r["lengths"]
+        for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
+            if not sel.size:
+                continue
+            self.docs[split] += int(sel.size)
+            self.chars[split] += int(r["chars"][sel].sum())
+            if tokens is None and split == "train" and self.sample_budget:
+                for i in sel:
+                    self._sample(float(r["u"][i, 1]), r["texts"][i])
+            # Each split holds back its latest document, which can still move (see finish).
+            if self.held[split] is not None:
+                self.outs[split].add_many([self.held[split][0]])
+            body, last = sel[:-1], int(sel[-1])
+            if tokens is None:
+                self.outs[split].add_many([r["texts"][i] for i in body])
+                self.held[split] = (r["texts"][last], int(r["chars"][last]))
+            else:
+                # the tokens of the body documents, in order (`body` is ascending): a mask over
+                # documents repeated per token is cheaper than computing every token's position
+                in_body = np.zeros(len(r["lengths"]), dtype=bool)
+                in_body[body] = True
+                self.outs[split].add_flat(tokens[np.repeat(in_body, r["lengths"])], r["lengths"][body])
+                self.held[split] = (tokens[starts[last]: starts[last] + r["lengths"][last]].copy(), int(r["chars"][last]))
+
+    def _sample(self, u: float, text: str) -> None:
+        heapq.heappush(self.sample, (-u, self.order, text))
+        self.order += 1
+        self.sample_chars += len(text)
+        while self.sample_chars > self.sample_budget and len(self.sample) > 1:
+            self.sample_chars -= len(heapq.heappop(self.sample)[2])
+
+    def finish(self) -> list[str]:
+        """Write the held documents, moving one across if a split would be empty."""
+        notes = []
+        moved = None
+        if self.docs["valid"] == 0 and self.cfg.valid_fraction > 0 and self.docs["train"] >= 2:
+            moved = ("train", "valid")
+        elif self.docs["train"] == 0 and self.docs["valid"] >= 1:
+            moved = ("valid", "train")
+        for split in SPLITS:
+            held = self.held[split]
+            if held is not None:
+                dest = moved[1] if moved and moved[0] == split else split
+                self.outs[dest].add_many([held[0]])
+        if moved:
+            src, dst = moved
+            self.docs[src] -= 1
+            self.docs[dst] += 1
+            self.chars[src] -= self.held[src][1]
+            self.chars[dst] += self.held[src][1]
+            notes.append(f"the hash split left {dst} empty: moved the last {src} document to {dst}")
+        if self.docs["valid"] == 0 and self.cfg.valid_fraction > 0:
+            notes.append("the valid split is empty (too few documents): eval will have nothing to measure")
+        return notes
+
+    def sample_texts(self) -> list[str]:
+        """The tokenizer sample in input order, long documents cut into ≤ 4,096-character pieces."""
+        return [p for _, _, t in sorted(self.sample, key=lambda e: e[1]) for p in sources.cut_text(t, 4096)]
