@@ -42,7 +42,8 @@ MEANINGS: dict[str, str] = {
     "model.rope_theta": "RoPE base frequency",
     "model.norm_eps": "RMSNorm epsilon",
     "model.tie_embeddings": "share the embedding matrix with the lm_head (Llama-2: false)",
-    "model.init_std": "std of the normal init of embeddings and linear weights (residual projections scaled by 1/sqrt(2 n_layers)); set explicitly because MindSpore's nn defaults differ",
+    "model.init_std": ("std of the normal init of embeddings and linear weights (residual projections scaled by 1/sqrt(2 n_layers)); "
+                       "set explicitly because MindSpore's nn defaults differ"),
     "prepare.vocab_size": "SentencePiece vocabulary size trained by `prepare` (16k-32k is the useful range for Chinese)",
     "prepare.character_coverage": "SentencePiece character coverage; rarer characters fall back to bytes",
     "prepare.valid_fraction": "share of documents held out as the valid split",
@@ -70,13 +71,15 @@ MEANINGS: dict[str, str] = {
     "optim.decay_embeddings": "apply weight decay to the embedding matrix too",
     "optim.z_loss": "coefficient of PaLM's z-loss on the log-partition function; 0 = off",
     "schedule.min_lr_ratio": "final learning rate as a share of the peak",
-    "train.max_tokens": "token budget (global_batch x seq_len per step); 0 = not set; the run stops at whichever of max_steps / max_tokens comes first",
+    "train.max_tokens": ("token budget (global_batch x seq_len per step); 0 = not set; "
+                         "the run stops at whichever of max_steps / max_tokens comes first"),
     "train.seed": "the run's seed: initialisation and data order derive from it",
     "train.log_every": "steps between console / train.log lines",
     "precision.scale_warmup_steps": "length of the linear loss-scale warm-up (the field report: 500)",
     "schedule.kind": "learning-rate schedule: warm-up then cosine decay, the field report's two-phase warm-up, warmup-stable-decay, or constant",
     "train.mode": "jit compiles the step with ms.jit (about 2.3x faster); pynative runs it eagerly, for debugging",
-    "precision.dtype": "compute dtype; the lm_head, norms, softmax and loss stay fp32, weights too unless precision.param_dtype=compute (bf16 is Ascend-only)",
+    "precision.dtype": ("compute dtype; the lm_head, norms, softmax and loss stay fp32, "
+                        "weights too unless precision.param_dtype=compute (bf16 is Ascend-only)"),
     "device.target": "auto = Ascend when an NPU is visible, else CPU",
     "spike.action": "what a loss spike does: log a warning, or rewind to the last checkpoint and skip the batches",
     "checkpoint.every": "steps between checkpoints (one is always written at the end and on Ctrl-C)",
