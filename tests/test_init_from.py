@@ -219,3 +219,83 @@ def test_parameter_groups_cover_the_llama_names():
     _refused(lambda: trainable_mask(["embed.weight", "norm.weight"], ["lm_head"], tied=False), "selects no parameter")
     with pytest.raises(ValueError):
         param_groups("proj.weight")
+
+
+# --------------------------------------------------------------------------- before the trainer
+
+def _data_dir(root: Path, tok: Path, name: str) -> Path:
+    """What init_for_run reads of a data dir: its tokenizer."""
+    d = root / name
+    d.mkdir(exist_ok=True)
+    shutil.copy(tok, d / "tokenizer.model")
+    return d
+
+
+def test_explicit_model_keys():
+    from mspretrain.checkpoint.init_source import explicit_model_keys
+
+    assert explicit_model_keys(TINY) == {"dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"}
+    assert explicit_model_keys(None, ["model.rope_theta=5e5", "train.max_steps=3"]) == {"rope_theta"}
+    assert "vocab_size" in explicit_model_keys(None, preset=True)
+
+
+def test_init_for_run_loads_the_hf_model_before_step_zero(src, tmp_path):
+    """The hook makes our Llama compute the HF model: same loss on text both tokenizers encode alike
+    (same vocabulary), and, grown to the extended vocabulary, the base logits of HF and a loss equal
+    to HF's own model resized with the same new rows."""
+    import mindspore as ms
+
+    from mspretrain import config as cfgmod
+    from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
+    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.loss import token_nll
+
+    cfg = cfgmod.load(TINY)
+    text = "七丈三上下万不与丐丑专且丕世丘丙业丛东丝丞"
+    base_sp = spm.SentencePieceProcessor(model_file=str(src["tok"]))
+    ids = base_sp.EncodeAsIds(text)
+    assert spm.SentencePieceProcessor(model_file=str(src["ext"])).EncodeAsIds(text) == ids and len(ids) > 8
+    hf = src["model"]
+    for tok, n_new in ((src["tok"], 0), (src["ext"], len(NEW_PIECES) + 1)):
+        data = _data_dir(tmp_path, tok, f"data{n_new}")
+        logs: list[str] = []
+        run_cfg, hook, meta = init_for_run(src["hf"], cfg, data, tmp_path / f"run{n_new}", explicit=explicit_model_keys(TINY), log=logs.append)
+        assert run_cfg.model.vocab_size == V + n_new and meta["files"] and (meta["resized"] is None) == (n_new == 0)
+        assert run_cfg.train == cfg.train and run_cfg.optim == cfg.optim
+        model = Llama(run_cfg.model, seed=99)
+        hook(model)
+        weights = state_numpy(model)
+        assert np.array_equal(weights["layers.0.mlp.w13.weight"],
+                              np.concatenate([hf.state_dict()[f"model.layers.0.mlp.{p}_proj.weight"].numpy() for p in ("gate", "up")]))
+        x = np.array([ids], np.int32)
+        logits = model(ms.Tensor(x)).asnumpy()
+        nll, _ = token_nll(ms.Tensor(logits[:, :-1]), ms.Tensor(x[:, 1:]))
+        ours = float(nll.asnumpy().mean())
+        ref_model = hf
+        if n_new:
+            ref_model = hf_llama()  # the same seed: HF's weights, then resized with our new rows
+            ref_model.resize_token_embeddings(V + n_new)
+            with torch.no_grad():
+                ref_model.model.embed_tokens.weight[V:] = torch.tensor(weights["embed.weight"][V:])
+                ref_model.lm_head.weight[V:] = torch.tensor(weights["lm_head.weight"][V:])
+        with torch.no_grad():
+            out = ref_model(torch.tensor(x).long(), labels=torch.tensor(x).long())
+            base = hf(torch.tensor(x).long()).logits.numpy()
+        assert abs(ours - float(out.loss)) <= 1e-5, (n_new, ours, float(out.loss))
+        assert np.abs(logits[..., :V] - base).max() <= 1e-4
+
+
+def test_init_for_run_on_a_run_dir_with_checkpoints(src, tmp_path):
+    from mspretrain import config as cfgmod
+    from mspretrain.checkpoint.init_source import init_for_run
+
+    run = tmp_path / "run"
+    shutil.copytree(src["ckpt"], run / "checkpoints" / "step_000005")
+    shutil.copy(src["ckpt"] / "config.toml", run / "config.toml")
+    cfg = cfgmod.load(TINY)
+    data = _data_dir(tmp_path, src["tok"], "data")
+    _refused(lambda: init_for_run(src["hf"], cfg, data, run, log=lambda s: None), "already has checkpoints", "step_000005")
+    logs: list[str] = []
+    run_cfg, hook, meta = init_for_run(src["hf"], cfg, data, run, allow_config_change=True, log=logs.append)
+    assert hook is None and meta is None and run_cfg.model == load_init(src["ckpt"]).config
+    assert "resumes" in logs[0]

@@ -14,14 +14,14 @@ where the tokenizers are read (data/, layer 2), so the model layer needs none.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from mspretrain.checkpoint import store
-from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.errors import UserError
 from mspretrain.model.init_from import InitWeights, from_hf_dir, run_model_config
 from mspretrain.model.resize import check_extends, resize_vocab
@@ -93,3 +93,62 @@ def plan_init(init: InitWeights, own: ModelConfig, data_tokenizer: Path, explici
                         "put the init model's tokenizer.model (or tokenizer.json) next to its weights")
     meta = dict(init.provenance(), resized=resized)
     return InitPlan(model=model, tensors=tensors, meta=meta)
+
+
+def explicit_model_keys(config_path: str | Path | None, overrides: Sequence[str] = (), preset: bool = False) -> set[str]:
+    """The model keys the user wrote: the config file's [model] table and `model.*` overrides (every
+    key with --model PRESET). Only these are compared with the init weights; the rest come from them."""
+    from mspretrain import config as cfgmod
+
+    if preset:
+        return {f.name for f in fields(ModelConfig)}
+    keys: set[str] = set()
+    if config_path is not None:  # already parsed once by config.load: valid TOML
+        raw = cfgmod.tomllib.loads(Path(config_path).read_text(encoding="utf-8"))
+        if isinstance(raw.get("model"), dict):
+            keys |= set(raw["model"])
+    for text in overrides:
+        section, name, _ = cfgmod.parse_override(text)
+        if section == "model":
+            keys.add(name)
+    return keys
+
+
+def init_for_run(path: str | Path, cfg: Config, data_dir: str | Path, run_dir: str | Path, *,
+                 explicit: set[str] | None = None, allow_config_change: bool = False,
+                 log: Callable[[str], None] = print) -> tuple[Config, Callable[[Any], None] | None, dict[str, Any] | None]:
+    """`train --init-from PATH` before the trainer is built: (the config to train with, the
+    `init_weights(model)` hook that loads the weights before step 0, the record for run_meta.json's
+    "init_from").
+
+    A run dir that already has checkpoints resumes instead; --init-from on it is refused unless
+    `allow_config_change`, and then the run resumes with its own model config (hook and record None)."""
+    from mspretrain import config as cfgmod
+
+    run_dir, data_dir = Path(run_dir), Path(data_dir)
+    existing = store.list_checkpoints(run_dir)
+    if existing:
+        if not allow_config_change:
+            raise UserError(f"--init-from on {run_dir}, which already has checkpoints (newest {existing[-1][1].name}): that run dir resumes",
+                            "give the new run its own --run dir, or pass --allow-config-change to resume this run (the --init-from weights are then not used)")
+        saved = run_dir / "config.toml"
+        model = cfgmod.load(saved).model if saved.is_file() else cfgmod.load(existing[-1][1] / "config.toml").model
+        log(f"--init-from {path}: {run_dir} has checkpoints, so it resumes (with --allow-config-change); the init weights are not used")
+        return replace(cfg, model=model), None, None
+    tok = next((data_dir / n for n in ("tokenizer.model", "tokenizer.json") if (data_dir / n).is_file()), None)
+    if tok is None:
+        raise UserError(f"data dir {data_dir} has no tokenizer.model or tokenizer.json", "pass the output of `mspretrain prepare` as --data")
+    init = load_init(path, log=log)
+    plan = plan_init(init, cfg.model, tok, explicit)
+    box = {"tensors": plan.tensors}
+
+    def init_weights(model: Any) -> None:
+        from mspretrain.model.llama import load_numpy
+
+        load_numpy(model, box.pop("tensors"))  # pop: the host copy is freed once the model holds it
+
+    resized = plan.meta["resized"]
+    log(f"initialising from {init.kind} {init.source_dir}: {len(plan.tensors)} tensors, vocab {init.config.vocab_size}"
+        + (f" -> {resized['vocab']} ({resized['split_mean']} new rows from base splits, {resized['overall_mean']} from the overall mean)"
+           if resized else ""))
+    return replace(cfg, model=plan.model), init_weights, plan.meta
