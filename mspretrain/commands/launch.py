@@ -3,7 +3,18 @@
 Builds the msrun line (`--worker_num`, `--local_worker_num`, `--master_addr/--master_port`,
 `--node_rank`, `--log_dir`, `--join`), finds msrun and the mspretrain script next to this
 interpreter (msrun starts `python` from PATH, so this venv's bin goes first on it), and runs it.
-Nothing here is needed to use msrun directly; it saves typing the line right."""
+Nothing here is needed to use msrun directly; it saves typing the line right.
+
+Two things msrun does not do, added here:
+- A watchdog (ops/watchdog.py): for `train`, the ranks' heartbeats in the run dir and their
+  processes are watched; when a rank dies or is stopped, the whole job is ended within seconds with
+  one line naming the rank, its step and its phase (msrun alone ends it 30-40 s later naming a pid).
+- Several "nodes" on one machine: msrun starts a scheduler on every node whose --master_addr is a
+  local address (parallel/cluster/process_entity/_api.py: `is_master = _is_local_ip(master_addr)`),
+  so on one host node 1 would start a second scheduler on node 0's port. Node ranks > 0 get
+  MSPRETRAIN_NO_SCHEDULER=1, and that scheduler process exits at once (train/distributed.py); each
+  node also logs into its own `LOG_DIR/node_N` (both schedulers would write LOG_DIR/scheduler.log).
+  On separate hosts both are harmless."""
 from __future__ import annotations
 
 import argparse
@@ -12,12 +23,16 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 EXAMPLES = """examples:
   mspretrain launch --nproc 2 -- train --config configs/tiny.toml --data data/ --run runs/dp
   mspretrain launch --nproc 8 --nodes 2 --node-rank 0 --master-addr 10.0.0.1 -- train --config configs/llama2-7b-910b.toml --data D --run R
-  mspretrain launch --nproc 8 --dry-run -- train ...     # print the msrun line only"""
+  mspretrain launch --nproc 8 --dry-run -- train ...     # print the msrun line only
+  # two "nodes" on one machine (one terminal each):
+  mspretrain launch --nproc 1 --nodes 2 --node-rank 0 --master-port 8200 -- train --config C --data D --run R
+  mspretrain launch --nproc 1 --nodes 2 --node-rank 1 --master-port 8200 -- train --config C --data D --run R"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,15 +41,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 on the master node")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
     p.add_argument("--master-port", type=int, default=8118)
-    p.add_argument("--log-dir", default="msrun_log", help="msrun writes worker_N.log and scheduler.log here")
+    p.add_argument("--log-dir", default="msrun_log", help="msrun writes worker_N.log and scheduler.log here (with --nodes > 1: in LOG_DIR/node_N)")
     p.add_argument("--dry-run", action="store_true", help="print the msrun command line and exit")
+    p.add_argument("--stale-after", type=float, default=None, metavar="S",
+                   help="end the job when a rank's heartbeat is S seconds old while the others beat (default 20)")
+    p.add_argument("--stop-grace", type=float, default=None, metavar="S",
+                   help="end the job when a rank's process has been stopped (SIGSTOP, a debugger) for S seconds (default 5)")
+    p.add_argument("--no-watchdog", action="store_true", help="leave dead or stopped ranks to msrun's own timeouts")
     p.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the mspretrain command every worker runs, after --")
 
 
 def run(args: argparse.Namespace) -> int:
     from mspretrain.errors import UserError
-    from mspretrain.train.distributed import msrun_command
+    from mspretrain.ops.diagnose import STALE_S
+    from mspretrain.ops.watchdog import STOP_GRACE_S
+    from mspretrain.train.distributed import NO_SCHEDULER, msrun_command
 
     cmd = list(args.command_args) + list(getattr(args, "overrides", ()))
     if cmd and cmd[0] == "--":
@@ -47,8 +69,14 @@ def run(args: argparse.Namespace) -> int:
     bin_dir = Path(sys.executable).parent
     search = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
     script = shutil.which("mspretrain", path=search) or str(bin_dir / "mspretrain")
+    log_dir = args.log_dir if args.nodes == 1 else os.path.join(args.log_dir, f"node_{args.node_rank}")
     line = msrun_command(args.nproc, cmd, nodes=args.nodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                         master_port=args.master_port, log_dir=args.log_dir, script=script)
+                         master_port=args.master_port, log_dir=log_dir, script=script)
+    stale = STALE_S if args.stale_after is None else args.stale_after
+    grace = STOP_GRACE_S if args.stop_grace is None else args.stop_grace
+    for flag, value in (("--stale-after", stale), ("--stop-grace", grace)):
+        if not value > 0 or value == float("inf"):  # NaN fails the first test
+            raise UserError(f"{flag} {value} is not a positive number of seconds", f"use e.g. {flag} 20")
     if args.dry_run:
         print(line)
         return 0
@@ -57,9 +85,61 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("msrun is not installed next to this Python", "install MindSpore >= 2.3 in this environment (msrun ships with it)")
     env = {**os.environ, "PATH": search}
     env.setdefault("GLOG_v", "3")  # MindSpore's native logs: warnings and errors only
+    if args.node_rank > 0:
+        env[NO_SCHEDULER] = "1"
     print(line, flush=True)
-    code = subprocess.call([msrun, *shlex.split(line)[1:]], env=env)
+    run_dir = None if args.no_watchdog else train_run_dir(cmd)
+    code, verdict = supervise([msrun, *shlex.split(line)[1:]], env, run_dir, stale, grace)
+    if verdict is not None:
+        print(f"error: {verdict.message()}; the job was ended\n"
+              f"hint: relaunch the same command to resume from the newest verified checkpoint; "
+              f"`mspretrain diagnose {run_dir} --hang` shows every rank, {log_dir}/worker_{verdict.rank}.log the rank's output",
+              file=sys.stderr)
+        return 1
     if code != 0:
-        print(f"error: a worker failed (msrun exit {code})\nhint: read {args.log_dir}/worker_*.log "
-              f"(`mspretrain diagnose {args.log_dir}` summarises them)", file=sys.stderr)
+        print(f"error: a worker failed (msrun exit {code})\nhint: read {log_dir}/worker_*.log "
+              f"(`mspretrain diagnose {log_dir}` summarises them)", file=sys.stderr)
     return code
+
+
+def train_run_dir(cmd: list[str]) -> Path | None:
+    """The --run dir of a `train` command (where the heartbeats are), None for other commands."""
+    if not cmd or cmd[0] != "train":
+        return None
+    for i, a in enumerate(cmd):
+        if a == "--run" and i + 1 < len(cmd):
+            return Path(cmd[i + 1])
+        if a.startswith("--run="):
+            return Path(a.split("=", 1)[1])
+    return None
+
+
+def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_s: float, stop_grace_s: float):
+    """Run msrun; with a run dir, watch the ranks and end the job when one dies or stops.
+    Returns (msrun's exit code, the watchdog's verdict or None)."""
+    from mspretrain.ops.watchdog import POLL_S, Watchdog, kill_tree, record_verdict
+
+    since = time.time()
+    proc = subprocess.Popen(argv, env=env)
+    dog = Watchdog(run_dir, since=since, stale_s=stale_s, stop_grace_s=stop_grace_s) if run_dir is not None else None
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=POLL_S), None
+            except subprocess.TimeoutExpired:
+                pass
+            verdict = dog.check() if dog is not None else None
+            if verdict is not None:
+                try:
+                    record_verdict(run_dir, verdict)
+                except OSError:
+                    pass  # a full disk must not keep the job alive; the message below still names the rank
+                kill_tree(proc.pid)
+                proc.wait(timeout=60)
+                return proc.returncode, verdict
+    except KeyboardInterrupt:  # msrun got the Ctrl-C too and stops its workers; give it a moment
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+        raise

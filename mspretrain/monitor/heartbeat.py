@@ -10,9 +10,10 @@ differ are waiting for each other.
 
 Phases: "start" (built, before the first step), "compile" (the first step: graph compilation
 happens inside it), "data" (fetching this step's micro-batches on the host), "step" (inside the
-compiled step), "eval", "save", "done". The compiled step is one graph — forward, backward, the
-gradient reduction and the optimizer — so a rank stuck in a collective shows as "step": on CPU the
-graph cannot be split into forward-backward / reduce / optimizer without giving up the fused step.
+compiled step), "eval", "save", "done", and "failed" (the loop ended on an exception). The
+compiled step is one graph — forward, backward, the gradient reduction and the optimizer — so a
+rank stuck in a collective shows as "step": on CPU the graph cannot be split into
+forward-backward / reduce / optimizer without giving up the fused step.
 
 Design choices:
 - Off the hot path: `phase()` only stores a few Python values; a daemon thread writes the file at
@@ -36,8 +37,8 @@ import time
 from pathlib import Path
 
 HEARTBEAT_DIR = "heartbeat"
-PHASES = ("start", "compile", "data", "step", "eval", "save", "done")
-URGENT = frozenset({"compile", "eval", "save", "done"})  # written at once: long phases, or the last word
+PHASES = ("start", "compile", "data", "step", "eval", "save", "done", "failed")
+URGENT = frozenset({"compile", "eval", "save", "done", "failed"})  # written at once: long phases, or the last word
 DEFAULT_INTERVAL_S = 2.0
 
 
@@ -45,7 +46,7 @@ def heartbeat_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / HEARTBEAT_DIR / f"rank_{rank:05d}.json"
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     try:
         from mspretrain.fsutil import atomic_write
     except ImportError:  # older fsutil without the shared helper
@@ -107,7 +108,7 @@ class Heartbeat:
             if not (force or urgent or now - self._last_write >= self.interval):
                 return False
             try:
-                _write_atomic(self.path, json.dumps(self.record()))
+                write_atomic(self.path, json.dumps(self.record()))
             except OSError:  # a full disk must not stop training; the stale heartbeat says enough
                 self._last_write = now  # and the thread retries only after the interval
                 return False

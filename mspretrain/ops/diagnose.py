@@ -353,7 +353,7 @@ class RankBeat:
     pid: int
     collectives: int
     process: str  # "running", "stopped", "dead", "zombie", or "remote" (another host: not probed)
-    status: str = "ok"  # "ok", "behind", "stuck", "stale", "stopped", "dead", "done"
+    status: str = "ok"  # "ok", "behind", "stuck", "stale", "stopped", "dead", "failed", "done"
     phase_s: float = 0.0
 
 
@@ -397,6 +397,8 @@ def rank_states(run_dir: Path, *, now: float | None = None, stale_s: float = STA
         limit = COMPILE_STALE_S if r.phase == "compile" else stale_s
         if r.phase == "done":
             r.status = "done"
+        elif r.phase == "failed":
+            r.status = "failed"  # the rank's loop ended on an exception (the heartbeat's last word)
         elif r.process in ("dead", "zombie"):
             r.status = "dead"
         elif r.process == "stopped":
@@ -418,7 +420,7 @@ def describe(r: RankBeat) -> str:
     """One rank in one line: what it is, where it is, since when."""
     what = {"dead": f"died (process {r.pid} on {r.host} is gone)", "stopped": f"is stopped (process {r.pid} on {r.host}: SIGSTOP or a debugger)",
             "stale": f"went silent (no heartbeat for {r.age_s:.0f} s while the other ranks still beat)",
-            "behind": "is behind", "stuck": "is stuck outside the step while the others wait for it", "ok": "ok",
+            "failed": "stopped on an error (its worker log has it)", "behind": "is behind", "stuck": "is stuck outside the step while the others wait for it", "ok": "ok",
             "done": "finished"}[r.status]
     return (f"rank {r.rank} {what} at step {r.step} (phase {r.phase} for {r.phase_s:.0f} s, collective #{r.collectives}); "
             f"heartbeat {r.age_s:.0f} s old")
@@ -429,12 +431,27 @@ def hang_report(run_dir: Path, *, stale_s: float = STALE_S, now: float | None = 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} is not a directory", "pass the --run dir of a training run")
+    from mspretrain.monitor.heartbeat import read_heartbeats
+
     states = rank_states(run_dir, now=now, stale_s=stale_s, probe=probe)
     if not states:
         raise UserError(f"{run_dir} has no heartbeats (heartbeat/rank_*.json)",
                         "pass the --run dir of a run trained by this mspretrain version; every rank writes its heartbeat there")
     top = max(r.step for r in states)
     lines = [f"{len(states)} rank(s) in {run_dir}: newest step {top}"]
+    from mspretrain.ops.watchdog import read_verdict
+
+    verdict = read_verdict(run_dir)
+    raw = read_heartbeats(run_dir)
+    if verdict is not None and float(verdict.get("time", 0)) >= max(float(b.get("started", 0)) for b in raw):
+        # `launch` ended this job: after the kill every process is gone, so its verdict (taken
+        # while they ran) is what tells the rank that stopped from the ranks ended with it
+        lines.append(f"LAGGING: {verdict.get('message')}")
+        lines.append("         the launch watchdog ended the job then; the other ranks were ended with it:")
+        for r in states:
+            if r.rank != verdict.get("rank"):
+                lines.append(f"         rank {r.rank}: step {r.step}, phase {r.phase}; last heartbeat {r.age_s:.0f} s ago")
+        return "\n".join(lines), True
     bad = lagging(states)
     if not bad:
         if all(r.status == "done" for r in states):
@@ -447,7 +464,7 @@ def hang_report(run_dir: Path, *, stale_s: float = STALE_S, now: float | None = 
                 lines.append(f"note: every heartbeat is older than {stale_s:.0f} s: the job is not running now "
                              "(ended without writing 'done', or the whole job is frozen)")
         return "\n".join(lines), False
-    for r in sorted(bad, key=lambda r: ("dead", "stopped", "stale", "stuck", "behind").index(r.status)):
+    for r in sorted(bad, key=lambda r: ("dead", "failed", "stopped", "stale", "stuck", "behind").index(r.status)):
         lines.append("LAGGING: " + describe(r))
     for r in states:
         if r not in bad:

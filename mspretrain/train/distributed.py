@@ -28,6 +28,9 @@ from dataclasses import dataclass
 
 from mspretrain.errors import UserError
 
+# Set by `mspretrain launch` on node ranks > 0: msrun starts a scheduler on every node whose
+# --master_addr is local (several "nodes" on one host), and the extra one must not run.
+NO_SCHEDULER = "MSPRETRAIN_NO_SCHEDULER"
 MSRUN_VARS = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT")
 RANK_TABLE_VARS = ("RANK_TABLE_FILE", "RANK_ID", "RANK_SIZE", "DEVICE_ID")
 # MindSpore reads the table from either name (mindspore/communication/management.py, _check_parallel_envs)
@@ -114,6 +117,11 @@ def init(target: str, env: dict[str, str] | None = None) -> World:
     """Initialise communication for the launch in `env` (msrun or rank table); one process otherwise.
 
     Call after `device.setup_mindspore`, which binds the rank table's DEVICE_ID."""
+    env = dict(os.environ if env is None else env)
+    if env.get("MS_ROLE") == "MS_SCHED" and env.get(NO_SCHEDULER) == "1":
+        # a second scheduler of a node > 0 on node 0's host: node 0's scheduler serves the job, and
+        # this one would fight it for the port; msrun only waits for it to exit, so exit cleanly
+        raise SystemExit(0)
     launch = select_launch(target, env)
     if launch.world.size == 1:
         return World()

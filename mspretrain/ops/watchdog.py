@@ -1,0 +1,143 @@
+"""The launch watchdog: end an msrun job whose rank died or stopped, and say which rank, where.
+
+What msrun 2.10 does on its own (measured on CPU, 2 workers, mspretrain train):
+- a worker SIGKILLed: msrun's join loop (parallel/cluster/process_entity/_api.py, `join_processes`,
+  polls every 1 s) sees the exit code -9, SIGKILLs the other local workers, then waits for the
+  scheduler, which gives up on the dead node after its heartbeat timeout: the job ended 32 s
+  after the kill, with "Worker process PID exit with exception. Error code: -9" and msrun's own
+  RuntimeError traceback — a pid, not a rank or a step.
+- a worker SIGSTOPped: nothing exits; the scheduler times the silent node out ("The node: 1 is
+  timed out", cluster/topology/meta_server_node.cc, MS_NODE_TIMEOUT) and the job ended 38 s after
+  the stop, with the timeout in scheduler.log only.
+- another node's msrun (multi-node) only learns of it through its own workers' failures.
+
+The watchdog reads the ranks' heartbeat files (monitor/heartbeat.py) and /proc, every 0.5 s:
+- a rank whose process is gone (or a zombie) before it wrote "done" died;
+- a rank whose process has been stopped (state T) for `stop_grace_s` is stopped;
+- a rank on another host whose heartbeat is older than `stale_s` while others still beat is silent
+  (its writer thread beats every 2 s even while the step waits in a collective).
+It then kills the whole local job (msrun, its scheduler and workers) and reports
+"rank R died/stopped at step S (phase P)". Heartbeats of an earlier job in the same run dir
+(a relaunch) are ignored: only those started after this launch count.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mspretrain.ops.diagnose import STALE_S, RankBeat, process_state, rank_states
+
+STOP_GRACE_S = 5.0
+POLL_S = 0.5
+
+
+@dataclass
+class Verdict:
+    rank: int
+    what: str  # "died", "failed", "stopped", "went silent"
+    step: int
+    phase: str
+    detail: str
+
+    def message(self) -> str:
+        return f"rank {self.rank} {self.what} at step {self.step} (phase {self.phase}): {self.detail}"
+
+
+VERDICT_FILE = "watchdog.json"  # in RUN_DIR/heartbeat/, next to the ranks' files
+
+
+def record_verdict(run_dir: str | Path, verdict: Verdict) -> None:
+    """Leave the verdict in the run dir before the job is killed: afterwards every process is
+    gone, and `diagnose --hang` could no longer tell the rank that stopped from those ended with it."""
+    import json
+
+    from mspretrain.monitor.heartbeat import HEARTBEAT_DIR, write_atomic
+
+    d = Path(run_dir) / HEARTBEAT_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    write_atomic(d / VERDICT_FILE, json.dumps({**asdict(verdict), "message": verdict.message(), "time": time.time()}))
+
+
+def read_verdict(run_dir: str | Path) -> dict | None:
+    import json
+
+    from mspretrain.monitor.heartbeat import HEARTBEAT_DIR
+
+    try:
+        return json.loads((Path(run_dir) / HEARTBEAT_DIR / VERDICT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+class Watchdog:
+    """Decides from heartbeats whether the job must end. `check()` is pure apart from the clock
+    and `probe`, so tests drive it with written heartbeat files and a fake probe."""
+
+    def __init__(self, run_dir: str | Path, *, since: float, stale_s: float = STALE_S,
+                 stop_grace_s: float = STOP_GRACE_S, probe=process_state) -> None:
+        self.run_dir, self.since, self.stale_s, self.stop_grace_s = Path(run_dir), since, stale_s, stop_grace_s
+        self.probe = probe
+        self._stopped_since: dict[int, float] = {}
+        self._gone_since: dict[int, float] = {}
+
+    def check(self, now: float | None = None) -> Verdict | None:
+        now = time.time() if now is None else now
+        states = rank_states(self.run_dir, now=now, stale_s=self.stale_s, probe=self.probe, since=self.since)
+        # The first to die is the cause; msrun then kills the other local workers within a second,
+        # and those must not be named instead: ranks are ordered by when this watchdog first saw
+        # them gone (it polls twice as often as msrun), then by the age of their last heartbeat.
+        for r in states:
+            if r.status in ("dead", "failed"):
+                self._gone_since.setdefault(r.rank, now)
+        gone = sorted((r for r in states if r.status in ("dead", "failed")), key=lambda r: (self._gone_since[r.rank], -r.age_s))
+        if gone:
+            r = gone[0]
+            if r.status == "failed":
+                return Verdict(r.rank, "failed", r.step, r.phase, "it stopped on an error (its worker log has it)")
+            return Verdict(r.rank, "died", r.step, r.phase, f"its process {r.pid} on {r.host} is gone (killed, or the OOM killer); "
+                           f"step and phase as of its last heartbeat")
+        for r in states:
+            if r.status != "stopped":
+                self._stopped_since.pop(r.rank, None)
+                continue
+            first = self._stopped_since.setdefault(r.rank, now)
+            if now - first >= self.stop_grace_s:
+                return Verdict(r.rank, "stopped", r.step, r.phase,
+                               f"its process {r.pid} on {r.host} has been stopped (SIGSTOP or a debugger) for {now - first:.0f} s")
+        silent = [r for r in states if r.status == "stale"]
+        if silent:
+            r = silent[0]
+            return Verdict(r.rank, "went silent", r.step, r.phase,
+                           f"no heartbeat from {r.host} (process {r.pid}) for {r.age_s:.0f} s while the other ranks still beat")
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """The process ids below `pid` (children first), from /proc: msrun puts each worker in its own
+    process group, so killing msrun's group alone would leave them running."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything below it (a stopped process dies of SIGKILL too)."""
+    for p in [*descendants(pid), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
