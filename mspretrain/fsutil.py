@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 from mspretrain.errors import UserError
 
@@ -20,20 +21,19 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, data: bytes | str, *, fsync: bool = True) -> None:
-    """Replace `path` with `data` so that a reader, or a crash at any moment, sees either the old
-    file whole or the new one whole, never a torn one. `str` is written as UTF-8.
+@contextmanager
+def atomic_writer(path: str | Path, *, text: bool = False, fsync: bool = True) -> Iterator[IO]:
+    """A file to write `path` through, in pieces: a reader, or a crash at any moment, sees either
+    the old file whole or the new one whole, never a torn one. `text=True` writes UTF-8 text.
 
     The temporary file lives in the same directory (os.replace is atomic only within one
-    filesystem) and is removed if anything fails before the rename. `fsync=False` skips both
-    fsyncs: still atomic for readers, but not durable across a power cut (for files the caller
-    fsyncs later, or scratch output)."""
+    filesystem) and is removed if the block raises. `fsync=False` skips both fsyncs: still atomic
+    for readers, but not durable across a power cut (for caches, or files the caller fsyncs later)."""
     path = Path(path)
-    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+        with os.fdopen(fd, "w", encoding="utf-8") if text else os.fdopen(fd, "wb") as f:
+            yield f
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -43,6 +43,12 @@ def atomic_write(path: str | Path, data: bytes | str, *, fsync: bool = True) -> 
         raise
     if fsync:
         fsync_path(path.parent)  # makes the rename itself survive a crash
+
+
+def atomic_write(path: str | Path, data: bytes | str, *, fsync: bool = True) -> None:
+    """Replace `path` with `data` atomically (see `atomic_writer`); `str` is written as UTF-8."""
+    with atomic_writer(path, fsync=fsync) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else bytes(data))
 
 
 def read_json(path: str | Path, fix: str) -> Any:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mspretrain.fsutil import atomic_write
+from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_write, atomic_writer, read_json
 from mspretrain.paths import DataPaths, RunPaths
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +51,32 @@ def test_atomic_write_killed_before_rename_leaves_the_old_file(tmp_path):
     temps = [n for n in os.listdir(tmp_path) if n != "state.json"]
     assert len(temps) == 1 and temps[0].startswith(".state.json.") and temps[0].endswith(".tmp")  # hidden, never a reader's name
     assert (tmp_path / temps[0]).read_text(encoding="utf-8") == "new" * 1000  # it was written, just not published
+
+
+def test_atomic_writer_streams_and_an_error_midway_keeps_the_old_file(tmp_path):
+    p = tmp_path / "corpus.jsonl"
+    with atomic_writer(p, text=True) as f:
+        for i in range(3):
+            f.write(f"行{i}\n")
+    assert p.read_text(encoding="utf-8") == "行0\n行1\n行2\n"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_writer(p, text=True) as f:
+            f.write("half")
+            raise KeyboardInterrupt  # Ctrl-C in the middle of a long write
+    assert p.read_text(encoding="utf-8") == "行0\n行1\n行2\n" and os.listdir(tmp_path) == ["corpus.jsonl"]
+
+
+def test_read_json_errors_are_one_line(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text('{"a": [1, 2]}')
+    assert read_json(p, "fix") == {"a": [1, 2]}
+    for body, said in ((b'{"a":\n  [1,\n', "is not valid JSON (Expecting value: line 3"), (b"\xff{}", "is not valid JSON (not UTF-8 at byte 0)")):
+        p.write_bytes(body)
+        with pytest.raises(UserError) as ei:
+            read_json(p, "re-create it")
+        assert said in ei.value.cause and "\n" not in ei.value.cause and ei.value.fix == "re-create it"
+    with pytest.raises(UserError, match="cannot read"):
+        read_json(tmp_path, "fix")  # a directory: IsADirectoryError, an OSError
 
 
 def test_atomic_write_into_missing_dir_raises(tmp_path):

@@ -30,7 +30,6 @@ import functools
 import hashlib
 import html
 import inspect
-import os
 import re
 import unicodedata
 from collections import Counter
@@ -39,6 +38,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from mspretrain.config import PrepareConfig
+from mspretrain.fsutil import atomic_write
 
 MODIFY_RULES = ("drop_control", "strip_html", "remove_urls", "remove_emails", "nfkc", "t2s",
                 "char_whitelist", "normalize_whitespace")
@@ -108,9 +108,8 @@ def _cached_table(build: Callable[[], np.ndarray]) -> np.ndarray:
     table = build()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(table.tobytes() + hashlib.sha256(table.tobytes()).digest())
-        os.replace(tmp, path)
+        # a cache: atomic for concurrent readers, not worth an fsync (a bad copy fails its digest and is rebuilt)
+        atomic_write(path, table.tobytes() + hashlib.sha256(table.tobytes()).digest(), fsync=False)
     except OSError:
         pass
     return table

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_writer
 
 PACKAGE = "chinese-poetry"
 VERSION = "2.0.1"
@@ -144,14 +145,12 @@ def _build(tarball: Path, out: Path) -> int:
         raise UserError(f"the cached {tarball.name} is damaged ({exc})", "run the command again to download it afresh") from None
     if not chunks:
         raise UserError(f"{tarball.name} holds no Tang/Song poems", f"delete {tarball} and run again")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_writer(out, text=True) as f:
         for key in sorted(chunks):
             for text in chunks[key]:
                 f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
                 n += 1
-    os.replace(tmp, out)
     return n
 
 
@@ -159,13 +158,12 @@ def _subset(full: Path, out: Path, max_docs: int) -> None:
     with open(full, encoding="utf-8") as f:
         total = sum(1 for _ in f)
     if max_docs >= total:
-        shutil.copyfile(full, out)
+        with open(full, "rb") as src, atomic_writer(out) as dst:
+            shutil.copyfileobj(src, dst)
         return
     # Evenly spaced line numbers: a pure function of (total, max_docs).
     wanted = {i * total // max_docs for i in range(max_docs)}
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    with open(full, encoding="utf-8") as src, open(tmp, "w", encoding="utf-8") as dst:
+    with open(full, encoding="utf-8") as src, atomic_writer(out, text=True) as dst:
         for i, line in enumerate(src):
             if i in wanted:
                 dst.write(line)
-    os.replace(tmp, out)

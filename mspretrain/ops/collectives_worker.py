@@ -73,12 +73,12 @@ def _compiled(op: Any, *, broadcast: bool) -> Any:
 
 def main(argv: list[str]) -> int:
     out, size_mb, target = Path(argv[0]), int(argv[1]), argv[2]
-    import numpy as np
-
     import mindspore as ms
+    import numpy as np
     from mindspore import ops
 
     from mspretrain.device import DeviceInfo, setup_mindspore
+    from mspretrain.fsutil import atomic_write
     from mspretrain.train import distributed
 
     setup_mindspore(DeviceInfo(target=target, threads=max(1, (os.cpu_count() or 2) // 2), flash_attention=False))
@@ -112,9 +112,7 @@ def main(argv: list[str]) -> int:
         results[name] = {"correct": correct, "seconds": dt, "alg_gbps": algbw, "bus_gbps": algbw * bus_factor(name, n)}
     if rank == 0:
         doc = {"devices": n, "dtype": np.dtype(dtype).name, "size_mb": size_mb, "ops": results}
-        tmp = out / "result.json.tmp"
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, out / "result.json")
+        atomic_write(out / "result.json", json.dumps(doc, indent=1))
     return 0
 
 
