@@ -288,7 +288,8 @@ def slopes(rows: list[dict]) -> list[dict]:
 
 def markdown(results: dict[str, list[dict]], summary: dict[str, list[dict]]) -> str:
     """The tables docs/benchmarks/memory.md shows (from the results of one run)."""
-    out = ["| mode | params | measured peak | B/param | planned | B/param | TrainStep built | 1st accumulate / fused | 1st apply | after empty_cache / malloc_trim |",
+    out = ["| mode | params | measured peak | B/param | planned | B/param | TrainStep built | 1st accumulate / fused | 1st apply "
+           "| after empty_cache / malloc_trim |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, rows in results.items():
         for r in rows:

@@ -351,13 +351,13 @@ def main() -> int:
         compile_s = time.perf_counter() - t0
         theirs = torch_step(cfg, data, args.minimal)
         loss_theirs = theirs()
-        sides = {"ours": lambda: timed(ours, args.steps), "torch": lambda: timed(theirs, args.steps)}
+        sides = {"ours": lambda ours=ours: timed(ours, args.steps), "torch": lambda theirs=theirs: timed(theirs, args.steps)}
         mfs = None
         if not isinstance(mf, str):
             if args.minimal:
                 print("  (--minimal: MindSpore Transformers' step still clips at 1.0)")
             mfs = MindformersStep(mf[0], mf[1], cfg, data, args.threads)
-            sides["mindformers"] = lambda: mfs.timed(args.steps)
+            sides["mindformers"] = lambda mfs=mfs: mfs.timed(args.steps)
         names = list(sides)
         rounds: list[dict[str, float]] = []
         for i in range(args.rounds):

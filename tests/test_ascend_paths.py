@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
 
 from mspretrain import config as cfgmod
 from mspretrain import device

@@ -10,6 +10,11 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+# Plain imports, not importorskip: torch and transformers are pinned test dependencies
+# (pyproject [test]); a missing one must fail collection loudly, not skip every parity test.
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
 from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.errors import UserError
 from mspretrain.model import llama
@@ -17,11 +22,6 @@ from mspretrain.model.hf import hf_to_ours, our_shapes
 from mspretrain.model.llama import Llama, load_numpy, state_numpy
 from mspretrain.model.loss import token_nll
 from mspretrain.model.presets import PRESETS, param_count, preset
-
-# Plain imports, not importorskip: torch and transformers are pinned test dependencies
-# (pyproject [test]); a missing one must fail collection loudly, not skip every parity test.
-import torch  # noqa: E402
-import transformers  # noqa: E402
 
 V = 320
 

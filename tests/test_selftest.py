@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np

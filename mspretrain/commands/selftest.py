@@ -1,4 +1,6 @@
-"""Check a new node in minutes before committing compute: devices, versions, environment, flash attention against the math path, fp16/bf16 train steps with an injected overflow, collectives bandwidth, checkpoint disk speed and a 7B resume estimate, and one decoder layer's tokens/s and MFU.
+"""Check a new node in minutes before committing compute: devices, versions, environment, flash
+attention against the math path, fp16/bf16 train steps with an injected overflow, collectives
+bandwidth, checkpoint disk speed and a 7B resume estimate, and one decoder layer's tokens/s and MFU.
 
 On CPU every check CPU supports runs and the others say "needs Ascend" (never "passed").
 Exit code 1 when a check fails, 0 otherwise."""

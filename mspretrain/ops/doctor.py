@@ -67,7 +67,8 @@ def check_mindspore(target: str = "auto") -> list[Finding]:
         import mindspore as ms
         from mindspore import device_context  # ms.hal.is_available is deprecated in MindSpore 2.10 (hal/device.py)
     except Exception as exc:  # an import error of a native library is not always ImportError
-        return [Finding("fail", "mindspore", f"cannot import: {exc}", 'pip install "mindspore==2.10.0" "numpy<2" (Ascend: the wheel matching your CANN)')]
+        return [Finding("fail", "mindspore", f"cannot import: {exc}",
+                        'pip install "mindspore==2.10.0" "numpy<2" (Ascend: the wheel matching your CANN)')]
     avail = []
     for t in ("CPU", "Ascend", "GPU"):
         try:
@@ -90,7 +91,8 @@ def check_ascend(root: Path = ASCEND_HOME) -> list[Finding]:
     out.append(Finding("ok" if driver else "warn", "ascend driver", driver or f"no {root}/driver/version.info",
                        "install the Ascend driver (Ascend-hdk-*-npu-driver) matching your CANN"))
     cann = None
-    for cand in [root / "ascend-toolkit" / "latest" / "version.cfg", *sorted((root / "ascend-toolkit" / "latest").glob("*/ascend_toolkit_install.info"))]:
+    latest = root / "ascend-toolkit" / "latest"
+    for cand in [latest / "version.cfg", *sorted(latest.glob("*/ascend_toolkit_install.info"))]:
         cann = _version_of(cand) or _version_of(cand, "toolkit_installed_version")
         if cann:
             break
