@@ -232,7 +232,7 @@ def test_replaced_tokenizer_of_the_same_size_is_refused(tiny_data, poems_dir, tm
 
 @pytest.mark.parametrize("vocab", [100, 300, 1])
 def test_edited_manifest_vocab_below_the_ids_is_refused(tiny_data, tmp_path, capsys, vocab):
-    from mspretrain.data.loader import check_data_dir
+    from mspretrain.data.manifest import check_data_dir
     from mspretrain.errors import UserError
 
     d = _data_copy(tiny_data, tmp_path)
@@ -255,7 +255,7 @@ def test_edited_manifest_vocab_disagreeing_with_the_tokenizer(tiny_data, tmp_pat
 
 
 def test_intact_data_dir_passes_the_check(tiny_data):
-    from mspretrain.data.loader import check_data_dir, read_manifest
+    from mspretrain.data.manifest import check_data_dir, read_manifest
 
     check_data_dir(tiny_data, read_manifest(tiny_data))
 

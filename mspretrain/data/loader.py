@@ -16,24 +16,22 @@ Design choices:
   the same global sample, only the cut into per-rank batches changes (logged as a note).
 - `reset_attention_at_eos` derives document boundaries from the index (`lengths`; every
   document ends with EOS), so positions restart at 0 after each EOS and at the window start.
-- Input pipeline: `prefetch` runs the loader in one background thread (numpy drops the GIL in
-  its copy loops); `to_mindspore` wraps arrays as Tensors without copying. A
-  `mindspore.dataset.GeneratorDataset` over the same source measured 2-3x slower (per-item
-  pipeline overhead; docs/benchmarks/loader.md), so it is not used.
+- Input pipeline: none. The trainer calls `next_batch` between steps: a batch is one gather of
+  microseconds against a step of seconds. A `mindspore.dataset.GeneratorDataset` over the same
+  source measured 2-3x slower than even a background thread (per-item pipeline overhead;
+  docs/benchmarks/loader.md), so it is not used.
 """
 from __future__ import annotations
 
 import math
-import queue
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
-from mspretrain.data.mixing import epoch_permutation, mix_schedule, normalise, ordinals
 from mspretrain.data.manifest import check_data_dir, read_manifest
+from mspretrain.data.mixing import epoch_permutation, mix_schedule, normalise, ordinals
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.errors import UserError
 
@@ -274,89 +272,3 @@ class Loader:
         if not all(isinstance(c, int) and c >= 0 for c in counts):
             raise UserError(f"data state has invalid consumed counts {counts}", fix_ckpt)
         self._consumed[:] = counts
-
-
-@dataclass
-class TensorBatch:
-    tokens: Any  # mindspore.Tensor (B, seq_len + 1)
-    positions: Any = None  # mindspore.Tensor (B, seq_len) int32 or None
-    segments: Any = None
-
-
-def to_mindspore(batch: Batch) -> TensorBatch:
-    """Wrap a batch's arrays as MindSpore Tensors without copying (each batch owns its arrays)."""
-    from mindspore import Tensor  # lazy: importing MindSpore costs seconds and the loader does not need it
-
-    def wrap(a: np.ndarray | None) -> Any:
-        return None if a is None else Tensor.from_numpy(a)
-
-    return TensorBatch(wrap(batch.tokens), wrap(batch.positions), wrap(batch.segments))
-
-
-class Prefetcher:
-    """Iterator over batches produced `depth` ahead in a background thread.
-
-    The loader runs ahead of the consumer, so take the resume state from `Prefetcher.state()`
-    (the position after the last batch handed out), never from the loader itself.
-    """
-
-    def __init__(self, loader: Loader, depth: int = 2, convert: Callable[[Batch], Any] | None = None) -> None:
-        if depth < 1:
-            raise UserError(f"prefetch depth must be ≥ 1, got {depth}", "set data.prefetch ≥ 1")
-        self._loader, self._convert = loader, convert
-        self._position = tuple(loader._consumed)
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mspretrain-prefetch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                batch = self._loader.next_batch()
-                item = self._convert(batch) if self._convert else batch
-                self._put((item, tuple(self._loader._consumed), None))
-        except BaseException as e:  # hand every failure (UserError included) to the consumer
-            self._put((None, None, e))
-
-    def _put(self, entry: tuple) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(entry, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        item, position, error = self._queue.get()
-        if error is not None:
-            self.close()
-            raise error
-        self._position = position
-        return item
-
-    def state(self) -> dict:
-        return self._loader.state_at(self._position)
-
-    def close(self) -> None:
-        self._stop.set()
-        while self._thread.is_alive():
-            try:  # unblock a producer waiting on a full queue
-                self._queue.get_nowait()
-            except queue.Empty:
-                pass
-            self._thread.join(timeout=0.05)
-
-    def __enter__(self) -> "Prefetcher":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def prefetch(loader: Loader, depth: int = 2, convert: Callable[[Batch], Any] | None = None) -> Prefetcher:
-    """Batches from `loader`, `depth` ahead in a background thread; `convert=to_mindspore` for Tensors."""
-    return Prefetcher(loader, depth, convert)
