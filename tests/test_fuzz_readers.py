@@ -140,7 +140,8 @@ _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-2**64, 2**64), st.float
 
 @SETTINGS
 @given(edits=st.lists(st.tuples(st.sampled_from(["a.f32", "b.f16", "c.bf16", "d.i32", "__metadata__"]),
-                                st.sampled_from(["dtype", "shape", "data_offsets", "swap:dtype", "swap:shape", "swap:data_offsets", "drop", "whole"]), _JUNK),
+                                st.sampled_from(["dtype", "shape", "data_offsets", "swap:dtype", "swap:shape", "swap:data_offsets",
+                                                 "drop", "whole"]), _JUNK),
                       min_size=1, max_size=3),
        pad=st.integers(-3, 3))
 def test_fuzz_header_field_swaps(tmp_path, edits, pad):

@@ -18,7 +18,8 @@ from mspretrain.cli import main
 from mspretrain.config import PrepareConfig
 from mspretrain.data import corpus, dedup
 from mspretrain.data.clean import Cleaner
-from mspretrain.data.prepare import inspect, prepare
+from mspretrain.data.inspect import inspect
+from mspretrain.data.prepare import prepare
 from mspretrain.data.shards import IndexedDataset, data_fingerprint
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
@@ -193,7 +194,8 @@ def test_sentencepiece_encoder_gives_the_same_shards(raw, prepared, tmp_path, mo
 
 
 def test_hf_tokenizer_json(raw, tmp_path):
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     hf = HFTokenizer(models.BPE(unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

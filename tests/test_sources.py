@@ -191,7 +191,7 @@ def test_block_line_reader_equals_readline(monkeypatch, max_chars, read_chars):
     monkeypatch.setattr(sources, "READ_CHARS", read_chars)
     rng = random.Random(max_chars * 100 + read_chars)
     parts = ["春眠不觉晓", "a", " ", "\t", "\u3000", "\n", "\n", "\r\n", "\r", "x" * 6, "y" * 7, "z" * 8, "长" * 15]
-    for trial in range(300):
+    for _ in range(300):
         text = "".join(rng.choice(parts) for _ in range(rng.randrange(0, 40)))
         ref_stats, new_stats = sources.FileCounts("ref"), sources.FileCounts("new")
         want = _readline_docs(io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8", newline=None), ref_stats)

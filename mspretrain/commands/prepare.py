@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mspretrain.data.prepare import inspect, prepare
+    from mspretrain.data.inspect import inspect
+    from mspretrain.data.prepare import prepare
 
     if args.inspect:
         if args.inputs or args.out:

@@ -21,13 +21,10 @@ from typing import Callable
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import pipeline, sources
-from mspretrain.data.inspect import inspect
 from mspretrain.data.publish import WRITE_ERRNOS, check_out, fsync_all, publish
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.paths import SPLITS, DataPaths
-
-__all__ = ["inspect", "prepare"]
 
 
 def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, tokenizer: str | None = None,

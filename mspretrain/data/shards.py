@@ -185,18 +185,21 @@ class IndexedDataset:
         (n_seq,) = struct.unpack_from("<Q", head, off + 9)
         (n_doc,) = struct.unpack_from("<Q", head, off + 17)
         if version != VERSION or code not in DTYPE_CODES:
-            raise UserError(f"{idx_path} has version {version} / dtype code {code}, which this reader does not know", "re-run `mspretrain prepare`")
+            raise UserError(f"{idx_path} has version {version} / dtype code {code}, which this reader does not know",
+                            "re-run `mspretrain prepare`")
         self.dtype = np.dtype(DTYPE_CODES[code])
         expected = HEADER_SIZE + n_seq * 4 + n_seq * 8 + n_doc * 8
         if idx_path.stat().st_size != expected:
-            raise UserError(f"{idx_path} is truncated or corrupt ({idx_path.stat().st_size} bytes, expected {expected})", "re-run `mspretrain prepare`")
+            raise UserError(f"{idx_path} is truncated or corrupt ({idx_path.stat().st_size} bytes, expected {expected})",
+                            "re-run `mspretrain prepare`")
         idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.lengths = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=HEADER_SIZE)
         self.pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=HEADER_SIZE + 4 * n_seq)
         self.doc_idx = np.frombuffer(idx, dtype=np.int64, count=n_doc, offset=HEADER_SIZE + 12 * n_seq)
         n_tokens = int(self.lengths.sum(dtype=np.int64))
         if bin_path.stat().st_size != n_tokens * self.dtype.itemsize:
-            raise UserError(f"{bin_path} does not match its index ({bin_path.stat().st_size} bytes for {n_tokens} tokens)", "re-run `mspretrain prepare`")
+            raise UserError(f"{bin_path} does not match its index ({bin_path.stat().st_size} bytes for {n_tokens} tokens)",
+                            "re-run `mspretrain prepare`")
         # np.memmap refuses empty files; an empty split is a valid (if useless) shard.
         self.tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype) if n_tokens
                        else np.zeros(0, dtype=self.dtype))

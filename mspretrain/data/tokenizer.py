@@ -14,9 +14,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from mspretrain.errors import UserError
+
+if TYPE_CHECKING:  # numpy is imported where it is used: loading a tokenizer should not need it
+    import numpy as np
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 
@@ -52,25 +55,30 @@ class Tokenizer:
                     p = p / name
                     break
             else:
-                raise UserError(f"no tokenizer.model or tokenizer.json in {path}", "pass --tokenizer PATH to a SentencePiece .model or HF tokenizer.json file")
+                raise UserError(f"no tokenizer.model or tokenizer.json in {path}",
+                                "pass --tokenizer PATH to a SentencePiece .model or HF tokenizer.json file")
         if not p.is_file():
-            raise UserError(f"tokenizer {p} does not exist", "pass --tokenizer with a path to a SentencePiece .model or a tokenizer.json file")
+            raise UserError(f"tokenizer {p} does not exist",
+                            "pass --tokenizer with a path to a SentencePiece .model or a tokenizer.json file")
         if p.suffix == ".json":
             try:
                 from tokenizers import Tokenizer as HFTokenizer
 
                 return cls(path=p, _hf=HFTokenizer.from_file(str(p)))
             except ImportError:
-                raise UserError("reading tokenizer.json needs the `tokenizers` package", "pip install tokenizers, or use a SentencePiece tokenizer.model") from None
+                raise UserError("reading tokenizer.json needs the `tokenizers` package",
+                                "pip install tokenizers, or use a SentencePiece tokenizer.model") from None
             except Exception as exc:  # the HF library raises plain Exceptions on bad JSON
-                raise UserError(f"{p} is not a valid HF tokenizer.json ({str(exc).splitlines()[0][:120]})", "pass a tokenizer.json saved by HF tokenizers, or a SentencePiece .model") from None
+                raise UserError(f"{p} is not a valid HF tokenizer.json ({str(exc).splitlines()[0][:120]})",
+                                "pass a tokenizer.json saved by HF tokenizers, or a SentencePiece .model") from None
         import sentencepiece as spm
 
         sp = spm.SentencePieceProcessor()
         try:
             sp.LoadFromSerializedProto(p.read_bytes())
         except Exception:
-            raise UserError(f"{p} is not a SentencePiece model", "pass a tokenizer.model written by SentencePiece (or by `mspretrain prepare`)") from None
+            raise UserError(f"{p} is not a SentencePiece model",
+                            "pass a tokenizer.model written by SentencePiece (or by `mspretrain prepare`)") from None
         return cls(path=p, _sp=sp)
 
     # ----------------------------------------------------------------- properties
