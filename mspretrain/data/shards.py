@@ -27,6 +27,7 @@ import numpy as np
 
 from mspretrain.errors import UserError
 from mspretrain.fsutil import fsync_path
+from mspretrain.paths import SPLITS, DataPaths
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -153,13 +154,12 @@ def data_fingerprint(data_dir: str | Path) -> str:
     so a re-prepared or edited data dir changes the fingerprint; the `.bin` files are not read,
     which keeps this cheap for terabyte corpora.
     """
-    d = Path(data_dir)
+    paths = DataPaths(data_dir)
     h = hashlib.sha256()
-    names = [n for n in ("train.idx", "valid.idx") if (d / n).is_file()]
-    names += [n for n in ("tokenizer.model", "tokenizer.json") if (d / n).is_file()]
-    for name in names:
-        h.update(name.encode() + b"\0")
-        with open(d / name, "rb") as f:
+    files = [paths.idx(split) for split in SPLITS] + [paths.tokenizer_model, paths.tokenizer_json]  # this order, always
+    for path in (p for p in files if p.is_file()):
+        h.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()

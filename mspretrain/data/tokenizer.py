@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_write
+from mspretrain.paths import DataPaths
 
 if TYPE_CHECKING:  # numpy is imported where it is used: loading a tokenizer should not need it
     import numpy as np
 
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+_NAMES = DataPaths(Path())
+TOKENIZER_FILES = (_NAMES.tokenizer_model.name, _NAMES.tokenizer_json.name)  # SentencePiece first
 
 
 def sha256_file(path: str | Path) -> str:
@@ -265,8 +268,8 @@ class Tokenizer:
 
     def save_to(self, directory: str | Path) -> Path:
         """Copy the tokenizer file into `directory` under its canonical name."""
-        out = Path(directory) / ("tokenizer.json" if self._hf is not None else "tokenizer.model")
-        out.write_bytes(self.path.read_bytes())
+        out = Path(directory) / (_NAMES.tokenizer_json.name if self._hf is not None else _NAMES.tokenizer_model.name)
+        atomic_write(out, self.path.read_bytes(), fsync=False)  # whole or absent; durability is the caller's (prepare fsyncs all at once)
         return out
 
 
@@ -367,8 +370,8 @@ def train_sentencepiece(
     if coverage != character_coverage:
         warnings.append(f"vocab {vocab_size} is small for this corpus: character coverage lowered from {character_coverage} "
                         f"to {coverage:.6g} (rarer characters become byte tokens; about {needed} pieces would keep {character_coverage})")
-    out = Path(out_dir) / "tokenizer.model"
-    out.write_bytes(_without_thread_count(model.getvalue()))
+    out = Path(out_dir) / _NAMES.tokenizer_model.name
+    atomic_write(out, _without_thread_count(model.getvalue()), fsync=False)
     return Tokenizer.load(out), warnings
 
 
