@@ -74,3 +74,19 @@ def test_read_heartbeats_keeps_the_current_world(tmp_path):
     (d / "rank_00009.json").write_text("{not json")
     assert [b["rank"] for b in read_heartbeats(tmp_path)] == [0, 1]
     assert read_heartbeats(tmp_path / "nothing") == []
+
+
+def test_loop_calls_mark_the_first_step_compile(tmp_path):
+    hb = Heartbeat(tmp_path, rank=0, thread=False)
+    hb.data(0)
+    assert hb._phase == "compile"
+    hb.running()
+    assert hb._phase == "compile"
+    hb.finished(1)
+    hb.data(1)
+    assert (hb._phase, hb._step) == ("data", 1)
+    hb.running()
+    assert hb._phase == "step"
+    hb.close("done", 1)
+    hb.close("failed", 1)  # a finally after the normal end changes nothing
+    assert json.loads(heartbeat_path(tmp_path, 0).read_text())["phase"] == "done"

@@ -72,6 +72,7 @@ class Heartbeat:
         self._clock = clock
         self._host, self._pid, self._started = socket.gethostname(), os.getpid(), time.time()
         self._step, self._phase, self._since = 0, "start", time.time()
+        self._stepped = False
         self._last_write = -float("inf")
         self._written_phase: str | None = None
         self.writes = 0
@@ -93,6 +94,18 @@ class Heartbeat:
             self._phase, self._since = name, time.time()
             if name in URGENT:
                 self._wake.set()
+
+    # The train loop's three calls per step. Before the first step has finished, its data and its
+    # step are "compile": the first call of the compiled step builds the graph.
+    def data(self, step: int) -> None:
+        self.phase("data" if self._stepped else "compile", step)
+
+    def running(self) -> None:
+        self.phase("step" if self._stepped else "compile")
+
+    def finished(self, step: int) -> None:
+        self._stepped = True
+        self._step = step
 
     def record(self) -> dict:
         return {"rank": self.rank, "world": self.world, "step": self._step, "phase": self._phase,
@@ -126,12 +139,34 @@ class Heartbeat:
                 self._flush()
 
     def close(self, phase: str = "done", step: int | None = None) -> None:
+        """The last word ("done", or "failed" from an exception path); later calls do nothing."""
+        if self._stop:
+            return
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.phase(phase, step)
         self._flush(force=True)
+
+
+class NullHeartbeat:
+    """No heartbeat (a Trainer wired by a test without a run's ranks)."""
+
+    def phase(self, name: str, step: int | None = None) -> None:
+        pass
+
+    def data(self, step: int) -> None:
+        pass
+
+    def running(self) -> None:
+        pass
+
+    def finished(self, step: int) -> None:
+        pass
+
+    def close(self, phase: str = "done", step: int | None = None) -> None:
+        pass
 
 
 def read_heartbeats(run_dir: str | Path) -> list[dict]:
