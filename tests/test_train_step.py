@@ -163,3 +163,18 @@ def test_frozen_groups_stay_bit_identical_and_hold_no_optimizer_state():
         n_trained = sum(int(np.prod(p.shape)) for p in step.params)
         assert have["adam_moments"] == 8 * n_trained and have["weights"] == 4 * sum(v.size for v in before.values())
     assert param_groups("embed.weight", tied=True) == {"embeddings", "lm_head"}
+
+
+def test_resuming_with_other_trainable_groups_is_one_line():
+    from mspretrain.errors import UserError
+
+    model = _tiny()
+    stage1 = TrainStep(model, OptimConfig(), global_tokens=64, trainable=["embeddings", "lm_head"], jit=False)
+    state = stage1.optimizer_state()
+    everything = TrainStep(model, OptimConfig(), global_tokens=64, jit=False)
+    with pytest.raises(UserError, match="train.trainable differs") as exc:
+        everything.load_optimizer_state(state)
+    assert exc.value.cause.endswith("it has no optimizer state for 13 of the 15 parameters trained now")
+    with pytest.raises(UserError, match="optimizer state for 13 parameters frozen now"):
+        stage1.load_optimizer_state(everything.optimizer_state())
+    stage1.load_optimizer_state(state)  # the same groups: loads

@@ -442,6 +442,14 @@ class TrainStep:
             if all(k.startswith("master.") for k in missing | unexpected):
                 raise UserError("precision.param_dtype differs from the run that wrote the checkpoint (fp32 master copies "
                                 + ("missing)" if missing else "unexpected)"), "resume with the precision.param_dtype of the checkpoint's config.toml")
+            param_of = lambda keys: {k.split(".", 1)[1] for k in keys if "." in k}  # exp_avg.NAME -> NAME
+            lacking, extra = param_of(missing), param_of(unexpected)
+            if "opt_step" in have and lacking | extra and lacking | extra <= {p.name for p in self.params + self.frozen}:
+                # the same model with other parameters trained (train.trainable changed)
+                what = [f"no optimizer state for {len(lacking)} of the {len(self.names)} parameters trained now"] if lacking else []
+                what += [f"optimizer state for {len(extra)} parameters frozen now"] if extra else []
+                raise UserError(f"train.trainable differs from the run that wrote the checkpoint: it has {' and '.join(what)}",
+                                "resume with the train.trainable of the checkpoint's config.toml, or start a new run from its weights with --init-from")
             raise UserError(f"optimizer state does not match the model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",
                             "resume with the model config the checkpoint was written with")
         self.opt_step.set_data(Tensor(int(np.asarray(tensors["opt_step"]).reshape(-1)[0]), ms.int32))
