@@ -25,6 +25,7 @@ from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.errors import UserError
 from mspretrain.model.init_from import InitWeights, from_hf_dir, run_model_config
 from mspretrain.model.resize import check_extends, resize_vocab
+from mspretrain.paths import DataPaths, RunPaths
 
 
 def load_init(path: str | Path, log: Callable[[str], None] = lambda s: None) -> InitWeights:
@@ -131,11 +132,11 @@ def init_for_run(path: str | Path, cfg: Config, data_dir: str | Path, run_dir: s
         if not allow_config_change:
             raise UserError(f"--init-from on {run_dir}, which already has checkpoints (newest {existing[-1][1].name}): that run dir resumes",
                             "give the new run its own --run dir, or pass --allow-config-change to resume this run (the --init-from weights are then not used)")
-        saved = run_dir / "config.toml"
-        model = cfgmod.load(saved).model if saved.is_file() else cfgmod.load(existing[-1][1] / "config.toml").model
+        saved = RunPaths(run_dir).config
+        model = cfgmod.load(saved if saved.is_file() else existing[-1][1] / "config.toml").model
         log(f"--init-from {path}: {run_dir} has checkpoints, so it resumes (with --allow-config-change); the init weights are not used")
         return replace(cfg, model=model), None, None
-    tok = next((data_dir / n for n in ("tokenizer.model", "tokenizer.json") if (data_dir / n).is_file()), None)
+    tok = DataPaths(data_dir).tokenizer
     if tok is None:
         raise UserError(f"data dir {data_dir} has no tokenizer.model or tokenizer.json", "pass the output of `mspretrain prepare` as --data")
     init = load_init(path, log=log)
