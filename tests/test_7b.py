@@ -123,7 +123,7 @@ def test_memory_plan_on_8_devices_by_hand(cfg_7b):
 
 @pytest.fixture(scope="module")
 def one_step(tmp_path_factory, tiny_data):
-    from mspretrain.train.trainer import Trainer
+    from mspretrain.train.build import build_trainer as Trainer
 
     # The 910B config, scaled down: same precision, loss-scale schedule, optimizer, schedule kind,
     # micro-batch 1 with accumulation; global batch 32 = one of the 8 ranks' share of 256.
@@ -142,7 +142,7 @@ def one_step(tmp_path_factory, tiny_data):
 def test_one_real_fp16_step_of_the_scaled_down_config(one_step, tiny_data):
     trainer, summary, run, lines = one_step
     vocab = json.loads((tiny_data / "manifest.json").read_text())["vocab_size"]
-    assert trainer.cfg.model.vocab_size == vocab and trainer.accum_steps == 32 and trainer.micro == 1
+    assert trainer.cfg.model.vocab_size == vocab and trainer.accum_steps == 32 and trainer.loader.batch_size == 1
     assert summary.step == 1 and summary.skipped == 0
     loss = summary.losses[0]
     assert math.isfinite(loss) and abs(loss - math.log(vocab)) < 0.1 * math.log(vocab)  # ~ln V at init

@@ -109,7 +109,7 @@ def test_schedule_notes_on_resume_say_what_changes_and_how_to_keep_the_lr():
     assert "600 steps in all" in notes[0] and "jumps from 0.0001 to" in notes[1]
     overrides = notes[2].split("add: ")[1].split()
     cont = cfgmod.apply_overrides(cfgmod.Config(), overrides + ["train.max_steps=600"])
-    from mspretrain.train.schedule import build_schedule
+    from mspretrain.budget import build_schedule
 
     tail = build_schedule(cont, None)
     assert [tail(p) for p in (300, 450, 599)] == [old(300)] * 3  # continuous: the floor, held
@@ -121,7 +121,7 @@ def test_schedule_notes_on_resume_say_what_changes_and_how_to_keep_the_lr():
 @pytest.fixture(scope="module")
 def run4(tmp_path_factory, tiny_data):
     """4 steps of the tiny config with eval.every = 0 ("only at the end")."""
-    from mspretrain.train.trainer import Trainer
+    from mspretrain.train.build import build_trainer as Trainer
 
     run = tmp_path_factory.mktemp("promises") / "run"
     cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", ["train.max_steps=4", "eval.every=0", "checkpoint.every=0"])
@@ -187,7 +187,7 @@ def test_resume_with_a_raised_budget_prints_the_schedule_change_and_the_tail_kee
     # item 8: the same run raised to 8 steps, then continued with the printed overrides
     import shutil
 
-    from mspretrain.train.trainer import Trainer
+    from mspretrain.train.build import build_trainer as Trainer
 
     run = tmp_path / "run"
     shutil.copytree(run4, run)

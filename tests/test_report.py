@@ -175,7 +175,7 @@ def test_dashboard_binds_localhost_or_says_how_to_install(tmp_path, capsys, monk
 def real_run(tmp_path_factory):
     """Twelve steps of the tiny config through the real Trainer, on a random-token data dir."""
     from mspretrain.data.shards import ShardWriter, token_dtype
-    from mspretrain.train.trainer import Trainer
+    from mspretrain.train.build import build_trainer as Trainer
 
     root = tmp_path_factory.mktemp("real")
     data = root / "data"

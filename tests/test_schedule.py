@@ -7,7 +7,8 @@ from mspretrain import config as cfgmod
 from mspretrain.config import PrecisionConfig
 from mspretrain.errors import UserError
 from mspretrain.train.loss_scale import LossScaler
-from mspretrain.train.schedule import Schedule, auto_warmup_steps, build_schedule, scaled_lr, total_steps
+from mspretrain.budget import build_schedule, total_steps
+from mspretrain.train.schedule import Schedule, auto_warmup_steps, scaled_lr
 
 
 def test_cosine_closed_form():

@@ -1,9 +1,12 @@
-"""The loop's bookkeeping: overflow accounting, auto warm-up from the manifest, spike rewind,
-non-finite stop, periodic eval, pynative == jit, checkpoint retention."""
+"""The loop's bookkeeping, first with stand-in parts (no MindSpore: overflow accounting, callbacks,
+signals, the non-finite stop), then through `build_trainer` with the real ones (spike rewind,
+periodic eval, pynative == jit, mixing data dirs); checkpoint retention."""
 from __future__ import annotations
 
 import json
-import math
+import os
+import signal
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,130 +15,221 @@ from safetensors.numpy import load_file
 
 from mspretrain import config as cfgmod
 from mspretrain.checkpoint import store
+from mspretrain.data.loader import Batch
 from mspretrain.errors import UserError
+from mspretrain.monitor.console import ConsoleLine
+from mspretrain.monitor.meter import StepMeter
+from mspretrain.monitor.metrics import MetricsLogger
+from mspretrain.train.build import build_trainer, sampling_for_run
+from mspretrain.train.distributed import World
+from mspretrain.train.loss_scale import LossScaler
+from mspretrain.train.schedule import Schedule
+from mspretrain.train.spike_policy import SpikePolicy
 from mspretrain.train.step import StepResult
 from mspretrain.train.trainer import Trainer
 from tests.conftest import TINY
 
 
 def make(data: Path, run: Path, *over: str) -> Trainer:
-    return Trainer(cfgmod.load(TINY, list(over)), data, run, log=lambda s: None)
+    return build_trainer(cfgmod.load(TINY, list(over)), data, run, log=lambda s: None)
 
+
+# --------------------------------------------------------------------------- stand-in parts
 
 class FakeStep:
     """Stands in for the compiled step: returns scripted results, changes nothing."""
 
-    def __init__(self, finite: list[bool]) -> None:
-        self.finite = list(finite)
-        self.calls = []
+    def __init__(self, finite: list[bool], loss: float = 2.0) -> None:
+        self.finite, self.loss = list(finite), loss
+        self.calls: list[tuple[float, float, int]] = []
 
     def run(self, micro, lr, scale):
-        self.calls.append((lr, scale))
-        return StepResult(loss=2.0, grad_norm=1.0, finite=self.finite.pop(0))
+        self.calls.append((lr, scale, len(micro)))
+        return StepResult(loss=self.loss, grad_norm=1.0, finite=self.finite.pop(0))
 
 
-def test_overflow_is_counted_and_does_not_advance_the_schedule(tmp_path, tiny_data):
-    t = make(tiny_data, tmp_path / "r", "precision.dtype=fp16", "precision.init_scale=1024", "schedule.warmup_steps=4")
-    t._build()
-    t.step_fn = FakeStep([True, False, True])
-    lrs = []
-    for _ in range(3):
-        res, lr, scale = t.train_step()
-        lrs.append(lr)
-    assert t.step == 3 and t.applied == 2 and t.skipped == 1
-    assert [c[1] for c in t.step_fn.calls] == [1024, 1024, 512]  # halved after the overflow
-    assert lrs[1] == lrs[2] == t.schedule(1)  # the skipped step did not advance the lr schedule
-    t.metrics.close()
+class FakeLoader:
+    batch_size = 2
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def next_batch(self) -> Batch:
+        self.samples += self.batch_size
+        return Batch(np.zeros((self.batch_size, 9), np.int32))
+
+    def state(self) -> dict:
+        return {"samples": self.samples}
 
 
-def test_auto_warmup_uses_the_manifest_tokens(tmp_path, tiny_data):
-    manifest = json.loads((tiny_data / "manifest.json").read_text())
-    t = make(tiny_data, tmp_path / "r", 'schedule.warmup_steps="auto"', "train.max_steps=100000")
-    expected = math.ceil(0.02 * manifest["tokens"]["train"] / (4 * 32))
-    assert t.schedule.warmup == expected
+class FakeCheckpoints:
+    stall_s: list[float] = []
 
+    def __init__(self, every: int) -> None:
+        self.every, self.saved, self.closed = every, [], False
+
+    def due(self, step: int, total: int) -> bool:
+        return step % self.every == 0 and step < total
+
+    def save(self, step: int, train_state: dict) -> Path:
+        self.saved.append((step, train_state))
+        return Path(f"step_{step:06d}")
+
+    def close(self) -> None:
+        self.closed = True
+
+    def latest_name(self) -> str:
+        return "scratch"
+
+
+class FakeEval:
+    def due(self, step: int, total: int) -> bool:
+        return step == total
+
+    def __call__(self, model, step: int) -> dict:
+        return {"eval/ppl": 5.0, "eval/nll": 1.6}
+
+
+class NoProfiler:
+    def step_begin(self, step: int) -> None: ...
+    def step_end(self, step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def fake_trainer(run: Path, step_fn: FakeStep, *over: str, total: int = 3, callbacks=()) -> tuple[Trainer, list[str]]:
+    cfg = cfgmod.load(TINY, ["metrics.tensorboard=false", "train.log_every=1", *over])
+    lines: list[str] = []
+    scaler = LossScaler.from_config(cfg.precision)
+    meter = StepMeter(tokens_per_step=4 * 8, seq_len=8, devices=1, flops_per_token=1e6, peak_tflops=1.0,
+                      price_per_device_hour=0.0, throughput_every=1, log_every=1, memory_every=100, target="cpu")
+    t = Trainer(cfg=cfg, run_dir=run, data_dir=run, world=World(), model=None, step_fn=step_fn, loader=FakeLoader(),
+                scaler=scaler, schedule=Schedule("cosine", lr=1e-3, warmup=2, total=total, min_lr=1e-4),
+                total_steps=total, accum_steps=2, tokens_per_step=4 * 8, meter=meter, checkpoints=FakeCheckpoints(2),
+                spikes=SpikePolicy(cfg.spike, warmup_steps=2, log=lines.append), evaluator=FakeEval(),
+                console=ConsoleLine(lines.append, total=total, log_every=1, show_scale=scaler.mode != "none"),
+                metrics=MetricsLogger(run, sampling_for_run(cfg.metrics, total), log=lines.append), profiler=NoProfiler(), log=lines.append,
+                banner=("hello",), callbacks=callbacks)
+    return t, lines
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_overflow_is_counted_and_does_not_advance_the_schedule(tmp_path):
+    step = FakeStep([True, False, True])
+    t, lines = fake_trainer(tmp_path, step, "precision.dtype=fp16", "precision.init_scale=1024")
+    s = t.train()
+    assert (s.step, t.applied, s.skipped) == (3, 2, 1)
+    assert [c[1] for c in step.calls] == [1024, 1024, 512]  # halved after the overflow
+    assert step.calls[1][0] == step.calls[2][0] == t.schedule(1)  # the skipped step did not advance the lr schedule
+    assert all(c[2] == 2 for c in step.calls)  # accum_steps micro-batches per step
+    assert "step 2: gradient overflow at loss scale 1024 — update skipped, scale now 512" in lines
+    assert lines[0] == "hello" and lines[1].startswith("step 1/3 | loss 2.0000 | lr ")
+    recs = records(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2, 3] and [r["skipped"] for r in recs] == [0, 1, 1]
+    assert "eval/ppl" in recs[-1] and "tokens_per_s" in recs[1] and "mfu" in recs[1] and "host_share" in recs[1]
+    saved = t.checkpoints.saved
+    assert [st for st, _ in saved] == [2, 3] and saved[-1][1]["applied_steps"] == 2  # periodic, then the final one
+
+
+def test_callbacks_see_each_step_its_data_position_and_values(tmp_path):
+    seen: list[tuple[int, dict, dict]] = []
+    t, _ = fake_trainer(tmp_path, FakeStep([True] * 3), callbacks=[lambda st, data, v: seen.append((st, data, dict(v)))])
+    t.train()
+    # the loader's state before the step: 2 micro-batches of 2 sequences per step
+    assert [(st, d["samples"]) for st, d, _ in seen] == [(1, 0), (2, 4), (3, 8)]
+    assert all(v["loss"] == 2.0 and "lr" in v for _, _, v in seen) and "eval/ppl" in seen[-1][2]
+
+
+def test_a_signal_finishes_the_step_and_a_second_stops_at_once(tmp_path):
+    def ctrl_c(times):
+        def cb(step, data, values):
+            if step == 2:
+                for _ in range(times):
+                    os.kill(os.getpid(), signal.SIGINT)
+        return cb
+
+    t, lines = fake_trainer(tmp_path / "a", FakeStep([True] * 3), callbacks=[ctrl_c(1)])
+    s = t.train()
+    assert s.stopped_by_signal and s.step == 2 and [st for st, _ in t.checkpoints.saved] == [2, 2]
+    assert "received SIGINT: finishing step 3, then writing a checkpoint" in lines
+    assert lines[-1].startswith("stopped by SIGINT after step 2; checkpoint written. Resume with: mspretrain train")
+    t, _ = fake_trainer(tmp_path / "b", FakeStep([True] * 3), callbacks=[ctrl_c(2)])
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        t.train()
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers are given back
+
+
+def test_persistent_nonfinite_loss_stops_the_run(tmp_path):
+    t, _ = fake_trainer(tmp_path, FakeStep([False] * 3, loss=float("nan")), "spike.max_nonfinite=2")
+    with pytest.raises(UserError, match="non-finite for 2 steps in a row \\(step 2\\)"):
+        t.train()
+    assert t.checkpoints.closed
+
+
+# --------------------------------------------------------------------------- the real parts
 
 @pytest.fixture(scope="module")
 def rewind_run(tmp_path_factory, tiny_data):
+    """6 steps with a checkpoint every 2 and a loss spike forced at step 5: rewind to step 4."""
+    from mspretrain.model.llama import state_numpy
+
     run = tmp_path_factory.mktemp("rw") / "run"
-    t = make(tiny_data, run, "train.max_steps=6", "checkpoint.every=2", "spike.action=rewind", "checkpoint.async_save=false")
-    t._build()
-    for _ in range(4):
-        t.train_step()
-        if t.step % 2 == 0:
-            t.save()
-    t.train_step()  # step 5
-    return t, run
+    t = make(tiny_data, run, "train.max_steps=6", "checkpoint.every=2", "spike.action=rewind",
+             "checkpoint.async_save=false", "metrics.tensorboard=false")
+    at_rewind: dict = {}
+    t.callbacks.append(lambda st, data, v: at_rewind.update(step=st, data=data, weights=state_numpy(t.model),
+                                                           samples=t.loader.state()["samples"]) if "rewind" in v else None)
+    real_check = t.spikes.detector.check
+    t.spikes.detector.check = lambda step, loss, gn=None: (
+        [{"kind": "loss_spike", "message": f"step {step}: loss spike"}] if step == 5 and not at_rewind else real_check(step, loss, gn))
+    summary = t.train()
+    return t, run, at_rewind, summary
 
 
 def test_spike_rewind_restores_weights_and_skips_batches(rewind_run):
-    t, run = rewind_run
-    from mspretrain.model.llama import state_numpy
-
-    samples_before = t.loader.state()["samples"]
-    t.spikes.check = lambda step, loss, gn=None: [{"kind": "loss_spike", "message": f"step {step}: loss spike"}]
-    values: dict = {}
-    t._spikes(StepResult(loss=9.0, grad_norm=1.0, finite=True), values)
-    assert values["spike"] == 1.0 and values["rewind"] == 4.0
-    assert t.step == 4
+    t, run, at_rewind, summary = rewind_run
+    assert summary.step == 6 and summary.loss_spikes == 1
+    assert at_rewind["step"] == 4  # the record of the rewind is logged at the step rewound to
     ck = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
-    now = state_numpy(t.model)
-    assert all(np.array_equal(ck[k], now[k]) for k in ck)
-    assert t.loader.state()["samples"] == samples_before  # the batches of step 5 are skipped, not replayed
-    t.metrics.close()
+    assert all(np.array_equal(ck[k], at_rewind["weights"][k]) for k in ck)
+    per_step = t.accum_steps * t.loader.batch_size  # sequences one optimizer step reads on this (only) rank
+    assert at_rewind["samples"] == 5 * per_step  # the batches of step 5 are skipped, not replayed
+    recs = [r for r in records(run) if "rewind" in r]
+    assert len(recs) == 1 and recs[0]["rewind"] == 4.0 and recs[0]["spike"] == 1
 
 
 def test_rewind_skip_skips_that_many_steps_of_data(rewind_run):
     """spike.rewind_skip > 0: the data position is the checkpoint's plus rewind_skip steps' worth
     of batches (0, tested above, keeps the position the spike was reached at)."""
-    import dataclasses
-
-    t, run = rewind_run
-    t.cfg = dataclasses.replace(t.cfg, spike=dataclasses.replace(t.cfg.spike, rewind_skip=3))
-    saved = json.loads((run / "checkpoints" / "step_000004" / "data_state.json").read_text())
+    t, run, _, _ = rewind_run
+    t.cfg = replace(t.cfg, spike=replace(t.cfg.spike, rewind_skip=3))
+    saved = json.loads((run / "checkpoints" / "step_000006" / "data_state.json").read_text())
     lines: list[str] = []
-    t._print = lines.append
-    t.spikes.check = lambda step, loss, gn=None: [{"kind": "loss_spike", "message": f"step {step}: loss spike"}]
-    t._spikes(StepResult(loss=9.0, grad_norm=1.0, finite=True), {})
-    assert t.step == 4
-    per_step = t.accum_steps * t.micro  # sequences one optimizer step reads on this (only) rank
+    t.log = t.checkpoints.log = lines.append
+    t.rewind()
+    assert t.step == 6
+    per_step = t.accum_steps * t.loader.batch_size
     assert saved["samples"] > 0 and t.loader.state()["samples"] == saved["samples"] + 3 * per_step
-    assert any("rewound to step_000004, skipping 3 steps of data" in line for line in lines), lines
-    t.metrics.close()
+    assert any("rewound to step_000006, skipping 3 steps of data" in line for line in lines), lines
 
 
-def test_second_ctrl_c_stops_at_once(tmp_path, tiny_data):
-    """The first Ctrl-C asks for a checkpoint after the current step; a second one means now."""
-    import signal
+def test_auto_warmup_uses_the_manifest_tokens_and_the_cap(tmp_path, tiny_data):
+    import math
 
-    t = make(tiny_data, tmp_path / "r")
-    lines: list[str] = []
-    t._print, t.step = lines.append, 3  # mid-run (the handlers are installed once training started)
-    assert t._stop_signal is None
-    t._on_signal(signal.SIGINT, None)
-    assert t._stop_signal == signal.SIGINT  # the loop finishes the step and checkpoints
-    assert lines == ["received SIGINT: finishing step 4, then writing a checkpoint"]
-    with pytest.raises(KeyboardInterrupt):
-        t._on_signal(signal.SIGINT, None)
-    with pytest.raises(KeyboardInterrupt):  # the runtime may deliver the second one as SIGTERM
-        t._on_signal(signal.SIGTERM, None)
-
-
-def test_persistent_nonfinite_loss_stops_the_run(tmp_path, tiny_data):
-    t = make(tiny_data, tmp_path / "r", "spike.max_nonfinite=2")
-    t._build()
-    with pytest.raises(UserError, match="non-finite for 2 steps"):
-        for step in range(1, 3):
-            t.step = step
-            t._spikes(StepResult(loss=float("nan"), grad_norm=float("nan"), finite=False), {})
+    manifest = json.loads((tiny_data / "manifest.json").read_text())
+    expected = math.ceil(0.02 * manifest["tokens"]["train"] / (4 * 32))
+    t = make(tiny_data, tmp_path / "r", 'schedule.warmup_steps="auto"', "train.max_steps=100000")
+    assert t.schedule.warmup == expected and t.spikes.detector.warmup_steps == expected
     t.metrics.close()
 
 
 def test_periodic_eval_writes_eval_ppl(tmp_path, tiny_data):
     run = tmp_path / "r"
     make(tiny_data, run, "train.max_steps=4", "eval.every=2", "checkpoint.every=0", "train.mode=pynative").train()
-    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in recs if "eval/ppl" in r]
+    evals = [r for r in records(run) if "eval/ppl" in r]
     assert [r["step"] for r in evals] == [2, 4] and all(np.isfinite(r["eval/ppl"]) for r in evals)
 
 
@@ -149,8 +243,8 @@ def test_pynative_matches_jit(tmp_path, tiny_data):
     b = load_file(str(tmp_path / "pynative" / "checkpoints" / "step_000003" / "model.safetensors"))
     for k in a:  # Adam's g/sqrt(v) amplifies last-bit differences of near-zero gradients: 1e-5, not 1e-6
         np.testing.assert_allclose(a[k], b[k], atol=1e-5, err_msg=k)
-    la = [json.loads(l)["loss"] for l in (tmp_path / "jit" / "metrics.jsonl").read_text().splitlines()]
-    lb = [json.loads(l)["loss"] for l in (tmp_path / "pynative" / "metrics.jsonl").read_text().splitlines()]
+    la = [r["loss"] for r in records(tmp_path / "jit")]
+    lb = [r["loss"] for r in records(tmp_path / "pynative")]
     np.testing.assert_allclose(la, lb, rtol=1e-6)
 
 
@@ -167,8 +261,6 @@ def test_retention_keeps_last_and_every(tmp_path):
 
 
 def test_mixing_two_data_dirs_and_refusing_a_foreign_tokenizer(tmp_path, tiny_data, tiny_cfg):
-    from dataclasses import replace
-
     from mspretrain.data.prepare import prepare
     from tests.conftest import make_poems
 

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"-- prepare: cleaning, tokenizer (vocab {cfg.prepare.vocab_size}), shards -> {data_dir}")
         work.mkdir(parents=True, exist_ok=True)
         prepare([str(corpus)], data_dir, cfg.prepare, progress=progress_enabled(args), log=say)
-    from mspretrain.data.loader import read_manifest
+    from mspretrain.data.manifest import read_manifest
 
     manifest = read_manifest(data_dir)
 
@@ -100,10 +100,10 @@ def run(args: argparse.Namespace) -> int:
     del fresh
 
     # 3. train (resumes if a previous demo was interrupted; nothing to do if it finished)
-    from mspretrain.train.trainer import Trainer
+    from mspretrain.train.build import build_trainer
 
     say(f"-- train: {cfg.train.max_steps} steps of {cfg.train.global_batch} x {cfg.data.seq_len} tokens -> {run_dir}")
-    trainer = Trainer(cfg, data_dir, run_dir, log=say, progress=progress_enabled(args))
+    trainer = build_trainer(cfg, data_dir, run_dir, log=say)
     summary = trainer.train()
     after = evaluate_split(trainer.model, data_dir, **ev)
     say(f"-- valid perplexity after training: {after['ppl']:.1f}")

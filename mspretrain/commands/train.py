@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from mspretrain.commands.common import add_config_argument, add_quiet_argument, existing_path, load_config, progress_enabled
+from mspretrain.commands.common import add_config_argument, add_quiet_argument, existing_path, load_config
 from mspretrain.config import Config
 
 EXAMPLES = """examples:
@@ -56,12 +56,11 @@ def run(args: argparse.Namespace) -> int:
         from mspretrain.ops.isolate import apply_cpu_quota
 
         apply_cpu_quota(cfg.device.cpu_quota, log=print)
-    from mspretrain.train.trainer import Trainer
+    from mspretrain.train.build import build_trainer
 
     log = (lambda s: None) if args.quiet else print
-    trainer = Trainer(cfg, args.data, args.run, allow_config_change=args.allow_config_change,
-                      allow_data_change=args.allow_data_change, log=log, progress=progress_enabled(args),
-                      restart=args.restart)
+    trainer = build_trainer(cfg, args.data, args.run, allow_config_change=args.allow_config_change,
+                            allow_data_change=args.allow_data_change, log=log, restart=args.restart)
     summary = trainer.train()
     if not args.quiet:
         last = f"{summary.losses[-1]:.4f}" if summary.losses else "n/a"

@@ -144,7 +144,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         hours, hours_note = tokens / (sum(tps) / len(tps)) / 3600, "estimated from mean tokens/s"
     else:
         hours, hours_note = None, "unknown"
-    warmup = _resolved_warmup(c, manifest)
+    warmup = _resolved_warmup(c, manifest, world)
     events = scan_metrics(records, c.spike, warmup=warmup)
     losses = series(records, "loss")[1]
     finite = [x for x in losses if math.isfinite(x)]
@@ -201,12 +201,12 @@ def _session_seconds(elapsed: tuple[list[int], list[float]], starts: set[int]) -
     return out
 
 
-def _resolved_warmup(c: cfgmod.Config, manifest: dict) -> int:
-    """The warm-up that ran: the trainer's own schedule (auto resolved against the data's tokens)."""
-    from mspretrain.train.schedule import build_schedule
+def _resolved_warmup(c: cfgmod.Config, manifest: dict, world: int) -> int:
+    """The warm-up that ran: the trainer's own budget (auto resolved against the data's tokens)."""
+    from mspretrain import budget
 
     try:
-        return build_schedule(c, int(manifest.get("tokens", {}).get("train", 0)) or None).warmup
+        return budget.derive(c, world=world, data_tokens=int(manifest.get("tokens", {}).get("train", 0)) or None).warmup or 0
     except (UserError, ValueError, TypeError):
         return c.schedule.warmup_steps if isinstance(c.schedule.warmup_steps, int) else 0
 

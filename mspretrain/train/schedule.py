@@ -2,7 +2,8 @@
 
 Design choices: the schedule is computed on the host from the number of *applied* optimizer
 updates and fed to the compiled step as a scalar tensor, so an overflowed (skipped) fp16 step
-does not advance it and resume needs only that one integer. Closed forms, no state.
+does not advance it and resume needs only that one integer. Closed forms, no state. The run's
+schedule (its steps and capped auto warm-up) is resolved in `mspretrain/budget.py`.
 
 Kinds:
 - `cosine`: linear warm-up to lr, cosine decay to min_lr_ratio * lr at the last step.
@@ -16,8 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mspretrain.config import Config
-from mspretrain.errors import UserError
 
 
 def auto_warmup_steps(tokens: int, global_batch: int, seq_len: int) -> int:
@@ -73,33 +72,6 @@ def _cosine(i: int, n: int, hi: float, lo: float) -> float:
         return lo if i >= 0 else hi
     frac = min(1.0, max(0.0, i / (n - 1)))
     return lo + (hi - lo) * 0.5 * (1 + math.cos(math.pi * frac))
-
-
-def total_steps(cfg: Config) -> int:
-    """Optimizer steps the run will take: max_steps, or the token budget in steps, whichever is first."""
-    t = cfg.train
-    per_step = t.global_batch * cfg.data.seq_len
-    candidates = [s for s in (t.max_steps, math.ceil(t.max_tokens / per_step) if t.max_tokens else 0) if s]
-    return min(candidates)
-
-
-def build_schedule(cfg: Config, data_tokens: int | None) -> Schedule:
-    """Resolve the config's schedule (auto warm-up needs the data dir's measured tokens)."""
-    s, t = cfg.schedule, cfg.train
-    total = total_steps(cfg)
-    if s.warmup_steps == "auto":
-        if not data_tokens:
-            raise UserError('schedule.warmup_steps = "auto" needs the data dir\'s token count', "pass --data, or set schedule.warmup_steps to an integer")
-        warmup = auto_warmup_steps(data_tokens, t.global_batch, cfg.data.seq_len)
-        warmup = min(warmup, max(1, total // 10))  # auto never eats more than a tenth of a short run
-    else:
-        warmup = int(s.warmup_steps)
-        if warmup >= total:
-            raise UserError(f"schedule.warmup_steps = {warmup} is not shorter than the run ({total} steps)",
-                            "lower schedule.warmup_steps or raise train.max_steps")
-    lr = scaled_lr(cfg.optim.lr, t.global_batch, cfg.optim.lr_scaling)
-    return Schedule(kind=s.kind, lr=lr, warmup=warmup, total=total, min_lr=lr * s.min_lr_ratio,
-                    decay_fraction=s.decay_fraction, peak_ratio=s.peak_ratio)
 
 
 def continuation_overrides(lr: float, lr_scaling: str = "none") -> str:

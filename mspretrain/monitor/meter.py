@@ -1,0 +1,59 @@
+"""Per-step measurements of a training session: throughput, MFU and host share over a window of
+steps, and memory, each at its own interval.
+
+Design choices:
+- The formulas are `monitor/mfu.throughput_metrics` (the one place for tokens/s, MFU, cost); this
+  class only keeps the window: the tokens and the wall time since the last sample, and the part
+  of that time spent inside the compiled step (`add_step_time`).
+- The first step of a session includes graph compilation: it resets the window and reports
+  nothing, so no figure mixes compile time with step time.
+- host_share = 1 - (time inside the compiled step / wall time): the data, metrics and logging
+  around the step, i.e. what the once-per-step read of loss/norm/finite can cost the device.
+- `mfu` is always present in a throughput sample (0.0 when the device's peak is unknown) so
+  metrics.jsonl keeps the same keys on every device.
+"""
+from __future__ import annotations
+
+import time
+
+from mspretrain.monitor.memory import memory_metrics
+from mspretrain.monitor.mfu import throughput_metrics
+
+
+class StepMeter:
+    def __init__(self, *, tokens_per_step: int, seq_len: int, devices: int, flops_per_token: float,
+                 peak_tflops: float, price_per_device_hour: float, throughput_every: int, log_every: int,
+                 memory_every: int, target: str) -> None:
+        self.tokens_per_step, self.seq_len, self.devices = tokens_per_step, seq_len, devices
+        self.flops_per_token, self.peak_tflops, self.price = flops_per_token, peak_tflops, price_per_device_hour
+        self.throughput_every, self.log_every, self.memory_every = throughput_every, log_every, memory_every
+        self.target = target
+        self.begin()
+
+    def begin(self) -> None:
+        """Open a window now (the start of a session)."""
+        self._t, self._tokens, self._step_s = time.perf_counter(), 0, 0.0
+
+    def add_step_time(self, seconds: float) -> None:
+        """Wall time spent inside the compiled step."""
+        self._step_s += seconds
+
+    def sample(self, step: int, *, first: bool) -> dict[str, float]:
+        """The values to log after `step` (one more step's tokens in the window)."""
+        self._tokens += self.tokens_per_step
+        out: dict[str, float] = {}
+        if first:
+            self.begin()
+        elif step % self.throughput_every == 0 or step % self.log_every == 0:
+            dt = max(time.perf_counter() - self._t, 1e-9)
+            out = throughput_metrics(tokens=self._tokens, samples=self._tokens // self.seq_len, seconds=dt,
+                                     flops_per_token=self.flops_per_token, peak_tflops=self.peak_tflops,
+                                     devices=self.devices, real_tokens=self._tokens,
+                                     price_per_device_hour=self.price)
+            out.setdefault("mfu", 0.0)
+            out["host_share"] = max(0.0, 1.0 - self._step_s / dt)
+            self.begin()
+        if step % self.memory_every == 0:
+            # host RSS as mem_mb; on Ascend also the NPU's peak allocated/reserved (monitor/memory.py)
+            out.update(memory_metrics(self.target))
+        return out

@@ -1,0 +1,250 @@
+"""Wire a real `Trainer` from a config, a data dir and a run dir.
+
+In order: the config against the device, the data dir(s) and the vocabulary, MindSpore and the
+world of ranks, the run lock, the budget (steps, warm-up, lr, micro-batches: `mspretrain/budget.py`),
+the resume decision (the newest checkpoint that verifies; refused config changes; --restart), then
+the parts: model, compiled step, loader, scaler, and the loop's components, the run dir's files
+(config.toml with the resolved values as comments, run_meta.json, the tokenizer) and finally the
+checkpoint's state loaded into all of them.
+
+Design choices:
+- A config change that alters numerics (model shape, seq_len, global batch, seed) is refused on
+  resume unless `allow_config_change`; the budget (max_steps/max_tokens) may always change, and
+  a re-stretched schedule is explained in the log.
+- A run dir whose every checkpoint fails verification is not silently restarted from step 0 (that
+  would append to the old metrics and later prune checkpoints `recover` could repair): --restart.
+- `init_weights(model)` (the hook for weights from elsewhere) runs only on a run that starts from
+  step 0, before the compiled step exists, so its optimizer state and fp32 masters start from them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from mspretrain import __version__, budget
+from mspretrain import config as cfgmod
+from mspretrain.checkpoint import lock as run_lock
+from mspretrain.checkpoint import store
+from mspretrain.config import Config
+from mspretrain.errors import UserError
+from mspretrain.paths import DataPaths, RunPaths
+from mspretrain.train.trainer import StepCallback, Trainer
+
+NUMERIC_KEYS = ("model", "data.seq_len", "data.reset_attention_at_eos", "train.global_batch", "train.seed")
+
+
+def config_changes(old: Config, new: Config) -> list[str]:
+    """Human-readable list of numerics-altering differences between two configs."""
+    out = []
+    for key in NUMERIC_KEYS:
+        section, _, name = key.partition(".")
+        a, b = getattr(old, section), getattr(new, section)
+        if name:
+            a, b = getattr(a, name), getattr(b, name)
+            if a != b:
+                out.append(f"{key}: {a} -> {b}")
+        else:
+            for f in dataclasses.fields(a):
+                va, vb = getattr(a, f.name), getattr(b, f.name)
+                if va != vb:
+                    out.append(f"{section}.{f.name}: {va} -> {vb}")
+    return out
+
+
+def sampling_for_run(m: cfgmod.MetricsConfig, total: int) -> cfgmod.MetricsConfig:
+    """The metric intervals, each capped at total/8 steps so a short run draws every panel."""
+    cap = max(1, total // 8)
+    return replace(m, **{f.name: min(getattr(m, f.name), cap) for f in dataclasses.fields(m) if f.name.endswith("_every")})
+
+
+def check_sources(cfg: Config, data_dir: Path, manifest: dict[str, Any]) -> list[tuple[Path, float]]:
+    """The weighted data dirs; all must share the --data dir's tokenizer."""
+    from mspretrain.data.loader import resolve_sources
+    from mspretrain.data.manifest import check_data_dir, read_manifest
+
+    sources = resolve_sources(data_dir, cfg.data.sources)
+    want = manifest.get("tokenizer_sha256")
+    for path, _ in sources:
+        other = read_manifest(path)
+        if path.resolve() != data_dir:  # the --data dir was checked by the caller
+            check_data_dir(path, other)
+        if want and other.get("tokenizer_sha256") != want:
+            raise UserError(f"data dir {path} was tokenized with a different tokenizer than {data_dir}",
+                            f"prepare it again with --tokenizer {DataPaths(data_dir).tokenizer_model}")
+    return sources
+
+
+def find_resume(paths: RunPaths, *, is_main: bool, restart: bool, log: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that verifies, or None to start from step 0."""
+    if not paths.root.exists():
+        return None
+    if is_main:
+        store.clean_tmp_dirs(paths.root, log=log)
+    found = store.latest_verified(paths.root, log=log)
+    if found is None and store.list_checkpoints(paths.root):
+        if not restart:
+            raise UserError(f"every checkpoint in {paths.checkpoints} fails verification; not starting over them from step 0",
+                            f"repair one with `mspretrain recover {paths.root}`, or pass --restart to move them aside and start from step 0")
+        if is_main:
+            moved = store.move_aside(paths.root)
+            log(f"--restart: the unverifiable checkpoints and metrics were moved to {', '.join(p.name for p in moved)}")
+    return found
+
+
+def memory_options(cfg: Config, step_fn: Any, world: Any, accum: int) -> str:
+    """The memory options in effect, for the start-up line (rank 0's share of the state)."""
+    parts = []
+    if step_fn.sharded:
+        sizes = [int(np.prod(p.shape)) for p in step_fn.params]
+        mine = sum(sizes[i] for i in step_fn.own)
+        parts.append(f"optimizer state{' and gradients' if step_fn.shard_grads else ''} sharded over "
+                     f"{world.size} ranks (rank {world.rank} holds {mine / sum(sizes):.0%})")
+    if world.size > 1:
+        c = step_fn.collectives(accum)
+        parts.append(f"{c['calls']} collectives and {c['bytes'] / 2**20:,.1f} MB on the wire per step")
+    if cfg.precision.param_dtype == "compute" and cfg.precision.dtype != "fp32":
+        parts.append(f"{cfg.precision.dtype} matrices with fp32 masters")
+    if cfg.train.recompute:
+        parts.append("layer recompute")
+    return "; " + ", ".join(parts) if parts else ""
+
+
+def resolved_notes(cfg: Config, b: budget.Budget, sampling: cfgmod.MetricsConfig, threads: int) -> dict[str, str]:
+    """The automatic (0) values as they ran, for comments in RUN_DIR/config.toml. The keys stay
+    automatic so the same file resumes on another world size or machine."""
+    notes = {}
+    if not cfg.train.micro_batch:
+        notes["train.micro_batch"] = f"0 = automatic; this run: {b.micro_batch} per rank x {b.accumulation} accumulation on {b.world} rank(s)"
+    if not cfg.device.threads:
+        notes["device.threads"] = f"0 = all cores; this run: {threads}"
+    if cfg.schedule.warmup_steps == "auto":
+        notes["schedule.warmup_steps"] = f"this run: {b.warmup} steps"
+    for f in dataclasses.fields(sampling):
+        if getattr(sampling, f.name) != getattr(cfg.metrics, f.name):
+            notes[f"metrics.{f.name}"] = f"this run: every {getattr(sampling, f.name)} (intervals capped at {b.steps} steps / 8)"
+    return notes
+
+
+def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, allow_config_change: bool = False,
+                  allow_data_change: bool = False, restart: bool = False, log: Callable[[str], None] = print,
+                  init_weights: Callable[[Any], None] | None = None,
+                  callbacks: Sequence[StepCallback] = ()) -> Trainer:
+    """The real trainer for `mspretrain train`, resumed from the run dir's newest verified checkpoint."""
+    import mindspore as ms
+
+    from mspretrain.checkpoint.saver import Saver
+    from mspretrain.data.loader import Loader
+    from mspretrain.data.manifest import check_data_dir, read_manifest
+    from mspretrain.device import plan_device, setup_mindspore
+    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.monitor.console import ConsoleLine, RunLog
+    from mspretrain.monitor.meter import StepMeter
+    from mspretrain.monitor.metrics import MetricsLogger
+    from mspretrain.monitor.mfu import device_peak_tflops, flops_per_token
+    from mspretrain.ops.fits import check_fits
+    from mspretrain.ops.profiler import StepProfiler
+    from mspretrain.train import distributed
+    from mspretrain.train.checkpointing import CheckpointManager
+    from mspretrain.train.eval_schedule import PeriodicEval
+    from mspretrain.train.loss_scale import LossScaler
+    from mspretrain.train.schedule import resume_notes
+    from mspretrain.train.spike_policy import SpikePolicy
+    from mspretrain.train.step import TrainStep
+
+    data_dir, paths = Path(data_dir).resolve(), RunPaths(run_dir)
+    say = RunLog(paths.log, log)
+    device = plan_device(cfg)
+    cfgmod.validate(cfg, device=device.target)
+    manifest = read_manifest(data_dir)
+    check_data_dir(data_dir, manifest)  # the tokenizer and the ids the model will see
+    vocab = int(manifest["vocab_size"])
+    if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
+        raise UserError(f"model.vocab_size = {cfg.model.vocab_size} but the data dir's tokenizer has {vocab} pieces",
+                        f"set model.vocab_size={vocab} (or 0 to take it from the data dir)")
+    cfg = replace(cfg, model=cfgmod.resolve_model(cfg.model, vocab))
+    sources = check_sources(cfg, data_dir, manifest)
+    setup_mindspore(device)
+    world = distributed.init(device.target)
+    say.is_main = world.is_main
+    if world.is_main:  # one writer per run dir; the other msrun ranks are the same job
+        run_lock.acquire(paths.root, "train", log=say)
+    b = budget.derive(cfg, world=world.size, data_tokens=int(manifest["tokens"]["train"]))
+    check_fits(cfg, world.size, device.target, log=say)  # before any allocation
+    resume_from = find_resume(paths, is_main=world.is_main, restart=restart, log=say)
+    resume_state: dict[str, Any] = {}
+    if resume_from is not None:
+        changes = config_changes(cfgmod.load(resume_from / "config.toml"), cfg)
+        if changes and not allow_config_change:
+            raise UserError(f"the config changes numerics of the run in {paths.root}: {'; '.join(changes)}",
+                            "use the original values, a new --run dir, or --allow-config-change")
+        for c in changes:
+            say(f"config change accepted on resume: {c}")
+        resume_state = store.read_json(resume_from / "train_state.json")  # a raised budget re-stretches the schedule: say how
+        for note in resume_notes(resume_state.get("schedule"), b.schedule,
+                                 int(resume_state.get("applied_steps", resume_state["step"])), cfg.optim.lr_scaling):
+            say(note)
+    # a short run still gets a few points of every metric (grad norm every 50 draws nothing in 40 steps)
+    sampling = sampling_for_run(cfg.metrics, b.steps)
+
+    ms.set_seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed % (2**32))
+    model = Llama(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=device.target, seed=cfg.train.seed)
+    if cfg.train.recompute:
+        for layer in model.layers:
+            layer.recompute()
+    if init_weights is not None and resume_from is None:
+        init_weights(model)
+    half = half_eligible(model) if cfg.precision.param_dtype == "compute" and cfg.precision.dtype != "fp32" else []
+    step_fn = TrainStep(model, cfg.optim, global_tokens=b.tokens_per_step, world=world.size, rank=world.rank,
+                        jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16",
+                        shard=cfg.optim.shard_optimizer, shard_grads=cfg.optim.shard_gradients,
+                        bucket_mb=cfg.optim.bucket_mb, device=device.target, accumulation=b.accumulation,
+                        half_params=half, jit_level=cfg.device.jit_level)
+    loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=b.micro_batch, seed=cfg.train.seed,
+                    rank=world.rank, world=world.size, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
+                    token_dtype=cfg.data.token_dtype, log=say)
+    tokenizer = DataPaths(data_dir).tokenizer
+    if world.is_main:
+        paths.root.mkdir(parents=True, exist_ok=True)
+        cfgmod.save(cfg, paths.config, notes=resolved_notes(cfg, b, sampling, device.threads))
+        if tokenizer is not None:
+            (paths.root / tokenizer.name).write_bytes(tokenizer.read_bytes())
+        meta = {"data_dir": str(data_dir), "world_size": world.size, "code_version": __version__,
+                "hardware": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device.target,
+                             "python": sys.version.split()[0], "mindspore": ms.__version__}}
+        paths.meta.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    metrics = MetricsLogger(paths.root, sampling, enabled=world.is_main, log=say,
+                            resume_step=int(resume_state["step"]) if resume_from is not None else None)
+    saver = Saver(paths.root, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
+                  async_save=cfg.checkpoint.async_save, log=say)
+    checkpoints = CheckpointManager(paths, saver, cfg=cfg, model=model, step_fn=step_fn, loader=loader, rank=world.rank,
+                                    world=world.size, tokenizer=tokenizer, allow_data_change=allow_data_change, log=say)
+    meter = StepMeter(tokens_per_step=b.tokens_per_step, seq_len=cfg.data.seq_len, devices=world.size,
+                      flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
+                      peak_tflops=device_peak_tflops(device.target, cfg.precision.dtype, cfg.device.peak_tflops),
+                      price_per_device_hour=cfg.cost.price_per_device_hour, throughput_every=cfg.metrics.throughput_every,
+                      log_every=cfg.train.log_every, memory_every=sampling.memory_every, target=device.target)
+    scaler = LossScaler.from_config(cfg.precision)
+    banner = (f"{device.describe()}; world {world.size}; micro-batch {b.micro_batch} x {b.accumulation} accumulation"
+              + memory_options(cfg, step_fn, world, b.accumulation), f"schedule {b.schedule.describe()}")
+    trainer = Trainer(
+        cfg=cfg, run_dir=paths.root, data_dir=data_dir, world=world, model=model, step_fn=step_fn, loader=loader,
+        scaler=scaler, schedule=b.schedule, total_steps=b.steps, accum_steps=b.accumulation,
+        tokens_per_step=b.tokens_per_step, meter=meter, checkpoints=checkpoints,
+        spikes=SpikePolicy(cfg.spike, warmup_steps=b.warmup, log=say),
+        evaluator=PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say),
+        console=ConsoleLine(say, total=b.steps, log_every=cfg.train.log_every, show_scale=scaler.mode != "none"),
+        metrics=metrics, profiler=StepProfiler(paths.root, cfg.profile.steps if world.is_main else "", log=say),
+        log=say, banner=banner, callbacks=tuple(callbacks))
+    if resume_from is not None:
+        trainer.load(resume_from)
+        checkpoints.last_save_step = trainer.step
+    return trainer

@@ -1,0 +1,124 @@
+"""Checkpoint policy of a run: when to save, what a checkpoint holds, how it comes back.
+
+A small `CheckpointManager` in the manner of torchtitan's: the trainer hands it the step and the
+loop's own counters (`train_state`), and it snapshots the weights, the optimizer state and the
+loader's position, hands them to the background `Saver` (which writes, verifies and prunes), and
+restores all of it on resume or rewind.
+
+Design choices:
+- The snapshot is a host *copy*: on CPU asnumpy() returns a view of the live parameter memory, and
+  the next step would change the weights while the writer thread is still writing them.
+- Only rank 0 writes, except with a sharded optimizer where every rank writes its optimizer shard
+  and rank 0 publishes the checkpoint once all are there (checkpoint/shards.py).
+- A rewind must reload the same checkpoint on every rank: "newest on disk" could differ between
+  ranks while rank 0's writer is at work, so under msrun every rank takes the step of this run's
+  newest save and waits until rank 0 has published it.
+- A failed write stops the run or is logged and skipped, per `checkpoint.on_error`; the
+  previous checkpoints stay intact either way.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from mspretrain.checkpoint import store
+from mspretrain.checkpoint.saver import Saver
+from mspretrain.config import Config
+from mspretrain.errors import UserError
+from mspretrain.paths import RunPaths
+
+
+class CheckpointManager:
+    def __init__(self, paths: RunPaths, saver: Saver, *, cfg: Config, model: Any, step_fn: Any, loader: Any,
+                 rank: int, world: int, tokenizer: Path | None, allow_data_change: bool,
+                 log: Callable[[str], None]) -> None:
+        self.paths, self.saver, self.cfg, self.log = paths, saver, cfg, log
+        self.model, self.step_fn, self.loader = model, step_fn, loader
+        self.rank, self.world, self.tokenizer = rank, world, tokenizer
+        self.allow_data_change = allow_data_change
+        self.last_save_step: int | None = None  # every rank knows which step the newest save is for
+
+    def due(self, step: int, total: int) -> bool:
+        """A periodic save after `step` (the last step's save is the loop's final one)."""
+        every = self.cfg.checkpoint.every
+        return bool(every) and step % every == 0 and step < total
+
+    def save(self, step: int, train_state: dict[str, Any]) -> Path | None:
+        """Checkpoint the state after `step`; the copy to host blocks briefly, the write does not."""
+        from mspretrain.model.llama import state_numpy
+
+        sharded = self.step_fn.sharded
+        self.last_save_step = step
+        if self.rank != 0 and not sharded:
+            return None
+        t0 = time.perf_counter()
+        optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
+        try:
+            if self.rank != 0:
+                self.saver.save_shard(step=step, rank=self.rank, world=self.world, optimizer=optim, stall_started=t0)
+                return None
+            model = {k: v.copy() for k, v in state_numpy(self.model, keep_fp16=True).items()}
+            self.saver.save(step=step, model=model, optimizer=optim, train_state=train_state,
+                            data_state=self.loader.state(), config=self.cfg, tokenizer_path=self.tokenizer,
+                            stall_started=t0, world=self.world if sharded else 1)
+        except store.SaveError as exc:
+            self.failed(exc)
+        return self.paths.step_dir(step)
+
+    def failed(self, exc: store.SaveError) -> None:
+        msg = f"checkpoint save failed: {exc.strerror or exc}; previous checkpoints are intact"
+        if self.cfg.checkpoint.on_error == "stop":
+            raise UserError(msg, "free disk space (or fix permissions) and run the same command to resume")
+        self.log(f"warning: {msg}; training continues (checkpoint.on_error=continue)")
+
+    def load(self, ckpt: Path, *, restore_data: bool) -> dict[str, Any]:
+        """Load a checkpoint's weights, this rank's optimizer state and (optionally) the loader
+        position into the live objects; returns its train_state for the loop's own counters."""
+        from mspretrain.model.llama import load_numpy
+
+        ts = store.read_json(ckpt / "train_state.json")
+        load_numpy(self.model, store.load_file(str(ckpt / store.MODEL_FILE)))
+        available = store.optimizer_keys(ckpt)
+        if not available:
+            raise UserError(f"checkpoint {ckpt.name} has no optimizer state",
+                            "resume from a training checkpoint, or start a new --run dir from these weights")
+        # only the part this rank holds is read (all of it unless the optimizer is sharded), from
+        # whichever file has it: a sharded checkpoint resumes with any world size, sharded or not
+        opt = store.read_optimizer_tensors(ckpt, keys=self.step_fn.state_keys(owned_only=True))
+        self.step_fn.load_optimizer_state(opt, available=available)
+        if restore_data:
+            self.loader.load_state(store.read_json(ckpt / "data_state.json"), allow_data_change=self.allow_data_change)
+        return ts
+
+    def rewind_target(self) -> Path | None:
+        """The checkpoint to rewind to, the same on every rank (see the module docstring)."""
+        self.saver.wait()
+        if self.world == 1 or self.last_save_step is None:
+            return store.latest_verified(self.paths.root, log=self.log)
+        from mspretrain.checkpoint.shards import WAIT_S
+
+        target = self.paths.step_dir(self.last_save_step)
+        deadline = time.monotonic() + WAIT_S
+        while store.verify(target, deep=False) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        reason = store.verify(target)
+        if reason is not None:
+            self.log(f"spike: checkpoint {target.name} is not usable ({reason})")
+            return None
+        return target
+
+    def latest_name(self) -> str:
+        """The newest verified checkpoint's name, for messages ('scratch' if none)."""
+        last = store.latest_verified(self.paths.root, log=lambda s: None)
+        return last.name if last else "scratch"
+
+    @property
+    def stall_s(self) -> list[float]:
+        return list(self.saver.stall_s)
+
+    def wait(self) -> None:
+        self.saver.wait()
+
+    def close(self) -> None:
+        self.saver.close()

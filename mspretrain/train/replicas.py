@@ -1,0 +1,23 @@
+"""Data-parallel replicas must hold identical weights: each rank records a hash of its own at the
+end of a run (RUN_DIR/ranks/rank_R.json), which `diagnose` and the tests compare."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+def record_weights_hash(run_dir: Path, *, rank: int, world: int, step: int, model: Any) -> None:
+    if world == 1:
+        return
+    from mspretrain.model.llama import state_numpy
+
+    h = hashlib.sha256()
+    for name, arr in sorted(state_numpy(model).items()):
+        h.update(name.encode())
+        h.update(arr.tobytes())
+    ranks = Path(run_dir) / "ranks"
+    ranks.mkdir(parents=True, exist_ok=True)
+    (ranks / f"rank_{rank}.json").write_text(
+        json.dumps({"rank": rank, "step": step, "weights_sha256": h.hexdigest()}), encoding="utf-8")
