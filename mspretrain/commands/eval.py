@@ -20,7 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=0, help="bound the number of predicted tokens (0 = whole split)")
     p.add_argument("--seq-len", type=int, default=0, help="window length (default: the run's data.seq_len)")
-    p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "tokens", "bpc"}')
+    p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "tokens", "bpc"} (with --choices: {"acc", "acc_norm", "count"})')
+    p.add_argument("--choices", metavar="FILE", help="multiple-choice accuracy on FILE (.jsonl, or C-Eval/CMMLU .csv) instead of perplexity")
+    p.add_argument("--dev", metavar="FILE", help="with --choices: few-shot examples (the first --shots items, in file order)")
+    p.add_argument("--shots", type=int, default=None, help="with --choices: number of few-shot examples (default 5 with --dev, else 0)")
     add_quiet_argument(p)
 
 
@@ -29,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.eval.perplexity import evaluate_split
 
     refuse_overrides(args, "eval", "use eval's own options, e.g. --max-tokens 65536 --batch-size 8 (see `mspretrain eval --help`)")
+    if args.choices or args.dev or args.shots is not None:
+        return run_choices(args)
     if args.batch_size <= 0:
         raise UserError(f"--batch-size {args.batch_size} must be positive", "use e.g. --batch-size 8")
     if args.max_tokens < 0:
@@ -71,3 +76,31 @@ def scope_note(split: str, max_tokens: int, run_max_tokens: int, scored: int) ->
         scope += (f"; the run's own evals score up to the first {run_max_tokens:,} (eval.max_tokens)" if run_max_tokens
                   else "; the run's own evals score the whole split (eval.max_tokens = 0)")
     return f": {scope}"
+
+def run_choices(args: argparse.Namespace) -> int:
+    """`eval RUN --choices FILE [--dev FILE] [--shots K]`: accuracy by option log-likelihood."""
+    from mspretrain.checkpoint.model import load_model
+    from mspretrain.eval.choices import check_shots, choices_accuracy, read_choices
+
+    if not args.choices:
+        raise UserError("--dev and --shots go with --choices FILE", "add --choices FILE.jsonl (or .csv)")
+    perplexity_only = [name for name, given in (("--data", args.data), ("--max-tokens", args.max_tokens),
+                                                ("--seq-len", args.seq_len), ("--split", args.split != "valid")) if given]
+    if perplexity_only:
+        raise UserError(f"{', '.join(perplexity_only)} {'is' if len(perplexity_only) == 1 else 'are'} for perplexity, not --choices",
+                        "leave them out: --choices scores the file's questions")
+    if args.batch_size <= 0:
+        raise UserError(f"--batch-size {args.batch_size} must be positive", "use e.g. --batch-size 8")
+    items = read_choices(args.choices)  # bad files fail before the model loads
+    dev = read_choices(args.dev) if args.dev else []
+    shots = args.shots if args.shots is not None else (min(5, len(dev)) if dev else 0)
+    check_shots(dev, shots)
+    refuse_data_dir(args.path, "eval")
+    loaded = load_model(args.path, log=(lambda s: None) if args.json else print)
+    res = choices_accuracy(loaded.model, loaded.tokenizer, items, batch_size=args.batch_size, dev=dev, shots=shots)
+    if args.json:
+        print(json.dumps(dict(res, shots=shots)))
+    else:
+        print(f"{loaded.ref.dir.name}: {Path(args.choices).name}: accuracy {res['acc']:.1%} (summed log-likelihood), "
+              f"{res['acc_norm']:.1%} (per-token normalised) over {res['count']:,} questions, {shots}-shot")
+    return 0
