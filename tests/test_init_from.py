@@ -3,6 +3,7 @@ Llama folder made here with transformers, its converted checkpoint, a run dir), 
 resize against an independent reference, the one-line refusals, and the parameter groups."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import replace
@@ -299,3 +300,12 @@ def test_init_for_run_on_a_run_dir_with_checkpoints(src, tmp_path):
     run_cfg, hook, meta = init_for_run(src["hf"], cfg, data, run, allow_config_change=True, log=logs.append)
     assert hook is None and meta is None and run_cfg.model == load_init(src["ckpt"]).config
     assert "resumes" in logs[0]
+    # without --init-from: an ordinary run is left to the trainer; a run that began from init
+    # weights resumes with its saved model config and keeps its record
+    assert init_for_run(None, cfg, data, run, log=logs.append) == (cfg, None, None)
+    record = {"path": "x", "files": {"model.safetensors": "0" * 64}, "resized": None}
+    (run / "run_meta.json").write_text(json.dumps({"data_dir": str(data), "init_from": record}))
+    run_cfg, hook, meta = init_for_run(None, cfg, data, run, explicit={"dim", "n_layers"}, log=logs.append)
+    assert run_cfg.model == load_init(src["ckpt"]).config and hook is None and meta == record
+    _refused(lambda: init_for_run(None, replace(cfg, model=replace(cfg.model, n_layers=3)), data, run, explicit={"n_layers"}),
+             "model.n_layers = 3", f"the run in {run} has 2")

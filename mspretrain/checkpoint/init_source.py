@@ -115,27 +115,42 @@ def explicit_model_keys(config_path: str | Path | None, overrides: Sequence[str]
     return keys
 
 
-def init_for_run(path: str | Path, cfg: Config, data_dir: str | Path, run_dir: str | Path, *,
+def init_for_run(path: str | Path | None, cfg: Config, data_dir: str | Path, run_dir: str | Path, *,
                  explicit: set[str] | None = None, allow_config_change: bool = False,
                  log: Callable[[str], None] = print) -> tuple[Config, Callable[[Any], None] | None, dict[str, Any] | None]:
-    """`train --init-from PATH` before the trainer is built: (the config to train with, the
-    `init_weights(model)` hook that loads the weights before step 0, the record for run_meta.json's
-    "init_from").
+    """What `train [--init-from PATH]` settles before the trainer is built: (the config to train
+    with, the `init_weights(model)` hook that loads the weights before step 0, the record for
+    run_meta.json's "init_from").
 
-    A run dir that already has checkpoints resumes instead; --init-from on it is refused unless
-    `allow_config_change`, and then the run resumes with its own model config (hook and record None)."""
+    - A new run dir with PATH: the model config from the init weights, hook and record.
+    - A run dir that already has checkpoints resumes: PATH on it is refused unless
+      `allow_config_change` (then it is not used). A run that began from init weights resumes with
+      its saved model config (the config file need not repeat the init model's keys; those it
+      writes must agree) and keeps its record; no hook.
+    - Neither: `cfg` unchanged, (cfg, None, None)."""
     from mspretrain import config as cfgmod
 
     run_dir, data_dir = Path(run_dir), Path(data_dir)
     existing = store.list_checkpoints(run_dir)
     if existing:
-        if not allow_config_change:
+        if path is not None and not allow_config_change:
             raise UserError(f"--init-from on {run_dir}, which already has checkpoints (newest {existing[-1][1].name}): that run dir resumes",
                             "give the new run its own --run dir, or pass --allow-config-change to resume this run (the --init-from weights are then not used)")
+        meta_path = RunPaths(run_dir).meta
+        try:
+            record = json.loads(meta_path.read_text(encoding="utf-8")).get("init_from") if meta_path.is_file() else None
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            record = None
+        if path is None and not isinstance(record, dict):
+            return cfg, None, None  # an ordinary run: the trainer resumes it as it always has
         saved = RunPaths(run_dir).config
         model = cfgmod.load(saved if saved.is_file() else existing[-1][1] / "config.toml").model
-        log(f"--init-from {path}: {run_dir} has checkpoints, so it resumes (with --allow-config-change); the init weights are not used")
-        return replace(cfg, model=model), None, None
+        model = run_model_config(cfg.model, model, model.vocab_size, explicit, source=f"the run in {run_dir}")
+        if path is not None:
+            log(f"--init-from {path}: {run_dir} has checkpoints, so it resumes (with --allow-config-change); the init weights are not used")
+        return replace(cfg, model=model), None, record if isinstance(record, dict) else None
+    if path is None:
+        return cfg, None, None
     tok = DataPaths(data_dir).tokenizer
     if tok is None:
         raise UserError(f"data dir {data_dir} has no tokenizer.model or tokenizer.json", "pass the output of `mspretrain prepare` as --data")

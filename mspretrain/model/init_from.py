@@ -71,12 +71,13 @@ def set_model_keys(own: ModelConfig) -> dict[str, Any]:
 
 
 def run_model_config(own: ModelConfig, init: ModelConfig, data_vocab: int,
-                     explicit: set[str] | None = None) -> ModelConfig:
+                     explicit: set[str] | None = None, source: str = "the init weights") -> ModelConfig:
     """The model config of a run initialised from `init`: the init model's architecture, with the
     data dir's vocabulary (larger: the embedding grows, see model/resize.py; smaller: refused).
 
     `own`'s keys (those `explicit` names, else those away from their defaults) must agree with
-    `init`: the first disagreement is refused in one line naming the key and both values. Its
+    `init`: the first disagreement is refused in one line naming the key and both values
+    (`source` says what `init` is in that line). Its
     vocab_size is the data dir's business (the trainer checks it against the data dir)."""
     keys = set_model_keys(own) if explicit is None else {k: getattr(own, k) for k in explicit if k not in NOT_ARCHITECTURE}
     for key in sorted(keys):
@@ -84,8 +85,8 @@ def run_model_config(own: ModelConfig, init: ModelConfig, data_vocab: int,
             continue
         mine, theirs = getattr(own, key), getattr(init, key)
         if mine != theirs:
-            raise UserError(f"model.{key} = {mine!r} in the training config, but the init weights have {theirs!r}",
-                            f"drop model.{key} from the config (it comes from the init weights), or set model.{key}={theirs!r}")
+            raise UserError(f"model.{key} = {mine!r} in the training config, but {source} has {theirs!r}",
+                            f"drop model.{key} from the config (it comes from {source}), or set model.{key}={theirs!r}")
     if data_vocab < init.vocab_size:
         raise UserError(f"the data dir's tokenizer has {data_vocab} pieces, fewer than the init model's {init.vocab_size}: shrinking the vocabulary is refused",
                         "prepare the data with the init model's tokenizer or an extension of it (mspretrain tokenizer extend)")
