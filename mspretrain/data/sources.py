@@ -13,6 +13,9 @@ Design choices:
   `charset-normalizer` (GBK/GB2312 are read as GB18030, their superset). Bytes that still do
   not decode are dropped and counted, never fatal. A file that looks binary (known magic
   numbers, many control bytes, or no plausible encoding) is skipped with a warning.
+- Every count is per file (`FileCounts`: documents, dropped bytes, cut documents, broken
+  records, why a file was skipped); `SourceStats` holds them in reading order and sums them, and
+  the manifest lists both, so a loss is traced to its file. Nothing is counted in module state.
 - Trade-off: detection reads a file's head twice (once to sniff, once to stream); the sample
   is small, and it keeps the reader a plain `TextIOWrapper` (decoding in C).
 """
@@ -55,11 +58,10 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\x1b") + b"\x7f"
 
 
-
 @dataclass
 class FileCounts:
     """What reading one input file found. The readers fill one per file; `SourceStats` sums them,
-    and the manifest lists them (`sources`), so a file that lost bytes or documents is named."""
+    and the manifest lists them (`input_files`), so a file that lost bytes or documents is named."""
 
     name: str  # the file as the user named it (under the input dir or glob), not resolved
     path: Path | None = None  # where it was read (resolved); named in warnings, not in the manifest
