@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain.errors import UserError
+from mspretrain.paths import RunPaths
 
-LOCK_NAME = ".mspretrain.lock"
+LOCK_NAME = RunPaths(".").lock.name  # for callers that list a run dir's files
 
 # path of the lock file (resolved) -> open fd, for the life of the process
 _held: dict[str, int] = {}
@@ -65,7 +66,7 @@ def ensure_run_dir(run_dir: Path) -> Path:
 def acquire(run_dir: str | Path, command: str, log: Callable[[str], None] = print) -> Path:
     """Take the run dir's lock for the rest of this process's life; refuse if another holds it."""
     run_dir = ensure_run_dir(Path(run_dir))
-    path = run_dir / LOCK_NAME
+    path = RunPaths(run_dir).lock
     key = str(path.resolve())
     if key in _held:
         try:
@@ -98,7 +99,7 @@ def acquire(run_dir: str | Path, command: str, log: Callable[[str], None] = prin
 
 def release(run_dir: str | Path) -> None:
     """Drop this process's lock on `run_dir` early (exit drops it anyway)."""
-    key = str((Path(run_dir) / LOCK_NAME).resolve())
+    key = str(RunPaths(run_dir).lock.resolve())
     fd = _held.pop(key, None)
     if fd is not None:
         os.close(fd)  # closing the last descriptor releases the flock

@@ -20,12 +20,13 @@ import numpy as np
 from mspretrain.checkpoint import shards
 from mspretrain.checkpoint.store import optimizer_shard_name, prune, step_dir_name, write_checkpoint_dir
 from mspretrain.config import Config
+from mspretrain.paths import RunPaths
 
 
 class Saver:
     def __init__(self, run_dir: Path, *, keep_last: int, keep_every: int, async_save: bool = True,
                  log: Callable[[str], None] = print) -> None:
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = RunPaths(run_dir).checkpoints
         self.keep_last, self.keep_every = keep_last, keep_every
         self.async_save = async_save
         self.log = log

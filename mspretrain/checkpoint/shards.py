@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from mspretrain.checkpoint.store import SaveError, _sha256, optimizer_shard_name, step_dir_name
-from mspretrain.fsutil import fsync_path
+from mspretrain.fsutil import atomic_write, fsync_path
 
 # How long rank 0 waits for another rank's shard after writing its own files. Generous: a 7B
 # run's shard is ~10 GB (moments and masters), written while rank 0 writes its 14 GB.
@@ -57,12 +57,8 @@ def write_shard(root: Path, step: int, rank: int, world: int, tensors: dict[str,
 
 
 def _publish(path: Path, obj: dict[str, Any]) -> None:
-    """Write a small JSON file so that a reader never sees it half written."""
-    tmp = path.with_suffix(".part")
-    tmp.write_text(json.dumps(obj), encoding="utf-8")
-    fsync_path(tmp)
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+    """Write a small JSON file so that a reader (rank 0, polling) never sees it half written."""
+    atomic_write(path, json.dumps(obj))
 
 
 def collect(root: Path, step: int, world: int, into: Path, *, wait_s: float = WAIT_S,

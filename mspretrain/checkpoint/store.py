@@ -42,13 +42,19 @@ from mspretrain import config as cfgmod
 from mspretrain.config import Config
 from mspretrain.errors import UserError
 from mspretrain.fsutil import fsync_path
+from mspretrain.paths import DataPaths, RunPaths, step_dir_name
 
+# The files of a checkpoint dir (a contract: docs/design.md "Files"); the run dir's are in paths.RunPaths.
 FORMAT_VERSION = 1
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 OPTIM_SHARD_RE = re.compile(r"^optimizer-(\d{5})-of-(\d{5})\.safetensors$")
+TRAIN_STATE = "train_state.json"
+DATA_STATE = "data_state.json"
+CONFIG_FILE = "config.toml"
 MANIFEST = "manifest.json"
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")  # a copy of the run's, whichever it has
 
 
 class SaveError(OSError):
@@ -105,10 +111,6 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False), encoding="utf-8")
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
 def optimizer_shard_name(rank: int, world: int) -> str:
     return f"optimizer-{rank:05d}-of-{world:05d}.safetensors"
 
@@ -150,10 +152,10 @@ def write_checkpoint_dir(
         if optimizer is not None:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / optimizer_file),
                       metadata={"format": "mspretrain", "step": str(step)})
-        _write_json(tmp / "train_state.json", dict(train_state, step=step))
+        _write_json(tmp / TRAIN_STATE, dict(train_state, step=step))
         if data_state is not None:
-            _write_json(tmp / "data_state.json", data_state)
-        cfgmod.save(config, tmp / "config.toml")
+            _write_json(tmp / DATA_STATE, data_state)
+        cfgmod.save(config, tmp / CONFIG_FILE)
         if tokenizer_path is not None and Path(tokenizer_path).is_file():
             shutil.copyfile(tokenizer_path, tmp / Path(tokenizer_path).name)
         files = collect(tmp) if collect is not None else {}
@@ -212,7 +214,7 @@ def _read_manifest_files(ckpt_dir: Path) -> tuple[dict[str, dict[str, Any]] | No
     if problem:  # a malformed manifest is one more corrupt checkpoint: the fallback goes on
         return None, f"manifest.json is malformed ({problem})"
     files = manifest["files"]
-    for required in (MODEL_FILE, "train_state.json", "config.toml"):
+    for required in (MODEL_FILE, TRAIN_STATE, CONFIG_FILE):
         if required not in files:
             return None, f"manifest lists no {required}"
     return files, None
@@ -307,7 +309,7 @@ def verify(ckpt_dir: Path, *, deep: bool = True) -> str | None:
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, dir) of every finished-looking checkpoint dir, oldest first (tmp dirs excluded)."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunPaths(run_dir).checkpoints
     if not root.is_dir():
         return []
     out = []
@@ -325,23 +327,22 @@ def move_aside(run_dir: Path) -> list[Path]:
     the new run neither resumes from nor prunes them and its metrics do not follow the old ones.
     Moving the dir back to `checkpoints/` makes them repairable with `mspretrain recover` again.
     """
-    run_dir = Path(run_dir)
+    paths = RunPaths(run_dir)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    dest = run_dir / f"checkpoints.failed-{stamp}"
+    dest = paths.root / f"{paths.checkpoints.name}.failed-{stamp}"
     n = 1
     while dest.exists():  # two restarts in one second: never merge into an older aside dir
-        dest = run_dir / f"checkpoints.failed-{stamp}-{n}"
+        dest = paths.root / f"{paths.checkpoints.name}.failed-{stamp}-{n}"
         n += 1
-    os.replace(run_dir / "checkpoints", dest)
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        os.replace(metrics, dest / "metrics.jsonl")
-    fsync_path(run_dir)
+    os.replace(paths.checkpoints, dest)
+    if paths.metrics.is_file():
+        os.replace(paths.metrics, dest / paths.metrics.name)
+    fsync_path(paths.root)
     return [dest]
 
 
 def clean_tmp_dirs(run_dir: Path, log: Callable[[str], None] = print) -> None:
-    root = Path(run_dir) / "checkpoints"
+    root = RunPaths(run_dir).checkpoints
     if root.is_dir():
         for p in root.glob("*.tmp"):
             log(f"removing unfinished checkpoint {p.name} (left by an interrupted save)")
@@ -377,7 +378,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def _run_meta(run_dir: Path) -> dict[str, Any]:
-    p = run_dir / "run_meta.json"
+    p = RunPaths(run_dir).meta
     if p.is_file():
         try:
             return json.loads(p.read_text(encoding="utf-8"))
@@ -395,23 +396,24 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda s: 
         reason = verify(p)
         if reason:
             raise UserError(f"checkpoint {p} does not verify: {reason}", "use another checkpoint (see `mspretrain checkpoints RUN_DIR --verify`)")
-        ckpt, run_dir = p, (p.parent.parent if p.parent.name == "checkpoints" else None)
+        in_run = RunPaths(p.parent.parent).checkpoints == p.parent  # RUN_DIR/checkpoints/step_N
+        ckpt, run_dir = p, (p.parent.parent if in_run else None)
     else:
         ckpt = latest_verified(p, log=log)
         if ckpt is None:
             raise UserError(f"{p} holds no verified checkpoint", "train first (mspretrain train ... --run DIR), or pass a checkpoint dir")
         run_dir = p
     m = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))
-    cfg = cfgmod.load(ckpt / "config.toml")
+    cfg = cfgmod.load(ckpt / CONFIG_FILE)
     meta = _run_meta(run_dir) if run_dir else {}
     data_dir = Path(meta["data_dir"]) if meta.get("data_dir") else None
-    tok = None
-    for cand in [ckpt / "tokenizer.model", ckpt / "tokenizer.json"] + (
-            [run_dir / "tokenizer.model", run_dir / "tokenizer.json"] if run_dir else []) + (
-            [data_dir / "tokenizer.model", data_dir / "tokenizer.json"] if data_dir else []):
-        if cand.is_file():
-            tok = cand
-            break
+    # the checkpoint's own copy first, then the run dir's, then the data dir the run trained on
+    cands = [ckpt / name for name in TOKENIZER_FILES]
+    if run_dir:
+        cands += [RunPaths(run_dir).tokenizer_model, RunPaths(run_dir).tokenizer_json]
+    if data_dir:
+        cands += [DataPaths(data_dir).tokenizer_model, DataPaths(data_dir).tokenizer_json]
+    tok = next((c for c in cands if c.is_file()), None)
     return CheckpointRef(dir=ckpt, step=int(m.get("step", 0)), config=cfg, data_dir=data_dir, tokenizer_path=tok)
 
 

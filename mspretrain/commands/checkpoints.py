@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mspretrain.checkpoint import store
 from mspretrain.commands.common import existing_path
+from mspretrain.paths import RunPaths
 
 EXAMPLES = """examples:
   mspretrain checkpoints runs/demo
@@ -33,7 +34,8 @@ def _age(seconds: float) -> str:
 def run(args: argparse.Namespace) -> int:
     run_dir = existing_path(args.run_dir, "run dir", "pass the --run dir of `mspretrain train`")
     ckpts = store.list_checkpoints(run_dir)
-    tmp = sorted((run_dir / "checkpoints").glob("*.tmp")) if (run_dir / "checkpoints").is_dir() else []
+    root = RunPaths(run_dir).checkpoints
+    tmp = sorted(root.glob("*.tmp")) if root.is_dir() else []
     if not ckpts and not tmp:
         print(f"{run_dir}: no checkpoints")
         return 0

@@ -8,6 +8,7 @@ import sys
 
 from mspretrain.commands.common import existing_path
 from mspretrain.errors import UserError
+from mspretrain.paths import RunPaths
 
 EXAMPLES = """examples:
   mspretrain dashboard runs/demo
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:  # checked before TensorBoard starts and fails with a traceback of its own
         raise UserError(f"--port {args.port} is not a TCP port (1-65535)", "use e.g. --port 6006")
     run_dir = existing_path(args.run_dir, "run dir", "pass the --run dir of `mspretrain train`")
-    logdir = run_dir / "tb" if (run_dir / "tb").is_dir() else run_dir
+    tb = RunPaths(run_dir).tb
+    logdir = tb if tb.is_dir() else run_dir  # a dir of run dirs: TensorBoard finds every tb/ below
     cmd = tensorboard_command(str(logdir), args.port)
     if cmd is None:
         raise UserError("TensorBoard is not installed",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mspretrain.commands.common import add_quiet_argument, refuse_data_dir, refuse_overrides
 from mspretrain.errors import UserError
+from mspretrain.paths import DataPaths
 
 EXAMPLES = """examples:
   mspretrain eval runs/demo
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mspretrain.checkpoint.model import load_model
+    from mspretrain.data.manifest import read_manifest
     from mspretrain.eval.perplexity import evaluate_split
 
     refuse_overrides(args, "eval", "use eval's own options, e.g. --max-tokens 65536 --batch-size 8 (see `mspretrain eval --help`)")
@@ -43,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
     refuse_data_dir(args.path, "eval")
     loaded = load_model(args.path, log=(lambda s: None) if args.json else print)
     data_dir = Path(args.data) if args.data else loaded.ref.data_dir
-    if data_dir is None or not (data_dir / "manifest.json").is_file():
+    if data_dir is None or not DataPaths(data_dir).manifest.is_file():
         raise UserError(f"no data dir to evaluate on ({data_dir or 'unknown'})", "pass --data DATA_DIR (the output of `mspretrain prepare`)")
-    manifest = json.loads((data_dir / "manifest.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(data_dir)  # validated: a foreign or damaged manifest is one line
     if manifest.get("tokenizer_sha256") and loaded.tokenizer.sha256() != manifest["tokenizer_sha256"]:
         raise UserError(f"{data_dir} was tokenized with a different tokenizer than the model's",
                         "evaluate on a data dir prepared with the model's tokenizer (prepare --tokenizer RUN_DIR/tokenizer.model)")

@@ -19,6 +19,7 @@ import numpy as np
 
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.errors import UserError
+from mspretrain.paths import DataPaths
 
 
 def _nll_fn(model: Any) -> Callable[[Any], Any]:
@@ -77,7 +78,7 @@ def evaluate_split(model: Any, data_dir: str | Path, *, split: str = "valid", se
                    max_tokens: int = 0, chars_per_token: float | None = None,
                    progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Perplexity of `model` on DATA_DIR/SPLIT; adds bits per character when chars/token is known."""
-    ds = IndexedDataset(Path(data_dir) / split)
+    ds = IndexedDataset(DataPaths(data_dir).prefix(split))
     res = evaluate_tokens(model, ds.tokens, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens,
                           progress=progress)
     if chars_per_token:

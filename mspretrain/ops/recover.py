@@ -17,10 +17,11 @@ from pathlib import Path
 from mspretrain.checkpoint import store
 from mspretrain.config import load as load_config
 from mspretrain.errors import UserError
-from mspretrain.fsutil import fsync_path
+from mspretrain.fsutil import atomic_write
+from mspretrain.paths import RunPaths
 from mspretrain.train.loss_scale import LossScaler
 
-WEIGHT_FILES = (store.MODEL_FILE, "config.toml")  # plus the optimizer file(s)
+WEIGHT_FILES = (store.MODEL_FILE, store.CONFIG_FILE)  # plus the optimizer file(s)
 
 
 def _weights_intact(ckpt: Path) -> str | None:
@@ -46,7 +47,7 @@ def _weights_intact(ckpt: Path) -> str | None:
 def _read_metrics(run_dir: Path, step: int) -> dict[int, dict]:
     """Records of metrics.jsonl by step, up to `step` (later lines of a resumed run win)."""
     out: dict[int, dict] = {}
-    path = run_dir / "metrics.jsonl"
+    path = RunPaths(run_dir).metrics
     if not path.is_file():
         return out
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -100,8 +101,9 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
     report = problems[:]
     if store.verify(d) is None:
         return report + [f"{d.name} verifies: nothing to recover"]
-    cfg = load_config(d / "config.toml")
-    meta = json.loads((run_dir / "run_meta.json").read_text(encoding="utf-8")) if (run_dir / "run_meta.json").is_file() else {}
+    cfg = load_config(d / store.CONFIG_FILE)
+    meta_path = RunPaths(run_dir).meta
+    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
     world = int(meta.get("world_size", 1))
     records = _read_metrics(run_dir, s)
     m: dict = {}
@@ -109,7 +111,7 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
         m.update(records[k])
     rebuilt, guessed = [], []
 
-    ts_ok = _json_ok(d / "train_state.json")
+    ts_ok = _json_ok(d / store.TRAIN_STATE)
     if not ts_ok:
         tokens = s * cfg.train.global_batch * cfg.data.seq_len
         skipped = int(m.get("skipped", 0))
@@ -125,11 +127,11 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
             guessed.append(f"loss scale {m['loss_scale']:g}: the last logged value; its growth counter restarts")
         else:
             guessed.append("loss scale: not in metrics.jsonl, the config's initial scale will be used")
-        (d / "train_state.json").write_text(json.dumps(ts, indent=1, sort_keys=True), encoding="utf-8")
-        rebuilt.append(f"train_state.json: step {s}, {tokens:,} tokens seen, {skipped} skipped steps")
+        atomic_write(d / store.TRAIN_STATE, json.dumps(ts, indent=1, sort_keys=True))
+        rebuilt.append(f"{store.TRAIN_STATE}: step {s}, {tokens:,} tokens seen, {skipped} skipped steps")
         guessed.append("spike detector window: restarts empty")
 
-    if not _json_ok(d / "data_state.json"):
+    if not _json_ok(d / store.DATA_STATE):
         data_dir = meta.get("data_dir")
         if not data_dir or not Path(data_dir).is_dir():
             raise UserError(f"cannot rebuild data_state.json: the run's data dir {data_dir!r} is not available",
@@ -141,8 +143,8 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
                         token_dtype=cfg.data.token_dtype, log=lambda x: None)
         total = s * cfg.train.global_batch
         consumed = tuple(int(c) for c in consumed_after(normalise([w for _, w in sources]), total))
-        (d / "data_state.json").write_text(json.dumps(loader.state_at(consumed), indent=1, sort_keys=True), encoding="utf-8")
-        rebuilt.append(f"data_state.json: {total:,} samples consumed (step {s} x global batch {cfg.train.global_batch})")
+        atomic_write(d / store.DATA_STATE, json.dumps(loader.state_at(consumed), indent=1, sort_keys=True))
+        rebuilt.append(f"{store.DATA_STATE}: {total:,} samples consumed (step {s} x global batch {cfg.train.global_batch})")
 
     _rewrite_manifest(d)
     if not rebuilt:
@@ -167,7 +169,4 @@ def _rewrite_manifest(d: Path) -> None:
             files[p.name] = {"sha256": store._sha256(p), "bytes": p.stat().st_size}
     manifest["files"] = files
     manifest["recovered"] = True
-    tmp = mpath.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
-    fsync_path(tmp)
-    tmp.replace(mpath)
+    atomic_write(mpath, json.dumps(manifest, indent=1, sort_keys=True))
