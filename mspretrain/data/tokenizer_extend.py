@@ -224,9 +224,11 @@ def hf_tokenizer_json(proto) -> dict:
         local = [(piece[:j], piece[j:]) for j in range(1, len(piece)) if piece[:j] in normal and piece[j:] in normal]
         merges += sorted(local, key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
     unk = next((p.piece for p in proto.pieces if p.type == kind.UNKNOWN), None)
+    # Control and unknown pieces are special tokens; user-defined pieces are matched whole in the
+    # text by SentencePiece, which is what an added (non-special) token does in `tokenizers`.
     added = [{"id": i, "content": p.piece, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True}
-             for i, p in enumerate(proto.pieces) if p.type in (kind.CONTROL, kind.UNKNOWN)]
+              "normalized": p.type == kind.USER_DEFINED, "special": p.type != kind.USER_DEFINED}
+             for i, p in enumerate(proto.pieces) if p.type in (kind.CONTROL, kind.UNKNOWN, kind.USER_DEFINED)]
     norm = proto.normalizer_spec
     normalizers: list[dict] = []
     if norm.precompiled_charsmap:
