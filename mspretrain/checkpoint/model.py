@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 from mspretrain.checkpoint.store import CheckpointRef, read_model_tensors, resolve_checkpoint
 from mspretrain.config import Config, resolve_model
 from mspretrain.errors import UserError
@@ -54,9 +56,7 @@ def load_model(source: str | Path | CheckpointRef, *, dtype: str | None = None, 
 
     ref = source if isinstance(source, CheckpointRef) else resolve_checkpoint(source, log=log)
     tensors = read_model_tensors(ref)
-    if "embed.weight" not in tensors:
-        raise UserError(f"checkpoint {ref.dir} has no embed.weight", "this is not an mspretrain model checkpoint")
-    cfg = replace(ref.config, model=resolve_model(ref.config.model, int(tensors["embed.weight"].shape[0])))
+    cfg = resolved_config(ref, tensors)
     tokenizer = _tokenizer(ref, cfg.model.vocab_size, need_tokenizer)
     if device is None:
         from mspretrain.device import plan_device, setup_mindspore
@@ -68,6 +68,14 @@ def load_model(source: str | Path | CheckpointRef, *, dtype: str | None = None, 
     load_numpy(model, tensors)
     model.set_train(False)
     return LoadedModel(ref=ref, model=model, config=cfg, tokenizer=tokenizer)
+
+
+def resolved_config(ref: CheckpointRef, tensors: dict[str, np.ndarray]) -> Config:
+    """The checkpoint's config with its model section resolved against the weights (the
+    vocabulary from `embed.weight`): the shape a model or an export of these weights has."""
+    if "embed.weight" not in tensors:
+        raise UserError(f"checkpoint {ref.dir} has no embed.weight", "this is not an mspretrain model checkpoint")
+    return replace(ref.config, model=resolve_model(ref.config.model, int(tensors["embed.weight"].shape[0])))
 
 
 def _tokenizer(ref: CheckpointRef, vocab_size: int, required: bool) -> "Tokenizer | None":

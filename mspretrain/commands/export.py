@@ -69,11 +69,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if fmt == "hf":
             from mspretrain.checkpoint.hf_folder import write_hf_folder
-            from mspretrain.config import resolve_model
+            from mspretrain.checkpoint.model import resolved_config
 
             tensors = read_model_tensors(ref)
-            vocab = int(tensors["embed.weight"].shape[0]) if "embed.weight" in tensors else None
-            write_hf_folder(tmp, resolve_model(ref.config.model, vocab), tensors, ref.tokenizer_path)
+            write_hf_folder(tmp, resolved_config(ref, tensors).model, tensors, ref.tokenizer_path)
             publish(tmp, out)
             say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF Llama, fp32 safetensors)")
         else:
