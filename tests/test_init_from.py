@@ -309,3 +309,89 @@ def test_init_for_run_on_a_run_dir_with_checkpoints(src, tmp_path):
     assert run_cfg.model == load_init(src["ckpt"]).config and hook is None and meta == record
     _refused(lambda: init_for_run(None, replace(cfg, model=replace(cfg.model, n_layers=3)), data, run, explicit={"n_layers"}),
              "model.n_layers = 3", f"the run in {run} has 2")
+
+
+# --------------------------------------------------------------------------- train --init-from
+
+@pytest.fixture(scope="module")
+def ext_data(src):
+    """A data dir prepared with the extended tokenizer (text of the base characters and the new pieces)."""
+    import random
+
+    from mspretrain import config as cfgmod
+    from mspretrain.data.prepare import prepare
+
+    rng = random.Random(3)
+    words = CHARS + NEW_PIECES
+    docs = ["".join(rng.choice(words) for _ in range(rng.randint(15, 40))) for _ in range(400)]
+    corpus = src["root"] / "corpus.txt"
+    corpus.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    out = src["root"] / "data_ext"
+    prepare([str(corpus)], out, cfgmod.load(TINY).prepare, tokenizer=str(src["ext"]), workers=1, log=lambda s: None)
+    return out
+
+
+def _cli(capsys, *argv):
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line(rc, err, needle):
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 2 and lines[0].startswith("error:") and needle in lines[0] and lines[1].startswith("hint:"), err
+    assert "Traceback" not in err
+
+
+def test_train_init_from_two_stages(src, ext_data, capsys):
+    """Stage 1 from the HF folder (grown vocabulary, embeddings + lm_head only), resumed without
+    --init-from, then stage 2 (everything) from the stage-1 run; misuse is one line, exit 2."""
+    from safetensors.numpy import load_file
+
+    root = src["root"]
+    s1, s2 = root / "stage1", root / "stage2"
+    base = ["--config", TINY, "--data", ext_data, "--quiet", "checkpoint.every=1", "checkpoint.keep_last=5", "schedule.warmup_steps=0"]
+    rc, _, err = _cli(capsys, "train", *base, "--run", s1, "--init-from", src["hf"], "train.max_steps=3",
+                      'train.trainable=["embeddings", "lm_head"]')
+    assert rc == 0, err
+    meta = json.loads((s1 / "run_meta.json").read_text())["init_from"]
+    assert meta["kind"] == "hf" and meta["files"] == load_init(src["hf"]).files
+    assert meta["resized"]["base_vocab"] == V and meta["resized"]["vocab"] == V + len(NEW_PIECES) + 1
+    init = plan_init(load_init(src["hf"]), tiny_model(), src["ext"]).tensors
+    last = s1 / "checkpoints" / "step_000003"
+    weights, optim = load_file(str(last / "model.safetensors")), load_file(str(last / "optimizer.safetensors"))
+    assert weights.keys() == init.keys()
+    for name, value in init.items():
+        if name in ("embed.weight", "lm_head.weight"):
+            assert not np.array_equal(weights[name], value), name
+        else:
+            assert np.array_equal(weights[name], value), f"frozen {name} changed"
+    assert set(optim) == {"opt_step"} | {f"{m}.{n}" for m in ("exp_avg", "exp_avg_sq") for n in ("embed.weight", "lm_head.weight")}
+
+    # misuse: --init-from on a run dir with checkpoints; a missing source; a checkpoint that fails verification
+    _one_line(*_cli(capsys, "train", *base, "--run", s1, "--init-from", src["hf"], "train.max_steps=4")[::2], "already has checkpoints")
+    _one_line(*_cli(capsys, "train", *base, "--run", root / "new1", "--init-from", root / "nowhere")[::2], "does not exist")
+    corrupt = root / "corrupt_stage1"
+    shutil.copytree(last, corrupt)
+    raw = bytearray((corrupt / "model.safetensors").read_bytes())
+    raw[-1] ^= 0xFF
+    (corrupt / "model.safetensors").write_bytes(bytes(raw))
+    _one_line(*_cli(capsys, "train", *base, "--run", root / "new2", "--init-from", corrupt)[::2], "does not verify")
+    _one_line(*_cli(capsys, "train", *base, "--run", root / "new3", "--init-from", src["hf"], "model.n_layers=3")[::2], "model.n_layers = 3")
+    assert not (root / "new1").exists() and not (root / "new2").exists() and not (root / "new3").exists()
+
+    # the same command without --init-from resumes stage 1 with its saved model config and record
+    rc, _, err = _cli(capsys, "train", *base, "--run", s1, "train.max_steps=4", 'train.trainable=["embeddings", "lm_head"]')
+    assert rc == 0, err
+    assert "resumed from step_000003" in (s1 / "train.log").read_text()
+    assert json.loads((s1 / "run_meta.json").read_text())["init_from"] == meta
+    assert np.array_equal(load_file(str(s1 / "checkpoints" / "step_000004" / "model.safetensors"))["norm.weight"], init["norm.weight"])
+
+    # stage 2: a new run from the stage-1 run dir (its newest checkpoint), every group trained
+    rc, _, err = _cli(capsys, "train", *base, "--run", s2, "--init-from", s1, "train.max_steps=1")
+    assert rc == 0, err
+    meta2 = json.loads((s2 / "run_meta.json").read_text())["init_from"]
+    assert meta2["kind"] == "checkpoint" and meta2["dir"].endswith("step_000004") and meta2["resized"] is None
+    optim2 = load_file(str(s2 / "checkpoints" / "step_000001" / "optimizer.safetensors"))
+    assert int(optim2["opt_step"].reshape(-1)[0]) == 1 and len(optim2) == 1 + 2 * len(init)  # a fresh optimizer for every parameter

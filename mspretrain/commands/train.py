@@ -11,6 +11,7 @@ EXAMPLES = """examples:
   mspretrain train --config configs/tiny.toml --data data/ --run runs/tiny train.max_steps=50
   mspretrain train --config configs/demo.toml --data data/ --run runs/demo      # resumes if runs/demo has a checkpoint
   mspretrain train --model 125m --config configs/demo.toml --data data/ --run runs/125m   # a preset's architecture
+  mspretrain train --init-from ~/models/Llama-2-7b-hf --config configs/llama2-7b-910b.toml --data data-zh/ --run runs/zh   # new run from HF weights
   msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=logs --join=True \\
         $(which mspretrain) train --config configs/tiny.toml --data data/ --run runs/dp"""
 
@@ -22,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PRESET",
                    help="a model preset (125m, 350m, 1b, llama2-7b, demo, tiny) instead of the config's [model]; "
                         "the vocabulary comes from the data dir, model.* overrides still apply")
+    p.add_argument("--init-from", metavar="CKPT_DIR|HF_DIR",
+                   help="start a new run (step 0, fresh optimizer, schedule and loss scale) from these weights: an mspretrain "
+                        "checkpoint, a run dir (its newest verified checkpoint) or an HF Llama folder; the model config comes "
+                        "from them, and a data dir whose tokenizer extends theirs grows the embedding and lm_head")
     p.add_argument("--allow-config-change", action="store_true", help="resume even if the config changes numerics")
     p.add_argument("--allow-data-change", action="store_true", help="resume even if the data dir's fingerprint changed")
     p.add_argument("--restart", action="store_true",
@@ -56,11 +61,17 @@ def run(args: argparse.Namespace) -> int:
         from mspretrain.ops.isolate import apply_cpu_quota
 
         apply_cpu_quota(cfg.device.cpu_quota, log=print)
+    from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
     from mspretrain.train.build import build_trainer
 
     log = (lambda s: None) if args.quiet else print
+    # --init-from, and the resume of a run that began from init weights: the model config comes from the weights
+    explicit = explicit_model_keys(args.config, getattr(args, "overrides", ()), preset=bool(args.model))
+    cfg, init_weights, init_record = init_for_run(args.init_from, cfg, args.data, args.run, explicit=explicit,
+                                                  allow_config_change=args.allow_config_change, log=log)
     trainer = build_trainer(cfg, args.data, args.run, allow_config_change=args.allow_config_change,
-                            allow_data_change=args.allow_data_change, log=log, restart=args.restart)
+                            allow_data_change=args.allow_data_change, log=log, restart=args.restart,
+                            init_weights=init_weights, run_meta={"init_from": init_record} if init_record else None)
     summary = trainer.train()
     if not args.quiet:
         last = f"{summary.losses[-1]:.4f}" if summary.losses else "n/a"
