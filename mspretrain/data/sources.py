@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
+
+from mspretrain.data.origin import RECORD
 from mspretrain.errors import UserError
 
 MAX_DOC_CHARS = 1_000_000  # longer documents are cut into pieces of at most this many characters
@@ -78,6 +81,7 @@ class FileCounts:
     mixed_gb18030_lines: int = 0  # in a file mixing encodings: lines read as GB18030 ...
     mixed_bad_lines: int = 0  # ... and lines that fit neither (their bad bytes dropped)
     raw: bool = False  # read as `RawLines` blocks, decoded (and counted) by the caller
+    offsets: str = ""  # what its documents' origin offsets mean: "byte" or "row" (`data/origin.py`); "" if not read
 
     _REPORTED = ("documents", "bytes_dropped", "surrogates_dropped", "split_long", "jsonl_broken", "jsonl_no_field",
                  "jsonl_too_long", "mixed_gb18030_lines", "mixed_bad_lines")
@@ -450,6 +454,119 @@ def _undecodable(sample: bytes, codec: str, complete: bool = False) -> int:
     return counts.bytes_dropped
 
 
+# --------------------------------------------------------------------------- where documents start
+
+class Docs(list):
+    """A list of documents with `origin`: one `origin.RECORD` (input file index, offset) per
+    document, or None (`data/origin.py` says what the offsets mean)."""
+
+    origin: np.ndarray | None = None
+
+
+def _docs(docs: list[str], origin: np.ndarray | None) -> Docs:
+    out = Docs(docs)
+    out.origin = origin
+    return out
+
+
+def _records(file: int, offsets) -> np.ndarray:
+    rec = np.empty(len(offsets), dtype=RECORD)
+    rec["file"] = file
+    rec["offset"] = offsets
+    return rec
+
+
+def _break_ends(a: np.ndarray, final: bool) -> tuple[np.ndarray, bool]:
+    """Where lines start after each line break of the bytes `a` (universal newlines: \r\n, \r,
+    \n, as `TextIOWrapper(newline=None)` reads them), relative to `a`, and whether `a` ends with a
+    \r whose meaning the next bytes decide (never when `final`)."""
+    nl = np.flatnonzero(a == 10)
+    if not a.size or not (a == 13).any():
+        return nl + 1, False
+    cr = np.flatnonzero(a == 13)
+    follows = np.append(a[1:], 0)  # the byte after each byte (0 past the end)
+    lone = cr[follows[cr] != 10]
+    pending = bool(a[-1] == 13) and not final
+    if pending:
+        lone = lone[:-1]
+    return np.union1d(nl + 1, lone + 1), pending
+
+
+def newline_bytes_safe(codec: str) -> bool:
+    """Whether the bytes \n and \r in this encoding are only ever line breaks, so lines can be
+    found in the undecoded bytes (UTF-8, GB18030 and other ASCII-compatible codecs; not UTF-16/32)."""
+    if codec == MIXED_CODEC:
+        return True  # UTF-8 and GB18030 lines
+    try:
+        enc = codecs.getincrementalencoder(codec)()
+        enc.encode("a")  # past a BOM the encoder may write first
+        return enc.encode("\r\n") == b"\r\n"
+    except (LookupError, UnicodeError, TypeError):
+        return False
+
+
+class _LineStarts(io.RawIOBase):
+    """A byte stream that notes where each line starts as the bytes pass to a `TextIOWrapper`, so
+    the line number of a decoded document gives its byte offset. Only the starts not yet asked
+    for are kept (`byte_offsets` drops those before the latest asked for): memory is bounded by
+    the reader's read-ahead, not by the file."""
+
+    def __init__(self, stream, start: int = 0) -> None:
+        self.stream = stream
+        self.pos = start  # offset of the next byte
+        self.first = 0  # line number of the first start kept
+        self.starts: list[np.ndarray] = [np.array([start], dtype=np.int64)]
+        self.cr_pending = False
+        self.lines = 1  # lines started so far
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.stream.close()
+        super().close()
+
+    def readinto(self, b) -> int:
+        n = self.stream.readinto(b)
+        if n is None:
+            return n
+        a = np.frombuffer(memoryview(b)[:n], dtype=np.uint8) if n else np.zeros(0, np.uint8)
+        got = []
+        if self.cr_pending and (n == 0 or a[0] != 10):
+            got.append(np.array([self.pos], dtype=np.int64))  # the \r was a line break of its own
+        ends, self.cr_pending = _break_ends(a, final=n == 0)
+        got.append(ends.astype(np.int64) + self.pos)
+        new = np.concatenate(got) if len(got) > 1 else got[0]
+        if new.size:
+            self.starts.append(new)
+            self.lines += int(new.size)
+        self.pos += n
+        return n
+
+    def byte_offsets(self, lines: list[int]) -> np.ndarray:
+        """Byte offsets of the starts of these line numbers (ascending, all read already)."""
+        if not lines:
+            return np.zeros(0, dtype=np.int64)
+        known = np.concatenate(self.starts) if len(self.starts) > 1 else self.starts[0]
+        idx = np.asarray(lines, dtype=np.int64) - self.first
+        out = known[np.minimum(idx, known.size - 1)]  # (a line the bytes do not show: the last start known)
+        keep = int(min(idx[-1], known.size - 1))
+        self.starts, self.first = [known[keep:]], self.first + keep
+        return out
+
+
+def _with_origin(batches: Iterable[list[str]], starts: list[int], file: int,
+                 tracker: _LineStarts | None) -> Iterator[Docs]:
+    """Doc batches with their origin: `starts` receives the first line number of each document as
+    the reader makes it; with a `tracker` line numbers become byte offsets, else they stay rows."""
+    for batch in batches:
+        n = len(batch)
+        lines, starts[:n] = starts[:n], []
+        offsets = tracker.byte_offsets(lines) if tracker is not None else lines
+        yield _docs(batch, _records(file, offsets))
+
+
 # --------------------------------------------------------------------------- reading documents
 
 def cut_text(text: str, limit: int) -> list[str]:
@@ -469,32 +586,43 @@ def _chomp(text: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
-def _text_docs(f: io.TextIOBase, counts: FileCounts) -> Iterator[str]:
-    """Blank-line separated documents."""
+def _text_docs(f: io.TextIOBase, counts: FileCounts, starts: list[int] | None = None) -> Iterator[str]:
+    """Blank-line separated documents (`starts` receives each one's first line number)."""
     buf: list[str] = []
     size = 0
+    line_no = first = 0
+    note = starts.append if starts is not None else (lambda _: None)
     while True:
         line = f.readline(MAX_DOC_CHARS)
         if not line:
             break
+        this = line_no
+        if line.endswith("\n"):  # else a piece of an over-long line: the next read continues it
+            line_no += 1
         if not line.strip():
             if buf:
+                note(first)
                 yield _chomp("".join(buf))
                 buf, size = [], 0
             continue
+        if not buf:
+            first = this
         buf.append(line)
         size += len(line)
         if size >= MAX_DOC_CHARS:
             counts.split_long += 1
+            note(first)
             yield _chomp("".join(buf))
             buf, size = [], 0
     if buf:
+        note(first)
         yield _chomp("".join(buf))
 
 
-def _line_pieces(line: str, counts: FileCounts) -> list[str]:
+def _line_pieces(line: str, counts: FileCounts, ats: list[int] | None = None) -> list[str]:
     """What `readline(MAX_DOC_CHARS)` calls would make of one line (`line` ends with its newline,
-    if it has one): the non-blank pieces, chomped, each full-length unterminated piece counted."""
+    if it has one): the non-blank pieces, chomped, each full-length unterminated piece counted.
+    `ats` receives where each piece starts in `line` (characters)."""
     out = []
     for at in range(0, len(line), MAX_DOC_CHARS):
         piece = line[at: at + MAX_DOC_CHARS]
@@ -502,17 +630,30 @@ def _line_pieces(line: str, counts: FileCounts) -> list[str]:
             if not piece.endswith("\n") and len(piece) >= MAX_DOC_CHARS:
                 counts.split_long += 1  # a piece of an over-long line
             out.append(_chomp(piece))
+            if ats is not None:
+                ats.append(at)
     return out
 
 
-def _line_doc_batches(f: io.TextIOBase, counts: FileCounts) -> Iterator[list[str]]:
+def _kept_lines(lines: list[str], base: int, starts: list[int] | None) -> list[str]:
+    """The non-blank lines; `starts` receives their line numbers (`base` + index)."""
+    if starts is None:  # "not blank" is `line.strip()`, without building the copy
+        return [line for line in lines if line and not line.isspace()]
+    keep = [i for i, line in enumerate(lines) if line and not line.isspace()]
+    starts.extend([base + i for i in keep])
+    return [lines[i] for i in keep]
+
+
+def _line_doc_batches(f: io.TextIOBase, counts: FileCounts, starts: list[int] | None = None) -> Iterator[list[str]]:
     """One document per non-blank line, a list per block of text read.
 
     The same documents as a `readline(MAX_DOC_CHARS)` loop (over-long lines cut into pieces at
     the same places), but reading 64 K characters at a time and splitting in C: per-line
     `readline` calls were most of the reading cost of `prepare`. A line still being read is
-    cut as soon as it reaches MAX_DOC_CHARS, so memory stays bounded."""
+    cut as soon as it reaches MAX_DOC_CHARS, so memory stays bounded. `starts` receives each
+    document's line number (a piece of an over-long line: that of its line)."""
     carry = ""
+    line_no = 0  # lines of the file before `carry`
     while True:
         block = f.read(READ_CHARS)
         if not block:
@@ -521,31 +662,53 @@ def _line_doc_batches(f: io.TextIOBase, counts: FileCounts) -> Iterator[list[str
         carry = lines.pop()  # the unfinished last line
         docs: list[str] = []
         if lines and max(map(len, lines)) >= MAX_DOC_CHARS:
-            for line in lines:
-                docs.extend(_line_pieces(line + "\n", counts))
-        else:  # the common case: "not blank" is `line.strip()`, without building the copy
-            docs = [line for line in lines if line and not line.isspace()]
+            for i, line in enumerate(lines):
+                pieces = _line_pieces(line + "\n", counts)
+                docs.extend(pieces)
+                if starts is not None:
+                    starts.extend([line_no + i] * len(pieces))
+        else:  # the common case
+            docs = _kept_lines(lines, line_no, starts)
+        line_no += len(lines)
         cut = len(carry) - len(carry) % MAX_DOC_CHARS
         if cut:  # whole MAX_DOC_CHARS pieces of a line that has no end yet
-            docs.extend(_line_pieces(carry[:cut], counts))
+            pieces = _line_pieces(carry[:cut], counts)
+            docs.extend(pieces)
+            if starts is not None:
+                starts.extend([line_no] * len(pieces))
             carry = carry[cut:]
         if docs:
             yield docs
     if carry:
-        yield _line_pieces(carry, counts)
+        pieces = _line_pieces(carry, counts)
+        if starts is not None:
+            starts.extend([line_no] * len(pieces))
+        yield pieces
 
 
-def _whole_lines_docs(text: str, counts: FileCounts) -> list[str]:
+def _whole_lines_docs(text: str, counts: FileCounts, where: list[tuple[int, int]] | None = None) -> list[str]:
     """The documents of text that starts at a line start and ends after a newline (or at the end
-    of the file): what the `readline(MAX_DOC_CHARS)` loop makes of those lines."""
+    of the file): what the `readline(MAX_DOC_CHARS)` loop makes of those lines. `where` receives
+    (line index, character offset in the line) of each document."""
     lines = text.split("\n")
     last = lines.pop()  # "" when the text ends with a newline, else the file's unterminated last line
     if lines and max(map(len, lines)) >= MAX_DOC_CHARS:
-        docs = [piece for line in lines for piece in _line_pieces(line + "\n", counts)]
+        docs = []
+        for i, line in enumerate(lines):
+            ats: list[int] = []
+            docs.extend(_line_pieces(line + "\n", counts, ats))
+            if where is not None:
+                where.extend((i, at) for at in ats)
     else:
-        docs = [line for line in lines if line and not line.isspace()]
+        starts: list[int] | None = None if where is None else []
+        docs = _kept_lines(lines, 0, starts)
+        if where is not None:
+            where.extend((i, 0) for i in starts)
     if last:
-        docs.extend(_line_pieces(last, counts))
+        ats = []
+        docs.extend(_line_pieces(last, counts, ats))
+        if where is not None:
+            where.extend((len(lines), at) for at in ats)
     return docs
 
 
@@ -567,18 +730,39 @@ class RawLines:
     data: bytes
     codec: str
     file: int  # index into `SourceStats.per_file`
+    offset: int = 0  # where `data` starts in the (decompressed) file: the origin of its documents
 
 
-def decode_raw(block: RawLines) -> tuple[list[str], int, int]:
-    """(documents, undecodable bytes dropped, documents cut at MAX_DOC_CHARS) of a block."""
+def decode_raw(block: RawLines) -> tuple[Docs, int, int]:
+    """(documents, undecodable bytes dropped, documents cut at MAX_DOC_CHARS) of a block; the
+    documents carry their origin (the byte offset of each one's first byte in the file)."""
     # counted here, for the caller to add to the file's counts (`count_raw`): the block may be
     # decoded in another process, or while the main process reads another file
     with _counting_into(FileCounts("")) as counts:
         text = block.data.decode(block.codec, errors="mspretrain.drop")
     if "\r" in text:  # universal newlines, as TextIOWrapper(newline=None) reads them
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    docs = _whole_lines_docs(text, counts)
-    return docs, counts.bytes_dropped, counts.split_long
+    where: list[tuple[int, int]] = []
+    docs = _whole_lines_docs(text, counts, where)
+    return _docs(docs, _records(block.file, _raw_offsets(block, text, where))), counts.bytes_dropped, counts.split_long
+
+
+def _raw_offsets(block: RawLines, text: str, where: list[tuple[int, int]]) -> np.ndarray:
+    """Byte offsets in the file of (line index, character offset) positions of a decoded block.
+    The bytes \n and \r are line breaks only (RAW_CODECS), so the text's lines are the bytes'
+    lines in order; a malformed sequence at the very end of the block may swallow its final
+    newline (the text then has a line less, and the others still match)."""
+    if not where:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.concatenate([[0], _break_ends(np.frombuffer(block.data, dtype=np.uint8), final=True)[0]]).astype(np.int64)
+    line = np.fromiter((i for i, _ in where), dtype=np.int64, count=len(where))
+    out = starts[np.minimum(line, starts.size - 1)] + block.offset
+    if any(at for _, at in where):  # pieces of lines over MAX_DOC_CHARS: their own first byte
+        lines = text.split("\n")
+        for k, (i, at) in enumerate(where):
+            if at:
+                out[k] += len(lines[i][:at].encode(block.codec, errors="replace"))
+    return out
 
 
 def count_raw(stats: SourceStats, file: int, documents: int, dropped: int, split_long: int) -> None:
@@ -626,7 +810,7 @@ class _Damaged(Exception):
         self.lines, self.cause = lines, cause
 
 
-def _read_salvaging(stream, carry: bytes, codec: str, file: int) -> bytes:
+def _read_salvaging(stream, carry: bytes, codec: str, file: int, offset: int = 0) -> bytes:
     """Up to RAW_READ_BYTES decompressed bytes, one `read1` at a time: `read(n)` of a gzip stream
     that ends early raises and drops the megabytes it had already decompressed, which lost every
     line of a small truncated file. On an error, the whole lines read so far ride on `_Damaged`."""
@@ -642,7 +826,7 @@ def _read_salvaging(stream, carry: bytes, codec: str, file: int) -> bytes:
     except _read_errors() as exc:
         buf = carry + b"".join(chunks)
         cut = buf.rfind(b"\n") + 1
-        raise _Damaged(RawLines(buf[:cut], codec, file) if cut else None, exc) from exc
+        raise _Damaged(RawLines(buf[:cut], codec, file, offset) if cut else None, exc) from exc
     return b"".join(chunks)
 
 
@@ -651,32 +835,41 @@ def _raw_line_blocks(stream, codec: str, file: int, counts: FileCounts) -> Itera
     after 4 * MAX_DOC_CHARS bytes (at least MAX_DOC_CHARS characters) switches the rest of the
     file to the decoding reader, which cuts it into pieces while memory stays bounded."""
     carry = b""
+    base = 0  # where `carry` starts in the (decompressed) file
     if codec == "utf-8-sig":
         head = stream.read(len(codecs.BOM_UTF8))
         carry = head[len(codecs.BOM_UTF8):] if head == codecs.BOM_UTF8 else head
+        base = len(head) - len(carry)
         codec = "utf-8"
-    while data := _read_salvaging(stream, carry, codec, file):
+    while data := _read_salvaging(stream, carry, codec, file, base):
         buf = carry + data
         cut = buf.rfind(b"\n") + 1
         if not cut:
             carry = buf
             if len(carry) >= 4 * MAX_DOC_CHARS:
-                f = io.TextIOWrapper(io.BufferedReader(_Prefixed(carry, stream)), encoding=codec,
-                                     errors="mspretrain.drop", newline=None)
-                yield from _line_doc_batches(f, counts)
+                tracker = _LineStarts(_Prefixed(carry, stream), base)
+                f = io.TextIOWrapper(io.BufferedReader(tracker), encoding=codec, errors="mspretrain.drop", newline=None)
+                starts: list[int] = []
+                yield from _with_origin(_line_doc_batches(f, counts, starts), starts, file, tracker)
                 return
             continue
         carry = buf[cut:]
-        yield RawLines(buf[:cut], codec, file)
+        yield RawLines(buf[:cut], codec, file, base)
+        base += cut
     if carry:
-        yield RawLines(carry, codec, file)
+        yield RawLines(carry, codec, file, base)
 
 
-def _jsonl_docs(f: io.TextIOBase, text_field: str, counts: FileCounts) -> Iterator[str]:
+def _jsonl_docs(f: io.TextIOBase, text_field: str, counts: FileCounts, starts: list[int] | None = None) -> Iterator[str]:
+    """The `text_field` of each record; `starts` receives each document's line number."""
+    line_no = 0
+    note = starts.append if starts is not None else (lambda _: None)
     while True:
         line = f.readline(MAX_JSONL_LINE_CHARS)
         if not line:
             break
+        this = line_no
+        line_no += 1
         if not line.endswith("\n") and len(line) >= MAX_JSONL_LINE_CHARS:
             counts.jsonl_too_long += 1
             while (rest := f.readline(MAX_JSONL_LINE_CHARS)) and not rest.endswith("\n"):
@@ -699,7 +892,9 @@ def _jsonl_docs(f: io.TextIOBase, text_field: str, counts: FileCounts) -> Iterat
             counts.surrogates_dropped += n
         pieces = cut_text(text, MAX_DOC_CHARS)
         counts.split_long += len(pieces) - 1
-        yield from pieces
+        for piece in pieces:
+            note(this)
+            yield piece
 
 
 def _batched(docs: Iterator[str], n: int = 256) -> Iterator[list[str]]:
@@ -781,16 +976,26 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     counts.encoding = label
     stream, rawf = _open_binary(path)
     done = 0
+    file = len(stats.per_file) - 1
     counts.raw = raw and doc_per_line and not is_jsonl(path) and codec in RAW_CODECS
+    counts.offsets = "byte" if counts.raw or newline_bytes_safe(codec) else "row"
     try:
         if counts.raw:
-            batches = _raw_line_blocks(stream, codec, len(stats.per_file) - 1, counts)
+            batches = _raw_line_blocks(stream, codec, file, counts)
         else:
+            tracker = None
+            if counts.offsets == "byte":  # the same bytes reach the decoder; the tracker notes line starts
+                bom = codecs.BOM_UTF8 if codec == "utf-8-sig" and sample.startswith(codecs.BOM_UTF8) else b""
+                tracker = _LineStarts(stream)
+                tracker.starts = [np.array([len(bom)], dtype=np.int64)]  # line 0 starts after a BOM
+                stream = io.BufferedReader(tracker, 1 << 16)
             f = io.TextIOWrapper(stream, encoding=codec, errors="mspretrain.drop", newline=None)
+            starts: list[int] = []
             if is_jsonl(path):
-                batches = _batched(_jsonl_docs(f, text_field, counts))
+                docs = _batched(_jsonl_docs(f, text_field, counts, starts))
             else:
-                batches = _line_doc_batches(f, counts) if doc_per_line else _batched(_text_docs(f, counts))
+                docs = _line_doc_batches(f, counts, starts) if doc_per_line else _batched(_text_docs(f, counts, starts))
+            batches = _with_origin(docs, starts, file, tracker)
         for batch in _counted(batches, counts):
             if not isinstance(batch, RawLines):
                 counts.documents += len(batch)
