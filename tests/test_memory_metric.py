@@ -32,7 +32,7 @@ def test_oom_advice_quotes_the_device_memory(tmp_path):
 
 
 def test_report_draws_device_memory_as_its_own_line(tmp_path):
-    from mspretrain.monitor import report
+    from mspretrain.ops import report
 
     recs = [{"step": s, "mem_mb": 900.0 + s, "device_mem_mb": 30000.0 + s, "device_mem_reserved_mb": 32000.0} for s in (1, 2, 3)]
     fig = report._plot("memory", "Memory", {"records": recs, "events": []})

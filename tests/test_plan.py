@@ -78,12 +78,33 @@ def test_sharding_half_precision_recompute_time_cost_and_sqrt_lr():
                                           "device_hours": 2 * hours, "cost": 2 * hours * 2.5})
 
 
-def test_data_dir_tokens_set_budget_and_auto_warmup(tmp_path):
+def test_data_dir_tokens_set_auto_warmup_and_the_budget_only_when_none_is_set(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"tokens": {"train": 5_000_000, "valid": 1}, "vocab_size": 777}))
-    cfg = cfgmod.load(None, ["train.max_steps=10", "train.global_batch=16", "data.seq_len=128", "model.max_seq_len=128"])
-    plan = make_plan(cfg, devices=1, tokens=None, data_dir=tmp_path, tokens_per_s_per_device=None)
+    shape = ["train.global_batch=16", "data.seq_len=128", "model.max_seq_len=128"]
+    # no budget in the config: one pass over the data
+    plan = make_plan(cfgmod.load(None, shape), devices=1, tokens=None, data_dir=tmp_path, tokens_per_s_per_device=None)
     assert plan["model"]["vocab_size"] == 777 and plan["tokens_source"] == "data dir"
     assert plan["steps"] == math.ceil(5_000_000 / 2048) and plan["warmup_steps"] == math.ceil(0.02 * 5_000_000 / 2048)
+    # the config's budget is what `train` runs: 100 steps, and the auto warm-up of 49 capped at a tenth
+    plan = make_plan(cfgmod.load(None, shape + ["train.max_steps=100"]), devices=1, tokens=None, data_dir=tmp_path,
+                     tokens_per_s_per_device=None)
+    assert (plan["tokens_source"], plan["steps"], plan["tokens"]) == ("config", 100, 100 * 2048)
+    assert plan["warmup_steps"] == 10 and "capped at a tenth of the 100 steps" in plan["warmup_note"]
+
+
+def test_no_budget_still_plans_memory(capsys):
+    plan = make_plan(cfgmod.load(None, ["model.vocab_size=1000"]), devices=1, tokens=None, data_dir=None,
+                     tokens_per_s_per_device=100.0)
+    assert plan["steps"] is None and plan["warmup_steps"] is None and "time" not in plan
+    assert plan["memory_bytes"]["peak"] > 0
+    text = format_plan(plan)
+    assert "tokens     — (no budget" in text and "peak (largest set alive)" in text and "\nsteps " not in text
+    # issue 17: `plan --model llama2-7b --devices 8` was refused; and it used seq 64 x batch 8 silently
+    assert main(["plan", "--model", "llama2-7b", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "layout     8 devices, global batch 8 = micro 1 x accum 1 x 8, seq 4096" in out
+    assert "assumed    data.seq_len 4096 (the preset's max_seq_len), train.global_batch 8 (the default)" in out
+    assert "time       — (needs a token budget" in out and "reference  MindSpore Transformers" in out
 
 
 def test_llama2_7b_param_count_matches_hf():

@@ -18,7 +18,7 @@ from PIL import Image
 
 from mspretrain import config as cfgmod
 from mspretrain.cli import main
-from mspretrain.monitor.report import build_report, read_metrics, summarize
+from mspretrain.ops.report import build_report, read_metrics, summarize
 
 PANELS = ("loss", "eval_ppl", "lr", "grad_norm", "loss_scale", "throughput", "memory")
 
@@ -64,7 +64,8 @@ def write_data_dir(root: Path) -> Path:
 def synthetic_run(root: Path, *, partial: bool = True) -> Path:
     run = root / "run"
     run.mkdir()
-    cfg = cfgmod.load(None, ["train.max_steps=200", "cost.price_per_device_hour=3.0", "schedule.warmup_steps=10"])
+    # 200 of 400 steps logged: the run is still going
+    cfg = cfgmod.load(None, ["train.max_steps=400", "cost.price_per_device_hour=3.0", "schedule.warmup_steps=10"])
     cfgmod.save(cfg, run / "config.toml")
     (run / "run_meta.json").write_text(json.dumps({"data_dir": str(write_data_dir(root)), "world_size": 2,
                                                    "hardware": {"device": "cpu", "cpus": 2}}))
@@ -209,6 +210,19 @@ def test_report_from_real_tiny_run(real_run):
     s = summarize(real_run)
     assert s["last_step"] == 12 and s["mean_tokens_per_s"] > 0 and s["cost"] > 0
     assert s["manifest"]["fingerprint"] == "fp-real"
+    # issue 17: a finished run's fresh metrics.jsonl is not "may still be going"
+    assert s["ended"] and s["updated_s_ago"] < 600 and "may still be going" not in " ".join(page.text)
+
+
+def test_a_run_stopped_before_its_budget_is_not_still_going(tmp_path):
+    run = synthetic_run(tmp_path, partial=False)
+    assert not summarize(run)["ended"]  # 200 of 400 steps, no train.log: it may be going
+    (run / "train.log").write_text("2026-01-01 00:00:00 device cpu, 2 threads; world 1; micro-batch 8 x 1 accumulation\n"
+                                   "2026-01-01 00:09:00 stopped by SIGTERM after step 200; checkpoint written.\n")
+    assert summarize(run)["ended"]
+    with open(run / "train.log", "a") as f:  # resumed: a new session is under way
+        f.write("2026-01-01 01:00:00 device cpu, 2 threads; world 1; micro-batch 8 x 1 accumulation\n")
+    assert not summarize(run)["ended"]
 
 
 CHROMIUM = shutil.which("chromium") or (Path("/usr/bin/chromium").exists() and "/usr/bin/chromium")
@@ -260,7 +274,7 @@ def test_report_events_come_from_train_log_and_wall_time_covers_every_session(tm
 def test_report_says_what_its_numbers_are(tmp_path):
     # item 10: documents as numbers not JSON, the warm-up that ran, peak memory, one throughput curve,
     # and "no loss scaling" for an fp32 run instead of a flat line on a +-0.04 axis
-    from mspretrain.monitor.report import _plot
+    from mspretrain.ops.report import _plot
 
     run = synthetic_run(tmp_path, partial=False)
     cfgmod.save(cfgmod.load(None, ["train.max_steps=200", "schedule.warmup_steps=\"auto\""]), run / "config.toml")

@@ -21,8 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_argument(p)
     p.add_argument("--model", metavar="PRESET", help="a model preset (e.g. llama2-7b) instead of the config's model section")
     p.add_argument("--devices", type=int, default=1, help="number of devices (data parallel)")
-    p.add_argument("--tokens", type=float, help="token budget, e.g. 120e9 (default: the data dir's train tokens, or the config)")
-    p.add_argument("--data", metavar="DIR", help="data dir: its measured tokens set the budget and the auto warm-up")
+    p.add_argument("--tokens", type=float, help="token budget, e.g. 120e9 (default: the config's train.max_steps / "
+                                                "max_tokens as `train` runs them, else one pass over --data)")
+    p.add_argument("--data", metavar="DIR", help="data dir: its vocabulary, and its measured tokens for the auto warm-up "
+                                                 "(and the budget when neither --tokens nor the config sets one)")
     p.add_argument("--tokens-per-s", type=float, metavar="X", help="tokens/s per device (measured or given) for time and cost")
     p.add_argument("--from-run", metavar="RUN_DIR", help="take tokens/s per device from a run's metrics.jsonl (median)")
     p.add_argument("--from-selftest", metavar="FILE", help="take tokens/s per device from `mspretrain selftest --json` (its decoder-layer timing)")
@@ -33,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _measured_tokens_per_s(run_dir: Path) -> float | None:
-    from mspretrain.monitor.report import read_metrics, series
+    from mspretrain.ops.report import read_metrics, series
 
     records, _ = read_metrics(run_dir / "metrics.jsonl")
     tps = series(records, "tokens_per_s")[1]
@@ -49,6 +51,22 @@ def _reapply_model_overrides(cfg: Config, args: argparse.Namespace) -> Config:
     return apply_overrides(cfg, [o for o in getattr(args, "overrides", ()) if o.startswith("model.")])
 
 
+def _preset_shape(cfg: Config, args: argparse.Namespace) -> tuple[Config, list[str]]:
+    """`--model` without `--config`: the batch shape would be the defaults' (seq 64, batch 8), sized
+    for the tiny model. Take the preset's context (max_seq_len) as seq_len unless given, and say
+    what was assumed, so a 7B memory plan is not silently one of 64-token sequences."""
+    given = {o.split("=", 1)[0] for o in getattr(args, "overrides", ()) or ()}
+    assumed = []
+    if "data.seq_len" not in given:
+        cfg = replace(cfg, data=replace(cfg.data, seq_len=cfg.model.max_seq_len))
+        assumed.append(f"data.seq_len {cfg.data.seq_len} (the preset's max_seq_len)")
+    if "train.global_batch" not in given:
+        assumed.append(f"train.global_batch {cfg.train.global_batch} (the default)")
+    if assumed:
+        assumed[-1] += "; set them with data.seq_len=N train.global_batch=N or use --config"
+    return cfg, assumed
+
+
 def run(args: argparse.Namespace) -> int:
     from mspretrain.errors import UserError
     from mspretrain.ops.plan import format_plan, make_plan, preset_model
@@ -60,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
             model = replace(model, vocab_size=0)
         cfg = replace(cfg, model=model)
         cfg = _reapply_model_overrides(cfg, args)
+    assumed: list[str] = []
+    if args.model and not args.config:
+        cfg, assumed = _preset_shape(cfg, args)
     tps = args.tokens_per_s
     if tps is None and args.from_selftest:
         from mspretrain.ops.selftest import measured_tokens_per_s, read_selftest
@@ -76,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)))
     plan = make_plan(cfg, devices=args.devices, tokens=int(args.tokens) if args.tokens else None,
                      data_dir=Path(args.data) if args.data else None, tokens_per_s_per_device=tps,
-                     device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute)
+                     device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute, assumed=assumed)
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
     return 0
 

@@ -41,7 +41,7 @@ def _check_out(out: Path) -> None:
 
 def _write(run_dir: Path, out: Path) -> Path:
     """Build into a hidden sibling and rename over `out`: an interrupted report leaves the old one whole."""
-    from mspretrain.monitor.report import build_report
+    from mspretrain.ops.report import build_report
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:

@@ -39,8 +39,7 @@ def estimate_bytes(cfg: Config, world: int) -> int:
     """Peak host bytes of one training process: the plan's figure plus the RoPE tables."""
     from mspretrain.ops.plan import make_plan
 
-    plan = make_plan(cfg, devices=world, tokens=cfg.data.seq_len * cfg.train.global_batch, data_dir=None,
-                     tokens_per_s_per_device=None)
+    plan = make_plan(cfg, devices=world, tokens=None, data_dir=None, tokens_per_s_per_device=None)  # memory needs no budget
     mem = plan["memory_bytes"]
     m = cfg.model
     rope = m.max_seq_len * (m.dim // m.n_heads) * 24  # float64 angles + float64 cos/sin + the fp32 copies

@@ -28,21 +28,21 @@ Design choices:
     collective buckets  the largest bucket's flat copy and its result
     update temporaries  8 bytes x the largest owned parameter (scaled gradient, masked copy)
     framework reserve   Ascend: 1 GiB of kernel workspace and HCCL buffers (assumed, not measured)
-- Warm-up and lr come from `train.schedule` (the same functions the trainer uses), so the plan
-  and the run cannot disagree.
+- Steps, warm-up, lr and the micro-batch split come from `mspretrain/budget.py`, which the trainer
+  uses too, so the plan and the run cannot disagree. The budget is --tokens, else the config's
+  train.max_steps / max_tokens (what `train` will run), else one pass over the --data dir.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from mspretrain.config import Config, ModelConfig, micro_batches, resolve_model
+from mspretrain import budget
+from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.errors import UserError
 from mspretrain.model.presets import param_count, preset
-from mspretrain.train.schedule import auto_warmup_steps, scaled_lr
 
 GB = 1024**3
 # MindSpore Transformers' published llama2_7b pretraining throughput (seq 4096, wikitext-2, 8 devices):
@@ -152,43 +152,37 @@ def checkpoint_bytes(params: int, half_params: str | None = None) -> int:
 
 def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path | None,
               tokens_per_s_per_device: float | None, device_mem_gb: float = 64.0,
-              zero: bool = False, recompute: bool = False, flash: bool | None = None) -> dict:
+              zero: bool = False, recompute: bool = False, flash: bool | None = None,
+              assumed: Sequence[str] = ()) -> dict:
     """The plan as a dict (bytes, steps, hours); `format_plan` prints it.
 
     zero / recompute: also taken from the config (optim.shard_optimizer, train.recompute), so a
     plan of a config shows what that config will run; the flags ask "what if".
     flash: whether attention runs as Ascend's fused kernel; default: fp16/bf16 on a non-CPU target.
+    tokens: a token budget instead of the config's (without either, one pass over `data_dir`; with
+    none at all the plan has memory but no steps, warm-up or time). assumed: values the caller
+    chose for the user, printed with the plan.
     """
     zero = zero or cfg.optim.shard_optimizer
     recompute = recompute or cfg.train.recompute
     if devices < 1:
         raise UserError(f"--devices {devices} must be at least 1", "give the number of devices, e.g. --devices 8")
-    m, t = cfg.model, cfg.train
+    m = cfg.model
     manifest_tokens = None
     if data_dir is not None:
-        mpath = Path(data_dir) / "manifest.json"
-        if not mpath.is_file():
-            raise UserError(f"{mpath} does not exist", "pass --data with a data dir written by `mspretrain prepare`")
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        from mspretrain.data.manifest import read_manifest
+
+        manifest = read_manifest(data_dir, required={"tokens": dict, "vocab_size": int})
         manifest_tokens = int(manifest["tokens"]["train"])
         if not m.vocab_size:
             m = replace(m, vocab_size=int(manifest["vocab_size"]))
     if not m.vocab_size:
         raise UserError("model.vocab_size is 0 (taken from the data dir at train time)", "pass --data DIR or set model.vocab_size=N")
     m = resolve_model(m)
-    seq, gb = cfg.data.seq_len, t.global_batch
-    micro, accum = micro_batches(cfg, devices)
-    per_step = gb * seq
-    budget = tokens or manifest_tokens or t.max_tokens or (t.max_steps * per_step if t.max_steps else 0)
-    if not budget:
-        raise UserError("no token budget", "pass --tokens N, --data DIR, or set train.max_tokens / train.max_steps")
-    steps = math.ceil(budget / per_step)
-    if cfg.schedule.warmup_steps == "auto":
-        warmup = auto_warmup_steps(manifest_tokens or budget, gb, seq)
-        warmup_note = f"auto: ceil(0.02 x {manifest_tokens or budget:,} / ({gb} x {seq}))"
-    else:
-        warmup, warmup_note = int(cfg.schedule.warmup_steps), "from schedule.warmup_steps"
-    lr = scaled_lr(cfg.optim.lr, gb, cfg.optim.lr_scaling)
+    seq, gb = cfg.data.seq_len, cfg.train.global_batch
+    # steps, warm-up, lr and the batch split exactly as `train` derives them (memory needs no budget)
+    b = budget.derive(cfg, world=devices, data_tokens=manifest_tokens, tokens=tokens)
+    micro, accum = b.micro_batch, b.accumulation
 
     P = _param_count(m)
     half = cfg.precision.dtype in ("fp16", "bf16")
@@ -208,9 +202,8 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         "params": P, "devices": devices, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
         "seq_len": seq, "dtype": cfg.precision.dtype, "zero": zero or shard_grads, "shard_gradients": shard_grads and devices > 1,
         "recompute": recompute, "flash_attention": flash,
-        "tokens": budget, "tokens_source": "--tokens" if tokens else ("data dir" if manifest_tokens else "config"),
-        "steps": steps, "warmup_steps": warmup, "warmup_note": warmup_note,
-        "lr": lr, "lr_note": f"{cfg.optim.lr:g} x sqrt({gb}/32)" if cfg.optim.lr_scaling == "sqrt" else "no scaling",
+        "tokens": b.tokens, "tokens_source": b.tokens_source, "steps": b.steps, "warmup_steps": b.warmup,
+        "warmup_note": b.warmup_note, "lr": b.lr, "lr_note": b.lr_note, "assumed": list(assumed),
         "memory_bytes": mem, "activations_other_bytes": other, "device_mem_gb": usable_gb,
         "collectives_per_step": {"calls": calls, "bytes": wire_bytes},
         "checkpoint_bytes": checkpoint_bytes(P, cfg.precision.dtype if half_params else None), "warnings": [],
@@ -225,14 +218,15 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
                                 + (f"; try {', '.join(fixes)}" if fixes else "; use more devices with model parallelism or a smaller model"))
     elif peak_gb > 0.9 * usable_gb:
         plan["warnings"].append(f"tight: peak {peak_gb:.1f} GB of {usable_gb:g} GB usable per device; fragmentation is not in this estimate")
-    if tokens_per_s_per_device:
-        hours = budget / (tokens_per_s_per_device * devices) / 3600
+    if tokens_per_s_per_device and b.tokens:
+        hours = b.tokens / (tokens_per_s_per_device * devices) / 3600
         plan["time"] = {"tokens_per_s_per_device": tokens_per_s_per_device, "hours": hours, "device_hours": hours * devices}
         if cfg.cost.price_per_device_hour:
             plan["time"]["cost"] = hours * devices * cfg.cost.price_per_device_hour
     if abs(P - LLAMA2_7B_PARAMS) / LLAMA2_7B_PARAMS < 0.01:
-        ref = dict(MINDFORMERS_LLAMA2_7B)
-        ref["hours_at_reference"] = budget / (ref["tokens_per_s_per_device"] * devices) / 3600
+        ref: dict[str, Any] = dict(MINDFORMERS_LLAMA2_7B)
+        if b.tokens:
+            ref["hours_at_reference"] = b.tokens / (ref["tokens_per_s_per_device"] * devices) / 3600
         if tokens_per_s_per_device:
             ref["ratio"] = tokens_per_s_per_device / ref["tokens_per_s_per_device"]
         plan["reference"] = ref
@@ -252,12 +246,16 @@ def format_plan(plan: dict) -> str:
         + ((", optimizer and gradient sharding" if plan["shard_gradients"] else ", optimizer sharding") if plan["zero"] else "")
         + (", recompute" if plan["recompute"] else "")
         + (", flash attention" if plan["flash_attention"] else ""),
-        f"tokens     {plan['tokens']:,} (from {plan['tokens_source']})",
-        f"steps      {plan['steps']:,}",
-        f"warm-up    {plan['warmup_steps']:,} steps ({plan['warmup_note']})",
-        f"lr         {plan['lr']:.3g} ({plan['lr_note']})",
-        "memory per device:",
     ]
+    if plan.get("assumed"):
+        lines.append(f"assumed    {', '.join(plan['assumed'])}")
+    if plan["steps"]:
+        lines += [f"tokens     {plan['tokens']:,} (from {plan['tokens_source']})",
+                  f"steps      {plan['steps']:,}",
+                  f"warm-up    {plan['warmup_steps']:,} steps ({plan['warmup_note']})"]
+    else:
+        lines.append("tokens     — (no budget: --tokens N, --data DIR or train.max_steps / max_tokens give steps, warm-up and time)")
+    lines += [f"lr         {plan['lr']:.3g} ({plan['lr_note']})", "memory per device:"]
     half_params = mem["master_weights"] > 0
     for key, label in (("weights", "weights (fp16/bf16 matrices)" if half_params else "weights (fp32)"),
                        ("half_weights", "half-precision weight copies"), ("master_weights", "fp32 master weights"),
@@ -280,12 +278,15 @@ def format_plan(plan: dict) -> str:
         tm = plan["time"]
         lines.append(f"time       {tm['hours']:,.1f} h ({tm['hours'] / 24:,.1f} days) at {tm['tokens_per_s_per_device']:,.0f} tokens/s/device, "
                      f"{tm['device_hours']:,.0f} device-hours" + (f", cost {tm['cost']:,.2f}" if "cost" in tm else ""))
-    else:
+    elif plan["steps"]:
         lines.append("time       — (give --tokens-per-s, measured from a short run: `mspretrain report` shows it)")
+    else:
+        lines.append("time       — (needs a token budget and --tokens-per-s)")
     if "reference" in plan:
         r = plan["reference"]
         lines.append(f"reference  MindSpore Transformers llama2_7b pretraining: {r['tokens_per_s_per_device']:,.0f} tokens/s/device "
-                     f"(seq {r['seq_len']}, {r['devices']} x {r['hardware']}) -> {r['hours_at_reference']:,.1f} h for this budget"
+                     f"(seq {r['seq_len']}, {r['devices']} x {r['hardware']})"
+                     + (f" -> {r['hours_at_reference']:,.1f} h for this budget" if "hours_at_reference" in r else "")
                      + (f"; your figure is {r['ratio']:.2f}x of it" if "ratio" in r else ""))
         lines.append(f"           source: {r['source']}")
     for w in plan["warnings"]:

@@ -144,7 +144,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         hours, hours_note = tokens / (sum(tps) / len(tps)) / 3600, "estimated from mean tokens/s"
     else:
         hours, hours_note = None, "unknown"
-    warmup = _resolved_warmup(c, manifest, world)
+    budget_steps, warmup = _run_budget(c, manifest, world)
     events = scan_metrics(records, c.spike, warmup=warmup)
     losses = series(records, "loss")[1]
     finite = [x for x in losses if math.isfinite(x)]
@@ -167,6 +167,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "nonfinite": sum(1 for x in losses if not math.isfinite(x)),
         "skipped": (max(skipped) if skipped and all(b >= a for a, b in zip(skipped, skipped[1:])) else sum(skipped)) if skipped else 0,
         "updated_s_ago": time.time() - metrics_file.stat().st_mtime if metrics_file.exists() else None,
+        "budget_steps": budget_steps,
+        # finished: the budget is done, or the last session said goodbye (stopped, or nothing to do)
+        "ended": bool(budget_steps and last >= budget_steps) or _last_session_ended(run_dir / "train.log"),
     }
 
 
@@ -201,14 +204,30 @@ def _session_seconds(elapsed: tuple[list[int], list[float]], starts: set[int]) -
     return out
 
 
-def _resolved_warmup(c: cfgmod.Config, manifest: dict, world: int) -> int:
-    """The warm-up that ran: the trainer's own budget (auto resolved against the data's tokens)."""
+def _run_budget(c: cfgmod.Config, manifest: dict, world: int) -> tuple[int | None, int]:
+    """(total steps, warm-up) of the run as the trainer derived them (mspretrain/budget.py, auto
+    warm-up resolved against the data's tokens); (None, the configured warm-up) if underivable."""
     from mspretrain import budget
 
     try:
-        return budget.derive(c, world=world, data_tokens=int(manifest.get("tokens", {}).get("train", 0)) or None).warmup or 0
+        b = budget.derive(c, world=world, data_tokens=int(manifest.get("tokens", {}).get("train", 0)) or None)
+        return b.steps, b.warmup or 0
     except (UserError, ValueError, TypeError):
-        return c.schedule.warmup_steps if isinstance(c.schedule.warmup_steps, int) else 0
+        return None, c.schedule.warmup_steps if isinstance(c.schedule.warmup_steps, int) else 0
+
+
+def _last_session_ended(log: Path) -> bool:
+    """Whether train.log's last session logged its end (the spike detector's closing line, a stop by
+    signal, or "nothing to do"); a session that is still going, or was killed, has not."""
+    if not log.exists():
+        return False
+    ended = False
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        if "; world " in line and "micro-batch" in line:
+            ended = False
+        elif "spike detector: " in line or "stopped by " in line or "nothing to do:" in line:
+            ended = True
+    return ended
 
 
 # Lines of train.log worth a reader's attention: interruptions, resumes, changes, warnings, skips.
@@ -443,7 +462,7 @@ def render_html(s: dict, panels: list[str]) -> str:
     notes = [s["meta_note"]] if s.get("meta_note") else []
     if s["bad_lines"]:
         notes.append(f"{s['bad_lines']} unreadable line(s) in metrics.jsonl skipped (a run still writing leaves a partial last line).")
-    if s["updated_s_ago"] is not None and s["updated_s_ago"] < 600:
+    if s["updated_s_ago"] is not None and s["updated_s_ago"] < 600 and not s["ended"]:
         notes.append(f"metrics.jsonl was updated {s['updated_s_ago']:.0f} s ago: the run may still be going; rerun the report to refresh.")
     events = "".join(f"<li>{html.escape(e['message'])}</li>" for e in s["events"][:50])
     more = f"<li>… {len(s['events']) - 50} more</li>" if len(s["events"]) > 50 else ""
