@@ -7,6 +7,8 @@ small components, one concern each:
 - `checkpoints` (train/checkpointing.CheckpointManager): when to save, save/load of the full state;
 - `spikes` (train/spike_policy.SpikePolicy): warn, rewind or stop on spikes and non-finite losses;
 - `evaluator` (train/eval_schedule.PeriodicEval): valid perplexity at its interval and at the end;
+- `heartbeat` (monitor/heartbeat.Heartbeat): this rank's step and phase (data, step, eval, save,
+  done) in RUN_DIR/heartbeat/, for `diagnose --hang` and launch's watchdog; told, never waited on;
 - `console` and `log` (monitor/console): the step line and the run log; `metrics`
   (monitor/metrics.MetricsLogger): metrics.jsonl and TensorBoard; `profiler` (StepProfiler).
 
@@ -35,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 from mspretrain.checkpoint import store
 from mspretrain.errors import UserError
+from mspretrain.monitor.heartbeat import NullHeartbeat
 from mspretrain.train.replicas import record_weights_hash
 from mspretrain.train.spike_policy import MAX_REWINDS, REWIND, STOP
 
@@ -63,13 +66,15 @@ class Trainer:
                  scaler: Any, schedule: Any, total_steps: int, accum_steps: int, tokens_per_step: int,
                  meter: Any, checkpoints: Any, spikes: Any, evaluator: Any, console: Any, metrics: Any,
                  profiler: Any, log: Callable[[str], None], banner: tuple[str, ...] = (),
-                 callbacks: tuple[StepCallback, ...] = ()) -> None:
+                 callbacks: tuple[StepCallback, ...] = (), heartbeat: Any = None) -> None:
         self.cfg, self.run_dir, self.data_dir, self.world = cfg, Path(run_dir), Path(data_dir), world
         self.model, self.step_fn, self.loader, self.scaler, self.schedule = model, step_fn, loader, scaler, schedule
         self.total_steps, self.accum_steps, self.tokens_per_step = total_steps, accum_steps, tokens_per_step
         self.meter, self.checkpoints, self.spikes, self.evaluator = meter, checkpoints, spikes, evaluator
         self.console, self.metrics, self.profiler, self.log = console, metrics, profiler, log
         self.banner, self.callbacks = tuple(banner), list(callbacks)
+        # monitor/heartbeat.Heartbeat: this rank's step and phase for `diagnose --hang` and launch's watchdog
+        self.heartbeat = heartbeat if heartbeat is not None else NullHeartbeat()
         self.step = self.applied = self.tokens_seen = self.skipped = self.rewinds = 0
         self._stop_signal: int | None = None
 
@@ -96,6 +101,7 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Checkpoint the state after `self.step` (see CheckpointManager.save)."""
+        self.heartbeat.phase("save", self.step)
         return self.checkpoints.save(self.step, self.train_state())
 
     # ----------------------------------------------------------------- loop
@@ -108,6 +114,7 @@ class Trainer:
             self.log(f"nothing to do: the run is at step {start} and the budget is {self.total_steps} steps")
             self.checkpoints.close()
             self.metrics.close()
+            self.heartbeat.close("done", start)
             return summary
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.meter.begin()
@@ -132,6 +139,7 @@ class Trainer:
                     if not self.world.is_main:  # per-rank timing in the msrun worker logs, for straggler diagnosis
                         print(f"rank={self.world.rank} step={self.step} step_time={(time.perf_counter() - t_step):.3f}s", flush=True)
                 if self.evaluator.due(self.step, self.total_steps):  # every run ends with an eval
+                    self.heartbeat.phase("eval", self.step)
                     values.update(self.evaluator(self.model, self.step))
                 self.metrics.log(self.step, values)
                 for callback in self.callbacks:
@@ -141,9 +149,11 @@ class Trainer:
             summary.final_checkpoint = self.save()
             self.checkpoints.close()
             record_weights_hash(self.run_dir, rank=self.world.rank, world=self.world.size, step=self.step, model=self.model)
+            self.heartbeat.close("done", self.step)
         except store.SaveError as exc:
             self.checkpoints.failed(exc)
         finally:
+            self.heartbeat.close("failed", self.step)  # no-op after "done"
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             self.profiler.close()
@@ -168,14 +178,17 @@ class Trainer:
         lr = self.schedule(self.applied)
         scale = self.scaler.scale
         micro = []
+        self.heartbeat.data(self.step)
         for _ in range(self.accum_steps):
             b = self.loader.next_batch()
             micro.append((b.tokens, b.positions, b.segments))
         t_run = time.perf_counter()
+        self.heartbeat.running()
         res = self.step_fn.run(micro, lr, scale)
         self.meter.add_step_time(time.perf_counter() - t_run)
         self.scaler.update(res.finite)
         self.step += 1
+        self.heartbeat.finished(self.step)
         self.tokens_seen += self.tokens_per_step
         if res.finite:
             self.applied += 1
