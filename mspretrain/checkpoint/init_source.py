@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mspretrain.checkpoint import store
-from mspretrain.config import Config, ModelConfig, resolve_model
+from mspretrain.checkpoint.model import resolved_config
+from mspretrain.config import Config, ModelConfig
 from mspretrain.errors import UserError
 from mspretrain.model.init_from import InitWeights, from_hf_dir, run_model_config
 from mspretrain.model.resize import check_extends, resize_vocab
@@ -40,9 +41,7 @@ def load_init(path: str | Path, log: Callable[[str], None] = lambda s: None) -> 
         return from_hf_dir(p)  # names what is missing: config.json, safetensors, a bad file
     ref = store.resolve_checkpoint(p, log=log)  # verifies the manifest (SHA-256 of every file)
     tensors = store.read_model_tensors(ref)
-    if "embed.weight" not in tensors:
-        raise UserError(f"checkpoint {ref.dir} has no embed.weight", "this is not an mspretrain model checkpoint")
-    model_cfg = resolve_model(ref.config.model, int(tensors["embed.weight"].shape[0]))
+    model_cfg = resolved_config(ref, tensors).model  # the shape load_model and export give these weights
     manifest = json.loads((ref.dir / store.MANIFEST).read_text(encoding="utf-8"))
     files = {store.MODEL_FILE: manifest["files"][store.MODEL_FILE]["sha256"]}  # verified just now
     return InitWeights(path=p, kind="checkpoint", source_dir=ref.dir, config=model_cfg, tensors=tensors, files=files,

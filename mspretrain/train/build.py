@@ -135,7 +135,7 @@ def resolved_notes(cfg: Config, b: budget.Budget, sampling: cfgmod.MetricsConfig
 
 def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, allow_config_change: bool = False,
                   allow_data_change: bool = False, restart: bool = False, log: Callable[[str], None] = print,
-                  init_weights: Callable[[Any], None] | None = None, run_meta: dict[str, Any] | None = None,
+                  init_weights: Callable[[Any], None] | None = None,
                   callbacks: Sequence[StepCallback] = ()) -> Trainer:
     """The real trainer for `mspretrain train`, resumed from the run dir's newest verified checkpoint."""
     import mindspore as ms
@@ -145,6 +145,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     from mspretrain.data.manifest import check_data_dir, read_manifest
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.monitor.batch_log import BatchLog, plan_for
     from mspretrain.monitor.console import ConsoleLine, RunLog
     from mspretrain.monitor.meter import StepMeter
     from mspretrain.monitor.metrics import MetricsLogger
@@ -207,7 +208,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                         jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16",
                         shard=cfg.optim.shard_optimizer, shard_grads=cfg.optim.shard_gradients,
                         bucket_mb=cfg.optim.bucket_mb, device=device.target, accumulation=b.accumulation,
-                        half_params=half, jit_level=cfg.device.jit_level, trainable=cfg.train.trainable)
+                        half_params=half, jit_level=cfg.device.jit_level)
     loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=b.micro_batch, seed=cfg.train.seed,
                     rank=world.rank, world=world.size, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
                     token_dtype=cfg.data.token_dtype, log=say)
@@ -220,7 +221,6 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
         meta = {"data_dir": str(data_dir), "world_size": world.size, "code_version": __version__,
                 "hardware": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device.target,
                              "python": sys.version.split()[0], "mindspore": ms.__version__}}
-        meta.update(run_meta or {})  # e.g. {"init_from": ...} (checkpoint/init_source.init_for_run)
         paths.meta.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     metrics = MetricsLogger(paths.root, sampling, enabled=world.is_main, log=say,
                             resume_step=int(resume_state["step"]) if resume_from is not None else None)
@@ -234,6 +234,11 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                       price_per_device_hour=cfg.cost.price_per_device_hour, throughput_every=cfg.metrics.throughput_every,
                       log_every=cfg.train.log_every, memory_every=sampling.memory_every, target=device.target)
     scaler = LossScaler.from_config(cfg.precision)
+    # which data each step trained on (RUN_DIR/batches.jsonl, for `audit` and `spike`)
+    batches = BatchLog(paths.root, plan=plan_for(loader), global_batch=cfg.train.global_batch, enabled=world.is_main,
+                       loader=loader, world=world.size, rewind_skip=cfg.spike.rewind_skip,
+                       resume_step=int(resume_state["step"]) if resume_from is not None else None,
+                       skipped=int(resume_state.get("skipped_steps", 0)), total=b.steps, warmup=b.warmup)
     banner = (f"{device.describe()}; world {world.size}; micro-batch {b.micro_batch} x {b.accumulation} accumulation"
               + memory_options(cfg, step_fn, world, b.accumulation), f"schedule {b.schedule.describe()}")
     trainer = Trainer(
@@ -244,7 +249,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
         evaluator=PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say),
         console=ConsoleLine(say, total=b.steps, log_every=cfg.train.log_every, show_scale=scaler.mode != "none"),
         metrics=metrics, profiler=StepProfiler(paths.root, cfg.profile.steps if world.is_main else "", log=say),
-        log=say, banner=banner, callbacks=tuple(callbacks))
+        log=say, banner=banner, callbacks=(batches, *callbacks))
     if resume_from is not None:
         trainer.load(resume_from)
         checkpoints.last_save_step = trainer.step
