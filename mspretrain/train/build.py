@@ -145,6 +145,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     from mspretrain.data.manifest import check_data_dir, read_manifest
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.monitor.batch_log import BatchLog, plan_for
     from mspretrain.monitor.console import ConsoleLine, RunLog
     from mspretrain.monitor.heartbeat import Heartbeat
     from mspretrain.monitor.meter import StepMeter
@@ -234,6 +235,11 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                       price_per_device_hour=cfg.cost.price_per_device_hour, throughput_every=cfg.metrics.throughput_every,
                       log_every=cfg.train.log_every, memory_every=sampling.memory_every, target=device.target)
     scaler = LossScaler.from_config(cfg.precision)
+    # which data each step trained on (RUN_DIR/batches.jsonl, for `audit` and `spike`)
+    batches = BatchLog(paths.root, plan=plan_for(loader), global_batch=cfg.train.global_batch, enabled=world.is_main,
+                       loader=loader, world=world.size, rewind_skip=cfg.spike.rewind_skip,
+                       resume_step=int(resume_state["step"]) if resume_from is not None else None,
+                       skipped=int(resume_state.get("skipped_steps", 0)), total=b.steps, warmup=b.warmup)
     banner = (f"{device.describe()}; world {world.size}; micro-batch {b.micro_batch} x {b.accumulation} accumulation"
               + memory_options(cfg, step_fn, world, b.accumulation), f"schedule {b.schedule.describe()}")
     trainer = Trainer(
@@ -244,7 +250,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
         evaluator=PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say),
         console=ConsoleLine(say, total=b.steps, log_every=cfg.train.log_every, show_scale=scaler.mode != "none"),
         metrics=metrics, profiler=StepProfiler(paths.root, cfg.profile.steps if world.is_main else "", log=say),
-        log=say, banner=banner, callbacks=tuple(callbacks),
+        log=say, banner=banner, callbacks=(batches, *callbacks),
         heartbeat=Heartbeat(paths.root, world.rank, world.size,
                             collectives_per_step=step_fn.collectives(b.accumulation)["calls"] if world.size > 1 else 0))
     if resume_from is not None:
