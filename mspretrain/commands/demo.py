@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mspretrain.commands.common import add_quiet_argument, progress_enabled
 from mspretrain.errors import UserError
+from mspretrain.paths import DataPaths, RunPaths
 
 EXAMPLES = """examples:
   mspretrain demo                 # 300 steps, ~10 minutes on 2 cores
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     # 1. corpus and shards (reused when a previous demo finished them)
     max_docs = 12_000 if args.quick else 60_000
-    if (data_dir / "manifest.json").is_file():
+    if DataPaths(data_dir).manifest.is_file():
         say(f"-- data: reusing {data_dir}")
     else:
         if args.corpus:
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     tail = continuation_overrides(trainer.schedule(trainer.applied), cfg.optim.lr_scaling)
     print("\nnext:")
     print(f"  mspretrain report {run_dir}                       # (a) HTML report with the curves")
-    print(f"  mspretrain train --config {run_dir / 'config.toml'} --data {data_dir} --run {run_dir} train.max_steps={summary.step + 300} {tail}"
+    print(f"  mspretrain train --config {RunPaths(run_dir).config} --data {data_dir} --run {run_dir} train.max_steps={summary.step + 300} {tail}"
           "   # (b) 300 more steps at the final learning rate")
     print(f"  mspretrain prepare YOUR_TEXT_DIR --out my-data && mspretrain train --config {config_path(args)} --data my-data --run runs/mine"
           "   # (c) your own text")

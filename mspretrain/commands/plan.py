@@ -37,9 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _measured_tokens_per_s(run_dir: Path) -> float | None:
     from mspretrain.ops.report import read_metrics, series
 
-    records, _ = read_metrics(run_dir / "metrics.jsonl")
+    from mspretrain.paths import RunPaths
+
+    paths = RunPaths(run_dir)
+    records, _ = read_metrics(paths.metrics)
     tps = series(records, "tokens_per_s")[1]
-    meta = run_dir / "run_meta.json"
+    meta = paths.meta
     world = json.loads(meta.read_text())["world_size"] if meta.exists() else 1
     return statistics.median(tps) / world if tps else None
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mspretrain.config import MetricsConfig
+from mspretrain.paths import RunPaths
 
 THROUGHPUT_KEYS = ("tokens_per_s", "samples_per_s", "mfu", "real_token_share",
                    "tokens_per_device_hour", "cost_per_btok")
@@ -133,7 +134,7 @@ class MetricsLogger:
         self._log = log
         self._error_reported = False
         self._closed = False
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = RunPaths(self.run_dir).metrics
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,7 +150,7 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter  # imported here: rank != 0 never pays for it
 
             # purge_step makes TensorBoard hide events >= it from earlier files of this run.
-            self._tb = SummaryWriter(logdir=str(self.run_dir / "tb"), flush_secs=30,
+            self._tb = SummaryWriter(logdir=str(RunPaths(self.run_dir).tb), flush_secs=30,
                                      purge_step=None if resume_step is None else resume_step + 1)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._writer, name="metrics-writer", daemon=True)

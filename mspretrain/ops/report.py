@@ -25,6 +25,7 @@ from typing import Any
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
 from mspretrain.monitor.spikes import scan_metrics
+from mspretrain.paths import DataPaths, RunPaths
 
 _PANELS = (  # (file stem, title)
     ("loss", "Training loss (spikes marked)"), ("eval_ppl", "Eval perplexity"), ("lr", "Learning rate"),
@@ -95,7 +96,7 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _load_run_config(run_dir: Path) -> tuple[cfgmod.Config | None, str]:
-    path = run_dir / "config.toml"
+    path = RunPaths(run_dir).config
     if not path.exists():
         return None, ""
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -108,7 +109,7 @@ def _load_run_config(run_dir: Path) -> tuple[cfgmod.Config | None, str]:
 def _data_dir(run_dir: Path, meta: dict) -> Path | None:
     if meta.get("data_dir"):
         return Path(meta["data_dir"])
-    log = run_dir / "train.log"
+    log = RunPaths(run_dir).log
     if log.exists():
         m = re.search(r"\bdata(?:[ _]dir)?\s*[=:]\s*(\S+)", log.read_text(encoding="utf-8", errors="replace")[:20000])
         if m:
@@ -119,13 +120,14 @@ def _data_dir(run_dir: Path, meta: dict) -> Path | None:
 def summarize(run_dir: Path) -> dict[str, Any]:
     """Everything the header shows, as plain values (also used by `diagnose` and tests)."""
     run_dir = Path(run_dir)
-    records, bad = read_metrics(run_dir / "metrics.jsonl")
+    paths = RunPaths(run_dir)
+    records, bad = read_metrics(paths.metrics)
     cfg, cfg_text = _load_run_config(run_dir)
-    meta, meta_note = _read_object(run_dir / "run_meta.json")
+    meta, meta_note = _read_object(paths.meta)
     if not isinstance(meta.get("data_dir"), (str, type(None))):
         meta = {k: v for k, v in meta.items() if k != "data_dir"}
     data_dir = _data_dir(run_dir, meta)
-    manifest, _ = _read_object(data_dir / "manifest.json") if data_dir else ({}, None)
+    manifest, _ = _read_object(DataPaths(data_dir).manifest) if data_dir else ({}, None)
     if not isinstance(manifest.get("tokens"), dict):
         manifest = {k: v for k, v in manifest.items() if k != "tokens"}
     c = cfg or cfgmod.Config()
@@ -136,7 +138,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     tokens = int(tokens_logged[-1]) if tokens_logged else last * c.train.global_batch * c.data.seq_len
     tps = series(records, "tokens_per_s")[1]
     elapsed = series(records, "elapsed_s")
-    sessions = _session_seconds(elapsed, _session_starts(run_dir / "train.log"))
+    sessions = _session_seconds(elapsed, _session_starts(paths.log))
     if elapsed:
         hours = sum(sessions) / 3600
         hours_note = "logged" if len(sessions) == 1 else f"logged, sum of {len(sessions)} sessions"
@@ -153,7 +155,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     skipped = series(records, "skipped")[1]
     price = c.cost.price_per_device_hour
     device_hours = hours * world if hours is not None else None
-    metrics_file = run_dir / "metrics.jsonl"
+    metrics_file = paths.metrics
     return {
         "run_dir": str(run_dir), "config_text": cfg_text, "config": cfg, "meta": meta,
         "data_dir": str(data_dir) if data_dir else None, "manifest": manifest, "records": records,
@@ -163,13 +165,13 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "price": price, "final_loss": finite[-1] if finite else None,
         "best_ppl": min(ppl) if ppl else None, "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
         "mean_mfu": sum(mfu) / len(mfu) if mfu else None, "events": events, "warmup": warmup,
-        "sessions": len(sessions), "log_events": log_events(run_dir / "train.log"),
+        "sessions": len(sessions), "log_events": log_events(paths.log),
         "nonfinite": sum(1 for x in losses if not math.isfinite(x)),
         "skipped": (max(skipped) if skipped and all(b >= a for a, b in zip(skipped, skipped[1:])) else sum(skipped)) if skipped else 0,
         "updated_s_ago": time.time() - metrics_file.stat().st_mtime if metrics_file.exists() else None,
         "budget_steps": budget_steps,
         # finished: the budget is done, or the last session said goodbye (stopped, or nothing to do)
-        "ended": bool(budget_steps and last >= budget_steps) or _last_session_ended(run_dir / "train.log"),
+        "ended": bool(budget_steps and last >= budget_steps) or _last_session_ended(paths.log),
     }
 
 

@@ -183,13 +183,13 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     resume_from = find_resume(paths, is_main=world.is_main, restart=restart, log=say)
     resume_state: dict[str, Any] = {}
     if resume_from is not None:
-        changes = config_changes(cfgmod.load(resume_from / "config.toml"), cfg)
+        changes = config_changes(cfgmod.load(resume_from / store.CONFIG_FILE), cfg)
         if changes and not allow_config_change:
             raise UserError(f"the config changes numerics of the run in {paths.root}: {'; '.join(changes)}",
                             "use the original values, a new --run dir, or --allow-config-change")
         for c in changes:
             say(f"config change accepted on resume: {c}")
-        resume_state = store.read_json(resume_from / "train_state.json")  # a raised budget re-stretches the schedule: say how
+        resume_state = store.read_json(resume_from / store.TRAIN_STATE)  # a raised budget re-stretches the schedule: say how
         for note in resume_notes(resume_state.get("schedule"), b.schedule,
                                  int(resume_state.get("applied_steps", resume_state["step"])), cfg.optim.lr_scaling):
             say(note)

@@ -77,7 +77,7 @@ class CheckpointManager:
         position into the live objects; returns its train_state for the loop's own counters."""
         from mspretrain.model.llama import load_numpy
 
-        ts = store.read_json(ckpt / "train_state.json")
+        ts = store.read_json(ckpt / store.TRAIN_STATE)
         load_numpy(self.model, store.load_file(str(ckpt / store.MODEL_FILE)))
         available = store.optimizer_keys(ckpt)
         if not available:
@@ -88,7 +88,7 @@ class CheckpointManager:
         opt = store.read_optimizer_tensors(ckpt, keys=self.step_fn.state_keys(owned_only=True))
         self.step_fn.load_optimizer_state(opt, available=available)
         if restore_data:
-            self.loader.load_state(store.read_json(ckpt / "data_state.json"), allow_data_change=self.allow_data_change)
+            self.loader.load_state(store.read_json(ckpt / store.DATA_STATE), allow_data_change=self.allow_data_change)
         return ts
 
     def rewind_target(self) -> Path | None:

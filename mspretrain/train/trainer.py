@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 from mspretrain.checkpoint import store
 from mspretrain.errors import UserError
+from mspretrain.paths import RunPaths
 from mspretrain.monitor.heartbeat import NullHeartbeat
 from mspretrain.train.replicas import record_weights_hash
 from mspretrain.train.spike_policy import MAX_REWINDS, REWIND, STOP
@@ -170,7 +171,7 @@ class Trainer:
         if self._stop_signal is not None:
             summary.stopped_by_signal = True
             self.log(f"stopped by {signal.Signals(self._stop_signal).name} after step {self.step}; checkpoint written. "
-                     f"Resume with: mspretrain train --config {self.run_dir / 'config.toml'} --data {self.data_dir} --run {self.run_dir}")
+                     f"Resume with: mspretrain train --config {RunPaths(self.run_dir).config} --data {self.data_dir} --run {self.run_dir}")
         return summary
 
     def train_step(self) -> tuple[Any, float, float]:
