@@ -16,7 +16,7 @@ def _log(tmp_path: Path, steps: int, plan: SamplePlan, g: int = 4) -> list[dict]
     log = BatchLog(tmp_path, plan=plan, global_batch=g, enabled=True)
     pos = [0]
     for s in range(1, steps + 1):
-        log.step(s, pos, world=1, lr=1e-3, scale=1.0, applied_before=s - 1, finite=True)
+        log.step(s, pos, world=1, lr=1e-3, scale=1.0, finite=True)
         pos = plan.advance(pos, g)
     log.close()
     return [json.loads(x) for x in (tmp_path / "batches.jsonl").read_text().splitlines()]

@@ -2,17 +2,17 @@
 
 Each step's line holds the loader position before the step (per-source consumed counts of the
 global sample order), a hash of the global batch's sample ids (`data/order.py`), the world size,
-the lr, the loss scale, whether the update was applied, and the applied-update count before the
-step. Rewinds and resumes add a marker line. `mspretrain audit` recomputes all of it from the
-loader's pure plan; `mspretrain spike` lists the samples of a step from the logged position.
+the lr, the loss scale and whether the update was applied. Every start or resume (a session) and
+every rewind add a marker line. `mspretrain audit` recomputes all of it from the loader's pure
+plan; `mspretrain spike` lists the samples of a step from the logged position.
 
 Design choices:
 - Rank 0 writes for the whole world: the position is global (every rank holds the same loader
   state) and the batch's ids follow from it, so no rank has to send anything.
 - A separate file, not `metrics.jsonl`: these are not scalars to plot (TensorBoard would draw the
   hash), and they are kept every step, never sampled.
-- The cost per step is one slice of a cached permutation, a SHA-256 of a few KB and a buffered
-  line write; flushed at every checkpoint and at the end (`docs/benchmarks.md` measures it).
+- The cost per step is one slice of a cached permutation, a SHA-256 of a few KB and one line
+  written unbuffered, so a crash loses no record (`docs/benchmarks.md` measures it).
 - Resume truncates the file to steps <= the checkpoint's step, like `metrics.jsonl`: the steps
   after the checkpoint were not kept, so the history stays the history of the weights.
 """
@@ -60,41 +60,56 @@ def truncate(path: Path, step: int) -> None:
 
 
 class BatchLog:
-    """Writes `batches.jsonl` on rank 0; every method is a no-op elsewhere."""
+    """Writes `batches.jsonl` on rank 0 (a no-op elsewhere); a trainer step callback.
 
-    def __init__(self, run_dir: Path, *, plan: SamplePlan, global_batch: int, enabled: bool,
-                 resume_step: int | None = None, world: int = 1) -> None:
+    Called after every step with the loader state before the step and the step's values. The
+    step that ran is always the previous record's + 1 (a rewind sets it back through its marker),
+    which is why it is counted here rather than read from the loop's step counter, which a rewind
+    has already moved when the callback runs."""
+
+    def __init__(self, run_dir: Path, *, plan: SamplePlan, global_batch: int, enabled: bool, loader: Any = None,
+                 resume_step: int | None = None, world: int = 1, skipped: int = 0, rewind_skip: int = 0,
+                 total: int = 0, warmup: int = 0) -> None:
         self.path = Path(run_dir) / FILE
         self.plan, self.global_batch, self.enabled = plan, global_batch, enabled
+        self.loader, self.world, self.rewind_skip = loader, world, rewind_skip
+        self._last, self._skipped = resume_step or 0, skipped
         self._file = None
         if not enabled:
             return
         if resume_step is not None:
             truncate(self.path, resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")
-        if resume_step is not None:
-            self._write({"resume": {"step": resume_step, "world": world}})
+        self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # a line per step reaches the disk
+        # each start or resume: the step it starts after, the world, and the schedule it runs (a
+        # raised budget re-stretches the schedule on resume; the audit checks each part against its own)
+        self._write({"session": {"step": resume_step or 0, "world": world, "total": total, "warmup": warmup}})
 
-    def step(self, step: int, pos: list[int], *, world: int, lr: float, scale: float, applied_before: int,
-             finite: bool) -> None:
+    def __call__(self, step: int, data_state: dict[str, Any], values: dict[str, float]) -> None:
+        ran = self._last + 1
+        skipped = int(values.get("skipped", self._skipped))
+        self.step(ran, [int(s["consumed"]) for s in data_state["sources"]], world=self.world,
+                  lr=float(values["lr"]), scale=float(values.get("loss_scale", 1.0)), finite=skipped == self._skipped)
+        self._skipped = skipped
+        if "rewind" in values:
+            self.rewind(ran, int(values["rewind"]), self.rewind_skip, position(self.loader))
+
+    def step(self, step: int, pos: list[int], *, world: int, lr: float, scale: float, finite: bool) -> None:
         """Record optimizer step `step`, which started at loader position `pos`."""
+        self._last = step
         if self._file is None:
             return
         ids = self.plan.batch(pos, self.global_batch)
         self._write({"step": step, "pos": pos, "hash": batch_hash(ids), "world": world, "lr": lr,
-                     "scale": scale, "applied": applied_before, "finite": bool(finite)})
+                     "scale": scale, "finite": bool(finite)})
 
     def rewind(self, at: int, to: int, skip: int, pos: list[int]) -> None:
         """A spike rewind at step `at` reloaded step `to`; the next step starts at `pos`."""
+        self._last = to
         if self._file is not None:
             self._write({"rewind": {"from": at, "to": to, "skip": skip, "pos": pos}})
 
     def _write(self, rec: dict[str, Any]) -> None:
         self._file.write(json.dumps(rec) + "\n")
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
