@@ -163,4 +163,6 @@ def test_option_errors(tmp_path, capsys):
     assert "for perplexity, not --choices" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "no-run"), "--choices", str(tmp_path / "ok.jsonl"), "--dev", str(tmp_path / "ok.jsonl"),
                  "--shots", "3"]) == 2
-    assert "--shots 3 needs 3 dev items, the dev file has 1" in capsys.readouterr().err
+    assert "--shots 3 needs 3 dev items, the --dev file has 1" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "no-run"), "--choices", str(tmp_path / "ok.jsonl"), "--shots", "2"]) == 2
+    assert "--shots 2 needs a --dev file of solved examples" in capsys.readouterr().err

@@ -142,12 +142,17 @@ def read_choices(path: str | Path) -> list[ChoiceItem]:
 
 # ----------------------------------------------------------------------------- prompts
 
-def check_shots(dev: Sequence[ChoiceItem], shots: int) -> None:
+def check_shots(dev: Sequence[ChoiceItem], shots: int, *, shots_name: str = "--shots", dev_name: str = "--dev") -> None:
+    """Refuse a shot count the dev items cannot fill (names: the command's options, or the
+    trainer's config keys eval.choices_shots / eval.choices_dev_file)."""
     if shots < 0:
-        raise UserError(f"--shots {shots} must not be negative", "use 0 for zero-shot, or e.g. --shots 5 with --dev")
+        raise UserError(f"{shots_name} {shots} must not be negative", f"use 0 for zero-shot, or e.g. 5 with {dev_name}")
+    if shots and not dev:
+        raise UserError(f"{shots_name} {shots} needs a {dev_name} file of solved examples",
+                        f"pass {dev_name} FILE (e.g. C-Eval's dev split), or use 0 shots")
     if shots > len(dev):
-        raise UserError(f"--shots {shots} needs {shots} dev items, the dev file has {len(dev)}",
-                        f"use --shots {len(dev)} or less, or pass a larger --dev file")
+        raise UserError(f"{shots_name} {shots} needs {shots} dev items, the {dev_name} file has {len(dev)}",
+                        f"use {len(dev)} shots or fewer, or a larger {dev_name} file")
 
 
 def prompts(items: Sequence[ChoiceItem], dev: Sequence[ChoiceItem] = (), shots: int = 0) -> list[str]:
