@@ -79,9 +79,13 @@ def scope_note(split: str, max_tokens: int, run_max_tokens: int, scored: int) ->
                   else "; the run's own evals score the whole split (eval.max_tokens = 0)")
     return f": {scope}"
 
+
 def run_choices(args: argparse.Namespace) -> int:
     """`eval RUN --choices FILE [--dev FILE] [--shots K]`: accuracy by option log-likelihood."""
+    import sys
+
     from mspretrain.checkpoint.model import load_model
+    from mspretrain.commands.common import progress_enabled
     from mspretrain.eval.choices import check_shots, choices_accuracy, read_choices
 
     if not args.choices:
@@ -99,7 +103,18 @@ def run_choices(args: argparse.Namespace) -> int:
     check_shots(dev, shots)
     refuse_data_dir(args.path, "eval")
     loaded = load_model(args.path, log=(lambda s: None) if args.json else print)
-    res = choices_accuracy(loaded.model, loaded.tokenizer, items, batch_size=args.batch_size, dev=dev, shots=shots)
+    bar = None
+    if progress_enabled(args):
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(it.choices) for it in items), desc="options", unit="option", file=sys.stderr,
+                   dynamic_ncols=True, leave=False)
+    try:
+        res = choices_accuracy(loaded.model, loaded.tokenizer, items, batch_size=args.batch_size, dev=dev, shots=shots,
+                               progress=(lambda done, total: bar.update(done - bar.n)) if bar else None)
+    finally:
+        if bar:
+            bar.close()
     if args.json:
         print(json.dumps(dict(res, shots=shots)))
     else:

@@ -29,7 +29,7 @@ import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -186,8 +186,10 @@ def _rows(tokenizer: Any, items: Sequence[ChoiceItem], texts: Sequence[str], max
 
 
 def score_items(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], *, batch_size: int,
-                dev: Sequence[ChoiceItem] = (), shots: int = 0, max_len: int | None = None) -> list[ItemScore]:
-    """Log-likelihood of every option of every item (see the module docstring)."""
+                dev: Sequence[ChoiceItem] = (), shots: int = 0, max_len: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> list[ItemScore]:
+    """Log-likelihood of every option of every item (see the module docstring); `progress` is
+    called with (options scored, options in all) after each batch."""
     import mindspore as ms
 
     from mspretrain.eval.perplexity import _nll_fn
@@ -213,6 +215,8 @@ def score_items(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], *, batc
             batch = np.concatenate([batch, np.repeat(batch[:1], batch_size - real, axis=0)])
         nll = fn(ms.Tensor(batch)).asnumpy().astype(np.float64)[:real]  # (real, width - 1)
         logprob[i : i + real] = -(nll * mask[i : i + real]).sum(axis=1)
+        if progress:
+            progress(i + real, len(rows))
     out, k = [], 0
     for it in items:
         n = len(it.choices)
@@ -223,9 +227,10 @@ def score_items(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], *, batc
 
 
 def choices_accuracy(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], *, batch_size: int,
-                     dev: Sequence[ChoiceItem] = (), shots: int = 0) -> dict[str, float]:
+                     dev: Sequence[ChoiceItem] = (), shots: int = 0,
+                     progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """{"acc": summed log-likelihood accuracy, "acc_norm": per-token normalised accuracy, "count"}."""
-    scores = score_items(model, tokenizer, items, batch_size=batch_size, dev=dev, shots=shots)
+    scores = score_items(model, tokenizer, items, batch_size=batch_size, dev=dev, shots=shots, progress=progress)
     n = len(scores)
     return {"acc": sum(s.pred == s.label for s in scores) / n,
             "acc_norm": sum(s.pred_norm == s.label for s in scores) / n,
