@@ -103,3 +103,21 @@ def test_missing_manifest_and_unreadable_manifest(ckpt):
     assert store.verify(ckpt) == "manifest.json is unreadable"
     (ckpt / store.MANIFEST).unlink()
     assert store.verify(ckpt) == "no manifest.json (the save did not finish)"
+
+
+def test_recover_reads_the_manifest_as_verify_does(ckpt, tmp_path):
+    """`recover` judges the weights through the same validated manifest reader: a hand-edited
+    manifest is a reason ("weights not usable"), never a traceback; the damaged one stays as it was."""
+    import json
+
+    from mspretrain.errors import UserError
+    from mspretrain.ops.recover import recover
+
+    mpath = ckpt / store.MANIFEST
+    manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    manifest["files"][store.MODEL_FILE] = 5  # an entry that is not an object
+    mpath.write_text(json.dumps(manifest), encoding="utf-8")
+    before = mpath.read_bytes()
+    with pytest.raises(UserError, match="weights not usable .*model.safetensors.* is not an object"):
+        recover(tmp_path)
+    assert mpath.read_bytes() == before

@@ -199,8 +199,9 @@ def write_weights_only_checkpoint(out_dir: str | Path, tensors: dict[str, np.nda
 
 # --------------------------------------------------------------------------- verifying
 
-def _read_manifest_files(ckpt_dir: Path) -> tuple[dict[str, dict[str, Any]] | None, str | None]:
-    """(files of the manifest, None) or (None, the reason it cannot be used)."""
+def manifest_files(ckpt_dir: Path) -> tuple[dict[str, dict[str, Any]] | None, str | None]:
+    """(files of the manifest, None) or (None, the reason it cannot be used). Every field is
+    type-checked, so callers index the entries without guarding."""
     mpath = ckpt_dir / MANIFEST
     if not mpath.is_file():
         return None, "no manifest.json (the save did not finish)"
@@ -287,7 +288,7 @@ def _check_hashes(ckpt_dir: Path, files: dict[str, dict[str, Any]], pool: Thread
 
 
 def _verify(ckpt_dir: Path, deep: bool, pool: ThreadPoolExecutor | None) -> str | None:
-    files, reason = _read_manifest_files(ckpt_dir)
+    files, reason = manifest_files(ckpt_dir)
     if reason is None:
         reason = _check_sizes(ckpt_dir, files)
     if reason is not None or not deep:

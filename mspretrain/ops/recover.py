@@ -26,13 +26,9 @@ WEIGHT_FILES = (store.MODEL_FILE, store.CONFIG_FILE)  # plus the optimizer file(
 
 def _weights_intact(ckpt: Path) -> str | None:
     """None when model/optimizer/config match the manifest (the states may be broken)."""
-    mpath = ckpt / store.MANIFEST
-    if not mpath.is_file():
-        return "no manifest.json"
-    try:
-        files = json.loads(mpath.read_text(encoding="utf-8"))["files"]
-    except (ValueError, KeyError):
-        return "manifest.json is unreadable"
+    files, reason = store.manifest_files(ckpt)  # a malformed manifest is a reason, not a traceback
+    if reason is not None:
+        return reason
     optim = store.optimizer_files(files)
     if not optim:
         return "the manifest lists no optimizer state"
