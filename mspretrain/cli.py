@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "selftest": ("mspretrain.commands.selftest", "a new node's verdict in minutes: kernels, steps, collectives, disk, speed"),
     "diagnose": ("mspretrain.commands.diagnose", "find OOMs, NaN storms, spikes, timeouts in a run's logs"),
     "audit": ("mspretrain.commands.audit", "check a run's history across resumes and rewinds against the data plan"),
+    "spike": ("mspretrain.commands.spike", "one step's batch: samples, documents and their origin, losses, gradient norms"),
+    "replay": ("mspretrain.commands.replay", "replay steps from a checkpoint: bit for bit, or without some documents, in fp32, ..."),
     "demo": ("mspretrain.commands.demo", "the whole pipeline on a Chinese poetry corpus (fetched once from npm)"),
 }
 

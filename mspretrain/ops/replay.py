@@ -1,0 +1,354 @@
+"""Replay steps of a run from one of its checkpoints, in a scratch run dir, as they ran or changed.
+
+`replay(RUN, from_step=K, steps=N)` builds the real trainer (`train/build.build_trainer`) on a scratch
+run dir that holds only a link to the checkpoint of step K (or of the newest verified step before
+it, when K was not kept), runs the steps up to K + N and returns each step's loss and grad norm next
+to the ones `metrics.jsonl` logged. On CPU with the same world size an unchanged replay is the run
+itself, bit for bit (the loader is a pure function of its position; the step is deterministic).
+
+Interventions, each a change of the scratch run only:
+- `drop_docs`: samples that overlap the given documents are swapped for clean ones (`drop_docs.py`);
+- `dtype`: precision.dtype of the replay (`fp32`: the scaler is switched off unless `loss_scale`);
+- `lr_scale`: every step's lr times X (the schedule's shape and total are the original's);
+- `loss_scale`: the restored loss scale replaced by X.
+
+Design choices:
+- RUN is only read. The scratch dir must be new or empty (a dir with other files is refused, never
+  cleaned); the checkpoint's files are hard links (copies across filesystems), which the scratch
+  trainer never writes into: it writes new checkpoint dirs and prunes by unlinking.
+- The replay stops after its last step without touching `train.max_steps`: the loop's horizon
+  (`Trainer.total_steps`) is set to K + N while the lr schedule keeps the total it was built with,
+  so the lr of every replayed step is the original's. The periodic eval is left out (it changes no
+  weight and would cost a pass over the valid split).
+- Another world size than the original's changes the order of the sums over ranks: losses then
+  agree to about 1e-5 (relative), not bit for bit, and the comparison says so.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from mspretrain import config as cfgmod
+from mspretrain.checkpoint import store
+from mspretrain.errors import UserError
+from mspretrain.monitor.batch_log import FILE as BATCHES
+from mspretrain.paths import RunPaths
+
+TOLERANCE = 1e-5  # relative agreement expected of a replay on another world size
+
+Observer = Callable[[Any, int], None]  # (trainer, step whose weights the model holds now)
+
+
+@dataclass(frozen=True)
+class Interventions:
+    drop_docs: tuple[tuple[int, int], ...] = ()  # (source, document id in its train split)
+    dtype: str | None = None
+    lr_scale: float | None = None
+    loss_scale: float | None = None
+
+    def any(self) -> bool:
+        return bool(self.drop_docs) or any(v is not None for v in (self.dtype, self.lr_scale, self.loss_scale))
+
+    def describe(self) -> list[str]:
+        out = []
+        if self.drop_docs:
+            out.append("dropped documents " + ", ".join(f"{d}" if s == 0 else f"{s}:{d}" for s, d in self.drop_docs))
+        if self.dtype:
+            out.append(f"precision.dtype = {self.dtype}")
+        if self.lr_scale is not None:
+            out.append(f"lr x {self.lr_scale:g}")
+        if self.loss_scale is not None:
+            out.append(f"loss scale {self.loss_scale:g}")
+        return out
+
+
+@dataclass
+class Row:
+    step: int
+    original: float | None  # metrics.jsonl's loss (None: not logged at this step)
+    replayed: float
+    grad_norm: float
+    lr: float
+    spike_original: bool = False
+    spike_replayed: bool = False
+
+    @property
+    def difference(self) -> float | None:
+        return None if self.original is None else self.replayed - self.original
+
+
+@dataclass
+class Replay:
+    run: Path
+    scratch: Path | None  # None: a temporary dir, removed
+    requested: int  # --from-step
+    start: int  # the checkpoint's step
+    end: int
+    world_original: int
+    world: int
+    changes: Interventions
+    rows: list[Row] = field(default_factory=list)
+    swaps: list[Any] = field(default_factory=list)  # drop_docs.Swap
+
+    @property
+    def exact_expected(self) -> bool:
+        return self.world == self.world_original
+
+    def first_difference(self) -> Row | None:
+        """The first compared step whose loss differs (bit for bit, or beyond TOLERANCE across worlds)."""
+        for r in self.rows:
+            if r.original is None or r.step <= self.requested:
+                continue
+            if self.exact_expected and r.replayed != r.original:
+                return r
+            if not self.exact_expected and not math.isclose(r.replayed, r.original, rel_tol=TOLERANCE):
+                return r
+        return None
+
+
+# ----------------------------------------------------------------------------- run files
+def read_run_metrics(run: Path) -> dict[int, dict[str, Any]]:
+    """metrics.jsonl by step (the last line of a step wins: after a rewind it is the kept history)."""
+    out: dict[int, dict[str, Any]] = {}
+    path = RunPaths(run).metrics
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                out.setdefault(rec["step"], {}).update(rec)
+    return out
+
+
+def run_data_dir(run: Path) -> Path:
+    try:
+        return Path(json.loads(RunPaths(run).meta.read_text(encoding="utf-8"))["data_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{RunPaths(run).meta} is missing or unreadable, so the run's data dir is unknown",
+                        "pass a run dir written by `mspretrain train`") from None
+
+
+def check_run(run: Path) -> None:
+    if not RunPaths(run).config.is_file():
+        raise UserError(f"{run} has no config.toml, so it is not a run dir", "pass the --run dir of a training run")
+
+
+def original_world(run: Path, steps: range) -> int:
+    """The world size the run trained these steps on (batches.jsonl, else run_meta.json)."""
+    path = run / BATCHES
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("step") in steps and "world" in rec:
+                return int(rec["world"])
+    try:
+        return int(json.loads(RunPaths(run).meta.read_text(encoding="utf-8")).get("world_size", 1))
+    except (OSError, ValueError):
+        return 1
+
+
+def checkpoint_at_or_before(run: Path, step: int) -> Path:
+    """The newest checkpoint of `run` at or before `step` that verifies."""
+    have = store.list_checkpoints(run)
+    for s, d in reversed(have):
+        if s <= step and store.verify(d) is None:
+            return d
+    kept = ", ".join(str(s) for s, _ in have) or "none"
+    raise UserError(f"{run} has no verified checkpoint at or before step {step} (checkpoints kept: {kept})",
+                    "choose a step at or after a kept checkpoint (see `mspretrain checkpoints RUN --verify`)")
+
+
+def make_scratch(run: Path, out: str | Path | None) -> tuple[Path, bool]:
+    """(scratch dir, whether it is a temporary one this replay removes)."""
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix="mspretrain-replay-")), True
+    scratch = Path(out).expanduser().resolve()
+    if scratch == run or run in scratch.parents:
+        raise UserError(f"the scratch dir {scratch} is inside the run {run}, which replay never writes into",
+                        "give --out a dir outside the run dir")
+    if scratch.exists() and (not scratch.is_dir() or any(scratch.iterdir())):
+        raise UserError(f"the scratch dir {scratch} already holds other files", "give --out a new or empty dir")
+    scratch.mkdir(parents=True, exist_ok=True)
+    return scratch, False
+
+
+def link_checkpoint(ckpt: Path, scratch: Path) -> None:
+    dest = RunPaths(scratch).checkpoints / ckpt.name
+    dest.mkdir(parents=True)
+    for f in ckpt.iterdir():
+        try:
+            os.link(f, dest / f.name)
+        except OSError:  # another filesystem, or no hard links there
+            shutil.copy2(f, dest / f.name)
+
+
+# ----------------------------------------------------------------------------- the trainer's parts
+class _ScaledSchedule:
+    """The run's lr schedule times a factor; its kind, warm-up and total are the original's."""
+
+    def __init__(self, base: Any, factor: float) -> None:
+        self.base, self.factor = base, factor
+
+    def __call__(self, applied: int) -> float:
+        return self.base(applied) * self.factor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
+class _NoEval:
+    def due(self, step: int, total: int) -> bool:
+        return False
+
+
+def scratch_config(ckpt: Path, changes: Interventions) -> cfgmod.Config:
+    cfg = cfgmod.load(ckpt / store.CONFIG_FILE)
+    if changes.dtype and changes.dtype != cfg.precision.dtype:
+        if cfg.precision.param_dtype != "fp32":
+            raise UserError(f"--dtype {changes.dtype}: the run keeps its parameters in its compute dtype "
+                            "(precision.param_dtype = compute)", "replay without --dtype, or from a run with fp32 parameters")
+        cfg = replace(cfg, precision=replace(cfg.precision, dtype=changes.dtype))
+    return cfg
+
+
+# ----------------------------------------------------------------------------- replay
+def replay(run: str | Path, from_step: int, steps: int, *, changes: Interventions = Interventions(),
+           out: str | Path | None = None, log: Callable[[str], None] = lambda s: None,
+           observer: Observer | None = None) -> Replay:
+    """Replay steps from_step + 1 .. from_step + steps (from the newest verified checkpoint at or before
+    from_step); `observer(trainer, step)` is called with the weights of every step from the
+    checkpoint's to the last, the loader at the next step's position (spike forensics look there)."""
+    from mspretrain.checkpoint import lock
+    from mspretrain.data.loader import resolve_sources
+    from mspretrain.monitor.batch_log import plan_for, position
+    from mspretrain.ops.drop_docs import DropDocsLoader
+    from mspretrain.train.build import build_trainer
+
+    run = Path(run).expanduser().resolve()
+    check_run(run)
+    if steps < 0 or from_step < 0:
+        raise UserError(f"--from-step {from_step} --steps {steps}: both must be >= 0 (steps >= 1)",
+                        "e.g. --from-step 100 --steps 20")
+    end = from_step + steps
+    metrics = read_run_metrics(run)
+    last = max((s for s, r in metrics.items() if "loss" in r), default=0)
+    if end > last:
+        raise UserError(f"step {end} is out of range: {run} logged losses up to step {last}",
+                        f"replay at most to step {last} (--from-step + --steps <= {last})")
+    ckpt = checkpoint_at_or_before(run, from_step)
+    start = int(ckpt.name.split("_")[1])
+    cfg = scratch_config(ckpt, changes)
+    data_dir = run_data_dir(run)
+    scratch, temporary = make_scratch(run, out)
+    result = Replay(run=run, scratch=None if temporary else scratch, requested=from_step, start=start, end=end,
+                    world_original=original_world(run, range(start + 1, end + 1)), world=1, changes=changes)
+    try:
+        link_checkpoint(ckpt, scratch)
+        record: dict[int, dict[str, float]] = {}
+        holder: list[Any] = []
+
+        def on_step(step: int, data_state: dict[str, Any], values: dict[str, float]) -> None:
+            record[step] = dict(values)
+            if observer is not None:
+                observer(holder[0], step)
+
+        trainer = build_trainer(cfg, data_dir, scratch, allow_config_change=changes.dtype is not None, log=log,
+                                callbacks=(on_step,))
+        holder.append(trainer)
+        result.world = trainer.world.size
+        if trainer.step != start:
+            raise UserError(f"the scratch trainer resumed at step {trainer.step}, not at the checkpoint's {start}",
+                            f"check that {ckpt} verifies (mspretrain checkpoints {run} --verify)")
+        if end > trainer.total_steps:
+            raise UserError(f"step {end} is beyond the run's budget of {trainer.total_steps} steps",
+                            f"replay at most to step {trainer.total_steps}")
+        trainer.total_steps = end  # the loop's horizon only: trainer.schedule keeps the run's total
+        trainer.evaluator = _NoEval()
+        if changes.lr_scale is not None:
+            trainer.schedule = _ScaledSchedule(trainer.schedule, changes.lr_scale)
+        if changes.dtype == "fp32" and changes.loss_scale is None:
+            trainer.scaler.mode, trainer.scaler.scale = "none", 1.0
+        if changes.loss_scale is not None:
+            trainer.scaler.scale = float(changes.loss_scale)
+        if changes.drop_docs:
+            sources = [p for p, _ in resolve_sources(data_dir, cfg.data.sources)]
+            plan = plan_for(trainer.loader)
+            g = cfg.train.global_batch
+            trainer.loader = DropDocsLoader(trainer.loader, plan=plan, sources=sources, docs=list(changes.drop_docs),
+                                            end=plan.advance(position(trainer.loader), g * (end - start)),
+                                            first_step=start + 1, accum=trainer.accum_steps)
+        if observer is not None:
+            observer(trainer, start)
+        trainer.train()
+        result.swaps = list(getattr(trainer.loader, "swaps", []))
+        for s in range(start + 1, end + 1):
+            v = record.get(s)
+            if v is None:  # the loop stopped early (a signal, a non-finite stop): report what ran
+                break
+            orig = metrics.get(s, {})
+            result.rows.append(Row(step=s, original=orig.get("loss"), replayed=float(v["loss"]),
+                                   grad_norm=float(v["grad_norm"]), lr=float(v["lr"]),
+                                   spike_original="spike" in orig, spike_replayed="spike" in v))
+        return result
+    finally:
+        lock.release(scratch)
+        if temporary:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- output
+def format_replay(r: Replay, *, drop_rule: str = "") -> str:
+    where = f"in {r.scratch}" if r.scratch else "in a temporary dir (removed)"
+    lines = [f"replay of {r.run}: steps {r.start + 1}..{r.end} from checkpoint step_{r.start:06d} {where}"]
+    if r.start < r.requested:
+        lines.append(f"note: step {r.requested} has no kept checkpoint; replayed from step {r.start}, the newest "
+                     f"verified one before it")
+    if not r.exact_expected:
+        lines.append(f"note: the run trained on {r.world_original} rank(s), this replay on {r.world}: the sums over "
+                     f"ranks run in another order, so losses are compared to {TOLERANCE:g} (relative), not bit for bit")
+    shown = [row for row in r.rows if row.step > r.requested]
+    compared = [row for row in shown if row.original is not None]
+    first = r.requested + 1
+    if not r.changes.any():
+        if len(compared) < len(shown):
+            lines.append(f"note: metrics.jsonl logged the loss at {len(compared)} of these {len(shown)} steps "
+                         f"(metrics.loss_every); those are compared")
+        bad = r.first_difference()
+        if bad is None and compared:
+            how = "bit for bit" if r.exact_expected else f"to {TOLERANCE:g}"
+            lines.append(f"reproduced steps {first}..{r.end} {how}: every logged loss is equal"
+                         + ("" if r.exact_expected else " within the tolerance"))
+        elif bad is None:
+            lines.append(f"nothing to compare: metrics.jsonl logged no loss in steps {first}..{r.end}")
+        else:
+            n = sum(1 for row in compared if row.replayed != row.original)
+            lines.append(f"NOT reproduced: step {bad.step} differs first: logged {bad.original!r}, replayed "
+                         f"{bad.replayed!r} (difference {bad.difference:+.3g}); {n} of {len(compared)} compared "
+                         f"steps differ")
+        return "\n".join(lines)
+    lines.append("interventions: " + "; ".join(r.changes.describe()))
+    if r.changes.drop_docs:
+        lines.append(f"rule: {drop_rule}")
+        for sw in r.swaps:
+            lines.append(f"  step {sw.step}, sample {sw.position}: window {sw.dropped[1]} of source {sw.dropped[0]} "
+                         f"-> window {sw.substitute[1]} of source {sw.substitute[0]}")
+        if not r.swaps:
+            lines.append("  no sample of the replayed steps overlaps a dropped document")
+    lines.append(f"{'step':>6}  {'original':>10}  {'replayed':>10}  {'difference':>10}  note")
+    for row in shown:
+        note = ", ".join(n for n, on in (("spike in the run", row.spike_original), ("spike in the replay", row.spike_replayed)) if on)
+        orig = f"{row.original:10.4f}" if row.original is not None else f"{'-':>10}"
+        diff = f"{row.difference:+10.4f}" if row.difference is not None else f"{'-':>10}"
+        lines.append(f"{row.step:>6}  {orig}  {row.replayed:10.4f}  {diff}  {note}".rstrip())
+    return "\n".join(lines)
