@@ -9,8 +9,8 @@
 """
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from mspretrain import config as cfgmod
 from mspretrain.model.presets import param_count
-from mspretrain.ops.plan import format_plan, make_plan
+from mspretrain.ops.plan import make_plan
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama2-7b-910b.toml"
 P_7B = 6_738_415_616  # HF meta-llama/Llama-2-7b-hf num_parameters()

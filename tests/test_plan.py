@@ -1,8 +1,8 @@
 """`plan`: numbers for a small config equal a hand computation; 7B parameters equal HF's count."""
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 import math
 
 import pytest

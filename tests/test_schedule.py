@@ -4,10 +4,10 @@ import math
 import pytest
 
 from mspretrain import config as cfgmod
+from mspretrain.budget import build_schedule, total_steps
 from mspretrain.config import PrecisionConfig
 from mspretrain.errors import UserError
 from mspretrain.train.loss_scale import LossScaler
-from mspretrain.budget import build_schedule, total_steps
 from mspretrain.train.schedule import Schedule, auto_warmup_steps, scaled_lr
 
 

@@ -36,7 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _measured_tokens_per_s(run_dir: Path) -> float | None:
     from mspretrain.ops.report import read_metrics, series
-
     from mspretrain.paths import RunPaths
 
     paths = RunPaths(run_dir)
@@ -92,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if tps is None and args.from_run:
         tps = _measured_tokens_per_s(Path(args.from_run))
         if tps is None:
-            raise UserError(f"{args.from_run} has no tokens_per_s in metrics.jsonl", "run a few more steps (throughput is logged every metrics.throughput_every steps)")
+            raise UserError(f"{args.from_run} has no tokens_per_s in metrics.jsonl",
+                            "run a few more steps (throughput is logged every metrics.throughput_every steps)")
     # every value is checked as `train` would (NaN, ranges, choices); the budget alone may come
     # from --tokens or --data instead, and make_plan refuses a plan without any
     from mspretrain.config import validate

@@ -240,9 +240,11 @@ def _gb(x: float) -> str:
 def format_plan(plan: dict) -> str:
     m, mem = plan["model"], plan["memory_bytes"]
     lines = [
-        f"model      dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads (kv {m['n_kv_heads']}), ffn {m['ffn_dim']}, vocab {m['vocab_size']:,}",
+        f"model      dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads (kv {m['n_kv_heads']}), "
+        f"ffn {m['ffn_dim']}, vocab {m['vocab_size']:,}",
         f"params     {plan['params']:,} ({plan['params'] / 1e9:.2f} B)",
-        f"layout     {plan['devices']} devices, global batch {plan['global_batch']} = micro {plan['micro_batch']} x accum {plan['accumulation']} x {plan['devices']}, seq {plan['seq_len']}, {plan['dtype']}"
+        f"layout     {plan['devices']} devices, global batch {plan['global_batch']} = micro {plan['micro_batch']} "
+        f"x accum {plan['accumulation']} x {plan['devices']}, seq {plan['seq_len']}, {plan['dtype']}"
         + ((", optimizer and gradient sharding" if plan["shard_gradients"] else ", optimizer sharding") if plan["zero"] else "")
         + (", recompute" if plan["recompute"] else "")
         + (", flash attention" if plan["flash_attention"] else ""),

@@ -449,9 +449,11 @@ def render_html(s: dict, panels: list[str]) -> str:
                ("world size", s["world_size"])]
     if c is not None:
         m = c.model
-        hw_rows += [("model", f"dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads (kv {m.n_kv_heads or m.n_heads}), vocab {m.vocab_size or 'from data'}"),
+        hw_rows += [("model", f"dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads (kv {m.n_kv_heads or m.n_heads}), "
+                              f"vocab {m.vocab_size or 'from data'}"),
                     ("batch", f"global {c.train.global_batch} × seq {c.data.seq_len}"),
-                    ("optimizer", f"lr {c.optim.lr:g}" + (" (x sqrt(batch/32))" if c.optim.lr_scaling == "sqrt" else "") + f", {c.schedule.kind}, warm-up {s['warmup']} steps"
+                    ("optimizer", f"lr {c.optim.lr:g}" + (" (x sqrt(batch/32))" if c.optim.lr_scaling == "sqrt" else "")
+                                  + f", {c.schedule.kind}, warm-up {s['warmup']} steps"
                                   + (" (auto)" if c.schedule.warmup_steps == "auto" else "")),
                     ("precision", c.precision.dtype)]
     data_rows = [("data dir", s["data_dir"] or "— (not recorded; the lead's run_meta.json has data_dir)")]
@@ -478,7 +480,8 @@ def render_html(s: dict, panels: list[str]) -> str:
 <div class=grid><div><h2>Totals</h2>{_table(run_rows)}</div>
 <div><h2>Hardware and model</h2>{_table(hw_rows)}<h2>Data</h2>{_table(data_rows)}</div></div>
 <h2>Curves</h2><div class=grid>{''.join(panels)}</div>
-<h2>Events</h2><p class=muted>loss and grad-norm spikes from metrics.jsonl; interruptions, resumes, schedule and config changes, warnings from train.log</p><ul>{events or '<li>none</li>'}{more}</ul>
+<h2>Events</h2><p class=muted>loss and grad-norm spikes from metrics.jsonl; interruptions, resumes, schedule and config changes, \
+warnings from train.log</p><ul>{events or '<li>none</li>'}{more}</ul>
 <h2>Config</h2><details><summary>config.toml</summary><pre>{html.escape(s['config_text'] or '(no config.toml)')}</pre></details>
 </body></html>
 """

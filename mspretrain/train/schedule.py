@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 
-
 def auto_warmup_steps(tokens: int, global_batch: int, seq_len: int) -> int:
     """The field report's rule: warm up over 2 % of one pass over the data."""
     return max(1, math.ceil(0.02 * tokens / (global_batch * seq_len)))
@@ -101,7 +100,8 @@ def resume_notes(old: dict | None, new: Schedule, position: int, lr_scaling: str
     if same_lr:
         notes.append(f"the learning rate stays continuous: {lr_old:.3g} at update {position + 1}")
     else:
-        notes.append(f"the learning rate of update {position + 1} jumps from {lr_old:.3g} to {lr_new:.3g} (x{lr_new / lr_old if lr_old else float('inf'):.2f}): "
+        ratio = lr_new / lr_old if lr_old else float("inf")
+        notes.append(f"the learning rate of update {position + 1} jumps from {lr_old:.3g} to {lr_new:.3g} (x{ratio:.2f}): "
                      "this is a new schedule, not a plain continuation")
         notes.append(f"to continue at {lr_old:.3g} instead (a constant tail), add: {continuation_overrides(lr_old, lr_scaling)}")
     return notes

@@ -37,8 +37,8 @@ from typing import Any, Callable, Protocol
 
 from mspretrain.checkpoint import store
 from mspretrain.errors import UserError
-from mspretrain.paths import RunPaths
 from mspretrain.monitor.heartbeat import NullHeartbeat
+from mspretrain.paths import RunPaths
 from mspretrain.train.replicas import record_weights_hash
 from mspretrain.train.spike_policy import MAX_REWINDS, REWIND, STOP
 
