@@ -173,3 +173,20 @@ def test_errors_are_one_line(made, tmp_path, capsys):
     _fails(capsys, ["tokenizer", "extend", base, "--train", zh, "--add", "5", "--out", str(busy)], "already holds files")
     assert [p.name for p in busy.iterdir()] == ["notes.txt"] and (busy / "notes.txt").read_text(encoding="utf-8") == "mine"
     assert not Path(out).exists()
+
+
+def test_transformers_reads_the_extended_model_as_export_ships_it(made, tmp_path):
+    """`export --format hf` copies tokenizer.model with a LlamaTokenizer config: transformers'
+    own conversion (merges ranked by score) must encode like SentencePiece, new pieces included."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    shutil.copy(made["out"] / "tokenizer.model", tmp_path / "tokenizer.model")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": False,
+         "add_prefix_space": False}), encoding="utf-8")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    sp = _sp(made["out"] / "tokenizer.model")
+    sample = made["zh"][:200] + _english(50, 4) + ["  two spaces", "a\tb 春风"]
+    assert [hf.encode(t, add_special_tokens=False) for t in sample] == [sp.EncodeAsIds(t) for t in sample]
+    assert max(i for t in sample for i in sp.EncodeAsIds(t)) >= len(_proto(made["base"]).pieces)
