@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import math
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
 
 from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.data.shards import IndexedDataset

@@ -16,6 +16,12 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+# Plain imports, not importorskip: torch and transformers are pinned test dependencies
+# (pyproject [test]); a missing one must fail collection loudly, not skip every parity test.
+import sentencepiece as spm
+import torch
+import transformers
+
 from mspretrain.checkpoint.model import load_model
 from mspretrain.checkpoint.store import read_model_tensors, resolve_checkpoint, write_weights_only_checkpoint
 from mspretrain.cli import main
@@ -24,12 +30,6 @@ from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.model.hf import read_safetensors
 from mspretrain.model.llama import Llama, state_numpy
 from mspretrain.model.loss import token_nll
-
-# Plain imports, not importorskip: torch and transformers are pinned test dependencies
-# (pyproject [test]); a missing one must fail collection loudly, not skip every parity test.
-import sentencepiece as spm  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
 
 V = 320
 

@@ -42,7 +42,8 @@ from mspretrain import config as cfgmod
 from mspretrain.config import Config
 from mspretrain.errors import UserError
 from mspretrain.fsutil import fsync_path
-from mspretrain.paths import DataPaths, RunPaths, step_dir_name
+from mspretrain.paths import DataPaths, RunPaths
+from mspretrain.paths import step_dir_name as step_dir_name  # kept as store.step_dir_name for its callers
 
 # The files of a checkpoint dir (a contract: docs/design.md "Files"); the run dir's are in paths.RunPaths.
 FORMAT_VERSION = 1
@@ -356,7 +357,7 @@ def latest_verified(run_dir: Path, log: Callable[[str], None] = print) -> Path |
     chosen = None
     # one pool for all candidates: falling back past a corrupt checkpoint starts no new threads
     with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="verify") as pool:
-        for step, d in reversed(list_checkpoints(run_dir)):
+        for _step, d in reversed(list_checkpoints(run_dir)):
             reason = _verify(d, True, pool)
             if reason is None:
                 chosen = d

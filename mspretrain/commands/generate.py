@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mspretrain.eval.generate import SamplingParams, generate
     from mspretrain.checkpoint.model import load_model
+    from mspretrain.eval.generate import SamplingParams, generate
 
     refuse_overrides(args, "generate", "use generate's own options, e.g. --temperature 0.8 --top-k 50 (see `mspretrain generate --help`)")
     refuse_data_dir(args.path, "generate")
@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"{prompt}{g.text}")
             if not args.quiet:
-                print(f"  ({len(g.ids)} tokens, {g.tokens_per_s:.1f} tokens/s{_stop_reason(g, params.max_new_tokens, loaded.config.model.max_seq_len)})")
+                why = _stop_reason(g, params.max_new_tokens, loaded.config.model.max_seq_len)
+                print(f"  ({len(g.ids)} tokens, {g.tokens_per_s:.1f} tokens/s{why})")
     if args.json:
         print(json.dumps(out if len(out) > 1 else out[0], ensure_ascii=False))
     return 0

@@ -85,7 +85,7 @@ def _logits_fn(model: Any, length: int) -> Any:
     cache = getattr(model, "_mspretrain_gen_fns", None)
     if cache is None:
         cache = {}
-        setattr(model, "_mspretrain_gen_fns", cache)
+        model._mspretrain_gen_fns = cache
     if length not in cache:
         import mindspore as ms
 
@@ -109,7 +109,7 @@ def _cached_fns(model: Any) -> tuple[Any, Any]:
             return model.decode_step(token, pos, cache)
 
         fns = (ms.jit(prefill), ms.jit(decode))
-        setattr(model, "_mspretrain_cache_fns", fns)
+        model._mspretrain_cache_fns = fns
     return fns
 
 

@@ -34,7 +34,7 @@ def _nll_fn(model: Any) -> Callable[[Any], Any]:
             return token_nll(model(tokens[:, :-1]), tokens[:, 1:])[0]
 
         fn = ms.jit(nll)
-        setattr(model, "_mspretrain_nll_fn", fn)
+        model._mspretrain_nll_fn = fn
     return fn
 
 

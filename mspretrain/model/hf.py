@@ -111,7 +111,8 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
         raise UserError(f"{source}: RoPE scaling {rope_type!r} is not supported", "only plain RoPE (rope_type default) Llama models convert")
     tie = hf.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
-        raise UserError(f"{source}: tie_word_embeddings = {tie!r} is not true or false", "pass the config.json written by transformers for this model")
+        raise UserError(f"{source}: tie_word_embeddings = {tie!r} is not true or false",
+                        "pass the config.json written by transformers for this model")
     theta = _float_field(rope, "rope_theta", source, _float_field(hf, "rope_theta", source, 10000.0))
     return ModelConfig(
         dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, vocab_size=vocab, ffn_dim=ffn, max_seq_len=max_pos,
