@@ -351,7 +351,7 @@ def test_train_init_from_two_stages(src, ext_data, capsys):
 
     root = src["root"]
     s1, s2 = root / "stage1", root / "stage2"
-    base = ["--config", TINY, "--data", ext_data, "--quiet", "checkpoint.every=1", "checkpoint.keep_last=5", "schedule.warmup_steps=0"]
+    base = ["--config", TINY, "--data", ext_data, "--quiet", "checkpoint.every=1", "checkpoint.keep_last=5"]
     rc, _, err = _cli(capsys, "train", *base, "--run", s1, "--init-from", src["hf"], "train.max_steps=3",
                       'train.trainable=["embeddings", "lm_head"]')
     assert rc == 0, err
@@ -389,7 +389,7 @@ def test_train_init_from_two_stages(src, ext_data, capsys):
     assert np.array_equal(load_file(str(s1 / "checkpoints" / "step_000004" / "model.safetensors"))["norm.weight"], init["norm.weight"])
 
     # stage 2: a new run from the stage-1 run dir (its newest checkpoint), every group trained
-    rc, _, err = _cli(capsys, "train", *base, "--run", s2, "--init-from", s1, "train.max_steps=1")
+    rc, _, err = _cli(capsys, "train", *base, "--run", s2, "--init-from", s1, "train.max_steps=1", "schedule.warmup_steps=0")
     assert rc == 0, err
     meta2 = json.loads((s2 / "run_meta.json").read_text())["init_from"]
     assert meta2["kind"] == "checkpoint" and meta2["dir"].endswith("step_000004") and meta2["resized"] is None
