@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import CHARS, TINY
 from mspretrain.cli import main
+from tests.conftest import CHARS, TINY
 
 ALPHABET = list(dict.fromkeys(CHARS))[:12]  # few characters: the pairs are learned in a few dozen steps
 ITEMS = 48

@@ -11,8 +11,8 @@ import pytest
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as pb
 
-from tests.conftest import TINY, make_poems
 from mspretrain.cli import main
+from tests.conftest import TINY, make_poems
 
 ADD = 300
 WORDS = ("the quick brown fox jumps over lazy dog and then runs into a forest where many tall trees grow "

@@ -64,7 +64,8 @@ def read_base(path: str | Path, what: str = "base tokenizer"):
         proto = pb.ModelProto()
         proto.ParseFromString(data)
     except Exception:
-        raise UserError(f"{p} is not a SentencePiece model", "pass a tokenizer.model written by SentencePiece (Llama's, or `mspretrain prepare`'s)") from None
+        raise UserError(f"{p} is not a SentencePiece model",
+                        "pass a tokenizer.model written by SentencePiece (Llama's, or `mspretrain prepare`'s)") from None
     if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:
         kind = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
         raise UserError(f"{p} is a SentencePiece {kind} model; only BPE models (Llama's kind) can be extended",
@@ -220,7 +221,7 @@ def hf_tokenizer_json(proto) -> dict:
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
     normal = {p.piece: (p.score, i) for i, p in enumerate(proto.pieces) if p.type == kind.NORMAL}
     merges = []
-    for piece, (score, i) in sorted(normal.items(), key=lambda kv: (-kv[1][0], kv[1][1])):
+    for piece, _rank in sorted(normal.items(), key=lambda kv: (-kv[1][0], kv[1][1])):  # score high to low
         local = [(piece[:j], piece[j:]) for j in range(1, len(piece)) if piece[:j] in normal and piece[j:] in normal]
         merges += sorted(local, key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
     unk = next((p.piece for p in proto.pieces if p.type == kind.UNKNOWN), None)
@@ -282,7 +283,8 @@ def check_out_dir(out: Path, base_path: Path) -> None:
     ours = (out / "extend.json").is_file() and names <= set(OUR_FILES)
     base = base_path if base_path.is_file() else base_path / "tokenizer.model"
     if names and (not ours or base.resolve().parent == out.resolve()):
-        raise UserError(f"--out {out} already holds files ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}) that are not a previous extend output",
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        raise UserError(f"--out {out} already holds files ({shown}) that are not a previous extend output",
                         "pass a new or empty directory (nothing there is overwritten)")
 
 
