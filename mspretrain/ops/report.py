@@ -471,6 +471,11 @@ def render_html(s: dict, panels: list[str]) -> str:
     events = "".join(f"<li>{html.escape(e['message'])}</li>" for e in s["events"][:50])
     more = f"<li>… {len(s['events']) - 50} more</li>" if len(s["events"]) > 50 else ""
     events += "".join(f"<li><code>{html.escape(line)}</code></li>" for line in s["log_events"])
+    # the batch the spike detector recorded for each flagged step (monitor/spike_record.py)
+    events += "".join(f'<li>batch of the spike at step {int(p.stem[5:])}: <a href="{html.escape(p.resolve().as_uri())}">'
+                      f'spikes/{html.escape(p.name)}</a>; <code>mspretrain spike {html.escape(s["run_dir"])} --step '
+                      f'{int(p.stem[5:])}</code> lists its samples and documents</li>'
+                      for p in sorted((Path(s["run_dir"]) / "spikes").glob("step_*.json")))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>mspretrain report — {html.escape(Path(s['run_dir']).name)}</title>
 <style>{_CSS}</style></head><body>
