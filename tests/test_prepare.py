@@ -28,7 +28,7 @@ from tests.conftest import make_poems
 ROOT = Path(__file__).resolve().parents[1]
 CFG = PrepareConfig(vocab_size=500, valid_fraction=0.1, min_chars=4)
 QUIET = {"log": lambda _: None}
-FILES = ("manifest.json", "tokenizer.model", "train.bin", "train.idx", "valid.bin", "valid.idx")
+FILES = ("manifest.json", "tokenizer.model", "train.bin", "train.idx", "train.origin", "valid.bin", "valid.idx", "valid.origin")
 
 
 @pytest.fixture(scope="module")

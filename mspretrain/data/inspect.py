@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mspretrain.data.manifest import read_manifest
+from mspretrain.data.origin import MISSING_HINT, origin_path
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.paths import SPLITS, DataPaths
@@ -47,6 +48,16 @@ def inspect(data_dir: str | Path, n_docs: int = 3, max_chars: int = 200) -> str:
     missing = [k for k in ("documents", "tokens", "vocab_size", "fingerprint") if k not in m]
     if missing:
         lines.append(f"note         manifest.json lacks {', '.join(missing)}: not written by this version of prepare, or edited")
+    fallback = get("byte_fallback_rate")
+    if isinstance(fallback, (int, float)):
+        lines.append(f"byte fallback {100 * fallback:.3f} % of tokens are <0x..> byte pieces")
+    lines += _per_file_lines(m.get("input_tokens"))
+    kinds = get("origin", "offsets")
+    if all(origin_path(d, s).is_file() for s in SPLITS) and isinstance(kinds, list):
+        lines.append(f"origins      {', '.join(origin_path(d, s).name for s in SPLITS)}: input file and "
+                     f"{' / '.join(sorted({str(k) for k in kinds if k})) or 'byte'} offset of every document")
+    else:
+        lines.append(f"origins      none (this data dir predates the document origin index): {MISSING_HINT}")
     lossy = _lossy_files(m.get("input_files"))
     if lossy:
         lines.append(f"lossy files  {len(lossy)}: " + "; ".join(lossy[:5]) + ("; ..." if len(lossy) > 5 else ""))
@@ -65,6 +76,18 @@ def inspect(data_dir: str | Path, n_docs: int = 3, max_chars: int = 200) -> str:
             text = text if len(text) <= max_chars else text[:max_chars] + "…"
             lines.append(f"\n[{split} #{i}, {len(ds[i])} tokens]\n{text}")
     return "\n".join(lines)
+
+
+def _per_file_lines(entries: object, most: int = 10) -> list[str]:
+    """Chars per token and byte-fallback rate per input file (the manifest's `input_tokens`),
+    the files with the highest byte-fallback rate first: those are where the tokenizer is weakest."""
+    rows = [e for e in entries if isinstance(e, dict) and e.get("tokens")] if isinstance(entries, list) else []
+    rows.sort(key=lambda e: -(e.get("byte_fallback_rate") or 0))
+    out = [f"  {e.get('name', '?')}: {e.get('tokens', 0):,} tokens, {e.get('chars_per_token', 0):.2f} chars/token, "
+           f"byte fallback {100 * (e.get('byte_fallback_rate') or 0):.3f} %" for e in rows[:most]]
+    if len(rows) > most:
+        out.append(f"  ... {len(rows) - most} more files (manifest.json input_tokens)")
+    return ["per file" + (" (highest byte fallback first)" if len(rows) > 1 else "")] + out if out else []
 
 
 def _lossy_files(entries: object) -> list[str]:

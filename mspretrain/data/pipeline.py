@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import clean, sources
+from mspretrain.data.origin import RECORD, OriginWriter, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, ordered, start_pool
 from mspretrain.data.publish import build_manifest
 from mspretrain.data.shards import ShardWriter, token_dtype
@@ -37,6 +41,35 @@ def progress_bar(enabled: bool, total: int, desc: str):
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 dynamic_ncols=True, leave=False)
+
+
+def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[tuple[list[str], np.ndarray] | sources.RawLines]:
+    """`pool.chunks(batches)`, each chunk of documents paired with its documents' origin records
+    (a `RawLines` chunk carries its own). `chunks` builds plain lists, so the records of the
+    batches it reads wait here, in order, until the chunk holding their documents comes out."""
+    pending: deque[np.ndarray] = deque()
+
+    def noted() -> Iterator[list[str] | sources.RawLines]:
+        for b in batches:
+            if not isinstance(b, sources.RawLines):
+                pending.append(b.origin)
+            yield b
+
+    for chunk in chunks(noted()):
+        if isinstance(chunk, sources.RawLines):
+            yield chunk
+            continue
+        n, parts = len(chunk), []
+        while n:
+            head = pending[0]
+            if head.size <= n:
+                parts.append(pending.popleft())
+                n -= head.size
+            else:
+                parts.append(head[:n])
+                pending[0] = head[n:]
+                n = 0
+        yield chunk, np.concatenate(parts) if parts else np.zeros(0, dtype=RECORD)
 
 
 def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,
@@ -58,18 +91,21 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     dtype = token_dtype(given.vocab_size) if given is not None else token_dtype(cfg.vocab_size)
     writers = {s: ShardWriter(work / s, dtype) for s in SPLITS}
     spools = None if given is not None else {s: Spool(work / f"{s}.spool") for s in SPLITS}
-    sink = Sink(cfg, writers if given is not None else spools, 0 if given is not None else cfg.tokenizer_sample_chars)
+    origins = {s: OriginWriter(work / origin_name(s)) for s in SPLITS}
+    sink = Sink(cfg, writers if given is not None else spools, 0 if given is not None else cfg.tokenizer_sample_chars, origins)
     bar = progress_bar(progress, total_bytes, "clean" if given is None else "clean+tokenize")
     pool = start_pool(workers, init_worker, (cfg, str(tok_path) if given is not None else None, dtype.name), warm_up=clean.warm_up)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names)
-        for result in ordered(pool, clean_chunk, chunks(docs), in_flight):
+        for result in ordered(pool, clean_chunk, chunks_with_origin(docs), in_flight):
             if result["raw"] is not None:
                 sources.count_raw(stats, *result["raw"])
             sink.take(result)
         sources.report_raw_files(stats, warn)
         warnings = sink.finish()
+        for o in origins.values():
+            o.close()
     finally:
         if pool is not None:
             pool.terminate()
@@ -112,8 +148,13 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         try:
             for split in SPLITS:
                 texts = batched(spools[split].read(bar.update if bar else None))
-                for flat, lengths in ordered(pool, tokenize_chunk, chunks(texts), in_flight):
+                files = read_records(origins[split].path)["file"]  # the spooled documents' input files, in order
+                done = 0
+                for flat, lengths, fallback in ordered(pool, tokenize_chunk, chunks(texts), in_flight):
                     writers[split].add_flat(flat, lengths)
+                    sink.per_file.add(files[done: done + lengths.size], documents=np.zeros(lengths.size),
+                                      tokens=lengths.astype(np.int64) - 1, byte_fallback=fallback)
+                    done += lengths.size
         finally:
             if pool is not None:
                 pool.terminate()

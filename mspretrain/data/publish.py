@@ -22,6 +22,7 @@ from mspretrain import __version__
 from mspretrain.config import PrepareConfig
 from mspretrain.data.clean import Cleaner
 from mspretrain.data.manifest import read_manifest
+from mspretrain.data.origin import RECORD, origin_name, read_records
 from mspretrain.data.shards import IndexedDataset, data_fingerprint
 from mspretrain.data.sink import Sink
 from mspretrain.data.sources import SourceStats
@@ -31,6 +32,9 @@ from mspretrain.fsutil import fsync_path
 from mspretrain.paths import SPLITS, DataPaths
 
 OUR_FILES = frozenset(p.name for p in DataPaths(Path()).files())
+# Names prepare writes now that the fixed set of older prepares (`owned`'s fallback) lacks: an
+# `--overwrite` must not replace a file of one of these names that no manifest lists either.
+NEW_FILES = frozenset(origin_name(s) for s in SPLITS)
 WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
@@ -42,8 +46,15 @@ def build_manifest(work: Path, cfg: PrepareConfig, stats: SourceStats, sink: Sin
     docs = {s: len(IndexedDataset(work / s)) for s in SPLITS}
     if docs != sink.docs:
         raise AssertionError(f"shards hold {docs} documents, the sink counted {sink.docs}")
+    origins = {s: int(read_records(work / origin_name(s)).size) for s in SPLITS}
+    if origins != docs:
+        raise AssertionError(f"the origin index holds {origins} documents, the shards {docs}")
     characters = sink.chars["train"] + sink.chars["valid"]
     text_tokens = tokens["train"] + tokens["valid"] - docs["train"] - docs["valid"]  # without the EOS
+    per_file = input_tokens(stats, sink)
+    if sum(f["tokens"] for f in per_file) != text_tokens or sum(f["documents"] for f in per_file) != sum(docs.values()):
+        raise AssertionError("the per-file token counts do not add up to the shards'")
+    fallback = sum(f["byte_fallback_tokens"] for f in per_file)
     return {
         "format": "mspretrain-data/1",
         "created_by": f"mspretrain {__version__}",
@@ -59,6 +70,11 @@ def build_manifest(work: Path, cfg: PrepareConfig, stats: SourceStats, sink: Sin
         "characters_by_split": dict(sink.chars),
         "tokens": tokens,
         "chars_per_token": round(characters / max(text_tokens, 1), 4),
+        "byte_fallback_rate": round(fallback / max(text_tokens, 1), 6),
+        "input_tokens": per_file,  # per input file, aligned with input_files
+        "origin": {"index": {s: origin_name(s) for s in SPLITS},
+                   "record": f"{RECORD.itemsize} bytes per document in .idx order: <u4 file (index into input_files), <u8 offset",
+                   "offsets": [f.offsets for f in stats.per_file]},  # per input file: "byte" or "row" ("" if not read)
         "eos_appended": True,
         "token_dtype": dtype.name,
         "vocab_size": tok.vocab_size,
@@ -69,6 +85,19 @@ def build_manifest(work: Path, cfg: PrepareConfig, stats: SourceStats, sink: Sin
                   "method": "valid if blake2b(document key, key=seed) / 2^64 < valid_fraction"},
         "fingerprint": data_fingerprint(work),
     }
+
+
+def input_tokens(stats: SourceStats, sink: Sink) -> list[dict]:
+    """Per input file, what reached the shards: documents, characters, tokens (EOS excluded),
+    chars per token and the byte-fallback rate (share of tokens that are `<0x..>` byte pieces)."""
+    out = []
+    for i, f in enumerate(stats.per_file):
+        n = {k: sink.per_file.get(k, i) for k in sink.per_file.KEYS}
+        out.append({"name": f.name, "documents": n["documents"], "characters": n["characters"], "tokens": n["tokens"],
+                    "chars_per_token": round(n["characters"] / n["tokens"], 4) if n["tokens"] else None,
+                    "byte_fallback_tokens": n["byte_fallback"],
+                    "byte_fallback_rate": round(n["byte_fallback"] / n["tokens"], 6) if n["tokens"] else None})
+    return out
 
 
 def owned(out: Path) -> set[str]:
@@ -100,7 +129,7 @@ def check_out(out: Path, overwrite: bool, inputs: list[Path]) -> None:
                             "choose a new --out directory (or empty this one yourself)")
         # Files prepare did not write stay where they are; one with the name of an output would
         # have to be replaced, so that is refused.
-        clash = sorted(n for n in OUR_FILES if (out / n).exists() and n not in owned(out))
+        clash = sorted(n for n in OUR_FILES | NEW_FILES if (out / n).exists() and n not in owned(out))
         if clash:
             raise UserError(f"output dir {out} holds {clash[0]}, which no earlier prepare wrote (no manifest lists it); refusing to replace it",
                             "move that file elsewhere, or choose a new --out directory")

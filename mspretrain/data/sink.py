@@ -16,7 +16,37 @@ import numpy as np
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import dedup, sources
+from mspretrain.data.origin import OriginWriter
 from mspretrain.paths import SPLITS
+
+
+class FileTally:
+    """Per input file (index into `SourceStats.per_file`), over the documents that reach the
+    shards: documents, characters, tokens without the EOS and byte-fallback tokens; the
+    manifest's `input_tokens`. Summed per chunk (`np.bincount`), never per document in Python."""
+
+    KEYS = ("documents", "characters", "tokens", "byte_fallback")
+
+    def __init__(self) -> None:
+        self.sums = {k: np.zeros(0, dtype=np.int64) for k in self.KEYS}
+
+    def add(self, files: np.ndarray, **values: np.ndarray) -> None:
+        if not files.size:
+            return
+        files = files.astype(np.int64)
+        values.setdefault("documents", np.ones(files.size, dtype=np.int64))
+        n = int(files.max()) + 1
+        for k, v in values.items():
+            got = np.bincount(files, weights=v, minlength=n).round().astype(np.int64)
+            have = self.sums[k]
+            if have.size < got.size:
+                have = np.concatenate([have, np.zeros(got.size - have.size, dtype=np.int64)])
+            have[: got.size] += got
+            self.sums[k] = have
+
+    def get(self, key: str, file: int) -> int:
+        v = self.sums[key]
+        return int(v[file]) if file < v.size else 0
 
 
 class Sink:
@@ -24,12 +54,14 @@ class Sink:
 
     The one place that sees each document's fate: in `take`, `sel` holds a chunk's kept
     documents of one split in output order (the last one is held back, and `finish` may move it
-    to the other split). A per-document record written beside the shards belongs there, one
-    writer per split next to `outs[split]`, following the same hold-back and move.
+    to the other split). The origin index (`origins`, one writer per split) follows the same
+    hold-back and move, so its records stay aligned with the shards' documents.
     """
 
-    def __init__(self, cfg: PrepareConfig, outs: dict, sample_chars: int) -> None:
-        self.cfg, self.outs = cfg, outs
+    def __init__(self, cfg: PrepareConfig, outs: dict, sample_chars: int, origins: dict[str, OriginWriter] | None = None) -> None:
+        self.cfg, self.outs, self.origins = cfg, outs, origins
+        self.held_origin: dict = dict.fromkeys(SPLITS)  # the origin of the held document
+        self.per_file = FileTally()
         self.exact = dedup.ExactDedup()
         self.near = dedup.NearDedup(cfg.near_dedup_threshold, cfg.seed) if cfg.near_dedup else None
         self.changed: Counter = Counter()
@@ -59,8 +91,13 @@ class Sink:
         kept = kept.astype(np.int64)
         in_valid = r["u"][kept, 0] < self.cfg.valid_fraction
         tokens = r.get("tokens")
+        origin = r.get("origin")
         if tokens is not None:
             starts = np.cumsum(r["lengths"], dtype=np.int64) - r["lengths"]
+        if origin is not None:  # what each input file gave the shards (both splits)
+            more = {} if tokens is None else {"tokens": r["lengths"][kept].astype(np.int64) - 1,
+                                              "byte_fallback": r["fallback"][kept]}
+            self.per_file.add(origin["file"][kept], characters=r["chars"][kept], **more)
         for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
             if not sel.size:
                 continue
@@ -73,6 +110,11 @@ class Sink:
             if self.held[split] is not None:
                 self.outs[split].add_many([self.held[split][0]])
             body, last = sel[:-1], int(sel[-1])
+            if self.origins is not None:  # the same hold-back as the documents
+                if self.held_origin[split] is not None:
+                    self.origins[split].add(self.held_origin[split])
+                self.origins[split].add(origin[body])
+                self.held_origin[split] = origin[last: last + 1]
             if tokens is None:
                 self.outs[split].add_many([r["texts"][i] for i in body])
                 self.held[split] = (r["texts"][last], int(r["chars"][last]))
@@ -104,6 +146,8 @@ class Sink:
             if held is not None:
                 dest = moved[1] if moved and moved[0] == split else split
                 self.outs[dest].add_many([held[0]])
+                if self.origins is not None:
+                    self.origins[dest].add(self.held_origin[split])
         if moved:
             src, dst = moved
             self.docs[src] -= 1

@@ -54,8 +54,31 @@ def init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | Non
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         _keep_freed_memory()  # a worker process only: the caller's process keeps its settings
     _W.clear()
-    _W.update(cfg=cfg, cleaner=Cleaner(cfg), dtype=dtype,
-              tok=Tokenizer.load(tokenizer_path) if tokenizer_path else None)
+    tok = Tokenizer.load(tokenizer_path) if tokenizer_path else None
+    _W.update(cfg=cfg, cleaner=Cleaner(cfg), dtype=dtype, tok=tok,
+              byte_pieces=byte_piece_table(tok) if tok is not None else None)
+
+
+def byte_piece_table(tok: Tokenizer) -> np.ndarray:
+    """bool per token id: a byte-fallback piece (`<0x..>`), what the tokenizer emits for a
+    character its vocabulary lacks (3-4 of them per Chinese character)."""
+    if tok._sp is not None:
+        sp = tok._sp
+        return np.fromiter((sp.IsByte(i) for i in range(tok.vocab_size)), dtype=bool, count=tok.vocab_size)
+    table = np.zeros(tok.vocab_size, dtype=bool)
+    for piece, i in tok._hf.get_vocab(with_added_tokens=True).items():
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and i < table.size:
+            table[i] = all(c in "0123456789ABCDEFabcdef" for c in piece[3:5])
+    return table
+
+
+def byte_fallback_counts(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Byte-fallback tokens per document of `encode_flat`'s output (one gather and one sum per
+    chunk: ~1 % of encoding)."""
+    if not lengths.size:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.cumsum(lengths, dtype=np.int64) - lengths
+    return np.add.reduceat(_W["byte_pieces"][flat].astype(np.int64), starts)
 
 
 def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -64,36 +87,46 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return tok.encode_flat(texts, tok.eos_id, np.dtype(_W["dtype"]))
 
 
-def clean_chunk(docs: list[str] | sources.RawLines) -> dict:
+def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLines) -> dict:
     """Pass 1 over one chunk: the kept documents' texts (or tokens, when the tokenizer is given),
-    their dedup keys and split numbers, and what the cleaner changed and dropped.
+    their dedup keys and split numbers, their origins, and what the cleaner changed and dropped.
 
-    The result is per chunk, its documents in input order; the main process (`sink.Sink`) drops
-    duplicates and assigns splits. A per-document record (e.g. where a document came from) would
-    travel in this dict as an array aligned with `keys`."""
-    raw = None
-    if isinstance(docs, sources.RawLines):  # decoded here, in parallel, not in the main process
-        block = docs
-        docs, dropped, split_long = sources.decode_raw(block)
-        raw = (block.file, len(docs), dropped, split_long)
+    `work`: a block of raw lines, or documents with their origin records (`origin.RECORD`), or
+    bare documents. The result is per chunk, its documents in input order; the main process
+    (`sink.Sink`) drops duplicates and assigns splits. Per-document arrays (`chars`, `u`,
+    `origin`, `lengths`, `fallback`) are aligned with `keys`."""
+    raw, origin = None, None
+    if isinstance(work, sources.RawLines):  # decoded here, in parallel, not in the main process
+        docs, dropped, split_long = sources.decode_raw(work)
+        raw, origin = (work.file, len(docs), dropped, split_long), docs.origin
+    elif isinstance(work, tuple):
+        docs, origin = work
+    else:
+        docs = work
     cfg: PrepareConfig = _W["cfg"]
     cleaner: Cleaner = _W["cleaner"]
     cleaner.changed.clear()
     cleaner.dropped.clear()
-    texts = [t for t in cleaner.clean_many(docs) if t is not None]
+    cleaned = cleaner.clean_many(docs)
+    texts = [t for t in cleaned if t is not None]
+    if origin is not None and len(texts) < len(cleaned):
+        origin = origin[np.fromiter((t is not None for t in cleaned), dtype=bool, count=len(cleaned))]
     keys = dedup.dedup_keys(texts)
     out = {"docs_in": len(docs), "chars_in": sum(map(len, docs)), "changed": dict(cleaner.changed),
            "dropped": dict(cleaner.dropped), "keys": keys,
            "chars": np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)),
            "u": dedup.split_numbers(keys, cfg.seed),
-           "sigs": dedup.signatures(texts, cfg.seed) if cfg.near_dedup else None, "raw": raw}
+           "sigs": dedup.signatures(texts, cfg.seed) if cfg.near_dedup else None, "raw": raw, "origin": origin}
     if _W["tok"] is not None:
         out["tokens"], out["lengths"] = _encode(texts)
+        out["fallback"] = byte_fallback_counts(out["tokens"], out["lengths"])
     else:
         out["texts"] = texts
     return out
 
 
-def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Pass 2 (after the tokenizer was trained on pass 1's sample): the spooled documents' tokens."""
-    return _encode(texts)
+def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pass 2 (after the tokenizer was trained on pass 1's sample): the spooled documents'
+    tokens, tokens per document (EOS included) and byte-fallback tokens per document."""
+    flat, lengths = _encode(texts)
+    return flat, lengths, byte_fallback_counts(flat, lengths)
