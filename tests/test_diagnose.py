@@ -156,3 +156,44 @@ def test_process_state_sees_a_stopped_and_a_dead_process():
         p.kill()
         p.wait(timeout=10)
     assert process_state(p.pid) == "dead"
+
+
+def test_watchdog_names_the_first_rank_gone_and_waits_out_a_stop(tmp_path):
+    from mspretrain.ops.watchdog import Watchdog, read_verdict, record_verdict
+
+    now = 10_000.0
+    _beats(tmp_path, now, [{"rank": 0, "step": 9, "phase": "step"}, {"rank": 1, "step": 9, "phase": "data"}])
+    alive = {1000: "running", 1001: "running"}
+    dog = Watchdog(tmp_path, since=now - 600, stop_grace_s=5, probe=lambda pid: alive[pid])
+    assert dog.check(now) is None
+    alive[1001] = "stopped"
+    assert dog.check(now) is None and dog.check(now + 4.9) is None  # a short stop is tolerated
+    v = dog.check(now + 5)
+    assert v.message().startswith("rank 1 stopped at step 9 (phase data): its process 1001")
+    # rank 1 dies; a poll later msrun has ended rank 0 too: rank 1, seen gone first, is named
+    dog = Watchdog(tmp_path, since=now - 600, probe=lambda pid: alive[pid])
+    alive.update({1000: "running", 1001: "dead"})
+    assert dog.check(now).rank == 1
+    alive[1000] = "dead"
+    v = dog.check(now + 0.5)
+    assert (v.rank, v.what) == (1, "died")
+    record_verdict(tmp_path, v)
+    assert read_verdict(tmp_path)["rank"] == 1
+    # heartbeats of a job started before this launch are not watched
+    assert Watchdog(tmp_path, since=now, probe=lambda pid: "dead").check(now) is None
+    # a remote rank that went silent while the other beats
+    _beats(tmp_path, now, [{"rank": 0, "step": 9, "phase": "step"}, {"rank": 1, "step": 9, "phase": "step", "age": 30, "host": "node2"}])
+    v = Watchdog(tmp_path, since=now - 600, stale_s=20, probe=lambda pid: "running").check(now)
+    assert (v.rank, v.what) == (1, "went silent")
+
+
+def test_launch_finds_the_run_dir_and_refuses_bad_timeouts(capsys):
+    from mspretrain.commands.launch import train_run_dir
+
+    assert train_run_dir(["train", "--config", "c", "--run", "runs/x"]) == Path("runs/x")
+    assert train_run_dir(["train", "--run=runs/y"]) == Path("runs/y")
+    assert train_run_dir(["eval", "runs/x"]) is None
+    assert main(["launch", "--nproc", "2", "--stop-grace", "-1", "--", "train", "--run", "r"]) == 2
+    assert "--stop-grace -1.0 is not a positive number" in capsys.readouterr().err
+    assert main(["launch", "--nproc", "1", "--nodes", "2", "--node-rank", "1", "--log-dir", "L", "--dry-run", "--", "train"]) == 0
+    assert "--log_dir=L/node_1" in capsys.readouterr().out  # each node its own log dir
