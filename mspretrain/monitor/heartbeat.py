@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from mspretrain.fsutil import atomic_write
+
 HEARTBEAT_DIR = "heartbeat"
 PHASES = ("start", "compile", "data", "step", "eval", "save", "done", "failed")
 URGENT = frozenset({"compile", "eval", "save", "done", "failed"})  # written at once: long phases, or the last word
@@ -47,13 +49,7 @@ def heartbeat_path(run_dir: str | Path, rank: int) -> Path:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    try:
-        from mspretrain.fsutil import atomic_write
-    except ImportError:  # older fsutil without the shared helper
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-        return
+    """Readers see the old file or the new one, never a torn one; no fsync (see the module doc)."""
     atomic_write(path, text, fsync=False)
 
 
