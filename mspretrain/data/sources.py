@@ -587,18 +587,16 @@ def _chomp(text: str) -> str:
 
 
 def _text_docs(f: io.TextIOBase, counts: FileCounts, starts: list[int] | None = None) -> Iterator[str]:
-    """Blank-line separated documents (`starts` receives each one's first line number)."""
+    """Blank-line separated documents; `starts` receives each one's first line number."""
     buf: list[str] = []
     size = 0
-    line_no = first = 0
+    reads = partial = first = 0  # line numbers: reads so far, less those that continued a line
     note = starts.append if starts is not None else (lambda _: None)
     while True:
         line = f.readline(MAX_DOC_CHARS)
         if not line:
             break
-        this = line_no
-        if line.endswith("\n"):  # else a piece of an over-long line: the next read continues it
-            line_no += 1
+        reads += 1
         if not line.strip():
             if buf:
                 note(first)
@@ -606,9 +604,12 @@ def _text_docs(f: io.TextIOBase, counts: FileCounts, starts: list[int] | None = 
                 buf, size = [], 0
             continue
         if not buf:
-            first = this
+            first = reads - 1 - partial
         buf.append(line)
-        size += len(line)
+        n = len(line)
+        size += n
+        if n >= MAX_DOC_CHARS and line[-1] != "\n":
+            partial += 1  # a piece of an over-long line: the next read continues it
         if size >= MAX_DOC_CHARS:
             counts.split_long += 1
             note(first)
