@@ -50,7 +50,7 @@ def inspect(data_dir: str | Path, n_docs: int = 3, max_chars: int = 200) -> str:
         lines.append(f"note         manifest.json lacks {', '.join(missing)}: not written by this version of prepare, or edited")
     fallback = get("byte_fallback_rate")
     if isinstance(fallback, (int, float)):
-        lines.append(f"byte fallback {100 * fallback:.3f} % of tokens are <0x..> byte pieces")
+        lines.append(f"byte pieces  {100 * fallback:.3f} % of tokens are byte-fallback <0x..> pieces")
     lines += _per_file_lines(m.get("input_tokens"))
     kinds = get("origin", "offsets")
     if all(origin_path(d, s).is_file() for s in SPLITS) and isinstance(kinds, list):
