@@ -235,3 +235,30 @@ def test_origin_api_shape(raw, tmp_path):
     with pytest.raises(IndexError):
         org.locate(np.array([len(org)]))
     assert origin_mod.origin_path(out, "valid").name == "valid.origin"
+
+
+def test_a_line_without_end_switches_reader_and_keeps_origins(tmp_path, monkeypatch):
+    """A one-per-line file whose first read holds no newline is read by the decoding reader
+    (`_raw_line_blocks`' fallback): its pieces point at the start of their line."""
+    from mspretrain.data import sources
+
+    monkeypatch.setattr(sources, "MAX_DOC_CHARS", 50)
+    p = tmp_path / "one.txt"
+    p.write_bytes(b"\xef\xbb\xbf" + ("春眠不觉晓处处闻啼鸟" * 30).encode())
+    got = [b for b in sources.iter_file_batches(p, doc_per_line=True, stats=sources.SourceStats(), warn=lambda _: None, raw=True)]
+    assert len(got) == 1 and not isinstance(got[0], sources.RawLines) and len(got[0]) == 6
+    assert got[0].origin["offset"].tolist() == [3] * 6 and got[0].origin["file"].tolist() == [0] * 6
+
+
+def test_overwrite_never_replaces_a_foreign_origin_file(raw, tmp_path):
+    """A data dir whose manifest does not list train.origin (an older prepare) but holds a file of
+    that name: `--overwrite` refuses, as for any output name no manifest lists."""
+    out = tmp_path / "data"
+    prepare([str(raw / "a.txt")], out, CFG, workers=1, **QUIET)
+    m = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    m["outputs"] = [n for n in m["outputs"] if not n.endswith(".origin")]
+    (out / "manifest.json").write_text(json.dumps(m), encoding="utf-8")
+    (out / "train.origin").write_bytes(b"the user's own file")
+    with pytest.raises(UserError, match="holds train.origin, which no earlier prepare wrote"):
+        prepare([str(raw / "a.txt")], out, CFG, workers=1, overwrite=True, **QUIET)
+    assert (out / "train.origin").read_bytes() == b"the user's own file"
