@@ -6,8 +6,6 @@
 """
 import numpy as np
 import pytest
-
-import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config import ModelConfig, OptimConfig, resolve_model

@@ -5,7 +5,8 @@ PATH is one of
   `convert --from-hf` writes; it must verify against its manifest (checkpoint/store.py);
 - an HF Llama folder (config.json + *.safetensors), converted in memory (model/init_from.py).
 A folder with a manifest.json is a checkpoint; one without it that holds a config.json or weight
-files is an HF folder (and is refused in one line if one of the two is missing or bad). Only the weights are taken: optimizer state, schedule and loss scale start fresh.
+files is an HF folder (and is refused in one line if one of the two is missing or bad).
+Only the weights are taken: optimizer state, schedule and loss scale start fresh.
 
 When the data dir's tokenizer extends the init model's (model/resize.py), the new embedding and
 lm_head rows are initialised from the base tokenizer's split of each new piece; this module is
@@ -35,7 +36,8 @@ def load_init(path: str | Path, log: Callable[[str], None] = lambda s: None) -> 
     if not p.exists():
         raise UserError(f"--init-from {p} does not exist", "pass a checkpoint (run dir, step dir, `convert --from-hf` output) or an HF Llama folder")
     if not p.is_dir():
-        raise UserError(f"--init-from {p} is a file, not a directory", "pass the folder holding the weights (config.json + *.safetensors, or a checkpoint)")
+        raise UserError(f"--init-from {p} is a file, not a directory",
+                        "pass the folder holding the weights (config.json + *.safetensors, or a checkpoint)")
     looks_hf = (p / "config.json").is_file() or any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
     if looks_hf and not (p / store.MANIFEST).is_file():
         return from_hf_dir(p)  # names what is missing: config.json, safetensors, a bad file
@@ -134,7 +136,8 @@ def init_for_run(path: str | Path | None, cfg: Config, data_dir: str | Path, run
     if existing:
         if path is not None and not allow_config_change:
             raise UserError(f"--init-from on {run_dir}, which already has checkpoints (newest {existing[-1][1].name}): that run dir resumes",
-                            "give the new run its own --run dir, or pass --allow-config-change to resume this run (the --init-from weights are then not used)")
+                            "give the new run its own --run dir, or pass --allow-config-change to resume this run "
+                            "(the --init-from weights are then not used)")
         meta_path = RunPaths(run_dir).meta
         try:
             record = json.loads(meta_path.read_text(encoding="utf-8")).get("init_from") if meta_path.is_file() else None

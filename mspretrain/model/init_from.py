@@ -88,6 +88,7 @@ def run_model_config(own: ModelConfig, init: ModelConfig, data_vocab: int,
             raise UserError(f"model.{key} = {mine!r} in the training config, but {source} has {theirs!r}",
                             f"drop model.{key} from the config (it comes from {source}), or set model.{key}={theirs!r}")
     if data_vocab < init.vocab_size:
-        raise UserError(f"the data dir's tokenizer has {data_vocab} pieces, fewer than the init model's {init.vocab_size}: shrinking the vocabulary is refused",
+        raise UserError(f"the data dir's tokenizer has {data_vocab} pieces, fewer than the init model's {init.vocab_size}: "
+                        "shrinking the vocabulary is refused",
                         "prepare the data with the init model's tokenizer or an extension of it (mspretrain tokenizer extend)")
     return replace(init, vocab_size=data_vocab)

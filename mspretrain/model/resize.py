@@ -67,6 +67,7 @@ def check_extends(base_pieces: Sequence[str], new_pieces: Sequence[str]) -> None
     """The data dir's tokenizer must keep every base piece at its id (a superset, in order)."""
     for i, piece in enumerate(base_pieces):
         if i >= len(new_pieces) or new_pieces[i] != piece:
-            what = f"id {i} is {new_pieces[i]!r} there, {piece!r} in the init model's" if i < len(new_pieces) else f"it has only {len(new_pieces)} pieces"
+            what = (f"id {i} is {new_pieces[i]!r} there, {piece!r} in the init model's" if i < len(new_pieces)
+                    else f"it has only {len(new_pieces)} pieces")
             raise UserError(f"the data dir's tokenizer does not extend the init model's tokenizer ({what})",
                             "prepare the data with the init model's tokenizer or one made by `mspretrain tokenizer extend` from it")

@@ -64,9 +64,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config import OptimConfig
@@ -449,8 +448,10 @@ class TrainStep:
                 what = [f"no optimizer state for {len(lacking)} of the {len(self.names)} parameters trained now"] if lacking else []
                 what += [f"optimizer state for {len(extra)} parameters frozen now"] if extra else []
                 raise UserError(f"train.trainable differs from the run that wrote the checkpoint: it has {' and '.join(what)}",
-                                "resume with the train.trainable of the checkpoint's config.toml, or start a new run from its weights with --init-from")
-            raise UserError(f"optimizer state does not match the model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",
+                                "resume with the train.trainable of the checkpoint's config.toml, "
+                                "or start a new run from its weights with --init-from")
+            raise UserError(f"optimizer state does not match the model (missing {sorted(missing)[:3]}, "
+                            f"unexpected {sorted(unexpected)[:3]})",
                             "resume with the model config the checkpoint was written with")
         self.opt_step.set_data(Tensor(int(np.asarray(tensors["opt_step"]).reshape(-1)[0]), ms.int32))
         for i, m, v, master, has_master in zip(self.own, self.exp_avg, self.exp_avg_sq, self.own_masters, self._own_has_master):
