@@ -135,7 +135,7 @@ def resolved_notes(cfg: Config, b: budget.Budget, sampling: cfgmod.MetricsConfig
 
 def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, allow_config_change: bool = False,
                   allow_data_change: bool = False, restart: bool = False, log: Callable[[str], None] = print,
-                  init_weights: Callable[[Any], None] | None = None,
+                  init_weights: Callable[[Any], None] | None = None, run_meta: dict[str, Any] | None = None,
                   callbacks: Sequence[StepCallback] = ()) -> Trainer:
     """The real trainer for `mspretrain train`, resumed from the run dir's newest verified checkpoint."""
     import mindspore as ms
@@ -209,7 +209,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                         jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16",
                         shard=cfg.optim.shard_optimizer, shard_grads=cfg.optim.shard_gradients,
                         bucket_mb=cfg.optim.bucket_mb, device=device.target, accumulation=b.accumulation,
-                        half_params=half, jit_level=cfg.device.jit_level)
+                        half_params=half, jit_level=cfg.device.jit_level, trainable=cfg.train.trainable)
     loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=b.micro_batch, seed=cfg.train.seed,
                     rank=world.rank, world=world.size, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
                     token_dtype=cfg.data.token_dtype, log=say)
@@ -222,6 +222,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
         meta = {"data_dir": str(data_dir), "world_size": world.size, "code_version": __version__,
                 "hardware": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device.target,
                              "python": sys.version.split()[0], "mindspore": ms.__version__}}
+        meta.update(run_meta or {})  # e.g. {"init_from": ...} (checkpoint/init_source.init_for_run)
         paths.meta.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     metrics = MetricsLogger(paths.root, sampling, enabled=world.is_main, log=say,
                             resume_step=int(resume_state["step"]) if resume_from is not None else None)
