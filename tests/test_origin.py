@@ -262,3 +262,31 @@ def test_overwrite_never_replaces_a_foreign_origin_file(raw, tmp_path):
     with pytest.raises(UserError, match="holds train.origin, which no earlier prepare wrote"):
         prepare([str(raw / "a.txt")], out, CFG, workers=1, overwrite=True, **QUIET)
     assert (out / "train.origin").read_bytes() == b"the user's own file"
+
+
+def test_chunks_carry_the_origins_of_their_documents(raw, tmp_path, monkeypatch):
+    """`chunks` cuts batches apart (here every 5 documents or 40 characters): each chunk's
+    records are its own documents', in order, whatever the cut; then prepare end to end."""
+    from mspretrain.data import pipeline, pool, sources
+
+    monkeypatch.setattr(pool, "CHUNK_DOCS", 5)
+    monkeypatch.setattr(pool, "CHUNK_CHARS", 40)
+    rng = np.random.default_rng(3)
+    batches, n = [], 0
+    for f in range(6):
+        k = int(rng.integers(0, 12))
+        docs = [f"文{f}-{n + i}" + "字" * int(rng.integers(1, 30)) for i in range(k)]
+        batches.append(sources._docs(docs, sources._records(f, np.arange(n, n + k) * 10)))
+        n += k
+    got_docs, got_rec = [], []
+    for chunk, rec in pipeline.chunks_with_origin(iter(batches)):
+        assert len(chunk) == rec.size
+        got_docs += chunk
+        got_rec.append(rec)
+    rec = np.concatenate(got_rec)
+    assert got_docs == [d for b in batches for d in b]
+    assert rec["offset"].tolist() == [10 * i for i in range(n)]
+    assert [int(d.split("-")[0][1:]) for d in got_docs] == rec["file"].tolist()
+    out = tmp_path / "data"
+    prepare([str(raw)], out, CFG, workers=1, **QUIET)
+    assert check_every_document(raw, out, CFG) == 300
