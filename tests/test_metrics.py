@@ -152,6 +152,22 @@ def test_flops_per_token_by_hand():
     n = 2 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 192) + 64 * 1000
     assert mfu.matmul_params(m) == n
     assert mfu.flops_per_token(m, 32) == 6 * n + 12 * 2 * 64 * 32
+    assert mfu.flops_per_token(m, 32, ["all"]) == mfu.flops_per_token(m, 32)
+
+
+def test_flops_per_token_with_frozen_groups_by_hand():
+    """Frozen weights get no weight gradient: 4 N + 2 N_trained (+ attention) per token."""
+    attn, mlp, head = 2 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64), 2 * 3 * 64 * 192, 64 * 1000
+    n, att = attn + mlp + head, 12 * 2 * 64 * 32
+    m = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000))
+    # stage 1 of continued pretraining: the embedding is a gather (no matmul), lm_head is trained
+    assert mfu.flops_per_token(m, 32, ["embeddings", "lm_head"]) == 4 * n + 2 * head + att
+    assert mfu.flops_per_token(m, 32, ["embeddings"]) == 4 * n + att
+    assert mfu.flops_per_token(m, 32, ["attention", "norms"]) == 4 * n + 2 * attn + att
+    assert mfu.flops_per_token(m, 32, ["attention", "mlp", "lm_head"]) == 6 * n + att
+    tied = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, tie_embeddings=True))
+    # a tied embedding is the lm_head's matrix: training the embeddings trains that matmul
+    assert mfu.flops_per_token(tied, 32, ["embeddings"]) == 4 * n + 2 * head + att
 
 
 def test_llama2_7b_matmul_params_plus_embedding_and_norms_is_hf_count():

@@ -295,3 +295,36 @@ def test_report_says_what_its_numbers_are(tmp_path):
     ax = fig.axes[0]
     assert ax.get_ylim() == (0.0, 2.0)
     assert any("no loss scaling (fp32)" in t.get_text() for t in ax.texts)
+
+
+def test_report_shows_accuracy_and_where_the_weights_came_from(tmp_path):
+    """eval/acc from metrics.jsonl (a panel and the summary line) and run_meta.json's init_from
+    (path, kind, every weight file's SHA-256, the resized row counts)."""
+    run = synthetic_run(tmp_path, partial=False)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for rec in lines:
+        if rec["step"] % 50 == 0:
+            rec.update({"eval/acc": rec["step"] / 400, "eval/acc_norm": 0.25})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    meta = json.loads((run / "run_meta.json").read_text())
+    sha = "9f" * 32
+    meta["init_from"] = {"path": "/models/llama2-7b-ms", "kind": "mspretrain checkpoint", "dir": "/models/llama2-7b-ms",
+                         "files": {"model.safetensors": sha},
+                         "resized": {"base_vocab": 32000, "vocab": 49953, "split_mean": 17950, "overall_mean": 3,
+                                     "overall_mean_ids": [1, 2, 3]}}
+    (run / "run_meta.json").write_text(json.dumps(meta))
+    out = build_report(run)
+    page = parse(out)
+    assert (run / "report" / "eval_acc.png").is_file()
+    assert len(page.imgs) == len(PANELS) + 1
+    assert_plot_png((run / "report" / "eval_acc.png").read_bytes())
+    text = " ".join(page.text)
+    assert "50.0 % (length-normalised 25.0 %) at step 200" in text
+    assert "/models/llama2-7b-ms (mspretrain checkpoint)" in text and sha in text
+    assert "32,000 -> 49,953: 17,950 new rows" in text and "3 from the overall mean" in text
+    s = summarize(run)
+    assert s["last_acc"] == (200, 0.5, 0.25) and s["init_from"]["files"] == {"model.safetensors": sha}
+    # a run from random weights has neither section
+    (tmp_path / "plain").mkdir()
+    plain = parse(build_report(synthetic_run(tmp_path / "plain")))
+    assert "Initial weights" not in " ".join(plain.text) and len(plain.imgs) == len(PANELS)

@@ -72,9 +72,12 @@ def test_param_shapes_are_the_models():
         assert [n for n, _ in param_shapes(cfg) if is_half_eligible(n)] == half_eligible(model)
 
 
-@pytest.mark.parametrize("dtype,param_dtype,accumulation", [("fp32", "fp32", 1), ("fp32", "fp32", 3), ("fp16", "compute", 2)])
-def test_plan_bytes_are_the_buffers_the_step_allocates(tiny_cfg, dtype, param_dtype, accumulation):
-    """The planner's per-kind bytes of one device equal what TrainStep allocates (one process)."""
+@pytest.mark.parametrize("dtype,param_dtype,accumulation,trainable", [
+    ("fp32", "fp32", 1, ("all",)), ("fp32", "fp32", 3, ("all",)), ("fp16", "compute", 2, ("all",)),
+    ("fp16", "compute", 2, ("embeddings", "lm_head")), ("fp32", "fp32", 3, ("embeddings", "lm_head"))])
+def test_plan_bytes_are_the_buffers_the_step_allocates(tiny_cfg, dtype, param_dtype, accumulation, trainable):
+    """The planner's per-kind bytes of one device equal what TrainStep allocates (one process),
+    also with frozen groups (train.trainable: state and buffers for the trained ones only)."""
     from dataclasses import replace
 
     from mspretrain.config import resolve_model
@@ -85,14 +88,20 @@ def test_plan_bytes_are_the_buffers_the_step_allocates(tiny_cfg, dtype, param_dt
     model_cfg = resolve_model(tiny_cfg.model, vocab_size=512)
     gb = tiny_cfg.train.global_batch
     cfg = replace(tiny_cfg, model=model_cfg, precision=replace(tiny_cfg.precision, dtype=dtype, param_dtype=param_dtype),
-                  train=replace(tiny_cfg.train, micro_batch=gb // accumulation))
+                  train=replace(tiny_cfg.train, micro_batch=gb // accumulation, trainable=trainable))
     model = Llama(model_cfg, dtype=dtype, seed=0)
     half = half_eligible(model) if param_dtype == "compute" else []
-    step = TrainStep(model, cfg.optim, global_tokens=gb * cfg.data.seq_len, half_params=half, accumulation=accumulation)
+    step = TrainStep(model, cfg.optim, global_tokens=gb * cfg.data.seq_len, half_params=half, accumulation=accumulation,
+                     trainable=trainable)
     plan = make_plan(cfg, devices=1, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)
     have = step.buffer_bytes()
     for kind in ("weights", "master_weights", "adam_moments", "gradients"):
         assert plan["memory_bytes"][kind] == have[kind], kind
+    trained = sum(int(np.prod(p.shape)) for p in step.params)
+    assert plan["trained_params"] == trained
+    assert plan["memory_bytes"]["update_temporaries"] == 8 * max(int(np.prod(p.shape)) for p in step.params)
+    if trainable != ("all",):
+        assert 0 < trained < plan["params"] and plan["memory_bytes"]["adam_moments"] == 8 * trained
 
 
 def _resume_on_one_process(run, tiny_data, tmp_path, at: int, *extra: str):

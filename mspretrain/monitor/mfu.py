@@ -13,6 +13,15 @@ Design choices:
   backward) for a sequence of T tokens, d = n_heads * head_dim; like PaLM it is not halved for the
   causal mask, so MFU stays comparable with published numbers. Recomputation is *not* counted:
   this is model FLOPs utilisation, not hardware FLOPs utilisation.
+- Frozen parameters (`train.trainable`, e.g. stage 1 of continued pretraining): a frozen matrix
+  needs no gradient of its own, so its 2 FLOPs per multiply-add of the weight gradient go:
+
+      flops_per_token = 4 * N + 2 * N_trained + 12 * L * d * T
+
+  (forward 2N, backward with respect to the activations 2N, with respect to the weights
+  2 N_trained). The activation gradients are counted through every layer, which the stage-1
+  recipe needs (the embeddings at the bottom are trained); with only the top groups trained it
+  is an upper bound.
 - Peaks: a small table of dense (non-sparse) vendor figures per dtype, overridable with
   `device.peak_tflops`. CPUs have no table entry: their fp32 peak is measured at start with a
   numpy (BLAS) sgemm, which is what a well-tuned fp32 matmul reaches on this host — a practical
@@ -22,6 +31,7 @@ Design choices:
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.errors import UserError
@@ -55,9 +65,28 @@ def matmul_params(cfg: ModelConfig) -> int:
     return m.n_layers * per_layer + m.dim * m.vocab_size
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N_matmul + 12 * n_layers * dim * seq_len (PaLM, appendix B)."""
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.dim * seq_len
+def trained_matmul_params(cfg: ModelConfig, trainable: Sequence[str] | None) -> int:
+    """The part of `matmul_params` that is trained under `train.trainable` (None or ["all"]: all)."""
+    from mspretrain.model.groups import ALL, check_trainable
+
+    if trainable is None or list(trainable) == [ALL]:
+        return matmul_params(cfg)
+    check_trainable(trainable)
+    m = resolve_model(cfg)
+    head_dim = m.dim // m.n_heads
+    kv_dim = m.n_kv_heads * head_dim
+    # a tied embedding is the lm_head's matrix and is trained when either group is (model/groups.py)
+    head_groups = {"lm_head", "embeddings"} if m.tie_embeddings else {"lm_head"}
+    return (m.n_layers * (2 * m.dim * m.dim + 2 * m.dim * kv_dim) * ("attention" in trainable)
+            + m.n_layers * 3 * m.dim * m.ffn_dim * ("mlp" in trainable)
+            + m.dim * m.vocab_size * bool(head_groups & set(trainable)))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, trainable: Sequence[str] | None = None) -> float:
+    """Training FLOPs per token: 6 * N_matmul + 12 * n_layers * dim * seq_len (PaLM, appendix B);
+    with frozen groups (`trainable`, train.trainable) 4 * N_matmul + 2 * N_trained + the attention."""
+    return (4.0 * matmul_params(cfg) + 2.0 * trained_matmul_params(cfg, trainable)
+            + 12.0 * cfg.n_layers * cfg.dim * seq_len)
 
 
 def measure_cpu_peak_tflops(seconds: float = 0.5) -> float:

@@ -100,7 +100,11 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     and the update's per-tensor temporaries (scaled gradient and its masked copy, 8 bytes x the
     largest owned parameter). Phases: accumulate = activations + micro-batch gradients (+ the
     reduction with sharded gradients); update = collectives + update temporaries (+ the micro-batch
-    gradients without accumulation, where the update runs in the same graph)."""
+    gradients without accumulation, where the update runs in the same graph).
+    With `train.trainable` naming groups, frozen parameters count as weights only: masters,
+    moments, accumulation buffers, micro-batch gradients, buckets and temporaries are those of the
+    trained parameters (the step computes no gradient for a frozen one)."""
+    from mspretrain.model.groups import trainable_mask
     from mspretrain.model.presets import is_half_eligible, param_shapes
     from mspretrain.train.layout import cap_elements, plan_layout
 
@@ -110,9 +114,13 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     half_params = half and cfg.precision.param_dtype == "compute"
     is_half = [half_params and is_half_eligible(n) for n, _ in shapes]
     wire16 = [cfg.precision.allreduce_dtype == "fp16" and "lm_head" not in n for n, _ in shapes]
-    layout = plan_layout(sizes, is_half, wire16, devices, shard=zero, shard_grads=shard_grads, cap=cap_elements(cfg.optim.bucket_mb))
-    owned = layout.owned(layout.heaviest_rank()) if layout.sharded else list(range(len(sizes)))
-    accum_idx = owned if layout.shard_grads else list(range(len(sizes)))
+    # train.trainable: the step keeps optimizer state, gradients and buckets for the trained
+    # parameters only (T); frozen ones are weights and nothing else. Indices below are into all.
+    T = [i for i, k in enumerate(trainable_mask([n for n, _ in shapes], cfg.train.trainable, tied=m.tie_embeddings)) if k]
+    layout = plan_layout([sizes[i] for i in T], [is_half[i] for i in T], [wire16[i] for i in T], devices,
+                         shard=zero, shard_grads=shard_grads, cap=cap_elements(cfg.optim.bucket_mb))
+    owned = [T[j] for j in layout.owned(layout.heaviest_rank())] if layout.sharded else T
+    accum_idx = owned if layout.shard_grads else T
     pbytes = [2 if h else 4 for h in is_half]
     mem: dict[str, float] = {
         "weights": sum(n * b for n, b in zip(sizes, pbytes)),
@@ -120,7 +128,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
         "half_weights": sum(2 * n for (name, _), n in zip(shapes, sizes) if is_half_eligible(name)) if half and not half_params else 0,
         "master_weights": sum(4 * sizes[i] for i in owned if is_half[i]),
         "gradients": sum(4 * sizes[i] for i in accum_idx) if accum > 1 else 0,
-        "micro_gradients": sum(n * b for n, b in zip(sizes, pbytes)),
+        "micro_gradients": sum(sizes[i] * pbytes[i] for i in T),
         "adam_moments": sum(8 * sizes[i] for i in owned),
         "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash),
     }
@@ -143,11 +151,14 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     return mem, layout
 
 
-def checkpoint_bytes(params: int, half_params: str | None = None) -> int:
+def checkpoint_bytes(params: int, half_params: str | None = None, trained: int | None = None) -> int:
     """One checkpoint on disk: fp32 weights + fp32 Adam m and v (safetensors), JSON negligible.
     With parameters stored in fp16 the weights file holds them as fp16 and the optimizer state
-    adds the fp32 masters (14 bytes); bf16 weights are written as fp32 (numpy has no bf16): 16."""
-    return {None: 12, "fp16": 14, "bf16": 16}[half_params] * params
+    adds the fp32 masters (14 bytes); bf16 weights are written as fp32 (numpy has no bf16): 16.
+    trained: parameters with optimizer state (train.trainable), default all of them."""
+    trained = params if trained is None else trained
+    weights = {None: 4, "fp16": 2, "bf16": 4}[half_params]
+    return weights * params + 8 * trained + (4 * trained if half_params else 0)
 
 
 def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path | None,
@@ -195,6 +206,7 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
                                recompute=recompute, flash=flash, target=target)
     usable_gb = cfg.device.max_device_memory or (ASCEND_910B_USABLE_GB if target == "ascend" else device_mem_gb)
     calls, wire_bytes = layout.traffic(accum)
+    trained = sum(layout.sizes)  # the layout is built over the trained parameters only
     other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash)
     plan: dict[str, Any] = {
         "model": {"dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
@@ -206,7 +218,8 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         "warmup_note": b.warmup_note, "lr": b.lr, "lr_note": b.lr_note, "assumed": list(assumed),
         "memory_bytes": mem, "activations_other_bytes": other, "device_mem_gb": usable_gb,
         "collectives_per_step": {"calls": calls, "bytes": wire_bytes},
-        "checkpoint_bytes": checkpoint_bytes(P, cfg.precision.dtype if half_params else None), "warnings": [],
+        "checkpoint_bytes": checkpoint_bytes(P, cfg.precision.dtype if half_params else None, trained=trained),
+        "trained_params": trained, "warnings": [],
     }
     peak_gb = mem["peak"] / GB
     if peak_gb > usable_gb:

@@ -28,9 +28,11 @@ from mspretrain.monitor.spikes import scan_metrics
 from mspretrain.paths import DataPaths, RunPaths
 
 _PANELS = (  # (file stem, title)
-    ("loss", "Training loss (spikes marked)"), ("eval_ppl", "Eval perplexity"), ("lr", "Learning rate"),
+    ("loss", "Training loss (spikes marked)"), ("eval_ppl", "Eval perplexity"),
+    ("eval_acc", "Multiple-choice accuracy (eval.choices_file)"), ("lr", "Learning rate"),
     ("grad_norm", "Gradient norm"), ("loss_scale", "Loss scale and skipped steps"),
     ("throughput", "Throughput (right axis: MFU)"), ("memory", "Peak memory (host RSS; device on Ascend)"))
+_OPTIONAL_PANELS = frozenset({"eval_acc"})  # left out, not shown empty, when the run has no data for them
 
 
 def read_metrics(path: Path) -> tuple[list[dict], int]:
@@ -151,6 +153,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     losses = series(records, "loss")[1]
     finite = [x for x in losses if math.isfinite(x)]
     ppl = series(records, "eval/ppl")[1]
+    acc = [(x, a) for x, a in zip(*series(records, "eval/acc")) if math.isfinite(a)]
+    acc_norm = dict(zip(*series(records, "eval/acc_norm")))
+    init_from = meta.get("init_from") if isinstance(meta.get("init_from"), dict) else None
     mfu = series(records, "mfu")[1]
     skipped = series(records, "skipped")[1]
     price = c.cost.price_per_device_hour
@@ -163,7 +168,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "world_size": world, "hardware": meta.get("hardware"), "hours": hours, "hours_note": hours_note,
         "device_hours": device_hours, "cost": device_hours * price if device_hours and price else None,
         "price": price, "final_loss": finite[-1] if finite else None,
-        "best_ppl": min(ppl) if ppl else None, "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
+        "best_ppl": min(ppl) if ppl else None,
+        # the last multiple-choice evaluation: (step, acc, acc_norm or None)
+        "last_acc": (acc[-1][0], acc[-1][1], acc_norm.get(acc[-1][0])) if acc else None,
+        "init_from": init_from, "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
         "mean_mfu": sum(mfu) / len(mfu) if mfu else None, "events": events, "warmup": warmup,
         "sessions": len(sessions), "log_events": log_events(paths.log),
         "nonfinite": sum(1 for x in losses if not math.isfinite(x)),
@@ -334,6 +342,20 @@ def _plot(stem: str, title: str, s: dict) -> Any | None:
             ax2.set_ylabel("MFU %")
         ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8)
         return fig
+    if stem == "eval_acc":
+        named = [(k, label) for k, label in (("eval/acc", "accuracy (summed log-likelihood)"),
+                                              ("eval/acc_norm", "accuracy (length-normalised)")) if series(recs, k)[0]]
+        if not named:
+            return None
+        fig, ax = _figure(title)
+        for k, label in named:
+            xs, ys = series(recs, k)
+            ax.plot(xs, [100 * y for y in ys], lw=1, marker="o" if len(xs) < 30 else None, ms=3, label=label)
+        ax.set_xlim(0, max(s["last_step"], 1) * 1.04)
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("accuracy %")
+        ax.legend(fontsize=8)
+        return fig
     if stem == "memory":
         # host RSS and (Ascend) device memory are separate metrics: one line each, never summed
         named = [(k, label) for k, label in (("mem_mb", "host RSS (peak)"), ("device_mem_mb", "device allocated (peak)"),
@@ -390,6 +412,30 @@ def _duration(hours: float) -> str:
     return f"{sec:.0f} s" if sec < 120 else (f"{sec / 60:.1f} min" if sec < 7200 else f"{hours:,.2f} h")
 
 
+def _accuracy(last: tuple[int, float, float | None]) -> str:
+    step, acc, norm = last
+    return f"{100 * acc:.1f} %" + (f" (length-normalised {100 * norm:.1f} %)" if norm is not None else "") + f" at step {step:,}"
+
+
+def _init_rows(rec: dict | None) -> list[tuple[str, Any]]:
+    """Where a `train --init-from` run's weights came from (run_meta.json "init_from"); [] for a
+    run started from random weights."""
+    if not rec:
+        return []
+    rows: list[tuple[str, Any]] = [("init from", f"{rec.get('path', '—')} ({rec.get('kind', 'unknown kind')})")]
+    files = rec.get("files")
+    if isinstance(files, dict):
+        rows += [(f"SHA-256 {name}", sha) for name, sha in sorted(files.items())]
+    r = rec.get("resized")
+    if isinstance(r, dict):
+        rows.append(("vocabulary resized", f"{_fmt(r.get('base_vocab'), ',d')} -> {_fmt(r.get('vocab'), ',d')}: "
+                                            f"{_fmt(r.get('split_mean'), ',d')} new rows from the mean of their base-tokenizer "
+                                            f"split, {_fmt(r.get('overall_mean'), ',d')} from the overall mean"))
+    else:
+        rows.append(("vocabulary resized", "no (same vocabulary as the init weights)"))
+    return rows
+
+
 def _table(rows: list[tuple[str, Any]]) -> str:
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     return f"<table>{body}</table>"
@@ -416,6 +462,8 @@ def build_report(run_dir: Path, out: Path | None = None) -> Path:
     panels = []
     for stem, title in _PANELS:
         fig = _plot(stem, title, s)
+        if fig is None and stem in _OPTIONAL_PANELS:
+            continue
         if fig is None:
             panels.append(f"<div><h3>{html.escape(title)}</h3><p class=muted>no data in metrics.jsonl</p></div>")
             continue
@@ -439,6 +487,7 @@ def render_html(s: dict, panels: list[str]) -> str:
                 ("device-hours", _fmt(s["device_hours"], ",.4g")),
                 ("cost", (_fmt(s["cost"], ",.4g") + f" at {s['price']:g} per device-hour") if s["cost"] else "— (set cost.price_per_device_hour)"),
                 ("final loss", _fmt(s["final_loss"])), ("best eval perplexity", _fmt(s["best_ppl"])),
+                *([("eval accuracy", _accuracy(s["last_acc"]))] if s["last_acc"] else []),
                 ("mean tokens/s", _fmt(s["mean_tokens_per_s"], ",.0f")),
                 ("mean MFU", _fmt(100 * s["mean_mfu"], ".2f") + " %" if s["mean_mfu"] is not None else "—"),
                 ("loss spikes", len([e for e in s["events"] if e["kind"] == "loss_spike"])),
@@ -456,6 +505,7 @@ def render_html(s: dict, panels: list[str]) -> str:
                                   + f", {c.schedule.kind}, warm-up {s['warmup']} steps"
                                   + (" (auto)" if c.schedule.warmup_steps == "auto" else "")),
                     ("precision", c.precision.dtype)]
+    weight_rows = _init_rows(s["init_from"])
     data_rows = [("data dir", s["data_dir"] or "— (not recorded; the lead's run_meta.json has data_dir)")]
     if man:
         tok = man.get("tokens", {})
@@ -483,7 +533,8 @@ def render_html(s: dict, panels: list[str]) -> str:
 <p class=muted>generated {time.strftime('%Y-%m-%d %H:%M:%S')}</p>
 {''.join(f'<p class=warn>{html.escape(n)}</p>' for n in notes)}
 <div class=grid><div><h2>Totals</h2>{_table(run_rows)}</div>
-<div><h2>Hardware and model</h2>{_table(hw_rows)}<h2>Data</h2>{_table(data_rows)}</div></div>
+<div><h2>Hardware and model</h2>{_table(hw_rows)}\
+{f'<h2>Initial weights</h2>{_table(weight_rows)}' if weight_rows else ''}<h2>Data</h2>{_table(data_rows)}</div></div>
 <h2>Curves</h2><div class=grid>{''.join(panels)}</div>
 <h2>Events</h2><p class=muted>loss and grad-norm spikes from metrics.jsonl; interruptions, resumes, schedule and config changes, \
 warnings from train.log</p><ul>{events or '<li>none</li>'}{more}</ul>
