@@ -139,3 +139,27 @@ def test_comparison_names_the_first_difference_and_other_worlds():
     assert "bit-exact" not in text and "1e-05 (relative)" in text and "reproduced steps 3..6 to 1e-05" in text
     rows[3].replayed = rows[3].original * (1 + 1e-4)
     assert "NOT reproduced: step 6 differs first" in format_replay(r)
+
+
+def test_precision_lr_and_loss_scale_interventions(planted, capsys, tmp_path):
+    """--dtype fp16 --loss-scale 1024 --lr-scale 0.5: the scratch run's own batches.jsonl shows each
+    step ran at half the original lr and at the given scale, in fp16; the losses are shown side by side."""
+    from mspretrain import config as cfgmod
+
+    run, _, _ = planted
+    scratch = tmp_path / "s"
+    code, out, err = _cli(capsys, "replay", str(run), "--from-step", "12", "--steps", "2", "--dtype", "fp16",
+                          "--loss-scale", "1024", "--lr-scale", "0.5", "--out", str(scratch))
+    assert code == 0, err
+    assert "interventions: precision.dtype = fp16; lr x 0.5; loss scale 1024" in out
+    rows = {int(line.split()[0]): line.split() for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert sorted(rows) == [13, 14], out
+    # fp16 compute changes even the first step's loss (taken before any update); exact values from the scratch log
+    orig_loss, new_loss = losses(run), losses(scratch)
+    assert all(new_loss[s] != orig_loss[s] for s in (13, 14)) and abs(new_loss[13] - orig_loss[13]) < 0.05
+    assert cfgmod.load(scratch / "config.toml").precision.dtype == "fp16"
+    read = lambda p: {r["step"]: r for r in map(json.loads, p.read_text().splitlines()) if "step" in r}
+    orig, new = read(run / "batches.jsonl"), read(scratch / "batches.jsonl")
+    for s in (13, 14):
+        assert new[s]["lr"] == pytest.approx(0.5 * orig[s]["lr"], rel=1e-12) and new[s]["pos"] == orig[s]["pos"]
+        assert new[s]["scale"] == 1024.0 and orig[s]["scale"] == 1.0

@@ -101,6 +101,15 @@ def test_spike_output(planted, analysis):
     assert "gradient norm by parameter group" in text and "embeddings" in text
 
 
+def test_report_links_the_spike_record(planted, tmp_path):
+    from mspretrain.ops.report import build_report
+
+    run = tmp_path / "run"  # the report writes its PNGs into the run dir: a copy, not the shared run
+    shutil.copytree(planted[0], run, ignore=shutil.ignore_patterns("checkpoints"))
+    page = build_report(run, tmp_path / "report.html").read_text(encoding="utf-8")
+    assert f'spikes/step_{SPIKE_STEP:06d}.json</a>' in page and f"--step {SPIKE_STEP}</code>" in page
+
+
 def test_spike_after_the_fact_and_refusals(planted, capsys, tmp_path):
     run, _, bad = planted
     code, out, err = _cli(capsys, "spike", str(run), "--step", str(SPIKE_STEP), "--no-replay")

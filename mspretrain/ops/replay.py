@@ -8,7 +8,7 @@ itself, bit for bit (the loader is a pure function of its position; the step is 
 
 Interventions, each a change of the scratch run only:
 - `drop_docs`: samples that overlap the given documents are swapped for clean ones (`drop_docs.py`);
-- `dtype`: precision.dtype of the replay (`fp32`: the scaler is switched off unless `loss_scale`);
+- `dtype`: precision.dtype of the replay, with that precision's fresh loss scaler (fp32: none);
 - `lr_scale`: every step's lr times X (the schedule's shape and total are the original's);
 - `loss_scale`: the restored loss scale replaced by X.
 
@@ -234,6 +234,7 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
     from mspretrain.monitor.batch_log import plan_for, position
     from mspretrain.ops.drop_docs import DropDocsLoader
     from mspretrain.train.build import build_trainer
+    from mspretrain.train.loss_scale import LossScaler
 
     run = Path(run).expanduser().resolve()
     check_run(run)
@@ -277,8 +278,8 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
         trainer.evaluator = _NoEval()
         if changes.lr_scale is not None:
             trainer.schedule = _ScaledSchedule(trainer.schedule, changes.lr_scale)
-        if changes.dtype == "fp32" and changes.loss_scale is None:
-            trainer.scaler.mode, trainer.scaler.scale = "none", 1.0
+        if changes.dtype is not None:  # the scaler of the new precision (fp32: none), not the restored one
+            trainer.scaler.load_state(LossScaler.from_config(cfg.precision).state())
         if changes.loss_scale is not None:
             trainer.scaler.scale = float(changes.loss_scale)
         if changes.drop_docs:

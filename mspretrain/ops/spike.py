@@ -37,7 +37,7 @@ from mspretrain.errors import UserError
 from mspretrain.monitor.batch_log import FILE as BATCHES
 from mspretrain.monitor.spike_record import batch_samples, doc_ends, record_path
 from mspretrain.ops.audit import plan_of_run
-from mspretrain.ops.replay import Replay, check_run, read_run_metrics, replay, run_data_dir
+from mspretrain.ops.replay import TOLERANCE, Replay, check_run, read_run_metrics, replay, run_data_dir
 from mspretrain.paths import DataPaths, RunPaths
 
 HISTORY = 8  # replayed steps before S whose gradient norms make the rolling medians
@@ -301,9 +301,10 @@ def format_analysis(a: Analysis, *, top: int = 10) -> str:
         r = a.replay
         bad = r.first_difference()
         exact = "bit for bit" if bad is None and r.exact_expected else (
-            f"to {1e-5:g}" if bad is None else f"NOT reproduced from step {bad.step}")
-        lines.append(f"replayed steps {r.start + 1}..{r.end} from checkpoint step_{r.start:06d} ({exact}); "
-                     f"batch loss at the weights of step {a.step - 1}: {_fmt_loss(a.batch_loss)} (logged {_fmt_loss(loss)})")
+            f"to {TOLERANCE:g}" if bad is None else f"NOT reproduced from step {bad.step}")
+        what = (f"replayed steps {r.start + 1}..{r.end} from checkpoint step_{r.start:06d} ({exact})" if r.end > r.start
+                else f"no step replayed: checkpoint step_{r.start:06d} holds the weights")
+        lines.append(f"{what}; batch loss at the weights of step {a.step - 1}: {_fmt_loss(a.batch_loss)} (logged {_fmt_loss(loss)})")
     by_sample = {p.ident: p for p in a.sample_parts}
     lines += ["", "samples (loss: mean token NLL at the weights of the step before; z: robust z-score in this batch)",
               f"  {'#':>3} {'rank':>4} {'micro':>5} {'source':<12} {'window':>7} {'loss':>7} {'z':>6}  documents  text"]
