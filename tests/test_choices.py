@@ -166,3 +166,29 @@ def test_option_errors(tmp_path, capsys):
     assert "--shots 3 needs 3 dev items, the --dev file has 1" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "no-run"), "--choices", str(tmp_path / "ok.jsonl"), "--shots", "2"]) == 2
     assert "--shots 2 needs a --dev file of solved examples" in capsys.readouterr().err
+
+
+def test_choices_file_during_training_writes_eval_acc(planted, tmp_path, capsys):
+    """eval.choices_file: eval/acc and eval/acc_norm at every eval step of the metrics, equal to
+    `eval RUN --choices` on the final checkpoint; a bad file or shot count fails before the run
+    dir is written."""
+    run = tmp_path / "run"
+    common = ["train", "--config", str(TINY), "--data", str(planted / "data"), "--quiet", "train.max_steps=4", "eval.every=2",
+              "eval.max_tokens=256", "checkpoint.every=4", "eval.batch_size=4"]
+    assert main([*common, "--run", str(run), f"eval.choices_file={planted / 'planted.jsonl'}"]) == 0
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    acc = {r["step"]: (r["eval/acc"], r["eval/acc_norm"]) for r in recs if "eval/acc" in r}
+    assert sorted(acc) == [2, 4] and all(0 <= a <= 1 and 0 <= n <= 1 for a, n in acc.values())
+    assert "planted.jsonl: accuracy" in (run / "train.log").read_text()
+    capsys.readouterr()
+    assert main(["eval", str(run), "--choices", str(planted / "planted.jsonl"), "--batch-size", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["acc"], out["acc_norm"]) == acc[4]
+
+    for extra, match in (([f"eval.choices_file={tmp_path / 'missing.jsonl'}"], "missing.jsonl does not exist"),
+                         ([f"eval.choices_file={planted / 'planted.jsonl'}", "eval.choices_shots=2"],
+                          "eval.choices_shots 2 needs a eval.choices_dev_file file")):
+        bad = tmp_path / f"bad-{len(extra)}"
+        assert main([*common, "--run", str(bad), *extra]) == 2
+        assert match in capsys.readouterr().err
+        assert not bad.exists()

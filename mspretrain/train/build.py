@@ -146,6 +146,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.model.llama import Llama, half_eligible
     from mspretrain.monitor.batch_log import BatchLog, plan_for
+    from mspretrain.monitor.source_ledger import SourceLedger
     from mspretrain.monitor.console import ConsoleLine, RunLog
     from mspretrain.monitor.heartbeat import Heartbeat
     from mspretrain.monitor.meter import StepMeter
@@ -173,6 +174,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                         f"set model.vocab_size={vocab} (or 0 to take it from the data dir)")
     cfg = replace(cfg, model=cfgmod.resolve_model(cfg.model, vocab))
     sources = check_sources(cfg, data_dir, manifest)
+    evaluator = PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say)  # reads eval.choices_file now
     setup_mindspore(device)
     world = distributed.init(device.target)
     say.is_main = world.is_main
@@ -220,6 +222,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
         if tokenizer is not None:
             (paths.root / tokenizer.name).write_bytes(tokenizer.read_bytes())
         meta = {"data_dir": str(data_dir), "world_size": world.size, "code_version": __version__,
+                "sources": [{"path": str(p), "weight": w} for p, w in sources],  # source{j}/* metrics
                 "hardware": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device.target,
                              "python": sys.version.split()[0], "mindspore": ms.__version__}}
         meta.update(run_meta or {})  # e.g. {"init_from": ...} (checkpoint/init_source.init_for_run)
@@ -231,7 +234,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     checkpoints = CheckpointManager(paths, saver, cfg=cfg, model=model, step_fn=step_fn, loader=loader, rank=world.rank,
                                     world=world.size, tokenizer=tokenizer, allow_data_change=allow_data_change, log=say)
     meter = StepMeter(tokens_per_step=b.tokens_per_step, seq_len=cfg.data.seq_len, devices=world.size,
-                      flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
+                      flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len, cfg.train.trainable),
                       peak_tflops=device_peak_tflops(device.target, cfg.precision.dtype, cfg.device.peak_tflops),
                       price_per_device_hour=cfg.cost.price_per_device_hour, throughput_every=cfg.metrics.throughput_every,
                       log_every=cfg.train.log_every, memory_every=sampling.memory_every, target=device.target)
@@ -241,6 +244,8 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                        loader=loader, world=world.size, rewind_skip=cfg.spike.rewind_skip,
                        resume_step=int(resume_state["step"]) if resume_from is not None else None,
                        skipped=int(resume_state.get("skipped_steps", 0)), total=b.steps, warmup=b.warmup)
+    ledger = SourceLedger(plan_for(loader), world=world.size, rank=world.rank, micro=b.micro_batch, accum=b.accumulation,
+                          seq_len=cfg.data.seq_len, every=cfg.train.log_every)  # loss and tokens per data source
     banner = (f"{device.describe()}; world {world.size}; micro-batch {b.micro_batch} x {b.accumulation} accumulation"
               + memory_options(cfg, step_fn, world, b.accumulation), f"schedule {b.schedule.describe()}")
     trainer = Trainer(
@@ -248,10 +253,10 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
         scaler=scaler, schedule=b.schedule, total_steps=b.steps, accum_steps=b.accumulation,
         tokens_per_step=b.tokens_per_step, meter=meter, checkpoints=checkpoints,
         spikes=SpikePolicy(cfg.spike, warmup_steps=b.warmup, log=say),
-        evaluator=PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say),
+        evaluator=evaluator,
         console=ConsoleLine(say, total=b.steps, log_every=cfg.train.log_every, show_scale=scaler.mode != "none"),
         metrics=metrics, profiler=StepProfiler(paths.root, cfg.profile.steps if world.is_main else "", log=say),
-        log=say, banner=banner, callbacks=(batches, *callbacks),
+        log=say, banner=banner, callbacks=(batches, ledger, *callbacks),
         heartbeat=Heartbeat(paths.root, world.rank, world.size,
                             collectives_per_step=step_fn.collectives(b.accumulation)["calls"] if world.size > 1 else 0))
     if resume_from is not None:

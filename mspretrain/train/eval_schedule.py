@@ -1,5 +1,9 @@
 """When the loop evaluates, and what it records: valid perplexity every `eval.every` steps and
-always at the last step of the run (eval.every = 0 means only then), in that step's metrics."""
+always at the last step of the run (eval.every = 0 means only then), in that step's metrics;
+with `eval.choices_file`, multiple-choice accuracy (eval/choices.py) at the same steps.
+
+The choices files are read and checked at construction, so a bad file or shot count fails in
+one line before the first step rather than at the first evaluation hours later."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,15 +15,37 @@ from mspretrain.config import EvalConfig
 class PeriodicEval:
     def __init__(self, cfg: EvalConfig, *, data_dir: Path, seq_len: int, log: Callable[[str], None]) -> None:
         self.cfg, self.data_dir, self.seq_len, self.log = cfg, data_dir, seq_len, log
+        self.items: list[Any] = []
+        self.dev: list[Any] = []
+        self.tokenizer: Any = None
+        if cfg.choices_file:
+            from mspretrain.data.tokenizer import Tokenizer
+            from mspretrain.eval.choices import check_shots, read_choices
+
+            self.items = read_choices(cfg.choices_file)
+            self.dev = read_choices(cfg.choices_dev_file) if cfg.choices_dev_file else []
+            check_shots(self.dev, cfg.choices_shots, shots_name="eval.choices_shots", dev_name="eval.choices_dev_file")
+            self.tokenizer = Tokenizer.load(data_dir)  # the pieces the model is trained on
 
     def due(self, step: int, total: int) -> bool:
         return bool(self.cfg.every and step % self.cfg.every == 0) or step == total
 
     def __call__(self, model: Any, step: int) -> dict[str, float]:
-        """Valid perplexity of `model` after `step`, as metrics values; logs one line."""
+        """Valid perplexity (and multiple-choice accuracy) of `model` after `step`, as metrics
+        values; logs one line each."""
         from mspretrain.eval.perplexity import evaluate_split
 
         res = evaluate_split(model, self.data_dir, split="valid", seq_len=self.seq_len,
                              batch_size=self.cfg.batch_size, max_tokens=self.cfg.max_tokens)
         self.log(f"step {step}: valid ppl {res['ppl']:.2f} over {res['tokens']:,} tokens")
-        return {"eval/ppl": res["ppl"], "eval/nll": res["nll"]}
+        values = {"eval/ppl": res["ppl"], "eval/nll": res["nll"]}
+        if self.items:
+            from mspretrain.eval.choices import choices_accuracy
+
+            acc = choices_accuracy(model, self.tokenizer, self.items, batch_size=self.cfg.batch_size,
+                                   dev=self.dev, shots=self.cfg.choices_shots)
+            self.log(f"step {step}: {Path(self.cfg.choices_file).name}: accuracy {acc['acc']:.1%} "
+                     f"(length-normalised {acc['acc_norm']:.1%}) over {acc['count']} questions"
+                     + (f", {self.cfg.choices_shots}-shot" if self.cfg.choices_shots else ""))
+            values.update({"eval/acc": acc["acc"], "eval/acc_norm": acc["acc_norm"]})
+        return values
