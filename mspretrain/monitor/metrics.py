@@ -170,6 +170,8 @@ class MetricsLogger:
             raise RuntimeError("MetricsLogger.log() after close()")
         record: dict[str, Any] = {"step": int(step)}
         for key, value in values.items():
+            if key.startswith("_"):  # for the loop's components (e.g. `_row_nll`), not a metric
+                continue
             v = _scalar(value)
             if v is not None and self.keep(step, key):
                 record[key] = v

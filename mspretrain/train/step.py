@@ -95,6 +95,9 @@ class StepResult:
     loss: float  # mean token NLL over the global batch (z-loss excluded)
     grad_norm: float  # global norm of the unscaled gradients, before clipping
     finite: bool  # False: overflow, the update was skipped
+    # this rank's rows, in micro-batch order: summed token NLL of each sample (per-source loss,
+    # spike forensics); a (B,) vector per micro-batch, read back with the loss
+    row_nll: np.ndarray | None = None
 
 
 def _flat(parts: list[Tensor]) -> Tensor:
@@ -205,15 +208,16 @@ class TrainStep:
             obj = nll_sum
             if z > 0:
                 obj = obj + z * (lse * lse).sum()
-            return obj * (scale * inv_tokens), nll_sum
+            return obj * (scale * inv_tokens), nll_sum, nll.sum(-1)
 
         self._grad_fn = ms.value_and_grad(objective, None, self.params, has_aux=True)
 
         def fused(tokens, positions, segments, scale, lr, inv_scale):
-            (_, nll_sum), grads = self._grad_fn(tokens, positions, segments, scale)
+            (_, nll_sum, rows), grads = self._grad_fn(tokens, positions, segments, scale)
             reduced, last = self._reduce(list(grads))
             loss_sum = nll_sum if self.allreduce is None else self.allreduce(ops.depend(nll_sum, last))
-            return self._finish(reduced, loss_sum, lr, inv_scale)
+            loss_sum, finite, norm = self._finish(reduced, loss_sum, lr, inv_scale)
+            return loss_sum, finite, norm, rows
 
         self._fused: Callable[..., Any] = self._jit(fused) if self._jit else fused
         self._accumulate: Callable[..., Any] | None = None
@@ -353,7 +357,7 @@ class TrainStep:
         # buffers (measured: grad norm 0), and copying them first is the full-size transient this
         # step avoids. `where`, not a multiply by 0: an overflowed step leaves inf in the buffers.
         def accumulate(tokens, positions, segments, scale, first):
-            (_, nll_sum), grads = self._grad_fn(tokens, positions, segments, scale)
+            (_, nll_sum, rows), grads = self._grad_fn(tokens, positions, segments, scale)
             if self.shard_grads:  # reduce every micro-batch; keep only the owned sums
                 grads, last = self._reduce(list(grads))
                 nll_sum = ops.depend(nll_sum, last)  # keeps every collective in every rank's graph
@@ -362,7 +366,7 @@ class TrainStep:
             for acc, g in zip(self.accum, grads):
                 ops.assign(acc, ops.where(first, g, acc + g))
             ops.assign(self.loss_accum, ops.where(first, nll_sum, self.loss_accum + nll_sum))
-            return nll_sum
+            return nll_sum, rows
 
         def apply(lr, inv_scale):
             loss_sum = self.loss_accum * 1.0
@@ -388,14 +392,18 @@ class TrainStep:
         as_t = lambda a: None if a is None else Tensor(a)
         if len(micro_batches) == 1 and self.accum is None:
             tokens, positions, segments = micro_batches[0]
-            loss_sum, finite, norm = self._fused(Tensor(tokens), as_t(positions), as_t(segments), scale_t, lr_t, inv_t)
+            loss_sum, finite, norm, rows = self._fused(Tensor(tokens), as_t(positions), as_t(segments), scale_t, lr_t, inv_t)
+            row_parts = [rows]
         else:
             self._ensure_accum()
+            row_parts = []
             for k, (tokens, positions, segments) in enumerate(micro_batches):
-                self._accumulate(Tensor(tokens), as_t(positions), as_t(segments), scale_t, Tensor(k == 0))
+                _, rows = self._accumulate(Tensor(tokens), as_t(positions), as_t(segments), scale_t, Tensor(k == 0))
+                row_parts.append(rows)
             loss_sum, finite, norm = self._apply(lr_t, inv_t)
         return StepResult(loss=float(loss_sum.asnumpy()) / self.global_tokens,
-                          grad_norm=float(norm.asnumpy()), finite=bool(finite.asnumpy()))
+                          grad_norm=float(norm.asnumpy()), finite=bool(finite.asnumpy()),
+                          row_nll=np.concatenate([r.asnumpy() for r in row_parts]))
 
     # ----------------------------------------------------------------- memory
     def buffer_bytes(self) -> dict[str, int]:

@@ -15,8 +15,9 @@ small components, one concern each:
 Extension points (new per-step work is a component, not an edit of the loop):
 - `callbacks`: each is called after every step as `callback(step, data_state, values)`, with the
   loader's state *before* the step (the loader is a pure function of it, so it names the global
-  batch's samples exactly) and the step's metrics values (loss, lr, grad_norm, ...). Per-step
-  records and heartbeats go here. A callback must not change `values`.
+  batch's samples exactly) and the step's metrics values (loss, lr, grad_norm, ...; `_row_nll`:
+  this rank's per-sample NLL sums, keys with `_` are never written). Per-step records go here.
+  They run before the step's metrics record is written and may only add keys to `values`.
 - initial weights from another source: `build_trainer(..., init_weights=f)` calls `f(model)` on a
   run that starts from step 0, after the model is built and before the compiled step and its
   optimizer state are (a resumed run takes its weights from its checkpoint instead).
@@ -142,9 +143,10 @@ class Trainer:
                 if self.evaluator.due(self.step, self.total_steps):  # every run ends with an eval
                     self.heartbeat.phase("eval", self.step)
                     values.update(self.evaluator(self.model, self.step))
-                self.metrics.log(self.step, values)
+                values["_row_nll"] = res.row_nll
                 for callback in self.callbacks:
                     callback(self.step, data_state, values)
+                self.metrics.log(self.step, values)
                 if self.checkpoints.due(self.step, self.total_steps):
                     self.save()
             summary.final_checkpoint = self.save()
