@@ -153,3 +153,27 @@ def test_plan_cli_json(capsys):
     assert main(["plan", "--json", "--tokens", "51200", "--tokens-per-s", "100", "model.vocab_size=1000", "train.max_steps=1"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["params"] == P_SMALL and plan["steps"] == 100 and plan["time"]["hours"] == pytest.approx(51200 / 100 / 3600)
+
+
+def test_llama2_7b_zh_continue_recipe_fits_both_stages():
+    """configs/llama2-7b-zh-continue-910b.toml: stage 1 (embeddings + lm_head) as written and stage 2
+    (everything, with the overrides its comment gives) plan to fit 8 x 910B with room (<= 52 GB)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "llama2-7b-zh-continue-910b.toml"
+    stage1 = cfgmod.load(path)
+    stage2 = cfgmod.load(path, ['train.trainable=["all"]', "optim.lr=5e-5", "train.max_tokens=20_000_000_000"])
+    assert stage1.train.trainable == ("embeddings", "lm_head") and stage1.model.vocab_size == 49953
+    text = path.read_text(encoding="utf-8")
+    assert "--init-from RUN_STAGE1 'train.trainable=[\"all\"]' optim.lr=5e-5" in text  # the stage-2 command
+    plans = [make_plan(c, devices=8, tokens=None, data_dir=None, tokens_per_s_per_device=None) for c in (stage1, stage2)]
+    for plan in plans:
+        assert not plan["warnings"] and plan["memory_bytes"]["peak"] <= 52 * 2**30, plan["memory_bytes"]["peak"] / 2**30
+    one, two = plans
+    assert one["params"] == two["params"] == LLAMA2_7B_PARAMS + 2 * 4096 * (49953 - 32000)
+    embed = 4096 * 49953
+    assert one["trained_params"] == 2 * embed and two["trained_params"] == two["params"]
+    # stage 1 keeps Adam moments for its trained tables only (ZeRO: the heaviest rank holds one table)
+    assert one["memory_bytes"]["adam_moments"] == 8 * embed and one["memory_bytes"]["master_weights"] == 0
+    assert one["checkpoint_bytes"] == checkpoint_bytes(one["params"], "fp16", trained=2 * embed)
+    assert one["lr"] == 2e-4 and two["lr"] == 5e-5 and one["steps"] < two["steps"]
