@@ -216,6 +216,12 @@ def test_sharded_optimizer_matches_one_process_and_resumes_anywhere(tmp_path, ti
         assert after_gn[step] == pytest.approx(one_gn[step], rel=1e-5), (step, one_gn[step], after_gn[step])
     for step in range(resume_at + 1, FINAL + 1):  # after the first resumed update, and after the last
         assert_same_checkpoint(_step_dir(resumed, step), _step_dir(reference_run, step), 1e-5)
+    # the audit follows the history across the change of world size: exact, and it says so
+    from mspretrain.ops.audit import audit_run
+
+    audit = audit_run(resumed)
+    assert audit.exact, audit.findings
+    assert [r["world"] for r in audit.resumes] == [1] and "world size 2 -> 1 at step 6" in audit.notes
 
 
 @pytest.mark.slow
@@ -262,6 +268,11 @@ def test_spike_rewind_under_msrun_matches_one_process(tmp_path, tiny_data):
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) > 14  # the rewinds repeated steps
     assert all(abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(a, b))
     assert "rewound to step_000012" in (two / "train.log").read_text()
+    from mspretrain.ops.audit import audit_run
+
+    for run in (one, two):  # rewinds repeat steps by design: the audit follows them and finds nothing
+        audit = audit_run(run)
+        assert audit.exact and audit.rewinds, (run.name, audit.findings)
     hashes = _replica_hashes(two)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
 
