@@ -64,6 +64,9 @@ def test_spike_record_names_the_batch(planted):
     assert len(windows) == 4 and [s["rank"] for s in rec["samples"]] == [0] * 4
     assert sum(bad in s["documents"] for s in rec["samples"]) == 2
     assert rec["hash"] == batch_hash(np.array([[0, w] for w in windows]))
+    # each sample's loss as the step computed it: the bad samples are the two worst
+    worst = sorted(rec["samples"], key=lambda x: -x["loss"])[:2]
+    assert all(bad in x["documents"] for x in worst)
 
 
 def test_spike_ranks_the_planted_document_first(planted, analysis):
@@ -80,6 +83,8 @@ def test_spike_ranks_the_planted_document_first(planted, analysis):
     assert a.replay.first_difference() is None and a.replay.end == SPIKE_STEP - 1
     # the bad samples are the two most costly, and the origin index points at bad.txt, offset 0
     worst = sorted(a.sample_parts, key=lambda p: -p.loss)[:2]
+    rec = json.loads((run / "spikes" / f"step_{SPIKE_STEP:06d}.json").read_text())
+    assert [x["loss"] for x in rec["samples"]] == pytest.approx([p.loss for p in a.sample_parts], rel=1e-5)
     assert all(bad in a.samples[p.ident]["documents"] for p in worst)
     info = a.docs[(0, bad)]
     assert Path(info["file"]).name == "bad.txt" and info["offset"] == 0 and info["text"].startswith("龘龘")

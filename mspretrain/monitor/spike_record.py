@@ -7,7 +7,8 @@ and that survives the data dir being moved or re-prepared (the plan would then g
 Each record holds the step, the loader position before it (per-source consumed counts), the hash
 of the global batch (`data/order.batch_hash`), the loss, the world size and micro-batch, and every
 sample: its global position, rank, micro-batch, source (data dir), window and the ids of the
-documents the window overlaps (their index in the source's train split).
+documents the window overlaps (their index in the source's train split); the samples this rank
+(rank 0) trained on also carry their mean token loss as the step computed it (`_row_nll`).
 
 Design choices:
 - A step callback (`Trainer.callbacks`), rank 0 only, doing nothing on an ordinary step: the
@@ -106,6 +107,11 @@ class SpikeRecord:
                "samples": batch_samples(ids, sources=paths, ends=[self._ends[p] for p in paths],
                                         seq_len=int(data_state["seq_len"]), micro=int(data_state["batch_size"]),
                                         world=int(data_state["world"]))}
+        rows = values.get("_row_nll")  # this rank's (rank 0's) samples' NLL sums, in micro-batch order
+        if rows is not None:
+            micro, world, seq = int(data_state["batch_size"]), int(data_state["world"]), int(data_state["seq_len"])
+            for k, nll in enumerate(np.asarray(rows, dtype=np.float64).reshape(-1).tolist()):
+                rec["samples"][(k // micro) * micro * world + (k % micro) * world]["loss"] = nll / seq
         path = record_path(self.run_dir, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(rec, indent=1) + "\n")
