@@ -163,9 +163,9 @@ def bench_saves(name: str, model: dict, work: Path, repeats: int = 2) -> dict:
 
 
 def demo_step_and_resume(work: Path) -> dict:
-    """Step time of the demo model, and wall time from `Trainer` start to its first resumed step."""
+    """Step time of the demo model, and wall time from `build_trainer` start to its first resumed step."""
     from mspretrain.data.prepare import prepare
-    from mspretrain.train.trainer import Trainer
+    from mspretrain.train.build import build_trainer
     from tests.conftest import make_poems
 
     corpus = work / "poems.txt"
@@ -176,7 +176,7 @@ def demo_step_and_resume(work: Path) -> dict:
     run = work / "demo-run"
     base = ["train.max_steps=12", "checkpoint.every=100", "eval.every=0", "schedule.warmup_steps=2"]
     cfg = cfgmod.apply_overrides(cfg, base)
-    t = Trainer(cfg, data, run, log=lambda s: None)
+    t = build_trainer(cfg, data, run, log=lambda s: None)
     s = t.train()  # 12 steps, one final checkpoint
     step_s = 0.0
     lines = [l for l in (run / "metrics.jsonl").read_text().splitlines() if "tokens_per_s" in l]
@@ -185,11 +185,10 @@ def demo_step_and_resume(work: Path) -> dict:
 
         step_s = cfg.train.global_batch * cfg.data.seq_len / json.loads(lines[-1])["tokens_per_s"]
     t0 = time.perf_counter()
-    t2 = Trainer(cfgmod.apply_overrides(cfg, ["train.max_steps=13"]), data, run, log=lambda s: None)
-    t2._build()
+    t2 = build_trainer(cfgmod.apply_overrides(cfg, ["train.max_steps=13"]), data, run, log=lambda s: None)
     t2.train_step()
     resume_s = time.perf_counter() - t0
-    t2.saver.close()
+    t2.checkpoints.close()
     t2.metrics.close()
     return {"step_s": step_s, "resume_to_first_step_s": resume_s, "stall_in_run_s": float(np.median(s.stall_s))}
 

@@ -120,6 +120,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from mspretrain import config as cfgmod
     from mspretrain.train import step as stepmod
+    from mspretrain.train.build import build_trainer
     from mspretrain.train.trainer import Trainer
 
     cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", args.override)
@@ -128,8 +129,6 @@ def worker(args: argparse.Namespace) -> int:
     if args.ms_set_memory:  # e.g. "0GB,0.1GB,1024GB,O1": MindSpore's pool knobs (set_memory), to try
         a = args.ms_set_memory.split(",")
         ms.runtime.set_memory(*a)
-    trainer = Trainer(cfg, args.data, run_dir, log=lambda s: None)  # imports, device, world, data manifest
-    rank = trainer.world.rank
 
     # Attribute memory to the points between which it grows (in this process only): the model
     # built, TrainStep built (buffers, moments, masters), and each call of every graph compiled
@@ -184,10 +183,13 @@ def worker(args: argparse.Namespace) -> int:
         return out
 
     Trainer.train_step = train_step
-    result: dict = {"rank": rank, "world": trainer.world.size}
+    # the baseline is taken before build_trainer, which makes the model and the step (after the
+    # patches above) as well as the device and world setup and the data manifest read
     t0 = time.time()
     probe.start()
-    result["baseline_rss"] = probe.base
+    trainer = build_trainer(cfg, args.data, run_dir, log=lambda s: None)
+    rank = trainer.world.rank
+    result: dict = {"rank": rank, "world": trainer.world.size, "baseline_rss": probe.base}
     trainer.train()
     result["phases"] = probe.phases
     result["params"] = sum(int(p.size) for p in trainer.model.trainable_params())
@@ -204,7 +206,8 @@ def planned(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, 
 
     world = MODES[mode][0]
     cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", overrides(size, mode, seq, batch, steps, micro) + [f"model.vocab_size={vocab}"])
-    mem = make_plan(cfg, devices=world, tokens=batch * seq, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]
+    # memory does not depend on the budget; 100 steps keep any warm-up shorter than the run
+    mem = make_plan(cfg, devices=world, tokens=100 * batch * seq, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]
     key = "peak" if "peak" in mem else "total"
     return {"bytes": float(mem[key]), "key": key, "parts": {k: float(v) for k, v in mem.items() if isinstance(v, (int, float))}}
 

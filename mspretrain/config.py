@@ -694,18 +694,3 @@ def validate(cfg: Config, *, device: str | None = None, budget: bool = True) -> 
         check_device(cfg, device)
     if budget:
         check_budget(cfg.train)
-
-
-def micro_batches(cfg: Config, world_size: int) -> tuple[int, int]:
-    """(micro_batch per rank, accumulation steps) for a world size; errors name the fix."""
-    t = cfg.train
-    if t.global_batch % world_size:
-        raise UserError(f"train.global_batch = {t.global_batch} is not divisible by {world_size} ranks",
-                        "make global_batch a multiple of the number of devices")
-    per_rank = t.global_batch // world_size
-    mb = t.micro_batch or per_rank
-    if per_rank % mb:
-        raise UserError(
-            f"train.global_batch = {t.global_batch} is not divisible by ranks ({world_size}) x micro_batch ({mb})",
-            "make global_batch a multiple of world size x micro_batch")
-    return mb, per_rank // mb

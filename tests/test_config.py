@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mspretrain import budget
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
 
@@ -70,9 +71,9 @@ def test_budget_is_required_and_micro_batches_split():
     with pytest.raises(UserError, match="both missing"):
         cfgmod.validate(cfgmod.Config(), device="cpu")
     cfg = cfgmod.load(None, ["train.max_steps=5", "train.global_batch=16", "train.micro_batch=2"])
-    assert cfgmod.micro_batches(cfg, 4) == (2, 2)
+    assert budget.micro_batches(cfg, 4) == (2, 2)
     with pytest.raises(UserError, match="not divisible by 3 ranks"):
-        cfgmod.micro_batches(cfg, 3)
+        budget.micro_batches(cfg, 3)
 
 
 def test_malformed_file_is_one_line_error(tmp_path):

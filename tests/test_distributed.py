@@ -320,7 +320,7 @@ def _ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
         _, err = proc.communicate(timeout=DEATH_BOUND_S + 30)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
-        raise AssertionError(f"the job still ran {DEATH_BOUND_S + 30} s after the signal")
+        raise AssertionError(f"the job still ran {DEATH_BOUND_S + 30} s after the signal") from None
     return err, time.time() - t0
 
 

@@ -319,7 +319,8 @@ def test_direct_sessions_print_what_the_docs_show(doc, command, expected, capsys
         # the machine's versions and free space differ; the checks (status and name) must not
         expected = [e.split(":")[0] for e in expected if e.startswith("[")]
         actual = "\n".join(a.split(":")[0] for a in actual.splitlines() if a.startswith("["))
-        assert len(expected) == len(actual.splitlines()), f"{doc}: `{command}` prints {len(actual.splitlines())} checks, the docs show {len(expected)}"
+        assert len(expected) == len(actual.splitlines()), \
+            f"{doc}: `{command}` prints {len(actual.splitlines())} checks, the docs show {len(expected)}"
         expected = [re.sub(r"^\[\s*(ok|warn|fail)\s*\]\s*", "", e) for e in expected]
         actual = "\n".join(re.sub(r"^\[\s*(ok|warn|fail)\s*\]\s*", "", a) for a in actual.splitlines())
     missing = compare_output(expected, actual, f"{doc}: $ {command}")
@@ -376,7 +377,8 @@ def test_walkthrough_sessions_print_what_the_docs_show(walkthrough_transcript, n
         output = ran[command][min(k, len(ran[command]) - 1)]
         if not same_stop and stop_doc:
             stop = int(stop_doc.group(1))
-            expected = [e for e in expected if not re.search(rf"\b(step_{stop:06d}|step {stop}\b|step {stop + 1}\b|steps {stop + 1}-|steps \d+-{stop}\b|SIG)", e)
+            names_stop = rf"\b(step_{stop:06d}|step {stop}\b|step {stop + 1}\b|steps {stop + 1}-|steps \d+-{stop}\b|SIG)"
+            expected = [e for e in expected if not re.search(names_stop, e)
                         and not (command.startswith("mspretrain checkpoints") or "tokens seen" in e or e.startswith("done: step"))]
         missing += compare_output(expected, output, f"{name}: $ {command}")
     assert not missing, f"lines {name} shows that the run did not print:\n" + "\n".join(missing)

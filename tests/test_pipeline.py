@@ -6,8 +6,8 @@ bit-identical and the loss series after the resume point identical.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys

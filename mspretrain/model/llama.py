@@ -476,7 +476,8 @@ def load_numpy(model: Llama, tensors: dict[str, np.ndarray]) -> None:
         raise UserError(f"checkpoint has no tensor {missing[0]}" + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""),
                         "the checkpoint was written for a different model config; use the config saved with it")
     if unexpected:
-        raise UserError(f"checkpoint has an unexpected tensor {unexpected[0]}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""),
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise UserError(f"checkpoint has an unexpected tensor {unexpected[0]}" + more,
                         "the checkpoint was written for a different model config (tie_embeddings? n_layers?)")
     for name, p in params.items():
         arr = np.asarray(tensors[name])

@@ -420,7 +420,8 @@ def describe(r: RankBeat) -> str:
     """One rank in one line: what it is, where it is, since when."""
     what = {"dead": f"died (process {r.pid} on {r.host} is gone)", "stopped": f"is stopped (process {r.pid} on {r.host}: SIGSTOP or a debugger)",
             "stale": f"went silent (no heartbeat for {r.age_s:.0f} s while the other ranks still beat)",
-            "failed": "stopped on an error (its worker log has it)", "behind": "is behind", "stuck": "is stuck outside the step while the others wait for it", "ok": "ok",
+            "failed": "stopped on an error (its worker log has it)", "behind": "is behind",
+            "stuck": "is stuck outside the step while the others wait for it", "ok": "ok",
             "done": "finished"}[r.status]
     return (f"rank {r.rank} {what} at step {r.step} (phase {r.phase} for {r.phase_s:.0f} s, collective #{r.collectives}); "
             f"heartbeat {r.age_s:.0f} s old")

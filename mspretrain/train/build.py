@@ -146,12 +146,12 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.model.llama import Llama, half_eligible
     from mspretrain.monitor.batch_log import BatchLog, plan_for
-    from mspretrain.monitor.source_ledger import SourceLedger
     from mspretrain.monitor.console import ConsoleLine, RunLog
     from mspretrain.monitor.heartbeat import Heartbeat
     from mspretrain.monitor.meter import StepMeter
     from mspretrain.monitor.metrics import MetricsLogger
     from mspretrain.monitor.mfu import device_peak_tflops, flops_per_token
+    from mspretrain.monitor.source_ledger import SourceLedger
     from mspretrain.ops.fits import check_fits
     from mspretrain.ops.profiler import StepProfiler
     from mspretrain.train import distributed

@@ -85,13 +85,16 @@ def _rank_table(env: dict[str, str]) -> Launch:
     try:
         rank, size, device_id = int(env["RANK_ID"]), int(env["RANK_SIZE"]), int(env["DEVICE_ID"])
     except ValueError:
-        raise UserError("RANK_ID / RANK_SIZE / DEVICE_ID are not integers", "set them to the values of this process's entry in the rank table") from None
+        raise UserError("RANK_ID / RANK_SIZE / DEVICE_ID are not integers",
+                        "set them to the values of this process's entry in the rank table") from None
     if not 0 <= rank < size:
-        raise UserError(f"RANK_ID = {rank} is outside 0..{size - 1} (RANK_SIZE = {size})", "set RANK_ID from the rank table's rank_id of this process")
+        raise UserError(f"RANK_ID = {rank} is outside 0..{size - 1} (RANK_SIZE = {size})",
+                        "set RANK_ID from the rank table's rank_id of this process")
     if device_id < 0:
         raise UserError(f"DEVICE_ID = {device_id} is negative", "set DEVICE_ID to this process's NPU (0-7 on an 8-NPU server)")
     if not os.path.isfile(table):
-        raise UserError(f"RANK_TABLE_FILE {table} does not exist", "point it at the rank table (`mspretrain` writes one with train/hccl.py's write_topology)")
+        raise UserError(f"RANK_TABLE_FILE {table} does not exist",
+                        "point it at the rank table (`mspretrain` writes one with train/hccl.py's write_topology)")
     return Launch("rank_table", World(rank=rank, size=size), device_id)
 
 
@@ -125,7 +128,8 @@ def init(target: str, env: dict[str, str] | None = None) -> World:
     launch = select_launch(target, env)
     if launch.world.size == 1:
         return World()
-    from mindspore.communication import get_group_size, get_rank, init as comm_init
+    from mindspore.communication import get_group_size, get_rank
+    from mindspore.communication import init as comm_init
 
     # HCCL on Ascend (for msrun and the rank table alike), MindSpore's CPU collectives otherwise.
     comm_init("hccl" if target == "ascend" else None)
