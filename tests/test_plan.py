@@ -177,3 +177,4 @@ def test_llama2_7b_zh_continue_recipe_fits_both_stages():
     assert one["memory_bytes"]["adam_moments"] == 8 * embed and one["memory_bytes"]["master_weights"] == 0
     assert one["checkpoint_bytes"] == checkpoint_bytes(one["params"], "fp16", trained=2 * embed)
     assert one["lr"] == 2e-4 and two["lr"] == 5e-5 and one["steps"] < two["steps"]
+    assert f"{2 * embed:,} trained" in format_plan(one) and "trained" not in format_plan(two).splitlines()[1]

@@ -255,7 +255,9 @@ def format_plan(plan: dict) -> str:
     lines = [
         f"model      dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads (kv {m['n_kv_heads']}), "
         f"ffn {m['ffn_dim']}, vocab {m['vocab_size']:,}",
-        f"params     {plan['params']:,} ({plan['params'] / 1e9:.2f} B)",
+        f"params     {plan['params']:,} ({plan['params'] / 1e9:.2f} B)"
+        + (f", {plan['trained_params']:,} trained (train.trainable; the rest frozen: weights only)"
+           if plan.get("trained_params", plan["params"]) < plan["params"] else ""),
         f"layout     {plan['devices']} devices, global batch {plan['global_batch']} = micro {plan['micro_batch']} "
         f"x accum {plan['accumulation']} x {plan['devices']}, seq {plan['seq_len']}, {plan['dtype']}"
         + ((", optimizer and gradient sharding" if plan["shard_gradients"] else ", optimizer sharding") if plan["zero"] else "")
