@@ -423,6 +423,8 @@ def _init_rows(rec: dict | None) -> list[tuple[str, Any]]:
     if not rec:
         return []
     rows: list[tuple[str, Any]] = [("init from", f"{rec.get('path', '—')} ({rec.get('kind', 'unknown kind')})")]
+    if rec.get("dir") and rec.get("dir") != rec.get("path"):  # a run dir: the checkpoint it resolved to
+        rows.append(("weights read from", rec["dir"]))
     files = rec.get("files")
     if isinstance(files, dict):
         rows += [(f"SHA-256 {name}", sha) for name, sha in sorted(files.items())]
