@@ -120,6 +120,10 @@ def test_spike_after_the_fact_and_refusals(planted, capsys, tmp_path):
     code, out, err = _cli(capsys, "spike", str(run), "--step", str(SPIKE_STEP), "--no-replay")
     assert code == 0, err
     assert f"{bad}  " in out and "bad.txt:0" in out
+    # without a replay the losses are the spike record's, as the step computed them
+    assert "as the step computed it (spike record" in out
+    table = out.split("text\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert sorted(float(row.split()[5]) > 7 for row in table) == [False, False, True, True], table
     # the spike record alone (batches.jsonl gone) still names the batch
     copy = tmp_path / "run"
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))

@@ -153,6 +153,13 @@ def describe_batch(run: str | Path, step: int) -> Analysis:
     if not a.hash_ok:
         a.notes.append("the batch the plan gives for this position is not the one the run logged (hash differs): "
                        "the data dir, seed or mixing weights changed since training, so the list below may be wrong")
+    kept = record_path(run, step)  # the spike record: the losses of rank 0's samples as the step computed them
+    if kept.is_file():
+        spike_rec = json.loads(kept.read_text(encoding="utf-8"))
+        if spike_rec.get("hash") == batch_hash(ids):
+            for sample, r in zip(samples, spike_rec.get("samples", [])):
+                if "loss" in r:
+                    sample["trained_loss"] = float(r["loss"])
     tok = run_tokenizer(run, data_dir)
     data = [IndexedDataset(DataPaths(p).prefix("train")) for p in sources]
     origins = [read_origin(p) for p in sources]
@@ -306,12 +313,14 @@ def format_analysis(a: Analysis, *, top: int = 10) -> str:
                 else f"no step replayed: checkpoint step_{r.start:06d} holds the weights")
         lines.append(f"{what}; batch loss at the weights of step {a.step - 1}: {_fmt_loss(a.batch_loss)} (logged {_fmt_loss(loss)})")
     by_sample = {p.ident: p for p in a.sample_parts}
-    lines += ["", "samples (loss: mean token NLL at the weights of the step before; z: robust z-score in this batch)",
+    what = ("mean token NLL at the weights of the step before" if by_sample else
+            "mean token NLL as the step computed it (spike record; rank 0's samples)")
+    lines += ["", f"samples (loss: {what}; z: robust z-score in this batch)",
               f"  {'#':>3} {'rank':>4} {'micro':>5} {'source':<12} {'window':>7} {'loss':>7} {'z':>6}  documents  text"]
     for i, s in enumerate(a.samples):
         p = by_sample.get(i)
         lines.append(f"  {i:>3} {s['rank']:>4} {s['micro']:>5} {Path(s['source']).name[:12]:<12} {s['window']:>7} "
-                     f"{_fmt_loss(p.loss if p else None):>7} {(f'{p.z:+.1f}' if p else '-'):>6}  "
+                     f"{_fmt_loss(p.loss if p else s.get('trained_loss')):>7} {(f'{p.z:+.1f}' if p else '-'):>6}  "
                      f"{','.join(map(str, s['documents'])):<9}  {s['text']}")
     if a.doc_parts:
         lines += ["", f"documents ranked by how much they raised the step's loss (top {min(top, len(a.doc_parts))} "
