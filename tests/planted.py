@@ -50,20 +50,18 @@ def bad_doc(data: Path) -> int:
 
 
 def planted_run(tmp_path_factory, tiny_data: Path) -> tuple[Path, Path]:
-    """(run dir, data dir). Trained through build_trainer with the spike record as a callback (the
-    way build.py wires it)."""
+    """(run dir, data dir). Trained through build_trainer, which writes batches.jsonl and the spike
+    record (RUN/spikes/) as every training run does."""
     root = tmp_path_factory.getbasetemp() / "planted"
     run, done = root / "run", root / "DONE"
     if done.is_file():
         return run, root / "data"
     from mspretrain import config as cfgmod
-    from mspretrain.monitor.spike_record import SpikeRecord
     from mspretrain.train.build import build_trainer
 
     data = planted_data(root, tiny_data)
     cfg = cfgmod.apply_overrides(cfgmod.load(TINY), list(ARGS))
-    trainer = build_trainer(cfg, data, run, log=lambda s: None,
-                            callbacks=(SpikeRecord(run, global_batch=cfg.train.global_batch),))
+    trainer = build_trainer(cfg, data, run, log=lambda s: None)  # it writes the spike record itself
     trainer.train()
     done.write_text(json.dumps({"bad_doc": bad_doc(data)}))
     return run, data

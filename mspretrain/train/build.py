@@ -152,6 +152,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     from mspretrain.monitor.metrics import MetricsLogger
     from mspretrain.monitor.mfu import device_peak_tflops, flops_per_token
     from mspretrain.monitor.source_ledger import SourceLedger
+    from mspretrain.monitor.spike_record import SpikeRecord
     from mspretrain.ops.fits import check_fits
     from mspretrain.ops.profiler import StepProfiler
     from mspretrain.train import distributed
@@ -246,6 +247,8 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                        skipped=int(resume_state.get("skipped_steps", 0)), total=b.steps, warmup=b.warmup)
     ledger = SourceLedger(plan_for(loader), world=world.size, rank=world.rank, micro=b.micro_batch, accum=b.accumulation,
                           seq_len=cfg.data.seq_len, every=cfg.train.log_every)  # loss and tokens per data source
+    spike_record = SpikeRecord(paths.root, global_batch=cfg.train.global_batch, enabled=world.is_main,  # RUN/spikes/
+                               resume_step=int(resume_state["step"]) if resume_from is not None else None)
     banner = (f"{device.describe()}; world {world.size}; micro-batch {b.micro_batch} x {b.accumulation} accumulation"
               + memory_options(cfg, step_fn, world, b.accumulation), f"schedule {b.schedule.describe()}")
     trainer = Trainer(
@@ -256,7 +259,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
         evaluator=evaluator,
         console=ConsoleLine(say, total=b.steps, log_every=cfg.train.log_every, show_scale=scaler.mode != "none"),
         metrics=metrics, profiler=StepProfiler(paths.root, cfg.profile.steps if world.is_main else "", log=say),
-        log=say, banner=banner, callbacks=(batches, ledger, *callbacks),
+        log=say, banner=banner, callbacks=(batches, ledger, spike_record, *callbacks),
         heartbeat=Heartbeat(paths.root, world.rank, world.size,
                             collectives_per_step=step_fn.collectives(b.accumulation)["calls"] if world.size > 1 else 0))
     if resume_from is not None:
