@@ -121,9 +121,16 @@ def audit_run(run_dir: str | Path) -> Audit:
             r = rec["session"]
             if int(r.get("step", 0)) > 0:
                 out.resumes.append(r)
-            if int(r.get("step", 0)) != state.step:
-                out.findings.append(Finding(int(r.get("step", -1)), "step",
-                                            f"resumed after step {r.get('step')} but the history ends at step {state.step}"))
+            at = int(r.get("step", 0))
+            if at < state.step:  # started again below the history: e.g. its checkpoints were gone
+                out.findings.append(Finding(at + 1, "step", f"the run started again after step {at} over a history that "
+                                            f"had reached step {state.step}: steps {at + 1}-{state.step} are trained twice"))
+            elif at > state.step:
+                out.findings.append(Finding(at, "step", f"resumed after step {at} but the history ends at step {state.step}: "
+                                            f"steps {state.step + 1}-{at} have no record"))
+            if at != state.step and at in history:  # check what follows against the plan from there
+                back = history[at]
+                state = replace(back, pos=list(back.pos), scaler=dict(back.scaler), world=state.world)
             if r.get("total") and (r["total"], r.get("warmup")) != (schedule.total, schedule.warmup):
                 if out.steps:
                     out.notes.append(f"budget changed at the resume after step {r.get('step')}: schedule over "
