@@ -77,12 +77,47 @@ def resolve_target(target: str) -> str:
     return target
 
 
+# MindSpore Transformers' 910B pretraining templates cap the runtime's pool at 58 GB of the 64 GB
+# (context.max_device_memory: "58GB" in e.g. configs/llama2/pretrain_llama2_7b.yaml): the rest is
+# left to HCCL and the driver. We plan against the same figure (device.max_device_memory).
+ASCEND_910B_USABLE_GB = 58.0
+ATTENTION_KINDS = ("auto", "math", "flash")
+# FlashAttentionScore's head size D: "a multiple of 16, with the max value of 512"
+# (mindspore/ops/auto_generate/gen_ops_prim.py, FlashAttentionScore's doc, MindSpore 2.10).
+FLASH_HEAD_MULTIPLE, FLASH_HEAD_MAX = 16, 512
+
+
+def flash_head_dim_problem(head_dim: int) -> str | None:
+    """Why FlashAttentionScore cannot take this head size, or None when it can."""
+    if head_dim % FLASH_HEAD_MULTIPLE or not 0 < head_dim <= FLASH_HEAD_MAX:
+        return (f"head size {head_dim} is not a multiple of {FLASH_HEAD_MULTIPLE} up to {FLASH_HEAD_MAX}, "
+                "which FlashAttentionScore needs")
+    return None
+
+
+def select_attention(attention: str, device: str, dtype: str, head_dim: int | None = None) -> bool:
+    """True when the fused Ascend kernel should run; errors for impossible requests.
+
+    auto falls back to the math path where the kernel cannot run (and device.py says so at
+    start-up); an explicit "flash" that cannot run is an error."""
+    if attention not in ATTENTION_KINDS:
+        raise UserError(f"attention = {attention!r} is not one of {', '.join(ATTENTION_KINDS)}", "use auto (flash on Ascend, math elsewhere)")
+    if attention == "math":
+        return False
+    flash_ok = device == "ascend" and dtype in ("fp16", "bf16")
+    if attention == "flash" and not flash_ok:
+        raise UserError(f"FlashAttentionScore needs device ascend and dtype fp16/bf16 (got {device}, {dtype})",
+                        "use attention=math (or auto) on this device / dtype")
+    problem = flash_head_dim_problem(head_dim) if head_dim is not None else None
+    if attention == "flash" and problem:
+        raise UserError(f"FlashAttentionScore cannot run: {problem}", "choose model.dim / model.n_heads = 64 or 128, or attention=math")
+    return flash_ok and problem is None
+
+
 def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
     """Decide the device and its options from the config, without touching MindSpore.
 
     `target`: an already resolved target (tests pass "ascend" to see what a 910B would run)."""
-    from mspretrain.model.llama import flash_head_dim_problem, select_attention
-
     target = target or resolve_target(cfg.device.target)
     threads = cfg.device.threads or (os.cpu_count() or 1)
     dtype = cfg.precision.dtype
@@ -98,8 +133,6 @@ def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
         notes.append("FlashAttentionScore has no fp32")
     elif not flash:
         notes.append(flash_head_dim_problem(head_dim))
-    from mspretrain.ops.plan import ASCEND_910B_USABLE_GB
-
     mem_gb = (cfg.device.max_device_memory or ASCEND_910B_USABLE_GB) if target == "ascend" else 0.0
     return DeviceInfo(target=target, threads=threads, flash_attention=flash, jit_level=cfg.device.jit_level,
                       deterministic=cfg.device.deterministic, notes=tuple(notes), max_device_memory_gb=mem_gb)
@@ -108,15 +141,11 @@ def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
 def setup_mindspore(info: DeviceInfo, *, device_id: int | None = None) -> None:
     """Point MindSpore at the device. Global mode stays PyNative; hot paths are `ms.jit`.
 
-    device_id: the NPU to bind on Ascend; None = the rank table's DEVICE_ID when this process was
-    started from one (train/distributed.py), else MindSpore's choice (msrun negotiates it)."""
+    device_id: the NPU to bind on Ascend; None = MindSpore's choice (msrun negotiates it). A process
+    started from a rank table passes its DEVICE_ID (train/distributed.select_launch)."""
     import mindspore as ms
 
     target = "Ascend" if info.target == "ascend" else "CPU"
-    if info.target == "ascend" and device_id is None:
-        from mspretrain.train.distributed import select_launch
-
-        device_id = select_launch(info.target).device_id
     try:
         if device_id is None:
             ms.set_device(target)

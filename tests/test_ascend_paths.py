@@ -51,7 +51,7 @@ def test_rank_table_on_cpu_is_refused_in_one_line(tmp_path):
 
 
 def test_rank_table_binds_device_id_then_initialises_hccl(tmp_path, monkeypatch):
-    """setup_mindspore binds DEVICE_ID (not MindSpore's default 0), init() asks for hccl, and no
+    """The rank table's DEVICE_ID is bound (not MindSpore's default 0), init() asks for hccl, and no
     deprecated auto-parallel context is set (the all-reduce is written by hand)."""
     import mindspore.communication as comm
 
@@ -66,7 +66,7 @@ def test_rank_table_binds_device_id_then_initialises_hccl(tmp_path, monkeypatch)
     monkeypatch.setattr(comm, "get_rank", lambda: 3)
     monkeypatch.setattr(comm, "get_group_size", lambda: 8)
     info = device.plan_device(cfgmod.load(None, ["precision.dtype=fp16"]), target="ascend")
-    device.setup_mindspore(info)
+    device.setup_mindspore(info, device_id=distributed.select_launch("ascend").device_id)  # as build_trainer does
     world = distributed.init("ascend")
     assert ("set_device", "Ascend", 3) in calls
     assert ("init", "hccl") in calls

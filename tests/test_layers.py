@@ -21,15 +21,7 @@ DESIGN = ROOT / "docs" / "design.md"
 
 # Imports against the layers that the house issue is removing while this test lands.
 # removed by issue 17; delete when empty. (importer, imported), as dotted names under mspretrain.
-ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    # device (platform) reaches up for facts that belong below it: the 910B's usable memory
-    # (ops/plan.ASCEND_910B_USABLE_GB), which attention kernel a head size and dtype can run
-    # (model/llama.select_attention, flash_head_dim_problem: pure rules, no MindSpore) and the
-    # rank table's DEVICE_ID (train/distributed.select_launch, environment parsing).
-    ("device", "ops.plan"),
-    ("device", "model.llama"),
-    ("device", "train.distributed"),
-})
+ALLOWED: frozenset[tuple[str, str]] = frozenset()  # issue 17 removed the last ones (device reaching up)
 
 
 def _layers_section(design: Path = DESIGN) -> str:

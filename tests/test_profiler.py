@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mspretrain.errors import UserError
-from mspretrain.ops.profiler import StepProfiler, format_top, parse_steps, top_operators
+from mspretrain.monitor.profiler import StepProfiler, format_top, parse_steps, top_operators
 
 
 def test_parse_steps():

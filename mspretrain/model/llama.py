@@ -40,23 +40,12 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from mspretrain.config import ModelConfig
+from mspretrain.device import select_attention  # the kernel choice is the device's
 from mspretrain.errors import UserError
 
 COMPUTE_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
-ATTENTION_KINDS = ("auto", "math", "flash")
 NEG = -1e9  # additive mask value; the softmax runs in fp32, so exp(NEG - max) is exactly 0
 FLASH_MASK_SIZE = 2048  # FlashAttentionScore's compressed causal mask is always 2048 x 2048
-# FlashAttentionScore's head size D: "a multiple of 16, with the max value of 512"
-# (mindspore/ops/auto_generate/gen_ops_prim.py, FlashAttentionScore's doc, MindSpore 2.10).
-FLASH_HEAD_MULTIPLE, FLASH_HEAD_MAX = 16, 512
-
-
-def flash_head_dim_problem(head_dim: int) -> str | None:
-    """Why FlashAttentionScore cannot take this head size, or None when it can."""
-    if head_dim % FLASH_HEAD_MULTIPLE or not 0 < head_dim <= FLASH_HEAD_MAX:
-        return (f"head size {head_dim} is not a multiple of {FLASH_HEAD_MULTIPLE} up to {FLASH_HEAD_MAX}, "
-                "which FlashAttentionScore needs")
-    return None
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -294,25 +283,6 @@ class Block(nn.Cell):
             vc = vc * (1 - slot) + v.astype(vc.dtype) * slot
         x = x + self.attn.output(self.attn.attend(q, kc, vc, bias))
         return x + self.mlp(self.mlp_norm(x)), kc, vc
-
-
-def select_attention(attention: str, device: str, dtype: str, head_dim: int | None = None) -> bool:
-    """True when the fused Ascend kernel should run; errors for impossible requests.
-
-    auto falls back to the math path where the kernel cannot run (and device.py says so at
-    start-up); an explicit "flash" that cannot run is an error."""
-    if attention not in ATTENTION_KINDS:
-        raise UserError(f"attention = {attention!r} is not one of {', '.join(ATTENTION_KINDS)}", "use auto (flash on Ascend, math elsewhere)")
-    if attention == "math":
-        return False
-    flash_ok = device == "ascend" and dtype in ("fp16", "bf16")
-    if attention == "flash" and not flash_ok:
-        raise UserError(f"FlashAttentionScore needs device ascend and dtype fp16/bf16 (got {device}, {dtype})",
-                        "use attention=math (or auto) on this device / dtype")
-    problem = flash_head_dim_problem(head_dim) if head_dim is not None else None
-    if attention == "flash" and problem:
-        raise UserError(f"FlashAttentionScore cannot run: {problem}", "choose model.dim / model.n_heads = 64 or 128, or attention=math")
-    return flash_ok and problem is None
 
 
 class Llama(nn.Cell):

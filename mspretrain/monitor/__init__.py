@@ -1,1 +1,1 @@
-"""mspretrain.monitor: metrics sinks (JSONL + TensorBoard), MFU, loss-spike detection, HTML report."""
+"""mspretrain.monitor: metrics sinks (JSONL + TensorBoard), MFU, loss-spike detection, step profiling."""

@@ -1,1 +1,1 @@
-"""mspretrain.ops: running a job — plan, doctor, diagnose, CPU isolation, profiler."""
+"""mspretrain.ops: running a job — plan, report, recover, doctor, diagnose, selftest, CPU isolation."""

@@ -156,7 +156,9 @@ def check_run_dir(run_dir: Path, cfg: Config, mountinfo: str | Path = MOUNTINFO)
     m = cfg.model if cfg.model.vocab_size else replace(cfg.model, vocab_size=cfg.prepare.vocab_size)
     # the plan's figure, from the plan's own function: fp16/bf16 parameters with fp32 masters make a
     # checkpoint 14-16 bytes per parameter, not 12 (doctor and plan must not disagree)
-    ckpt = int(make_plan(replace(cfg, model=m), devices=1, tokens=1, data_dir=None,
+    # (the size needs no budget: without one the plan skips the schedule, whose checks are train's)
+    no_budget = replace(cfg.train, max_steps=0, max_tokens=0)
+    ckpt = int(make_plan(replace(cfg, model=m, train=no_budget), devices=1, tokens=None, data_dir=None,
                          tokens_per_s_per_device=None)["checkpoint_bytes"])
     need = ckpt * (cfg.checkpoint.keep_last + 1)  # keep_last kept + the one being written
     free = shutil.disk_usage(where).free

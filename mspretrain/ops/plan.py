@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 from mspretrain import budget
 from mspretrain.config import Config, ModelConfig, resolve_model
+from mspretrain.device import ASCEND_910B_USABLE_GB
 from mspretrain.errors import UserError
 from mspretrain.model.presets import param_count, preset
 
@@ -79,10 +80,6 @@ def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
     return m.n_layers * per_layer + logits
 
 
-# MindSpore Transformers' 910B pretraining templates cap the runtime's pool at 58 GB of the 64 GB
-# (context.max_device_memory: "58GB" in e.g. configs/llama2/pretrain_llama2_7b.yaml): the rest is
-# left to HCCL and the driver. We plan against the same figure (device.max_device_memory).
-ASCEND_910B_USABLE_GB = 58.0
 # Inside that pool, kernel workspace and HCCL's own buffers (HCCL_BUFFSIZE, 200 MB per communicator by
 # default): an assumption from the documented defaults, not measured (no 910B here).
 ASCEND_RESERVE_BYTES = GB

@@ -196,7 +196,8 @@ def check_attention(ctx: Context, dtype: str) -> Check:
     name = f"flash attention {dtype}"
     if ctx.target != "ascend":
         return Check(name, NEEDS_ASCEND, "FlashAttentionScore runs only on Ascend (the comparison is tested on CPU with the math path)")
-    from mspretrain.model.llama import Llama, flash_head_dim_problem
+    from mspretrain.device import flash_head_dim_problem
+    from mspretrain.model.llama import Llama
 
     # the config's head size and GQA grouping, one layer, at most 8 heads: the kernel, not the model, is under test
     m = ctx.cfg.model
@@ -374,6 +375,7 @@ def check_layer(ctx: Context) -> Check:
         return Check(name, NEEDS_ASCEND, "the config computes in bf16, which has no CPU kernels")
     import mindspore as ms
 
+    from mspretrain.device import select_attention
     from mspretrain.model import llama
     from mspretrain.monitor.mfu import device_peak_tflops, flops_per_token
 
@@ -383,7 +385,7 @@ def check_layer(ctx: Context) -> Check:
     if ctx.quick and ctx.target != "ascend":
         seq = min(seq, 256)
     layer_cfg = cfgmod.resolve_model(replace(m, n_layers=1, max_seq_len=max(m.max_seq_len, seq), vocab_size=m.vocab_size or 1))
-    use_flash = llama.select_attention("auto", ctx.target, dtype, layer_cfg.dim // layer_cfg.n_heads)
+    use_flash = select_attention("auto", ctx.target, dtype, layer_cfg.dim // layer_cfg.n_heads)
     compute = llama.COMPUTE_DTYPES[dtype]
     block = llama.Block(layer_cfg, np.random.default_rng(0), compute, use_flash)
     if ctx.cfg.train.recompute:

@@ -151,10 +151,10 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     from mspretrain.monitor.meter import StepMeter
     from mspretrain.monitor.metrics import MetricsLogger
     from mspretrain.monitor.mfu import device_peak_tflops, flops_per_token
+    from mspretrain.monitor.profiler import StepProfiler
     from mspretrain.monitor.source_ledger import SourceLedger
     from mspretrain.monitor.spike_record import SpikeRecord
     from mspretrain.ops.fits import check_fits
-    from mspretrain.ops.profiler import StepProfiler
     from mspretrain.train import distributed
     from mspretrain.train.checkpointing import CheckpointManager
     from mspretrain.train.eval_schedule import PeriodicEval
@@ -176,7 +176,8 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     cfg = replace(cfg, model=cfgmod.resolve_model(cfg.model, vocab))
     sources = check_sources(cfg, data_dir, manifest)
     evaluator = PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say)  # reads eval.choices_file now
-    setup_mindspore(device)
+    # a process started from a rank table binds the NPU its entry names (msrun negotiates it otherwise)
+    setup_mindspore(device, device_id=distributed.select_launch(device.target).device_id if device.target == "ascend" else None)
     world = distributed.init(device.target)
     say.is_main = world.is_main
     if world.is_main:  # one writer per run dir; the other msrun ranks are the same job
