@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mspretrain.data.order import SamplePlan, batch_hash
+from mspretrain.fsutil import atomic_write
 
 FILE = "batches.jsonl"
 
@@ -54,9 +55,7 @@ def truncate(path: Path, step: int) -> None:
         kept = [line for line, rec in lines if isinstance(rec.get("step"), int) and rec["step"] <= step]
     else:
         kept = [line for line, _ in lines[:last + 1]]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
-    tmp.replace(path)
+    atomic_write(path, "".join(k + "\n" for k in kept))
 
 
 class BatchLog:

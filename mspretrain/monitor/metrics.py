@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mspretrain.config import MetricsConfig
+from mspretrain.fsutil import atomic_write
 from mspretrain.paths import RunPaths
 
 THROUGHPUT_KEYS = ("tokens_per_s", "samples_per_s", "mfu", "real_token_share",
@@ -100,12 +101,7 @@ def truncate_metrics(path: Path, keep_through_step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, "".join(line + "\n" for line in kept))
     return dropped
 
 
