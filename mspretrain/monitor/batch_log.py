@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from mspretrain.data.order import SamplePlan, batch_hash
 from mspretrain.fsutil import atomic_write
@@ -37,6 +37,21 @@ def plan_for(loader: Any) -> SamplePlan:
 def position(loader: Any) -> list[int]:
     """The loader's global position: samples consumed per source, all ranks together."""
     return [int(s["consumed"]) for s in loader.state()["sources"]]
+
+
+def records(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The lines of RUN_DIR/batches.jsonl as dicts, in order; a line cut by a crash is skipped
+    (`audit` reads the file strictly instead: it must name a damaged history)."""
+    path = Path(run_dir) / FILE
+    if not path.is_file():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            yield rec
 
 
 def truncate(path: Path, step: int) -> None:

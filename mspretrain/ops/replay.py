@@ -37,7 +37,7 @@ from typing import Any, Callable
 from mspretrain import config as cfgmod
 from mspretrain.checkpoint import store
 from mspretrain.errors import UserError
-from mspretrain.monitor.batch_log import FILE as BATCHES
+from mspretrain.monitor.batch_log import records as batch_records
 from mspretrain.paths import RunPaths
 
 TOLERANCE = 1e-5  # relative agreement expected of a replay on another world size
@@ -143,15 +143,9 @@ def check_run(run: Path) -> None:
 
 def original_world(run: Path, steps: range) -> int:
     """The world size the run trained these steps on (batches.jsonl, else run_meta.json)."""
-    path = run / BATCHES
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("step") in steps and "world" in rec:
-                return int(rec["world"])
+    for rec in batch_records(run):
+        if rec.get("step") in steps and "world" in rec:
+            return int(rec["world"])
     try:
         return int(json.loads(RunPaths(run).meta.read_text(encoding="utf-8")).get("world_size", 1))
     except (OSError, ValueError):

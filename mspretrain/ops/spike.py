@@ -35,6 +35,7 @@ from mspretrain import config as cfgmod
 from mspretrain.data.order import batch_hash
 from mspretrain.errors import UserError
 from mspretrain.monitor.batch_log import FILE as BATCHES
+from mspretrain.monitor.batch_log import records as batch_records
 from mspretrain.monitor.spike_record import batch_samples, doc_ends, record_path
 from mspretrain.ops.audit import plan_of_run
 from mspretrain.ops.replay import TOLERANCE, Replay, check_run, read_run_metrics, replay, run_data_dir
@@ -82,24 +83,18 @@ class Analysis:
 def step_record(run: Path, step: int) -> dict[str, Any]:
     """The batches.jsonl line of `step` (the last one: after a rewind it is the kept history), or
     the spike record of that step."""
-    path = run / BATCHES
     found, last = None, 0
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec.get("step"), int):
-                last = max(last, rec["step"])
-                if rec["step"] == step:
-                    found = rec
+    for rec in batch_records(run):
+        if isinstance(rec.get("step"), int):
+            last = max(last, rec["step"])
+            if rec["step"] == step:
+                found = rec
     spike = record_path(run, step)
     if found is None and spike.is_file():
         found = json.loads(spike.read_text(encoding="utf-8"))
     if found is not None:
         return found
-    if not path.is_file():
+    if not (run / BATCHES).is_file():
         raise UserError(f"{run} has no {BATCHES} and no spike record of step {step}, so its batch is unknown",
                         "inspect a run trained with this version of mspretrain")
     raise UserError(f"step {step} is out of range: {run}/{BATCHES} records steps 1..{last}",
