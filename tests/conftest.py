@@ -85,6 +85,21 @@ def reference_run(tmp_path_factory, tiny_data) -> Path:
     return run
 
 
+def copy_run_at(src: Path, dst: Path, step: int) -> Path:
+    """A copy of a run dir as it was right after the save of `step`: later checkpoints gone and
+    metrics.jsonl cut there (what a crash after that save leaves to resume from)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    for d in (dst / "checkpoints").iterdir():
+        if int(d.name.split("_")[1].split(".")[0]) > step:
+            shutil.rmtree(d)
+    lines = (dst / "metrics.jsonl").read_text().splitlines()
+    (dst / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line).get("step", 0) <= step))
+    return dst
+
+
 def relative_error(got, want) -> float:
     """|got - want| / |want| over the whole tensor: a relative tolerance that means something for
     tensors whose elements are mostly tiny (most exp_avg_sq values are below 1e-6, so an absolute

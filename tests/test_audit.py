@@ -16,7 +16,7 @@ from mspretrain.cli import main
 from mspretrain.data.order import SamplePlan, batch_hash
 from mspretrain.monitor.batch_log import BatchLog, truncate
 from mspretrain.ops.audit import audit_run
-from tests.conftest import TINY
+from tests.conftest import TINY, copy_run_at
 
 
 def _log(tmp_path: Path, steps: int, plan: SamplePlan, g: int = 4) -> list[dict]:
@@ -88,21 +88,12 @@ def _rewrite_data_state(ckpt: Path, consumed: int) -> None:
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
-def _copy_at(run: Path, dst: Path, step: int) -> Path:
-    """The run as it was right after the save of `step` (later checkpoints gone)."""
-    shutil.copytree(run, dst)
-    for d in (dst / "checkpoints").iterdir():
-        if int(d.name.split("_")[1]) > step:
-            shutil.rmtree(d)
-    return dst
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("consumed, what", [(16, "4 samples replayed"), (0, "20 samples replayed")])
 def test_a_resume_with_a_rewound_or_lost_loader_state_is_named(resumed_run, tiny_data, tmp_path, consumed, what, capsys):
     """Step 5's checkpoint says the loader is at sample 16 (rewound by a step) or 0 (its data state
     lost and started over): training resumes without complaint, and the audit names step 6."""
-    run = _copy_at(resumed_run, tmp_path / "run", 5)
+    run = copy_run_at(resumed_run, tmp_path / "run", 5)
     _rewrite_data_state(run / "checkpoints" / "step_000005", consumed)
     _train(tiny_data, run, 7)
     a = audit_run(run)

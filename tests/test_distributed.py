@@ -14,7 +14,7 @@ import pytest
 
 from mspretrain.errors import UserError
 from mspretrain.train import distributed
-from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, TINY, assert_close_rel, assert_same_checkpoint, relative_error
+from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
 
 
 def _metrics(run: Path) -> dict[int, float]:
@@ -202,12 +202,7 @@ def test_sharded_optimizer_matches_one_process_and_resumes_anywhere(tmp_path, ti
     # updates. Step 6's loss is a forward pass on step-5 weights and cannot see the resumed
     # moments; the weights, moments and grad norms after the resumed updates can.
     resume_at = 5
-    resumed = tmp_path / "resumed"
-    shutil.copytree(two, resumed)
-    for step in range(resume_at + 1, FINAL + 1):
-        shutil.rmtree(_step_dir(resumed, step))
-    (resumed / "metrics.jsonl").write_text("".join(l + "\n" for l in (resumed / "metrics.jsonl").read_text().splitlines()
-                                                   if json.loads(l).get("step", 0) <= resume_at))
+    resumed = copy_run_at(two, tmp_path / "resumed", resume_at)
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(resumed), *ARGS]) == 0
     assert f"resumed from step_{resume_at:06d}" in (resumed / "train.log").read_text()
     after, after_gn = _metrics(resumed), _grad_norms(resumed)

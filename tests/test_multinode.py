@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, TINY, assert_same_checkpoint
+from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, TINY, assert_same_checkpoint, copy_run_at
 from tests.test_distributed import MSRUN, _free_port, _grad_norms, _metrics, _replica_hashes, _step_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")]
@@ -69,12 +68,7 @@ def test_two_nodes_equal_one_process_and_resume(tmp_path, tiny_data, reference_r
 
     # resume on two nodes from step 5: steps 6-8 and the final state equal the unbroken run
     resume_at = 5
-    resumed = tmp_path / "nodes-resumed"
-    shutil.copytree(run, resumed)
-    for step in range(resume_at + 1, REFERENCE_STEPS + 1):
-        shutil.rmtree(_step_dir(resumed, step))
-    (resumed / "metrics.jsonl").write_text("".join(l + "\n" for l in (resumed / "metrics.jsonl").read_text().splitlines()
-                                                   if json.loads(l).get("step", 0) <= resume_at))
+    resumed = copy_run_at(run, tmp_path / "nodes-resumed", resume_at)
     two_nodes(tmp_path, tiny_data, resumed, *REFERENCE_ARGS)
     assert f"resumed from step_{resume_at:06d}" in (resumed / "train.log").read_text()
     after = _metrics(resumed)
