@@ -14,11 +14,14 @@ and later steps. MindSpore's memory statistics read 0 on CPU, so resident memory
 
 Modes: fp32 (replicated, world 1); fp16 + fp32 masters (`precision.dtype=fp16`,
 `precision.param_dtype=compute`, world 1); shard2 (2 msrun workers, `optim.shard_optimizer=true`,
-and `optim.shard_gradients=true` when `OptimConfig` has that key). The planner's number is
-`make_plan(cfg, devices=N)["memory_bytes"]["peak"]` (or `["total"]` when it has no peak).
+and `optim.shard_gradients=true` when `OptimConfig` has that key); accum (fp32, world 1, two
+micro-batches per step: accumulate() twice and apply() instead of the fused graph). Every run has
+device.target=cpu. The planner's number is `make_plan(cfg, devices=N)["memory_bytes"]["peak"]`
+(or `["total"]` when it has no peak), which on CPU includes its stated term for MindSpore's CPU
+backend (`memory_bytes["cpu_backend"]`); the slopes are also shown without that term.
 The verdict is the per-parameter slope between sizes, measured vs planned (target: within 15 %).
 
-    python benchmarks/memory_bench.py                                 # 10m,60m,120m x fp32,fp16,shard2
+    python benchmarks/memory_bench.py                                 # 10m,60m,120m x fp32,fp16,shard2,accum
     python benchmarks/memory_bench.py --sizes 2m,10m --modes fp32 --steps 3   # smoke
     python benchmarks/memory_bench.py --sizes 1024x5 --modes shard2    # a size as DIMxLAYERS
 """
@@ -50,6 +53,9 @@ MODES = {
     "fp32": (1, ["precision.dtype=fp32"]),
     "fp16": (1, ["precision.dtype=fp16", "precision.param_dtype=compute"]),
     "shard2": (2, ["precision.dtype=fp32", "optim.shard_optimizer=true"]),
+    # fp32, world 1, gradient accumulation: 2 micro-batches per step (train.micro_batch = batch / 2),
+    # so the step is accumulate() twice and apply() (fp32 accumulation buffers), not the fused graph
+    "accum": (1, ["precision.dtype=fp32"]),
 }
 
 
@@ -80,7 +86,9 @@ def has_shard_gradients() -> bool:
 def overrides(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, micro: int = 0) -> list[str]:
     dim, layers = size
     world, extra = MODES[mode]
-    out = [f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={dim // 64}", "model.n_kv_heads=0",
+    if mode == "accum" and not micro:
+        micro = batch // 2
+    out = ["device.target=cpu", f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={dim // 64}", "model.n_kv_heads=0",
            f"model.max_seq_len={seq}", f"data.seq_len={seq}", f"train.global_batch={batch}", f"train.max_steps={steps}",
            "train.log_every=1000", "checkpoint.every=0", "eval.every=0", "schedule.warmup_steps=1", f"train.micro_batch={micro}", *extra]
     if mode == "shard2" and has_shard_gradients():
@@ -209,7 +217,10 @@ def planned(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, 
     # memory does not depend on the budget; 100 steps keep any warm-up shorter than the run
     mem = make_plan(cfg, devices=world, tokens=100 * batch * seq, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]
     key = "peak" if "peak" in mem else "total"
-    return {"bytes": float(mem[key]), "key": key, "parts": {k: float(v) for k, v in mem.items() if isinstance(v, (int, float))}}
+    # the planner's stated term for MindSpore's CPU backend (device.target = cpu), when it has one
+    backend = float(mem.get("cpu_backend", 0))
+    return {"bytes": float(mem[key]), "key": key, "backend": backend,
+            "parts": {k: float(v) for k, v in mem.items() if isinstance(v, (int, float))}}
 
 
 def make_data(dest: Path) -> Path:
@@ -284,14 +295,18 @@ def slopes(rows: list[dict]) -> list[dict]:
         dp = b["params"] - a["params"]
         meas = (b["peak"] - a["peak"]) / dp
         plan = (b["plan"] - a["plan"]) / dp
+        tensors = plan - (b.get("plan_backend", 0.0) - a.get("plan_backend", 0.0)) / dp
         out.append({"from": a["size"], "to": b["size"], "measured_bytes_per_param": meas,
-                    "planned_bytes_per_param": plan, "ratio": meas / plan if plan else float("nan")})
+                    "planned_bytes_per_param": plan, "ratio": meas / plan if plan else float("nan"),
+                    # the plan without its CPU-backend term: the tensors the step holds
+                    "planned_tensors_bytes_per_param": tensors,
+                    "ratio_tensors_only": meas / tensors if tensors else float("nan")})
     return out
 
 
 def markdown(results: dict[str, list[dict]], summary: dict[str, list[dict]]) -> str:
     """The tables docs/benchmarks/memory.md shows (from the results of one run)."""
-    out = ["| mode | params | measured peak | B/param | planned | B/param | TrainStep built | 1st accumulate / fused | 1st apply "
+    out = ["| mode | params | measured peak | B/param | planned | B/param | TrainStep built | step 1 accumulate(s) / fused | step 1 apply "
            "| after empty_cache / malloc_trim |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, rows in results.items():
@@ -309,18 +324,21 @@ def markdown(results: dict[str, list[dict]], summary: dict[str, list[dict]]) -> 
                        f"{r['plan'] / GiB:.2f} GiB ({r['plan_key']}) | {r['plan'] / r['params']:.0f} | "
                        f"+{(built - ph.get('model built', 0.0)) / GiB:.2f} | +{acc_inc / GiB:.2f} | "
                        + (f"+{app_inc / GiB:.2f}" if len(first) > 1 else "—") + f" | {trim} |")
-    out += ["", "| mode | sizes | measured B/param | planned B/param | measured / planned |", "|---|---|---:|---:|---:|"]
+    out += ["", "| mode | sizes | measured B/param | planned B/param (of which CPU backend) | measured / planned "
+            "| planned without the backend term | measured / that |", "|---|---|---:|---:|---:|---:|---:|"]
     for mode, rows in summary.items():
         for x in rows:
+            tensors = x.get("planned_tensors_bytes_per_param", x["planned_bytes_per_param"])
             out.append(f"| {mode} | {x['from']} → {x['to']} | {x['measured_bytes_per_param']:.1f} | "
-                       f"{x['planned_bytes_per_param']:.1f} | {x['ratio']:.2f} |")
+                       f"{x['planned_bytes_per_param']:.1f} ({x['planned_bytes_per_param'] - tensors:.1f}) | {x['ratio']:.2f} | "
+                       f"{tensors:.1f} | {x.get('ratio_tensors_only', x['ratio']):.2f} |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10m,60m,120m", help=f"comma list of {', '.join(SIZES)} or DIMxLAYERS")
-    ap.add_argument("--modes", default="fp32,fp16,shard2", help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--modes", default="fp32,fp16,shard2,accum", help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4, help="global batch (split over the workers in shard2)")
@@ -330,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms-set-memory", metavar="INIT,INC,MAX,LEVEL",
                     help="call mindspore.runtime.set_memory(...) in each worker first (an experiment knob)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--replan", metavar="FILE", action="append", default=[],
+                    help="no runs: the saved output of earlier --json runs against the planner as it is now (repeatable)")
     ap.add_argument("--markdown", action="store_true", help="also print the tables docs/benchmarks/memory.md shows")
     # worker mode (one size x mode, run by the parent or by msrun)
     ap.add_argument("--bench-worker", action="store_true", help=argparse.SUPPRESS)
@@ -341,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         args = ap.parse_args(argv)
         if args.bench_worker:
             return worker(args)
+        if args.replan:
+            return replan(args.replan, args.markdown)
         sizes = [s for s in args.sizes.split(",") if s]
         for s in sizes:
             parse_size(s)
@@ -372,19 +394,31 @@ def main(argv: list[str] | None = None) -> int:
             p = planned(parse_size(s), mode, args.seq, args.batch, args.steps, vocab, args.micro)
             row = {"size": s, "mode": mode, "params": r["params"], "peak": r["peak"], "rss_end": r["rss_end"],
                    "baseline_rss": r["baseline_rss"], "plan": p["bytes"], "plan_key": p["key"], "plan_parts": p["parts"],
+                   "plan_backend": p["backend"],
                    "ranks_peak": [x["peak"] for x in res], "phases": r["phases"], "wall_s": r["wall_s"],
                    **{k: r[k] for k in ("rss_after_empty_cache", "rss_after_malloc_trim", "empty_cache_error") if k in r}}
             results[mode].append(row)
             print(f"{mode:7s} {s:>6s} {r['params'] / 1e6:7.1f} M params: measured peak {r['peak'] / GiB:6.2f} GiB "
                   f"({r['peak'] / r['params']:5.1f} B/param), planned {p['key']} {p['bytes'] / GiB:6.2f} GiB "
-                  f"({p['bytes'] / r['params']:5.1f} B/param); baseline {r['baseline_rss'] / GiB:.2f} GiB; "
-                  f"{r['wall_s']:.0f} s", flush=True)
+                  f"({p['bytes'] / r['params']:5.1f} B/param; CPU backend term {p['backend'] / GiB:.2f} GiB); "
+                  f"baseline {r['baseline_rss'] / GiB:.2f} GiB; {r['wall_s']:.0f} s", flush=True)
             for ph in r["phases"]:
                 print(f"          {ph['phase']:<46s} peak {ph['hwm'] / GiB:6.2f}  rss after {ph['rss'] / GiB:6.2f} GiB")
             if "rss_after_malloc_trim" in r:
                 print(f"          after the last step: rss {r['rss_end'] / GiB:.2f}, after ms.runtime.empty_cache() "
                       f"{r['rss_after_empty_cache'] / GiB:.2f}, after malloc_trim(0) {r['rss_after_malloc_trim'] / GiB:.2f} GiB"
                       + (f" (empty_cache: {r['empty_cache_error']})" if "empty_cache_error" in r else ""))
+    settings = {"seq": args.seq, "batch": args.batch, "steps": args.steps, "micro": args.micro, "vocab": vocab}
+    summary = report(results, args.markdown)
+    if args.json:
+        print(json.dumps({"settings": settings, "results": results, "slopes": summary}, indent=1))
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def report(results: dict[str, list[dict]], md: bool) -> dict[str, list[dict]]:
+    """Print the per-mode slopes (and the markdown tables); returns the slopes."""
     print("per-parameter slope (bytes/param between sizes), measured vs planned:")
     summary = {}
     for mode, rows in results.items():
@@ -394,13 +428,30 @@ def main(argv: list[str] | None = None) -> int:
         for s in summary[mode]:
             ok = abs(s["ratio"] - 1) <= 0.15
             print(f"  {mode:7s} {s['from']:>6s} -> {s['to']:<6s} measured {s['measured_bytes_per_param']:6.1f}, "
-                  f"planned {s['planned_bytes_per_param']:6.1f}  ratio {s['ratio']:.2f} {'(within 15 %)' if ok else '(OFF by more than 15 %)'}")
-    if args.markdown:
+                  f"planned {s['planned_bytes_per_param']:6.1f}  ratio {s['ratio']:.2f} {'(within 15 %)' if ok else '(OFF by more than 15 %)'}"
+                  f"; without the plan's CPU-backend term: planned {s['planned_tensors_bytes_per_param']:6.1f}, "
+                  f"ratio {s['ratio_tensors_only']:.2f}")
+    if md:
         print(markdown(results, summary))
-    if args.json:
-        print(json.dumps({"results": results, "slopes": summary}, indent=1))
-    if not args.work:
-        shutil.rmtree(work, ignore_errors=True)
+    return summary
+
+
+def replan(files: list[str], md: bool) -> int:
+    """The measurements of saved runs (--json output) against the planner as it is now."""
+    results: dict[str, list[dict]] = {}
+    for f in files:
+        text = Path(f).read_text()
+        saved = json.loads(text[text.index("{\n"):])  # the --json block ends the output
+        st = saved["settings"]
+        for mode, rows in saved["results"].items():
+            for r in rows:
+                p = planned(parse_size(r["size"]), mode, st["seq"], st["batch"], st["steps"], st["vocab"], st["micro"])
+                r.update(plan=p["bytes"], plan_key=p["key"], plan_parts=p["parts"], plan_backend=p["backend"])
+                results.setdefault(mode, []).append(r)
+                print(f"{mode:7s} {r['size']:>6s} {r['params'] / 1e6:7.1f} M params: measured peak {r['peak'] / GiB:6.2f} GiB "
+                      f"({r['peak'] / r['params']:5.1f} B/param), planned {p['key']} {p['bytes'] / GiB:6.2f} GiB "
+                      f"({p['bytes'] / r['params']:5.1f} B/param; CPU backend term {p['backend'] / GiB:.2f} GiB)")
+    report(results, md)
     return 0
 
 
