@@ -124,6 +124,7 @@ import numpy as np  # noqa: E402
 from mindspore import nn  # noqa: E402
 
 from mspretrain.config import ModelConfig, resolve_model  # noqa: E402
+from mspretrain.device import HOST_BLOCKING_ENV, DeviceInfo, setup_mindspore  # noqa: E402
 from mspretrain.model.llama import Llama  # noqa: E402
 from mspretrain.model.loss import token_nll  # noqa: E402
 from mspretrain.model.presets import preset  # noqa: E402
@@ -217,7 +218,8 @@ def torch_step(cfg: ModelConfig, data: np.ndarray, minimal: bool = False):
 class MindformersStep:
     """MindSpore Transformers' train step in a child process on its own venv (see the docstring)."""
 
-    def __init__(self, python: Path, stubs: Path, cfg: ModelConfig, data: np.ndarray, threads: int) -> None:
+    def __init__(self, python: Path, stubs: Path, cfg: ModelConfig, data: np.ndarray, threads: int,
+                 host_blocking: bool = False) -> None:
         import subprocess
         import tempfile
 
@@ -225,6 +227,11 @@ class MindformersStep:
                 "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "ffn_dim": cfg.ffn_dim,
                 "norm_eps": cfg.norm_eps, "threads": threads, "data": data.tolist()}
         env = {**os.environ, "GLOG_v": "3", "PYTHONPATH": str(stubs)}
+        # MindSpore Transformers as a user runs it: MindSpore's default host pipeline, unless asked
+        # to get the same MS_DEV_HOST_BLOCKING_RUN=1 our CPU set-up uses (--peer-host-blocking)
+        env.pop(HOST_BLOCKING_ENV, None)
+        if host_blocking:
+            env[HOST_BLOCKING_ENV] = "1"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mindformers-child-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([str(python), str(Path(__file__).resolve()), "--mindformers-child"], text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, cwd="/tmp")
@@ -255,8 +262,8 @@ class MindformersStep:
 
 def find_mindformers(venv: str | None, peer_dir: str | None) -> tuple[Path, Path] | str:
     """(peer venv's python, the harness's stubs dir), or why the side is skipped."""
-    venv_p = Path(venv or os.environ.get("MINDFORMERS_VENV") or ROOT / ".venv-mindformers")
-    peer_p = Path(peer_dir or os.environ.get("MINDFORMERS_PEER_DIR") or ROOT.parent / "shared" / "peers" / "mindformers")
+    venv_p = Path(venv or os.environ.get("MINDFORMERS_VENV") or ROOT / ".venv-mindformers").absolute()  # the child runs in /tmp
+    peer_p = Path(peer_dir or os.environ.get("MINDFORMERS_PEER_DIR") or ROOT.parent / "shared" / "peers" / "mindformers").absolute()
     python, stubs = venv_p / "bin" / "python", peer_p / "stubs"
     if not python.is_file():
         return (f"no python in the MindSpore Transformers venv {venv_p} (build it: MFVENV={venv_p} bash "
@@ -321,6 +328,8 @@ def main() -> int:
     ap.add_argument("--mindformers-venv", metavar="DIR", help="MindSpore Transformers venv (default $MINDFORMERS_VENV or ./.venv-mindformers)")
     ap.add_argument("--peer-dir", metavar="DIR", help="the CPU harness with stubs/ (default $MINDFORMERS_PEER_DIR or ../shared/peers/mindformers)")
     ap.add_argument("--no-mindformers", action="store_true", help="two sides only")
+    ap.add_argument("--peer-host-blocking", action="store_true",
+                    help=f"give MindSpore Transformers {HOST_BLOCKING_ENV}=1 too (ours sets it on CPU, see mspretrain/device.py)")
     ap.add_argument("--json", action="store_true")
     ap.error = lambda msg: (print(f"train_bench: {msg}", file=sys.stderr), sys.exit(2))  # one line, exit 2
     args = ap.parse_args()
@@ -336,12 +345,16 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    ms.device_context.cpu.op_tuning.threads_num(args.threads)  # MindSpore's CPU default is 25 threads
+    # ours as `mspretrain train` sets MindSpore up on CPU (threads = cores instead of MindSpore's 25,
+    # deterministic, MS_DEV_HOST_BLOCKING_RUN=1), before the first MindSpore op of this process
+    setup_mindspore(DeviceInfo(target="cpu", threads=args.threads, flash_attention=False))
     load_before = os.getloadavg()[0]
     peaks = matmul_peak()
     print(f"threads {args.threads}, load average {load_before:.1f}; fp32 matmul peak: torch {peaks['torch']:.1f}, "
-          f"mindspore {peaks['mindspore']:.1f} GFLOP/s")
-    results = {"threads": args.threads, "peak_gflops": peaks, "load_average": load_before, "configs": {}}
+          f"mindspore {peaks['mindspore']:.1f} GFLOP/s; {HOST_BLOCKING_ENV}: ours {os.environ.get(HOST_BLOCKING_ENV, 'unset')}, "
+          f"MindSpore Transformers {'1' if args.peer_host_blocking else 'unset'}")
+    results = {"threads": args.threads, "peak_gflops": peaks, "load_average": load_before, "configs": {},
+               "ours_host_blocking": os.environ.get(HOST_BLOCKING_ENV), "peer_host_blocking": args.peer_host_blocking}
     for name in args.configs.split(","):
         cfg, seq, batch = configs[name]
         data = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
@@ -356,7 +369,7 @@ def main() -> int:
         if not isinstance(mf, str):
             if args.minimal:
                 print("  (--minimal: MindSpore Transformers' step still clips at 1.0)")
-            mfs = MindformersStep(mf[0], mf[1], cfg, data, args.threads)
+            mfs = MindformersStep(mf[0], mf[1], cfg, data, args.threads, host_blocking=args.peer_host_blocking)
             sides["mindformers"] = lambda mfs=mfs: mfs.timed(args.steps)
         names = list(sides)
         rounds: list[dict[str, float]] = []

@@ -138,11 +138,26 @@ def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
                       deterministic=cfg.device.deterministic, notes=tuple(notes), max_device_memory_gb=mem_gb)
 
 
+# MindSpore 2.10 hands every compiled graph to a host pipeline queue, and whoever reads a result
+# (`asnumpy`) waits for that queue in an empty loop (runtime/pipeline/async_r_queue.cc,
+# `AsyncRQueue::Wait`: `while (!tasks_queue_->IsEmpty()) {}`). On Ascend that spin costs a host core
+# the device does not use. On CPU the device IS the host: the spinning Python thread takes a core
+# from the two kernel threads every step (perf: 99 % of the main thread in AsyncRQueue::Wait; ~700 ms
+# of CPU per 1.2 s step on 2 cores, docs/benchmarks/train.md). With MS_DEV_HOST_BLOCKING_RUN=1
+# (`AsyncRQueue::Push`: `if (blocking_run || disable_multi_thread_) { task->Run(); return; }`) the
+# calling thread runs the graph itself and nothing spins. The flag is a function-local static read at
+# the first queued task of the process, so it must be set before any MindSpore op runs; a user's own
+# value wins (setdefault). CPU only: on Ascend the queue lets Python run ahead of the device.
+HOST_BLOCKING_ENV = "MS_DEV_HOST_BLOCKING_RUN"
+
+
 def setup_mindspore(info: DeviceInfo, *, device_id: int | None = None) -> None:
     """Point MindSpore at the device. Global mode stays PyNative; hot paths are `ms.jit`.
 
     device_id: the NPU to bind on Ascend; None = MindSpore's choice (msrun negotiates it). A process
     started from a rank table passes its DEVICE_ID (train/distributed.select_launch)."""
+    if info.target == "cpu":
+        os.environ.setdefault(HOST_BLOCKING_ENV, "1")
     import mindspore as ms
 
     target = "Ascend" if info.target == "ascend" else "CPU"

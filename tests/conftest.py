@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("GLOG_v", "3")
+# What `setup_mindspore` sets on CPU (mspretrain/device.py), here before the first op of the test
+# process: tests build models before any trainer sets MindSpore up, and the flag is read once.
+os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -2,6 +2,10 @@
 (issue 19, items 1-9): MindSpore's device/communication calls are recorded, not executed."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import mindspore as ms
@@ -175,3 +179,66 @@ def test_mindir_tolerance_is_dtype_aware():
 
     assert mindir.tolerance_for("fp32") == mindir.TOLERANCE == 1e-4
     assert mindir.tolerance_for("fp32") < mindir.tolerance_for("fp16") < mindir.tolerance_for("bf16")
+
+
+# ------------------------------------------------------------------ 6. the host pipeline does not spin on CPU
+
+_PROBE = """
+import json, os, time
+import numpy as np
+from mspretrain.device import DeviceInfo, setup_mindspore
+setup_mindspore(DeviceInfo(target="cpu", threads=2, flash_attention=False))
+import mindspore as ms
+from mindspore import Parameter, Tensor, ops
+
+w = Parameter(Tensor(np.full((384, 384), 0.01, np.float32)), name="w")
+
+def loss(x):
+    for _ in range(20):
+        x = ops.tanh(ops.matmul(x, w))
+    return x.sum()
+
+grad = ms.value_and_grad(loss, None, (w,))
+
+@ms.jit
+def step(x):  # a train step's shape: value_and_grad and an update (what the host queue runs async)
+    value, (g,) = grad(x)
+    ops.assign(w, w - 1e-3 * g)
+    return value
+
+x = Tensor(np.ones((384, 384), np.float32))
+step(x).asnumpy()  # compiles
+t0 = time.perf_counter(); y = step(x); t1 = time.perf_counter(); y.asnumpy(); t2 = time.perf_counter()
+print(json.dumps({"env": os.environ.get("MS_DEV_HOST_BLOCKING_RUN"), "call": t1 - t0, "read": t2 - t1}))
+"""
+
+
+@pytest.mark.parametrize("user_value", [None, "0"])
+def test_cpu_setup_runs_graphs_on_the_calling_thread_unless_the_user_says_otherwise(user_value, tmp_path):
+    """On CPU, setup_mindspore sets MS_DEV_HOST_BLOCKING_RUN=1 before any op runs: the compiled call
+    returns with its result computed (nothing left for `asnumpy` to spin-wait on, which took a core
+    from the kernels). A user's own value is kept: with 0 the call returns at once and the read waits."""
+    env = {k: v for k, v in os.environ.items() if k != device.HOST_BLOCKING_ENV}
+    if user_value is not None:
+        env[device.HOST_BLOCKING_ENV] = user_value
+    probe = tmp_path / "probe.py"  # ms.jit needs the source in a file
+    probe.write_text(_PROBE)
+    out = subprocess.run([sys.executable, str(probe)], env={**env, "GLOG_v": "3"}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if user_value is None:
+        assert got["env"] == "1"
+        assert got["call"] > 10 * got["read"], got  # the work happened inside the call
+    else:
+        assert got["env"] == "0"
+        assert got["read"] > 2 * got["call"], got  # queued: the read waited for it
+
+
+def test_ascend_setup_leaves_the_host_pipeline_alone(monkeypatch):
+    monkeypatch.delenv(device.HOST_BLOCKING_ENV, raising=False)
+    monkeypatch.setattr(ms, "set_device", lambda *a: None)
+    monkeypatch.setattr(ms, "set_deterministic", lambda flag: None)
+    monkeypatch.setattr(ms, "set_context", lambda **kw: None)
+    monkeypatch.setattr(ms.runtime, "set_memory", lambda **kw: None)
+    device.setup_mindspore(device.plan_device(cfgmod.load(None, ["precision.dtype=fp16"]), target="ascend"), device_id=0)
+    assert device.HOST_BLOCKING_ENV not in os.environ
