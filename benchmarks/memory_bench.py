@@ -441,7 +441,7 @@ def replan(files: list[str], md: bool) -> int:
     results: dict[str, list[dict]] = {}
     for f in files:
         text = Path(f).read_text()
-        saved = json.loads(text[text.index("{\n"):])  # the --json block ends the output
+        saved = json.JSONDecoder().raw_decode(text[text.index("{\n"):])[0]  # the --json block (anything after it ignored)
         st = saved["settings"]
         for mode, rows in saved["results"].items():
             for r in rows:
