@@ -163,7 +163,8 @@ def test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_wor
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, tiny_data):
     """fp16 compute with fp16 matrices and sharded fp32 masters, ZeRO-2, and `bucket_mb = 0` (the
-    per-parameter collectives) on 2 workers, against the same config on one process."""
+    per-parameter collectives) on 2 workers, against the same config on one process; then resumed
+    from its step 5 on one process."""
     from mspretrain.cli import main
 
     fp16 = ["precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static"]
@@ -182,6 +183,14 @@ def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, t
     # fp16 weights: one ulp is ~1e-3 relative, and summation order flips some roundings (measured
     # 1.6e-4 and 7.7e-4 in two runs), as in the fp16-wire test of test_distributed.py
     assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(one, FINAL), 5e-3)
+
+    # resumed at another world size: the 2 workers' step-5 checkpoint (fp16 weights, fp32 masters
+    # sharded over 2 files) continued by one process keeps the unbroken runs' losses
+    resumed = _resume_on_one_process(two, tiny_data, tmp_path, 5, "train.log_every=1", *fp16)
+    after = _metrics(resumed)
+    for step in range(6, FINAL + 1):
+        assert abs(after[step] - a[step]) <= 1e-4 and abs(after[step] - b[step]) <= 1e-4, (step, a[step], b[step], after[step])
+    assert_same_checkpoint(_step_dir(resumed, FINAL), _step_dir(one, FINAL), 5e-3)
 
 
 @pytest.mark.slow
