@@ -1,6 +1,7 @@
 """The planner's stated term for MindSpore's CPU backend (`memory_bytes.cpu_backend`, device.target =
-cpu only): present, counted from the tensors the step's graphs really run `where` over, part of the
-peak, labelled in `plan`'s text, and absent from Ascend plans (docs/benchmarks/memory.md, run 3).
+cpu only): present, counted from the step's parameters, part of the peak, labelled in `plan`'s
+text, and absent from Ascend plans (docs/benchmarks/memory.md, runs 3 and 4); and the step keeps no
+`where` with a 0-d operand over a full tensor (the CPU Select kernel's 24 B per element).
 
 tests/test_zero2.py::test_plan_bytes_are_the_buffers_the_step_allocates checks the per-kind buffer
 bytes against a real TrainStep; this extends it to the backend term, which is derived from the same
@@ -29,7 +30,6 @@ def _cfg(tiny_cfg, dtype: str, param_dtype: str, accumulation: int, target: str 
 
 def test_the_measured_constants_are_in_the_plan():
     # a refit may change them; none of them may silently become 0 (the term would vanish from CPU plans)
-    assert planmod.CPU_SELECT_INDEX_BYTES == 24  # 3 index lists x 8 bytes (select_cpu_kernel.cc)
     assert planmod.CPU_RUNTIME_BYTES_PER_PARAM > 0
     assert planmod.CPU_HALF_BYTES_PER_PARAM > 0
 
@@ -49,10 +49,8 @@ def test_cpu_backend_term_is_counted_from_the_steps_tables(tiny_cfg, dtype, para
     plan = planmod.make_plan(cfg, devices=1, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)
     mem = plan["memory_bytes"]
     size = lambda p: int(np.prod(p.shape))
-    # `_finish` masks every owned gradient; `accumulate` every accumulation buffer
-    select = sum(size(step.params[i]) for i in step.own) + (sum(size(a) for a in step.accum) if accumulation > 1 else 0)
     params = [p for p in model.trainable_params()]
-    expect = (planmod.CPU_SELECT_INDEX_BYTES * select + planmod.CPU_RUNTIME_BYTES_PER_PARAM * sum(size(p) for p in params)
+    expect = (planmod.CPU_RUNTIME_BYTES_PER_PARAM * sum(size(p) for p in params)
               + (planmod.CPU_HALF_BYTES_PER_PARAM * sum(size(p) for p in params if is_half_eligible(p.name))
                  if dtype != "fp32" else 0))
     assert mem["cpu_backend"] == pytest.approx(expect, rel=1e-12) and mem["cpu_backend"] > 0
@@ -60,7 +58,7 @@ def test_cpu_backend_term_is_counted_from_the_steps_tables(tiny_cfg, dtype, para
     have = step.buffer_bytes()
     assert (mem["gradients"], mem["adam_moments"]) == (have["gradients"], have["adam_moments"])
     # part of the peak and of the text
-    for name in ("CPU_SELECT_INDEX_BYTES", "CPU_RUNTIME_BYTES_PER_PARAM", "CPU_HALF_BYTES_PER_PARAM"):
+    for name in ("CPU_RUNTIME_BYTES_PER_PARAM", "CPU_HALF_BYTES_PER_PARAM"):
         monkeypatch.setattr(planmod, name, 0)
     other = planmod.make_plan(cfg, devices=1, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]
     assert other["cpu_backend"] == 0 and mem["peak"] == pytest.approx(other["peak"] + mem["cpu_backend"], rel=1e-12)
@@ -69,18 +67,19 @@ def test_cpu_backend_term_is_counted_from_the_steps_tables(tiny_cfg, dtype, para
     assert re.search(r"CPU backend term \(measured\)\s+[\d.,]+ GB", planmod.format_plan(plan))
 
 
-def test_the_step_still_masks_with_a_0d_where_where_the_plan_counts_it():
-    """The Select term is tied to two lines of train/step.py. When either stops being a `where` with a
-    0-d condition over a full-size tensor (e.g. `nan_to_num(g * where(finite, gscale, 0))`, measured
-    23.5 bytes/param smaller), the plan's count must change with it and the bench be re-run."""
+def test_the_step_has_no_0d_where_over_a_full_tensor():
+    """MindSpore 2.10's CPU Select with a 0-d operand keeps 24 B per output element for the graph's
+    life (run 3: the overflow mask of `_finish` and the overwrite of `accumulate` cost 24 B/param
+    each). The step masks with a scaled multiply and a full-size condition instead, and the plan has
+    no term for it: a `where(finite, grads[...]` or `where(first, g, ...)` coming back must fail here."""
     from mspretrain.train.step import TrainStep
 
     finish = inspect.getsource(TrainStep._finish)
     accumulate = inspect.getsource(TrainStep._ensure_accum)
-    assert re.search(r"ops\.where\(finite,\s*grads\[", finish), \
-        "step._finish no longer masks each gradient with where(finite, ...): update memory_model's select elements"
-    assert re.search(r"ops\.where\(first,\s*g,\s*acc \+ g\)", accumulate), \
-        "step.accumulate no longer uses where(first, g, acc + g): update memory_model's select elements"
+    assert not re.search(r"ops\.where\(finite,\s*grads\[", finish)
+    assert re.search(r"ops\.nan_to_num\(grads\[", finish)
+    assert not re.search(r"ops\.where\(first,\s*g,", accumulate)  # (the 0-d loss sum may keep its scalar where)
+    assert re.search(r"ops\.where\(ops\.broadcast_to\(first, acc\.shape\)", accumulate)
 
 
 def test_ascend_plans_have_no_cpu_term(tiny_cfg):

@@ -30,11 +30,10 @@ Design choices:
     framework reserve   Ascend: 1 GiB of kernel workspace and HCCL buffers (assumed, not measured)
     CPU backend         device.target = cpu only: resident memory MindSpore 2.10's CPU backend holds
                         outside the tensors above, from the first call of each compiled graph on
-                        (measured, docs/benchmarks/memory.md run 3): the Select kernel's broadcast
-                        index lists (24 bytes per element of every `where` with a 0-d condition the
-                        step's graphs hold), plus a per-parameter runtime term fitted on the fp32
-                        run and, with fp16 compute, a per-half-matrix term fitted on the fp16 run
-                        (10m -> 60m each; the other sizes and modes are checked out of sample)
+                        (measured, docs/benchmarks/memory.md runs 3 and 4): a per-parameter runtime
+                        term fitted on the fp32 run and, with fp16 compute, a per-half-matrix term
+                        fitted on the fp16 run (10m -> 60m each; the other sizes and modes are
+                        checked out of sample)
 - Steps, warm-up, lr and the micro-batch split come from `mspretrain/budget.py`, which the trainer
   uses too, so the plan and the run cannot disagree. The budget is --tokens, else the config's
   train.max_steps / max_tokens (what `train` will run), else one pass over the --data dir.
@@ -93,29 +92,30 @@ ASCEND_RESERVE_BYTES = GB
 
 # MindSpore 2.10's CPU backend: what a CPU run holds beyond the tensors of the step (device.target =
 # cpu only; docs/benchmarks/memory.md, "Run 3", has the measurements and which numbers were fitted).
-# 1. Select with a broadcast operand: the CPU kernel's Resize builds one index list per input (cond,
-#    x, y) of the output's size, 8 bytes an entry, kept in the kernel object for the life of the
-#    compiled graph (kernel/cpu/native/select_cpu_kernel.cc, GetBroadCastIndex into index_list1_..3_).
-#    Measured: a graph `where(0-d cond, x, 0-d)` over N fp32 holds 6 buffers of 4N beyond its output
-#    (probe); the real step at 10 M parameters is 23.5 bytes/param smaller with the `where` of
-#    `_finish` replaced by `nan_to_num(g * where(finite, gscale, 0))` (run 3). Not fitted.
-CPU_SELECT_INDEX_BYTES = 24
-# 2. The rest of the measured per-parameter slope, as a per-parameter constant: the pool's and the
+# Not a term any more: Select with a broadcast operand. The CPU kernel's Resize builds one index list
+#    per input (cond, x, y) of the output's size, 8 bytes an entry, kept in the kernel object for the
+#    life of the compiled graph (kernel/cpu/native/select_cpu_kernel.cc, GetBroadCastIndex into
+#    index_list1_..3_): 24 bytes per element of every `where` with a 0-d operand over a full tensor.
+#    The step had two (the overflow mask of `_finish`, the first-micro-batch overwrite of
+#    `accumulate`); it no longer has any (run 3 measured, run 4 confirms), and
+#    tests/test_plan_backend.py keeps it that way.
+# 1. The rest of the measured per-parameter slope, as a per-parameter constant: the pool's and the
 #    kernels' share that no tensor of the plan accounts for (it includes the model's split copies of
 #    the fused wqkv / w13 weights, 3.2 bytes/param measured). Fitted on one pair: the fp32 fused
-#    step, 10m -> 60m (run 3: measured 50.0 B/param = 18.8 planned tensors + 24 Select + 7.2).
+#    step, 10m -> 60m (run 3: measured 50.0 B/param = 18.8 planned tensors + 24 Select + 7.2, the
+#    Select part then still in the step).
 CPU_RUNTIME_BYTES_PER_PARAM = 7.2
-# 3. fp16/bf16 compute on CPU, per element of the half-eligible matrices: MindSpore's CPU kernels on
+# 2. fp16/bf16 compute on CPU, per element of the half-eligible matrices: MindSpore's CPU kernels on
 #    fp16 hold fp32 working copies (probes: an fp16 MatMul keeps about an fp32 copy of its weight;
 #    an fp16 elementwise op holds ~16 bytes per element beyond its output). Fitted on one pair: the
-#    fp16 (+ fp32 masters) fused step, 10m -> 60m, after terms 1 and 2 (run 3: measured 71.0
-#    B/param = 17.7 planned tensors + 24 + 7.2 + 0.99 x 22.3).
+#    fp16 (+ fp32 masters) fused step, 10m -> 60m, after term 1 (run 3: measured 71.0 B/param =
+#    17.7 planned tensors + 24 Select + 7.2 + 0.99 x 22.3).
 CPU_HALF_BYTES_PER_PARAM = 22.3
 
 
-def cpu_backend_bytes(sizes: Sequence[int], half_matrix: Sequence[bool], select_elements: int, half: bool) -> float:
+def cpu_backend_bytes(sizes: Sequence[int], half_matrix: Sequence[bool], half: bool) -> float:
     """The CPU backend's resident term (device.target = cpu): see the constants above."""
-    return (CPU_SELECT_INDEX_BYTES * select_elements + CPU_RUNTIME_BYTES_PER_PARAM * sum(sizes)
+    return (CPU_RUNTIME_BYTES_PER_PARAM * sum(sizes)
             + (CPU_HALF_BYTES_PER_PARAM * sum(n for n, h in zip(sizes, half_matrix) if h) if half else 0.0))
 
 
@@ -170,11 +170,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     mem["collective_buffers"] = max(reduce_t, gather_t)
     mem["update_temporaries"] = 8 * max(sizes[i] for i in owned)
     mem["framework_reserve"] = ASCEND_RESERVE_BYTES if target == "ascend" else 0
-    # train/step.py's graphs take `where` with a 0-d condition over every owned gradient (`_finish`:
-    # the overflow mask) and, with accumulation, over every accumulation buffer (`accumulate`: the
-    # first micro-batch overwrites); tests/test_plan_backend.py pins these counts to the step
-    select_elements = sum(sizes[i] for i in owned) + (sum(sizes[i] for i in accum_idx) if accum > 1 else 0)
-    mem["cpu_backend"] = (cpu_backend_bytes(sizes, [is_half_eligible(n) for n, _ in shapes], select_elements, half)
+    mem["cpu_backend"] = (cpu_backend_bytes(sizes, [is_half_eligible(n) for n, _ in shapes], half)
                           if target == "cpu" else 0)
     persistent = sum(mem[k] for k in ("weights", "half_weights", "master_weights", "gradients", "adam_moments"))
     update = mem["collective_buffers"] + mem["update_temporaries"]

@@ -304,9 +304,15 @@ class TrainStep:
         b2 = ops.where(finite, self.beta2 * one, one)
         eps_t = self.eps * root_bc2
         wd_factor = ops.where(finite, bc1 / root_bc2, zero)
+        # The gradient of a skipped step is 0 (an exact no-op update), without a `where` over the
+        # full tensor: MindSpore 2.10's CPU Select with a 0-d operand keeps three index lists of the
+        # output's size (24 B per element) for the graph's lifetime (select_cpu_kernel.cc,
+        # GetBroadCastIndex; docs/benchmarks/memory.md run 3: -23.5 B/param). A scale of 0 zeroes
+        # finite values; nan_to_num turns the inf * 0 = NaN of an overflowed gradient into 0.
+        gscale = ops.where(finite, gscale, zero)
         for k, i in enumerate(self.own):
             master = self.own_masters[k]
-            g = ops.where(finite, grads[self._own_pos[k]] * gscale, zero)
+            g = ops.nan_to_num(grads[self._own_pos[k]] * gscale, 0.0, 0.0, 0.0)
             wd = self.wd[i] * wd_factor if self.wd[i] else 0.0
             self._adamw(master, self.exp_avg[k], self.exp_avg_sq[k], lr_t, b1, b2, eps_t, wd, g)
             if self._own_has_master[k]:
@@ -365,7 +371,8 @@ class TrainStep:
             else:
                 grads = [grads[i].astype(ms.float32) for i in self._order]
             for acc, g in zip(self.accum, grads):
-                ops.assign(acc, ops.where(first, g, acc + g))
+                # a full-size condition: Select with a 0-d operand holds 24 B per element (see _finish)
+                ops.assign(acc, ops.where(ops.broadcast_to(first, acc.shape), g, acc + g))
             ops.assign(self.loss_accum, ops.where(first, nll_sum, self.loss_accum + nll_sum))
             return nll_sum, rows
 
