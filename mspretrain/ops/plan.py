@@ -101,16 +101,16 @@ ASCEND_RESERVE_BYTES = GB
 #    tests/test_plan_backend.py keeps it that way.
 # 1. The rest of the measured per-parameter slope, as a per-parameter constant: the pool's and the
 #    kernels' share that no tensor of the plan accounts for (it includes the model's split copies of
-#    the fused wqkv / w13 weights, 3.2 bytes/param measured). Fitted on one pair: the fp32 fused
-#    step, 10m -> 60m (run 3: measured 50.0 B/param = 18.8 planned tensors + 24 Select + 7.2, the
-#    Select part then still in the step).
-CPU_RUNTIME_BYTES_PER_PARAM = 7.2
+#    the fused wqkv / w13 weights, 3.2 bytes/param measured). Fitted on one pair of one mode: the fp32
+#    fused step, 10m -> 120m (run 4: measured 24.2 B/param = 18.4 planned tensors + 5.8). Run 3's
+#    7.2 was fitted on 10m -> 60m with the step's Select term still in it.
+CPU_RUNTIME_BYTES_PER_PARAM = 5.8
 # 2. fp16/bf16 compute on CPU, per element of the half-eligible matrices: MindSpore's CPU kernels on
 #    fp16 hold fp32 working copies (probes: an fp16 MatMul keeps about an fp32 copy of its weight;
 #    an fp16 elementwise op holds ~16 bytes per element beyond its output). Fitted on one pair: the
-#    fp16 (+ fp32 masters) fused step, 10m -> 60m, after term 1 (run 3: measured 71.0 B/param =
-#    17.7 planned tensors + 24 Select + 7.2 + 0.99 x 22.3).
-CPU_HALF_BYTES_PER_PARAM = 22.3
+#    fp16 (+ fp32 masters) fused step, 10m -> 120m, after term 1 (run 4: measured 42.4 B/param =
+#    17.4 planned tensors + 5.8 + 0.99 x 19.3).
+CPU_HALF_BYTES_PER_PARAM = 19.3
 
 
 def cpu_backend_bytes(sizes: Sequence[int], half_matrix: Sequence[bool], half: bool) -> float:
