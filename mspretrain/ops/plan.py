@@ -32,8 +32,8 @@ Design choices:
                         outside the tensors above, from the first call of each compiled graph on
                         (measured, docs/benchmarks/memory.md runs 3 and 4): a per-parameter runtime
                         term fitted on the fp32 run and, with fp16 compute, a per-half-matrix term
-                        fitted on the fp16 run (10m -> 60m each; the other sizes and modes are
-                        checked out of sample)
+                        fitted on the fp16 run (10m -> 120m each; the 60 M midpoint and the other
+                        modes are checked out of sample; 2 workers sharded is not within 15 %)
 - Steps, warm-up, lr and the micro-batch split come from `mspretrain/budget.py`, which the trainer
   uses too, so the plan and the run cannot disagree. The budget is --tokens, else the config's
   train.max_steps / max_tokens (what `train` will run), else one pass over the --data dir.
@@ -91,7 +91,7 @@ def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
 ASCEND_RESERVE_BYTES = GB
 
 # MindSpore 2.10's CPU backend: what a CPU run holds beyond the tensors of the step (device.target =
-# cpu only; docs/benchmarks/memory.md, "Run 3", has the measurements and which numbers were fitted).
+# cpu only; docs/benchmarks/memory.md, runs 3 and 4, has the measurements and which numbers were fitted).
 # Not a term any more: Select with a broadcast operand. The CPU kernel's Resize builds one index list
 #    per input (cond, x, y) of the output's size, 8 bytes an entry, kept in the kernel object for the
 #    life of the compiled graph (kernel/cpu/native/select_cpu_kernel.cc, GetBroadCastIndex into
