@@ -191,10 +191,10 @@ setup_mindspore(DeviceInfo(target="cpu", threads=2, flash_attention=False))
 import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 
-w = Parameter(Tensor(np.full((384, 384), 0.01, np.float32)), name="w")
+w = Parameter(Tensor(np.full((512, 512), 0.01, np.float32)), name="w")
 
 def loss(x):
-    for _ in range(20):
+    for _ in range(40):  # ~0.5 s of fwd + bwd: the launch is small beside it, even on a loaded box
         x = ops.tanh(ops.matmul(x, w))
     return x.sum()
 
@@ -206,7 +206,7 @@ def step(x):  # a train step's shape: value_and_grad and an update (what the hos
     ops.assign(w, w - 1e-3 * g)
     return value
 
-x = Tensor(np.ones((384, 384), np.float32))
+x = Tensor(np.ones((512, 512), np.float32))
 step(x).asnumpy()  # compiles
 t0 = time.perf_counter(); y = step(x); t1 = time.perf_counter(); y.asnumpy(); t2 = time.perf_counter()
 print(json.dumps({"env": os.environ.get("MS_DEV_HOST_BLOCKING_RUN"), "call": t1 - t0, "read": t2 - t1}))
@@ -231,7 +231,7 @@ def test_cpu_setup_runs_graphs_on_the_calling_thread_unless_the_user_says_otherw
         assert got["call"] > 10 * got["read"], got  # the work happened inside the call
     else:
         assert got["env"] == "0"
-        assert got["read"] > 2 * got["call"], got  # queued: the read waited for it
+        assert got["read"] > got["call"], got  # queued: the read waited for most of it
 
 
 def test_ascend_setup_leaves_the_host_pipeline_alone(monkeypatch):
