@@ -208,12 +208,13 @@ def worker(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- in the parent
 
-def planned(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, vocab: int, micro: int = 0) -> dict:
+def planned(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, vocab: int, micro: int = 0,
+            extra: list[str] | tuple[str, ...] = ()) -> dict:
     from mspretrain import config as cfgmod
     from mspretrain.ops.plan import make_plan
 
     world = MODES[mode][0]
-    cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", overrides(size, mode, seq, batch, steps, micro) + [f"model.vocab_size={vocab}"])
+    cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", overrides(size, mode, seq, batch, steps, micro) + list(extra) + [f"model.vocab_size={vocab}"])
     # memory does not depend on the budget; 100 steps keep any warm-up shorter than the run
     mem = make_plan(cfg, devices=world, tokens=100 * batch * seq, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]
     key = "peak" if "peak" in mem else "total"
@@ -254,7 +255,7 @@ def run_one(size_name: str, mode: str, args: argparse.Namespace, data: Path, wor
     wargs = ["--bench-worker", "--data", str(data), "--run", str(run), "--out", str(out)]
     if args.ms_set_memory:
         wargs += ["--ms-set-memory", args.ms_set_memory]
-    for o in overrides(size, mode, args.seq, args.batch, args.steps, args.micro):
+    for o in overrides(size, mode, args.seq, args.batch, args.steps, args.micro) + list(args.set):
         wargs += ["--override", o]
     py = sys.executable
     env = {**os.environ, "GLOG_v": "3"}
@@ -347,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", help="scratch dir (data dir, runs); default: a temp dir, removed at the end")
     ap.add_argument("--ms-set-memory", metavar="INIT,INC,MAX,LEVEL",
                     help="call mindspore.runtime.set_memory(...) in each worker first (an experiment knob)")
+    ap.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                    help="a config override for every run, e.g. optim.bucket_mb=64 (repeatable)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--replan", metavar="FILE", action="append", default=[],
                     help="no runs: the saved output of earlier --json runs against the planner as it is now (repeatable)")
@@ -391,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             if not res:
                 continue
             r = max(res, key=lambda r: r["peak"])  # the rank that needed most
-            p = planned(parse_size(s), mode, args.seq, args.batch, args.steps, vocab, args.micro)
+            p = planned(parse_size(s), mode, args.seq, args.batch, args.steps, vocab, args.micro, args.set)
             row = {"size": s, "mode": mode, "params": r["params"], "peak": r["peak"], "rss_end": r["rss_end"],
                    "baseline_rss": r["baseline_rss"], "plan": p["bytes"], "plan_key": p["key"], "plan_parts": p["parts"],
                    "plan_backend": p["backend"],
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"          after the last step: rss {r['rss_end'] / GiB:.2f}, after ms.runtime.empty_cache() "
                       f"{r['rss_after_empty_cache'] / GiB:.2f}, after malloc_trim(0) {r['rss_after_malloc_trim'] / GiB:.2f} GiB"
                       + (f" (empty_cache: {r['empty_cache_error']})" if "empty_cache_error" in r else ""))
-    settings = {"seq": args.seq, "batch": args.batch, "steps": args.steps, "micro": args.micro, "vocab": vocab}
+    settings = {"seq": args.seq, "batch": args.batch, "steps": args.steps, "micro": args.micro, "vocab": vocab, "set": args.set}
     summary = report(results, args.markdown)
     if args.json:
         print(json.dumps({"settings": settings, "results": results, "slopes": summary}, indent=1))
@@ -445,7 +448,7 @@ def replan(files: list[str], md: bool) -> int:
         st = saved["settings"]
         for mode, rows in saved["results"].items():
             for r in rows:
-                p = planned(parse_size(r["size"]), mode, st["seq"], st["batch"], st["steps"], st["vocab"], st["micro"])
+                p = planned(parse_size(r["size"]), mode, st["seq"], st["batch"], st["steps"], st["vocab"], st["micro"], st.get("set", []))
                 r.update(plan=p["bytes"], plan_key=p["key"], plan_parts=p["parts"], plan_backend=p["backend"])
                 results.setdefault(mode, []).append(r)
                 print(f"{mode:7s} {r['size']:>6s} {r['params'] / 1e6:7.1f} M params: measured peak {r['peak'] / GiB:6.2f} GiB "

@@ -209,7 +209,8 @@ class OptimConfig(_Section):
     shard_gradients: bool = False
     # Cap of one collective's flat buffer in MB (a transient copy): gradients and parameters cross
     # ranks in a few buckets instead of one collective per parameter. 0 = one per parameter.
-    bucket_mb: float = 256.0
+    # "auto": 256 on Ascend, 32 on CPU (train/layout.py `bucket_mb_for` says why).
+    bucket_mb: Union[float, str] = "auto"
 
     def check(self) -> None:
         if not (self.lr >= 0 and math.isfinite(self.lr)):
@@ -225,8 +226,12 @@ class OptimConfig(_Section):
             _fail("optim.grad_clip", f"= {self.grad_clip} must not be negative", "use 1.0, or 0 to disable clipping")
         if self.z_loss < 0:
             _fail("optim.z_loss", f"= {self.z_loss} must not be negative", "use 0 (off) or e.g. 1e-4")
-        if self.bucket_mb < 0:
-            _fail("optim.bucket_mb", f"= {self.bucket_mb} must not be negative", "use e.g. 256, or 0 for one collective per parameter")
+        if isinstance(self.bucket_mb, str):
+            if self.bucket_mb != "auto":
+                _fail("optim.bucket_mb", f"= {self.bucket_mb!r} is neither a number nor \"auto\"",
+                      'write optim.bucket_mb=64 (MB), 0 for one collective per parameter, or optim.bucket_mb="auto"')
+        elif not (self.bucket_mb >= 0 and math.isfinite(self.bucket_mb)):
+            _fail("optim.bucket_mb", f"= {self.bucket_mb} must be a non-negative number", "use e.g. 256, or 0 for one collective per parameter")
 
 
 @dataclass(frozen=True)

@@ -87,3 +87,78 @@ def test_ascend_plans_have_no_cpu_term(tiny_cfg):
         cfg = _cfg(tiny_cfg, "fp16", "compute", 2, target=target)
         plan = planmod.make_plan(cfg, devices=2, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)
         assert plan["memory_bytes"]["cpu_backend"] == 0 and "CPU backend term" not in planmod.format_plan(plan)
+
+
+def test_buckets_are_32_mb_on_cpu_and_256_on_ascend_unless_given():
+    from mspretrain.config import OptimConfig
+    from mspretrain.train.layout import ASCEND_BUCKET_MB, CPU_BUCKET_MB, bucket_mb_for
+
+    assert OptimConfig().bucket_mb == "auto"
+    assert (bucket_mb_for("auto", "cpu"), bucket_mb_for("auto", "ascend"), bucket_mb_for("auto", "auto")) == (32.0, 256.0, 256.0)
+    assert (CPU_BUCKET_MB, ASCEND_BUCKET_MB) == (32.0, 256.0)
+    assert bucket_mb_for(64, "cpu") == bucket_mb_for(64.0, "ascend") == 64.0 and bucket_mb_for(0, "cpu") == 0.0
+
+
+@pytest.mark.parametrize("value", ['"big"', "-1", "nan"])
+def test_a_bad_bucket_mb_is_one_line_naming_the_key(value):
+    from mspretrain import config as cfgmod
+    from mspretrain.errors import UserError
+
+    with pytest.raises(UserError, match=r"optim\.bucket_mb") as err:
+        cfgmod.load(None, [f"optim.bucket_mb={value}"])
+    assert "\n" not in str(err.value)
+    assert cfgmod.load(None, ['optim.bucket_mb="auto"']).optim.bucket_mb == "auto"
+    assert cfgmod.load(None, ["optim.bucket_mb=64"]).optim.bucket_mb == 64.0
+
+
+def _sharded(tiny_cfg, target: str, bucket_mb: float | str = "auto"):
+    cfg = _cfg(tiny_cfg, "fp32", "fp32", 1, target=target)
+    return replace(cfg, optim=replace(cfg.optim, shard_optimizer=True, shard_gradients=True, bucket_mb=bucket_mb),
+                   train=replace(cfg.train, micro_batch=0))
+
+
+def test_cpu_collective_term_is_the_measured_factor_times_the_steps_largest_bucket(tiny_cfg, monkeypatch):
+    """On CPU with 2 ranks the plan's collective buckets are CPU_BUCKET_FACTOR x the largest bucket
+    of the layout a real TrainStep builds with the CPU default cap; Ascend keeps the flat copy and the
+    ReduceScatter / AllGather results (x 1.5 with 2 ranks), and its own 256 MB cap."""
+    from mspretrain.model.llama import Llama
+    from mspretrain.train import layout as layoutmod
+    from mspretrain.train.step import TrainStep
+
+    # a cap below the tiny model's size, so the CPU default and Ascend's give different buckets
+    monkeypatch.setattr(layoutmod, "CPU_BUCKET_MB", 0.15)
+    cfg = _sharded(tiny_cfg, "cpu")
+    step = TrainStep(Llama(cfg.model, dtype="fp32", seed=0), cfg.optim, global_tokens=128, world=2, rank=0, shard=True,
+                     shard_grads=True, bucket_mb=layoutmod.bucket_mb_for("auto", "cpu"), device="cpu")
+    largest = max(step.layout.largest_bucket_bytes())
+    red, gat = TrainStep(Llama(cfg.model, dtype="fp32", seed=1), cfg.optim, global_tokens=128, world=2, rank=0, shard=True,
+                         shard_grads=True, bucket_mb=256.0, device="cpu").layout.largest_bucket_bytes()
+    assert largest < max(red, gat)  # the cap applies
+    mem = planmod.make_plan(cfg, devices=2, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]
+    assert mem["collective_buffers"] == pytest.approx(planmod.CPU_BUCKET_FACTOR * largest, rel=1e-12)
+    assert planmod.CPU_BUCKET_FACTOR > 2  # more than a flat copy and its result: a refit may change it, not drop it
+    # the same config with an explicit cap plans that cap
+    given = planmod.make_plan(_sharded(tiny_cfg, "cpu", 256.0), devices=2, tokens=10**6, data_dir=None,
+                              tokens_per_s_per_device=None)["memory_bytes"]
+    assert given["collective_buffers"] > mem["collective_buffers"]
+    # Ascend: its default cap (one bucket for the tiny model) and no CPU factor
+    asc = planmod.make_plan(_sharded(tiny_cfg, "ascend"), devices=2, tokens=10**6, data_dir=None,
+                            tokens_per_s_per_device=None)["memory_bytes"]
+    assert asc["collective_buffers"] == pytest.approx(max(red + red / 2, gat + gat / 2), rel=1e-12)
+    # and a single process has no collective at all
+    assert planmod.make_plan(cfg, devices=1, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]["collective_buffers"] == 0
+
+
+def test_run_config_notes_the_bucket_cap_that_ran(tiny_cfg):
+    """RUN_DIR/config.toml keeps "auto" (so it resumes on either device) and says what ran."""
+    from mspretrain import budget
+    from mspretrain.config import MetricsConfig
+    from mspretrain.train.build import resolved_notes
+
+    cfg = replace(tiny_cfg, train=replace(tiny_cfg.train, micro_batch=0))
+    notes = lambda world, target: resolved_notes(cfg, budget.derive(cfg, world=world, data_tokens=10**6), MetricsConfig(), 2, target)
+    assert notes(2, "cpu")["optim.bucket_mb"] == "this run: 32 MB (cpu)"
+    assert notes(2, "ascend")["optim.bucket_mb"] == "this run: 256 MB (ascend)"
+    assert "optim.bucket_mb" not in notes(1, "cpu")  # one process: no collective, nothing to say
+    fixed = replace(cfg, optim=replace(cfg.optim, bucket_mb=64.0))
+    assert "optim.bucket_mb" not in resolved_notes(fixed, budget.derive(fixed, world=2, data_tokens=10**6), MetricsConfig(), 2, "cpu")

@@ -263,10 +263,10 @@ def test_bucketed_collectives_equal_per_parameter_bit_for_bit_on_one_process(tin
     parameter (bucket_mb = 0), several multi-parameter buckets and one bucket (the default) give
     bit-identical losses, grad norms, weights and Adam moments over 3 steps, and, with an fp32
     wire, the bits of world 1."""
-    from mspretrain.train.layout import plan_layout
-    from mspretrain.train.step import DEFAULT_BUCKET_MB, TrainStep
+    from mspretrain.train.layout import bucket_mb_for, plan_layout
+    from mspretrain.train.step import TrainStep
 
-    caps = (0.0, 0.15, DEFAULT_BUCKET_MB)  # 0.15 MB = 39,321 elements: 5 buckets of 1-5 of the tiny model's 15 parameters
+    caps = (0.0, 0.15, bucket_mb_for("auto", "cpu"))  # 0.15 MB = 39,321 elements: 5 buckets of 1-5 of the tiny model's 15 parameters
     sizes = [int(np.prod(s)) for s in _tiny_shapes(tiny_cfg)]
     for cap in caps:  # world 1: nothing to pack
         layout = plan_layout(sizes, [False] * len(sizes), [wire16] * len(sizes), 1, shard=False, shard_grads=False,

@@ -25,15 +25,17 @@ Design choices:
                      each). With full recomputation only each layer's input (e*s*b*h) is kept, plus
                      one layer's activations while it is recomputed. Plus fp32 logits and
                      log-probabilities: 8*s*b*V.
-    collective buckets  the largest bucket's flat copy and its result
+    collective buckets  the largest bucket's flat copy and its result; on CPU (world > 1) a measured
+                        6.2 x the largest bucket (CPU_BUCKET_FACTOR), with buckets of 32 MB there
+                        (optim.bucket_mb = "auto": 256 MB on Ascend, 32 MB on CPU)
     update temporaries  8 bytes x the largest owned parameter (scaled gradient, masked copy)
     framework reserve   Ascend: 1 GiB of kernel workspace and HCCL buffers (assumed, not measured)
     CPU backend         device.target = cpu only: resident memory MindSpore 2.10's CPU backend holds
                         outside the tensors above, from the first call of each compiled graph on
                         (measured, docs/benchmarks/memory.md runs 3 and 4): a per-parameter runtime
                         term fitted on the fp32 run and, with fp16 compute, a per-half-matrix term
-                        fitted on the fp16 run (10m -> 120m each; the 60 M midpoint and the other
-                        modes are checked out of sample; 2 workers sharded is not within 15 %)
+                        fitted on the fp16 run (10m -> 120m each; the 60 M midpoint, 256 M and
+                        the other modes, 2 workers sharded included, are checked out of sample)
 - Steps, warm-up, lr and the micro-batch split come from `mspretrain/budget.py`, which the trainer
   uses too, so the plan and the run cannot disagree. The budget is --tokens, else the config's
   train.max_steps / max_tokens (what `train` will run), else one pass over the --data dir.
@@ -111,6 +113,16 @@ CPU_RUNTIME_BYTES_PER_PARAM = 5.8
 #    fp16 (+ fp32 masters) fused step, 10m -> 120m, after term 1 (run 4: measured 42.4 B/param =
 #    17.4 planned tensors + 5.8 + 0.99 x 19.3).
 CPU_HALF_BYTES_PER_PARAM = 19.3
+# 3. A bucket crossing ranks (world > 1): on CPU the step's collective transient is this many times
+#    the largest bucket's bytes, in place of a flat copy and its result. Measured with
+#    benchmarks/bucket_memory_bench.py: the real fused ZeRO-2 step of 2 msrun workers around a model
+#    that is only parameters (16 x 16 MB), its first call's growth beyond the same step on one process,
+#    divided by the largest bucket: 4.3 x at 256 MB, 4.5 x at 64 MB, 6.2 x at 32 MB (the CPU default;
+#    the smallest buckets carry a fixed part too). What it is: on CPU the gather is an AllReduce of a
+#    zero-padded flat bucket, so a bucket holds its own part, the padding, the flat copy, the result
+#    and the slices cut from it, plus mccl's received chunks. The largest factor is the term
+#    (docs/benchmarks/memory.md run 5).
+CPU_BUCKET_FACTOR = 6.2
 
 
 def cpu_backend_bytes(sizes: Sequence[int], half_matrix: Sequence[bool], half: bool) -> float:
@@ -137,7 +149,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     trained parameters (the step computes no gradient for a frozen one)."""
     from mspretrain.model.groups import trainable_mask
     from mspretrain.model.presets import is_half_eligible, param_shapes
-    from mspretrain.train.layout import cap_elements, plan_layout
+    from mspretrain.train.layout import bucket_mb_for, cap_elements, plan_layout
 
     shapes = param_shapes(m)
     sizes = [math.prod(s) for _, s in shapes]
@@ -149,7 +161,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     # parameters only (T); frozen ones are weights and nothing else. Indices below are into all.
     T = [i for i, k in enumerate(trainable_mask([n for n, _ in shapes], cfg.train.trainable, tied=m.tie_embeddings)) if k]
     layout = plan_layout([sizes[i] for i in T], [is_half[i] for i in T], [wire16[i] for i in T], devices,
-                         shard=zero, shard_grads=shard_grads, cap=cap_elements(cfg.optim.bucket_mb))
+                         shard=zero, shard_grads=shard_grads, cap=cap_elements(bucket_mb_for(cfg.optim.bucket_mb, target)))
     owned = [T[j] for j in layout.owned(layout.heaviest_rank())] if layout.sharded else T
     accum_idx = owned if layout.shard_grads else T
     pbytes = [2 if h else 4 for h in is_half]
@@ -167,6 +179,8 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     # a flat copy and the result: AllReduce's result is the whole bucket; ReduceScatter's (Ascend) 1/N
     reduce_t = red + (red / devices if layout.shard_grads and target == "ascend" else red) if devices > 1 else 0
     gather_t = gat + gat / devices if devices > 1 else 0
+    if devices > 1 and target == "cpu":  # measured, not derived: see CPU_BUCKET_FACTOR
+        reduce_t = gather_t = CPU_BUCKET_FACTOR * max(red, gat)
     mem["collective_buffers"] = max(reduce_t, gather_t)
     mem["update_temporaries"] = 8 * max(sizes[i] for i in owned)
     mem["framework_reserve"] = ASCEND_RESERVE_BYTES if target == "ascend" else 0

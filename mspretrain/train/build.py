@@ -36,6 +36,7 @@ from mspretrain.checkpoint import store
 from mspretrain.config import Config
 from mspretrain.errors import UserError
 from mspretrain.paths import DataPaths, RunPaths
+from mspretrain.train.layout import bucket_mb_for
 from mspretrain.train.trainer import StepCallback, Trainer
 
 NUMERIC_KEYS = ("model", "data.seq_len", "data.reset_attention_at_eos", "train.global_batch", "train.seed")
@@ -117,7 +118,8 @@ def memory_options(cfg: Config, step_fn: Any, world: Any, accum: int) -> str:
     return "; " + ", ".join(parts) if parts else ""
 
 
-def resolved_notes(cfg: Config, b: budget.Budget, sampling: cfgmod.MetricsConfig, threads: int) -> dict[str, str]:
+def resolved_notes(cfg: Config, b: budget.Budget, sampling: cfgmod.MetricsConfig, threads: int,
+                   target: str = "cpu") -> dict[str, str]:
     """The automatic (0) values as they ran, for comments in RUN_DIR/config.toml. The keys stay
     automatic so the same file resumes on another world size or machine."""
     notes = {}
@@ -127,6 +129,8 @@ def resolved_notes(cfg: Config, b: budget.Budget, sampling: cfgmod.MetricsConfig
         notes["device.threads"] = f"0 = all cores; this run: {threads}"
     if cfg.schedule.warmup_steps == "auto":
         notes["schedule.warmup_steps"] = f"this run: {b.warmup} steps"
+    if cfg.optim.bucket_mb == "auto" and b.world > 1:
+        notes["optim.bucket_mb"] = f"this run: {bucket_mb_for('auto', target):g} MB ({target})"
     for f in dataclasses.fields(sampling):
         if getattr(sampling, f.name) != getattr(cfg.metrics, f.name):
             notes[f"metrics.{f.name}"] = f"this run: every {getattr(sampling, f.name)} (intervals capped at {b.steps} steps / 8)"
@@ -220,7 +224,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     tokenizer = DataPaths(data_dir).tokenizer
     if world.is_main:
         paths.root.mkdir(parents=True, exist_ok=True)
-        cfgmod.save(cfg, paths.config, notes=resolved_notes(cfg, b, sampling, device.threads))
+        cfgmod.save(cfg, paths.config, notes=resolved_notes(cfg, b, sampling, device.threads, device.target))
         if tokenizer is not None:
             (paths.root / tokenizer.name).write_bytes(tokenizer.read_bytes())
         meta = {"data_dir": str(data_dir), "world_size": world.size, "code_version": __version__,

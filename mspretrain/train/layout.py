@@ -149,6 +149,24 @@ def assign_owners_grouped(sizes: list[int], keys: list[object], world: int) -> l
     return owner
 
 
+ASCEND_BUCKET_MB = 256.0
+CPU_BUCKET_MB = 32.0
+
+
+def bucket_mb_for(bucket_mb: float | str, target: str) -> float:
+    """`optim.bucket_mb` as it runs on `target`: a number as given; "auto" by device.
+
+    Ascend: 256 MB, a few large buckets per step (HCCL pays a launch and a latency per call).
+    CPU: 32 MB. MindSpore's CPU collectives (mccl) over loopback gain nothing from large buckets,
+    and MindSpore's CPU backend holds four to six times a bucket's bytes while it crosses (its flat
+    copy, the all-reduced result, the slices cut from it, mccl's received chunks: measured in
+    docs/benchmarks/memory.md run 5), so a large bucket is a large, step-long transient there.
+    Any other target (a plan for `device.target = "auto"`) plans Ascend's production value."""
+    if isinstance(bucket_mb, str):
+        return CPU_BUCKET_MB if target == "cpu" else ASCEND_BUCKET_MB
+    return float(bucket_mb)
+
+
 def cap_elements(bucket_mb: float) -> int:
     """The bucket cap in elements of 4 bytes (0 = one collective per parameter)."""
     return int(bucket_mb * 2**20 // 4) if bucket_mb > 0 else 0

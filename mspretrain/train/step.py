@@ -71,11 +71,9 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config import OptimConfig
 from mspretrain.model.groups import trainable_mask
-from mspretrain.train.layout import assign_owners, cap_elements, plan_layout
+from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout
 
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners"]
-
-DEFAULT_BUCKET_MB = 256.0
 
 
 def decay_mask(names: list[str], decay_embeddings: bool) -> list[bool]:
@@ -115,11 +113,12 @@ class TrainStep:
     def __init__(self, model: nn.Cell, optim: OptimConfig, *, global_tokens: int, world: int = 1,
                  rank: int = 0, jit: bool = True, allreduce_fp16: bool = False, shard: bool = False,
                  shard_grads: bool = False, half_params: list[str] | None = None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, device: str = "cpu", accumulation: int | None = None,
+                 bucket_mb: float | str = "auto", device: str = "cpu", accumulation: int | None = None,
                  jit_level: str = "O0", trainable: list[str] | tuple[str, ...] | None = None) -> None:
         """half_params: names of parameters to store in the model's compute dtype from now on;
         their fp32 values become master copies held with the optimizer state (by their owner).
-        bucket_mb: cap of one collective's flat buffer (0 = one collective per parameter).
+        bucket_mb: cap of one collective's flat buffer (0 = one collective per parameter; "auto": by
+        device, train/layout.py `bucket_mb_for`).
         accumulation: micro-batches per step, when known (> 1 allocates the buffers now).
         jit_level: MindSpore's graph optimisation level for the compiled functions (device.jit_level).
         trainable: parameter groups to train (train.trainable); None or ["all"]: every parameter."""
@@ -141,7 +140,7 @@ class TrainStep:
         # fp16 on the wire for every gradient but lm_head's (the field report's exemption)
         self.layout = plan_layout(self.sizes, [n in half for n in self.names],
                                   [allreduce_fp16 and "lm_head" not in n for n in self.names], world,
-                                  shard=shard, shard_grads=shard_grads, cap=cap_elements(bucket_mb))
+                                  shard=shard, shard_grads=shard_grads, cap=cap_elements(bucket_mb_for(bucket_mb, device)))
         self.shard_grads, self.sharded = self.layout.shard_grads, self.layout.sharded
         self.owner = list(self.layout.owner) if self.sharded else [rank] * len(self.params)
         self.own = [i for i, r in enumerate(self.owner) if r == rank]  # indices whose state lives here
