@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 os.environ.setdefault("GLOG_v", "3")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_bench, beside this file
 MB = 2**20
 
 
@@ -96,28 +96,16 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(world: int, cap: float, count: int, numel: int, work: Path) -> dict | None:
     tag = f"w{world}-cap{cap:g}"
-    py = sys.executable
+    from memory_bench import command  # the same launch (one process, or msrun workers on this host)
+
     wargs = ["--bench-worker", "--cap", str(cap), "--count", str(count), "--numel", str(numel), "--out", str(work / tag)]
-    env = {**os.environ, "GLOG_v": "3"}
-    if world == 1:
-        cmd = [py, str(Path(__file__).resolve()), *wargs]
-    else:
-        msrun = shutil.which("msrun", path=f"{Path(py).parent}:{os.environ.get('PATH', '')}")
-        if msrun is None:
-            print(f"{tag}: skipped, msrun not found next to {py}")
-            return None
-        env["PATH"] = f"{Path(py).parent}:{env.get('PATH', '')}"  # msrun runs `python` from PATH
-        cmd = [msrun, f"--worker_num={world}", f"--local_worker_num={world}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", f"--log_dir={work / ('logs-' + tag)}", "--join=True",
-               str(Path(__file__).resolve()), *wargs]
+    launch = command(Path(__file__), wargs, world, work / f"logs-{tag}")
+    if launch is None:
+        print(f"{tag}: skipped, msrun not found next to {sys.executable}")
+        return None
+    cmd, env = launch
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
     files = sorted(work.glob(f"{tag}.rank*.json"))
     if proc.returncode != 0 or len(files) != world:

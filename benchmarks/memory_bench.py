@@ -245,6 +245,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def command(script: Path, wargs: list[str], world: int, log_dir: Path) -> tuple[list[str], dict[str, str]] | None:
+    """The command line and environment that run `script` with `wargs` in one process (world 1)
+    or in `world` msrun workers on this host; None when msrun is not next to this interpreter."""
+    py = sys.executable
+    env = {**os.environ, "GLOG_v": "3"}
+    if world == 1:
+        return [py, str(script.resolve()), *wargs], env
+    msrun = shutil.which("msrun", path=f"{Path(py).parent}:{os.environ.get('PATH', '')}")
+    if msrun is None:
+        return None
+    env["PATH"] = f"{Path(py).parent}:{env.get('PATH', '')}"  # msrun runs `python` from PATH: this one first
+    return [msrun, f"--worker_num={world}", f"--local_worker_num={world}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", f"--log_dir={log_dir}", "--join=True", str(script.resolve()), *wargs], env
+
+
 def run_one(size_name: str, mode: str, args: argparse.Namespace, data: Path, work: Path) -> list[dict]:
     size = parse_size(size_name)
     world = MODES[mode][0]
@@ -257,20 +272,11 @@ def run_one(size_name: str, mode: str, args: argparse.Namespace, data: Path, wor
         wargs += ["--ms-set-memory", args.ms_set_memory]
     for o in overrides(size, mode, args.seq, args.batch, args.steps, args.micro) + list(args.set):
         wargs += ["--override", o]
-    py = sys.executable
-    env = {**os.environ, "GLOG_v": "3"}
-    if world == 1:
-        cmd = [py, str(Path(__file__).resolve()), *wargs]
-    else:
-        msrun = shutil.which("msrun", path=f"{Path(py).parent}:{os.environ.get('PATH', '')}")
-        if msrun is None:
-            print(f"{tag}: skipped, msrun not found next to {py}")
-            return []
-        # msrun runs `python` from PATH: put this interpreter's directory first.
-        env["PATH"] = f"{Path(py).parent}:{env.get('PATH', '')}"
-        cmd = [msrun, f"--worker_num={world}", f"--local_worker_num={world}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", f"--log_dir={work / ('logs-' + tag)}", "--join=True",
-               str(Path(__file__).resolve()), *wargs]
+    launch = command(Path(__file__), wargs, world, work / f"logs-{tag}")
+    if launch is None:
+        print(f"{tag}: skipped, msrun not found next to {sys.executable}")
+        return []
+    cmd, env = launch
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
     files = sorted(work.glob(f"{tag}.rank*.json"))
