@@ -122,7 +122,8 @@ CPU_HALF_BYTES_PER_PARAM = 19.3
 #    zero-padded flat bucket, so a bucket holds its own part, the padding, the flat copy, the result
 #    and the slices cut from it, plus mccl's received chunks. The largest factor is the term
 #    (docs/benchmarks/memory.md run 5). Replicated gradients (no sharding; a flat AllReduce and its
-#    pieces) get the same factor: measured for ZeRO-2 only, and a flat AllReduce is no larger.
+#    pieces) get the same factor, unmeasured: their bucket holds the same copies less the padding and
+#    the own part, so it should be on the safe side there.
 CPU_BUCKET_FACTOR = 6.2
 
 
