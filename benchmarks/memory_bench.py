@@ -383,6 +383,14 @@ def main(argv: list[str] | None = None) -> int:
             raise BadArgs("--steps >= 2, --seq >= 8 and an even --batch >= 2 are required")
         if args.micro < 0 or (args.micro and (args.batch // 2) % args.micro):
             raise BadArgs("--micro must divide --batch / 2 (the per-rank batch of the 2-worker mode)")
+        if args.set:  # a bad override is one line here, not a traceback in every worker
+            from mspretrain import config as cfgmod
+            from mspretrain.errors import UserError
+
+            try:
+                cfgmod.load(ROOT / "configs" / "tiny.toml", args.set)
+            except UserError as e:
+                raise BadArgs(f"--set: {e}") from None
     except BadArgs as e:
         print(f"memory_bench: {e}", file=sys.stderr)
         return 2
