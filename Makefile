@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo demo-quick test bench clean npm
+.PHONY: demo demo-quick test test-fast bench clean npm
 
 $(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ demo-quick: $(VENV)/.base npm
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
+
+# The inner loop while editing: everything but the end-to-end runs, msrun and the SIGKILL tests
+# (markers in pyproject.toml). CI and a change that is ready to land run `make test`.
+test-fast: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -m "not slow and not msrun and not sigkill"
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/prepare_bench.py

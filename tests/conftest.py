@@ -103,6 +103,36 @@ def copy_run_at(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
+def snapshot(state):
+    """A private copy of an array or a dict of arrays: the "before" of a before/after comparison.
+    `state_numpy()`, `optimizer_state()` and `Tensor.asnumpy()` return views of live buffers on
+    CPU, so a "before" taken from them changes with the step and the comparison cannot fail."""
+    if isinstance(state, dict):
+        return {k: np.array(v, copy=True) for k, v in state.items()}
+    return np.array(state, copy=True)
+
+
+def assert_unshared(before, after) -> None:
+    """`before` and `after` (arrays or dicts of arrays with the same keys) share no memory: a
+    comparison between them compares two states, not one buffer with itself."""
+    if isinstance(before, dict):
+        assert set(before) == set(after), sorted(set(before) ^ set(after))
+        for k in before:
+            assert not np.shares_memory(before[k], after[k]), f"{k}: 'before' is a view of 'after' (take it with snapshot())"
+    else:
+        assert not np.shares_memory(before, after), "'before' is a view of 'after' (take it with snapshot())"
+
+
+def assert_unchanged(before, after) -> None:
+    """Bit for bit the same, and two different buffers (so that this can fail)."""
+    assert_unshared(before, after)
+    if isinstance(before, dict):
+        for k in before:
+            assert np.array_equal(before[k], after[k]), f"{k} changed"
+    else:
+        assert np.array_equal(before, after)
+
+
 def relative_error(got, want) -> float:
     """|got - want| / |want| over the whole tensor: a relative tolerance that means something for
     tensors whose elements are mostly tiny (most exp_avg_sq values are below 1e-6, so an absolute

@@ -124,6 +124,7 @@ def _run_until_killed(cmd: list[str], run: Path, kill_at: int, during_save: bool
         proc.wait()
 
 
+@pytest.mark.sigkill
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", ["random_step", "during_save"])
 def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, reference_run, trial):

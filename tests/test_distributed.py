@@ -93,6 +93,7 @@ MSRUN = shutil.which("msrun", path=f"{Path(sys.executable).parent}:{os.environ.g
 
 
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 @pytest.mark.parametrize("wire", ["fp32", "fp16"])
 def test_two_ranks_match_one_process(tmp_path, tiny_data, reference_run, wire):
@@ -158,6 +159,7 @@ def test_owner_table_is_balanced_and_deterministic():
 
 
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_sharded_optimizer_matches_one_process_and_resumes_anywhere(tmp_path, tiny_data, reference_run):
     """ZeRO-1 on 2 msrun workers: same losses and grad norms as one unsharded process, identical
@@ -220,6 +222,7 @@ def test_sharded_optimizer_matches_one_process_and_resumes_anywhere(tmp_path, ti
 
 
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_fp16_wire_overflow_skips_the_step_on_every_rank(tmp_path, tiny_data):
     """Scaled gradients that fit fp32 but not fp16 (max 65,504) overflow on the wire only: every
@@ -244,6 +247,7 @@ SPIKE_ARGS = ["train.max_steps=5", "checkpoint.every=0", "--quiet"]
 
 
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_spike_rewind_under_msrun_matches_one_process(tmp_path, tiny_data):
     """Spike `rewind` on 2 sharded ranks: both reload the same checkpoint (the newest save of the
@@ -323,7 +327,9 @@ def _ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
 LONG = ["train.max_steps=400", "checkpoint.every=2", "checkpoint.keep_last=3", "train.log_every=1", "schedule.kind=constant"]
 
 
+@pytest.mark.sigkill
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_killed_worker_ends_the_job_naming_the_rank_and_relaunch_resumes_exactly(tmp_path, tiny_data):
     import signal
@@ -371,7 +377,9 @@ def test_killed_worker_ends_the_job_naming_the_rank_and_relaunch_resumes_exactly
     assert max(after) == upto
 
 
+@pytest.mark.sigkill
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_stopped_worker_is_named_by_diagnose_and_the_job_ends(tmp_path, tiny_data, capsys):
     import signal

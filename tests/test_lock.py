@@ -45,6 +45,7 @@ def _wait_for_holder(run: Path, proc: subprocess.Popen, timeout: float = 120.0) 
     raise AssertionError("the holder never took the lock")
 
 
+@pytest.mark.sigkill
 def test_second_trainer_and_recover_refused_until_the_holder_is_killed(tmp_path, tiny_data, capsys):
     run = tmp_path / "run"
     env = dict(os.environ, GLOG_v="3", PYTHONPATH=str(ROOT))

@@ -13,7 +13,7 @@ import pytest
 from mspretrain.config import ModelConfig, OptimConfig, resolve_model
 from mspretrain.model.llama import Llama, half_eligible, state_numpy
 from mspretrain.train.step import TrainStep
-from tests.conftest import TINY
+from tests.conftest import TINY, snapshot
 
 CFG = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256))
 OPT = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0)
@@ -32,7 +32,7 @@ def _run(dtype: str, *, half: bool = False, recompute: bool = False) -> tuple[li
             layer.recompute()
     step = TrainStep(model, OPT, global_tokens=B * T, half_params=half_eligible(model) if half else None)
     losses = [step.run([(b, None, None)], lr=1e-3, scale=1024.0 if dtype == "fp16" else 1.0).loss for b in _batches()]
-    return losses, {k: v.copy() for k, v in state_numpy(model).items()}, step
+    return losses, snapshot(state_numpy(model)), step
 
 
 @pytest.fixture(scope="module")

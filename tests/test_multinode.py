@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, TINY, assert_same_checkpoint, copy_run_at
 from tests.test_distributed import MSRUN, _free_port, _grad_norms, _metrics, _replica_hashes, _step_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")]
+pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")]
 
 
 def two_nodes(tmp_path: Path, data: Path, run: Path, *args: str, timeout: float = 900) -> None:

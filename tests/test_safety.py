@@ -556,6 +556,7 @@ def test_eval_without_a_verified_checkpoint_does_not_say_fresh_start(tmp_path, c
     assert rc == 2 and "fresh start" not in out + err and "no verified checkpoint" in err
 
 
+@pytest.mark.sigkill
 def test_prepare_workers_die_with_a_killed_parent_without_tracebacks(tmp_path):
     import os
     import signal

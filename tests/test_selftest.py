@@ -180,6 +180,7 @@ def test_a_bf16_config_on_cpu_is_checked_not_refused(tmp_path):
 MSRUN = shutil.which("msrun", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
 
 
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_collectives_worker_on_two_cpu_processes(tmp_path):
     """The worker the 910B selftest launches, on 2 CPU workers: results checked, bandwidth measured."""

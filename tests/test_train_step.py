@@ -11,7 +11,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mspretrain.config import ModelConfig, OptimConfig, resolve_model
 from mspretrain.model.llama import Llama, state_numpy
 from mspretrain.train.step import TrainStep, decay_mask
-from tests.conftest import assert_close_rel
+from tests.conftest import assert_close_rel, assert_unchanged, assert_unshared, snapshot
 
 V, D = 50, 16
 
@@ -106,14 +106,13 @@ def test_fp16_overflow_skips_the_update_bit_exactly():
     batch = np.random.default_rng(2).integers(0, 128, (4, 17)).astype(np.int32)
     first = step.run([(batch, None, None)], lr=1e-3, scale=64.0)
     assert first.finite
-    before_w, before_o = state_numpy(model), step.optimizer_state()
+    # copies: state_numpy() and optimizer_state() are views of the live buffers on CPU
+    before_w, before_o = snapshot(state_numpy(model)), snapshot(step.optimizer_state())
     res = step.run([(batch, None, None)], lr=1e-3, scale=3e38)  # scaled grads overflow fp32 -> inf
     assert not res.finite
     after_w, after_o = state_numpy(model), step.optimizer_state()
-    for k in before_w:
-        assert np.array_equal(before_w[k], after_w[k]), k
-    for k in before_o:
-        assert np.array_equal(before_o[k], after_o[k]), k
+    assert_unchanged(before_w, after_w)
+    assert_unchanged(before_o, after_o)
     assert int(after_o["opt_step"]) == 1
     again = step.run([(batch, None, None)], lr=1e-3, scale=64.0)  # buffers were cleared: a normal step
     assert again.finite and int(step.optimizer_state()["opt_step"]) == 2
@@ -136,7 +135,7 @@ def test_frozen_groups_stay_bit_identical_and_hold_no_optimizer_state():
     after_one = state_numpy(full_model)
     for micro in (4, 2):  # fused graph; two micro-batches accumulated
         model = _tiny()
-        before = {k: v.copy() for k, v in state_numpy(model).items()}
+        before = snapshot(state_numpy(model))
         step = TrainStep(model, optim, global_tokens=4 * 16, trainable=groups)
         trained = {"embed.weight", "lm_head.weight"}
         assert set(step.names) == trained and {p.name for p in step.frozen} == set(before) - trained
@@ -147,6 +146,7 @@ def test_frozen_groups_stay_bit_identical_and_hold_no_optimizer_state():
                 for name in trained:
                     np.testing.assert_allclose(state_numpy(model)[name], after_one[name], rtol=0, atol=1e-6, err_msg=name)
         after = state_numpy(model)
+        assert_unshared(before, after)
         for name, value in before.items():
             if name in trained:
                 assert not np.array_equal(after[name], value), f"{name} was not trained"

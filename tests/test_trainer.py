@@ -27,7 +27,7 @@ from mspretrain.train.schedule import Schedule
 from mspretrain.train.spike_policy import SpikePolicy
 from mspretrain.train.step import StepResult
 from mspretrain.train.trainer import Trainer
-from tests.conftest import TINY
+from tests.conftest import TINY, snapshot
 
 
 def make(data: Path, run: Path, *over: str) -> Trainer:
@@ -180,7 +180,7 @@ def rewind_run(tmp_path_factory, tiny_data):
     t = make(tiny_data, run, "train.max_steps=6", "checkpoint.every=2", "spike.action=rewind",
              "checkpoint.async_save=false", "metrics.tensorboard=false")
     at_rewind: dict = {}
-    t.callbacks.append(lambda st, data, v: at_rewind.update(step=st, data=data, weights=state_numpy(t.model),
+    t.callbacks.append(lambda st, data, v: at_rewind.update(step=st, data=data, weights=snapshot(state_numpy(t.model)),
                                                            samples=t.loader.state()["samples"]) if "rewind" in v else None)
     real_check = t.spikes.detector.check
     t.spikes.detector.check = lambda step, loss, gn=None: (

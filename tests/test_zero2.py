@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mspretrain.train.layout import assign_owners_grouped, cap_elements, flat_buckets, rank_buckets
-from tests.conftest import TINY, assert_same_checkpoint
+from tests.conftest import TINY, assert_same_checkpoint, snapshot
 from tests.test_distributed import ARGS, FINAL, MSRUN, STEPS, _grad_norms, _metrics, _msrun, _replica_hashes, _step_dir
 
 # a 7B-shaped table: embedding, 32 x (norm, wqkv, wo, norm, w13, w2), norm, lm_head
@@ -131,6 +131,7 @@ def zero2_accum_run(tmp_path_factory, tiny_data) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_world_1(tmp_path, tiny_data, reference_run,
                                                                                      zero2_accum_run):
@@ -160,6 +161,7 @@ def test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_wor
 
 
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, tiny_data):
     """fp16 compute with fp16 matrices and sharded fp32 masters, ZeRO-2, and `bucket_mb = 0` (the
@@ -194,6 +196,7 @@ def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, t
 
 
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_sharded_gradients_with_frozen_groups_match_one_process(tmp_path, tiny_data):
     """train.trainable = ["embeddings", "lm_head"] under ZeRO-2 with accumulation on 2 workers: owners,
@@ -248,7 +251,7 @@ def _run_three_steps(tiny_cfg, *, world: int, bucket_mb: float, accumulation: in
         k = 4 // accumulation
         r = step.run([(batch[i:i + k], None, None) for i in range(0, 4, k)], lr=1e-3, scale=1.0)
         results.append((r.loss, r.grad_norm, r.finite))
-    return step, results, {k: v.copy() for k, v in state_numpy(model).items()}, step.optimizer_state()
+    return step, results, snapshot(state_numpy(model)), snapshot(step.optimizer_state())
 
 
 @pytest.mark.slow  # 3-4 compilations of the tiny step per case, ~1 min each case on 2 busy cores
@@ -324,6 +327,7 @@ def _assert_runs_equal(a: Path, b: Path, steps: int, tol: float) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_bucketed_zero2_equals_one_collective_per_parameter_on_2_workers(tmp_path, tiny_data, zero2_accum_run):
     """ZeRO-2 with 2 micro-batches on 2 msrun workers, fp32: the default buckets (1 reduce bucket
@@ -339,6 +343,7 @@ def test_bucketed_zero2_equals_one_collective_per_parameter_on_2_workers(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_bucketed_allreduce_equals_one_collective_per_parameter_on_2_workers(tmp_path, tiny_data):
     """Replicated (ZeRO off), fp32, no accumulation (the fused step) on 2 msrun workers: one
