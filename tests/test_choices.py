@@ -192,3 +192,26 @@ def test_choices_file_during_training_writes_eval_acc(planted, tmp_path, capsys)
         assert main([*common, "--run", str(bad), *extra]) == 2
         assert match in capsys.readouterr().err
         assert not bad.exists()
+
+
+def test_length_normalisation_changes_the_answer_where_lengths_differ(monkeypatch):
+    """acc sums an option's log-likelihood, acc_norm divides it by the option's token count: on
+    options of different lengths the two pick different answers (every planted option above has
+    the same length, where they cannot differ)."""
+    from mspretrain.eval import choices
+    from mspretrain.eval.choices import ChoiceItem, ItemScore
+
+    # option 0: 1 token at -3 (mean -3); option 1: 4 tokens at -8 (sum -8, mean -2)
+    short_wins = ItemScore(logprob=(-3.0, -8.0), tokens=(1, 4), label=1)
+    assert (short_wins.pred, short_wins.pred_norm) == (0, 1)
+    # three options: the longest is best by mean only
+    three = ItemScore(logprob=(-2.0, -2.5, -9.0), tokens=(1, 2, 9), label=2)  # means -2, -1.25, -1
+    assert (three.pred, three.pred_norm) == (0, 2)
+    same = ItemScore(logprob=(-3.0, -8.0), tokens=(2, 2), label=0)
+    assert (same.pred, same.pred_norm) == (0, 0)
+    long_loses = ItemScore(logprob=(-2.0, -5.0), tokens=(1, 4), label=0)  # the sum is right, the mean is not
+    assert (long_loses.pred, long_loses.pred_norm) == (0, 1)
+    scores = [short_wins, three, same, long_loses, ItemScore(logprob=(-1.0, -6.0), tokens=(1, 3), label=0)]
+    items = [ChoiceItem("q", tuple("abc"[: len(s.logprob)]), s.label, f"f:{i}") for i, s in enumerate(scores)]
+    monkeypatch.setattr(choices, "score_items", lambda *a, **k: scores)
+    assert choices.choices_accuracy(None, None, items, batch_size=1) == {"acc": 3 / 5, "acc_norm": 4 / 5, "count": 5}

@@ -98,3 +98,21 @@ def test_kv_cache_greedy_equals_full_recompute(model_and_tokens, tiny_data):
     sampled = [generate(model, tok, "江南", SamplingParams(max_new_tokens=12, seed=9, stop_at_eos=False), max_seq_len=64).ids
                for _ in range(2)]
     assert sampled[0] == sampled[1]  # same seed, same sample
+
+
+def test_bits_per_character_divides_by_the_manifests_chars_per_token(model_and_tokens, tiny_data):
+    """bpc = bits per token / characters per token (total bits over total characters), on a data dir
+    whose chars/token is far from 1, so that dividing by it, multiplying or leaving it out differ."""
+    from mspretrain.data.loader import read_manifest
+    from mspretrain.eval.perplexity import evaluate_split
+
+    model, _ = model_and_tokens
+    cpt = read_manifest(tiny_data)["chars_per_token"]
+    assert abs(cpt - 1.0) > 0.2, cpt
+    res = evaluate_split(model, tiny_data, split="valid", seq_len=SEQ, batch_size=8, max_tokens=8 * SEQ, chars_per_token=cpt)
+    tokens = np.asarray(IndexedDataset(tiny_data / "valid").tokens)
+    plain = evaluate_tokens(model, tokens, seq_len=SEQ, batch_size=8, max_tokens=8 * SEQ)
+    assert res["nll"] == plain["nll"] and res["tokens"] == plain["tokens"]
+    bits, characters = plain["nll"] * plain["tokens"] / math.log(2), cpt * plain["tokens"]
+    assert res["bpc"] == pytest.approx(bits / characters, rel=1e-12)
+    assert "bpc" not in evaluate_split(model, tiny_data, split="valid", seq_len=SEQ, max_tokens=8 * SEQ)
