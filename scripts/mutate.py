@@ -62,7 +62,7 @@ MUTANTS: list[Mutant] = [
     # ---- layout: owners and buckets of sharded/bucketed collectives
     Mutant("layout/owners_balance_counts_not_elements", LAYOUT, "        owner[i] = r\n        load[r] += sizes[i]\n",
            "        owner[i] = r\n        load[r] += 1\n",
-           ("tests/test_zero2.py", "-m", "not slow")),
+           ("tests/test_distributed.py", "tests/test_zero2.py", "-m", "not slow")),
     Mutant("layout/bucket_exceeds_cap", LAYOUT, "if cur and (cap <= 0 or total + n > cap):", "if cur and (cap <= 0 or total > cap):",
            ("tests/test_zero2.py", "-m", "not slow")),
     Mutant("layout/padding_threshold", LAYOUT, "if 4 * sum(b.used(r) for r in range(world)) < 3 * b.numel:",

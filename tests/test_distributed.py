@@ -154,6 +154,9 @@ def test_owner_table_is_balanced_and_deterministic():
     assert owners == assign_owners(sizes, 2)
     load = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2)]
     assert max(load) - min(load) <= 64  # within the smallest parameter of even
+    # the rule itself, by hand: largest first, each to the rank holding the fewest *elements* so far
+    # (ties to the lower rank); balancing parameter counts instead gives [0, 1, 0, 1, 0, 1]
+    assert assign_owners([6, 5, 4, 3, 3, 3], 2) == [0, 1, 1, 0, 0, 1]
     assert assign_owners(sizes, 1) == [0] * len(sizes)
     assert set(assign_owners(sizes, 3)) == {0, 1, 2}
 
