@@ -68,6 +68,9 @@ def test_derive_without_a_budget_and_with_an_explicit_one():
     assert (b.steps, b.tokens, b.tokens_source) == (100, 51200, "data dir")
     b = budget.derive(cfg, tokens=5120, data_tokens=10**9)  # auto warm-up from the data, capped at a tenth of 10
     assert (b.steps, b.warmup, b.tokens_source) == (10, 1, "--tokens") and auto_warmup_steps(10**9, 8, 64) > 1
+    # a budget that is not a whole number of steps rounds up (ceil): the run trains at least the tokens asked for
+    assert budget.derive(cfg, tokens=5121, data_tokens=10**9).steps == 11
+    assert budget.derive(cfg, world=1, data_tokens=51201).steps == 101
     with pytest.raises(UserError, match="not divisible by 3 ranks"):
         budget.derive(cfg, world=3)
     with pytest.raises(UserError, match="not shorter than the run"):
