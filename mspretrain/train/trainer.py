@@ -91,7 +91,11 @@ class Trainer:
 
     def load(self, ckpt: Path, *, restore_data: bool = True) -> None:
         """Restore the full state of a checkpoint into the live objects and the loop's counters."""
-        ts = self.checkpoints.load(ckpt, restore_data=restore_data)
+        self.restore(self.checkpoints.load(ckpt, restore_data=restore_data), ckpt.name)
+
+    def restore(self, ts: dict[str, Any], name: str) -> None:
+        """The loop's counters from a checkpoint's train_state (its tensors are already loaded:
+        `build_trainer` loads them before it writes anything, so a refused resume writes nothing)."""
         self.step = int(ts["step"])
         self.applied = int(ts.get("applied_steps", self.step))
         self.tokens_seen = int(ts.get("tokens_seen", self.step * self.tokens_per_step))
@@ -99,7 +103,7 @@ class Trainer:
         self.scaler.load_state(ts.get("loss_scale", {}))
         if "spikes" in ts:
             self.spikes.detector.load_state(ts["spikes"])
-        self.log(f"resumed from {ckpt.name}: step {self.step}, {self.tokens_seen:,} tokens seen, loss scale {self.scaler.scale:g}")
+        self.log(f"resumed from {name}: step {self.step}, {self.tokens_seen:,} tokens seen, loss scale {self.scaler.scale:g}")
 
     def save(self) -> Path | None:
         """Checkpoint the state after `self.step` (see CheckpointManager.save)."""
