@@ -141,10 +141,11 @@ class OutputDir:
     """See the module docstring. `command` names the writer in the marker; `overwrite` is whether
     an earlier output of the same command may be replaced (export/convert: only with --overwrite;
     tokenizer extend: always); `inputs` are paths the command reads, refused if inside --out;
-    `flag` is the option's name in messages."""
+    `flag` is the option's name in messages; `known_names` are the file names the command writes
+    (a dir of only those names but no marker gets a message of its own: it cannot be told whole)."""
 
     def __init__(self, out: str | Path, command: str, *, overwrite: bool, inputs: Iterable[str | Path] = (),
-                 flag: str = "--out", log: Callable[[str], None] = lambda s: None) -> None:
+                 flag: str = "--out", known_names: Iterable[str] = (), log: Callable[[str], None] = lambda s: None) -> None:
         self.out, self.command, self.flag, self.log = Path(out), command, flag, log
         self.scratch: Path | None = None
         out_abs = Path(os.path.abspath(self.out))
@@ -166,10 +167,17 @@ class OutputDir:
                 marker = read_marker(self.out)
                 own = set(marker["files"]) | {MARKER, SCRATCH_MARK} if marker and marker["command"] == command else set()
                 foreign = sorted(names - own)
+                if foreign and marker is None and names <= set(known_names):
+                    raise UserError(f"{flag} {self.out} holds `{command}` files without {MARKER} (an older version's output, "
+                                    "or one a kill tore between its writes): it cannot be told whole, so it is not replaced",
+                                    f"delete {self.out} yourself and run the same command again, or choose a new {flag}")
                 if foreign:
                     shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-                    raise UserError(f"{flag} {self.out} holds files `{command}` did not write ({shown}); nothing there is replaced",
+                    raise UserError(f"{flag} {self.out} already holds files `{command}` did not write ({shown}); nothing there is replaced",
                                     f"choose a new or empty {flag} directory (or move those files away)")
+                torn = check_set(self.out)
+                if torn is not None:
+                    log(f"{self.out} is a torn `{command}` output ({torn}): it is replaced whole")
                 if not overwrite:
                     raise UserError(f"output directory {self.out} holds an earlier `{command}` output",
                                     f"choose another {flag}, or pass --overwrite to replace it")
@@ -251,11 +259,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_output_file(path: str | Path, data: str | bytes, command: str, *, is_ours: Callable[[bytes], bool],
-                      flag: str = "--out") -> Path:
-    """Write one output file atomically (a unique temporary beside it, then rename). An existing
-    file is replaced only when `is_ours(its first 4 KiB)` says this command wrote it; a directory,
-    a missing parent dir, a full disk or a read-only dir is a one-line UserError."""
+def check_output_file(path: str | Path, command: str, *, is_ours: Callable[[bytes], bool], flag: str = "--out") -> Path:
+    """Refuse (one line) an output file path that cannot be written or must not be replaced: a
+    directory, a missing parent dir, an existing file `is_ours(its first 4 KiB)` does not claim
+    for this command (a symlink is never ours). Call it before the command's work, so a long run
+    is not wasted on a refusal at the end."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{flag} {path} is a directory", f"name the file to write, e.g. {flag} {command}.json")
@@ -269,11 +277,33 @@ def write_output_file(path: str | Path, data: str | bytes, command: str, *, is_o
             raise UserError(f"{flag} {path} exists and is not an earlier `{command}` output; refusing to replace it",
                             f"name a new file (or an earlier {command} output) with {flag}")
     if not path.parent.is_dir():
-        raise UserError(f"{flag} {path}: the directory {path.parent} does not exist", "create it first, or name a file in an existing directory")
+        raise UserError(f"{flag} {path}: the directory {path.parent} does not exist",
+                        "create it first, or name a file in an existing directory")
+    return path
+
+
+def write_output_file(path: str | Path, data: str | bytes, command: str, *, is_ours: Callable[[bytes], bool],
+                      flag: str = "--out") -> Path:
+    """`check_output_file`, then write atomically (a unique temporary beside it, then a rename):
+    a full disk or a read-only dir is a one-line UserError and leaves the old file whole."""
     from mspretrain.fsutil import atomic_write
 
+    path = check_output_file(path, command, is_ours=is_ours, flag=flag)
     try:
         atomic_write(path, data)
     except OSError as exc:
         raise os_error(exc, str(path)) from None
     return path
+
+
+def refuse_torn(path: str | Path, what: str) -> None:
+    """Refuse to read `path` when it belongs to an output set (its dir has a marker listing it) that
+    is torn: a file of it was replaced or lost after the set was written."""
+    path = Path(path)
+    marker = read_marker(path.parent)
+    if marker is None or path.name not in marker["files"]:
+        return
+    torn = check_set(path.parent)
+    if torn is not None:
+        raise UserError(f"{what} {path} belongs to a torn `{marker['command']}` output in {path.parent} ({torn})",
+                        f"run `{marker['command']}` again to write the set whole")
