@@ -133,11 +133,6 @@ def test_a_refused_init_from_creates_no_run_dir(finished, tiny_data, tmp_path, c
     assert checksum(src) == before_src and checksum(notes) == before_notes
 
 
-def _break(run: Path, step: int, *names: str) -> None:
-    for n in names:
-        (run / "checkpoints" / f"step_{step:08d}" / n).write_text("{broken", encoding="utf-8")
-
-
 RECOVER_REFUSALS = ["no_such_step", "no_intact_weights", "data_dir_gone"]
 
 

@@ -145,6 +145,12 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     A refused run (any UserError) leaves the run dir as it was: every check runs before the first write."""
     from mspretrain.monitor.console import RunLog
 
+    for flag, path in (("--data", data_dir), ("--run", run_dir)):
+        try:  # a name that is not UTF-8 fails at the first checkpoint save otherwise, hours later
+            os.fsencode(path).decode("utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"{flag} {os.fsdecode(path)!r} is not a UTF-8 path: the checkpoint and JSON writers cannot name it",
+                            "rename the directory (or a parent) to a UTF-8 name") from None
     data_dir, paths = Path(data_dir).resolve(), RunPaths(run_dir)
     say = RunLog(paths.log, log)
     say.hold()  # nothing reaches train.log until the run is decided (see `_write_run_files`)

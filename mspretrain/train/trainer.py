@@ -148,8 +148,11 @@ class Trainer:
                     self.heartbeat.phase("eval", self.step)
                     values.update(self.evaluator(self.model, self.step))
                 values["_row_nll"] = res.row_nll
-                for callback in self.callbacks:
-                    callback(self.step, data_state, values)
+                try:
+                    for callback in self.callbacks:
+                        callback(self.step, data_state, values)
+                except OSError as exc:  # batches.jsonl, spikes/ on a full disk: stop cleanly, keep the steps
+                    self._stop_on_write_error(exc, values)
                 self.metrics.log(self.step, values)
                 if self.checkpoints.due(self.step, self.total_steps):
                     self.save()
@@ -166,6 +169,29 @@ class Trainer:
             self.profiler.close()
             self.metrics.close()
         return self._finish(summary, start)
+
+    def _stop_on_write_error(self, exc: OSError, values: dict[str, float]) -> None:
+        """A run file could not be written (disk full, read-only): checkpoint the steps done if the
+        disk still takes it (then write what was pending), else keep the last good checkpoint; stop
+        in one line either way. Training on without the record would leave `audit` blind."""
+        what = exc.filename or "a run file"
+        try:
+            self.save()
+            self.checkpoints.wait()
+            saved = self.checkpoints.latest_name() == RunPaths(self.run_dir).step_dir(self.step).name
+        except (OSError, UserError):
+            saved = False
+        if saved:
+            try:
+                for callback in self.callbacks:
+                    getattr(callback, "retry", lambda: None)()
+                self.metrics.log(self.step, values)
+            except OSError:
+                pass
+        kept = (f"checkpoint {RunPaths(self.run_dir).step_dir(self.step).name} saved" if saved
+                else f"the last good checkpoint is {self.checkpoints.latest_name()}")
+        raise UserError(f"cannot write {what}: {exc.strerror or exc}; training stopped after step {self.step}, {kept}",
+                        "free disk space (or fix permissions) and run the same command to resume")
 
     def _finish(self, summary: Summary, start: int) -> Summary:
         summary.step, summary.tokens_seen, summary.skipped = self.step, self.tokens_seen, self.skipped
