@@ -179,7 +179,7 @@ class OutputDir:
                 if torn is not None:
                     log(f"{self.out} is a torn `{command}` output ({torn}): it is replaced whole")
                 if not overwrite:
-                    raise UserError(f"output directory {self.out} holds an earlier `{command}` output",
+                    raise UserError(f"output directory {self.out} is not empty: it holds an earlier `{command}` output",
                                     f"choose another {flag}, or pass --overwrite to replace it")
                 self.replacing = True
 
