@@ -156,3 +156,25 @@ def test_a_refused_recover_leaves_the_run_dir_as_it_was(finished, tmp_path, caps
     before = checksum(run)
     refused(capsys, *args)
     assert checksum(run) == before
+
+
+# --------------------------------------------------------------------------- class 8: the demo
+
+def test_the_quick_demo_never_touches_the_full_demo_run(tmp_path, corpus_file, capsys):
+    """`make demo`, then the documented `demo --quick --workdir mspretrain-demo`: the quick demo has
+    its own data-quick/ and run-quick/; a full-demo run continued with `train` is refused, untouched."""
+    work = tmp_path / "mspretrain-demo"
+    common = ["--workdir", str(work), "--corpus", str(corpus_file), "--config", str(TINY), "--quiet",
+              "prepare.vocab_size=512", "checkpoint.every=0", "schedule.warmup_steps=2"]
+    assert main(["demo", *common, "train.max_steps=10"]) == 0
+    full = checksum(work / "run")
+    assert main(["demo", "--quick", *common, "train.max_steps=6"]) == 0
+    assert checksum(work / "run") == full and (work / "run-quick" / "config.toml").is_file()
+    assert "max_steps = 6" in (work / "run-quick" / "config.toml").read_text(encoding="utf-8")
+    capsys.readouterr()
+    # the printed next step (b): continue the full run with `train`; the demo then leaves it alone
+    assert main(["train", "--config", str(work / "run" / "config.toml"), "--data", str(work / "data"), "--run", str(work / "run"),
+                 "--quiet", "train.max_steps=12"]) == 0
+    continued = checksum(work / "run")
+    err = refused(capsys, "demo", *common, "train.max_steps=10")
+    assert "another config" in err and checksum(work / "run") == continued
