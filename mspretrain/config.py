@@ -644,7 +644,9 @@ def save(cfg: Config, path: str | Path, notes: dict[str, str] | None = None) -> 
             note = notes.get(f"{section}.{key}") if " = " in line else None
             lines.append(f"{line}  # {note}" if note else line)
         text = "\n".join(lines) + "\n"
-    Path(path).write_text(text, encoding="utf-8")
+    from mspretrain.fsutil import atomic_write
+
+    atomic_write(path, text)  # a reader (or a crash) never sees half a config
 
 
 # --------------------------------------------------------------------------- resolving

@@ -193,11 +193,18 @@ def test_export_refuses_non_empty_out_and_unknown_format(our_ckpt, work, capsys)
     busy = root / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
-    one_line_error(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "not empty")
+    one_line_error(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "did not write")
     assert (busy / "keep.txt").is_file()
+    # --overwrite replaces only an earlier export: a user's file in --out is never deleted (issue 33)
+    one_line_error(*cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")[::2], "did not write")
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+    (busy / "keep.txt").unlink()
     rc, _, err = cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")
     assert rc == 0, err
-    assert not (busy / "keep.txt").exists() and (busy / "config.json").is_file()
+    assert (busy / "config.json").is_file()
+    one_line_error(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "--overwrite")
+    rc, _, err = cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")
+    assert rc == 0, err
     one_line_error(*cli(capsys, "export", ck, "--format", "onnx", "--out", root / "x")[::2], "unknown export format")
     one_line_error(*cli(capsys, "export", root / "busy", "--format", "hf", "--out", root / "y")[::2], "no verified checkpoint")
     # a tokenizer of another size next to the weights: refused before anything is written

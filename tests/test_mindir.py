@@ -37,7 +37,7 @@ def exported(tmp_path_factory):
 
 def test_export_writes_files_and_metadata(exported, capsys):
     _, _, out, model = exported
-    assert sorted(p.name for p in out.iterdir()) == ["export.json", "model.mindir"]
+    assert sorted(p.name for p in out.iterdir()) == [".mspretrain-output.json", "export.json", "model.mindir"]  # + the set's marker
     meta = json.loads((out / "export.json").read_text())
     assert meta["vocab_size"] == V and meta["dtype"] == "fp32" and meta["eos_id"] == -1  # no tokenizer in this ckpt
     assert [i["name"] for i in meta["inputs"]] == ["tokens"] and meta["inputs"][0]["dtype"] == "int32"

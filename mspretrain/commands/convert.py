@@ -20,7 +20,7 @@ EXAMPLES = """examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-hf", required=True, metavar="HF_DIR", help="HF Llama folder: config.json, *.safetensors (+ index), tokenizer")
     p.add_argument("--out", required=True, metavar="CKPT_DIR", help="checkpoint directory to create (must be empty unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier convert output in --out (never files convert did not write)")
     add_quiet_argument(p)
 
 
@@ -31,17 +31,21 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.checkpoint.store import write_weights_only_checkpoint
     from mspretrain.config import Config, DataConfig
     from mspretrain.model.presets import param_count
+    from mspretrain.outputs import OutputDir
 
     src, out = Path(args.from_hf), Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is a file", "choose a directory path")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise UserError(f"output directory {out} exists and is not empty", "choose another --out, or pass --overwrite to replace it")
-    if src.exists() and out.exists() and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents):
+    if src.exists() and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents
+                         or src.resolve() in out.resolve().parents):
         raise UserError(f"--out {out} would replace the HF folder being read", "choose an output directory outside it")
+    target = OutputDir(out, "convert", overwrite=args.overwrite, inputs=[src])  # refuses before reading gigabytes
     model_cfg, tensors, tok_path = read_hf_folder(src)
     cfg = replace(Config(), model=model_cfg, data=DataConfig(seq_len=min(DataConfig().seq_len, model_cfg.max_seq_len)))
-    write_weights_only_checkpoint(out, tensors, cfg, tokenizer_path=tok_path)
+    with target as tmp:
+        # the checkpoint writer publishes into a dir of its own: write it inside the scratch dir, then lift its files out
+        ckpt = write_weights_only_checkpoint(tmp / "checkpoint", tensors, cfg, tokenizer_path=tok_path)
+        for f in ckpt.iterdir():
+            f.rename(tmp / f.name)
+        ckpt.rmdir()
     say(args, f"converted {src} -> {out}: {param_count(model_cfg):,} parameters, {model_cfg.n_layers} layers, "
               f"dim {model_cfg.dim}, vocab {model_cfg.vocab_size}, tied={model_cfg.tie_embeddings}"
               + ("" if tok_path else " (no tokenizer in the HF folder: add one before generate/eval)"))

@@ -26,7 +26,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workdir", default="mspretrain-demo", help="where data/ and run/ go (default: ./mspretrain-demo)")
+    p.add_argument("--workdir", default="mspretrain-demo",
+                   help="where data/ and run/ go (--quick: data-quick/ and run-quick/; default: ./mspretrain-demo)")
     p.add_argument("--quick", action="store_true", help="a smaller corpus and 40 steps (~4 minutes on 2 cores)")
     p.add_argument("--config", default=None, help="default: configs/demo.toml")
     p.add_argument("--cache", default=None, help="corpus cache dir (default: $MSPRETRAIN_CACHE or ~/.cache/mspretrain)")
@@ -53,6 +54,32 @@ def _config(args: argparse.Namespace):
     return cfgmod.apply_overrides(cfg, getattr(args, "overrides", []))
 
 
+def demo_dirs(work: Path, quick: bool) -> tuple[Path, Path]:
+    """(data dir, run dir): the full demo's data/ and run/; --quick has its own data-quick/ and
+    run-quick/, so a quick demo after `make demo` never resumes, rewrites or reports the full run."""
+    suffix = "-quick" if quick else ""
+    return work / f"data{suffix}", work / f"run{suffix}"
+
+
+def check_run_dir(run_dir: Path, cfg) -> None:
+    """Refuse (one line, nothing written) a run dir whose config.toml is not the config this demo
+    trains: a run continued with `train` (the printed next step (b)), or other overrides. Running
+    the demo on it would rewrite its config.toml and report that run as the demo's."""
+    from mspretrain import config as cfgmod
+
+    saved = RunPaths(run_dir).config
+    if not saved.is_file():
+        return
+    old = cfgmod.load(saved)
+    if old == cfg:
+        return
+    diff = [f"{sec}.{k}" for sec in ("model", "data", "optim", "schedule", "train", "checkpoint", "eval", "precision")
+            for k, v in vars(getattr(cfg, sec)).items() if getattr(getattr(old, sec), k, v) != v]
+    shown = ", ".join(diff[:3]) + (", ..." if len(diff) > 3 else "") if diff else "other keys"
+    raise UserError(f"{run_dir} holds a run with another config than this demo's ({shown} differ); the demo leaves it alone",
+                    "continue it with `mspretrain train` (its config.toml), or give the demo another --workdir")
+
+
 def run(args: argparse.Namespace) -> int:
     from mspretrain.data.corpus import poetry_corpus
     from mspretrain.data.prepare import prepare
@@ -60,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     cfg = _config(args)
     work = Path(args.workdir)
-    data_dir, run_dir = work / "data", work / "run"
+    data_dir, run_dir = demo_dirs(work, args.quick)
     say = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
     say(f"== mspretrain demo in {work.resolve()}{' (quick)' if args.quick else ''}")
 
@@ -91,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.model.llama import Llama
 
     resolved = replace(cfg, model=cfgmod.resolve_model(cfg.model, int(manifest["vocab_size"])))
+    check_run_dir(run_dir, resolved)  # before minutes of evaluation and training
     info = plan_device(resolved)
     setup_mindspore(info)
     ev = dict(split="valid", seq_len=cfg.data.seq_len, batch_size=cfg.eval.batch_size, max_tokens=cfg.eval.max_tokens,

@@ -7,7 +7,6 @@ sequence) and export.json, then loads the file back and checks its logits agains
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from mspretrain.commands.common import add_quiet_argument, say
@@ -27,32 +26,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf: HF Llama folder (config.json, model.safetensors, generation_config.json, tokenizer); "
                         "mindir: MindSpore MINDIR graph with dynamic batch/sequence, verified against the model")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; must be empty unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (never files export did not write)")
     p.add_argument("--dtype", default="fp32", metavar="fp32|fp16", help="mindir: compute dtype of the exported graph (default fp32)")
     add_quiet_argument(p)
 
 
-def staging_dir(out: Path, overwrite: bool, source: Path) -> Path:
-    """A fresh temporary sibling of `out` to write into; refuses a non-empty `out` without overwrite."""
-    out, source = out.resolve(), source.resolve()
-    if out == source or out in source.parents:
+def output_dir(out: Path, overwrite: bool, source: Path):
+    """The `OutputDir` export writes through (mspretrain/outputs.py): refuses an --out inside the
+    checkpoint being read, a file, a dir with files export did not write, an earlier export without
+    --overwrite; publishes the finished folder with one rename."""
+    from mspretrain.outputs import OutputDir
+
+    out_abs, src = out.resolve(), source.resolve()
+    if out_abs == src or out_abs in src.parents or src in out_abs.parents:
         raise UserError(f"--out {out} would replace the checkpoint being read", "choose an output directory outside the run/checkpoint")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is a file", "choose a directory path")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"output directory {out} exists and is not empty", "choose another --out, or pass --overwrite to replace it")
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Move a finished staging dir into place (replacing `out` when it exists)."""
-    out = out.resolve()
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    return OutputDir(out, "export", overwrite=overwrite, inputs=[source])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,16 +53,13 @@ def run(args: argparse.Namespace) -> int:
 
     ref = resolve_checkpoint(args.path)
     out = Path(args.out)
-    tmp = staging_dir(out, args.overwrite, ref.dir)
-    try:
+    with output_dir(out, args.overwrite, ref.dir) as tmp:
         if fmt == "hf":
             from mspretrain.checkpoint.hf_folder import write_hf_folder
             from mspretrain.checkpoint.model import resolved_config
 
             tensors = read_model_tensors(ref)
             write_hf_folder(tmp, resolved_config(ref, tensors).model, tensors, ref.tokenizer_path)
-            publish(tmp, out)
-            say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF Llama, fp32 safetensors)")
         else:
             from mspretrain.checkpoint.model import load_model
             from mspretrain.model.mindir import export_mindir
@@ -86,10 +71,9 @@ def run(args: argparse.Namespace) -> int:
                 ids = loaded.tokenizer.special_ids()
                 loaded.tokenizer.save_to(tmp)
             meta = export_mindir(loaded.model, tmp, special_ids=ids)
-            publish(tmp, out)
-            print(f"MINDIR logits max abs diff vs model: {meta['verified_max_abs_diff']:.3g} (tolerance {meta['tolerance']:g})")
-            say(args, f"exported step {ref.step} from {ref.dir} to {out / meta['file']} (+ export.json)")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    if fmt == "hf":
+        say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF Llama, fp32 safetensors)")
+    else:
+        print(f"MINDIR logits max abs diff vs model: {meta['verified_max_abs_diff']:.3g} (tolerance {meta['tolerance']:g})")
+        say(args, f"exported step {ref.step} from {ref.dir} to {out / meta['file']} (+ export.json)")
     return 0

@@ -39,13 +39,25 @@ def _check_out(out: Path) -> None:
                             "name a new file (or an earlier report) with --out")
 
 
-def _write(run_dir: Path, out: Path) -> Path:
-    """Build into a hidden sibling and rename over `out`: an interrupted report leaves the old one whole."""
+def plots_dir(run_dir: Path, out: Path | None) -> Path:
+    """Where the PNGs go: RUN_DIR/report/ by default; beside --out FILE as FILE-STEM-plots/ (so
+    `report --out` on a read-only run dir writes nothing into the run)."""
+    return out.with_name(f"{out.stem}-plots") if out is not None else run_dir / "report"
+
+
+def _write(run_dir: Path, out: Path, separate: bool) -> Path:
+    """Build into a hidden sibling and rename over `out`: an interrupted report leaves the old one whole.
+    `separate`: --out was given, the plots go to their own dir beside it (published whole, see outputs.py)."""
+    from contextlib import nullcontext
+
     from mspretrain.ops.report import build_report
+    from mspretrain.outputs import OutputDir
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        build_report(run_dir, tmp)
+        plots = OutputDir(plots_dir(run_dir, out), "report", overwrite=True) if separate else nullcontext(None)
+        with plots as png_dir:
+            build_report(run_dir, tmp, png_dir=png_dir)
         os.replace(tmp, out)
     except OSError as exc:  # a read-only run dir (the PNGs go to RUN_DIR/report/), a full disk
         raise UserError(f"cannot write the report: {exc.strerror} ({exc.filename or out})",
@@ -66,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create {out.parent}: {exc.strerror}", "name an --out file in a directory you can write to") from None
-    out = _write(run_dir, out)
+    out = _write(run_dir, out, separate=bool(args.out))
     print(f"report: {out}")
-    print(f"plots:  {run_dir / 'report'}/*.png")
+    print(f"plots:  {plots_dir(run_dir, out if args.out else None)}/*.png")
     return 0

@@ -31,13 +31,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smaller checkpoint and collective sizes, fewer timing repeats")
 
 
+def is_selftest_output(head: bytes) -> bool:
+    """Whether a file's first bytes are a selftest JSON (`--out` replaces only those)."""
+    return head.lstrip().startswith(b"{") and b'"selftest_version"' in head
+
+
 def run(args: argparse.Namespace) -> int:
     from mspretrain.ops.selftest import failed, format_table, run_selftest
+    from mspretrain.outputs import check_output_file, write_output_file
 
     cfg = load_config(args)
+    if args.out:  # refused before minutes of checks, not after
+        check_output_file(args.out, "selftest", is_ours=is_selftest_output)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if not args.json else (lambda s: None)
     doc = run_selftest(cfg, Path(args.run), quick=args.quick, log=log)
     if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        write_output_file(args.out, json.dumps(doc, indent=1) + "\n", "selftest", is_ours=is_selftest_output)
     print(json.dumps(doc, indent=1) if args.json else format_table(doc))
     return 1 if failed(doc) else 0

@@ -63,6 +63,9 @@ class Tokenizer:
         if not p.is_file():
             raise UserError(f"tokenizer {p} does not exist",
                             "pass --tokenizer with a path to a SentencePiece .model or a tokenizer.json file")
+        from mspretrain.outputs import refuse_torn
+
+        refuse_torn(p, "tokenizer")  # e.g. a `tokenizer extend` output whose .model and .json are from different runs
         if p.suffix == ".json":
             try:
                 from tokenizers import Tokenizer as HFTokenizer

@@ -58,6 +58,9 @@ def read_base(path: str | Path, what: str = "base tokenizer"):
     if p.suffix == ".json":
         raise UserError(f"{what} {p} is a tokenizer.json: extending needs the SentencePiece model",
                         "pass the tokenizer.model next to it (Llama ships one)")
+    from mspretrain.outputs import refuse_torn
+
+    refuse_torn(p, what)  # a tokenizer.model beside another write's tokenizer.json
     data = p.read_bytes()
     try:
         spm.SentencePieceProcessor().LoadFromSerializedProto(data)
@@ -272,20 +275,25 @@ def chars_per_token(proto_bytes: bytes, docs: Sequence[str]) -> float | None:
 
 # ----------------------------------------------------------------------------- the command's work
 
-def check_out_dir(out: Path, base_path: Path) -> None:
-    """Refuse an --out that holds anything but a previous `tokenizer extend` output (never
-    overwrite a user's file), or that is where BASE lives."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file", "pass a new or empty directory")
-    if not out.is_dir():
-        return
-    names = {p.name for p in out.iterdir()}
-    ours = (out / "extend.json").is_file() and names <= set(OUR_FILES)
-    base = base_path if base_path.is_file() else base_path / "tokenizer.model"
-    if names and (not ours or base.resolve().parent == out.resolve()):
-        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
-        raise UserError(f"--out {out} already holds files ({shown}) that are not a previous extend output",
-                        "pass a new or empty directory (nothing there is overwritten)")
+def _between_writes() -> None:
+    """A test hook: MSPRETRAIN_TEST_KILL_BETWEEN_WRITES=1 ends the process between the files' writes
+    (tests/test_outputs.py checks that the published set is then still the old one, whole)."""
+    import os
+
+    if os.environ.get("MSPRETRAIN_TEST_KILL_BETWEEN_WRITES") == "1":
+        os._exit(137)
+
+
+MAX_ADD = 1_000_000  # SentencePiece's trainer overflows long before --add 1e20; no tokenizer needs more
+
+
+def output_dir(out: Path, inputs: Sequence[str | Path], log: Callable[[str], None]):
+    """The `OutputDir` extend writes through (mspretrain/outputs.py): refuses an --out holding
+    files extend did not write, or holding an input (`--with OUT/tokenizer.model --out OUT`);
+    replaces an earlier extend output whole, with one rename."""
+    from mspretrain.outputs import OutputDir
+
+    return OutputDir(out, "tokenizer extend", overwrite=True, inputs=inputs, known_names=OUR_FILES, log=log)
 
 
 def extend_tokenizer(base_path: str | Path, out: str | Path, *, add: int | None, train: Sequence[str] = (),
@@ -297,7 +305,6 @@ def extend_tokenizer(base_path: str | Path, out: str | Path, *, add: int | None,
     from `with_model`'s pieces in its own order (chars/token then measured on every 20th
     document of `held_out`, if given)."""
     from mspretrain.data.tokenizer import sha256_file
-    from mspretrain.fsutil import atomic_write
 
     base_path, out = Path(base_path), Path(out)
     if add is not None and add <= 0:
@@ -306,8 +313,11 @@ def extend_tokenizer(base_path: str | Path, out: str | Path, *, add: int | None,
         raise UserError("--add N is required with --train", "e.g. --add 20000 (Chinese-LLaMA added about 20,000)")
     if with_model is None and not train:
         raise UserError("nothing to learn new pieces from", "pass --train CORPUS... (with --add N) or --with OTHER.model")
+    if add is not None and add > MAX_ADD:
+        raise UserError(f"--add {add} is more new pieces than any tokenizer holds", f"ask for at most {MAX_ADD:,} (Chinese-LLaMA added about 20,000)")
     base = read_base(base_path)
-    check_out_dir(out, base_path)
+    inputs: list[str | Path] = [base_path, *([with_model] if with_model else []), *train, *held_out]
+    target = output_dir(out, inputs, log)  # refused here, before minutes of learning
     base_set = {p.piece for p in base.pieces}
     train_docs, held = read_corpus(train, warn=lambda s: log(f"warning: {s}")) if train else ([], [])
     if with_model is not None:
@@ -330,15 +340,16 @@ def extend_tokenizer(base_path: str | Path, out: str | Path, *, add: int | None,
     sp.LoadFromSerializedProto(data)  # SentencePiece accepts what we built (no duplicate pieces)
     before = chars_per_token(base.SerializeToString(), held)
     after = chars_per_token(data, held)
-    out.mkdir(parents=True, exist_ok=True)
-    files = [out / "tokenizer.model", out / "tokenizer.json", out / "extend.json"]
-    atomic_write(files[0], data)
-    atomic_write(files[1], json.dumps(hf_tokenizer_json(proto), ensure_ascii=False))
     record = {"base": str(base_path), "base_sha256": sha256_file(base_path if base_path.is_file() else base_path / "tokenizer.model"),
               "base_size": len(base.pieces), "added": len(added), "size": len(proto.pieces),
               "train": [str(t) for t in train], "with": with_model, "held_out_every": HELD_OUT_EVERY,
               "held_out_docs": len(held), "chars_per_token_before": before, "chars_per_token_after": after,
               "first_new_pieces": added[:20]}
-    atomic_write(files[2], json.dumps(record, ensure_ascii=False, indent=2) + "\n")
+    with target as tmp:  # the three files are published together: a kill leaves the old set or the new one
+        (tmp / "tokenizer.model").write_bytes(data)
+        _between_writes()
+        (tmp / "tokenizer.json").write_text(json.dumps(hf_tokenizer_json(proto), ensure_ascii=False), encoding="utf-8")
+        (tmp / "extend.json").write_text(json.dumps(record, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    files = [out / "tokenizer.model", out / "tokenizer.json", out / "extend.json"]
     return ExtendResult(base_size=len(base.pieces), added=added, chars_per_token_before=before,
                         chars_per_token_after=after, held_out_docs=len(held), files=files)

@@ -89,6 +89,7 @@ class BatchLog:
         self.loader, self.world, self.rewind_skip = loader, world, rewind_skip
         self._last, self._skipped = resume_step or 0, skipped
         self._file = None
+        self._pending: list[str] = []
         if not enabled:
             return
         if resume_step is not None:
@@ -123,7 +124,29 @@ class BatchLog:
             self._write({"rewind": {"from": at, "to": to, "skip": skip, "pos": pos}})
 
     def _write(self, rec: dict[str, Any]) -> None:
-        self._file.write(json.dumps(rec) + "\n")
+        """Append one record, whole or not at all: a failed write (a full disk) is cut back to the
+        last whole line and kept to `retry()`, and raised as an OSError naming this file."""
+        line = json.dumps(rec) + "\n"
+        self._pending.append(line)
+        self.retry()
+
+    def retry(self) -> None:
+        """Write the records a failed write left pending (the trainer calls it once it has room again)."""
+        if self._file is None:
+            return
+        while self._pending:
+            good = self._file.tell()
+            try:
+                self._file.write(self._pending[0])
+                self._file.flush()
+            except OSError as exc:
+                try:
+                    self._file.truncate(good)  # no torn line for a reader (or the resume) to meet
+                    self._file.seek(good)
+                except OSError:
+                    pass
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+            self._pending.pop(0)
 
     def close(self) -> None:
         if self._file is not None:

@@ -23,14 +23,30 @@ class RunLog:
         self.path = Path(path)
         self.echo = echo
         self.is_main = is_main  # set once the world is known: before that every process speaks
+        self._held: list[str] | None = None
+
+    def hold(self) -> None:
+        """Keep lines off train.log (still echoed) until `release()`: a command that may still be
+        refused must leave the run dir as it was, its log included."""
+        self._held = []
+
+    def release(self) -> None:
+        """Append the held lines to train.log; later lines go straight there again."""
+        held, self._held = self._held or [], None
+        if held and self.path.parent.is_dir():
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.writelines(held)
 
     def __call__(self, text: str) -> None:
         if not self.is_main:
             return
         self.echo(text)
-        if self.path.parent.is_dir():
+        line = time.strftime("%Y-%m-%d %H:%M:%S ") + text + "\n"
+        if self._held is not None:
+            self._held.append(line)
+        elif self.path.parent.is_dir():
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(time.strftime("%Y-%m-%d %H:%M:%S ") + text + "\n")
+                f.write(line)
 
 
 class ConsoleLine:

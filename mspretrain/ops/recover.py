@@ -106,6 +106,7 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
     for k in sorted(records):
         m.update(records[k])
     rebuilt, guessed = [], []
+    writes: dict[str, str] = {}  # file name -> text: written together once nothing can refuse any more
 
     ts_ok = _json_ok(d / store.TRAIN_STATE)
     if not ts_ok:
@@ -123,7 +124,7 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
             guessed.append(f"loss scale {m['loss_scale']:g}: the last logged value; its growth counter restarts")
         else:
             guessed.append("loss scale: not in metrics.jsonl, the config's initial scale will be used")
-        atomic_write(d / store.TRAIN_STATE, json.dumps(ts, indent=1, sort_keys=True))
+        writes[store.TRAIN_STATE] = json.dumps(ts, indent=1, sort_keys=True)
         rebuilt.append(f"{store.TRAIN_STATE}: step {s}, {tokens:,} tokens seen, {skipped} skipped steps")
         guessed.append("spike detector window: restarts empty")
 
@@ -139,10 +140,13 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
                         token_dtype=cfg.data.token_dtype, log=lambda x: None)
         total = s * cfg.train.global_batch
         consumed = tuple(int(c) for c in consumed_after(normalise([w for _, w in sources]), total))
-        atomic_write(d / store.DATA_STATE, json.dumps(loader.state_at(consumed), indent=1, sort_keys=True))
+        writes[store.DATA_STATE] = json.dumps(loader.state_at(consumed), indent=1, sort_keys=True)
         rebuilt.append(f"{store.DATA_STATE}: {total:,} samples consumed (step {s} x global batch {cfg.train.global_batch})")
 
-    _rewrite_manifest(d)
+    manifest = _read_manifest(d)
+    for name, text in writes.items():
+        atomic_write(d / name, text)
+    _rewrite_manifest(d, manifest)
     if not rebuilt:
         rebuilt.append("manifest.json (the state files were readable; their hashes were refreshed)")
     return report + [f"recovered {d.name}:"] + [f"  rebuilt {r}" for r in rebuilt] + [f"  note: {g}" for g in guessed] + [
@@ -156,9 +160,18 @@ def _json_ok(path: Path) -> bool:
         return False
 
 
-def _rewrite_manifest(d: Path) -> None:
+def _read_manifest(d: Path) -> dict:
+    """The checkpoint's manifest, read before anything is written (a bad one refuses the recovery)."""
+    from mspretrain.fsutil import read_json
+
+    manifest = read_json(d / store.MANIFEST, "the checkpoint's manifest is damaged: recover another --step")
+    if not isinstance(manifest, dict):
+        raise UserError(f"{d / store.MANIFEST} is not a JSON object", "recover another --step")
+    return manifest
+
+
+def _rewrite_manifest(d: Path, manifest: dict) -> None:
     mpath = d / store.MANIFEST
-    manifest = json.loads(mpath.read_text(encoding="utf-8"))
     files = {}
     for p in sorted(d.iterdir()):
         if p.name != store.MANIFEST and p.is_file():

@@ -451,15 +451,16 @@ img{max-width:100%;border:1px solid #eee}pre{background:#f6f6f6;padding:8px;font
 .warn{color:#a33}.muted{color:#888;font-size:13px}"""
 
 
-def build_report(run_dir: Path, out: Path | None = None) -> Path:
-    """Write RUN_DIR/report/*.png and the HTML (default RUN_DIR/report/report.html); return the HTML path."""
+def build_report(run_dir: Path, out: Path | None = None, png_dir: Path | None = None) -> Path:
+    """Write the plots as PNGs into `png_dir` (default RUN_DIR/report/) and the HTML (default
+    RUN_DIR/report/report.html; the plots are embedded in it too); return the HTML path."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run dir {run_dir} does not exist", "pass the --run directory of a training run")
     s = summarize(run_dir)
     if not s["records"] and not s["config_text"]:
         raise UserError(f"{run_dir} has no metrics.jsonl and no config.toml", "is this a run dir? `mspretrain train --run DIR` writes them")
-    png_dir = run_dir / "report"
+    png_dir = Path(png_dir) if png_dir is not None else run_dir / "report"
     png_dir.mkdir(parents=True, exist_ok=True)
     panels = []
     for stem, title in _PANELS:

@@ -468,8 +468,14 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
     setup_mindspore(plan_device(cfg, target=target))
     run_dir = Path(run_dir)
     created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".selftest-", dir=run_dir))  # never a name the user's files could have
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".selftest-", dir=run_dir))  # never a name the user's files could have
+    except OSError as exc:  # a read-only or full run dir: one line, not a traceback
+        from mspretrain.outputs import os_error
+
+        raise os_error(exc, f"the selftest's scratch files in {run_dir}",
+                       "pass --run a directory you can write to (the checkpoint check measures its disk)") from None
     ctx = Context(cfg=cfg, target=target, work=work, quick=quick)
     ctx.vocab_note = "not in the config, Llama-2's 32000 assumed for FLOPs"
     steps: list[tuple[str, Callable[[], Check]]] = [

@@ -141,7 +141,56 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                   allow_data_change: bool = False, restart: bool = False, log: Callable[[str], None] = print,
                   init_weights: Callable[[Any], None] | None = None, run_meta: dict[str, Any] | None = None,
                   callbacks: Sequence[StepCallback] = ()) -> Trainer:
-    """The real trainer for `mspretrain train`, resumed from the run dir's newest verified checkpoint."""
+    """The real trainer for `mspretrain train`, resumed from the run dir's newest verified checkpoint.
+    A refused run (any UserError) leaves the run dir as it was: every check runs before the first write."""
+    from mspretrain.monitor.console import RunLog
+
+    for flag, path in (("--data", data_dir), ("--run", run_dir)):
+        try:  # a name that is not UTF-8 fails at the first checkpoint save otherwise, hours later
+            os.fsencode(path).decode("utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"{flag} {os.fsdecode(path)!r} is not a UTF-8 path: the checkpoint and JSON writers cannot name it",
+                            "rename the directory (or a parent) to a UTF-8 name") from None
+    data_dir, paths = Path(data_dir).resolve(), RunPaths(run_dir)
+    say = RunLog(paths.log, log)
+    say.hold()  # nothing reaches train.log until the run is decided (see `_write_run_files`)
+    created = not paths.root.exists()
+    try:
+        return _build(cfg, data_dir, paths, say, allow_config_change=allow_config_change,
+                      allow_data_change=allow_data_change, restart=restart, init_weights=init_weights,
+                      run_meta=run_meta, callbacks=callbacks)
+    except UserError:
+        if created:
+            _remove_if_only_lock(paths)
+        raise
+
+
+def _remove_if_only_lock(paths: RunPaths) -> None:
+    """A refused new run leaves no run dir behind: remove the one the lock made, if it holds nothing else."""
+    try:
+        if paths.root.is_dir() and {p.name for p in paths.root.iterdir()} <= {paths.lock.name}:
+            run_lock.release(paths.root)
+            paths.lock.unlink(missing_ok=True)
+            paths.root.rmdir()
+    except OSError:
+        pass
+
+
+def _write_run_files(paths: RunPaths, cfg: Config, notes: dict[str, str], tokenizer: Path | None,
+                     meta: dict[str, Any]) -> None:
+    """config.toml, the tokenizer and run_meta.json, each replaced atomically. Called only once
+    every check that can refuse the run has passed: a refused resume leaves these files as they were."""
+    from mspretrain.fsutil import atomic_write
+
+    cfgmod.save(cfg, paths.config, notes=notes)
+    if tokenizer is not None:
+        atomic_write(paths.root / tokenizer.name, tokenizer.read_bytes())
+    atomic_write(paths.meta, json.dumps(meta, indent=1))
+
+
+def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_config_change: bool,
+           allow_data_change: bool, restart: bool, init_weights: Callable[[Any], None] | None,
+           run_meta: dict[str, Any] | None, callbacks: Sequence[StepCallback]) -> Trainer:
     import mindspore as ms
 
     from mspretrain.checkpoint.saver import Saver
@@ -150,7 +199,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.model.llama import Llama, half_eligible
     from mspretrain.monitor.batch_log import BatchLog, plan_for
-    from mspretrain.monitor.console import ConsoleLine, RunLog
+    from mspretrain.monitor.console import ConsoleLine
     from mspretrain.monitor.heartbeat import Heartbeat
     from mspretrain.monitor.meter import StepMeter
     from mspretrain.monitor.metrics import MetricsLogger
@@ -167,8 +216,6 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     from mspretrain.train.spike_policy import SpikePolicy
     from mspretrain.train.step import TrainStep
 
-    data_dir, paths = Path(data_dir).resolve(), RunPaths(run_dir)
-    say = RunLog(paths.log, log)
     device = plan_device(cfg)
     cfgmod.validate(cfg, device=device.target)
     manifest = read_manifest(data_dir)
@@ -222,23 +269,24 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                     rank=world.rank, world=world.size, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
                     token_dtype=cfg.data.token_dtype, log=say)
     tokenizer = DataPaths(data_dir).tokenizer
+    saver = Saver(paths.root, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
+                  async_save=cfg.checkpoint.async_save, log=say)
+    checkpoints = CheckpointManager(paths, saver, cfg=cfg, model=model, step_fn=step_fn, loader=loader, rank=world.rank,
+                                    world=world.size, tokenizer=tokenizer, allow_data_change=allow_data_change, log=say)
+    # the checks that can still refuse a resume (data dir changed, train.trainable changed, a model
+    # shape that does not fit the weights) run here, before the first byte is written to the run dir
+    loaded = checkpoints.load(resume_from, restore_data=True) if resume_from is not None else None
     if world.is_main:
         paths.root.mkdir(parents=True, exist_ok=True)
-        cfgmod.save(cfg, paths.config, notes=resolved_notes(cfg, b, sampling, device.threads, device.target))
-        if tokenizer is not None:
-            (paths.root / tokenizer.name).write_bytes(tokenizer.read_bytes())
         meta = {"data_dir": str(data_dir), "world_size": world.size, "code_version": __version__,
                 "sources": [{"path": str(p), "weight": w} for p, w in sources],  # source{j}/* metrics
                 "hardware": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device.target,
                              "python": sys.version.split()[0], "mindspore": ms.__version__}}
         meta.update(run_meta or {})  # e.g. {"init_from": ...} (checkpoint/init_source.init_for_run)
-        paths.meta.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        _write_run_files(paths, cfg, resolved_notes(cfg, b, sampling, device.threads, device.target), tokenizer, meta)
+    say.release()
     metrics = MetricsLogger(paths.root, sampling, enabled=world.is_main, log=say,
                             resume_step=int(resume_state["step"]) if resume_from is not None else None)
-    saver = Saver(paths.root, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
-                  async_save=cfg.checkpoint.async_save, log=say)
-    checkpoints = CheckpointManager(paths, saver, cfg=cfg, model=model, step_fn=step_fn, loader=loader, rank=world.rank,
-                                    world=world.size, tokenizer=tokenizer, allow_data_change=allow_data_change, log=say)
     meter = StepMeter(tokens_per_step=b.tokens_per_step, seq_len=cfg.data.seq_len, devices=world.size,
                       flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len, cfg.train.trainable),
                       peak_tflops=device_peak_tflops(device.target, cfg.precision.dtype, cfg.device.peak_tflops),
@@ -267,7 +315,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
         log=say, banner=banner, callbacks=(batches, ledger, spike_record, *callbacks),
         heartbeat=Heartbeat(paths.root, world.rank, world.size,
                             collectives_per_step=step_fn.collectives(b.accumulation)["calls"] if world.size > 1 else 0))
-    if resume_from is not None:
-        trainer.load(resume_from)
+    if resume_from is not None and loaded is not None:
+        trainer.restore(loaded, resume_from.name)
         checkpoints.last_save_step = trainer.step
     return trainer

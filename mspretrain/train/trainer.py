@@ -91,7 +91,11 @@ class Trainer:
 
     def load(self, ckpt: Path, *, restore_data: bool = True) -> None:
         """Restore the full state of a checkpoint into the live objects and the loop's counters."""
-        ts = self.checkpoints.load(ckpt, restore_data=restore_data)
+        self.restore(self.checkpoints.load(ckpt, restore_data=restore_data), ckpt.name)
+
+    def restore(self, ts: dict[str, Any], name: str) -> None:
+        """The loop's counters from a checkpoint's train_state (its tensors are already loaded:
+        `build_trainer` loads them before it writes anything, so a refused resume writes nothing)."""
         self.step = int(ts["step"])
         self.applied = int(ts.get("applied_steps", self.step))
         self.tokens_seen = int(ts.get("tokens_seen", self.step * self.tokens_per_step))
@@ -99,7 +103,7 @@ class Trainer:
         self.scaler.load_state(ts.get("loss_scale", {}))
         if "spikes" in ts:
             self.spikes.detector.load_state(ts["spikes"])
-        self.log(f"resumed from {ckpt.name}: step {self.step}, {self.tokens_seen:,} tokens seen, loss scale {self.scaler.scale:g}")
+        self.log(f"resumed from {name}: step {self.step}, {self.tokens_seen:,} tokens seen, loss scale {self.scaler.scale:g}")
 
     def save(self) -> Path | None:
         """Checkpoint the state after `self.step` (see CheckpointManager.save)."""
@@ -144,8 +148,11 @@ class Trainer:
                     self.heartbeat.phase("eval", self.step)
                     values.update(self.evaluator(self.model, self.step))
                 values["_row_nll"] = res.row_nll
-                for callback in self.callbacks:
-                    callback(self.step, data_state, values)
+                try:
+                    for callback in self.callbacks:
+                        callback(self.step, data_state, values)
+                except OSError as exc:  # batches.jsonl, spikes/ on a full disk: stop cleanly, keep the steps
+                    self._stop_on_write_error(exc, values)
                 self.metrics.log(self.step, values)
                 if self.checkpoints.due(self.step, self.total_steps):
                     self.save()
@@ -162,6 +169,29 @@ class Trainer:
             self.profiler.close()
             self.metrics.close()
         return self._finish(summary, start)
+
+    def _stop_on_write_error(self, exc: OSError, values: dict[str, float]) -> None:
+        """A run file could not be written (disk full, read-only): checkpoint the steps done if the
+        disk still takes it (then write what was pending), else keep the last good checkpoint; stop
+        in one line either way. Training on without the record would leave `audit` blind."""
+        what = exc.filename or "a run file"
+        try:
+            self.save()
+            self.checkpoints.wait()
+            saved = self.checkpoints.latest_name() == RunPaths(self.run_dir).step_dir(self.step).name
+        except (OSError, UserError):
+            saved = False
+        if saved:
+            try:
+                for callback in self.callbacks:
+                    getattr(callback, "retry", lambda: None)()
+                self.metrics.log(self.step, values)
+            except OSError:
+                pass
+        kept = (f"checkpoint {RunPaths(self.run_dir).step_dir(self.step).name} saved" if saved
+                else f"the last good checkpoint is {self.checkpoints.latest_name()}")
+        raise UserError(f"cannot write {what}: {exc.strerror or exc}; training stopped after step {self.step}, {kept}",
+                        "free disk space (or fix permissions) and run the same command to resume")
 
     def _finish(self, summary: Summary, start: int) -> Summary:
         summary.step, summary.tokens_seen, summary.skipped = self.step, self.tokens_seen, self.skipped

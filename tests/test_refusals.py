@@ -1,0 +1,180 @@
+"""Issue 33, class 1: a refused command leaves every file as it was.
+
+Every refusal path of `train` (a resume that changes the data, the trainable groups, the model,
+seq_len; --init-from on a run that resumes or with weights that do not fit), of `recover` and of
+`--init-from` runs against a copy of one finished tiny run, and the whole run dir (the list of
+files and every file's bytes) is checksummed before and after. The lock file is left out: taking
+the run-dir lock writes the holder's PID into it, and that is the lock's job (checkpoint/lock.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mspretrain.cli import main
+from tests.conftest import TINY, make_poems
+from tests.test_safety import refused
+
+LOCK = ".mspretrain.lock"
+
+
+def checksum(d: Path) -> dict[str, str]:
+    """Every file and directory under `d` (a missing `d` is {}), files with their sha256."""
+    if not d.exists():
+        return {}
+    out = {}
+    for p in sorted(d.rglob("*")):
+        rel = str(p.relative_to(d))
+        if p.name == LOCK:
+            continue
+        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_data) -> Path:
+    """A finished 4-step run (checkpoints at 2 and 4); read-only: tests copy it."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
+                 "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=2"]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory, tiny_data, tiny_cfg) -> Path:
+    """Another data dir with the same tokenizer (so only the data fingerprint differs)."""
+    from mspretrain.data.prepare import prepare
+
+    src = tmp_path_factory.mktemp("other_corpus") / "c.txt"
+    src.write_text("\n\n".join(make_poems(400, seed=5)) + "\n", encoding="utf-8")
+    out = tmp_path_factory.mktemp("other_data") / "d"
+    prepare([str(src)], out, tiny_cfg.prepare, tokenizer=str(tiny_data / "tokenizer.model"), workers=1, log=lambda s: None)
+    return out
+
+
+def _train(run: Path, data: Path, *extra: str) -> list[str]:
+    return ["train", "--config", str(TINY), "--data", str(data), "--run", str(run), "--quiet",
+            "train.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2", *extra]
+
+
+# each case: (extra args, a phrase of the refusal); "{other}" is the other data dir, "{run}" the finished run
+TRAIN_REFUSALS = {
+    "data_dir_changed": (["--data", "{other}"], "data"),
+    "trainable_changed": (['train.trainable=["embeddings", "lm_head"]'], "train.trainable"),
+    "seq_len_changed": (["data.seq_len=16"], "seq_len"),
+    "seq_len_changed_allowed_config": (["--allow-config-change", "data.seq_len=16"], "seq_len"),
+    "model_key_changed_allowed_config": (["--allow-config-change", "model.dim=32"], ""),
+    "model_layers_changed_allowed_config": (["--allow-config-change", "model.n_layers=3"], ""),
+    "seed_changed_allowed_config": (["--allow-config-change", "train.seed=7"], "seed"),
+    "init_from_on_a_run_that_resumes": (["--init-from", "{run}"], "--init-from"),
+    "bad_config_value": (["optim.lr=-1"], "lr"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRAIN_REFUSALS))
+def test_a_refused_train_leaves_the_run_dir_as_it_was(finished, tiny_data, other_data, tmp_path, capsys, case):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    extra, phrase = TRAIN_REFUSALS[case]
+    data = tiny_data
+    args = []
+    for a in extra:
+        if a == "--data":
+            continue
+        if a == "{other}":
+            data = other_data
+            continue
+        args.append(a.replace("{run}", str(finished)))
+    before = checksum(run)
+    err = refused(capsys, *_train(run, data, *args))
+    assert phrase in err
+    assert checksum(run) == before
+    # the untouched run still resumes with its own command
+    assert main(_train(run, tiny_data, "train.max_steps=4")) == 0
+
+
+def test_a_refused_resume_after_a_crash_keeps_metrics_and_batches(finished, other_data, tmp_path, capsys):
+    """Resuming from an earlier checkpoint (a crash after step 2's save) with another data dir:
+    metrics.jsonl and batches.jsonl are not cut back to step 2 by the refused command."""
+    from tests.conftest import copy_run_at
+
+    run = copy_run_at(finished, tmp_path / "run", 2)
+    before = checksum(run)
+    refused(capsys, *_train(run, other_data))
+    assert checksum(run) == before
+
+
+INIT_REFUSALS = {
+    "explicit_model_key_disagrees": ["model.dim=32"],
+    "missing_path": ["--init-from", "{missing}"],
+    "not_weights": ["--init-from", "{notes}"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(INIT_REFUSALS))
+def test_a_refused_init_from_creates_no_run_dir(finished, tiny_data, tmp_path, capsys, case):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "readme.txt").write_text("mine", encoding="utf-8")
+    src = tmp_path / "src"
+    shutil.copytree(finished, src)
+    args = INIT_REFUSALS[case]
+    if "--init-from" not in args:
+        args = ["--init-from", "{src}", *args]
+    args = [a.replace("{missing}", str(tmp_path / "nope")).replace("{notes}", str(notes)).replace("{src}", str(src)) for a in args]
+    before_src, before_notes = checksum(src), checksum(notes)
+    run = tmp_path / "new" / "run"
+    refused(capsys, *_train(run, tiny_data, *args))
+    assert not run.exists()
+    assert checksum(src) == before_src and checksum(notes) == before_notes
+
+
+RECOVER_REFUSALS = ["no_such_step", "no_intact_weights", "data_dir_gone"]
+
+
+@pytest.mark.parametrize("case", RECOVER_REFUSALS)
+def test_a_refused_recover_leaves_the_run_dir_as_it_was(finished, tmp_path, capsys, case):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    ckpts = sorted((run / "checkpoints").iterdir())
+    args = ["recover", str(run)]
+    if case == "no_such_step":
+        args += ["--step", "3"]
+    elif case == "no_intact_weights":
+        for d in ckpts:
+            (d / "model.safetensors").write_bytes(b"\0" * 16)
+    else:  # train_state is rebuildable, data_state is not: neither is written
+        for n in ("train_state.json", "data_state.json"):
+            (ckpts[-1] / n).write_text("{broken", encoding="utf-8")
+        meta = json.loads((run / "run_meta.json").read_text(encoding="utf-8"))
+        meta["data_dir"] = str(tmp_path / "gone")
+        (run / "run_meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    before = checksum(run)
+    refused(capsys, *args)
+    assert checksum(run) == before
+
+
+# --------------------------------------------------------------------------- class 8: the demo
+
+def test_the_quick_demo_never_touches_the_full_demo_run(tmp_path, corpus_file, capsys):
+    """`make demo`, then the documented `demo --quick --workdir mspretrain-demo`: the quick demo has
+    its own data-quick/ and run-quick/; a full-demo run continued with `train` is refused, untouched."""
+    work = tmp_path / "mspretrain-demo"
+    common = ["--workdir", str(work), "--corpus", str(corpus_file), "--config", str(TINY), "--quiet",
+              "prepare.vocab_size=512", "checkpoint.every=0", "schedule.warmup_steps=2"]
+    assert main(["demo", *common, "train.max_steps=10"]) == 0
+    full = checksum(work / "run")
+    assert main(["demo", "--quick", *common, "train.max_steps=6"]) == 0
+    assert checksum(work / "run") == full and (work / "run-quick" / "config.toml").is_file()
+    assert "max_steps = 6" in (work / "run-quick" / "config.toml").read_text(encoding="utf-8")
+    capsys.readouterr()
+    # the printed next step (b): continue the full run with `train`; the demo then leaves it alone
+    assert main(["train", "--config", str(work / "run" / "config.toml"), "--data", str(work / "data"), "--run", str(work / "run"),
+                 "--quiet", "train.max_steps=12"]) == 0
+    continued = checksum(work / "run")
+    err = refused(capsys, "demo", *common, "train.max_steps=10")
+    assert "another config" in err and checksum(work / "run") == continued
