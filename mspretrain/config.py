@@ -607,10 +607,15 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
         p = Path(path)
         if not p.is_file():
             raise UserError(f"config file {p} does not exist", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")
+        from mspretrain.fsutil import read_regular_bytes  # fsutil imports errors only; no cycle
+
+        data = read_regular_bytes(p, 16 << 20, "config file", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")
         try:
-            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+            raw = tomllib.loads(data.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"config file {p} is not valid TOML: {exc}", "fix the syntax (key = value, strings in quotes)") from None
+        except RecursionError:
+            raise UserError(f"config file {p} nests arrays or tables too deeply", "a config holds sections of key = value lines") from None
     return from_dict(_merge(raw, overrides))
 
 

@@ -43,7 +43,11 @@ def _measured_tokens_per_s(run_dir: Path) -> float | None:
     records, _ = read_metrics(paths.metrics)
     tps = series(records, "tokens_per_s")[1]
     meta = paths.meta
-    world = json.loads(meta.read_text())["world_size"] if meta.exists() else 1
+    from mspretrain.fsutil import read_json_file
+
+    world = read_json_file(meta, "run_meta.json").get("world_size", 1) if meta.exists() else 1
+    if not isinstance(world, int) or not 1 <= world <= 1 << 20:
+        world = 1
     return statistics.median(tps) / world if tps else None
 
 

@@ -29,6 +29,7 @@ from mspretrain import budget
 from mspretrain import config as cfgmod
 from mspretrain.data.order import SamplePlan, batch_hash
 from mspretrain.errors import UserError
+from mspretrain.fsutil import read_json_file
 from mspretrain.monitor.batch_log import FILE as BATCHES
 from mspretrain.train.loss_scale import LossScaler
 
@@ -86,8 +87,8 @@ def plan_of_run(run: Path, cfg: cfgmod.Config) -> tuple[SamplePlan, int]:
 
     meta_path = run / "run_meta.json"
     try:
-        data_dir = Path(json.loads(meta_path.read_text(encoding="utf-8"))["data_dir"])
-    except (OSError, ValueError, KeyError, TypeError):
+        data_dir = Path(read_json_file(meta_path, "run_meta.json")["data_dir"])
+    except (UserError, KeyError, TypeError):
         raise UserError(f"{meta_path} is missing or unreadable, so the run's data dir is unknown",
                         "audit a run dir written by `mspretrain train`") from None
     windows, weights, tokens = [], [], 0

@@ -25,7 +25,6 @@ Design choices:
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -37,6 +36,7 @@ from typing import Any, Callable
 from mspretrain import config as cfgmod
 from mspretrain.checkpoint import store
 from mspretrain.errors import UserError
+from mspretrain.fsutil import LOG_CAP, jsonl_dicts, read_json_file, read_regular_text
 from mspretrain.monitor.batch_log import records as batch_records
 from mspretrain.paths import RunPaths
 
@@ -118,20 +118,16 @@ def read_run_metrics(run: Path) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     path = RunPaths(run).metrics
     if path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a crash
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+        for _, rec in jsonl_dicts(read_regular_text(path, LOG_CAP, "metrics log", errors="replace")):
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):  # None: a line cut by a crash
                 out.setdefault(rec["step"], {}).update(rec)
     return out
 
 
 def run_data_dir(run: Path) -> Path:
     try:
-        return Path(json.loads(RunPaths(run).meta.read_text(encoding="utf-8"))["data_dir"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return Path(read_json_file(RunPaths(run).meta, "run_meta.json")["data_dir"])
+    except (UserError, KeyError, TypeError):
         raise UserError(f"{RunPaths(run).meta} is missing or unreadable, so the run's data dir is unknown",
                         "pass a run dir written by `mspretrain train`") from None
 
@@ -147,8 +143,8 @@ def original_world(run: Path, steps: range) -> int:
         if rec.get("step") in steps and "world" in rec:
             return int(rec["world"])
     try:
-        return int(json.loads(RunPaths(run).meta.read_text(encoding="utf-8")).get("world_size", 1))
-    except (OSError, ValueError):
+        return int(read_json_file(RunPaths(run).meta, "run_meta.json").get("world_size", 1))
+    except (UserError, ValueError, TypeError, AttributeError, OverflowError):
         return 1
 
 
