@@ -57,7 +57,7 @@ def test_damaged_lines_are_findings_never_skipped(run6, tmp_path):
     assert not a.exact and [f.kind for f in a.findings][:1] == ["record"], a.findings
 
 
-def test_constant_lr_continuation_and_raised_budget_are_exact(run6, tiny_data, tmp_path):
+def test_constant_lr_continuation_and_raised_budget_are_exact(run6, tiny_data, tmp_path, capsys):
     """quickstart "next (b)": continue at the final lr with a constant schedule; every earlier step
     was reported at the wrong lr before the record carried each session's schedule."""
     run = tmp_path / "run"
@@ -67,6 +67,12 @@ def test_constant_lr_continuation_and_raised_budget_are_exact(run6, tiny_data, t
     a = audit_run(run)
     assert a.exact, (a.findings, a.incomplete)
     assert any("schedule changed" in n for n in a.notes), a.notes
+    # replay crosses the session boundary (step 5's config has a budget of 6 steps and a cosine)
+    # with the lr every step ran at: bit for bit
+    capsys.readouterr()
+    assert main(["replay", str(run), "--from-step", "5", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced steps 6..8 bit for bit" in out, out
 
 
 def test_allow_data_change_judges_each_session_by_its_data(run6, tiny_data, tmp_path):

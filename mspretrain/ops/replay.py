@@ -17,8 +17,9 @@ Design choices:
   cleaned); the checkpoint's files are hard links (copies across filesystems), which the scratch
   trainer never writes into: it writes new checkpoint dirs and prunes by unlinking.
 - The replay stops after its last step without touching `train.max_steps`: the loop's horizon
-  (`Trainer.total_steps`) is set to K + N while the lr schedule keeps the total it was built with,
-  so the lr of every replayed step is the original's. The periodic eval is left out (it changes no
+  (`Trainer.total_steps`) is set to K + N, and every step runs at the lr `batches.jsonl` recorded
+  for it, so a replay crosses sessions (a raised budget, a constant-lr continuation) with the lr
+  each step actually had (the checkpoint's schedule only where no record exists). The periodic eval is left out (it changes no
   weight and would cost a pass over the valid split).
 - Another world size than the original's changes the order of the sums over ranks: losses then
   agree to about 1e-5 (relative), not bit for bit, and the comparison says so.
@@ -37,6 +38,7 @@ from mspretrain import config as cfgmod
 from mspretrain.checkpoint import store
 from mspretrain.errors import UserError
 from mspretrain.fsutil import LOG_CAP, jsonl_dicts, read_json_file, read_regular_text
+from mspretrain.monitor.batch_log import FILE as BATCHES
 from mspretrain.monitor.batch_log import records as batch_records
 from mspretrain.paths import RunPaths
 
@@ -197,6 +199,32 @@ class _ScaledSchedule:
         return getattr(self.base, name)
 
 
+class _RecordedSchedule:
+    """The lr each step actually ran at (batches.jsonl), across session boundaries: a raised budget
+    re-stretches the schedule and the quickstart's constant-lr continuation replaces it, so the
+    schedule of the checkpoint's config is right only inside its own session. Steps without a
+    record (a run older than the record) fall back to that schedule."""
+
+    def __init__(self, base: Any, lrs: dict[int, float], trainer: Any) -> None:
+        self.base, self.lrs, self.trainer = base, lrs, trainer
+
+    def __call__(self, applied: int) -> float:
+        return self.lrs.get(self.trainer.step + 1, self.base(applied) if callable(self.base) else 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
+def recorded_lrs(run: Path, steps: range) -> dict[int, float]:
+    """step -> the lr batches.jsonl says it ran at (the last record of a step: after a rewind it
+    is the kept history)."""
+    out: dict[int, float] = {}
+    for rec in batch_records(run):
+        if rec.get("step") in steps and "lr" in rec:
+            out[int(rec["step"])] = float(rec["lr"])
+    return out
+
+
 class _NoEval:
     def due(self, step: int, total: int) -> bool:
         return False
@@ -261,10 +289,14 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
         if trainer.step != start:
             raise UserError(f"the scratch trainer resumed at step {trainer.step}, not at the checkpoint's {start}",
                             f"check that {ckpt} verifies (mspretrain checkpoints {run} --verify)")
-        if end > trainer.total_steps:
-            raise UserError(f"step {end} is beyond the run's budget of {trainer.total_steps} steps",
-                            f"replay at most to step {trainer.total_steps}")
-        trainer.total_steps = end  # the loop's horizon only: trainer.schedule keeps the run's total
+        lrs = recorded_lrs(run, range(start + 1, end + 1))
+        beyond = [st for st in range(trainer.total_steps + 1, end + 1) if st not in lrs]
+        if beyond:  # a later session raised the budget, but no record says at which lr those steps ran
+            raise UserError(f"step {beyond[0]} is beyond the budget of {trainer.total_steps} steps of checkpoint "
+                            f"{ckpt.name}'s config and {BATCHES} has no record of its lr",
+                            f"replay at most to step {trainer.total_steps}, or from a checkpoint of the later session")
+        trainer.total_steps = end  # the loop's horizon only
+        trainer.schedule = _RecordedSchedule(trainer.schedule, lrs, trainer)  # each step at the lr it ran with
         trainer.evaluator = _NoEval()
         if changes.lr_scale is not None:
             trainer.schedule = _ScaledSchedule(trainer.schedule, changes.lr_scale)
