@@ -161,6 +161,20 @@ def checkpoint_at_or_before(run: Path, step: int) -> Path:
                     "choose a step at or after a kept checkpoint (see `mspretrain checkpoints RUN --verify`)")
 
 
+def history_checkpoint(run: Path, step: int, history: int) -> Path:
+    """The checkpoint to replay from so that at least `history` steps run before `step`: the newest
+    one at or before step - 1 - history; when none is that old, the OLDEST verified one before
+    `step` (the most history the kept checkpoints allow; the newest would give one step)."""
+    try:
+        return checkpoint_at_or_before(run, max(0, step - 1 - history))
+    except UserError:
+        pass
+    for s, d in store.list_checkpoints(run):
+        if s <= step - 1 and store.verify(d) is None:
+            return d
+    return checkpoint_at_or_before(run, step - 1)  # raises the one-line error naming what is kept
+
+
 def make_scratch(run: Path, out: str | Path | None) -> tuple[Path, bool]:
     """(scratch dir, whether it is a temporary one this replay removes)."""
     if out is None:
