@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     if code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
-        print(f"error: launch was ended by a signal; msrun and its workers were sent SIGTERM\n"
-              f"hint: relaunch the same command to resume from the newest verified checkpoint", file=sys.stderr)
+        print("error: launch was ended by a signal; msrun and its workers were sent SIGTERM\n"
+              "hint: relaunch the same command to resume from the newest verified checkpoint", file=sys.stderr)
         return code
     if code != 0:
         print(f"error: a worker failed (msrun exit {code})\nhint: read {log_dir}/worker_*.log "
