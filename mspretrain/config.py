@@ -39,6 +39,18 @@ def _fail(key: str, problem: str, fix: str) -> None:
     raise UserError(f"{key} {problem}", fix)
 
 
+def _cap(section: Any, caps: dict[str, float], why: str) -> None:
+    """Refuse values above a sane ceiling: a key that drives an allocation (n_layers=1e8 asks
+    `plan` for terabytes of tables) or an update size (lr=1e308 trains to inf in one step) is a
+    typo, not a setting; the ceilings sit far above any real model (a 1T-parameter Llama stays
+    inside every one)."""
+    for name, cap in caps.items():
+        v = getattr(section, name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > cap:
+            key = f"{section.SECTION}.{name}"
+            _fail(key, f"= {v:g} is above the limit of {cap:g} ({why})", f"check {key} for a typo (see docs/config-reference.md)")
+
+
 @functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
@@ -119,6 +131,9 @@ class ModelConfig(_Section):
             _fail("model.norm_eps", f"= {self.norm_eps} must be positive", "the Llama-2 value is 1e-5")
         if not self.init_std > 0:
             _fail("model.init_std", f"= {self.init_std} must be positive", "the Llama value is 0.02")
+        _cap(self, {"dim": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024, "vocab_size": 1 << 22,
+                    "ffn_dim": 1 << 18, "multiple_of": 1 << 16, "max_seq_len": 1 << 20, "rope_theta": 1e12,
+                    "norm_eps": 1.0, "init_std": 10.0}, "a model shape no device holds")
 
 
 @dataclass(frozen=True)
@@ -232,6 +247,10 @@ class OptimConfig(_Section):
                       'write optim.bucket_mb=64 (MB), 0 for one collective per parameter, or optim.bucket_mb="auto"')
         elif not (self.bucket_mb >= 0 and math.isfinite(self.bucket_mb)):
             _fail("optim.bucket_mb", f"= {self.bucket_mb} must be a non-negative number", "use e.g. 256, or 0 for one collective per parameter")
+        else:
+            _cap(self, {"bucket_mb": 1 << 20}, "a bucket larger than any device")
+        _cap(self, {"lr": 10.0, "weight_decay": 10.0, "eps": 1.0, "grad_clip": 1e6, "z_loss": 1.0},
+             "an update this size makes the weights inf in a step")
 
 
 @dataclass(frozen=True)
@@ -257,6 +276,7 @@ class ScheduleConfig(_Section):
             _fail("schedule.decay_fraction", f"= {self.decay_fraction} is outside (0, 1]", "use e.g. 0.2")
         if self.peak_ratio < 1:
             _fail("schedule.peak_ratio", f"= {self.peak_ratio} must be at least 1", "the field report uses 1.2")
+        _cap(self, {"peak_ratio": 100.0}, "an lr peak this far above optim.lr diverges")
 
 
 # The parameter groups `train.trainable` can name (issue 20's stage-1 training: embeddings, lm_head).
@@ -294,6 +314,7 @@ class TrainConfig(_Section):
                   "make global_batch a multiple of micro_batch")
         if self.log_every <= 0:
             _fail("train.log_every", f"= {self.log_every} must be positive", "use e.g. 10")
+        _cap(self, {"global_batch": 1 << 24, "micro_batch": 1 << 20}, "batch buffers no host holds")
         groups = list(self.trainable)
         if not groups:
             _fail("train.trainable", "is empty: nothing would train", 'use train.trainable=["all"], or name parameter groups')
@@ -586,10 +607,15 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
         p = Path(path)
         if not p.is_file():
             raise UserError(f"config file {p} does not exist", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")
+        from mspretrain.fsutil import read_regular_bytes  # fsutil imports errors only; no cycle
+
+        data = read_regular_bytes(p, 16 << 20, "config file", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")
         try:
-            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+            raw = tomllib.loads(data.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"config file {p} is not valid TOML: {exc}", "fix the syntax (key = value, strings in quotes)") from None
+        except RecursionError:
+            raise UserError(f"config file {p} nests arrays or tables too deeply", "a config holds sections of key = value lines") from None
     return from_dict(_merge(raw, overrides))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,13 +56,136 @@ def read_json(path: str | Path, fix: str) -> Any:
     """The parsed JSON of `path`, or a one-line UserError naming the file (unreadable, not UTF-8,
     not JSON). Whether the file exists, and what the document must hold, is the caller's to say."""
     path = Path(path)
+    data = read_regular_bytes(path, JSON_CAP, "JSON file", fix)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not valid JSON (not UTF-8 at byte {e.start})", fix) from None
+    return loads_json(text, str(path), fix)
+
+
+# Size caps per kind of file a command reads whole. A run's logs grow a line per step (a 1M-step
+# run writes ~300 MB of metrics); JSON state files are a few KB. Anything larger is not the file
+# the command expects (e.g. a symlink to /dev/zero, a copied dataset), and reading it whole would
+# exhaust the host's memory before a single line is judged.
+LOG_CAP = 2 << 30  # metrics.jsonl, batches.jsonl, train.log
+JSON_CAP = 64 << 20  # run_meta.json, train_state.json, manifests, heartbeats, verdicts
+TEXT_CAP = 256 << 20  # an eval file, a document list
+
+
+def read_regular_bytes(path: str | Path, cap: int, what: str, fix: str = "") -> bytes:
+    """The bytes of `path`, which must be a regular file (after symlinks) of at most `cap` bytes;
+    else a one-line UserError naming `what` it should have been. A FIFO, a device (/dev/zero), a
+    socket or a directory is refused without blocking: the open is non-blocking and the type is
+    checked on the open descriptor, so a swap between check and read cannot slip through."""
+    path = Path(path)
+    fix = fix or f"replace {path} with the {what} it should be"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise UserError(f"cannot read {path} ({e.strerror or e})", fix) from None
+        raise UserError(f"cannot read {what} {path} ({e.strerror or e})", fix) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                    else "a directory" if stat.S_ISDIR(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a file")
+            raise UserError(f"{what} {path} is {kind}, not a regular file", fix)
+        if st.st_size > cap:
+            raise UserError(f"{what} {path} is {st.st_size:,} bytes, more than the {cap:,} such a file can hold", fix)
+        chunks, total = [], 0
+        while True:  # read to EOF, but never past the cap (a file still growing)
+            chunk = os.read(fd, min(1 << 24, cap + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > cap:
+                raise UserError(f"{what} {path} grew past the {cap:,} bytes such a file can hold", fix)
+        return b"".join(chunks)
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path} ({e.strerror or e})", fix) from None
+    finally:
+        os.close(fd)
+
+
+def read_regular_text(path: str | Path, cap: int, what: str, fix: str = "", *, errors: str = "strict") -> str:
+    """`read_regular_bytes` decoded as UTF-8; with errors="strict" a byte that is not UTF-8 is a
+    one-line error naming its offset ("replace" is for logs a crash may have cut mid-character)."""
+    data = read_regular_bytes(path, cap, what, fix)
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start})", fix or f"replace {path} with the {what} it should be") from None
+
+
+def loads_json(text: str, what: str, fix: str = "") -> Any:
+    """json.loads with every failure one line: a syntax error, and also nesting so deep the
+    parser recurses past Python's stack (`[[[[...` of 100k brackets raises RecursionError)."""
     try:
         return json.loads(text)
-    except ValueError as e:  # json.JSONDecodeError; its message names the line and column
-        raise UserError(f"{path} is not valid JSON ({' '.join(str(e).split())})", fix) from None
+    except RecursionError:
+        raise UserError(f"{what} is nested too deeply to be a record this tool wrote", fix or "replace the file") from None
+    except ValueError as e:
+        raise UserError(f"{what} is not valid JSON ({' '.join(str(e).split())[:200]})", fix or "replace the file") from None
+
+
+def read_json_file(path: str | Path, what: str, fix: str = "", cap: int = JSON_CAP) -> Any:
+    """A JSON state file: a regular file under `cap`, UTF-8, valid JSON, not absurdly nested."""
+    return loads_json(read_regular_text(path, cap, what, fix), f"{what} {path}", fix)
+
+
+def jsonl_dicts(text: str) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """(line number, record or None) for each non-blank line of a JSON-lines log: None for a line
+    that is not a JSON object (cut by a crash, edited, nested past the stack). The callers decide
+    whether a bad line is skipped (plots) or named (the audit)."""
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            rec = None
+        yield n, rec if isinstance(rec, dict) else None
+
+
+def stream_lines(path: str | Path, cap: int, what: str, fix: str = "", max_line: int = 1 << 20) -> Iterator[str]:
+    """The lines of a regular file (newline kept, UTF-8 with errors replaced) in bounded memory:
+    the file must be regular and at most `cap` bytes (as `read_regular_bytes`), and a line longer
+    than `max_line` is cut there (its rest is skipped), so a log of one endless line is still read
+    in bounded memory."""
+    path = Path(path)
+    fix = fix or f"replace {path} with the {what} it should be"
+    read_regular_bytes_check(path, cap, what, fix)
+    with open(path, "rb") as f:
+        total = 0
+        while True:
+            raw = f.readline(max_line)
+            if not raw:
+                return
+            total += len(raw)
+            if total > cap:
+                raise UserError(f"{what} {path} grew past the {cap:,} bytes such a file can hold", fix)
+            if not raw.endswith(b"\n") and len(raw) == max_line:
+                while (rest := f.readline(max_line)) and not rest.endswith(b"\n"):  # skip the over-long rest
+                    total += len(rest)
+                    if total > cap:
+                        raise UserError(f"{what} {path} grew past the {cap:,} bytes such a file can hold", fix)
+            yield raw.decode("utf-8", errors="replace")
+
+
+def read_regular_bytes_check(path: str | Path, cap: int, what: str, fix: str = "") -> None:
+    """The checks of `read_regular_bytes` (a regular file, at most `cap` bytes) without reading it."""
+    path = Path(path)
+    fix = fix or f"replace {path} with the {what} it should be"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path} ({e.strerror or e})", fix) from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{what} {path} is not a regular file (a FIFO, device, socket or directory)", fix)
+    if st.st_size > cap:
+        raise UserError(f"{what} {path} is {st.st_size:,} bytes, more than the {cap:,} such a file can hold", fix)

@@ -195,6 +195,32 @@ def test_refusals_are_one_line(src):
     shutil.copytree(src["hf"], notok)
     (notok / "tokenizer.model").unlink()
     _refused(lambda: plan_init(load_init(notok), tiny_model(), src["ext"]), "without a tokenizer")
+    # ... and a data tokenizer of the same size: nothing shows it is the weights' own (issue 33)
+    _refused(lambda: plan_init(load_init(notok), tiny_model(), src["tok"]), "without a tokenizer", "same size")
+    # NaN / inf weights and integer tensors are refused naming the tensor (issue 33)
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(str(src["hf"] / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    for label, value, words in (("nan", np.float32("nan"), "NaN or infinite"), ("inf", np.float32("inf"), "NaN or infinite")):
+        damaged = root / f"damaged_{label}"
+        shutil.copytree(src["hf"], damaged)
+        w = dict(weights)
+        w[name] = w[name].copy()
+        w[name][3, 5] = value
+        save_file(w, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+        _refused(lambda d=damaged: load_init(d), name, words)
+    for dtype in (np.int8, np.int32, np.bool_):
+        damaged = root / f"damaged_{np.dtype(dtype).name}"
+        shutil.copytree(src["hf"], damaged)
+        save_file({**weights, name: weights[name].astype(dtype)}, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+        _refused(lambda d=damaged: load_init(d), name, "not a floating-point weight")
+    # a FIFO named model.safetensors is refused at once (opening it would block forever)
+    fifo = root / "fifo"
+    shutil.copytree(src["hf"], fifo)
+    (fifo / "model.safetensors").unlink()
+    os.mkfifo(fifo / "model.safetensors")
+    _refused(lambda: load_init(fifo), "not a regular file")
 
 
 # --------------------------------------------------------------------------- groups

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mspretrain.errors import UserError
 from tests.planted import SPIKE_STEP, STEPS, losses, planted_run
 
 
@@ -97,6 +98,10 @@ def test_drop_docs_loader_swaps_only_overlapping_samples(planted):
             assert np.array_equal(got[row], ds.tokens[sub * seq:sub * seq + seq + 1])
     assert [s.step for s in drop.swaps].count(SPIKE_STEP) == 2
     assert drop.state() == plain.state()  # the position is the loader's own
+    # naming every document leaves no clean sample: refused at once (it used to search forever)
+    every = [(0, d) for d in range(len(ds.lengths))]
+    with pytest.raises(UserError, match="drops every sample"):
+        DropDocsLoader(make(), plan=plan, sources=[data], docs=every, end=end, first_step=1, accum=1)
 
 
 def test_refusals_are_one_line(planted, capsys, tmp_path):
@@ -111,7 +116,10 @@ def test_refusals_are_one_line(planted, capsys, tmp_path):
         (["--from-step", "4", "--steps", "2", "--out", str(busy)], "already holds other files"),
         (["--from-step", "4", "--steps", "2", "--out", str(run / "scratch")], "inside the run"),
         (["--from-step", "4", "--steps", "2", "--drop-docs", "x"], "is not a document id"),
-        (["--from-step", "4", "--steps", "2", "--lr-scale", "0"], "must be positive"),
+        (["--from-step", "4", "--steps", "2", "--lr-scale", "0"], "must be a positive finite number"),
+        (["--from-step", "4", "--steps", "2", "--lr-scale", "inf"], "must be a positive finite number"),
+        (["--from-step", "4", "--steps", "2", "--lr-scale", "nan"], "must be a positive finite number"),
+        (["--from-step", "4", "--steps", "2", "--loss-scale", "inf"], "must be a positive finite number"),
     ]
     for args, words in cases:
         code, out, err = _cli(capsys, "replay", str(run), *args)

@@ -139,3 +139,16 @@ def test_spike_after_the_fact_and_refusals(planted, capsys, tmp_path):
     ]:
         code, _, err = _cli(capsys, "spike", *args)
         assert code == 2 and words in err and err.count("\n") == 2, (args, err)
+
+
+def test_history_takes_the_oldest_checkpoint_when_none_is_old_enough(planted, tmp_path):
+    """--history 8 before step 13 with only steps 8, 10 and 12 kept: replay from step 8 (4 steps
+    of history), not from step 12 (none), which the newest-first fallback gave."""
+    from mspretrain.ops.replay import history_checkpoint
+
+    run, _, _ = planted
+    assert history_checkpoint(run, 12, 8).name == "step_000002"  # the documented case: >= 8 steps
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(*[f"step_{s:06d}" for s in range(2, 8, 2)],
+                                                             *[f"step_{s:06d}" for s in range(14, 25, 2)]))
+    assert history_checkpoint(copy, 13, 8).name == "step_000008"

@@ -14,7 +14,6 @@ where the tokenizers are read (data/, layer 2), so the model layer needs none.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,6 +24,7 @@ from mspretrain.checkpoint import store
 from mspretrain.checkpoint.model import resolved_config
 from mspretrain.config import Config, ModelConfig
 from mspretrain.errors import UserError
+from mspretrain.fsutil import read_json_file
 from mspretrain.model.init_from import InitWeights, from_hf_dir, run_model_config
 from mspretrain.model.resize import check_extends, resize_vocab
 from mspretrain.paths import DataPaths, RunPaths
@@ -43,8 +43,11 @@ def load_init(path: str | Path, log: Callable[[str], None] = lambda s: None) -> 
         return from_hf_dir(p)  # names what is missing: config.json, safetensors, a bad file
     ref = store.resolve_checkpoint(p, log=log)  # verifies the manifest (SHA-256 of every file)
     tensors = store.read_model_tensors(ref)
+    from mspretrain.model.hf import check_weights
+
+    check_weights(tensors, ref.dir)  # a checkpoint saved after a NaN step verifies, but cannot train
     model_cfg = resolved_config(ref, tensors).model  # the shape load_model and export give these weights
-    manifest = json.loads((ref.dir / store.MANIFEST).read_text(encoding="utf-8"))
+    manifest = read_json_file(ref.dir / store.MANIFEST, "checkpoint manifest")
     files = {store.MODEL_FILE: manifest["files"][store.MODEL_FILE]["sha256"]}  # verified just now
     return InitWeights(path=p, kind="checkpoint", source_dir=ref.dir, config=model_cfg, tensors=tensors, files=files,
                        tokenizer_path=ref.tokenizer_path)
@@ -93,6 +96,11 @@ def plan_init(init: InitWeights, own: ModelConfig, data_tokenizer: Path, explici
         raise UserError(f"the init weights at {init.path} come without a tokenizer, so the {data_tok.vocab_size - base_vocab} new pieces "
                         "of the data dir's tokenizer cannot be initialised from their base-tokenizer split",
                         "put the init model's tokenizer.model (or tokenizer.json) next to its weights")
+    else:  # refused, not warned: another tokenizer of the same size trains every embedding row on the wrong piece
+        raise UserError(f"the init weights at {init.path} come without a tokenizer, so nothing shows that the data dir's "
+                        f"tokenizer ({data_tokenizer}, {data_tok.vocab_size} pieces) is the one they were trained with "
+                        "(a different tokenizer of the same size would silently train each embedding on another piece)",
+                        "put the init model's tokenizer.model (or tokenizer.json) next to its weights")
     meta = dict(init.provenance(), resized=resized)
     return InitPlan(model=model, tensors=tensors, meta=meta)
 
@@ -140,8 +148,8 @@ def init_for_run(path: str | Path | None, cfg: Config, data_dir: str | Path, run
                             "(the --init-from weights are then not used)")
         meta_path = RunPaths(run_dir).meta
         try:
-            record = json.loads(meta_path.read_text(encoding="utf-8")).get("init_from") if meta_path.is_file() else None
-        except (ValueError, UnicodeDecodeError, AttributeError):
+            record = read_json_file(meta_path, "run_meta.json").get("init_from") if meta_path.exists() else None
+        except (UserError, AttributeError):
             record = None
         if path is None and not isinstance(record, dict):
             return cfg, None, None  # an ordinary run: the trainer resumes it as it always has

@@ -41,7 +41,7 @@ from mspretrain import __version__
 from mspretrain import config as cfgmod
 from mspretrain.config import Config
 from mspretrain.errors import UserError
-from mspretrain.fsutil import fsync_path
+from mspretrain.fsutil import fsync_path, read_json_file
 from mspretrain.paths import DataPaths, RunPaths
 from mspretrain.paths import step_dir_name as step_dir_name  # kept as store.step_dir_name for its callers
 
@@ -207,11 +207,9 @@ def manifest_files(ckpt_dir: Path) -> tuple[dict[str, dict[str, Any]] | None, st
     if not mpath.is_file():
         return None, "no manifest.json (the save did not finish)"
     try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return None, "manifest.json is unreadable"
-    except OSError as exc:
-        return None, f"manifest.json cannot be read ({exc.strerror})"
+        manifest = read_json_file(mpath, "checkpoint manifest")
+    except UserError as exc:  # not a regular file, too large, not UTF-8, not JSON, nested too deep
+        return None, f"manifest.json is unreadable ({exc.cause})"
     problem = _manifest_problem(manifest)
     if problem:  # a malformed manifest is one more corrupt checkpoint: the fallback goes on
         return None, f"manifest.json is malformed ({problem})"
@@ -371,21 +369,23 @@ def latest_verified(run_dir: Path, log: Callable[[str], None] = print) -> Path |
 # --------------------------------------------------------------------------- reading
 
 def read_json(path: Path) -> dict[str, Any]:
+    fix = "run `mspretrain recover RUN_DIR` to rebuild it"
+    if not Path(path).exists():
+        raise UserError(f"{path} is missing", fix)
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path} is missing", "run `mspretrain recover RUN_DIR` to rebuild it") from None
-    except (ValueError, UnicodeDecodeError):
-        raise UserError(f"{path} is corrupt", "run `mspretrain recover RUN_DIR` to rebuild it") from None
+        return read_json_file(path, "checkpoint state file", fix)
+    except UserError as e:
+        raise UserError(f"{path} is corrupt ({e.cause})", fix) from None
 
 
 def _run_meta(run_dir: Path) -> dict[str, Any]:
     p = RunPaths(run_dir).meta
     if p.is_file():
         try:
-            return json.loads(p.read_text(encoding="utf-8"))
-        except ValueError:
+            meta = read_json_file(p, "run_meta.json")
+        except UserError:
             return {}
+        return meta if isinstance(meta, dict) else {}
     return {}
 
 
@@ -405,7 +405,7 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda s: 
         if ckpt is None:
             raise UserError(f"{p} holds no verified checkpoint", "train first (mspretrain train ... --run DIR), or pass a checkpoint dir")
         run_dir = p
-    m = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))
+    m = read_json_file(ckpt / MANIFEST, "checkpoint manifest")
     cfg = cfgmod.load(ckpt / CONFIG_FILE)
     meta = _run_meta(run_dir) if run_dir else {}
     data_dir = Path(meta["data_dir"]) if meta.get("data_dir") else None

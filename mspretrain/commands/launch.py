@@ -21,6 +21,7 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-grace", type=float, default=None, metavar="S",
                    help="end the job when a rank's process has been stopped (SIGSTOP, a debugger) for S seconds (default 5)")
     p.add_argument("--no-watchdog", action="store_true", help="leave dead or stopped ranks to msrun's own timeouts")
+    p.add_argument("--master-wait", type=float, default=300.0, metavar="S",
+                   help="node ranks > 0: wait at most S seconds for node 0 to listen on --master-addr:--master-port "
+                        "(default 300), then fail with one line instead of waiting forever")
     p.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the mspretrain command every worker runs, after --")
 
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                          master_port=args.master_port, log_dir=log_dir, script=script)
     stale = STALE_S if args.stale_after is None else args.stale_after
     grace = STOP_GRACE_S if args.stop_grace is None else args.stop_grace
-    for flag, value in (("--stale-after", stale), ("--stop-grace", grace)):
+    for flag, value in (("--stale-after", stale), ("--stop-grace", grace), ("--master-wait", args.master_wait)):
         if not value > 0 or value == float("inf"):  # NaN fails the first test
             raise UserError(f"{flag} {value} is not a positive number of seconds", f"use e.g. {flag} 20")
     if args.dry_run:
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     env.setdefault("GLOG_v", "3")  # MindSpore's native logs: warnings and errors only
     if args.node_rank > 0:
         env[NO_SCHEDULER] = "1"
+        wait_for_master(args.master_addr, args.master_port, args.master_wait)
     print(line, flush=True)
     run_dir = None if args.no_watchdog else train_run_dir(cmd)
     code, verdict = supervise([msrun, *shlex.split(line)[1:]], env, run_dir, stale, grace)
@@ -96,10 +101,40 @@ def run(args: argparse.Namespace) -> int:
               f"`mspretrain diagnose {run_dir} --hang` shows every rank, {log_dir}/worker_{verdict.rank}.log the rank's output",
               file=sys.stderr)
         return 1
+    if code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
+        print("error: launch was ended by a signal; msrun and its workers were sent SIGTERM\n"
+              "hint: relaunch the same command to resume from the newest verified checkpoint", file=sys.stderr)
+        return code
     if code != 0:
         print(f"error: a worker failed (msrun exit {code})\nhint: read {log_dir}/worker_*.log "
               f"(`mspretrain diagnose {log_dir}` summarises them)", file=sys.stderr)
     return code
+
+
+def wait_for_master(addr: str, port: int, wait_s: float, log=print) -> None:
+    """Node ranks > 0: msrun on them waits for node 0's scheduler forever, silently. Probe its
+    address first (a TCP connect, closed at once), say what is awaited, and give up after `wait_s`
+    with one line naming the address and port."""
+    import socket
+
+    from mspretrain.errors import UserError
+
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=min(2.0, max(0.1, wait_s))):
+                return
+        except OSError as e:
+            reason = e.strerror or str(e)
+        if time.monotonic() >= deadline:
+            raise UserError(f"node 0 is not listening at {addr}:{port} after {wait_s:g} s ({reason})",
+                            f"start node 0 first (--node-rank 0 --master-addr {addr} --master-port {port}), check the "
+                            "address, port and firewall, or wait longer with --master-wait S")
+        if not said:
+            log(f"waiting up to {wait_s:g} s for node 0 at {addr}:{port} ...", flush=True)
+            said = True
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def train_run_dir(cmd: list[str]) -> Path | None:
@@ -114,20 +149,40 @@ def train_run_dir(cmd: list[str]) -> Path | None:
     return None
 
 
+TERM_GRACE_S = 60.0  # a worker's SIGTERM handler writes a checkpoint before it stops
+
+
+class _Terminated(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_s: float, stop_grace_s: float):
     """Run msrun; with a run dir, watch the ranks and end the job when one dies or stops.
     Returns (msrun's exit code, the watchdog's verdict or None)."""
-    from mspretrain.ops.watchdog import POLL_S, Watchdog, kill_tree, record_verdict
+    from mspretrain.ops.watchdog import POLL_S, Watchdog, descendants, kill_tree, record_verdict
 
     since = time.time()
     proc = subprocess.Popen(argv, env=env)
     dog = Watchdog(run_dir, since=since, stale_s=stale_s, stop_grace_s=stop_grace_s) if run_dir is not None else None
+
+    def on_term(signum: int, _frame: object) -> None:
+        raise _Terminated(signum)
+
+    # a SIGTERM (or SIGHUP) to launch used to end launch alone, leaving msrun and its workers running
+    old = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
-            try:
-                return proc.wait(timeout=POLL_S), None
-            except subprocess.TimeoutExpired:
-                pass
+            if dog is None:
+                try:
+                    return proc.wait(timeout=POLL_S), None
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                dog.watch_exits(POLL_S)  # blocks on the ranks' exits: their order names the culprit
+                if proc.poll() is not None:
+                    return proc.returncode, None
             verdict = dog.check() if dog is not None else None
             if verdict is not None:
                 try:
@@ -137,9 +192,31 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_
                 kill_tree(proc.pid)
                 proc.wait(timeout=60)
                 return proc.returncode, verdict
+    except _Terminated as t:  # pass the signal on to msrun and every worker (each in its own group),
+        # which save and stop as on a Ctrl-C; whatever is still alive after the grace period is killed
+        name = signal.Signals(t.signum).name
+        print(f"launch got {name}: sending it to msrun and its workers", file=sys.stderr, flush=True)
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+        for pid in descendants(proc.pid):  # workers msrun left behind
+            kill_tree(pid)
+        return 128 + t.signum, None
     except KeyboardInterrupt:  # msrun got the Ctrl-C too and stops its workers; give it a moment
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
         raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if dog is not None:
+            dog.close()

@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-s", type=float, metavar="X", help="tokens/s per device (measured or given) for time and cost")
     p.add_argument("--from-run", metavar="RUN_DIR", help="take tokens/s per device from a run's metrics.jsonl (median)")
     p.add_argument("--from-selftest", metavar="FILE", help="take tokens/s per device from `mspretrain selftest --json` (its decoder-layer timing)")
-    p.add_argument("--device-mem-gb", type=float, default=64.0, help="device memory in GB (Ascend 910B: 64)")
+    p.add_argument("--device-mem-gb", type=float, help="usable device memory in GB (default: device.max_device_memory, "
+                                                       "else 58 on Ascend 910B, else 64); wins over the config")
     p.add_argument("--zero", action="store_true", help="optimizer-state sharding across devices (as optim.shard_optimizer=true)")
     p.add_argument("--recompute", action="store_true", help="full activation recomputation (as train.recompute=true)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -42,7 +43,11 @@ def _measured_tokens_per_s(run_dir: Path) -> float | None:
     records, _ = read_metrics(paths.metrics)
     tps = series(records, "tokens_per_s")[1]
     meta = paths.meta
-    world = json.loads(meta.read_text())["world_size"] if meta.exists() else 1
+    from mspretrain.fsutil import read_json_file
+
+    world = read_json_file(meta, "run_meta.json").get("world_size", 1) if meta.exists() else 1
+    if not isinstance(world, int) or not 1 <= world <= 1 << 20:
+        world = 1
     return statistics.median(tps) / world if tps else None
 
 
@@ -69,10 +74,26 @@ def _preset_shape(cfg: Config, args: argparse.Namespace) -> tuple[Config, list[s
     return cfg, assumed
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every number of the command line is finite and in range before anything is computed:
+    `--tokens nan` printed "time nan h", `--tokens -1` was taken for "no budget", and a negative
+    --tokens-per-s gave negative hours."""
+    import math
+
+    from mspretrain.errors import UserError
+
+    for flag, value, low, high in (("--tokens", args.tokens, 1.0, 1e16), ("--tokens-per-s", args.tokens_per_s, 1e-6, 1e9),
+                                   ("--device-mem-gb", args.device_mem_gb, 0.01, 1e5), ("--devices", args.devices, 1, 1e6)):
+        if value is not None and not (math.isfinite(value) and low <= value <= high):
+            raise UserError(f"{flag} {value:g} is not a number between {low:g} and {high:g}",
+                            f"give {flag} a positive finite value, e.g. --tokens 120e9 --tokens-per-s 4100 --devices 8")
+
+
 def run(args: argparse.Namespace) -> int:
     from mspretrain.errors import UserError
     from mspretrain.ops.plan import format_plan, make_plan, preset_model
 
+    _check_numbers(args)
     cfg = load_config(args)
     if args.model:
         model = preset_model(args.model)
@@ -93,12 +114,14 @@ def run(args: argparse.Namespace) -> int:
         if tps is None:
             raise UserError(f"{args.from_run} has no tokens_per_s in metrics.jsonl",
                             "run a few more steps (throughput is logged every metrics.throughput_every steps)")
+    if tps is not None and not (tps > 0 and tps < float("inf")):  # a measured value from a damaged file
+        raise UserError(f"the measured tokens/s per device is {tps:g}", "pass --tokens-per-s X instead")
     # every value is checked as `train` would (NaN, ranges, choices); the budget alone may come
     # from --tokens or --data instead, and make_plan refuses a plan without any
     from mspretrain.config import validate
 
     validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)))
-    plan = make_plan(cfg, devices=args.devices, tokens=int(args.tokens) if args.tokens else None,
+    plan = make_plan(cfg, devices=args.devices, tokens=int(args.tokens) if args.tokens is not None else None,
                      data_dir=Path(args.data) if args.data else None, tokens_per_s_per_device=tps,
                      device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute, assumed=assumed)
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan))

@@ -42,8 +42,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--steps {args.steps}: replay at least one step", "e.g. --steps 20")
     for name in ("lr_scale", "loss_scale"):
         v = getattr(args, name)
-        if v is not None and not v > 0:
-            raise UserError(f"--{name.replace('_', '-')} {v} must be positive", "e.g. 0.5")
+        high = 1e3 if name == "lr_scale" else 2.0**40  # an lr x1000 or a scale past fp32's gradient range is a typo
+        if v is not None and not 0 < v <= high:  # also refuses nan and inf
+            raise UserError(f"--{name.replace('_', '-')} {v} must be a positive finite number up to {high:g}",
+                            "e.g. --lr-scale 0.5 or --loss-scale 1024")
     docs: tuple[tuple[int, int], ...] = ()
     if args.drop_docs:
         from mspretrain import config as cfgmod

@@ -268,6 +268,35 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
+def check_weights(tensors: dict[str, np.ndarray], source: str | Path) -> None:
+    """Weights a model can start from: floating-point and finite. An int8/int32/bool tensor is a
+    quantised or foreign file (cast to float it would train from its codes, not its weights),
+    and one NaN or inf makes every later step NaN and is then saved into checkpoints that verify.
+    Refused in one line naming the tensor; checked per tensor, so memory stays one bool per value."""
+    for name, arr in tensors.items():
+        if arr.dtype.kind != "f":
+            raise UserError(f"{source}: tensor {name} is {arr.dtype}, not a floating-point weight (a quantised or foreign file?)",
+                            "use fp32, fp16 or bf16 weights (dequantise first)")
+        bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+        if bad:
+            raise UserError(f"{source}: tensor {name} holds {bad:,} NaN or infinite value(s)",
+                            "the weights are damaged: re-download or re-export them")
+
+
+def _regular(files: list[Path]) -> list[Path]:
+    """Refuse a FIFO, device or socket named like a weight file: opening a FIFO blocks forever."""
+    import stat as stat_mod
+
+    for f in files:
+        try:
+            mode = f.stat().st_mode
+        except OSError as e:
+            raise UserError(f"cannot read {f}: {e.strerror or e}", "download every weight file of the model") from None
+        if not stat_mod.S_ISREG(mode):
+            raise UserError(f"{f} is not a regular file (a FIFO, device or socket)", "replace it with the real weight file")
+    return files
+
+
 def weight_files(hf_dir: Path) -> list[Path]:
     """The safetensors files of an HF folder (via the index when sharded); refuses pickled weights."""
     index = hf_dir / "model.safetensors.index.json"
@@ -282,13 +311,13 @@ def weight_files(hf_dir: Path) -> list[Path]:
             raise UserError(f"{index} maps tensors to something other than file names in {hf_dir}",
                             "re-save the model with save_pretrained(safe_serialization=True)")
         files = [hf_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [f for f in files if not f.is_file()]
+        missing = [f for f in files if not f.exists()]
         if missing:
             raise UserError(f"shard {missing[0].name} listed in {index.name} is missing", "download every shard of the model")
-        return files
+        return _regular(files)
     files = sorted(hf_dir.glob("*.safetensors"))
     if files:
-        return files
+        return _regular(files)
     pickled = [p for p in sorted(hf_dir.iterdir()) if p.suffix in _PICKLE_SUFFIXES]
     if pickled:
         raise UserError(f"{hf_dir} has only pickled PyTorch weights ({pickled[0].name}): safetensors are required (pickles are never loaded)",
@@ -315,7 +344,9 @@ def read_hf_dir(hf_dir: str | Path, check_tokenizer: Callable[[Path, ModelConfig
         check_tokenizer(tok_path, m)
     tensors: dict[str, np.ndarray] = {}
     for f in weight_files(hf_dir):
-        tensors.update(read_safetensors(f))
+        part = read_safetensors(f)
+        check_weights(part, f.name)
+        tensors.update(part)
     return m, hf_to_ours(tensors, m), tok_path
 
 

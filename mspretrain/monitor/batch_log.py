@@ -19,13 +19,80 @@ Design choices:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterator
 
 from mspretrain.data.order import SamplePlan, batch_hash
-from mspretrain.fsutil import atomic_write
+from mspretrain.fsutil import LOG_CAP, atomic_write, jsonl_dicts, read_regular_text
 
 FILE = "batches.jsonl"
+MAX_SOURCES = 1024
+MAX_COUNT = 2**53  # steps, positions: exact in a float, far beyond any run
+SCHEDULE_KINDS = ("cosine", "two_phase", "wsd", "constant")
+
+
+def _int(v: Any, low: int = 0, high: int = MAX_COUNT) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def _num(v: Any, low: float = 0.0, high: float = 1e30) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and low <= v <= high
+
+
+def _counts(v: Any) -> bool:
+    return isinstance(v, list) and 1 <= len(v) <= MAX_SOURCES and all(_int(x) for x in v)
+
+
+def problem(rec: Any) -> str | None:
+    """Why a batches.jsonl line cannot be one this module wrote (None: it can). Every field a
+    reader indexes or computes with is type- and range-checked here, so readers do not guard:
+    a hand-edited, truncated or foreign line (a string step, a NaN lr, a 1e400 position, a
+    missing key) is named instead of raising deep inside the audit."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    kinds = [k for k in ("step", "session", "rewind") if k in rec]
+    if len(kinds) != 1:
+        return "holds none of step / session / rewind" if not kinds else f"holds {' and '.join(kinds)} at once"
+    if "session" in rec:
+        r = rec["session"]
+        if not isinstance(r, dict) or not _int(r.get("step", 0)) or not _int(r.get("world", 1), 1, 1 << 20) \
+                or not _int(r.get("total", 0)) or not _int(r.get("warmup", 0)):
+            return "session marker with a missing or invalid step / world / total / warmup"
+        sch = r.get("schedule")
+        if sch is not None and not (isinstance(sch, dict) and sch.get("kind") in SCHEDULE_KINDS
+                                    and all(_num(sch.get(k)) for k in ("lr", "min_lr", "decay_fraction", "peak_ratio"))
+                                    and _int(sch.get("warmup")) and _int(sch.get("total"))):
+            return "session marker with an invalid schedule"
+        plan = r.get("plan")
+        if plan is not None and not (isinstance(plan, dict) and _counts(plan.get("windows")) and _int(plan.get("seed"), -2**63, 2**63)
+                                     and isinstance(plan.get("weights"), list) and len(plan["weights"]) == len(plan["windows"])
+                                     and all(_num(w, 1e-30) for w in plan["weights"]) and min(plan["windows"]) >= 1
+                                     and _int(r.get("global_batch"), 1, 1 << 24)):
+            return "session marker with an invalid sample plan"
+        return None
+    if "rewind" in rec:
+        r = rec["rewind"]
+        if not isinstance(r, dict) or not _int(r.get("from"), 1) or not _int(r.get("to")) or r["to"] >= r["from"] \
+                or not _int(r.get("skip"), 0, 1 << 20) or not _counts(r.get("pos")):
+            return "rewind marker with a missing or invalid from / to / skip / pos"
+        return None
+    if not _int(rec["step"], 1) or not _counts(rec.get("pos")) or not isinstance(rec.get("hash"), str) \
+            or not _int(rec.get("world", 1), 1, 1 << 20) or not _num(rec.get("lr")) or not _num(rec.get("scale", 1.0), 1e-30) \
+            or not isinstance(rec.get("finite", True), bool):
+        return "step record with a missing or invalid step / pos / hash / world / lr / scale / finite"
+    return None
+
+
+def read_lines(run_dir: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
+    """(line number, record, problem) for each non-blank line of RUN_DIR/batches.jsonl, read as a
+    regular file under the log cap (a symlink to /dev/zero is a one-line error, not a hang)."""
+    path = Path(run_dir) / FILE
+    text = read_regular_text(path, LOG_CAP, "batch record", "the file was edited or replaced; restore it or train again",
+                             errors="replace")
+    for n, rec in jsonl_dicts(text):
+        why = "not a JSON object (cut by a crash, edited, or not UTF-8)" if rec is None else problem(rec)
+        yield n, (None if why else rec), why
 
 
 def plan_for(loader: Any) -> SamplePlan:
@@ -42,30 +109,28 @@ def position(loader: Any) -> list[int]:
 def records(run_dir: Path) -> Iterator[dict[str, Any]]:
     """The lines of RUN_DIR/batches.jsonl as dicts, in order; a line cut by a crash is skipped
     (`audit` reads the file strictly instead: it must name a damaged history)."""
-    path = Path(run_dir) / FILE
-    if not path.is_file():
+    if not (Path(run_dir) / FILE).exists():
         return
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
+    for _, rec, _why in read_lines(run_dir):
+        if rec is not None:  # a damaged line is skipped here; the audit names it
             yield rec
 
 
 def truncate(path: Path, step: int) -> None:
     """Keep the history of the weights saved at `step`: every line up to the LAST record of that
     step (after a rewind, steps repeat; the checkpoint belongs to the latest pass)."""
-    if not path.is_file():
+    if not path.exists():
         return
     lines = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in read_regular_text(path, LOG_CAP, "batch record", errors="replace").splitlines():
         try:
-            lines.append((line, json.loads(line)))
-        except ValueError:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
             continue  # a line cut by a crash
-    last = max((i for i, (_, rec) in enumerate(lines) if rec.get("step") == step), default=None)
+        if isinstance(rec, dict):  # kept as written: a damaged record stays for the audit to name
+            lines.append((line, rec))
+    last = max((i for i, (_, rec) in enumerate(lines) if rec.get("step") == step and not isinstance(rec.get("step"), bool)),
+               default=None)
     if last is None:  # no record of that step (a checkpoint from before this file): keep steps <= it
         kept = [line for line, rec in lines if isinstance(rec.get("step"), int) and rec["step"] <= step]
     else:
@@ -83,7 +148,8 @@ class BatchLog:
 
     def __init__(self, run_dir: Path, *, plan: SamplePlan, global_batch: int, enabled: bool, loader: Any = None,
                  resume_step: int | None = None, world: int = 1, skipped: int = 0, rewind_skip: int = 0,
-                 total: int = 0, warmup: int = 0) -> None:
+                 total: int = 0, warmup: int = 0, schedule: Any = None, precision: dict[str, Any] | None = None,
+                 changes: tuple[str, ...] = ()) -> None:
         self.path = Path(run_dir) / FILE
         self.plan, self.global_batch, self.enabled = plan, global_batch, enabled
         self.loader, self.world, self.rewind_skip = loader, world, rewind_skip
@@ -97,7 +163,20 @@ class BatchLog:
         self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # a line per step reaches the disk
         # each start or resume: the step it starts after, the world, and the schedule it runs (a
         # raised budget re-stretches the schedule on resume; the audit checks each part against its own)
-        self._write({"session": {"step": resume_step or 0, "world": world, "total": total, "warmup": warmup}})
+        # Additive fields (each session judged by its own settings, not by the run's latest config):
+        # the whole schedule, the sample plan and batch size, the loss-scale rules, and what the session was allowed to change (--allow-data-change,
+        # --allow-config-change, --restart).
+        session: dict[str, Any] = {"step": resume_step or 0, "world": world, "total": total, "warmup": warmup}
+        if schedule is not None:
+            session["schedule"] = {k: getattr(schedule, k) for k in
+                                   ("kind", "lr", "warmup", "total", "min_lr", "decay_fraction", "peak_ratio")}
+        session["plan"] = {"windows": list(plan.windows), "weights": list(plan.weights), "seed": plan.seed}
+        session["global_batch"] = global_batch
+        if precision is not None:
+            session["precision"] = precision
+        if changes:
+            session["changes"] = list(changes)
+        self._write({"session": session})
 
     def __call__(self, step: int, data_state: dict[str, Any], values: dict[str, float]) -> None:
         ran = self._last + 1

@@ -35,8 +35,10 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from mspretrain.fsutil import atomic_write
+from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_write, read_regular_text
 
 HEARTBEAT_DIR = "heartbeat"
 PHASES = ("start", "compile", "data", "step", "eval", "save", "done", "failed")
@@ -165,6 +167,14 @@ class NullHeartbeat:
         pass
 
 
+def _int(v: Any, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v < 2**53
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e15
+
+
 def read_heartbeats(run_dir: str | Path) -> list[dict]:
     """The heartbeats of the run's current job, sorted by rank.
 
@@ -174,10 +184,13 @@ def read_heartbeats(run_dir: str | Path) -> list[dict]:
     d = Path(run_dir) / HEARTBEAT_DIR
     beats = []
     for p in sorted(d.glob("rank_*.json")) if d.is_dir() else []:
-        try:
-            rec = json.loads(p.read_text(encoding="utf-8"))
-            int(rec["rank"]), int(rec["step"]), float(rec["time"]), str(rec["phase"])
-        except (OSError, ValueError, KeyError, TypeError):
+        try:  # a regular file of at most 64 KB: a heartbeat is ~300 bytes, /dev/zero is endless
+            rec = json.loads(read_regular_text(p, 1 << 16, "heartbeat", errors="replace"))
+            if not (_int(rec["rank"]) and _int(rec["step"]) and _int(rec.get("world", 1), 1) and _int(rec.get("pid", 0))
+                    and _int(rec.get("collectives", 0)) and isinstance(rec["phase"], str) and isinstance(rec.get("host", ""), str)
+                    and all(_finite(rec.get(k, 0.0)) for k in ("time", "phase_since", "started")) and "time" in rec):
+                continue
+        except (UserError, ValueError, KeyError, TypeError, RecursionError):
             continue
         beats.append(rec)
     if not beats:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mspretrain.config import MetricsConfig
-from mspretrain.fsutil import atomic_write
+from mspretrain.fsutil import LOG_CAP, atomic_write, read_regular_text
 from mspretrain.paths import RunPaths
 
 THROUGHPUT_KEYS = ("tokens_per_s", "samples_per_s", "mfu", "real_token_share",
@@ -90,11 +90,11 @@ def truncate_metrics(path: Path, keep_through_step: int) -> int:
     if not path.exists():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in read_regular_text(path, LOG_CAP, "metrics log", errors="replace").splitlines():
         try:
             rec = json.loads(line)
             ok = isinstance(rec, dict) and int(rec["step"]) <= keep_through_step
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             ok = False  # a partial line from a killed writer
         if ok:
             kept.append(line)

@@ -26,6 +26,7 @@ import numpy as np
 
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
+from mspretrain.fsutil import LOG_CAP, stream_lines
 from mspretrain.monitor.spikes import scan_metrics
 
 ADVICE = {
@@ -123,43 +124,43 @@ def scan_log(path: Path, root: Path) -> tuple[list[Finding], StepTimes]:
     first: dict[str, Finding] = {}
     times = StepTimes()
     last_exc: Finding | None = None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for no, raw in enumerate(f, 1):
-            line = raw.rstrip("\n")
-            low = line.lower()
-            claimed = False
-            if _RULE_RX.search(low):
-                for kind, rx in LOG_RULES:
-                    if rx.search(line):
-                        claimed = True
-                        if kind in first:
-                            first[kind].count += 1
-                        else:
-                            first[kind] = Finding(kind, _rel(path, root), no, line.strip()[:300])
-                        break
-            if not claimed and ("Error: " in line or "Exception: " in line) and EXCEPTION.search(line.strip()):
-                last_exc = Finding("exception", _rel(path, root), no, line.strip()[:300])
-            k_time, k_tok = low.find("time"), low.find("tok")
-            if k_time < 0 and k_tok < 0:
-                continue
-            for idx, (rx, what) in enumerate(STEP_TIME):
-                if times.fmt is not None and idx != times.fmt:
-                    continue  # one format per file, so ranks are compared in the same unit
-                # search a window around the keyword, not the whole line: a number-rich line made
-                # the rate pattern try every digit (37 us a line, most of a long log's time)
-                k = k_tok if what == "rate" else k_time
-                if k < 0:
-                    continue
-                t = rx.search(line[max(0, k - 48):k + 48])
-                if t:
-                    times.fmt = idx
-                    v = float(t.group(1).replace(",", ""))
-                    if what == "rate":
-                        v = 1.0 / v if v > 0 else math.inf
-                    elif (t.group(2) or "s").lower() == "ms":
-                        v /= 1000.0
-                    times.add(no, v, line.strip()[:300])
+    # stream_lines: a regular file under the log cap, lines cut at 1 MB (bounded memory)
+    for no, raw in enumerate(stream_lines(path, LOG_CAP, "log file"), 1):
+        line = raw.rstrip("\n")
+        low = line.lower()
+        claimed = False
+        if _RULE_RX.search(low):
+            for kind, rx in LOG_RULES:
+                if rx.search(line):
+                    claimed = True
+                    if kind in first:
+                        first[kind].count += 1
+                    else:
+                        first[kind] = Finding(kind, _rel(path, root), no, line.strip()[:300])
                     break
+        if not claimed and ("Error: " in line or "Exception: " in line) and EXCEPTION.search(line.strip()):
+            last_exc = Finding("exception", _rel(path, root), no, line.strip()[:300])
+        k_time, k_tok = low.find("time"), low.find("tok")
+        if k_time < 0 and k_tok < 0:
+            continue
+        for idx, (rx, what) in enumerate(STEP_TIME):
+            if times.fmt is not None and idx != times.fmt:
+                continue  # one format per file, so ranks are compared in the same unit
+            # search a window around the keyword, not the whole line: a number-rich line made
+            # the rate pattern try every digit (37 us a line, most of a long log's time)
+            k = k_tok if what == "rate" else k_time
+            if k < 0:
+                continue
+            t = rx.search(line[max(0, k - 48):k + 48])
+            if t:
+                times.fmt = idx
+                v = float(t.group(1).replace(",", ""))
+                if what == "rate":
+                    v = 1.0 / v if v > 0 else math.inf
+                elif (t.group(2) or "s").lower() == "ms":
+                    v /= 1000.0
+                times.add(no, v, line.strip()[:300])
+                break
     out = list(first.values())
     # A non-finite loss line or two is noise the spike detector also reports; a storm is news.
     out = [f for f in out if f.kind != "nonfinite" or f.count >= NONFINITE_RUN or "non-finite for" in f.evidence]
@@ -171,8 +172,8 @@ def scan_log(path: Path, root: Path) -> tuple[list[Finding], StepTimes]:
 def _line_texts(path: Path, numbers: set[int]) -> dict[int, str]:
     """The text of a few lines of a file (the evidence), by a second streaming pass."""
     out: dict[int, str] = {}
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for no, raw in enumerate(f, 1):
+    if numbers:
+        for no, raw in enumerate(stream_lines(path, LOG_CAP, "log file"), 1):
             if no in numbers:
                 out[no] = raw.strip()[:300]
     return out
@@ -182,15 +183,15 @@ def scan_metrics_file(path: Path, root: Path, spike_cfg: cfgmod.SpikeConfig) -> 
     # Only the keys the checks read, and line numbers instead of line texts: a long run's
     # metrics.jsonl is kept as a few small numbers per step (the evidence is read back at the end).
     records, line_of = [], {}
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for no, raw in enumerate(f, 1):
-            try:
-                rec = json.loads(raw)
-                step = int(rec["step"])
-            except (ValueError, KeyError, TypeError, OverflowError):
-                continue
-            records.append({k: rec[k] for k in ("loss", "grad_norm", "skipped") if k in rec} | {"step": step})
-            line_of[step] = no
+    # stream_lines: see scan_log
+    for no, raw in enumerate(stream_lines(path, LOG_CAP, "metrics log"), 1):
+        try:
+            rec = json.loads(raw)
+            step = int(rec["step"])
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            continue
+        records.append({k: rec[k] for k in ("loss", "grad_norm", "skipped") if k in rec} | {"step": step})
+        line_of[step] = no
 
     def line_at(step: int) -> tuple[int, str]:  # at most three calls, only when something was found
         no = line_of[step]
@@ -304,14 +305,14 @@ def diagnose(target: Path) -> list[Finding]:
 def _device_memory_note(metrics_path: Path) -> str:
     """The run's last device-memory figures (monitor/memory.py, Ascend only), for the OOM advice."""
     last: dict = {}
-    with open(metrics_path, encoding="utf-8", errors="replace") as f:
-        for raw in f:
-            try:
-                rec = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and "device_mem_mb" in rec:
-                last = rec
+    # stream_lines: see scan_log
+    for raw in stream_lines(metrics_path, LOG_CAP, "metrics log"):
+        try:
+            rec = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(rec, dict) and "device_mem_mb" in rec:
+            last = rec
     if not last:
         return ""
     reserved = last.get("device_mem_reserved_mb")

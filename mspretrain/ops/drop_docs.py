@@ -74,6 +74,12 @@ class DropDocsLoader:
             start, stop = (int(ends[d - 1]) if d else 0), int(ends[d])
             lo = max(0, -(-(start - self.seq_len) // self.seq_len))  # first window whose last token >= start
             self.bad[j][lo:min((stop - 1) // self.seq_len + 1, plan.windows[j])] = True
+        if all(bool(b.all()) for b in self.bad):  # no clean sample left: the search below would never end
+            raise UserError(f"--drop-docs drops every sample of the run's data ({len(docs)} document(s) cover all "
+                            f"{sum(plan.windows):,} windows)", "drop fewer documents")
+        # a clean window exists; the plan visits every window of a source once per epoch, so one
+        # search never needs more draws than this (a cap that turns a bug into an error, not a hang)
+        self.max_draws = 2 * sum(plan.windows) + 1024
         self.cursor, self.calls, self.first_step = list(end), 0, first_step
         self.swaps: list[Swap] = []
 
@@ -97,11 +103,13 @@ class DropDocsLoader:
         return batch
 
     def _substitute(self) -> tuple[int, int]:
-        while True:
+        for _ in range(self.max_draws):
             j, w = (int(x) for x in self.plan.batch(self.cursor, 1)[0])
             self.cursor = self.plan.advance(self.cursor, 1)
             if not self.bad[j][w]:
                 return j, w
+        raise UserError(f"--drop-docs: no clean sample in the next {self.max_draws:,} of the plan (the sources that "
+                        "still have clean windows are never drawn)", "drop fewer documents")
 
     def _put(self, batch: Any, row: int, sub: tuple[int, int]) -> None:
         j, w = sub

@@ -212,7 +212,7 @@ def checkpoint_bytes(params: int, half_params: str | None = None, trained: int |
 
 
 def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path | None,
-              tokens_per_s_per_device: float | None, device_mem_gb: float = 64.0,
+              tokens_per_s_per_device: float | None, device_mem_gb: float | None = None,
               zero: bool = False, recompute: bool = False, flash: bool | None = None,
               assumed: Sequence[str] = ()) -> dict:
     """The plan as a dict (bytes, steps, hours); `format_plan` prints it.
@@ -254,7 +254,8 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     target = "ascend" if (cfg.device.target == "ascend" or flash) else cfg.device.target
     mem, layout = memory_model(m, cfg, devices=devices, micro=micro, accum=accum, zero=zero, shard_grads=shard_grads,
                                recompute=recompute, flash=flash, target=target)
-    usable_gb = cfg.device.max_device_memory or (ASCEND_910B_USABLE_GB if target == "ascend" else device_mem_gb)
+    # a device size given on the command line wins (it used to be ignored for Ascend configs)
+    usable_gb = device_mem_gb or cfg.device.max_device_memory or (ASCEND_910B_USABLE_GB if target == "ascend" else 64.0)
     calls, wire_bytes = layout.traffic(accum)
     trained = sum(layout.sizes)  # the layout is built over the trained parameters only
     other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash)

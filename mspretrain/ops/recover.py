@@ -17,7 +17,7 @@ from pathlib import Path
 from mspretrain.checkpoint import store
 from mspretrain.config import load as load_config
 from mspretrain.errors import UserError
-from mspretrain.fsutil import atomic_write
+from mspretrain.fsutil import LOG_CAP, atomic_write, jsonl_dicts, read_json_file, read_regular_text
 from mspretrain.paths import RunPaths
 from mspretrain.train.loss_scale import LossScaler
 
@@ -46,11 +46,7 @@ def _read_metrics(run_dir: Path, step: int) -> dict[int, dict]:
     path = RunPaths(run_dir).metrics
     if not path.is_file():
         return out
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a torn last line of a crashed run
+    for _, rec in jsonl_dicts(read_regular_text(path, LOG_CAP, "metrics log", errors="replace")):
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
             out.setdefault(rec["step"], {}).update(rec)
     return out
@@ -99,8 +95,10 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
         return report + [f"{d.name} verifies: nothing to recover"]
     cfg = load_config(d / store.CONFIG_FILE)
     meta_path = RunPaths(run_dir).meta
-    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
-    world = int(meta.get("world_size", 1))
+    meta = read_json_file(meta_path, "run_meta.json") if meta_path.exists() else {}
+    world = meta.get("world_size", 1) if isinstance(meta, dict) else 1
+    if not isinstance(world, int) or not 1 <= world <= 1 << 20:
+        raise UserError(f"{meta_path} holds world_size {world!r}, not a rank count", "fix or remove run_meta.json's world_size")
     records = _read_metrics(run_dir, s)
     m: dict = {}
     for k in sorted(records):
@@ -155,16 +153,14 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
 
 def _json_ok(path: Path) -> bool:
     try:
-        return isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
-    except (OSError, ValueError, UnicodeDecodeError):
+        return isinstance(read_json_file(path, path.name), dict)
+    except UserError:
         return False
 
 
 def _read_manifest(d: Path) -> dict:
     """The checkpoint's manifest, read before anything is written (a bad one refuses the recovery)."""
-    from mspretrain.fsutil import read_json
-
-    manifest = read_json(d / store.MANIFEST, "the checkpoint's manifest is damaged: recover another --step")
+    manifest = read_json_file(d / store.MANIFEST, "the checkpoint's manifest", "the checkpoint's manifest is damaged: recover another --step")
     if not isinstance(manifest, dict):
         raise UserError(f"{d / store.MANIFEST} is not a JSON object", "recover another --step")
     return manifest

@@ -17,15 +17,15 @@ Design choices:
   cleaned); the checkpoint's files are hard links (copies across filesystems), which the scratch
   trainer never writes into: it writes new checkpoint dirs and prunes by unlinking.
 - The replay stops after its last step without touching `train.max_steps`: the loop's horizon
-  (`Trainer.total_steps`) is set to K + N while the lr schedule keeps the total it was built with,
-  so the lr of every replayed step is the original's. The periodic eval is left out (it changes no
+  (`Trainer.total_steps`) is set to K + N, and every step runs at the lr `batches.jsonl` recorded
+  for it, so a replay crosses sessions (a raised budget, a constant-lr continuation) with the lr
+  each step actually had (the checkpoint's schedule only where no record exists). The periodic eval is left out (it changes no
   weight and would cost a pass over the valid split).
 - Another world size than the original's changes the order of the sums over ranks: losses then
   agree to about 1e-5 (relative), not bit for bit, and the comparison says so.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -37,6 +37,8 @@ from typing import Any, Callable
 from mspretrain import config as cfgmod
 from mspretrain.checkpoint import store
 from mspretrain.errors import UserError
+from mspretrain.fsutil import LOG_CAP, jsonl_dicts, read_json_file, read_regular_text
+from mspretrain.monitor.batch_log import FILE as BATCHES
 from mspretrain.monitor.batch_log import records as batch_records
 from mspretrain.paths import RunPaths
 
@@ -118,20 +120,16 @@ def read_run_metrics(run: Path) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     path = RunPaths(run).metrics
     if path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a crash
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+        for _, rec in jsonl_dicts(read_regular_text(path, LOG_CAP, "metrics log", errors="replace")):
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):  # None: a line cut by a crash
                 out.setdefault(rec["step"], {}).update(rec)
     return out
 
 
 def run_data_dir(run: Path) -> Path:
     try:
-        return Path(json.loads(RunPaths(run).meta.read_text(encoding="utf-8"))["data_dir"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return Path(read_json_file(RunPaths(run).meta, "run_meta.json")["data_dir"])
+    except (UserError, KeyError, TypeError):
         raise UserError(f"{RunPaths(run).meta} is missing or unreadable, so the run's data dir is unknown",
                         "pass a run dir written by `mspretrain train`") from None
 
@@ -147,8 +145,8 @@ def original_world(run: Path, steps: range) -> int:
         if rec.get("step") in steps and "world" in rec:
             return int(rec["world"])
     try:
-        return int(json.loads(RunPaths(run).meta.read_text(encoding="utf-8")).get("world_size", 1))
-    except (OSError, ValueError):
+        return int(read_json_file(RunPaths(run).meta, "run_meta.json").get("world_size", 1))
+    except (UserError, ValueError, TypeError, AttributeError, OverflowError):
         return 1
 
 
@@ -161,6 +159,20 @@ def checkpoint_at_or_before(run: Path, step: int) -> Path:
     kept = ", ".join(str(s) for s, _ in have) or "none"
     raise UserError(f"{run} has no verified checkpoint at or before step {step} (checkpoints kept: {kept})",
                     "choose a step at or after a kept checkpoint (see `mspretrain checkpoints RUN --verify`)")
+
+
+def history_checkpoint(run: Path, step: int, history: int) -> Path:
+    """The checkpoint to replay from so that at least `history` steps run before `step`: the newest
+    one at or before step - 1 - history; when none is that old, the OLDEST verified one before
+    `step` (the most history the kept checkpoints allow; the newest would give one step)."""
+    try:
+        return checkpoint_at_or_before(run, max(0, step - 1 - history))
+    except UserError:
+        pass
+    for s, d in store.list_checkpoints(run):
+        if s <= step - 1 and store.verify(d) is None:
+            return d
+    return checkpoint_at_or_before(run, step - 1)  # raises the one-line error naming what is kept
 
 
 def make_scratch(run: Path, out: str | Path | None) -> tuple[Path, bool]:
@@ -199,6 +211,32 @@ class _ScaledSchedule:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.base, name)
+
+
+class _RecordedSchedule:
+    """The lr each step actually ran at (batches.jsonl), across session boundaries: a raised budget
+    re-stretches the schedule and the quickstart's constant-lr continuation replaces it, so the
+    schedule of the checkpoint's config is right only inside its own session. Steps without a
+    record (a run older than the record) fall back to that schedule."""
+
+    def __init__(self, base: Any, lrs: dict[int, float], trainer: Any) -> None:
+        self.base, self.lrs, self.trainer = base, lrs, trainer
+
+    def __call__(self, applied: int) -> float:
+        return self.lrs.get(self.trainer.step + 1, self.base(applied) if callable(self.base) else 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
+def recorded_lrs(run: Path, steps: range) -> dict[int, float]:
+    """step -> the lr batches.jsonl says it ran at (the last record of a step: after a rewind it
+    is the kept history)."""
+    out: dict[int, float] = {}
+    for rec in batch_records(run):
+        if rec.get("step") in steps and "lr" in rec:
+            out[int(rec["step"])] = float(rec["lr"])
+    return out
 
 
 class _NoEval:
@@ -265,10 +303,14 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
         if trainer.step != start:
             raise UserError(f"the scratch trainer resumed at step {trainer.step}, not at the checkpoint's {start}",
                             f"check that {ckpt} verifies (mspretrain checkpoints {run} --verify)")
-        if end > trainer.total_steps:
-            raise UserError(f"step {end} is beyond the run's budget of {trainer.total_steps} steps",
-                            f"replay at most to step {trainer.total_steps}")
-        trainer.total_steps = end  # the loop's horizon only: trainer.schedule keeps the run's total
+        lrs = recorded_lrs(run, range(start + 1, end + 1))
+        beyond = [st for st in range(trainer.total_steps + 1, end + 1) if st not in lrs]
+        if beyond:  # a later session raised the budget, but no record says at which lr those steps ran
+            raise UserError(f"step {beyond[0]} is beyond the budget of {trainer.total_steps} steps of checkpoint "
+                            f"{ckpt.name}'s config and {BATCHES} has no record of its lr",
+                            f"replay at most to step {trainer.total_steps}, or from a checkpoint of the later session")
+        trainer.total_steps = end  # the loop's horizon only
+        trainer.schedule = _RecordedSchedule(trainer.schedule, lrs, trainer)  # each step at the lr it ran with
         trainer.evaluator = _NoEval()
         if changes.lr_scale is not None:
             trainer.schedule = _ScaledSchedule(trainer.schedule, changes.lr_scale)

@@ -24,6 +24,7 @@ from typing import Any
 
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
+from mspretrain.fsutil import JSON_CAP, LOG_CAP, read_json_file, read_regular_text
 from mspretrain.monitor.spikes import scan_metrics
 from mspretrain.paths import DataPaths, RunPaths
 
@@ -41,13 +42,13 @@ def read_metrics(path: Path) -> tuple[list[dict], int]:
     bad = 0
     if not path.exists():
         return [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in read_regular_text(path, LOG_CAP, "metrics log", errors="replace").splitlines():
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
             step = rec["step"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             bad += 1  # a line the writer has not finished yet, or a torn write
             continue
         # Every consumer (plots, spikes, totals) may then assume: an int step, number values.
@@ -79,9 +80,9 @@ def _read_object(path: Path) -> tuple[dict, str | None]:
     if not path.exists():
         return {}, None
     try:
-        obj = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-    except (OSError, ValueError):
-        return {}, f"{path.name} is not valid JSON: ignored"
+        obj = read_json_file(path, path.name)
+    except UserError as e:
+        return {}, f"{e.cause}: ignored"
     if not isinstance(obj, dict):
         return {}, f"{path.name} is not a JSON object: ignored"
     return obj, None
@@ -101,7 +102,7 @@ def _load_run_config(run_dir: Path) -> tuple[cfgmod.Config | None, str]:
     path = RunPaths(run_dir).config
     if not path.exists():
         return None, ""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_regular_text(path, JSON_CAP, "run config", errors="replace")
     try:
         return cfgmod.load(path), text
     except UserError:
@@ -113,7 +114,7 @@ def _data_dir(run_dir: Path, meta: dict) -> Path | None:
         return Path(meta["data_dir"])
     log = RunPaths(run_dir).log
     if log.exists():
-        m = re.search(r"\bdata(?:[ _]dir)?\s*[=:]\s*(\S+)", log.read_text(encoding="utf-8", errors="replace")[:20000])
+        m = re.search(r"\bdata(?:[ _]dir)?\s*[=:]\s*(\S+)", read_regular_text(log, LOG_CAP, "train log", errors="replace")[:20000])
         if m:
             return Path(m.group(1).strip("'\","))
     return None
@@ -189,7 +190,7 @@ def _session_starts(log: Path) -> set[int]:
     if not log.exists():
         return set()
     starts, resumed = set(), 0
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in read_regular_text(log, LOG_CAP, "train log", errors="replace").splitlines():
         m = re.search(r"resumed from step_\d+: step (\d+)", line)
         if m:
             resumed = int(m.group(1))
@@ -232,7 +233,7 @@ def _last_session_ended(log: Path) -> bool:
     if not log.exists():
         return False
     ended = False
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in read_regular_text(log, LOG_CAP, "train log", errors="replace").splitlines():
         if "; world " in line and "micro-batch" in line:
             ended = False
         elif "spike detector: " in line or "stopped by " in line or "nothing to do:" in line:
@@ -250,7 +251,7 @@ def log_events(path: Path, limit: int = 200) -> list[str]:
     """The notable lines of train.log (with their timestamps), oldest first."""
     if not path.exists():
         return []
-    lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if _LOG_EVENT.search(ln)]
+    lines = [ln for ln in read_regular_text(path, LOG_CAP, "train log", errors="replace").splitlines() if _LOG_EVENT.search(ln)]
     return lines[-limit:]
 
 

@@ -259,16 +259,17 @@ def analyse(run: str | Path, step: int, *, history: int = HISTORY, losses: bool 
             out: str | Path | None = None, log: Callable[[str], None] = lambda s: None) -> Analysis:
     """The batch of step S, and (with `losses`) the replay to S - 1 and the losses and gradient norms."""
     from mspretrain.data.loader import Loader
-    from mspretrain.ops.replay import checkpoint_at_or_before
+    from mspretrain.ops.replay import history_checkpoint
 
     a = describe_batch(run, step)
     if not losses:
         return a
-    try:
-        ckpt = checkpoint_at_or_before(a.run, max(0, step - 1 - history))
-    except UserError:
-        ckpt = checkpoint_at_or_before(a.run, step - 1)
+    ckpt = history_checkpoint(a.run, step, history)
     start = int(ckpt.name.split("_")[1])
+    if step - 1 - start < history:
+        a.notes.append(f"--history {history}: the oldest kept checkpoint before step {step} is step {start}, so "
+                       f"{step - 1 - start} step(s) of gradient history are replayed (checkpoint.keep_last / "
+                       "keep_every keep older ones)")
     cfg = cfgmod.load(RunPaths(a.run).config)
     loader = Loader([(p, w) for p, w in zip(a.sources, plan_of_run(a.run, cfg)[0].weights)], split="train",
                     seq_len=cfg.data.seq_len, batch_size=a.global_batch, seed=cfg.train.seed,

@@ -22,7 +22,9 @@ It then kills the whole local job (msrun, its scheduler and workers) and reports
 """
 from __future__ import annotations
 
+import math
 import os
+import select
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -62,14 +64,19 @@ def record_verdict(run_dir: str | Path, verdict: Verdict) -> None:
 
 
 def read_verdict(run_dir: str | Path) -> dict | None:
-    import json
 
+    from mspretrain.errors import UserError
+    from mspretrain.fsutil import read_json_file
     from mspretrain.monitor.heartbeat import HEARTBEAT_DIR
 
-    try:
-        return json.loads((Path(run_dir) / HEARTBEAT_DIR / VERDICT_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    path = Path(run_dir) / HEARTBEAT_DIR / VERDICT_FILE
+    if not path.exists():
         return None
+    try:
+        verdict = read_json_file(path, "watchdog verdict", cap=1 << 16)
+    except UserError:
+        return None
+    return verdict if isinstance(verdict, dict) else None
 
 
 class Watchdog:
@@ -82,6 +89,48 @@ class Watchdog:
         self.probe = probe
         self._stopped_since: dict[int, float] = {}
         self._gone_since: dict[int, float] = {}
+        # Exit evidence: a pidfd per local rank process (Linux >= 5.3). `watch_exits` blocks on
+        # them, so the order in which ranks exit is seen as it happens, not at the next poll: when
+        # rank 1 is killed during a save and msrun kills rank 0 a moment later, both can be gone
+        # by the next poll, and the ages of their last heartbeats (written every 2 s) cannot tell
+        # which went first.
+        self._pidfds: dict[int, tuple[int, int]] = {}  # rank -> (pid, fd)
+        self._exit_seq: dict[int, int] = {}  # rank -> order of its exit (equal: seen in one wake-up)
+        self._seq = 0
+
+    def _track(self, rank: int, pid: int) -> None:
+        if rank in self._pidfds and self._pidfds[rank][0] == pid or pid <= 0 or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return
+        old = self._pidfds.pop(rank, None)
+        if old is not None:
+            os.close(old[1])
+        self._pidfds[rank] = (pid, fd)
+
+    def watch_exits(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds, noting the order in which the tracked rank processes exit."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = {fd: rank for rank, (_, fd) in self._pidfds.items() if rank not in self._exit_seq}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if not live:
+                time.sleep(remaining)
+                return
+            ready, _, _ = select.select(list(live), [], [], remaining)
+            for fd in ready:
+                self._exit_seq[live[fd]] = self._seq
+            if ready:
+                self._seq += 1
+
+    def close(self) -> None:
+        for _, fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
 
     def check(self, now: float | None = None) -> Verdict | None:
         now = time.time() if now is None else now
@@ -92,7 +141,12 @@ class Watchdog:
         for r in states:
             if r.status in ("dead", "failed"):
                 self._gone_since.setdefault(r.rank, now)
-        gone = sorted((r for r in states if r.status in ("dead", "failed")), key=lambda r: (self._gone_since[r.rank], -r.age_s))
+            elif r.process in ("running", "stopped"):
+                self._track(r.rank, r.pid)
+        # earliest exit first by the pidfd evidence, then by when a poll first saw it gone, then
+        # by the age of the last heartbeat
+        gone = sorted((r for r in states if r.status in ("dead", "failed")),
+                      key=lambda r: (self._exit_seq.get(r.rank, math.inf), self._gone_since[r.rank], -r.age_s))
         if gone:
             r = gone[0]
             if r.status == "failed":

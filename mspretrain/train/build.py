@@ -297,7 +297,11 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     batches = BatchLog(paths.root, plan=plan_for(loader), global_batch=cfg.train.global_batch, enabled=world.is_main,
                        loader=loader, world=world.size, rewind_skip=cfg.spike.rewind_skip,
                        resume_step=int(resume_state["step"]) if resume_from is not None else None,
-                       skipped=int(resume_state.get("skipped_steps", 0)), total=b.steps, warmup=b.warmup)
+                       skipped=int(resume_state.get("skipped_steps", 0)), total=b.steps, warmup=b.warmup,
+                       schedule=b.schedule, precision=dataclasses.asdict(cfg.precision),
+                       changes=tuple(name for name, on in (("data", allow_data_change and resume_from is not None),
+                                                           ("config", allow_config_change and resume_from is not None),
+                                                           ("restart", restart and resume_from is None)) if on))
     ledger = SourceLedger(plan_for(loader), world=world.size, rank=world.rank, micro=b.micro_batch, accum=b.accumulation,
                           seq_len=cfg.data.seq_len, every=cfg.train.log_every)  # loss and tokens per data source
     spike_record = SpikeRecord(paths.root, global_batch=cfg.train.global_batch, enabled=world.is_main,  # RUN/spikes/

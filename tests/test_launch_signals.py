@@ -1,0 +1,104 @@
+"""Issue 33 class 4, the launcher: the watchdog names the rank that exited first by exit evidence
+(pidfds), not by poll order or heartbeat age; node ranks > 0 wait for node 0 a bounded time with
+one line naming the address; a SIGTERM to `launch` reaches msrun and every worker."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mspretrain.errors import UserError
+from mspretrain.ops.diagnose import process_state
+
+
+def _beat(run: Path, rank: int, pid: int, age: float) -> None:
+    d = run / "heartbeat"
+    d.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    rec = {"rank": rank, "world": 2, "step": 5, "phase": "save", "collectives": 30, "collectives_per_step": 6, "pid": pid,
+           "host": socket.gethostname(), "time": now - age, "phase_since": now - age, "started": now - 100}
+    (d / f"rank_{rank:05d}.json").write_text(json.dumps(rec))
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux >= 5.3)")
+def test_watchdog_names_the_rank_that_exited_first_whatever_the_poll_order(tmp_path):
+    """Rank 1 is killed during a save, rank 0 (whose last heartbeat is OLDER) a moment later, both
+    before the watchdog's next poll: the heartbeat ages point at rank 0; the exit order names 1."""
+    from mspretrain.ops.watchdog import Watchdog
+
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        _beat(tmp_path, 0, procs[0].pid, age=1.9)
+        _beat(tmp_path, 1, procs[1].pid, age=0.1)
+        dog = Watchdog(tmp_path, since=time.time() - 600)
+        assert dog.check() is None  # both running: their pidfds are taken
+        procs[1].kill()
+        dog.watch_exits(0.3)
+        procs[0].kill()
+        dog.watch_exits(0.3)
+        v = dog.check()
+        assert (v.rank, v.what) == (1, "died"), v
+        dog.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_node_rank_1_without_node_0_fails_in_bounded_time(capsys):
+    from mspretrain.cli import main
+    from mspretrain.commands.launch import wait_for_master
+
+    port = _free_port()
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=f"node 0 is not listening at 127.0.0.1:{port} after 1 s"):
+        wait_for_master("127.0.0.1", port, 1.0, log=lambda *a, **k: None)
+    assert time.monotonic() - t0 < 10
+    code = main(["launch", "--nproc", "1", "--nodes", "2", "--node-rank", "1", "--master-port", str(port),
+                 "--master-wait", "0.5", "--", "train", "--run", "r"])
+    err = capsys.readouterr().err
+    if "msrun is not installed" not in err:
+        assert code == 2 and f"127.0.0.1:{port}" in err and err.count("\n") == 2, err
+    with socket.socket() as srv:  # node 0 listening: no wait
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        wait_for_master("127.0.0.1", srv.getsockname()[1], 1.0, log=lambda *a, **k: None)
+
+
+def test_sigterm_to_launch_ends_msrun_and_its_workers(tmp_path):
+    """A stand-in for msrun that starts a worker in its own session (as msrun does) and sleeps."""
+    from mspretrain.commands.launch import supervise
+
+    pidfile = tmp_path / "worker.pid"
+    fake = (f"import subprocess, time; p = subprocess.Popen(['sleep', '120'], start_new_session=True); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        code, verdict = supervise([sys.executable, "-c", fake], dict(os.environ), None, 20.0, 5.0)
+    finally:
+        timer.cancel()
+    assert code == 128 + signal.SIGTERM and verdict is None
+    assert time.monotonic() - t0 < 30
+    worker = int(pidfile.read_text())
+    for _ in range(50):
+        if process_state(worker) in ("dead", "zombie"):
+            break
+        time.sleep(0.1)
+    assert process_state(worker) in ("dead", "zombie")
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handler was restored
