@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-s", type=float, metavar="X", help="tokens/s per device (measured or given) for time and cost")
     p.add_argument("--from-run", metavar="RUN_DIR", help="take tokens/s per device from a run's metrics.jsonl (median)")
     p.add_argument("--from-selftest", metavar="FILE", help="take tokens/s per device from `mspretrain selftest --json` (its decoder-layer timing)")
+    p.add_argument("--bus-gbps", type=float, metavar="X", help="HCCL bus bandwidth in GB/s for the overlap estimate "
+                                                             "(default: an assumed 100; `selftest` measures it)")
     p.add_argument("--device-mem-gb", type=float, default=64.0, help="device memory in GB (Ascend 910B: 64)")
     p.add_argument("--zero", action="store_true", help="optimizer-state sharding across devices (as optim.shard_optimizer=true)")
     p.add_argument("--recompute", action="store_true", help="full activation recomputation (as train.recompute=true)")
@@ -100,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)))
     plan = make_plan(cfg, devices=args.devices, tokens=int(args.tokens) if args.tokens else None,
                      data_dir=Path(args.data) if args.data else None, tokens_per_s_per_device=tps,
-                     device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute, assumed=assumed)
+                     device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute, assumed=assumed,
+                     bus_gbps=args.bus_gbps)
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
     return 0
 
