@@ -136,3 +136,71 @@ def test_memory_docstring_says_reserved_minus_allocated():
     from mspretrain.monitor import memory
 
     assert "reserved minus allocated" in memory.__doc__ and "allocated minus reserved" not in memory.__doc__
+
+
+# ------------------------------------------------------------------ 2. Ascend kernels, selected by device
+
+def _rms_norm_reference(x, gamma, epsilon=1e-6):
+    """ops.rms_norm's documented semantics (ops/auto_generate/gen_ops_def.py, `rms_norm`):
+    y = x * rsqrt(mean(x^2, -1) + eps) * gamma, and rstd; computed here with CPU ops."""
+    from mindspore import ops
+
+    rstd = ops.rsqrt((x * x).mean(-1, keep_dims=True) + epsilon)
+    return x * rstd * gamma, rstd
+
+
+def test_ascend_kernels_are_selected_by_device(tiny_cfg):
+    from mspretrain.model import llama
+
+    m = cfgmod.resolve_model(tiny_cfg.model, 512)
+    asc = llama.Llama(m, dtype="fp16", device="ascend", seed=0)
+    cpu = llama.Llama(m, dtype="fp32", device="cpu", seed=0)
+    norms = lambda model: [c for _, c in model.cells_and_names() if isinstance(c, llama.RMSNorm)]
+    softmaxes = lambda model: [c.softmax for _, c in model.cells_and_names() if isinstance(c, llama.Attention)]
+    assert len(norms(asc)) == 2 * m.n_layers + 1 and all(n.fused for n in norms(asc))
+    assert all(isinstance(s, llama.SoftmaxPlain) for s in softmaxes(asc))
+    assert not any(n.fused for n in norms(cpu)) and all(isinstance(s, llama.SoftmaxFP32) for s in softmaxes(cpu))
+    assert asc.fused_kernels and not cpu.fused_kernels
+    # the same parameters either way: one model definition
+    assert [p.name for p in asc.get_parameters()] == [p.name for p in cpu.get_parameters()]
+
+
+def test_the_ascend_step_computes_what_the_cpu_step_computes(tiny_cfg, monkeypatch):
+    """The Ascend selection (fused RmsNorm, generated softmax backward, ReduceSum row sums in the loss
+    and the norm) run on CPU with ops.rms_norm replaced by its documented semantics (it has no CPU
+    kernel): one PyNative optimizer step gives the CPU path's loss, grad norm and weights."""
+    import numpy as np
+    from mindspore import ops
+
+    from mspretrain.model import llama
+    from mspretrain.train.step import TrainStep
+
+    monkeypatch.setattr(ops, "rms_norm", _rms_norm_reference)
+    m = cfgmod.resolve_model(tiny_cfg.model, 512)
+    tokens = np.random.default_rng(0).integers(0, 512, (2, 17)).astype(np.int32)
+    results = {}
+    for dev in ("cpu", "ascend"):
+        model = llama.Llama(m, dtype="fp32", device=dev, seed=0)
+        step = TrainStep(model, tiny_cfg.optim, global_tokens=2 * 16, device=dev, jit=False)
+        assert step._plain_sums is (dev == "ascend")
+        r = step.run([(tokens, None, None)], 1e-3, 1.0)
+        results[dev] = (r.loss, r.grad_norm, {k: v.copy() for k, v in llama.state_numpy(model).items()})
+    (l_cpu, n_cpu, w_cpu), (l_asc, n_asc, w_asc) = results["cpu"], results["ascend"]
+    assert l_asc == pytest.approx(l_cpu, rel=1e-6) and n_asc == pytest.approx(n_cpu, rel=1e-5)
+    for k in w_cpu:
+        # Adam moves each weight by ~lr = 1e-3 on the first step; a gradient near 0 may round either way
+        np.testing.assert_allclose(w_asc[k], w_cpu[k], rtol=0, atol=1e-5, err_msg=k)
+
+
+def test_plain_row_sums_in_the_loss_match_the_gemm_form():
+    import numpy as np
+    from mindspore import Tensor
+
+    from mspretrain.model.loss import token_nll
+
+    rng = np.random.default_rng(1)
+    logits = Tensor(rng.standard_normal((2, 5, 40)).astype(np.float32) * 5)
+    targets = Tensor(rng.integers(0, 40, (2, 5)).astype(np.int32))
+    gemm, plain = token_nll(logits, targets), token_nll(logits, targets, plain_sum=True)
+    for a, b in zip(gemm, plain):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6)

@@ -33,7 +33,7 @@ def _nll_fn(model: Any, jit_level: str = "O0") -> Callable[[Any], Any]:
         from mspretrain.model.loss import token_nll
 
         def nll(tokens):
-            return token_nll(model(tokens[:, :-1]), tokens[:, 1:])[0]
+            return token_nll(model(tokens[:, :-1]), tokens[:, 1:], plain_sum=getattr(model, "fused_kernels", False))[0]
 
         fn = ms.jit(nll, jit_level=jit_level)
         cache[jit_level] = fn

@@ -71,6 +71,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config import OptimConfig
 from mspretrain.model.groups import trainable_mask
+from mspretrain.model.llama import use_fused_kernels
 from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness
 
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners"]
@@ -219,13 +220,15 @@ class TrainStep:
         self._adamw = ops.AdamWeightDecay()
         self._jit = (lambda fn: ms.jit(fn, jit_level=jit_level)) if jit else None
 
+        # Ascend: plain reductions instead of the CPU's GEMM forms (model/llama.py `use_fused_kernels`)
+        plain = self._plain_sums = use_fused_kernels(device)
         inv_tokens = 1.0 / self.global_tokens
         z = float(optim.z_loss)
 
         def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
             inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
             logits = model(inputs, positions, segments)  # (B, T, V) fp32
-            nll, lse = token_nll(logits, targets)  # (B, T) fp32 each
+            nll, lse = token_nll(logits, targets, plain_sum=plain)  # (B, T) fp32 each
             nll_sum = nll.sum()
             obj = nll_sum
             if z > 0:
@@ -304,7 +307,10 @@ class TrainStep:
         parameters. `grads`: reduced, still scaled, fp32, in `self._order`."""
         # sum of squares in the scaled domain, as a dot product: no squared copy of the gradient
         # (on MindSpore's CPU backend every full-size graph intermediate stays resident)
-        sq = ops.stack([ops.matmul(grads[k].reshape(1, -1), grads[k].reshape(-1, 1)).reshape(()) for k in self._norm_order]).sum()
+        if self._plain_sums:  # Ascend: a reduction, not a (1, n) x (n, 1) matmul on the matrix unit
+            sq = ops.stack([ops.square(grads[k]).sum() for k in self._norm_order]).sum()
+        else:
+            sq = ops.stack([ops.matmul(grads[k].reshape(1, -1), grads[k].reshape(-1, 1)).reshape(()) for k in self._norm_order]).sum()
         if self.shard_grads and self.allreduce is not None:
             sq = self.allreduce(ops.depend(sq, loss_sum))  # the owners' partial sums: the same global norm on every rank
         finite = ops.isfinite(sq)
