@@ -8,12 +8,18 @@ claims an option that does not run:
   fp16/bf16, a head size the kernel takes); the math path otherwise, fp32 on Ascend included.
 - graph-kernel fusion stays off (MindSpore Transformers' pretraining config
   configs/qwen3/pretrain_qwen3_32b_4k.yaml runs jit_level "O0"; some of its fine-tuning configs
-  opt into "O1"; its predict configs set enable_graph_kernel: False). The
-  old `set_context(enable_graph_kernel=True)` is deprecated in MindSpore 2.10 in favour of
-  `jit_level` (mindspore/context.py: "Please use jit_config={'jit_level': 'O1'} instead");
-  `device.jit_level = "O1"` is the opt-in, carried in `DeviceInfo.jit_level` for the `ms.jit`
-  calls (graph/api.py: `jit(..., jit_level="O0")` is a per-function argument whose default
-  O0 is what compiles unless the caller passes O1).
+  opt into "O1"; its predict configs set enable_graph_kernel: False). In MindSpore 2.10 both
+  `set_context(enable_graph_kernel=True)` and `set_context(jit_config=...)` are deprecated
+  (mindspore/context.py, set_context's docstring: "jit_config ... deprecated ... Please use the
+  related parameter of mindspore.jit instead"); the level is `mindspore.jit(..., jit_level="O1")`
+  (graph/api.py, `jit`: a per-function argument, default "O0"). `device.jit_level = "O1"` is the
+  opt-in, carried in `DeviceInfo.jit_level` to every `ms.jit` call (the step and eval).
+- fp16 overflow stays visible on Ascend: MS_ASCEND_CHECK_OVERFLOW_MODE=INFNAN_MODE is set unless
+  the user set it, and SATURATION_MODE is refused. Under saturation a 910B clamps an fp16
+  overflow to +-65504 instead of producing inf, so the step's `isfinite` check never fires and an
+  overflowed step is applied; MindSpore itself then needs the NPU's float-status registers
+  (amp.py `_all_finite`: `_ascend_910b_target() and check_overflow_mode == "SATURATION_MODE"` ->
+  NPUGetFloatStatusV2), which this step does not read.
 - determinism: `device.deterministic` through `mindspore.set_deterministic` (device_manager.py),
   which on Ascend sets HCCL_DETERMINISTIC=true and TE_PARALLEL_COMPILER=1 (serial kernel
   compilation): reproducible all-reduces and kernels at a cost in step time and compile time.
@@ -24,6 +30,7 @@ bf16 is refused on CPU before any compute.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mspretrain.config import Config
@@ -114,6 +121,19 @@ def select_attention(attention: str, device: str, dtype: str, head_dim: int | No
     return flash_ok and problem is None
 
 
+OVERFLOW_MODE_ENV = "MS_ASCEND_CHECK_OVERFLOW_MODE"
+INFNAN_MODE, SATURATION_MODE = "INFNAN_MODE", "SATURATION_MODE"
+
+
+def overflow_mode_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """Why the Ascend overflow mode in `env` would hide fp16 overflows, or None (see the docstring)."""
+    mode = (os.environ if env is None else env).get(OVERFLOW_MODE_ENV, "").strip()
+    if mode and mode != INFNAN_MODE:
+        return (f"{OVERFLOW_MODE_ENV}={mode}: an Ascend 910B then clamps fp16 overflow to +-65504 instead of inf, "
+                "so overflowed steps would be applied")
+    return None
+
+
 def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
     """Decide the device and its options from the config, without touching MindSpore.
 
@@ -129,6 +149,8 @@ def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
         if cfg.device.jit_level != "O0":
             raise UserError(f"device.jit_level = {cfg.device.jit_level} is an Ascend option (graph-kernel fusion)",
                             "leave device.jit_level=O0 on CPU")
+    elif (problem := overflow_mode_problem()) is not None:
+        raise UserError(problem, f"unset {OVERFLOW_MODE_ENV} or set it to {INFNAN_MODE}")
     elif dtype == "fp32":
         notes.append("FlashAttentionScore has no fp32")
     elif not flash:
@@ -158,6 +180,8 @@ def setup_mindspore(info: DeviceInfo, *, device_id: int | None = None) -> None:
     started from a rank table passes its DEVICE_ID (train/distributed.select_launch)."""
     if info.target == "cpu":
         os.environ.setdefault(HOST_BLOCKING_ENV, "1")
+    else:  # read by the Ascend runtime; plan_device has refused any other value
+        os.environ.setdefault(OVERFLOW_MODE_ENV, INFNAN_MODE)
     import mindspore as ms
 
     target = "Ascend" if info.target == "ascend" else "CPU"
@@ -168,7 +192,8 @@ def setup_mindspore(info: DeviceInfo, *, device_id: int | None = None) -> None:
             ms.set_device(target, device_id)
     except RuntimeError:
         # Already fixed for this process (a kernel ran, or an earlier call): fine if it is the same device.
-        if ms.get_context("device_target") != target:
+        # get_current_device (device_manager.py) is 2.10's successor of get_context("device_target")
+        if ms.get_current_device().device_target != target:
             raise
     ms.set_context(mode=ms.PYNATIVE_MODE)
     if info.target == "cpu":

@@ -18,16 +18,18 @@ SIZES_7B = [131072000] + [4096, 50331648, 16777216, 4096, 90177536, 45088768] * 
 KEYS_7B = ["fp32"] + ["fp32", "half", "half", "fp32", "half", "half"] * 32 + ["fp32", "fp32"]
 
 
-def test_flat_buckets_cover_every_parameter_once_in_order_within_the_cap():
+def test_flat_buckets_cover_every_parameter_once_in_readiness_order_within_the_cap():
     sizes = [10, 300, 5, 5, 200, 1000, 7]
     keys = ["a", "a", "b", "a", "a", "a", "b"]
     buckets = flat_buckets(sizes, keys, cap=320)
     assert sorted(i for b in buckets for i in b.indices) == list(range(len(sizes)))
     for b in buckets:
         assert len({keys[i] for i in b.indices}) == 1  # one wire dtype per bucket
-        assert list(b.indices) == sorted(b.indices)
+        assert list(b.indices) == sorted(b.indices, reverse=True)  # packed from the last parameter down
         assert b.numel <= 320 or len(b.indices) == 1  # only a parameter larger than the cap stands alone
-    assert [b.indices for b in flat_buckets(sizes, keys, cap=0)] == [(i,) for i in (0, 1, 3, 4, 5, 2, 6)]
+    # the backward pass completes a bucket when its lowest parameter's gradient exists: highest first
+    assert [min(b.indices) for b in buckets] == sorted((min(b.indices) for b in buckets), reverse=True)
+    assert [b.indices for b in flat_buckets(sizes, keys, cap=0)] == [(i,) for i in (6, 5, 4, 3, 2, 1, 0)]
 
 
 @pytest.mark.parametrize("world", [2, 3, 8])
@@ -47,6 +49,9 @@ def test_rank_buckets_hand_each_rank_exactly_its_own_parameters(world):
                 assert b.used(r) == sum(sizes[i] for i in seg) <= b.length
             assert len({keys[i] for seg in b.segments for i in seg}) == 1
             assert 4 * sum(b.used(r) for r in range(world)) >= 3 * b.numel  # at most a quarter padding
+        ready = [min(i for seg in b.segments for i in seg) for b in buckets]
+        assert ready == sorted(ready, reverse=True)  # in gradient-readiness order
+        assert singles == sorted(singles, reverse=True)
 
 
 def test_7b_owners_are_balanced_and_its_buckets_pad_little():

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-s", type=float, metavar="X", help="tokens/s per device (measured or given) for time and cost")
     p.add_argument("--from-run", metavar="RUN_DIR", help="take tokens/s per device from a run's metrics.jsonl (median)")
     p.add_argument("--from-selftest", metavar="FILE", help="take tokens/s per device from `mspretrain selftest --json` (its decoder-layer timing)")
+    p.add_argument("--bus-gbps", type=float, metavar="X", help="HCCL bus bandwidth in GB/s for the overlap estimate "
+                                                             "(default: an assumed 100; `selftest` measures it)")
     p.add_argument("--device-mem-gb", type=float, help="usable device memory in GB (default: device.max_device_memory, "
                                                        "else 58 on Ascend 910B, else 64); wins over the config")
     p.add_argument("--zero", action="store_true", help="optimizer-state sharding across devices (as optim.shard_optimizer=true)")
@@ -83,7 +85,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     from mspretrain.errors import UserError
 
     for flag, value, low, high in (("--tokens", args.tokens, 1.0, 1e16), ("--tokens-per-s", args.tokens_per_s, 1e-6, 1e9),
-                                   ("--device-mem-gb", args.device_mem_gb, 0.01, 1e5), ("--devices", args.devices, 1, 1e6)):
+                                   ("--device-mem-gb", args.device_mem_gb, 0.01, 1e5), ("--devices", args.devices, 1, 1e6),
+                                   ("--bus-gbps", args.bus_gbps, 1e-3, 1e5)):
         if value is not None and not (math.isfinite(value) and low <= value <= high):
             raise UserError(f"{flag} {value:g} is not a number between {low:g} and {high:g}",
                             f"give {flag} a positive finite value, e.g. --tokens 120e9 --tokens-per-s 4100 --devices 8")
@@ -123,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)))
     plan = make_plan(cfg, devices=args.devices, tokens=int(args.tokens) if args.tokens is not None else None,
                      data_dir=Path(args.data) if args.data else None, tokens_per_s_per_device=tps,
-                     device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute, assumed=assumed)
+                     device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute, assumed=assumed,
+                     bus_gbps=args.bus_gbps)
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
     return 0
 

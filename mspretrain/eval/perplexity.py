@@ -22,19 +22,21 @@ from mspretrain.errors import UserError
 from mspretrain.paths import DataPaths
 
 
-def _nll_fn(model: Any) -> Callable[[Any], Any]:
-    """A compiled tokens (B, T+1) -> per-token NLL (B, T) function, cached on the model."""
-    fn = getattr(model, "_mspretrain_nll_fn", None)
+def _nll_fn(model: Any, jit_level: str = "O0") -> Callable[[Any], Any]:
+    """A compiled tokens (B, T+1) -> per-token NLL (B, T) function, cached on the model.
+    jit_level: device.jit_level, as the training step compiles (device.py)."""
+    cache = model.__dict__.setdefault("_mspretrain_nll_fns", {})
+    fn = cache.get(jit_level)
     if fn is None:
         import mindspore as ms
 
         from mspretrain.model.loss import token_nll
 
         def nll(tokens):
-            return token_nll(model(tokens[:, :-1]), tokens[:, 1:])[0]
+            return token_nll(model(tokens[:, :-1]), tokens[:, 1:], plain_sum=getattr(model, "fused_kernels", False))[0]
 
-        fn = ms.jit(nll)
-        model._mspretrain_nll_fn = fn
+        fn = ms.jit(nll, jit_level=jit_level)
+        cache[jit_level] = fn
     return fn
 
 
@@ -47,7 +49,7 @@ def windows(tokens: np.ndarray, seq_len: int, max_tokens: int = 0) -> np.ndarray
 
 
 def evaluate_tokens(model: Any, tokens: np.ndarray, *, seq_len: int, batch_size: int, max_tokens: int = 0,
-                    progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+                    progress: Callable[[int, int], None] | None = None, jit_level: str = "O0") -> dict[str, float]:
     import mindspore as ms
 
     if batch_size <= 0:
@@ -56,7 +58,7 @@ def evaluate_tokens(model: Any, tokens: np.ndarray, *, seq_len: int, batch_size:
     if starts.size == 0:
         raise UserError(f"the split has {tokens.size} tokens, fewer than one window of {seq_len + 1}",
                         "prepare more validation text (prepare.valid_fraction) or lower data.seq_len")
-    fn = _nll_fn(model)
+    fn = _nll_fn(model, jit_level)
     offs = np.arange(seq_len + 1, dtype=np.int64)
     total, count = 0.0, 0
     for i in range(0, starts.size, batch_size):
@@ -76,11 +78,11 @@ def evaluate_tokens(model: Any, tokens: np.ndarray, *, seq_len: int, batch_size:
 
 def evaluate_split(model: Any, data_dir: str | Path, *, split: str = "valid", seq_len: int, batch_size: int = 8,
                    max_tokens: int = 0, chars_per_token: float | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+                   progress: Callable[[int, int], None] | None = None, jit_level: str = "O0") -> dict[str, float]:
     """Perplexity of `model` on DATA_DIR/SPLIT; adds bits per character when chars/token is known."""
     ds = IndexedDataset(DataPaths(data_dir).prefix(split))
     res = evaluate_tokens(model, ds.tokens, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens,
-                          progress=progress)
+                          progress=progress, jit_level=jit_level)
     if chars_per_token:
         res["bpc"] = res["nll"] / math.log(2) / chars_per_token
     return res

@@ -167,13 +167,36 @@ class Embedding(nn.Cell):
 
 
 class RMSNorm(nn.Cell):
+    """`fused` (set by Llama on Ascend, `use_fused_kernels`): MindSpore's RmsNorm kernel, statistics
+    and weight in fp32 as MindSpore Transformers' LlamaRMSNorm runs it (compute_type fp32), with
+    its generated RmsNormGrad; else the CPU form above (`RMSNormFn`). RmsNorm has no CPU kernel in
+    MindSpore 2.10 (ops/auto_generate/gen_ops_def.py, `rms_norm`: "Supported Platforms: Ascend")."""
+
     def __init__(self, dim: int, eps: float, dtype: ms.Type) -> None:
         super().__init__()
         self.fn = RMSNormFn(eps, dtype)
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+        self.fused = False
 
     def construct(self, x: Tensor) -> Tensor:
+        if self.fused:
+            y = ops.rms_norm(x.astype(ms.float32), self.weight, self.fn.eps)[0]
+            return y if self.fn.dtype == ms.float32 else y.astype(self.fn.dtype)
         return self.fn(x, self.weight)
+
+
+class SoftmaxPlain(nn.Cell):
+    """softmax_fp32 with MindSpore's generated backward: Ascend's SoftmaxGrad kernel, where the
+    row-sum GEMM of `SoftmaxFP32.bprop` would be a size-1 matmul on the matrix unit."""
+
+    def construct(self, scores: Tensor) -> Tensor:
+        return softmax_fp32(scores)
+
+
+def use_fused_kernels(device: str) -> bool:
+    """The kernels by device, like the attention kernel: Ascend runs MindSpore's fused RmsNorm and
+    plain reductions; the CPU keeps the GEMM forms (row_sum / spread) tuned for its backend."""
+    return device == "ascend"
 
 
 class Attention(nn.Cell):
@@ -321,6 +344,13 @@ class Llama(nn.Cell):
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)  # constants, (S, hd) fp32
         self.head_matmul = ops.MatMul(transpose_b=True)
+        self.fused_kernels = use_fused_kernels(device)
+        if self.fused_kernels:  # one model definition: the norm and softmax cells switch kernel
+            for _, cell in self.cells_and_names():
+                if isinstance(cell, RMSNorm):
+                    cell.fused = True
+                elif isinstance(cell, Attention):
+                    cell.softmax = SoftmaxPlain()
 
     def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None) -> Tensor:
         T = tokens.shape[1]

@@ -20,13 +20,16 @@ import mindspore as ms
 from mindspore import Tensor, ops
 
 
-def token_nll(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """logits (B, T, V) fp32, targets (B, T) int -> (nll (B, T) fp32, lse (B, T) fp32)."""
+def token_nll(logits: Tensor, targets: Tensor, plain_sum: bool = False) -> tuple[Tensor, Tensor]:
+    """logits (B, T, V) fp32, targets (B, T) int -> (nll (B, T) fp32, lse (B, T) fp32).
+    plain_sum (Ascend, model/llama.py `use_fused_kernels`): the row sum is a ReduceSum, not a GEMM
+    with a ones vector (a size-1 dimension wastes the matrix unit)."""
     logits = logits.astype(ms.float32)
     B, T, V = logits.shape
     peak = ops.stop_gradient(logits.max(-1, keepdims=True))  # (B, T, 1): shift for a stable exp
     e = ops.exp(logits - peak).reshape(B * T, V)  # (B*T, V)
-    shifted_lse = ops.log(ops.matmul(e, ops.ones((V, 1), ms.float32))).reshape(B, T)  # row sums via GEMM
+    rows = e.sum(-1) if plain_sum else ops.matmul(e, ops.ones((V, 1), ms.float32))  # row sums (GEMM on CPU)
+    shifted_lse = ops.log(rows).reshape(B, T)
     picked = ops.gather_d(logits, -1, targets.astype(ms.int32).expand_dims(-1))  # (B, T, 1)
     nll = shifted_lse - (picked - peak).squeeze(-1)  # both relative to the peak: no cancellation
     return nll, shifted_lse + peak.squeeze(-1)

@@ -6,7 +6,7 @@ Design choices: these are two metrics, not one. `mem_mb` is the host process's p
 process started: peak bytes held by tensors (`mindspore.runtime.max_memory_allocated`) and peak
 bytes the pool reserved from the device (`max_memory_reserved`), both read from
 `_memory_stats(device_target)` in mindspore/runtime/memory.py (MindSpore 2.10). Reserved is what
-an out-of-memory error compares with the device's capacity; allocated minus reserved is the pool's
+an out-of-memory error compares with the device's capacity; reserved minus allocated is the pool's
 fragmentation and caching. On CPU MindSpore reports 0 for both ("For the CPU backend, 0 is always
 returned"), so the device keys are left out there rather than logged as a false 0. Reading the
 statistics does not synchronise the device (they are host-side counters of the pool).

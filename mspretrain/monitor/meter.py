@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from mspretrain.monitor.memory import memory_metrics
-from mspretrain.monitor.mfu import throughput_metrics
+from mspretrain.monitor.mfu import observed_peak, throughput_metrics
 
 
 class StepMeter:
@@ -46,11 +46,17 @@ class StepMeter:
             self.begin()
         elif step % self.throughput_every == 0 or step % self.log_every == 0:
             dt = max(time.perf_counter() - self._t, 1e-9)
+            raised = observed_peak(self.peak_tflops, tokens=self._tokens, seconds=dt,
+                                   flops_per_token=self.flops_per_token, devices=self.devices)
+            if raised > self.peak_tflops:  # the measured peak was low: MFU stays <= 100 % (monitor/mfu.py)
+                self.peak_tflops = raised
             out = throughput_metrics(tokens=self._tokens, samples=self._tokens // self.seq_len, seconds=dt,
                                      flops_per_token=self.flops_per_token, peak_tflops=self.peak_tflops,
                                      devices=self.devices, real_tokens=self._tokens,
                                      price_per_device_hour=self.price)
             out.setdefault("mfu", 0.0)
+            if raised > 0:
+                out["peak_tflops"] = self.peak_tflops
             out["host_share"] = max(0.0, 1.0 - self._step_s / dt)
             self.begin()
         if step % self.memory_every == 0:

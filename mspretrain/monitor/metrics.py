@@ -27,7 +27,7 @@ from mspretrain.config import MetricsConfig
 from mspretrain.fsutil import LOG_CAP, atomic_write, read_regular_text
 from mspretrain.paths import RunPaths
 
-THROUGHPUT_KEYS = ("tokens_per_s", "samples_per_s", "mfu", "real_token_share",
+THROUGHPUT_KEYS = ("tokens_per_s", "samples_per_s", "mfu", "peak_tflops", "real_token_share",
                    "tokens_per_device_hour", "cost_per_btok")
 # metric key -> name of its interval field in MetricsConfig; keys not listed are always kept.
 INTERVAL_FIELD: dict[str, str] = {

@@ -3,8 +3,9 @@
 Design choices:
 - `profile.steps = "10-20"` (inclusive) or `"15"`: the profiler is created with
   `start_profile=False` and started at the beginning of the first step and stopped at the end of
-  the last, so compilation of the first steps stays out of the trace. `mindspore.Profiler`
-  (2.10: `start()` / `stop()` / `analyse()`) writes under `RUN_DIR/profile/`: a Chrome trace
+  the last, so compilation of the first steps stays out of the trace. `mindspore.profiler.profile`
+  (2.10's API; `mindspore.Profiler` is deprecated) with `tensorboard_trace_handler`, which analyses
+  when the profiler stops, writes under `RUN_DIR/profile/`: a Chrome trace
   (`trace_view.json`, open in chrome://tracing or Perfetto) and per-operator CSVs.
 - The top-operator table is read back from those CSVs: `cpu_op_type_info_*.csv` on CPU,
   `op_statistic*.csv` (CANN's "OP Type" / "Total Time(us)") on Ascend. Reading files keeps us
@@ -82,10 +83,14 @@ class StepProfiler:
     def step_begin(self, step: int) -> None:
         if self.range is None or self._prof is not None or step != self.range[0]:
             return
-        import mindspore as ms
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._prof = ms.Profiler(output_path=str(self.out_dir), start_profile=False)
+        # mindspore.profiler.profile: 2.10's profiler (mindspore.Profiler "will be deprecated",
+        # profiler/profiler.py); without a schedule it records from start() to stop(), and the
+        # handler analyses on stop into `out_dir` (tensorboard_trace_handler, profiler.py).
+        from mindspore.profiler import profile, tensorboard_trace_handler
+
+        self._prof = profile(start_profile=False, on_trace_ready=tensorboard_trace_handler(dir_name=str(self.out_dir)))
         self._prof.start()
         self.log(f"profiler: recording steps {self.range[0]}-{self.range[1]} into {self.out_dir}")
 
@@ -100,8 +105,7 @@ class StepProfiler:
 
     def _finish(self) -> None:
         prof, self._prof = self._prof, None
-        prof.stop()
-        prof.analyse()
+        prof.stop()  # analyses too (the on_trace_ready handler)
         # Each profiler session writes its own sub-directory; a resumed run may have older ones.
         sessions = sorted((d for d in self.out_dir.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
         self.rows = top_operators(sessions[-1]) if sessions else []

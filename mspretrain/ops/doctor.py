@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -187,8 +188,22 @@ def check_cgroup(cfg: Config, cgroup_root: Path = Path("/sys/fs/cgroup")) -> lis
                     "run as root on a host with a writable cgroup v2 hierarchy (systemd-run --scope -p CPUQuota=60% also works)")]
 
 
+def check_overflow_mode(target: str, env: Mapping[str, str] | None = None) -> list[Finding]:
+    """MS_ASCEND_CHECK_OVERFLOW_MODE: anything but INFNAN_MODE hides fp16 overflows on a 910B
+    (mspretrain/device.py, `overflow_mode_problem`), and `train` refuses it on Ascend."""
+    from mspretrain.device import INFNAN_MODE, OVERFLOW_MODE_ENV, ascend_available, overflow_mode_problem
+
+    env = os.environ if env is None else env
+    problem = overflow_mode_problem(env)
+    if problem:
+        status = "fail" if target == "ascend" or (target == "auto" and ascend_available()) else "warn"
+        return [Finding(status, "fp16 overflow mode", problem, f"unset {OVERFLOW_MODE_ENV} or export {OVERFLOW_MODE_ENV}={INFNAN_MODE}")]
+    detail = env.get(OVERFLOW_MODE_ENV) or f"{OVERFLOW_MODE_ENV} unset (train sets {INFNAN_MODE} on Ascend)"
+    return [Finding("ok", "fp16 overflow mode", detail)]
+
+
 def run_checks(run_dir: Path, cfg: Config, *, mountinfo: str | Path = MOUNTINFO) -> list[Finding]:
-    return (check_python_stack() + check_mindspore(cfg.device.target) + check_ascend()
+    return (check_python_stack() + check_mindspore(cfg.device.target) + check_ascend() + check_overflow_mode(cfg.device.target)
             + check_launcher_and_threads(cfg) + check_run_dir(run_dir, cfg, mountinfo) + check_cgroup(cfg))
 
 

@@ -201,6 +201,49 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     return mem, layout
 
 
+# The bus bandwidth the overlap estimate assumes for HCCL on one 8 x 910B node when no measurement
+# is given (`plan --bus-gbps`, or `selftest`'s measured figure): an assumption, not a measurement
+# (no 910B here). Bus bandwidth as nccl-tests/hccl_test define it: a ring AllReduce of S bytes over
+# N ranks takes 2(N-1)/N * S / busbw, a ReduceScatter or AllGather (N-1)/N * S / busbw.
+ASSUMED_BUS_GBPS = 100.0
+# Share of a step's compute spent in the backward pass: 2 of the 3 matmul passes (forward 1,
+# backward 2), or 3 of 4 with full recomputation (the forward runs again inside the backward).
+BACKWARD_SHARE, BACKWARD_SHARE_RECOMPUTE = 2 / 3, 3 / 4
+
+
+def overlap_estimate(layout: Any, *, backward_s: float, bus_bytes_per_s: float) -> dict[str, Any]:
+    """How much of one backward pass's gradient reduction the backward pass can hide.
+
+    The reduction collectives run in readiness order (train/layout.py): bucket k can start when the
+    backward pass has produced its gradients (the backward time up to it, taken proportional to the
+    parameters before it: matmul FLOPs scale with the parameters) and the link is free. Exposed =
+    when the last collective ends minus the end of the backward pass. One backward pass: with
+    sharded gradients that is one micro-batch's (the reduction runs per micro-batch)."""
+    n = layout.world
+    wb = lambda i: 2 if layout.wire16[i] else 4
+    items = []  # (readiness, elements of gradients, bytes on the wire, ring factor)
+    for b in layout.reduce_flat:
+        items.append((min(b.indices), sum(b.sizes), sum(s * wb(i) for i, s in zip(b.indices, b.sizes)), 2 * (n - 1) / n))
+    for b in layout.reduce_rank:
+        idx = [i for seg in b.segments for i in seg]
+        items.append((min(idx), sum(b.used(r) for r in range(n)), b.numel * wb(idx[0]), (n - 1) / n))
+    for i in layout.reduce_single:
+        items.append((i, layout.sizes[i], layout.sizes[i] * wb(i), 2 * (n - 1) / n))
+    items.sort(key=lambda t: -t[0])
+    total = sum(layout.sizes) or 1
+    done, link_free, buckets = 0.0, 0.0, []
+    for _, elems, nbytes, ring in items:
+        compute = backward_s * elems / total
+        done += compute
+        comm = ring * nbytes / bus_bytes_per_s
+        link_free = max(done, link_free) + comm
+        buckets.append({"compute_s": compute, "comm_s": comm, "bytes": nbytes})
+    comm_total = sum(b["comm_s"] for b in buckets)
+    exposed = max(0.0, link_free - backward_s) if buckets else 0.0
+    return {"buckets": buckets, "backward_s": backward_s, "comm_s": comm_total, "exposed_s": exposed,
+            "bus_gbps": bus_bytes_per_s / 1e9}
+
+
 def checkpoint_bytes(params: int, half_params: str | None = None, trained: int | None = None) -> int:
     """One checkpoint on disk: fp32 weights + fp32 Adam m and v (safetensors), JSON negligible.
     With parameters stored in fp16 the weights file holds them as fp16 and the optimizer state
@@ -214,7 +257,7 @@ def checkpoint_bytes(params: int, half_params: str | None = None, trained: int |
 def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path | None,
               tokens_per_s_per_device: float | None, device_mem_gb: float | None = None,
               zero: bool = False, recompute: bool = False, flash: bool | None = None,
-              assumed: Sequence[str] = ()) -> dict:
+              assumed: Sequence[str] = (), bus_gbps: float | None = None) -> dict:
     """The plan as a dict (bytes, steps, hours); `format_plan` prints it.
 
     zero / recompute: also taken from the config (optim.shard_optimizer, train.recompute), so a
@@ -222,12 +265,15 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     flash: whether attention runs as Ascend's fused kernel; default: fp16/bf16 on a non-CPU target.
     tokens: a token budget instead of the config's (without either, one pass over `data_dir`; with
     none at all the plan has memory but no steps, warm-up or time). assumed: values the caller
-    chose for the user, printed with the plan.
+    chose for the user, printed with the plan. bus_gbps: HCCL bus bandwidth for the overlap
+    estimate (measured by `selftest`; default ASSUMED_BUS_GBPS, said to be assumed).
     """
     zero = zero or cfg.optim.shard_optimizer
     recompute = recompute or cfg.train.recompute
     if devices < 1:
         raise UserError(f"--devices {devices} must be at least 1", "give the number of devices, e.g. --devices 8")
+    if bus_gbps is not None and not bus_gbps > 0:  # NaN too
+        raise UserError(f"--bus-gbps {bus_gbps} must be a positive number of GB/s", "e.g. --bus-gbps 100, or `selftest`'s measured figure")
     m = cfg.model
     manifest_tokens = None
     if data_dir is not None:
@@ -287,6 +333,20 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         plan["time"] = {"tokens_per_s_per_device": tokens_per_s_per_device, "hours": hours, "device_hours": hours * devices}
         if cfg.cost.price_per_device_hour:
             plan["time"]["cost"] = hours * devices * cfg.cost.price_per_device_hour
+    rate = tokens_per_s_per_device or (MINDFORMERS_LLAMA2_7B["tokens_per_s_per_device"]
+                                       if abs(P - LLAMA2_7B_PARAMS) / LLAMA2_7B_PARAMS < 0.01 else None)
+    if devices > 1 and rate:
+        step_s = gb * seq / devices / rate
+        share = BACKWARD_SHARE_RECOMPUTE if recompute else BACKWARD_SHARE
+        est = overlap_estimate(layout, backward_s=step_s * share / accum, bus_bytes_per_s=(bus_gbps or ASSUMED_BUS_GBPS) * 1e9)
+        # replicated gradients with accumulation are reduced once, after the last micro-batch
+        # (TrainStep.apply): nothing hides that reduction
+        if accum > 1 and not layout.shard_grads:
+            est["exposed_s"] = est["comm_s"]
+        est["per_step"] = accum if layout.shard_grads else 1
+        est["bus_source"] = "given" if bus_gbps else "assumed"
+        est["rate_source"] = "given" if tokens_per_s_per_device else "MindSpore Transformers' llama2_7b reference"
+        plan["overlap"] = est
     if abs(P - LLAMA2_7B_PARAMS) / LLAMA2_7B_PARAMS < 0.01:
         ref: dict[str, Any] = dict(MINDFORMERS_LLAMA2_7B)
         if b.tokens:
@@ -340,6 +400,12 @@ def format_plan(plan: dict) -> str:
     c = plan["collectives_per_step"]
     if plan["devices"] > 1:
         lines.append(f"collectives {c['calls']:,} per step, {c['bytes'] / GB:,.2f} GB handed to them per step per device")
+    if "overlap" in plan:
+        o = plan["overlap"]
+        per = f" per micro-batch (x{o['per_step']} a step)" if o["per_step"] > 1 else " per step"
+        lines.append(f"overlap    gradient reduction {o['comm_s'] * 1e3:,.0f} ms at {o['bus_gbps']:g} GB/s bus bandwidth ({o['bus_source']}) "
+                     f"in {len(o['buckets'])} buckets vs backward {o['backward_s'] * 1e3:,.0f} ms{per} "
+                     f"(at {o['rate_source']} tokens/s): exposed {o['exposed_s'] * 1e3:,.0f} ms")
     alt = "without" if plan["recompute"] else "with"
     lines.append(f"  (activations {alt} recompute: {_gb(plan['activations_other_bytes'])})")
     lines.append(f"checkpoint {_gb(plan['checkpoint_bytes'])} on disk each")

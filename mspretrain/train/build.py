@@ -226,7 +226,8 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
                         f"set model.vocab_size={vocab} (or 0 to take it from the data dir)")
     cfg = replace(cfg, model=cfgmod.resolve_model(cfg.model, vocab))
     sources = check_sources(cfg, data_dir, manifest)
-    evaluator = PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say)  # reads eval.choices_file now
+    evaluator = PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say,  # reads eval.choices_file now
+                             jit_level=device.jit_level)
     # a process started from a rank table binds the NPU its entry names (msrun negotiates it otherwise)
     setup_mindspore(device, device_id=distributed.select_launch(device.target).device_id if device.target == "ascend" else None)
     world = distributed.init(device.target)

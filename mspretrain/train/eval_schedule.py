@@ -13,8 +13,10 @@ from mspretrain.config import EvalConfig
 
 
 class PeriodicEval:
-    def __init__(self, cfg: EvalConfig, *, data_dir: Path, seq_len: int, log: Callable[[str], None]) -> None:
+    def __init__(self, cfg: EvalConfig, *, data_dir: Path, seq_len: int, log: Callable[[str], None],
+                 jit_level: str = "O0") -> None:
         self.cfg, self.data_dir, self.seq_len, self.log = cfg, data_dir, seq_len, log
+        self.jit_level = jit_level  # device.jit_level: the eval graph compiles at the step's level
         self.items: list[Any] = []
         self.dev: list[Any] = []
         self.tokenizer: Any = None
@@ -36,7 +38,7 @@ class PeriodicEval:
         from mspretrain.eval.perplexity import evaluate_split
 
         res = evaluate_split(model, self.data_dir, split="valid", seq_len=self.seq_len,
-                             batch_size=self.cfg.batch_size, max_tokens=self.cfg.max_tokens)
+                             batch_size=self.cfg.batch_size, max_tokens=self.cfg.max_tokens, jit_level=self.jit_level)
         self.log(f"step {step}: valid ppl {res['ppl']:.2f} over {res['tokens']:,} tokens")
         values = {"eval/ppl": res["ppl"], "eval/nll": res["nll"]}
         if self.items:

@@ -7,13 +7,19 @@ by hand.
 Two packings, both into flat 1-D buckets of at most `cap` elements (a parameter larger than the
 cap gets a bucket of its own; parameters are never split):
 - `flat_buckets`: replicated data, one AllReduce per bucket. Parameters of one wire dtype per
-  bucket, in parameter order.
+  bucket.
 - `rank_buckets`: sharded data. Bucket k is the concatenation over ranks r = 0..N-1 of a segment
   of `length` elements holding chunk k of the parameters rank r owns (zero padded), so that a
   ReduceScatter hands rank r exactly its own gradients and an AllGather of each rank's segment
   gives every rank every owner's parameters. Each rank's owned list is cut into the same number
   of chunks of about equal size, so the padding stays small (the parameters are balanced across
   ranks by `assign_owners`).
+Both come in gradient-readiness order: the backward pass produces gradients in reverse parameter
+order (lm_head first, the embedding last), so parameters are packed from the last one down and the
+buckets are sorted by the moment their last gradient appears (their lowest parameter index,
+highest first). The first collective can then start while the backward pass still runs, instead
+of every bucket waiting for the embedding's gradient. The order is a function of the sizes only,
+the same on every rank.
 Why buckets: one collective per parameter is ~195 AllReduce + ~195 Broadcast per step for a 7B
 model, each paying a launch and a latency; a few large buckets keep the link busy. Why a cap:
 a bucket is a transient copy, so the cap bounds the extra memory of the reduction.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 
 def assign_owners(sizes: list[int], world: int) -> list[int]:
@@ -64,13 +71,15 @@ class RankBucket:
 
 
 def flat_buckets(sizes: list[int], keys: list[object], cap: int) -> list[FlatBucket]:
-    """Parameters grouped by key (e.g. the wire dtype), then packed in order into buckets of at
-    most `cap` elements. cap <= 0: one bucket per parameter."""
+    """Parameters grouped by key (e.g. the wire dtype), then packed from the last parameter down
+    into buckets of at most `cap` elements, in readiness order (`by_readiness`). cap <= 0: one
+    bucket per parameter."""
     out: list[FlatBucket] = []
     for key in dict.fromkeys(keys):
         cur: list[int] = []
         total = 0
-        for i, (n, k) in enumerate(zip(sizes, keys)):
+        for i in reversed(range(len(sizes))):
+            n, k = sizes[i], keys[i]
             if k != key:
                 continue
             if cur and (cap <= 0 or total + n > cap):
@@ -80,7 +89,18 @@ def flat_buckets(sizes: list[int], keys: list[object], cap: int) -> list[FlatBuc
             total += n
         if cur:
             out.append(FlatBucket(tuple(cur), tuple(sizes[j] for j in cur)))
-    return out
+    return by_readiness(out, lambda b: b.indices)
+
+
+def readiness(indices: Iterable[int]) -> int:
+    """When a bucket's gradients are all there, as a rank in backward order: its lowest parameter
+    index (the backward pass ends with parameter 0); higher is earlier."""
+    return min(indices)
+
+
+def by_readiness(buckets: list, indices_of: Callable[[Any], Iterable[int]]) -> list:
+    """Buckets sorted so that the one whose gradients are complete first comes first (stable)."""
+    return sorted(buckets, key=lambda b: -readiness(indices_of(b)))
 
 
 def _chunks(indices: list[int], sizes: list[int], n_chunks: int) -> list[list[int]]:
@@ -105,11 +125,13 @@ def rank_buckets(owner: list[int], sizes: list[int], keys: list[object], world: 
     Returns (buckets, singletons): a bucket more than a quarter padding (one rank owns a large
     parameter that no other rank can match, e.g. lm_head alone on an fp32 wire) is dissolved and
     its parameters go to `singletons`, which the step moves with one collective each, so padding
-    never costs more than a third of the bytes it moves."""
+    never costs more than a third of the bytes it moves. Buckets in readiness order
+    (`by_readiness`), singletons from the last parameter down."""
     buckets: list[RankBucket] = []
     singletons: list[int] = []
     for key in dict.fromkeys(keys):
-        mine = [[i for i in range(len(sizes)) if owner[i] == r and keys[i] == key] for r in range(world)]
+        # from the last parameter down: chunk 0 holds the gradients the backward pass produces first
+        mine = [[i for i in reversed(range(len(sizes))) if owner[i] == r and keys[i] == key] for r in range(world)]
         load = max(sum(sizes[i] for i in m) for m in mine)
         if load == 0:
             continue
@@ -130,7 +152,7 @@ def rank_buckets(owner: list[int], sizes: list[int], keys: list[object], world: 
                 singletons.extend(sorted(i for s in segs for i in s))
             else:
                 buckets.append(b)
-    return buckets, sorted(singletons)
+    return by_readiness(buckets, lambda b: (i for s in b.segments for i in s)), sorted(singletons, reverse=True)
 
 
 def assign_owners_grouped(sizes: list[int], keys: list[object], world: int) -> list[int]:

@@ -71,7 +71,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config import OptimConfig
 from mspretrain.model.groups import trainable_mask
-from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout
+from mspretrain.model.llama import use_fused_kernels
+from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness
 
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners"]
 
@@ -176,10 +177,32 @@ class TrainStep:
         self._ag_single = list(self.layout.gather_single)
         # `_reduce` returns the gradients it produces in this order (graph code cannot use dicts):
         # every index (replicated) or the owned ones (sharded), bucket by bucket
-        if world == 1 or not self.shard_grads:
-            self._order = [i for b in self._ar for i in b[0]] if self._ar else list(range(len(self.params)))
+        # Every reduction collective in gradient-readiness order (train/layout.py `readiness`): the
+        # buckets come sorted, and a lopsided singleton takes its place among them. kind 0: an
+        # AllReduce bucket, 1: a ReduceScatter bucket, 2: one parameter's AllReduce.
+        sched = ([(readiness(b.indices), 0, k) for k, b in enumerate(self.layout.reduce_flat)]
+                 + [(readiness(i for seg in b.segments for i in seg), 1, k) for k, b in enumerate(self.layout.reduce_rank)]
+                 + [(i, 2, i) for i in self._rs_single])
+        self._schedule = [(kind, k) for _, kind, k in sorted(sched, key=lambda t: -t[0])]
+        if world == 1:
+            self._order = list(range(len(self.params)))
         else:
-            self._order = [i for b in self._rs for i in b[0][rank]] + [i for i in self._rs_single if self.owner[i] == rank]
+            produced = {0: lambda k: list(self._ar[k][0]), 1: lambda k: list(self._rs[k][0][rank]),
+                        2: lambda i: [i] if self.owner[i] == rank else []}
+            self._order = [i for kind, k in self._schedule for i in produced[kind](k)]
+        # The squared norm sums per-parameter terms in parameter order whatever the bucket order, so
+        # the bucketing (and the world size) does not change its rounding.
+        self._norm_order = sorted(range(len(self._order)), key=lambda k: self._order[k])
+        # Chaining every collective after the previous one: MindSpore's CPU runtime launches ready
+        # kernels as they come (actor dataflow), so without it two ranks may issue independent
+        # collectives in different orders, and mccl pairs one rank's bucket with another's (measured).
+        # On Ascend the collectives carry `no_eliminate` (ops/operations/comm_ops.py, AllReduce /
+        # ReduceScatter / AllGather __init__) and run in the compiled graph's execution order, which
+        # MindSpore's own data-parallel reducer relies on (nn/wrap/grad_reducer.py,
+        # DistributedGradReducer.construct maps independent AllReduces, with no depend between them).
+        # There a chain would only make the next bucket's copy, on the compute stream, wait for the
+        # previous collective: a stall of the backward pass.
+        self._chain = device != "ascend"
         self._own_pos = [self._order.index(i) for i in self.own]
         self._order_pos = [self._order.index(i) if i in self._order else -1 for i in range(len(self.params))]
         self.allreduce = ops.AllReduce(ops.ReduceOp.SUM) if world > 1 else None
@@ -197,13 +220,15 @@ class TrainStep:
         self._adamw = ops.AdamWeightDecay()
         self._jit = (lambda fn: ms.jit(fn, jit_level=jit_level)) if jit else None
 
+        # Ascend: plain reductions instead of the CPU's GEMM forms (model/llama.py `use_fused_kernels`)
+        plain = self._plain_sums = use_fused_kernels(device)
         inv_tokens = 1.0 / self.global_tokens
         z = float(optim.z_loss)
 
         def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
             inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
             logits = model(inputs, positions, segments)  # (B, T, V) fp32
-            nll, lse = token_nll(logits, targets)  # (B, T) fp32 each
+            nll, lse = token_nll(logits, targets, plain_sum=plain)  # (B, T) fp32 each
             nll_sum = nll.sum()
             obj = nll_sum
             if z > 0:
@@ -229,49 +254,52 @@ class TrainStep:
     def _reduce(self, grads: list[Tensor], in_order: bool = False) -> tuple[list[Tensor], Tensor | None]:
         """Sum the (scaled) gradients over ranks, bucket by bucket. `grads` is indexed like the
         parameters, or (in_order) like `self._order`. Returns fp32 tensors in `self._order`: all
-        of them, or with sharded gradients only this rank's own. One bucket is alive at a time:
-        each bucket's flat copy is made after the previous bucket's result. Also returns the last
-        collective's result: every collective of a step is chained after the one before it, so all
-        ranks issue them in one order (the graph scheduler may otherwise reorder independent ones,
-        and mccl then pairs a rank's loss all-reduce with another's bucket: measured)."""
+        of them, or with sharded gradients only this rank's own. Also returns the last collective's
+        result. The collectives run in `self._schedule`'s order, the order in which the backward
+        pass completes their buckets, so the first starts while the backward pass still runs. On
+        CPU each bucket's flat copy is made after the previous collective's result (`self._chain`):
+        all ranks then issue them in one order, and one bucket is alive at a time."""
         if in_order:  # replicated buffers already in bucket order: a permutation of all indices
             grads = [grads[self._order_pos[i]] for i in range(len(self.params))]
         if self.world == 1:
             return [g.astype(ms.float32) for g in grads], None
         out: list[Tensor] = []
         prev: Tensor | None = None
-        for indices, sizes, wire in self._ar:  # replicated gradients: AllReduce
-            flat = _flat([grads[i].reshape(-1).astype(wire) for i in indices])
-            if prev is not None:
-                flat = ops.depend(flat, prev)
-            red = self.allreduce(flat)
-            prev = red
-            for i, piece in zip(indices, _pieces(red, sizes)):
-                out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
-        for k, (segments, sizes, length, used, wire) in enumerate(self._rs):  # sharded gradients: each rank ends with its own segment
-            parts = []
-            for r in range(self.world):
-                parts += [grads[i].reshape(-1).astype(wire) for i in segments[r]]
-                if length > used[r]:
-                    parts.append(ops.zeros((length - used[r],), wire))
-            flat = _flat(parts)
-            if prev is not None:
-                flat = ops.depend(flat, prev)
-            start = self.rank * length
-            mine = self._reduce_scatters[k](flat) if self._reduce_scatters else self.allreduce(flat)[start:start + length]
-            prev = mine
-            if segments[self.rank]:
-                own = mine if used[self.rank] == length else mine[:used[self.rank]]
-                for i, piece in zip(segments[self.rank], _pieces(own, sizes[self.rank])):
+        for kind, k in self._schedule:
+            if kind == 0:  # replicated gradients: AllReduce
+                indices, sizes, wire = self._ar[k]
+                flat = _flat([grads[i].reshape(-1).astype(wire) for i in indices])
+                if self._chain and prev is not None:
+                    flat = ops.depend(flat, prev)
+                red = self.allreduce(flat)
+                prev = red
+                for i, piece in zip(indices, _pieces(red, sizes)):
                     out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
-        for i in self._rs_single:  # too lopsided to bucket: AllReduce, the owner keeps it
-            g = grads[i].astype(self.wire[i])
-            if prev is not None:
-                g = ops.depend(g, prev)
-            red = self.allreduce(g)
-            prev = red
-            if self.owner[i] == self.rank:
-                out.append(red.astype(ms.float32))
+            elif kind == 1:  # sharded gradients: each rank ends with its own segment
+                segments, sizes, length, used, wire = self._rs[k]
+                parts = []
+                for r in range(self.world):
+                    parts += [grads[i].reshape(-1).astype(wire) for i in segments[r]]
+                    if length > used[r]:
+                        parts.append(ops.zeros((length - used[r],), wire))
+                flat = _flat(parts)
+                if self._chain and prev is not None:
+                    flat = ops.depend(flat, prev)
+                start = self.rank * length
+                mine = self._reduce_scatters[k](flat) if self._reduce_scatters else self.allreduce(flat)[start:start + length]
+                prev = mine
+                if segments[self.rank]:
+                    own = mine if used[self.rank] == length else mine[:used[self.rank]]
+                    for i, piece in zip(segments[self.rank], _pieces(own, sizes[self.rank])):
+                        out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
+            else:  # too lopsided to bucket: AllReduce, the owner keeps it
+                g = grads[k].astype(self.wire[k])
+                if self._chain and prev is not None:
+                    g = ops.depend(g, prev)
+                red = self.allreduce(g)
+                prev = red
+                if self.owner[k] == self.rank:
+                    out.append(red.astype(ms.float32))
         return out, prev
 
     def _finish(self, grads: list[Tensor], loss_sum: Tensor, lr: Tensor, inv_scale: Tensor):
@@ -279,7 +307,10 @@ class TrainStep:
         parameters. `grads`: reduced, still scaled, fp32, in `self._order`."""
         # sum of squares in the scaled domain, as a dot product: no squared copy of the gradient
         # (on MindSpore's CPU backend every full-size graph intermediate stays resident)
-        sq = ops.stack([ops.matmul(g.reshape(1, -1), g.reshape(-1, 1)).reshape(()) for g in grads]).sum()
+        if self._plain_sums:  # Ascend: a reduction, not a (1, n) x (n, 1) matmul on the matrix unit
+            sq = ops.stack([ops.square(grads[k]).sum() for k in self._norm_order]).sum()
+        else:
+            sq = ops.stack([ops.matmul(grads[k].reshape(1, -1), grads[k].reshape(-1, 1)).reshape(()) for k in self._norm_order]).sum()
         if self.shard_grads and self.allreduce is not None:
             sq = self.allreduce(ops.depend(sq, loss_sum))  # the owners' partial sums: the same global norm on every rank
         finite = ops.isfinite(sq)
