@@ -160,6 +160,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, reference_run,
     assert not list((run / "checkpoints").glob("*.tmp"))
 
 
+@pytest.mark.slow  # two training runs of its own (66 s at load ~3)
 def test_recover_rebuilds_deleted_train_state(tmp_path, tiny_data, capsys):
     run = tmp_path / "run"
     base = ["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",

@@ -121,3 +121,19 @@ def test_recover_reads_the_manifest_as_verify_does(ckpt, tmp_path):
     with pytest.raises(UserError, match="weights not usable .*model.safetensors.* is not an object"):
         recover(tmp_path)
     assert mpath.read_bytes() == before
+
+
+def test_prune_keeps_the_newest_verified_checkpoint_when_newer_ones_are_damaged(tmp_path):
+    """keep_last=1 with the newest checkpoint corrupt: the newest one that verifies (what a resume
+    would load) is kept too, and only the others go."""
+    rng = np.random.default_rng(0)
+    model = {"w": rng.standard_normal((8, 4)).astype(np.float32)}
+    optim = {f"{k}.w": np.ones((8, 4), np.float32) for k in ("exp_avg", "exp_avg_sq")}
+    for step in (2, 4, 6):
+        store.write_checkpoint_dir(tmp_path / "checkpoints" / f"step_{step:06d}", step=step, model=model, optimizer=optim,
+                                   train_state={"tokens": step}, data_state={"pos": step}, config=cfgmod.Config())
+    _flip(tmp_path / "checkpoints" / "step_000006" / store.OPTIM_FILE)
+    removed = store.prune(tmp_path, keep_last=1, keep_every=0, log=lambda s: None)
+    assert [p.name for p in removed] == ["step_000002"]
+    assert [s for s, _ in store.list_checkpoints(tmp_path)] == [4, 6]
+    assert store.latest_verified(tmp_path, log=lambda s: None).name == "step_000004"

@@ -168,6 +168,7 @@ def test_option_errors(tmp_path, capsys):
     assert "--shots 2 needs a --dev file of solved examples" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a training run of its own (42 s at load ~6)
 def test_choices_file_during_training_writes_eval_acc(planted, tmp_path, capsys):
     """eval.choices_file: eval/acc and eval/acc_norm at every eval step of the metrics, equal to
     `eval RUN --choices` on the final checkpoint; a bad file or shot count fails before the run

@@ -122,6 +122,35 @@ def test_accumulation_equals_one_big_batch():
         assert_close_rel(ob[k], oa[k], 1e-5, k)  # measured <= 6e-7; a 4x gradient gives 3 (exp_avg) and 15 (exp_avg_sq)
 
 
+def test_a_loss_scale_changes_nothing_but_the_backward_pass():
+    """fp32, no overflow: a run at loss scale 1024 with clipping active, fused and accumulated over
+    2 micro-batches, equals the run at scale 1 (losses, unscaled grad norms, weights, moments), so
+    the scale is removed exactly once and before the norm is clipped, on both graphs. (The bigram
+    model: four compilations of the tiny Llama cost ~10x more and prove nothing more here.)"""
+    rng = np.random.default_rng(4)
+    emb = rng.normal(0, 0.5, (V, D)).astype(np.float32)
+    w = rng.normal(0, 0.5, (D, V)).astype(np.float32)
+    data = [rng.integers(0, V, (4, 9)).astype(np.int32) for _ in range(3)]
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.05)
+    runs = {}
+    for scale in (1.0, 1024.0):
+        for micro in (4, 2):
+            model = Bigram(emb, w)
+            step = TrainStep(model, optim, global_tokens=4 * 8)
+            res = [step.run([(b[i:i + micro], None, None) for i in range(0, 4, micro)], lr=1e-2, scale=scale) for b in data]
+            runs[scale, micro] = res, {"embed": snapshot(model.embed.asnumpy()), "w": snapshot(model.w.asnumpy())}, \
+                snapshot(step.optimizer_state())
+    ref_res, ref_w, ref_o = runs[1.0, 4]
+    assert all(r.grad_norm > 0.05 for r in ref_res), [r.grad_norm for r in ref_res]  # the clip is active
+    for key, (res, w, o) in runs.items():
+        for got, want in zip(res, ref_res):
+            assert got.finite and got.loss == pytest.approx(want.loss, rel=1e-6) and got.grad_norm == pytest.approx(want.grad_norm, rel=1e-5), key
+        for k in ref_w:
+            np.testing.assert_allclose(w[k], ref_w[k], rtol=0, atol=1e-6, err_msg=f"{key} {k}")
+        for k in sorted(set(ref_o) - {"opt_step"}):
+            assert_close_rel(o[k], ref_o[k], 1e-5, f"{key} {k}")
+
+
 def test_fp16_overflow_skips_the_update_bit_exactly():
     model = _tiny("fp16")
     step = TrainStep(model, OptimConfig(lr=1e-3), global_tokens=4 * 16)
