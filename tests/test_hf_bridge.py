@@ -202,7 +202,7 @@ def test_export_refuses_non_empty_out_and_unknown_format(our_ckpt, work, capsys)
     rc, _, err = cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")
     assert rc == 0, err
     assert (busy / "config.json").is_file()
-    one_line_error(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "--overwrite")
+    one_line_error(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "earlier `export` output")
     rc, _, err = cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")
     assert rc == 0, err
     one_line_error(*cli(capsys, "export", ck, "--format", "onnx", "--out", root / "x")[::2], "unknown export format")

@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
           "   # (b) 300 more steps at the final learning rate")
     print(f"  mspretrain prepare YOUR_TEXT_DIR --out my-data && mspretrain train --config {config_path(args)} --data my-data --run runs/mine"
           "   # (c) your own text")
-    print(f"  mspretrain export {run_dir} --format hf --out {work / 'hf'}   # (d) a Hugging Face Llama folder")
+    print(f"  mspretrain export {run_dir} --format hf --out {work / ('hf-quick' if args.quick else 'hf')}   # (d) a Hugging Face Llama folder")
     if after["ppl"] >= before["ppl"]:
         raise UserError(f"the demo did not learn (perplexity {before['ppl']:.1f} -> {after['ppl']:.1f})",
                         "this is a bug; please report it with the run dir's train.log")
