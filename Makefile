@@ -7,13 +7,18 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: demo demo-quick test test-fast bench clean npm
 
+# pip runs quietly (-q): each step says first what it installs and why it takes a while.
 $(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || { echo "make: creating the virtual environment $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make: upgrading pip in $(VENV)"
 	$(PIP) install --upgrade pip
+	@echo "make: installing mspretrain (editable) and its dependencies into $(VENV): MindSpore 2.10 (~1 GB), numpy<2,"
+	@echo "      sentencepiece, safetensors, matplotlib, ... and our C BPE encoder; a few minutes on a fresh machine"
 	$(PIP) install -e .
 	@touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml
+	@echo "make: installing the test dependencies into $(VENV): pytest, hypothesis, torch (CPU, ~200 MB), transformers, ruff"
 	$(PIP) install -e '.[test]'
 	@touch $@
 

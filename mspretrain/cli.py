@@ -48,7 +48,15 @@ EPILOG = """examples:
   mspretrain eval runs/a --json
   mspretrain generate runs/a --prompt 春风 --max-new-tokens 48
 
-Every command takes --help, and section.key=value config overrides after its options."""
+Every command takes --help. The commands that read a config (prepare, train, plan, doctor,
+selftest, demo, launch) take section.key=value overrides after their options; the others refuse
+them (a run reader uses the run's saved config)."""
+
+# Commands whose config can be changed by section.key=value overrides; the run readers (eval,
+# generate, report, replay, spike) and tokenizer refuse them with their own hint, and every
+# other command is refused here: an override silently ignored is a wrong answer.
+TAKE_OVERRIDES = frozenset({"prepare", "train", "plan", "doctor", "selftest", "demo", "launch"})
+REFUSE_THEMSELVES = frozenset({"eval", "generate", "report", "replay", "spike", "tokenizer"})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UserError(f"unrecognized arguments: {' '.join(bad)}", hint)
             parser.error(f"unrecognized arguments: {' '.join(bad)}")
         args.overrides = [e for e in extra if e not in bad]
+        if args.overrides and args.command not in TAKE_OVERRIDES | REFUSE_THEMSELVES:
+            raise UserError(f"`mspretrain {args.command}` takes no section.key=value overrides (got {' '.join(args.overrides)})",
+                            f"see `mspretrain {args.command} --help` for its options")
         return int(args._module.run(args) or 0)
     except UserError as exc:
         print(f"error: {exc.cause}", file=sys.stderr)

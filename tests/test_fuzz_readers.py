@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import struct
 from pathlib import Path
 
@@ -249,3 +250,212 @@ def test_convert_refuses_hostile_hf_folders_in_one_line(tmp_path, capsys, case):
     lines = err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
     assert not (tmp_path / "ck").exists()
+
+
+# --------------------------------------------------------------------------- batches.jsonl (issue 33)
+# Every reader of a run's batch record (audit, spike's step lookup, the resume-time truncation,
+# the records() iterator replay and spike use) gives a result or one one-line UserError on any
+# damage: named kinds first, then hypothesis edits of a valid history.
+
+@pytest.fixture(scope="module")
+def batch_run(tmp_path_factory, tiny_data):
+    """A run dir that audit can read (config, run_meta, the data dir's plan) with a valid history
+    of 6 steps written by BatchLog itself; no training needed."""
+    from mspretrain import config as cfgmod
+    from mspretrain.budget import derive
+    from mspretrain.monitor.batch_log import BatchLog
+    from mspretrain.ops.audit import plan_of_run
+    from tests.conftest import TINY
+
+    run = tmp_path_factory.mktemp("batches") / "run"
+    run.mkdir()
+    cfg = cfgmod.apply_overrides(cfgmod.load(TINY), ["train.max_steps=6"])
+    cfgmod.save(cfg, run / "config.toml")
+    (run / "run_meta.json").write_text(json.dumps({"data_dir": str(tiny_data), "world_size": 1}))
+    plan, tokens = plan_of_run(run, cfg)
+    b = derive(cfg, data_tokens=tokens)
+    g = cfg.train.global_batch
+    log = BatchLog(run, plan=plan, global_batch=g, enabled=True, total=b.steps, warmup=b.warmup, schedule=b.schedule)
+    pos = [0] * len(plan.windows)
+    for s in range(1, 7):
+        log.step(s, pos, world=1, lr=b.schedule(s - 1), scale=1.0, finite=True)
+        pos = plan.advance(pos, g)
+    log.close()
+    return run
+
+
+def _readers_hold(run: Path) -> None:
+    from mspretrain.monitor.batch_log import records, truncate
+    from mspretrain.ops.audit import audit_run, format_audit
+    from mspretrain.ops.spike import step_record
+
+    def one_line(fn):
+        try:
+            return fn()
+        except UserError as exc:
+            assert "\n" not in exc.cause and "\n" not in exc.fix and exc.cause, str(exc)
+            return None
+
+    a = one_line(lambda: audit_run(run))
+    if a is not None:
+        format_audit(a, run)
+    list(one_line(lambda: list(records(run))) or [])
+    one_line(lambda: step_record(run, 2))
+    one_line(lambda: truncate(run / "batches.jsonl", 3))
+
+
+def _edit(rec_line: str, **changes) -> str:
+    rec = json.loads(rec_line)
+    rec.update(changes)
+    return json.dumps(rec)
+
+
+def _damaged(lines: list[str]) -> dict[str, bytes]:
+    """Named damage of a valid history (`lines`: its session marker and six steps)."""
+    s, steps = lines[0], lines[1:]
+    out = {
+        "truncated line": "\n".join(lines)[:-7],
+        "empty": "", "blank lines": "\n\n  \n",
+        "step as string": "\n".join([s, _edit(steps[0], step="1"), *steps[1:]]),
+        "step as float": "\n".join([s, _edit(steps[0], step=1.0), *steps[1:]]),
+        "step as bool": "\n".join([s, _edit(steps[0], step=True), *steps[1:]]),
+        "negative step": "\n".join([s, _edit(steps[0], step=-4), *steps[1:]]),
+        "huge step": "\n".join([s, steps[0].replace('"step": 1', '"step": ' + "9" * 400), *steps[1:]]),
+        "missing pos": "\n".join([s, steps[0], json.dumps({k: v for k, v in json.loads(steps[1]).items() if k != "pos"}), *steps[2:]]),
+        "pos not a list": "\n".join([s, _edit(steps[0], pos=5), *steps[1:]]),
+        "negative pos": "\n".join([s, _edit(steps[0], pos=[-3]), *steps[1:]]),
+        "pos of 3 sources": "\n".join([s, _edit(steps[0], pos=[0, 0, 0]), *steps[1:]]),
+        "huge pos": "\n".join([s, _edit(steps[0], pos=[2**62]), *steps[1:]]),
+        "hash missing": "\n".join([s, json.dumps({k: v for k, v in json.loads(steps[0]).items() if k != "hash"}), *steps[1:]]),
+        "hash as int": "\n".join([s, _edit(steps[0], hash=7), *steps[1:]]),
+        "lr NaN": "\n".join([s, steps[0].replace('"lr": ', '"lr": NaN, "x": '), *steps[1:]]),
+        "lr Infinity": "\n".join([s, steps[0].replace('"lr": ', '"lr": Infinity, "x": '), *steps[1:]]),
+        "lr as string": "\n".join([s, _edit(steps[0], lr="high"), *steps[1:]]),
+        "scale zero": "\n".join([s, _edit(steps[0], scale=0), *steps[1:]]),
+        "finite as string": "\n".join([s, _edit(steps[0], finite="yes"), *steps[1:]]),
+        "duplicate step": "\n".join([s, steps[0], steps[0], *steps[1:]]),
+        "NUL bytes": "\n".join([s, steps[0][:10] + "\x00\x00" + steps[0][10:], *steps[1:]]),
+        "nested JSON": "\n".join([s, "[" * 100_000 + "]" * 100_000, *steps]),
+        "nested object": "\n".join([s, '{"step": ' + "[" * 50_000 + "]" * 50_000 + "}", *steps]),
+        "array line": "\n".join([s, "[1, 2, 3]", *steps]),
+        "null line": "\n".join([s, "null", *steps]),
+        "session with string total": "\n".join([_edit(s, session={"step": 0, "world": 1, "total": "6"}), *steps]),
+        "session not an object": "\n".join([_edit(s, session=[0]), *steps]),
+        "session with a huge plan": "\n".join([_edit(s, session={**json.loads(s)["session"], "plan": {
+            "windows": [2**50], "weights": [1.0], "seed": 1}, "global_batch": 8}), *steps]),
+        "rewind forward": "\n".join([s, *steps[:3], json.dumps({"rewind": {"from": 3, "to": 5, "skip": 0, "pos": [0]}}), *steps[3:]]),
+        "rewind huge skip": "\n".join([s, *steps[:3], json.dumps({"rewind": {"from": 3, "to": 1, "skip": 10**9, "pos": [0]}}), *steps[3:]]),
+        "step and session at once": "\n".join([s, _edit(steps[0], session={"step": 0}), *steps[1:]]),
+        "CRLF": "\r\n".join(lines),
+    }
+    blobs = {k: v.encode() for k, v in out.items()}
+    blobs["not UTF-8"] = "\n".join(lines[:3]).encode() + b"\n\xff\xfe\x80{}\n" + "\n".join(lines[3:]).encode()
+    return blobs
+
+
+def test_named_damage_of_batches_jsonl(batch_run, tmp_path):
+    lines = (batch_run / "batches.jsonl").read_text().splitlines()
+    damaged = _damaged(lines)
+    assert len(damaged) >= 22
+    for name, blob in damaged.items():
+        run = tmp_path / name.replace(" ", "_")
+        shutil.copytree(batch_run, run)
+        (run / "batches.jsonl").write_bytes(blob)
+        try:
+            _readers_hold(run)
+        except AssertionError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - name the case
+            raise AssertionError(f"{name}: {type(exc).__name__}: {exc}") from exc
+
+
+def test_a_clean_history_is_exact_and_damage_is_never_exact(batch_run, tmp_path):
+    from mspretrain.ops.audit import audit_run
+
+    assert audit_run(batch_run).exact
+    lines = (batch_run / "batches.jsonl").read_text().splitlines()
+    for name, blob in _damaged(lines).items():
+        if name in ("CRLF", "blank lines"):
+            continue
+        run = tmp_path / name.replace(" ", "_")
+        shutil.copytree(batch_run, run)
+        (run / "batches.jsonl").write_bytes(blob)
+        try:
+            a = audit_run(run)
+        except UserError:
+            continue
+        assert not a.exact, name
+
+
+_LINE_JUNK = st.one_of(_JUNK, st.just(float("nan")), st.integers(-2**70, 2**70),
+                       st.lists(st.integers(-5, 2**40), max_size=3), st.text(max_size=5))
+
+
+@SETTINGS
+@given(edits=st.lists(st.tuples(st.integers(0, 6), st.sampled_from(["step", "pos", "hash", "world", "lr", "scale", "finite",
+                                                                    "session", "rewind", "<cut>", "<dup>", "<drop>"]),
+                                _LINE_JUNK), min_size=1, max_size=4))
+def test_fuzz_batches_jsonl(batch_run, tmp_path, edits):
+    lines = (batch_run / "batches.jsonl").read_text().splitlines()
+    for i, field, junk in edits:
+        i = min(i, len(lines) - 1) if lines else 0
+        if not lines:
+            break
+        if field == "<cut>":
+            lines[i] = lines[i][: len(lines[i]) // 2]
+        elif field == "<dup>":
+            lines.insert(i, lines[i])
+        elif field == "<drop>":
+            lines.pop(i)
+        else:
+            try:
+                rec = json.loads(lines[i])
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                rec[field] = junk
+                lines[i] = json.dumps(rec)
+    run = tmp_path / "run"
+    if run.exists():
+        shutil.rmtree(run)
+    shutil.copytree(batch_run, run)
+    (run / "batches.jsonl").write_text("\n".join(lines) + "\n")
+    _readers_hold(run)
+
+
+@pytest.mark.parametrize("reader", ["read_json", "read_metrics", "heartbeats", "choices", "metrics_truncate", "diagnose"])
+def test_deeply_nested_json_is_one_line_in_every_reader(tmp_path, reader):
+    """`[[[[...` of 100k brackets makes json.loads raise RecursionError: each reader of a user
+    file turns it into a one-line error or skips the line, as for any other damaged JSON."""
+    from mspretrain.config import SpikeConfig
+    from mspretrain.eval.choices import read_choices
+    from mspretrain.fsutil import read_json
+    from mspretrain.monitor.heartbeat import read_heartbeats
+    from mspretrain.monitor.metrics import truncate_metrics
+    from mspretrain.ops.diagnose import scan_metrics_file
+    from mspretrain.ops.report import read_metrics
+
+    deep = "[" * 100_000 + "]" * 100_000
+    ok = '{"step": 1, "loss": 2.0}'
+    if reader == "read_json":
+        (tmp_path / "x.json").write_text(deep)
+        with pytest.raises(UserError, match="nested too deeply"):
+            read_json(tmp_path / "x.json", "fix it")
+    elif reader == "read_metrics":
+        (tmp_path / "m.jsonl").write_text(ok + "\n" + deep + "\n")
+        records, bad = read_metrics(tmp_path / "m.jsonl")
+        assert len(records) == 1 and bad == 1
+    elif reader == "heartbeats":
+        (tmp_path / "heartbeat").mkdir()
+        (tmp_path / "heartbeat" / "rank_00000.json").write_text(deep)
+        assert read_heartbeats(tmp_path) == []
+    elif reader == "choices":
+        (tmp_path / "c.jsonl").write_text(deep + "\n")
+        with pytest.raises(UserError):
+            read_choices(tmp_path / "c.jsonl")
+    elif reader == "metrics_truncate":
+        (tmp_path / "m.jsonl").write_text(ok + "\n" + deep + "\n")
+        assert truncate_metrics(tmp_path / "m.jsonl", 5) == 1
+    else:
+        (tmp_path / "m.jsonl").write_text(ok + "\n" + deep + "\n")
+        scan_metrics_file(tmp_path / "m.jsonl", tmp_path, SpikeConfig())

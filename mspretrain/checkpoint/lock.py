@@ -41,9 +41,11 @@ _held: dict[str, int] = {}
 def _holder(path: Path) -> str:
     """'PID 123 on host h (since ...)' from the lock file, or a vaguer phrase if it is unreadable."""
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
+        from mspretrain.fsutil import read_json_file
+
+        info = read_json_file(path, "lock file", cap=1 << 16)
         return f"PID {int(info['pid'])} on host {info['host']} ({info.get('command', '?')}, since {info.get('since', '?')})"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (UserError, ValueError, KeyError, TypeError, AttributeError):
         return "another process"
 
 

@@ -14,6 +14,9 @@ EXAMPLES = """examples:
   mspretrain eval runs/demo/checkpoints/step_000300 --data data/ --batch-size 3 --json"""
 
 
+MAX_BATCH = 4096  # sequences per forward pass: far above any device's memory for a real model
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="RUN_DIR|CKPT_DIR")
     p.add_argument("--data", metavar="DATA_DIR", help="default: the data dir the run was trained on")
@@ -36,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     refuse_overrides(args, "eval", "use eval's own options, e.g. --max-tokens 65536 --batch-size 8 (see `mspretrain eval --help`)")
     if args.choices or args.dev or args.shots is not None:
         return run_choices(args)
-    if args.batch_size <= 0:
-        raise UserError(f"--batch-size {args.batch_size} must be positive", "use e.g. --batch-size 8")
+    if not 0 < args.batch_size <= MAX_BATCH:  # the batch's logits are allocated whole
+        raise UserError(f"--batch-size {args.batch_size} must be between 1 and {MAX_BATCH}", "use e.g. --batch-size 8")
     if args.max_tokens < 0:
         raise UserError(f"--max-tokens {args.max_tokens} must not be negative", "use 0 for the whole split, or e.g. --max-tokens 32768")
     if args.seq_len < 0:
@@ -95,8 +98,8 @@ def run_choices(args: argparse.Namespace) -> int:
     if perplexity_only:
         raise UserError(f"{', '.join(perplexity_only)} {'is' if len(perplexity_only) == 1 else 'are'} for perplexity, not --choices",
                         "leave them out: --choices scores the file's questions")
-    if args.batch_size <= 0:
-        raise UserError(f"--batch-size {args.batch_size} must be positive", "use e.g. --batch-size 8")
+    if not 0 < args.batch_size <= MAX_BATCH:  # the batch's logits are allocated whole
+        raise UserError(f"--batch-size {args.batch_size} must be between 1 and {MAX_BATCH}", "use e.g. --batch-size 8")
     items = read_choices(args.choices)  # bad files fail before the model loads
     dev = read_choices(args.dev) if args.dev else []
     shots = args.shots if args.shots is not None else (min(5, len(dev)) if dev else 0)

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{res.base_size:,} base pieces kept with their ids; {len(res.added):,} new pieces appended "
           f"(ids {res.base_size:,}-{res.base_size + len(res.added) - 1:,}), {res.base_size + len(res.added):,} in all")
     if res.chars_per_token_before is not None:
-        print(f"chars per token on the held-out slice ({res.held_out_docs:,} documents, every 20th): "
+        print(f"chars per token on the held-out slice ({res.held_out_docs:,} documents (lines), every 20th): "
               f"{res.chars_per_token_before:.3f} before, {res.chars_per_token_after:.3f} after "
               f"({res.chars_per_token_after / res.chars_per_token_before:.2f}x)")
     else:

@@ -330,7 +330,10 @@ def extend_tokenizer(base_path: str | Path, out: str | Path, *, add: int | None,
         if held_out:
             _, held = read_corpus(held_out, warn=lambda s: log(f"warning: {s}"))
     else:
-        log(f"learning {add} new pieces from {len(train_docs):,} documents ({len(held):,} held out)")
+        # each line is a text here (SentencePiece trains on sentences), where `prepare` counts
+        # blank-line-separated documents: say which, or the two counts of one corpus look inconsistent
+        log(f"learning {add} new pieces from {len(train_docs):,} lines ({len(held):,} held out; a line of a .txt file counts "
+            "as one text here, where prepare counts blank-line-separated documents)")
         added = learn_pieces(train_docs, base_set, add, log)
     proto = extended_proto(base, added)
     data = proto.SerializeToString(deterministic=True)

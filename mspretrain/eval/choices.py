@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mspretrain.errors import UserError
+from mspretrain.fsutil import TEXT_CAP, read_regular_bytes
 
 CEVAL_ANSWER_CUE = "\n答案："
 _LAYOUT_HINT = ('each row needs question, A, B, C, D and answer (a letter), C-Eval/CMMLU style, or is a JSON object '
@@ -108,8 +109,9 @@ def read_choices(path: str | Path) -> list[ChoiceItem]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"choices file {p} does not exist", "pass a .jsonl or .csv multiple-choice file")
+    data = read_regular_bytes(p, TEXT_CAP, "choices file", "pass a .jsonl or .csv multiple-choice file")
     try:
-        text = p.read_text(encoding="utf-8-sig")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise UserError(f"{p} is not UTF-8 text", "save the file as UTF-8") from None
     items: list[ChoiceItem] = []
@@ -121,7 +123,7 @@ def read_choices(path: str | Path) -> list[ChoiceItem]:
             where = f"{p}:{n}"
             try:
                 obj = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past the parser's stack
                 raise _bad(where, "not a JSON object (one object per line)") from None
             if not isinstance(obj, dict):
                 raise _bad(where, "not a JSON object (one object per line)")

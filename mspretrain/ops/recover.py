@@ -44,7 +44,7 @@ def _read_metrics(run_dir: Path, step: int) -> dict[int, dict]:
     """Records of metrics.jsonl by step, up to `step` (later lines of a resumed run win)."""
     out: dict[int, dict] = {}
     path = RunPaths(run_dir).metrics
-    if not path.is_file():
+    if not path.exists():
         return out
     for _, rec in jsonl_dicts(read_regular_text(path, LOG_CAP, "metrics log", errors="replace")):
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:

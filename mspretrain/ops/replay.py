@@ -119,7 +119,7 @@ def read_run_metrics(run: Path) -> dict[int, dict[str, Any]]:
     """metrics.jsonl by step (the last line of a step wins: after a rewind it is the kept history)."""
     out: dict[int, dict[str, Any]] = {}
     path = RunPaths(run).metrics
-    if path.is_file():
+    if path.exists():  # a FIFO or device is named by the reader, not taken for "no metrics"
         for _, rec in jsonl_dicts(read_regular_text(path, LOG_CAP, "metrics log", errors="replace")):
             if isinstance(rec, dict) and isinstance(rec.get("step"), int):  # None: a line cut by a crash
                 out.setdefault(rec["step"], {}).update(rec)

@@ -22,7 +22,6 @@
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,9 @@ from mspretrain import budget
 from mspretrain import config as cfgmod
 from mspretrain.data.order import batch_hash
 from mspretrain.errors import UserError
+from mspretrain.fsutil import read_json_file
 from mspretrain.monitor.batch_log import FILE as BATCHES
+from mspretrain.monitor.batch_log import problem
 from mspretrain.monitor.batch_log import records as batch_records
 from mspretrain.monitor.spike_record import batch_samples, doc_ends, record_path
 from mspretrain.ops.audit import plan_of_run
@@ -90,8 +91,12 @@ def step_record(run: Path, step: int) -> dict[str, Any]:
             if rec["step"] == step:
                 found = rec
     spike = record_path(run, step)
-    if found is None and spike.is_file():
-        found = json.loads(spike.read_text(encoding="utf-8"))
+    if found is None and spike.exists():
+        found = read_json_file(spike, "spike record", "the file was edited or replaced; restore it")
+        # the fields a step record shares with it (a spike record has no lr)
+        why = problem({**found, "lr": 0.0}) if isinstance(found, dict) else "not a JSON object"
+        if why is not None:
+            raise UserError(f"spike record {spike} is damaged ({why})", "restore it, or train again")
     if found is not None:
         return found
     if not (run / BATCHES).is_file():
@@ -149,11 +154,11 @@ def describe_batch(run: str | Path, step: int) -> Analysis:
         a.notes.append("the batch the plan gives for this position is not the one the run logged (hash differs): "
                        "the data dir, seed or mixing weights changed since training, so the list below may be wrong")
     kept = record_path(run, step)  # the spike record: the losses of rank 0's samples as the step computed them
-    if kept.is_file():
-        spike_rec = json.loads(kept.read_text(encoding="utf-8"))
-        if spike_rec.get("hash") == batch_hash(ids):
-            for sample, r in zip(samples, spike_rec.get("samples", [])):
-                if "loss" in r:
+    if kept.exists():
+        spike_rec = read_json_file(kept, "spike record", "the file was edited or replaced; restore it")
+        if isinstance(spike_rec, dict) and spike_rec.get("hash") == batch_hash(ids) and isinstance(spike_rec.get("samples"), list):
+            for sample, r in zip(samples, spike_rec["samples"]):
+                if isinstance(r, dict) and isinstance(r.get("loss"), (int, float)) and not isinstance(r["loss"], bool):
                     sample["trained_loss"] = float(r["loss"])
     tok = run_tokenizer(run, data_dir)
     data = [IndexedDataset(DataPaths(p).prefix("train")) for p in sources]
