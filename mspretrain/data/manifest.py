@@ -47,13 +47,19 @@ def read_manifest(data_dir: str | Path, *, required: dict[str, type] = REQUIRED_
 _SCAN_TOKENS = 1 << 26  # tokens per chunk of the largest-id scan: 128 MB of uint16 at a time
 
 
-def check_data_dir(data_dir: str | Path, manifest: dict[str, Any]) -> None:
+def check_data_dir(data_dir: str | Path, manifest: dict[str, Any], *, scan: bool = True) -> None:
     """Before training: the tokenizer is the one prepare wrote, and no token id reaches past the
     vocabulary. A replaced tokenizer.model of the same size would otherwise train (and be copied
     into the run) without a word; an edited vocab_size crashes inside MindSpore's Gather.
 
-    Costs one pass over the shards (measured 3-4 GB/s on the 2-core box from the page cache: about
-    0.3 s per GB of tokens), skipped for uint16 shards when the vocabulary is >= 65,536 (no id can exceed it).
+    A data dir whose manifest records `max_token_id` per shard (written by `prepare` while it
+    writes the shards) is checked without reading them: the recorded id against the vocabulary,
+    and each shard's size (from its .idx, and the .bin's bytes) against the manifest's token count,
+    so a shard replaced after prepare is caught. An older data dir without the key costs one pass
+    over the shards (measured 3-4 GB/s on the 2-core box from the page cache: about 0.3 s per GB of
+    tokens; 240 GB at 120 B uint16 tokens), skipped for uint16 shards when the vocabulary is
+    >= 65,536 (no id can exceed it), and only where `scan` is true: `train` scans on rank 0 alone
+    (the other ranks check the tokenizer and the recorded sizes, which cost nothing).
     """
     from mspretrain.data.tokenizer import Tokenizer, sha256_file  # sentencepiece: only when checking
 
@@ -70,11 +76,23 @@ def check_data_dir(data_dir: str | Path, manifest: dict[str, Any]) -> None:
         tok_vocab = Tokenizer.load(tok_path).vocab_size
         if tok_vocab != vocab:
             raise UserError(f"{d}/manifest.json says vocab_size {vocab} but {tok_path.name} has {tok_vocab} pieces", again)
+    recorded = manifest.get("max_token_id")
+    counts = manifest.get("tokens") if isinstance(manifest.get("tokens"), dict) else {}
     for split in SPLITS:
         if not paths.idx(split).is_file():
             continue
         tokens = IndexedDataset(paths.prefix(split)).tokens
-        if tokens.size == 0 or (tokens.dtype == np.uint16 and vocab >= 1 << 16):
+        if isinstance(recorded, dict) and isinstance(recorded.get(split), int):
+            size = int(tokens.size)
+            if split in counts and size != counts[split] or paths.bin(split).stat().st_size != size * tokens.dtype.itemsize:
+                raise UserError(f"{d}/{split}.bin holds {size:,} tokens ({paths.bin(split).stat().st_size:,} bytes), "
+                                f"but manifest.json says {counts.get(split, 'another count')} ({tokens.dtype.name})",
+                                f"the shards and the manifest do not belong together: {again}")
+            if recorded[split] >= vocab:
+                raise UserError(f"{d}/{split}.bin holds token id {recorded[split]} (manifest.json's max_token_id), "
+                                f"but manifest.json says vocab_size {vocab}", f"the shards and the manifest do not belong together: {again}")
+            continue
+        if not scan or tokens.size == 0 or (tokens.dtype == np.uint16 and vocab >= 1 << 16):
             continue
         for i in range(0, tokens.size, _SCAN_TOKENS):
             chunk = tokens[i:i + _SCAN_TOKENS]

@@ -166,4 +166,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         tok_info["source"] = str(given.path)
     for w in writers.values():
         w.finalize(fsync=False)  # prepare fsyncs every file of the data dir at once, before publishing
-    return build_manifest(work, cfg, stats, sink, tok, tok_info, dtype)
+    manifest = build_manifest(work, cfg, stats, sink, tok, tok_info, dtype)
+    # the largest id per shard, counted while writing: `train` checks it against the vocabulary
+    # instead of reading every shard (data/manifest.py, check_data_dir)
+    manifest["max_token_id"] = {s: w.max_token for s, w in writers.items()}
+    return manifest

@@ -59,6 +59,9 @@ class ShardWriter:
         self._lengths: list[np.ndarray] = []
         self.tokens = 0
         self.documents = 0
+        # the largest token id written (-1: none), for the manifest's `max_token_id`: `train` then
+        # checks the ids against the vocabulary without reading the shards (data/manifest.py)
+        self.max_token = -1
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -79,6 +82,8 @@ class ShardWriter:
         self._check_range(src)
         arr = src.astype(self.dtype, copy=False)
         self._bin.write(arr.tobytes(order="C"))
+        if arr.size:
+            self.max_token = max(self.max_token, int(arr.max()))
         self._lengths.append(np.array([arr.size], dtype=np.int32))
         self.tokens += int(arr.size)
         self.documents += 1
@@ -101,6 +106,8 @@ class ShardWriter:
         tokens = np.asarray(tokens)
         self._check_range(tokens)
         self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        if len(tokens):
+            self.max_token = max(self.max_token, int(tokens.max()))
         self._lengths.append(lengths)
         self.tokens += len(tokens)
         self.documents += int(lengths.size)

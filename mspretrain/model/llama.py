@@ -127,8 +127,20 @@ class RMSNormFn(nn.Cell):
         return dx.astype(x.dtype), dw
 
 
+# Where `_normal` puts each new weight while a Llama is being built: None (host memory, CPU), or a
+# MindSpore device name. On Ascend each weight goes into device memory as soon as it is drawn, so a
+# rank's host holds one parameter at a time, not the fp32 model (27 GB for 7B, 216 GB for 8 ranks).
+# `Tensor.to(device)` is 2.10's API for it (mindspore/common/tensor.py documents `to("Ascend")`;
+# `move_to` is deprecated there). The numbers are drawn on the host exactly as before, in the same
+# order from the same generator, so the weights are bit-identical on every device.
+_init_device: list[str | None] = [None]
+
+
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Parameter:
-    return Parameter(Tensor(rng.standard_normal(shape, dtype=np.float32) * np.float32(std)), name="weight")
+    t = Tensor(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+    if _init_device[0] is not None:
+        t = t.to(_init_device[0])
+    return Parameter(t, name="weight")
 
 
 class Linear(nn.Cell):
@@ -335,12 +347,16 @@ class Llama(nn.Cell):
         self.flash_causal_mask = (Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
                                   if self.use_flash else None)
         rng = np.random.default_rng(seed)
-        self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
-        self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.dtype)
-        self.tied = cfg.tie_embeddings
-        if not self.tied:
-            self.lm_head = Linear(cfg.dim, cfg.vocab_size, cfg.init_std, rng, ms.float32)  # fp32 island
+        _init_device[0] = "Ascend" if use_fused_kernels(device) else None  # see `_normal`
+        try:
+            self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
+            self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.dtype)
+            self.tied = cfg.tie_embeddings
+            if not self.tied:
+                self.lm_head = Linear(cfg.dim, cfg.vocab_size, cfg.init_std, rng, ms.float32)  # fp32 island
+        finally:
+            _init_device[0] = None
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)  # constants, (S, hd) fp32
         self.head_matmul = ops.MatMul(transpose_b=True)

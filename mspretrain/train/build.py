@@ -66,6 +66,19 @@ def sampling_for_run(m: cfgmod.MetricsConfig, total: int) -> cfgmod.MetricsConfi
     return replace(m, **{f.name: min(getattr(m, f.name), cap) for f in dataclasses.fields(m) if f.name.endswith("_every")})
 
 
+def _scans_data() -> bool:
+    """Whether this process reads old shards (no `max_token_id` in the manifest) for the largest id:
+    rank 0 alone (known from msrun's or the rank table's variables before `init`), never msrun's
+    scheduler process (MS_ROLE=MS_SCHED, which runs this script too), so 8 ranks and the scheduler
+    do not each read 240 GB."""
+    from mspretrain.train import distributed
+
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        return False
+    world = distributed.detect()
+    return world.is_main if world is not None else os.environ.get("RANK_ID", "0").strip() in ("", "0")
+
+
 def check_sources(cfg: Config, data_dir: Path, manifest: dict[str, Any]) -> list[tuple[Path, float]]:
     """The weighted data dirs; all must share the --data dir's tokenizer."""
     from mspretrain.data.loader import resolve_sources
@@ -76,7 +89,7 @@ def check_sources(cfg: Config, data_dir: Path, manifest: dict[str, Any]) -> list
     for path, _ in sources:
         other = read_manifest(path)
         if path.resolve() != data_dir:  # the --data dir was checked by the caller
-            check_data_dir(path, other)
+            check_data_dir(path, other, scan=_scans_data())
         if want and other.get("tokenizer_sha256") != want:
             raise UserError(f"data dir {path} was tokenized with a different tokenizer than {data_dir}",
                             f"prepare it again with --tokenizer {DataPaths(data_dir).tokenizer_model}")
@@ -219,7 +232,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     device = plan_device(cfg)
     cfgmod.validate(cfg, device=device.target)
     manifest = read_manifest(data_dir)
-    check_data_dir(data_dir, manifest)  # the tokenizer and the ids the model will see
+    check_data_dir(data_dir, manifest, scan=_scans_data())  # the tokenizer and the ids the model will see
     vocab = int(manifest["vocab_size"])
     if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
         raise UserError(f"model.vocab_size = {cfg.model.vocab_size} but the data dir's tokenizer has {vocab} pieces",

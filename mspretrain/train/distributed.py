@@ -139,12 +139,20 @@ def init(target: str, env: dict[str, str] | None = None) -> World:
     return World(rank=get_rank(), size=get_group_size())
 
 
+# msrun's --cluster_time_out: how long the processes wait for every rank to join the cluster
+# (mindspore/parallel/cluster/run.py: default 600 s). Passed explicitly so the wait does not hang
+# on an msrun default: the ranks join at `init`, after start-up (imports, config, the data check
+# from the manifest) and before building the model, which takes seconds; 1,200 s leaves room for a
+# slow shared filesystem on an 8-rank node, and still ends a job whose peer never comes.
+CLUSTER_TIMEOUT_S = 1200
+
+
 def msrun_command(nproc: int, args: list[str], *, nodes: int = 1, node_rank: int = 0,
                   master_addr: str = "127.0.0.1", master_port: int = 8118, log_dir: str = "msrun_log",
-                  script: str = "mspretrain") -> str:
+                  script: str = "mspretrain", cluster_timeout: int = CLUSTER_TIMEOUT_S) -> str:
     """The msrun line for `nproc` workers per node (total nproc × nodes); msrun runs
     `python SCRIPT ARGS...` in each worker, so `script` is the mspretrain console script's path."""
     parts = ["msrun", f"--worker_num={nproc * nodes}", f"--local_worker_num={nproc}",
              f"--master_addr={master_addr}", f"--master_port={master_port}", f"--node_rank={node_rank}",
-             f"--log_dir={log_dir}", "--join=True", script] + list(args)
+             f"--log_dir={log_dir}", "--join=True", f"--cluster_time_out={cluster_timeout}", script] + list(args)
     return " ".join(shlex.quote(p) for p in parts)

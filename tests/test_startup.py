@@ -1,0 +1,126 @@
+"""Issue 30, item 5: a 7B job reaches its first step quickly. Initialisation streams each weight to
+the device on Ascend with the same numbers as before; the largest token id per shard is recorded at
+prepare time and checked instead of rescanned; old data dirs are scanned on rank 0 alone; msrun
+gets an explicit cluster timeout."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from mspretrain import config as cfgmod
+from mspretrain.errors import UserError
+
+
+def _reference_weights(m, seed: int) -> dict[str, np.ndarray]:
+    """The initialisation as specified (model/llama.py docstring), drawn independently: normal(0,
+    init_std) in creation order (embedding; per layer wqkv, wo, w13, w2; lm_head), the residual
+    projections scaled by 1/sqrt(2 n_layers); norms at one."""
+    rng = np.random.default_rng(seed)
+    draw = lambda shape, std: rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    hd = m.dim // m.n_heads
+    out_std = m.init_std / np.sqrt(2 * m.n_layers)
+    w = {"embed.weight": draw((m.vocab_size, m.dim), m.init_std)}
+    for i in range(m.n_layers):
+        w[f"layers.{i}.attn.wqkv.weight"] = draw(((m.n_heads + 2 * m.n_kv_heads) * hd, m.dim), m.init_std)
+        w[f"layers.{i}.attn.wo.weight"] = draw((m.dim, m.n_heads * hd), out_std)
+        w[f"layers.{i}.mlp.w13.weight"] = draw((2 * m.ffn_dim, m.dim), m.init_std)
+        w[f"layers.{i}.mlp.w2.weight"] = draw((m.dim, m.ffn_dim), out_std)
+        w[f"layers.{i}.attn_norm.weight"] = np.ones(m.dim, np.float32)
+        w[f"layers.{i}.mlp_norm.weight"] = np.ones(m.dim, np.float32)
+    w["norm.weight"] = np.ones(m.dim, np.float32)
+    if not m.tie_embeddings:
+        w["lm_head.weight"] = draw((m.vocab_size, m.dim), m.init_std)
+    return w
+
+
+def test_weights_are_bit_identical_and_streamed_to_the_device_on_ascend(tiny_cfg, monkeypatch):
+    import mindspore as ms
+
+    from mspretrain.model import llama
+
+    m = cfgmod.resolve_model(tiny_cfg.model, 512)
+    want = _reference_weights(m, seed=7)
+    cpu = llama.state_numpy(llama.Llama(m, seed=7, device="cpu"))
+    assert set(cpu) == set(want) and all(np.array_equal(cpu[k], want[k]) for k in want)
+
+    moved: list[tuple[tuple[int, ...], str]] = []
+    monkeypatch.setattr(ms.Tensor, "to", lambda self, device: moved.append((tuple(self.shape), device)) or self)
+    asc = llama.state_numpy(llama.Llama(m, dtype="fp16", seed=7, device="ascend"))
+    assert all(np.array_equal(asc[k], want[k]) for k in want)
+    # every drawn weight went to the device as it was drawn, one at a time, in creation order
+    drawn = [v.shape for k, v in want.items() if "norm" not in k]
+    assert moved == [(s, "Ascend") for s in drawn]
+    assert llama._init_device == [None]  # nothing leaks into models built afterwards
+    llama.Llama(m, seed=7, device="cpu")
+    assert len(moved) == len(drawn)
+
+
+def test_prepare_records_the_largest_token_id_per_shard(tiny_data):
+    from mspretrain.data.shards import IndexedDataset
+    from mspretrain.paths import DataPaths
+
+    manifest = json.loads((tiny_data / "manifest.json").read_text())
+    for split, top in manifest["max_token_id"].items():
+        tokens = IndexedDataset(DataPaths(tiny_data).prefix(split)).tokens
+        assert top == int(tokens.max()) and top < manifest["vocab_size"]
+
+
+def _copy(tiny_data, tmp_path):
+    d = tmp_path / "data"
+    shutil.copytree(tiny_data, d)
+    return d, json.loads((d / "manifest.json").read_text())
+
+
+def test_the_data_check_trusts_recorded_ids_but_verifies_shard_sizes(tiny_data, tmp_path):
+    from mspretrain.data.manifest import check_data_dir
+
+    d, manifest = _copy(tiny_data, tmp_path)
+    check_data_dir(d, manifest)
+    bad = {**manifest, "max_token_id": {**manifest["max_token_id"], "train": manifest["vocab_size"]}}
+    with pytest.raises(UserError, match="holds token id .* max_token_id"):
+        check_data_dir(d, bad)
+    # a shard pair replaced after prepare (another data dir's, consistent in itself): the count differs
+    for ext in ("bin", "idx"):
+        shutil.copyfile(d / f"valid.{ext}", d / f"train.{ext}")
+    with pytest.raises(UserError, match="train.bin holds .* tokens .* but manifest.json says"):
+        check_data_dir(d, manifest)
+
+
+def test_an_old_data_dir_is_scanned_only_where_asked(tiny_data, tmp_path):
+    from mspretrain.data.manifest import check_data_dir
+
+    d, manifest = _copy(tiny_data, tmp_path)
+    old = {k: v for k, v in manifest.items() if k != "max_token_id"}
+    raw = np.fromfile(d / "valid.bin", dtype=np.dtype(manifest["token_dtype"]))
+    raw[3] = manifest["vocab_size"] + 1  # an id past the vocabulary, same size
+    raw.tofile(d / "valid.bin")
+    with pytest.raises(UserError, match="valid.bin holds token id"):
+        check_data_dir(d, old)  # rank 0 (or a single process) reads the shards
+    check_data_dir(d, old, scan=False)  # the other ranks do not
+
+
+@pytest.mark.parametrize("env, scans", [({}, True), ({"RANK_ID": "0"}, True), ({"RANK_ID": "3"}, False),
+                                        ({"MS_ROLE": "MS_SCHED", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "h", "MS_SCHED_PORT": "1"}, False),
+                                        ({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "h", "MS_SCHED_PORT": "1",
+                                          "RANK_ID": "1"}, False),
+                                        ({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "h", "MS_SCHED_PORT": "1",
+                                          "RANK_ID": "0"}, True)])
+def test_only_rank_0_scans_old_shards(monkeypatch, env, scans):
+    from mspretrain.train import build
+
+    for k in ("RANK_ID", "MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert build._scans_data() is scans
+
+
+def test_msrun_gets_an_explicit_cluster_timeout():
+    from mspretrain.train import distributed
+
+    line = distributed.msrun_command(8, ["train"])
+    assert f"--cluster_time_out={distributed.CLUSTER_TIMEOUT_S}" in line.split()
+    assert line.split().index("--cluster_time_out=1200") < line.split().index("mspretrain")
