@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 os.environ.setdefault("GLOG_v", "3")
 
@@ -256,3 +257,26 @@ def test_family_presets_count_what_transformers_counts(name, cls):
         n_hf = transformers.AutoModelForCausalLM.from_config(hc).num_parameters()
     assert param_count(m) == n_hf
     assert config_from_hf(config_to_hf(m)) == m
+
+
+def test_qwen25_910b_recipe_plans_within_52_gb():
+    """configs/qwen2.5-7b-zh-continue-910b.toml: Qwen2.5-7B's real shape (= the preset, 7,615,616,512
+    parameters with the 152,064 x 3584 embedding and lm_head) plans <= 52 GB per device on 8 x 910B."""
+    from mspretrain import config as cfgmod
+    from mspretrain.ops.plan import make_plan
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "qwen2.5-7b-zh-continue-910b.toml"
+    cfg = cfgmod.load(path)
+    assert cfg.model == replace(preset("qwen2.5-7b"), max_seq_len=cfg.model.max_seq_len)
+    plan = make_plan(cfg, devices=8, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    assert plan["params"] == 7_615_616_512 and not plan["warnings"]
+    assert plan["memory_bytes"]["peak"] <= 52 * 2**30, plan["memory_bytes"]["peak"] / 2**30
+    # the frozen embedding and lm_head are still held: the weights count them
+    assert plan["trained_params"] == plan["params"] - 2 * 152064 * 3584
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3-8b", "llama3-8b"])
+def test_plan_model_presets(name, capsys):
+    rc, out, err = cli(capsys, "plan", "--model", name, "--devices", "8", "--tokens", "1e9")
+    assert rc == 0, err
+    assert f"{param_count(preset(name)):,}" in out
