@@ -98,3 +98,45 @@ def test_tokenizer_extend_refuses_a_byte_level_bpe_in_one_line(big, capsys, tmp_
     rc, _, err = cli(capsys, "tokenizer", "extend", big["qwen"], "--train", corpus, "--add", "10", "--out", tmp_path / "o")
     one_line_error(rc, err, "byte-level BPE")
     assert not (tmp_path / "o").exists()
+
+
+def test_padded_qwen_embedding_converts_trains_from_init_and_exports(big, capsys):
+    """Qwen2.5 ships 152,064 embedding rows for 151,665 tokens: a model with more rows than its
+    tokenizer has pieces converts, trains with --init-from on data from its own tokenizer.json
+    (every row kept, no resize), and exports a folder transformers loads."""
+    import torch
+    import transformers
+
+    root = big["root"] / "padded"
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(make_poems(300), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    n_tok, rows = tok.get_vocab_size(), tok.get_vocab_size() + 64
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=rows, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+        eos_token_id=tok.token_to_id("<|endoftext|>")))
+    hf.save_pretrained(root / "hf")
+    tok.save(str(root / "hf" / "tokenizer.json"))
+    corpus = root / "c.txt"
+    corpus.write_text("\n\n".join(make_poems(200, seed=3)) + "\n", encoding="utf-8")
+    rc, out, err = cli(capsys, "convert", "--from-hf", root / "hf", "--out", root / "ck")
+    assert rc == 0 and f"vocab {rows}" in out and "family qwen2" in out, err
+    rc, _, err = cli(capsys, "prepare", corpus, "--out", root / "data", "--tokenizer", root / "hf" / "tokenizer.json", "--config", TINY)
+    assert rc == 0, err
+    rc, out, err = cli(capsys, "train", "--config", TINY, "--data", root / "data", "--run", root / "run", "--init-from", root / "hf",
+                       "train.max_steps=3", "checkpoint.every=3", "eval.every=0")
+    assert rc == 0, err
+    assert f"vocab {rows}" in out and "->" not in out.split("initialising", 1)[1].splitlines()[0]  # no resize
+    from mspretrain import config as cfgmod
+
+    assert cfgmod.load(root / "run" / "config.toml").model.vocab_size == rows
+    rc, out, err = cli(capsys, "export", root / "run", "--format", "hf", "--out", root / "export")
+    assert rc == 0 and "HF Qwen2" in out, err
+    back = transformers.AutoModelForCausalLM.from_pretrained(root / "export")
+    assert type(back).__name__ == "Qwen2ForCausalLM" and back.config.vocab_size == rows and back.config.tie_word_embeddings
+    assert transformers.AutoTokenizer.from_pretrained(root / "export").eos_token == "<|endoftext|>"
+    assert n_tok < rows
