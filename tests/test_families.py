@@ -280,3 +280,24 @@ def test_plan_model_presets(name, capsys):
     rc, out, err = cli(capsys, "plan", "--model", name, "--devices", "8", "--tokens", "1e9")
     assert rc == 0, err
     assert f"{param_count(preset(name)):,}" in out
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3-8b", "llama3-8b"])
+def test_mfu_counts_the_family_matmuls(name):
+    """MFU's matmul parameters are the 2-D weights of param_shapes (q width n_heads x head_dim, the
+    lm_head once whether tied or not, the embedding gather not): biases and QK-norm are not matmuls."""
+    import math
+
+    from mspretrain.model.presets import param_shapes
+    from mspretrain.monitor.mfu import flops_per_token, matmul_params
+
+    m = preset(name)
+    mats = sum(math.prod(s) for n, s in param_shapes(m) if len(s) == 2 and n != "embed.weight")
+    assert matmul_params(m) == mats + (m.vocab_size * m.dim if m.tie_embeddings else 0)
+    tied = replace(m, tie_embeddings=True)
+    assert matmul_params(tied) == matmul_params(m)  # the lm_head matmul runs either way
+    assert flops_per_token(m, 4096) == 6 * mats + 12 * m.n_layers * m.n_heads * m.head_size * 4096
+    # Qwen3-0.6B's shape: head_dim 128 with dim 1024 and 16 heads, q width 2048 != dim
+    small = replace(preset("qwen3-8b"), dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+                    tie_embeddings=True)
+    assert matmul_params(small) == sum(math.prod(s) for n, s in param_shapes(small) if len(s) == 2)
