@@ -109,19 +109,50 @@ class ModelConfig(_Section):
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    family: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"  # the HF architecture read by `convert` and written by `export` (issue 31)
+    head_dim: int = 0  # 0 = dim / n_heads; Qwen3 gives it explicitly
+    qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2/2.5), never on o
+    qk_norm: bool = False  # RMSNorm per head on q and k before RoPE (Qwen3)
+    sliding_window: int = 0  # 0 = full attention; else a key is visible iff query - key < sliding_window (Mistral)
+    rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama-3.1's frequency rescaling, as transformers
+    rope_factor: float = 8.0  # llama3 scaling: factor
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: low_freq_factor
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: high_freq_factor
+    rope_original_max_len: int = 8192  # llama3 scaling: original_max_position_embeddings
+
+    @property
+    def head_size(self) -> int:
+        """The attention head size: `head_dim`, or dim / n_heads when it is 0."""
+        return self.head_dim or self.dim // self.n_heads
 
     def check(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+        for name in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of", "rope_original_max_len"):
             if getattr(self, name) <= 0:
                 _fail(f"model.{name}", f"= {getattr(self, name)} must be positive", f"set model.{name} to a positive integer")
-        for name in ("n_kv_heads", "vocab_size", "ffn_dim"):
+        for name in ("n_kv_heads", "vocab_size", "ffn_dim", "head_dim", "sliding_window"):
             if getattr(self, name) < 0:
                 _fail(f"model.{name}", f"= {getattr(self, name)} must not be negative", f"set model.{name} to 0 (automatic) or a positive integer")
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and not self.head_dim:
             _fail("model.n_heads", f"= {self.n_heads} does not divide model.dim = {self.dim}",
-                  "choose n_heads so that dim / n_heads is a whole number (e.g. dim 64, n_heads 4)")
-        if (self.dim // self.n_heads) % 2:
-            _fail("model.dim", f"/ n_heads = {self.dim // self.n_heads} is odd", "RoPE needs an even head size: change dim or n_heads")
+                  "choose n_heads so that dim / n_heads is a whole number (e.g. dim 64, n_heads 4), or set model.head_dim")
+        if self.head_size % 2:
+            _fail("model.head_dim" if self.head_dim else "model.dim", f"gives an odd head size {self.head_size}",
+                  "RoPE needs an even head size: change dim, n_heads or head_dim")
+        # Each family holds exactly what transformers' class of that name builds, so export can write it.
+        wants = {"llama": (False, False, False), "mistral": (False, False, None),
+                 "qwen2": (True, False, False), "qwen3": (False, True, False)}[self.family]
+        for key, have, want in (("qkv_bias", self.qkv_bias, wants[0]), ("qk_norm", self.qk_norm, wants[1]),
+                                ("sliding_window", bool(self.sliding_window), wants[2])):
+            if want is not None and have != want:
+                _fail(f"model.{key}", f"= {getattr(self, key)!r} is not what model.family = {self.family} has",
+                      "qwen2 has qkv_bias, qwen3 has qk_norm, only mistral has a sliding_window; llama has none of them")
+        if self.rope_scaling == "llama3":
+            for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+                if not getattr(self, name) > 0:
+                    _fail(f"model.{name}", f"= {getattr(self, name)} must be positive", "use Llama-3.1's values: 8, 1, 4")
+            if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+                _fail("model.rope_high_freq_factor", f"= {self.rope_high_freq_factor} must exceed rope_low_freq_factor = {self.rope_low_freq_factor}",
+                      "use Llama-3.1's values: low 1, high 4")
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             _fail("model.n_kv_heads", f"= {kv} does not divide model.n_heads = {self.n_heads}", "choose n_kv_heads among the divisors of n_heads")

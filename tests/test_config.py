@@ -100,6 +100,8 @@ OLD_CHOICES = {
     "device.jit_level": ("O0", "O1"),
     "spike.action": ("warn", "rewind"),
     "train.trainable": ("all", "embeddings", "attention", "mlp", "norms", "lm_head"),  # new in issue 17
+    "model.family": ("llama", "qwen2", "qwen3", "mistral"),  # new in issue 31
+    "model.rope_scaling": ("none", "llama3"),  # new in issue 31
 }
 
 

@@ -245,6 +245,9 @@ def transcript(text: str) -> dict[str, list[str]]:
 # Sessions not run here, and why. Keys are (doc, command prefix).
 _CONTINUE_WHY = ("two more training runs after the walkthrough; tests/test_continue.py runs the same pipeline (convert, "
                  "tokenizer extend, prepare, train --init-from in two stages, export) and checks it against transformers")
+_FAMILIES_WHY = ("a training run on a transformers-built Qwen2 after the walkthrough; tests/test_families.py runs convert, "
+                 "--init-from and export per family against transformers, tests/test_byte_bpe.py prepare and train "
+                 "with a byte-level BPE tokenizer.json")
 EXCLUDED: dict[tuple[str, str], str] = {
     ("quickstart.md", "mspretrain demo"): "downloads the corpus (85 MB) and trains for minutes; the demo's numbers are "
                                           "measured by the demo itself and recorded in docs/benchmarks.md",
@@ -263,6 +266,13 @@ EXCLUDED: dict[tuple[str, str], str] = {
     ("quickstart.md", "mspretrain train --config configs/tiny.toml --data data-zh"): _CONTINUE_WHY,
     ("quickstart.md", "mspretrain eval runs/stage"): _CONTINUE_WHY,
     ("quickstart.md", "mspretrain export runs/stage"): _CONTINUE_WHY,
+    # quickstart.md, "Continue from Qwen2.5 / Llama-3": a transformers-built folder after the walkthrough
+    ("quickstart.md", "python scripts/tiny_hf_model.py"): _FAMILIES_WHY,
+    ("quickstart.md", "mspretrain convert --from-hf tiny-qwen"): _FAMILIES_WHY,
+    ("quickstart.md", "mspretrain prepare my-text/ --out data-qwen"): _FAMILIES_WHY,
+    ("quickstart.md", "mspretrain train --config configs/tiny.toml --data data-qwen"): _FAMILIES_WHY,
+    ("quickstart.md", "mspretrain export runs/qwen"): _FAMILIES_WHY,
+    ("quickstart.md", "python load_qwen.py"): _FAMILIES_WHY,
     ("operators.md", "mspretrain doctor --config"): "shows the Ascend failure of a CPU box in part (`...`); the disk check is "
                                                     "tests/test_doc_promises.py::test_doctor_takes_the_checkpoint_size_from_the_plan",
 }

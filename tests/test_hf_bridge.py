@@ -241,7 +241,8 @@ def test_bad_hf_inputs_are_one_line_errors(hf_dirs, work, capsys):
         assert not (root / f"out_{d.name}").exists()
 
     run(variant("nocfg", drop=["config.json"]), "no config.json")
-    run(variant("mistral", edit_cfg=lambda c: c.update(architectures=["MistralForCausalLM"], model_type="mistral")), "not a Llama")
+    run(variant("gemma", edit_cfg=lambda c: c.update(architectures=["GemmaForCausalLM"], model_type="gemma")), "model_type 'gemma'")
+    run(variant("arch", edit_cfg=lambda c: c.update(architectures=["MistralForCausalLM"])), "is not LlamaForCausalLM")
     run(variant("shape", edit_cfg=lambda c: c.update(intermediate_size=128)), "has shape")
     run(variant("bin", drop=["*.safetensors"], add=lambda d: (d / "pytorch_model.bin").write_bytes(b"not unpickled")), "safetensors")
     run(variant("vocab", drop=["tokenizer.model"], add=lambda d: train_tokenizer(d / "tokenizer.model", V + 20)), "tokens")

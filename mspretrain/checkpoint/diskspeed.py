@@ -60,7 +60,7 @@ def layout_7b(cfg: cfgmod.Config, ranks: int = 8) -> dict[str, int]:
     `optim.shard_optimizer` (the owner split is per parameter, within a few % of even at 7B), one
     file otherwise."""
     m = cfgmod.resolve_model(cfg.model, None)
-    head_dim = m.dim // m.n_heads
+    head_dim = m.head_size
     # the matrices half_eligible() picks: wq, wk, wv, wo and the three MLP matrices of each layer
     matrices = m.n_layers * (m.dim * (m.n_heads + 2 * m.n_kv_heads) * head_dim + m.n_heads * head_dim * m.dim
                              + 3 * m.dim * m.ffn_dim)

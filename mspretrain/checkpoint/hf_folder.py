@@ -31,7 +31,8 @@ def _check_hf_tokenizer(tok_path: Path, m: ModelConfig) -> None:
     from mspretrain.data.tokenizer import Tokenizer
 
     tok_vocab = Tokenizer.load(tok_path).vocab_size
-    if tok_vocab != m.vocab_size:
+    # fewer tokens than rows is a padded embedding (Qwen2.5: 151,665 tokens, 152,064 rows); more is a mismatch
+    if tok_vocab > m.vocab_size:
         raise UserError(f"tokenizer {tok_path.name} has {tok_vocab} tokens but config.json says vocab_size {m.vocab_size}",
                         "the tokenizer and the weights must belong to the same model; fix vocab_size or use the matching tokenizer")
 
@@ -46,7 +47,7 @@ def write_hf_folder(out: str | Path, m: ModelConfig, tensors: dict[str, np.ndarr
     ids: dict[str, int] = {}
     if tokenizer_path is not None:
         tok = Tokenizer.load(tokenizer_path)
-        if tok.vocab_size != m.vocab_size:
+        if tok.vocab_size > m.vocab_size:  # fewer: a padded embedding, as Qwen's
             raise UserError(f"tokenizer {Path(tokenizer_path).name} has {tok.vocab_size} tokens but the model's vocab_size is {m.vocab_size}",
                             "export with the tokenizer the model was trained with")
         ids = _tokenizer_files(out, tok, m.max_seq_len)

@@ -82,8 +82,11 @@ def plan_init(init: InitWeights, own: ModelConfig, data_tokenizer: Path, explici
     from mspretrain.data.tokenizer import Tokenizer
 
     data_tok = Tokenizer.load(data_tokenizer)
-    model = run_model_config(own, init.config, data_tok.vocab_size, explicit)
     base_vocab = init.config.vocab_size
+    data_vocab = data_tok.vocab_size
+    if init.tokenizer_path is not None and data_vocab == Tokenizer.load(init.tokenizer_path).vocab_size < base_vocab:
+        data_vocab = base_vocab  # the init model's own tokenizer on a padded embedding (Qwen's): keep every row
+    model = run_model_config(own, init.config, data_vocab, explicit)
     resized: dict[str, Any] | None = None
     tensors = init.tensors
     if init.tokenizer_path is not None:

@@ -87,7 +87,7 @@ def _tokenizer(ref: CheckpointRef, vocab_size: int, required: bool) -> "Tokenize
             raise UserError(f"no tokenizer found for {ref.dir}", "copy the data dir's tokenizer.model into the run or checkpoint dir")
         return None
     tok = Tokenizer.load(ref.tokenizer_path)
-    if tok.vocab_size != vocab_size:
+    if tok.vocab_size > vocab_size:  # fewer tokens than rows: a padded embedding (Qwen2.5's 152,064 rows)
         raise UserError(f"tokenizer {ref.tokenizer_path} has {tok.vocab_size} pieces but the model has vocab {vocab_size}",
                         "use the tokenizer the model was trained with")
     return tok

@@ -48,5 +48,6 @@ def run(args: argparse.Namespace) -> int:
         ckpt.rmdir()
     say(args, f"converted {src} -> {out}: {param_count(model_cfg):,} parameters, {model_cfg.n_layers} layers, "
               f"dim {model_cfg.dim}, vocab {model_cfg.vocab_size}, tied={model_cfg.tie_embeddings}"
+              + ("" if model_cfg.family == "llama" else f", family {model_cfg.family}")
               + ("" if tok_path else " (no tokenizer in the HF folder: add one before generate/eval)"))
     return 0

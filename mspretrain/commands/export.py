@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
             from mspretrain.checkpoint.model import resolved_config
 
             tensors = read_model_tensors(ref)
-            write_hf_folder(tmp, resolved_config(ref, tensors).model, tensors, ref.tokenizer_path)
+            model_cfg = resolved_config(ref, tensors).model
+            write_hf_folder(tmp, model_cfg, tensors, ref.tokenizer_path)
         else:
             from mspretrain.checkpoint.model import load_model
             from mspretrain.model.mindir import export_mindir
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
                 loaded.tokenizer.save_to(tmp)
             meta = export_mindir(loaded.model, tmp, special_ids=ids)
     if fmt == "hf":
-        say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF Llama, fp32 safetensors)")
+        arch = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[model_cfg.family]
+        say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF {arch}, fp32 safetensors)")
     else:
         print(f"MINDIR logits max abs diff vs model: {meta['verified_max_abs_diff']:.3g} (tolerance {meta['tolerance']:g})")
         say(args, f"exported step {ref.step} from {ref.dir} to {out / meta['file']} (+ export.json)")

@@ -56,8 +56,12 @@ def read_base(path: str | Path, what: str = "base tokenizer"):
     if not p.is_file():
         raise UserError(f"{what} {p} does not exist", "pass a SentencePiece tokenizer.model (or a dir holding one) as BASE")
     if p.suffix == ".json":
-        raise UserError(f"{what} {p} is a tokenizer.json: extending needs the SentencePiece model",
-                        "pass the tokenizer.model next to it (Llama ships one)")
+        # Byte-level BPE (Qwen2/2.5, Qwen3, Llama-3) is refused, not extended: their 128-152 K vocabularies
+        # already hold Chinese words, and continuing with the tokenizer as it is keeps every token the
+        # published model learned (docs/design.md, "Model families").
+        raise UserError(f"{what} {p} is a tokenizer.json (a byte-level BPE such as Qwen's or Llama-3's): "
+                        "tokenizer extend works on SentencePiece BPE models only",
+                        "pass a SentencePiece tokenizer.model (Llama-2's); Qwen and Llama-3 continue with their own tokenizer as it is")
     from mspretrain.outputs import refuse_torn
 
     refuse_torn(p, what)  # a tokenizer.model beside another write's tokenizer.json

@@ -73,67 +73,148 @@ def _dict_field(hf: dict[str, Any], key: str, source: str) -> dict[str, Any]:
     return v
 
 
+# The HF architectures we read and write: model_type -> (class name, family). Every family is a
+# Llama block plus switches (model/llama.py): what each switch means is transformers' modeling file.
+_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "mistral": "MistralForCausalLM"}
+# transformers' config-class defaults for keys a config.json may leave out (configuration_*.py)
+_MAX_POS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 4096 * 32}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _refuse(source: str, what: str) -> None:
+    raise UserError(f"{source}: {what}", "only Llama-2/3, Qwen2/2.5, Qwen3 and Mistral (dense, full or sliding-window "
+                    "attention, plain or llama3 RoPE) convert; see docs/design.md")
+
+
+def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, llama3 scaling keys or {}) from rope_parameters (transformers 5) or rope_scaling (4.x)."""
+    rope = _dict_field(hf, "rope_parameters", source)
+    scaling = _dict_field(hf, "rope_scaling", source)
+    found: dict[str, Any] = {}
+    for key, d in (("rope_parameters", rope), ("rope_scaling", scaling)):
+        for name in ("rope_type", "type"):
+            kind = d.get(name)
+            if kind is None:
+                continue
+            if not isinstance(kind, str):  # e.g. a list: one line naming the field, not a TypeError
+                _refuse(source, f"{key}.{name} = {kind!r} is not a RoPE type name")
+            if kind not in ("default", "llama3"):
+                _refuse(source, f"{key}.{name} = {kind!r}: RoPE type {kind!r} is not supported")
+            if kind == "llama3":
+                found = d
+        if d and not any(d.get(n) is not None for n in ("rope_type", "type")) and set(d) - {"rope_theta"}:
+            _refuse(source, f"{key} = {d!r} names no rope_type")  # scaling of an unknown kind is not plain RoPE
+    theta = _float_field(rope, "rope_theta", source, _float_field(hf, "rope_theta", source, 10000.0))
+    if found:
+        for name in _LLAMA3_KEYS:
+            if name not in found:
+                _refuse(source, f"llama3 RoPE scaling has no {name}")
+        _float_field(found, "factor", source, 1.0)
+        _float_field(found, "low_freq_factor", source, 1.0)
+        _float_field(found, "high_freq_factor", source, 1.0)
+        _int_field(found, "original_max_position_embeddings", source)
+    return theta, found
+
+
 def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
-    """A resolved ModelConfig from an HF Llama config dict; anything not representable is refused."""
+    """A resolved ModelConfig from an HF config dict (Llama, Qwen2, Qwen3, Mistral); anything not
+    representable exactly is refused in one line naming the field."""
     if not isinstance(hf, dict):
         raise UserError(f"{source} is a JSON {type(hf).__name__}, not an object", "pass the config.json written by transformers for this model")
     archs = hf.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise UserError(f"{source}: architectures = {archs!r} is not a list of names", "pass the config.json written by transformers for this model")
-    model_type = hf.get("model_type", "llama")
-    if (archs and "LlamaForCausalLM" not in archs) or model_type != "llama":
-        what = archs[0] if archs else model_type
-        raise UserError(f"{source} describes a {what} model, not a Llama (LlamaForCausalLM)",
-                        "convert only Llama-architecture checkpoints (model_type \"llama\")")
+    family = hf.get("model_type", "llama")
+    if not isinstance(family, str) or family not in _FAMILIES:
+        raise UserError(f"{source}: model_type {family!r} is not supported (MoE and other architectures are not)",
+                        "convert Llama, Qwen2/2.5, Qwen3 or Mistral checkpoints (model_type llama, qwen2, qwen3, mistral)")
+    if archs and _FAMILIES[family] not in archs:
+        raise UserError(f"{source}: architectures {archs[0]!r} is not {_FAMILIES[family]} (model_type {family!r})",
+                        "convert Llama, Qwen2/2.5, Qwen3 or Mistral causal-LM checkpoints")
     dim, layers, heads, ffn, vocab = (_int_field(hf, k, source) for k in
                                       ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"))
     kv = _int_field(hf, "num_key_value_heads", source, heads)
-    max_pos = _int_field(hf, "max_position_embeddings", source, 2048)
-    if dim % heads or (dim // heads) % 2:
-        raise UserError(f"{source}: hidden_size {dim} / num_attention_heads {heads} is not a whole, even head size",
+    max_pos = _int_field(hf, "max_position_embeddings", source, _MAX_POS_DEFAULT[family])
+    head_dim = _int_field(hf, "head_dim", source, 128 if family == "qwen3" else (dim // heads if dim % heads == 0 else -1))
+    if head_dim % 2:
+        raise UserError(f"{source}: head_dim {head_dim} (default hidden_size / num_attention_heads) is not a whole, even head size",
                         "pass the config.json written by transformers for this model")
     if heads % kv:
         raise UserError(f"{source}: num_key_value_heads {kv} does not divide num_attention_heads {heads}",
                         "pass the config.json written by transformers for this model")
     if hf.get("hidden_act", "silu") != "silu":
-        raise UserError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported", "only SwiGLU (silu) Llama models convert")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise UserError(f"{source}: attention/MLP biases are not supported", "only bias-free Llama models convert")
-    if hf.get("head_dim") not in (None, dim // heads):
-        raise UserError(f"{source}: head_dim {hf['head_dim']!r} != hidden_size / num_attention_heads", "only the standard head size is supported")
-    rope = _dict_field(hf, "rope_parameters", source)
-    scaling = _dict_field(hf, "rope_scaling", source)
-    # transformers 5 reads rope_parameters, 4.x rope_scaling: a config is plain RoPE only if neither
-    # asks for scaling (a non-empty rope_scaling without a type is not plain either)
-    kinds = {rope.get("rope_type", "default"), scaling.get("rope_type", scaling.get("type", None if scaling else "default"))}
-    rope_type = next((k for k in kinds if k != "default"), "default")
-    if rope_type != "default":
-        raise UserError(f"{source}: RoPE scaling {rope_type!r} is not supported", "only plain RoPE (rope_type default) Llama models convert")
+        _refuse(source, f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    if hf.get("mlp_bias"):
+        _refuse(source, "mlp_bias = true is not supported")
+    if family in ("llama", "qwen3") and hf.get("attention_bias"):  # these put a bias on o_proj too
+        _refuse(source, f"attention_bias = true is not supported for {family} (a bias on o_proj)")
+    window = 0
+    if family == "mistral":
+        sw = hf.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
+        window = 0 if sw is None else _int_field({"sliding_window": sw}, "sliding_window", source)
+        if window >= max_pos:
+            window = 0  # never narrower than the sequence: full attention, exactly
+    elif family in ("qwen2", "qwen3"):
+        if hf.get("use_sliding_window"):
+            _refuse(source, "use_sliding_window = true is not supported (Qwen's per-layer sliding window)")
+        types = hf.get("layer_types")
+        if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
+            _refuse(source, f"layer_types = {types!r}: only full_attention layers are supported")
+    for key in ("num_experts", "num_local_experts", "moe_intermediate_size"):
+        if hf.get(key):
+            _refuse(source, f"{key} = {hf[key]!r}: mixture-of-experts models are not supported")
+    theta, llama3 = _rope(hf, source)
     tie = hf.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise UserError(f"{source}: tie_word_embeddings = {tie!r} is not true or false",
                         "pass the config.json written by transformers for this model")
-    theta = _float_field(rope, "rope_theta", source, _float_field(hf, "rope_theta", source, 10000.0))
-    return ModelConfig(
-        dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, vocab_size=vocab, ffn_dim=ffn, max_seq_len=max_pos,
-        rope_theta=theta, norm_eps=_float_field(hf, "rms_norm_eps", source, 1e-6), tie_embeddings=tie,
-        init_std=_float_field(hf, "initializer_range", source, 0.02))
+    extra: dict[str, Any] = {}
+    if llama3:
+        extra = {"rope_scaling": "llama3", "rope_factor": float(llama3["factor"]),
+                 "rope_low_freq_factor": float(llama3["low_freq_factor"]),
+                 "rope_high_freq_factor": float(llama3["high_freq_factor"]),
+                 "rope_original_max_len": int(llama3["original_max_position_embeddings"])}
+    try:
+        return ModelConfig(
+            dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, vocab_size=vocab, ffn_dim=ffn, max_seq_len=max_pos,
+            rope_theta=theta, norm_eps=_float_field(hf, "rms_norm_eps", source, 1e-6), tie_embeddings=tie,
+            init_std=_float_field(hf, "initializer_range", source, 0.02), family=family,
+            head_dim=0 if head_dim * heads == dim else head_dim, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+            sliding_window=window, **extra)
+    except UserError as exc:  # a value our config refuses: say which file it came from
+        raise UserError(f"{source}: {exc.cause}", exc.fix) from None
 
 
 def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> dict[str, Any]:
-    """config.json for transformers' LlamaForCausalLM (fp32 weights)."""
+    """config.json for transformers' class of the model's family (fp32 weights), readable by 4.x and 5.x."""
     ids = special_ids or {}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": m.rope_theta, "factor": m.rope_factor,
+                "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                "original_max_position_embeddings": m.rope_original_max_len}
     out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [_FAMILIES[m.family]], "model_type": m.family,
         "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.dim // m.n_heads,
+        "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_size,
         "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "rope_theta": m.rope_theta, "rope_scaling": dict(rope) if m.rope_scaling != "none" else None,
+        "rope_parameters": rope,
+        "hidden_act": "silu", "attention_dropout": 0.0,
         "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
-        "pretraining_tp": 1, "use_cache": True, "torch_dtype": "float32", "dtype": "float32",
+        "use_cache": True, "torch_dtype": "float32", "dtype": "float32",
     }
+    if m.family == "llama":
+        out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
+    elif m.family == "qwen3":
+        out.update({"attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layers})
+    elif m.family == "qwen2":
+        out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layers})
+        if not m.head_dim:  # Qwen2Config has no head_dim key; its attention reads one only when present
+            del out["head_dim"]
+    else:  # mistral
+        out["sliding_window"] = m.sliding_window or None
     for name in ("bos", "eos", "pad"):
         if ids.get(name, -1) >= 0:
             out[f"{name}_token_id"] = ids[name]
@@ -142,16 +223,21 @@ def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> d
 
 # --------------------------------------------------------------------------- tensor names
 
-def _layer_names(i: int) -> dict[str, str]:
+def _layer_names(i: int, m: ModelConfig) -> dict[str, str]:
+    """Our names -> HF's for the tensors that map one to one (the fused ones are handled apart)."""
     p = f"model.layers.{i}."
-    return {f"layers.{i}.attn_norm.weight": p + "input_layernorm.weight",
-            f"layers.{i}.attn.wo.weight": p + "self_attn.o_proj.weight",
-            f"layers.{i}.mlp_norm.weight": p + "post_attention_layernorm.weight",
-            f"layers.{i}.mlp.w2.weight": p + "mlp.down_proj.weight"}
+    names = {f"layers.{i}.attn_norm.weight": p + "input_layernorm.weight",
+             f"layers.{i}.attn.wo.weight": p + "self_attn.o_proj.weight",
+             f"layers.{i}.mlp_norm.weight": p + "post_attention_layernorm.weight",
+             f"layers.{i}.mlp.w2.weight": p + "mlp.down_proj.weight"}
+    if m.qk_norm:
+        names.update({f"layers.{i}.attn.q_norm.weight": p + "self_attn.q_norm.weight",
+                      f"layers.{i}.attn.k_norm.weight": p + "self_attn.k_norm.weight"})
+    return names
 
 
 def expected_hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    hd = m.dim // m.n_heads
+    hd = m.head_size
     shapes = {"model.embed_tokens.weight": (m.vocab_size, m.dim), "model.norm.weight": (m.dim,)}
     if not m.tie_embeddings:
         shapes["lm_head.weight"] = (m.vocab_size, m.dim)
@@ -164,6 +250,11 @@ def expected_hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.o_proj.weight": (m.dim, m.n_heads * hd),
                        p + "mlp.gate_proj.weight": (m.ffn_dim, m.dim), p + "mlp.up_proj.weight": (m.ffn_dim, m.dim),
                        p + "mlp.down_proj.weight": (m.dim, m.ffn_dim)})
+        if m.qkv_bias:  # Qwen2
+            shapes.update({p + "self_attn.q_proj.bias": (m.n_heads * hd,), p + "self_attn.k_proj.bias": (m.n_kv_heads * hd,),
+                           p + "self_attn.v_proj.bias": (m.n_kv_heads * hd,)})
+        if m.qk_norm:  # Qwen3
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     return shapes
 
 
@@ -189,26 +280,21 @@ def hf_to_ours(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.n
         out["lm_head.weight"] = f32("lm_head.weight")
     for i in range(m.n_layers):
         p = f"model.layers.{i}."
-        out.update({ours: f32(theirs) for ours, theirs in _layer_names(i).items()})
+        out.update({ours: f32(theirs) for ours, theirs in _layer_names(i, m).items()})
         out[f"layers.{i}.attn.wqkv.weight"] = np.concatenate(
             [f32(p + "self_attn.q_proj.weight"), f32(p + "self_attn.k_proj.weight"), f32(p + "self_attn.v_proj.weight")])
+        if m.qkv_bias:
+            out[f"layers.{i}.attn.wqkv.bias"] = np.concatenate(
+                [f32(p + "self_attn.q_proj.bias"), f32(p + "self_attn.k_proj.bias"), f32(p + "self_attn.v_proj.bias")])
         out[f"layers.{i}.mlp.w13.weight"] = np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")])
     return out
 
 
 def our_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes for a resolved config (what the Llama cell holds)."""
-    hd = m.dim // m.n_heads
-    shapes = {"embed.weight": (m.vocab_size, m.dim), "norm.weight": (m.dim,)}
-    if not m.tie_embeddings:
-        shapes["lm_head.weight"] = (m.vocab_size, m.dim)
-    for i in range(m.n_layers):
-        shapes.update({f"layers.{i}.attn_norm.weight": (m.dim,), f"layers.{i}.mlp_norm.weight": (m.dim,),
-                       f"layers.{i}.attn.wqkv.weight": ((m.n_heads + 2 * m.n_kv_heads) * hd, m.dim),
-                       f"layers.{i}.attn.wo.weight": (m.dim, m.n_heads * hd),
-                       f"layers.{i}.mlp.w13.weight": (2 * m.ffn_dim, m.dim),
-                       f"layers.{i}.mlp.w2.weight": (m.dim, m.ffn_dim)})
-    return shapes
+    from mspretrain.model.presets import param_shapes  # the one list of our parameters
+
+    return dict(param_shapes(m))
 
 
 def ours_to_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.ndarray]:
@@ -219,18 +305,19 @@ def ours_to_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.n
         if tuple(tensors[name].shape) != shape:
             raise UserError(f"checkpoint tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}",
                             "the checkpoint and its config.toml do not match")
-    hd = m.dim // m.n_heads
+    hd = m.head_size
     q_rows, kv_rows = m.n_heads * hd, m.n_kv_heads * hd
     out = {"model.embed_tokens.weight": tensors["embed.weight"], "model.norm.weight": tensors["norm.weight"]}
     if not m.tie_embeddings:
         out["lm_head.weight"] = tensors["lm_head.weight"]
     for i in range(m.n_layers):
         p = f"model.layers.{i}."
-        out.update({theirs: tensors[ours] for ours, theirs in _layer_names(i).items()})
-        wqkv = tensors[f"layers.{i}.attn.wqkv.weight"]  # rows: (H + 2KV) * hd
-        out[p + "self_attn.q_proj.weight"] = wqkv[:q_rows]
-        out[p + "self_attn.k_proj.weight"] = wqkv[q_rows:q_rows + kv_rows]
-        out[p + "self_attn.v_proj.weight"] = wqkv[q_rows + kv_rows:]
+        out.update({theirs: tensors[ours] for ours, theirs in _layer_names(i, m).items()})
+        for kind in ("weight", "bias") if m.qkv_bias else ("weight",):
+            wqkv = tensors[f"layers.{i}.attn.wqkv.{kind}"]  # rows: (H + 2KV) * hd
+            out[p + f"self_attn.q_proj.{kind}"] = wqkv[:q_rows]
+            out[p + f"self_attn.k_proj.{kind}"] = wqkv[q_rows:q_rows + kv_rows]
+            out[p + f"self_attn.v_proj.{kind}"] = wqkv[q_rows + kv_rows:]
         w13 = tensors[f"layers.{i}.mlp.w13.weight"]  # rows: 2F (gate, then up)
         out[p + "mlp.gate_proj.weight"] = w13[:m.ffn_dim]
         out[p + "mlp.up_proj.weight"] = w13[m.ffn_dim:]

@@ -29,6 +29,13 @@ Design choices (and the trade-off taken):
   bit-identical to the broadcasting form.
 - Initialisation is Llama's, explicit and seeded: normal(0, init_std) for embedding and linear
   weights, the residual projections (wo, w2) scaled by 1/sqrt(2 * n_layers), norms at one.
+- Families (issue 31), each a switch in ModelConfig read from the HF config by model/hf.py, with
+  transformers' numerics: q/k/v bias (Qwen2: `wqkv.bias`, zeros at init, never on o); QK-norm
+  (Qwen3: an RMSNorm over head_dim on q and on k, before RoPE); an explicit head_dim (Qwen3);
+  Llama-3.1's `llama3` RoPE frequency rescaling (transformers' `_compute_llama3_parameters`); a
+  sliding window (Mistral: key j visible from query i iff i - j < window, transformers'
+  `sliding_window_overlay`), applied only when the sequence is longer than the window. The
+  Llama-2 path (none of them) builds exactly the graph it built before.
 """
 from __future__ import annotations
 
@@ -48,9 +55,26 @@ NEG = -1e9  # additive mask value; the softmax runs in fp32, so exp(NEG - max) i
 FLASH_MASK_SIZE = 2048  # FlashAttentionScore's compressed causal mask is always 2048 x 2048
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin of shape (max_seq_len, head_dim) in HF's rotate-half layout, float32."""
+def llama3_inv_freq(inv_freq: np.ndarray, factor: float, low: float, high: float, old_len: int) -> np.ndarray:
+    """Llama-3.1's RoPE rescaling, line for line transformers' `_compute_llama3_parameters`
+    (modeling_rope_utils.py): long wavelengths divided by `factor`, short ones kept, a smooth
+    blend between. The attention factor of this rope type is 1, so cos/sin are not scaled."""
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_l = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, inv_l)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                llama3: tuple[float, float, float, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin of shape (max_seq_len, head_dim) in HF's rotate-half layout, float32. `llama3` =
+    (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) rescales."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (hd/2,)
+    if llama3 is not None:
+        inv_freq = llama3_inv_freq(inv_freq, *llama3)
     angles = np.outer(np.arange(max_seq_len, dtype=np.float64), inv_freq)  # (S, hd/2)
     angles = np.concatenate([angles, angles], axis=-1)  # (S, hd)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -144,19 +168,26 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Par
 
 
 class Linear(nn.Cell):
-    """y = x @ W^T without bias; W (out, in) fp32, cast to the compute dtype at use."""
+    """y = x @ W^T (+ b); W (out, in) fp32, cast to the compute dtype at use. The bias (Qwen2's q/k/v)
+    starts at zero, as transformers' `_init_weights` sets it."""
 
-    def __init__(self, in_dim: int, out_dim: int, std: float, rng: np.random.Generator, dtype: ms.Type) -> None:
+    def __init__(self, in_dim: int, out_dim: int, std: float, rng: np.random.Generator, dtype: ms.Type,
+                 bias: bool = False) -> None:
         super().__init__()
         self.out_dim = out_dim
         self.dtype = dtype
         self.weight = _normal(rng, (out_dim, in_dim), std)
+        self.has_bias = bias
+        if bias:
+            self.bias = Parameter(Tensor(np.zeros(out_dim, np.float32)), name="bias")
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x: Tensor) -> Tensor:
         w = self.weight if self.dtype == ms.float32 else self.weight.astype(self.dtype)
         lead = x.shape[:-1]
         y = self.matmul(x.reshape(-1, x.shape[-1]), w)  # (N, out)
+        if self.has_bias:
+            y = y + (self.bias if self.dtype == ms.float32 else self.bias.astype(self.dtype))
         return y.reshape(lead + (self.out_dim,))
 
     def parts(self, x: Tensor, rows: tuple[int, ...]) -> tuple[Tensor, ...]:
@@ -166,6 +197,10 @@ class Linear(nn.Cell):
         w = self.weight if self.dtype == ms.float32 else self.weight.astype(self.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        if self.has_bias:
+            b = self.bias if self.dtype == ms.float32 else self.bias.astype(self.dtype)
+            return tuple((self.matmul(x2, wi) + bi).reshape(lead + (n,))
+                         for wi, bi, n in zip(ops.split(w, rows, 0), ops.split(b, rows, 0), rows))
         return tuple(self.matmul(x2, wi).reshape(lead + (n,)) for wi, n in zip(ops.split(w, rows, 0), rows))
 
 
@@ -216,12 +251,17 @@ class Attention(nn.Cell):
         super().__init__()
         self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
         self.group = cfg.n_heads // cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = cfg.head_size
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(self.head_dim)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim, cfg.init_std, rng, dtype)
+        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim, cfg.init_std, rng, dtype,
+                           bias=cfg.qkv_bias)
         self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim, out_std, rng, dtype)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3: one RMSNorm weight over head_dim for all q heads, one for all k heads
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype)
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
         self.softmax = SoftmaxFP32()
@@ -251,7 +291,11 @@ class Attention(nn.Cell):
         B, T = x.shape[0], x.shape[1]
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
         qk, v = self.wqkv.parts(x, ((H + KV) * hd, KV * hd))  # (B, T, (H+KV)*hd), (B, T, KV*hd)
-        qk = apply_rope(qk.reshape(B, T, H + KV, hd), cos, sin)  # one RoPE call for q and k
+        qk = qk.reshape(B, T, H + KV, hd)
+        if self.qk_norm:  # before RoPE, as Qwen3Attention does
+            q, k = ops.split(qk, (H, KV), 2)
+            qk = ops.concat((self.q_norm(q), self.k_norm(k)), 2)
+        qk = apply_rope(qk, cos, sin)  # one RoPE call for q and k
         q, k = ops.split(qk.transpose(0, 2, 1, 3), (H, KV), 1)  # (B, H, T, hd), (B, KV, T, hd)
         return q, k, v.reshape(B, T, KV, hd).transpose(0, 2, 1, 3)  # v: (B, KV, T, hd)
 
@@ -342,7 +386,7 @@ class Llama(nn.Cell):
         self.cfg = cfg
         self.dtype_name = dtype
         self.dtype = COMPUTE_DTYPES[dtype]
-        self.use_flash = select_attention(attention, device, dtype, cfg.dim // cfg.n_heads)
+        self.use_flash = select_attention(attention, device, dtype, cfg.head_size)
         # One compressed causal mask for all layers (a per-layer copy was 32 x 4 MB for 7B).
         self.flash_causal_mask = (Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
                                   if self.use_flash else None)
@@ -357,9 +401,12 @@ class Llama(nn.Cell):
                 self.lm_head = Linear(cfg.dim, cfg.vocab_size, cfg.init_std, rng, ms.float32)  # fp32 island
         finally:
             _init_device[0] = None
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        llama3 = ((cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
+                  if cfg.rope_scaling == "llama3" else None)
+        cos, sin = rope_tables(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, llama3)
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)  # constants, (S, hd) fp32
         self.head_matmul = ops.MatMul(transpose_b=True)
+        self.window = cfg.sliding_window  # 0 = full attention
         self.fused_kernels = use_fused_kernels(device)
         if self.fused_kernels:  # one model definition: the norm and softmax cells switch kernel
             for _, cell in self.cells_and_names():
@@ -379,7 +426,7 @@ class Llama(nn.Cell):
             # Broadcast once per forward, used by every layer forward and backward in same-shape ops
             # (a broadcast operand makes MindSpore's CPU Mul/Add 2.5x slower; see spread()). The full
             # bias is one more (B, H, T, T) fp32 tensor per step, next to the L saved probabilities.
-            B, H, KV, hd = x.shape[0], self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.dim // self.cfg.n_heads
+            B, H, KV, hd = x.shape[0], self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_size
             cos = ops.broadcast_to(cos, (B, T, H + KV, hd))  # q and k heads get RoPE in one call
             sin = ops.broadcast_to(sin, (B, T, H + KV, hd))
             bias = ops.broadcast_to(bias, (B, H, T, T))
@@ -399,7 +446,7 @@ class Llama(nn.Cell):
         if not 0 < max_len <= self.cfg.max_seq_len:
             raise UserError(f"cache length {max_len} is outside 1..model.max_seq_len = {self.cfg.max_seq_len}",
                             "generate fewer tokens or use a model with a longer context")
-        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.dim // self.cfg.n_heads)
+        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_size)
         return tuple(ops.zeros(shape, self.dtype) for _ in range(2 * self.cfg.n_layers))
 
     def prefill(self, tokens: Tensor, cache: tuple[Tensor, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -408,7 +455,10 @@ class Llama(nn.Cell):
         x = self.embed(tokens).astype(self.dtype)
         cos, sin = self._rope(None, T)
         idx_q, idx_k = ops.arange(T).expand_dims(1), ops.arange(S).expand_dims(0)
-        bias = ops.stop_gradient(((idx_k <= idx_q).astype(ms.float32) - 1.0) * -NEG).reshape(1, 1, T, S)
+        visible = idx_k <= idx_q
+        if self.window and T > self.window:
+            visible = ops.logical_and(visible, idx_k > idx_q - self.window)
+        bias = ops.stop_gradient((visible.astype(ms.float32) - 1.0) * -NEG).reshape(1, 1, T, S)
         new = ()
         for i, layer in enumerate(self.layers):
             x, kc, vc = layer.cached(x, cos, sin, bias, cache[2 * i], cache[2 * i + 1], None)
@@ -423,7 +473,10 @@ class Llama(nn.Cell):
         p = pos.reshape(1, 1)
         cos, sin = self._rope(p, 1)  # (1, 1, 1, hd)
         idx = ops.arange(S)
-        bias = (((idx <= pos).astype(ms.float32) - 1.0) * -NEG).reshape(1, 1, 1, S)  # keys 0..pos visible
+        visible = idx <= pos  # keys 0..pos visible
+        if self.window and S > self.window:
+            visible = ops.logical_and(visible, idx > pos - self.window)
+        bias = ((visible.astype(ms.float32) - 1.0) * -NEG).reshape(1, 1, 1, S)
         slot = (idx == pos).astype(self.dtype).reshape(1, 1, S, 1)
         new = ()
         for i, layer in enumerate(self.layers):
@@ -446,6 +499,9 @@ class Llama(nn.Cell):
         """Additive fp32 bias (B|1, 1, T, T) for the math path; bool discard mask for flash."""
         idx = ops.arange(T)
         allowed = idx.expand_dims(0) <= idx.expand_dims(1)  # (T, T): key j visible from query i iff j <= i
+        windowed = bool(self.window) and T > self.window  # static: decided when the graph is compiled
+        if windowed:  # Mistral: and i - j < window
+            allowed = ops.logical_and(allowed, idx.expand_dims(0) > idx.expand_dims(1) - self.window)
         if segments is not None:
             same = segments.expand_dims(2) == segments.expand_dims(1)  # (B, T, T)
             allowed = ops.logical_and(allowed.expand_dims(0), same)  # (B, T, T)
@@ -455,7 +511,10 @@ class Llama(nn.Cell):
         bias = ops.stop_gradient((allowed.astype(ms.float32) - 1.0) * -NEG)  # 0 where visible, NEG where masked
         discard = None
         if self.use_flash:
-            discard = self.flash_causal_mask if segments is None else ops.logical_not(allowed)
+            if segments is None and not windowed:
+                discard = self.flash_causal_mask
+            else:  # the full (B, 1, T, T) mask: flash_masked (sparse_mode 0)
+                discard = ops.logical_not(ops.broadcast_to(allowed, (segments.shape[0] if segments is not None else 1, 1, T, T)))
         return bias, discard
 
 

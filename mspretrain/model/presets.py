@@ -8,6 +8,7 @@ embeddings counted once), checked against HF in the tests.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from mspretrain.config import ModelConfig, resolve_model
@@ -45,6 +46,25 @@ def llama2_7b() -> ModelConfig:
                        max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-5)
 
 
+def llama3_8b() -> ModelConfig:
+    """Meta's Llama-3.1-8B (8.03 B parameters): 128,256 vocabulary, GQA 8, llama3 RoPE scaling."""
+    return ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                       max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, rope_scaling="llama3",
+                       rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192)
+
+
+def qwen25_7b() -> ModelConfig:
+    """Qwen2.5-7B (7.62 B parameters): q/k/v bias, 152,064-row embedding and untied lm_head, GQA 4."""
+    return ModelConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944, vocab_size=152064,
+                       max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-6, family="qwen2", qkv_bias=True)
+
+
+def qwen3_8b() -> ModelConfig:
+    """Qwen3-8B (8.19 B parameters): QK-norm, 151,936 vocabulary, GQA 8; head_dim 128 = 4096 / 32, so 0 (automatic)."""
+    return ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=0, ffn_dim=12288, vocab_size=151936,
+                       max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, family="qwen3", qk_norm=True)
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny,
     "demo": demo,
@@ -52,6 +72,9 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "350m": gpt_350m,
     "1b": llama_1b,
     "llama2-7b": llama2_7b,
+    "llama3-8b": llama3_8b,
+    "qwen2.5-7b": qwen25_7b,
+    "qwen3-8b": qwen3_8b,
 }
 
 
@@ -63,18 +86,9 @@ def preset(name: str) -> ModelConfig:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Number of parameters, equal to HF `LlamaForCausalLM(...).num_parameters()` for the same config."""
-    m = resolve_model(cfg)
-    if m.vocab_size <= 0:
-        raise UserError("model.vocab_size is 0 (taken from the tokenizer at train time), so the parameter count is unknown",
-                        "pass model.vocab_size=N (e.g. the tokenizer's vocabulary size)")
-    head_dim = m.dim // m.n_heads
-    attn = m.dim * (m.n_heads + 2 * m.n_kv_heads) * head_dim + m.n_heads * head_dim * m.dim  # wqkv + wo
-    mlp = 3 * m.dim * m.ffn_dim  # w1, w3 (fused as w13) and w2
-    block = attn + mlp + 2 * m.dim  # two RMSNorm weights
-    embed = m.vocab_size * m.dim
-    head = 0 if m.tie_embeddings else m.vocab_size * m.dim
-    return embed + m.n_layers * block + m.dim + head
+    """Number of parameters, equal to transformers' `num_parameters()` of the family's HF class for the
+    same config: q/k/v biases, QK-norm weights and an untied lm_head counted, a tied one once."""
+    return sum(math.prod(shape) for _, shape in param_shapes(cfg))
 
 
 def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -84,13 +98,17 @@ def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     if m.vocab_size <= 0:
         raise UserError("model.vocab_size is 0 (taken from the tokenizer at train time), so the parameter shapes are unknown",
                         "pass model.vocab_size=N (e.g. the tokenizer's vocabulary size)")
-    hd = m.dim // m.n_heads
+    hd = m.head_size
+    qkv_rows = (m.n_heads + 2 * m.n_kv_heads) * hd
     out: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (m.vocab_size, m.dim))]
     for i in range(m.n_layers):
-        out += [(f"layers.{i}.attn_norm.weight", (m.dim,)),
-                (f"layers.{i}.attn.wqkv.weight", ((m.n_heads + 2 * m.n_kv_heads) * hd, m.dim)),
-                (f"layers.{i}.attn.wo.weight", (m.dim, m.n_heads * hd)),
-                (f"layers.{i}.mlp_norm.weight", (m.dim,)),
+        out += [(f"layers.{i}.attn_norm.weight", (m.dim,)), (f"layers.{i}.attn.wqkv.weight", (qkv_rows, m.dim))]
+        if m.qkv_bias:
+            out.append((f"layers.{i}.attn.wqkv.bias", (qkv_rows,)))
+        out.append((f"layers.{i}.attn.wo.weight", (m.dim, m.n_heads * hd)))
+        if m.qk_norm:
+            out += [(f"layers.{i}.attn.q_norm.weight", (hd,)), (f"layers.{i}.attn.k_norm.weight", (hd,))]
+        out += [(f"layers.{i}.mlp_norm.weight", (m.dim,)),
                 (f"layers.{i}.mlp.w13.weight", (2 * m.ffn_dim, m.dim)),
                 (f"layers.{i}.mlp.w2.weight", (m.dim, m.ffn_dim))]
     out.append(("norm.weight", (m.dim,)))

@@ -57,14 +57,15 @@ _cpu_peak_cache: dict[float, float] = {}
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that are matmul weights: q, k, v, o, w1, w2, w3 per layer, plus lm_head."""
+    """Parameters that are matmul weights: q, k, v, o, w1, w2, w3 per layer, plus lm_head (counted once
+    whether tied or not: the embedding lookup is a gather, not a matmul). Qwen2's q/k/v biases and
+    Qwen3's QK-norm weights are elementwise, not matmul FLOPs (under 0.01 % of a 7B's), so not counted."""
     m = resolve_model(cfg)
     if not m.vocab_size:
         raise UserError("model.vocab_size is unknown, so FLOPs per token cannot be computed",
                         "set model.vocab_size or resolve the model against the data dir first")
-    head_dim = m.dim // m.n_heads
-    kv_dim = m.n_kv_heads * head_dim
-    per_layer = 2 * m.dim * m.dim + 2 * m.dim * kv_dim + 3 * m.dim * m.ffn_dim
+    q_dim, kv_dim = m.n_heads * m.head_size, m.n_kv_heads * m.head_size  # head_dim may not be dim / n_heads (Qwen3)
+    per_layer = 2 * m.dim * q_dim + 2 * m.dim * kv_dim + 3 * m.dim * m.ffn_dim
     return m.n_layers * per_layer + m.dim * m.vocab_size
 
 
@@ -76,20 +77,20 @@ def trained_matmul_params(cfg: ModelConfig, trainable: Sequence[str] | None) -> 
         return matmul_params(cfg)
     check_trainable(trainable)
     m = resolve_model(cfg)
-    head_dim = m.dim // m.n_heads
-    kv_dim = m.n_kv_heads * head_dim
+    q_dim, kv_dim = m.n_heads * m.head_size, m.n_kv_heads * m.head_size
     # a tied embedding is the lm_head's matrix and is trained when either group is (model/groups.py)
     head_groups = {"lm_head", "embeddings"} if m.tie_embeddings else {"lm_head"}
-    return (m.n_layers * (2 * m.dim * m.dim + 2 * m.dim * kv_dim) * ("attention" in trainable)
+    return (m.n_layers * (2 * m.dim * q_dim + 2 * m.dim * kv_dim) * ("attention" in trainable)
             + m.n_layers * 3 * m.dim * m.ffn_dim * ("mlp" in trainable)
             + m.dim * m.vocab_size * bool(head_groups & set(trainable)))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, trainable: Sequence[str] | None = None) -> float:
     """Training FLOPs per token: 6 * N_matmul + 12 * n_layers * dim * seq_len (PaLM, appendix B);
-    with frozen groups (`trainable`, train.trainable) 4 * N_matmul + 2 * N_trained + the attention."""
+    with frozen groups (`trainable`, train.trainable) 4 * N_matmul + 2 * N_trained + the attention.
+    The attention term's width is n_heads * head_dim (= dim unless head_dim is explicit, Qwen3)."""
     return (4.0 * matmul_params(cfg) + 2.0 * trained_matmul_params(cfg, trainable)
-            + 12.0 * cfg.n_layers * cfg.dim * seq_len)
+            + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len)
 
 
 def measure_cpu_peak_tflops(seconds: float = 1.0) -> float:

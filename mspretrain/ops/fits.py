@@ -42,7 +42,7 @@ def estimate_bytes(cfg: Config, world: int) -> int:
     plan = make_plan(cfg, devices=world, tokens=None, data_dir=None, tokens_per_s_per_device=None)  # memory needs no budget
     mem = plan["memory_bytes"]
     m = cfg.model
-    rope = m.max_seq_len * (m.dim // m.n_heads) * 24  # float64 angles + float64 cos/sin + the fp32 copies
+    rope = m.max_seq_len * m.head_size * 24  # float64 angles + float64 cos/sin + the fp32 copies
     return int(mem.get("peak", mem["total"])) + rope
 
 

@@ -79,7 +79,7 @@ def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
     m = resolve_model(m)
     e = 4 if dtype == "fp32" else 2
     s, b, h, f, a = seq_len, micro_batch, m.dim, m.ffn_dim, m.n_heads
-    kv = m.n_kv_heads * (m.dim // m.n_heads)
+    kv = m.n_kv_heads * m.head_size
     attention = 64 * a * s * b if flash else (4 if e == 4 else 4 + e) * a * s * s * b
     per_layer = e * s * b * (6 * h + 2 * kv + 4 * f) + attention
     logits = 8 * s * b * m.vocab_size

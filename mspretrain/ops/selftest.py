@@ -103,7 +103,7 @@ def compare_outputs(candidate: np.ndarray, reference: np.ndarray, dtype: str,
 def attention_inputs(cfg_model, dtype: str, *, batch: int = 2, seq: int = 128, seed: int = 0) -> dict[str, np.ndarray]:
     """Random q (B, H, T, hd), k/v (B, KV, T, hd) from N(0, 1) and document ids (two documents per row)."""
     rng = np.random.default_rng(seed)
-    hd = cfg_model.dim // cfg_model.n_heads
+    hd = cfg_model.head_size
     q = rng.standard_normal((batch, cfg_model.n_heads, seq, hd)).astype(np.float32)
     k = rng.standard_normal((batch, cfg_model.n_kv_heads, seq, hd)).astype(np.float32)
     v = rng.standard_normal((batch, cfg_model.n_kv_heads, seq, hd)).astype(np.float32)
@@ -201,7 +201,7 @@ def check_attention(ctx: Context, dtype: str) -> Check:
 
     # the config's head size and GQA grouping, one layer, at most 8 heads: the kernel, not the model, is under test
     m = ctx.cfg.model
-    hd = m.dim // m.n_heads
+    hd = m.head_size
     if flash_head_dim_problem(hd):
         return Check(name, SKIPPED, f"the config's {flash_head_dim_problem(hd)}: training will run the math attention")
     heads = min(m.n_heads, 8)
@@ -362,9 +362,9 @@ def _sha256_rate(size: int = 64 << 20) -> float:
 
 def layer_flops_per_token(m, seq: int) -> float:
     """Training FLOPs of one decoder layer per token, on monitor/mfu.py's accounting (PaLM appendix B)."""
-    hd = m.dim // m.n_heads
-    params = 2 * m.dim * m.dim + 2 * m.dim * m.n_kv_heads * hd + 3 * m.dim * m.ffn_dim
-    return 6.0 * params + 12.0 * m.dim * seq
+    hd = m.head_size
+    params = 2 * m.dim * m.n_heads * hd + 2 * m.dim * m.n_kv_heads * hd + 3 * m.dim * m.ffn_dim
+    return 6.0 * params + 12.0 * m.n_heads * hd * seq
 
 
 def check_layer(ctx: Context) -> Check:
@@ -385,12 +385,12 @@ def check_layer(ctx: Context) -> Check:
     if ctx.quick and ctx.target != "ascend":
         seq = min(seq, 256)
     layer_cfg = cfgmod.resolve_model(replace(m, n_layers=1, max_seq_len=max(m.max_seq_len, seq), vocab_size=m.vocab_size or 1))
-    use_flash = select_attention("auto", ctx.target, dtype, layer_cfg.dim // layer_cfg.n_heads)
+    use_flash = select_attention("auto", ctx.target, dtype, layer_cfg.head_size)
     compute = llama.COMPUTE_DTYPES[dtype]
     block = llama.Block(layer_cfg, np.random.default_rng(0), compute, use_flash)
     if ctx.cfg.train.recompute:
         block.recompute()
-    cos, sin = llama.rope_tables(layer_cfg.dim // layer_cfg.n_heads, seq, layer_cfg.rope_theta)
+    cos, sin = llama.rope_tables(layer_cfg.head_size, seq, layer_cfg.rope_theta)
     cos_t, sin_t = (ms.Tensor(t[:, None, :]).astype(compute) for t in (cos, sin))  # (T, 1, hd), as Llama._rope
     causal = np.triu(np.ones((seq, seq), np.float32), 1) * llama.NEG
     bias = ms.Tensor(causal[None, None])

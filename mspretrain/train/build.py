@@ -234,7 +234,8 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     manifest = read_manifest(data_dir)
     check_data_dir(data_dir, manifest, scan=_scans_data())  # the tokenizer and the ids the model will see
     vocab = int(manifest["vocab_size"])
-    if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
+    # more rows than pieces is a padded embedding (Qwen2.5: 152,064 rows for 151,665 tokens); fewer cannot hold the ids
+    if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
         raise UserError(f"model.vocab_size = {cfg.model.vocab_size} but the data dir's tokenizer has {vocab} pieces",
                         f"set model.vocab_size={vocab} (or 0 to take it from the data dir)")
     cfg = replace(cfg, model=cfgmod.resolve_model(cfg.model, vocab))

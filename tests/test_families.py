@@ -1,0 +1,303 @@
+"""Model families (issue 31): Llama-3.1 (llama3 RoPE), Qwen2/2.5 (q/k/v bias, tied), Qwen3 (QK-norm,
+explicit head_dim), Mistral (GQA, sliding window), each a tiny random model built by transformers
+(no download): logits and loss within 1e-5 of transformers after `convert`; `export` reloads in
+transformers as the same class with logits within 1e-5; `--init-from` on the HF folder equals the
+converted checkpoint; one AdamW train step's loss and grad norm equal PyTorch's; bad configs are
+one line naming the field."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("GLOG_v", "3")
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mspretrain.checkpoint.init_source import load_init
+from mspretrain.checkpoint.model import load_model
+from mspretrain.config import OptimConfig
+from mspretrain.errors import UserError
+from mspretrain.model.hf import config_from_hf, hf_to_ours
+from mspretrain.model.llama import Llama, load_numpy, state_numpy
+from mspretrain.model.loss import token_nll
+from mspretrain.model.presets import param_count, preset
+from mspretrain.train.step import TrainStep, decay_mask
+from tests.test_hf_bridge import V, cli, one_line_error, train_tokenizer
+
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+FAMILIES = {
+    # Llama-3.1: theta 500 000 and llama3 scaling whose low/high wavelengths fall inside head_dim 16's range
+    "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+               dict(rms_norm_eps=1e-5, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 16})),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(rms_norm_eps=1e-6, rope_theta=1e6, head_dim=32)),  # head_dim != 64 / 4
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=8)),  # window < the 33-token test sequences
+}
+
+
+def build_hf(family: str, seed: int = 0):
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    hc = cfg_cls(**COMMON, **extra)
+    hc._attn_implementation = "eager"
+    model = model_cls(hc).eval()
+    with torch.no_grad():  # HF starts norms at one and biases at zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def fam(tmp_path_factory):
+    """family -> (HF folder, HF model, converted checkpoint)."""
+    root = tmp_path_factory.mktemp("families")
+    tok = train_tokenizer(root / "tok" / "tokenizer.model", V)
+    from mspretrain.cli import main
+
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        d = root / family
+        model = build_hf(family, seed=i)
+        model.save_pretrained(d)
+        shutil.copy(tok, d / "tokenizer.model")
+        ck = root / f"{family}_ckpt"
+        assert main(["convert", "--from-hf", str(d), "--out", str(ck), "--quiet"]) == 0
+        out[family] = (d, model, ck)
+    return out
+
+
+def tokens(seed: int, shape=(2, 33)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, V, shape).astype(np.int32)
+
+
+def hf_forward(model, tok: np.ndarray):
+    with torch.no_grad():
+        return model(torch.tensor(tok).long(), labels=torch.tensor(tok).long())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_convert_matches_transformers(fam, family):
+    d, hf, ck = fam[family]
+    loaded = load_model(ck)
+    m = loaded.ref.config.model
+    assert m.family == ("llama" if family == "llama3" else family)
+    assert (m.qkv_bias, m.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert m.head_size == (32 if family == "qwen3" else 16) and m.tie_embeddings == (family == "qwen2")
+    assert m.sliding_window == (8 if family == "mistral" else 0) and m.rope_scaling == ("llama3" if family == "llama3" else "none")
+    tok = tokens(1)
+    ref = hf_forward(hf, tok)
+    logits = loaded.model(ms.Tensor(tok)).asnumpy()
+    assert np.abs(logits - ref.logits.numpy()).max() <= 1e-5
+    nll, _ = token_nll(ms.Tensor(logits[:, :-1]), ms.Tensor(tok[:, 1:]))
+    assert abs(float(nll.asnumpy().mean()) - float(ref.loss)) <= 1e-5
+    # the family's own switch matters: the same weights without it are far off (the test can fail)
+    plain = replace(m, family="mistral" if family == "mistral" else "llama", qkv_bias=False, qk_norm=False,
+                    sliding_window=0, rope_scaling="none")
+    model = Llama(plain)
+    tensors = {k: v for k, v in state_numpy(loaded.model).items() if not k.endswith(("bias", "q_norm.weight", "k_norm.weight"))}
+    load_numpy(model, tensors)
+    assert np.abs(model(ms.Tensor(tok)).asnumpy() - ref.logits.numpy()).max() > 1e-3
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_reloads_in_transformers(fam, family, capsys):
+    d, hf, ck = fam[family]
+    out = d.parent / f"{family}_export"
+    rc, _, err = cli(capsys, "export", ck, "--format", "hf", "--out", out)
+    assert rc == 0, err
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(back) is type(hf)
+    for key in ("tie_word_embeddings", "sliding_window", "rope_parameters", "rms_norm_eps", "num_key_value_heads"):
+        assert getattr(back.config, key, None) == getattr(hf.config, key, None), key
+    head = lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # noqa: E731
+    assert head(back.config) == head(hf.config)
+    tok = tokens(2)
+    a, b = hf_forward(back, tok), hf_forward(hf, tok)
+    assert np.abs(a.logits.numpy() - b.logits.numpy()).max() <= 1e-5
+    # the same weights, bit for bit, under the same names
+    sd_a, sd_b = back.state_dict(), hf.state_dict()
+    assert set(sd_a) == set(sd_b)
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_init_from_hf_folder_equals_converted(fam, family):
+    d, hf, ck = fam[family]
+    a, b = load_init(d), load_init(ck)
+    assert a.config == b.config
+    assert a.tensors.keys() == b.tensors.keys()
+    assert all(np.array_equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+    # and so the first step's loss is the same
+    tok = tokens(3)
+    losses = []
+    for src in (a, b):
+        model = Llama(src.config)
+        load_numpy(model, src.tensors)
+        nll, _ = token_nll(model(ms.Tensor(tok[:, :-1])), ms.Tensor(tok[:, 1:]))
+        losses.append(float(nll.asnumpy().mean()))
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_adamw_step_matches_pytorch(fam, family):
+    """Two TrainSteps (loss, grad norm before clipping; the second loss sees the first update) against
+    transformers' model trained by torch.optim.AdamW with the same decay groups and clipping."""
+    d, _, ck = fam[family]
+    hf = build_hf(family, seed=list(FAMILIES).index(family))  # fresh, same weights as the folder
+    loaded = load_model(ck)
+    model, m = loaded.model, loaded.ref.config.model
+    lr, clip = 1e-3, 1.0
+    optim = OptimConfig(lr=lr, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=clip)
+    batches = [tokens(10 + k, (2, 17)) for k in range(2)]
+    step = TrainStep(model, optim, global_tokens=2 * 16, jit=True)
+    ours = [step.run([(b, None, None)], lr=lr, scale=1.0) for b in batches]
+
+    # torch: the same decay rule, applied to HF's names through the bridge's name map
+    names = [n for n, _ in hf.named_parameters()]
+    probe = hf_to_ours({n: np.full(p.shape, i, np.float32) for i, (n, p) in enumerate(hf.named_parameters())}, m)
+    ours_of = {}
+    for our_name, arr in probe.items():
+        for idx in np.unique(arr):
+            ours_of[names[int(idx)]] = our_name
+    decay = dict(zip(probe, decay_mask(list(probe), False)))
+    params = dict(hf.named_parameters())
+    groups = [{"params": [params[n] for n in names if decay[ours_of[n]]], "weight_decay": 0.1},
+              {"params": [params[n] for n in names if not decay[ours_of[n]]], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    hf.train()
+    for b, res in zip(batches, ours):
+        tb = torch.tensor(b).long()
+        logits = hf(tb[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tb[:, 1:].reshape(-1), reduction="sum") / 32
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
+        opt.step()
+        assert res.loss == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+        assert res.grad_norm == pytest.approx(norm.item(), rel=1e-4)
+
+
+# --------------------------------------------------------------------------- refusals, presets
+
+def _hf_dict(family: str) -> dict:
+    cfg_cls, _, extra = FAMILIES[family]
+    return cfg_cls(**COMMON, **extra).to_dict()
+
+
+@pytest.mark.parametrize("family,key,value,needle", [
+    ("llama3", "rope_scaling", {"type": ["llama3"], "factor": 8.0}, "rope_scaling.type"),
+    ("llama3", "rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "'yarn'"),
+    ("llama3", "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "'dynamic'"),
+    ("llama3", "rope_scaling", ["llama3"], "rope_scaling"),
+    ("llama3", "mlp_bias", True, "mlp_bias"),
+    ("llama3", "attention_bias", True, "attention_bias"),
+    ("qwen3", "attention_bias", True, "attention_bias"),
+    ("qwen2", "use_sliding_window", True, "use_sliding_window"),
+    ("qwen2", "model_type", "qwen2_moe", "model_type"),
+    ("mistral", "model_type", "mixtral", "model_type"),
+    ("qwen2", "num_experts", 8, "num_experts"),
+    ("qwen2", "hidden_act", "gelu", "hidden_act"),
+])
+def test_unsupported_fields_are_refused_naming_the_field(family, key, value, needle):
+    hf = _hf_dict(family)
+    hf[key] = value
+    if key == "model_type":
+        hf["architectures"] = []
+    with pytest.raises(UserError) as e:
+        config_from_hf(hf)
+    assert needle in e.value.cause and "\n" not in str(e.value)
+
+
+def test_list_valued_rope_type_is_one_line_from_the_cli(fam, capsys, tmp_path):
+    d, _, _ = fam["llama3"]
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["rope_scaling"] = {"type": ["llama3", "linear"], "factor": 8.0}
+    cfg.pop("rope_parameters", None)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = cli(capsys, "convert", "--from-hf", bad, "--out", tmp_path / "out")
+    one_line_error(rc, err, "rope_scaling.type")
+    assert not (tmp_path / "out").exists()
+
+
+def test_mistral_window_wider_than_the_context_is_full_attention():
+    hf = _hf_dict("mistral")
+    hf["sliding_window"] = 64  # == max_position_embeddings: never narrower than a sequence
+    assert config_from_hf(hf).sliding_window == 0
+    hf["sliding_window"] = None
+    assert config_from_hf(hf).sliding_window == 0
+
+
+@pytest.mark.parametrize("name,cls", [("llama3-8b", "LlamaConfig"), ("qwen2.5-7b", "Qwen2Config"), ("qwen3-8b", "Qwen3Config")])
+def test_family_presets_count_what_transformers_counts(name, cls):
+    """The presets' real shapes: our closed-form count equals transformers' num_parameters() of the
+    model built from the exported config.json on the meta device (no memory, no download)."""
+    from mspretrain.model.hf import config_to_hf
+
+    m = preset(name)
+    hc = getattr(transformers, cls).from_dict(config_to_hf(m))
+    with torch.device("meta"):
+        n_hf = transformers.AutoModelForCausalLM.from_config(hc).num_parameters()
+    assert param_count(m) == n_hf
+    assert config_from_hf(config_to_hf(m)) == m
+
+
+def test_qwen25_910b_recipe_plans_within_52_gb():
+    """configs/qwen2.5-7b-zh-continue-910b.toml: Qwen2.5-7B's real shape (= the preset, 7,615,616,512
+    parameters with the 152,064 x 3584 embedding and lm_head) plans <= 52 GB per device on 8 x 910B."""
+    from mspretrain import config as cfgmod
+    from mspretrain.ops.plan import make_plan
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "qwen2.5-7b-zh-continue-910b.toml"
+    cfg = cfgmod.load(path)
+    assert cfg.model == replace(preset("qwen2.5-7b"), max_seq_len=cfg.model.max_seq_len)
+    plan = make_plan(cfg, devices=8, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    assert plan["params"] == 7_615_616_512 and not plan["warnings"]
+    assert plan["memory_bytes"]["peak"] <= 52 * 2**30, plan["memory_bytes"]["peak"] / 2**30
+    # the frozen embedding and lm_head are still held: the weights count them
+    assert plan["trained_params"] == plan["params"] - 2 * 152064 * 3584
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3-8b", "llama3-8b"])
+def test_plan_model_presets(name, capsys):
+    rc, out, err = cli(capsys, "plan", "--model", name, "--devices", "8", "--tokens", "1e9")
+    assert rc == 0, err
+    assert f"{param_count(preset(name)):,}" in out
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3-8b", "llama3-8b"])
+def test_mfu_counts_the_family_matmuls(name):
+    """MFU's matmul parameters are the 2-D weights of param_shapes (q width n_heads x head_dim, the
+    lm_head once whether tied or not, the embedding gather not): biases and QK-norm are not matmuls."""
+    import math
+
+    from mspretrain.model.presets import param_shapes
+    from mspretrain.monitor.mfu import flops_per_token, matmul_params
+
+    m = preset(name)
+    mats = sum(math.prod(s) for n, s in param_shapes(m) if len(s) == 2 and n != "embed.weight")
+    assert matmul_params(m) == mats + (m.vocab_size * m.dim if m.tie_embeddings else 0)
+    tied = replace(m, tie_embeddings=True)
+    assert matmul_params(tied) == matmul_params(m)  # the lm_head matmul runs either way
+    assert flops_per_token(m, 4096) == 6 * mats + 12 * m.n_layers * m.n_heads * m.head_size * 4096
+    # Qwen3-0.6B's shape: head_dim 128 with dim 1024 and 16 heads, q width 2048 != dim
+    small = replace(preset("qwen3-8b"), dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+                    tie_embeddings=True)
+    assert matmul_params(small) == sum(math.prod(s) for n, s in param_shapes(small) if len(s) == 2)
