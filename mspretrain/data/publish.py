@@ -20,6 +20,7 @@ import numpy as np
 
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
+from mspretrain.data import dedup
 from mspretrain.data.clean import Cleaner
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.origin import RECORD, origin_name, read_records
@@ -81,10 +82,23 @@ def build_manifest(work: Path, cfg: PrepareConfig, stats: SourceStats, sink: Sin
         "special_ids": tok.special_ids(),
         "tokenizer": {"file": tok.path.name, **tok_info},
         "tokenizer_sha256": tok.sha256(),
+        "dedup": dedup_info(cfg),
         "split": {"valid_fraction": cfg.valid_fraction, "seed": cfg.seed,
                   "method": "valid if blake2b(document key, key=seed) / 2^64 < valid_fraction"},
         "fingerprint": data_fingerprint(work),
     }
+
+
+def dedup_info(cfg: PrepareConfig) -> dict:
+    """How duplicates were found (`diskdedup`): near-duplicate candidates are LSH bucket
+    collisions at the threshold, not re-checked with an exact Jaccard similarity."""
+    near = None
+    if cfg.near_dedup:
+        bands, rows = dedup.lsh_params(cfg.near_dedup_threshold)
+        near = {"method": "MinHash LSH over character 5-grams, first kept document in input order wins",
+                "threshold": cfg.near_dedup_threshold, "num_perm": dedup.NUM_PERM, "bands": bands, "rows": rows,
+                "jaccard_verified": False}
+    return {"exact": "blake2b-128 of the cleaned text, first occurrence in input order kept", "near": near}
 
 
 def input_tokens(stats: SourceStats, sink: Sink) -> list[dict]:

@@ -116,13 +116,20 @@ def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLine
            "dropped": dict(cleaner.dropped), "keys": keys,
            "chars": np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)),
            "u": dedup.split_numbers(keys, cfg.seed),
-           "sigs": dedup.signatures(texts, cfg.seed) if cfg.near_dedup else None, "raw": raw, "origin": origin}
+           "bands": _bands(texts, cfg) if cfg.near_dedup else None, "raw": raw, "origin": origin}
     if _W["tok"] is not None:
         out["tokens"], out["lengths"] = _encode(texts)
         out["fallback"] = byte_fallback_counts(out["tokens"], out["lengths"])
     else:
         out["texts"] = texts
     return out
+
+
+def _bands(texts: list[str], cfg: PrepareConfig) -> np.ndarray:
+    """LSH band keys (n, bands) of the texts' MinHash signatures: 8 bytes per band go to the main
+    process instead of the 512-byte signature (`diskdedup`)."""
+    bands, rows = dedup.lsh_params(cfg.near_dedup_threshold)
+    return dedup.band_keys(dedup.signatures(texts, cfg.seed), bands, rows)
 
 
 def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
