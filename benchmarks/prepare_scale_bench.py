@@ -11,8 +11,8 @@ copy of an earlier original document (never of another copy):
   shorter than 80 characters are not used as near sources (one edit would move them under it).
 
 For each size it runs `prepare(..., tokenizer=T, workers=W)` with near dedup off and on, in a
-child process each (so peak RSS is that run's alone), and prints wall time, peak RSS of the
-whole process tree (the main process plus its workers, sampled every 50 ms from /proc), bytes
+child process each (so peak RSS is that run's alone), and prints wall time, peak RSS and PSS of
+the whole process tree (the main process plus its workers, summed, sampled every 50 ms), bytes
 of RSS per document between consecutive sizes, and recall / precision of the dropped documents
 against the planted ones (from the origin index: which input lines reached the shards).
 
@@ -113,22 +113,25 @@ def build_corpus(path: Path, n_docs: int, exact_rate: float, near_rate: float, s
     return {k: np.asarray(v, dtype=np.int64) for k, v in planted.items()}
 
 
-def tree_rss(pid: int) -> int:
-    """RSS in bytes of a process and all its descendants (the prepare workers)."""
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) in bytes, summed over a process and all its descendants (the prepare workers).
+    The RSS sum counts pages the forked workers share with the main process once per process;
+    PSS splits them, so its sum is what the tree really holds."""
     import psutil
 
     try:
         p = psutil.Process(pid)
         procs = [p, *p.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return 0, 0
+    rss = pss = 0
     for q in procs:
         try:
-            total += q.memory_info().rss
-        except psutil.NoSuchProcess:
+            m = q.memory_full_info()
+            rss, pss = rss + m.rss, pss + m.pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    return total
+    return rss, pss
 
 
 def run_prepare(corpus: Path, tok: Path, out: Path, workers: int, near: bool) -> dict:
@@ -138,15 +141,16 @@ def run_prepare(corpus: Path, tok: Path, out: Path, workers: int, near: bool) ->
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_v="3")
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    peak = 0
+    peak = peak_pss = 0
     while proc.poll() is None:
-        peak = max(peak, tree_rss(proc.pid))
+        rss, pss = tree_memory(proc.pid)
+        peak, peak_pss = max(peak, rss), max(peak_pss, pss)
         time.sleep(0.05)
     wall = time.time() - t0
     output = proc.stdout.read().decode("utf-8", "replace")
     if proc.returncode:
         raise SystemExit(f"prepare failed ({proc.returncode}):\n{output}")
-    return {"wall": wall, "peak_rss": peak, "manifest": json.loads((out / "manifest.json").read_text(encoding="utf-8"))}
+    return {"wall": wall, "peak_rss": peak, "peak_pss": peak_pss, "manifest": json.loads((out / "manifest.json").read_text(encoding="utf-8"))}
 
 
 def line_starts(path: Path) -> np.ndarray:
@@ -219,7 +223,8 @@ def main() -> None:
             q = quality(out, starts, planted)
             m = r["manifest"]
             row = {"docs": n, "near": mode, "wall_s": round(r["wall"], 1), "docs_per_s": round(n / r["wall"]),
-                   "peak_rss_mb": round(r["peak_rss"] / 2**20), "dropped": m["dropped"], "load": round(os.getloadavg()[0], 2), **q}
+                   "peak_rss_mb": round(r["peak_rss"] / 2**20), "peak_pss_mb": round(r["peak_pss"] / 2**20),
+                   "dropped": m["dropped"], "load": round(os.getloadavg()[0], 2), **q}
             rows.append(row)
             print(json.dumps(row), flush=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -228,8 +233,9 @@ def main() -> None:
     for mode in args.modes.split(","):
         rs = [r for r in rows if r["near"] == mode]
         for a, b in zip(rs, rs[1:]):
-            slope = (b["peak_rss_mb"] - a["peak_rss_mb"]) * 2**20 / (b["docs"] - a["docs"])
-            print(f"near {mode}: RSS slope {a['docs']:,} -> {b['docs']:,} documents: {slope:.2f} B/doc")
+            for key in ("peak_rss_mb", "peak_pss_mb"):
+                slope = (b[key] - a[key]) * 2**20 / (b["docs"] - a["docs"])
+                print(f"near {mode}: {key[5:8].upper()} slope {a['docs']:,} -> {b['docs']:,} documents: {slope:.2f} B/doc")
     for n in sorted({r["docs"] for r in rows}):
         on = [r for r in rows if r["docs"] == n and r["near"] == "on"]
         off = [r for r in rows if r["docs"] == n and r["near"] == "off"]

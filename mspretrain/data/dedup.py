@@ -153,14 +153,14 @@ def _fmix32(h: np.ndarray) -> np.ndarray:
     return h ^ (h >> np.uint32(16))
 
 
-def signatures(texts: list[str], seed: int, num_perm: int = NUM_PERM) -> np.ndarray:
+def signatures(texts: list[str], seed: int, num_perm: int = NUM_PERM, perms: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """MinHash signatures, shape (len(texts), num_perm), uint32.
 
     The same numbers as `datasketch.MinHash(num_perm, seed, hashfunc=shingle_hash)` updated
     with `shingles(text)`, computed for a whole chunk of documents at once in numpy
     (datasketch's per-document Python work was ~50x slower here).
     """
-    a, b = _permutations(seed, num_perm)
+    a, b = perms if perms is not None else _permutations(seed, num_perm)  # `perms`: given, as in the workers
     if not texts:
         return np.empty((0, num_perm), dtype=np.uint32)
     hv, counts = _shingle_hashes(texts)

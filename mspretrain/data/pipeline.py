@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import clean, sources
+from mspretrain.data import clean, dedup, sources
 from mspretrain.data.diskdedup import ChunkSpool, DiskDedup
 from mspretrain.data.origin import RECORD, OriginWriter, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, ordered, start_pool
@@ -99,7 +99,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     dd = DiskDedup(work / "dedup.tmp", total_bytes, cfg.near_dedup, cfg.near_dedup_threshold)
     spool = ChunkSpool(work / "pass1.tmp")
     bar = progress_bar(progress, total_bytes, "clean" if given is None else "clean+tokenize")
-    pool = start_pool(workers, init_worker, (cfg, str(tok_path) if given is not None else None, dtype.name), warm_up=clean.warm_up)
+    lsh = (dd.bands, dd.rows, *dedup._permutations(cfg.seed, dedup.NUM_PERM)) if cfg.near_dedup else None
+    pool = start_pool(workers, init_worker, (cfg, str(tok_path) if given is not None else None, dtype.name, lsh), warm_up=clean.warm_up)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names)

@@ -11,6 +11,7 @@ Design choices:
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -114,17 +115,45 @@ def input_tokens(stats: SourceStats, sink: Sink) -> list[dict]:
     return out
 
 
+FORMAT = "mspretrain-data/1"  # every prepare has written it: what tells its manifest from others'
+# Written into `out` before a file-by-file publish starts, removed after it ends: the names the
+# old and the new data dir own. A kill in between leaves it, and the rerun knows what it may replace.
+JOURNAL = ".mspretrain-prepare-publish.json"
+
+
+def _names(listed: object) -> set[str] | None:
+    if isinstance(listed, list) and all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in listed):
+        return set(listed)
+    return None
+
+
+def is_ours(manifest: object) -> bool:
+    """A manifest that prepare wrote: a JSON object with prepare's `format`. A checkpoint's,
+    an export's or a user's manifest.json is not (any manifest without `outputs` once was)."""
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+def _journal(out: Path) -> set[str] | None:
+    try:
+        return _names(json.loads((out / JOURNAL).read_text(encoding="utf-8")).get("owned"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def owned(out: Path) -> set[str]:
     """Names in `out` that a previous prepare wrote (its manifest's `outputs`; older manifests
-    predate that key and get the fixed set prepare has always written). No readable manifest: none."""
+    predate that key and get the fixed set prepare has always written), plus those of a publish
+    a kill interrupted (`JOURNAL`). No manifest of prepare's and no journal: none."""
+    names = set(_journal(out) or ())
+    if names:
+        names.add(JOURNAL)
     try:
         m = read_manifest(out, required={})
     except UserError:
-        return set()
-    listed = m.get("outputs")
-    if isinstance(listed, list) and all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in listed):
-        return set(listed)
-    return set(OUR_FILES)
+        return names
+    if not is_ours(m):
+        return names
+    return names | (_names(m.get("outputs")) or set(OUR_FILES))
 
 
 def check_out(out: Path, overwrite: bool, inputs: list[Path]) -> None:
@@ -138,15 +167,26 @@ def check_out(out: Path, overwrite: bool, inputs: list[Path]) -> None:
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"output dir {out} already exists and is not empty", "pass --overwrite to replace it, or choose another --out")
-        if not DataPaths(out).manifest.is_file():
+        interrupted = _journal(out) is not None  # a publish killed halfway: the rerun repairs it
+        if not DataPaths(out).manifest.is_file() and not interrupted:
             raise UserError(f"output dir {out} holds files that prepare did not write (it has no manifest.json); refusing to replace it",
                             "choose a new --out directory (or empty this one yourself)")
+        if DataPaths(out).manifest.is_file() and not interrupted and not is_ours(_read_json_or_none(DataPaths(out).manifest)):
+            raise UserError(f"output dir {out} holds a manifest.json that prepare did not write (no \"format\": \"{FORMAT}\"); "
+                            "refusing to replace it", "choose a new --out directory: --overwrite only replaces a data dir prepare wrote")
         # Files prepare did not write stay where they are; one with the name of an output would
         # have to be replaced, so that is refused.
         clash = sorted(n for n in OUR_FILES | NEW_FILES if (out / n).exists() and n not in owned(out))
         if clash:
             raise UserError(f"output dir {out} holds {clash[0]}, which no earlier prepare wrote (no manifest lists it); refusing to replace it",
                             "move that file elsewhere, or choose a new --out directory")
+
+
+def _read_json_or_none(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def fsync_all(paths: list[Path]) -> None:
@@ -174,17 +214,25 @@ def publish(work: Path, out: Path) -> None:
         return
     # Others' files live here too: replace ours file by file. The old manifest goes first and
     # the new one comes last, so a crash in between leaves a dir that is not a data dir (the
-    # loader refuses it) rather than a mix that looks finished.
+    # loader refuses it) rather than a mix that looks finished. The journal, written first and
+    # removed last, lets the same command rerun after such a crash (`check_out`, `owned`).
     manifest = DataPaths(out).manifest.name
+    new = {p.name for p in work.iterdir()}
+    journal = out / JOURNAL
+    tmp = out / (JOURNAL + ".tmp")
+    tmp.write_text(json.dumps({"owned": sorted(ours | new)}) + "\n", encoding="utf-8")
+    fsync_path(tmp)
+    os.replace(tmp, journal)
     (out / manifest).unlink(missing_ok=True)
     fsync_path(out)
-    new = {p.name for p in work.iterdir()}
-    for name in sorted(ours - new):
+    for name in sorted(ours - new - {JOURNAL}):
         if (out / name).is_file():
             (out / name).unlink()
     for name in sorted(new - {manifest}):
         os.replace(work / name, out / name)
     fsync_path(out)
     os.replace(work / manifest, out / manifest)
+    fsync_path(out)
+    journal.unlink()
     fsync_path(out)
     shutil.rmtree(work, ignore_errors=True)
