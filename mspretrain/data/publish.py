@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import shutil
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from mspretrain.data import dedup
 from mspretrain.data.clean import Cleaner
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.origin import RECORD, origin_name, read_records
-from mspretrain.data.shards import IndexedDataset, data_fingerprint
+from mspretrain.data.shards import DTYPE_CODES, HEADER_SIZE, MAGIC, data_fingerprint
 from mspretrain.data.sink import Sink
 from mspretrain.data.sources import SourceStats
 from mspretrain.data.tokenizer import Tokenizer
@@ -44,8 +45,9 @@ def build_manifest(work: Path, cfg: PrepareConfig, stats: SourceStats, sink: Sin
                    tok_info: dict, dtype: np.dtype) -> dict:
     """The manifest of the shards in `work`, checked against what the sink counted. `prepare`
     adds the keys that depend on its arguments (inputs, warnings, seq_len, outputs)."""
-    tokens = {s: int(IndexedDataset(work / s).n_tokens) for s in SPLITS}
-    docs = {s: len(IndexedDataset(work / s)) for s in SPLITS}
+    counted = {s: _shard_counts(work / s) for s in SPLITS}
+    tokens = {s: counted[s][1] for s in SPLITS}
+    docs = {s: counted[s][0] for s in SPLITS}
     if docs != sink.docs:
         raise AssertionError(f"shards hold {docs} documents, the sink counted {sink.docs}")
     origins = {s: int(read_records(work / origin_name(s)).size) for s in SPLITS}
@@ -88,6 +90,24 @@ def build_manifest(work: Path, cfg: PrepareConfig, stats: SourceStats, sink: Sin
                   "method": "valid if blake2b(document key, key=seed) / 2^64 < valid_fraction"},
         "fingerprint": data_fingerprint(work),
     }
+
+
+def _shard_counts(prefix: Path) -> tuple[int, int]:
+    """(documents, tokens) of a shard pair, read from its index with plain reads in blocks: the
+    check `IndexedDataset` makes, without mapping the whole index into this process's memory."""
+    idx = Path(str(prefix) + ".idx")
+    with open(idx, "rb") as f:
+        head = f.read(HEADER_SIZE)
+        n = struct.unpack_from("<Q", head, len(MAGIC) + 9)[0]
+        left, tokens = n, 0
+        while left:
+            chunk = np.frombuffer(f.read(4 * min(left, 1 << 20)), dtype=np.int32)
+            tokens += int(chunk.sum(dtype=np.int64))
+            left -= chunk.size
+    size = Path(str(prefix) + ".bin").stat().st_size
+    if size != tokens * np.dtype(DTYPE_CODES[head[len(MAGIC) + 8]]).itemsize:
+        raise AssertionError(f"{prefix}.bin holds {size} bytes for {tokens} tokens")
+    return int(n), tokens
 
 
 def dedup_info(cfg: PrepareConfig) -> dict:
