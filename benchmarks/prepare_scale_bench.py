@@ -212,8 +212,13 @@ def main() -> None:
     rows = []
     for n in [size(x) for x in args.sizes.split(",")]:
         corpus = root / f"corpus_{n}.txt"
+        marks = root / f"planted_{n}_{args.exact_rate}_{args.near_rate}.npz"
         t0 = time.time()
-        planted = build_corpus(corpus, n, args.exact_rate, args.near_rate)
+        if args.keep and corpus.exists() and marks.exists():  # the same seed and rates: the same corpus
+            planted = dict(np.load(marks))
+        else:
+            planted = build_corpus(corpus, n, args.exact_rate, args.near_rate)
+            np.savez(marks, **planted)
         print(f"{n:,} documents: corpus {corpus.stat().st_size / 1e9:.2f} GB built in {time.time() - t0:.0f} s; "
               f"planted {planted['exact'].size:,} exact, {planted['near'].size:,} near")
         starts = line_starts(corpus)
@@ -228,7 +233,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             shutil.rmtree(out, ignore_errors=True)
-        corpus.unlink()
+        if not args.keep:
+            corpus.unlink()
     print("\nsummary")
     for mode in args.modes.split(","):
         rs = [r for r in rows if r["near"] == mode]
