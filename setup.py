@@ -1,10 +1,13 @@
 """Only the optional C extension lives here; everything else is in pyproject.toml.
 
 `mspretrain.data._bpe` is a faster SentencePiece BPE encoder for `prepare` (see its header).
-It is optional: without a C compiler the install still succeeds and `prepare` uses
-SentencePiece's own encoder, with the same output.
+`mspretrain.data._minhash` computes near dedup's MinHash signatures (see its header).
+Both are optional: without a C compiler the install still succeeds and `prepare` uses
+SentencePiece's own encoder and numpy's MinHash, with the same output.
 """
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("mspretrain.data._bpe", ["mspretrain/data/_bpe.c"], optional=True,
+                             extra_compile_args=["-O3", "-std=c99"]),
+                   Extension("mspretrain.data._minhash", ["mspretrain/data/_minhash.c"], optional=True,
                              extra_compile_args=["-O3", "-std=c99"])])

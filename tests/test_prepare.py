@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -329,6 +330,67 @@ def test_existing_output_is_refused_unless_overwrite(raw, prepared, tmp_path, ca
     (copy / "train.bin").write_bytes(b"garbage")
     assert main([*args, "--out", str(copy), "--overwrite"]) == 0
     assert (copy / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_refuses_a_manifest_prepare_did_not_write(raw, tmp_path, capsys):
+    # issue 33: a checkpoint dir has a manifest.json without `outputs`; it was taken for an old
+    # prepare's and its manifest and tokenizer replaced.
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text(json.dumps({"files": {"model.safetensors": {"sha256": "ab", "size": 3}}}))
+    (ckpt / "tokenizer.model").write_bytes(b"the run's tokenizer")
+    (ckpt / "model.safetensors").write_bytes(b"abc")
+    before = _tree(tmp_path)
+    rc, _, err = run_cli(capsys, raw, "--out", ckpt, "--vocab-size", "500", "--overwrite")
+    assert rc == 2 and "manifest.json that prepare did not write" in err
+    assert _tree(tmp_path) == before and sorted(p.name for p in ckpt.parent.iterdir()) == ["step_000010"]
+
+
+def test_a_publish_killed_halfway_is_repaired_by_the_same_command(raw, tmp_path, monkeypatch):
+    # issue 33: the file-by-file publish (a user's file lives in the data dir) removes the old
+    # manifest first; a kill after that left a dir that every rerun refused.
+    from mspretrain.data import publish as pub
+
+    cfg = replace(CFG, valid_fraction=0.2)
+    ref = prepare([str(raw)], tmp_path / "ref", cfg, workers=1, **QUIET)
+    out = tmp_path / "data"
+    prepare([str(raw)], out, CFG, workers=1, **QUIET)
+    (out / "notes.txt").write_text("mine")
+    real = pub.os.replace
+    for kill_at in (2, 4, 9):  # after the journal, mid-way through the files, before the journal goes
+        calls = []
+
+        def replace_then_die(a, b, _calls=calls, _at=kill_at):
+            _calls.extend([1] if Path(b).parent == out else [])  # the renames into the data dir
+            if len(_calls) == _at:
+                raise KeyboardInterrupt  # as a kill: nothing after this line runs
+            real(a, b)
+
+        monkeypatch.setattr(pub.os, "replace", replace_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            prepare([str(raw)], out, CFG, workers=1, overwrite=True, **QUIET)
+        monkeypatch.setattr(pub.os, "replace", real)
+        assert (out / pub.JOURNAL).exists() and not (out / "manifest.json").exists(), (kill_at, sorted(p.name for p in out.iterdir()))
+        m = prepare([str(raw)], out, cfg, workers=1, overwrite=True, **QUIET)
+        assert m["fingerprint"] == ref["fingerprint"] and (out / "notes.txt").read_text() == "mine"
+        assert not (out / pub.JOURNAL).exists()
+        for name in ("train.bin", "valid.idx", "tokenizer.model"):
+            assert (out / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+
+
+def test_a_file_name_that_is_not_utf8_is_refused_before_any_work(tmp_path, capsys):
+    # issue 33: prepare crashed after all its work, writing the manifest
+    d = tmp_path / "in"
+    d.mkdir()
+    bad = os.fsdecode(bytes(d) + b"/\xff\xfenews.txt")
+    Path(bad).write_text("\n\n".join(make_poems(50, seed=2)), encoding="utf-8")
+    rc, _, err = run_cli(capsys, d, "--out", tmp_path / "out", "--vocab-size", "400")
+    assert rc == 2 and "not valid UTF-8" in err and "\\xff\\xfenews.txt" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
 
 # --------------------------------------------------------------------------- bad inputs via the CLI

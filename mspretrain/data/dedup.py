@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 
 import numpy as np
 
@@ -122,6 +123,19 @@ def _shingle_hashes(texts: list[str], k: int = SHINGLE) -> tuple[np.ndarray, np.
     return (hashes & np.uint64(0xFFFFFFFF)).astype(np.uint32), counts
 
 
+@functools.lru_cache(maxsize=1)
+def _c_minhash():
+    """The C MinHash (optional extension), or None: then numpy computes the same signatures.
+    `MSPRETRAIN_MINHASH=numpy` switches it off (the tests compare both paths)."""
+    if os.environ.get("MSPRETRAIN_MINHASH") == "numpy":
+        return None
+    try:
+        from mspretrain.data import _minhash
+    except ImportError:
+        return None
+    return _minhash
+
+
 @functools.lru_cache(maxsize=4)
 def _permutations(seed: int, num_perm: int) -> tuple[np.ndarray, np.ndarray]:
     from datasketch import MinHash
@@ -139,18 +153,23 @@ def _fmix32(h: np.ndarray) -> np.ndarray:
     return h ^ (h >> np.uint32(16))
 
 
-def signatures(texts: list[str], seed: int, num_perm: int = NUM_PERM) -> np.ndarray:
+def signatures(texts: list[str], seed: int, num_perm: int = NUM_PERM, perms: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """MinHash signatures, shape (len(texts), num_perm), uint32.
 
     The same numbers as `datasketch.MinHash(num_perm, seed, hashfunc=shingle_hash)` updated
     with `shingles(text)`, computed for a whole chunk of documents at once in numpy
     (datasketch's per-document Python work was ~50x slower here).
     """
-    a, b = _permutations(seed, num_perm)
+    a, b = perms if perms is not None else _permutations(seed, num_perm)  # `perms`: given, as in the workers
     if not texts:
         return np.empty((0, num_perm), dtype=np.uint32)
     hv, counts = _shingle_hashes(texts)
     hv = _fmix32(hv)
+    fast = _c_minhash()
+    if fast is not None:  # the same numbers in one pass (mspretrain/data/_minhash.c)
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        raw = fast.signatures(np.ascontiguousarray(hv), bounds, np.ascontiguousarray(a), np.ascontiguousarray(b))
+        return np.frombuffer(raw, dtype=np.uint32).reshape(len(texts), num_perm)
     starts = np.cumsum(counts) - counts
     out = np.empty((len(texts), num_perm), dtype=np.uint32)
     lo = 0
@@ -160,6 +179,26 @@ def signatures(texts: list[str], seed: int, num_perm: int = NUM_PERM) -> np.ndar
         out[lo:hi] = np.minimum.reduceat(block, starts[lo:hi] - starts[lo], axis=1).T  # (docs, num_perm)
         lo = hi
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def lsh_params(threshold: float, num_perm: int = NUM_PERM) -> tuple[int, int]:
+    """(bands, rows per band) that datasketch's `MinHashLSH(threshold, num_perm)` picks."""
+    from datasketch.lsh import _optimal_param
+
+    return _optimal_param(threshold, num_perm, 0.5, 0.5)
+
+
+def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """(n, bands) uint64: a hash of each LSH band's `rows` MinHash values and the band's number
+    (datasketch's bands are `sig[i * rows: (i + 1) * rows]`); see `diskdedup` on collisions."""
+    n = sigs.shape[0]
+    v = sigs[:, : bands * rows].astype(np.uint64).reshape(n, bands, rows)
+    with np.errstate(over="ignore"):
+        h = np.broadcast_to(_splitmix64(np.arange(1, bands + 1, dtype=np.uint64)), (n, bands)).copy()
+        for j in range(rows):
+            h = _splitmix64(h * _P + v[:, :, j])
+    return h
 
 
 class ExactDedup:

@@ -11,6 +11,7 @@ so the output is byte-identical whatever the number of workers.
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections import deque
@@ -21,7 +22,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import clean, sources
+from mspretrain.data import clean, dedup, sources
+from mspretrain.data.diskdedup import ChunkSpool, DiskDedup
 from mspretrain.data.origin import RECORD, OriginWriter, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, ordered, start_pool
 from mspretrain.data.publish import build_manifest
@@ -93,24 +95,39 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     spools = None if given is not None else {s: Spool(work / f"{s}.spool") for s in SPLITS}
     origins = {s: OriginWriter(work / origin_name(s)) for s in SPLITS}
     sink = Sink(cfg, writers if given is not None else spools, 0 if given is not None else cfg.tokenizer_sample_chars, origins)
+    # Dedup state on disk (`diskdedup`): ~24 bytes per document for exact keys, ~16 per LSH band.
+    dd = DiskDedup(work / "dedup.tmp", total_bytes, cfg.near_dedup, cfg.near_dedup_threshold)
+    spool = ChunkSpool(work / "pass1.tmp")
     bar = progress_bar(progress, total_bytes, "clean" if given is None else "clean+tokenize")
-    pool = start_pool(workers, init_worker, (cfg, str(tok_path) if given is not None else None, dtype.name), warm_up=clean.warm_up)
+    lsh = (dd.bands, dd.rows, *dedup._permutations(cfg.seed, dedup.NUM_PERM)) if cfg.near_dedup else None
+    pool = start_pool(workers, init_worker, (cfg, str(tok_path) if given is not None else None, dtype.name, lsh), warm_up=clean.warm_up)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names)
         for result in ordered(pool, clean_chunk, chunks_with_origin(docs), in_flight):
             if result["raw"] is not None:
                 sources.count_raw(stats, *result["raw"])
-            sink.take(result)
-        sources.report_raw_files(stats, warn)
-        warnings = sink.finish()
-        for o in origins.values():
-            o.close()
+            dd.add(result["keys"], result.pop("bands"))
+            spool.add(result)
+        spool.close()
     finally:
         if pool is not None:
             pool.terminate()
         if bar is not None:
             bar.close()
+    sources.report_raw_files(stats, warn)
+    t1 = time.time()
+    dd.resolve()
+    log(f"dedup: {dd.n:,} cleaned documents decided on disk ({time.time() - t1:.1f} s)")
+    done = 0
+    for result in spool.read():  # pass 1's results again, now with their fate known
+        n = len(result["chars"])
+        sink.take(result, *dd.dropped(done, done + n))
+        done += n
+    shutil.rmtree(dd.root, ignore_errors=True)
+    warnings = sink.finish()
+    for o in origins.values():
+        o.close()
     for w in warnings:
         warn(w)
     if sink.docs["train"] + sink.docs["valid"] == 0 and stats.files == 0:

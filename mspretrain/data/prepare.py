@@ -27,6 +27,19 @@ from mspretrain.errors import UserError
 from mspretrain.paths import SPLITS, DataPaths
 
 
+def check_names(names: list[str]) -> None:
+    """Refuse, before any work, a path whose name is not valid UTF-8 (Python keeps its bytes as
+    lone surrogates): the manifest, which is UTF-8 JSON and names every input, could not hold it,
+    and prepare used to crash only after all its work."""
+    for name in names:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise UserError(f"the file name '{shown}' is not valid UTF-8, so the manifest cannot record it",
+                            "rename it to UTF-8 (e.g. `convmv -f gbk -t utf-8 --notest FILE`), or move it out of the inputs") from None
+
+
 def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, tokenizer: str | None = None,
             overwrite: bool = False, workers: int | None = None, progress: bool = False,
             log: Callable[[str], None] = print, seq_len: int | None = None) -> dict:
@@ -46,6 +59,7 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     stats = sources.SourceStats()
     named = sources.discover_named(inputs, stats)
     paths = [p for p, _ in named]
+    check_names([*inputs, *(str(p) for p in paths), *(n for _, n in named), str(out)])
     check_out(out, overwrite, paths)
     given = Tokenizer.load(tokenizer) if tokenizer else None
     if given is not None and given.eos_id < 0:

@@ -11,8 +11,10 @@ Design choices:
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,10 +22,11 @@ import numpy as np
 
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
+from mspretrain.data import dedup
 from mspretrain.data.clean import Cleaner
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.origin import RECORD, origin_name, read_records
-from mspretrain.data.shards import IndexedDataset, data_fingerprint
+from mspretrain.data.shards import DTYPE_CODES, HEADER_SIZE, MAGIC, data_fingerprint
 from mspretrain.data.sink import Sink
 from mspretrain.data.sources import SourceStats
 from mspretrain.data.tokenizer import Tokenizer
@@ -42,8 +45,9 @@ def build_manifest(work: Path, cfg: PrepareConfig, stats: SourceStats, sink: Sin
                    tok_info: dict, dtype: np.dtype) -> dict:
     """The manifest of the shards in `work`, checked against what the sink counted. `prepare`
     adds the keys that depend on its arguments (inputs, warnings, seq_len, outputs)."""
-    tokens = {s: int(IndexedDataset(work / s).n_tokens) for s in SPLITS}
-    docs = {s: len(IndexedDataset(work / s)) for s in SPLITS}
+    counted = {s: _shard_counts(work / s) for s in SPLITS}
+    tokens = {s: counted[s][1] for s in SPLITS}
+    docs = {s: counted[s][0] for s in SPLITS}
     if docs != sink.docs:
         raise AssertionError(f"shards hold {docs} documents, the sink counted {sink.docs}")
     origins = {s: int(read_records(work / origin_name(s)).size) for s in SPLITS}
@@ -81,10 +85,41 @@ def build_manifest(work: Path, cfg: PrepareConfig, stats: SourceStats, sink: Sin
         "special_ids": tok.special_ids(),
         "tokenizer": {"file": tok.path.name, **tok_info},
         "tokenizer_sha256": tok.sha256(),
+        "dedup": dedup_info(cfg),
         "split": {"valid_fraction": cfg.valid_fraction, "seed": cfg.seed,
                   "method": "valid if blake2b(document key, key=seed) / 2^64 < valid_fraction"},
         "fingerprint": data_fingerprint(work),
     }
+
+
+def _shard_counts(prefix: Path) -> tuple[int, int]:
+    """(documents, tokens) of a shard pair, read from its index with plain reads in blocks: the
+    check `IndexedDataset` makes, without mapping the whole index into this process's memory."""
+    idx = Path(str(prefix) + ".idx")
+    with open(idx, "rb") as f:
+        head = f.read(HEADER_SIZE)
+        n = struct.unpack_from("<Q", head, len(MAGIC) + 9)[0]
+        left, tokens = n, 0
+        while left:
+            chunk = np.frombuffer(f.read(4 * min(left, 1 << 20)), dtype=np.int32)
+            tokens += int(chunk.sum(dtype=np.int64))
+            left -= chunk.size
+    size = Path(str(prefix) + ".bin").stat().st_size
+    if size != tokens * np.dtype(DTYPE_CODES[head[len(MAGIC) + 8]]).itemsize:
+        raise AssertionError(f"{prefix}.bin holds {size} bytes for {tokens} tokens")
+    return int(n), tokens
+
+
+def dedup_info(cfg: PrepareConfig) -> dict:
+    """How duplicates were found (`diskdedup`): near-duplicate candidates are LSH bucket
+    collisions at the threshold, not re-checked with an exact Jaccard similarity."""
+    near = None
+    if cfg.near_dedup:
+        bands, rows = dedup.lsh_params(cfg.near_dedup_threshold)
+        near = {"method": "MinHash LSH over character 5-grams, first kept document in input order wins",
+                "threshold": cfg.near_dedup_threshold, "num_perm": dedup.NUM_PERM, "bands": bands, "rows": rows,
+                "jaccard_verified": False}
+    return {"exact": "blake2b-128 of the cleaned text, first occurrence in input order kept", "near": near}
 
 
 def input_tokens(stats: SourceStats, sink: Sink) -> list[dict]:
@@ -100,17 +135,45 @@ def input_tokens(stats: SourceStats, sink: Sink) -> list[dict]:
     return out
 
 
+FORMAT = "mspretrain-data/1"  # every prepare has written it: what tells its manifest from others'
+# Written into `out` before a file-by-file publish starts, removed after it ends: the names the
+# old and the new data dir own. A kill in between leaves it, and the rerun knows what it may replace.
+JOURNAL = ".mspretrain-prepare-publish.json"
+
+
+def _names(listed: object) -> set[str] | None:
+    if isinstance(listed, list) and all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in listed):
+        return set(listed)
+    return None
+
+
+def is_ours(manifest: object) -> bool:
+    """A manifest that prepare wrote: a JSON object with prepare's `format`. A checkpoint's,
+    an export's or a user's manifest.json is not (any manifest without `outputs` once was)."""
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+def _journal(out: Path) -> set[str] | None:
+    try:
+        return _names(json.loads((out / JOURNAL).read_text(encoding="utf-8")).get("owned"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def owned(out: Path) -> set[str]:
     """Names in `out` that a previous prepare wrote (its manifest's `outputs`; older manifests
-    predate that key and get the fixed set prepare has always written). No readable manifest: none."""
+    predate that key and get the fixed set prepare has always written), plus those of a publish
+    a kill interrupted (`JOURNAL`). No manifest of prepare's and no journal: none."""
+    names = set(_journal(out) or ())
+    if names:
+        names.add(JOURNAL)
     try:
         m = read_manifest(out, required={})
     except UserError:
-        return set()
-    listed = m.get("outputs")
-    if isinstance(listed, list) and all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in listed):
-        return set(listed)
-    return set(OUR_FILES)
+        return names
+    if not is_ours(m):
+        return names
+    return names | (_names(m.get("outputs")) or set(OUR_FILES))
 
 
 def check_out(out: Path, overwrite: bool, inputs: list[Path]) -> None:
@@ -124,15 +187,26 @@ def check_out(out: Path, overwrite: bool, inputs: list[Path]) -> None:
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"output dir {out} already exists and is not empty", "pass --overwrite to replace it, or choose another --out")
-        if not DataPaths(out).manifest.is_file():
+        interrupted = _journal(out) is not None  # a publish killed halfway: the rerun repairs it
+        if not DataPaths(out).manifest.is_file() and not interrupted:
             raise UserError(f"output dir {out} holds files that prepare did not write (it has no manifest.json); refusing to replace it",
                             "choose a new --out directory (or empty this one yourself)")
+        if DataPaths(out).manifest.is_file() and not interrupted and not is_ours(_read_json_or_none(DataPaths(out).manifest)):
+            raise UserError(f"output dir {out} holds a manifest.json that prepare did not write (no \"format\": \"{FORMAT}\"); "
+                            "refusing to replace it", "choose a new --out directory: --overwrite only replaces a data dir prepare wrote")
         # Files prepare did not write stay where they are; one with the name of an output would
         # have to be replaced, so that is refused.
         clash = sorted(n for n in OUR_FILES | NEW_FILES if (out / n).exists() and n not in owned(out))
         if clash:
             raise UserError(f"output dir {out} holds {clash[0]}, which no earlier prepare wrote (no manifest lists it); refusing to replace it",
                             "move that file elsewhere, or choose a new --out directory")
+
+
+def _read_json_or_none(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def fsync_all(paths: list[Path]) -> None:
@@ -160,17 +234,25 @@ def publish(work: Path, out: Path) -> None:
         return
     # Others' files live here too: replace ours file by file. The old manifest goes first and
     # the new one comes last, so a crash in between leaves a dir that is not a data dir (the
-    # loader refuses it) rather than a mix that looks finished.
+    # loader refuses it) rather than a mix that looks finished. The journal, written first and
+    # removed last, lets the same command rerun after such a crash (`check_out`, `owned`).
     manifest = DataPaths(out).manifest.name
+    new = {p.name for p in work.iterdir()}
+    journal = out / JOURNAL
+    tmp = out / (JOURNAL + ".tmp")
+    tmp.write_text(json.dumps({"owned": sorted(ours | new)}) + "\n", encoding="utf-8")
+    fsync_path(tmp)
+    os.replace(tmp, journal)
     (out / manifest).unlink(missing_ok=True)
     fsync_path(out)
-    new = {p.name for p in work.iterdir()}
-    for name in sorted(ours - new):
+    for name in sorted(ours - new - {JOURNAL}):
         if (out / name).is_file():
             (out / name).unlink()
     for name in sorted(new - {manifest}):
         os.replace(work / name, out / name)
     fsync_path(out)
     os.replace(work / manifest, out / manifest)
+    fsync_path(out)
+    journal.unlink()
     fsync_path(out)
     shutil.rmtree(work, ignore_errors=True)

@@ -55,8 +55,10 @@ class ShardWriter:
         self._bin_tmp = self.prefix.with_name(self.prefix.name + ".bin.tmp")
         self._idx_tmp = self.prefix.with_name(self.prefix.name + ".idx.tmp")
         self._bin = open(self._bin_tmp, "wb")
-        # Lengths are kept as int32 arrays (4 bytes per document), not a list of Python ints.
-        self._lengths: list[np.ndarray] = []
+        # Lengths go to a side file (int32), not memory: `finalize` streams the index from it,
+        # so a writer's memory does not grow with the document count (4-40 bytes per document did).
+        self._len_tmp = self.prefix.with_name(self.prefix.name + ".len.tmp")
+        self._len = open(self._len_tmp, "wb")
         self.tokens = 0
         self.documents = 0
         # the largest token id written (-1: none), for the manifest's `max_token_id`: `train` then
@@ -84,7 +86,7 @@ class ShardWriter:
         self._bin.write(arr.tobytes(order="C"))
         if arr.size:
             self.max_token = max(self.max_token, int(arr.max()))
-        self._lengths.append(np.array([arr.size], dtype=np.int32))
+        self._len.write(np.array([arr.size], dtype=np.int32).tobytes())
         self.tokens += int(arr.size)
         self.documents += 1
 
@@ -108,7 +110,7 @@ class ShardWriter:
         self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         if len(tokens):
             self.max_token = max(self.max_token, int(tokens.max()))
-        self._lengths.append(lengths)
+        self._len.write(lengths.tobytes())
         self.tokens += len(tokens)
         self.documents += int(lengths.size)
 
@@ -120,8 +122,9 @@ class ShardWriter:
         if fsync:
             os.fsync(self._bin.fileno())
         self._bin.close()
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
-        write_index(self._idx_tmp, lengths, self.dtype)
+        self._len.close()
+        write_index_streamed(self._idx_tmp, self._len_tmp, self.dtype)
+        self._len_tmp.unlink()
         if fsync:
             fsync_path(self._idx_tmp)
         # .bin first: an .idx without its .bin is detectably broken, the reverse could look whole.
@@ -131,7 +134,9 @@ class ShardWriter:
     def abort(self) -> None:
         if not self._bin.closed:
             self._bin.close()
-        for p in (self._bin_tmp, self._idx_tmp):
+        if not self._len.closed:
+            self._len.close()
+        for p in (self._bin_tmp, self._idx_tmp, self._len_tmp):
             p.unlink(missing_ok=True)
 
 
@@ -147,6 +152,28 @@ def index_bytes(lengths: np.ndarray, dtype: np.dtype | type) -> bytes:
     header = MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF[dtype])
     header += struct.pack("<Q", n) + struct.pack("<Q", n + 1)
     return header + lengths.tobytes() + pointers.tobytes() + doc_idx.tobytes()
+
+
+def write_index_streamed(path: Path, lengths_path: Path, dtype: np.dtype | type, block: int = 1 << 20) -> None:
+    """`write_index` with the lengths read from a file of int32, `block` documents at a time:
+    the same bytes, in memory bounded by the block whatever the document count."""
+    dtype = np.dtype(dtype)
+    n = lengths_path.stat().st_size // 4
+    header = MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF[dtype])
+    header += struct.pack("<Q", n) + struct.pack("<Q", n + 1)
+    with open(path, "wb") as f, open(lengths_path, "rb") as src:
+        f.write(header)
+        while chunk := src.read(4 * block):  # lengths
+            f.write(chunk)
+        src.seek(0)
+        pos = 0  # byte pointer of the next document
+        while chunk := src.read(4 * block):  # pointers: exclusive cumulative sum of lengths * itemsize
+            sizes = np.frombuffer(chunk, dtype=np.int32).astype(np.int64) * dtype.itemsize
+            ends = np.cumsum(sizes) + pos
+            f.write((ends - sizes).tobytes())
+            pos = int(ends[-1])
+        for lo in range(0, n + 1, block):  # document indices 0..n
+            f.write(np.arange(lo, min(lo + block, n + 1), dtype=np.int64).tobytes())
 
 
 def write_index(path: str | Path, lengths: np.ndarray, dtype: np.dtype | type) -> None:

@@ -1,4 +1,4 @@
-"""The main-process side of `prepare`'s pass 1: dedup, the train/valid split, the tokenizer sample.
+"""The main-process side of `prepare` after pass 1: apply the dedup decisions, the train/valid split, the tokenizer sample.
 
 Design choices:
 - The split is a pure function of (document, seed) (see `dedup.uniforms`). If the hash puts no
@@ -15,7 +15,7 @@ from collections import Counter
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import dedup, sources
+from mspretrain.data import sources
 from mspretrain.data.origin import OriginWriter
 from mspretrain.paths import SPLITS
 
@@ -62,8 +62,6 @@ class Sink:
         self.cfg, self.outs, self.origins = cfg, outs, origins
         self.held_origin: dict = dict.fromkeys(SPLITS)  # the origin of the held document
         self.per_file = FileTally()
-        self.exact = dedup.ExactDedup()
-        self.near = dedup.NearDedup(cfg.near_dedup_threshold, cfg.seed) if cfg.near_dedup else None
         self.changed: Counter = Counter()
         self.dropped: Counter = Counter()
         self.docs_in = self.chars_in = 0
@@ -74,21 +72,19 @@ class Sink:
         self.sample: list = []  # bottom-k heap of (-u, order, text) for the tokenizer
         self.sample_chars, self.sample_budget, self.order = 0, sample_chars, 0
 
-    def take(self, r: dict) -> None:
+    def take(self, r: dict, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
+        """One chunk's result (`workers.clean_chunk`), with the dedup decisions on its documents
+        (`diskdedup.DiskDedup.dropped`: taken after pass 1, over the whole corpus)."""
         self.docs_in += r["docs_in"]
         self.chars_in += r["chars_in"]
         self.changed.update(r["changed"])
         self.dropped.update(r["dropped"])
-        fresh = self.exact.fresh(r["keys"])  # the one per-document step: the dedup indexes
-        kept = np.flatnonzero(np.asarray(fresh, dtype=bool))
-        if kept.size < len(fresh):  # (a Counter keeps zero entries, and the manifest would show them)
-            self.dropped["exact_dup"] += len(fresh) - kept.size
-        if self.near is not None:
-            near = np.asarray([self.near.seen(r["sigs"][i]) for i in kept.tolist()], dtype=bool)
-            if near.any():
-                self.dropped["near_dup"] += int(near.sum())
-            kept = kept[~near]
-        kept = kept.astype(np.int64)
+        # (a Counter keeps zero entries, and the manifest would show them)
+        if exact_dup.any():
+            self.dropped["exact_dup"] += int(exact_dup.sum())
+        if near_dup.any():
+            self.dropped["near_dup"] += int(near_dup.sum())
+        kept = np.flatnonzero(~(exact_dup | near_dup)).astype(np.int64)
         in_valid = r["u"][kept, 0] < self.cfg.valid_fraction
         tokens = r.get("tokens")
         origin = r.get("origin")

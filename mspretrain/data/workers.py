@@ -47,7 +47,9 @@ def _die_with_parent() -> None:
         os._exit(0)  # the parent died before prctl took effect
 
 
-def init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | None) -> None:
+def init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | None, lsh: tuple | None = None) -> None:
+    """`lsh`: (bands, rows, a, b) of near dedup (`dedup.lsh_params`, `dedup._permutations`),
+    computed by the main process: datasketch (and the scipy it imports) stays out of the workers."""
     if mp.parent_process() is not None:
         _die_with_parent()
         # HF tokenizers would start a thread per core in every worker process.
@@ -55,7 +57,7 @@ def init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | Non
         _keep_freed_memory()  # a worker process only: the caller's process keeps its settings
     _W.clear()
     tok = Tokenizer.load(tokenizer_path) if tokenizer_path else None
-    _W.update(cfg=cfg, cleaner=Cleaner(cfg), dtype=dtype, tok=tok,
+    _W.update(cfg=cfg, cleaner=Cleaner(cfg), dtype=dtype, tok=tok, lsh=lsh,
               byte_pieces=byte_piece_table(tok) if tok is not None else None)
 
 
@@ -116,13 +118,22 @@ def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLine
            "dropped": dict(cleaner.dropped), "keys": keys,
            "chars": np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)),
            "u": dedup.split_numbers(keys, cfg.seed),
-           "sigs": dedup.signatures(texts, cfg.seed) if cfg.near_dedup else None, "raw": raw, "origin": origin}
+           "bands": _bands(texts, cfg) if cfg.near_dedup else None, "raw": raw, "origin": origin}
     if _W["tok"] is not None:
         out["tokens"], out["lengths"] = _encode(texts)
         out["fallback"] = byte_fallback_counts(out["tokens"], out["lengths"])
     else:
         out["texts"] = texts
     return out
+
+
+def _bands(texts: list[str], cfg: PrepareConfig) -> np.ndarray:
+    """LSH band keys (n, bands) of the texts' MinHash signatures: 8 bytes per band go to the main
+    process instead of the 512-byte signature (`diskdedup`)."""
+    if _W.get("lsh") is None:
+        _W["lsh"] = (*dedup.lsh_params(cfg.near_dedup_threshold), *dedup._permutations(cfg.seed, dedup.NUM_PERM))
+    bands, rows, a, b = _W["lsh"]
+    return dedup.band_keys(dedup.signatures(texts, cfg.seed, perms=(a, b)), bands, rows)
 
 
 def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,251 @@
+"""Exact and near dedup with their state on disk: memory set by buffer sizes, not by the corpus.
+
+Design choices:
+- Pass 1 only records, per cleaned document (numbered in input order: `idx`), its 128-bit exact
+  key and, with near dedup, its LSH band keys; the decisions are taken after pass 1, and pass 1's
+  chunk results wait in a spool (`ChunkSpool`) until they are known.
+- Records are spilled into `parts` files by the top bits of their key (`Partitions`): every
+  record with a given key lands in the same file, in input order (appends are ordered, and the
+  split into files is a stable sort). Each file is sorted on its own in memory; their number
+  grows with the input's size, so each stays about `PART_BYTES` whatever the corpus.
+- Exact: in a file sorted by key (stable), every record after the first of its key is a
+  duplicate: the first occurrence in input order is kept, as before.
+- Near: the same decisions as datasketch's `MinHashLSH` used greedily in input order (query,
+  then insert if kept), which `prepare` did in memory until now: a document that exact dedup
+  kept is a near duplicate when it shares a band bucket with an earlier document that was kept.
+  Band buckets with two or more members (over the exact-kept documents) are found per file; only
+  their members (idx, bucket) are held, so memory follows the number of near-duplicate
+  candidates, not the corpus. The greedy pass over them, in input order, claims the buckets of
+  each kept document. Candidates are not verified with Jaccard (as before): the manifest says so.
+- A band key is a 64-bit hash of the band's `rows` uint32 MinHash values and the band's number
+  (datasketch compares the values' bytes): two different bands of 128-bit content collide with
+  probability 2^-64, which we accept.
+- Decisions are bitmaps, one bit per cleaned document (125 MB per billion documents).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from mspretrain.data import dedup
+
+PART_BYTES = 64 << 20  # target size of one partition file (sorted in memory, ~3x this at once)
+BUFFER_BYTES = 16 << 20  # records buffered in memory before they are spread over the files
+
+EXACT = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("idx", "<u8")])
+BAND = np.dtype([("key", "<u8"), ("idx", "<u8")])
+
+
+def part_count(expected_bytes: float) -> int:
+    """A power of two of files, so that each holds about PART_BYTES (1 to 4,096)."""
+    n = 1
+    while n < 4096 and expected_bytes / n > PART_BYTES:
+        n *= 2
+    return n
+
+
+class Partitions:
+    """Structured records spilled to `parts` files in `root` by the top bits of their first field."""
+
+    def __init__(self, root: Path, name: str, dtype: np.dtype, parts: int) -> None:
+        self.root, self.name, self.dtype, self.parts = root, name, dtype, parts
+        self.shift = np.uint64(64 - (parts.bit_length() - 1))
+        self._buf: list[np.ndarray] = []
+        self._buffered = 0
+        self.records = 0
+
+    def path(self, i: int) -> Path:
+        return self.root / f"{self.name}.{i:04d}"
+
+    def add(self, recs: np.ndarray) -> None:
+        if not recs.size:
+            return
+        self._buf.append(recs)
+        self._buffered += recs.nbytes
+        self.records += recs.size
+        if self._buffered >= BUFFER_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buf:
+            return
+        recs = np.concatenate(self._buf)
+        self._buf, self._buffered = [], 0
+        first = recs[recs.dtype.names[0]]
+        # uint16 file numbers: numpy's stable sort is a radix sort for them
+        part = (first >> self.shift).astype(np.uint16) if self.parts > 1 else np.zeros(recs.size, dtype=np.uint16)
+        order = np.argsort(part, kind="stable")  # stable: input order within each file
+        recs, part = recs[order], part[order]
+        bounds = np.searchsorted(part, np.arange(self.parts + 1))
+        for i in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
+            with open(self.path(i), "ab") as f:
+                recs[bounds[i]: bounds[i + 1]].tofile(f)
+
+    def read(self) -> Iterator[np.ndarray]:
+        """Each file's records (input order), one file at a time; files are removed once read."""
+        self.flush()
+        for i in range(self.parts):
+            p = self.path(i)
+            if p.exists():
+                recs = np.fromfile(p, dtype=self.dtype)
+                p.unlink()
+                yield recs
+
+
+class Bits:
+    """One bit per document: set for the dropped ones."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.bits = np.zeros((n + 7) // 8, dtype=np.uint8)
+
+    def set(self, idx: np.ndarray) -> None:
+        idx = np.asarray(idx, dtype=np.int64)
+        np.bitwise_or.at(self.bits, idx >> 3, (1 << (idx & 7)).astype(np.uint8))
+
+    def get(self, idx: np.ndarray) -> np.ndarray:
+        idx = np.asarray(idx, dtype=np.int64)
+        return ((self.bits[idx >> 3] >> (idx & 7).astype(np.uint8)) & 1).astype(bool)
+
+    def range(self, lo: int, hi: int) -> np.ndarray:
+        return self.get(np.arange(lo, hi, dtype=np.int64))
+
+    def count(self) -> int:
+        return int(np.unpackbits(self.bits).sum())
+
+
+def _repeated(keys: np.ndarray) -> np.ndarray:
+    """Mask of the entries whose key occurs more than once (order kept: the mask is per entry).
+    An unstable in-place sort of a copy is the one full-size step; usually few keys repeat."""
+    if keys.size < 2:
+        return np.zeros(keys.size, dtype=bool)
+    s = np.sort(keys)
+    rep = s[1:][s[1:] == s[:-1]]
+    if not rep.size:
+        return np.zeros(keys.size, dtype=bool)
+    rep = np.unique(rep)
+    # a 1 M-entry table on the low bits first (one gather per key), the binary search on its hits
+    table = np.zeros(1 << 20, dtype=bool)
+    table[(rep & np.uint64(0xFFFFF)).astype(np.int64)] = True
+    mask = table[(keys & np.uint64(0xFFFFF)).astype(np.int64)]
+    hits = np.flatnonzero(mask)
+    pos = np.minimum(np.searchsorted(rep, keys[hits]), rep.size - 1)
+    mask[hits] = rep[pos] == keys[hits]
+    return mask
+
+
+class DiskDedup:
+    """Collects keys in pass 1 (`add`), then decides (`resolve`); `dropped(lo, hi)` after that."""
+
+    def __init__(self, root: Path, expected_bytes: float, near: bool, threshold: float) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.n = 0
+        self.exact = Partitions(root, "exact", EXACT, part_count(expected_bytes))
+        self.bands, self.rows = dedup.lsh_params(threshold) if near else (0, 0)
+        self.near = Partitions(root, "band", BAND, part_count(expected_bytes * max(self.bands, 1) * 0.7)) if near else None
+        self.exact_bits: Bits | None = None
+        self.near_bits: Bits | None = None
+
+    def add(self, keys: bytes, bands: np.ndarray | None) -> None:
+        """One chunk's cleaned documents, in input order: 16-byte keys, (n, bands) band keys."""
+        k = np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
+        n = k.shape[0]
+        idx = np.arange(self.n, self.n + n, dtype=np.uint64)
+        recs = np.empty(n, dtype=EXACT)
+        recs["k0"], recs["k1"], recs["idx"] = k[:, 0], k[:, 1], idx
+        self.exact.add(recs)
+        if self.near is not None:
+            b = np.empty(bands.size, dtype=BAND)
+            b["key"] = bands.reshape(-1)
+            b["idx"] = np.repeat(idx, bands.shape[1])
+            self.near.add(b)
+        self.n += n
+
+    def resolve(self) -> None:
+        self.exact_bits = Bits(self.n)
+        for recs in self.exact.read():
+            recs = recs[_repeated(recs["k0"])]  # a fast unstable sort finds the few candidates
+            order = np.lexsort((recs["k1"], recs["k0"]))  # stable: input order within a key
+            s = recs[order]
+            same = (s["k0"][1:] == s["k0"][:-1]) & (s["k1"][1:] == s["k1"][:-1])
+            if same.any():
+                self.exact_bits.set(s["idx"][1:][same])
+        if self.near is None:
+            return
+        self.near_bits = Bits(self.n)
+        members, buckets, next_bucket = [], [], 0
+        for recs in self.near.read():
+            recs = recs[~self.exact_bits.get(recs["idx"])]  # exact duplicates never reach the LSH
+            recs = recs[_repeated(recs["key"])]
+            s = recs[np.argsort(recs["key"], kind="stable")]
+            if s.size < 2:
+                continue
+            new = np.concatenate([[True], s["key"][1:] != s["key"][:-1]])
+            bucket = np.cumsum(new) - 1
+            size = np.bincount(bucket)
+            shared = size[bucket] >= 2
+            if not shared.any():
+                continue
+            _, dense = np.unique(bucket[shared], return_inverse=True)
+            members.append(s["idx"][shared].astype(np.int64))
+            buckets.append((dense + next_bucket).astype(np.uint32 if next_bucket + dense.size < 1 << 32 else np.int64))
+            next_bucket += int(dense.max()) + 1
+        if not members:
+            return
+        idx, bucket = np.concatenate(members), np.concatenate(buckets)
+        del members, buckets
+        order = np.argsort(idx, kind="stable")
+        idx, bucket = idx[order], bucket[order]
+        starts = np.flatnonzero(np.concatenate([[True], idx[1:] != idx[:-1]]))
+        ends = np.append(starts[1:], idx.size)
+        claimed = bytearray(next_bucket)
+        # In input order: a document is dropped when one of its buckets holds an earlier kept one;
+        # a kept document claims all of its buckets (datasketch's query-then-insert). Python
+        # lists in blocks: per-element numpy access would be slower, one list of all too big.
+        for blo in range(0, starts.size, 1 << 16):
+            s0, e0 = starts[blo: blo + (1 << 16)], ends[blo: blo + (1 << 16)]
+            base = int(s0[0])
+            bucket_list = bucket[base: int(e0[-1])].tolist()
+            dropped = []
+            for lo, hi in zip((s0 - base).tolist(), (e0 - base).tolist()):
+                bs = bucket_list[lo:hi]
+                if any(claimed[b] for b in bs):
+                    dropped.append(lo + base)
+                else:
+                    for b in bs:
+                        claimed[b] = 1
+            if dropped:
+                self.near_bits.set(idx[np.asarray(dropped, dtype=np.int64)])
+
+    def dropped(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(exact duplicate, near duplicate) masks of documents lo..hi-1."""
+        exact = self.exact_bits.range(lo, hi)
+        near = self.near_bits.range(lo, hi) if self.near_bits is not None else np.zeros(hi - lo, dtype=bool)
+        return exact, near & ~exact
+
+
+class ChunkSpool:
+    """Pass 1's chunk results (pickled, in order) on disk until the dedup decisions are known."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = open(path, "wb", buffering=1 << 20)
+        self.chunks = 0
+
+    def add(self, result: dict) -> None:
+        pickle.dump(result, self._f, protocol=5)
+        self.chunks += 1
+
+    def close(self) -> None:
+        self._f.close()
+
+    def read(self) -> Iterator[dict]:
+        with open(self.path, "rb", buffering=1 << 20) as f:
+            for _ in range(self.chunks):
+                yield pickle.load(f)
+        os.unlink(self.path)

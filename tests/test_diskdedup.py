@@ -1,0 +1,97 @@
+"""Dedup with its state on disk (`diskdedup`) against the in-memory reference it replaced:
+`dedup.ExactDedup` and datasketch's `MinHashLSH` used greedily in input order (`dedup.NearDedup`)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mspretrain.data import dedup, diskdedup
+
+
+def _corpus(n: int, seed: int) -> list[str]:
+    """Random Chinese-ish documents with exact copies, one-character edits and edits of edits."""
+    rng = np.random.default_rng(seed)
+    alpha = [chr(0x4E00 + 7 * i) for i in range(400)]
+    docs: list[str] = []
+    for _ in range(n):
+        r = rng.random()
+        if docs and r < 0.1:
+            docs.append(docs[int(rng.integers(len(docs)))])
+        elif docs and r < 0.3:
+            src = docs[int(rng.integers(len(docs)))]
+            pos = int(rng.integers(len(src)))
+            docs.append(src[:pos] + alpha[int(rng.integers(400))] + src[pos + 1:])
+        else:
+            docs.append("".join(alpha[j] for j in rng.integers(0, 400, size=int(rng.integers(20, 120)))))
+    return docs
+
+
+def _reference(docs: list[str], threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    exact, near = dedup.ExactDedup(), dedup.NearDedup(threshold, seed=3)
+    sigs = dedup.signatures(docs, seed=3)
+    e = np.zeros(len(docs), dtype=bool)
+    m = np.zeros(len(docs), dtype=bool)
+    for i, d in enumerate(docs):
+        if exact.seen(dedup.dedup_key(d)):
+            e[i] = True
+        elif near.seen(sigs[i]):
+            m[i] = True
+    return e, m
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.8])
+def test_disk_dedup_decides_like_the_in_memory_indexes(tmp_path, monkeypatch, threshold):
+    monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)  # many partition files
+    monkeypatch.setattr(diskdedup, "BUFFER_BYTES", 2048)  # many flushes
+    docs = _corpus(1500, seed=threshold == 0.8)
+    want_exact, want_near = _reference(docs, threshold)
+    assert want_exact.sum() > 50 and want_near.sum() > 50  # the corpus exercises both
+    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, threshold)
+    assert dd.exact.parts > 8 and dd.near.parts > 8
+    bands, rows = dd.bands, dd.rows
+    for lo in range(0, len(docs), 97):  # chunks in input order, as the workers hand them over
+        part = docs[lo: lo + 97]
+        dd.add(dedup.dedup_keys(part), dedup.band_keys(dedup.signatures(part, seed=3), bands, rows))
+    dd.resolve()
+    exact, near = dd.dropped(0, len(docs))
+    np.testing.assert_array_equal(exact, want_exact)
+    np.testing.assert_array_equal(near, want_near)
+    got_e, got_n = dd.dropped(100, 300)
+    np.testing.assert_array_equal(got_e, want_exact[100:300])
+    np.testing.assert_array_equal(got_n, want_near[100:300])
+    assert not list((tmp_path / "dd").iterdir())  # partition files are removed once read
+
+
+def test_exact_only_keeps_first_occurrence(tmp_path):
+    docs = ["甲乙丙", "丁戊", "甲乙丙", "己", "丁戊", "甲乙丙"]
+    dd = diskdedup.DiskDedup(tmp_path / "dd", 100, False, 0.8)
+    dd.add(dedup.dedup_keys(docs[:4]), None)
+    dd.add(dedup.dedup_keys(docs[4:]), None)
+    dd.resolve()
+    exact, near = dd.dropped(0, 6)
+    assert exact.tolist() == [False, False, True, False, True, True] and not near.any()
+
+
+def test_band_keys_separate_bands_and_values():
+    sigs = dedup.signatures(["春风明月江南山水", "春风明月江南山水", "千里万家门前桥边"], seed=1)
+    k = dedup.band_keys(sigs, 9, 13)
+    assert k.shape == (3, 9) and k.dtype == np.uint64
+    assert (k[0] == k[1]).all() and not (k[0] == k[2]).any()
+    assert len(set(k[0].tolist())) == 9  # equal values in two bands still give two keys
+    same = np.tile(sigs[:1, :13], (1, 9))
+    assert len(set(dedup.band_keys(same, 9, 13)[0].tolist())) == 9
+
+
+def test_c_minhash_equals_numpy(monkeypatch):
+    if dedup._c_minhash() is None:
+        pytest.skip("the optional C extension is not built")
+    docs = _corpus(300, seed=5) + ["短", "", "春风"]
+    fast = dedup.signatures(docs, seed=7)
+    monkeypatch.setenv("MSPRETRAIN_MINHASH", "numpy")
+    dedup._c_minhash.cache_clear()
+    try:
+        slow = dedup.signatures(docs, seed=7)
+    finally:
+        monkeypatch.delenv("MSPRETRAIN_MINHASH")
+        dedup._c_minhash.cache_clear()
+    np.testing.assert_array_equal(fast, slow)
