@@ -18,8 +18,8 @@ CONFIGS_910B = sorted((ROOT / "configs").glob("*910b*.toml"))
 
 # ------------------------------------------------------------------ 3. determinism
 
-def test_both_910b_configs_run_without_deterministic_mode():
-    assert len(CONFIGS_910B) == 2
+def test_every_910b_config_runs_without_deterministic_mode():
+    assert len(CONFIGS_910B) >= 2
     for path in CONFIGS_910B:
         assert cfgmod.load(path).device.deterministic is False, path.name
     assert cfgmod.load(ROOT / "configs" / "tiny.toml").device.deterministic is True  # CPU and tests keep it

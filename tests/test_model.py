@@ -294,6 +294,9 @@ def test_flash_path_argument_layout(pair):
     math16 = ours_from_hf(hf, cfg, dtype="fp16", device="cpu")
     flash16 = ours_from_hf(hf, cfg, dtype="fp16", device="ascend")
     assert flash16.use_flash and not math16.use_flash
+    for _, cell in flash16.cells_and_names():  # RmsNorm has no CPU kernel (its selection: test_ascend_step.py)
+        if isinstance(cell, llama.RMSNorm):
+            cell.fused = False
     for layer in flash16.layers:
         layer.attn.flash_causal = flash_reference(layer.attn.flash_causal)
         layer.attn.flash_masked = flash_reference(layer.attn.flash_masked)
