@@ -51,7 +51,7 @@ def test_resolved_ref_dtype_and_device_are_honoured(saved):
 
 
 def test_tokenizer_missing_or_of_another_size_is_refused(saved):
-    root, _, state, _, bare, tok = saved
+    root, model, state, _, bare, tok = saved
     with pytest.raises(UserError, match="no tokenizer found"):
         load_model(bare)
     assert load_model(bare, need_tokenizer=False, device="cpu").tokenizer is None
@@ -67,7 +67,8 @@ def test_tokenizer_missing_or_of_another_size_is_refused(saved):
     grown = dict(state)
     for k in ("embed.weight", "lm_head.weight"):
         grown[k] = np.concatenate([state[k], np.zeros((8, state[k].shape[1]), np.float32)])
-    big = write_weights_only_checkpoint(root / "big", grown, Config(), tokenizer_path=tok)
+    auto = replace(Config(), model=replace(model.cfg, vocab_size=0))  # the vocabulary from the weights
+    big = write_weights_only_checkpoint(root / "big", grown, auto, tokenizer_path=tok)
     assert load_model(big, device="cpu").config.model.vocab_size == state["embed.weight"].shape[0] + 8
 
 

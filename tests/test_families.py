@@ -301,3 +301,61 @@ def test_mfu_counts_the_family_matmuls(name):
     small = replace(preset("qwen3-8b"), dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
                     tie_embeddings=True)
     assert matmul_params(small) == sum(math.prod(s) for n, s in param_shapes(small) if len(s) == 2)
+
+
+def test_sliding_window_on_the_flash_path_matches_the_math_path():
+    """Mistral's window on Ascend is the flash kernel's full (B, 1, T, T) mask (sparse_mode 0):
+    checked on CPU against the documented kernel semantics (tests/test_model.py flash_reference;
+    unverified on hardware, like every flash layout test), with and without documents, and the
+    window really masks (a window of T gives other logits)."""
+    from mspretrain.config import ModelConfig, resolve_model
+    from tests.test_model import flash_reference
+
+    cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
+                                    family="mistral", sliding_window=4, init_std=0.2))
+    math16 = Llama(cfg, dtype="fp16", device="cpu", seed=3)
+    flash16 = Llama(cfg, dtype="fp16", device="ascend", seed=3)
+    assert flash16.use_flash and not math16.use_flash
+    for layer in flash16.layers:
+        layer.attn.flash_causal = flash_reference(layer.attn.flash_causal)
+        layer.attn.flash_masked = flash_reference(layer.attn.flash_masked)
+    tok = tokens(9, (2, 12))
+    seg = np.array([[0] * 5 + [1] * 7, [0] * 12], np.int32)
+    pos = np.array([list(range(5)) + list(range(7)), list(range(12))], np.int32)
+    def rel(x, y):  # fp16 rounding relative to the logits' size (init_std 0.2 makes them large enough to test the mask)
+        return np.abs(x - y).max() / np.abs(y).max()
+
+    a, b = flash16(ms.Tensor(tok)).asnumpy(), math16(ms.Tensor(tok)).asnumpy()
+    assert rel(a, b) <= 5e-3
+    a = flash16(ms.Tensor(tok), ms.Tensor(pos), ms.Tensor(seg)).asnumpy()
+    assert rel(a, math16(ms.Tensor(tok), ms.Tensor(pos), ms.Tensor(seg)).asnumpy()) <= 5e-3
+    full = Llama(replace(cfg, sliding_window=0), dtype="fp16", device="cpu", seed=3)
+    assert rel(full(ms.Tensor(tok)).asnumpy(), b) > 5e-2
+
+
+def test_sliding_window_kv_cache_greedy_equals_full_recompute():
+    """Mistral's window in prefill and decode_step (what `generate` runs) equals recomputing the
+    whole sequence with the windowed mask, past the window."""
+    from mspretrain.config import ModelConfig, resolve_model
+
+    cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
+                                    family="mistral", sliding_window=4, init_std=0.1))
+    model = Llama(cfg, seed=5)
+    prompt, n_new = tokens(11, (2, 6)), 8
+    seq, full_logits = prompt.copy(), []
+    for _ in range(n_new):
+        logits = model(ms.Tensor(seq)).asnumpy()[:, -1]
+        full_logits.append(logits)
+        seq = np.concatenate([seq, logits.argmax(-1).astype(np.int32)[:, None]], axis=1)
+    cache = model.init_cache(2, prompt.shape[1] + n_new)
+    logits, cache = model.prefill(ms.Tensor(prompt), cache)
+    step = ms.jit(model.decode_step)
+    out, cached_logits, last = prompt.copy(), [], logits.asnumpy()[:, -1]
+    for i in range(n_new):
+        cached_logits.append(last)
+        nxt = last.argmax(-1).astype(np.int32)[:, None]
+        out = np.concatenate([out, nxt], axis=1)
+        logits, cache = step(ms.Tensor(nxt), ms.Tensor(np.int32(prompt.shape[1] + i)), ms.mutable(cache))
+        last = logits.asnumpy()[:, -1]
+    assert np.array_equal(out, seq)
+    assert np.abs(np.stack(cached_logits) - np.stack(full_logits)).max() <= 1e-4

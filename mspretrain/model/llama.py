@@ -431,7 +431,7 @@ class Llama(nn.Cell):
         if self.dtype != ms.float32:
             x = x.astype(self.dtype)
         cos, sin = self._rope(positions, T)
-        bias, discard = self._mask(segments, T)
+        bias, discard = self._mask(segments, T, x.shape[0])
         if not self.use_flash:
             # Broadcast once per forward, used by every layer forward and backward in same-shape ops
             # (a broadcast operand makes MindSpore's CPU Mul/Add 2.5x slower; see spread()). The full
@@ -505,7 +505,7 @@ class Llama(nn.Cell):
         # Constants: stop_gradient spares the backward pass the reductions of d(loss)/d(cos, sin).
         return ops.stop_gradient(cos), ops.stop_gradient(sin)
 
-    def _mask(self, segments: Tensor | None, T: int) -> tuple[Tensor, Tensor | None]:
+    def _mask(self, segments: Tensor | None, T: int, B: int = 1) -> tuple[Tensor, Tensor | None]:
         """Additive fp32 bias (B|1, 1, T, T) for the math path; bool discard mask for flash."""
         idx = ops.arange(T)
         allowed = idx.expand_dims(0) <= idx.expand_dims(1)  # (T, T): key j visible from query i iff j <= i
@@ -524,7 +524,7 @@ class Llama(nn.Cell):
             if segments is None and not windowed:
                 discard = self.flash_causal_mask
             else:  # the full (B, 1, T, T) mask: flash_masked (sparse_mode 0)
-                discard = ops.logical_not(ops.broadcast_to(allowed, (segments.shape[0] if segments is not None else 1, 1, T, T)))
+                discard = ops.logical_not(ops.broadcast_to(allowed, (B, 1, T, T)))  # the kernel's (B, 1, S, S) layout
         return bias, discard
 
 
