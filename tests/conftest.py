@@ -169,3 +169,11 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
                 assert int(np.asarray(a[k]).reshape(-1)[0]) == int(np.asarray(b[k]).reshape(-1)[0])
             else:
                 assert_close_rel(a[k], b[k], rtol, f"{got.name} {k}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test skipped when msrun is missing starts msrun: mark it `msrun` even where the decorator was
+    forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers."""
+    for item in items:
+        if any("msrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.msrun)

@@ -1,0 +1,45 @@
+"""The suite's own rules, checked on its source: a "before" taken from a live buffer is a copy, and
+the tests that start msrun are the ones `make test-fast` leaves out."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+# state_numpy(), optimizer_state() and Tensor.asnumpy() return views of live buffers on CPU
+BEFORE = re.compile(r"^\s*(\w*before\w*)(\s*,\s*\w+)*\s*=(?!=)(.*)$")
+LIVE = re.compile(r"state_numpy\(|optimizer_state\(\)|\.asnumpy\(\)")
+
+
+def live_before(line: str) -> bool:
+    """An assignment to a name with "before" in it from a live buffer, not copied."""
+    m = BEFORE.match(line)
+    return bool(m and LIVE.search(m.group(3)) and "snapshot(" not in m.group(3) and "copy" not in m.group(3))
+
+
+def test_no_before_is_a_view_of_a_live_buffer():
+    bad = [f"{p.name}:{n}: {line.strip()}" for p in sorted(TESTS.glob("*.py")) if p.name != Path(__file__).name
+           for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if live_before(line)]
+    assert not bad, "take the 'before' with tests.conftest.snapshot():\n" + "\n".join(bad)
+
+
+def test_the_pattern_finds_what_it_should():
+    assert live_before("    before_w, before_o = state_numpy(model), step.optimizer_state()")
+    assert live_before("    before = step.optimizer_state()")
+    assert live_before("    w_before = model.w.asnumpy()")
+    assert not live_before("    before = snapshot(state_numpy(model))")
+    assert not live_before("    before = {k: v.copy() for k, v in state_numpy(model).items()}")
+    assert not live_before("    before = (run / 'config.toml').read_bytes()")
+
+
+def test_the_msrun_marker_covers_every_msrun_test(request):
+    from tests import test_distributed
+
+    if test_distributed.MSRUN is None:
+        pytest.skip("msrun not installed")
+    items = [i for i in request.session.items if i.get_closest_marker("skipif") is not None]
+    for item in items:
+        if any("msrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            assert item.get_closest_marker("msrun") is not None, item.nodeid
