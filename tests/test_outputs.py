@@ -390,3 +390,17 @@ def test_write_output_file_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypat
     with pytest.raises(UserError, match="No space left") as e:
         write_output_file(p, '{"mine": 2}', "demo-writer", is_ours=lambda head: b'"mine"' in head)
     assert "free disk space" in e.value.fix and p.read_text() == '{"mine": 1}'
+
+
+def test_a_full_disk_writing_the_run_files_is_one_line(tiny_data, tmp_path, capsys, monkeypatch):
+    """config.toml / run_meta.json cannot be written (train, and replay's --out scratch run go
+    through the same writer): one line, and no run files half written."""
+    import mspretrain.fsutil as fsutil
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsutil, "atomic_write", full)
+    err = refused(capsys, "train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(tmp_path / "run"),
+                  "--quiet", "train.max_steps=4")
+    assert "No space left" in err and not (tmp_path / "run" / "config.toml").exists()
