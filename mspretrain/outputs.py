@@ -154,7 +154,9 @@ class OutputDir:
             if real == Path(os.path.realpath(out_abs)) or Path(os.path.realpath(out_abs)) in real.parents:
                 raise UserError(f"{flag} {self.out} would replace an input of this command ({inp})",
                                 f"choose a {flag} directory that holds none of the inputs")
-        if self.out.is_symlink() or (self.out.exists() and not self.out.is_dir()):
+        if self.out.is_symlink():  # the rename would replace the link, not what it points to
+            raise UserError(f"{flag} {self.out} is a symbolic link", "name the real directory, or a new path")
+        if self.out.exists() and not self.out.is_dir():
             raise UserError(f"{flag} {self.out} exists and is not a directory", "choose a new directory path")
         _tidy(self.out, log)
         self.replacing = False

@@ -375,3 +375,32 @@ def test_train_refuses_a_non_utf8_run_dir_before_training(tiny_data, tmp_path, c
     run = os.fsdecode(os.fsencode(str(tmp_path)) + b"/run-\xff")
     refused(capsys, "train", "--config", str(TINY), "--data", str(tiny_data), "--run", run, "--quiet", "train.max_steps=2")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_write_output_file_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
+    import mspretrain.fsutil as fsutil
+
+    p = tmp_path / "s.json"
+    p.write_text('{"mine": 1}')
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsutil, "atomic_write", full)
+    with pytest.raises(UserError, match="No space left") as e:
+        write_output_file(p, '{"mine": 2}', "demo-writer", is_ours=lambda head: b'"mine"' in head)
+    assert "free disk space" in e.value.fix and p.read_text() == '{"mine": 1}'
+
+
+def test_a_full_disk_writing_the_run_files_is_one_line(tiny_data, tmp_path, capsys, monkeypatch):
+    """config.toml / run_meta.json cannot be written (train, and replay's --out scratch run go
+    through the same writer): one line, and no run files half written."""
+    import mspretrain.fsutil as fsutil
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsutil, "atomic_write", full)
+    err = refused(capsys, "train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(tmp_path / "run"),
+                  "--quiet", "train.max_steps=4")
+    assert "No space left" in err and not (tmp_path / "run" / "config.toml").exists()

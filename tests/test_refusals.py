@@ -178,3 +178,12 @@ def test_the_quick_demo_never_touches_the_full_demo_run(tmp_path, corpus_file, c
     continued = checksum(work / "run")
     err = refused(capsys, "demo", *common, "train.max_steps=10")
     assert "another config" in err and checksum(work / "run") == continued
+
+
+def test_a_refused_new_run_leaves_no_run_dir(tiny_data, tmp_path, capsys):
+    """A refusal after the run lock was taken (here the loader: a sample longer than the valid
+    split) leaves no half-made run dir behind."""
+    run = tmp_path / "runs" / "new"
+    refused(capsys, "train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
+            "model.max_seq_len=8192", "data.seq_len=4096", "train.max_steps=2")
+    assert not run.exists()

@@ -194,11 +194,15 @@ def _write_run_files(paths: RunPaths, cfg: Config, notes: dict[str, str], tokeni
     """config.toml, the tokenizer and run_meta.json, each replaced atomically. Called only once
     every check that can refuse the run has passed: a refused resume leaves these files as they were."""
     from mspretrain.fsutil import atomic_write
+    from mspretrain.outputs import os_error
 
-    cfgmod.save(cfg, paths.config, notes=notes)
-    if tokenizer is not None:
-        atomic_write(paths.root / tokenizer.name, tokenizer.read_bytes())
-    atomic_write(paths.meta, json.dumps(meta, indent=1))
+    try:  # a full or read-only run dir (train, and replay's --out scratch run): one line, the old files whole
+        cfgmod.save(cfg, paths.config, notes=notes)
+        if tokenizer is not None:
+            atomic_write(paths.root / tokenizer.name, tokenizer.read_bytes())
+        atomic_write(paths.meta, json.dumps(meta, indent=1))
+    except OSError as exc:
+        raise os_error(exc, f"the run files in {paths.root}") from None
 
 
 def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_config_change: bool,
