@@ -163,7 +163,7 @@ class ModelConfig(_Section):
         if not self.init_std > 0:
             _fail("model.init_std", f"= {self.init_std} must be positive", "the Llama value is 0.02")
         _cap(self, {"dim": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024, "vocab_size": 1 << 22,
-                    "ffn_dim": 1 << 18, "multiple_of": 1 << 16, "max_seq_len": 1 << 20, "rope_theta": 1e12,
+                    "ffn_dim": 1 << 18, "multiple_of": 1 << 16, "rope_theta": 1e12,  # max_seq_len: train's fits check
                     "norm_eps": 1.0, "init_std": 10.0}, "a model shape no device holds")
 
 

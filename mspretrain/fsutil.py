@@ -89,7 +89,7 @@ def read_regular_bytes(path: str | Path, cap: int, what: str, fix: str = "") -> 
         if not stat.S_ISREG(st.st_mode):
             kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
                     else "a directory" if stat.S_ISDIR(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a file")
-            raise UserError(f"{what} {path} is {kind}, not a regular file", fix)
+            raise UserError(f"cannot read {what} {path}: it is {kind}, not a regular file", fix)
         if st.st_size > cap:
             raise UserError(f"{what} {path} is {st.st_size:,} bytes, more than the {cap:,} such a file can hold", fix)
         chunks, total = [], 0
@@ -186,6 +186,6 @@ def read_regular_bytes_check(path: str | Path, cap: int, what: str, fix: str = "
     finally:
         os.close(fd)
     if not stat.S_ISREG(st.st_mode):
-        raise UserError(f"{what} {path} is not a regular file (a FIFO, device, socket or directory)", fix)
+        raise UserError(f"cannot read {what} {path}: it is not a regular file (a FIFO, device, socket or directory)", fix)
     if st.st_size > cap:
         raise UserError(f"{what} {path} is {st.st_size:,} bytes, more than the {cap:,} such a file can hold", fix)

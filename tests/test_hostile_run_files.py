@@ -66,3 +66,19 @@ def test_replay_refuses_a_special_metrics_file(run3, tmp_path, capsys):
     (run / "metrics.jsonl").symlink_to("/dev/zero")
     assert main(["replay", str(run), "--from-step", "1", "--steps", "1"]) == 2
     assert "not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["audit", "diagnose", "recover", "checkpoints"])
+def test_commands_that_read_no_config_refuse_overrides(run3, capsys, command):
+    """`mspretrain --help` used to promise overrides to every command; those that read no config
+    ignored them silently. Now they are refused in one line (issue 33, docs item)."""
+    assert main([command, str(run3), "train.max_steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert "takes no section.key=value overrides" in err and err.count("\n") == 2
+
+
+def test_quickstart_creates_my_text_with_the_walkthroughs_own_lines():
+    root = Path(__file__).resolve().parents[1]
+    quick = (root / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    block = quick.split("## 1. Your own text", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert block.startswith("mkdir -p my-text") and block in (root / "scripts" / "walkthrough.sh").read_text(encoding="utf-8")

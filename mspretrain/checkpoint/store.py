@@ -208,8 +208,8 @@ def manifest_files(ckpt_dir: Path) -> tuple[dict[str, dict[str, Any]] | None, st
         return None, "no manifest.json (the save did not finish)"
     try:
         manifest = read_json_file(mpath, "checkpoint manifest")
-    except UserError as exc:  # not a regular file, too large, not UTF-8, not JSON, nested too deep
-        return None, f"manifest.json is unreadable ({exc.cause})"
+    except UserError:  # not a regular file, too large, not UTF-8, not JSON, nested too deep
+        return None, "manifest.json is unreadable"
     problem = _manifest_problem(manifest)
     if problem:  # a malformed manifest is one more corrupt checkpoint: the fallback goes on
         return None, f"manifest.json is malformed ({problem})"

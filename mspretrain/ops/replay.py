@@ -97,6 +97,7 @@ class Replay:
     changes: Interventions
     rows: list[Row] = field(default_factory=list)
     swaps: list[Any] = field(default_factory=list)  # drop_docs.Swap
+    notes: list[str] = field(default_factory=list)  # session boundaries the replay crosses
 
     @property
     def exact_expected(self) -> bool:
@@ -309,6 +310,13 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
             raise UserError(f"step {beyond[0]} is beyond the budget of {trainer.total_steps} steps of checkpoint "
                             f"{ckpt.name}'s config and {BATCHES} has no record of its lr",
                             f"replay at most to step {trainer.total_steps}, or from a checkpoint of the later session")
+        for rec in batch_records(run):  # a later session inside the range: its lr is the recorded one, but a
+            r = rec.get("session")       # config change it was allowed (--allow-config-change) is not replayed
+            if isinstance(r, dict) and start <= int(r.get("step", 0)) < end:
+                what = [c for c in r.get("changes", []) if c in ("config", "data")] if isinstance(r.get("changes"), list) else []
+                result.notes.append(f"the run resumed after step {r.get('step')}: steps after it are replayed at the lr they "
+                                    "ran at" + (f", but with the settings of {ckpt.name} (that session changed its "
+                                                f"{' and '.join(what)} with --allow-{what[0]}-change)" if what else ""))
         trainer.total_steps = end  # the loop's horizon only
         trainer.schedule = _RecordedSchedule(trainer.schedule, lrs, trainer)  # each step at the lr it ran with
         trainer.evaluator = _NoEval()
@@ -348,6 +356,7 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
 def format_replay(r: Replay, *, drop_rule: str = "") -> str:
     where = f"in {r.scratch}" if r.scratch else "in a temporary dir (removed)"
     lines = [f"replay of {r.run}: steps {r.start + 1}..{r.end} from checkpoint step_{r.start:06d} {where}"]
+    lines += [f"note: {n}" for n in r.notes]
     if r.start < r.requested:
         lines.append(f"note: step {r.requested} has no kept checkpoint; replayed from step {r.start}, the newest "
                      f"verified one before it")
