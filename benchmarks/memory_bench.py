@@ -342,6 +342,50 @@ def markdown(results: dict[str, list[dict]], summary: dict[str, list[dict]]) -> 
     return "\n".join(out)
 
 
+def _vmhwm(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def whole_process(sizes: list[str], work: Path) -> int:
+    """Issue 30: the whole `mspretrain train` process (start-up, steps, final eval and checkpoint)
+    through the CLI with the tiny config's settings (device.target auto), its peak RSS (VmHWM,
+    polled) against `mspretrain plan --json`'s `memory_bytes.process_peak` for the same command."""
+    data = make_data(work / "data")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_v": "3"}
+    rows = []
+    for s in sizes:
+        dim, layers = parse_size(s)
+        ov = [f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={max(1, dim // 64)}", "train.max_steps=5"]
+        base = ["--config", str(ROOT / "configs" / "tiny.toml"), "--data", str(data)]
+        plan = json.loads(subprocess.run([sys.executable, "-m", "mspretrain.cli", "plan", *base, *ov, "--json"], env=env,
+                                         capture_output=True, text=True, check=True).stdout)
+        proc = subprocess.Popen([sys.executable, "-m", "mspretrain.cli", "train", *base, "--run", str(work / f"whole-{s}"), *ov],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, _vmhwm(proc.pid))
+            time.sleep(0.05)
+        if proc.returncode:
+            print(f"{s}: train failed: {proc.stderr.read().decode()[-800:]}", file=sys.stderr)
+            return 1
+        rows.append({"size": s, "params": plan["params"], "measured": peak, "planned": plan["memory_bytes"]["process_peak"],
+                     "target": plan["target"]})
+        r = rows[-1]
+        print(f"{s:>6} {r['params'] / 1e6:6.1f} M params: whole process peak RSS {peak / GiB:.2f} GiB, plan ({r['target']}) "
+              f"{r['planned'] / GiB:.2f} GiB, ratio {r['planned'] / peak:.2f}")
+    if len(rows) >= 2:
+        a, b = rows[0], rows[-1]
+        print(f"{a['size']} -> {b['size']}: measured +{(b['measured'] - a['measured']) / GiB:.2f} GiB, "
+              f"planned +{(b['planned'] - a['planned']) / GiB:.2f} GiB, ratio {(b['planned'] - a['planned']) / (b['measured'] - a['measured']):.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10m,60m,120m", help=f"comma list of {', '.join(SIZES)} or DIMxLAYERS")
@@ -357,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
                     help="a config override for every run, e.g. optim.bucket_mb=64 (repeatable)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--whole-process", metavar="SIZES", help="e.g. 2m,60m: whole `mspretrain train` processes through the CLI "
+                                                            "against plan's process_peak (issue 30)")
     ap.add_argument("--replan", metavar="FILE", action="append", default=[],
                     help="no runs: the saved output of earlier --json runs against the planner as it is now (repeatable)")
     ap.add_argument("--markdown", action="store_true", help="also print the tables docs/benchmarks/memory.md shows")
@@ -368,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
     try:
         args = ap.parse_args(argv)
+        if args.whole_process:
+            work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="memory_bench-"))
+            return whole_process([x for x in args.whole_process.split(",") if x], work)
         if args.bench_worker:
             return worker(args)
         if args.replan:

@@ -204,3 +204,41 @@ def test_plain_row_sums_in_the_loss_match_the_gemm_form():
     gemm, plain = token_nll(logits, targets), token_nll(logits, targets, plain_sum=True)
     for a, b in zip(gemm, plain):
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6)
+
+
+# ------------------------------------------------------------------ 6. selftest on a real node
+
+def test_selftest_runs_the_collectives_before_binding_an_npu(monkeypatch, tmp_path):
+    """On Ascend the collectives check (msrun children) runs before the parent's setup_mindspore."""
+    from mspretrain.ops import selftest
+
+    order: list[str] = []
+    monkeypatch.setattr(selftest, "check_collectives",
+                        lambda ctx: order.append("collectives") or selftest.Check("collectives", selftest.PASSED, "stand-in",
+                                                                                  data={"bus_gbps": 42.0}))
+    monkeypatch.setattr(device, "setup_mindspore", lambda info, **kw: order.append("setup_mindspore"))
+    cfg = cfgmod.load(ROOT / "configs" / "llama2-7b-910b.toml")
+    doc = selftest.run_selftest(cfg, tmp_path / "run", target="ascend", only=("collectives",))
+    assert order == ["collectives", "setup_mindspore"]
+    assert next(c for c in doc["checks"] if c["name"] == "collectives")["status"] == selftest.PASSED
+
+
+def test_hbm_is_compared_with_max_device_memory():
+    from mspretrain.ops import selftest
+
+    assert selftest.check_hbm(64 * 10**9, 58.0).status == selftest.PASSED  # a 910B with 64 GB
+    small = selftest.check_hbm(32 * 10**9, 58.0)  # a 910B4
+    assert small.status == selftest.FAILED and "device.max_device_memory=30GB" in small.detail
+    assert selftest.check_hbm(0, 58.0).status == selftest.SKIPPED
+
+
+def test_visible_npus_and_the_reduction_bandwidth(tmp_path):
+    from mspretrain.ops import selftest
+
+    for i in range(3):
+        (tmp_path / f"davinci{i}").touch()
+    (tmp_path / "davinci_manager").touch()
+    assert selftest.visible_npus({}, tmp_path) == 3
+    assert selftest.visible_npus({"ASCEND_RT_VISIBLE_DEVICES": "0,1"}, tmp_path) == 2
+    ops = {"AllReduce": {"bus_gbps": 90.0}, "ReduceScatter": {"bus_gbps": 70.0}, "Broadcast": {"bus_gbps": 10.0}}
+    assert selftest._reduction_bus_gbps(ops) == 70.0

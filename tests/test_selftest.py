@@ -17,7 +17,7 @@ from mspretrain.model.llama import Llama
 from mspretrain.ops import selftest
 from tests.conftest import TINY
 
-ASCEND_ONLY = {"devices", "flash attention fp16", "flash attention bf16", "train step bf16", "collectives"}
+ASCEND_ONLY = {"devices", "device memory", "flash attention fp16", "flash attention bf16", "train step bf16", "collectives"}
 CPU_RUNS = {"versions", "doctor", "train step fp16", "checkpoint", "decoder layer"}
 
 

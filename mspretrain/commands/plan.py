@@ -124,10 +124,15 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.config import validate
 
     validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)))
+    # device.target = auto plans for this machine (CPU here, Ascend on a node with NPUs), unless
+    # --devices asks for more than one device: a cluster plan, Ascend's
+    from mspretrain.device import resolve_target
+
+    here = resolve_target("auto") if cfg.device.target == "auto" and args.devices == 1 else None
     plan = make_plan(cfg, devices=args.devices, tokens=int(args.tokens) if args.tokens is not None else None,
                      data_dir=Path(args.data) if args.data else None, tokens_per_s_per_device=tps,
                      device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute, assumed=assumed,
-                     bus_gbps=args.bus_gbps)
+                     bus_gbps=args.bus_gbps, target=here)
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
     return 0
 

@@ -29,13 +29,23 @@ Design choices:
                         6.2 x the largest bucket (CPU_BUCKET_FACTOR), with buckets of 32 MB there
                         (optim.bucket_mb = "auto": 256 MB on Ascend, 32 MB on CPU)
     update temporaries  8 bytes x the largest owned parameter (scaled gradient, masked copy)
-    framework reserve   Ascend: 1 GiB of kernel workspace and HCCL buffers (assumed, not measured)
+    HCCL + workspace    Ascend: 1 GiB of kernel workspace and HCCL's communication buffers
+                        (HCCL_BUFFSIZE, 200 MB per communicator by default; assumed, not measured).
+                        JSON key `framework_reserve` (kept for scripts that read it)
     CPU backend         device.target = cpu only: resident memory MindSpore 2.10's CPU backend holds
                         outside the tensors above, from the first call of each compiled graph on
                         (measured, docs/benchmarks/memory.md runs 3 and 4): a per-parameter runtime
                         term fitted on the fp32 run and, with fp16 compute, a per-half-matrix term
                         fitted on the fp16 run (10m -> 120m each; the 60 M midpoint, 256 M and
                         the other modes, 2 workers sharded included, are checked out of sample)
+- Host memory per node (`host_bytes`), apart from the device: model initialisation (on Ascend each
+  weight is drawn on the host and sent to HBM at once, so one fp32 parameter per rank at a time; on
+  CPU the model is the device memory above), async checkpoint snapshots (the host copy of the
+  weights, written by rank 0, and of every rank's optimizer-state shard, fp32, alive while the
+  writer runs), the loader's index maps (an int64 window permutation of the train split per rank,
+  data/loader.py), and the process baseline (MindSpore and Python, measured on CPU).
+- On CPU the host is the device: `process_peak` is the whole `mspretrain train` process, the step
+  peak plus the baseline, the async snapshot (it overlaps the following steps) and the loader maps.
 - Steps, warm-up, lr and the micro-batch split come from `mspretrain/budget.py`, which the trainer
   uses too, so the plan and the run cannot disagree. The budget is --tokens, else the config's
   train.max_steps / max_tokens (what `train` will run), else one pass over the --data dir.
@@ -244,6 +254,37 @@ def overlap_estimate(layout: Any, *, backward_s: float, bus_bytes_per_s: float) 
             "bus_gbps": bus_bytes_per_s / 1e9}
 
 
+# Resident memory of a `mspretrain train` process beside the model's terms: Python, MindSpore's
+# libraries and runtime, the tokenizer, TensorBoard, the compiled graphs' fixed parts. Fitted on one
+# whole CPU process (benchmarks/memory_bench.py --whole-process 2m,60m: the 1.7 M-parameter run's
+# peak RSS, 0.98 GiB, less the plan's other terms, 0.06 GiB) and checked on the other: the 55 M run
+# measured 2.76 GiB, planned 2.70 GiB (0.98). Imports and one CPU op alone: 0.41 GiB.
+PROCESS_BASELINE_BYTES = 0.92 * GB
+
+
+def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, target: str, tokens: int | None) -> dict[str, float]:
+    """Host bytes per node by kind (see the module docstring); `devices` ranks on the node."""
+    from mspretrain.model.presets import is_half_eligible, param_shapes
+
+    shapes = param_shapes(m)
+    sizes = [math.prod(sh) for _, sh in shapes]
+    total = sum(sizes)
+    trained = sum(layout.sizes)
+    half = cfg.precision.dtype in ("fp16", "bf16") and cfg.precision.param_dtype == "compute"
+    masters = sum(n for (name, _), n in zip(shapes, sizes) if half and is_half_eligible(name))
+    out: dict[str, float] = {
+        # Ascend: one fp32 parameter per rank on its way to HBM; CPU: the weights are the device's
+        "model_init": devices * 4 * max(sizes) if target == "ascend" else 0,
+        # the saver's host copy: fp32 weights (rank 0) + every rank's moments and masters (fp32)
+        "checkpoint_snapshot": (4 * total + 8 * trained + 4 * masters) if cfg.checkpoint.async_save else 0,
+        # one int64 per train window per rank (the epoch permutation)
+        "loader_maps": devices * 8 * (tokens or 0) // max(cfg.data.seq_len, 1),
+        "process_baseline": devices * PROCESS_BASELINE_BYTES,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
 def checkpoint_bytes(params: int, half_params: str | None = None, trained: int | None = None) -> int:
     """One checkpoint on disk: fp32 weights + fp32 Adam m and v (safetensors), JSON negligible.
     With parameters stored in fp16 the weights file holds them as fp16 and the optimizer state
@@ -254,10 +295,14 @@ def checkpoint_bytes(params: int, half_params: str | None = None, trained: int |
     return weights * params + 8 * trained + (4 * trained if half_params else 0)
 
 
+def target_given(target: str | None, cfg: Config) -> bool:
+    return cfg.device.target == "auto" and target is not None
+
+
 def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path | None,
               tokens_per_s_per_device: float | None, device_mem_gb: float | None = None,
               zero: bool = False, recompute: bool = False, flash: bool | None = None,
-              assumed: Sequence[str] = (), bus_gbps: float | None = None) -> dict:
+              assumed: Sequence[str] = (), bus_gbps: float | None = None, target: str | None = None) -> dict:
     """The plan as a dict (bytes, steps, hours); `format_plan` prints it.
 
     zero / recompute: also taken from the config (optim.shard_optimizer, train.recompute), so a
@@ -267,6 +312,8 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     none at all the plan has memory but no steps, warm-up or time). assumed: values the caller
     chose for the user, printed with the plan. bus_gbps: HCCL bus bandwidth for the overlap
     estimate (measured by `selftest`; default ASSUMED_BUS_GBPS, said to be assumed).
+    target: the device to plan for when the config says `auto` (`plan` passes this machine's);
+    None: Ascend when flash attention is assumed, else the config's value.
     """
     zero = zero or cfg.optim.shard_optimizer
     recompute = recompute or cfg.train.recompute
@@ -293,11 +340,12 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
 
     P = _param_count(m)
     half = cfg.precision.dtype in ("fp16", "bf16")
+    planned_for = cfg.device.target if cfg.device.target != "auto" else (target or "auto")
     if flash is None:
-        flash = half and cfg.device.target != "cpu"
+        flash = half and planned_for not in ("cpu",)
     half_params = half and cfg.precision.param_dtype == "compute"
     shard_grads = cfg.optim.shard_gradients
-    target = "ascend" if (cfg.device.target == "ascend" or flash) else cfg.device.target
+    target = "ascend" if (planned_for == "ascend" or flash) else planned_for
     mem, layout = memory_model(m, cfg, devices=devices, micro=micro, accum=accum, zero=zero, shard_grads=shard_grads,
                                recompute=recompute, flash=flash, target=target)
     # a device size given on the command line wins (it used to be ignored for Ascend configs)
@@ -317,7 +365,13 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         "collectives_per_step": {"calls": calls, "bytes": wire_bytes},
         "checkpoint_bytes": checkpoint_bytes(P, cfg.precision.dtype if half_params else None, trained=trained),
         "trained_params": trained, "warnings": [],
+        "target": target, "target_source": ("device.target" if cfg.device.target != "auto"
+                                            else "this machine (device.target = auto)" if target_given(target, cfg) else "assumed"),
     }
+    plan["host_bytes"] = host_memory(m, cfg, layout, devices=devices, target=target, tokens=b.tokens)
+    if target == "cpu":  # the host is the device: the whole process
+        h = plan["host_bytes"]
+        mem["process_peak"] = (mem["peak"] + h["process_baseline"] + h["checkpoint_snapshot"] + h["loader_maps"]) / devices
     peak_gb = mem["peak"] / GB
     if peak_gb > usable_gb:
         fixes = [f for f, ok in (("--recompute", not recompute), ("optim.shard_gradients=true", not shard_grads and devices > 1 and accum > 1),
@@ -366,6 +420,7 @@ def format_plan(plan: dict) -> str:
     lines = [
         f"model      dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads (kv {m['n_kv_heads']}), "
         f"ffn {m['ffn_dim']}, vocab {m['vocab_size']:,}",
+        f"target     {plan.get('target', '?')} ({plan.get('target_source', '')})",
         f"params     {plan['params']:,} ({plan['params'] / 1e9:.2f} B)"
         + (f", {plan['trained_params']:,} trained (train.trainable; the rest frozen: weights only)"
            if plan.get("trained_params", plan["params"]) < plan["params"] else ""),
@@ -392,11 +447,22 @@ def format_plan(plan: dict) -> str:
                        ("adam_moments", "Adam moments (fp32)"),
                        ("activations", "activations" + (" (recompute)" if plan["recompute"] else "")),
                        ("collective_buffers", "collective buckets"), ("update_temporaries", "update temporaries"),
-                       ("framework_reserve", "framework reserve"),
+                       ("framework_reserve", "HCCL buffers + workspace"),
                        ("cpu_backend", "CPU backend term (measured)")):
         if mem[key]:
             lines.append(f"  {label:<28} {_gb(mem[key]):>12}")
     lines.append(f"  {'peak (largest set alive)':<28} {_gb(mem['peak']):>12}   of {plan['device_mem_gb']:g} GB usable")
+    if "process_peak" in mem:
+        lines.append(f"  {'whole process (peak RSS)':<28} {_gb(mem['process_peak']):>12}   per rank: the step peak, the baseline, "
+                     "the checkpoint snapshot and the loader maps")
+    if "host_bytes" in plan:
+        h = plan["host_bytes"]
+        lines.append(f"host memory per node ({plan['devices']} rank{'s' if plan['devices'] > 1 else ''}):")
+        for key, label in (("model_init", "model initialisation"), ("checkpoint_snapshot", "async checkpoint snapshot"),
+                           ("loader_maps", "loader index maps"), ("process_baseline", "process baseline")):
+            if h[key]:
+                lines.append(f"  {label:<28} {_gb(h[key]):>12}")
+        lines.append(f"  {'total':<28} {_gb(h['total']):>12}")
     c = plan["collectives_per_step"]
     if plan["devices"] > 1:
         lines.append(f"collectives {c['calls']:,} per step, {c['bytes'] / GB:,.2f} GB handed to them per step per device")

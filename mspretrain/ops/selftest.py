@@ -285,7 +285,7 @@ def check_collectives(ctx: Context) -> Check:
                                          "through msrun with HCCL; CPU data parallel is covered by tests/test_distributed.py")
     from mspretrain.ops import collectives_worker
 
-    n = ctx.results.get("npus", 0)
+    n = ctx.results.get("npus", 0) or visible_npus()
     if n < 2:
         return Check(name, SKIPPED, f"{n} NPU visible: nothing to communicate with")
     out = ctx.work / "collectives"
@@ -295,13 +295,58 @@ def check_collectives(ctx: Context) -> Check:
     return _collectives_check(res, n, size_mb)
 
 
+def visible_npus(env: dict[str, str] | None = None, dev: Path = Path("/dev")) -> int:
+    """NPUs this process may use, without asking the runtime (which would bind one): the
+    ASCEND_RT_VISIBLE_DEVICES list when set, else the /dev/davinciN nodes."""
+    env = os.environ if env is None else env
+    visible = env.get("ASCEND_RT_VISIBLE_DEVICES", "").strip()
+    if visible:
+        return len([v for v in visible.split(",") if v.strip()])
+    return len(list(dev.glob("davinci[0-9]*")))
+
+
+def check_hbm(total_bytes: int, max_device_memory_gb: float) -> Check:
+    """Each device's HBM against `device.max_device_memory` (the pool MindSpore may take): a 910B4
+    has 32 GB, so the 910B templates' 58 GB would fail at the first large allocation. 2 GB stay
+    for HCCL and the driver outside the pool."""
+    total_gb = total_bytes / 1e9
+    if total_bytes <= 0:
+        return Check("device memory", SKIPPED, "the runtime reported no HBM size")
+    ok = max_device_memory_gb <= total_gb - 2
+    detail = f"{total_gb:.1f} GB HBM per device, device.max_device_memory {max_device_memory_gb:g} GB"
+    if not ok:
+        detail += f": larger than the device; set device.max_device_memory={max(1, int(total_gb - 2))}GB-or-less"
+    return Check("device memory", PASSED if ok else FAILED, detail, data={"hbm_bytes": total_bytes, "max_device_memory_gb": max_device_memory_gb})
+
+
+def check_device_memory(ctx: Context) -> Check:
+    if ctx.target != "ascend":
+        return Check("device memory", NEEDS_ASCEND, "HBM per device against device.max_device_memory")
+    import mindspore as ms
+
+    from mspretrain.device import plan_device
+
+    # mindspore.hal.get_device_properties: the one 2.10 API that reports an NPU's HBM size (hal/device.py;
+    # marked "will be deprecated", no successor named). It needs the device initialised: one op first.
+    (ms.Tensor([1.0]) + 1).asnumpy()
+    props = ms.hal.get_device_properties(0, "Ascend")
+    return check_hbm(int(getattr(props, "total_memory", 0)), plan_device(ctx.cfg, target="ascend").max_device_memory_gb)
+
+
 def _collectives_check(res: dict[str, Any], n: int, size_mb: int) -> Check:
     bad = [k for k, v in res["ops"].items() if not v["correct"]]
     detail = f"{n} devices, {size_mb} MB per op: " + ", ".join(
         f"{k} {v['bus_gbps']:.1f} GB/s bus" for k, v in res["ops"].items())
     if bad:
         detail += f"; WRONG RESULT from {', '.join(bad)}"
-    return Check("collectives", FAILED if bad else PASSED, detail, data={"devices": n, "ops": res["ops"]})
+    return Check("collectives", FAILED if bad else PASSED, detail, data={"devices": n, "ops": res["ops"],
+                                                                        "bus_gbps": _reduction_bus_gbps(res["ops"])})
+
+
+def _reduction_bus_gbps(ops: dict[str, Any]) -> float | None:
+    """The bus bandwidth of the gradient reduction's collectives (the slower of ReduceScatter and AllReduce)."""
+    rates = [v["bus_gbps"] for k, v in ops.items() if k in ("ReduceScatter", "AllReduce") and v.get("bus_gbps")]
+    return min(rates) if rates else None
 
 
 def check_checkpoint(ctx: Context) -> Check:
@@ -442,15 +487,21 @@ def _plan_estimate(ctx: Context, model, tps: float, data: dict[str, Any]) -> str
 
     try:
         plan = make_plan(replace(ctx.cfg, model=model), devices=ctx.devices, tokens=None, data_dir=None,
-                         tokens_per_s_per_device=tps)
+                         tokens_per_s_per_device=tps, bus_gbps=ctx.results.get("bus_gbps"))
     except UserError as exc:
         return f"; no plan wall time ({exc.cause})"
     hours = (plan.get("time") or {}).get("hours")  # make_plan's wall time at the measured rate
+    overlap = ""
+    if "overlap" in plan:  # item 1's estimate, at the bus bandwidth the collectives check measured
+        o = plan["overlap"]
+        data["overlap"] = {k: o[k] for k in ("comm_s", "backward_s", "exposed_s", "bus_gbps")}
+        overlap = (f"; overlap: reduction {o['comm_s'] * 1e3:,.0f} ms at {o['bus_gbps']:.0f} GB/s ({o['bus_source']}) vs backward "
+                   f"{o['backward_s'] * 1e3:,.0f} ms, exposed {o['exposed_s'] * 1e3:,.0f} ms")
     if hours is None:
-        return ""
+        return overlap
     data["plan_hours"] = hours
     when = f"{hours:,.1f} h" if hours >= 1 else f"{hours * 60:.1f} min"
-    return f"; plan: {when} wall time on {ctx.devices} device(s) for the config's budget"
+    return f"; plan: {when} wall time on {ctx.devices} device(s) for the config's budget" + overlap
 
 
 # --------------------------------------------------------------------------- running
@@ -465,6 +516,17 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
     # a bf16 config on a CPU box is still worth checking: the bf16 checks say "needs Ascend"
     on_this_device = target if not (target == "cpu" and cfg.precision.dtype == "bf16") else None
     cfgmod.validate(cfg, device=on_this_device, budget=False)  # selftest trains a few fixed steps, not the config's budget
+    # On Ascend the collectives check runs first, in msrun children, before this process binds an
+    # NPU (setup_mindspore): a parent holding device 0 would collide with the rank that needs it.
+    early: dict[str, Check] = {}
+    if target == "ascend" and (not only or "collectives" in only):
+        run_dir_ = Path(run_dir)
+        run_dir_.mkdir(parents=True, exist_ok=True)
+        pre = Context(cfg=cfg, target=target, work=Path(tempfile.mkdtemp(prefix=".selftest-", dir=run_dir_)), quick=quick)
+        try:
+            early["collectives"] = _timed("collectives", lambda: check_collectives(pre))
+        finally:
+            shutil.rmtree(pre.work, ignore_errors=True)
     setup_mindspore(plan_device(cfg, target=target))
     run_dir = Path(run_dir)
     created = not run_dir.exists()
@@ -477,6 +539,8 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
         raise os_error(exc, f"the selftest's scratch files in {run_dir}",
                        "pass --run a directory you can write to (the checkpoint check measures its disk)") from None
     ctx = Context(cfg=cfg, target=target, work=work, quick=quick)
+    if "collectives" in early:
+        ctx.results["bus_gbps"] = early["collectives"].data.get("bus_gbps")
     ctx.vocab_note = "not in the config, Llama-2's 32000 assumed for FLOPs"
     steps: list[tuple[str, Callable[[], Check]]] = [
         ("devices", lambda: check_devices(ctx)), ("versions", lambda: check_versions(ctx)),
@@ -485,6 +549,7 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
         ("flash attention bf16", lambda: check_attention(ctx, "bf16")),
         ("train step fp16", lambda: check_train_step(ctx, "fp16")),
         ("train step bf16", lambda: check_train_step(ctx, "bf16")),
+        ("device memory", lambda: check_device_memory(ctx)),
         ("collectives", lambda: check_collectives(ctx)), ("checkpoint", lambda: check_checkpoint(ctx)),
         ("decoder layer", lambda: check_layer(ctx)),
     ]
@@ -495,7 +560,7 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
                 checks.append(Check(name, SKIPPED, "not selected (--only)"))
                 continue
             log(f"selftest: {name} ...")
-            check = _timed(name, fn)
+            check = early[name] if name in early else _timed(name, fn)
             if name == "devices":
                 ctx.results["npus"] = check.data.get("npus", 0)
                 ctx.devices = max(1, check.data.get("npus", 0))
