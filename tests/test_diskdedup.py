@@ -95,3 +95,17 @@ def test_c_minhash_equals_numpy(monkeypatch):
         monkeypatch.delenv("MSPRETRAIN_MINHASH")
         dedup._c_minhash.cache_clear()
     np.testing.assert_array_equal(fast, slow)
+
+
+def test_lsh_params_and_permutations_equal_datasketch():
+    # drawn here so that prepare never imports datasketch (and scipy); must stay datasketch's
+    from datasketch import MinHash
+    from datasketch.lsh import _optimal_param
+
+    for t in (0.3, 0.5, 0.65, 0.7, 0.8, 0.85, 0.9, 0.95):
+        assert dedup.lsh_params(t) == _optimal_param(t, dedup.NUM_PERM, 0.5, 0.5)
+    for seed in (0, 7):
+        a, b = dedup._permutations(seed, dedup.NUM_PERM)
+        want_a, want_b = MinHash(num_perm=dedup.NUM_PERM, seed=seed).permutations
+        np.testing.assert_array_equal(a, want_a)
+        np.testing.assert_array_equal(b, want_b)

@@ -138,10 +138,13 @@ def _c_minhash():
 
 @functools.lru_cache(maxsize=4)
 def _permutations(seed: int, num_perm: int) -> tuple[np.ndarray, np.ndarray]:
-    from datasketch import MinHash
-
-    a, b = MinHash(num_perm=num_perm, seed=seed).permutations  # datasketch's affine32 scheme
-    return a.astype(np.uint32), b.astype(np.uint32)
+    """datasketch's affine32 permutations (`MinHash(num_perm, seed).permutations`: odd `a`,
+    any `b`, from `np.random.RandomState(seed)`), drawn here so that neither the workers nor
+    the main process import datasketch, which imports scipy (seconds of start-up, ~40 MB)."""
+    gen = np.random.RandomState(seed)
+    a = gen.randint(0, 1 << 31, num_perm, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+    b = gen.randint(0, 1 << 32, num_perm, dtype=np.uint32)
+    return a, b
 
 
 def _fmix32(h: np.ndarray) -> np.ndarray:
@@ -183,10 +186,26 @@ def signatures(texts: list[str], seed: int, num_perm: int = NUM_PERM, perms: tup
 
 @functools.lru_cache(maxsize=8)
 def lsh_params(threshold: float, num_perm: int = NUM_PERM) -> tuple[int, int]:
-    """(bands, rows per band) that datasketch's `MinHashLSH(threshold, num_perm)` picks."""
-    from datasketch.lsh import _optimal_param
+    """(bands, rows per band) that datasketch's `MinHashLSH(threshold, num_perm)` picks: the
+    pair minimising false positive + false negative probability mass (weights 0.5 / 0.5), in
+    its search order. The integrands are polynomials of degree b*r <= num_perm, so Gauss-Legendre
+    with num_perm nodes integrates them exactly (datasketch uses scipy's `quad`; the tests check
+    the two agree over a grid of thresholds)."""
+    x, w = np.polynomial.legendre.leggauss(num_perm)
 
-    return _optimal_param(threshold, num_perm, 0.5, 0.5)
+    def integral(f, lo: float, hi: float) -> float:
+        s = (hi - lo) / 2 * x + (hi + lo) / 2
+        return float((hi - lo) / 2 * np.dot(w, f(s)))
+
+    best, opt = float("inf"), (0, 0)
+    for b in range(1, num_perm + 1):
+        for r in range(1, num_perm // b + 1):
+            fp = integral(lambda s, b=b, r=r: 1 - (1 - s ** float(r)) ** float(b), 0.0, threshold)
+            fn = integral(lambda s, b=b, r=r: 1 - (1 - (1 - s ** float(r)) ** float(b)), threshold, 1.0)
+            err = fp * 0.5 + fn * 0.5
+            if err < best:
+                best, opt = err, (b, r)
+    return opt
 
 
 def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:

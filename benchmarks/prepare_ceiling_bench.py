@@ -1,0 +1,118 @@
+"""The serial ceiling of `prepare`'s main process: workers that do nothing, so the main process's
+own work (reading the input, the dedup spill and decisions, the spool, the sink's writes) sets the
+pace; then the same corpus with the real workers, one of them, for the per-worker rate.
+
+Model: with W workers the run goes at min(W x per-worker rate, main-process ceiling); the main
+process stops being the bottleneck below W = ceiling / per-worker rate.
+
+The no-op worker answers each block of raw lines with what a real worker returns for it (one
+document per line, 16 random key bytes, 9 band keys with --near, 100 tokens per document),
+computed with a few numpy calls and no per-document Python.
+
+Usage: nice python benchmarks/prepare_ceiling_bench.py CORPUS.txt [--near] [--workers 2]
+(CORPUS: one document per line, e.g. a corpus that prepare_scale_bench.py --keep left behind,
+or any .txt file; a tokenizer with a vocabulary of at least 1,000 is trained on its start.)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mspretrain.config import PrepareConfig  # noqa: E402
+from mspretrain.data import pipeline, sources  # noqa: E402
+from mspretrain.data.origin import RECORD  # noqa: E402
+from mspretrain.data.prepare import prepare  # noqa: E402
+from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece  # noqa: E402
+
+TOKENS_PER_DOC = 100
+_NEAR = {"on": False}
+
+
+def noop_chunk(work) -> dict:
+    """What `workers.clean_chunk` returns for a block, without cleaning, hashing or encoding."""
+    if not isinstance(work, sources.RawLines):
+        raise SystemExit("the ceiling bench needs one-document-per-line .txt input (raw blocks)")
+    buf = np.frombuffer(work.data, dtype=np.uint8)
+    ends = np.flatnonzero(buf == 10)
+    n = int(ends.size)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.uint64)
+    rng = np.random.default_rng(work.offset)
+    keys = rng.bytes(16 * n)
+    origin = np.zeros(n, dtype=RECORD)
+    origin["file"], origin["offset"] = work.file, starts + np.uint64(work.offset)
+    lengths = np.full(n, TOKENS_PER_DOC, dtype=np.int32)
+    return {"docs_in": n, "chars_in": len(work.data) // 3, "changed": {}, "dropped": {}, "keys": keys,
+            "chars": (ends - starts.astype(np.int64)).astype(np.int64) // 3, "u": rng.random((n, 2)),
+            "bands": rng.integers(0, 2**63, size=(n, 9), dtype=np.uint64) if _NEAR["on"] else None,
+            "raw": (work.file, n, 0, 0), "origin": origin,
+            "tokens": np.ones(n * TOKENS_PER_DOC, dtype=np.uint16), "lengths": lengths,
+            "fallback": np.zeros(n, dtype=np.int64)}
+
+
+def timed(corpus: Path, tok: Path, out: Path, cfg: PrepareConfig, workers: int) -> tuple[float, float, dict]:
+    """(wall s, main-process CPU s, manifest)."""
+    me0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.time()
+    m = prepare([str(corpus)], out, cfg, tokenizer=str(tok), workers=workers, overwrite=True, log=lambda _: None)
+    wall = time.time() - t0
+    me1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (me1.ru_utime + me1.ru_stime) - (me0.ru_utime + me0.ru_stime)
+    shutil.rmtree(out, ignore_errors=True)
+    return wall, cpu, m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("corpus", type=Path)
+    ap.add_argument("--near", action="store_true", help="near dedup on (band keys in the results)")
+    ap.add_argument("--workers", type=int, default=2, help="no-op workers")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="prepare_ceiling_"))
+    try:
+        lines = []
+        with open(args.corpus, encoding="utf-8") as f:
+            for line in f:
+                lines.append(line.rstrip("\n"))
+                if len(lines) >= 20_000:
+                    break
+        trained, _ = train_sentencepiece(lines, tmp, 4000, character_coverage=1.0, num_threads=2, seed=0)
+        tok = Tokenizer.load(trained.path).path
+        cfg = replace(PrepareConfig(), doc_per_line=True, near_dedup=args.near)
+        size = args.corpus.stat().st_size
+        print(f"corpus {args.corpus} ({size / 1e6:,.0f} MB), near dedup {'on' if args.near else 'off'}, "
+              f"load average {os.getloadavg()[0]:.2f} (2 shared cores)")
+        _NEAR["on"] = args.near
+        real = pipeline.clean_chunk
+        pipeline.clean_chunk = noop_chunk
+        try:
+            wall, cpu, m = timed(args.corpus, tok, tmp / "noop", cfg, args.workers)
+        finally:
+            pipeline.clean_chunk = real
+        docs = m["documents_in"]
+        print(f"no-op workers ({args.workers}): {wall:.1f} s wall, main process {cpu:.1f} CPU s: "
+              f"ceiling {docs / cpu:,.0f} documents/s, {size / cpu / 1e6:,.1f} MB/s per main-process CPU second "
+              f"({docs / wall:,.0f} documents/s wall)")
+        wall1, cpu1, m1 = timed(args.corpus, tok, tmp / "real", cfg, 1)
+        print(f"real, 1 worker in-process: {wall1:.1f} s wall, {cpu1:.1f} CPU s: {docs / cpu1:,.0f} documents/s per CPU second "
+              f"(main-process work included)")
+        per_worker = docs / max(cpu1 - cpu, 1e-9)
+        print(f"model: per-worker rate ~{per_worker:,.0f} documents/s (one worker's CPU minus the main process's); "
+              f"the main process is the bottleneck from W = ceiling / per-worker = {(docs / cpu) / per_worker:.1f} workers")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
