@@ -347,7 +347,10 @@ class Llama(nn.Cell):
         self.flash_causal_mask = (Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
                                   if self.use_flash else None)
         rng = np.random.default_rng(seed)
-        _init_device[0] = "Ascend" if use_fused_kernels(device) else None  # see `_normal`
+        # see `_normal`; only where this process runs on an NPU (a model built for Ascend on a CPU box,
+        # as the tests and `selftest` do, stays in host memory)
+        on_npu = use_fused_kernels(device) and ms.get_current_device().device_target == "Ascend"
+        _init_device[0] = "Ascend" if on_npu else None
         try:
             self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
             self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])
