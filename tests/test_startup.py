@@ -48,7 +48,11 @@ def test_weights_are_bit_identical_and_streamed_to_the_device_on_ascend(tiny_cfg
 
     moved: list[tuple[tuple[int, ...], str]] = []
     monkeypatch.setattr(ms.Tensor, "to", lambda self, device: moved.append((tuple(self.shape), device)) or self)
-    monkeypatch.setattr(llama, "runtime_is_ascend", lambda: True)  # as on a 910B
+    class _OnNPU:
+        device_target = "Ascend"
+    llama.Llama(m, dtype="fp16", seed=7, device="ascend")  # built on a CPU process: stays on the host
+    assert moved == []
+    monkeypatch.setattr(ms, "get_current_device", lambda: _OnNPU())  # as in a process bound to an NPU
     asc = llama.state_numpy(llama.Llama(m, dtype="fp16", seed=7, device="ascend"))
     assert all(np.array_equal(asc[k], want[k]) for k in want)
     # every drawn weight went to the device as it was drawn, one at a time, in creation order

@@ -160,16 +160,6 @@ class RMSNormFn(nn.Cell):
 _init_device: list[str | None] = [None]
 
 
-def runtime_is_ascend() -> bool:
-    """Whether this process's MindSpore runs on an NPU (get_current_device, 2.10's successor of
-    get_context("device_target")). A model selected for Ascend but built on a CPU box (the tests of
-    the Ascend selection) keeps its weights on the host: there is no device to move them to."""
-    try:
-        return ms.get_current_device().device_target == "Ascend"
-    except Exception:  # no device set yet: MindSpore's default target on this build
-        return ms.get_context("device_target") == "Ascend"
-
-
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Parameter:
     t = Tensor(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
     if _init_device[0] is not None:
@@ -401,7 +391,10 @@ class Llama(nn.Cell):
         self.flash_causal_mask = (Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
                                   if self.use_flash else None)
         rng = np.random.default_rng(seed)
-        _init_device[0] = "Ascend" if use_fused_kernels(device) and runtime_is_ascend() else None  # see `_normal`
+        # see `_normal`; only where this process runs on an NPU (a model built for Ascend on a CPU box,
+        # as the tests and `selftest` do, stays in host memory)
+        on_npu = use_fused_kernels(device) and ms.get_current_device().device_target == "Ascend"
+        _init_device[0] = "Ascend" if on_npu else None
         try:
             self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
             self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])
