@@ -309,12 +309,12 @@ def test_sliding_window_on_the_flash_path_matches_the_math_path():
     unverified on hardware, like every flash layout test), with and without documents, and the
     window really masks (a window of T gives other logits)."""
     from mspretrain.config import ModelConfig, resolve_model
-    from tests.test_model import flash_reference
+    from tests.test_model import cpu_norms, flash_reference
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
                                     family="mistral", sliding_window=4, init_std=0.2))
     math16 = Llama(cfg, dtype="fp16", device="cpu", seed=3)
-    flash16 = Llama(cfg, dtype="fp16", device="ascend", seed=3)
+    flash16 = cpu_norms(Llama(cfg, dtype="fp16", device="ascend", seed=3))
     assert flash16.use_flash and not math16.use_flash
     for layer in flash16.layers:
         layer.attn.flash_causal = flash_reference(layer.attn.flash_causal)
