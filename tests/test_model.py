@@ -47,15 +47,6 @@ def ours_from_hf(hf, cfg: ModelConfig, **kw) -> Llama:
     return model
 
 
-def cpu_norms(model: Llama) -> Llama:
-    """A model selected for Ascend, run on CPU: its norms back on the CPU form (RmsNorm has no CPU
-    kernel in 2.10; the Ascend norm itself is tested in test_ascend_step.py against its semantics)."""
-    for _, cell in model.cells_and_names():
-        if isinstance(cell, llama.RMSNorm):
-            cell.fused = False
-    return model
-
-
 def tokens(shape, seed=0, vocab=V):
     return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
 
@@ -307,7 +298,6 @@ def test_flash_path_argument_layout(pair, monkeypatch):
     math16 = ours_from_hf(hf, cfg, dtype="fp16", device="cpu")
     flash16 = ours_from_hf(hf, cfg, dtype="fp16", device="ascend")
     assert flash16.use_flash and not math16.use_flash
-    cpu_norms(flash16)
     for layer in flash16.layers:
         layer.attn.flash_causal = flash_reference(layer.attn.flash_causal)
         layer.attn.flash_masked = flash_reference(layer.attn.flash_masked)
