@@ -73,13 +73,10 @@ JSON_CAP = 64 << 20  # run_meta.json, train_state.json, manifests, heartbeats, v
 TEXT_CAP = 256 << 20  # an eval file, a document list
 
 
-def read_regular_bytes(path: str | Path, cap: int, what: str, fix: str = "") -> bytes:
-    """The bytes of `path`, which must be a regular file (after symlinks) of at most `cap` bytes;
-    else a one-line UserError naming `what` it should have been. A FIFO, a device (/dev/zero), a
-    socket or a directory is refused without blocking: the open is non-blocking and the type is
-    checked on the open descriptor, so a swap between check and read cannot slip through."""
-    path = Path(path)
-    fix = fix or f"replace {path} with the {what} it should be"
+def _open_regular(path: Path, cap: int, what: str, fix: str) -> tuple[int, os.stat_result]:
+    """A non-blocking descriptor of `path` and its stat, after checking on the open descriptor that
+    it is a regular file of at most `cap` bytes (so a swap between check and read cannot slip
+    through); else a one-line UserError. The caller closes the descriptor."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -92,6 +89,20 @@ def read_regular_bytes(path: str | Path, cap: int, what: str, fix: str = "") -> 
             raise UserError(f"cannot read {what} {path}: it is {kind}, not a regular file", fix)
         if st.st_size > cap:
             raise UserError(f"{what} {path} is {st.st_size:,} bytes, more than the {cap:,} such a file can hold", fix)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_regular_bytes(path: str | Path, cap: int, what: str, fix: str = "") -> bytes:
+    """The bytes of `path`, which must be a regular file (after symlinks) of at most `cap` bytes;
+    else a one-line UserError naming `what` it should have been. A FIFO, a device (/dev/zero), a
+    socket or a directory is refused without blocking (`_open_regular`)."""
+    path = Path(path)
+    fix = fix or f"replace {path} with the {what} it should be"
+    fd, _ = _open_regular(path, cap, what, fix)
+    try:
         chunks, total = [], 0
         while True:  # read to EOF, but never past the cap (a file still growing)
             chunk = os.read(fd, min(1 << 24, cap + 1 - total))
@@ -176,16 +187,5 @@ def stream_lines(path: str | Path, cap: int, what: str, fix: str = "", max_line:
 def read_regular_bytes_check(path: str | Path, cap: int, what: str, fix: str = "") -> None:
     """The checks of `read_regular_bytes` (a regular file, at most `cap` bytes) without reading it."""
     path = Path(path)
-    fix = fix or f"replace {path} with the {what} it should be"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise UserError(f"cannot read {what} {path} ({e.strerror or e})", fix) from None
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise UserError(f"cannot read {what} {path}: it is not a regular file (a FIFO, device, socket or directory)", fix)
-    if st.st_size > cap:
-        raise UserError(f"{what} {path} is {st.st_size:,} bytes, more than the {cap:,} such a file can hold", fix)
+    fd, _ = _open_regular(path, cap, what, fix or f"replace {path} with the {what} it should be")
+    os.close(fd)
