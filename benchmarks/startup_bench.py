@@ -39,6 +39,9 @@ import numpy as np
 os.environ.setdefault("GLOG_v", "3")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_bench, beside this file
+from memory_bench import _vmhwm  # noqa: E402  (one reader of a process's peak RSS for both benches)
+
 GiB = 1024**3
 
 
@@ -81,16 +84,6 @@ def make_data(work: Path, tokens: int) -> tuple[Path, Path]:
     del manifest["max_token_id"]
     (old / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return new, old
-
-
-def _vmhwm(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _children(pid: int) -> list[int]:
