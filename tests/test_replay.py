@@ -131,6 +131,31 @@ def test_refusals_are_one_line(planted, capsys, tmp_path):
     assert code == 2 and "not a run dir" in err
 
 
+def test_a_full_disk_for_the_scratch_dir_is_one_line(planted, capsys, tmp_path, monkeypatch):
+    """Issue 33 class 7: the starting checkpoint copied into --out on a full disk, and a scratch dir
+    that cannot be made, are one line each; the run is not touched."""
+    import errno
+    import os
+    import shutil
+
+    run, _, _ = planted
+    before = _snapshot(run)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "cross-device link")))
+    monkeypatch.setattr(shutil, "copy2", full)
+    code, _, err = _cli(capsys, "replay", str(run), "--from-step", "4", "--steps", "2", "--out", str(tmp_path / "s1"))
+    assert code == 2 and "No space left on device" in err and "free disk space" in err, err
+    assert err.count("\n") == 2 and "Traceback" not in err
+    monkeypatch.setattr(Path, "mkdir", full)
+    code, _, err = _cli(capsys, "replay", str(run), "--from-step", "4", "--steps", "2", "--out", str(tmp_path / "s2"))
+    assert code == 2 and "replay's scratch dir" in err and err.count("\n") == 2, err
+    monkeypatch.undo()
+    assert _snapshot(run) == before
+
+
 def test_comparison_names_the_first_difference_and_other_worlds():
     """The verdicts of format_replay on hand-made results: it can say 'NOT reproduced', and on another
     world size it compares to 1e-5 and says why."""

@@ -177,27 +177,41 @@ def history_checkpoint(run: Path, step: int, history: int) -> Path:
 
 
 def make_scratch(run: Path, out: str | Path | None) -> tuple[Path, bool]:
-    """(scratch dir, whether it is a temporary one this replay removes)."""
+    """(scratch dir, whether it is a temporary one this replay removes). A full or read-only disk
+    is one line (outputs.os_error), before anything is replayed."""
+    from mspretrain.outputs import os_error
+
     if out is None:
-        return Path(tempfile.mkdtemp(prefix="mspretrain-replay-")), True
+        try:
+            return Path(tempfile.mkdtemp(prefix="mspretrain-replay-")), True
+        except OSError as e:
+            raise os_error(e, "replay's temporary scratch dir", "free space in the temp dir (or set TMPDIR), or pass --out DIR") from None
     scratch = Path(out).expanduser().resolve()
     if scratch == run or run in scratch.parents:
         raise UserError(f"the scratch dir {scratch} is inside the run {run}, which replay never writes into",
                         "give --out a dir outside the run dir")
     if scratch.exists() and (not scratch.is_dir() or any(scratch.iterdir())):
         raise UserError(f"the scratch dir {scratch} already holds other files", "give --out a new or empty dir")
-    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        scratch.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, f"replay's scratch dir {scratch}") from None
     return scratch, False
 
 
 def link_checkpoint(ckpt: Path, scratch: Path) -> None:
+    from mspretrain.outputs import os_error
+
     dest = RunPaths(scratch).checkpoints / ckpt.name
-    dest.mkdir(parents=True)
-    for f in ckpt.iterdir():
-        try:
-            os.link(f, dest / f.name)
-        except OSError:  # another filesystem, or no hard links there
-            shutil.copy2(f, dest / f.name)
+    try:
+        dest.mkdir(parents=True)
+        for f in ckpt.iterdir():
+            try:
+                os.link(f, dest / f.name)
+            except OSError:  # another filesystem, or no hard links there
+                shutil.copy2(f, dest / f.name)
+    except OSError as e:  # the copy on a full disk
+        raise os_error(e, f"the starting checkpoint into replay's scratch dir {scratch}") from None
 
 
 # ----------------------------------------------------------------------------- the trainer's parts
