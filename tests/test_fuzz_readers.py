@@ -207,7 +207,8 @@ def test_fuzz_config_json_fields(edits):
                                 dict(VALID_CFG, rope_theta=float("nan")), dict(VALID_CFG, rms_norm_eps=-1e-6),
                                 dict(VALID_CFG, rope_scaling=["linear"]), dict(VALID_CFG, rope_scaling={"type": "linear", "factor": 2.0}),
                                 dict(VALID_CFG, rope_parameters="default"), dict(VALID_CFG, tie_word_embeddings="yes"),
-                                dict(VALID_CFG, hidden_size=66), dict(VALID_CFG, architectures="LlamaForCausalLM"),
+                                {k: v for k, v in dict(VALID_CFG, hidden_size=66).items() if k != "head_dim"},  # 66 / 4 heads, no head_dim
+                                dict(VALID_CFG, architectures="LlamaForCausalLM"),
                                 dict(VALID_CFG, max_position_embeddings=1.5), dict(VALID_CFG, initializer_range=float("inf"))])
 def test_bad_config_json_is_one_line(hf):
     with pytest.raises(UserError) as exc:
