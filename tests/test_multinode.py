@@ -98,5 +98,8 @@ def test_two_nodes_spike_rewind_equals_one_process(tmp_path, tiny_data):
     final = _step_dir(two, 14)
     assert (final / "optimizer-00000-of-00002.safetensors").is_file() and (final / "optimizer-00001-of-00002.safetensors").is_file()
     # lr 0.01 (10x the reference run's) over 14 updates with rewinds amplifies the rounding of the
-    # two-rank gradient sum: measured 1.6e-5 on embed.weight, the other tensors below 1e-5
-    assert_same_checkpoint(final, _step_dir(one, 14), 5e-5)
+    # two-rank gradient sum. Measured 1.6e-5 at most on the box this test was written on; on an AMD
+    # EPYC box (2026-12-02) 4.3e-5 on embed.weight and 5.87e-5 on exp_avg of layer 0's wqkv, the
+    # same to the digit on this code and on the code before it (a924baa): MindSpore picks other CPU
+    # kernels on other CPUs. The losses, rewinds included, are held to 1e-5 above.
+    assert_same_checkpoint(final, _step_dir(one, 14), 1e-4)

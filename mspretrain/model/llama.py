@@ -517,7 +517,9 @@ class Llama(nn.Cell):
             if segments is None and not windowed:
                 discard = self.flash_causal_mask
             else:  # the full (B, 1, T, T) mask: flash_masked (sparse_mode 0)
-                discard = ops.logical_not(ops.broadcast_to(allowed, (B, 1, T, T)))  # the kernel's (B, 1, S, S) layout
+                # the kernel's (B, 1, S, S) layout; with documents the batch is the segments' own
+                rows = allowed.shape[0] if segments is not None else B
+                discard = ops.logical_not(ops.broadcast_to(allowed, (rows, 1, T, T)))
         return bias, discard
 
 
