@@ -100,9 +100,21 @@ class CheckpointManager:
 
         target = self.paths.step_dir(self.last_save_step)
         deadline = time.monotonic() + WAIT_S
-        while store.verify(target, deep=False) is not None and time.monotonic() < deadline:
+
+        def check(deep: bool) -> str | None:
+            # After a rewind the same step is saved again: rank 0 may replace the directory while
+            # this rank reads it (seen as a FileNotFoundError in the hash). Not usable yet: wait on.
+            try:
+                return store.verify(target, deep=deep)
+            except OSError as exc:
+                return f"it is being written ({exc.strerror or exc})"
+
+        while check(deep=False) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
-        reason = store.verify(target)
+        reason = check(deep=True)
+        while reason is not None and reason.startswith("it is being written") and time.monotonic() < deadline:
+            time.sleep(0.1)
+            reason = check(deep=True)
         if reason is not None:
             self.log(f"spike: checkpoint {target.name} is not usable ({reason})")
             return None
