@@ -2,6 +2,7 @@
 one way to read a JSON file a person may have edited or truncated."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -44,6 +45,15 @@ def atomic_writer(path: str | Path, *, text: bool = False, fsync: bool = True) -
         raise
     if fsync:
         fsync_path(path.parent)  # makes the rename itself survive a crash
+
+
+def sha256_file(path: str | Path) -> str:
+    """SHA-256 of a file, read in 16 MB blocks (weights, tokenizers, output sets)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(16 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def atomic_write(path: str | Path, data: bytes | str, *, fsync: bool = True) -> None:

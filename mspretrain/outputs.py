@@ -32,7 +32,6 @@ What it guarantees:
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -43,6 +42,7 @@ from types import TracebackType
 from typing import Callable, Iterable
 
 from mspretrain.errors import UserError
+from mspretrain.fsutil import sha256_file
 
 MARKER = ".mspretrain-output.json"
 SCRATCH_MARK = ".mspretrain-scratch"
@@ -59,14 +59,6 @@ def os_error(exc: OSError, what: str, fix: str = "") -> UserError:
         fix = fix or "create the directory first, or name a path in an existing one"
     where = f" ({exc.filename})" if exc.filename else ""
     return UserError(f"cannot write {what}: {cause}{where}", fix or "fix the cause above and run the same command again")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_marker(d: Path) -> dict | None:
@@ -91,7 +83,7 @@ def check_set(d: str | Path) -> str | None:
         p = d / name
         if not p.is_file():
             return f"{name} is missing"
-        if not isinstance(info, dict) or p.stat().st_size != info.get("bytes") or _sha256(p) != info.get("sha256"):
+        if not isinstance(info, dict) or p.stat().st_size != info.get("bytes") or sha256_file(p) != info.get("sha256"):
             return f"{name} is not the file written with the others (size or sha256 differs)"
     return None
 
@@ -218,7 +210,7 @@ class OutputDir:
         assert self.scratch is not None
         scratch = self.scratch
         (scratch / SCRATCH_MARK).unlink()
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                  for p in sorted(scratch.iterdir()) if p.is_file()}
         marker = {"command": self.command, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
         with open(scratch / MARKER, "w", encoding="utf-8") as f:  # last: its presence means the set is whole

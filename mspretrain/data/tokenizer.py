@@ -8,7 +8,6 @@ coverage with a warning, or fails in one line — never with a SentencePiece tra
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from mspretrain.errors import UserError
-from mspretrain.fsutil import atomic_write
+from mspretrain.fsutil import atomic_write, sha256_file
 from mspretrain.paths import DataPaths
 
 if TYPE_CHECKING:  # numpy is imported where it is used: loading a tokenizer should not need it
@@ -25,14 +24,6 @@ if TYPE_CHECKING:  # numpy is imported where it is used: loading a tokenizer sho
 
 _NAMES = DataPaths(Path())
 TOKENIZER_FILES = (_NAMES.tokenizer_model.name, _NAMES.tokenizer_json.name)  # SentencePiece first
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass

@@ -12,7 +12,6 @@ the same tensors bit for bit (tests/test_init_from.py).
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import numpy as np
 
 from mspretrain.config import ModelConfig
 from mspretrain.errors import UserError
+from mspretrain.fsutil import sha256_file
 
 # Keys that describe no weight and no computation of the init model: how a *fresh* model would be
 # initialised, and how ffn_dim would be derived when it is 0 (the init model's ffn_dim is known).
@@ -42,14 +42,6 @@ class InitWeights:
     def provenance(self) -> dict[str, Any]:
         """{"path", "kind", "dir", "files": {name: sha256}} for run_meta.json's "init_from"."""
         return {"path": str(self.path), "kind": self.kind, "dir": str(self.source_dir), "files": dict(self.files)}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(16 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def from_hf_dir(path: str | Path) -> InitWeights:
