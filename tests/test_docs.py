@@ -370,7 +370,7 @@ def walkthrough_transcript(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("name", ["quickstart.md", "from-pytorch.md"])
 def test_walkthrough_sessions_print_what_the_docs_show(walkthrough_transcript, name):
     """Every quick-start session (and from-pytorch's round trip), against the real run. The Ctrl-C
-    lands at step 10 or 11 depending on timing: lines that name the stop step are compared only
+    lands at step 10-16 depending on timing: lines that name the stop step are compared only
     when the run stopped where the docs did."""
     ran = walkthrough_transcript
     doc = (DOCS / name).read_text(encoding="utf-8")
@@ -390,5 +390,11 @@ def test_walkthrough_sessions_print_what_the_docs_show(walkthrough_transcript, n
             names_stop = rf"\b(step_{stop:06d}|step {stop}\b|step {stop + 1}\b|steps {stop + 1}-|steps \d+-{stop}\b|SIG)"
             expected = [e for e in expected if not re.search(names_stop, e)
                         and not (command.startswith("mspretrain checkpoints") or "tokens seen" in e or e.startswith("done: step"))]
+            if stop_run and k > 0:
+                # The Ctrl-C lands late on a fast box (step 13-16 seen): the resumed run's first line
+                # is step stop+1 without throughput, and it never prints the steps before it. Lines
+                # after that are the same whatever the stop (exact resume), so they are still compared.
+                late = int(stop_run.group(1)) + 1
+                expected = [e for e in expected if not ((m := re.match(r"step (\d+)/", e)) and int(m.group(1)) <= late)]
         missing += compare_output(expected, output, f"{name}: $ {command}")
     assert not missing, f"lines {name} shows that the run did not print:\n" + "\n".join(missing)
