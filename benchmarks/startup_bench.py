@@ -5,20 +5,33 @@ The data dir is a small prepared one whose train shard is replaced by a large sy
 ids below the vocabulary, written with the same ShardWriter as `prepare`), so the largest-id check
 has real bytes to read. Three runs, each `mspretrain launch --nproc 2 -- train ... max_steps=1`:
 
-    before    the code at --before (default /work/main: every rank, and msrun's scheduler, scans
+    before    the code at --before (a checkout of the code before issue 30, e.g.
+              `git worktree add /work/wt-before a924baa`: every rank, and msrun's scheduler, scans
               every shard), data dir without `max_token_id` (what that code's prepare wrote)
     old-data  this tree, the same data dir without the key: rank 0 alone scans
     after     this tree, data dir with `max_token_id` (what this tree's prepare writes): no scan
 
-Per run: wall time from launch to the first metrics record (step 1), and each worker's and the
-scheduler's peak RSS (VmHWM from /proc, polled every 0.1 s while the job runs; shard pages read by
-the scan count there, as they do on a real node). Model initialisation on CPU puts the weights in
-host memory because host memory is the device there; on Ascend each weight goes to HBM as it is
-drawn (model/llama.py `_normal`), which this CPU box cannot show: the 7B lines below say what each
-design holds on the host, from the parameter sizes.
+Per run, polled every 0.1 s from /proc: the wall time from launch to rank 0's start banner (model
+built, optimizer state allocated: the end of initialisation) and to both ranks' step-1 log lines
+(the run is then killed: the final eval and checkpoint are not part of start-up); per process (each
+rank, msrun's scheduler) VmHWM at the end of initialisation, VmHWM at the end (the peak), and the
+peak of RssFile (mapped files: libraries, plus every shard page a largest-id scan touched, which is
+how the scan shows which processes read the data).
+
+Model initialisation on CPU puts the weights in host memory because host memory is the device
+there: a rank's RSS at the end of initialisation is one fp32 model plus a constant process baseline.
+On Ascend each weight goes to HBM as it is drawn (model/llama.py `_normal`), which this CPU box
+cannot show: the 7B lines say what each design holds on the host, from the parameter sizes. The
+first step on CPU adds MindSpore's CPU backend's resident term (`mspretrain plan`: "CPU backend
+term", about 5.5 bytes per parameter), which is the step's device memory, not initialisation.
 
     nice python benchmarks/startup_bench.py                       # 120M-parameter model, 600 MB shard
     python benchmarks/startup_bench.py --dim 256 --layers 2 --tokens 20e6   # smoke
+    # 1B (1.01 B, dim 2048 x 20): initialisation only; the step of two 1B ranks (~9.5 GB each) does not
+    # fit a 24 GB box next to other work. Only the norms train, so no gradients or Adam state exist
+    # for the matrices (the model is still built, initialised and stepped in full):
+    nice python benchmarks/startup_bench.py --dim 2048 --layers 20 --set 'train.trainable=["norms"]' --stop-after-init
+    nice python benchmarks/startup_bench.py --dim 2048 --layers 14 --set 'train.trainable=["norms"]'   # 0.71 B, to step 1
 """
 from __future__ import annotations
 
@@ -39,8 +52,6 @@ import numpy as np
 os.environ.setdefault("GLOG_v", "3")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_bench, beside this file
-from memory_bench import _vmhwm  # noqa: E402  (one reader of a process's peak RSS for both benches)
 
 GiB = 1024**3
 
@@ -109,65 +120,163 @@ def _role(pid: int) -> str:
     return "scheduler" if role == "MS_SCHED" else f"rank {d.get(b'RANK_ID', b'?').decode()}" if role == "MS_WORKER" else ""
 
 
-def run_once(code: Path, data: Path, work: Path, name: str, model_args: list[str]) -> dict:
+def _status(pid: int) -> dict[str, int]:
+    """VmHWM (peak RSS), VmRSS, RssAnon (allocated: weights, state) and RssFile (mapped files:
+    libraries, and the shard pages a largest-id scan touches) of a process, in bytes."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _log_has(path: Path, needle: str) -> bool:
+    try:
+        return needle in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def run_once(code: Path, data: Path, work: Path, name: str, model_args: list[str], *, stop_after_init: bool = False) -> dict:
+    """One `launch --nproc 2 -- train`, stopped (SIGKILL to its process group) once both ranks have
+    logged step 1: what is measured is the start-up and the first step, not the final eval and
+    checkpoint. Per process, polled every 0.1 s: the peak RSS (VmHWM), the peak of mapped-file
+    pages (RssFile: libraries plus any shard pages read by a largest-id scan), and VmHWM at the
+    moment rank 0's start banner appears in its log (model built, optimizer state allocated, before
+    the first step's compilation): the initialisation's peak. `stop_after_init`: stop there (a model
+    whose step does not fit the machine twice can still show its initialisation)."""
     run = work / f"run-{name}"
+    logs = work / f"msrun-{name}"
     env = {**os.environ, "PYTHONPATH": str(code), "GLOG_v": "3"}
     cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(_free_port()),
-           "--log-dir", str(work / f"msrun-{name}"), "--", "train", "--config", str(ROOT / "configs" / "tiny.toml"),
+           "--log-dir", str(logs), "--", "train", "--config", str(ROOT / "configs" / "tiny.toml"),
            "--data", str(data), "--run", str(run), "train.max_steps=1", "eval.every=0", "device.target=cpu",
            "checkpoint.every=0", "schedule.warmup_steps=0", *model_args]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     peaks: dict[str, int] = {}
-    first_step = None
+    file_peaks: dict[str, int] = {}
+    at_init: dict[str, int] = {}
+    init_s = first_step = None
+    low_mem = False
     try:
-        while proc.poll() is None and time.perf_counter() - t0 < 900:
+        while proc.poll() is None and time.perf_counter() - t0 < 1800:
             for pid in _children(proc.pid):
                 role = _role(pid)
                 if role:
-                    peaks[role] = max(peaks.get(role, 0), _vmhwm(pid))
-            if first_step is None and (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip():
+                    st = _status(pid)
+                    peaks[role] = max(peaks.get(role, 0), st.get("VmHWM", 0))
+                    file_peaks[role] = max(file_peaks.get(role, 0), st.get("RssFile", 0))
+            if init_s is None and _log_has(logs / "worker_0.log", "; micro-batch "):
+                init_s, at_init = time.perf_counter() - t0, {k: v for k, v in peaks.items() if k.startswith("rank")}
+                if stop_after_init:
+                    break
+            if _log_has(logs / "worker_0.log", "step 1/") and _log_has(logs / "worker_1.log", "rank=1 step=1"):
                 first_step = time.perf_counter() - t0
+                break
+            if _available() < 3 * GiB:  # the box is shared: never push it into the OOM killer
+                low_mem = True
+                break
             time.sleep(0.1)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-    if proc.returncode != 0:
-        logs = "".join(p.read_text(errors="replace")[-1500:] for p in sorted((work / f"msrun-{name}").glob("worker_*.log")))
-        raise SystemExit(f"{name}: train failed ({proc.returncode}): {logs}")
-    return {"first_step_s": first_step, "total_s": time.perf_counter() - t0, "peak_rss": peaks}
+        _kill_tree(proc)
+    if first_step is None and (init_s is None or not (stop_after_init or low_mem)):
+        tail = "".join(p.read_text(errors="replace")[-1500:] for p in sorted(logs.glob("worker_*.log")))
+        why = "stopped: under 3 GiB of memory available on the machine" if low_mem else f"train failed ({proc.returncode})"
+        raise SystemExit(f"{name}: {why}: {tail}")
+    stopped = None if first_step is not None else "after init (--stop-after-init)" if stop_after_init else "after init: under 3 GiB available"
+    return {"init_s": init_s, "first_step_s": first_step, "stopped": stopped, "peak_rss": peaks, "peak_file": file_peaks,
+            "init_rss": at_init}
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL msrun and every process under it, and wait until they are gone (their memory is
+    free before the next run starts). msrun starts its workers with os.setsid (mindspore/parallel/
+    cluster/process_entity/_api.py), so they are not in msrun's process group: each by its pid."""
+    pids = _children(proc.pid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(60)
+    deadline = time.time() + 60
+    while time.time() < deadline and any(Path(f"/proc/{pid}").exists() and _status(pid) for pid in pids):
+        time.sleep(0.2)
+
+
+def _available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", default="/work/main", help="source tree of the code before the change")
+    ap.add_argument("--before", default="/work/wt-before", help="source tree of the code before the change")
     ap.add_argument("--dim", type=int, default=1280)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--tokens", type=float, default=300e6, help="tokens in the synthetic train shard (uint16: 2 bytes each)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help='extra train overrides for every run, e.g. train.trainable=["norms"]')
+    ap.add_argument("--runs", default="before,old-data,after", help="which runs, comma-separated")
+    ap.add_argument("--stop-after-init", action="store_true",
+                    help="stop each run when the model is built (its step does not fit this machine twice)")
     args = ap.parse_args()
     from mspretrain.config import ModelConfig, resolve_model
     from mspretrain.model.presets import param_count, param_shapes, preset
 
     model_args = [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.dim // 64}",
-                  "model.n_kv_heads=0", "model.ffn_dim=0", "train.global_batch=4", "train.micro_batch=2", "data.seq_len=64"]
+                  "model.n_kv_heads=0", "model.ffn_dim=0", "train.global_batch=4", "train.micro_batch=2",
+                  "data.seq_len=64", *args.set]
     params = param_count(resolve_model(ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64), vocab_size=512))
+    model_gib = params * 4 / GiB
+    wanted = args.runs.split(",")
     with tempfile.TemporaryDirectory(prefix="startup_bench_") as tmp:
         work = Path(tmp)
         new, old = make_data(work, int(args.tokens))
         shard_gb = (new / "train.bin").stat().st_size / GiB
-        print(f"model {params / 1e6:.0f} M parameters ({params * 4 / GiB:.2f} GiB fp32); train shard {shard_gb:.2f} GiB; 2 msrun CPU ranks")
-        results = {"before": run_once(Path(args.before), old, work, "before", model_args),
-                   "old-data": run_once(ROOT, old, work, "old-data", model_args),
-                   "after": run_once(ROOT, new, work, "after", model_args)}
+        print(f"model {params / 1e6:.0f} M parameters ({model_gib:.2f} GiB fp32), dim {args.dim} x {args.layers} layers; "
+              f"train shard {shard_gb:.2f} GiB; 2 msrun CPU ranks; {' '.join(args.set) or 'every parameter trained'}", flush=True)
+        plan = {"before": (Path(args.before), old), "old-data": (ROOT, old), "after": (ROOT, new)}
+        results = {}
+        for name in wanted:
+            results[name] = run_once(plan[name][0], plan[name][1], work, name, model_args, stop_after_init=args.stop_after_init)
+            print(f"  {name}: {json.dumps(results[name])}", flush=True)
+    print("run        init  1st step | per process (GiB): RSS at init end / peak RSS / peak mapped-file pages")
     for name, r in results.items():
-        peaks = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(r["peak_rss"].items()))
-        print(f"{name:<9} first step {r['first_step_s']:.1f} s (exit {r['total_s']:.1f} s); peak RSS GiB: {peaks}")
-    b, a = results["before"], results["after"]
-    ranks = lambda r: [v for k, v in r["peak_rss"].items() if k.startswith("rank")]
-    print(f"ratio after/before: first step {a['first_step_s'] / b['first_step_s']:.2f}, "
-          f"largest rank RSS {max(ranks(a)) / max(ranks(b)):.2f}, "
-          f"all processes {sum(a['peak_rss'].values()) / sum(b['peak_rss'].values()):.2f}")
+        cells = []
+        for k in sorted(r["peak_rss"]):
+            init = f"{r['init_rss'][k] / GiB:.2f}" if k in r["init_rss"] else "-"
+            cells.append(f"{k} {init} / {r['peak_rss'][k] / GiB:.2f} / {r['peak_file'][k] / GiB:.2f}")
+        init_s = f"{r['init_s']:.0f} s" if r["init_s"] is not None else "-"
+        first = f"{r['first_step_s']:4.0f} s" if r["first_step_s"] is not None else "-"
+        print(f"{name:<9} {init_s:>6} {first:>8} | {'; '.join(cells)}" + (f"  (stopped {r['stopped']})" if r["stopped"] else ""))
+    ranks = lambda r, key: [v for k, v in r[key].items() if k.startswith("rank")]
+    if "before" in results and "after" in results and None not in (results["before"]["first_step_s"], results["after"]["first_step_s"]):
+        b, a = results["before"], results["after"]
+        print(f"ratio after/before: first step {a['first_step_s'] / b['first_step_s']:.2f}, "
+              f"largest rank's peak RSS {max(ranks(a, 'peak_rss')) / max(ranks(b, 'peak_rss')):.2f}, "
+              f"all processes' peaks {sum(a['peak_rss'].values()) / sum(b['peak_rss'].values()):.2f}")
+    for name, r in results.items():
+        if r["init_rss"]:
+            top = max(ranks(r, "init_rss"))
+            print(f"{name}: largest rank's RSS at init end {top / GiB:.2f} GiB = {top / (params * 4):.2f} x one fp32 model "
+                  f"({model_gib:.2f} GiB); + {(top - params * 4) / GiB:.2f} GiB that does not scale with the model "
+                  f"(Python, MindSpore, tokenizer, loader)")
+    # the largest-id scan, seen as mapped shard pages: which processes read the shard
+    # (against the same process's smallest peak over the runs: its libraries)
+    lib = {k: min(r["peak_file"].get(k, 1 << 62) for r in results.values()) for k in results[wanted[0]]["peak_file"]}
+    for name, r in results.items():
+        readers = [k for k, v in sorted(r["peak_file"].items()) if v - lib.get(k, v) > 0.5 * shard_gb * GiB]
+        print(f"{name}: processes that read the whole {shard_gb:.2f} GiB shard before init: {', '.join(readers) or 'none'}")
     # 7B x 8 ranks on one node, from the sizes (the Ascend side cannot run here)
     shapes = param_shapes(resolve_model(preset("llama2-7b")))
     sizes = [int(np.prod(s)) for _, s in shapes]
