@@ -142,9 +142,9 @@ def _log_has(path: Path, needle: str) -> bool:
 
 
 def run_once(code: Path, data: Path, work: Path, name: str, model_args: list[str], *, stop_after_init: bool = False) -> dict:
-    """One `launch --nproc 2 -- train`, stopped (SIGKILL to its process group) once both ranks have
+    """One `launch --nproc 2 -- train`, stopped (SIGKILL to each process) once both ranks have
     logged step 1: what is measured is the start-up and the first step, not the final eval and
-    checkpoint. Per process, polled every 0.1 s: the peak RSS (VmHWM), the peak of mapped-file
+    checkpoint. Per process, polled every 20 ms until the model is built, then every 0.1 s: the peak RSS (VmHWM), the peak of mapped-file
     pages (RssFile: libraries plus any shard pages read by a largest-id scan), and VmHWM at the
     moment rank 0's start banner appears in its log (model built, optimizer state allocated, before
     the first step's compilation): the initialisation's peak. `stop_after_init`: stop there (a model
@@ -181,7 +181,8 @@ def run_once(code: Path, data: Path, work: Path, name: str, model_args: list[str
             if _available() < 3 * GiB:  # the box is shared: never push it into the OOM killer
                 low_mem = True
                 break
-            time.sleep(0.1)
+            # 20 ms until the model is built: a scan of the shard maps its pages for a fraction of a second
+            time.sleep(0.02 if init_s is None else 0.1)
     finally:
         _kill_tree(proc)
     if first_step is None and (init_s is None or not (stop_after_init or low_mem)):
@@ -286,7 +287,14 @@ def main() -> None:
           f"(one parameter at a time on its way to HBM), against one fp32 model = {p7 * 4 / GiB:.1f} GiB")
     data7 = 120e9 * 2 / GiB
     print(f"7B x 8 ranks, largest-id check at 120 B uint16 tokens ({data7:.0f} GiB): before 9 x {data7:.0f} GiB read "
-          f"(8 ranks + the scheduler) before init; after 0 (recorded at prepare), or 1 x on rank 0 for an old data dir")
+          f"(8 ranks + the scheduler) before init, {data7 * GiB / 3e9:.0f} s each at 3 GB/s (this box's page-cache rate, "
+          f"data/manifest.py), 9 x from one disk at once; after 0 (recorded at prepare), or 1 x on rank 0 for an old data dir")
+    rng, t = np.random.default_rng(0), time.perf_counter()
+    rng.standard_normal(1 << 24, dtype=np.float32)
+    ns = (time.perf_counter() - t) / (1 << 24) * 1e9
+    print(f"7B x 8 ranks, drawing the weights: {ns:.0f} ns per value here (single-threaded numpy, the same before and "
+          f"after: every rank still draws every weight so they stay bit-identical) = {p7 * ns / 1e9:.0f} s per rank for "
+          f"{p7 / 1e9:.2f} B parameters; {params * ns / 1e9:.0f} s of this run's init time for {params / 1e9:.2f} B")
 
 
 if __name__ == "__main__":
