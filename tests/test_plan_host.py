@@ -22,6 +22,29 @@ def test_auto_plans_for_this_machine_unless_devices_ask_for_a_cluster(capsys):
     assert cluster["memory_bytes"]["cpu_backend"] == 0 and "process_peak" not in cluster["memory_bytes"]
     assert main(["plan", "--config", str(ROOT / "configs" / "demo.toml"), "model.vocab_size=8000"]) == 0
     assert "target     cpu (this machine (device.target = auto))" in capsys.readouterr().out
+    # a cluster plan without a named target is an assumption, not "this machine"
+    assert cluster["target"] == "auto" and cluster["target_source"] == "assumed"
+
+
+def test_on_cpu_each_rank_is_compared_with_its_share_of_this_machines_ram(capsys):
+    """On CPU the host is the device and the ranks on this machine share its RAM: a 24 GB box
+    must not be told that two ranks of 9.6 GB fit in "64 GB usable" (what it used to print)."""
+    import os
+
+    from mspretrain.cli import main
+    from mspretrain.ops.plan import GB
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    for devices in (1, 2):
+        assert main(["plan", "--config", str(ROOT / "configs" / "demo.toml"), "model.vocab_size=8000", "device.target=cpu",
+                     "--devices", str(devices), "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["device_mem_gb"] == round(ram / devices, 1)
+    # a model whose rank peak exceeds its share is refused in the plan's words
+    assert main(["plan", "--config", str(ROOT / "configs" / "demo.toml"), "model.vocab_size=8000", "device.target=cpu",
+                 "--devices", "2", "model.dim=4096", "model.n_layers=32", "model.n_heads=32", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["memory_bytes"]["peak"] / GB > ram / 2 and plan["warnings"][0].startswith("WILL NOT FIT")
 
 
 def test_host_section_of_the_7b_node():

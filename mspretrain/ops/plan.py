@@ -295,6 +295,14 @@ def checkpoint_bytes(params: int, half_params: str | None = None, trained: int |
     return weights * params + 8 * trained + (4 * trained if half_params else 0)
 
 
+def host_ram_gb() -> float:
+    """This machine's physical memory in GB. On CPU the host is the device, and the ranks of a
+    launch on this machine share it: each rank's peak is compared with its share."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+
+
 def target_given(target: str | None, cfg: Config) -> bool:
     return cfg.device.target == "auto" and target is not None
 
@@ -340,6 +348,7 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
 
     P = _param_count(m)
     half = cfg.precision.dtype in ("fp16", "bf16")
+    here = target  # the machine's own target (device.target = auto, one device), or None
     planned_for = cfg.device.target if cfg.device.target != "auto" else (target or "auto")
     if flash is None:
         flash = half and planned_for not in ("cpu",)
@@ -349,7 +358,8 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     mem, layout = memory_model(m, cfg, devices=devices, micro=micro, accum=accum, zero=zero, shard_grads=shard_grads,
                                recompute=recompute, flash=flash, target=target)
     # a device size given on the command line wins (it used to be ignored for Ascend configs)
-    usable_gb = device_mem_gb or cfg.device.max_device_memory or (ASCEND_910B_USABLE_GB if target == "ascend" else 64.0)
+    usable_gb = device_mem_gb or cfg.device.max_device_memory or (
+        ASCEND_910B_USABLE_GB if target == "ascend" else round(host_ram_gb() / devices, 1) if target == "cpu" else 64.0)
     calls, wire_bytes = layout.traffic(accum)
     trained = sum(layout.sizes)  # the layout is built over the trained parameters only
     other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash)
@@ -366,7 +376,7 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         "checkpoint_bytes": checkpoint_bytes(P, cfg.precision.dtype if half_params else None, trained=trained),
         "trained_params": trained, "warnings": [],
         "target": target, "target_source": ("device.target" if cfg.device.target != "auto"
-                                            else "this machine (device.target = auto)" if target_given(target, cfg) else "assumed"),
+                                            else "this machine (device.target = auto)" if target_given(here, cfg) else "assumed"),
     }
     plan["host_bytes"] = host_memory(m, cfg, layout, devices=devices, target=target, tokens=b.tokens)
     if target == "cpu":  # the host is the device: the whole process
