@@ -17,10 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mspretrain.cli import main
+from mspretrain.data import dedup, diskdedup
+from mspretrain.data.raypool import RayCluster
 from tests.conftest import make_poems
+from tests.test_diskdedup import _corpus, _reference
 
 ROOT = Path(__file__).resolve().parents[1]
 START_SECONDS = 90  # a node's `ray start` on a busy 2-core box
@@ -150,6 +154,25 @@ def test_ray_run_is_byte_identical_to_the_local_run(cluster, corpus, tmp_path, n
     run_local(corpus, tmp_path / "local-given", "--tokenizer", str(given), near_flag)
     run_prepare(corpus, tmp_path / "ray-given", "--tokenizer", str(given), "--ray", cluster, near_flag)
     same_files(tmp_path / "local-given", tmp_path / "ray-given")
+
+
+@pytest.mark.slow
+def test_dedup_partitions_on_ray_decide_as_here(cluster, tmp_path, monkeypatch):
+    """Many partitions, each sorted by a Ray task on the worker node: the same decisions as the
+    in-memory reference (tests/test_diskdedup.py)."""
+    monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)  # many partition files (the driver splits)
+    docs = _corpus(1500, seed=1)
+    want_exact, want_near = _reference(docs, 0.8)
+    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, 0.8)
+    assert dd.exact.parts > 8 and dd.near.parts > 8
+    for lo in range(0, len(docs), 97):
+        part = docs[lo: lo + 97]
+        dd.add(dedup.dedup_keys(part), dedup.band_keys(dedup.signatures(part, seed=3), dd.bands, dd.rows))
+    with RayCluster(cluster) as ray_cluster:
+        dd.resolve(ray_cluster.map)
+    exact, near = dd.dropped(0, len(docs))
+    np.testing.assert_array_equal(exact, want_exact)
+    np.testing.assert_array_equal(near, want_near)
 
 
 def refused(args: list[str], capsys) -> str:

@@ -119,7 +119,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
             bar.close()
     sources.report_raw_files(stats, warn)
     t1 = time.time()
-    dd.resolve()
+    dd.resolve(ray.map if ray is not None else map)  # with Ray, each partition is a task
     log(f"dedup: {dd.n:,} cleaned documents decided on disk ({time.time() - t1:.1f} s)")
     done = 0
     for result in spool.read():  # pass 1's results again, now with their fate known

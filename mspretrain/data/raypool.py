@@ -4,7 +4,11 @@ What runs where:
 - the driver (the `prepare` process) reads the inputs, cuts them into chunks, takes the dedup
   decisions and writes every output file, exactly as without Ray;
 - each chunk (clean, exact hash, MinHash band keys, encode: `workers.clean_chunk` /
-  `workers.tokenize_chunk`) is one Ray task, on any node with a free CPU.
+  `workers.tokenize_chunk`) is one Ray task, on any node with a free CPU;
+- so is the sort of each dedup partition (records split by the top bits of their key: exact
+  duplicates, and the band buckets that near-duplicate candidates share), its records in and its
+  decisions out (`RayCluster.map`); the partitions' files stay on the driver's disk, and the
+  greedy near-dedup pass over the candidates, which needs input order across partitions, runs there.
 
 `RayPool` has the two methods `pool.ordered` uses (`apply_async(fn, args).get()` and
 `terminate()`), so the driver keeps taking results in input order with a bounded number in
@@ -30,13 +34,14 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from mspretrain.errors import UserError
 
 INSTALL_HINT = "pip install 'mspretrain[ray]' (on this machine and on every node of the cluster)"
 PROBE_SECONDS = 10.0  # TCP reachability of host:port before `ray.init`, which would retry for minutes
 NODE_CHECK_SECONDS = 120.0  # a node's first task starts a Ray worker process that imports mspretrain
+DEDUP_IN_FLIGHT = 4  # dedup partitions out at once (each ~diskdedup.PART_BYTES, held by the driver until done)
 TOKENIZER_NAMES = ("tokenizer.model", "tokenizer.json")  # an init argument naming one is sent by content
 
 
@@ -135,6 +140,17 @@ class RayCluster:
     def pool(self, initializer: Callable, initargs: tuple) -> RayPool:
         return RayPool(self._task, initializer, initargs)
 
+    def map(self, fn: Callable, items: Iterable) -> Iterator:
+        """fn over items as Ray tasks, results in order, at most DEDUP_IN_FLIGHT out at once: the
+        dedup partitions (`diskdedup.DiskDedup.resolve`), ~PART_BYTES each, bytes in and decisions out."""
+        from mspretrain.data.pool import ordered
+
+        pool = self.pool(_no_state, ())
+        try:
+            yield from ordered(pool, fn, items, DEDUP_IN_FLIGHT)
+        finally:
+            pool.terminate()
+
     def close(self) -> None:
         import ray
 
@@ -202,6 +218,10 @@ class _File:
 
     def __init__(self, name: str, data: bytes) -> None:
         self.name, self.data = name, data
+
+
+def _no_state() -> None:
+    """The initializer of tasks that need no per-process state (the dedup partitions)."""
 
 
 _ready: Any = None  # the init reference this Ray worker process was initialised with
