@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,6 +24,7 @@ import pytest
 from mspretrain.cli import main
 from mspretrain.data import dedup, diskdedup
 from mspretrain.data.raypool import RayCluster
+from mspretrain.errors import UserError
 from tests.conftest import make_poems
 from tests.test_diskdedup import _corpus, _reference
 
@@ -173,6 +175,20 @@ def test_dedup_partitions_on_ray_decide_as_here(cluster, tmp_path, monkeypatch):
     exact, near = dd.dropped(0, len(docs))
     np.testing.assert_array_equal(exact, want_exact)
     np.testing.assert_array_equal(near, want_near)
+
+
+@pytest.mark.slow
+def test_a_node_running_other_code_is_refused_before_anything_is_written(cluster, monkeypatch):
+    """The node check compares each node's fingerprint with the driver's: here the driver's
+    version is changed in this process only, as if the nodes ran another release."""
+    import mspretrain
+
+    monkeypatch.setattr(mspretrain, "__version__", "0.0.0+other")
+    with pytest.raises(UserError) as refusal:
+        RayCluster(cluster)
+    assert re.fullmatch(r"Ray node .* runs other code than this machine \(mspretrain \S+ sources (\w+) there, 0\.0\.0\+other "
+                        r"sources \1 here\), so the output would not be byte-identical; nothing was written", refusal.value.cause)
+    assert refusal.value.fix == "install the same mspretrain and library versions on every node"
 
 
 def refused(args: list[str], capsys) -> str:
