@@ -74,26 +74,23 @@ def cluster():
         procs.append(subprocess.Popen([ray_bin, "start", *args, *common], stdout=log, stderr=subprocess.STDOUT,
                                       env=ray_env(), start_new_session=True))  # its own group: killed whole below
 
-    def nodes_up(n: int) -> bool:
-        out = subprocess.run([ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=ray_env(), timeout=30)
-        return out.stdout.count(" node_") >= n
+    def started(name: str) -> bool:  # `ray start` prints this once its node has joined
+        return "Ray runtime started" in (Path(tmp) / f"{name}.log").read_text(errors="replace")
 
-    def wait_for(n: int) -> None:
-        deadline = time.time() + START_SECONDS
-        while time.time() < deadline:
-            if any(p.poll() is not None for p in procs):
-                break
-            if nodes_up(n):
-                return
-            time.sleep(1)
-        logs = "\n".join((Path(tmp) / f).read_text(errors="replace")[-2000:] for f in ("head.log", "worker.log") if (Path(tmp) / f).exists())
-        raise AssertionError(f"the Ray cluster did not come up with {n} node(s) in {START_SECONDS} s:\n{logs}")
+    def nodes_up() -> bool:
+        out = subprocess.run([ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=ray_env(), timeout=30)
+        return out.stdout.count(" node_") >= 2
 
     try:
+        # both at once: the worker node waits for the head's GCS by itself
         start(["--head", f"--port={port}", "--num-cpus=0", f"--temp-dir={tmp}/t", "--include-dashboard=false"], "head")
-        wait_for(1)
         start([f"--address={address}", "--num-cpus=1"], "worker")
-        wait_for(2)
+        deadline = time.time() + START_SECONDS
+        while not (started("head") and started("worker") and nodes_up()):
+            if time.time() > deadline or any(p.poll() is not None for p in procs):
+                logs = "\n".join((Path(tmp) / f"{n}.log").read_text(errors="replace")[-2000:] for n in ("head", "worker"))
+                raise AssertionError(f"the Ray cluster did not come up with 2 nodes in {START_SECONDS} s:\n{logs}")
+            time.sleep(0.5)
         yield address
     finally:
         for p in reversed(procs):  # SIGTERM lets `ray start --block` stop its node; SIGKILL whatever is left
@@ -101,7 +98,7 @@ def cluster():
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        deadline = time.time() + 5
+        deadline = time.time() + 3
         for p in procs:
             try:
                 p.wait(max(0.1, deadline - time.time()))
@@ -127,6 +124,7 @@ def run_prepare(corpus: Path, out: Path, *extra: str) -> str:
            "prepare.min_chars=4", "prepare.valid_fraction=0.1"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=ray_env(), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stderr == ""  # Ray's own log lines stay out of prepare's output
     return r.stdout
 
 
