@@ -74,16 +74,16 @@ def run(args: argparse.Namespace) -> int:
         if not quiet or line.startswith("warning"):
             print(line, flush=True)
 
-    run_prepare = lambda ray=None: prepare(args.inputs, args.out, cfg.prepare, tokenizer=args.tokenizer, overwrite=args.overwrite,
-                                           workers=args.workers, progress=progress_enabled(args), log=log, seq_len=cfg.data.seq_len, ray=ray)
+    options = dict(tokenizer=args.tokenizer, overwrite=args.overwrite, workers=args.workers, progress=progress_enabled(args),
+                   log=log, seq_len=cfg.data.seq_len)
     if args.ray is None:
-        run_prepare()
+        prepare(args.inputs, args.out, cfg.prepare, **options)
     else:
         from mspretrain.data.raypool import RayCluster
 
         with RayCluster(args.ray) as cluster:  # connected and checked before anything is written
             log(f"on Ray at {args.ray}: {cluster.describe()}")
-            run_prepare(cluster)
+            prepare(args.inputs, args.out, cfg.prepare, **options, ray=cluster)
     if not quiet:
         print(f"next: mspretrain prepare --inspect {args.out}   or   mspretrain train --config configs/tiny.toml --data {args.out} --run runs/a")
     return 0

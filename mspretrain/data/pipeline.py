@@ -153,7 +153,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         n_chars = sum(map(len, sample))
         log(f"training a SentencePiece BPE tokenizer (vocab {cfg.vocab_size:,}) on {n_chars:,} characters")
         trained, tok_warnings = train_sentencepiece(sample, work, cfg.vocab_size, character_coverage=cfg.character_coverage,
-                                                    num_threads=min(workers, os.cpu_count() or 1), seed=cfg.seed)
+                                                    num_threads=min(workers, len(os.sched_getaffinity(0))), seed=cfg.seed)
         del sample
         log(f"trained the tokenizer ({time.time() - t0:.1f} s)")
         for w in tok_warnings:
