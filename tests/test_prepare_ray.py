@@ -205,6 +205,12 @@ def test_unreachable_address_is_refused_and_nothing_is_written(corpus, tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_address_ray_would_not_take_is_refused(corpus, tmp_path, capsys):
+    err = refused(["prepare", str(corpus), "--out", str(tmp_path / "data"), "--ray", "head-node"], capsys)
+    assert err.splitlines()[0] == "error: --ray head-node: not an address Ray accepts"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_without_ray_installed_the_hint_names_the_extra(corpus, tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
