@@ -18,7 +18,7 @@ $(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c mspretrain/data/_m
 	@touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml
-	@echo "make: installing the test dependencies into $(VENV): pytest, hypothesis, torch (CPU, ~200 MB), transformers, ruff"
+	@echo "make: installing the test dependencies into $(VENV): pytest, hypothesis, torch (CPU, ~200 MB), transformers, ruff, ray"
 	$(PIP) install -e '.[test]'
 	@touch $@
 

@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   mspretrain prepare 'news/*.jsonl.zst' --text-field content --out data/news --workers 8
   mspretrain prepare lines.txt --doc-per-line --tokenizer data/tokenizer.model --out data/more
   mspretrain prepare corpus/ --out data/ prepare.t2s=true prepare.near_dedup=true
+  mspretrain prepare 'news/*.txt' --doc-per-line --out data/news --ray 10.0.0.1:6379
   mspretrain prepare --inspect data/"""
 
 
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in .txt files, one document per line (default: per blank-line separated block)")
     p.add_argument("--text-field", metavar="F", help="the .jsonl field holding the text (prepare.text_field, default text)")
     p.add_argument("--workers", type=int, metavar="N", help="worker processes (default: the number of cores)")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run the chunks as Ray tasks on a cluster: HOST:PORT of its head, ray://HOST:PORT, auto or local "
+                        "(needs pip install 'mspretrain[ray]' on every node; reading, dedup decisions and writing stay here)")
     p.add_argument("--valid-fraction", type=float, metavar="F", help="share of documents for the valid split (prepare.valid_fraction)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing data dir")
     p.add_argument("--inspect", metavar="DATA_DIR", help="print the manifest summary of a data dir and decode a few documents")
@@ -53,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("no --out given", "say where the data dir goes: mspretrain prepare corpus/ --out data/")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers} must be at least 1", "use e.g. --workers 2, or leave it out for one per core")
+    if args.ray is not None and args.workers is not None:
+        raise UserError("--workers and --ray exclude each other: with --ray every CPU of the cluster is a worker",
+                        "leave out --workers (or --ray to run on this machine only)")
     if args.seq_len is not None and args.seq_len < 1:
         raise UserError(f"--seq-len {args.seq_len} must be positive", "use e.g. --seq-len 2048")
     cfg = load_config(args)
@@ -67,8 +74,16 @@ def run(args: argparse.Namespace) -> int:
         if not quiet or line.startswith("warning"):
             print(line, flush=True)
 
-    prepare(args.inputs, args.out, cfg.prepare, tokenizer=args.tokenizer, overwrite=args.overwrite,
-            workers=args.workers, progress=progress_enabled(args), log=log, seq_len=cfg.data.seq_len)
+    options = dict(tokenizer=args.tokenizer, overwrite=args.overwrite, workers=args.workers, progress=progress_enabled(args),
+                   log=log, seq_len=cfg.data.seq_len)
+    if args.ray is None:
+        prepare(args.inputs, args.out, cfg.prepare, **options)
+    else:
+        from mspretrain.data.raypool import RayCluster
+
+        with RayCluster(args.ray) as cluster:  # connected and checked before anything is written
+            log(f"on Ray at {args.ray}: {cluster.describe()}")
+            prepare(args.inputs, args.out, cfg.prepare, **options, ray=cluster)
     if not quiet:
         print(f"next: mspretrain prepare --inspect {args.out}   or   mspretrain train --config configs/tiny.toml --data {args.out} --run runs/a")
     return 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -138,6 +138,34 @@ def _repeated(keys: np.ndarray) -> np.ndarray:
     return mask
 
 
+def exact_duplicates(recs: np.ndarray) -> np.ndarray:
+    """idx of the exact duplicates in one partition of `EXACT` records (input order within it):
+    every record after the first of its key."""
+    recs = recs[_repeated(recs["k0"])]  # a fast unstable sort finds the few candidates
+    order = np.lexsort((recs["k1"], recs["k0"]))  # stable: input order within a key
+    s = recs[order]
+    same = (s["k0"][1:] == s["k0"][:-1]) & (s["k1"][1:] == s["k1"][:-1])
+    return s["idx"][1:][same]
+
+
+def shared_buckets(recs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(idx, bucket numbered from 0 here) of the members of the band buckets that two or more
+    records of one partition of `BAND` records (exact duplicates removed) share."""
+    none = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    recs = recs[_repeated(recs["key"])]
+    s = recs[np.argsort(recs["key"], kind="stable")]
+    if s.size < 2:
+        return none
+    new = np.concatenate([[True], s["key"][1:] != s["key"][:-1]])
+    bucket = np.cumsum(new) - 1
+    size = np.bincount(bucket)
+    shared = size[bucket] >= 2
+    if not shared.any():
+        return none
+    _, dense = np.unique(bucket[shared], return_inverse=True)
+    return s["idx"][shared].astype(np.int64), dense
+
+
 class DiskDedup:
     """Collects keys in pass 1 (`add`), then decides (`resolve`); `dropped(lo, hi)` after that."""
 
@@ -166,33 +194,22 @@ class DiskDedup:
             self.near.add(b)
         self.n += n
 
-    def resolve(self) -> None:
+    def resolve(self, map_parts: Callable[[Callable, Iterable], Iterable] = map) -> None:
+        """`map_parts(fn, partitions)`: fn's results over the partitions, in order (`map` here, or
+        Ray tasks: `raypool.RayCluster.map`); the partitions are independent, split by key."""
         self.exact_bits = Bits(self.n)
-        for recs in self.exact.read():
-            recs = recs[_repeated(recs["k0"])]  # a fast unstable sort finds the few candidates
-            order = np.lexsort((recs["k1"], recs["k0"]))  # stable: input order within a key
-            s = recs[order]
-            same = (s["k0"][1:] == s["k0"][:-1]) & (s["k1"][1:] == s["k1"][:-1])
-            if same.any():
-                self.exact_bits.set(s["idx"][1:][same])
+        for dropped in map_parts(exact_duplicates, self.exact.read()):
+            self.exact_bits.set(dropped)
         if self.near is None:
             return
         self.near_bits = Bits(self.n)
         members, buckets, next_bucket = [], [], 0
-        for recs in self.near.read():
-            recs = recs[~self.exact_bits.get(recs["idx"])]  # exact duplicates never reach the LSH
-            recs = recs[_repeated(recs["key"])]
-            s = recs[np.argsort(recs["key"], kind="stable")]
-            if s.size < 2:
+        # exact duplicates never reach the LSH: filtered here (a gather), before the partitions go out
+        kept = (recs[~self.exact_bits.get(recs["idx"])] for recs in self.near.read())
+        for idx, dense in map_parts(shared_buckets, kept):
+            if not idx.size:
                 continue
-            new = np.concatenate([[True], s["key"][1:] != s["key"][:-1]])
-            bucket = np.cumsum(new) - 1
-            size = np.bincount(bucket)
-            shared = size[bucket] >= 2
-            if not shared.any():
-                continue
-            _, dense = np.unique(bucket[shared], return_inverse=True)
-            members.append(s["idx"][shared].astype(np.int64))
+            members.append(idx)
             buckets.append((dense + next_bucket).astype(np.uint32 if next_bucket + dense.size < 1 << 32 else np.int64))
             next_bucket += int(dense.max()) + 1
         if not members:

@@ -11,6 +11,7 @@ so the output is byte-identical whatever the number of workers.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -75,13 +76,14 @@ def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines]) -> Itera
 
 
 def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,
-        log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats) -> dict:
+        log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, ray=None) -> dict:
     """Read, clean, dedup, split, [train the tokenizer,] tokenize and write the shards into
     `work`; returns the manifest (without the keys that depend on prepare's arguments).
 
     With a given tokenizer, one pass: workers clean and tokenize. Otherwise pass 1 cleans and
     spools the kept documents (and keeps a bounded, uniform sample to train the tokenizer on),
-    and pass 2 tokenizes the spool.
+    and pass 2 tokenizes the spool. `ray`: a `raypool.RayCluster` that runs the chunks instead of
+    local worker processes (`workers` is then its CPU count).
     """
     in_flight = 2 * workers + 1
     t0 = time.time()
@@ -100,7 +102,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     spool = ChunkSpool(work / "pass1.tmp")
     bar = progress_bar(progress, total_bytes, "clean" if given is None else "clean+tokenize")
     lsh = (dd.bands, dd.rows, *dedup._permutations(cfg.seed, dedup.NUM_PERM)) if cfg.near_dedup else None
-    pool = start_pool(workers, init_worker, (cfg, str(tok_path) if given is not None else None, dtype.name, lsh), warm_up=clean.warm_up)
+    pool = start_pool(workers, init_worker, (cfg, str(tok_path) if given is not None else None, dtype.name, lsh), warm_up=clean.warm_up, ray=ray)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names)
@@ -117,7 +119,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
             bar.close()
     sources.report_raw_files(stats, warn)
     t1 = time.time()
-    dd.resolve()
+    dd.resolve(ray.map if ray is not None else map)  # with Ray, each partition is a task
     log(f"dedup: {dd.n:,} cleaned documents decided on disk ({time.time() - t1:.1f} s)")
     done = 0
     for result in spool.read():  # pass 1's results again, now with their fate known
@@ -151,7 +153,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         n_chars = sum(map(len, sample))
         log(f"training a SentencePiece BPE tokenizer (vocab {cfg.vocab_size:,}) on {n_chars:,} characters")
         trained, tok_warnings = train_sentencepiece(sample, work, cfg.vocab_size, character_coverage=cfg.character_coverage,
-                                                    num_threads=workers, seed=cfg.seed)
+                                                    num_threads=min(workers, len(os.sched_getaffinity(0))), seed=cfg.seed)
         del sample
         log(f"trained the tokenizer ({time.time() - t0:.1f} s)")
         for w in tok_warnings:
@@ -161,7 +163,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         if token_dtype(tok.vocab_size) != dtype:
             raise AssertionError("trained vocab does not fit the planned token dtype")
         bar = progress_bar(progress, sum(s.path.stat().st_size for s in spools.values()), "tokenize")
-        pool = start_pool(workers, init_worker, (cfg, str(tok_path), dtype.name), warm_up=clean.warm_up)
+        pool = start_pool(workers, init_worker, (cfg, str(tok_path), dtype.name), warm_up=clean.warm_up, ray=ray)
         try:
             for split in SPLITS:
                 texts = batched(spools[split].read(bar.update if bar else None))

@@ -69,9 +69,12 @@ def ordered(pool, fn: Callable, work: Iterable, in_flight: int) -> Iterator:
         yield pending.popleft().get()
 
 
-def start_pool(workers: int, initializer: Callable, initargs: tuple, warm_up: Callable[[], None] | None = None):
+def start_pool(workers: int, initializer: Callable, initargs: tuple, warm_up: Callable[[], None] | None = None, ray=None):
     """A process pool of `workers`, or None (after running `initializer` here) for one worker.
-    The caller terminates it. `warm_up` runs first when the workers fork, for them to inherit."""
+    The caller terminates it. `warm_up` runs first when the workers fork, for them to inherit.
+    `ray`: a `raypool.RayCluster`; the pool's tasks then run on its nodes (`prepare --ray`)."""
+    if ray is not None:
+        return ray.pool(initializer, initargs)
     if workers <= 1:
         initializer(*initargs)
         return None

@@ -42,17 +42,19 @@ def check_names(names: list[str]) -> None:
 
 def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, tokenizer: str | None = None,
             overwrite: bool = False, workers: int | None = None, progress: bool = False,
-            log: Callable[[str], None] = print, seq_len: int | None = None) -> dict:
+            log: Callable[[str], None] = print, seq_len: int | None = None, ray=None) -> dict:
     """Clean, dedup, tokenize `inputs` into the data dir `out_dir`; returns the manifest.
 
     `tokenizer`: an existing `tokenizer.model` / `tokenizer.json` (or a dir holding one);
     otherwise a SentencePiece BPE of `cfg.vocab_size` is trained on a sample. `seq_len` is only
-    used to warn when a split is shorter than one training window.
+    used to warn when a split is shorter than one training window. `ray`: a connected
+    `raypool.RayCluster` (the caller's, which closes it) to run the chunks on; `workers` is then
+    its CPU count.
     """
     t0 = time.time()  # `cfg` checked itself when it was built (config.PrepareConfig.check)
     cores = len(os.sched_getaffinity(0))
-    workers = max(1, int(workers if workers is not None else cores))
-    if workers > cores:  # more processes than cores only adds memory and switching: never a fork bomb
+    workers = max(1, int(workers if workers is not None else cores)) if ray is None else ray.cpus
+    if workers > cores and ray is None:  # more processes than cores only adds memory and switching: never a fork bomb
         log(f"warning: --workers {workers} is more than the {cores} cores this process may use; using {cores}")
         workers = cores
     out = Path(out_dir).expanduser()
@@ -79,7 +81,7 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     except OSError as exc:
         raise UserError(f"cannot create {work}: {exc.strerror}", "choose an --out in a directory you can write to") from None
     try:
-        manifest = pipeline.run(paths, [n for _, n in named], work, cfg, given, workers, progress, log, warn, stats)
+        manifest = pipeline.run(paths, [n for _, n in named], work, cfg, given, workers, progress, log, warn, stats, ray=ray)
         manifest["inputs"] = [str(i) for i in inputs]
         manifest["warnings"] = warnings
         if seq_len:
