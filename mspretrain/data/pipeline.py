@@ -246,7 +246,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
                 raw[f] = [a + b for a, b in zip(raw.get(f, [0, 0, 0]), c)]
             dd.add(result["keys"], result.pop("bands"))
             spool.add(result)
-            point(f"pass1 chunk {spool.chunks}")
+            point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
             if j.due():
                 commit()
     finally:
@@ -327,7 +327,7 @@ def _encode(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dtype, sin
                 sink.per_file.add(files[done: done + lengths.size], documents=np.zeros(lengths.size),
                                   tokens=lengths.astype(np.int64) - 1, byte_fallback=fallback)
                 done += lengths.size
-                point(f"encode {split} {n}")
+                point(f"encode {split} {n}", writers[split].state)
                 if j.due():
                     commit(i, done)
             commit(i + 1, 0)

@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
@@ -46,15 +47,19 @@ def commit_seconds() -> float:
     return float(os.environ.get("MSPRETRAIN_PREPARE_COMMIT_SECONDS", COMMIT_SECONDS))
 
 
-def point(name: str) -> None:
-    """A unit boundary. Test-only hooks (documented in docs/operators.md as such):
-    MSPRETRAIN_PREPARE_TEST_POINTS=1 prints `prepare-point: NAME` to stderr at each one, and
-    MSPRETRAIN_PREPARE_TEST_KILL=NAME makes the process kill itself with SIGKILL there."""
+def point(name: str, written: Callable[[], object] | None = None) -> None:
+    """A unit boundary: the unit's data was handed to its files, the commit comes next.
+    Test-only hooks (documented in docs/operators.md as such): MSPRETRAIN_PREPARE_TEST_POINTS=1
+    prints `prepare-point: NAME` to stderr at each one, and MSPRETRAIN_PREPARE_TEST_KILL=NAME
+    makes the process kill itself with SIGKILL there, after `written()` pushed the unit's
+    buffered bytes to the files: the uncommitted tail a kill leaves, which a resume must cut off."""
     if os.environ.get("MSPRETRAIN_PREPARE_TEST_POINTS"):
         print(f"prepare-point: {name}", file=sys.stderr, flush=True)
     if os.environ.get("MSPRETRAIN_PREPARE_TEST_KILL") == name:
         import signal
 
+        if written is not None:
+            written()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -80,9 +85,9 @@ def difference(old: dict, new: dict) -> str | None:
     """The first difference between two fingerprints, in words; None if they are equal."""
     if old == new:
         return None
-    for key in ("mspretrain", "inputs", "seq_len", "tokenizer"):
+    for key, what in (("mspretrain", "the mspretrain version"), ("inputs", "INPUT"), ("seq_len", "--seq-len"), ("tokenizer", "--tokenizer")):
         if old.get(key) != new.get(key):
-            return f"{key} was {_short(old.get(key))}, now {_short(new.get(key))}"
+            return f"{what} was {_short(old.get(key))}, now {_short(new.get(key))}"
     oc, nc = old.get("config") or {}, new.get("config") or {}
     for k in sorted(set(oc) | set(nc)):
         if oc.get(k) != nc.get(k):
