@@ -5,7 +5,8 @@ Runs the whole `prepare` (pass 1, dedup, tokenizer training, pass 2, publish) on
 (`MSPRETRAIN_PREPARE_COMMIT_SECONDS`): "stages only" (1e9 s: only the few commits at stage ends,
 the reference), the default (`resume.COMMIT_SECONDS`), 1 s, and after every unit (0). Settings
 alternate in each round so that load from other jobs hits them alike; the best wall time of
-each is reported with its ratio to the reference, and the number of commits. The data dirs
+each is reported with its ratio to the reference, the number of commits and the time spent in
+them (serial time of the main process: the direct measure, which the box's noise does not blur). The data dirs
 must be byte-identical (the data fingerprint and the manifest are compared).
 
 Usage: python benchmarks/prepare_resume_bench.py [--mb 20] [--workers 2] [--repeat 2]
@@ -36,12 +37,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="prepare_resume_bench_"))
-    commits = [0]
+    commits = [0, 0.0]  # commits, seconds spent in them (fsyncs + the journal's rename)
     plain = resume.Journal.commit
 
     def counted(self, **kw):
+        t = time.perf_counter()
+        plain(self, **kw)
         commits[0] += 1
-        return plain(self, **kw)
+        commits[1] += time.perf_counter() - t
 
     resume.Journal.commit = counted
     settings = {"stages only": "1e9", f"every {resume.COMMIT_SECONDS:g} s (default)": str(resume.COMMIT_SECONDS),
@@ -51,25 +54,27 @@ def main() -> None:
         n_bytes, n_chars, n_lines = build_corpus(corpus, args.mb, 1)
         print(f"corpus: {n_bytes / 1e6:.1f} MB, {n_lines:,} lines; workers {args.workers}; vocab {args.vocab_size}")
         cfg = PrepareConfig(vocab_size=args.vocab_size, doc_per_line=True, valid_fraction=0.01, tokenizer_sample_chars=2_000_000)
-        best: dict[str, tuple[float, int]] = {}
+        best: dict[str, tuple[float, int, float]] = {}
         prints: dict[str, tuple[str, str]] = {}
         for r in range(args.repeat):
             for name, seconds in settings.items():
                 os.environ["MSPRETRAIN_PREPARE_COMMIT_SECONDS"] = seconds
                 out = work / "data"
-                commits[0] = 0
+                commits[:] = [0, 0.0]
                 t = time.perf_counter()
                 m = prepare([str(corpus)], out, cfg, workers=args.workers, log=lambda _: None)
                 wall = time.perf_counter() - t
-                print(f"round {r + 1} {name:24s} {wall:6.2f} s  {commits[0]:4d} commits  load {os.getloadavg()[0]:.1f}", flush=True)
+                print(f"round {r + 1} {name:24s} {wall:6.2f} s  {commits[0]:4d} commits taking {commits[1]:5.2f} s  "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
                 if name not in best or wall < best[name][0]:
-                    best[name] = (wall, commits[0])
+                    best[name] = (wall, commits[0], commits[1])
                 prints[name] = (m["fingerprint"], (out / "manifest.json").read_text(encoding="utf-8"))
                 shutil.rmtree(out)
         ref = best["stages only"][0]
         print(f"\nbest of {args.repeat} ({n_bytes / 1e6:.1f} MB):")
-        for name, (wall, n) in best.items():
-            print(f"  {name:24s} {wall:6.2f} s  {n_bytes / 1e6 / wall:5.2f} MB/s  x{wall / ref:.3f} of stages only  ({n} commits)")
+        for name, (wall, n, spent) in best.items():
+            print(f"  {name:24s} {wall:6.2f} s  {n_bytes / 1e6 / wall:5.2f} MB/s  x{wall / ref:.3f} of stages only  "
+                  f"({n} commits, {spent:.2f} s in them = {100 * spent / wall:.1f} % of the run)")
         same = len(set(prints.values())) == 1
         print(f"data dirs identical across settings (fingerprint + manifest): {same}")
         if not same:

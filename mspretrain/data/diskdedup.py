@@ -57,6 +57,7 @@ class Partitions:
         self._buf: list[np.ndarray] = []
         self._buffered = 0
         self.records = 0
+        self.touched: set[int] = set()  # files appended to since `sizes` (what a commit must fsync)
 
     def path(self, i: int) -> Path:
         return self.root / f"{self.name}.{i:04d}"
@@ -82,6 +83,7 @@ class Partitions:
         recs, part = recs[order], part[order]
         bounds = np.searchsorted(part, np.arange(self.parts + 1))
         for i in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
+            self.touched.add(i)
             with open(self.path(i), "ab") as f:
                 recs[bounds[i]: bounds[i + 1]].tofile(f)
 
@@ -249,8 +251,14 @@ class DiskDedup:
             parts.update(band=self.near.sizes(), band_records=self.near.records)
         return {"n": self.n, **parts}
 
-    def files(self) -> list[Path]:
-        return sorted(p for p in self.root.iterdir() if p.is_file())
+    def touched(self) -> list[Path]:
+        """The files appended to since the last call (after `state`: what a commit fsyncs)."""
+        out = []
+        for parts in (self.exact, self.near):
+            if parts is not None:
+                out += [parts.path(i) for i in sorted(parts.touched)]
+                parts.touched.clear()
+        return out
 
     def restore(self, state: dict) -> None:
         self.n = int(state["n"])

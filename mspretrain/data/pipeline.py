@@ -221,7 +221,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     def commit(**fields) -> None:
         state = dd.state()
         size = spool.flush()
-        j.commit(fsync=[spool_path, *dd.files(), dd.root, spool_path.parent], **fields,
+        j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent], **fields,
                  pass1={"chunks": spool.chunks, "spool_bytes": size, "dedup": state, "raw": [[f, *c] for f, c in sorted(raw.items())]})
 
     def todo(items: Iterator) -> Iterator:

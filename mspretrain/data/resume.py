@@ -138,7 +138,7 @@ class Journal:
         shutil.rmtree(self.work, ignore_errors=True)  # left over by a crashed run that had not started its journal
         self.work.mkdir()
         self.data = {"version": VERSION, "fingerprint": fp, "stage": "pass1"}
-        self.commit(force=True)
+        self.commit()
         return "fresh"
 
     @property
@@ -149,12 +149,13 @@ class Journal:
     def due(self) -> bool:
         return time.monotonic() - self._last >= commit_seconds()
 
-    def commit(self, *, fsync: list[Path] = (), force: bool = True, **fields) -> None:
+    def commit(self, *, fsync: list[Path] = (), **fields) -> None:
         """Make `fsync` (data files whose content the new fields describe) durable, then replace
         the journal with the new fields in one atomic step."""
         self.data.update(fields)
-        if fsync:
-            fsync_all([*fsync])
+        fsync = list(fsync)
+        for i in range(0, len(fsync), 64):  # concurrent fsyncs share journal commits; not 4,096 threads
+            fsync_all(fsync[i: i + 64])
         atomic_write(self.path, json.dumps(self.data, ensure_ascii=False) + "\n")
         self._last = time.monotonic()
 
