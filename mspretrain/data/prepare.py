@@ -144,7 +144,7 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
             # only "all durable before the rename" matters, not the order among them.
             fsync_all([*sorted(p for p in work.iterdir() if p.is_file()), work])
             journal.commit(stage="publish")
-            journal.drop_state()
+        journal.drop_state()  # (again after a kill: it may have been half removed)
         resume.point("publish")
         publish(work, out)
         journal.remove()
