@@ -23,21 +23,21 @@ import pytest
 from tests.conftest import make_poems
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--doc-per-line", "--vocab-size", "500", "--valid-fraction", "0.1", "prepare.near_dedup=true"]
+ARGS = ["--doc-per-line", "--valid-fraction", "0.1", "prepare.near_dedup=true"]
 TEST_ENV = ("MSPRETRAIN_PREPARE_TEST_POINTS", "MSPRETRAIN_PREPARE_TEST_KILL", "MSPRETRAIN_PREPARE_COMMIT_SECONDS")
 
-pytestmark = pytest.mark.sigkill
 
 
 def make_corpus(d: Path) -> Path:
     """Several small one-document-per-line files (a chunk each), exact duplicates across them,
-    a .jsonl (decoded in the main process), an empty file and undecodable bytes (warnings and
+    a .jsonl first (decoded in the main process), an empty file and undecodable bytes (warnings and
     per-file counts that a resume must restore)."""
     d.mkdir()
     poems = [p.replace("\n", "，") for p in make_poems(500, seed=5)]
     for k in range(5):
         (d / f"p{k}.txt").write_text("\n".join(poems[k * 100: (k + 1) * 100] + poems[:4]) + "\n", encoding="utf-8")
-    (d / "q.jsonl").write_text("\n".join(json.dumps({"text": p}, ensure_ascii=False) for p in poems[:60]) + "\n", encoding="utf-8")
+    # read first: the chunks a resume skips include documents decoded in the main process
+    (d / "a.jsonl").write_text("\n".join(json.dumps({"text": p}, ensure_ascii=False) for p in poems[:60]) + "\n", encoding="utf-8")
     (d / "r.txt").write_bytes("一二三四五六七八九十\n".encode() + b"\xff\xfe\n" + "春眠不觉晓处处闻啼鸟\n".encode())
     (d / "s.txt").write_bytes(b"")
     return d
@@ -46,8 +46,9 @@ def make_corpus(d: Path) -> Path:
 def run(raw: Path, out: Path, *extra: str, env: dict | None = None, workers: int = 2) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
     e.update(PYTHONPATH=str(ROOT), GLOG_v="3", **(env or {}))
+    vocab = [] if "--tokenizer" in extra else ["--vocab-size", "500"]
     cmd = [sys.executable, "-m", "mspretrain.cli", "prepare", str(raw), "--out", str(out), "--workers", str(workers),
-           *ARGS, *extra, "--quiet"]
+           *ARGS, *vocab, *extra, "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=300)
@@ -91,6 +92,7 @@ def chosen(points: list[str], stage: str) -> str:
 STAGES = ["pass1 chunk", "dedup resolved", "replay", "trained", "encode valid", "finalized train", "publish"]
 
 
+@pytest.mark.sigkill
 @pytest.mark.parametrize("stage", STAGES)
 def test_kill_and_rerun_is_byte_identical(reference, tmp_path, stage):
     raw, want, points = reference
@@ -105,6 +107,7 @@ def test_kill_and_rerun_is_byte_identical(reference, tmp_path, stage):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no journal, no work dir left
 
 
+@pytest.mark.sigkill
 def test_external_kill_during_cleaning_with_time_based_commits(reference, tmp_path):
     """A SIGKILL from outside, wherever it lands after the first progress line of pass 1, with
     the default commit interval (no commit before the kill: pass 1 starts again)."""
@@ -112,7 +115,8 @@ def test_external_kill_during_cleaning_with_time_based_commits(reference, tmp_pa
     out = tmp_path / "data"
     e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
     e.update(PYTHONPATH=str(ROOT), GLOG_v="3", MSPRETRAIN_PREPARE_TEST_POINTS="1")
-    cmd = [sys.executable, "-m", "mspretrain.cli", "prepare", str(raw), "--out", str(out), "--workers", "2", *ARGS, "--quiet"]
+    cmd = [sys.executable, "-m", "mspretrain.cli", "prepare", str(raw), "--out", str(out), "--workers", "2", *ARGS,
+           "--vocab-size", "500", "--quiet"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=e, start_new_session=True)
     try:
         for line in proc.stderr:
@@ -132,6 +136,7 @@ def test_external_kill_during_cleaning_with_time_based_commits(reference, tmp_pa
     assert files_of(out) == want
 
 
+@pytest.mark.sigkill
 def test_other_command_or_inputs_against_a_half_done_work_dir_are_refused(reference, tmp_path):
     raw0, want, _ = reference
     raw = tmp_path / "raw"
@@ -173,3 +178,58 @@ def test_other_command_or_inputs_against_a_half_done_work_dir_are_refused(refere
     assert {k: v for k, v in got.items()} == {k: v for k, v in want.items() if k != "manifest.json"}
     # the inputs live in another dir here: only their names in the manifest differ
     assert json.dumps(manifest).replace(str(raw), "RAW") == json.dumps(ref).replace(str(raw0), "RAW")
+
+
+@pytest.mark.sigkill
+@pytest.mark.parametrize("stage", ["pass1 chunk", "replay", "finalized train"])
+def test_kill_with_a_given_tokenizer_is_byte_identical(reference, tmp_path, stage):
+    """One pass: the workers clean and tokenize, the replay writes the shards (no pass 2)."""
+    raw, want, _ = reference
+    tok = tmp_path / "tokenizer.model"
+    tok.write_bytes(want["tokenizer.model"])
+    extra = ("--tokenizer", str(tok))
+    ref = run(raw, tmp_path / "ref", *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert ref.returncode == 0, ref.stderr
+    at = chosen([ln.split(": ", 1)[1] for ln in ref.stderr.splitlines() if ln.startswith("prepare-point: ")], stage)
+    out = tmp_path / "data"
+    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, *extra, workers=1)
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == files_of(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("renamed", [(), (".bin",), (".bin", ".idx")])
+def test_a_shard_writer_finishes_after_a_kill_inside_finalize(tmp_path, renamed):
+    """`finalize` killed after the index was written and some of its renames were made:
+    `finish_resumed` from the committed state gives the files an uninterrupted finalize gives."""
+    import numpy as np
+
+    from mspretrain.data.shards import ShardWriter
+
+    docs = [np.arange(n, dtype=np.int64) + n for n in (3, 1, 7, 2)]
+    ref = ShardWriter(tmp_path / "ref", np.uint16)
+    ref.add_many(docs)
+    ref.finalize(fsync=False)
+    w = ShardWriter(tmp_path / "s", np.uint16)
+    w.add_many(docs[:3])
+    state = dict(w.state())
+    w.add_many(docs[3:])  # after the commit: must not survive
+    w.close()
+    assert ShardWriter.finish_resumed(tmp_path / "s", np.uint16, state, fsync=False) is not None
+    short = ShardWriter(tmp_path / "short", np.uint16)
+    short.add_many(docs[:3])
+    short.finalize(fsync=False)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"s{ext}").read_bytes() == (tmp_path / f"short{ext}").read_bytes()
+    # a kill inside a later finalize of that same state: some renames made, the length file kept
+    (tmp_path / "s.len.tmp").write_bytes(np.array([3, 1, 7], dtype=np.int32).tobytes())
+    for ext in (".bin", ".idx"):
+        if ext not in renamed:
+            (tmp_path / f"s{ext}").rename(tmp_path / f"s{ext}.tmp")
+    assert ShardWriter.finish_resumed(tmp_path / "s", np.uint16, state, fsync=False) is not None
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"s{ext}").read_bytes() == (tmp_path / f"short{ext}").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("s.")) == ["s.bin", "s.idx"]
+    # finished: nothing left to do
+    assert ShardWriter.finish_resumed(tmp_path / "s", np.uint16, state, fsync=False) is None
