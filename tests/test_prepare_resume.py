@@ -233,3 +233,25 @@ def test_a_shard_writer_finishes_after_a_kill_inside_finalize(tmp_path, renamed)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("s.")) == ["s.bin", "s.idx"]
     # finished: nothing left to do
     assert ShardWriter.finish_resumed(tmp_path / "s", np.uint16, state, fsync=False) is None
+
+
+def test_the_refusal_names_the_first_difference(tmp_path):
+    from mspretrain.config import PrepareConfig
+    from mspretrain.data.resume import difference, fingerprint
+
+    f = tmp_path / "a.txt"
+    f.write_text("一二三\n", encoding="utf-8")
+    base = fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "aa"), None)
+    assert difference(base, fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "aa"), None)) is None
+    cases = [
+        (fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(min_chars=3), ("tok.model", "aa"), None), "prepare.min_chars was"),
+        (fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "bb"), None), "the tokenizer tok.model changed"),
+        (fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "aa"), 64), "--seq-len was null, now 64"),
+        (fingerprint(["in2"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "aa"), None), "INPUT was"),
+        (fingerprint(["in"], [f], ["in/b.txt"], PrepareConfig(), ("tok.model", "aa"), None), "input file in/a.txt is now in/b.txt"),
+    ]
+    for fp, want in cases:
+        assert want in difference(base, fp)
+    f.write_text("一二三四\n", encoding="utf-8")
+    assert "input file in/a.txt changed (size" in difference(base, fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(),
+                                                                               ("tok.model", "aa"), None))

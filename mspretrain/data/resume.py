@@ -85,6 +85,9 @@ def difference(old: dict, new: dict) -> str | None:
     """The first difference between two fingerprints, in words; None if they are equal."""
     if old == new:
         return None
+    ot, nt = old.get("tokenizer"), new.get("tokenizer")
+    if ot and nt and ot != nt and ot.get("path") == nt.get("path"):
+        return f"the tokenizer {nt.get('path')} changed (its SHA-256)"
     for key, what in (("mspretrain", "the mspretrain version"), ("inputs", "INPUT"), ("seq_len", "--seq-len"), ("tokenizer", "--tokenizer")):
         if old.get(key) != new.get(key):
             return f"{what} was {_short(old.get(key))}, now {_short(new.get(key))}"
