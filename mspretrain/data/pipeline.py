@@ -129,7 +129,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         if given is not None:
             tok_info = {"trained": False, "source": str(given.path)}
             _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
-            j.commit(fsync=[*(f for w in writers.values() for f in w.files()), j.state_dir],
+            j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(work / origin_name(s) for s in SPLITS), j.state_dir],
                      stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()})
             for w in writers.values():
                 w.close()
