@@ -255,3 +255,28 @@ def test_the_refusal_names_the_first_difference(tmp_path):
     f.write_text("一二三四\n", encoding="utf-8")
     assert "input file in/a.txt changed (size" in difference(base, fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(),
                                                                                ("tok.model", "aa"), None))
+
+
+@pytest.mark.sigkill
+def test_kill_inside_a_file_by_file_publish_starts_over_and_keeps_your_files(reference, tmp_path):
+    """`--overwrite` into a data dir that holds a file of yours publishes file by file; a kill
+    after some files moved cannot be resumed from the work dir (it is half empty): the rerun
+    says so, builds it again, and the result is the uninterrupted one, with your file kept."""
+    raw, want, _ = reference
+    out = tmp_path / "data"
+    assert run(raw, out).returncode == 0
+    (out / "notes.txt").write_text("mine", encoding="utf-8")
+    code = ("import os, sys\nfrom pathlib import Path\nfrom mspretrain.data import publish\nfrom mspretrain.cli import main\n"
+            "real, n = publish.os.replace, [0]\n"
+            "def replace(a, b):\n    n[0] += Path(b).parent.name == 'data'\n    if n[0] == 3:\n        os._exit(9)\n    real(a, b)\n"
+            "publish.os.replace = replace\nsys.exit(main(sys.argv[1:]))\n")
+    args = ["prepare", str(raw), "--out", str(out), "--workers", "2", *ARGS, "--vocab-size", "500", "--overwrite", "--quiet"]
+    e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
+    e.update(PYTHONPATH=str(ROOT), GLOG_v="3")
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=e, timeout=300)
+    assert r.returncode == 9, r.stderr
+    again = run(raw, out, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    got = files_of(out)
+    assert got.pop("notes.txt") == b"mine" and got == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
