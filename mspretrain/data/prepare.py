@@ -5,6 +5,8 @@ The parts, in the order a run meets them:
 - `pipeline.py` runs the passes: `pool.py` cuts the work into chunks and runs `workers.py` on
   them in input order, `sink.py` dedups and splits, `spool.py` holds pass 1's documents while
   the tokenizer is trained, `shards.py` writes the Megatron files;
+- `resume.py` keeps the progress journal: the same command, run again after a kill, resumes
+  where the last commit was; another command against the half-done work is refused;
 - `publish.py` writes the manifest and puts the data dir in place (a crash never leaves one
   that looks finished, and `--overwrite` replaces only what an earlier prepare wrote);
 - `inspect.py` summarises a data dir (`prepare --inspect`).
