@@ -302,13 +302,14 @@ def test_hard_kill_mid_write_then_rerun(raw, tmp_path):
             "def die(self, *a, **k):\n    orig(self, *a, **k)\n    os._exit(9)\n"
             "shards.ShardWriter.add_flat = die\n"
             "sys.exit(main(sys.argv[1:]))\n")
-    args = ["prepare", str(raw), "--out", str(tmp_path / "data"), "--vocab-size", "500", "--workers", "1", "--quiet"]
+    args = ["prepare", str(raw), "--out", str(tmp_path / "data"), "--vocab-size", "500", "--workers", "1", "--quiet",
+            "prepare.valid_fraction=0.1", "prepare.min_chars=4"]
     r = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 9
     assert not (tmp_path / "data").exists()
     leftovers = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert leftovers and not any(p.name in ("manifest.json", "train.bin", "train.idx", "valid.idx", "valid.bin") for p in leftovers)
-    assert main([*args, "prepare.valid_fraction=0.1", "prepare.min_chars=4"]) == 0  # a re-run cleans up and finishes
+    assert main(args) == 0  # the same command again resumes and finishes (tests/test_prepare_resume.py: byte-identical)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     assert (tmp_path / "data" / "manifest.json").is_file()
 

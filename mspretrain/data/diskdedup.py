@@ -57,6 +57,7 @@ class Partitions:
         self._buf: list[np.ndarray] = []
         self._buffered = 0
         self.records = 0
+        self.touched: set[int] = set()  # files appended to since `sizes` (what a commit must fsync)
 
     def path(self, i: int) -> Path:
         return self.root / f"{self.name}.{i:04d}"
@@ -82,18 +83,37 @@ class Partitions:
         recs, part = recs[order], part[order]
         bounds = np.searchsorted(part, np.arange(self.parts + 1))
         for i in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
+            self.touched.add(i)
             with open(self.path(i), "ab") as f:
                 recs[bounds[i]: bounds[i + 1]].tofile(f)
 
-    def read(self) -> Iterator[np.ndarray]:
-        """Each file's records (input order), one file at a time; files are removed once read."""
+    def read(self, remove: bool = True) -> Iterator[np.ndarray]:
+        """Each file's records (input order), one file at a time; files are removed once read
+        unless `remove` is False (`prepare` keeps them until the decisions are on disk, so that
+        a kill while they are taken can take them again)."""
         self.flush()
         for i in range(self.parts):
             p = self.path(i)
             if p.exists():
                 recs = np.fromfile(p, dtype=self.dtype)
-                p.unlink()
+                if remove:
+                    p.unlink()
                 yield recs
+
+    def sizes(self) -> dict[str, int]:
+        """After `flush`: the byte length of each file (what a resume truncates them back to)."""
+        return {self.path(i).name: self.path(i).stat().st_size for i in range(self.parts) if self.path(i).exists()}
+
+    def restore(self, sizes: dict[str, int], records: int) -> None:
+        """Back to a committed state: files cut to `sizes`, files written after it removed."""
+        for i in range(self.parts):
+            p = self.path(i)
+            if p.name in sizes:
+                with open(p, "r+b") as f:
+                    f.truncate(sizes[p.name])
+            else:
+                p.unlink(missing_ok=True)
+        self._buf, self._buffered, self.records = [], 0, records
 
 
 class Bits:
@@ -194,18 +214,19 @@ class DiskDedup:
             self.near.add(b)
         self.n += n
 
-    def resolve(self, map_parts: Callable[[Callable, Iterable], Iterable] = map) -> None:
+    def resolve(self, map_parts: Callable[[Callable, Iterable], Iterable] = map, remove: bool = True) -> None:
         """`map_parts(fn, partitions)`: fn's results over the partitions, in order (`map` here, or
-        Ray tasks: `raypool.RayCluster.map`); the partitions are independent, split by key."""
+        Ray tasks: `raypool.RayCluster.map`); the partitions are independent, split by key.
+        `remove=False` keeps the partition files (a resumed prepare redoes this stage from them)."""
         self.exact_bits = Bits(self.n)
-        for dropped in map_parts(exact_duplicates, self.exact.read()):
+        for dropped in map_parts(exact_duplicates, self.exact.read(remove)):
             self.exact_bits.set(dropped)
         if self.near is None:
             return
         self.near_bits = Bits(self.n)
         members, buckets, next_bucket = [], [], 0
         # exact duplicates never reach the LSH: filtered here (a gather), before the partitions go out
-        kept = (recs[~self.exact_bits.get(recs["idx"])] for recs in self.near.read())
+        kept = (recs[~self.exact_bits.get(recs["idx"])] for recs in self.near.read(remove))
         for idx, dense in map_parts(shared_buckets, kept):
             if not idx.size:
                 continue
@@ -239,6 +260,49 @@ class DiskDedup:
             if dropped:
                 self.near_bits.set(idx[np.asarray(dropped, dtype=np.int64)])
 
+    def state(self) -> dict:
+        """Flush the buffered records; what `restore` needs to come back to this point."""
+        self.exact.flush()
+        parts = {"exact": self.exact.sizes(), "exact_records": self.exact.records}
+        if self.near is not None:
+            self.near.flush()
+            parts.update(band=self.near.sizes(), band_records=self.near.records)
+        return {"n": self.n, **parts}
+
+    def touched(self) -> list[Path]:
+        """The files appended to since the last call (after `state`: what a commit fsyncs)."""
+        out = []
+        for parts in (self.exact, self.near):
+            if parts is not None:
+                out += [parts.path(i) for i in sorted(parts.touched)]
+                parts.touched.clear()
+        return out
+
+    def restore(self, state: dict) -> None:
+        self.n = int(state["n"])
+        self.exact.restore(state["exact"], int(state["exact_records"]))
+        if self.near is not None:
+            self.near.restore(state["band"], int(state["band_records"]))
+
+    def save_decisions(self, path: Path) -> None:
+        """The bitmaps `resolve` made, in one file (n/8 bytes each)."""
+        near = self.near_bits.bits if self.near_bits is not None else np.zeros(0, dtype=np.uint8)
+        with open(path, "wb") as f:
+            np.save(f, np.array([self.n, near.size > 0], dtype=np.int64))
+            np.save(f, self.exact_bits.bits)
+            np.save(f, near)
+
+    def load_decisions(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            n, has_near = np.load(f).tolist()
+            self.n = n
+            self.exact_bits = Bits(n)
+            self.exact_bits.bits = np.load(f)
+            near = np.load(f)
+        if has_near:
+            self.near_bits = Bits(n)
+            self.near_bits.bits = near
+
     def dropped(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(exact duplicate, near duplicate) masks of documents lo..hi-1."""
         exact = self.exact_bits.range(lo, hi)
@@ -249,20 +313,32 @@ class DiskDedup:
 class ChunkSpool:
     """Pass 1's chunk results (pickled, in order) on disk until the dedup decisions are known."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, size: int | None = None, chunks: int = 0) -> None:
+        """A new spool, or (`size`) one cut back to the `size` bytes holding its first `chunks`."""
         self.path = path
-        self._f = open(path, "wb", buffering=1 << 20)
-        self.chunks = 0
+        if size is None:
+            self._f = open(path, "wb", buffering=1 << 20)
+        else:
+            with open(path, "r+b") as f:
+                f.truncate(size)
+            self._f = open(path, "ab", buffering=1 << 20)
+        self.chunks = chunks
 
     def add(self, result: dict) -> None:
         pickle.dump(result, self._f, protocol=5)
         self.chunks += 1
 
+    def flush(self) -> int:
+        """Write the buffer out; the spool's length in bytes."""
+        self._f.flush()
+        return self._f.tell()
+
     def close(self) -> None:
         self._f.close()
 
-    def read(self) -> Iterator[dict]:
+    def read(self, remove: bool = True) -> Iterator[dict]:
         with open(self.path, "rb", buffering=1 << 20) as f:
             for _ in range(self.chunks):
                 yield pickle.load(f)
-        os.unlink(self.path)
+        if remove:
+            os.unlink(self.path)

@@ -12,6 +12,7 @@ so the output is byte-identical whatever the number of workers.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -28,12 +29,14 @@ from mspretrain.data.diskdedup import ChunkSpool, DiskDedup
 from mspretrain.data.origin import RECORD, OriginWriter, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, ordered, start_pool
 from mspretrain.data.publish import build_manifest
+from mspretrain.data.resume import Journal, point
 from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import Sink
-from mspretrain.data.spool import Spool
+from mspretrain.data.spool import Spool, read_spool
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
 from mspretrain.data.workers import clean_chunk, init_worker, tokenize_chunk
 from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
 
 
@@ -76,7 +79,8 @@ def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines]) -> Itera
 
 
 def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,
-        log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, ray=None) -> dict:
+        log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, journal: Journal,
+        ray=None) -> dict:
     """Read, clean, dedup, split, [train the tokenizer,] tokenize and write the shards into
     `work`; returns the manifest (without the keys that depend on prepare's arguments).
 
@@ -84,54 +88,206 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     spools the kept documents (and keeps a bounded, uniform sample to train the tokenizer on),
     and pass 2 tokenizes the spool. `ray`: a `raypool.RayCluster` that runs the chunks instead of
     local worker processes (`workers` is then its CPU count).
+
+    Stages, each resumed after a kill from the journal (`resume.py`): "pass1" (from its last
+    commit), "dedup", "replay" and "train" (redone whole), "encode" (from its last commit),
+    "finalize" (redone). `journal.stage` says where this call starts.
     """
-    in_flight = 2 * workers + 1
     t0 = time.time()
+    j = journal
     total_bytes = sum(p.stat().st_size for p in paths)
-    log(f"reading {len(paths)} file{'s' * (len(paths) != 1)} ({total_bytes / 1e6:,.1f} MB) with {workers} worker{'s' * (workers != 1)}")
     if given is not None:
         tok_path = given.save_to(work)
         tok = replace(given, path=tok_path)  # the same model: no second parse (serial time before the workers start)
     dtype = token_dtype(given.vocab_size) if given is not None else token_dtype(cfg.vocab_size)
-    writers = {s: ShardWriter(work / s, dtype) for s in SPLITS}
-    spools = None if given is not None else {s: Spool(work / f"{s}.spool") for s in SPLITS}
-    origins = {s: OriginWriter(work / origin_name(s)) for s in SPLITS}
-    sink = Sink(cfg, writers if given is not None else spools, 0 if given is not None else cfg.tokenizer_sample_chars, origins)
     # Dedup state on disk (`diskdedup`): ~24 bytes per document for exact keys, ~16 per LSH band.
-    dd = DiskDedup(work / "dedup.tmp", total_bytes, cfg.near_dedup, cfg.near_dedup_threshold)
-    spool = ChunkSpool(work / "pass1.tmp")
-    bar = progress_bar(progress, total_bytes, "clean" if given is None else "clean+tokenize")
+    dd = (DiskDedup(work / "dedup.tmp", total_bytes, cfg.near_dedup, cfg.near_dedup_threshold)
+          if j.stage in ("pass1", "dedup", "replay") else None)
+    spool_path = work / "pass1.tmp"
+    if j.stage == "pass1":
+        log(f"reading {len(paths)} file{'s' * (len(paths) != 1)} ({total_bytes / 1e6:,.1f} MB) with {workers} worker{'s' * (workers != 1)}"
+            + (f", resuming after chunk {j.data['pass1']['chunks']:,}" if "pass1" in j.data else ""))
+        _pass1(paths, names, cfg, given is not None and str(tok_path), dtype, dd, spool_path, workers, progress, warn, stats, j, ray)
+    else:
+        log(f"resuming the interrupted prepare at its stage '{j.stage}'")
+        saved = _load_state(j, j.data["state"])
+        stats.per_file[:], stats.ignored = saved["stats"].per_file, saved["stats"].ignored
+        j.warnings[:] = saved["warnings"]
+    if j.stage == "dedup":
+        t1 = time.time()
+        dd.restore(j.data["pass1"]["dedup"])  # files cut back to the commit (nothing was written after it)
+        # with Ray each partition is a task; the records stay until the decisions are on disk: a
+        # kill here takes them again
+        dd.resolve(ray.map if ray is not None else map, remove=False)
+        point("dedup resolved")
+        path = j.state_path("decisions.npy")
+        dd.save_decisions(path)
+        j.commit(fsync=[path, path.parent], stage="replay")
+        shutil.rmtree(dd.root, ignore_errors=True)
+        log(f"dedup: {dd.n:,} cleaned documents decided on disk ({time.time() - t1:.1f} s)")
+    if j.stage == "replay":
+        dd.load_decisions(j.state_path("decisions.npy"))
+        shutil.rmtree(dd.root, ignore_errors=True)
+        spool = ChunkSpool(spool_path, j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
+        spool.close()
+        sink, writers = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0)
+        if given is not None:
+            tok_info = {"trained": False, "source": str(given.path)}
+            _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
+            j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(work / origin_name(s) for s in SPLITS), j.state_dir],
+                     stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()})
+            for w in writers.values():
+                w.close()
+        else:
+            _save_state(j, "train", stats=stats, sink=sink)
+            j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
+                     stage="train", state="train")
+        spool_path.unlink(missing_ok=True)
+    if j.stage == "train":
+        sink = _load_state(j, "train")["sink"]
+        sample = sink.sample_texts()
+        n_chars = sum(map(len, sample))
+        log(f"training a SentencePiece BPE tokenizer (vocab {cfg.vocab_size:,}) on {n_chars:,} characters")
+        trained, tok_warnings = train_sentencepiece(sample, work, cfg.vocab_size, character_coverage=cfg.character_coverage,
+                                                    num_threads=min(workers, len(os.sched_getaffinity(0))), seed=cfg.seed)
+        del sample
+        sink.sample = []  # not needed again: the later states stay small
+        point("trained")
+        log(f"trained the tokenizer ({time.time() - t0:.1f} s)")
+        for w in tok_warnings:
+            warn(w)
+        if token_dtype(trained.vocab_size) != dtype:
+            raise AssertionError("trained vocab does not fit the planned token dtype")
+        tok_info = {"trained": True, "sample_characters": n_chars, "character_coverage": cfg.character_coverage,
+                    "warnings": tok_warnings}
+        _save_state(j, "encode", stats=stats, sink=sink, tok_info=tok_info)
+        j.commit(fsync=[trained.path, j.state_dir, work], stage="encode", state="encode", tokenizer_file=trained.path.name)
+    if j.stage == "encode":
+        saved = _load_state(j, "encode")
+        sink, tok_info = saved["sink"], saved["tok_info"]
+        tok = Tokenizer.load(work / j.data["tokenizer_file"])
+        writers = _encode(work, cfg, tok, dtype, sink, workers, progress, j, ray)
+        _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
+        j.commit(fsync=[*(f for w in writers.values() for f in w.files()), j.state_dir],
+                 stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()})
+        for w in writers.values():
+            w.close()
+        for s in SPLITS:
+            (work / f"{s}.spool").unlink(missing_ok=True)
+    # "finalize": the index files, then the manifest (redone whole after a kill: it is short)
+    saved = _load_state(j, "finalize")
+    sink, tok_info = saved["sink"], saved["tok_info"]
+    if given is None:
+        tok = Tokenizer.load(work / j.data["tokenizer_file"])
+    for s in SPLITS:
+        ShardWriter.finish_resumed(work / s, dtype, j.data["writers"][s], fsync=False)  # prepare fsyncs every file at once
+        point(f"finalized {s}")
+    manifest = build_manifest(work, cfg, stats, sink, tok, tok_info, dtype)
+    # the largest id per shard, counted while writing: `train` checks it against the vocabulary
+    # instead of reading every shard (data/manifest.py, check_data_dir)
+    manifest["max_token_id"] = {s: j.data["writers"][s]["max_token"] for s in SPLITS}
+    return manifest
+
+
+def _save_state(j: Journal, name: str, *, stats: sources.SourceStats, sink: Sink | None = None, tok_info: dict | None = None) -> None:
+    """What the stage `name` starts from, beyond the journal: the source counts, the warnings
+    so far, the sink (its writers left out). One file per stage, so that a kill between this
+    write and the journal's commit leaves the previous stage's file as it was."""
+    outs = origins = None
+    if sink is not None:
+        outs, origins, sink.outs, sink.origins = sink.outs, sink.origins, None, None
+    try:
+        data = pickle.dumps({"stats": stats, "warnings": list(j.warnings), "sink": sink, "tok_info": tok_info}, protocol=5)
+    finally:
+        if sink is not None:
+            sink.outs, sink.origins = outs, origins
+    atomic_write(j.state_path(f"state-{name}.pkl"), data)
+
+
+def _load_state(j: Journal, name: str) -> dict:
+    return pickle.loads(j.state_path(f"state-{name}.pkl").read_bytes())
+
+
+def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: str | bool, dtype: np.dtype, dd: DiskDedup,
+           spool_path: Path, workers: int, progress: bool, warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
+           ray=None) -> None:
+    """Read, clean, hash; every result to the chunk spool and the dedup records on disk. After a
+    kill, the input is read again from its start (main process only) and the chunks up to the
+    last commit are not sent to the workers; their per-file counts come from the journal."""
+    done = j.data.get("pass1")
+    if done is None:  # a new pass 1 (or one killed before its first commit)
+        shutil.rmtree(dd.root, ignore_errors=True)
+        dd.root.mkdir()
+        spool, skip, raw = ChunkSpool(spool_path), 0, {}
+    else:
+        dd.restore(done["dedup"])
+        spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done["chunks"]
+        raw = {int(f): c for f, *c in done["raw"]}
+
+    def commit(**fields) -> None:
+        state = dd.state()
+        size = spool.flush()
+        j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent], **fields,
+                 pass1={"chunks": spool.chunks, "spool_bytes": size, "dedup": state, "raw": [[f, *c] for f, c in sorted(raw.items())]})
+
+    def todo(items: Iterator) -> Iterator:
+        for _ in range(skip):  # read again, not cleaned again (chunk boundaries are a function of the input)
+            if next(items, None) is None:
+                break
+        for f, c in raw.items():
+            sources.count_raw(stats, f, *c)
+        yield from items
+
+    in_flight = 2 * workers + 1
+    bar = progress_bar(progress, sum(p.stat().st_size for p in paths), "clean" if not tok_path else "clean+tokenize")
     lsh = (dd.bands, dd.rows, *dedup._permutations(cfg.seed, dedup.NUM_PERM)) if cfg.near_dedup else None
-    pool = start_pool(workers, init_worker, (cfg, str(tok_path) if given is not None else None, dtype.name, lsh), warm_up=clean.warm_up, ray=ray)
+    pool = start_pool(workers, init_worker, (cfg, tok_path or None, dtype.name, lsh), warm_up=clean.warm_up, ray=ray)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names)
-        for result in ordered(pool, clean_chunk, chunks_with_origin(docs), in_flight):
+        for result in ordered(pool, clean_chunk, todo(chunks_with_origin(docs)), in_flight):
             if result["raw"] is not None:
                 sources.count_raw(stats, *result["raw"])
+                f, *c = result["raw"]
+                raw[f] = [a + b for a, b in zip(raw.get(f, [0, 0, 0]), c)]
             dd.add(result["keys"], result.pop("bands"))
             spool.add(result)
-        spool.close()
+            point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
+            if j.due():
+                commit()
     finally:
         if pool is not None:
             pool.terminate()
         if bar is not None:
             bar.close()
     sources.report_raw_files(stats, warn)
-    t1 = time.time()
-    dd.resolve(ray.map if ray is not None else map)  # with Ray, each partition is a task
-    log(f"dedup: {dd.n:,} cleaned documents decided on disk ({time.time() - t1:.1f} s)")
+    _save_state(j, "dedup", stats=stats)
+    commit(stage="dedup", state="dedup")
+    spool.close()
+
+
+def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool,
+            log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
+            t0: float) -> tuple[Sink, dict[str, ShardWriter]]:
+    """Pass 1's results again, now with their fate known, to the sink (redone whole after a kill:
+    every file it writes is started anew)."""
+    writers = {s: ShardWriter(work / s, dtype) for s in SPLITS} if tokens else {}
+    spools = None if tokens else {s: Spool(work / f"{s}.spool") for s in SPLITS}
+    origins = {s: OriginWriter(work / origin_name(s)) for s in SPLITS}
+    sink = Sink(cfg, writers if tokens else spools, 0 if tokens else cfg.tokenizer_sample_chars, origins)
     done = 0
-    for result in spool.read():  # pass 1's results again, now with their fate known
+    for i, result in enumerate(spool.read(remove=False)):
         n = len(result["chars"])
         sink.take(result, *dd.dropped(done, done + n))
         done += n
-    shutil.rmtree(dd.root, ignore_errors=True)
-    warnings = sink.finish()
+        point(f"replay {i + 1}")
+    for w in sink.finish():
+        warn(w)
     for o in origins.values():
         o.close()
-    for w in warnings:
-        warn(w)
+    if spools is not None:
+        for s in spools.values():
+            s.close()
     if sink.docs["train"] + sink.docs["valid"] == 0 and stats.files == 0:
         # nothing was read at all: the reason is in the skips, not in the fields or the filters
         why = ", ".join(f"{v} {k}" for k, v in sorted(stats.skipped.items()))
@@ -144,49 +300,46 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     kept = sink.docs["train"] + sink.docs["valid"]
     log(f"kept {kept:,} of {sink.docs_in:,} documents ({sink.chars['train'] + sink.chars['valid']:,} characters, "
         f"{time.time() - t0:.1f} s)")
+    return sink, writers
 
-    tok_info: dict = {"trained": given is None}
-    if given is None:
-        for s in spools.values():
-            s.close()
-        sample = sink.sample_texts()
-        n_chars = sum(map(len, sample))
-        log(f"training a SentencePiece BPE tokenizer (vocab {cfg.vocab_size:,}) on {n_chars:,} characters")
-        trained, tok_warnings = train_sentencepiece(sample, work, cfg.vocab_size, character_coverage=cfg.character_coverage,
-                                                    num_threads=min(workers, len(os.sched_getaffinity(0))), seed=cfg.seed)
-        del sample
-        log(f"trained the tokenizer ({time.time() - t0:.1f} s)")
-        for w in tok_warnings:
-            warn(w)
-        tok_path, tok = trained.path, trained
-        tok_info.update(sample_characters=n_chars, character_coverage=cfg.character_coverage, warnings=tok_warnings)
-        if token_dtype(tok.vocab_size) != dtype:
-            raise AssertionError("trained vocab does not fit the planned token dtype")
-        bar = progress_bar(progress, sum(s.path.stat().st_size for s in spools.values()), "tokenize")
-        pool = start_pool(workers, init_worker, (cfg, str(tok_path), dtype.name), warm_up=clean.warm_up, ray=ray)
-        try:
-            for split in SPLITS:
-                texts = batched(spools[split].read(bar.update if bar else None))
-                files = read_records(origins[split].path)["file"]  # the spooled documents' input files, in order
-                done = 0
-                for flat, lengths, fallback in ordered(pool, tokenize_chunk, chunks(texts), in_flight):
-                    writers[split].add_flat(flat, lengths)
-                    sink.per_file.add(files[done: done + lengths.size], documents=np.zeros(lengths.size),
-                                      tokens=lengths.astype(np.int64) - 1, byte_fallback=fallback)
-                    done += lengths.size
-        finally:
-            if pool is not None:
-                pool.terminate()
-            if bar is not None:
-                bar.close()
-        for s in spools.values():
-            s.path.unlink()
-    else:
-        tok_info["source"] = str(given.path)
-    for w in writers.values():
-        w.finalize(fsync=False)  # prepare fsyncs every file of the data dir at once, before publishing
-    manifest = build_manifest(work, cfg, stats, sink, tok, tok_info, dtype)
-    # the largest id per shard, counted while writing: `train` checks it against the vocabulary
-    # instead of reading every shard (data/manifest.py, check_data_dir)
-    manifest["max_token_id"] = {s: w.max_token for s, w in writers.items()}
-    return manifest
+
+def _encode(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dtype, sink: Sink, workers: int, progress: bool,
+            j: Journal, ray=None) -> dict[str, ShardWriter]:
+    """Pass 2: the spools tokenized into the shard writers, from the last commit on."""
+    at = j.data.get("pass2") or {"split": 0, "docs": 0, "writers": None, "per_file": None}
+    writers = {s: ShardWriter(work / s, dtype, at["writers"][s] if at["writers"] else None) for s in SPLITS}
+    if at["per_file"] is not None:
+        sink.per_file.sums = {k: np.asarray(v, dtype=np.int64) for k, v in at["per_file"].items()}
+
+    def commit(split: int, docs: int) -> None:
+        states = {s: w.state() for s, w in writers.items()}
+        j.commit(fsync=[f for w in writers.values() for f in w.files()],
+                 pass2={"split": split, "docs": docs, "writers": states,
+                        "per_file": {k: v.tolist() for k, v in sink.per_file.sums.items()}})
+
+    in_flight = 2 * workers + 1
+    spool_paths = {s: work / f"{s}.spool" for s in SPLITS}
+    bar = progress_bar(progress, sum(p.stat().st_size for p in spool_paths.values()), "tokenize")
+    pool = start_pool(workers, init_worker, (cfg, str(tok.path), dtype.name), warm_up=clean.warm_up, ray=ray)
+    try:
+        for i, split in enumerate(SPLITS):
+            if i < at["split"]:
+                continue
+            done = at["docs"] if i == at["split"] else 0
+            texts = batched(read_spool(spool_paths[split], bar.update if bar else None, skip=done))
+            files = read_records(work / origin_name(split))["file"]  # the spooled documents' input files, in order
+            for n, (flat, lengths, fallback) in enumerate(ordered(pool, tokenize_chunk, chunks(texts), in_flight), 1):
+                writers[split].add_flat(flat, lengths)
+                sink.per_file.add(files[done: done + lengths.size], documents=np.zeros(lengths.size),
+                                  tokens=lengths.astype(np.int64) - 1, byte_fallback=fallback)
+                done += lengths.size
+                point(f"encode {split} {n}", writers[split].state)
+                if j.due():
+                    commit(i, done)
+            commit(i + 1, 0)
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if bar is not None:
+            bar.close()
+    return writers

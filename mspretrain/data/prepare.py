@@ -5,6 +5,8 @@ The parts, in the order a run meets them:
 - `pipeline.py` runs the passes: `pool.py` cuts the work into chunks and runs `workers.py` on
   them in input order, `sink.py` dedups and splits, `spool.py` holds pass 1's documents while
   the tokenizer is trained, `shards.py` writes the Megatron files;
+- `resume.py` keeps the progress journal: the same command, run again after a kill, resumes
+  where the last commit was; another command against the half-done work is refused;
 - `publish.py` writes the manifest and puts the data dir in place (a crash never leaves one
   that looks finished, and `--overwrite` replaces only what an earlier prepare wrote);
 - `inspect.py` summarises a data dir (`prepare --inspect`).
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import pipeline, sources
+from mspretrain.data import pipeline, resume, sources
 from mspretrain.data.publish import WRITE_ERRNOS, check_out, fsync_all, publish
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
@@ -38,6 +40,41 @@ def check_names(names: list[str]) -> None:
             shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
             raise UserError(f"the file name '{shown}' is not valid UTF-8, so the manifest cannot record it",
                             "rename it to UTF-8 (e.g. `convmv -f gbk -t utf-8 --notest FILE`), or move it out of the inputs") from None
+
+
+def _tokenizer_id(given: Tokenizer | None) -> tuple[str, str] | None:
+    return None if given is None else (str(given.path), given.sha256())
+
+
+def _discard(journal: resume.Journal) -> None:
+    """A run that failed cleanly (an error, not a kill) leaves nothing behind."""
+    shutil.rmtree(journal.work, ignore_errors=True)
+    journal.remove()
+
+
+def _complete(work: Path) -> bool:
+    """The work dir still holds every output its manifest lists (nothing was published yet)."""
+    try:
+        listed = json.loads(DataPaths(work).manifest.read_text(encoding="utf-8"))["outputs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all((work / n).exists() for n in listed)
+
+
+def _already_published(journal: resume.Journal, out: Path, inputs: list[str], named: list, cfg: PrepareConfig,
+                       tokenizer: str | None, seq_len: int | None, log: Callable[[str], None]) -> dict | None:
+    """The manifest of `out` when the same command was killed after publishing it but before it
+    removed its journal: the data dir is finished, there is nothing left to do."""
+    old = journal.read()
+    if old is None or old.get("stage") != "publish" or journal.work.exists() or not DataPaths(out).manifest.is_file():
+        return None
+    given = Tokenizer.load(tokenizer) if tokenizer else None
+    fp = resume.fingerprint(inputs, [p for p, _ in named], [n for _, n in named], cfg, _tokenizer_id(given), seq_len)
+    if resume.difference(old["fingerprint"], fp) is not None:
+        return None
+    journal.remove()
+    log(f"{out} was already published by the interrupted prepare of the same command")
+    return json.loads(DataPaths(out).manifest.read_text(encoding="utf-8"))
 
 
 def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, tokenizer: str | None = None,
@@ -62,43 +99,62 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     named = sources.discover_named(inputs, stats)
     paths = [p for p, _ in named]
     check_names([*inputs, *(str(p) for p in paths), *(n for _, n in named), str(out)])
+    journal = resume.Journal(out)
+    done = _already_published(journal, out, inputs, named, cfg, tokenizer, seq_len, log)
+    if done is not None:
+        return done
     check_out(out, overwrite, paths)
     given = Tokenizer.load(tokenizer) if tokenizer else None
     if given is not None and given.eos_id < 0:
         raise UserError(f"tokenizer {tokenizer} has no end-of-sequence token", "use a tokenizer with an EOS token such as </s>")
-    warnings: list[str] = []
+    warnings = journal.warnings
 
     def warn(msg: str) -> None:
         if len(warnings) < 100:
             warnings.append(msg)
         log(f"warning: {msg}")
 
-    work = out.with_name(f".{out.name}.partial")
+    work = journal.work
+    fp = resume.fingerprint(inputs, paths, [n for _, n in named], cfg, _tokenizer_id(given), seq_len)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(work, ignore_errors=True)  # left over by a crashed run
-        work.mkdir()
+        # a work dir left by a killed run of this command is resumed; of another, refused
+        journal.open(fp)
     except OSError as exc:
         raise UserError(f"cannot create {work}: {exc.strerror}", "choose an --out in a directory you can write to") from None
+    if journal.stage == "publish" and not _complete(work):
+        # a publish into a shared dir, killed after it had moved some files: build it anew
+        log("the interrupted prepare was killed while publishing file by file: starting over")
+        journal.remove()
+        journal.open(fp)
     try:
-        manifest = pipeline.run(paths, [n for _, n in named], work, cfg, given, workers, progress, log, warn, stats, ray=ray)
-        manifest["inputs"] = [str(i) for i in inputs]
-        manifest["warnings"] = warnings
-        if seq_len:
-            manifest["seq_len"] = seq_len
-            for split in SPLITS:
-                if manifest["tokens"][split] < seq_len + 1 and (split == "train" or cfg.valid_fraction > 0):
-                    warn(f"the {split} split has {manifest['tokens'][split]} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
-        # what this prepare wrote: the only files a later `--overwrite` may remove or replace
-        path = DataPaths(work).manifest
-        manifest["outputs"] = sorted([p.name for p in work.iterdir()] + [path.name])
-        path.write_text(json.dumps(manifest, ensure_ascii=False, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        # Files and their directory at once: nothing in `work` is visible before `publish`, so
-        # only "all durable before the rename" matters, not the order among them.
-        fsync_all([*sorted(p for p in work.iterdir() if p.is_file()), work])
+        if journal.stage == "publish":
+            log(f"resuming the interrupted prepare: publishing {out}")
+            manifest = json.loads(DataPaths(work).manifest.read_text(encoding="utf-8"))
+        else:
+            manifest = pipeline.run(paths, [n for _, n in named], work, cfg, given, workers, progress, log, warn, stats, journal,
+                                        ray=ray)
+            manifest["inputs"] = [str(i) for i in inputs]
+            manifest["warnings"] = warnings
+            if seq_len:
+                manifest["seq_len"] = seq_len
+                for split in SPLITS:
+                    if manifest["tokens"][split] < seq_len + 1 and (split == "train" or cfg.valid_fraction > 0):
+                        warn(f"the {split} split has {manifest['tokens'][split]} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+            # what this prepare wrote: the only files a later `--overwrite` may remove or replace
+            path = DataPaths(work).manifest
+            manifest["outputs"] = sorted([p.name for p in work.iterdir() if p.name != resume.STATE_DIR] + [path.name])
+            path.write_text(json.dumps(manifest, ensure_ascii=False, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            # Files and their directory at once: nothing in `work` is visible before `publish`, so
+            # only "all durable before the rename" matters, not the order among them.
+            fsync_all([*sorted(p for p in work.iterdir() if p.is_file()), work])
+            journal.commit(stage="publish")
+        journal.drop_state()  # (again after a kill: it may have been half removed)
+        resume.point("publish")
         publish(work, out)
+        journal.remove()
     except OSError as exc:
-        shutil.rmtree(work, ignore_errors=True)
+        _discard(journal)
         if exc.errno in WRITE_ERRNOS:  # disk full, file too large, quota, read-only, permission
             where = exc.filename or work
             fix = (f"free disk space where {out} goes (or choose another --out), then run the same command"
@@ -107,7 +163,7 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
             raise UserError(f"prepare stopped: {exc.strerror} ({where}); nothing was published", fix) from None
         raise
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        _discard(journal)
         raise
     tok = manifest["tokens"]
     log(f"wrote {out}: {manifest['documents']['train']:,} + {manifest['documents']['valid']:,} documents, "

@@ -47,23 +47,47 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class ShardWriter:
     """Appends one document (a token array) at a time; `finalize()` publishes the pair."""
 
-    def __init__(self, prefix: str | Path, dtype: np.dtype | type) -> None:
+    def __init__(self, prefix: str | Path, dtype: np.dtype | type, state: dict | None = None) -> None:
+        """A new shard pair, or (`state`, from `state()`) the one being written, cut back to that
+        state: `prepare` resumes its writers after a kill this way."""
         self.prefix = Path(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF:
             raise ValueError(f"dtype {self.dtype} has no Megatron code")
         self._bin_tmp = self.prefix.with_name(self.prefix.name + ".bin.tmp")
         self._idx_tmp = self.prefix.with_name(self.prefix.name + ".idx.tmp")
-        self._bin = open(self._bin_tmp, "wb")
         # Lengths go to a side file (int32), not memory: `finalize` streams the index from it,
         # so a writer's memory does not grow with the document count (4-40 bytes per document did).
         self._len_tmp = self.prefix.with_name(self.prefix.name + ".len.tmp")
-        self._len = open(self._len_tmp, "wb")
         self.tokens = 0
         self.documents = 0
         # the largest token id written (-1: none), for the manifest's `max_token_id`: `train` then
         # checks the ids against the vocabulary without reading the shards (data/manifest.py)
         self.max_token = -1
+        if state is None:
+            self._bin = open(self._bin_tmp, "wb")
+            self._len = open(self._len_tmp, "wb")
+            return
+        self.tokens, self.documents, self.max_token = state["tokens"], state["documents"], state["max_token"]
+        for path, size in ((self._bin_tmp, self.tokens * self.dtype.itemsize), (self._len_tmp, self.documents * 4)):
+            with open(path, "r+b") as f:
+                f.truncate(size)  # a torn tail written after the state was taken
+        self._bin = open(self._bin_tmp, "ab")
+        self._len = open(self._len_tmp, "ab")
+
+    def state(self) -> dict:
+        """Flush; the counts that `ShardWriter(prefix, dtype, state)` resumes from."""
+        self._bin.flush()
+        self._len.flush()
+        return {"tokens": self.tokens, "documents": self.documents, "max_token": self.max_token}
+
+    def files(self) -> list[Path]:
+        return [self._bin_tmp, self._len_tmp]
+
+    def close(self) -> None:
+        """Close the files, not finalized (`finish_resumed` reopens them from a state)."""
+        self._bin.close()
+        self._len.close()
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -124,12 +148,28 @@ class ShardWriter:
         self._bin.close()
         self._len.close()
         write_index_streamed(self._idx_tmp, self._len_tmp, self.dtype)
-        self._len_tmp.unlink()
         if fsync:
             fsync_path(self._idx_tmp)
         # .bin first: an .idx without its .bin is detectably broken, the reverse could look whole.
         os.replace(self._bin_tmp, Path(str(self.prefix) + ".bin"))
         os.replace(self._idx_tmp, Path(str(self.prefix) + ".idx"))
+        self._len_tmp.unlink()  # last: while it exists, a resumed `prepare` finalizes again (`finish_resumed`)
+
+    @classmethod
+    def finish_resumed(cls, prefix: str | Path, dtype: np.dtype | type, state: dict, fsync: bool = True) -> "ShardWriter | None":
+        """`finalize` of a writer in `state`, after a kill that may have come during an earlier
+        `finalize`; returns the writer (None if that finalize had completed)."""
+        prefix = Path(prefix)
+        bin_path, idx_path = Path(str(prefix) + ".bin"), Path(str(prefix) + ".idx")
+        bin_tmp, len_tmp = prefix.with_name(prefix.name + ".bin.tmp"), prefix.with_name(prefix.name + ".len.tmp")
+        if not len_tmp.exists() and idx_path.exists():
+            return None
+        if bin_path.exists() and not bin_tmp.exists():
+            os.replace(bin_path, bin_tmp)  # put back what the interrupted finalize had renamed
+        idx_path.unlink(missing_ok=True)
+        writer = cls(prefix, dtype, state)
+        writer.finalize(fsync=fsync)
+        return writer
 
     def abort(self) -> None:
         if not self._bin.closed:

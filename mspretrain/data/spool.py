@@ -26,10 +26,21 @@ class Spool:
     def close(self) -> None:
         self._f.close()
 
-    def read(self, progress: Callable[[int], None] | None) -> Iterator[str]:
-        with open(self.path, "rb") as f:
-            while head := f.read(4):
-                (n,) = struct.unpack("<I", head)
-                yield f.read(n).decode("utf-8")
-                if progress:
-                    progress(n + 4)
+    def read(self, progress: Callable[[int], None] | None, skip: int = 0) -> Iterator[str]:
+        return read_spool(self.path, progress, skip)
+
+
+def read_spool(path: Path, progress: Callable[[int], None] | None, skip: int = 0) -> Iterator[str]:
+    """A spool's documents in order, after the first `skip` (stepped over, not decoded: a
+    resumed `prepare` starts encoding where its last commit was)."""
+    with open(path, "rb") as f:
+        for _ in range(skip):
+            (n,) = struct.unpack("<I", f.read(4))
+            f.seek(n, 1)
+            if progress:
+                progress(n + 4)
+        while head := f.read(4):
+            (n,) = struct.unpack("<I", head)
+            yield f.read(n).decode("utf-8")
+            if progress:
+                progress(n + 4)

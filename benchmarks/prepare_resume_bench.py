@@ -1,0 +1,96 @@
+"""What `prepare`'s progress journal costs (issue 29, resume after kill -9).
+
+Runs the whole `prepare` (pass 1, dedup, tokenizer training, pass 2, publish) on the
+`prepare_bench.py` corpus with the journal committing at different intervals
+(`MSPRETRAIN_PREPARE_COMMIT_SECONDS`): "stages only" (1e9 s: only the few commits at stage ends,
+the reference), the default (`resume.COMMIT_SECONDS`), 1 s, and after every unit (0). Settings
+alternate in each round so that load from other jobs hits them alike; the best wall time of
+each is reported with its ratio to the reference, the number of commits and the time spent in
+them (serial time of the main process: the direct measure, which the box's noise does not blur). The data dirs
+must be byte-identical (the data fingerprint and the manifest are compared).
+
+Usage: python benchmarks/prepare_resume_bench.py [--mb 20] [--workers 2] [--repeat 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.prepare_bench import build_corpus  # noqa: E402
+from mspretrain.config import PrepareConfig  # noqa: E402
+from mspretrain.data import pipeline, resume  # noqa: E402
+from mspretrain.data.prepare import prepare  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=float, default=20.0)
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--vocab-size", type=int, default=4000)
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="prepare_resume_bench_"))
+    commits = [0, 0.0]  # commits, seconds spent in them (fsyncs, the journal's rename, the stage state files)
+    plain = resume.Journal.commit
+
+    def counted(self, **kw):
+        t = time.perf_counter()
+        plain(self, **kw)
+        commits[0] += 1
+        commits[1] += time.perf_counter() - t
+
+    resume.Journal.commit = counted
+    save = pipeline._save_state
+
+    def timed_save(*a, **kw):  # the per-stage state files: part of the journal's cost too
+        t = time.perf_counter()
+        save(*a, **kw)
+        commits[1] += time.perf_counter() - t
+
+    pipeline._save_state = timed_save
+    settings = {"stages only": "1e9", f"every {resume.COMMIT_SECONDS:g} s (default)": str(resume.COMMIT_SECONDS),
+                "every 1 s": "1", "every unit": "0"}
+    try:
+        corpus = work / "corpus.txt"
+        n_bytes, n_chars, n_lines = build_corpus(corpus, args.mb, 1)
+        print(f"corpus: {n_bytes / 1e6:.1f} MB, {n_lines:,} lines; workers {args.workers}; vocab {args.vocab_size}")
+        cfg = PrepareConfig(vocab_size=args.vocab_size, doc_per_line=True, valid_fraction=0.01, tokenizer_sample_chars=2_000_000)
+        best: dict[str, tuple[float, int, float]] = {}
+        prints: dict[str, tuple[str, str]] = {}
+        for r in range(args.repeat):
+            for name, seconds in settings.items():
+                os.environ["MSPRETRAIN_PREPARE_COMMIT_SECONDS"] = seconds
+                out = work / "data"
+                commits[:] = [0, 0.0]
+                t = time.perf_counter()
+                m = prepare([str(corpus)], out, cfg, workers=args.workers, log=lambda _: None)
+                wall = time.perf_counter() - t
+                print(f"round {r + 1} {name:24s} {wall:6.2f} s  {commits[0]:4d} commits taking {commits[1]:5.2f} s  "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
+                if name not in best or wall < best[name][0]:
+                    best[name] = (wall, commits[0], commits[1])
+                prints[name] = (m["fingerprint"], (out / "manifest.json").read_text(encoding="utf-8"))
+                shutil.rmtree(out)
+        ref = best["stages only"][0]
+        print(f"\nbest of {args.repeat} ({n_bytes / 1e6:.1f} MB):")
+        for name, (wall, n, spent) in best.items():
+            print(f"  {name:24s} {wall:6.2f} s  {n_bytes / 1e6 / wall:5.2f} MB/s  x{wall / ref:.3f} of stages only  "
+                  f"({n} commits, {spent:.2f} s in them = {100 * spent / wall:.1f} % of the run)")
+        same = len(set(prints.values())) == 1
+        print(f"data dirs identical across settings (fingerprint + manifest): {same}")
+        if not same:
+            sys.exit(1)
+    finally:
+        os.environ.pop("MSPRETRAIN_PREPARE_COMMIT_SECONDS", None)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

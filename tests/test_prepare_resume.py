@@ -1,0 +1,282 @@
+"""`prepare` killed with SIGKILL at unit boundaries of every stage, then run again with the same
+command: the data dir must be byte-identical to an uninterrupted run's (the manifest holds no
+timestamps, so it is compared whole). A different command or changed inputs against the
+half-done work dir are refused in one line, and the work dir is left as it was.
+
+The kill points come from the progress lines of the uninterrupted run
+(`MSPRETRAIN_PREPARE_TEST_POINTS`); `MSPRETRAIN_PREPARE_TEST_KILL` makes prepare SIGKILL itself at
+one of them, and `MSPRETRAIN_PREPARE_COMMIT_SECONDS=0` commits after every unit, so a kill lands
+after a unit's data was written and before its commit (the torn tail a resume must cut off).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_poems
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--doc-per-line", "--valid-fraction", "0.1", "prepare.near_dedup=true"]
+TEST_ENV = ("MSPRETRAIN_PREPARE_TEST_POINTS", "MSPRETRAIN_PREPARE_TEST_KILL", "MSPRETRAIN_PREPARE_COMMIT_SECONDS")
+
+
+
+def make_corpus(d: Path) -> Path:
+    """Several small one-document-per-line files (a chunk each), exact duplicates across them,
+    a .jsonl first (decoded in the main process), an empty file and undecodable bytes (warnings and
+    per-file counts that a resume must restore)."""
+    d.mkdir()
+    poems = [p.replace("\n", "，") for p in make_poems(500, seed=5)]
+    for k in range(5):
+        (d / f"p{k}.txt").write_text("\n".join(poems[k * 100: (k + 1) * 100] + poems[:4]) + "\n", encoding="utf-8")
+    # read first: the chunks a resume skips include documents decoded in the main process
+    (d / "a.jsonl").write_text("\n".join(json.dumps({"text": p}, ensure_ascii=False) for p in poems[:60]) + "\n", encoding="utf-8")
+    (d / "r.txt").write_bytes("一二三四五六七八九十\n".encode() + b"\xff\xfe\n" + "春眠不觉晓处处闻啼鸟\n".encode())
+    (d / "s.txt").write_bytes(b"")
+    return d
+
+
+def run(raw: Path, out: Path, *extra: str, env: dict | None = None, workers: int = 2) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
+    e.update(PYTHONPATH=str(ROOT), GLOG_v="3", **(env or {}))
+    vocab = [] if "--tokenizer" in extra else ["--vocab-size", "500"]
+    cmd = [sys.executable, "-m", "mspretrain.cli", "prepare", str(raw), "--out", str(out), "--workers", str(workers),
+           *ARGS, *vocab, *extra, "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        try:  # pool workers of a killed run: none should be left, but never leak one
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def files_of(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def digest(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict[str, bytes], list[str]]:
+    """An uninterrupted run: its files, and the unit boundaries it passed (its progress lines)."""
+    root = tmp_path_factory.mktemp("resume")
+    raw = make_corpus(root / "raw")
+    p = run(raw, root / "ref", env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert p.returncode == 0, p.stderr
+    points = [ln.split(": ", 1)[1] for ln in p.stderr.splitlines() if ln.startswith("prepare-point: ")]
+    return raw, files_of(root / "ref"), points
+
+
+def chosen(points: list[str], stage: str) -> str:
+    """The point of `stage` the test kills at: the middle one of its kind."""
+    mine = [p for p in points if p.startswith(stage)]
+    assert mine, f"no progress line of {stage} in {points}"
+    return mine[len(mine) // 2]
+
+
+# cleaning, dedup (resolve, then the replay through the sink), tokenizer training, encoding,
+# finalizing the shards, publishing
+STAGES = ["pass1 chunk", "dedup resolved", "replay", "trained", "encode valid", "finalized train", "publish"]
+
+
+@pytest.mark.sigkill
+@pytest.mark.parametrize("stage", STAGES)
+def test_kill_and_rerun_is_byte_identical(reference, tmp_path, stage):
+    raw, want, points = reference
+    at = chosen(points, stage)
+    out = tmp_path / "data"
+    killed = run(raw, out, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (tmp_path / ".data.progress.json").is_file() and not (out / "manifest.json").exists()
+    again = run(raw, out, workers=1)  # --workers is not part of the command's identity: the output is the same
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no journal, no work dir left
+
+
+@pytest.mark.sigkill
+def test_external_kill_during_cleaning_with_time_based_commits(reference, tmp_path):
+    """A SIGKILL from outside, wherever it lands after the first progress line of pass 1, with
+    the default commit interval (no commit before the kill: pass 1 starts again)."""
+    raw, want, _ = reference
+    out = tmp_path / "data"
+    e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
+    e.update(PYTHONPATH=str(ROOT), GLOG_v="3", MSPRETRAIN_PREPARE_TEST_POINTS="1")
+    cmd = [sys.executable, "-m", "mspretrain.cli", "prepare", str(raw), "--out", str(out), "--workers", "2", *ARGS,
+           "--vocab-size", "500", "--quiet"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=e, start_new_session=True)
+    try:
+        for line in proc.stderr:
+            if line.startswith("prepare-point: pass1 chunk 2"):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        proc.wait(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    again = run(raw, out)
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == want
+
+
+@pytest.mark.sigkill
+def test_other_command_or_inputs_against_a_half_done_work_dir_are_refused(reference, tmp_path):
+    raw0, want, _ = reference
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for p in raw0.iterdir():
+        (raw / p.name).write_bytes(p.read_bytes())
+        os.utime(raw / p.name, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns))
+    out = tmp_path / "data"
+    work, journal = tmp_path / ".data.partial", tmp_path / ".data.progress.json"
+    killed = run(raw, out, env={"MSPRETRAIN_PREPARE_TEST_KILL": "replay 2"})
+    assert killed.returncode == -signal.SIGKILL
+    before = {**digest(work), "journal": hashlib.sha256(journal.read_bytes()).hexdigest()}
+
+    def refused(p: subprocess.CompletedProcess, what: str) -> None:
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 2, p.stderr
+        assert lines[0].startswith("error: ") and what in lines[0] and lines[1].startswith("hint: ")
+        assert "rerun the original command" in lines[1] and str(work) in lines[1]
+        assert {**digest(work), "journal": hashlib.sha256(journal.read_bytes()).hexdigest()} == before
+        assert not out.exists()
+
+    refused(run(raw, out, "--vocab-size", "600"), "prepare.vocab_size was 500, now 600")
+    refused(run(raw, out, "prepare.min_chars=3"), "prepare.min_chars")
+    f = raw / "p2.txt"
+    stat = f.stat()
+    f.write_bytes(f.read_bytes() + "新的一行诗句在这里\n".encode())
+    refused(run(raw, out), "input file")
+    f.write_bytes(f.read_bytes()[: stat.st_size])
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    (raw / "t.txt").write_text("多了一个文件\n", encoding="utf-8")
+    refused(run(raw, out), "files")
+    (raw / "t.txt").unlink()
+    # the original command and inputs again: resumed, and the same bytes as the uninterrupted run
+    again = run(raw, out)
+    assert again.returncode == 0, again.stderr
+    got = files_of(out)
+    manifest = json.loads(got.pop("manifest.json"))
+    ref = json.loads(want["manifest.json"])
+    assert {k: v for k, v in got.items()} == {k: v for k, v in want.items() if k != "manifest.json"}
+    # the inputs live in another dir here: only their names in the manifest differ
+    assert json.dumps(manifest).replace(str(raw), "RAW") == json.dumps(ref).replace(str(raw0), "RAW")
+
+
+@pytest.mark.sigkill
+@pytest.mark.parametrize("stage", ["pass1 chunk", "replay", "finalized train"])
+def test_kill_with_a_given_tokenizer_is_byte_identical(reference, tmp_path, stage):
+    """One pass: the workers clean and tokenize, the replay writes the shards (no pass 2)."""
+    raw, want, _ = reference
+    tok = tmp_path / "tokenizer.model"
+    tok.write_bytes(want["tokenizer.model"])
+    extra = ("--tokenizer", str(tok))
+    ref = run(raw, tmp_path / "ref", *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert ref.returncode == 0, ref.stderr
+    at = chosen([ln.split(": ", 1)[1] for ln in ref.stderr.splitlines() if ln.startswith("prepare-point: ")], stage)
+    out = tmp_path / "data"
+    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, *extra, workers=1)
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == files_of(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("renamed", [(), (".bin",), (".bin", ".idx")])
+def test_a_shard_writer_finishes_after_a_kill_inside_finalize(tmp_path, renamed):
+    """`finalize` killed after the index was written and some of its renames were made:
+    `finish_resumed` from the committed state gives the files an uninterrupted finalize gives."""
+    import numpy as np
+
+    from mspretrain.data.shards import ShardWriter
+
+    docs = [np.arange(n, dtype=np.int64) + n for n in (3, 1, 7, 2)]
+    ref = ShardWriter(tmp_path / "ref", np.uint16)
+    ref.add_many(docs)
+    ref.finalize(fsync=False)
+    w = ShardWriter(tmp_path / "s", np.uint16)
+    w.add_many(docs[:3])
+    state = dict(w.state())
+    w.add_many(docs[3:])  # after the commit: must not survive
+    w.close()
+    assert ShardWriter.finish_resumed(tmp_path / "s", np.uint16, state, fsync=False) is not None
+    short = ShardWriter(tmp_path / "short", np.uint16)
+    short.add_many(docs[:3])
+    short.finalize(fsync=False)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"s{ext}").read_bytes() == (tmp_path / f"short{ext}").read_bytes()
+    # a kill inside a later finalize of that same state: some renames made, the length file kept
+    (tmp_path / "s.len.tmp").write_bytes(np.array([3, 1, 7], dtype=np.int32).tobytes())
+    for ext in (".bin", ".idx"):
+        if ext not in renamed:
+            (tmp_path / f"s{ext}").rename(tmp_path / f"s{ext}.tmp")
+    assert ShardWriter.finish_resumed(tmp_path / "s", np.uint16, state, fsync=False) is not None
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"s{ext}").read_bytes() == (tmp_path / f"short{ext}").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("s.")) == ["s.bin", "s.idx"]
+    # finished: nothing left to do
+    assert ShardWriter.finish_resumed(tmp_path / "s", np.uint16, state, fsync=False) is None
+
+
+def test_the_refusal_names_the_first_difference(tmp_path):
+    from mspretrain.config import PrepareConfig
+    from mspretrain.data.resume import difference, fingerprint
+
+    f = tmp_path / "a.txt"
+    f.write_text("一二三\n", encoding="utf-8")
+    base = fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "aa"), None)
+    assert difference(base, fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "aa"), None)) is None
+    cases = [
+        (fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(min_chars=3), ("tok.model", "aa"), None), "prepare.min_chars was"),
+        (fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "bb"), None), "the tokenizer tok.model changed"),
+        (fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "aa"), 64), "--seq-len was null, now 64"),
+        (fingerprint(["in2"], [f], ["in/a.txt"], PrepareConfig(), ("tok.model", "aa"), None), "INPUT was"),
+        (fingerprint(["in"], [f], ["in/b.txt"], PrepareConfig(), ("tok.model", "aa"), None), "input file in/a.txt is now in/b.txt"),
+    ]
+    for fp, want in cases:
+        assert want in difference(base, fp)
+    f.write_text("一二三四\n", encoding="utf-8")
+    assert "input file in/a.txt changed (size" in difference(base, fingerprint(["in"], [f], ["in/a.txt"], PrepareConfig(),
+                                                                               ("tok.model", "aa"), None))
+
+
+@pytest.mark.sigkill
+def test_kill_inside_a_file_by_file_publish_starts_over_and_keeps_your_files(reference, tmp_path):
+    """`--overwrite` into a data dir that holds a file of yours publishes file by file; a kill
+    after some files moved cannot be resumed from the work dir (it is half empty): the rerun
+    says so, builds it again, and the result is the uninterrupted one, with your file kept."""
+    raw, want, _ = reference
+    out = tmp_path / "data"
+    assert run(raw, out).returncode == 0
+    (out / "notes.txt").write_text("mine", encoding="utf-8")
+    code = ("import os, sys\nfrom pathlib import Path\nfrom mspretrain.data import publish\nfrom mspretrain.cli import main\n"
+            "real, n = publish.os.replace, [0]\n"
+            "def replace(a, b):\n    n[0] += Path(b).parent.name == 'data'\n    if n[0] == 3:\n        os._exit(9)\n    real(a, b)\n"
+            "publish.os.replace = replace\nsys.exit(main(sys.argv[1:]))\n")
+    args = ["prepare", str(raw), "--out", str(out), "--workers", "2", *ARGS, "--vocab-size", "500", "--overwrite", "--quiet"]
+    e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
+    e.update(PYTHONPATH=str(ROOT), GLOG_v="3")
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=e, timeout=300)
+    assert r.returncode == 9, r.stderr
+    again = run(raw, out, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    got = files_of(out)
+    assert got.pop("notes.txt") == b"mine" and got == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
