@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from prepare_scale_bench import build_corpus  # noqa: E402
 
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_v="3", RAY_USAGE_STATS_ENABLED="0")
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_v="3", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
 
 
 def free_port() -> int:

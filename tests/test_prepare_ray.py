@@ -41,7 +41,11 @@ def free_port() -> int:
 def ray_env() -> dict:
     # the nodes' worker processes import this tree's mspretrain, as the driver does
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "RAY_USAGE_STATS_ENABLED": "0"}
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # Ray 2.60 turns token authentication on at the head when ~/.ray/auth_token exists
+            # (left by any earlier `ray get-auth-token --generate`), while a node started without
+            # RAY_AUTH_MODE=token does not send it and cannot join: one mode for every process here
+            "RAY_AUTH_MODE": "disabled"}
 
 
 @pytest.fixture(scope="module")
