@@ -178,7 +178,7 @@ def run_once(code: Path, data: Path, work: Path, name: str, model_args: list[str
             if _log_has(logs / "worker_0.log", "step 1/") and _log_has(logs / "worker_1.log", "rank=1 step=1"):
                 first_step = time.perf_counter() - t0
                 break
-            if _available() < 3 * GiB:  # the box is shared: never push it into the OOM killer
+            if _available() < MIN_AVAILABLE[0]:  # the box is shared: never push it into the OOM killer
                 low_mem = True
                 break
             # 20 ms until the model is built: a scan of the shard maps its pages for a fraction of a second
@@ -187,9 +187,10 @@ def run_once(code: Path, data: Path, work: Path, name: str, model_args: list[str
         _kill_tree(proc)
     if first_step is None and (init_s is None or not (stop_after_init or low_mem)):
         tail = "".join(p.read_text(errors="replace")[-1500:] for p in sorted(logs.glob("worker_*.log")))
-        why = "stopped: under 3 GiB of memory available on the machine" if low_mem else f"train failed ({proc.returncode})"
+        why = f"stopped: under {MIN_AVAILABLE[0] / GiB:g} GiB of memory available on the machine" if low_mem else f"train failed ({proc.returncode})"
         raise SystemExit(f"{name}: {why}: {tail}")
-    stopped = None if first_step is not None else "after init (--stop-after-init)" if stop_after_init else "after init: under 3 GiB available"
+    low = f"after init: under {MIN_AVAILABLE[0] / GiB:g} GiB available"
+    stopped = None if first_step is not None else "after init (--stop-after-init)" if stop_after_init else low
     return {"init_s": init_s, "first_step_s": first_step, "stopped": stopped, "peak_rss": peaks, "peak_file": file_peaks,
             "init_rss": at_init}
 
@@ -212,6 +213,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
+MIN_AVAILABLE = [3 * GiB]  # set from --min-available-gib
+
+
 def _available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -227,10 +231,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=float, default=300e6, help="tokens in the synthetic train shard (uint16: 2 bytes each)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help='extra train overrides for every run, e.g. train.trainable=["norms"]')
+    ap.add_argument("--min-available-gib", type=float, default=3.0,
+                    help="stop a run when the machine's available memory falls under this (default 3)")
     ap.add_argument("--runs", default="before,old-data,after", help="which runs, comma-separated")
     ap.add_argument("--stop-after-init", action="store_true",
                     help="stop each run when the model is built (its step does not fit this machine twice)")
     args = ap.parse_args()
+    MIN_AVAILABLE[0] = int(args.min_available_gib * GiB)
     from mspretrain.config import ModelConfig, resolve_model
     from mspretrain.model.presets import param_count, param_shapes, preset
 
