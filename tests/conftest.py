@@ -171,9 +171,49 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
                 assert_close_rel(a[k], b[k], rtol, f"{got.name} {k}")
 
 
+# The files whose tests start msrun (2 workers + a scheduler each). Under pytest-xdist they are one
+# unit of work, run first and one test after another on one worker: two msrun jobs at once would
+# starve each other's heartbeats on 2 cores. A new msrun test elsewhere is refused at collection.
+MSRUN_FILES = ("tests/test_distributed.py", "tests/test_multinode.py", "tests/test_selftest.py", "tests/test_zero2.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """A test skipped when msrun is missing starts msrun: mark it `msrun` even where the decorator was
-    forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers."""
+    forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers.
+
+    The order is the queue pytest-xdist hands out (`make test`: -n 2 --dist loadfile, see
+    `pytest_xdist_make_scheduler` below): the msrun files first, then the files with `slow` tests,
+    then the rest, each file's tests in their own order (longest units first leave the least idle
+    tail). Only the order of files changes; a test never depends on another file having run."""
     for item in items:
         if any("msrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.msrun)
+    for item in items:
+        if item.get_closest_marker("msrun") and _file(item.nodeid) not in MSRUN_FILES:
+            raise pytest.UsageError(f"{item.nodeid} starts msrun: add its file to MSRUN_FILES in tests/conftest.py "
+                                    "(pytest-xdist then never runs it beside another msrun test)")
+    slow_files = {_file(i.nodeid) for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: 0 if _file(i.nodeid) in MSRUN_FILES else 1 if _file(i.nodeid) in slow_files else 2)
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown (and unused) without it
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the msrun files as one unit: each test file goes whole to one worker
+    (its module fixtures are built once), and the msrun files together to one worker. The units are
+    handed out in collection order (above), not xdist's biggest-count-first. pytest-xdist's own
+    `loadgroup` would say this with marks, but on pytest 9.2 its group suffix on the node id no
+    longer takes effect (pytest-dev/pytest-xdist#1386), so the grouping is by file name here."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MsrunFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "msrun" if _file(nodeid) in MSRUN_FILES else _file(nodeid)
+
+    config.option.loadscopereorder = False
+    return MsrunFilesTogether(config, log)
