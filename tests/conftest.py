@@ -88,6 +88,36 @@ def reference_run(tmp_path_factory, tiny_data) -> Path:
     return run
 
 
+# A spike `rewind` run in one process (checkpoints every 4 steps, lr 10x the reference's so that
+# spikes come): what the 2-rank msrun rewind run (tests/test_distributed.py) and the two-node one
+# (tests/test_multinode.py) must equal. Both used to train this same run of their own.
+REWIND_ARGS = ("train.max_steps=14", "checkpoint.every=4", "spike.action=rewind", "spike.threshold=0.02", "spike.window=3",
+               "schedule.warmup_steps=1", "optim.lr=0.01")
+
+
+@pytest.fixture(scope="session")
+def rewind_one_process(tmp_path_factory, tiny_data) -> Path:
+    """Read-only, like `reference_run`."""
+    from mspretrain.cli import main
+
+    run = tmp_path_factory.mktemp("rewind") / "one"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet", *REWIND_ARGS]) == 0
+    return run
+
+
+@pytest.fixture(scope="session")
+def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
+    """`reference_run`'s config on 2 msrun workers, fp32 wire, one AllReduce bucket (the default):
+    compared with one process (tests/test_distributed.py) and with one AllReduce per parameter
+    (tests/test_zero2.py). Read-only."""
+    from tests.test_distributed import _msrun
+
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    run = tmp / "two-fp32"
+    _msrun(tmp, tiny_data, run, "precision.allreduce_dtype=fp32")
+    return run
+
+
 def copy_run_at(src: Path, dst: Path, step: int) -> Path:
     """A copy of a run dir as it was right after the save of `step`: later checkpoints gone and
     metrics.jsonl cut there (what a crash after that save leaves to resume from)."""
