@@ -65,6 +65,7 @@ def test_recompute_equals_stored_activations():
         np.testing.assert_allclose(weights[name], ref, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # three fp16 training runs of its own (22 s of make test-fast, issue 32)
 def test_half_parameter_run_resumes_exactly(tmp_path, tiny_data):
     from mspretrain.cli import main
 
