@@ -88,6 +88,36 @@ def reference_run(tmp_path_factory, tiny_data) -> Path:
     return run
 
 
+# A spike `rewind` run in one process (checkpoints every 4 steps, lr 10x the reference's so that
+# spikes come): what the 2-rank msrun rewind run (tests/test_distributed.py) and the two-node one
+# (tests/test_multinode.py) must equal. Both used to train this same run of their own.
+REWIND_ARGS = ("train.max_steps=14", "checkpoint.every=4", "spike.action=rewind", "spike.threshold=0.02", "spike.window=3",
+               "schedule.warmup_steps=1", "optim.lr=0.01")
+
+
+@pytest.fixture(scope="session")
+def rewind_one_process(tmp_path_factory, tiny_data) -> Path:
+    """Read-only, like `reference_run`."""
+    from mspretrain.cli import main
+
+    run = tmp_path_factory.mktemp("rewind") / "one"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet", *REWIND_ARGS]) == 0
+    return run
+
+
+@pytest.fixture(scope="session")
+def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
+    """`reference_run`'s config on 2 msrun workers, fp32 wire, one AllReduce bucket (the default):
+    compared with one process (tests/test_distributed.py) and with one AllReduce per parameter
+    (tests/test_zero2.py). Read-only."""
+    from tests.test_distributed import _msrun
+
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    run = tmp / "two-fp32"
+    _msrun(tmp, tiny_data, run, "precision.allreduce_dtype=fp32")
+    return run
+
+
 def copy_run_at(src: Path, dst: Path, step: int) -> Path:
     """A copy of a run dir as it was right after the save of `step`: later checkpoints gone and
     metrics.jsonl cut there (what a crash after that save leaves to resume from)."""
@@ -171,9 +201,49 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
                 assert_close_rel(a[k], b[k], rtol, f"{got.name} {k}")
 
 
+# The files whose tests start msrun (2 workers + a scheduler each). Under pytest-xdist they are one
+# unit of work, run first and one test after another on one worker: two msrun jobs at once would
+# starve each other's heartbeats on 2 cores. A new msrun test elsewhere is refused at collection.
+MSRUN_FILES = ("tests/test_distributed.py", "tests/test_multinode.py", "tests/test_selftest.py", "tests/test_zero2.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """A test skipped when msrun is missing starts msrun: mark it `msrun` even where the decorator was
-    forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers."""
+    forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers.
+
+    The order is the queue pytest-xdist hands out (`make test`: -n 2 --dist loadfile, see
+    `pytest_xdist_make_scheduler` below): the msrun files first, then the files with `slow` tests,
+    then the rest, each file's tests in their own order (longest units first leave the least idle
+    tail). Only the order of files changes; a test never depends on another file having run."""
     for item in items:
         if any("msrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.msrun)
+    for item in items:
+        if item.get_closest_marker("msrun") and _file(item.nodeid) not in MSRUN_FILES:
+            raise pytest.UsageError(f"{item.nodeid} starts msrun: add its file to MSRUN_FILES in tests/conftest.py "
+                                    "(pytest-xdist then never runs it beside another msrun test)")
+    slow_files = {_file(i.nodeid) for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: 0 if _file(i.nodeid) in MSRUN_FILES else 1 if _file(i.nodeid) in slow_files else 2)
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown (and unused) without it
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the msrun files as one unit: each test file goes whole to one worker
+    (its module fixtures are built once), and the msrun files together to one worker. The units are
+    handed out in collection order (above), not xdist's biggest-count-first. pytest-xdist's own
+    `loadgroup` would say this with marks, but on pytest 9.2 its group suffix on the node id no
+    longer takes effect (pytest-dev/pytest-xdist#1386), so the grouping is by file name here."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MsrunFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "msrun" if _file(nodeid) in MSRUN_FILES else _file(nodeid)
+
+    config.option.loadscopereorder = False
+    return MsrunFilesTogether(config, log)

@@ -139,6 +139,7 @@ def one_step(tmp_path_factory, tiny_data):
     return trainer, summary, run, lines
 
 
+@pytest.mark.slow  # `one_step` compiles and runs the scaled-down 7B step (38 s of make test-fast at load ~3, issue 32)
 def test_one_real_fp16_step_of_the_scaled_down_config(one_step, tiny_data):
     trainer, summary, run, lines = one_step
     vocab = json.loads((tiny_data / "manifest.json").read_text())["vocab_size"]
@@ -158,6 +159,7 @@ def test_one_real_fp16_step_of_the_scaled_down_config(one_step, tiny_data):
     assert any(line.endswith("accumulation; fp16 matrices with fp32 masters, layer recompute") for line in lines), lines[:3]
 
 
+@pytest.mark.slow  # shares `one_step` above
 def test_the_step_changed_the_weights_and_checkpointed_masters(one_step):
     trainer, summary, run, lines = one_step
     ckpt = run / "checkpoints" / "step_000001"

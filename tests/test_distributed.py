@@ -14,7 +14,7 @@ import pytest
 
 from mspretrain.errors import UserError
 from mspretrain.train import distributed
-from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
+from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, REWIND_ARGS, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
 
 
 def _metrics(run: Path) -> dict[int, float]:
@@ -96,14 +96,15 @@ MSRUN = shutil.which("msrun", path=f"{Path(sys.executable).parent}:{os.environ.g
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 @pytest.mark.parametrize("wire", ["fp32", "fp16"])
-def test_two_ranks_match_one_process(tmp_path, tiny_data, reference_run, wire):
+def test_two_ranks_match_one_process(tmp_path, tiny_data, reference_run, wire, request):
     """Losses, grad norms and the final model and optimizer files of 2 msrun ranks against one
     process. The losses alone cannot see a gradient scale: clipping and Adam hide it from the
     weights for a while; the grad norm and the moments show it at once."""
-    two = tmp_path / f"two-{wire}"
-    # fp16 on the wire needs loss scaling (config.validate); a static power-of-two scale is exact in fp32
-    scale = ["precision.loss_scale=static"] if wire == "fp16" else []
-    _msrun(tmp_path, tiny_data, two, f"precision.allreduce_dtype={wire}", *scale)
+    if wire == "fp32":  # the session's run (conftest), also compared with per-parameter AllReduce in test_zero2.py
+        two = request.getfixturevalue("two_ranks_fp32")
+    else:  # fp16 on the wire needs loss scaling (config.validate); a static power-of-two scale is exact in fp32
+        two = tmp_path / f"two-{wire}"
+        _msrun(tmp_path, tiny_data, two, f"precision.allreduce_dtype={wire}", "precision.loss_scale=static")
     one, got = _metrics(reference_run), _metrics(two)
     assert sorted(one) == sorted(got) == STEPS
     tol = 1e-5 if wire == "fp32" else 1e-3  # fp16 on the wire rounds each gradient to 11 bits
@@ -252,16 +253,11 @@ SPIKE_ARGS = ["train.max_steps=5", "checkpoint.every=0", "--quiet"]
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_spike_rewind_under_msrun_matches_one_process(tmp_path, tiny_data):
+def test_spike_rewind_under_msrun_matches_one_process(tmp_path, tiny_data, rewind_one_process):
     """Spike `rewind` on 2 sharded ranks: both reload the same checkpoint (the newest save of the
     run, waited for until rank 0 has published it) and the run equals one process's, rewinds included."""
-    from mspretrain.cli import main
-
-    rewind = ["train.max_steps=14", "checkpoint.every=4", "spike.action=rewind", "spike.threshold=0.02", "spike.window=3",
-              "schedule.warmup_steps=1", "optim.lr=0.01"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *SPIKE_ARGS, *rewind]) == 0
-    _msrun(tmp_path, tiny_data, two, "optim.shard_optimizer=true", *rewind, args=SPIKE_ARGS)
+    one, two = rewind_one_process, tmp_path / "two"
+    _msrun(tmp_path, tiny_data, two, "optim.shard_optimizer=true", *REWIND_ARGS, args=SPIKE_ARGS)
 
     def series(run):
         return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
@@ -297,8 +293,9 @@ def _start_launch(tmp_path: Path, data: Path, run: Path, *extra: str, launch: tu
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
 
 
-def _wait_for_rank(run: Path, rank: int, step: int, proc: subprocess.Popen, timeout: float = 600) -> dict:
-    """Rank `rank`'s heartbeat once it has finished `step` steps (and a checkpoint exists)."""
+def _wait_for_rank(run: Path, rank: int, step: int, proc: subprocess.Popen, timeout: float = 600, not_pid: int = 0) -> dict:
+    """Rank `rank`'s heartbeat once it has finished `step` steps (and a checkpoint exists); after a
+    relaunch, `not_pid` (the old rank's) skips the heartbeat the killed job left behind."""
     import time
 
     path = run / "heartbeat" / f"rank_{rank:05d}.json"
@@ -309,7 +306,7 @@ def _wait_for_rank(run: Path, rank: int, step: int, proc: subprocess.Popen, time
             beat = json.loads(path.read_text())
         except (OSError, ValueError):
             beat = {}
-        if beat.get("step", 0) >= step and list((run / "checkpoints").glob("step_*[0-9]")):
+        if beat.get("step", 0) >= step and beat.get("pid") != not_pid and list((run / "checkpoints").glob("step_*[0-9]")):
             return beat
         time.sleep(0.5)
     raise AssertionError(f"rank {rank} did not reach step {step} in {timeout} s")
@@ -330,16 +327,26 @@ def _ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
 LONG = ["train.max_steps=400", "checkpoint.every=2", "checkpoint.keep_last=3", "train.log_every=1", "schedule.kind=constant"]
 
 
-@pytest.mark.sigkill
-@pytest.mark.slow
-@pytest.mark.msrun
-@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_killed_worker_ends_the_job_naming_the_rank_and_relaunch_resumes_exactly(tmp_path, tiny_data):
+STOP_GRACE = 25  # long enough to run `diagnose --hang` on the live hang first
+
+
+@pytest.fixture(scope="module")
+def killed_then_stopped(tmp_path_factory, tiny_data) -> dict:
+    """One job sequence for the two tests below (one msrun start-up and compilation fewer than a
+    job each): a 400-step job whose rank 1 is SIGKILLed after step 5; then its relaunch, which
+    resumes and, once past the steps it redid, has rank 1 SIGSTOPped. Each test asserts on its
+    half; this only drives the processes and records what it saw."""
+    import contextlib
+    import io
     import signal
     import time
 
-    run = tmp_path / "killed"
-    proc = _start_launch(tmp_path, tiny_data, run, *LONG)
+    from mspretrain.checkpoint import store
+    from mspretrain.cli import main
+
+    tmp = tmp_path_factory.mktemp("death")
+    run, out = tmp / "killed", {}
+    proc = _start_launch(tmp, tiny_data, run, *LONG)
     try:
         beat = _wait_for_rank(run, 1, 5, proc)
         t0 = time.time()
@@ -348,71 +355,77 @@ def test_killed_worker_ends_the_job_naming_the_rank_and_relaunch_resumes_exactly
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
-    assert proc.returncode == 1, err[-2000:]
-    assert took <= DEATH_BOUND_S, took
-    line = next(l for l in err.splitlines() if l.startswith("error: "))
-    assert line.startswith("error: rank 1 died at step "), line  # rank 0 was ended with the job, not named
-    # relaunch: resumes from the newest verified checkpoint, and the steps it redoes give the losses
-    # the killed job logged for them (same data, same world size: bit-exact on CPU). The kill may
-    # land just after a save, leaving nothing to redo: the newer checkpoints are set aside so that
-    # the relaunch starts from the oldest one kept and redoes a few steps.
-    before = _metrics(run)
-    from mspretrain.checkpoint import store
-
+    killed_pid = beat["pid"]
+    out["killed"] = {"rc": proc.returncode, "err": err, "took": took, "before": _metrics(run)}
+    # The relaunch resumes from the newest verified checkpoint, and the steps it redoes must give the
+    # losses the killed job logged for them. The kill may land just after a save, leaving nothing
+    # to redo: the newer checkpoints are set aside so that it starts from the oldest one kept.
     kept = sorted(p for p in (run / "checkpoints").glob("step_*[0-9]") if store.verify(p) is None)
     for p in kept[1:]:
         shutil.rmtree(p)
     resume_at = int(kept[0].name.split("_")[1])
-    redo = [s for s in before if s > resume_at]
-    assert redo, (resume_at, sorted(before))
-    upto = max(redo) + 1
-    proc = _start_launch(tmp_path, tiny_data, run, *LONG[1:], f"train.max_steps={upto}")
+    redo = [s for s in out["killed"]["before"] if s > resume_at]
+    out["relaunch"] = {"resume_at": resume_at, "redo": redo}
+    if not redo:
+        return out
+    proc = _start_launch(tmp, tiny_data, run, *LONG, launch=("--stop-grace", str(STOP_GRACE)))
     try:
-        _, err = proc.communicate(timeout=600)
+        beat = _wait_for_rank(run, 1, max(redo) + 1, proc, not_pid=killed_pid)  # past every redone step
+        t0 = time.time()
+        os.kill(beat["pid"], signal.SIGSTOP)
+        time.sleep(3)  # rank 0 runs into the next step's collective and waits there
+        with contextlib.redirect_stdout(io.StringIO()) as live:
+            live_rc = main(["diagnose", str(run), "--hang"])
+        err, took = _ended_within(proc, t0)
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
-    assert proc.returncode == 0, err[-2000:]
-    assert f"resumed from step_{resume_at:06d}" in (run / "train.log").read_text()
-    after = _metrics(run)
-    for step in redo:
-        assert after[step] == pytest.approx(before[step], abs=1e-6), (step, before[step], after[step])
-    assert max(after) == upto
+    with contextlib.redirect_stdout(io.StringIO()) as after:
+        after_rc = main(["diagnose", str(run), "--hang"])
+    out["relaunch"].update(log=(run / "train.log").read_text(), after=_metrics(run))
+    out["stopped"] = {"rc": proc.returncode, "err": err, "took": took, "live_rc": live_rc, "live": live.getvalue(),
+                      "after_rc": after_rc, "after": after.getvalue()}
+    return out
 
 
 @pytest.mark.sigkill
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_stopped_worker_is_named_by_diagnose_and_the_job_ends(tmp_path, tiny_data, capsys):
-    import signal
-    import time
+def test_killed_worker_ends_the_job_naming_the_rank_and_relaunch_resumes_exactly(killed_then_stopped):
+    killed, relaunch = killed_then_stopped["killed"], killed_then_stopped["relaunch"]
+    assert killed["rc"] == 1, killed["err"][-2000:]
+    assert killed["took"] <= DEATH_BOUND_S, killed["took"]
+    line = next(l for l in killed["err"].splitlines() if l.startswith("error: "))
+    assert line.startswith("error: rank 1 died at step "), line  # rank 0 was ended with the job, not named
+    # relaunch: resumes from the newest verified checkpoint kept, and the steps it redoes give the
+    # losses the killed job logged for them (same data, same world size: bit-exact on CPU)
+    before, redo = killed["before"], relaunch["redo"]
+    assert redo, (relaunch["resume_at"], sorted(before))
+    assert f"resumed from step_{relaunch['resume_at']:06d}" in relaunch["log"]
+    after = relaunch["after"]
+    for step in redo:
+        assert after[step] == pytest.approx(before[step], abs=1e-6), (step, before[step], after[step])
+    assert max(after) > max(redo)
 
-    from mspretrain.cli import main
 
-    run = tmp_path / "stopped"
-    grace = 25  # long enough to run `diagnose --hang` on the live hang first
-    proc = _start_launch(tmp_path, tiny_data, run, *LONG, launch=("--stop-grace", str(grace)))
-    try:
-        beat = _wait_for_rank(run, 1, 3, proc)
-        t0 = time.time()
-        os.kill(beat["pid"], signal.SIGSTOP)
-        time.sleep(3)  # rank 0 runs into the next step's collective and waits there
-        capsys.readouterr()
-        assert main(["diagnose", str(run), "--hang"]) == 1
-        live = capsys.readouterr().out
-        err, took = _ended_within(proc, t0)
-    finally:
-        if proc.poll() is None:
-            _kill_tree(proc)
+@pytest.mark.sigkill
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_stopped_worker_is_named_by_diagnose_and_the_job_ends(killed_then_stopped):
+    """The relaunched job of the test above, its rank 1 stopped (SIGSTOP) with `--stop-grace 25`."""
+    assert "stopped" in killed_then_stopped, "the relaunch never ran (the kill left nothing to redo)"
+    stopped = killed_then_stopped["stopped"]
+    live = stopped["live"]
+    assert stopped["live_rc"] == 1, live
     lag = [l for l in live.splitlines() if l.startswith("LAGGING")]
     assert len(lag) == 1 and lag[0].startswith("LAGGING: rank 1 is stopped (process "), live
     assert " at step " in lag[0] and "(phase " in lag[0]
-    assert proc.returncode == 1, err[-2000:]
-    assert grace <= took <= DEATH_BOUND_S, took
-    line = next(l for l in err.splitlines() if l.startswith("error: "))
+    assert stopped["rc"] == 1, stopped["err"][-2000:]
+    assert STOP_GRACE <= stopped["took"] <= DEATH_BOUND_S, stopped["took"]
+    line = next(l for l in stopped["err"].splitlines() if l.startswith("error: "))
     assert line.startswith("error: rank 1 stopped at step ") and "(phase " in line, line
     # afterwards every process is gone; the watchdog's verdict still names the stopped rank
-    assert main(["diagnose", str(run), "--hang"]) == 1
-    after = capsys.readouterr().out
-    assert "LAGGING: rank 1 stopped at step " in after and "ended with it" in after
+    assert stopped["after_rc"] == 1
+    assert "LAGGING: rank 1 stopped at step " in stopped["after"] and "ended with it" in stopped["after"]

@@ -370,6 +370,7 @@ def _one_line(rc, err, needle):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # three training runs of its own (28 s of make test-fast, issue 32)
 def test_train_init_from_two_stages(src, ext_data, capsys):
     """Stage 1 from the HF folder (grown vocabulary, embeddings + lm_head only), resumed without
     --init-from, then stage 2 (everything) from the stage-1 run; misuse is one line, exit 2."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, TINY, assert_same_checkpoint, copy_run_at
+from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, REWIND_ARGS, TINY, assert_same_checkpoint, copy_run_at
 from tests.test_distributed import MSRUN, _free_port, _grad_norms, _metrics, _replica_hashes, _step_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")]
@@ -77,16 +77,11 @@ def test_two_nodes_equal_one_process_and_resume(tmp_path, tiny_data, reference_r
     assert_same_checkpoint(_step_dir(resumed, REFERENCE_STEPS), _step_dir(reference_run, REFERENCE_STEPS), 1e-5)
 
 
-def test_two_nodes_spike_rewind_equals_one_process(tmp_path, tiny_data):
+def test_two_nodes_spike_rewind_equals_one_process(tmp_path, tiny_data, rewind_one_process):
     """Checkpoints every 4 steps, a spike rewind reloading one of them, ZeRO-1 optimizer shards
     written by the two nodes' ranks: the same losses as one process, rewinds included."""
-    from mspretrain.cli import main
-
-    args = ["train.max_steps=14", "checkpoint.every=4", "spike.action=rewind", "spike.threshold=0.02", "spike.window=3",
-            "schedule.warmup_steps=1", "optim.lr=0.01", "checkpoint.every=4"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), "--quiet", *args]) == 0
-    two_nodes(tmp_path, tiny_data, two, "optim.shard_optimizer=true", *args)
+    one, two = rewind_one_process, tmp_path / "two"
+    two_nodes(tmp_path, tiny_data, two, "optim.shard_optimizer=true", *REWIND_ARGS)
 
     def series(run: Path) -> list[tuple[int, float]]:
         return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]

@@ -108,6 +108,7 @@ def _trainer(cfg_overrides, data, run):
     return Trainer(cfg, data, run, log=lambda s: None)
 
 
+@pytest.mark.slow  # three training runs of its own (16 s of make test-fast, issue 32)
 def test_interrupted_run_resumes_bit_identical(tmp_path, tiny_data):
     over = ["train.max_steps=6", "checkpoint.every=0", "metrics.grad_norm_every=1"]
     full = tmp_path / "full"
@@ -160,6 +161,7 @@ def test_signal_writes_checkpoint_and_exits_zero(tmp_path, tiny_data, sig):
     assert ckpts[0][0] == max(r["step"] for r in metrics(run))
 
 
+@pytest.mark.slow  # prepare, two evaluations and a training run of its own (19 s of make test-fast, issue 32)
 def test_demo_runs_end_to_end_on_a_local_corpus(tmp_path, corpus_file, capsys):
     """The demo's orchestration (prepare → ppl before → train → ppl after → poems → next steps) without npm."""
     args = ["demo", "--quick", "--workdir", str(tmp_path / "demo"), "--corpus", str(corpus_file), "--config", str(TINY),

@@ -160,6 +160,7 @@ def test_a_refused_recover_leaves_the_run_dir_as_it_was(finished, tmp_path, caps
 
 # --------------------------------------------------------------------------- class 8: the demo
 
+@pytest.mark.slow  # the quick demo: prepare and train (39 s of make test-fast at load ~3, issue 32)
 def test_the_quick_demo_never_touches_the_full_demo_run(tmp_path, corpus_file, capsys):
     """`make demo`, then the documented `demo --quick --workdir mspretrain-demo`: the quick demo has
     its own data-quick/ and run-quick/; a full-demo run continued with `train` is refused, untouched."""

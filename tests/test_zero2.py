@@ -350,15 +350,13 @@ def test_bucketed_zero2_equals_one_collective_per_parameter_on_2_workers(tmp_pat
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_bucketed_allreduce_equals_one_collective_per_parameter_on_2_workers(tmp_path, tiny_data):
+def test_bucketed_allreduce_equals_one_collective_per_parameter_on_2_workers(tmp_path, tiny_data, two_ranks_fp32):
     """Replicated (ZeRO off), fp32, no accumulation (the fused step) on 2 msrun workers: one
-    AllReduce bucket against one AllReduce per parameter, 5 steps. Losses, grad norms and the
+    AllReduce bucket against one AllReduce per parameter, 8 steps. Losses, grad norms and the
     final model and optimizer files within 1e-6; measured bit for bit (2026-12-01: each element's
-    sum over 2 ranks is the same addition either way)."""
-    args = ["train.max_steps=5", "checkpoint.every=5", "train.log_every=1", "metrics.grad_norm_every=1", "--quiet"]
-    runs = {}
-    for name, extra in (("bucketed", ()), ("per-parameter", ("optim.bucket_mb=0",))):
-        runs[name] = tmp_path / f"replicated-{name}"
-        _msrun(tmp_path, tiny_data, runs[name], *extra, args=args)
-    assert _collectives(runs["bucketed"]) == 1 and _collectives(runs["per-parameter"]) == 15
-    _assert_runs_equal(runs["bucketed"], runs["per-parameter"], 5, 1e-6)
+    sum over 2 ranks is the same addition either way). The bucketed run is the session's
+    `two_ranks_fp32` (conftest; test_distributed.py compares it with one process)."""
+    per_param = tmp_path / "replicated-per-parameter"
+    _msrun(tmp_path, tiny_data, per_param, "precision.allreduce_dtype=fp32", "optim.bucket_mb=0")
+    assert _collectives(two_ranks_fp32) == 1 and _collectives(per_param) == 15
+    _assert_runs_equal(two_ranks_fp32, per_param, FINAL, 1e-6)
