@@ -185,7 +185,11 @@ def rewind_run(tmp_path_factory, tiny_data):
     real_check = t.spikes.detector.check
     t.spikes.detector.check = lambda step, loss, gn=None: (
         [{"kind": "loss_spike", "message": f"step {step}: loss spike"}] if step == 5 and not at_rewind else real_check(step, loss, gn))
+    saves: list[int] = []  # the steps saved, in order (a rewind must not save its target again)
+    real_save = t.checkpoints.save
+    t.checkpoints.save = lambda step, ts: (saves.append(step), real_save(step, ts))[1]
     summary = t.train()
+    at_rewind["saves"] = saves
     return t, run, at_rewind, summary
 
 
@@ -199,6 +203,9 @@ def test_spike_rewind_restores_weights_and_skips_batches(rewind_run):
     assert at_rewind["samples"] == 5 * per_step  # the batches of step 5 are skipped, not replayed
     recs = [r for r in records(run) if "rewind" in r]
     assert len(recs) == 1 and recs[0]["rewind"] == 4.0 and recs[0]["spike"] == 1
+    # step 4 is a save step, and the rewind lands on it: saving it again would replace the
+    # directory other ranks are loading at that moment (a two-node run lost a rank to it)
+    assert at_rewind["saves"] == [2, 4, 6]
 
 
 def test_rewind_skip_skips_that_many_steps_of_data(rewind_run):

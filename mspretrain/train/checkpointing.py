@@ -102,8 +102,9 @@ class CheckpointManager:
         deadline = time.monotonic() + WAIT_S
 
         def check(deep: bool) -> str | None:
-            # After a rewind the same step is saved again: rank 0 may replace the directory while
-            # this rank reads it (seen as a FileNotFoundError in the hash). Not usable yet: wait on.
+            # A file vanishing while it is hashed means rank 0 is still replacing the directory
+            # (the loop used to save the rewound-to step again; trainer.py no longer does): not
+            # usable yet, wait on rather than leave the job on a rank of its own.
             try:
                 return store.verify(target, deep=deep)
             except OSError as exc:

@@ -139,7 +139,7 @@ class Trainer:
                 values.update(self.meter.sample(self.step, first=self.step == start + 1))
                 summary.tokens_per_s = values.get("tokens_per_s", summary.tokens_per_s)
                 summary.losses.append(res.loss)
-                self._after_spike_check(self.spikes.observe(self.step, res.loss, res.grad_norm, values), values)
+                rewound = self._after_spike_check(self.spikes.observe(self.step, res.loss, res.grad_norm, values), values)
                 if self.console.due(self.step):
                     self.console(self.step, values)
                     if not self.world.is_main:  # per-rank timing in the msrun worker logs, for straggler diagnosis
@@ -154,7 +154,10 @@ class Trainer:
                 except OSError as exc:  # batches.jsonl, spikes/ on a full disk: stop cleanly, keep the steps
                     self._stop_on_write_error(exc, values)
                 self.metrics.log(self.step, values)
-                if self.checkpoints.due(self.step, self.total_steps):
+                # After a rewind the step is the checkpoint's own: saving it again would replace the
+                # directory the other ranks are loading at that moment (seen under msrun as a rank
+                # that found it torn, did not rewind, and left the job), and would write nothing new.
+                if not rewound and self.checkpoints.due(self.step, self.total_steps):
                     self.save()
             summary.final_checkpoint = self.save()
             self.checkpoints.close()
@@ -230,22 +233,26 @@ class Trainer:
             self.log(f"step {self.step}: gradient overflow at loss scale {scale:g} — update skipped, scale now {self.scaler.scale:g}")
         return res, lr, scale
 
-    def _after_spike_check(self, action: str, values: dict[str, float]) -> None:
+    def _after_spike_check(self, action: str, values: dict[str, float]) -> bool:
+        """Act on the spike detector's verdict; True when the state was rewound to a checkpoint."""
         if action == REWIND:
-            self.rewind()
+            rewound = self.rewind()
             values["rewind"] = float(self.step)
+            return rewound
         elif action == STOP:
             streak = self.spikes.detector.nonfinite_streak
             self.checkpoints.close()
             raise UserError(f"the loss was non-finite for {streak} steps in a row (step {self.step}); stopped to save compute",
                             f"lower optim.lr or use precision.dtype=fp32, then resume from {self.checkpoints.latest_name()}")
+        return False
 
-    def rewind(self) -> None:
-        """PaLM's remedy: reload the last good checkpoint and skip past the batches that led here."""
-        ckpt = self.checkpoints.rewind_target()
-        if ckpt is None or self.rewinds >= MAX_REWINDS:
+    def rewind(self) -> bool:
+        """PaLM's remedy: reload the last good checkpoint and skip past the batches that led here.
+        False when there is none to go back to (or the rewinds are used up): training continues."""
+        ckpt = None if self.rewinds >= MAX_REWINDS else self.checkpoints.rewind_target()
+        if ckpt is None:
             self.log(f"spike: no checkpoint to rewind to (or {MAX_REWINDS} rewinds already); continuing")
-            return
+            return False
         spike_step = self.step
         skip = self.cfg.spike.rewind_skip
         self.load(ckpt, restore_data=skip > 0)
@@ -254,6 +261,7 @@ class Trainer:
         self.rewinds += 1
         self.log(f"spike at step {spike_step}: rewound to {ckpt.name}, skipping "
                  f"{skip if skip else spike_step - self.step} steps of data")
+        return True
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._stop_signal is not None:  # a second Ctrl-C means now
