@@ -68,6 +68,7 @@ def resumed_run(tmp_path_factory, tiny_data) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_a_resumed_run_is_exact(resumed_run, capsys):
     a = audit_run(resumed_run)
     assert a.exact, a.findings
@@ -103,6 +104,7 @@ def test_a_resume_with_a_rewound_or_lost_loader_state_is_named(resumed_run, tiny
     assert "step 6: [data]" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_duplicated_metrics_lines_are_named(resumed_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(resumed_run, run)
@@ -113,6 +115,7 @@ def test_duplicated_metrics_lines_are_named(resumed_run, tmp_path):
     assert [(f.step, f.kind) for f in a.findings] == [(4, "metrics")], a.findings
 
 
+@pytest.mark.slow
 def test_a_step_recorded_twice_or_missing_is_named(resumed_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(resumed_run, run)

@@ -14,6 +14,9 @@ from mspretrain.ops.audit import audit_run
 from tests.conftest import TINY
 from tests.planted import planted_data
 
+# Several training sessions of their own (~80 s of CPU): `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 ARGS = ["--quiet", "checkpoint.every=1", "checkpoint.keep_last=20"]
 
 

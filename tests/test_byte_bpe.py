@@ -19,6 +19,9 @@ from mspretrain.data.tokenizer import Tokenizer
 from tests.conftest import TINY, make_poems
 from tests.test_hf_bridge import cli, one_line_error
 
+# Two training runs on a 66,001-token vocabulary (~60 s of CPU): `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 RESERVED = 65_400  # unreachable filler entries, as Llama-3's reserved tokens: every merge id lands above 65,535
 
 

@@ -134,6 +134,7 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_every_run_ends_with_an_eval(run4):
     # item 1: eval.every = 0 is "only at the end", and the end had none
     recs = _records(run4)
@@ -143,6 +144,7 @@ def test_every_run_ends_with_an_eval(run4):
     assert re.search(r"step 4: valid ppl [\d.]+ over [\d,]+ tokens", (run4 / "train.log").read_text())
 
 
+@pytest.mark.slow
 def test_run_config_shows_the_values_that_ran(run4):
     # item 3: micro_batch and threads were 0 in RUN_DIR/config.toml while 4 and N ran
     import os
@@ -157,12 +159,14 @@ def test_run_config_shows_the_values_that_ran(run4):
     cfgmod.load(run4 / "config.toml")
 
 
+@pytest.mark.slow
 def test_short_runs_sample_every_metric(run4):
     # item 10: grad norm every 50 and memory every 200 drew nothing in a 40-step run
     recs = _records(run4)
     assert all("grad_norm" in r and "mem_mb" in r for r in recs)
 
 
+@pytest.mark.slow
 def test_eval_prints_which_tokens_it_scored(capsys, run4):
     # item 11: the whole split vs the run's eval.max_tokens
     from mspretrain.commands.eval import scope_note
@@ -183,6 +187,7 @@ def test_eval_prints_which_tokens_it_scored(capsys, run4):
                                               "score the whole split (eval.max_tokens = 0)")
 
 
+@pytest.mark.slow
 def test_resume_with_a_raised_budget_prints_the_schedule_change_and_the_tail_keeps_the_lr(run4, tiny_data, tmp_path):
     # item 8: the same run raised to 8 steps, then continued with the printed overrides
     import shutil

@@ -27,6 +27,7 @@ def model_and_tokens(tiny_data):
     return Llama(cfg, seed=3), tokens
 
 
+@pytest.mark.slow
 def test_perplexity_is_independent_of_batch_size(model_and_tokens):
     model, tokens = model_and_tokens
     res = [evaluate_tokens(model, tokens, seq_len=SEQ, batch_size=b) for b in (1, 3, 8)]

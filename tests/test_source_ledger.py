@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from mspretrain.cli import main
 from mspretrain.data.order import SamplePlan
 from tests.conftest import TINY
 
 
+@pytest.mark.slow
 def test_two_sources_each_get_their_loss_tokens_and_share(tmp_path, tiny_data, tiny_cfg):
     from mspretrain.data.prepare import prepare
 
