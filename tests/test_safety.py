@@ -404,6 +404,25 @@ def test_fits_refuses_above_physical_and_warns_above_available(tiny_cfg):
     check_fits(cfg, 1, "ascend", memory=(1, 1))  # host RAM is not the limit on Ascend
 
 
+def test_fits_counts_every_rank_on_this_host(tiny_cfg):
+    """Two msrun ranks on one CPU host each build the model: the host needs twice one process."""
+    from dataclasses import replace
+
+    from mspretrain.config import resolve_model
+    from mspretrain.errors import UserError
+    from mspretrain.ops.fits import LOCAL_RANKS_ENV, check_fits, estimate_bytes, local_ranks
+
+    cfg = replace(tiny_cfg, model=resolve_model(tiny_cfg.model, 512))
+    one = estimate_bytes(cfg, 2)
+    check_fits(cfg, 2, "cpu", memory=(2 * one + 1, None), local=2)
+    with pytest.raises(UserError, match="2 ranks on this host"):
+        check_fits(cfg, 2, "cpu", memory=(2 * one - 1, None), local=2)
+    check_fits(cfg, 2, "cpu", memory=(2 * one - 1, None), local=1)  # the other rank is on another node
+    assert local_ranks(2, {}) == 2  # a bare msrun on CPU: every rank is here
+    assert local_ranks(8, {LOCAL_RANKS_ENV: "4"}) == 4  # launch --nproc 4 --nodes 2
+    assert local_ranks(2, {LOCAL_RANKS_ENV: "x"}) == 2 and local_ranks(2, {LOCAL_RANKS_ENV: "9"}) == 2
+
+
 @pytest.mark.parametrize("what", ["bin_file", "corpus_file"])
 def test_data_that_is_a_file_says_so(tiny_data, tmp_path, capsys, what):
     from tests.conftest import TINY

@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mspretrain.errors import UserError
     from mspretrain.ops.diagnose import STALE_S
+    from mspretrain.ops.fits import LOCAL_RANKS_ENV
     from mspretrain.ops.watchdog import STOP_GRACE_S
     from mspretrain.train.distributed import NO_SCHEDULER, msrun_command
 
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("msrun is not installed next to this Python", "install MindSpore >= 2.3 in this environment (msrun ships with it)")
     env = {**os.environ, "PATH": search}
     env.setdefault("GLOG_v", "3")  # MindSpore's native logs: warnings and errors only
+    env[LOCAL_RANKS_ENV] = str(args.nproc)  # train's memory check counts every rank on this host
     if args.node_rank > 0:
         env[NO_SCHEDULER] = "1"
         wait_for_master(args.master_addr, args.master_port, args.master_wait)

@@ -8,6 +8,10 @@ plan itself compares with device memory (`plan --devices`); host RAM is not the 
 Design choices:
 - Refuse only when the estimate exceeds the machine's *physical* memory: no amount of waiting
   makes that fit. More than what is available right now is a warning (other jobs may finish).
+- Every rank on this host counts: msrun starts `--local_worker_num` processes, each building the
+  same model on the host, so the estimate of one process is multiplied by the ranks on this host.
+  `mspretrain launch` exports that number (`LOCAL_RANKS_ENV`); under a bare msrun every rank of
+  the world is taken to be local, which is how a CPU job runs (one host).
 - The RoPE tables are added to the plan's figure: they scale with `model.max_seq_len`, not with
   `data.seq_len`, and are built on the host in float64 first (`model/llama.py: rope_tables`).
 """
@@ -20,6 +24,17 @@ from mspretrain.config import Config
 from mspretrain.errors import UserError
 
 GB = 1 << 30
+LOCAL_RANKS_ENV = "MSPRETRAIN_LOCAL_RANKS"  # set by `mspretrain launch` for its msrun workers
+
+
+def local_ranks(world: int, env: dict[str, str] | None = None) -> int:
+    """Training processes on this host: what `launch` exported, else the whole world."""
+    env = os.environ if env is None else env
+    try:
+        n = int(env.get(LOCAL_RANKS_ENV, world))
+    except ValueError:
+        n = world
+    return min(max(n, 1), max(world, 1))
 
 
 def host_memory() -> tuple[int, int | None]:
@@ -47,14 +62,17 @@ def estimate_bytes(cfg: Config, world: int) -> int:
 
 
 def check_fits(cfg: Config, world: int, device: str, log: Callable[[str], None] = print,
-               memory: tuple[int, int | None] | None = None) -> None:
-    """Refuse a CPU run whose estimate exceeds physical memory; warn above the available memory."""
+               memory: tuple[int, int | None] | None = None, local: int | None = None) -> None:
+    """Refuse a CPU run whose estimate (one process x the ranks on this host) exceeds physical
+    memory; warn above the available memory."""
     if device != "cpu":
         return
-    need = estimate_bytes(cfg, world)
+    local = local_ranks(world) if local is None else local
+    need = estimate_bytes(cfg, world) * local
     total, available = memory or host_memory()
     shape = (f"model.max_seq_len {cfg.model.max_seq_len:,}, train.global_batch {cfg.train.global_batch:,}, "
-             f"data.seq_len {cfg.data.seq_len:,}, dim {cfg.model.dim:,} x {cfg.model.n_layers} layers")
+             f"data.seq_len {cfg.data.seq_len:,}, dim {cfg.model.dim:,} x {cfg.model.n_layers} layers"
+             + (f", {local} ranks on this host" if local > 1 else ""))
     if need > total:
         raise UserError(f"this run needs about {need / GB:,.1f} GB of memory but the machine has {total / GB:,.1f} GB ({shape})",
                         "lower train.global_batch (or set train.micro_batch), data.seq_len, model.max_seq_len or the model size; "
