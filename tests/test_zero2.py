@@ -555,3 +555,35 @@ def test_split_parameters_under_zero2_match_one_process_and_resume_at_world_1(tm
         assert abs(after[step] - one[step]) <= 1e-5, (step, one[step], after[step])
         assert after_gn[step] == pytest.approx(one_gn[step], rel=1e-5)
     assert_same_checkpoint(_step_dir(resumed, FINAL), _step_dir(reference_run, FINAL), 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_path, tiny_data):
+    """The other paths of a split parameter: ZeRO-1 (gradients all-reduced whole, each rank cuts
+    its slice for the update) in the fused step (no accumulation), fp16 matrices whose fp32
+    masters are slices, and `optim.split_mb = 0.04` (10,485 elements: the fp32 embedding and
+    lm_head and the fp16 w13 and w2 of both layers). Against the same config on one process, with
+    the fp16-masters test's tolerances."""
+    from safetensors.numpy import load_file
+
+    from mspretrain.cli import main
+
+    fp16 = ["precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static"]
+    one = tmp_path / "one-fp16"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *ARGS, "train.log_every=1", *fp16]) == 0
+    two = tmp_path / "zero1-split-fp16"
+    _msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_optimizer=true", "optim.split_mb=0.04", "train.log_every=1")
+    assert "optimizer state sharded over 2 ranks" in (two / "train.log").read_text()
+    keys = set().union(*(load_file(str(s)) for s in _step_dir(two, FINAL).glob("optimizer-*.safetensors")))
+    assert {"master.layers.1.mlp.w13.weight@0:12288", "master.layers.1.mlp.w13.weight@12288:24576",
+            "exp_avg.lm_head.weight@16384:32768"} <= keys
+    assert not any(k.startswith("master.lm_head") for k in keys)  # fp32: its master is the weights
+    a, b = _metrics(one), _metrics(two)
+    assert sorted(a) == sorted(b) == STEPS
+    for step in a:
+        assert abs(a[step] - b[step]) <= (1e-5 if step <= 5 else 1e-4), (step, a[step], b[step])
+    hashes = _replica_hashes(two)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(one, FINAL), 5e-3)
