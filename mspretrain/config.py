@@ -260,7 +260,8 @@ class OptimConfig(_Section):
     # With sharding: a parameter of at least this many MB (4 bytes an element) is cut into one
     # slice per rank instead of going whole to one owner, so each rank holds 1/N of its Adam
     # moments, master and gradient buffer (a 151 K-row lm_head). 0 = never. "auto": the bucket
-    # cap (such a parameter has a collective of its own anyway; train/layout.py says more).
+    # cap (such a parameter has a collective of its own anyway; none with bucket_mb = 0;
+    # train/layout.py says more).
     split_mb: Union[float, str] = "auto"
 
     def check(self) -> None:

@@ -407,6 +407,19 @@ def test_parameters_over_the_split_threshold_are_cut_into_balanced_slices_on_eve
         == tuple(assign_owners_grouped(sizes, ["half" if h else "fp32" for h in half], world))
 
 
+def test_split_mb_setting():
+    from mspretrain import config as cfgmod
+    from mspretrain.errors import UserError
+    from mspretrain.train.layout import split_elements_for
+
+    cap = cap_elements(256)
+    assert split_elements_for("auto", cap) == cap and split_elements_for(0, cap) == 0 and split_elements_for(1.0, cap) == 262_144
+    assert cfgmod.load(TINY, ["optim.split_mb=0.5"]).optim.split_mb == 0.5
+    for bad in ("optim.split_mb=-1", "optim.split_mb=big", "optim.split_mb=nan"):
+        with pytest.raises(UserError, match="optim.split_mb"):
+            cfgmod.load(TINY, [bad])
+
+
 def test_qwen_lm_head_state_is_spread_over_8_ranks():
     """The issue-31 case: the 152,064 x 3,584 embedding and lm_head (545 M parameters each) with
     the default threshold (the 256 MB Ascend bucket cap): every rank holds 1/8 of both."""
@@ -480,6 +493,18 @@ def test_split_optimizer_state_is_saved_per_slice_and_recut_for_any_world(tiny_c
                     continue
                 a, b = rng_ or (0, reader.sizes[reader.names.index(name.split(".", 1)[1])])
                 assert np.array_equal(value.reshape(-1), full[name][a:b]), (world, rank, key)
+    # and the other way: an unsplit writer's whole tensors load into split ranks
+    whole = _state_step(tiny_cfg, 1, 0)
+    whole.load_optimizer_state({k: stored[k] for k in whole.keys_to_read(set(stored))}, available=set(stored))
+    written = {k: np.array(v, copy=True) for k, v in whole.optimizer_state().items()}
+    assert "exp_avg.lm_head.weight" in written and not any("@" in k for k in written)
+    for rank in range(2):
+        reader = _state_step(tiny_cfg, 2, rank)
+        reader.load_optimizer_state({k: written[k] for k in reader.keys_to_read(set(written))}, available=set(written))
+        for key, value in reader.optimizer_state().items():
+            name, rng_ = parse_key(key)
+            if rng_:
+                assert np.array_equal(value, full[name][rng_[0]:rng_[1]]), key
     broken = {k: v for k, v in stored.items() if k != "exp_avg.lm_head.weight@16384:32768"}
     reader = _state_step(tiny_cfg, 1, 0)
     with pytest.raises(UserError, match="slices of exp_avg.lm_head.weight cover 16,384"):
@@ -587,3 +612,39 @@ def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_pa
     hashes = _replica_hashes(two)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
     assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(one, FINAL), 5e-3)
+
+
+@pytest.mark.parametrize("dtype,param_dtype", [("fp32", "fp32"), ("fp16", "compute")])
+def test_plan_bytes_are_the_buffers_of_the_heaviest_rank_with_split_parameters(tiny_cfg, dtype, param_dtype):
+    """With split parameters (ZeRO-2, 2 ranks, optim.split_mb = 0.04: the embedding, lm_head, w13
+    and w2 cut in two) the planner's per-device bytes are the buffers the heaviest rank's TrainStep
+    allocates: slices' moments, masters (fp32 ones too) and accumulation buffers."""
+    from dataclasses import replace
+
+    from mspretrain.config import resolve_model
+    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.ops.plan import make_plan
+    from mspretrain.train.step import TrainStep
+
+    model_cfg = resolve_model(tiny_cfg.model, vocab_size=512)
+    gb = tiny_cfg.train.global_batch
+    cfg = replace(tiny_cfg, model=model_cfg, precision=replace(tiny_cfg.precision, dtype=dtype, param_dtype=param_dtype),
+                  optim=replace(tiny_cfg.optim, shard_optimizer=True, shard_gradients=True, split_mb=0.04),
+                  train=replace(tiny_cfg.train, micro_batch=1))
+    plan = make_plan(cfg, devices=2, tokens=10**6, data_dir=None, tokens_per_s_per_device=None, target="cpu")
+    accum = plan["accumulation"]
+    assert accum > 1
+    layout_rank = None
+    for rank in range(2):
+        model = Llama(model_cfg, dtype=dtype, seed=0)
+        half = half_eligible(model) if param_dtype == "compute" else []
+        step = TrainStep(model, cfg.optim, global_tokens=gb * cfg.data.seq_len, world=2, rank=rank, shard=True, shard_grads=True,
+                         split_mb=0.04, half_params=half, accumulation=accum, device="cpu")
+        assert sum(step.layout.is_split(i) for i in range(len(step.params))) == 6  # embed, lm_head, 2 x (w13, w2)
+        layout_rank = step.layout.heaviest_rank()
+        if rank == layout_rank:
+            have = step.buffer_bytes()
+            for kind in ("weights", "master_weights", "adam_moments", "gradients"):
+                assert plan["memory_bytes"][kind] == have[kind], kind
+            assert plan["memory_bytes"]["update_temporaries"] == 8 * max(int(np.prod(p.shape)) for p in step.exp_avg)
+    assert layout_rank is not None
