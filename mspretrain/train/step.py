@@ -186,9 +186,9 @@ class TrainStep:
         for p in self.params + self.frozen:
             if p.name in half:
                 p.set_dtype(model.dtype)
-        shape = lambda i, ab, cut: (ab[1] - ab[0],) if cut else self.params[i].shape
-        zeros = lambda k, prefix: Parameter(ops.zeros(shape(self.own[k], self._own_bounds[k], self._own_split[k]), ms.float32),
-                                            name=self._key(k, prefix), requires_grad=False)
+        # a slice's state is 1-D, a whole parameter's has its shape
+        shape = lambda k: (self._own_bounds[k][1] - self._own_bounds[k][0],) if self._own_split[k] else self.params[self.own[k]].shape
+        zeros = lambda k, prefix: Parameter(ops.zeros(shape(k), ms.float32), name=self._key(k, prefix), requires_grad=False)
         self.exp_avg = ms.ParameterTuple([zeros(k, "exp_avg") for k in range(len(self.own))])
         self.exp_avg_sq = ms.ParameterTuple([zeros(k, "exp_avg_sq") for k in range(len(self.own))])
         self.opt_step = Parameter(Tensor(0, ms.int32), name="opt_step", requires_grad=False)
@@ -245,8 +245,9 @@ class TrainStep:
         # cuts the owned slice from it; with ZeRO-2 it arrives as the slice
         self._own_cut = [ab if cut and not self.shard_grads else None for ab, cut in zip(self._own_bounds, self._own_split)]
         # shape of each gradient `_reduce` produces (the accumulation buffers): a slice is 1-D
-        self._order_shape = [(self.layout.unit(i, rank)[1] - self.layout.unit(i, rank)[0],)
-                             if self.shard_grads and self.layout.is_split(i) else self.params[i].shape for i in self._order]
+        unit_len = lambda i: (lambda a, b: b - a)(*self.layout.unit(i, rank))
+        self._order_shape = [(unit_len(i),) if self.shard_grads and self.layout.is_split(i) else self.params[i].shape
+                             for i in self._order]
         self._order_pos = [self._order.index(i) if i in self._order else -1 for i in range(len(self.params))]
         self.allreduce = ops.AllReduce(ops.ReduceOp.SUM) if world > 1 else None
         # MindSpore 2.10: ReduceScatter has HCCL (Ascend) and NCCL kernels, none for CPU (mccl).
