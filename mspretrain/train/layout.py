@@ -14,7 +14,8 @@ share the rest (DeepSpeed's and Megatron's distributed optimizers flatten and pa
 same reason). Contiguous slices of size c make the gathered bucket (N segments of c) exactly the
 flattened parameter plus padding at its end, so it is reshaped into place without a copy of
 pieces, and the reduction's input is the flattened gradient itself. Each split parameter is its own
-bucket: it is at least a bucket cap (by default), so it would have had a bucket of its own anyway.
+bucket: it is at least a bucket cap (by default), so it would have had a bucket of its own anyway
+(a lower `optim.split_mb` costs one collective each way per split parameter).
 
 Two packings, both into flat 1-D buckets of at most `cap` elements (a parameter larger than the
 cap gets a bucket of its own; only the split parameters above are cut):
