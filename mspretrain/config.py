@@ -257,6 +257,12 @@ class OptimConfig(_Section):
     # ranks in a few buckets instead of one collective per parameter. 0 = one per parameter.
     # "auto": 256 on Ascend, 32 on CPU (train/layout.py `bucket_mb_for` says why).
     bucket_mb: Union[float, str] = "auto"
+    # With sharding: a parameter of at least this many MB (4 bytes an element) is cut into one
+    # slice per rank instead of going whole to one owner, so each rank holds 1/N of its Adam
+    # moments, master and gradient buffer (a 151 K-row lm_head). 0 = never. "auto": the bucket
+    # cap (such a parameter has a collective of its own anyway; none with bucket_mb = 0;
+    # train/layout.py says more).
+    split_mb: Union[float, str] = "auto"
 
     def check(self) -> None:
         if not (self.lr >= 0 and math.isfinite(self.lr)):
@@ -280,6 +286,12 @@ class OptimConfig(_Section):
             _fail("optim.bucket_mb", f"= {self.bucket_mb} must be a non-negative number", "use e.g. 256, or 0 for one collective per parameter")
         else:
             _cap(self, {"bucket_mb": 1 << 20}, "a bucket larger than any device")
+        if isinstance(self.split_mb, str):
+            if self.split_mb != "auto":
+                _fail("optim.split_mb", f"= {self.split_mb!r} is neither a number nor \"auto\"",
+                      'write optim.split_mb=256 (MB), 0 to keep every parameter whole, or optim.split_mb="auto"')
+        elif not (self.split_mb >= 0 and math.isfinite(self.split_mb)):
+            _fail("optim.split_mb", f"= {self.split_mb} must be a non-negative number", "use e.g. 256, or 0 to keep every parameter whole")
         _cap(self, {"lr": 10.0, "weight_decay": 10.0, "eps": 1.0, "grad_clip": 1e6, "z_loss": 1.0},
              "an update this size makes the weights inf in a step")
 

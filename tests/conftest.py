@@ -184,11 +184,23 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
     from safetensors.numpy import load_file
 
     def optimizer(d: Path) -> dict:
+        from mspretrain.train.step import parse_key
+
         out: dict = {}
+        slices: dict = {}  # a split parameter's state, per slice (`NAME@start:stop`): joined into NAME, flat
         for f in sorted(d.glob("optimizer*.safetensors")):
             part = load_file(str(f))
             assert not (set(part) - {"opt_step"}) & set(out), f"{f.name} repeats another shard's tensors"
-            out.update(part)
+            for k, v in part.items():
+                name, rng = parse_key(k)
+                if rng is None:
+                    out[k] = v
+                else:
+                    slices.setdefault(name, []).append((rng, v.reshape(-1)))
+        for name, parts in slices.items():
+            parts.sort(key=lambda p: p[0])
+            assert all(a[0][1] == b[0][0] for a, b in zip(parts, parts[1:])) and parts[0][0][0] == 0, f"{name}: slices do not tile"
+            out[name] = np.concatenate([v for _, v in parts])
         return out
 
     for a, b in ((load_file(str(got / "model.safetensors")), load_file(str(want / "model.safetensors"))),
@@ -197,8 +209,8 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
         for k in sorted(b):
             if k == "opt_step":
                 assert int(np.asarray(a[k]).reshape(-1)[0]) == int(np.asarray(b[k]).reshape(-1)[0])
-            else:
-                assert_close_rel(a[k], b[k], rtol, f"{got.name} {k}")
+            else:  # (a split parameter's joined state is flat)
+                assert_close_rel(a[k].reshape(b[k].shape) if a[k].size == b[k].size else a[k], b[k], rtol, f"{got.name} {k}")
 
 
 # The files whose tests start msrun (2 workers + a scheduler each). Under pytest-xdist they are one

@@ -92,22 +92,28 @@ def test_memory_plan_on_8_devices_by_hand(cfg_7b):
     assert plan["reference"]["tokens_per_s_per_device"] == 4100.0
 
     # The config as shipped: ZeRO-2 (moments, masters and accumulation buffers of the owned
-    # parameters), fp16 decoder matrices, recompute, micro-batch 4 x 8 accumulated. Owners: the
-    # half-precision matrices split evenly (4 of each kind per rank), the embedding and lm_head
-    # on ranks 0 and 1: the heaviest rank owns 809,500,672 + 131,072,000 parameters.
+    # parameters), fp16 decoder matrices, recompute, micro-batch 4 x 8 accumulated. Split
+    # (optim.split_mb = "auto": at least the 256 MB bucket cap, 67,108,864 elements): the
+    # embedding, the lm_head (131,072,000 each) and the 32 w13 (90,177,536 each) are cut into 8
+    # slices, one per rank. Owners of the rest: wqkv, wo and w2 evenly (4 of each per rank), the
+    # 65 norms 9 on the heaviest rank. It holds 809,500,672 half-precision elements (the 32 w13
+    # slices and 12 whole matrices), 2 x 16,384,000 fp32 slices and 9 norms.
     sharded = make_plan(cfg_7b, devices=8, tokens=None, data_dir=None, tokens_per_s_per_device=None)
     smem = sharded["memory_bytes"]
     assert (sharded["micro_batch"], sharded["accumulation"], sharded["shard_gradients"]) == (4, 8, True)
     p32 = P_7B - P_HALF
-    owned_half, owned = P_HALF // 8, P_HALF // 8 + 131_072_000
-    assert owned_half == 809_500_672
-    assert (smem["weights"], smem["half_weights"], smem["master_weights"]) == (2 * P_HALF + 4 * p32, 0, 4 * owned_half)
+    owned_half = 32 * 90_177_536 // 8 + 4 * (50_331_648 + 16_777_216 + 45_088_768)
+    owned_split32 = 2 * 131_072_000 // 8
+    owned = owned_half + owned_split32 + 9 * 4096
+    assert owned_half == P_HALF // 8 == 809_500_672
+    # masters: the half-precision elements, and the fp32 slices (a slice needs a tensor of its own)
+    assert (smem["weights"], smem["half_weights"], smem["master_weights"]) == (2 * P_HALF + 4 * p32, 0, 4 * (owned_half + owned_split32))
     assert smem["micro_gradients"] == 2 * P_HALF + 4 * p32
     assert smem["adam_moments"] == 8 * owned and smem["gradients"] == 4 * owned
     # recompute: each layer's input 32 x 2 x 2048 x 4 x 4096, one layer's activations, logits 8 x 2048 x 4 x 32000
     act = 32 * 2 * 2048 * 4 * 4096 + (2 * 2048 * 4 * (6 * 4096 + 2 * 4096 + 4 * 11008) + 64 * 32 * 2048 * 4) + 8 * 2048 * 4 * 32000
     assert smem["activations"] == act == 5_519_704_064
-    assert smem["update_temporaries"] == 8 * 131_072_000  # the largest owned parameter: the embedding
+    assert smem["update_temporaries"] == 8 * 50_331_648  # the largest owned unit: a whole wqkv (a split one is 1/8)
     assert smem["framework_reserve"] == GB
     persistent = smem["weights"] + smem["master_weights"] + smem["adam_moments"] + smem["gradients"]
     accumulate = act + smem["micro_gradients"] + smem["collective_buffers"] / (1 + 1 / 8)  # flat copy + the 1/8 ReduceScatter result

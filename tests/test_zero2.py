@@ -360,3 +360,291 @@ def test_bucketed_allreduce_equals_one_collective_per_parameter_on_2_workers(tmp
     _msrun(tmp_path, tiny_data, per_param, "precision.allreduce_dtype=fp32", "optim.bucket_mb=0")
     assert _collectives(two_ranks_fp32) == 1 and _collectives(per_param) == 15
     _assert_runs_equal(two_ranks_fp32, per_param, FINAL, 1e-6)
+
+
+# ---- large parameters split across ranks (optim.split_mb): each rank owns 1/N of their state
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_parameters_over_the_split_threshold_are_cut_into_balanced_slices_on_every_rank(world):
+    from mspretrain.train.layout import plan_layout, slice_bounds
+
+    rng = np.random.default_rng(world)
+    sizes = [int(x) for x in rng.integers(1, 5000, 30)] + [152_064 * 7, 90_001, 64]  # an lm_head-like tail
+    half = [i % 3 == 1 for i in range(len(sizes))]
+    split = 50_000
+    for shard_grads in (False, True):
+        layout = plan_layout(sizes, half, [False] * len(sizes), world, shard=True, shard_grads=shard_grads, cap=20_000, split=split)
+        cut = [i for i in range(len(sizes)) if layout.is_split(i)]
+        assert cut == [i for i, n in enumerate(sizes) if n >= split]  # both large ones, nothing else
+        for i in cut:
+            n = sizes[i]
+            bounds = [slice_bounds(n, world, r) for r in range(world)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n and all(bounds[r][1] == bounds[r + 1][0] for r in range(world - 1))
+            lengths = [b - a for a, b in bounds]
+            assert min(lengths) > 0 and max(lengths) - min(lengths) < world  # balanced elements
+            assert layout.owner[i] == -1 and all(i in layout.owned(r) for r in range(world))
+            # one bucket each way whose segment r is slice r, padded by < N elements at the end
+            buckets = [b for b in layout.gather_rank + (layout.reduce_rank if shard_grads else ()) if i in b.segments[0]]
+            assert len(buckets) == (2 if shard_grads else 1)
+            for b in buckets:
+                assert b.split and b.segments == tuple((i,) for _ in range(world))
+                assert [b.used(r) for r in range(world)] == lengths and 0 <= b.numel - n < world
+        whole = [i for i in range(len(sizes)) if i not in cut]
+        for buckets, singles in ((layout.gather_rank, layout.gather_single), (layout.reduce_rank, layout.reduce_single)):
+            if buckets is layout.reduce_rank and not shard_grads:
+                continue
+            seen = [i for b in buckets if not b.split for seg in b.segments for i in seg] + list(singles)
+            assert sorted(seen) == whole  # the rest still whole, each exactly once
+        # every rank holds about 1/N of all the state: the split ones no longer land on one rank
+        loads = [sum(layout.owned_sizes(r)) for r in range(world)]
+        assert sum(loads) == sum(sizes)
+        assert max(loads) - min(loads) <= 5000 + world * len(cut)  # within the largest whole parameter
+    # split = 0 (and one rank) keeps every parameter whole, with the owners of whole-tensor ZeRO
+    for w, s in ((world, 0), (1, split)):
+        layout = plan_layout(sizes, half, [False] * len(sizes), w, shard=True, shard_grads=True, cap=20_000, split=s)
+        assert not any(layout.is_split(i) for i in range(len(sizes)))
+    assert plan_layout(sizes, half, [False] * len(sizes), world, shard=True, shard_grads=True, cap=20_000).owner \
+        == tuple(assign_owners_grouped(sizes, ["half" if h else "fp32" for h in half], world))
+
+
+def test_split_mb_setting():
+    from mspretrain import config as cfgmod
+    from mspretrain.errors import UserError
+    from mspretrain.train.layout import split_elements_for
+
+    cap = cap_elements(256)
+    assert split_elements_for("auto", cap) == cap and split_elements_for(0, cap) == 0 and split_elements_for(1.0, cap) == 262_144
+    assert cfgmod.load(TINY, ["optim.split_mb=0.5"]).optim.split_mb == 0.5
+    for bad in ("optim.split_mb=-1", "optim.split_mb=big", "optim.split_mb=nan"):
+        with pytest.raises(UserError, match="optim.split_mb"):
+            cfgmod.load(TINY, [bad])
+
+
+def test_qwen_lm_head_state_is_spread_over_8_ranks():
+    """The issue-31 case: the 152,064 x 3,584 embedding and lm_head (545 M parameters each) with
+    the default threshold (the 256 MB Ascend bucket cap): every rank holds 1/8 of both."""
+    from mspretrain.model.presets import is_half_eligible, param_shapes, preset
+    from mspretrain.train.layout import plan_layout, split_elements_for
+
+    shapes = param_shapes(preset("qwen2.5-7b"))
+    sizes = [int(np.prod(s)) for _, s in shapes]
+    half = [is_half_eligible(n) for n, _ in shapes]  # bf16 matrices, fp32 embedding and lm_head (the recipe)
+    cap = cap_elements(256)
+    big = [i for i, (n, _) in enumerate(shapes) if n in ("embed.weight", "lm_head.weight")]
+    assert len(big) == 2 and all(sizes[i] == 152_064 * 3_584 for i in big)
+    for split_mb, spread in (("auto", True), (0, False)):
+        layout = plan_layout(sizes, half, [False] * len(sizes), 8, shard=True, shard_grads=True,
+                             cap=cap, split=split_elements_for(split_mb, cap))
+        assert all(layout.is_split(i) == spread for i in big)
+        heaviest = max(range(8), key=lambda r: sum(layout.owned_sizes(r)))
+        fp32 = sum(n for i, n in zip(layout.owned(heaviest), layout.owned_sizes(heaviest)) if not half[i])
+        if spread:  # 1/8 of each table, and no rank's largest unit is a whole table
+            assert fp32 <= 2 * sizes[big[0]] // 8 + 8 * 3_584 and max(layout.owned_sizes(heaviest)) < sizes[big[0]] // 4
+        else:  # whole tensors: one rank holds a whole table's moments
+            assert fp32 >= sizes[big[0]]
+
+
+def _state_step(tiny_cfg, world: int, rank: int, split_mb: float | str = 0.1, half: bool = False):
+    """A TrainStep of rank `rank` of `world` (nothing compiled or communicated: its tables and state only)."""
+    from mspretrain.config import resolve_model
+    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.train.step import TrainStep
+
+    model = Llama(resolve_model(tiny_cfg.model, vocab_size=512), dtype="fp16" if half else "fp32", seed=0)
+    return TrainStep(model, tiny_cfg.optim, global_tokens=128, world=world, rank=rank, shard=True, shard_grads=True,
+                     split_mb=split_mb, half_params=half_eligible(model) if half else None)
+
+
+def test_split_optimizer_state_is_saved_per_slice_and_recut_for_any_world(tiny_cfg):
+    """Each rank writes its slices under `NAME@start:stop`; the union of 2 ranks' shards loads
+    into 1 process (whole tensors), 3 ranks (other slices) and unsplit ranks, element for element;
+    a checkpoint with a slice missing is refused in one line."""
+    from mspretrain.errors import UserError
+    from mspretrain.train.step import parse_key
+
+    full = {}  # logical key -> the full state, made up
+    rng = np.random.default_rng(0)
+    writers = [_state_step(tiny_cfg, 2, r) for r in range(2)]
+    assert writers[0].layout.is_split(writers[0].names.index("lm_head.weight"))
+    stored: dict[str, np.ndarray] = {}
+    for step in writers:
+        for k, i in enumerate(step.own):
+            for kind in step._kinds(i):
+                name = f"{kind}.{step.names[i]}"
+                full.setdefault(name, rng.standard_normal(step.sizes[i]).astype(np.float32))
+                a, b = step._own_bounds[k]
+                target = {"exp_avg": step.exp_avg, "exp_avg_sq": step.exp_avg_sq}[kind][k]
+                target.set_data(ms_tensor(full[name][a:b].reshape(target.shape)))
+        state = step.optimizer_state()
+        assert set(state) == step.state_keys(owned_only=True)
+        stored.update({k: np.array(v, copy=True) for k, v in state.items()})
+    assert "exp_avg.lm_head.weight@0:16384" in stored and "exp_avg.lm_head.weight@16384:32768" in stored
+    assert "exp_avg.lm_head.weight" not in stored
+    assert {parse_key(k)[0] for k in stored} == writers[0].state_keys()
+    for world, split_mb in ((1, 0.1), (3, 0.1), (2, 0)):
+        for rank in range(world):
+            reader = _state_step(tiny_cfg, world, rank, split_mb)
+            keys = reader.keys_to_read(set(stored))
+            reader.load_optimizer_state({k: stored[k] for k in keys}, available=set(stored))
+            got = reader.optimizer_state()
+            for key, value in got.items():
+                name, rng_ = parse_key(key)
+                if name == "opt_step":
+                    continue
+                a, b = rng_ or (0, reader.sizes[reader.names.index(name.split(".", 1)[1])])
+                assert np.array_equal(value.reshape(-1), full[name][a:b]), (world, rank, key)
+    # and the other way: an unsplit writer's whole tensors load into split ranks
+    whole = _state_step(tiny_cfg, 1, 0)
+    whole.load_optimizer_state({k: stored[k] for k in whole.keys_to_read(set(stored))}, available=set(stored))
+    written = {k: np.array(v, copy=True) for k, v in whole.optimizer_state().items()}
+    assert "exp_avg.lm_head.weight" in written and not any("@" in k for k in written)
+    for rank in range(2):
+        reader = _state_step(tiny_cfg, 2, rank)
+        reader.load_optimizer_state({k: written[k] for k in reader.keys_to_read(set(written))}, available=set(written))
+        for key, value in reader.optimizer_state().items():
+            name, rng_ = parse_key(key)
+            if rng_:
+                assert np.array_equal(value, full[name][rng_[0]:rng_[1]]), key
+    broken = {k: v for k, v in stored.items() if k != "exp_avg.lm_head.weight@16384:32768"}
+    reader = _state_step(tiny_cfg, 1, 0)
+    with pytest.raises(UserError, match="slices of exp_avg.lm_head.weight cover 16,384"):
+        reader.load_optimizer_state(broken, available=set(broken))
+
+
+def ms_tensor(x):
+    from mindspore import Tensor
+
+    return Tensor(x)
+
+
+def test_split_fp16_masters_are_slices_and_fp32_ones_come_from_the_weights(tiny_cfg):
+    """fp16 matrices keep their fp32 master per slice in the checkpoint; an fp32 split parameter
+    (the lm_head) needs a master tensor for its slice, which is not written (the weights are) and
+    is refreshed from the weights on load, so a rewind or resume starts from the loaded weights."""
+    cfg = tiny_cfg
+    step = _state_step(cfg, 2, 1, split_mb=0.04, half=True)  # 10,485 elements: the embedding, lm_head and w13
+    names = [step.names[i] for i in step.own if step.layout.is_split(i)]
+    assert {"embed.weight", "lm_head.weight", "layers.0.mlp.w13.weight"} <= set(names)
+    keys = step.state_keys(owned_only=True)
+    a, b = step.layout.unit(step.names.index("layers.0.mlp.w13.weight"), 1)
+    assert f"master.layers.0.mlp.w13.weight@{a}:{b}" in keys
+    assert not any(k.startswith("master.lm_head") for k in keys)
+    sizes = step.layout.owned_sizes(1)
+    assert step.buffer_bytes()["master_weights"] == 4 * sum(n for i, n in zip(step.own, sizes) if step.layout.is_split(i) or step.layout.half[i])
+    lm = step.names.index("lm_head.weight")
+    k = step.own.index(lm)
+    new = np.arange(step.sizes[lm], dtype=np.float32).reshape(step.params[lm].shape)
+    step.params[lm].set_data(ms_tensor(new))
+    state = {key: np.array(v, copy=True) for key, v in step.optimizer_state().items()}
+    step.load_optimizer_state(state, available=step.state_keys())  # (the other rank's keys are in the checkpoint)
+    lo, hi = step._own_bounds[k]
+    assert np.array_equal(step.own_masters[k].asnumpy(), new.reshape(-1)[lo:hi])
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_split_parameters_under_zero2_match_one_process_and_resume_at_world_1(tmp_path, tiny_data, reference_run):
+    """ZeRO-2 with 2 micro-batches on 2 msrun workers and `optim.split_mb = 0.1` (26,214 elements):
+    the tiny embedding and lm_head (512 x 64 = 32,768 each) are cut into a slice per rank, reduce-
+    scattered into the slices, updated there and gathered whole. Losses, grad norms, the final
+    weights and the (joined) optimizer state equal one unsharded process within the whole-tensor
+    ZeRO-2 test's tolerances; each rank's shard holds its slices; one process resumes the step-5
+    checkpoint (the slices re-joined into whole tensors) and keeps the unbroken run's numbers."""
+    from safetensors.numpy import load_file
+
+    two = tmp_path / "zero2-split"
+    _msrun(tmp_path, tiny_data, two, "optim.shard_gradients=true", "train.micro_batch=1", "optim.split_mb=0.1")
+    assert "optimizer state and gradients sharded over 2 ranks" in (two / "train.log").read_text()
+    shards = sorted(_step_dir(two, FINAL).glob("optimizer-*.safetensors"))
+    keys = [set(load_file(str(s))) for s in shards]
+    assert len(shards) == 2
+    for name in ("embed.weight", "lm_head.weight"):
+        assert f"exp_avg.{name}@0:16384" in keys[0] and f"exp_avg.{name}@16384:32768" in keys[1]
+        assert not any(k.startswith(f"exp_avg.{name}") for k in keys[0] & keys[1])
+
+    one, got = _metrics(reference_run), _metrics(two)
+    assert sorted(got) == STEPS
+    for step in one:
+        assert abs(one[step] - got[step]) <= 1e-5, (step, one[step], got[step])
+    one_gn, got_gn = _grad_norms(reference_run), _grad_norms(two)
+    for step in one_gn:
+        assert got_gn[step] == pytest.approx(one_gn[step], rel=1e-5), (step, one_gn[step], got_gn[step])
+    hashes = _replica_hashes(two)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(reference_run, FINAL), 1e-5)
+
+    resumed = _resume_on_one_process(two, tiny_data, tmp_path, 5)
+    after, after_gn = _metrics(resumed), _grad_norms(resumed)
+    for step in range(6, FINAL + 1):
+        assert abs(after[step] - one[step]) <= 1e-5, (step, one[step], after[step])
+        assert after_gn[step] == pytest.approx(one_gn[step], rel=1e-5)
+    assert_same_checkpoint(_step_dir(resumed, FINAL), _step_dir(reference_run, FINAL), 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_path, tiny_data):
+    """The other paths of a split parameter: ZeRO-1 (gradients all-reduced whole, each rank cuts
+    its slice for the update) in the fused step (no accumulation), fp16 matrices whose fp32
+    masters are slices, and `optim.split_mb = 0.04` (10,485 elements: the fp32 embedding and
+    lm_head and the fp16 w13 and w2 of both layers). Against the same config on one process, with
+    the fp16-masters test's tolerances."""
+    from safetensors.numpy import load_file
+
+    from mspretrain.cli import main
+
+    fp16 = ["precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static"]
+    one = tmp_path / "one-fp16"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *ARGS, "train.log_every=1", *fp16]) == 0
+    two = tmp_path / "zero1-split-fp16"
+    _msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_optimizer=true", "optim.split_mb=0.04", "train.log_every=1")
+    assert "optimizer state sharded over 2 ranks" in (two / "train.log").read_text()
+    keys = set().union(*(load_file(str(s)) for s in _step_dir(two, FINAL).glob("optimizer-*.safetensors")))
+    assert {"master.layers.1.mlp.w13.weight@0:12288", "master.layers.1.mlp.w13.weight@12288:24576",
+            "exp_avg.lm_head.weight@16384:32768"} <= keys
+    assert not any(k.startswith("master.lm_head") for k in keys)  # fp32: its master is the weights
+    a, b = _metrics(one), _metrics(two)
+    assert sorted(a) == sorted(b) == STEPS
+    for step in a:
+        assert abs(a[step] - b[step]) <= (1e-5 if step <= 5 else 1e-4), (step, a[step], b[step])
+    hashes = _replica_hashes(two)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(one, FINAL), 5e-3)
+
+
+@pytest.mark.parametrize("dtype,param_dtype", [("fp32", "fp32"), ("fp16", "compute")])
+def test_plan_bytes_are_the_buffers_of_the_heaviest_rank_with_split_parameters(tiny_cfg, dtype, param_dtype):
+    """With split parameters (ZeRO-2, 2 ranks, optim.split_mb = 0.04: the embedding, lm_head, w13
+    and w2 cut in two) the planner's per-device bytes are the buffers the heaviest rank's TrainStep
+    allocates: slices' moments, masters (fp32 ones too) and accumulation buffers."""
+    from dataclasses import replace
+
+    from mspretrain.config import resolve_model
+    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.ops.plan import make_plan
+    from mspretrain.train.step import TrainStep
+
+    model_cfg = resolve_model(tiny_cfg.model, vocab_size=512)
+    gb = tiny_cfg.train.global_batch
+    cfg = replace(tiny_cfg, model=model_cfg, precision=replace(tiny_cfg.precision, dtype=dtype, param_dtype=param_dtype),
+                  optim=replace(tiny_cfg.optim, shard_optimizer=True, shard_gradients=True, split_mb=0.04),
+                  train=replace(tiny_cfg.train, micro_batch=1))
+    plan = make_plan(cfg, devices=2, tokens=10**6, data_dir=None, tokens_per_s_per_device=None, target="cpu")
+    accum = plan["accumulation"]
+    assert accum > 1
+    layout_rank = None
+    for rank in range(2):
+        model = Llama(model_cfg, dtype=dtype, seed=0)
+        half = half_eligible(model) if param_dtype == "compute" else []
+        step = TrainStep(model, cfg.optim, global_tokens=gb * cfg.data.seq_len, world=2, rank=rank, shard=True, shard_grads=True,
+                         split_mb=0.04, half_params=half, accumulation=accum, device="cpu")
+        assert sum(step.layout.is_split(i) for i in range(len(step.params))) == 6  # embed, lm_head, 2 x (w13, w2)
+        layout_rank = step.layout.heaviest_rank()
+        if rank == layout_rank:
+            have = step.buffer_bytes()
+            for kind in ("weights", "master_weights", "adam_moments", "gradients"):
+                assert plan["memory_bytes"][kind] == have[kind], kind
+            assert plan["memory_bytes"]["update_temporaries"] == 8 * max(int(np.prod(p.shape)) for p in step.exp_avg)
+    assert layout_rank is not None

@@ -9,11 +9,12 @@ Design choices:
     weights          parameters in their storage dtype (2 bytes for fp16/bf16 matrices with
                      precision.param_dtype=compute, else 4)
     half weights     fp16/bf16 compute with fp32 parameters: the cast copies the matmuls read (2 bytes)
-    master weights   4 bytes per owned half-precision parameter
+    master weights   4 bytes per owned half-precision parameter, and per element of the owned
+                     slice of a split parameter (optim.split_mb; fp32 ones too)
     gradients        fp32 accumulation buffers: only with accumulation; owned parameters only
                      with optim.shard_gradients
     micro gradients  one micro-batch's gradients in the parameter dtype (alive at the end of backward)
-    Adam moments     8 bytes per owned parameter
+    Adam moments     8 bytes per owned parameter (a split parameter: per element of the slice)
     activations      per micro-batch of b sequences of length s, per layer (e = 2 bytes for
                      fp16/bf16 compute, 4 for fp32; h = dim, f = ffn_dim, kv = n_kv_heads*head_dim,
                      a = n_heads):  e*s*b*(6h + 2kv + 4f) + attention
@@ -28,7 +29,7 @@ Design choices:
     collective buckets  the largest bucket's flat copy and its result; on CPU (world > 1) a measured
                         6.2 x the largest bucket (CPU_BUCKET_FACTOR), with buckets of 32 MB there
                         (optim.bucket_mb = "auto": 256 MB on Ascend, 32 MB on CPU)
-    update temporaries  8 bytes x the largest owned parameter (scaled gradient, masked copy)
+    update temporaries  8 bytes x the largest owned parameter or slice (scaled gradient, masked copy)
     HCCL + workspace    Ascend: 1 GiB of kernel workspace and HCCL's communication buffers
                         (HCCL_BUFFSIZE, 200 MB per communicator by default; assumed, not measured).
                         JSON key `framework_reserve` (kept for scripts that read it)
@@ -161,7 +162,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     trained parameters (the step computes no gradient for a frozen one)."""
     from mspretrain.model.groups import trainable_mask
     from mspretrain.model.presets import is_half_eligible, param_shapes
-    from mspretrain.train.layout import bucket_mb_for, cap_elements, plan_layout
+    from mspretrain.train.layout import bucket_mb_for, cap_elements, plan_layout, split_elements_for
 
     shapes = param_shapes(m)
     sizes = [math.prod(s) for _, s in shapes]
@@ -172,19 +173,23 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     # train.trainable: the step keeps optimizer state, gradients and buckets for the trained
     # parameters only (T); frozen ones are weights and nothing else. Indices below are into all.
     T = [i for i, k in enumerate(trainable_mask([n for n, _ in shapes], cfg.train.trainable, tied=m.tie_embeddings)) if k]
+    cap = cap_elements(bucket_mb_for(cfg.optim.bucket_mb, target))
     layout = plan_layout([sizes[i] for i in T], [is_half[i] for i in T], [wire16[i] for i in T], devices,
-                         shard=zero, shard_grads=shard_grads, cap=cap_elements(bucket_mb_for(cfg.optim.bucket_mb, target)))
-    owned = [T[j] for j in layout.owned(layout.heaviest_rank())] if layout.sharded else T
-    accum_idx = owned if layout.shard_grads else T
+                         shard=zero, shard_grads=shard_grads, cap=cap, split=split_elements_for(cfg.optim.split_mb, cap))
+    # the heaviest rank's state: (parameter index into all, elements it holds: all, or its slice
+    # of a split parameter, whose fp32 master is a tensor of its own even for an fp32 parameter)
+    heavy = layout.heaviest_rank() if layout.sharded else 0
+    owned = [(T[j], n, layout.is_split(j)) for j, n in zip(layout.owned(heavy), layout.owned_sizes(heavy))] \
+        if layout.sharded else [(i, sizes[i], False) for i in T]
     pbytes = [2 if h else 4 for h in is_half]
     mem: dict[str, float] = {
         "weights": sum(n * b for n, b in zip(sizes, pbytes)),
         # fp16/bf16 compute with fp32 parameters: the cast copy of each decoder matrix the matmuls read
         "half_weights": sum(2 * n for (name, _), n in zip(shapes, sizes) if is_half_eligible(name)) if half and not half_params else 0,
-        "master_weights": sum(4 * sizes[i] for i in owned if is_half[i]),
-        "gradients": sum(4 * sizes[i] for i in accum_idx) if accum > 1 else 0,
+        "master_weights": sum(4 * n for i, n, cut in owned if is_half[i] or cut),
+        "gradients": (sum(4 * n for _, n, _ in owned) if layout.shard_grads else sum(4 * sizes[i] for i in T)) if accum > 1 else 0,
         "micro_gradients": sum(sizes[i] * pbytes[i] for i in T),
-        "adam_moments": sum(8 * sizes[i] for i in owned),
+        "adam_moments": sum(8 * n for _, n, _ in owned),
         "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash),
     }
     red, gat = layout.largest_bucket_bytes()
@@ -194,7 +199,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     if devices > 1 and target == "cpu":  # measured, not derived: see CPU_BUCKET_FACTOR
         reduce_t = gather_t = CPU_BUCKET_FACTOR * max(red, gat)
     mem["collective_buffers"] = max(reduce_t, gather_t)
-    mem["update_temporaries"] = 8 * max(sizes[i] for i in owned)
+    mem["update_temporaries"] = 8 * max(n for _, n, _ in owned)
     mem["framework_reserve"] = ASCEND_RESERVE_BYTES if target == "ascend" else 0
     mem["cpu_backend"] = (cpu_backend_bytes(sizes, [is_half_eligible(n) for n, _ in shapes], half)
                           if target == "cpu" else 0)

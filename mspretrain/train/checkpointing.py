@@ -85,7 +85,8 @@ class CheckpointManager:
                             "resume from a training checkpoint, or start a new --run dir from these weights")
         # only the part this rank holds is read (all of it unless the optimizer is sharded), from
         # whichever file has it: a sharded checkpoint resumes with any world size, sharded or not
-        opt = store.read_optimizer_tensors(ckpt, keys=self.step_fn.state_keys(owned_only=True))
+        # (a split parameter's slices are re-cut to this world's slices: TrainStep.keys_to_read)
+        opt = store.read_optimizer_tensors(ckpt, keys=self.step_fn.keys_to_read(available))
         self.step_fn.load_optimizer_state(opt, available=available)
         if restore_data:
             self.loader.load_state(store.read_json(ckpt / store.DATA_STATE), allow_data_change=self.allow_data_change)

@@ -4,8 +4,21 @@ Pure arithmetic on parameter sizes (no MindSpore): every rank computes the same 
 communicating, the planner uses the same numbers the step allocates, and the tests check them
 by hand.
 
+Ownership units (ZeRO): a parameter goes whole to one owner rank, unless it is large (at least
+`split` elements, by default the bucket cap: `split_elements_for`). A large parameter is cut into N
+contiguous slices of its flattened elements, slice r = [r*c, min(n, (r+1)*c)) with c = ceil(n/N),
+and rank r owns slice r: its Adam moments, fp32 master and (ZeRO-2) gradient buffer are 1/N of the
+tensor on every rank. Why: whole-tensor ownership leaves the rank that owns a 545 M-parameter
+lm_head (Qwen2.5) with its 4.4 GB of moments and its update temporaries alone, however many ranks
+share the rest (DeepSpeed's and Megatron's distributed optimizers flatten and partition for the
+same reason). Contiguous slices of size c make the gathered bucket (N segments of c) exactly the
+flattened parameter plus padding at its end, so it is reshaped into place without a copy of
+pieces, and the reduction's input is the flattened gradient itself. Each split parameter is its own
+bucket: it is at least a bucket cap (by default), so it would have had a bucket of its own anyway
+(a lower `optim.split_mb` costs one collective each way per split parameter).
+
 Two packings, both into flat 1-D buckets of at most `cap` elements (a parameter larger than the
-cap gets a bucket of its own; parameters are never split):
+cap gets a bucket of its own; only the split parameters above are cut):
 - `flat_buckets`: replicated data, one AllReduce per bucket. Parameters of one wire dtype per
   bucket.
 - `rank_buckets`: sharded data. Bucket k is the concatenation over ranks r = 0..N-1 of a segment
@@ -61,6 +74,7 @@ class RankBucket:
     segments: tuple[tuple[int, ...], ...]  # segments[r]: parameter indices rank r owns in this bucket
     sizes: tuple[tuple[int, ...], ...]  # their element counts
     length: int  # elements per rank segment (the largest segment; others are zero padded)
+    split: bool = False  # one split parameter: segment r is slice r of it (`split_buckets`)
 
     @property
     def numel(self) -> int:
@@ -68,6 +82,29 @@ class RankBucket:
 
     def used(self, rank: int) -> int:
         return sum(self.sizes[rank])
+
+
+def slice_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of rank `rank`'s slice of a split parameter of n elements (see the module
+    docstring): c = ceil(n / world) elements each, the last ranks' slices shorter by < world."""
+    c = -(-n // world)
+    return min(n, rank * c), min(n, (rank + 1) * c)
+
+
+def splits(sizes: list[int], world: int, split: int) -> list[bool]:
+    """Which parameters are cut into `world` slices: at least `split` elements (split <= 0: none)
+    and at least world² elements, so that no rank's slice is empty (the sizes differ by < world)."""
+    return [world > 1 and split > 0 and n >= split and n >= world * world for n in sizes]
+
+
+def split_buckets(sizes: list[int], split: list[bool], world: int) -> list[RankBucket]:
+    """One rank bucket per split parameter, from the last one down: segment r is slice r."""
+    out = []
+    for i in reversed(range(len(sizes))):
+        if split[i]:
+            lengths = tuple(b - a for a, b in (slice_bounds(sizes[i], world, r) for r in range(world)))
+            out.append(RankBucket(tuple((i,) for _ in range(world)), tuple((n,) for n in lengths), lengths[0], split=True))
+    return out
 
 
 def flat_buckets(sizes: list[int], keys: list[object], cap: int) -> list[FlatBucket]:
@@ -152,7 +189,7 @@ def rank_buckets(owner: list[int], sizes: list[int], keys: list[object], world: 
                 singletons.extend(sorted(i for s in segs for i in s))
             else:
                 buckets.append(b)
-    return by_readiness(buckets, lambda b: (i for s in b.segments for i in s)), sorted(singletons, reverse=True)
+    return by_readiness(buckets, _bucket_indices), sorted(singletons, reverse=True)
 
 
 def assign_owners_grouped(sizes: list[int], keys: list[object], world: int) -> list[int]:
@@ -169,6 +206,14 @@ def assign_owners_grouped(sizes: list[int], keys: list[object], world: int) -> l
             owner[i] = r
             load[r] += sizes[i]
     return owner
+
+
+def split_elements_for(split_mb: float | str, cap: int) -> int:
+    """`optim.split_mb` in elements (4 bytes each): "auto" is the bucket cap (a parameter that
+    large has a bucket of its own anyway, so cutting it adds no collective); 0: never split."""
+    if isinstance(split_mb, str):
+        return cap
+    return cap_elements(float(split_mb))
 
 
 ASCEND_BUCKET_MB = 256.0
@@ -198,7 +243,8 @@ def cap_elements(bucket_mb: float) -> int:
 class Layout:
     """Everything the step and the planner derive from the parameter sizes: owners and the
     packing of each collective. `wire16[i]`: gradient i crosses ranks in fp16; `half[i]`:
-    parameter i is stored in fp16/bf16."""
+    parameter i is stored in fp16/bf16; `split[i]`: parameter i is cut into one slice per rank
+    (its owner is -1: every rank owns a slice)."""
 
     sizes: tuple[int, ...]
     half: tuple[bool, ...]
@@ -212,13 +258,26 @@ class Layout:
     reduce_single: tuple[int, ...]  # sharded gradients too lopsided to bucket: AllReduce each
     gather_rank: tuple[RankBucket, ...]  # owners' parameters: AllGather
     gather_single: tuple[int, ...]  # Broadcast each
+    split: tuple[bool, ...] = ()
+
+    def is_split(self, i: int) -> bool:
+        return bool(self.split) and self.split[i]
 
     def owned(self, rank: int) -> list[int]:
-        return [i for i, r in enumerate(self.owner) if r == rank]
+        """Parameters with optimizer state on `rank`: its whole ones and every split one (a slice)."""
+        return [i for i, r in enumerate(self.owner) if r == rank or self.is_split(i)]
+
+    def unit(self, i: int, rank: int) -> tuple[int, int]:
+        """[start, stop) of the flattened parameter i whose state `rank` holds."""
+        return slice_bounds(self.sizes[i], self.world, rank) if self.is_split(i) else (0, self.sizes[i])
+
+    def owned_sizes(self, rank: int) -> list[int]:
+        """Elements of each owned unit (`owned`'s order): the sizes of the state tensors."""
+        return [b - a for a, b in (self.unit(i, rank) for i in self.owned(rank))]
 
     def heaviest_rank(self) -> int:
         """The rank holding the most elements (the one whose memory decides whether a run fits)."""
-        return max(range(self.world), key=lambda r: (sum(self.sizes[i] for i in self.owned(r)), -r))
+        return max(range(self.world), key=lambda r: (sum(self.owned_sizes(r)), -r))
 
     def traffic(self, accumulation: int = 1) -> tuple[int, int]:
         """(collective calls, bytes a rank hands to them) per step: payload sizes; a ring moves
@@ -249,13 +308,19 @@ class Layout:
 
 
 def plan_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: int, *, shard: bool,
-                shard_grads: bool, cap: int) -> Layout:
-    """Owners and buckets for `world` data-parallel ranks (world 1: no collectives)."""
+                shard_grads: bool, cap: int, split: int = 0) -> Layout:
+    """Owners and buckets for `world` data-parallel ranks (world 1: no collectives). split: with
+    sharding, parameters of at least this many elements are cut into a slice per rank (0: none)."""
     shard_grads = shard_grads and world > 1
     sharded = (shard or shard_grads) and world > 1
     pkeys = ["half" if h else "fp32" for h in half]
     wkeys = ["fp16" if w else "fp32" for w in wire16]
-    owner = assign_owners_grouped(sizes, pkeys, world) if sharded else [0] * len(sizes)
+    cut = splits(sizes, world, split) if sharded else [False] * len(sizes)
+    whole = [i for i in range(len(sizes)) if not cut[i]]
+    owner = [-1 if c else 0 for c in cut]  # -1: every rank owns a slice
+    if sharded:
+        for i, r in zip(whole, assign_owners_grouped([sizes[i] for i in whole], [pkeys[i] for i in whole], world)):
+            owner[i] = r
     reduce_flat: list[FlatBucket] = []
     reduce_rank: list[RankBucket] = []
     reduce_single: list[int] = []
@@ -266,9 +331,16 @@ def plan_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: i
             # grouped by parameter dtype too: owners are balanced within those groups (little padding)
             rkeys = [f"{w}/{k}" for w, k in zip(wkeys, pkeys)]
             reduce_rank, reduce_single = rank_buckets(owner, sizes, rkeys, world, cap)
+            reduce_rank = by_readiness(reduce_rank + split_buckets(sizes, cut, world), _bucket_indices)
         else:
             reduce_flat = flat_buckets(sizes, wkeys, cap)
         if sharded:
             gather_rank, gather_single = rank_buckets(owner, sizes, pkeys, world, cap)
+            gather_rank = by_readiness(gather_rank + split_buckets(sizes, cut, world), _bucket_indices)
     return Layout(tuple(sizes), tuple(half), tuple(wire16), world, sharded, shard_grads, tuple(owner),
-                  tuple(reduce_flat), tuple(reduce_rank), tuple(reduce_single), tuple(gather_rank), tuple(gather_single))
+                  tuple(reduce_flat), tuple(reduce_rank), tuple(reduce_single), tuple(gather_rank), tuple(gather_single),
+                  tuple(cut))
+
+
+def _bucket_indices(b: RankBucket) -> Iterable[int]:
+    return (i for s in b.segments for i in s)

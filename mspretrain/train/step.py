@@ -42,6 +42,13 @@ Sharding over data-parallel ranks (train/layout.py has the tables):
   (the same numbers; only the Ascend path differs, in that one call).
 - After the update, owners' parameters reach every rank through bucketed AllGathers (a
   parameter that cannot share a bucket without heavy padding gets its own Broadcast).
+- A large parameter (`split_mb`; by default one of at least a bucket cap) is not owned whole: rank
+  r owns slice r of its flattened elements (train/layout.py `slice_bounds`), keeps 1-D moments and
+  an fp32 master of that slice (for an fp32 parameter too: the kernel updates a Parameter in place,
+  and the slice is not one), updates it, and the gather writes the whole tensor on every rank.
+  Its gradient crosses ranks as its own bucket (ZeRO-2: reduce-scattered straight into the
+  slices) or is all-reduced whole and sliced (ZeRO-1). Each element's update is the same AdamW
+  arithmetic whichever rank does it, so the numbers are those of the whole tensor.
 The grad norm is the same on every rank (owners' partial sums of squares are all-reduced), so
 clipping and the overflow decision agree everywhere, and an owner computes exactly what an
 unsharded rank would.
@@ -72,7 +79,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mspretrain.config import OptimConfig
 from mspretrain.model.groups import trainable_mask
 from mspretrain.model.llama import use_fused_kernels
-from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness
+from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness, split_elements_for
 
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners"]
 
@@ -108,6 +115,22 @@ def _pieces(flat: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
     return (flat,) if len(sizes) == 1 else ops.split(flat, list(sizes))
 
 
+def slice_key(key: str, start: int, stop: int) -> str:
+    """Checkpoint name of a slice's state: `exp_avg.lm_head.weight@0:68108288` holds elements
+    [start, stop) of the flattened state `exp_avg.lm_head.weight` (1-D). Whole tensors keep
+    their plain names, so a checkpoint without split parameters is written as before."""
+    return f"{key}@{start}:{stop}"
+
+
+def parse_key(key: str) -> tuple[str, tuple[int, int] | None]:
+    """(logical name, [start, stop) or None for a whole tensor) of a stored optimizer key."""
+    name, sep, rng = key.rpartition("@")
+    if not sep:
+        return key, None
+    a, _, b = rng.partition(":")
+    return name, (int(a), int(b))
+
+
 class TrainStep:
     """Holds the optimizer state and the compiled step functions for one model."""
 
@@ -115,14 +138,17 @@ class TrainStep:
                  rank: int = 0, jit: bool = True, allreduce_fp16: bool = False, shard: bool = False,
                  shard_grads: bool = False, half_params: list[str] | None = None,
                  bucket_mb: float | str = "auto", device: str = "cpu", accumulation: int | None = None,
-                 jit_level: str = "O0", trainable: list[str] | tuple[str, ...] | None = None) -> None:
+                 jit_level: str = "O0", trainable: list[str] | tuple[str, ...] | None = None,
+                 split_mb: float | str = "auto") -> None:
         """half_params: names of parameters to store in the model's compute dtype from now on;
         their fp32 values become master copies held with the optimizer state (by their owner).
         bucket_mb: cap of one collective's flat buffer (0 = one collective per parameter; "auto": by
         device, train/layout.py `bucket_mb_for`).
         accumulation: micro-batches per step, when known (> 1 allocates the buffers now).
         jit_level: MindSpore's graph optimisation level for the compiled functions (device.jit_level).
-        trainable: parameter groups to train (train.trainable); None or ["all"]: every parameter."""
+        trainable: parameter groups to train (train.trainable); None or ["all"]: every parameter.
+        split_mb: with sharding, parameters of at least this many MB (4 bytes an element) are cut
+        into a slice per rank ("auto": the bucket cap; 0: never; train/layout.py `split_elements_for`)."""
         from mspretrain.model.loss import token_nll
 
         self.model = model
@@ -139,24 +165,32 @@ class TrainStep:
         half = set(half_params or ())
         self.sizes = [int(np.prod(p.shape)) for p in self.params]
         # fp16 on the wire for every gradient but lm_head's (the field report's exemption)
+        cap = cap_elements(bucket_mb_for(bucket_mb, device))
         self.layout = plan_layout(self.sizes, [n in half for n in self.names],
                                   [allreduce_fp16 and "lm_head" not in n for n in self.names], world,
-                                  shard=shard, shard_grads=shard_grads, cap=cap_elements(bucket_mb_for(bucket_mb, device)))
+                                  shard=shard, shard_grads=shard_grads, cap=cap, split=split_elements_for(split_mb, cap))
         self.shard_grads, self.sharded = self.layout.shard_grads, self.layout.sharded
         self.owner = list(self.layout.owner) if self.sharded else [rank] * len(self.params)
-        self.own = [i for i, r in enumerate(self.owner) if r == rank]  # indices whose state lives here
+        # indices whose state (all of it, or a slice of a split parameter) lives here
+        self.own = self.layout.owned(rank) if self.sharded else list(range(len(self.params)))
+        self._own_split = [self.layout.is_split(i) for i in self.own]
+        self._own_bounds = [self.layout.unit(i, rank) for i in self.own]  # [start, stop) of the flattened parameter
         # Master weights: an fp32 copy for each owned parameter stored in half precision, taken
-        # before the parameter is rounded; fp32 parameters are their own masters.
-        self._own_has_master = [self.names[i] in half for i in self.own]
+        # before the parameter is rounded; fp32 parameters are their own masters, unless split
+        # (a slice of a Parameter is not a Parameter the update kernel can write).
+        self._own_has_master = [self.names[i] in half for i in self.own]  # in the checkpoint (fp32 ones are the weights)
+        self._own_separate = [h or c for h, c in zip(self._own_has_master, self._own_split)]  # a tensor of its own
         self.own_masters = ms.ParameterTuple([
-            Parameter(Tensor(self.params[i].asnumpy().copy()), name=f"master.{self.names[i]}", requires_grad=False)
-            if self.names[i] in half else self.params[i] for i in self.own])
+            Parameter(Tensor(self._flat_value(k)), name=self._key(k, "master"), requires_grad=False) if sep else self.params[i]
+            for k, (i, sep) in enumerate(zip(self.own, self._own_separate))])
         for p in self.params + self.frozen:
             if p.name in half:
                 p.set_dtype(model.dtype)
-        zeros = lambda i, prefix: Parameter(ops.zeros(self.params[i].shape, ms.float32), name=f"{prefix}.{self.names[i]}", requires_grad=False)
-        self.exp_avg = ms.ParameterTuple([zeros(i, "exp_avg") for i in self.own])
-        self.exp_avg_sq = ms.ParameterTuple([zeros(i, "exp_avg_sq") for i in self.own])
+        # a slice's state is 1-D, a whole parameter's has its shape
+        shape = lambda k: (self._own_bounds[k][1] - self._own_bounds[k][0],) if self._own_split[k] else self.params[self.own[k]].shape
+        zeros = lambda k, prefix: Parameter(ops.zeros(shape(k), ms.float32), name=self._key(k, prefix), requires_grad=False)
+        self.exp_avg = ms.ParameterTuple([zeros(k, "exp_avg") for k in range(len(self.own))])
+        self.exp_avg_sq = ms.ParameterTuple([zeros(k, "exp_avg_sq") for k in range(len(self.own))])
         self.opt_step = Parameter(Tensor(0, ms.int32), name="opt_step", requires_grad=False)
         self.loss_accum = Parameter(Tensor(0.0, ms.float32), name="loss_accum", requires_grad=False)
         self.accum: ms.ParameterTuple | None = None  # fp32, for the parameters whose gradients this rank sums
@@ -168,12 +202,15 @@ class TrainStep:
         first = lambda b: next(seg for seg in b.segments if seg)[0]
         used = lambda b: tuple(b.used(r) for r in range(world))
         self._ar = [(b.indices, b.sizes, self.wire[b.indices[0]]) for b in self.layout.reduce_flat]
-        self._rs = [(b.segments, b.sizes, b.length, used(b), self.wire[first(b)]) for b in self.layout.reduce_rank]
+        self._rs = [(b.segments, b.sizes, b.length, used(b), self.wire[first(b)], b.split) for b in self.layout.reduce_rank]
         self._rs_single = list(self.layout.reduce_single)
         # MindSpore 2.10's CPU AllGather (mccl) fails to launch on fp16 (measured): on CPU half
         # parameters cross as fp32, which fp16 -> fp32 -> fp16 round-trips exactly; HCCL takes fp16.
         gather_dtype = lambda dt: ms.float32 if device != "ascend" and dt in (ms.float16, ms.bfloat16) else dt
-        self._ag = [(b.segments, b.sizes, b.length, used(b), gather_dtype(pdtype[first(b)])) for b in self.layout.gather_rank]
+        # a split bucket's last entry: the position of this rank's slice in `self.own` (-1: not split)
+        self._ag = [(b.segments, b.sizes, b.length, used(b), gather_dtype(pdtype[first(b)]), self.own.index(first(b)) if b.split else -1)
+                    for b in self.layout.gather_rank]
+        self._pdtype = pdtype
         self._ag_single = list(self.layout.gather_single)
         # `_reduce` returns the gradients it produces in this order (graph code cannot use dicts):
         # every index (replicated) or the owned ones (sharded), bucket by bucket
@@ -204,6 +241,13 @@ class TrainStep:
         # previous collective: a stall of the backward pass.
         self._chain = device != "ascend"
         self._own_pos = [self._order.index(i) for i in self.own]
+        # where `_reduce` leaves a split parameter's gradient whole (replicated: ZeRO-1), the update
+        # cuts the owned slice from it; with ZeRO-2 it arrives as the slice
+        self._own_cut = [ab if cut and not self.shard_grads else None for ab, cut in zip(self._own_bounds, self._own_split)]
+        # shape of each gradient `_reduce` produces (the accumulation buffers): a slice is 1-D
+        unit_len = lambda i: (lambda a, b: b - a)(*self.layout.unit(i, rank))
+        self._order_shape = [(unit_len(i),) if self.shard_grads and self.layout.is_split(i) else self.params[i].shape
+                             for i in self._order]
         self._order_pos = [self._order.index(i) if i in self._order else -1 for i in range(len(self.params))]
         self.allreduce = ops.AllReduce(ops.ReduceOp.SUM) if world > 1 else None
         # MindSpore 2.10: ReduceScatter has HCCL (Ascend) and NCCL kernels, none for CPU (mccl).
@@ -250,6 +294,19 @@ class TrainStep:
         if accumulation is not None and accumulation > 1:
             self._ensure_accum()
 
+    def _key(self, k: int, prefix: str) -> str:
+        """State key of owned unit k's `prefix` tensor: the plain name, or the slice's (`slice_key`)."""
+        key = f"{prefix}.{self.names[self.own[k]]}"
+        return slice_key(key, *self._own_bounds[k]) if self._own_split[k] else key
+
+    def _flat_value(self, k: int) -> np.ndarray:
+        """Owned unit k's current values in fp32, shaped like its state (a copy)."""
+        value = self.params[self.own[k]].asnumpy().astype(np.float32)
+        if not self._own_split[k]:
+            return value.copy()
+        a, b = self._own_bounds[k]
+        return value.reshape(-1)[a:b].copy()
+
     # ----------------------------------------------------------------- graph pieces
     def _reduce(self, grads: list[Tensor], in_order: bool = False) -> tuple[list[Tensor], Tensor | None]:
         """Sum the (scaled) gradients over ranks, bucket by bucket. `grads` is indexed like the
@@ -276,12 +333,17 @@ class TrainStep:
                 for i, piece in zip(indices, _pieces(red, sizes)):
                     out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
             elif kind == 1:  # sharded gradients: each rank ends with its own segment
-                segments, sizes, length, used, wire = self._rs[k]
-                parts = []
-                for r in range(self.world):
-                    parts += [grads[i].reshape(-1).astype(wire) for i in segments[r]]
-                    if length > used[r]:
-                        parts.append(ops.zeros((length - used[r],), wire))
+                segments, sizes, length, used, wire, split = self._rs[k]
+                if split:  # the segments are the slices: the flattened gradient is the bucket, padded at its end
+                    parts = [grads[segments[0][0]].reshape(-1).astype(wire)]
+                    if length * self.world > sum(used):
+                        parts.append(ops.zeros((length * self.world - sum(used),), wire))
+                else:
+                    parts = []
+                    for r in range(self.world):
+                        parts += [grads[i].reshape(-1).astype(wire) for i in segments[r]]
+                        if length > used[r]:
+                            parts.append(ops.zeros((length - used[r],), wire))
                 flat = _flat(parts)
                 if self._chain and prev is not None:
                     flat = ops.depend(flat, prev)
@@ -290,8 +352,11 @@ class TrainStep:
                 prev = mine
                 if segments[self.rank]:
                     own = mine if used[self.rank] == length else mine[:used[self.rank]]
-                    for i, piece in zip(segments[self.rank], _pieces(own, sizes[self.rank])):
-                        out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
+                    if split:  # this rank's slice, 1-D like its moments
+                        out.append(own.astype(ms.float32))
+                    else:
+                        for i, piece in zip(segments[self.rank], _pieces(own, sizes[self.rank])):
+                            out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
             else:  # too lopsided to bucket: AllReduce, the owner keeps it
                 g = grads[k].astype(self.wire[k])
                 if self._chain and prev is not None:
@@ -342,10 +407,13 @@ class TrainStep:
         gscale = ops.where(finite, gscale, zero)
         for k, i in enumerate(self.own):
             master = self.own_masters[k]
-            g = ops.nan_to_num(grads[self._own_pos[k]] * gscale, 0.0, 0.0, 0.0)
+            g = grads[self._own_pos[k]]
+            if self._own_cut[k] is not None:  # a whole (replicated) gradient of a split parameter: this rank's slice
+                g = g.reshape(-1)[self._own_cut[k][0]:self._own_cut[k][1]]
+            g = ops.nan_to_num(g * gscale, 0.0, 0.0, 0.0)
             wd = self.wd[i] * wd_factor if self.wd[i] else 0.0
             self._adamw(master, self.exp_avg[k], self.exp_avg_sq[k], lr_t, b1, b2, eps_t, wd, g)
-            if self._own_has_master[k]:
+            if self._own_has_master[k] and not self._own_split[k]:  # a split one reaches its parameter in `_gather`
                 ops.assign(self.params[i], master.astype(self.params[i].dtype))
         # the returned loss depends on the last collective: a collective whose result a rank does
         # not use would otherwise be pruned from that rank's graph only, and the ranks' sequences
@@ -356,10 +424,15 @@ class TrainStep:
     def _gather(self, after: Tensor) -> Tensor:
         """Owners' parameters to every rank: bucketed AllGather, Broadcast for the rest."""
         prev = after
-        for k, (segments, sizes, length, used, dtype) in enumerate(self._ag):
+        for k, (segments, sizes, length, used, dtype, own_k) in enumerate(self._ag):
+            split = own_k >= 0
             # `p * 1`, a computed tensor, not the Parameter: a Parameter handed straight to a
             # collective is read before the update's assign (measured on CPU), a computed one after.
-            parts = [(self.params[i] * 1).reshape(-1).astype(dtype) for i in segments[self.rank]]
+            if split:  # this rank's updated slice, rounded to the parameter's dtype as a whole one is
+                i = segments[0][0]
+                parts = [(self.own_masters[own_k] * 1).astype(self._pdtype[i]).astype(dtype)]
+            else:
+                parts = [(self.params[i] * 1).reshape(-1).astype(dtype) for i in segments[self.rank]]
             if length > used[self.rank]:
                 parts.append(ops.zeros((length - used[self.rank],), dtype))
             if self._allgathers:
@@ -369,12 +442,17 @@ class TrainStep:
                 parts = ([ops.zeros((before,), dtype)] if before else []) + parts + ([ops.zeros((after_,), dtype)] if after_ else [])
                 full = self.allreduce(ops.depend(_flat(parts), prev))
             prev = full
-            for r in range(self.world):
-                if r == self.rank or not segments[r]:
-                    continue
-                start = r * length
-                for i, piece in zip(segments[r], _pieces(full[start:start + used[r]], sizes[r])):
-                    ops.assign(self.params[i], piece.reshape(self.params[i].shape).astype(self.params[i].dtype))
+            if split:  # N segments of `length`: the flattened parameter, then the padding
+                i = segments[0][0]
+                n = self.sizes[i]
+                value = full if n == length * self.world else full[:n]
+                ops.assign(self.params[i], value.reshape(self.params[i].shape).astype(self.params[i].dtype))
+            else:
+                for r in range(self.world):
+                    if r != self.rank and segments[r]:
+                        start = r * length
+                        for i, piece in zip(segments[r], _pieces(full[start:start + used[r]], sizes[r])):
+                            ops.assign(self.params[i], piece.reshape(self.params[i].shape).astype(self.params[i].dtype))
         for i, bcast in zip(self._ag_single, self._bcast):
             out = bcast((ops.depend(self.params[i] * 1, prev),))[0]
             if self.owner[i] != self.rank:
@@ -386,8 +464,8 @@ class TrainStep:
         if self.accum is not None:
             return
         # in `self._order`: the order `_reduce` produces and `_finish` reads
-        self.accum = ms.ParameterTuple([Parameter(ops.zeros(self.params[i].shape, ms.float32), name=f"accum.{self.names[i]}",
-                                                  requires_grad=False) for i in self._order])
+        self.accum = ms.ParameterTuple([Parameter(ops.zeros(shape, ms.float32), name=f"accum.{self.names[i]}",
+                                                  requires_grad=False) for i, shape in zip(self._order, self._order_shape)])
 
         # The first micro-batch of a step overwrites the buffers instead of adding to them, so
         # `apply` never zeroes them: a zeroing assign there is ordered before the reads of the same
@@ -448,9 +526,13 @@ class TrainStep:
         """Bytes of the tensors this step keeps alive between steps, by kind (what `plan` models)."""
         nbytes = lambda ps: sum(int(np.prod(p.shape)) * (2 if p.dtype in (ms.float16, ms.bfloat16) else 4) for p in ps)
         return {"weights": nbytes(self.params + self.frozen),
-                "master_weights": nbytes([m for m, h in zip(self.own_masters, self._own_has_master) if h]),
+                "master_weights": nbytes([m for m, sep in zip(self.own_masters, self._own_separate) if sep]),
                 "adam_moments": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq),
                 "gradients": nbytes(self.accum) if self.accum is not None else 0}
+
+    def owned_elements(self) -> int:
+        """Parameter elements whose optimizer state this rank holds (slices of split ones included)."""
+        return sum(b - a for a, b in self._own_bounds)
 
     def collectives(self, accumulation: int = 1) -> dict[str, int]:
         """Collective calls and bytes handed to them per step (train/layout.py `Layout.traffic`)."""
@@ -458,29 +540,72 @@ class TrainStep:
         return {"calls": calls, "bytes": nbytes}
 
     # ----------------------------------------------------------------- state
+    # A split parameter's state is stored per slice (`slice_key`); a rank reading it back (any world
+    # size: another one cuts other slices, or none) assembles its own part from whichever stored
+    # slices overlap it (`load_optimizer_state`). The logical keys (the names without `@...`) are
+    # those of an unsplit run, and the checks of a checkpoint against the model use them.
+    def _kinds(self, i: int) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "master") if self.params[i].dtype != ms.float32 else ("exp_avg", "exp_avg_sq")
+
     def state_keys(self, owned_only: bool = False) -> set[str]:
-        """Tensor names of the optimizer state: all of it, or the part this rank holds."""
-        idx = self.own if owned_only else range(len(self.names))
-        keys = {"opt_step"} | {f"{k}.{self.names[i]}" for i in idx for k in ("exp_avg", "exp_avg_sq")}
-        return keys | {f"master.{self.names[i]}" for i in idx if self.params[i].dtype != ms.float32}
+        """Tensor names of the optimizer state: all of it (logical names), or the part this rank
+        holds (as it writes them: a split parameter's slices by `slice_key`)."""
+        if owned_only:
+            return {"opt_step"} | {self._key(k, kind) for k, i in enumerate(self.own) for kind in self._kinds(i)}
+        return {"opt_step"} | {f"{kind}.{self.names[i]}" for i in range(len(self.names)) for kind in self._kinds(i)}
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         """This rank's part of the state (all of it unless sharded); views of live memory on CPU."""
         out: dict[str, np.ndarray] = {"opt_step": np.asarray(self.opt_step.asnumpy(), dtype=np.int64)}
-        for i, m, v, master, has_master in zip(self.own, self.exp_avg, self.exp_avg_sq, self.own_masters, self._own_has_master):
-            out[f"exp_avg.{self.names[i]}"] = m.asnumpy()
-            out[f"exp_avg_sq.{self.names[i]}"] = v.asnumpy()
+        for k, (m, v, master, has_master) in enumerate(zip(self.exp_avg, self.exp_avg_sq, self.own_masters, self._own_has_master)):
+            out[self._key(k, "exp_avg")] = m.asnumpy()
+            out[self._key(k, "exp_avg_sq")] = v.asnumpy()
             if has_master:
-                out[f"master.{self.names[i]}"] = master.asnumpy()
+                out[self._key(k, "master")] = master.asnumpy()
         return out
 
-    def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
-        """Load this rank's part from `tensors`. `available`: every key the checkpoint holds (all
-        shards), checked against the whole model so a checkpoint of another model is refused
-        even when the part this rank reads happens to match."""
+    def keys_to_read(self, available: set[str]) -> set[str]:
+        """The stored keys this rank's part is assembled from: its own names, or any stored slice
+        (or whole tensor) overlapping one of its units."""
+        want: dict[str, tuple[int, int]] = {"opt_step": (0, 1)}
+        for k, i in enumerate(self.own):
+            for kind in self._kinds(i):
+                want[f"{kind}.{self.names[i]}"] = self._own_bounds[k]
+        out = set()
+        for key in available:
+            name, rng = parse_key(key)
+            if name in want and (rng is None or (rng[0] < want[name][1] and want[name][0] < rng[1])):
+                out.add(key)
+        return out
+
+    def _assemble(self, tensors: dict[str, np.ndarray], name: str, k: int) -> np.ndarray:
+        """Owned unit k's part of logical tensor `name`, from the stored whole tensor or the stored
+        slices in `tensors`, shaped like this rank's state tensor (1-D for a slice)."""
         from mspretrain.errors import UserError
 
-        have = set(tensors) if available is None else available
+        i, (a, b) = self.own[k], self._own_bounds[k]
+        if name in tensors:  # written whole (by an unsplit run)
+            flat = np.asarray(tensors[name], dtype=np.float32).reshape(-1)[a:b]
+        else:
+            flat, covered = np.empty(b - a, np.float32), 0
+            for key, value in tensors.items():
+                kname, rng = parse_key(key)
+                lo, hi = (max(a, rng[0]), min(b, rng[1])) if kname == name and rng is not None else (0, 0)
+                if lo < hi:
+                    flat[lo - a:hi - a] = np.asarray(value, dtype=np.float32).reshape(-1)[lo - rng[0]:hi - rng[0]]
+                    covered += hi - lo
+            if covered != b - a:  # the writers' slices tile each tensor: a gap is a missing or foreign shard
+                raise UserError(f"the checkpoint's slices of {name} cover {covered:,} of its elements [{a:,}, {b:,})",
+                                "resume from another checkpoint (`mspretrain checkpoints RUN` lists them)")
+        return flat.copy() if self._own_split[k] else flat.reshape(self.params[i].shape).copy()
+
+    def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
+        """Load this rank's part from `tensors` (stored keys: whole tensors and/or slices).
+        `available`: every key the checkpoint holds (all shards), checked against the whole model
+        so a checkpoint of another model is refused even when the part this rank reads happens to match."""
+        from mspretrain.errors import UserError
+
+        have = {parse_key(k)[0] for k in (set(tensors) if available is None else available)}
         full = self.state_keys()
         missing, unexpected = full - have, have - full
         if missing or unexpected:
@@ -500,8 +625,10 @@ class TrainStep:
                             f"unexpected {sorted(unexpected)[:3]})",
                             "resume with the model config the checkpoint was written with")
         self.opt_step.set_data(Tensor(int(np.asarray(tensors["opt_step"]).reshape(-1)[0]), ms.int32))
-        for i, m, v, master, has_master in zip(self.own, self.exp_avg, self.exp_avg_sq, self.own_masters, self._own_has_master):
-            m.set_data(Tensor(tensors[f"exp_avg.{self.names[i]}"].astype(np.float32)))
-            v.set_data(Tensor(tensors[f"exp_avg_sq.{self.names[i]}"].astype(np.float32)))
-            if has_master:
-                master.set_data(Tensor(tensors[f"master.{self.names[i]}"].astype(np.float32)))
+        for k, (i, m, v, master) in enumerate(zip(self.own, self.exp_avg, self.exp_avg_sq, self.own_masters)):
+            m.set_data(Tensor(self._assemble(tensors, f"exp_avg.{self.names[i]}", k)))
+            v.set_data(Tensor(self._assemble(tensors, f"exp_avg_sq.{self.names[i]}", k)))
+            if self._own_has_master[k]:
+                master.set_data(Tensor(self._assemble(tensors, f"master.{self.names[i]}", k)))
+            elif self._own_separate[k]:  # an fp32 split parameter: its master is the slice of the weights just loaded
+                master.set_data(Tensor(self._flat_value(k)))
