@@ -23,6 +23,28 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
+def append_range(dst: IO[bytes], src_fd: int, offset: int, count: int) -> None:
+    """Append `count` bytes of the file `src_fd` from `offset` to the open binary file `dst`,
+    copied in the kernel (`copy_file_range`): the bytes never pass through this process. Falls
+    back to a read and a write where the kernel cannot (an append-mode `dst`, another filesystem)."""
+    dst.flush()
+    pos = dst.tell()
+    while count > 0:
+        try:
+            n = os.copy_file_range(src_fd, dst.fileno(), count, offset, pos)
+        except (AttributeError, OSError):
+            n = -1
+        if n <= 0:  # EBADF (O_APPEND), EXDEV, ENOSYS, or nothing copied: the plain way
+            data = os.pread(src_fd, count, offset)
+            if len(data) != count:
+                raise OSError(f"short read: {len(data)} of {count} bytes at {offset}")
+            dst.seek(pos)
+            dst.write(data)
+            return
+        offset, pos, count = offset + n, pos + n, count - n
+    dst.seek(pos)
+
+
 @contextmanager
 def atomic_writer(path: str | Path, *, text: bool = False, fsync: bool = True) -> Iterator[IO]:
     """A file to write `path` through, in pieces: a reader, or a crash at any moment, sees either

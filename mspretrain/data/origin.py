@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.errors import UserError
+from mspretrain.fsutil import append_range
 
 MAGIC = b"MSORIGIN"
 VERSION = 1
@@ -59,6 +60,21 @@ class OriginWriter:
         if origin.size:
             self._f.write(np.ascontiguousarray(origin, dtype=RECORD).tobytes())
             self.records += int(origin.size)
+
+    def add_piece(self, src_fd: int, at: int, nbytes: int) -> None:
+        """Append records a worker wrote to the file `src_fd` at `at` (copied in the kernel)."""
+        append_range(self._f, src_fd, at, nbytes)
+        self.records += nbytes // RECORD.itemsize
+
+    def pop_last(self) -> np.ndarray:
+        """Remove the last record and return it (the document `prepare` moves to the other split)."""
+        self._f.flush()
+        self.records -= 1
+        size = len(HEADER) + self.records * RECORD.itemsize
+        last = np.fromfile(self.path, dtype=RECORD, count=1, offset=size)
+        self._f.truncate(size)
+        self._f.seek(size)
+        return last
 
     def close(self) -> None:
         self._f.close()

@@ -18,6 +18,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -34,10 +35,13 @@ from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import Sink
 from mspretrain.data.spool import Spool, read_spool
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
-from mspretrain.data.workers import clean_chunk, init_worker, tokenize_chunk
+from mspretrain.data.workers import clean_chunk, init_worker, replay_chunk, spill_chunk, tokenize_chunk
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
+
+PIECES = "pass1.pieces"  # pass 1's per-chunk files written by the workers (`workers.spill_chunk`)
+REPLAY_PIECES = "replay.pieces"  # the replay's per-chunk shard and origin pieces (`workers.replay_chunk`)
 
 
 def progress_bar(enabled: bool, total: int, desc: str):
@@ -130,7 +134,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         shutil.rmtree(dd.root, ignore_errors=True)
         spool = ChunkSpool(spool_path, j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
         spool.close()
-        sink, writers = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0)
+        sink, writers = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0,
+                                workers if j.data["pass1"].get("pieces") else None)
         if given is not None:
             tok_info = {"trained": False, "source": str(given.path)}
             _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
@@ -143,6 +148,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
             j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
                      stage="train", state="train")
         spool_path.unlink(missing_ok=True)
+        shutil.rmtree(work / PIECES, ignore_errors=True)
     if j.stage == "train":
         sink = _load_state(j, "train")["sink"]
         sample = sink.sample_texts()
@@ -175,6 +181,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         for s in SPLITS:
             (work / f"{s}.spool").unlink(missing_ok=True)
     # "finalize": the index files, then the manifest (redone whole after a kill: it is short)
+    spool_path.unlink(missing_ok=True)  # (a kill just after the replay's commit left them)
+    shutil.rmtree(work / PIECES, ignore_errors=True)
     saved = _load_state(j, "finalize")
     sink, tok_info = saved["sink"], saved["tok_info"]
     if given is None:
@@ -215,9 +223,17 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     kill, the input is read again from its start (main process only) and the chunks up to the
     last commit are not sent to the workers; their per-file counts come from the journal."""
     done = j.data.get("pass1")
+    # With a given tokenizer and local workers, the workers keep each chunk's documents in a file
+    # of their own and send back only counts and dedup keys (`workers.spill_chunk`). Fixed by the
+    # run that started pass 1: its spool holds one kind of record or the other.
+    pieces = bool(tok_path) and ray is None if done is None else bool(done.get("pieces"))
+    pdir = spool_path.parent / PIECES
     if done is None:  # a new pass 1 (or one killed before its first commit)
         shutil.rmtree(dd.root, ignore_errors=True)
         dd.root.mkdir()
+        shutil.rmtree(pdir, ignore_errors=True)
+        if pieces:
+            pdir.mkdir()
         spool, skip, raw = ChunkSpool(spool_path), 0, {}
     else:
         dd.restore(done["dedup"])
@@ -227,8 +243,9 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     def commit(**fields) -> None:
         state = dd.state()
         size = spool.flush()
-        j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent], **fields,
-                 pass1={"chunks": spool.chunks, "spool_bytes": size, "dedup": state, "raw": [[f, *c] for f, c in sorted(raw.items())]})
+        j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent, *([pdir] if pieces else [])], **fields,
+                 pass1={"chunks": spool.chunks, "spool_bytes": size, "dedup": state, "raw": [[f, *c] for f, c in sorted(raw.items())],
+                        "pieces": pieces})
 
     def todo(items: Iterator) -> Iterator:
         for _ in range(skip):  # read again, not cleaned again (chunk boundaries are a function of the input)
@@ -241,16 +258,25 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     in_flight = 2 * workers + 1
     bar = progress_bar(progress, sum(p.stat().st_size for p in paths), "clean" if not tok_path else "clean+tokenize")
     lsh = (dd.bands, dd.rows, *dedup._permutations(cfg.seed, dedup.NUM_PERM)) if cfg.near_dedup else None
+    if pieces and ray is not None:  # resumed with --ray after a local start: finish pass 1 locally
+        ray, workers = None, min(workers, len(os.sched_getaffinity(0)))
     pool = start_pool(workers, init_worker, (cfg, tok_path or None, dtype.name, lsh), warm_up=clean.warm_up, ray=ray)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names)
-        for result in ordered(pool, clean_chunk, todo(chunks_with_origin(docs)), in_flight):
+        work = todo(chunks_with_origin(docs))
+        fn = clean_chunk
+        if pieces:
+            work = ((w, str(pdir / f"{i:08d}")) for i, w in enumerate(work, skip))
+            fn = partial(spill_chunk, clean_chunk)
+        for result in ordered(pool, fn, work, in_flight):
             if result["raw"] is not None:
                 sources.count_raw(stats, *result["raw"])
                 f, *c = result["raw"]
                 raw[f] = [a + b for a, b in zip(raw.get(f, [0, 0, 0]), c)]
             dd.add(result["keys"], result.pop("bands"))
+            if pieces:
+                del result["keys"]  # on disk in the dedup partitions; the replay needs the counts only
             spool.add(result)
             point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
             if j.due():
@@ -268,20 +294,25 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
 
 def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool,
             log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
-            t0: float) -> tuple[Sink, dict[str, ShardWriter]]:
+            t0: float, pieces_workers: int | None = None) -> tuple[Sink, dict[str, ShardWriter]]:
     """Pass 1's results again, now with their fate known, to the sink (redone whole after a kill:
-    every file it writes is started anew)."""
+    every file it writes is started anew). `pieces_workers`: pass 1 left its chunks in files
+    (`workers.spill_chunk`); this many workers cut them into pieces of the outputs."""
     writers = {s: ShardWriter(work / s, dtype) for s in SPLITS} if tokens else {}
     spools = None if tokens else {s: Spool(work / f"{s}.spool") for s in SPLITS}
     origins = {s: OriginWriter(work / origin_name(s)) for s in SPLITS}
     sink = Sink(cfg, writers if tokens else spools, 0 if tokens else cfg.tokenizer_sample_chars, origins)
-    done = 0
-    for i, result in enumerate(spool.read(remove=False)):
-        n = len(result["chars"])
-        sink.take(result, *dd.dropped(done, done + n))
-        done += n
-        point(f"replay {i + 1}")
-    for w in sink.finish():
+    if pieces_workers is not None:
+        notes = _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, pieces_workers)
+    else:
+        done = 0
+        for i, result in enumerate(spool.read(remove=False)):
+            n = len(result["chars"])
+            sink.take(result, *dd.dropped(done, done + n))
+            done += n
+            point(f"replay {i + 1}")
+        notes = sink.finish()
+    for w in notes:
         warn(w)
     for o in origins.values():
         o.close()
@@ -301,6 +332,59 @@ def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dty
     log(f"kept {kept:,} of {sink.docs_in:,} documents ({sink.chars['train'] + sink.chars['valid']:,} characters, "
         f"{time.time() - t0:.1f} s)")
     return sink, writers
+
+
+def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool, sink: Sink,
+                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int) -> list[str]:
+    """The replay when pass 1's chunks are in files: workers cut each chunk into its kept
+    documents' shard and origin pieces (`workers.replay_chunk`); here, per chunk, only the counts
+    and the pieces appended to the outputs in order, in the kernel. Same bytes as `Sink.take`:
+    each split's documents in input order, and at the end the move of `Sink.finish`."""
+    src, dst = work / PIECES, work / REPLAY_PIECES
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir()
+
+    def items() -> Iterator[tuple]:
+        done = 0
+        for i, meta in enumerate(spool.read(remove=False)):
+            n = meta["n"]
+            exact, near = dd.dropped(done, done + n)
+            done += n
+            sink.count(meta, exact, near)  # in chunk order, as `Sink.take` counts
+            yield str(src / f"{i:08d}"), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype
+
+    last_chars: dict[str, int] = {}
+    pool = start_pool(workers, init_worker, (cfg, None, dtype.name))
+    try:
+        for i, res in enumerate(ordered(pool, replay_chunk, items(), 2 * workers + 1)):
+            if res["per_file"] is not None:
+                sink.per_file.merge(res["per_file"])
+            piece = dst / f"{i:08d}"
+            fd = os.open(piece, os.O_RDONLY)
+            try:
+                for split, p in res["splits"].items():
+                    sink.docs[split] += p["docs"]
+                    sink.chars[split] += p["chars"]
+                    n_tok, n_len, n_org = p["sizes"]
+                    writers[split].add_piece(fd, p["at"], n_tok, n_len, p["max_token"])
+                    origins[split].add_piece(fd, p["at"] + n_tok + n_len, n_org)
+                    last_chars[split] = p["last_chars"]
+            finally:
+                os.close(fd)
+            os.unlink(piece)
+            point(f"replay {i + 1}")
+    finally:
+        if pool is not None:
+            pool.terminate()
+    moved = sink.planned_move()
+    if moved:
+        a, b = moved
+        last = writers[a].pop_last()
+        writers[b].add_flat(last, np.array([last.size], dtype=np.int32))
+        if origins[a].records:
+            origins[b].add(origins[a].pop_last())
+    shutil.rmtree(dst, ignore_errors=True)
+    return sink.count_move(moved, last_chars[moved[0]] if moved else 0)
 
 
 def _encode(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dtype, sink: Sink, workers: int, progress: bool,

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.errors import UserError
-from mspretrain.fsutil import fsync_path
+from mspretrain.fsutil import append_range, fsync_path
 from mspretrain.paths import SPLITS, DataPaths
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -120,6 +120,29 @@ class ShardWriter:
             return
         arrs = [np.asarray(d) for d in docs]
         self.add_flat(np.concatenate(arrs), np.array([a.size for a in arrs], dtype=np.int32))
+
+    def add_piece(self, src_fd: int, at: int, token_bytes: int, length_bytes: int, max_token: int) -> None:
+        """Append documents a worker wrote to the file `src_fd` at `at`: their tokens (in this
+        writer's dtype), then their lengths (int32); copied in the kernel (`prepare`'s replay)."""
+        append_range(self._bin, src_fd, at, token_bytes)
+        append_range(self._len, src_fd, at + token_bytes, length_bytes)
+        self.tokens += token_bytes // self.dtype.itemsize
+        self.documents += length_bytes // 4
+        self.max_token = max(self.max_token, max_token)
+
+    def pop_last(self) -> np.ndarray:
+        """Remove the last document written and return its tokens (`prepare` moves it to the
+        other split when one would be empty); `max_token` is recomputed over what stays."""
+        self.state()
+        (n,) = np.fromfile(self._len_tmp, dtype=np.int32, count=1, offset=(self.documents - 1) * 4)
+        keep = self.tokens - int(n)
+        last = np.fromfile(self._bin_tmp, dtype=self.dtype, count=int(n), offset=keep * self.dtype.itemsize)
+        for f, size in ((self._bin, keep * self.dtype.itemsize), (self._len, (self.documents - 1) * 4)):
+            f.truncate(size)
+            f.seek(size)
+        self.tokens, self.documents = keep, self.documents - 1
+        self.max_token = int(np.memmap(self._bin_tmp, dtype=self.dtype, mode="r", shape=(keep,)).max()) if keep else -1
+        return last
 
     def add_flat(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Write documents given back to back in `tokens`, `lengths[i]` tokens each (the hot

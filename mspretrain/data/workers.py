@@ -141,3 +141,75 @@ def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray
     tokens, tokens per document (EOS included) and byte-fallback tokens per document."""
     flat, lengths = _encode(texts)
     return flat, lengths, byte_fallback_counts(flat, lengths)
+
+
+# --- Per-chunk files: the main process handles a chunk's metadata, never its documents' bytes ---
+# With a given tokenizer, the tokens (~200 bytes per short document) were pickled by a worker,
+# unpickled by the main process, pickled again into pass 1's spool, read back, masked and written
+# to the shards: all serial, and the main process's ceiling (~4 workers' worth). Now a worker
+# writes its chunk's per-document arrays to a file (`spill_chunk`), and after the dedup decisions
+# a worker cuts that file into the chunk's shard and origin pieces (`replay_chunk`); the main
+# process appends the pieces to the output files in input order, in the kernel
+# (`append_range`). Not with `--ray`: its tasks may run on nodes that do not share our disk.
+
+PIECE_ARRAYS = ("tokens", "lengths", "fallback", "chars", "u", "origin")
+
+
+def spill_chunk(fn, item: tuple) -> dict:
+    """`fn` (`clean_chunk`) over `work`, its per-document arrays written to `path`; returns the
+    rest (counts, dedup keys and band keys) and `n`, the number of cleaned documents."""
+    work, path = item
+    out = fn(work)
+    has_origin = out["origin"] is not None
+    if not has_origin:
+        out["origin"] = np.zeros(0, dtype=_origin_dtype())
+    with open(path, "wb") as f:
+        for k in PIECE_ARRAYS:
+            np.save(f, out.pop(k))
+        f.flush()
+        os.fsync(f.fileno())  # durable before the main process commits its chunk (here, in parallel)
+    out["n"] = len(out["keys"]) // 16
+    out["has_origin"] = has_origin
+    return out
+
+
+def _origin_dtype() -> np.dtype:
+    from mspretrain.data.origin import RECORD
+
+    return RECORD
+
+
+def replay_chunk(item: tuple) -> dict:
+    """A spilled chunk (`spill_chunk`) with its dedup decisions: the kept documents of each split,
+    in order, written to `dst` as [tokens | lengths (int32) | origin records] per split, and what
+    `sink.Sink.take` counts for them. `drop`: bool per cleaned document (exact or near duplicate)."""
+    src, dst, drop, valid_fraction, has_origin, dtype = item
+    with open(src, "rb") as f:
+        a = {k: np.load(f) for k in PIECE_ARRAYS}
+    kept = np.flatnonzero(~drop).astype(np.int64)
+    in_valid = a["u"][kept, 0] < valid_fraction
+    lengths = a["lengths"]
+    out: dict = {"splits": {}, "per_file": None}
+    if has_origin:
+        from mspretrain.data.sink import FileTally
+
+        out["per_file"] = FileTally.sums_of(a["origin"]["file"][kept], characters=a["chars"][kept],
+                                            tokens=lengths[kept].astype(np.int64) - 1, byte_fallback=a["fallback"][kept])
+    pos = 0
+    with open(dst, "wb") as f:
+        for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
+            if not sel.size:
+                continue
+            in_sel = np.zeros(lengths.size, dtype=bool)
+            in_sel[sel] = True
+            toks = np.ascontiguousarray(a["tokens"][np.repeat(in_sel, lengths)], dtype=dtype)
+            lens = lengths[sel].astype(np.int32)
+            org = a["origin"][sel] if has_origin else a["origin"][:0]
+            parts = [toks.tobytes(), lens.tobytes(), np.ascontiguousarray(org).tobytes()]
+            f.write(b"".join(parts))
+            out["splits"][split] = {"at": pos, "sizes": [len(p) for p in parts], "docs": int(sel.size),
+                                    "chars": int(a["chars"][sel].sum()), "tokens": int(toks.size),
+                                    "max_token": int(toks.max()) if toks.size else -1,
+                                    "last_chars": int(a["chars"][sel[-1]])}
+            pos += sum(out["splits"][split]["sizes"])
+    return out
