@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.errors import UserError
-from mspretrain.fsutil import append_range
 
 MAGIC = b"MSORIGIN"
 VERSION = 1
@@ -61,10 +60,16 @@ class OriginWriter:
             self._f.write(np.ascontiguousarray(origin, dtype=RECORD).tobytes())
             self.records += int(origin.size)
 
-    def add_piece(self, src_fd: int, at: int, nbytes: int) -> None:
-        """Append records a worker wrote to the file `src_fd` at `at` (copied in the kernel)."""
-        append_range(self._f, src_fd, at, nbytes)
+    def reserve(self, nbytes: int) -> int:
+        """Count records someone else writes into this file, at the returned offset (`prepare`'s
+        replay workers); `seek_end` before adding through this writer again."""
+        at = len(HEADER) + self.records * RECORD.itemsize
         self.records += nbytes // RECORD.itemsize
+        return at
+
+    def seek_end(self) -> None:
+        self._f.flush()
+        self._f.seek(len(HEADER) + self.records * RECORD.itemsize)
 
     def pop_last(self) -> np.ndarray:
         """Remove the last record and return it (the document `prepare` moves to the other split)."""

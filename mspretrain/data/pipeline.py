@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 import time
 from collections import deque
@@ -35,11 +36,12 @@ from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import Sink
 from mspretrain.data.spool import Spool, read_spool
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
-from mspretrain.data.workers import clean_chunk, init_worker, replay_chunk, spill_chunk, tokenize_chunk
+from mspretrain.data.workers import clean_chunk, init_worker, place_piece, replay_chunk, spill_chunk, tokenize_chunk
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
 
+LOCAL_PIECES = True  # False: every chunk's documents pass through this process, as with --ray (benchmarks compare)
 PIECES = "pass1.pieces"  # pass 1's per-chunk files written by the workers (`workers.spill_chunk`)
 REPLAY_PIECES = "replay.pieces"  # the replay's per-chunk shard and origin pieces (`workers.replay_chunk`)
 
@@ -99,6 +101,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     """
     t0 = time.time()
     j = journal
+    removing = None  # the background removal of pass 1's chunk files (`_remove_later`)
     total_bytes = sum(p.stat().st_size for p in paths)
     if given is not None:
         tok_path = given.save_to(work)
@@ -148,7 +151,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
             j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
                      stage="train", state="train")
         spool_path.unlink(missing_ok=True)
-        shutil.rmtree(work / PIECES, ignore_errors=True)
+        removing = _remove_later(work / PIECES)
     if j.stage == "train":
         sink = _load_state(j, "train")["sink"]
         sample = sink.sample_texts()
@@ -181,8 +184,11 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         for s in SPLITS:
             (work / f"{s}.spool").unlink(missing_ok=True)
     # "finalize": the index files, then the manifest (redone whole after a kill: it is short)
+    if removing is not None:
+        removing.wait()
     spool_path.unlink(missing_ok=True)  # (a kill just after the replay's commit left them)
-    shutil.rmtree(work / PIECES, ignore_errors=True)
+    for name in (PIECES, PIECES + ".trash", REPLAY_PIECES):
+        shutil.rmtree(work / name, ignore_errors=True)
     saved = _load_state(j, "finalize")
     sink, tok_info = saved["sink"], saved["tok_info"]
     if given is None:
@@ -195,6 +201,22 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     # instead of reading every shard (data/manifest.py, check_data_dir)
     manifest["max_token_id"] = {s: j.data["writers"][s]["max_token"] for s in SPLITS}
     return manifest
+
+
+def _remove_later(path: Path) -> subprocess.Popen | None:
+    """Remove a directory of pass 1's chunk files in a child process (`rm -rf`), while prepare
+    goes on: freeing their pages costs the kernel ~0.4 ms per chunk, serial time this process no
+    longer spends. Renamed first, so that a kill leaves a name `finalize` removes. None: done here."""
+    if not path.exists():
+        return None
+    trash = path.with_name(path.name + ".trash")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    try:
+        return subprocess.Popen(["rm", "-rf", "--", str(trash)], stdin=subprocess.DEVNULL)
+    except OSError:  # no `rm` here
+        shutil.rmtree(trash, ignore_errors=True)
+        return None
 
 
 def _save_state(j: Journal, name: str, *, stats: sources.SourceStats, sink: Sink | None = None, tok_info: dict | None = None) -> None:
@@ -226,7 +248,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     # With a given tokenizer and local workers, the workers keep each chunk's documents in a file
     # of their own and send back only counts and dedup keys (`workers.spill_chunk`). Fixed by the
     # run that started pass 1: its spool holds one kind of record or the other.
-    pieces = bool(tok_path) and ray is None if done is None else bool(done.get("pieces"))
+    pieces = bool(tok_path) and ray is None and LOCAL_PIECES if done is None else bool(done.get("pieces"))
     pdir = spool_path.parent / PIECES
     if done is None:  # a new pass 1 (or one killed before its first commit)
         shutil.rmtree(dd.root, ignore_errors=True)
@@ -263,7 +285,8 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     pool = start_pool(workers, init_worker, (cfg, tok_path or None, dtype.name, lsh), warm_up=clean.warm_up, ray=ray)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
-                                    stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names)
+                                    stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names,
+                                    by_reference=ray is None and LOCAL_PIECES)  # local workers read their blocks
         work = todo(chunks_with_origin(docs))
         fn = clean_chunk
         if pieces:
@@ -338,7 +361,8 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
                    writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int) -> list[str]:
     """The replay when pass 1's chunks are in files: workers cut each chunk into its kept
     documents' shard and origin pieces (`workers.replay_chunk`); here, per chunk, only the counts
-    and the pieces appended to the outputs in order, in the kernel. Same bytes as `Sink.take`:
+    and each piece's place in the outputs, in order, where a worker copies it (`workers.place_piece`,
+    in the kernel). Same bytes as `Sink.take`:
     each split's documents in input order, and at the end the move of `Sink.finish`."""
     src, dst = work / PIECES, work / REPLAY_PIECES
     shutil.rmtree(dst, ignore_errors=True)
@@ -354,28 +378,40 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
             yield str(src / f"{i:08d}"), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype
 
     last_chars: dict[str, int] = {}
+    placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
+    in_flight = 2 * workers + 1
+    for o in origins.values():
+        o.seek_end()  # the header on disk before the workers write after it
     pool = start_pool(workers, init_worker, (cfg, None, dtype.name))
     try:
-        for i, res in enumerate(ordered(pool, replay_chunk, items(), 2 * workers + 1)):
+        for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight)):
             if res["per_file"] is not None:
                 sink.per_file.merge(res["per_file"])
-            piece = dst / f"{i:08d}"
-            fd = os.open(piece, os.O_RDONLY)
-            try:
-                for split, p in res["splits"].items():
-                    sink.docs[split] += p["docs"]
-                    sink.chars[split] += p["chars"]
-                    n_tok, n_len, n_org = p["sizes"]
-                    writers[split].add_piece(fd, p["at"], n_tok, n_len, p["max_token"])
-                    origins[split].add_piece(fd, p["at"] + n_tok + n_len, n_org)
-                    last_chars[split] = p["last_chars"]
-            finally:
-                os.close(fd)
-            os.unlink(piece)
+            copies = []
+            for split, p in res["splits"].items():
+                sink.docs[split] += p["docs"]
+                sink.chars[split] += p["chars"]
+                n_tok, n_len, n_org = p["sizes"]
+                at_bin, at_len = writers[split].reserve(n_tok, n_len, p["max_token"])
+                w_bin, w_len = writers[split].files()
+                copies += [(str(w_bin), at_bin, p["at"], n_tok), (str(w_len), at_len, p["at"] + n_tok, n_len),
+                           (str(origins[split].path), origins[split].reserve(n_org), p["at"] + n_tok + n_len, n_org)]
+                last_chars[split] = p["last_chars"]
+            task = (str(dst / f"{i:08d}"), copies)
+            if pool is None:
+                place_piece(task)
+            else:
+                placing.append(pool.apply_async(place_piece, (task,)))
+                while len(placing) > in_flight or (placing and placing[0].ready()):
+                    placing.popleft().get()
             point(f"replay {i + 1}")
+        while placing:
+            placing.popleft().get()
     finally:
         if pool is not None:
             pool.terminate()
+    for w in (*writers.values(), *origins.values()):
+        w.seek_end()
     moved = sink.planned_move()
     if moved:
         a, b = moved

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.errors import UserError
-from mspretrain.fsutil import append_range, fsync_path
+from mspretrain.fsutil import fsync_path
 from mspretrain.paths import SPLITS, DataPaths
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -121,14 +121,20 @@ class ShardWriter:
         arrs = [np.asarray(d) for d in docs]
         self.add_flat(np.concatenate(arrs), np.array([a.size for a in arrs], dtype=np.int32))
 
-    def add_piece(self, src_fd: int, at: int, token_bytes: int, length_bytes: int, max_token: int) -> None:
-        """Append documents a worker wrote to the file `src_fd` at `at`: their tokens (in this
-        writer's dtype), then their lengths (int32); copied in the kernel (`prepare`'s replay)."""
-        append_range(self._bin, src_fd, at, token_bytes)
-        append_range(self._len, src_fd, at + token_bytes, length_bytes)
+    def reserve(self, token_bytes: int, length_bytes: int, max_token: int) -> tuple[int, int]:
+        """Count documents that someone else writes into this writer's files, at the returned
+        offsets (tokens in `.bin.tmp`, int32 lengths in `.len.tmp`): `prepare`'s replay has its
+        workers copy their pieces there. `seek_end` before writing through this writer again."""
+        at = (self.tokens * self.dtype.itemsize, self.documents * 4)
         self.tokens += token_bytes // self.dtype.itemsize
         self.documents += length_bytes // 4
         self.max_token = max(self.max_token, max_token)
+        return at
+
+    def seek_end(self) -> None:
+        """After `reserve`d pieces were written: write on after them."""
+        self._bin.seek(self.tokens * self.dtype.itemsize)
+        self._len.seek(self.documents * 4)
 
     def pop_last(self) -> np.ndarray:
         """Remove the last document written and return its tokens (`prepare` moves it to the

@@ -149,8 +149,9 @@ def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray
 # to the shards: all serial, and the main process's ceiling (~4 workers' worth). Now a worker
 # writes its chunk's per-document arrays to a file (`spill_chunk`), and after the dedup decisions
 # a worker cuts that file into the chunk's shard and origin pieces (`replay_chunk`); the main
-# process appends the pieces to the output files in input order, in the kernel
-# (`append_range`). Not with `--ray`: its tasks may run on nodes that do not share our disk.
+# process only reserves each piece's place in the output files, in input order, and a worker
+# copies it there in the kernel (`place_piece`). Not with `--ray`: its tasks may run on nodes
+# that do not share our disk.
 
 PIECE_ARRAYS = ("tokens", "lengths", "fallback", "chars", "u", "origin")
 
@@ -213,3 +214,25 @@ def replay_chunk(item: tuple) -> dict:
                                     "last_chars": int(a["chars"][sel[-1]])}
             pos += sum(out["splits"][split]["sizes"])
     return out
+
+
+def place_piece(item: tuple) -> None:
+    """Copy the sections of a piece file (`replay_chunk`) to the places the main process reserved
+    in the output files, then remove the piece. `copies`: (output path, its offset, the piece's
+    offset, bytes)."""
+    from mspretrain.fsutil import copy_range
+
+    piece, copies = item
+    src = os.open(piece, os.O_RDONLY)
+    try:
+        for path, at, src_at, n in copies:
+            if not n:
+                continue
+            dst = os.open(path, os.O_WRONLY)
+            try:
+                copy_range(src, src_at, dst, at, n)
+            finally:
+                os.close(dst)
+    finally:
+        os.close(src)
+    os.unlink(piece)
