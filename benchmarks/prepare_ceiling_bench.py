@@ -50,24 +50,28 @@ _NEAR = {"on": False}
 
 
 def noop_chunk(work) -> dict:
-    """What `workers.clean_chunk` returns for a block, without cleaning, hashing or encoding."""
+    """What `workers.clean_chunk` returns for a chunk of raw blocks, without cleaning, hashing or encoding."""
     if not isinstance(work, sources.RawLines):
         raise SystemExit("the ceiling bench needs one-document-per-line .txt input (raw blocks)")
-    work = work.load()  # a reference to a block is read here, as a real worker reads it
-    buf = np.frombuffer(work.data, dtype=np.uint8)
-    ends = np.flatnonzero(buf == 10)
-    n = int(ends.size)
-    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.uint64)
+    blocks = [replace(work, rest=None), *(work.rest or [])]
+    keys, origins, chars = [], [], []
+    for block in blocks:
+        block = block.load()  # a reference to a block is read here, as a real worker reads it
+        buf = np.frombuffer(block.data, dtype=np.uint8)
+        ends = np.flatnonzero(buf == 10)
+        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.uint64)
+        origin = np.zeros(ends.size, dtype=RECORD)
+        origin["file"], origin["offset"] = block.file, starts + np.uint64(block.offset)
+        origins.append(origin)
+        chars.append((ends - starts.astype(np.int64)).astype(np.int64) // 3)
+        keys.append(np.random.default_rng(block.offset).bytes(16 * ends.size))
+    n = sum(o.size for o in origins)
     rng = np.random.default_rng(work.offset)
-    keys = rng.bytes(16 * n)
-    origin = np.zeros(n, dtype=RECORD)
-    origin["file"], origin["offset"] = work.file, starts + np.uint64(work.offset)
-    lengths = np.full(n, TOKENS_PER_DOC, dtype=np.int32)
-    return {"docs_in": n, "chars_in": len(work.data) // 3, "changed": {}, "dropped": {}, "keys": keys,
-            "chars": (ends - starts.astype(np.int64)).astype(np.int64) // 3, "u": rng.random((n, 2)),
+    return {"docs_in": n, "chars_in": sum(b.size or len(b.data) for b in blocks) // 3, "changed": {}, "dropped": {},
+            "keys": b"".join(keys), "chars": np.concatenate(chars), "u": rng.random((n, 2)),
             "bands": rng.integers(0, 2**63, size=(n, 9), dtype=np.uint64) if _NEAR["on"] else None,
-            "raw": (work.file, n, 0, 0), "origin": origin,
-            "tokens": np.ones(n * TOKENS_PER_DOC, dtype=np.uint16), "lengths": lengths,
+            "raw": (work.file, n, 0, 0), "origin": np.concatenate(origins),
+            "tokens": np.ones(n * TOKENS_PER_DOC, dtype=np.uint16), "lengths": np.full(n, TOKENS_PER_DOC, dtype=np.int32),
             "fallback": np.zeros(n, dtype=np.int64)}
 
 

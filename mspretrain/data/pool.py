@@ -9,26 +9,45 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
 from mspretrain.data import sources
 
 CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
 CHUNK_DOCS = 4096
+# RawLines blocks (~0.8 MB each) per chunk: the main process's cost is per chunk (a task out, a
+# result back, a journal entry, a replay piece), so a chunk of ~3 MB (~7,000 short documents)
+# lifts its ceiling (docs/benchmarks/prepare.md); the blocks are still decoded one by one.
+RAW_GROUP = 4
 
 
 def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str] | sources.RawLines]:
-    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents); a
-    `RawLines` block is a chunk of its own (the documents before it go first)."""
+    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents); up to
+    RAW_GROUP consecutive `RawLines` blocks of one file make a chunk of their own (the first
+    carries the others in `rest`; the documents before them go first)."""
     chunk: list[str] = []
     size = 0
+    group: list[sources.RawLines] = []
+
+    def grouped() -> sources.RawLines:
+        first = group[0]
+        if len(group) > 1:
+            first = replace(first, rest=group[1:])
+        group.clear()
+        return first
+
     for batch in batches:
         if isinstance(batch, sources.RawLines):
             if chunk:
                 yield chunk
                 chunk, size = [], 0
-            yield batch
+            if group and (group[0].file != batch.file or len(group) >= RAW_GROUP):
+                yield grouped()
+            group.append(batch)
             continue
+        if group:
+            yield grouped()
         n = sum(map(len, batch))
         if size + n < CHUNK_CHARS and len(chunk) + len(batch) < CHUNK_DOCS:
             chunk.extend(batch)  # the common case: the whole batch fits
@@ -40,6 +59,8 @@ def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str
             if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
                 yield chunk
                 chunk, size = [], 0
+    if group:
+        yield grouped()
     if chunk:
         yield chunk
 

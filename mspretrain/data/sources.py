@@ -735,6 +735,7 @@ class RawLines:
     offset: int = 0  # where `data` starts in the (decompressed) file: the origin of its documents
     path: str | None = None
     size: int = 0
+    rest: list["RawLines"] | None = None  # blocks of the same file that follow, decoded with it (`pool.chunks`)
 
     def load(self) -> "RawLines":
         """The block with its bytes: a reference (an uncompressed file read by local workers,
@@ -752,6 +753,11 @@ class RawLines:
 def decode_raw(block: RawLines) -> tuple[Docs, int, int]:
     """(documents, undecodable bytes dropped, documents cut at MAX_DOC_CHARS) of a block; the
     documents carry their origin (the byte offset of each one's first byte in the file)."""
+    if block.rest:  # each block decoded on its own, as if it were a chunk of its own
+        parts = [decode_raw(b) for b in (RawLines(block.data, block.codec, block.file, block.offset, block.path, block.size),
+                                         *block.rest)]
+        return (_docs([d for p in parts for d in p[0]], np.concatenate([p[0].origin for p in parts])),
+                sum(p[1] for p in parts), sum(p[2] for p in parts))
     block = block.load()
     # counted here, for the caller to add to the file's counts (`count_raw`): the block may be
     # decoded in another process, or while the main process reads another file
