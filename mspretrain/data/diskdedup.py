@@ -55,6 +55,7 @@ class Partitions:
         self.root, self.name, self.dtype, self.parts = root, name, dtype, parts
         self.shift = np.uint64(64 - (parts.bit_length() - 1))
         self._buf: list[np.ndarray] = []
+        self._grouped: list[tuple[np.ndarray, np.ndarray]] = []  # (records by file, records per file) per chunk
         self._buffered = 0
         self.records = 0
         self.touched: set[int] = set()  # files appended to since `sizes` (what a commit must fsync)
@@ -62,9 +63,28 @@ class Partitions:
     def path(self, i: int) -> Path:
         return self.root / f"{self.name}.{i:04d}"
 
+    def part_of(self, first: np.ndarray) -> np.ndarray:
+        """The file number (uint16) of records with this first field."""
+        return (first >> self.shift).astype(np.uint16) if self.parts > 1 else np.zeros(first.size, dtype=np.uint16)
+
+    def add_grouped(self, recs: np.ndarray, counts: np.ndarray) -> None:
+        """Records already in file order (`group`: stable, so input order within each file), with
+        their count per file: a flush then only slices them (a worker did the sorting)."""
+        if not recs.size:
+            return
+        if self._buf:
+            self.flush()  # in input order: what came first goes out first
+        self._grouped.append((recs, np.concatenate([[0], np.cumsum(counts)])))
+        self._buffered += recs.nbytes
+        self.records += recs.size
+        if self._buffered >= BUFFER_BYTES:
+            self.flush()
+
     def add(self, recs: np.ndarray) -> None:
         if not recs.size:
             return
+        if self._grouped:
+            self.flush()
         self._buf.append(recs)
         self._buffered += recs.nbytes
         self.records += recs.size
@@ -72,13 +92,21 @@ class Partitions:
             self.flush()
 
     def flush(self) -> None:
+        if self._grouped:
+            grouped, self._grouped, self._buffered = self._grouped, [], 0
+            for i in range(self.parts):
+                pieces = [recs[b[i]: b[i + 1]] for recs, b in grouped if b[i + 1] > b[i]]
+                if pieces:
+                    self.touched.add(i)
+                    with open(self.path(i), "ab") as f:
+                        for piece in pieces:
+                            piece.tofile(f)
         if not self._buf:
             return
         recs = np.concatenate(self._buf)
         self._buf, self._buffered = [], 0
-        first = recs[recs.dtype.names[0]]
         # uint16 file numbers: numpy's stable sort is a radix sort for them
-        part = (first >> self.shift).astype(np.uint16) if self.parts > 1 else np.zeros(recs.size, dtype=np.uint16)
+        part = self.part_of(recs[recs.dtype.names[0]])
         order = np.argsort(part, kind="stable")  # stable: input order within each file
         recs, part = recs[order], part[order]
         bounds = np.searchsorted(part, np.arange(self.parts + 1))
@@ -113,7 +141,26 @@ class Partitions:
                     f.truncate(sizes[p.name])
             else:
                 p.unlink(missing_ok=True)
-        self._buf, self._buffered, self.records = [], 0, records
+        self._buf, self._grouped, self._buffered, self.records = [], [], 0, records
+
+    def existing(self) -> list[str]:
+        """The files that exist, in order (what `read` would read)."""
+        self.flush()
+        return [str(self.path(i)) for i in range(self.parts) if self.path(i).exists()]
+
+
+def group_bands(bands: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's (n, bands) band keys as `BAND` records (idx counted from 0 in the chunk) in the
+    order of their partition files (of `parts`), and how many go to each file: a worker's share of
+    `Partitions.flush`, so that the main process only slices (`DiskDedup.add`)."""
+    n, k = bands.shape
+    recs = np.empty(bands.size, dtype=BAND)
+    recs["key"] = bands.reshape(-1)
+    recs["idx"] = np.repeat(np.arange(n, dtype=np.uint64), k)
+    if parts <= 1:
+        return recs, np.array([recs.size], dtype=np.int64)
+    part = (recs["key"] >> np.uint64(64 - (parts.bit_length() - 1))).astype(np.uint16)
+    return recs[np.argsort(part, kind="stable")], np.bincount(part, minlength=parts)
 
 
 class Bits:
@@ -186,6 +233,21 @@ def shared_buckets(recs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return s["idx"][shared].astype(np.int64), dense
 
 
+def exact_duplicates_in(path: str) -> np.ndarray:
+    """`exact_duplicates` of one partition file, read here (a worker)."""
+    return exact_duplicates(np.fromfile(path, dtype=EXACT))
+
+
+def shared_buckets_in(item: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
+    """`shared_buckets` of one partition file of band records, the exact duplicates (the bitmap
+    saved at `bits`) left out, as `DiskDedup.resolve` does before it sends a partition out."""
+    path, bits = item
+    recs = np.fromfile(path, dtype=BAND)
+    exact = Bits(0)
+    exact.bits = np.load(bits, mmap_mode="r")
+    return shared_buckets(recs[~exact.get(recs["idx"])])
+
+
 class DiskDedup:
     """Collects keys in pass 1 (`add`), then decides (`resolve`); `dropped(lo, hi)` after that."""
 
@@ -199,35 +261,47 @@ class DiskDedup:
         self.exact_bits: Bits | None = None
         self.near_bits: Bits | None = None
 
-    def add(self, keys: bytes, bands: np.ndarray | None) -> None:
-        """One chunk's cleaned documents, in input order: 16-byte keys, (n, bands) band keys."""
+    def add(self, keys: bytes, bands: np.ndarray | tuple[np.ndarray, np.ndarray] | None) -> None:
+        """One chunk's cleaned documents, in input order: 16-byte keys, (n, bands) band keys or
+        `group_bands` of them."""
         k = np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
         n = k.shape[0]
         idx = np.arange(self.n, self.n + n, dtype=np.uint64)
         recs = np.empty(n, dtype=EXACT)
         recs["k0"], recs["k1"], recs["idx"] = k[:, 0], k[:, 1], idx
         self.exact.add(recs)
-        if self.near is not None:
+        if self.near is not None and isinstance(bands, tuple):
+            b, counts = bands
+            b["idx"] += np.uint64(self.n)
+            self.near.add_grouped(b, counts)
+        elif self.near is not None:
             b = np.empty(bands.size, dtype=BAND)
             b["key"] = bands.reshape(-1)
             b["idx"] = np.repeat(idx, bands.shape[1])
             self.near.add(b)
         self.n += n
 
-    def resolve(self, map_parts: Callable[[Callable, Iterable], Iterable] = map, remove: bool = True) -> None:
+    def resolve(self, map_parts: Callable[[Callable, Iterable], Iterable] = map, remove: bool = True, by_path: bool = False) -> None:
         """`map_parts(fn, partitions)`: fn's results over the partitions, in order (`map` here, or
         Ray tasks: `raypool.RayCluster.map`); the partitions are independent, split by key.
-        `remove=False` keeps the partition files (a resumed prepare redoes this stage from them)."""
+        `remove=False` keeps the partition files (a resumed prepare redoes this stage from them).
+        `by_path`: fn gets the files' paths and reads them itself (local worker processes: the
+        sorting is theirs, this process only collects the duplicates' numbers)."""
         self.exact_bits = Bits(self.n)
-        for dropped in map_parts(exact_duplicates, self.exact.read(remove)):
+        exact = map_parts(exact_duplicates_in, self.exact.existing()) if by_path else map_parts(exact_duplicates, self.exact.read(remove))
+        for dropped in exact:
             self.exact_bits.set(dropped)
         if self.near is None:
             return
         self.near_bits = Bits(self.n)
         members, buckets, next_bucket = [], [], 0
-        # exact duplicates never reach the LSH: filtered here (a gather), before the partitions go out
-        kept = (recs[~self.exact_bits.get(recs["idx"])] for recs in self.near.read(remove))
-        for idx, dense in map_parts(shared_buckets, kept):
+        if by_path:  # the workers filter out the exact duplicates, from the bitmap in a file
+            bits = self.root / "exact.bits.npy"
+            np.save(bits, self.exact_bits.bits)
+            found = map_parts(shared_buckets_in, [(p, str(bits)) for p in self.near.existing()])
+        else:  # exact duplicates never reach the LSH: filtered here (a gather), before the partitions go out
+            found = map_parts(shared_buckets, (recs[~self.exact_bits.get(recs["idx"])] for recs in self.near.read(remove)))
+        for idx, dense in found:
             if not idx.size:
                 continue
             members.append(idx)

@@ -125,7 +125,15 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         dd.restore(j.data["pass1"]["dedup"])  # files cut back to the commit (nothing was written after it)
         # with Ray each partition is a task; the records stay until the decisions are on disk: a
         # kill here takes them again
-        dd.resolve(ray.map if ray is not None else map, remove=False)
+        if ray is not None:
+            dd.resolve(ray.map, remove=False)
+        else:  # local workers read and sort the partitions (independent, split by key)
+            pool = start_pool(workers, init_worker, (cfg, None, dtype.name))
+            try:
+                dd.resolve(pool.imap if pool is not None else map, remove=False, by_path=True)
+            finally:
+                if pool is not None:
+                    pool.terminate()
         point("dedup resolved")
         path = j.state_path("decisions.npy")
         dd.save_decisions(path)
@@ -290,7 +298,8 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         work = todo(chunks_with_origin(docs))
         fn = clean_chunk
         if pieces:
-            work = ((w, str(pdir / f"{i:08d}")) for i, w in enumerate(work, skip))
+            band_parts = dd.near.parts if dd.near is not None else 0  # the workers group band keys by file
+            work = ((w, str(pdir / f"{i:08d}"), band_parts) for i, w in enumerate(work, skip))
             fn = partial(spill_chunk, clean_chunk)
         for result in ordered(pool, fn, work, in_flight):
             if result["raw"] is not None:
@@ -299,7 +308,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
                 raw[f] = [a + b for a, b in zip(raw.get(f, [0, 0, 0]), c)]
             dd.add(result["keys"], result.pop("bands"))
             if pieces:
-                del result["keys"]  # on disk in the dedup partitions; the replay needs the counts only
+                del result["keys"]  # in the dedup partitions now; the replay needs the counts only
             spool.add(result)
             point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
             if j.due():

@@ -158,9 +158,14 @@ PIECE_ARRAYS = ("tokens", "lengths", "fallback", "chars", "u", "origin")
 
 def spill_chunk(fn, item: tuple) -> dict:
     """`fn` (`clean_chunk`) over `work`, its per-document arrays written to `path`; returns the
-    rest (counts, dedup keys and band keys) and `n`, the number of cleaned documents."""
-    work, path = item
+    rest (counts, dedup keys, band keys grouped by their `band_parts` partition files) and `n`,
+    the number of cleaned documents."""
+    from mspretrain.data.diskdedup import group_bands
+
+    work, path, band_parts = item
     out = fn(work)
+    if out["bands"] is not None:
+        out["bands"] = group_bands(out["bands"], band_parts)
     has_origin = out["origin"] is not None
     if not has_origin:
         out["origin"] = np.zeros(0, dtype=_origin_dtype())
