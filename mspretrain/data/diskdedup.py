@@ -55,7 +55,7 @@ class Partitions:
         self.root, self.name, self.dtype, self.parts = root, name, dtype, parts
         self.shift = np.uint64(64 - (parts.bit_length() - 1))
         self._buf: list[np.ndarray] = []
-        self._grouped: list[tuple[np.ndarray, np.ndarray]] = []  # (records by file, records per file) per chunk
+        self.ends = np.zeros(parts, dtype=np.int64)  # bytes per file, as `reserve` hands places out
         self._buffered = 0
         self.records = 0
         self.touched: set[int] = set()  # files appended to since `sizes` (what a commit must fsync)
@@ -67,24 +67,9 @@ class Partitions:
         """The file number (uint16) of records with this first field."""
         return (first >> self.shift).astype(np.uint16) if self.parts > 1 else np.zeros(first.size, dtype=np.uint16)
 
-    def add_grouped(self, recs: np.ndarray, counts: np.ndarray) -> None:
-        """Records already in file order (`group`: stable, so input order within each file), with
-        their count per file: a flush then only slices them (a worker did the sorting)."""
-        if not recs.size:
-            return
-        if self._buf:
-            self.flush()  # in input order: what came first goes out first
-        self._grouped.append((recs, np.concatenate([[0], np.cumsum(counts)])))
-        self._buffered += recs.nbytes
-        self.records += recs.size
-        if self._buffered >= BUFFER_BYTES:
-            self.flush()
-
     def add(self, recs: np.ndarray) -> None:
         if not recs.size:
             return
-        if self._grouped:
-            self.flush()
         self._buf.append(recs)
         self._buffered += recs.nbytes
         self.records += recs.size
@@ -92,15 +77,6 @@ class Partitions:
             self.flush()
 
     def flush(self) -> None:
-        if self._grouped:
-            grouped, self._grouped, self._buffered = self._grouped, [], 0
-            for i in range(self.parts):
-                pieces = [recs[b[i]: b[i + 1]] for recs, b in grouped if b[i + 1] > b[i]]
-                if pieces:
-                    self.touched.add(i)
-                    with open(self.path(i), "ab") as f:
-                        for piece in pieces:
-                            piece.tofile(f)
         if not self._buf:
             return
         recs = np.concatenate(self._buf)
@@ -141,7 +117,22 @@ class Partitions:
                     f.truncate(sizes[p.name])
             else:
                 p.unlink(missing_ok=True)
-        self._buf, self._grouped, self._buffered, self.records = [], [], 0, records
+        self._buf, self._buffered, self.records = [], 0, records
+        self.ends = np.array([sizes.get(self.path(i).name, 0) for i in range(self.parts)], dtype=np.int64)
+
+    def reserve(self, counts: np.ndarray) -> list[tuple[str, int, int, int]]:
+        """Places for one chunk's records, grouped by file (`group`) with `counts` per file, after
+        the records reserved before: (file, byte offset, first record, end record) for each file
+        it touches. A worker writes them there (`place_records`); prepare's commit waits for it."""
+        at = self.ends.copy()
+        self.ends += counts.astype(np.int64) * self.dtype.itemsize
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        out = []
+        for i in np.flatnonzero(counts).tolist():
+            self.touched.add(i)
+            out.append((str(self.path(i)), int(at[i]), bounds[i], bounds[i + 1]))
+        self.records += int(bounds[-1])
+        return out
 
     def existing(self) -> list[str]:
         """The files that exist, in order (what `read` would read)."""
@@ -149,18 +140,54 @@ class Partitions:
         return [str(self.path(i)) for i in range(self.parts) if self.path(i).exists()]
 
 
-def group_bands(bands: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
-    """A chunk's (n, bands) band keys as `BAND` records (idx counted from 0 in the chunk) in the
-    order of their partition files (of `parts`), and how many go to each file: a worker's share of
-    `Partitions.flush`, so that the main process only slices (`DiskDedup.add`)."""
-    n, k = bands.shape
-    recs = np.empty(bands.size, dtype=BAND)
-    recs["key"] = bands.reshape(-1)
-    recs["idx"] = np.repeat(np.arange(n, dtype=np.uint64), k)
+def group(recs: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Records in the order of their partition files (of `parts`: by the top bits of their first
+    field; stable, so input order within each file) and how many go to each: a worker's share of
+    `Partitions.flush`."""
     if parts <= 1:
         return recs, np.array([recs.size], dtype=np.int64)
-    part = (recs["key"] >> np.uint64(64 - (parts.bit_length() - 1))).astype(np.uint16)
+    part = (recs[recs.dtype.names[0]] >> np.uint64(64 - (parts.bit_length() - 1))).astype(np.uint16)
     return recs[np.argsort(part, kind="stable")], np.bincount(part, minlength=parts)
+
+
+def chunk_records(keys: bytes, bands: np.ndarray | None, exact_parts: int, band_parts: int) -> tuple:
+    """A chunk's `EXACT` and `BAND` records (idx counted from 0 in the chunk), each `group`ed:
+    (exact records, counts, band records or None, counts or None). Built by a worker; the main
+    process only reserves their places (`DiskDedup.reserve`)."""
+    k = np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
+    n = k.shape[0]
+    recs = np.empty(n, dtype=EXACT)
+    recs["k0"], recs["k1"], recs["idx"] = k[:, 0], k[:, 1], np.arange(n, dtype=np.uint64)
+    out = group(recs, exact_parts)
+    if bands is None:
+        return (*out, None, None)
+    b = np.empty(bands.size, dtype=BAND)
+    b["key"] = bands.reshape(-1)
+    b["idx"] = np.repeat(np.arange(n, dtype=np.uint64), bands.shape[1])
+    return (*out, *group(b, band_parts))
+
+
+def place_records(item: tuple) -> None:
+    """Write a chunk's records (`chunk_records`, saved at `path`) at the places the main process
+    reserved in the partition files, their idx moved on by `base` (the chunk's first document);
+    then remove `path`. Run by a worker: the main process never touches the records."""
+    path, base, places = item
+    with open(path, "rb") as f:
+        arrays = [np.load(f) for _ in places]
+    for recs, where in zip(arrays, places):
+        if not where:
+            continue
+        recs["idx"] += np.uint64(base)
+        for dst, at, lo, hi in where:
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                data = recs[lo:hi].tobytes()
+                while data:
+                    w = os.pwrite(fd, data, at)
+                    data, at = data[w:], at + w
+            finally:
+                os.close(fd)
+    os.unlink(path)
 
 
 class Bits:
@@ -261,20 +288,24 @@ class DiskDedup:
         self.exact_bits: Bits | None = None
         self.near_bits: Bits | None = None
 
-    def add(self, keys: bytes, bands: np.ndarray | tuple[np.ndarray, np.ndarray] | None) -> None:
-        """One chunk's cleaned documents, in input order: 16-byte keys, (n, bands) band keys or
-        `group_bands` of them."""
+    def reserve(self, n: int, exact_counts: np.ndarray, band_counts: np.ndarray | None) -> tuple[int, list, list]:
+        """The next chunk's `n` documents, whose records a worker grouped (`chunk_records`) and
+        will write (`place_records`): (their first idx, the exact places, the band places)."""
+        base = self.n
+        self.n += n
+        exact = self.exact.reserve(exact_counts)
+        band = self.near.reserve(band_counts) if self.near is not None else []
+        return base, exact, band
+
+    def add(self, keys: bytes, bands: np.ndarray | None) -> None:
+        """One chunk's cleaned documents, in input order: 16-byte keys, (n, bands) band keys."""
         k = np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
         n = k.shape[0]
         idx = np.arange(self.n, self.n + n, dtype=np.uint64)
         recs = np.empty(n, dtype=EXACT)
         recs["k0"], recs["k1"], recs["idx"] = k[:, 0], k[:, 1], idx
         self.exact.add(recs)
-        if self.near is not None and isinstance(bands, tuple):
-            b, counts = bands
-            b["idx"] += np.uint64(self.n)
-            self.near.add_grouped(b, counts)
-        elif self.near is not None:
+        if self.near is not None:
             b = np.empty(bands.size, dtype=BAND)
             b["key"] = bands.reshape(-1)
             b["idx"] = np.repeat(idx, bands.shape[1])

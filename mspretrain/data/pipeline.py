@@ -27,7 +27,7 @@ import numpy as np
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import clean, dedup, sources
-from mspretrain.data.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.data.diskdedup import ChunkSpool, DiskDedup, place_records
 from mspretrain.data.origin import RECORD, OriginWriter, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, ordered, start_pool
 from mspretrain.data.publish import build_manifest
@@ -270,7 +270,11 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done["chunks"]
         raw = {int(f): c for f, *c in done["raw"]}
 
+    placing: deque = deque()  # `place_records` tasks out
+
     def commit(**fields) -> None:
+        while placing:  # every record of the chunks so far in its file
+            placing.popleft().get()
         state = dd.state()
         size = spool.flush()
         j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent, *([pdir] if pieces else [])], **fields,
@@ -298,21 +302,31 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         work = todo(chunks_with_origin(docs))
         fn = clean_chunk
         if pieces:
-            band_parts = dd.near.parts if dd.near is not None else 0  # the workers group band keys by file
-            work = ((w, str(pdir / f"{i:08d}"), band_parts) for i, w in enumerate(work, skip))
+            parts = (dd.exact.parts, dd.near.parts if dd.near is not None else 0)  # the workers group records by file
+            work = ((w, str(pdir / f"{i:08d}"), *parts) for i, w in enumerate(work, skip))
             fn = partial(spill_chunk, clean_chunk)
         for result in ordered(pool, fn, work, in_flight):
             if result["raw"] is not None:
                 sources.count_raw(stats, *result["raw"])
                 f, *c = result["raw"]
                 raw[f] = [a + b for a, b in zip(raw.get(f, [0, 0, 0]), c)]
-            dd.add(result["keys"], result.pop("bands"))
-            if pieces:
-                del result["keys"]  # in the dedup partitions now; the replay needs the counts only
+            if pieces:  # a worker writes the chunk's dedup records where they go
+                base, *places = dd.reserve(result["n"], result.pop("exact_counts"), result.pop("band_counts"))
+                task = (str(pdir / f"{spool.chunks:08d}.dd"), base, places if dd.near is not None else places[:1])
+                if pool is None:
+                    place_records(task)
+                else:
+                    placing.append(pool.apply_async(place_records, (task,)))
+                    while len(placing) > in_flight or (placing and placing[0].ready()):
+                        placing.popleft().get()
+            else:
+                dd.add(result["keys"], result.pop("bands"))
             spool.add(result)
             point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
             if j.due():
                 commit()
+        while placing:  # before the pool goes
+            placing.popleft().get()
     finally:
         if pool is not None:
             pool.terminate()

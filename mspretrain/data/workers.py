@@ -157,24 +157,24 @@ PIECE_ARRAYS = ("tokens", "lengths", "fallback", "chars", "u", "origin")
 
 
 def spill_chunk(fn, item: tuple) -> dict:
-    """`fn` (`clean_chunk`) over `work`, its per-document arrays written to `path`; returns the
-    rest (counts, dedup keys, band keys grouped by their `band_parts` partition files) and `n`,
-    the number of cleaned documents."""
-    from mspretrain.data.diskdedup import group_bands
+    """`fn` (`clean_chunk`) over `work`: its per-document arrays written to `path`, its dedup
+    records grouped by partition file (`diskdedup.chunk_records`) to `path`.dd; returns the rest
+    (counts, the records per partition file) and `n`, the number of cleaned documents."""
+    from mspretrain.data.diskdedup import chunk_records
 
-    work, path, band_parts = item
+    work, path, exact_parts, band_parts = item
     out = fn(work)
-    if out["bands"] is not None:
-        out["bands"] = group_bands(out["bands"], band_parts)
+    out["n"] = len(out["keys"]) // 16
+    exact, out["exact_counts"], bands, out["band_counts"] = chunk_records(out.pop("keys"), out.pop("bands"), exact_parts, band_parts)
     has_origin = out["origin"] is not None
     if not has_origin:
         out["origin"] = np.zeros(0, dtype=_origin_dtype())
-    with open(path, "wb") as f:
-        for k in PIECE_ARRAYS:
-            np.save(f, out.pop(k))
-        f.flush()
-        os.fsync(f.fileno())  # durable before the main process commits its chunk (here, in parallel)
-    out["n"] = len(out["keys"]) // 16
+    for name, arrays in ((path, [out.pop(k) for k in PIECE_ARRAYS]), (path + ".dd", [exact] + ([bands] if bands is not None else []))):
+        with open(name, "wb") as f:
+            for a in arrays:
+                np.save(f, a)
+            f.flush()
+            os.fsync(f.fileno())  # durable before the main process commits its chunk (here, in parallel)
     out["has_origin"] = has_origin
     return out
 
