@@ -298,7 +298,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names,
-                                    by_reference=ray is None and LOCAL_PIECES)  # local workers read their blocks
+                                    by_reference=pieces)  # local workers read their blocks (the same chunks on a resume)
         work = todo(chunks_with_origin(docs))
         fn = clean_chunk
         if pieces:

@@ -16,10 +16,13 @@ from mspretrain.data import sources
 
 CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
 CHUNK_DOCS = 4096
-# RawLines blocks (~0.8 MB each) per chunk: the main process's cost is per chunk (a task out, a
-# result back, a journal entry, a replay piece), so a chunk of ~3 MB (~7,000 short documents)
-# lifts its ceiling (docs/benchmarks/prepare.md); the blocks are still decoded one by one.
+# RawLines blocks (~0.8 MB each) per chunk: the main process's cost is per chunk (tasks out,
+# results back, a journal entry), so bigger chunks lift its ceiling (docs/benchmarks/prepare.md);
+# the blocks are still decoded one by one. References to blocks (local workers read them) cost
+# the main process nothing to hold: ~13 MB chunks (~27,000 short documents). Blocks it holds
+# (compressed input, Ray): ~3 MB, as 2 x workers + 1 chunks are in flight.
 RAW_GROUP = 4
+RAW_GROUP_BY_REFERENCE = 16
 
 
 def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str] | sources.RawLines]:
@@ -29,6 +32,7 @@ def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str
     chunk: list[str] = []
     size = 0
     group: list[sources.RawLines] = []
+    most = lambda b: RAW_GROUP if b.data is not None else RAW_GROUP_BY_REFERENCE  # noqa: E731
 
     def grouped() -> sources.RawLines:
         first = group[0]
@@ -42,7 +46,7 @@ def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str
             if chunk:
                 yield chunk
                 chunk, size = [], 0
-            if group and (group[0].file != batch.file or len(group) >= RAW_GROUP):
+            if group and (group[0].file != batch.file or len(group) >= most(group[0])):
                 yield grouped()
             group.append(batch)
             continue
