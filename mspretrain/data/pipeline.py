@@ -6,6 +6,15 @@ chunks of ~256 K characters, `workers.py`) -> dedup + split + write (main proces
 of whole lines (`sources.RawLines`): the main process then only reads bytes, dedups and writes,
 and stays off the critical path (it used to decode, split and pickle every document).
 
+With a given tokenizer and local workers, the main process does per-chunk work only (its serial
+ceiling, docs/benchmarks/prepare.md): the workers read their blocks of uncompressed files
+themselves (`RawLines` by reference), keep each chunk's documents in a file (`PIECES`), write its
+dedup records where the main process reserved their place (`diskdedup.place_records`), sort the
+dedup partitions, and in the replay cut and copy each chunk's shard and origin pieces into the
+outputs at reserved offsets (`workers.replay_chunk`, `workers.place_piece`). `--ray` (whose nodes
+may not share this disk) and a trained tokenizer (whose sample is drawn from the texts here) take
+the path through the main process; both paths write the same bytes.
+
 Work is cut into chunks in input order and the results are consumed in that order (`pool.py`),
 so the output is byte-identical whatever the number of workers.
 """
@@ -127,8 +136,9 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         # kill here takes them again
         if ray is not None:
             dd.resolve(ray.map, remove=False)
-        else:  # local workers read and sort the partitions (independent, split by key)
-            pool = start_pool(workers, init_worker, (cfg, None, dtype.name))
+        else:  # local workers read and sort the partitions (independent, split by key), if there are a few
+            files = len(dd.exact.existing()) + (len(dd.near.existing()) if dd.near is not None else 0)
+            pool = start_pool(workers if files > 2 else 1, init_worker, (cfg, None, dtype.name))
             try:
                 dd.resolve(pool.imap if pool is not None else map, remove=False, by_path=True)
             finally:
@@ -405,7 +415,7 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
     in_flight = 2 * workers + 1
     for o in origins.values():
         o.seek_end()  # the header on disk before the workers write after it
-    pool = start_pool(workers, init_worker, (cfg, None, dtype.name))
+    pool = start_pool(workers if spool.chunks > 1 else 1, init_worker, (cfg, None, dtype.name))  # one chunk: no pool to start
     try:
         for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight)):
             if res["per_file"] is not None:
