@@ -110,7 +110,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     """
     t0 = time.time()
     j = journal
-    removing = None  # the background removal of pass 1's chunk files (`_remove_later`)
+    removing: list = []  # background removals of scratch dirs (`_remove_later`)
     total_bytes = sum(p.stat().st_size for p in paths)
     if given is not None:
         tok_path = given.save_to(work)
@@ -148,7 +148,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         path = j.state_path("decisions.npy")
         dd.save_decisions(path)
         j.commit(fsync=[path, path.parent], stage="replay")
-        shutil.rmtree(dd.root, ignore_errors=True)
+        removing.append(_remove_later(dd.root))
         log(f"dedup: {dd.n:,} cleaned documents decided on disk ({time.time() - t1:.1f} s)")
     if j.stage == "replay":
         dd.load_decisions(j.state_path("decisions.npy"))
@@ -169,7 +169,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
             j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
                      stage="train", state="train")
         spool_path.unlink(missing_ok=True)
-        removing = _remove_later(work / PIECES)
+        removing.append(_remove_later(work / PIECES))
     if j.stage == "train":
         sink = _load_state(j, "train")["sink"]
         sample = sink.sample_texts()
@@ -202,10 +202,11 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         for s in SPLITS:
             (work / f"{s}.spool").unlink(missing_ok=True)
     # "finalize": the index files, then the manifest (redone whole after a kill: it is short)
-    if removing is not None:
-        removing.wait()
+    for child in removing:
+        if child is not None:
+            child.wait()
     spool_path.unlink(missing_ok=True)  # (a kill just after the replay's commit left them)
-    for name in (PIECES, PIECES + ".trash", REPLAY_PIECES):
+    for name in (PIECES, PIECES + ".trash", REPLAY_PIECES, "dedup.tmp", "dedup.tmp.trash"):
         shutil.rmtree(work / name, ignore_errors=True)
     saved = _load_state(j, "finalize")
     sink, tok_info = saved["sink"], saved["tok_info"]
@@ -222,9 +223,9 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
 
 
 def _remove_later(path: Path) -> subprocess.Popen | None:
-    """Remove a directory of pass 1's chunk files in a child process (`rm -rf`), while prepare
-    goes on: freeing their pages costs the kernel ~0.4 ms per chunk, serial time this process no
-    longer spends. Renamed first, so that a kill leaves a name `finalize` removes. None: done here."""
+    """Remove a scratch directory (pass 1's chunk files, the dedup partitions) in a child process
+    (`rm -rf`), while prepare goes on: freeing their pages costs the kernel ~0.4 ms per chunk,
+    serial time this process no longer spends. Renamed first, so that a kill leaves a name `finalize` removes. None: done here."""
     if not path.exists():
         return None
     trash = path.with_name(path.name + ".trash")
