@@ -156,7 +156,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         spool = ChunkSpool(spool_path, j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
         spool.close()
         sink, writers = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0,
-                                workers if j.data["pass1"].get("pieces") else None)
+                                min(workers, len(os.sched_getaffinity(0))) if j.data["pass1"].get("pieces") else None)
         if given is not None:
             tok_info = {"trained": False, "source": str(given.path)}
             _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
@@ -225,7 +225,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
 def _remove_later(path: Path) -> subprocess.Popen | None:
     """Remove a scratch directory (pass 1's chunk files, the dedup partitions) in a child process
     (`rm -rf`), while prepare goes on: freeing their pages costs the kernel ~0.4 ms per chunk,
-    serial time this process no longer spends. Renamed first, so that a kill leaves a name `finalize` removes. None: done here."""
+    serial time this process no longer spends. Renamed first, so that a kill leaves a name
+    `finalize` removes. None: nothing to remove, or removed here."""
     if not path.exists():
         return None
     trash = path.with_name(path.name + ".trash")
@@ -262,7 +263,9 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
            ray=None) -> None:
     """Read, clean, hash; every result to the chunk spool and the dedup records on disk. After a
     kill, the input is read again from its start (main process only) and the chunks up to the
-    last commit are not sent to the workers; their per-file counts come from the journal."""
+    last commit are not sent to the workers; their per-file counts come from the journal. Where
+    the workers read their blocks (`by_reference`), "reading" a skipped chunk is finding its
+    blocks' ends: a few KB each."""
     done = j.data.get("pass1")
     # With a given tokenizer and local workers, the workers keep each chunk's documents in a file
     # of their own and send back only counts and dedup keys (`workers.spill_chunk`). Fixed by the
