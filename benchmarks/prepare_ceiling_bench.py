@@ -5,6 +5,15 @@ pace; then the same corpus with the real workers, one of them, for the per-worke
 Model: with W workers the run goes at min(W x per-worker rate, main-process ceiling); the main
 process stops being the bottleneck below W = ceiling / per-worker rate.
 
+Two ways of moving a chunk's documents, in the same session:
+- "through main" (`pipeline.LOCAL_PIECES = False`, what `--ray` and a trained tokenizer still do,
+  and every run did before): the tokens come back to the main process, which spools, masks and
+  writes them;
+- "pieces" (the default with a given tokenizer and local workers): the workers keep them in files
+  and copy their pieces into the outputs; the main process handles per-chunk counts and keys.
+Main-process CPU seconds (its threads included, the workers and other children not) on the whole
+corpus and on its first quarter give the ceiling and its marginal rate (fixed start-up left out).
+
 The no-op worker answers each block of raw lines with what a real worker returns for it (one
 document per line, 16 random key bytes, 9 band keys with --near, 100 tokens per document),
 computed with a few numpy calls and no per-document Python.
@@ -41,23 +50,28 @@ _NEAR = {"on": False}
 
 
 def noop_chunk(work) -> dict:
-    """What `workers.clean_chunk` returns for a block, without cleaning, hashing or encoding."""
+    """What `workers.clean_chunk` returns for a chunk of raw blocks, without cleaning, hashing or encoding."""
     if not isinstance(work, sources.RawLines):
         raise SystemExit("the ceiling bench needs one-document-per-line .txt input (raw blocks)")
-    buf = np.frombuffer(work.data, dtype=np.uint8)
-    ends = np.flatnonzero(buf == 10)
-    n = int(ends.size)
-    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.uint64)
+    blocks = [replace(work, rest=None), *(work.rest or [])]
+    keys, origins, chars = [], [], []
+    for block in blocks:
+        block = block.load()  # a reference to a block is read here, as a real worker reads it
+        buf = np.frombuffer(block.data, dtype=np.uint8)
+        ends = np.flatnonzero(buf == 10)
+        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.uint64)
+        origin = np.zeros(ends.size, dtype=RECORD)
+        origin["file"], origin["offset"] = block.file, starts + np.uint64(block.offset)
+        origins.append(origin)
+        chars.append((ends - starts.astype(np.int64)).astype(np.int64) // 3)
+        keys.append(np.random.default_rng(block.offset).bytes(16 * ends.size))
+    n = sum(o.size for o in origins)
     rng = np.random.default_rng(work.offset)
-    keys = rng.bytes(16 * n)
-    origin = np.zeros(n, dtype=RECORD)
-    origin["file"], origin["offset"] = work.file, starts + np.uint64(work.offset)
-    lengths = np.full(n, TOKENS_PER_DOC, dtype=np.int32)
-    return {"docs_in": n, "chars_in": len(work.data) // 3, "changed": {}, "dropped": {}, "keys": keys,
-            "chars": (ends - starts.astype(np.int64)).astype(np.int64) // 3, "u": rng.random((n, 2)),
+    return {"docs_in": n, "chars_in": sum(b.size or len(b.data) for b in blocks) // 3, "changed": {}, "dropped": {},
+            "keys": b"".join(keys), "chars": np.concatenate(chars), "u": rng.random((n, 2)),
             "bands": rng.integers(0, 2**63, size=(n, 9), dtype=np.uint64) if _NEAR["on"] else None,
-            "raw": (work.file, n, 0, 0), "origin": origin,
-            "tokens": np.ones(n * TOKENS_PER_DOC, dtype=np.uint16), "lengths": lengths,
+            "raw": (work.file, n, 0, 0), "origin": np.concatenate(origins),
+            "tokens": np.ones(n * TOKENS_PER_DOC, dtype=np.uint16), "lengths": np.full(n, TOKENS_PER_DOC, dtype=np.int32),
             "fallback": np.zeros(n, dtype=np.int64)}
 
 
@@ -73,11 +87,23 @@ def timed(corpus: Path, tok: Path, out: Path, cfg: PrepareConfig, workers: int) 
     return wall, cpu, m
 
 
+def noop_run(corpus: Path, tok: Path, out: Path, cfg: PrepareConfig, workers: int, pieces: bool, repeat: int) -> tuple[float, int]:
+    """(least main-process CPU s of `repeat` runs, documents read) with no-op workers."""
+    real, mode = pipeline.clean_chunk, pipeline.LOCAL_PIECES
+    pipeline.clean_chunk, pipeline.LOCAL_PIECES = noop_chunk, pieces
+    try:
+        runs = [timed(corpus, tok, out, cfg, workers) for _ in range(repeat)]
+    finally:
+        pipeline.clean_chunk, pipeline.LOCAL_PIECES = real, mode
+    return min(cpu for _, cpu, _ in runs), runs[0][2]["documents_in"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("corpus", type=Path)
     ap.add_argument("--near", action="store_true", help="near dedup on (band keys in the results)")
     ap.add_argument("--workers", type=int, default=2, help="no-op workers")
+    ap.add_argument("--repeat", type=int, default=2, help="no-op runs per setting (the least CPU counts)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="prepare_ceiling_"))
     try:
@@ -91,25 +117,33 @@ def main() -> None:
         tok = Tokenizer.load(trained.path).path
         cfg = replace(PrepareConfig(), doc_per_line=True, near_dedup=args.near)
         size = args.corpus.stat().st_size
+        quarter = tmp / "quarter.txt"
+        with open(args.corpus, "rb") as f:
+            head = f.read(size // 4)
+        quarter.write_bytes(head[: head.rfind(b"\n") + 1])
         print(f"corpus {args.corpus} ({size / 1e6:,.0f} MB), near dedup {'on' if args.near else 'off'}, "
-              f"load average {os.getloadavg()[0]:.2f} (2 shared cores)")
+              f"{args.workers} no-op workers, load average {os.getloadavg()[0]:.2f} (2 shared cores)")
         _NEAR["on"] = args.near
-        real = pipeline.clean_chunk
-        pipeline.clean_chunk = noop_chunk
-        try:
-            wall, cpu, m = timed(args.corpus, tok, tmp / "noop", cfg, args.workers)
-        finally:
-            pipeline.clean_chunk = real
-        docs = m["documents_in"]
-        print(f"no-op workers ({args.workers}): {wall:.1f} s wall, main process {cpu:.1f} CPU s: "
-              f"ceiling {docs / cpu:,.0f} documents/s, {size / cpu / 1e6:,.1f} MB/s per main-process CPU second "
-              f"({docs / wall:,.0f} documents/s wall)")
-        wall1, cpu1, m1 = timed(args.corpus, tok, tmp / "real", cfg, 1)
-        print(f"real, 1 worker in-process: {wall1:.1f} s wall, {cpu1:.1f} CPU s: {docs / cpu1:,.0f} documents/s per CPU second "
-              f"(main-process work included)")
-        per_worker = docs / max(cpu1 - cpu, 1e-9)
-        print(f"model: per-worker rate ~{per_worker:,.0f} documents/s (one worker's CPU minus the main process's); "
-              f"the main process is the bottleneck from W = ceiling / per-worker = {(docs / cpu) / per_worker:.1f} workers")
+        ceiling = {}
+        for pieces in (False, True):
+            cpu, docs = noop_run(args.corpus, tok, tmp / "noop", cfg, args.workers, pieces, args.repeat)
+            cpu_q, docs_q = noop_run(quarter, tok, tmp / "noop", cfg, args.workers, pieces, args.repeat)
+            marginal = (docs - docs_q) / max(cpu - cpu_q, 1e-9)
+            mb = (size - quarter.stat().st_size) / max(cpu - cpu_q, 1e-9) / 1e6
+            ceiling[pieces] = (docs / cpu, marginal, cpu_q)
+            print(f"{'pieces' if pieces else 'through main':>12}: main process {cpu:.2f} CPU s for {docs:,} documents "
+                  f"({cpu_q:.2f} s for {docs_q:,}): ceiling {docs / cpu:,.0f} documents/s, {size / cpu / 1e6:,.0f} MB/s; "
+                  f"marginal {marginal:,.0f} documents/s, {mb:,.0f} MB/s")
+        # the per-worker rate on the quarter (the workers' work is per document: the rate holds)
+        wall1, cpu1, m1 = timed(quarter, tok, tmp / "real", cfg, 1)
+        docs = m1["documents_in"]
+        per_worker = docs / max(cpu1 - ceiling[True][2], 1e-9)
+        print(f"real, 1 worker in-process (pieces), the quarter: {wall1:.1f} s wall, {cpu1:.1f} CPU s; per-worker rate "
+              f"~{per_worker:,.0f} documents/s (its CPU minus the main process's)")
+        for pieces in (False, True):
+            whole, marginal, _ = ceiling[pieces]
+            print(f"model, {'pieces' if pieces else 'through main':>12}: the main process is the bottleneck from "
+                  f"W = ceiling / per-worker = {whole / per_worker:.1f} workers ({marginal / per_worker:.1f} at the marginal rate)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -23,6 +23,26 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
+def copy_range(src_fd: int, src_at: int, dst_fd: int, dst_at: int, count: int) -> None:
+    """Copy `count` bytes from `src_at` in file `src_fd` to `dst_at` in file `dst_fd`, in the
+    kernel (`copy_file_range`: the bytes never pass through this process); a read and a write
+    where the kernel cannot (another filesystem, an old kernel)."""
+    while count > 0:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, count, src_at, dst_at)
+        except (AttributeError, OSError):
+            n = 0
+        if n <= 0:  # EXDEV, ENOSYS, EINVAL, or nothing copied: the plain way
+            data = os.pread(src_fd, count, src_at)
+            if len(data) != count:
+                raise OSError(f"short read: {len(data)} of {count} bytes at {src_at}")
+            while data:
+                w = os.pwrite(dst_fd, data, dst_at)
+                data, dst_at = data[w:], dst_at + w
+            return
+        src_at, dst_at, count = src_at + n, dst_at + n, count - n
+
+
 @contextmanager
 def atomic_writer(path: str | Path, *, text: bool = False, fsync: bool = True) -> Iterator[IO]:
     """A file to write `path` through, in pieces: a reader, or a crash at any moment, sees either

@@ -62,6 +62,48 @@ def test_disk_dedup_decides_like_the_in_memory_indexes(tmp_path, monkeypatch, th
     assert not list((tmp_path / "dd").iterdir())  # partition files are removed once read
 
 
+def test_records_placed_by_workers_and_resolve_by_path_change_nothing(tmp_path, monkeypatch):
+    """prepare's local path: workers group each chunk's records by partition file
+    (`chunk_records`), the main process reserves their places (`reserve`), a worker writes them
+    there (`place_records`, chunks out of order here) and workers sort the partitions reading the
+    files (`resolve(by_path=True)`). The partition files are byte for byte those of the
+    main-process path (`add`), and so are the decisions."""
+    monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)
+    monkeypatch.setattr(diskdedup, "BUFFER_BYTES", 2048)
+    docs = _corpus(1500, seed=5)
+    want_exact, want_near = _reference(docs, 0.6)
+    assert want_exact.sum() > 50 and want_near.sum() > 50
+    dds = {mode: diskdedup.DiskDedup(tmp_path / mode, 200_000, True, 0.6) for mode in ("main", "workers")}
+    w = dds["workers"]
+    tasks = []
+    for i, lo in enumerate(range(0, len(docs), 97)):
+        part = docs[lo: lo + 97]
+        keys, bands = dedup.dedup_keys(part), dedup.band_keys(dedup.signatures(part, seed=3), w.bands, w.rows)
+        dds["main"].add(keys, np.array(bands, copy=True))
+        e, ec, b, bc = diskdedup.chunk_records(keys, bands, w.exact.parts, w.near.parts)
+        path = tmp_path / f"chunk{i}.dd"
+        with open(path, "wb") as f:
+            np.save(f, e)
+            np.save(f, b)
+        base, *places = w.reserve(len(part), ec, bc)
+        tasks.append((str(path), base, places))
+    for task in tasks[::-1]:  # the last chunk's records first: every write goes to its reserved place
+        diskdedup.place_records(task)
+    assert not list(tmp_path.glob("chunk*.dd"))
+    for dd in dds.values():
+        dd.state()
+    files = sorted(p.name for p in (tmp_path / "main").iterdir())
+    assert len(files) > 16 and files == sorted(p.name for p in (tmp_path / "workers").iterdir())
+    for name in files:
+        assert (tmp_path / "main" / name).read_bytes() == (tmp_path / "workers" / name).read_bytes(), name
+    dds["main"].resolve()
+    dds["workers"].resolve(map, remove=False, by_path=True)
+    for dd in dds.values():
+        exact, near = dd.dropped(0, len(docs))
+        np.testing.assert_array_equal(exact, want_exact)
+        np.testing.assert_array_equal(near, want_near)
+
+
 def test_exact_only_keeps_first_occurrence(tmp_path):
     docs = ["甲乙丙", "丁戊", "甲乙丙", "己", "丁戊", "甲乙丙"]
     dd = diskdedup.DiskDedup(tmp_path / "dd", 100, False, 0.8)

@@ -512,3 +512,44 @@ def test_poetry_corpus_without_npm(tmp_path, monkeypatch, capsys):
     assert "npm is not installed" in e.value.cause and "mspretrain prepare YOUR_TEXT" in e.value.fix
     monkeypatch.setenv("MSPRETRAIN_CACHE", str(tmp_path / "env"))
     assert corpus.default_cache_dir() == tmp_path / "env"
+
+
+@pytest.mark.parametrize("case", ["chunks", "split move"])
+def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(prepared, tmp_path, monkeypatch, case):
+    """With a given tokenizer and local workers, the workers read their blocks, keep their chunks
+    in files, place the dedup records and the shard pieces (`pipeline.LOCAL_PIECES`); the path
+    through the main process (`--ray`'s) is the reference: the same bytes, the same manifest.
+    Small blocks: many chunks, several files, near dedup on; or 5 documents, valid left empty,
+    so that the last train document moves (`Sink.finish`, `ShardWriter.pop_last`)."""
+    from mspretrain.data import pipeline, pool, sources
+
+    out, _ = prepared
+    d = tmp_path / "in"
+    d.mkdir()
+    poems = [p.replace("\n", "，") for p in make_poems(300, seed=11)]
+    if case == "chunks":
+        for k in range(3):
+            (d / f"p{k}.txt").write_text("\n".join(poems[k * 100: (k + 1) * 100] + poems[:5]) + "\n", encoding="utf-8")
+        cfg = replace(CFG, doc_per_line=True, near_dedup=True)
+    else:
+        (d / "p.txt").write_text("\n".join(poems[:5]) + "\n", encoding="utf-8")
+        cfg = replace(CFG, doc_per_line=True, valid_fraction=0.001)
+    monkeypatch.setattr(sources, "RAW_READ_BYTES", 2048)
+    monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
+    calls = []
+    real = pipeline._replay_pieces
+    monkeypatch.setattr(pipeline, "_replay_pieces", lambda *a: calls.append(1) or real(*a))
+    manifests = {}
+    for local in (True, False):
+        monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
+        m = prepare([str(d)], tmp_path / str(local), cfg, tokenizer=str(out / "tokenizer.model"), workers=2, **QUIET)
+        manifests[local] = json.dumps(m)
+    assert calls == [1]  # the per-chunk path ran once, the other run went through the main process
+    for name in FILES:
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
+    assert manifests[True] == manifests[False]
+    m = json.loads(manifests[True])
+    if case == "chunks":
+        assert m["dropped"].get("exact_dup", 0) > 0 and m["documents"]["valid"] > 0
+    else:
+        assert m["documents"] == {"train": 4, "valid": 1}

@@ -55,12 +55,17 @@ class Partitions:
         self.root, self.name, self.dtype, self.parts = root, name, dtype, parts
         self.shift = np.uint64(64 - (parts.bit_length() - 1))
         self._buf: list[np.ndarray] = []
+        self.ends = np.zeros(parts, dtype=np.int64)  # bytes per file, as `reserve` hands places out
         self._buffered = 0
         self.records = 0
         self.touched: set[int] = set()  # files appended to since `sizes` (what a commit must fsync)
 
     def path(self, i: int) -> Path:
         return self.root / f"{self.name}.{i:04d}"
+
+    def part_of(self, first: np.ndarray) -> np.ndarray:
+        """The file number (uint16) of records with this first field."""
+        return (first >> self.shift).astype(np.uint16) if self.parts > 1 else np.zeros(first.size, dtype=np.uint16)
 
     def add(self, recs: np.ndarray) -> None:
         if not recs.size:
@@ -76,9 +81,8 @@ class Partitions:
             return
         recs = np.concatenate(self._buf)
         self._buf, self._buffered = [], 0
-        first = recs[recs.dtype.names[0]]
         # uint16 file numbers: numpy's stable sort is a radix sort for them
-        part = (first >> self.shift).astype(np.uint16) if self.parts > 1 else np.zeros(recs.size, dtype=np.uint16)
+        part = self.part_of(recs[recs.dtype.names[0]])
         order = np.argsort(part, kind="stable")  # stable: input order within each file
         recs, part = recs[order], part[order]
         bounds = np.searchsorted(part, np.arange(self.parts + 1))
@@ -114,6 +118,76 @@ class Partitions:
             else:
                 p.unlink(missing_ok=True)
         self._buf, self._buffered, self.records = [], 0, records
+        self.ends = np.array([sizes.get(self.path(i).name, 0) for i in range(self.parts)], dtype=np.int64)
+
+    def reserve(self, counts: np.ndarray) -> list[tuple[str, int, int, int]]:
+        """Places for one chunk's records, grouped by file (`group`) with `counts` per file, after
+        the records reserved before: (file, byte offset, first record, end record) for each file
+        it touches. A worker writes them there (`place_records`); prepare's commit waits for it."""
+        at = self.ends.copy()
+        self.ends += counts.astype(np.int64) * self.dtype.itemsize
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        out = []
+        for i in np.flatnonzero(counts).tolist():
+            self.touched.add(i)
+            out.append((str(self.path(i)), int(at[i]), bounds[i], bounds[i + 1]))
+        self.records += int(bounds[-1])
+        return out
+
+    def existing(self) -> list[str]:
+        """The files that exist, in order (what `read` would read)."""
+        self.flush()
+        return [str(self.path(i)) for i in range(self.parts) if self.path(i).exists()]
+
+
+def group(recs: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Records in the order of their partition files (of `parts`: by the top bits of their first
+    field; stable, so input order within each file) and how many go to each: a worker's share of
+    `Partitions.flush`."""
+    if parts <= 1:
+        return recs, np.array([recs.size], dtype=np.int64)
+    part = (recs[recs.dtype.names[0]] >> np.uint64(64 - (parts.bit_length() - 1))).astype(np.uint16)
+    return recs[np.argsort(part, kind="stable")], np.bincount(part, minlength=parts)
+
+
+def chunk_records(keys: bytes, bands: np.ndarray | None, exact_parts: int, band_parts: int) -> tuple:
+    """A chunk's `EXACT` and `BAND` records (idx counted from 0 in the chunk), each `group`ed:
+    (exact records, counts, band records or None, counts or None). Built by a worker; the main
+    process only reserves their places (`DiskDedup.reserve`)."""
+    k = np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
+    n = k.shape[0]
+    recs = np.empty(n, dtype=EXACT)
+    recs["k0"], recs["k1"], recs["idx"] = k[:, 0], k[:, 1], np.arange(n, dtype=np.uint64)
+    out = group(recs, exact_parts)
+    if bands is None:
+        return (*out, None, None)
+    b = np.empty(bands.size, dtype=BAND)
+    b["key"] = bands.reshape(-1)
+    b["idx"] = np.repeat(np.arange(n, dtype=np.uint64), bands.shape[1])
+    return (*out, *group(b, band_parts))
+
+
+def place_records(item: tuple) -> None:
+    """Write a chunk's records (`chunk_records`, saved at `path`) at the places the main process
+    reserved in the partition files, their idx moved on by `base` (the chunk's first document);
+    then remove `path`. Run by a worker: the main process never touches the records."""
+    path, base, places = item
+    with open(path, "rb") as f:
+        arrays = [np.load(f) for _ in places]
+    for recs, where in zip(arrays, places):
+        if not where:
+            continue
+        recs["idx"] += np.uint64(base)
+        for dst, at, lo, hi in where:
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                data = recs[lo:hi].tobytes()
+                while data:
+                    w = os.pwrite(fd, data, at)
+                    data, at = data[w:], at + w
+            finally:
+                os.close(fd)
+    os.unlink(path)
 
 
 class Bits:
@@ -186,6 +260,21 @@ def shared_buckets(recs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return s["idx"][shared].astype(np.int64), dense
 
 
+def exact_duplicates_in(path: str) -> np.ndarray:
+    """`exact_duplicates` of one partition file, read here (a worker)."""
+    return exact_duplicates(np.fromfile(path, dtype=EXACT))
+
+
+def shared_buckets_in(item: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
+    """`shared_buckets` of one partition file of band records, the exact duplicates (the bitmap
+    saved at `bits`) left out, as `DiskDedup.resolve` does before it sends a partition out."""
+    path, bits = item
+    recs = np.fromfile(path, dtype=BAND)
+    exact = Bits(0)
+    exact.bits = np.load(bits, mmap_mode="r")
+    return shared_buckets(recs[~exact.get(recs["idx"])])
+
+
 class DiskDedup:
     """Collects keys in pass 1 (`add`), then decides (`resolve`); `dropped(lo, hi)` after that."""
 
@@ -198,6 +287,15 @@ class DiskDedup:
         self.near = Partitions(root, "band", BAND, part_count(expected_bytes * max(self.bands, 1) * 0.7)) if near else None
         self.exact_bits: Bits | None = None
         self.near_bits: Bits | None = None
+
+    def reserve(self, n: int, exact_counts: np.ndarray, band_counts: np.ndarray | None) -> tuple[int, list, list]:
+        """The next chunk's `n` documents, whose records a worker grouped (`chunk_records`) and
+        will write (`place_records`): (their first idx, the exact places, the band places)."""
+        base = self.n
+        self.n += n
+        exact = self.exact.reserve(exact_counts)
+        band = self.near.reserve(band_counts) if self.near is not None else []
+        return base, exact, band
 
     def add(self, keys: bytes, bands: np.ndarray | None) -> None:
         """One chunk's cleaned documents, in input order: 16-byte keys, (n, bands) band keys."""
@@ -214,20 +312,27 @@ class DiskDedup:
             self.near.add(b)
         self.n += n
 
-    def resolve(self, map_parts: Callable[[Callable, Iterable], Iterable] = map, remove: bool = True) -> None:
+    def resolve(self, map_parts: Callable[[Callable, Iterable], Iterable] = map, remove: bool = True, by_path: bool = False) -> None:
         """`map_parts(fn, partitions)`: fn's results over the partitions, in order (`map` here, or
         Ray tasks: `raypool.RayCluster.map`); the partitions are independent, split by key.
-        `remove=False` keeps the partition files (a resumed prepare redoes this stage from them)."""
+        `remove=False` keeps the partition files (a resumed prepare redoes this stage from them).
+        `by_path`: fn gets the files' paths and reads them itself (local worker processes: the
+        sorting is theirs, this process only collects the duplicates' numbers)."""
         self.exact_bits = Bits(self.n)
-        for dropped in map_parts(exact_duplicates, self.exact.read(remove)):
+        exact = map_parts(exact_duplicates_in, self.exact.existing()) if by_path else map_parts(exact_duplicates, self.exact.read(remove))
+        for dropped in exact:
             self.exact_bits.set(dropped)
         if self.near is None:
             return
         self.near_bits = Bits(self.n)
         members, buckets, next_bucket = [], [], 0
-        # exact duplicates never reach the LSH: filtered here (a gather), before the partitions go out
-        kept = (recs[~self.exact_bits.get(recs["idx"])] for recs in self.near.read(remove))
-        for idx, dense in map_parts(shared_buckets, kept):
+        if by_path:  # the workers filter out the exact duplicates, from the bitmap in a file
+            bits = self.root / "exact.bits.npy"
+            np.save(bits, self.exact_bits.bits)
+            found = map_parts(shared_buckets_in, [(p, str(bits)) for p in self.near.existing()])
+        else:  # exact duplicates never reach the LSH: filtered here (a gather), before the partitions go out
+            found = map_parts(shared_buckets, (recs[~self.exact_bits.get(recs["idx"])] for recs in self.near.read(remove)))
+        for idx, dense in found:
             if not idx.size:
                 continue
             members.append(idx)

@@ -60,6 +60,27 @@ class OriginWriter:
             self._f.write(np.ascontiguousarray(origin, dtype=RECORD).tobytes())
             self.records += int(origin.size)
 
+    def reserve(self, nbytes: int) -> int:
+        """Count records someone else writes into this file, at the returned offset (`prepare`'s
+        replay workers); `seek_end` before adding through this writer again."""
+        at = len(HEADER) + self.records * RECORD.itemsize
+        self.records += nbytes // RECORD.itemsize
+        return at
+
+    def seek_end(self) -> None:
+        self._f.flush()
+        self._f.seek(len(HEADER) + self.records * RECORD.itemsize)
+
+    def pop_last(self) -> np.ndarray:
+        """Remove the last record and return it (the document `prepare` moves to the other split)."""
+        self._f.flush()
+        self.records -= 1
+        size = len(HEADER) + self.records * RECORD.itemsize
+        last = np.fromfile(self.path, dtype=RECORD, count=1, offset=size)
+        self._f.truncate(size)
+        self._f.seek(size)
+        return last
+
     def close(self) -> None:
         self._f.close()
 

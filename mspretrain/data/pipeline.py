@@ -6,6 +6,15 @@ chunks of ~256 K characters, `workers.py`) -> dedup + split + write (main proces
 of whole lines (`sources.RawLines`): the main process then only reads bytes, dedups and writes,
 and stays off the critical path (it used to decode, split and pickle every document).
 
+With a given tokenizer and local workers, the main process does per-chunk work only (its serial
+ceiling, docs/benchmarks/prepare.md): the workers read their blocks of uncompressed files
+themselves (`RawLines` by reference), keep each chunk's documents in a file (`PIECES`), write its
+dedup records where the main process reserved their place (`diskdedup.place_records`), sort the
+dedup partitions, and in the replay cut and copy each chunk's shard and origin pieces into the
+outputs at reserved offsets (`workers.replay_chunk`, `workers.place_piece`). `--ray` (whose nodes
+may not share this disk) and a trained tokenizer (whose sample is drawn from the texts here) take
+the path through the main process; both paths write the same bytes.
+
 Work is cut into chunks in input order and the results are consumed in that order (`pool.py`),
 so the output is byte-identical whatever the number of workers.
 """
@@ -14,10 +23,12 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 import time
 from collections import deque
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -25,7 +36,7 @@ import numpy as np
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import clean, dedup, sources
-from mspretrain.data.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.data.diskdedup import ChunkSpool, DiskDedup, place_records
 from mspretrain.data.origin import RECORD, OriginWriter, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, ordered, start_pool
 from mspretrain.data.publish import build_manifest
@@ -34,10 +45,14 @@ from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import Sink
 from mspretrain.data.spool import Spool, read_spool
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
-from mspretrain.data.workers import clean_chunk, init_worker, tokenize_chunk
+from mspretrain.data.workers import clean_chunk, init_worker, place_piece, replay_chunk, spill_chunk, tokenize_chunk
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
+
+LOCAL_PIECES = True  # False: every chunk's documents pass through this process, as with --ray (benchmarks compare)
+PIECES = "pass1.pieces"  # pass 1's per-chunk files written by the workers (`workers.spill_chunk`)
+REPLAY_PIECES = "replay.pieces"  # the replay's per-chunk shard and origin pieces (`workers.replay_chunk`)
 
 
 def progress_bar(enabled: bool, total: int, desc: str):
@@ -95,6 +110,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     """
     t0 = time.time()
     j = journal
+    removing: list = []  # background removals of scratch dirs (`_remove_later`)
     total_bytes = sum(p.stat().st_size for p in paths)
     if given is not None:
         tok_path = given.save_to(work)
@@ -118,19 +134,29 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         dd.restore(j.data["pass1"]["dedup"])  # files cut back to the commit (nothing was written after it)
         # with Ray each partition is a task; the records stay until the decisions are on disk: a
         # kill here takes them again
-        dd.resolve(ray.map if ray is not None else map, remove=False)
+        if ray is not None:
+            dd.resolve(ray.map, remove=False)
+        else:  # local workers read and sort the partitions (independent, split by key), if there are a few
+            files = len(dd.exact.existing()) + (len(dd.near.existing()) if dd.near is not None else 0)
+            pool = start_pool(workers if files > 2 else 1, init_worker, (cfg, None, dtype.name))
+            try:
+                dd.resolve(pool.imap if pool is not None else map, remove=False, by_path=True)
+            finally:
+                if pool is not None:
+                    pool.terminate()
         point("dedup resolved")
         path = j.state_path("decisions.npy")
         dd.save_decisions(path)
         j.commit(fsync=[path, path.parent], stage="replay")
-        shutil.rmtree(dd.root, ignore_errors=True)
+        removing.append(_remove_later(dd.root))
         log(f"dedup: {dd.n:,} cleaned documents decided on disk ({time.time() - t1:.1f} s)")
     if j.stage == "replay":
         dd.load_decisions(j.state_path("decisions.npy"))
         shutil.rmtree(dd.root, ignore_errors=True)
         spool = ChunkSpool(spool_path, j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
         spool.close()
-        sink, writers = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0)
+        sink, writers = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0,
+                                min(workers, len(os.sched_getaffinity(0))) if j.data["pass1"].get("pieces") else None)
         if given is not None:
             tok_info = {"trained": False, "source": str(given.path)}
             _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
@@ -143,6 +169,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
             j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
                      stage="train", state="train")
         spool_path.unlink(missing_ok=True)
+        removing.append(_remove_later(work / PIECES))
     if j.stage == "train":
         sink = _load_state(j, "train")["sink"]
         sample = sink.sample_texts()
@@ -175,6 +202,12 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         for s in SPLITS:
             (work / f"{s}.spool").unlink(missing_ok=True)
     # "finalize": the index files, then the manifest (redone whole after a kill: it is short)
+    for child in removing:
+        if child is not None:
+            child.wait()
+    spool_path.unlink(missing_ok=True)  # (a kill just after the replay's commit left them)
+    for name in (PIECES, PIECES + ".trash", REPLAY_PIECES, "dedup.tmp", "dedup.tmp.trash"):
+        shutil.rmtree(work / name, ignore_errors=True)
     saved = _load_state(j, "finalize")
     sink, tok_info = saved["sink"], saved["tok_info"]
     if given is None:
@@ -187,6 +220,23 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     # instead of reading every shard (data/manifest.py, check_data_dir)
     manifest["max_token_id"] = {s: j.data["writers"][s]["max_token"] for s in SPLITS}
     return manifest
+
+
+def _remove_later(path: Path) -> subprocess.Popen | None:
+    """Remove a scratch directory (pass 1's chunk files, the dedup partitions) in a child process
+    (`rm -rf`), while prepare goes on: freeing their pages costs the kernel ~0.4 ms per chunk,
+    serial time this process no longer spends. Renamed first, so that a kill leaves a name
+    `finalize` removes. None: nothing to remove, or removed here."""
+    if not path.exists():
+        return None
+    trash = path.with_name(path.name + ".trash")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    try:
+        return subprocess.Popen(["rm", "-rf", "--", str(trash)], stdin=subprocess.DEVNULL)
+    except OSError:  # no `rm` here
+        shutil.rmtree(trash, ignore_errors=True)
+        return None
 
 
 def _save_state(j: Journal, name: str, *, stats: sources.SourceStats, sink: Sink | None = None, tok_info: dict | None = None) -> None:
@@ -213,22 +263,37 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
            ray=None) -> None:
     """Read, clean, hash; every result to the chunk spool and the dedup records on disk. After a
     kill, the input is read again from its start (main process only) and the chunks up to the
-    last commit are not sent to the workers; their per-file counts come from the journal."""
+    last commit are not sent to the workers; their per-file counts come from the journal. Where
+    the workers read their blocks (`by_reference`), "reading" a skipped chunk is finding its
+    blocks' ends: a few KB each."""
     done = j.data.get("pass1")
+    # With a given tokenizer and local workers, the workers keep each chunk's documents in a file
+    # of their own and send back only counts and dedup keys (`workers.spill_chunk`). Fixed by the
+    # run that started pass 1: its spool holds one kind of record or the other.
+    pieces = bool(tok_path) and ray is None and LOCAL_PIECES if done is None else bool(done.get("pieces"))
+    pdir = spool_path.parent / PIECES
     if done is None:  # a new pass 1 (or one killed before its first commit)
         shutil.rmtree(dd.root, ignore_errors=True)
         dd.root.mkdir()
+        shutil.rmtree(pdir, ignore_errors=True)
+        if pieces:
+            pdir.mkdir()
         spool, skip, raw = ChunkSpool(spool_path), 0, {}
     else:
         dd.restore(done["dedup"])
         spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done["chunks"]
         raw = {int(f): c for f, *c in done["raw"]}
 
+    placing: deque = deque()  # `place_records` tasks out
+
     def commit(**fields) -> None:
+        while placing:  # every record of the chunks so far in its file
+            placing.popleft().get()
         state = dd.state()
         size = spool.flush()
-        j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent], **fields,
-                 pass1={"chunks": spool.chunks, "spool_bytes": size, "dedup": state, "raw": [[f, *c] for f, c in sorted(raw.items())]})
+        j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent, *([pdir] if pieces else [])], **fields,
+                 pass1={"chunks": spool.chunks, "spool_bytes": size, "dedup": state, "raw": [[f, *c] for f, c in sorted(raw.items())],
+                        "pieces": pieces})
 
     def todo(items: Iterator) -> Iterator:
         for _ in range(skip):  # read again, not cleaned again (chunk boundaries are a function of the input)
@@ -241,20 +306,41 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     in_flight = 2 * workers + 1
     bar = progress_bar(progress, sum(p.stat().st_size for p in paths), "clean" if not tok_path else "clean+tokenize")
     lsh = (dd.bands, dd.rows, *dedup._permutations(cfg.seed, dedup.NUM_PERM)) if cfg.near_dedup else None
+    if pieces and ray is not None:  # resumed with --ray after a local start: finish pass 1 locally
+        ray, workers = None, min(workers, len(os.sched_getaffinity(0)))
     pool = start_pool(workers, init_worker, (cfg, tok_path or None, dtype.name, lsh), warm_up=clean.warm_up, ray=ray)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
-                                    stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names)
-        for result in ordered(pool, clean_chunk, todo(chunks_with_origin(docs)), in_flight):
+                                    stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names,
+                                    by_reference=pieces)  # local workers read their blocks (the same chunks on a resume)
+        work = todo(chunks_with_origin(docs))
+        fn = clean_chunk
+        if pieces:
+            parts = (dd.exact.parts, dd.near.parts if dd.near is not None else 0)  # the workers group records by file
+            work = ((w, str(pdir / f"{i:08d}"), *parts) for i, w in enumerate(work, skip))
+            fn = partial(spill_chunk, clean_chunk)
+        for result in ordered(pool, fn, work, in_flight):
             if result["raw"] is not None:
                 sources.count_raw(stats, *result["raw"])
                 f, *c = result["raw"]
                 raw[f] = [a + b for a, b in zip(raw.get(f, [0, 0, 0]), c)]
-            dd.add(result["keys"], result.pop("bands"))
+            if pieces:  # a worker writes the chunk's dedup records where they go
+                base, *places = dd.reserve(result["n"], result.pop("exact_counts"), result.pop("band_counts"))
+                task = (str(pdir / f"{spool.chunks:08d}.dd"), base, places if dd.near is not None else places[:1])
+                if pool is None:
+                    place_records(task)
+                else:
+                    placing.append(pool.apply_async(place_records, (task,)))
+                    while len(placing) > in_flight or (placing and placing[0].ready()):
+                        placing.popleft().get()
+            else:
+                dd.add(result["keys"], result.pop("bands"))
             spool.add(result)
             point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
             if j.due():
                 commit()
+        while placing:  # before the pool goes
+            placing.popleft().get()
     finally:
         if pool is not None:
             pool.terminate()
@@ -268,20 +354,25 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
 
 def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool,
             log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
-            t0: float) -> tuple[Sink, dict[str, ShardWriter]]:
+            t0: float, pieces_workers: int | None = None) -> tuple[Sink, dict[str, ShardWriter]]:
     """Pass 1's results again, now with their fate known, to the sink (redone whole after a kill:
-    every file it writes is started anew)."""
+    every file it writes is started anew). `pieces_workers`: pass 1 left its chunks in files
+    (`workers.spill_chunk`); this many workers cut them into pieces of the outputs."""
     writers = {s: ShardWriter(work / s, dtype) for s in SPLITS} if tokens else {}
     spools = None if tokens else {s: Spool(work / f"{s}.spool") for s in SPLITS}
     origins = {s: OriginWriter(work / origin_name(s)) for s in SPLITS}
     sink = Sink(cfg, writers if tokens else spools, 0 if tokens else cfg.tokenizer_sample_chars, origins)
-    done = 0
-    for i, result in enumerate(spool.read(remove=False)):
-        n = len(result["chars"])
-        sink.take(result, *dd.dropped(done, done + n))
-        done += n
-        point(f"replay {i + 1}")
-    for w in sink.finish():
+    if pieces_workers is not None:
+        notes = _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, pieces_workers)
+    else:
+        done = 0
+        for i, result in enumerate(spool.read(remove=False)):
+            n = len(result["chars"])
+            sink.take(result, *dd.dropped(done, done + n))
+            done += n
+            point(f"replay {i + 1}")
+        notes = sink.finish()
+    for w in notes:
         warn(w)
     for o in origins.values():
         o.close()
@@ -301,6 +392,72 @@ def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dty
     log(f"kept {kept:,} of {sink.docs_in:,} documents ({sink.chars['train'] + sink.chars['valid']:,} characters, "
         f"{time.time() - t0:.1f} s)")
     return sink, writers
+
+
+def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool, sink: Sink,
+                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int) -> list[str]:
+    """The replay when pass 1's chunks are in files: workers cut each chunk into its kept
+    documents' shard and origin pieces (`workers.replay_chunk`); here, per chunk, only the counts
+    and each piece's place in the outputs, in order, where a worker copies it (`workers.place_piece`,
+    in the kernel). Same bytes as `Sink.take`:
+    each split's documents in input order, and at the end the move of `Sink.finish`."""
+    src, dst = work / PIECES, work / REPLAY_PIECES
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir()
+
+    def items() -> Iterator[tuple]:
+        done = 0
+        for i, meta in enumerate(spool.read(remove=False)):
+            n = meta["n"]
+            exact, near = dd.dropped(done, done + n)
+            done += n
+            sink.count(meta, exact, near)  # in chunk order, as `Sink.take` counts
+            yield str(src / f"{i:08d}"), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype
+
+    last_chars: dict[str, int] = {}
+    placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
+    in_flight = 2 * workers + 1
+    for o in origins.values():
+        o.seek_end()  # the header on disk before the workers write after it
+    pool = start_pool(workers if spool.chunks > 1 else 1, init_worker, (cfg, None, dtype.name))  # one chunk: no pool to start
+    try:
+        for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight)):
+            if res["per_file"] is not None:
+                sink.per_file.merge(res["per_file"])
+            copies = []
+            for split, p in res["splits"].items():
+                sink.docs[split] += p["docs"]
+                sink.chars[split] += p["chars"]
+                n_tok, n_len, n_org = p["sizes"]
+                at_bin, at_len = writers[split].reserve(n_tok, n_len, p["max_token"])
+                w_bin, w_len = writers[split].files()
+                copies += [(str(w_bin), at_bin, p["at"], n_tok), (str(w_len), at_len, p["at"] + n_tok, n_len),
+                           (str(origins[split].path), origins[split].reserve(n_org), p["at"] + n_tok + n_len, n_org)]
+                last_chars[split] = p["last_chars"]
+            task = (str(dst / f"{i:08d}"), copies)
+            if pool is None:
+                place_piece(task)
+            else:
+                placing.append(pool.apply_async(place_piece, (task,)))
+                while len(placing) > in_flight or (placing and placing[0].ready()):
+                    placing.popleft().get()
+            point(f"replay {i + 1}")
+        while placing:
+            placing.popleft().get()
+    finally:
+        if pool is not None:
+            pool.terminate()
+    for w in (*writers.values(), *origins.values()):
+        w.seek_end()
+    moved = sink.planned_move()
+    if moved:
+        a, b = moved
+        last = writers[a].pop_last()
+        writers[b].add_flat(last, np.array([last.size], dtype=np.int32))
+        if origins[a].records:
+            origins[b].add(origins[a].pop_last())
+    shutil.rmtree(dst, ignore_errors=True)
+    return sink.count_move(moved, last_chars[moved[0]] if moved else 0)
 
 
 def _encode(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dtype, sink: Sink, workers: int, progress: bool,

@@ -9,26 +9,49 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
 from mspretrain.data import sources
 
 CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
 CHUNK_DOCS = 4096
+# RawLines blocks (~0.8 MB each) per chunk: the main process's cost is per chunk (tasks out,
+# results back, a journal entry), so bigger chunks lift its ceiling (docs/benchmarks/prepare.md);
+# the blocks are still decoded one by one. References to blocks (local workers read them) cost
+# the main process nothing to hold: ~13 MB chunks (~27,000 short documents). Blocks it holds
+# (compressed input, Ray): ~3 MB, as 2 x workers + 1 chunks are in flight.
+RAW_GROUP = 4
+RAW_GROUP_BY_REFERENCE = 16
 
 
 def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str] | sources.RawLines]:
-    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents); a
-    `RawLines` block is a chunk of its own (the documents before it go first)."""
+    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents); up to
+    RAW_GROUP consecutive `RawLines` blocks of one file make a chunk of their own (the first
+    carries the others in `rest`; the documents before them go first)."""
     chunk: list[str] = []
     size = 0
+    group: list[sources.RawLines] = []
+    most = lambda b: RAW_GROUP if b.data is not None else RAW_GROUP_BY_REFERENCE  # noqa: E731
+
+    def grouped() -> sources.RawLines:
+        first = group[0]
+        if len(group) > 1:
+            first = replace(first, rest=group[1:])
+        group.clear()
+        return first
+
     for batch in batches:
         if isinstance(batch, sources.RawLines):
             if chunk:
                 yield chunk
                 chunk, size = [], 0
-            yield batch
+            if group and (group[0].file != batch.file or len(group) >= most(group[0])):
+                yield grouped()
+            group.append(batch)
             continue
+        if group:
+            yield grouped()
         n = sum(map(len, batch))
         if size + n < CHUNK_CHARS and len(chunk) + len(batch) < CHUNK_DOCS:
             chunk.extend(batch)  # the common case: the whole batch fits
@@ -40,6 +63,8 @@ def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str
             if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
                 yield chunk
                 chunk, size = [], 0
+    if group:
+        yield grouped()
     if chunk:
         yield chunk
 

@@ -121,6 +121,35 @@ class ShardWriter:
         arrs = [np.asarray(d) for d in docs]
         self.add_flat(np.concatenate(arrs), np.array([a.size for a in arrs], dtype=np.int32))
 
+    def reserve(self, token_bytes: int, length_bytes: int, max_token: int) -> tuple[int, int]:
+        """Count documents that someone else writes into this writer's files, at the returned
+        offsets (tokens in `.bin.tmp`, int32 lengths in `.len.tmp`): `prepare`'s replay has its
+        workers copy their pieces there. `seek_end` before writing through this writer again."""
+        at = (self.tokens * self.dtype.itemsize, self.documents * 4)
+        self.tokens += token_bytes // self.dtype.itemsize
+        self.documents += length_bytes // 4
+        self.max_token = max(self.max_token, max_token)
+        return at
+
+    def seek_end(self) -> None:
+        """After `reserve`d pieces were written: write on after them."""
+        self._bin.seek(self.tokens * self.dtype.itemsize)
+        self._len.seek(self.documents * 4)
+
+    def pop_last(self) -> np.ndarray:
+        """Remove the last document written and return its tokens (`prepare` moves it to the
+        other split when one would be empty); `max_token` is recomputed over what stays."""
+        self.state()
+        (n,) = np.fromfile(self._len_tmp, dtype=np.int32, count=1, offset=(self.documents - 1) * 4)
+        keep = self.tokens - int(n)
+        last = np.fromfile(self._bin_tmp, dtype=self.dtype, count=int(n), offset=keep * self.dtype.itemsize)
+        for f, size in ((self._bin, keep * self.dtype.itemsize), (self._len, (self.documents - 1) * 4)):
+            f.truncate(size)
+            f.seek(size)
+        self.tokens, self.documents = keep, self.documents - 1
+        self.max_token = int(np.memmap(self._bin_tmp, dtype=self.dtype, mode="r", shape=(keep,)).max()) if keep else -1
+        return last
+
     def add_flat(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Write documents given back to back in `tokens`, `lengths[i]` tokens each (the hot
         path of `prepare`: one write, no per-document Python work)."""

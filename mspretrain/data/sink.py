@@ -31,13 +31,20 @@ class FileTally:
         self.sums = {k: np.zeros(0, dtype=np.int64) for k in self.KEYS}
 
     def add(self, files: np.ndarray, **values: np.ndarray) -> None:
+        self.merge(self.sums_of(files, **values))
+
+    @staticmethod
+    def sums_of(files: np.ndarray, **values: np.ndarray) -> dict[str, np.ndarray]:
+        """One chunk's sums per file (what `add` adds; a worker computes them, `merge` adds them)."""
         if not files.size:
-            return
+            return {}
         files = files.astype(np.int64)
         values.setdefault("documents", np.ones(files.size, dtype=np.int64))
         n = int(files.max()) + 1
-        for k, v in values.items():
-            got = np.bincount(files, weights=v, minlength=n).round().astype(np.int64)
+        return {k: np.bincount(files, weights=v, minlength=n).round().astype(np.int64) for k, v in values.items()}
+
+    def merge(self, sums: dict[str, np.ndarray]) -> None:
+        for k, got in sums.items():
             have = self.sums[k]
             if have.size < got.size:
                 have = np.concatenate([have, np.zeros(got.size - have.size, dtype=np.int64)])
@@ -72,9 +79,8 @@ class Sink:
         self.sample: list = []  # bottom-k heap of (-u, order, text) for the tokenizer
         self.sample_chars, self.sample_budget, self.order = 0, sample_chars, 0
 
-    def take(self, r: dict, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
-        """One chunk's result (`workers.clean_chunk`), with the dedup decisions on its documents
-        (`diskdedup.DiskDedup.dropped`: taken after pass 1, over the whole corpus)."""
+    def count(self, r: dict, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
+        """What a chunk read, what cleaning changed and dropped, and the duplicates dropped."""
         self.docs_in += r["docs_in"]
         self.chars_in += r["chars_in"]
         self.changed.update(r["changed"])
@@ -84,6 +90,11 @@ class Sink:
             self.dropped["exact_dup"] += int(exact_dup.sum())
         if near_dup.any():
             self.dropped["near_dup"] += int(near_dup.sum())
+
+    def take(self, r: dict, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
+        """One chunk's result (`workers.clean_chunk`), with the dedup decisions on its documents
+        (`diskdedup.DiskDedup.dropped`: taken after pass 1, over the whole corpus)."""
+        self.count(r, exact_dup, near_dup)
         kept = np.flatnonzero(~(exact_dup | near_dup)).astype(np.int64)
         in_valid = r["u"][kept, 0] < self.cfg.valid_fraction
         tokens = r.get("tokens")
@@ -129,14 +140,17 @@ class Sink:
         while self.sample_chars > self.sample_budget and len(self.sample) > 1:
             self.sample_chars -= len(heapq.heappop(self.sample)[2])
 
+    def planned_move(self) -> tuple[str, str] | None:
+        """(from, to) when the last document of one split must move to the other, left empty."""
+        if self.docs["valid"] == 0 and self.cfg.valid_fraction > 0 and self.docs["train"] >= 2:
+            return ("train", "valid")
+        if self.docs["train"] == 0 and self.docs["valid"] >= 1:
+            return ("valid", "train")
+        return None
+
     def finish(self) -> list[str]:
         """Write the held documents, moving one across if a split would be empty."""
-        notes = []
-        moved = None
-        if self.docs["valid"] == 0 and self.cfg.valid_fraction > 0 and self.docs["train"] >= 2:
-            moved = ("train", "valid")
-        elif self.docs["train"] == 0 and self.docs["valid"] >= 1:
-            moved = ("valid", "train")
+        moved = self.planned_move()
         for split in SPLITS:
             held = self.held[split]
             if held is not None:
@@ -144,12 +158,17 @@ class Sink:
                 self.outs[dest].add_many([held[0]])
                 if self.origins is not None:
                     self.origins[dest].add(self.held_origin[split])
+        return self.count_move(moved, self.held[moved[0]][1] if moved else 0)
+
+    def count_move(self, moved: tuple[str, str] | None, chars: int) -> list[str]:
+        """The counts after `moved` (a document of `chars` characters), and the notes to print."""
+        notes = []
         if moved:
             src, dst = moved
             self.docs[src] -= 1
             self.docs[dst] += 1
-            self.chars[src] -= self.held[src][1]
-            self.chars[dst] += self.held[src][1]
+            self.chars[src] -= chars
+            self.chars[dst] += chars
             notes.append(f"the hash split left {dst} empty: moved the last {src} document to {dst}")
         if self.docs["valid"] == 0 and self.cfg.valid_fraction > 0:
             notes.append("the valid split is empty (too few documents): eval will have nothing to measure")

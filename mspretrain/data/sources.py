@@ -26,6 +26,7 @@ import glob
 import gzip
 import io
 import json
+import os
 import re
 import zlib
 from collections import Counter
@@ -728,15 +729,36 @@ class RawLines:
     a b"\n" keeps decoding exact (undecodable bytes and \r\n pairs never straddle a cut) and
     keeps the documents those of the `readline` loop."""
 
-    data: bytes
+    data: bytes | None  # None: a reference, `size` bytes of the file `path` at `offset` (`load`)
     codec: str
     file: int  # index into `SourceStats.per_file`
     offset: int = 0  # where `data` starts in the (decompressed) file: the origin of its documents
+    path: str | None = None
+    size: int = 0
+    rest: list["RawLines"] | None = None  # blocks of the same file that follow, decoded with it (`pool.chunks`)
+
+    def load(self) -> "RawLines":
+        """The block with its bytes: a reference (an uncompressed file read by local workers,
+        `iter_file_batches(by_reference=True)`) is read here, in the worker, not by prepare's main
+        process, which then only finds where blocks end (a few KB per block)."""
+        if self.data is not None:
+            return self
+        with open(self.path, "rb") as f:
+            data = os.pread(f.fileno(), self.size, self.offset)
+        if len(data) != self.size:
+            raise OSError(f"{self.path}: {len(data)} bytes at {self.offset}, expected {self.size} (did the file change?)")
+        return RawLines(data, self.codec, self.file, self.offset)
 
 
 def decode_raw(block: RawLines) -> tuple[Docs, int, int]:
     """(documents, undecodable bytes dropped, documents cut at MAX_DOC_CHARS) of a block; the
     documents carry their origin (the byte offset of each one's first byte in the file)."""
+    if block.rest:  # each block decoded on its own, as if it were a chunk of its own
+        parts = [decode_raw(b) for b in (RawLines(block.data, block.codec, block.file, block.offset, block.path, block.size),
+                                         *block.rest)]
+        return (_docs([d for p in parts for d in p[0]], np.concatenate([p[0].origin for p in parts])),
+                sum(p[1] for p in parts), sum(p[2] for p in parts))
+    block = block.load()
     # counted here, for the caller to add to the file's counts (`count_raw`): the block may be
     # decoded in another process, or while the main process reads another file
     with _counting_into(FileCounts("")) as counts:
@@ -848,10 +870,7 @@ def _raw_line_blocks(stream, codec: str, file: int, counts: FileCounts) -> Itera
         if not cut:
             carry = buf
             if len(carry) >= 4 * MAX_DOC_CHARS:
-                tracker = _LineStarts(_Prefixed(carry, stream), base)
-                f = io.TextIOWrapper(io.BufferedReader(tracker), encoding=codec, errors="mspretrain.drop", newline=None)
-                starts: list[int] = []
-                yield from _with_origin(_line_doc_batches(f, counts, starts), starts, file, tracker)
+                yield from _long_line_rest(carry, stream, base, codec, file, counts)
                 return
             continue
         carry = buf[cut:]
@@ -859,6 +878,55 @@ def _raw_line_blocks(stream, codec: str, file: int, counts: FileCounts) -> Itera
         base += cut
     if carry:
         yield RawLines(carry, codec, file, base)
+
+
+def _long_line_rest(carry: bytes, stream, base: int, codec: str, file: int, counts: FileCounts) -> Iterator[list[str]]:
+    """The rest of a file from `base` (`carry`, then `stream`) through the decoding reader."""
+    tracker = _LineStarts(_Prefixed(carry, stream), base)
+    f = io.TextIOWrapper(io.BufferedReader(tracker), encoding=codec, errors="mspretrain.drop", newline=None)
+    starts: list[int] = []
+    yield from _with_origin(_line_doc_batches(f, counts, starts), starts, file, tracker)
+
+
+def _last_newline(fd: int, lo: int, hi: int, window: int = 1 << 14) -> int:
+    """The position just after the last b"\n" in bytes lo..hi-1 of the file, or 0 if none: read
+    backwards from hi in windows, so a block's end costs a few KB of reading, not the block."""
+    while hi > lo:
+        start = max(lo, hi - window)
+        at = os.pread(fd, hi - start, start).rfind(b"\n")
+        if at >= 0:
+            return start + at + 1
+        hi, window = start, window * 2
+    return 0
+
+
+def _raw_line_refs(rawf, path: Path, size: int, codec: str, file: int, counts: FileCounts) -> Iterator[RawLines | list[str]]:
+    """`_raw_line_blocks` of an uncompressed file as references (`RawLines.load`): the same
+    blocks, cut at the last b"\n" before the same read positions (RAW_READ_BYTES apart, after a
+    utf-8-sig file's first 3 bytes), without reading them. `rawf` is moved to each block's end,
+    for the progress bar."""
+    fd = rawf.fileno()
+    base = pos = 0  # where the next block starts; how far the old reader would have read
+    if codec == "utf-8-sig":
+        head = os.pread(fd, len(codecs.BOM_UTF8), 0)
+        pos = len(head)
+        base = len(head) if head == codecs.BOM_UTF8 else 0
+        codec = "utf-8"
+    while pos < size:
+        pos = min(pos + RAW_READ_BYTES, size)
+        cut = _last_newline(fd, base, pos)
+        if not cut:
+            if pos - base >= 4 * MAX_DOC_CHARS:  # a line with no end: the decoding reader from here
+                rawf.seek(pos)
+                yield from _long_line_rest(os.pread(fd, pos - base, base), rawf, base, codec, file, counts)
+                return
+            continue
+        rawf.seek(cut)
+        yield RawLines(None, codec, file, base, str(path), cut - base)
+        base = cut
+    if base < size:
+        rawf.seek(size)
+        yield RawLines(None, codec, file, base, str(path), size - base)
 
 
 def _jsonl_docs(f: io.TextIOBase, text_field: str, counts: FileCounts, starts: list[int] | None = None) -> Iterator[str]:
@@ -934,13 +1002,14 @@ def iter_file(path: Path, *, doc_per_line: bool = False, text_field: str = "text
 def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str = "text",
                       stats: SourceStats, warn: Callable[[str], None],
                       progress: Callable[[int], None] | None = None, raw: bool = False,
-                      name: str | None = None) -> Iterator[list[str] | RawLines]:
+                      name: str | None = None, by_reference: bool = False) -> Iterator[list[str] | RawLines]:
     """`iter_file` in lists of documents (no per-document Python work for the caller). The file's
     counts go to a new `FileCounts` (named `name`, by default the path) at the end of `stats.per_file`.
 
     With `raw`, a one-document-per-line file in a RAW_CODECS encoding comes as `RawLines`
     blocks instead: the caller decodes them (`decode_raw`), adds the counts (`count_raw`) and
-    finally calls `report_raw_files` for the warnings about those files."""
+    finally calls `report_raw_files` for the warnings about those files. `by_reference`: an
+    uncompressed one comes as references to its blocks, which whoever decodes them reads."""
     counts = FileCounts(str(path) if name is None else name, path)
     stats.per_file.append(counts)
     try:
@@ -981,7 +1050,9 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     counts.raw = raw and doc_per_line and not is_jsonl(path) and codec in RAW_CODECS
     counts.offsets = "byte" if counts.raw or newline_bytes_safe(codec) else "row"
     try:
-        if counts.raw:
+        if counts.raw and by_reference and stream is rawf:
+            batches = _raw_line_refs(rawf, path, size, codec, file, counts)
+        elif counts.raw:
             batches = _raw_line_blocks(stream, codec, file, counts)
         else:
             tracker = None
@@ -1050,9 +1121,10 @@ def iter_documents(paths: Sequence[Path], *, doc_per_line: bool = False, text_fi
 def iter_batches(paths: Sequence[Path], *, doc_per_line: bool = False, text_field: str = "text",
                  stats: SourceStats, warn: Callable[[str], None],
                  progress: Callable[[int], None] | None = None, raw: bool = False,
-                 names: Sequence[str] | None = None) -> Iterator[list[str] | RawLines]:
+                 names: Sequence[str] | None = None, by_reference: bool = False) -> Iterator[list[str] | RawLines]:
     """`iter_documents` in lists of documents (or `RawLines`, see `iter_file_batches`), in order;
     `names` (one per path, see `discover_named`) name the files' counts."""
     for i, path in enumerate(paths):
         yield from iter_file_batches(path, doc_per_line=doc_per_line, text_field=text_field, stats=stats,
-                                     warn=warn, progress=progress, raw=raw, name=None if names is None else names[i])
+                                     warn=warn, progress=progress, raw=raw, name=None if names is None else names[i],
+                                     by_reference=by_reference)

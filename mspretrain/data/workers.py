@@ -141,3 +141,103 @@ def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray
     tokens, tokens per document (EOS included) and byte-fallback tokens per document."""
     flat, lengths = _encode(texts)
     return flat, lengths, byte_fallback_counts(flat, lengths)
+
+
+# --- Per-chunk files: the main process handles a chunk's metadata, never its documents' bytes ---
+# With a given tokenizer, the tokens (~200 bytes per short document) were pickled by a worker,
+# unpickled by the main process, pickled again into pass 1's spool, read back, masked and written
+# to the shards: all serial, and the main process's ceiling (~4 workers' worth). Now a worker
+# writes its chunk's per-document arrays to a file (`spill_chunk`), and after the dedup decisions
+# a worker cuts that file into the chunk's shard and origin pieces (`replay_chunk`); the main
+# process only reserves each piece's place in the output files, in input order, and a worker
+# copies it there in the kernel (`place_piece`). Not with `--ray`: its tasks may run on nodes
+# that do not share our disk.
+
+PIECE_ARRAYS = ("tokens", "lengths", "fallback", "chars", "u", "origin")
+
+
+def spill_chunk(fn, item: tuple) -> dict:
+    """`fn` (`clean_chunk`) over `work`: its per-document arrays written to `path`, its dedup
+    records grouped by partition file (`diskdedup.chunk_records`) to `path`.dd; returns the rest
+    (counts, the records per partition file) and `n`, the number of cleaned documents."""
+    from mspretrain.data.diskdedup import chunk_records
+
+    work, path, exact_parts, band_parts = item
+    out = fn(work)
+    out["n"] = len(out["keys"]) // 16
+    exact, out["exact_counts"], bands, out["band_counts"] = chunk_records(out.pop("keys"), out.pop("bands"), exact_parts, band_parts)
+    has_origin = out["origin"] is not None
+    if not has_origin:
+        out["origin"] = np.zeros(0, dtype=_origin_dtype())
+    for name, arrays in ((path, [out.pop(k) for k in PIECE_ARRAYS]), (path + ".dd", [exact] + ([bands] if bands is not None else []))):
+        with open(name, "wb") as f:
+            for a in arrays:
+                np.save(f, a)
+            f.flush()
+            os.fsync(f.fileno())  # durable before the main process commits its chunk (here, in parallel)
+    out["has_origin"] = has_origin
+    return out
+
+
+def _origin_dtype() -> np.dtype:
+    from mspretrain.data.origin import RECORD
+
+    return RECORD
+
+
+def replay_chunk(item: tuple) -> dict:
+    """A spilled chunk (`spill_chunk`) with its dedup decisions: the kept documents of each split,
+    in order, written to `dst` as [tokens | lengths (int32) | origin records] per split, and what
+    `sink.Sink.take` counts for them. `drop`: bool per cleaned document (exact or near duplicate)."""
+    src, dst, drop, valid_fraction, has_origin, dtype = item
+    with open(src, "rb") as f:
+        a = {k: np.load(f) for k in PIECE_ARRAYS}
+    kept = np.flatnonzero(~drop).astype(np.int64)
+    in_valid = a["u"][kept, 0] < valid_fraction
+    lengths = a["lengths"]
+    out: dict = {"splits": {}, "per_file": None}
+    if has_origin:
+        from mspretrain.data.sink import FileTally
+
+        out["per_file"] = FileTally.sums_of(a["origin"]["file"][kept], characters=a["chars"][kept],
+                                            tokens=lengths[kept].astype(np.int64) - 1, byte_fallback=a["fallback"][kept])
+    pos = 0
+    with open(dst, "wb") as f:
+        for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
+            if not sel.size:
+                continue
+            in_sel = np.zeros(lengths.size, dtype=bool)
+            in_sel[sel] = True
+            toks = np.ascontiguousarray(a["tokens"][np.repeat(in_sel, lengths)], dtype=dtype)
+            lens = lengths[sel].astype(np.int32)
+            org = a["origin"][sel] if has_origin else a["origin"][:0]
+            parts = [toks.tobytes(), lens.tobytes(), np.ascontiguousarray(org).tobytes()]
+            f.write(b"".join(parts))
+            out["splits"][split] = {"at": pos, "sizes": [len(p) for p in parts], "docs": int(sel.size),
+                                    "chars": int(a["chars"][sel].sum()), "tokens": int(toks.size),
+                                    "max_token": int(toks.max()) if toks.size else -1,
+                                    "last_chars": int(a["chars"][sel[-1]])}
+            pos += sum(out["splits"][split]["sizes"])
+    return out
+
+
+def place_piece(item: tuple) -> None:
+    """Copy the sections of a piece file (`replay_chunk`) to the places the main process reserved
+    in the output files, then remove the piece. `copies`: (output path, its offset, the piece's
+    offset, bytes)."""
+    from mspretrain.fsutil import copy_range
+
+    piece, copies = item
+    src = os.open(piece, os.O_RDONLY)
+    try:
+        for path, at, src_at, n in copies:
+            if not n:
+                continue
+            dst = os.open(path, os.O_WRONLY)
+            try:
+                copy_range(src, src_at, dst, at, n)
+            finally:
+                os.close(dst)
+    finally:
+        os.close(src)
+    os.unlink(piece)
