@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from mspretrain.commands.common import bounded
+
 EXAMPLES = """examples:
   mspretrain replay runs/a --from-step 100 --steps 20
   mspretrain replay runs/a --from-step 140 --steps 5 --drop-docs 1201
@@ -18,9 +20,9 @@ replayed losses side by side. RUN is only read; the scratch dir is a temporary o
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN_DIR")
-    p.add_argument("--from-step", type=int, required=True, metavar="K",
+    p.add_argument("--from-step", type=bounded(int, 0, 10**12), required=True, metavar="K",
                    help="start from the checkpoint of step K (or the newest verified one before it)")
-    p.add_argument("--steps", type=int, required=True, metavar="N", help="replay steps K+1..K+N")
+    p.add_argument("--steps", type=bounded(int, 1, 10**12), required=True, metavar="N", help="replay steps K+1..K+N")
     p.add_argument("--drop-docs", metavar="IDS", help="document ids to leave out (as `spike` lists them: 12,40 or 1:7 "
                                                       "for source 1); their samples are swapped for clean ones")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="replay in this precision.dtype")
