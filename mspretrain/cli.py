@@ -118,7 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(chosen if chosen in COMMANDS else None)
-        args, extra = parser.parse_known_args(argv)
+        try:
+            args, extra = parser.parse_known_args(argv)
+        except SystemExit as exc:  # --help, --version, or argparse's one-line refusal (_Parser.error)
+            return exc.code if isinstance(exc.code, int) else 2
         if args.command is None:
             parser.print_help()
             return 0
