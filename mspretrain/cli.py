@@ -120,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(chosen if chosen in COMMANDS else None)
         try:
             args, extra = parser.parse_known_args(argv)
-        except SystemExit as exc:  # --help, --version, or argparse's one-line refusal (_Parser.error)
+        except SystemExit as exc:  # argparse's one-line refusal (_Parser.error): a return code like every refusal
+            if exc.code in (0, None):  # --help, --version
+                raise
             return exc.code if isinstance(exc.code, int) else 2
         if args.command is None:
             parser.print_help()
