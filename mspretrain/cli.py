@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -149,6 +150,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:
+        # A full disk or a read-only filesystem is the machine's state, not a bug: where no writer
+        # caught it (stdout redirected to a full disk: `mspretrain plan > plan.txt`), still one line.
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        _drop_stdout()
+        where = f" while writing {exc.filename}" if exc.filename else " while writing the output"
+        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print("hint: free space on that filesystem or write somewhere writable (a redirect included), then run the same command again",
+              file=sys.stderr)
+        return 2
+
+
+# errno values of a filesystem that takes no more bytes: full, over quota, read-only, file too large.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: its buffer would fail again when Python flushes it at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (captured in tests)
+        pass
 
 
 if __name__ == "__main__":

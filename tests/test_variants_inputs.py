@@ -178,3 +178,21 @@ def test_the_shipped_configs_stay_inside_every_ceiling():
     """The ceilings sit far above any real model: every config the project ships still loads."""
     for path in sorted((ROOT / "configs").glob("*.toml")):
         cfgmod.load(path)
+
+
+# ----------------------------------------------------------------------------- class 7: stdout on a full disk
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["plan", "--config", TINY, "model.vocab_size=512"], ["doctor", "--json"]])
+def test_output_redirected_to_a_full_disk_is_one_line(argv):
+    """`mspretrain plan > plan.txt` on a full disk ended in an OSError traceback from print()."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_v": "3"}
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "mspretrain.cli", *argv], stdout=full, stderr=subprocess.PIPE, env=env,
+                           timeout=120, text=True)
+    _one_line(p.returncode, p.stderr)
+    assert "No space left on device" in p.stderr, p.stderr
