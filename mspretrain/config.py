@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -255,9 +256,12 @@ class DataConfig(_Section):
             if not isinstance(src, dict) or "path" not in src or set(src) - {"path", "weight"}:
                 _fail(f"data.sources[{i}]", "must be a table {path = \"DIR\", weight = W}",
                       'write data.sources = [{path = "a/", weight = 0.7}, {path = "b/", weight = 0.3}]')
+            if not isinstance(src["path"], str) or not src["path"].strip():
+                _fail(f"data.sources[{i}].path", f"= {src['path']!r} is not a directory name", 'quote it: {path = "data/a", weight = 0.7}')
             w = src.get("weight", 1.0)
-            if not isinstance(w, (int, float)) or isinstance(w, bool) or not (w > 0 and math.isfinite(w)):
-                _fail(f"data.sources[{i}].weight", "must be a positive number", "weights are relative, e.g. 0.7 and 0.3")
+            # capped: weights are relative, and two weights of 1e308 sum to inf (every share then 0)
+            if not isinstance(w, (int, float)) or isinstance(w, bool) or not (0 < w <= 1e12):
+                _fail(f"data.sources[{i}].weight", "must be a positive number up to 1e12", "weights are relative, e.g. 0.7 and 0.3")
 
 
 @dataclass(frozen=True)
@@ -562,6 +566,23 @@ class ProfileConfig(_Section):
     SECTION = "profile"
 
     steps: str = ""  # e.g. "10-20": run the MindSpore profiler for those steps
+
+    def check(self) -> None:
+        parse_step_range(self.steps)  # refused with the config, before a run dir is made
+
+
+def parse_step_range(text: str) -> tuple[int, int] | None:
+    """profile.steps: "10-20" -> (10, 20) (inclusive); "15" -> (15, 15); "" -> None."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    m = re.fullmatch(r"([0-9]{1,12})\s*(?:-\s*([0-9]{1,12}))?", text)  # ASCII digits; steps fit train.max_steps' ceiling
+    if not m:
+        raise UserError(f"profile.steps = {text!r} is not a step range", 'write profile.steps="10-20" (inclusive) or "15"')
+    first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+    if first < 1 or last < first:
+        raise UserError(f"profile.steps = {text!r} is empty or starts before step 1", 'use e.g. profile.steps="10-20"')
+    return first, last
 
 
 @dataclass(frozen=True)

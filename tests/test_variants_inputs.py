@@ -196,3 +196,31 @@ def test_output_redirected_to_a_full_disk_is_one_line(argv):
                            timeout=120, text=True)
     _one_line(p.returncode, p.stderr)
     assert "No space left on device" in p.stderr, p.stderr
+
+
+# ----------------------------------------------------------------------------- config values checked with the config
+
+@pytest.mark.parametrize("override, words", [
+    ("profile.steps=abc", "profile.steps = 'abc' is not a step range"),
+    ("profile.steps=20-10", "is empty or starts before step 1"),
+    ("profile.steps=1-99999999999999999999", "is not a step range"),
+    ("profile.steps=١٢", "is not a step range"),  # Arabic-Indic digits: int() takes them, a step range does not
+    ('data.sources=[{path=5}]', "data.sources[0].path = 5 is not a directory name"),
+    ('data.sources=[{path=""}]', "data.sources[0].path"),
+    ('data.sources=[{path="a", weight=1e308}, {path="b", weight=1e308}]', "data.sources[0].weight must be a positive number up to 1e12"),
+])
+def test_config_values_a_run_cannot_use_are_refused_with_the_config(override, words):
+    """`profile.steps=abc` was refused by the trainer after config.toml, run_meta.json and the
+    tokenizer had been written into a new run dir; `data.sources=[{path=5}]` ended in a
+    TypeError traceback; two weights of 1e308 summed to inf."""
+    with pytest.raises(UserError) as e:
+        cfgmod.load(TINY, [override])
+    assert words in str(e.value), e.value
+
+
+def test_a_refused_profile_range_leaves_no_run_dir(capsys, tiny_data, tmp_path):
+    run = tmp_path / "run"
+    code, _, err = _cli(capsys, "train", "--config", TINY, "--data", str(tiny_data), "--run", str(run), "train.max_steps=3",
+                        "profile.steps=abc", "--quiet")
+    _one_line(code, err)
+    assert "profile.steps" in err and not run.exists()
