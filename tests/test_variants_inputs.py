@@ -224,3 +224,15 @@ def test_a_refused_profile_range_leaves_no_run_dir(capsys, tiny_data, tmp_path):
                         "profile.steps=abc", "--quiet")
     _one_line(code, err)
     assert "profile.steps" in err and not run.exists()
+
+
+def test_a_question_with_100000_options_is_refused_before_any_forward_pass(tmp_path):
+    """`eval --choices` with one question of 100,000 options ran past 3 minutes (a forward pass per option)."""
+    import json
+
+    from mspretrain.eval.choices import read_choices
+
+    p = tmp_path / "wide.jsonl"
+    p.write_text(json.dumps({"context": "q", "choices": ["a"] * 100_000, "label": 0}) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match="100,000 options"):
+        read_choices(p)

@@ -93,12 +93,17 @@ def _ceval_item(row: dict[str, Any], where: str) -> ChoiceItem:
                       label=ord(letter) - ord("A"), where=where)
 
 
+MAX_CHOICES = 64  # C-Eval, CMMLU, MMLU: 4; HellaSwag: 4; the widest common benchmarks: 10
+
+
 def _generic_item(obj: dict[str, Any], where: str) -> ChoiceItem:
     context, choices, label = obj.get("context"), obj.get("choices"), obj.get("label")
     if not isinstance(context, str):
         raise _bad(where, '"context" must be a string')
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
         raise _bad(where, '"choices" must be a list of at least two non-empty strings')
+    if len(choices) > MAX_CHOICES:  # each option is a forward pass: 100,000 options ran for hours
+        raise _bad(where, f'"choices" has {len(choices):,} options, more than the {MAX_CHOICES} a multiple-choice question can have')
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
         raise _bad(where, f'"label" must be an integer index into "choices" (0-{len(choices) - 1}), got {label!r}')
     return ChoiceItem(context=context, choices=tuple(choices), label=label, where=where)
