@@ -236,3 +236,22 @@ def test_a_question_with_100000_options_is_refused_before_any_forward_pass(tmp_p
     p.write_text(json.dumps({"context": "q", "choices": ["a"] * 100_000, "label": 0}) + "\n", encoding="utf-8")
     with pytest.raises(UserError, match="100,000 options"):
         read_choices(p)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "devzero", "dir", "dangling"])
+def test_an_hf_tokenizer_that_is_not_a_file_is_named_not_ignored(tmp_path, kind):
+    """A FIFO, /dev/zero, a directory or a dangling link named tokenizer.model made `convert` say
+    "no tokenizer in the HF folder" and go on; it is the folder's tokenizer, damaged."""
+    import json
+    import os
+
+    from mspretrain.model.hf import read_hf_dir
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                                                      "intermediate_size": 192, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                      "vocab_size": 300}))
+    tok = tmp_path / "tokenizer.model"
+    {"fifo": lambda: os.mkfifo(tok), "devzero": lambda: tok.symlink_to("/dev/zero"), "dir": tok.mkdir,
+     "dangling": lambda: tok.symlink_to(tmp_path / "nothing")}[kind]()
+    with pytest.raises(UserError, match="tokenizer file"):
+        read_hf_dir(tmp_path)
