@@ -255,3 +255,35 @@ def test_an_hf_tokenizer_that_is_not_a_file_is_named_not_ignored(tmp_path, kind)
      "dangling": lambda: tok.symlink_to(tmp_path / "nothing")}[kind]()
     with pytest.raises(UserError, match="tokenizer file"):
         read_hf_dir(tmp_path)
+
+
+# ----------------------------------------------------------------------------- damaged data dirs
+
+@pytest.mark.parametrize("key, value, words", [
+    ("tokens", {"train": float("nan"), "valid": 1}, "tokens.train = nan is not a token count"),
+    ("tokens", {"train": -5, "valid": 1}, "tokens.train = -5 is not a token count"),
+    ("tokens", {"train": 10**30, "valid": 1}, "is not a token count"),
+    ("tokens", {"train": "many", "valid": 1}, "is not a token count"),
+    ("vocab_size", 10**30, "is not a vocabulary size"),
+    ("special_ids", {"eos": 10**9}, "special_ids.eos = 1000000000 is not a token id"),
+    ("special_ids", {"eos": 1.5}, "special_ids.eos = 1.5 is not a token id"),
+])
+def test_a_manifest_with_impossible_counts_is_refused_by_its_reader(tiny_data, tmp_path, capsys, key, value, words):
+    """`plan --data` with `"tokens": {"train": NaN}` ended in `int(nan)`'s traceback; a negative or
+    1e30 token count was planned as given. read_manifest checks the numbers every reader uses."""
+    import json
+    import shutil
+
+    d = tmp_path / "data"
+    shutil.copytree(tiny_data, d)
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest[key] = value
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    from mspretrain.data.manifest import read_manifest
+
+    with pytest.raises(UserError, match=words.replace(".", r"\.").replace("(", r"\(")):
+        read_manifest(d)
+    if key == "tokens":  # plan reads only the keys it needs, these among them
+        code, _, err = _cli(capsys, "plan", "--config", TINY, "--data", str(d))
+        _one_line(code, err)
+        assert words in err, err
