@@ -181,11 +181,11 @@ class ModelConfig(_Section):
             _fail("model.norm_eps", f"= {self.norm_eps} must be positive", "the Llama-2 value is 1e-5")
         if not self.init_std > 0:
             _fail("model.init_std", f"= {self.init_std} must be positive", "the Llama value is 0.02")
-        # max_seq_len: the RoPE tables are max_seq_len x head_size (1M positions is the longest
-        # context any Llama-family model was released with; train's fits check judges the rest).
+        # max_seq_len: the RoPE tables are max_seq_len x head_size; 2^30 positions is 100x the longest
+        # context released (10M), and train's memory check judges what a machine holds below that.
         _cap(self, {"dim": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024, "vocab_size": 1 << 22,
                     "ffn_dim": 1 << 18, "multiple_of": 1 << 16, "rope_theta": 1e12, "head_dim": 1 << 12,
-                    "max_seq_len": 1 << 24, "rope_original_max_len": 1 << 24, "sliding_window": 1 << 24,
+                    "max_seq_len": 1 << 30, "rope_original_max_len": 1 << 30, "sliding_window": 1 << 30,
                     "rope_factor": 1e4, "rope_low_freq_factor": 1e4, "rope_high_freq_factor": 1e4,
                     "norm_eps": 1.0, "init_std": 10.0}, "a model shape no device holds")
 

@@ -149,6 +149,7 @@ def test_no_integer_key_takes_a_value_beyond_64_bits(key):
     ("train.max_tokens=1e17", "train.max_tokens = 1e+17 is above the limit"),
     ("model.head_dim=1000000000000", "model.head_dim = 1e+12 is above the limit"),
     ("model.max_seq_len=1e18", "model.max_seq_len = 1e+18 is above the limit"),
+    ("model.max_seq_len=2000000000", "model.max_seq_len = 2e+09 is above the limit"),
     ("model.rope_original_max_len=1e18", "model.rope_original_max_len"),
     ("model.sliding_window=1e18", "model.sliding_window"),
     ("prepare.vocab_size=1000000000000", "prepare.vocab_size = 1e+12 is above the limit"),
@@ -266,6 +267,7 @@ def test_an_hf_tokenizer_that_is_not_a_file_is_named_not_ignored(tmp_path, kind)
     ("tokens", {"train": "many", "valid": 1}, "is not a token count"),
     ("vocab_size", 10**30, "is not a vocabulary size"),
     ("special_ids", {"eos": 10**9}, "special_ids.eos = 1000000000 is not a token id"),
+    ("special_ids", {"eos": -7}, "special_ids.eos = -7 is not a token id"),
     ("special_ids", {"eos": 1.5}, "special_ids.eos = 1.5 is not a token id"),
 ])
 def test_a_manifest_with_impossible_counts_is_refused_by_its_reader(tiny_data, tmp_path, capsys, key, value, words):
@@ -287,3 +289,41 @@ def test_a_manifest_with_impossible_counts_is_refused_by_its_reader(tiny_data, t
         code, _, err = _cli(capsys, "plan", "--config", TINY, "--data", str(d))
         _one_line(code, err)
         assert words in err, err
+
+
+# ----------------------------------------------------------------------------- special files named, not "missing"
+
+def _special(path: Path, kind: str) -> Path:
+    import os
+
+    {"fifo": lambda: os.mkfifo(path), "devzero": lambda: path.symlink_to("/dev/zero"),
+     "dangling": lambda: path.symlink_to(path.parent / "nothing-here"), "file": lambda: path.write_text("x")}[kind]()
+    return path
+
+
+WANT = {"fifo": "is a FIFO", "devzero": "is a device", "dangling": "is a symbolic link to nothing", "file": "is a file, not a directory"}
+
+
+@pytest.mark.parametrize("kind", list(WANT))
+@pytest.mark.parametrize("command", ["checkpoints", "report", "recover", "train --data"])
+def test_a_dir_argument_that_is_a_special_file_says_what_it_is(tmp_path, capsys, kind, command):
+    """`checkpoints FIFO` (or a file) printed "no checkpoints" and exited 0; the others said
+    "does not exist" for a FIFO, or went on to their own, less exact, refusals."""
+    p = _special(tmp_path / "x", kind)
+    argv = (["train", "--config", TINY, "--data", str(p), "--run", str(tmp_path / "run")] if command == "train --data"
+            else [command, str(p)])
+    code, _, err = _cli(capsys, *argv)
+    _one_line(code, err)
+    assert WANT[kind] in err, err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "devzero", "dangling"])
+def test_an_input_file_that_is_a_special_file_says_what_it_is(tmp_path, capsys, kind, corpus_file):
+    p = _special(tmp_path / "x.model", kind)
+    for argv in (["tokenizer", "extend", str(p), "--train", str(corpus_file), "--add", "5", "--out", str(tmp_path / "o1")],
+                 ["prepare", str(p), "--out", str(tmp_path / "o2")],
+                 ["prepare", str(corpus_file), "--tokenizer", str(p), "--out", str(tmp_path / "o3")]):
+        code, _, err = _cli(capsys, *argv)
+        _one_line(code, err)
+        assert WANT[kind] in err, (argv, err)
+        assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()

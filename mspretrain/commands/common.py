@@ -35,11 +35,14 @@ def say(args: argparse.Namespace, text: str) -> None:
 
 
 def existing_path(path: str, what: str, fix: str) -> Path:
+    """`path` as a Path when it is a directory (every caller takes a run or data dir); else one line
+    saying what it is instead: `checkpoints FILE` printed "no checkpoints" and exited 0."""
     from mspretrain.errors import UserError
+    from mspretrain.fsutil import why_not
 
     p = Path(path)
-    if not p.exists():
-        raise UserError(f"{what} {p} does not exist", fix)
+    if not p.is_dir():
+        raise UserError(f"{what} {p} {why_not(p, 'a directory')}", fix)
     return p
 
 

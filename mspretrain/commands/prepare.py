@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc-per-line", action="store_true", default=None,
                    help="in .txt files, one document per line (default: per blank-line separated block)")
     p.add_argument("--text-field", metavar="F", help="the .jsonl field holding the text (prepare.text_field, default text)")
-    p.add_argument("--workers", type=bounded(int, 1, 4096), metavar="N", help="worker processes (default: the number of cores)")
+    p.add_argument("--workers", type=bounded(int, 1, 1 << 20), metavar="N", help="worker processes (default: the number of cores)")
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run the chunks as Ray tasks on a cluster: HOST:PORT of its head, ray://HOST:PORT, auto or local "
                         "(needs pip install 'mspretrain[ray]' on every node; reading, dedup decisions and writing stay here)")
