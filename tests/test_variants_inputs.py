@@ -327,3 +327,15 @@ def test_an_input_file_that_is_a_special_file_says_what_it_is(tmp_path, capsys, 
         _one_line(code, err)
         assert WANT[kind] in err, (argv, err)
         assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_an_hf_config_with_an_absurd_context_is_refused():
+    """`convert` took `max_position_embeddings: 1e15` into the checkpoint's config (RoPE tables of
+    1e15 rows at the first eval); the model section's ceilings now apply to converted configs too."""
+    from mspretrain.model.hf import config_from_hf
+
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 192,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 300, "max_position_embeddings": 10**15}
+    with pytest.raises(UserError, match="max_seq_len"):
+        config_from_hf(hf, "config.json")
+    config_from_hf({**hf, "max_position_embeddings": 131072}, "config.json")  # Llama-3.1's context still converts
