@@ -38,6 +38,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (pyproject
 
 INT_LIMIT = 2**63  # integer keys must fit an int64 (see _Section.__post_init__)
 SEED_LIMIT = 2**32  # numpy's legacy seeding and MindSpore's set_seed take seeds in [0, 2**32)
+EVAL_MAX_BATCH = 4096  # sequences per evaluation forward pass: far above any device's memory for a real model
 
 
 def _fail(key: str, problem: str, fix: str) -> None:
@@ -470,7 +471,9 @@ class EvalConfig(_Section):
             _fail("eval.batch_size", "must be positive (and every/max_tokens not negative)", "use e.g. eval.batch_size=8")
         if self.choices_shots < 0:
             _fail("eval.choices_shots", f"= {self.choices_shots} must not be negative", "use 0 (zero-shot) or e.g. 5")
-        _cap(self, {"batch_size": 1 << 20, "choices_shots": 1000}, "buffers no host holds")
+        # the batch's logits are allocated whole (eval.batch_size=1e8 asked numpy for 24.6 GiB of
+        # tokens alone): the same ceiling as `mspretrain eval --batch-size`
+        _cap(self, {"batch_size": EVAL_MAX_BATCH, "choices_shots": 1000}, "buffers no host holds")
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,7 @@ def test_no_integer_key_takes_a_value_beyond_64_bits(key):
     ("prepare.vocab_size=1000000000000", "prepare.vocab_size = 1e+12 is above the limit"),
     ("prepare.tokenizer_sample_chars=-1", "prepare.tokenizer_sample_chars = -1 must be positive"),
     ("eval.batch_size=100000000", "eval.batch_size = 1e+08 is above the limit"),
+    ("eval.batch_size=5000", "eval.batch_size = 5000 is above the limit of 4096"),
     ("eval.choices_shots=1000000000000", "eval.choices_shots"),
     ("device.threads=100000000", "device.threads = 1e+08 is above the limit"),
     ("device.max_device_memory=1e300", "device.max_device_memory"),

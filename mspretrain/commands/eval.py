@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from mspretrain.commands.common import add_quiet_argument, bounded, refuse_data_dir, refuse_overrides
+from mspretrain.config import EVAL_MAX_BATCH
 from mspretrain.errors import UserError
 from mspretrain.paths import DataPaths
 
@@ -14,7 +15,7 @@ EXAMPLES = """examples:
   mspretrain eval runs/demo/checkpoints/step_000300 --data data/ --batch-size 3 --json"""
 
 
-MAX_BATCH = 4096  # sequences per forward pass: far above any device's memory for a real model
+MAX_BATCH = EVAL_MAX_BATCH  # sequences per forward pass, as eval.batch_size (config.py)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
