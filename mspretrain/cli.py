@@ -151,15 +151,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except OSError as exc:
-        # A full disk or a read-only filesystem is the machine's state, not a bug: where no writer
-        # caught it (stdout redirected to a full disk: `mspretrain plan > plan.txt`), still one line.
-        if exc.errno not in DISK_ERRNOS:
+        # A full disk or a read-only filesystem is the machine's state, and a name longer than the
+        # filesystem takes is the user's: not bugs. Where no command caught one (stdout redirected
+        # to a full disk: `mspretrain plan > plan.txt`; a 300-character --out), still one line.
+        if exc.errno not in DISK_ERRNOS and exc.errno != errno.ENAMETOOLONG:
             raise
         _drop_stdout()
-        where = f" while writing {exc.filename}" if exc.filename else " while writing the output"
+        where = f": {exc.filename}" if exc.filename else " (writing the output)"
         print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
-        print("hint: free space on that filesystem or write somewhere writable (a redirect included), then run the same command again",
-              file=sys.stderr)
+        if exc.errno == errno.ENAMETOOLONG:
+            print("hint: use a shorter path (a file name takes at most 255 bytes on most filesystems)", file=sys.stderr)
+        else:
+            print("hint: free space on that filesystem or write somewhere writable (a redirect included), then run the same command again",
+                  file=sys.stderr)
+        return 2
+    except UnicodeEncodeError as exc:
+        # A path argument that is not UTF-8 (Python carries its bytes as surrogates) reached a
+        # writer of UTF-8 text (a report, a JSON record) that no command-specific check caught.
+        if "surrogates not allowed" not in str(exc):
+            raise
+        _drop_stdout()
+        print("error: a file or directory name given to this command is not valid UTF-8, so it cannot be written into "
+              "the command's UTF-8 output", file=sys.stderr)
+        print("hint: rename it to UTF-8 (e.g. `convmv -f gbk -t utf-8 --notest NAME`) and run the same command again", file=sys.stderr)
         return 2
 
 

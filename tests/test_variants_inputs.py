@@ -340,3 +340,67 @@ def test_an_hf_config_with_an_absurd_context_is_refused():
     with pytest.raises(UserError, match="max_seq_len"):
         config_from_hf(hf, "config.json")
     config_from_hf({**hf, "max_position_embeddings": 131072}, "config.json")  # Llama-3.1's context still converts
+
+
+# ----------------------------------------------------------------------------- class 7: full disks and long names
+
+def test_a_new_run_on_a_full_disk_is_one_line_and_leaves_no_run_dir(tmp_path, monkeypatch):
+    """`train --run` on a full disk ended in an OSError traceback from the lock's holder line and
+    left the new run dir (with an empty lock file) behind."""
+    import errno
+    import os
+
+    from mspretrain.checkpoint import lock
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lock.os, "pwrite", full)
+    with pytest.raises(UserError, match="No space left on device"):
+        lock.acquire(tmp_path / "new-run", "train")
+    assert not (tmp_path / "new-run").exists()
+    (tmp_path / "old-run").mkdir()
+    (tmp_path / "old-run" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="No space left on device"):
+        lock.acquire(tmp_path / "old-run", "train")
+    assert (tmp_path / "old-run" / "notes.txt").read_text() == "mine"  # an existing run dir is not removed
+
+
+@pytest.mark.parametrize("argv", [
+    ["prepare", "CORPUS", "--out", "LONG"], ["report", "RUN", "--out", "LONG.html"], ["selftest", "--out", "LONG.json"],
+])
+def test_a_path_longer_than_the_filesystem_takes_is_one_line(tmp_path, capsys, corpus_file, argv):
+    """A 300-character --out ended in an ENAMETOOLONG traceback in every writer."""
+    long = str(tmp_path / ("x" * 300))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("")
+    argv = [a.replace("LONG", long).replace("CORPUS", str(corpus_file)).replace("RUN", str(run)) for a in argv]
+    code, _, err = _cli(capsys, *argv)
+    _one_line(code, err)
+    assert "too long" in err, err
+
+
+def test_a_non_utf8_name_reaching_a_text_writer_is_one_line(tmp_path, capsys, monkeypatch):
+    """`report` of a run dir with a non-UTF-8 name and `tokenizer extend` of such a base ended in
+    UnicodeEncodeError tracebacks ("surrogates not allowed") when writing their UTF-8 output."""
+    from mspretrain import cli
+
+    class Boom:
+        __doc__ = "x"
+        EXAMPLES = None
+
+        @staticmethod
+        def add_arguments(p):
+            p.add_argument("run")
+
+        @staticmethod
+        def run(args):
+            return len(args.run.encode("utf-8"))  # what a writer does with the name
+
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: Boom)
+    import os
+
+    code, _, err = _cli(capsys, "audit", os.fsdecode(b"run\xff"))
+    _one_line(code, err)
+    assert "not valid UTF-8" in err
