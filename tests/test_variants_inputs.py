@@ -404,3 +404,18 @@ def test_a_non_utf8_name_reaching_a_text_writer_is_one_line(tmp_path, capsys, mo
     code, _, err = _cli(capsys, "audit", os.fsdecode(b"run\xff"))
     _one_line(code, err)
     assert "not valid UTF-8" in err
+
+
+def test_launch_checks_its_log_dir_before_msrun_starts(tmp_path, capsys):
+    """A --log-dir under a file (or on a full or read-only disk) let msrun start and die with its
+    own traceback, reported as "a worker failed"."""
+    import shutil
+    import sys
+
+    if shutil.which("msrun", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("msrun is not installed next to this Python")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, out, err = _cli(capsys, "launch", "--nproc", "1", "--log-dir", str(blocker / "logs"), "--", "plan", "--config", TINY)
+    _one_line(code, err)
+    assert "--log-dir" in err and "msrun" not in out, err

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     msrun = shutil.which("msrun", path=search)
     if msrun is None:
         raise UserError("msrun is not installed next to this Python", "install MindSpore >= 2.3 in this environment (msrun ships with it)")
+    _check_log_dir(Path(log_dir))
     env = {**os.environ, "PATH": search}
     env.setdefault("GLOG_v", "3")  # MindSpore's native logs: warnings and errors only
     if args.node_rank > 0:
@@ -111,6 +112,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: a worker failed (msrun exit {code})\nhint: read {log_dir}/worker_*.log "
               f"(`mspretrain diagnose {log_dir}` summarises them)", file=sys.stderr)
     return code
+
+
+def _check_log_dir(log_dir: Path) -> None:
+    """msrun writes every worker's log into --log-dir; on a full, read-only or misnamed one it dies
+    with its own Python traceback after starting. Make the dir and write a byte there first."""
+    import tempfile
+
+    from mspretrain.errors import UserError
+
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=log_dir) as f:
+            f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise UserError(f"cannot write msrun's --log-dir {log_dir}: {exc.strerror or exc}",
+                        "pass a --log-dir on a disk with free space that you can write to") from None
 
 
 def wait_for_master(addr: str, port: int, wait_s: float, log=print) -> None:
