@@ -419,3 +419,25 @@ def test_launch_checks_its_log_dir_before_msrun_starts(tmp_path, capsys):
     code, out, err = _cli(capsys, "launch", "--nproc", "1", "--log-dir", str(blocker / "logs"), "--", "plan", "--config", TINY)
     _one_line(code, err)
     assert "--log-dir" in err and "msrun" not in out, err
+
+
+def test_report_out_on_a_read_only_filesystem_is_one_line(tmp_path, capsys, monkeypatch):
+    """`report --out` on a read-only filesystem: the cleanup of a temporary file never made raised
+    EROFS in a `finally`, and its traceback replaced the one-line error."""
+    import errno
+    import os
+
+    import mspretrain.ops.report as report_ops
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "ro" / ".r.html.tmp"))
+
+    monkeypatch.setattr(report_ops, "build_report", read_only)
+    real_unlink = Path.unlink
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: read_only() if self.name.endswith(".tmp")
+                        else real_unlink(self, missing_ok=missing_ok))
+    run = tmp_path / "run"
+    run.mkdir()
+    code, _, err = _cli(capsys, "report", str(run), "--out", str(tmp_path / "r.html"))
+    _one_line(code, err)
+    assert "Read-only file system" in err, err
