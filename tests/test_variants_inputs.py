@@ -441,3 +441,13 @@ def test_report_out_on_a_read_only_filesystem_is_one_line(tmp_path, capsys, monk
     code, _, err = _cli(capsys, "report", str(run), "--out", str(tmp_path / "r.html"))
     _one_line(code, err)
     assert "Read-only file system" in err, err
+
+
+def test_doctor_fails_a_run_path_under_a_file(tmp_path):
+    """`doctor --run FILE/sub` said every check was ok; train then refused at its start."""
+    from mspretrain.ops.doctor import check_run_dir
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    found = [f for f in check_run_dir(blocker / "run", cfgmod.load(TINY)) if f.name == "run dir writable"]
+    assert found and found[0].status == "fail" and "is a file" in found[0].detail, found
