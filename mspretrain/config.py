@@ -696,7 +696,9 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise UserError(f"config file {p} does not exist", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")
+            from mspretrain.fsutil import why_not  # fsutil imports errors only; no cycle
+
+            raise UserError(f"config file {p} {why_not(p)}", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")
         from mspretrain.fsutil import read_regular_bytes  # fsutil imports errors only; no cycle
 
         data = read_regular_bytes(p, 16 << 20, "config file", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")

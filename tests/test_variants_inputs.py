@@ -451,3 +451,13 @@ def test_doctor_fails_a_run_path_under_a_file(tmp_path):
     blocker.write_text("x")
     found = [f for f in check_run_dir(blocker / "run", cfgmod.load(TINY)) if f.name == "run dir writable"]
     assert found and found[0].status == "fail" and "is a file" in found[0].detail, found
+
+
+@pytest.mark.parametrize("kind", ["fifo", "devzero", "dangling"])
+def test_special_files_as_config_choices_and_selftest_inputs_say_what_they_are(tmp_path, capsys, kind):
+    p = str(_special(tmp_path / "x", kind))
+    for argv in (["plan", "--config", p], ["eval", "no-such-run", "--choices", p],
+                 ["plan", "--config", TINY, "model.vocab_size=512", "--from-selftest", p]):
+        code, _, err = _cli(capsys, *argv)
+        _one_line(code, err)
+        assert WANT[kind] in err, (argv, err)

@@ -113,7 +113,9 @@ def read_choices(path: str | Path) -> list[ChoiceItem]:
     """Items of a `.jsonl` (either layout, per line) or `.csv` (C-Eval/CMMLU) file."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"choices file {p} does not exist", "pass a .jsonl or .csv multiple-choice file")
+        from mspretrain.fsutil import why_not
+
+        raise UserError(f"choices file {p} {why_not(p)}", "pass a .jsonl or .csv multiple-choice file")
     data = read_regular_bytes(p, TEXT_CAP, "choices file", "pass a .jsonl or .csv multiple-choice file")
     try:
         text = data.decode("utf-8-sig")
