@@ -66,6 +66,16 @@ def _check_seed(section: Any, name: str) -> None:
         _fail(key, f"= {v} is not a seed between 0 and {SEED_LIMIT - 1}", f"give {key} a non-negative integer, e.g. {key}=1234")
 
 
+def _floor(section: Any, floors: dict[str, float], why: str) -> None:
+    """Refuse positive values below what float32 keeps: norm_eps=1e-300 passes `> 0` and is 0.0 on
+    the device (a division by zero waiting for an all-zero row)."""
+    for name, floor in floors.items():
+        v = getattr(section, name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < floor:
+            key = f"{section.SECTION}.{name}"
+            _fail(key, f"= {v:g} is below the floor of {floor:g} ({why})", f"check {key} for a typo (see docs/config-reference.md)")
+
+
 @functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
@@ -189,6 +199,7 @@ class ModelConfig(_Section):
                     "max_seq_len": 1 << 30, "rope_original_max_len": 1 << 30, "sliding_window": 1 << 30,
                     "rope_factor": 1e4, "rope_low_freq_factor": 1e4, "rope_high_freq_factor": 1e4,
                     "norm_eps": 1.0, "init_std": 10.0}, "a model shape no device holds")
+        _floor(self, {"norm_eps": 1e-12, "init_std": 1e-8}, "float32 rounds it to 0, or to weights of 0")
 
 
 @dataclass(frozen=True)
@@ -314,6 +325,7 @@ class OptimConfig(_Section):
             _cap(self, {"bucket_mb": 1 << 20}, "a bucket larger than any device")
         _cap(self, {"lr": 10.0, "weight_decay": 10.0, "eps": 1.0, "grad_clip": 1e6, "z_loss": 1.0},
              "an update this size makes the weights inf in a step")
+        _floor(self, {"eps": 1e-30}, "float32 rounds it to 0: Adam then divides by 0 for a parameter with no gradient")
 
 
 @dataclass(frozen=True)
@@ -562,6 +574,7 @@ class CostConfig(_Section):
     def check(self) -> None:
         if self.price_per_device_hour < 0:
             _fail("cost.price_per_device_hour", "must not be negative", "use 0 for no cost figures")
+        _cap(self, {"price_per_device_hour": 1e9}, "a cost that overflows to inf over a run")
 
 
 @dataclass(frozen=True)

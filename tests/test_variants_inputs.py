@@ -162,6 +162,10 @@ def test_no_integer_key_takes_a_value_beyond_64_bits(key):
     ("precision.init_scale=1e300", "precision.init_scale = 1e+300 is above the limit"),
     ("precision.max_scale=1e39", "precision.max_scale"),
     ("spike.window=1000000000000", "spike.window"),
+    ("model.norm_eps=1e-300", "model.norm_eps = 1e-300 is below the floor"),
+    ("optim.eps=1e-300", "optim.eps = 1e-300 is below the floor"),
+    ("model.init_std=1e-300", "model.init_std = 1e-300 is below the floor"),
+    ("cost.price_per_device_hour=1e300", "cost.price_per_device_hour = 1e+300 is above the limit"),
 ])
 def test_config_numbers_that_cannot_run_are_refused(override, words):
     with pytest.raises(UserError) as e:
