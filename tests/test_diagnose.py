@@ -135,7 +135,7 @@ def test_hang_cli_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "has no heartbeats" in err and len(err.strip().splitlines()) == 2
     assert main(["diagnose", str(tmp_path), "--hang", "--stale-after", "nan"]) == 2
-    assert "not a positive number" in capsys.readouterr().err
+    assert "argument --stale-after: nan is outside" in capsys.readouterr().err
 
 
 def test_process_state_sees_a_stopped_and_a_dead_process():
