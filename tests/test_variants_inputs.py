@@ -465,3 +465,11 @@ def test_special_files_as_config_choices_and_selftest_inputs_say_what_they_are(t
         code, _, err = _cli(capsys, *argv)
         _one_line(code, err)
         assert WANT[kind] in err, (argv, err)
+
+
+@pytest.mark.parametrize("flag", ["--lr-scale", "--loss-scale"])
+def test_replay_scales_that_float32_rounds_to_zero_are_refused(capsys, flag):
+    """`replay --loss-scale 1e-320` replayed with a scale of 0.0 (NaN gradients, exit 0)."""
+    code, _, err = _cli(capsys, "replay", "no-such-run", "--from-step", "2", "--steps", "1", flag, "1e-320")
+    _one_line(code, err)
+    assert flag in err and "must be a positive finite number from" in err, err

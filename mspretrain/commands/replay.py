@@ -45,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("lr_scale", "loss_scale"):
         v = getattr(args, name)
         high = 1e3 if name == "lr_scale" else 2.0**40  # an lr x1000 or a scale past fp32's gradient range is a typo
-        if v is not None and not 0 < v <= high:  # also refuses nan and inf
-            raise UserError(f"--{name.replace('_', '-')} {v} must be a positive finite number up to {high:g}",
+        # and a floor: --loss-scale 1e-320 is 0.0 in float32, and unscaling by it made every gradient NaN
+        low = 1e-6 if name == "lr_scale" else 2.0**-24
+        if v is not None and not low <= v <= high:  # also refuses nan and inf
+            raise UserError(f"--{name.replace('_', '-')} {v} must be a positive finite number from {low:g} up to {high:g}",
                             "e.g. --lr-scale 0.5 or --loss-scale 1024")
     docs: tuple[tuple[int, int], ...] = ()
     if args.drop_docs:
