@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -118,7 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(chosen if chosen in COMMANDS else None)
-        args, extra = parser.parse_known_args(argv)
+        try:
+            args, extra = parser.parse_known_args(argv)
+        except SystemExit as exc:  # argparse's one-line refusal (_Parser.error): a return code like every refusal
+            if exc.code in (0, None):  # --help, --version
+                raise
+            return exc.code if isinstance(exc.code, int) else 2
         if args.command is None:
             parser.print_help()
             return 0
@@ -144,6 +150,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:
+        # A full disk or a read-only filesystem is the machine's state, and a name longer than the
+        # filesystem takes is the user's: not bugs. Where no command caught one (stdout redirected
+        # to a full disk: `mspretrain plan > plan.txt`; a 300-character --out), still one line.
+        if exc.errno not in DISK_ERRNOS and exc.errno != errno.ENAMETOOLONG:
+            raise
+        _drop_stdout()
+        where = f": {exc.filename}" if exc.filename else " (writing the output)"
+        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
+        if exc.errno == errno.ENAMETOOLONG:
+            print("hint: use a shorter path (a file name takes at most 255 bytes on most filesystems)", file=sys.stderr)
+        else:
+            print("hint: free space on that filesystem or write somewhere writable (a redirect included), then run the same command again",
+                  file=sys.stderr)
+        return 2
+    except UnicodeEncodeError as exc:
+        # A path argument that is not UTF-8 (Python carries its bytes as surrogates) reached a
+        # writer of UTF-8 text (a report, a JSON record) that no command-specific check caught.
+        if "surrogates not allowed" not in str(exc):
+            raise
+        _drop_stdout()
+        print("error: a file or directory name given to this command is not valid UTF-8, so it cannot be written into "
+              "the command's UTF-8 output", file=sys.stderr)
+        print("hint: rename it to UTF-8 (e.g. `convmv -f gbk -t utf-8 --notest NAME`) and run the same command again", file=sys.stderr)
+        return 2
+
+
+# errno values of a filesystem that takes no more bytes: full, over quota, read-only, file too large.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: its buffer would fail again when Python flushes it at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (captured in tests)
+        pass
 
 
 if __name__ == "__main__":

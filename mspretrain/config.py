@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -33,6 +34,11 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (pyproject: tomli; python_version < "3.11")
     import tomli as tomllib
+
+
+INT_LIMIT = 2**63  # integer keys must fit an int64 (see _Section.__post_init__)
+SEED_LIMIT = 2**32  # numpy's legacy seeding and MindSpore's set_seed take seeds in [0, 2**32)
+EVAL_MAX_BATCH = 4096  # sequences per evaluation forward pass: far above any device's memory for a real model
 
 
 def _fail(key: str, problem: str, fix: str) -> None:
@@ -49,6 +55,25 @@ def _cap(section: Any, caps: dict[str, float], why: str) -> None:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v > cap:
             key = f"{section.SECTION}.{name}"
             _fail(key, f"= {v:g} is above the limit of {cap:g} ({why})", f"check {key} for a typo (see docs/config-reference.md)")
+
+
+def _check_seed(section: Any, name: str) -> None:
+    """A seed is a non-negative integer below 2**32 (numpy.random.seed and MindSpore's set_seed
+    raise on anything else, after the run dir is made)."""
+    v = getattr(section, name)
+    if not 0 <= v < SEED_LIMIT:
+        key = f"{section.SECTION}.{name}"
+        _fail(key, f"= {v} is not a seed between 0 and {SEED_LIMIT - 1}", f"give {key} a non-negative integer, e.g. {key}=1234")
+
+
+def _floor(section: Any, floors: dict[str, float], why: str) -> None:
+    """Refuse positive values below what float32 keeps: norm_eps=1e-300 passes `> 0` and is 0.0 on
+    the device (a division by zero waiting for an all-zero row)."""
+    for name, floor in floors.items():
+        v = getattr(section, name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < floor:
+            key = f"{section.SECTION}.{name}"
+            _fail(key, f"= {v:g} is below the floor of {floor:g} ({why})", f"check {key} for a typo (see docs/config-reference.md)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,6 +106,11 @@ class _Section:
             for v in items:
                 if isinstance(v, float) and not math.isfinite(v):
                     _fail(key, f"= {v} is not a finite number", f"give {key} a finite value (see docs/config-reference.md)")
+                # TOML and Python ints are unbounded; every integer key ends in a numpy or
+                # MindSpore int64 (a step counter, a seed, a shape), where 1e20 overflows with a
+                # traceback deep in a run (or runs "forever"). No key has a use for such a value.
+                if isinstance(v, int) and not isinstance(v, bool) and not -INT_LIMIT < v < INT_LIMIT:
+                    _fail(key, f"= {v} does not fit in 64 bits", f"check {key} for a typo (see docs/config-reference.md)")
             allowed = choices(type(self), f.name)
             for v in items if allowed else ():
                 if v not in allowed:
@@ -162,9 +192,14 @@ class ModelConfig(_Section):
             _fail("model.norm_eps", f"= {self.norm_eps} must be positive", "the Llama-2 value is 1e-5")
         if not self.init_std > 0:
             _fail("model.init_std", f"= {self.init_std} must be positive", "the Llama value is 0.02")
+        # max_seq_len: the RoPE tables are max_seq_len x head_size; 2^30 positions is 100x the longest
+        # context released (10M), and train's memory check judges what a machine holds below that.
         _cap(self, {"dim": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024, "vocab_size": 1 << 22,
-                    "ffn_dim": 1 << 18, "multiple_of": 1 << 16, "rope_theta": 1e12,  # max_seq_len: train's fits check
+                    "ffn_dim": 1 << 18, "multiple_of": 1 << 16, "rope_theta": 1e12, "head_dim": 1 << 12,
+                    "max_seq_len": 1 << 30, "rope_original_max_len": 1 << 30, "sliding_window": 1 << 30,
+                    "rope_factor": 1e4, "rope_low_freq_factor": 1e4, "rope_high_freq_factor": 1e4,
                     "norm_eps": 1.0, "init_std": 10.0}, "a model shape no device holds")
+        _floor(self, {"norm_eps": 1e-12, "init_std": 1e-8}, "float32 rounds it to 0, or to weights of 0")
 
 
 @dataclass(frozen=True)
@@ -208,6 +243,11 @@ class PrepareConfig(_Section):
                 _fail(f"prepare.{name}", f"= {getattr(self, name)} is outside (0, 1]", "use 1 to switch the filter off")
         if self.min_chars < 0:
             _fail("prepare.min_chars", f"= {self.min_chars} must not be negative", "use 0 to keep every document")
+        if self.tokenizer_sample_chars <= 0:
+            _fail("prepare.tokenizer_sample_chars", f"= {self.tokenizer_sample_chars} must be positive", "the default is 20000000")
+        _check_seed(self, "seed")
+        # SentencePiece parses its options as int32; the model section's vocabulary ceiling applies.
+        _cap(self, {"vocab_size": 1 << 22, "tokenizer_sample_chars": 1 << 40}, "more than any tokenizer trainer takes")
 
 
 @dataclass(frozen=True)
@@ -228,9 +268,12 @@ class DataConfig(_Section):
             if not isinstance(src, dict) or "path" not in src or set(src) - {"path", "weight"}:
                 _fail(f"data.sources[{i}]", "must be a table {path = \"DIR\", weight = W}",
                       'write data.sources = [{path = "a/", weight = 0.7}, {path = "b/", weight = 0.3}]')
+            if not isinstance(src["path"], str) or not src["path"].strip():
+                _fail(f"data.sources[{i}].path", f"= {src['path']!r} is not a directory name", 'quote it: {path = "data/a", weight = 0.7}')
             w = src.get("weight", 1.0)
-            if not isinstance(w, (int, float)) or isinstance(w, bool) or not (w > 0 and math.isfinite(w)):
-                _fail(f"data.sources[{i}].weight", "must be a positive number", "weights are relative, e.g. 0.7 and 0.3")
+            # capped: weights are relative, and two weights of 1e308 sum to inf (every share then 0)
+            if not isinstance(w, (int, float)) or isinstance(w, bool) or not (0 < w <= 1e12):
+                _fail(f"data.sources[{i}].weight", "must be a positive number up to 1e12", "weights are relative, e.g. 0.7 and 0.3")
 
 
 @dataclass(frozen=True)
@@ -294,6 +337,7 @@ class OptimConfig(_Section):
             _fail("optim.split_mb", f"= {self.split_mb} must be a non-negative number", "use e.g. 256, or 0 to keep every parameter whole")
         _cap(self, {"lr": 10.0, "weight_decay": 10.0, "eps": 1.0, "grad_clip": 1e6, "z_loss": 1.0},
              "an update this size makes the weights inf in a step")
+        _floor(self, {"eps": 1e-30}, "float32 rounds it to 0: Adam then divides by 0 for a parameter with no gradient")
 
 
 @dataclass(frozen=True)
@@ -358,6 +402,8 @@ class TrainConfig(_Section):
         if self.log_every <= 0:
             _fail("train.log_every", f"= {self.log_every} must be positive", "use e.g. 10")
         _cap(self, {"global_batch": 1 << 24, "micro_batch": 1 << 20}, "batch buffers no host holds")
+        _cap(self, {"max_steps": 10**12, "max_tokens": 10**16}, "a budget no run reaches: 1e16 tokens is 100x any released model's")
+        _check_seed(self, "seed")
         groups = list(self.trainable)
         if not groups:
             _fail("train.trainable", "is empty: nothing would train", 'use train.trainable=["all"], or name parameter groups')
@@ -398,6 +444,8 @@ class PrecisionConfig(_Section):
             _fail("precision.init_scale", f"= {self.init_scale} must be positive", "the field report uses 64")
         if not 0 < self.min_scale <= self.max_scale:
             _fail("precision.min_scale", f"= {self.min_scale} must be positive and at most max_scale", "use e.g. min_scale 1, max_scale 16777216")
+        # The loss scale is a float32 on the device: above ~3.4e38 it is inf, and every step overflows.
+        _cap(self, {"init_scale": 2.0**64, "max_scale": 2.0**64, "scale_warmup_to": 2.0**64}, "a loss scale that overflows float32 gradients")
         if self.growth_interval <= 0:
             _fail("precision.growth_interval", f"= {self.growth_interval} must be positive", "use e.g. 1000")
         if self.scale_warmup_to and self.scale_warmup_steps <= 0:
@@ -447,6 +495,9 @@ class EvalConfig(_Section):
             _fail("eval.batch_size", "must be positive (and every/max_tokens not negative)", "use e.g. eval.batch_size=8")
         if self.choices_shots < 0:
             _fail("eval.choices_shots", f"= {self.choices_shots} must not be negative", "use 0 (zero-shot) or e.g. 5")
+        # the batch's logits are allocated whole (eval.batch_size=1e8 asked numpy for 24.6 GiB of
+        # tokens alone): the same ceiling as `mspretrain eval --batch-size`
+        _cap(self, {"batch_size": EVAL_MAX_BATCH, "choices_shots": 1000}, "buffers no host holds")
 
 
 @dataclass(frozen=True)
@@ -477,6 +528,8 @@ class DeviceConfig(_Section):
         if self.max_device_memory < 0:
             _fail("device.max_device_memory", f"= {self.max_device_memory} must not be negative",
                   "use 0 for the default (58 GB on Ascend 910B), or the usable GB per device")
+        _cap(self, {"threads": 1 << 16}, "more threads than any host has cores")
+        _cap(self, {"max_device_memory": 1e5, "peak_tflops": 1e6}, "no device has this much")
         if not 0 <= self.cpu_quota <= 100:
             _fail("device.cpu_quota", f"= {self.cpu_quota} is outside [0, 100]", "give a percentage of all cores, e.g. 60 (0 = off)")
 
@@ -519,6 +572,7 @@ class SpikeConfig(_Section):
         if self.window < 2 or self.max_nonfinite < 1 or self.rewind_skip < 0:
             _fail("spike.window", "needs window >= 2, threshold > 0, max_nonfinite >= 1, rewind_skip >= 0",
                   "the defaults are window 50, threshold 0.3, max_nonfinite 10")
+        _cap(self, {"window": 1 << 20}, "a rolling window longer than any run's history")
         if not self.grad_norm_factor > 0:
             _fail("spike.grad_norm_factor", f"= {self.grad_norm_factor} must be positive", "the default is 5 (a grad norm 5x the rolling median)")
 
@@ -532,6 +586,7 @@ class CostConfig(_Section):
     def check(self) -> None:
         if self.price_per_device_hour < 0:
             _fail("cost.price_per_device_hour", "must not be negative", "use 0 for no cost figures")
+        _cap(self, {"price_per_device_hour": 1e9}, "a cost that overflows to inf over a run")
 
 
 @dataclass(frozen=True)
@@ -539,6 +594,23 @@ class ProfileConfig(_Section):
     SECTION = "profile"
 
     steps: str = ""  # e.g. "10-20": run the MindSpore profiler for those steps
+
+    def check(self) -> None:
+        parse_step_range(self.steps)  # refused with the config, before a run dir is made
+
+
+def parse_step_range(text: str) -> tuple[int, int] | None:
+    """profile.steps: "10-20" -> (10, 20) (inclusive); "15" -> (15, 15); "" -> None."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    m = re.fullmatch(r"([0-9]{1,12})\s*(?:-\s*([0-9]{1,12}))?", text)  # ASCII digits; steps fit train.max_steps' ceiling
+    if not m:
+        raise UserError(f"profile.steps = {text!r} is not a step range", 'write profile.steps="10-20" (inclusive) or "15"')
+    first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+    if first < 1 or last < first:
+        raise UserError(f"profile.steps = {text!r} is empty or starts before step 1", 'use e.g. profile.steps="10-20"')
+    return first, last
 
 
 @dataclass(frozen=True)
@@ -649,7 +721,9 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise UserError(f"config file {p} does not exist", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")
+            from mspretrain.fsutil import why_not  # fsutil imports errors only; no cycle
+
+            raise UserError(f"config file {p} {why_not(p)}", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")
         from mspretrain.fsutil import read_regular_bytes  # fsutil imports errors only; no cycle
 
         data = read_regular_bytes(p, 16 << 20, "config file", "pass --config with a path to a .toml file, e.g. configs/tiny.toml")

@@ -219,3 +219,25 @@ def read_regular_bytes_check(path: str | Path, cap: int, what: str, fix: str = "
     path = Path(path)
     fd, _ = _open_regular(path, cap, what, fix or f"replace {path} with the {what} it should be")
     os.close(fd)
+
+
+def file_kind(path: str | Path) -> str:
+    """What `path` is, for an error line: "a file" (regular), "a directory", "a FIFO", "a device",
+    "a socket", "a symbolic link to nothing", or "missing" (symlinks followed, never opened)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "a symbolic link to nothing" if os.path.islink(path) else "missing"
+    except OSError as e:  # a symlink loop, a name too long, a parent that is a file
+        return f"unreachable ({e.strerror or e})"
+    mode = st.st_mode
+    return ("a file" if stat.S_ISREG(mode) else "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+
+
+def why_not(path: str | Path, want: str = "a regular file") -> str:
+    """The end of "X ..." when `path` is not `want` ("a regular file" or "a directory"):
+    "does not exist", or "is a FIFO, not a regular file" (a FIFO was reported as missing)."""
+    kind = file_kind(path)
+    return "does not exist" if kind == "missing" else f"is {kind}, not {want}"

@@ -112,7 +112,7 @@ def test_refusals_are_one_line(planted, capsys, tmp_path):
     cases = [
         (["--from-step", "1", "--steps", "3"], "no verified checkpoint at or before step 1"),
         (["--from-step", "20", "--steps", "10"], "step 30 is out of range"),
-        (["--from-step", "4", "--steps", "0"], "--steps 0"),
+        (["--from-step", "4", "--steps", "0"], "argument --steps: 0 is outside"),
         (["--from-step", "4", "--steps", "2", "--out", str(busy)], "already holds other files"),
         (["--from-step", "4", "--steps", "2", "--out", str(run / "scratch")], "inside the run"),
         (["--from-step", "4", "--steps", "2", "--drop-docs", "x"], "is not a document id"),

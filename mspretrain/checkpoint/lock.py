@@ -20,6 +20,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -67,6 +68,7 @@ def ensure_run_dir(run_dir: Path) -> Path:
 
 def acquire(run_dir: str | Path, command: str, log: Callable[[str], None] = print) -> Path:
     """Take the run dir's lock for the rest of this process's life; refuse if another holds it."""
+    made = not os.path.lexists(run_dir)
     run_dir = ensure_run_dir(Path(run_dir))
     path = RunPaths(run_dir).lock
     key = str(path.resolve())
@@ -93,8 +95,17 @@ def acquire(run_dir: str | Path, command: str, log: Callable[[str], None] = prin
         return path
     info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(info).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+    except OSError as exc:  # a full disk or a quota: the run could not write a checkpoint either
+        os.close(fd)
+        if made:  # a run dir this call made is taken away again: a refused new run leaves nothing
+            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        raise UserError(f"cannot write in run dir {run_dir}: {exc.strerror}",
+                        "free disk space (or pass a --run dir on another disk) and run the same command again") from None
     _held[key] = fd
     return path
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from mspretrain import config as cfgmod
 from mspretrain.config import Config
@@ -34,11 +35,14 @@ def say(args: argparse.Namespace, text: str) -> None:
 
 
 def existing_path(path: str, what: str, fix: str) -> Path:
+    """`path` as a Path when it is a directory (every caller takes a run or data dir); else one line
+    saying what it is instead: `checkpoints FILE` printed "no checkpoints" and exited 0."""
     from mspretrain.errors import UserError
+    from mspretrain.fsutil import why_not
 
     p = Path(path)
-    if not p.exists():
-        raise UserError(f"{what} {p} does not exist", fix)
+    if not p.is_dir():
+        raise UserError(f"{what} {p} {why_not(p, 'a directory')}", fix)
     return p
 
 
@@ -62,3 +66,26 @@ def refuse_data_dir(path: str, command: str) -> None:
         raise UserError(f"{p} is a data dir (the output of `mspretrain prepare`), not a run or checkpoint",
                         f"pass the --run dir of `mspretrain train`, e.g. mspretrain {command} RUN_DIR"
                         + (f" --data {p}" if command == "eval" else ""))
+
+
+def bounded(kind: type, low: float, high: float, *, what: str = "") -> Callable[[str], Any]:
+    """An argparse `type=` for a numeric flag: the value parses as `kind` (int or float) and lies in
+    [low, high], or argparse refuses it in one `error:` line (exit 2) before the command runs.
+
+    Python ints and floats are unbounded where the numbers land (numpy seeds, int64 step counters,
+    a worker pool, a port), and NaN passes every `x < 0` check, so each numeric flag of every
+    command states its range here once instead of each command checking a few."""
+    import math
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (TypeError, ValueError, OverflowError):
+            name = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
+        if isinstance(value, float) and not math.isfinite(value) or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is outside [{low:g}, {high:g}]{what and ' (' + what + ')'}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse

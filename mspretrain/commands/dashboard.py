@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from mspretrain.commands.common import existing_path
+from mspretrain.commands.common import bounded, existing_path
 from mspretrain.errors import UserError
 from mspretrain.paths import RunPaths
 
@@ -18,7 +18,7 @@ EXAMPLES = """examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir, or a dir of run dirs")
-    p.add_argument("--port", type=int, default=6006)
+    p.add_argument("--port", type=bounded(int, 1, 65535, what="a TCP port"), default=6006)
 
 
 def tensorboard_command(logdir: str, port: int) -> list[str] | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mspretrain.commands.common import bounded
+
 EXAMPLES = """examples:
   mspretrain diagnose runs/demo                 # train.log, metrics.jsonl and every *.log below
   mspretrain diagnose msrun_logs/worker_3.log
@@ -18,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--hang", action="store_true",
                    help="read the ranks' heartbeats (RUN_DIR/heartbeat/): name the ranks that lag, died or stopped, and their phase")
-    p.add_argument("--stale-after", type=float, default=None, metavar="S",
+    p.add_argument("--stale-after", type=bounded(float, 1e-3, 1e7), default=None, metavar="S",
                    help="with --hang: a heartbeat older than S seconds while other ranks beat is a silent rank (default 20)")
 
 

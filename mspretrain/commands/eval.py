@@ -5,7 +5,8 @@ import argparse
 import json
 from pathlib import Path
 
-from mspretrain.commands.common import add_quiet_argument, refuse_data_dir, refuse_overrides
+from mspretrain.commands.common import add_quiet_argument, bounded, refuse_data_dir, refuse_overrides
+from mspretrain.config import EVAL_MAX_BATCH
 from mspretrain.errors import UserError
 from mspretrain.paths import DataPaths
 
@@ -14,7 +15,7 @@ EXAMPLES = """examples:
   mspretrain eval runs/demo/checkpoints/step_000300 --data data/ --batch-size 3 --json"""
 
 
-MAX_BATCH = 4096  # sequences per forward pass: far above any device's memory for a real model
+MAX_BATCH = EVAL_MAX_BATCH  # sequences per forward pass, as eval.batch_size (config.py)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,12 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", metavar="DATA_DIR", help="default: the data dir the run was trained on")
     p.add_argument("--split", default="valid", choices=["train", "valid"])
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=0, help="bound the number of predicted tokens (0 = whole split)")
-    p.add_argument("--seq-len", type=int, default=0, help="window length (default: the run's data.seq_len)")
+    p.add_argument("--max-tokens", type=bounded(int, 0, 10**15), default=0, help="bound the number of predicted tokens (0 = whole split)")
+    p.add_argument("--seq-len", type=bounded(int, 0, 1 << 24), default=0, help="window length (default: the run's data.seq_len)")
     p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "tokens", "bpc"} (with --choices: {"acc", "acc_norm", "count"})')
     p.add_argument("--choices", metavar="FILE", help="multiple-choice accuracy on FILE (.jsonl, or C-Eval/CMMLU .csv) instead of perplexity")
     p.add_argument("--dev", metavar="FILE", help="with --choices: few-shot examples (the first --shots items, in file order)")
-    p.add_argument("--shots", type=int, default=None, help="with --choices: number of few-shot examples (default 5 with --dev, else 0)")
+    p.add_argument("--shots", type=bounded(int, 0, 1000), default=None,
+                   help="with --choices: number of few-shot examples (default 5 with --dev, else 0)")
     add_quiet_argument(p)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mspretrain.commands.common import add_quiet_argument, refuse_data_dir, refuse_overrides
+from mspretrain.commands.common import add_quiet_argument, bounded, refuse_data_dir, refuse_overrides
 
 EXAMPLES = """examples:
   mspretrain generate runs/demo --prompt 春风 --max-new-tokens 48
@@ -14,13 +14,13 @@ EXAMPLES = """examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="RUN_DIR|CKPT_DIR")
     p.add_argument("--prompt", action="append", required=True, help="may be given several times")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=bounded(int, 1, 1 << 24), default=64)
     p.add_argument("--greedy", action="store_true")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--temperature", type=bounded(float, 1e-4, 1e4), default=0.8)
+    p.add_argument("--top-k", type=bounded(int, 0, 1 << 22), default=50)
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--repetition-penalty", type=float, default=1.1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=bounded(float, 1e-3, 1e3), default=1.1)
+    p.add_argument("--seed", type=bounded(int, 0, 2**63 - 1), default=0)
     p.add_argument("--no-stop", action="store_true", help="do not stop at EOS")
     p.add_argument("--json", action="store_true")
     add_quiet_argument(p)

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from mspretrain.commands.common import bounded
+
 EXAMPLES = """examples:
   mspretrain launch --nproc 2 -- train --config configs/tiny.toml --data data/ --run runs/dp
   mspretrain launch --nproc 8 --nodes 2 --node-rank 0 --master-addr 10.0.0.1 -- train --config configs/llama2-7b-910b.toml --data D --run R
@@ -37,19 +39,19 @@ EXAMPLES = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=int, required=True, metavar="N", help="workers on this node (devices per node)")
-    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 on the master node")
+    p.add_argument("--nproc", type=bounded(int, 1, 1024), required=True, metavar="N", help="workers on this node (devices per node)")
+    p.add_argument("--nodes", type=bounded(int, 1, 1 << 16), default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=bounded(int, 0, 1 << 16), default=0, help="this node's index, 0 on the master node")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
-    p.add_argument("--master-port", type=int, default=8118)
+    p.add_argument("--master-port", type=bounded(int, 1, 65535, what="a TCP port"), default=8118)
     p.add_argument("--log-dir", default="msrun_log", help="msrun writes worker_N.log and scheduler.log here (with --nodes > 1: in LOG_DIR/node_N)")
     p.add_argument("--dry-run", action="store_true", help="print the msrun command line and exit")
-    p.add_argument("--stale-after", type=float, default=None, metavar="S",
+    p.add_argument("--stale-after", type=bounded(float, 1e-3, 1e7), default=None, metavar="S",
                    help="end the job when a rank's heartbeat is S seconds old while the others beat (default 20)")
-    p.add_argument("--stop-grace", type=float, default=None, metavar="S",
+    p.add_argument("--stop-grace", type=bounded(float, 1e-3, 1e7), default=None, metavar="S",
                    help="end the job when a rank's process has been stopped (SIGSTOP, a debugger) for S seconds (default 5)")
     p.add_argument("--no-watchdog", action="store_true", help="leave dead or stopped ranks to msrun's own timeouts")
-    p.add_argument("--master-wait", type=float, default=300.0, metavar="S",
+    p.add_argument("--master-wait", type=bounded(float, 1e-3, 1e7), default=300.0, metavar="S",
                    help="node ranks > 0: wait at most S seconds for node 0 to listen on --master-addr:--master-port "
                         "(default 300), then fail with one line instead of waiting forever")
     p.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -88,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     msrun = shutil.which("msrun", path=search)
     if msrun is None:
         raise UserError("msrun is not installed next to this Python", "install MindSpore >= 2.3 in this environment (msrun ships with it)")
+    _check_log_dir(Path(log_dir))
     env = {**os.environ, "PATH": search}
     env.setdefault("GLOG_v", "3")  # MindSpore's native logs: warnings and errors only
     env[LOCAL_RANKS_ENV] = str(args.nproc)  # train's memory check counts every rank on this host
@@ -111,6 +114,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: a worker failed (msrun exit {code})\nhint: read {log_dir}/worker_*.log "
               f"(`mspretrain diagnose {log_dir}` summarises them)", file=sys.stderr)
     return code
+
+
+def _check_log_dir(log_dir: Path) -> None:
+    """msrun writes every worker's log into --log-dir; on a full, read-only or misnamed one it dies
+    with its own Python traceback after starting. Make the dir and write a byte there first."""
+    import tempfile
+
+    from mspretrain.errors import UserError
+
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=log_dir) as f:
+            f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise UserError(f"cannot write msrun's --log-dir {log_dir}: {exc.strerror or exc}",
+                        "pass a --log-dir on a disk with free space that you can write to") from None
 
 
 def wait_for_master(addr: str, port: int, wait_s: float, log=print) -> None:

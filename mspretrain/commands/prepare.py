@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from mspretrain.commands.common import add_config_argument, add_quiet_argument, load_config, progress_enabled
+from mspretrain.commands.common import add_config_argument, add_quiet_argument, bounded, load_config, progress_enabled
 from mspretrain.errors import UserError
 
 EXAMPLES = """examples:
@@ -25,18 +25,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="files, directories or globs of .txt / .jsonl (optionally .gz / .zst)")
     p.add_argument("--out", metavar="DATA_DIR", help="the data dir to write (must not exist unless --overwrite)")
     tok = p.add_mutually_exclusive_group()
-    tok.add_argument("--vocab-size", type=int, metavar="N", help="train a SentencePiece BPE of N pieces (prepare.vocab_size)")
+    tok.add_argument("--vocab-size", type=bounded(int, 260, 1 << 22), metavar="N", help="train a SentencePiece BPE of N pieces (prepare.vocab_size)")
     tok.add_argument("--tokenizer", metavar="PATH", help="use an existing tokenizer.model / tokenizer.json (or a data dir holding one)")
-    p.add_argument("--seq-len", type=int, metavar="L", help="training sequence length, to check the splits are long enough (data.seq_len)")
+    p.add_argument("--seq-len", type=bounded(int, 1, 1 << 24), metavar="L",
+                   help="training sequence length, to check the splits are long enough (data.seq_len)")
     add_config_argument(p)
     p.add_argument("--doc-per-line", action="store_true", default=None,
                    help="in .txt files, one document per line (default: per blank-line separated block)")
     p.add_argument("--text-field", metavar="F", help="the .jsonl field holding the text (prepare.text_field, default text)")
-    p.add_argument("--workers", type=int, metavar="N", help="worker processes (default: the number of cores)")
+    p.add_argument("--workers", type=bounded(int, 1, 1 << 20), metavar="N", help="worker processes (default: the number of cores)")
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run the chunks as Ray tasks on a cluster: HOST:PORT of its head, ray://HOST:PORT, auto or local "
                         "(needs pip install 'mspretrain[ray]' on every node; reading, dedup decisions and writing stay here)")
-    p.add_argument("--valid-fraction", type=float, metavar="F", help="share of documents for the valid split (prepare.valid_fraction)")
+    p.add_argument("--valid-fraction", type=bounded(float, 0, 1), metavar="F", help="share of documents for the valid split (prepare.valid_fraction)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing data dir")
     p.add_argument("--inspect", metavar="DATA_DIR", help="print the manifest summary of a data dir and decode a few documents")
     add_quiet_argument(p)

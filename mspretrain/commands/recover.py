@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from mspretrain.commands.common import existing_path
+from mspretrain.commands.common import bounded, existing_path
 
 EXAMPLES = """examples:
   mspretrain recover runs/demo
@@ -19,7 +19,7 @@ EXAMPLES = """examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--step", type=int, default=None, help="which checkpoint (default: the newest with intact weights)")
+    p.add_argument("--step", type=bounded(int, 0, 10**12), default=None, help="which checkpoint (default: the newest with intact weights)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from mspretrain.commands.common import bounded
+
 EXAMPLES = """examples:
   mspretrain replay runs/a --from-step 100 --steps 20
   mspretrain replay runs/a --from-step 140 --steps 5 --drop-docs 1201
@@ -18,9 +20,9 @@ replayed losses side by side. RUN is only read; the scratch dir is a temporary o
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN_DIR")
-    p.add_argument("--from-step", type=int, required=True, metavar="K",
+    p.add_argument("--from-step", type=bounded(int, 0, 10**12), required=True, metavar="K",
                    help="start from the checkpoint of step K (or the newest verified one before it)")
-    p.add_argument("--steps", type=int, required=True, metavar="N", help="replay steps K+1..K+N")
+    p.add_argument("--steps", type=bounded(int, 1, 10**12), required=True, metavar="N", help="replay steps K+1..K+N")
     p.add_argument("--drop-docs", metavar="IDS", help="document ids to leave out (as `spike` lists them: 12,40 or 1:7 "
                                                       "for source 1); their samples are swapped for clean ones")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="replay in this precision.dtype")
@@ -43,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("lr_scale", "loss_scale"):
         v = getattr(args, name)
         high = 1e3 if name == "lr_scale" else 2.0**40  # an lr x1000 or a scale past fp32's gradient range is a typo
-        if v is not None and not 0 < v <= high:  # also refuses nan and inf
-            raise UserError(f"--{name.replace('_', '-')} {v} must be a positive finite number up to {high:g}",
+        # and a floor: --loss-scale 1e-320 is 0.0 in float32, and unscaling by it made every gradient NaN
+        low = 1e-6 if name == "lr_scale" else 2.0**-24
+        if v is not None and not low <= v <= high:  # also refuses nan and inf
+            raise UserError(f"--{name.replace('_', '-')} {v} must be a positive finite number from {low:g} up to {high:g}",
                             "e.g. --lr-scale 0.5 or --loss-scale 1024")
     docs: tuple[tuple[int, int], ...] = ()
     if args.drop_docs:

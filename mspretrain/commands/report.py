@@ -63,7 +63,10 @@ def _write(run_dir: Path, out: Path, separate: bool) -> Path:
         raise UserError(f"cannot write the report: {exc.strerror} ({exc.filename or out})",
                         "free space or fix permissions; --out FILE puts the HTML elsewhere") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # on a read-only filesystem even the unlink of a file never made fails (EROFS)
+            pass
     return out
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mspretrain.commands.common import bounded
+
 EXAMPLES = """examples:
   mspretrain spike runs/a --step 140
   mspretrain spike runs/a --step 140 --no-replay     # the batch only, in a second
@@ -17,12 +19,12 @@ writes when its spike detector fires. Leave a document out and see the loss with
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN_DIR")
-    p.add_argument("--step", type=int, required=True, metavar="S", help="the step to take apart (as train.log shows it)")
+    p.add_argument("--step", type=bounded(int, 0, 10**12), required=True, metavar="S", help="the step to take apart (as train.log shows it)")
     p.add_argument("--no-replay", action="store_true", help="list the batch only: no replay, no losses")
-    p.add_argument("--history", type=int, default=8, metavar="H",
+    p.add_argument("--history", type=bounded(int, 0, 10**12), default=8, metavar="H",
                    help="replay at least H steps before S when a checkpoint allows (their gradient norms are the "
                         "rolling medians); default 8")
-    p.add_argument("--top", type=int, default=10, metavar="N", help="documents to list, most harmful first")
+    p.add_argument("--top", type=bounded(int, 1, 1 << 20), default=10, metavar="N", help="documents to list, most harmful first")
     p.add_argument("--out", metavar="SCRATCH", help="keep the replay's scratch run dir here (new or empty)")
 
 

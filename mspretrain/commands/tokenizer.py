@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from mspretrain.commands.common import add_quiet_argument, refuse_overrides, say
+from mspretrain.commands.common import add_quiet_argument, bounded, refuse_overrides, say
 
 EXAMPLES = """examples:
   mspretrain tokenizer extend llama2/tokenizer.model --train zh_corpus/ --add 20000 --out tok-zh/
@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--train", nargs="+", metavar="CORPUS", help="text files/dirs/globs (.txt, .jsonl with a text field) to learn new pieces from")
     src.add_argument("--with", dest="with_model", metavar="OTHER.model", help="take the new pieces from this SentencePiece model instead")
-    e.add_argument("--add", type=int, metavar="N", help="how many new pieces (required with --train; with --with, default all)")
+    e.add_argument("--add", type=bounded(int, 1, 1_000_000), metavar="N",
+                   help="how many new pieces (required with --train; with --with, default all)")
     e.add_argument("--held-out", nargs="+", metavar="CORPUS", help="with --with: text to measure chars/token on (every 20th document)")
     e.add_argument("--out", required=True, metavar="DIR", help="new or empty directory for tokenizer.model and tokenizer.json")
     add_quiet_argument(e)

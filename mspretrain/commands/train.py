@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from mspretrain.commands.common import add_config_argument, add_quiet_argument, existing_path, load_config
+from mspretrain.commands.common import add_config_argument, add_quiet_argument, bounded, existing_path, load_config
 from mspretrain.config import Config
 
 EXAMPLES = """examples:
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart", action="store_true",
                    help="when every checkpoint of RUN_DIR fails verification, move them (and metrics.jsonl) "
                         "to checkpoints.failed-<time>/ and start from step 0 instead of refusing")
-    p.add_argument("--cpu-quota", type=float, default=None, metavar="PCT",
+    p.add_argument("--cpu-quota", type=bounded(float, 0, 100), default=None, metavar="PCT",
                    help="cap this process at PCT%% of all cores (cgroup v2, else affinity + nice)")
     add_quiet_argument(p)
 

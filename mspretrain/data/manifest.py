@@ -41,7 +41,27 @@ def read_manifest(data_dir: str | Path, *, required: dict[str, type] = REQUIRED_
         value = manifest.get(key)
         if not isinstance(value, typ) or isinstance(value, bool):
             raise UserError(f"{path} lacks `{key}` ({typ.__name__}), so it was not written by `mspretrain prepare`", again)
+    _check_counts(manifest, required, path, again)
     return manifest
+
+
+def _check_counts(manifest: dict[str, Any], required: dict[str, type], path: Path, again: str) -> None:
+    """The numbers inside the required keys: token counts (plan, the budget and the loader turn them
+    into int64 step counts; a NaN ended in `int(nan)`, a negative count planned a negative run)
+    and a vocabulary size and special ids inside what a model can have."""
+    def whole(v: Any, low: int, high: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and low <= v < high
+
+    if "tokens" in required:
+        for split, n in manifest["tokens"].items():
+            if not whole(n, 0, 2**63):
+                raise UserError(f"{path}: tokens.{split} = {n!r} is not a token count", again)
+    if "vocab_size" in required and not whole(manifest["vocab_size"], 1, 1 << 22 + 1):
+        raise UserError(f"{path}: vocab_size = {manifest['vocab_size']!r} is not a vocabulary size", again)
+    if "special_ids" in required:
+        for name, i in manifest["special_ids"].items():
+            if not whole(i, -1, 1 << 22):  # against vocab_size: check_data_dir, which names both
+                raise UserError(f"{path}: special_ids.{name} = {i!r} is not a token id", again)
 
 
 _SCAN_TOKENS = 1 << 26  # tokens per chunk of the largest-id scan: 128 MB of uint16 at a time

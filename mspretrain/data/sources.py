@@ -336,7 +336,9 @@ def discover_named(inputs: Sequence[str], stats: SourceStats | None = None) -> l
                 raise UserError(f"no files match {raw}", "check the pattern (quote it so the shell does not expand it) or list the files")
             found.extend((m, m.as_posix()) for m in matches)
         else:
-            raise UserError(f"input {raw} does not exist", "check the path; inputs may be files, directories or globs")
+            from mspretrain.fsutil import why_not
+
+            raise UserError(f"input {raw} {why_not(p, 'a text file or a directory')}", "check the path; inputs may be files, directories or globs")
     unique: dict[Path, str] = {}
     for f, name in found:
         unique.setdefault(f.resolve(), name)  # a file named twice is read once, under its first name

@@ -52,7 +52,9 @@ class Tokenizer:
                 raise UserError(f"no tokenizer.model or tokenizer.json in {path}",
                                 "pass --tokenizer PATH to a SentencePiece .model or HF tokenizer.json file")
         if not p.is_file():
-            raise UserError(f"tokenizer {p} does not exist",
+            from mspretrain.fsutil import why_not
+
+            raise UserError(f"tokenizer {p} {why_not(p)}",
                             "pass --tokenizer with a path to a SentencePiece .model or a tokenizer.json file")
         from mspretrain.outputs import refuse_torn
 

@@ -54,7 +54,9 @@ def read_base(path: str | Path, what: str = "base tokenizer"):
     if p.is_dir():
         p = p / "tokenizer.model"
     if not p.is_file():
-        raise UserError(f"{what} {p} does not exist", "pass a SentencePiece tokenizer.model (or a dir holding one) as BASE")
+        from mspretrain.fsutil import why_not
+
+        raise UserError(f"{what} {p} {why_not(p)}", "pass a SentencePiece tokenizer.model (or a dir holding one) as BASE")
     if p.suffix == ".json":
         # Byte-level BPE (Qwen2/2.5, Qwen3, Llama-3) is refused, not extended: their 128-152 K vocabularies
         # already hold Chinese words, and continuing with the tokenizer as it is keeps every token the

@@ -93,12 +93,17 @@ def _ceval_item(row: dict[str, Any], where: str) -> ChoiceItem:
                       label=ord(letter) - ord("A"), where=where)
 
 
+MAX_CHOICES = 64  # C-Eval, CMMLU, MMLU: 4; HellaSwag: 4; the widest common benchmarks: 10
+
+
 def _generic_item(obj: dict[str, Any], where: str) -> ChoiceItem:
     context, choices, label = obj.get("context"), obj.get("choices"), obj.get("label")
     if not isinstance(context, str):
         raise _bad(where, '"context" must be a string')
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
         raise _bad(where, '"choices" must be a list of at least two non-empty strings')
+    if len(choices) > MAX_CHOICES:  # each option is a forward pass: 100,000 options ran for hours
+        raise _bad(where, f'"choices" has {len(choices):,} options, more than the {MAX_CHOICES} a multiple-choice question can have')
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
         raise _bad(where, f'"label" must be an integer index into "choices" (0-{len(choices) - 1}), got {label!r}')
     return ChoiceItem(context=context, choices=tuple(choices), label=label, where=where)
@@ -108,7 +113,9 @@ def read_choices(path: str | Path) -> list[ChoiceItem]:
     """Items of a `.jsonl` (either layout, per line) or `.csv` (C-Eval/CMMLU) file."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"choices file {p} does not exist", "pass a .jsonl or .csv multiple-choice file")
+        from mspretrain.fsutil import why_not
+
+        raise UserError(f"choices file {p} {why_not(p)}", "pass a .jsonl or .csv multiple-choice file")
     data = read_regular_bytes(p, TEXT_CAP, "choices file", "pass a .jsonl or .csv multiple-choice file")
     try:
         text = data.decode("utf-8-sig")

@@ -58,13 +58,17 @@ class Generation:
 def sample_next(logits: np.ndarray, history: list[int], p: SamplingParams, rng: np.random.Generator) -> int:
     """One token from a logits row (V,), after repetition penalty, temperature, top-k and top-p."""
     x = logits.astype(np.float64).copy()
+    if not np.isfinite(x).all():  # NaN weights (a diverged run's checkpoint): no token can be drawn
+        raise UserError("the model's next-token logits are not finite (NaN or inf): its weights are damaged or diverged",
+                        "generate from an earlier checkpoint (`mspretrain checkpoints RUN_DIR` lists them)")
     if p.repetition_penalty != 1.0 and history:
         seen = np.unique(np.asarray(history, dtype=np.int64))
         vals = x[seen]
         x[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if p.greedy:
         return int(np.argmax(x))
-    x = x / p.temperature
+    with np.errstate(over="ignore"):  # max first: a tiny temperature then gives -inf and 0, never inf - inf
+        x = (x - x.max()) / p.temperature
     if p.top_k and p.top_k < x.size:
         kth = np.partition(x, -p.top_k)[-p.top_k]
         x[x < kth] = -np.inf

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from mspretrain.config import ModelConfig
 from mspretrain.errors import UserError
-from mspretrain.fsutil import read_json
+from mspretrain.fsutil import TEXT_CAP, read_json, read_regular_bytes_check
 
 _ST_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # read as fp32
@@ -426,7 +427,11 @@ def read_hf_dir(hf_dir: str | Path, check_tokenizer: Callable[[Path, ModelConfig
         raise UserError(f"{hf_dir} has no config.json", "pass an HF model folder saved with save_pretrained (config.json + *.safetensors)")
     hf_cfg = read_json(cfg_path, "re-save the model config")
     m = config_from_hf(hf_cfg, str(cfg_path))
-    tok_path = next((hf_dir / n for n in ("tokenizer.model", "tokenizer.json") if (hf_dir / n).is_file()), None)
+    # lexists, not is_file: a FIFO, a directory or a dangling link named tokenizer.model is the
+    # folder's tokenizer gone wrong, not "no tokenizer" (which convert accepts with a note).
+    tok_path = next((hf_dir / n for n in ("tokenizer.model", "tokenizer.json") if os.path.lexists(hf_dir / n)), None)
+    if tok_path is not None:
+        read_regular_bytes_check(tok_path, TEXT_CAP, "tokenizer file", f"replace {tok_path} with the model's own tokenizer file")
     if tok_path is not None and check_tokenizer is not None:
         check_tokenizer(tok_path, m)
     tensors: dict[str, np.ndarray] = {}

@@ -16,25 +16,15 @@ Design choices:
 from __future__ import annotations
 
 import csv
-import re
 from pathlib import Path
 from typing import Any, Callable
 
-from mspretrain.errors import UserError
-
 
 def parse_steps(text: str) -> tuple[int, int] | None:
-    """"10-20" -> (10, 20); "15" -> (15, 15); "" -> None."""
-    text = (text or "").strip()
-    if not text:
-        return None
-    m = re.fullmatch(r"(\d+)\s*(?:-\s*(\d+))?", text)
-    if not m:
-        raise UserError(f"profile.steps = {text!r} is not a step range", 'write profile.steps="10-20" (inclusive) or "15"')
-    first, last = int(m.group(1)), int(m.group(2) or m.group(1))
-    if first < 1 or last < first:
-        raise UserError(f"profile.steps = {text!r} is empty or starts before step 1", 'use e.g. profile.steps="10-20"')
-    return first, last
+    """"10-20" -> (10, 20); "15" -> (15, 15); "" -> None (the config's own check, `config.parse_step_range`)."""
+    from mspretrain.config import parse_step_range
+
+    return parse_step_range(text)
 
 
 def top_operators(profile_dir: Path, n: int = 10) -> list[dict[str, Any]]:

@@ -148,6 +148,14 @@ def check_run_dir(run_dir: Path, cfg: Config, mountinfo: str | Path = MOUNTINFO)
 
     out = []
     where = _nearest_existing(Path(run_dir))
+    # The run writes here: a read-only filesystem, or a plain file where a parent dir must be,
+    # was reported as "0.0 GB free" or as ok (and every train would then refuse at its start).
+    if not where.is_dir():
+        out.append(Finding("fail", "run dir writable", f"{where} is a file, so {run_dir} cannot be made under it",
+                           "choose a --run path under a directory"))
+    elif os.statvfs(where).f_flag & os.ST_RDONLY or not os.access(where, os.W_OK | os.X_OK):
+        out.append(Finding("fail", "run dir writable", f"{where} is on a read-only filesystem or not writable (for {run_dir})",
+                           "choose a --run dir you can write to"))
     mount = mount_of(where, mountinfo)
     if mount:
         net = is_network_fs(mount[1])

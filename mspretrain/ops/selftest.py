@@ -601,7 +601,9 @@ def read_selftest(path: str | Path) -> dict[str, Any]:
     """A selftest JSON as written by `mspretrain selftest --json`; one-line errors otherwise."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"selftest file {p} does not exist", "write one with `mspretrain selftest --config CFG --out selftest.json`")
+        from mspretrain.fsutil import why_not
+
+        raise UserError(f"selftest file {p} {why_not(p)}", "write one with `mspretrain selftest --config CFG --out selftest.json`")
     doc = read_json(p, "pass the output of `mspretrain selftest --json`")
     if not isinstance(doc, dict) or not isinstance(doc.get("checks"), list):
         raise UserError(f"{p} is not a selftest result (no \"checks\" list)", "pass the output of `mspretrain selftest --json`")
