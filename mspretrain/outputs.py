@@ -42,7 +42,7 @@ from types import TracebackType
 from typing import Callable, Iterable
 
 from mspretrain.errors import UserError
-from mspretrain.fsutil import sha256_file
+from mspretrain.fsutil import chmod_like_open, new_file_mode, sha256_file
 
 MARKER = ".mspretrain-output.json"
 SCRATCH_MARK = ".mspretrain-scratch"
@@ -138,7 +138,8 @@ class OutputDir:
 
     def __init__(self, out: str | Path, command: str, *, overwrite: bool, inputs: Iterable[str | Path] = (),
                  flag: str = "--out", known_names: Iterable[str] = (), log: Callable[[str], None] = lambda s: None) -> None:
-        self.out, self.command, self.flag, self.log = Path(out), command, flag, log
+        # absolute: `--out .` or `--out ..` has no name to make a scratch dir beside
+        self.out, self.command, self.flag, self.log = Path(os.path.abspath(out)), command, flag, log
         self.scratch: Path | None = None
         out_abs = Path(os.path.abspath(self.out))
         for inp in inputs:
@@ -182,6 +183,7 @@ class OutputDir:
         try:
             parent.mkdir(parents=True, exist_ok=True)
             self.scratch = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.{os.getpid()}.", suffix=".partial", dir=parent))
+            os.chmod(self.scratch, new_file_mode(self.out, directory=True))  # mkdtemp's 0700 hid an export from the group
             (self.scratch / SCRATCH_MARK).write_text(self.command, encoding="utf-8")
         except OSError as exc:
             self._discard()
@@ -210,6 +212,9 @@ class OutputDir:
         assert self.scratch is not None
         scratch = self.scratch
         (scratch / SCRATCH_MARK).unlink()
+        for p in scratch.iterdir():
+            if p.is_file():
+                chmod_like_open(p)
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                  for p in sorted(scratch.iterdir()) if p.is_file()}
         marker = {"command": self.command, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}

@@ -41,7 +41,7 @@ from mspretrain import __version__
 from mspretrain import config as cfgmod
 from mspretrain.config import Config
 from mspretrain.errors import UserError
-from mspretrain.fsutil import fsync_path, read_json_file
+from mspretrain.fsutil import chmod_like_open, fsync_path, read_json_file
 from mspretrain.paths import DataPaths, RunPaths
 from mspretrain.paths import step_dir_name as step_dir_name  # kept as store.step_dir_name for its callers
 
@@ -162,6 +162,7 @@ def write_checkpoint_dir(
         files = collect(tmp) if collect is not None else {}
         for p in sorted(tmp.iterdir()):
             if p.name not in files:
+                chmod_like_open(p)
                 fsync_path(p)
                 files[p.name] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
         manifest = {"format_version": FORMAT_VERSION, "code_version": __version__, "step": step,
