@@ -335,9 +335,12 @@ def move_aside(run_dir: Path) -> list[Path]:
     while dest.exists():  # two restarts in one second: never merge into an older aside dir
         dest = paths.root / f"{paths.checkpoints.name}.failed-{stamp}-{n}"
         n += 1
-    os.replace(paths.checkpoints, dest)
+    # metrics.jsonl goes into checkpoints/ first, then one rename moves both: a kill between the
+    # two left the checkpoints aside and the old metrics in place, and the next `--restart` started
+    # from step 0 appending to them (the new run's steps after the old run's)
     if paths.metrics.is_file():
-        os.replace(paths.metrics, dest / paths.metrics.name)
+        os.replace(paths.metrics, paths.checkpoints / paths.metrics.name)
+    os.replace(paths.checkpoints, dest)
     fsync_path(paths.root)
     return [dest]
 
