@@ -287,3 +287,29 @@ def test_prepare_never_deletes_a_dir_of_its_work_dirs_name_that_it_did_not_make(
     assert main(["prepare", str(corpus_file), "--out", str(tmp_path / "data"), "--config", str(TINY), "--workers", "1",
                  "--quiet"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+@pytest.mark.parametrize("given", ["new", "empty"])
+def test_a_refused_replay_leaves_its_out_dir_as_it_was(reference_run, tmp_path, capsys, given):
+    """A refusal after replay had copied the starting checkpoint into --out (here: the run's data
+    dir is gone) left the copy there: --out is now as it was, absent or empty."""
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    meta = json.loads((run / "run_meta.json").read_text())
+    meta["data_dir"] = str(tmp_path / "gone")
+    (run / "run_meta.json").write_text(json.dumps(meta))
+    out = tmp_path / "deep" / "scratch" if given == "new" else tmp_path / "scratch"
+    if given == "empty":
+        out.mkdir()
+    before = state(tmp_path)
+    refused(capsys, "replay", run, "--from-step", "4", "--steps", "1", "--out", out)
+    assert state(tmp_path) == before
+
+
+@pytest.mark.parametrize("cmd", [["frobnicate"], ["train", "--frob", "1"], ["train", "--config", "c.toml"]])
+def test_launch_refuses_a_worker_command_that_cannot_parse_before_msrun_starts(tmp_path, monkeypatch, capsys, cmd):
+    """`launch -- frobnicate` started msrun, whose workers all failed with a traceback, and left
+    msrun_log/ behind (exit 1). The workers' command is parsed first now: exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, "launch", "--nproc", "2", "--", *cmd)
+    assert list(tmp_path.iterdir()) == []
