@@ -26,6 +26,9 @@ What it guarantees:
   point leaves either the old set or the new set at OUT (or OUT missing with the old set beside it
   as `.OUTNAME.<pid>.<random>.old`, which the next run puts back), never a mix.
   `check_set(dir)` tells a whole set from a torn one (a file whose bytes differ from the marker's).
+  A torn earlier output is refused, not replaced: a listed file whose bytes changed was written by
+  someone else (a user's edited tokenizer.json, fine-tuned weights saved into an export), and
+  `tokenizer extend` replaces its earlier output without a flag.
 - **One line on failure.** A full disk, a read-only directory, a missing parent: `OSError` while
   writing becomes a UserError naming the path and the cause, and the scratch dir is removed.
 """
@@ -171,8 +174,10 @@ class OutputDir:
                     raise UserError(f"{flag} {self.out} already holds files `{command}` did not write ({shown}); nothing there is replaced",
                                     f"choose a new or empty {flag} directory (or move those files away)")
                 torn = check_set(self.out)
-                if torn is not None:
-                    log(f"{self.out} is a torn `{command}` output ({torn}): it is replaced whole")
+                if torn is not None:  # a file changed after the set was written: its bytes are not ours to delete
+                    raise UserError(f"{flag} {self.out} holds an earlier `{command}` output, but {torn}: someone changed it "
+                                    "after it was written, so it is not replaced",
+                                    f"move the changed file(s) away (or delete {self.out} yourself) and run the same command again")
                 if not overwrite:
                     raise UserError(f"output directory {self.out} is not empty: it holds an earlier `{command}` output",
                                     f"choose another {flag}, or pass --overwrite to replace it")

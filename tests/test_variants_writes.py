@@ -313,3 +313,21 @@ def test_launch_refuses_a_worker_command_that_cannot_parse_before_msrun_starts(t
     monkeypatch.chdir(tmp_path)
     refused(capsys, "launch", "--nproc", "2", "--", *cmd)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_an_earlier_output_with_a_file_changed_since_is_not_replaced(tmp_path, overwrite):
+    """An earlier output whose listed file was changed after it was written (a user edited the
+    extend output's tokenizer.json, saved fine-tuned weights into an export) was "torn" and replaced
+    whole, the user's bytes deleted: `tokenizer extend` replaces its earlier output without a flag."""
+    from mspretrain.errors import UserError
+    from mspretrain.outputs import OutputDir
+
+    out = tmp_path / "out"
+    with OutputDir(out, "tokenizer extend", overwrite=True) as tmp:
+        (tmp / "tokenizer.json").write_text("{}")
+    (out / "tokenizer.json").write_text('{"edited": "by the user"}')
+    before = state(tmp_path)
+    with pytest.raises(UserError, match="changed it after it was written"):
+        OutputDir(out, "tokenizer extend", overwrite=overwrite)
+    assert state(tmp_path) == before
