@@ -331,3 +331,15 @@ def test_an_earlier_output_with_a_file_changed_since_is_not_replaced(tmp_path, o
     with pytest.raises(UserError, match="changed it after it was written"):
         OutputDir(out, "tokenizer extend", overwrite=overwrite)
     assert state(tmp_path) == before
+
+
+def test_a_refused_demo_prepares_nothing_first(corpus_file, tmp_path, capsys):
+    """The demo checked its run dir's config only after preparing the data (minutes, and a new
+    data dir left behind by the refusal) when data/ was gone: now before."""
+    work = tmp_path / "wd"
+    (work / "run").mkdir(parents=True)
+    shutil.copy(TINY, work / "run" / "config.toml")  # a run with another config than the demo's
+    before = state(tmp_path)
+    err = refused(capsys, "demo", "--workdir", work, "--corpus", corpus_file, "--quiet", "prepare.vocab_size=512")
+    assert "another config than this demo's" in err
+    assert state(tmp_path) == before
