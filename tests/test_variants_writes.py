@@ -100,6 +100,8 @@ def test_a_run_dir_with_files_of_the_users_still_resumes_and_a_dir_with_only_a_c
     fresh.mkdir()
     shutil.copy(TINY, fresh / "config.toml")
     (fresh / "checkpoints.failed-20260101T000000Z").mkdir()
+    (fresh / "msrun_log").mkdir()  # `launch` run from the run dir makes its log dir first
+    (fresh / ".DS_Store").write_text("x")
     assert foreign_entries(fresh) == []
     (fresh / "model.safetensors").write_text("x")
     assert foreign_entries(fresh) == ["model.safetensors"]

@@ -54,7 +54,7 @@ def _holder(path: Path) -> str:
 # run_meta.json, is not a run dir: a data dir, an HF folder, a checkpoint, a user's folder.
 RUN_NAMES = frozenset({"config.toml", "metrics.jsonl", "tb", "train.log", "run_meta.json", "tokenizer.model",
                        "tokenizer.json", "checkpoints", ".mspretrain.lock", "batches.jsonl", "heartbeat", "spikes",
-                       "profile", "report"})
+                       "profile", "report", "msrun_log"})  # launch's default --log-dir, when run from the run dir
 
 
 def foreign_entries(run_dir: Path) -> list[str]:
@@ -68,7 +68,8 @@ def foreign_entries(run_dir: Path) -> list[str]:
         names = sorted(p.name for p in run_dir.iterdir())
     except OSError:
         return []
-    return [n for n in names if n not in RUN_NAMES and not n.startswith("checkpoints.failed-")]
+    # hidden names (.DS_Store, an editor's swap file) say nothing about what the dir is
+    return [n for n in names if n not in RUN_NAMES and not n.startswith(("checkpoints.failed-", "."))]
 
 
 def ensure_run_dir(run_dir: Path, command: str = "train") -> Path:
