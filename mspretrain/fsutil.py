@@ -43,6 +43,39 @@ def copy_range(src_fd: int, src_at: int, dst_fd: int, dst_at: int, count: int) -
         src_at, dst_at, count = src_at + n, dst_at + n, count - n
 
 
+def _read_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+# read once, at import (the main thread, before any writer thread starts): reading it later would
+# set it for an instant under the metrics writer's and the async checkpoint saver's threads
+_UMASK = _read_umask()
+
+
+def _umask() -> int:
+    return _UMASK
+
+
+def new_file_mode(path: str | Path, *, directory: bool = False) -> int:
+    """The mode a file (or dir) written at `path` should get: the mode of the one it replaces, else
+    what `open()` (`mkdir`) would give under the umask. mkstemp/mkdtemp make 0600/0700, which turned
+    every atomically written file (a data dir's tokenizer, an export, a run's config.toml) private
+    to its writer, and changed the mode of a file it replaced."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return (0o777 if directory else 0o666) & ~_umask()
+
+
+def chmod_like_open(path: str | Path) -> None:
+    """Give a file this process just wrote the mode `open()` would have (0666 under the umask):
+    the safetensors library creates its files 0600, so checkpoints and exports were unreadable
+    to the user's group."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 @contextmanager
 def atomic_writer(path: str | Path, *, text: bool = False, fsync: bool = True) -> Iterator[IO]:
     """A file to write `path` through, in pieces: a reader, or a crash at any moment, sees either
@@ -54,6 +87,7 @@ def atomic_writer(path: str | Path, *, text: bool = False, fsync: bool = True) -
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, new_file_mode(path))
         with os.fdopen(fd, "w", encoding="utf-8") if text else os.fdopen(fd, "wb") as f:
             yield f
             if fsync:

@@ -26,6 +26,9 @@ What it guarantees:
   point leaves either the old set or the new set at OUT (or OUT missing with the old set beside it
   as `.OUTNAME.<pid>.<random>.old`, which the next run puts back), never a mix.
   `check_set(dir)` tells a whole set from a torn one (a file whose bytes differ from the marker's).
+  A torn earlier output is refused, not replaced: a listed file whose bytes changed was written by
+  someone else (a user's edited tokenizer.json, fine-tuned weights saved into an export), and
+  `tokenizer extend` replaces its earlier output without a flag.
 - **One line on failure.** A full disk, a read-only directory, a missing parent: `OSError` while
   writing becomes a UserError naming the path and the cause, and the scratch dir is removed.
 """
@@ -42,7 +45,7 @@ from types import TracebackType
 from typing import Callable, Iterable
 
 from mspretrain.errors import UserError
-from mspretrain.fsutil import sha256_file
+from mspretrain.fsutil import chmod_like_open, new_file_mode, sha256_file
 
 MARKER = ".mspretrain-output.json"
 SCRATCH_MARK = ".mspretrain-scratch"
@@ -138,7 +141,8 @@ class OutputDir:
 
     def __init__(self, out: str | Path, command: str, *, overwrite: bool, inputs: Iterable[str | Path] = (),
                  flag: str = "--out", known_names: Iterable[str] = (), log: Callable[[str], None] = lambda s: None) -> None:
-        self.out, self.command, self.flag, self.log = Path(out), command, flag, log
+        # absolute: `--out .` or `--out ..` has no name to make a scratch dir beside
+        self.out, self.command, self.flag, self.log = Path(os.path.abspath(out)), command, flag, log
         self.scratch: Path | None = None
         out_abs = Path(os.path.abspath(self.out))
         for inp in inputs:
@@ -170,8 +174,10 @@ class OutputDir:
                     raise UserError(f"{flag} {self.out} already holds files `{command}` did not write ({shown}); nothing there is replaced",
                                     f"choose a new or empty {flag} directory (or move those files away)")
                 torn = check_set(self.out)
-                if torn is not None:
-                    log(f"{self.out} is a torn `{command}` output ({torn}): it is replaced whole")
+                if torn is not None:  # a file changed after the set was written: its bytes are not ours to delete
+                    raise UserError(f"{flag} {self.out} holds an earlier `{command}` output, but {torn}: someone changed it "
+                                    "after it was written, so it is not replaced",
+                                    f"move the changed file(s) away (or delete {self.out} yourself) and run the same command again")
                 if not overwrite:
                     raise UserError(f"output directory {self.out} is not empty: it holds an earlier `{command}` output",
                                     f"choose another {flag}, or pass --overwrite to replace it")
@@ -182,6 +188,7 @@ class OutputDir:
         try:
             parent.mkdir(parents=True, exist_ok=True)
             self.scratch = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.{os.getpid()}.", suffix=".partial", dir=parent))
+            os.chmod(self.scratch, new_file_mode(self.out, directory=True))  # mkdtemp's 0700 hid an export from the group
             (self.scratch / SCRATCH_MARK).write_text(self.command, encoding="utf-8")
         except OSError as exc:
             self._discard()
@@ -210,6 +217,9 @@ class OutputDir:
         assert self.scratch is not None
         scratch = self.scratch
         (scratch / SCRATCH_MARK).unlink()
+        for p in scratch.iterdir():
+            if p.is_file():
+                chmod_like_open(p)
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                  for p in sorted(scratch.iterdir()) if p.is_file()}
         marker = {"command": self.command, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}

@@ -93,13 +93,14 @@ def _rewrite_data_state(ckpt: Path, consumed: int) -> None:
 @pytest.mark.parametrize("consumed, what", [(16, "4 samples replayed"), (0, "20 samples replayed")])
 def test_a_resume_with_a_rewound_or_lost_loader_state_is_named(resumed_run, tiny_data, tmp_path, consumed, what, capsys):
     """Step 5's checkpoint says the loader is at sample 16 (rewound by a step) or 0 (its data state
-    lost and started over): training resumes without complaint, and the audit names step 6."""
+    lost and started over): training resumes without complaint, and the audit names step 6 and the checkpoint."""
     run = copy_run_at(resumed_run, tmp_path / "run", 5)
     _rewrite_data_state(run / "checkpoints" / "step_000005", consumed)
     _train(tiny_data, run, 7)
     a = audit_run(run)
-    assert [(f.step, f.kind) for f in a.findings] == [(6, "data")], a.findings
-    assert what in a.findings[0].message
+    # and the checkpoint itself disagrees with the record (its loader state is not the one step 5 ends at)
+    assert [(f.step, f.kind) for f in a.findings] == [(6, "data"), (5, "record")], a.findings
+    assert what in a.findings[0].message and "step_000005" in a.findings[1].message
     assert main(["audit", str(run)]) == 1
     assert "step 6: [data]" in capsys.readouterr().out
 

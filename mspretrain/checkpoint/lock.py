@@ -50,11 +50,42 @@ def _holder(path: Path) -> str:
         return "another process"
 
 
-def ensure_run_dir(run_dir: Path) -> Path:
-    """Create the run dir, or refuse in one line when it cannot be one (a file, read-only, ...)."""
+# What `train` (and the commands that write into a run: report, spike records, launch's
+# watchdog, `--restart`) put at the top of a run dir. A dir holding anything else, and no
+# run_meta.json, is not a run dir: a data dir, an HF folder, a checkpoint, a user's folder.
+RUN_NAMES = frozenset({"config.toml", "metrics.jsonl", "tb", "train.log", "run_meta.json", "tokenizer.model",
+                       "tokenizer.json", "checkpoints", ".mspretrain.lock", "batches.jsonl", "heartbeat", "spikes",
+                       "profile", "report", "msrun_log"})  # launch's default --log-dir, when run from the run dir
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """The names in an existing dir that make it not a run dir (empty for a run dir, a new or an
+    empty dir). A dir with run_meta.json is a run dir whatever else the user keeps in it (notes);
+    without one (a run killed before its first write ends, or a config placed there first) every
+    name must be one `train` writes."""
+    try:
+        if (run_dir / RunPaths(".").meta.name).is_file():
+            return []
+        names = sorted(p.name for p in run_dir.iterdir())
+    except OSError:
+        return []
+    # hidden names (.DS_Store, an editor's swap file) say nothing about what the dir is
+    return [n for n in names if n not in RUN_NAMES and not n.startswith(("checkpoints.failed-", "."))]
+
+
+def ensure_run_dir(run_dir: Path, command: str = "train") -> Path:
+    """Create the run dir, or refuse in one line when it cannot be one (a file, read-only, a dir
+    of other files: `train --run DATA_DIR` replaced its tokenizer, `--run` on a user's folder its
+    config.toml). This is the first write of `train` and `recover`, so the refusal touches nothing."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run {run_dir} is a file, not a directory", "pass a directory (it is created if missing)")
+    foreign = foreign_entries(run_dir) if run_dir.is_dir() else []
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise UserError(f"{run_dir} is not a run dir: it holds files `mspretrain train` does not write ({shown}) and no "
+                        f"run_meta.json; `{command}` leaves it alone",
+                        "pass a new or empty directory, or the run dir of an earlier `mspretrain train`")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -69,7 +100,7 @@ def ensure_run_dir(run_dir: Path) -> Path:
 def acquire(run_dir: str | Path, command: str, log: Callable[[str], None] = print) -> Path:
     """Take the run dir's lock for the rest of this process's life; refuse if another holds it."""
     made = not os.path.lexists(run_dir)
-    run_dir = ensure_run_dir(Path(run_dir))
+    run_dir = ensure_run_dir(Path(run_dir), command)
     path = RunPaths(run_dir).lock
     key = str(path.resolve())
     if key in _held:

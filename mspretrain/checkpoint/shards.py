@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from mspretrain.checkpoint.store import SaveError, _sha256, optimizer_shard_name, step_dir_name
-from mspretrain.fsutil import atomic_write, fsync_path
+from mspretrain.fsutil import atomic_write, chmod_like_open, fsync_path
 
 # How long rank 0 waits for another rank's shard after writing its own files. Generous: a 7B
 # run's shard is ~10 GB (moments and masters), written while rank 0 writes its 14 GB.
@@ -45,6 +45,7 @@ def write_shard(root: Path, step: int, rank: int, world: int, tensors: dict[str,
         d.mkdir(parents=True)
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / name),
                   metadata={"format": "mspretrain", "step": str(step)})
+        chmod_like_open(d / name)
         fsync_path(d / name)
         _publish(d / "shard.json", {"file": name, "sha256": _sha256(d / name), "bytes": (d / name).stat().st_size})
     except Exception as exc:

@@ -41,7 +41,7 @@ from mspretrain import __version__
 from mspretrain import config as cfgmod
 from mspretrain.config import Config
 from mspretrain.errors import UserError
-from mspretrain.fsutil import fsync_path, read_json_file
+from mspretrain.fsutil import chmod_like_open, fsync_path, read_json_file
 from mspretrain.paths import DataPaths, RunPaths
 from mspretrain.paths import step_dir_name as step_dir_name  # kept as store.step_dir_name for its callers
 
@@ -162,6 +162,7 @@ def write_checkpoint_dir(
         files = collect(tmp) if collect is not None else {}
         for p in sorted(tmp.iterdir()):
             if p.name not in files:
+                chmod_like_open(p)
                 fsync_path(p)
                 files[p.name] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
         manifest = {"format_version": FORMAT_VERSION, "code_version": __version__, "step": step,
@@ -334,9 +335,12 @@ def move_aside(run_dir: Path) -> list[Path]:
     while dest.exists():  # two restarts in one second: never merge into an older aside dir
         dest = paths.root / f"{paths.checkpoints.name}.failed-{stamp}-{n}"
         n += 1
-    os.replace(paths.checkpoints, dest)
+    # metrics.jsonl goes into checkpoints/ first, then one rename moves both: a kill between the
+    # two left the checkpoints aside and the old metrics in place, and the next `--restart` started
+    # from step 0 appending to them (the new run's steps after the old run's)
     if paths.metrics.is_file():
-        os.replace(paths.metrics, dest / paths.metrics.name)
+        os.replace(paths.metrics, paths.checkpoints / paths.metrics.name)
+    os.replace(paths.checkpoints, dest)
     fsync_path(paths.root)
     return [dest]
 

@@ -61,16 +61,20 @@ def demo_dirs(work: Path, quick: bool) -> tuple[Path, Path]:
     return work / f"data{suffix}", work / f"run{suffix}"
 
 
-def check_run_dir(run_dir: Path, cfg) -> None:
+def check_run_dir(run_dir: Path, cfg, *, vocab_of_run: bool = False) -> None:
     """Refuse (one line, nothing written) a run dir whose config.toml is not the config this demo
     trains: a run continued with `train` (the printed next step (b)), or other overrides. Running
-    the demo on it would rewrite its config.toml and report that run as the demo's."""
+    the demo on it would rewrite its config.toml and report that run as the demo's.
+    `vocab_of_run`: `cfg` is not resolved yet (no data dir to take the vocabulary from): resolve it
+    with the run's, so the check can come before minutes of fetching and preparing."""
     from mspretrain import config as cfgmod
 
     saved = RunPaths(run_dir).config
     if not saved.is_file():
         return
     old = cfgmod.load(saved)
+    if vocab_of_run:
+        cfg = replace(cfg, model=cfgmod.resolve_model(cfg.model, int(old.model.vocab_size)))
     if old == cfg:
         return
     diff = [f"{sec}.{k}" for sec in ("model", "data", "optim", "schedule", "train", "checkpoint", "eval", "precision")
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if DataPaths(data_dir).manifest.is_file():
         say(f"-- data: reusing {data_dir}")
     else:
+        check_run_dir(run_dir, cfg, vocab_of_run=True)  # a refused demo prepares nothing first
         if args.corpus:
             corpus = Path(args.corpus)
             say(f"-- corpus: {corpus}")

@@ -18,6 +18,8 @@ Two things msrun does not do, added here:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import shlex
 import shutil
@@ -58,7 +60,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the mspretrain command every worker runs, after --")
 
 
+def check_worker_command(cmd: list[str]) -> None:
+    """Parse the workers' command here, before msrun starts: an unknown command or option failed
+    in every worker after msrun had started them (tracebacks in msrun_log/, exit 1), leaving the
+    log dir of a job that never ran. Refused as the command itself would refuse it (exit 2)."""
+    from mspretrain.cli import build_parser
+    from mspretrain.errors import UserError
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            _, extra = build_parser(cmd[0]).parse_known_args(cmd)
+    except SystemExit as exc:  # the command's parser said `error: ...` / `hint: ...` (or printed its --help: exit 0)
+        if not exc.code:
+            raise
+        lines = [x.partition(": ")[2] for x in said.getvalue().strip().splitlines()]
+        raise UserError(f"mspretrain {cmd[0]}: {lines[0] if lines else 'bad arguments'}",
+                        lines[1] if len(lines) > 1 else f"see `mspretrain {cmd[0]} --help`") from None
+    bad = [e for e in extra if "=" not in e or e.startswith("-")]
+    if bad:
+        raise UserError(f"`mspretrain {cmd[0]}` does not take {' '.join(bad)}", f"see `mspretrain {cmd[0]} --help`")
+
+
 def run(args: argparse.Namespace) -> int:
+    from mspretrain.cli import COMMANDS
     from mspretrain.errors import UserError
     from mspretrain.ops.diagnose import STALE_S
     from mspretrain.ops.fits import LOCAL_RANKS_ENV
@@ -70,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise UserError("no command to launch", "put the mspretrain command after --, e.g. mspretrain launch --nproc 2 -- train --config ...")
+    if cmd[0] not in COMMANDS:
+        raise UserError(f"`{cmd[0]}` is not an mspretrain command", f"put one of {', '.join(COMMANDS)} after --")
     if args.nproc < 1 or args.nodes < 1 or not 0 <= args.node_rank < args.nodes:
         raise UserError(f"--nproc {args.nproc}, --nodes {args.nodes}, --node-rank {args.node_rank} do not describe a cluster",
                         "use --nproc >= 1, --nodes >= 1 and 0 <= --node-rank < --nodes")
@@ -97,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if args.node_rank > 0:
         env[NO_SCHEDULER] = "1"
         wait_for_master(args.master_addr, args.master_port, args.master_wait)
+    check_worker_command(cmd)  # the last check before msrun starts (after --dry-run, which only prints)
     print(line, flush=True)
     run_dir = None if args.no_watchdog else train_run_dir(cmd)
     code, verdict = supervise([msrun, *shlex.split(line)[1:]], env, run_dir, stale, grace)

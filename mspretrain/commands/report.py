@@ -45,19 +45,22 @@ def plots_dir(run_dir: Path, out: Path | None) -> Path:
     return out.with_name(f"{out.stem}-plots") if out is not None else run_dir / "report"
 
 
-def _write(run_dir: Path, out: Path, separate: bool) -> Path:
-    """Build into a hidden sibling and rename over `out`: an interrupted report leaves the old one whole.
-    `separate`: --out was given, the plots go to their own dir beside it (published whole, see outputs.py)."""
+def _write(run_dir: Path, out: Path, separate: bool, page: str, pngs: dict[str, bytes]) -> Path:
+    """Write the rendered report into a hidden sibling and rename it over `out`: an interrupted report
+    leaves the old one whole. `separate`: --out was given, the plots go to their own dir beside it
+    (published whole, see outputs.py)."""
     from contextlib import nullcontext
 
-    from mspretrain.ops.report import build_report
+    from mspretrain.ops.report import write_pngs
     from mspretrain.outputs import OutputDir
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         plots = OutputDir(plots_dir(run_dir, out), "report", overwrite=True) if separate else nullcontext(None)
         with plots as png_dir:
-            build_report(run_dir, tmp, png_dir=png_dir)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_pngs(pngs, png_dir if png_dir is not None else plots_dir(run_dir, None))
+            tmp.write_text(page, encoding="utf-8")
         os.replace(tmp, out)
     except OSError as exc:  # a read-only run dir (the PNGs go to RUN_DIR/report/), a full disk
         raise UserError(f"cannot write the report: {exc.strerror} ({exc.filename or out})",
@@ -77,11 +80,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} is a file, not a run dir", "pass the --run dir of `mspretrain train`")
     out = Path(args.out) if args.out else run_dir / "report" / "report.html"
     _check_out(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create {out.parent}: {exc.strerror}", "name an --out file in a directory you can write to") from None
-    out = _write(run_dir, out, separate=bool(args.out))
+    from mspretrain.ops.report import render_report
+
+    page, pngs = render_report(run_dir)  # every refusal comes before the first write
+    if args.out:
+        from mspretrain.outputs import OutputDir
+
+        OutputDir(plots_dir(run_dir, out), "report", overwrite=True)  # refuses a plots dir of yours, writes nothing
+    out = _write(run_dir, out, separate=bool(args.out), page=page, pngs=pngs)
     print(f"report: {out}")
     print(f"plots:  {plots_dir(run_dir, out if args.out else None)}/*.png")
     return 0

@@ -125,7 +125,7 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     if journal.stage == "publish" and not _complete(work):
         # a publish into a shared dir, killed after it had moved some files: build it anew
         log("the interrupted prepare was killed while publishing file by file: starting over")
-        journal.remove()
+        _discard(journal)  # its journal says the work dir is prepare's
         journal.open(fp)
     try:
         if journal.stage == "publish":

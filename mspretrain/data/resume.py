@@ -40,6 +40,7 @@ from mspretrain.fsutil import atomic_write
 VERSION = 1
 COMMIT_SECONDS = 10.0  # seconds of work a kill may redo (MSPRETRAIN_PREPARE_COMMIT_SECONDS overrides)
 STATE_DIR = ".resume"  # in the work dir; never published
+WORK_MARK = "prepare-work"  # in STATE_DIR: the work dir is prepare's own (see Journal._ours)
 
 
 def commit_seconds() -> float:
@@ -138,11 +139,25 @@ class Journal:
                                 f"rerun the original command to resume it, or delete {self.work} and {self.path} to start over")
             self.data = old
             return "resume"
+        if self.work.is_symlink() or (self.work.exists() and not self._ours()):
+            raise UserError(f"{self.work} exists and is not a work dir `mspretrain prepare` left (no {STATE_DIR}/{WORK_MARK}); "
+                            "prepare does not delete it", "move it away (or delete it if it is yours to lose), or choose another --out")
         shutil.rmtree(self.work, ignore_errors=True)  # left over by a crashed run that had not started its journal
         self.work.mkdir()
+        self.state_dir.mkdir()
+        (self.state_dir / WORK_MARK).write_text("prepare\n", encoding="utf-8")  # what makes a journal-less work dir ours
         self.data = {"version": VERSION, "fingerprint": fp, "stage": "pass1"}
         self.commit()
         return "fresh"
+
+    def _ours(self) -> bool:
+        """A work dir without a journal may be deleted only if prepare made it: it holds the mark
+        (written right after the mkdir) or nothing (killed in between). `.NAME.partial` was removed
+        whatever it held, a user's dir of that name included."""
+        try:
+            return self.work.is_dir() and ((self.state_dir / WORK_MARK).is_file() or not any(self.work.iterdir()))
+        except OSError:
+            return False
 
     @property
     def stage(self) -> str:

@@ -171,6 +171,8 @@ def audit_run(run_dir: str | Path) -> Audit:
     state = _State(step=0, pos=[0] * len(plan.windows), applied=0, scaler=scaler.state())
     history: dict[int, _State] = {0: replace(state, pos=list(state.pos), scaler=dict(state.scaler))}
     sessions = 0
+    seen: dict[int, list[tuple[list[int], int, float, int]]] = {}  # step -> every state the record gives after it
+    session_world: Any = None
 
     for n, rec, why in read_lines(run):
         if why is not None:  # named, never skipped: the audit cannot vouch for what it cannot read
@@ -182,6 +184,7 @@ def audit_run(run_dir: str | Path) -> Audit:
             at = int(r.get("step", 0))
             changes = list(r.get("changes", [])) if isinstance(r.get("changes"), list) else []
             first, sessions = sessions == 0, sessions + 1
+            session_world = r.get("world")
             old = sess
             sess = _session_of(r, sess, cfg)
             if first and "plan" in r:  # the first session's own plan, not the run's latest data
@@ -195,6 +198,7 @@ def audit_run(run_dir: str | Path) -> Audit:
                 scaler = LossScaler.from_config(sess.precision)
                 state = _State(step=0, pos=[0] * len(sess.plan.windows), applied=0, scaler=scaler.state())
                 history = {0: replace(state, pos=list(state.pos), scaler=dict(state.scaler))}
+                seen = {}  # the old checkpoints were moved aside with the old history
                 continue
             if at < state.step:  # started again below the history: e.g. its checkpoints were gone
                 out.findings.append(Finding(at + 1, "step", f"the run started again after step {at} over a history that "
@@ -228,6 +232,9 @@ def audit_run(run_dir: str | Path) -> Audit:
                 scaler, state = fresh, replace(state, scaler=fresh.state())
             continue
         plan, g = sess.plan, sess.g
+        if sessions == 0 and out.steps == 0 and not any("session marker" in n for n in out.notes):
+            out.notes.append(f"{BATCHES} does not start with a session marker: its first steps are judged by "
+                             "config.toml's settings")
         if "rewind" in rec:
             r = rec["rewind"]
             out.rewinds.append(r)
@@ -247,6 +254,9 @@ def audit_run(run_dir: str | Path) -> Audit:
                                             f"position {r.get('pos')}, the documented skip of {r['skip']} steps gives {pos}"))
             continue
         _check_step(rec, state, plan, sess.schedule, cfg, g, out)
+        if session_world is not None and rec.get("world") != session_world:  # only a resume changes it
+            out.findings.append(Finding(int(rec["step"]), "step", f"step {rec['step']} ran on {rec.get('world')} rank(s), "
+                                                                  f"its session on {session_world}, with no resume recorded"))
         scaler.load_state(state.scaler)
         if math.isclose(scaler.scale, float(rec.get("scale", scaler.scale)), rel_tol=1e-12):
             scaler.update(bool(rec.get("finite", True)))
@@ -258,7 +268,13 @@ def audit_run(run_dir: str | Path) -> Audit:
                        applied=state.applied + bool(rec.get("finite", True)), scaler=scaler.state(),
                        world=rec.get("world", state.world))
         history[state.step] = replace(state, pos=list(state.pos), scaler=dict(state.scaler))
+        seen.setdefault(state.step, []).append((list(state.pos), state.applied, float(state.scaler["scale"]), plan.seed))
         out.steps += 1
+    if sessions and sess.plan.seed != cfg.train.seed:  # a resume with another seed is refused: never legitimate
+        out.findings.append(Finding(state.step, "record", f"config.toml says train.seed = {cfg.train.seed}, but the run's "
+                                                          f"last session trained with seed {sess.plan.seed}: the files are "
+                                                          "not of one run"))
+    _check_checkpoints(run, seen, out)
     _check_metrics(run, out)
     # the record must reach as far as the run's checkpoints and metrics: an empty or cut-off
     # batches.jsonl checks nothing and must not be called exact
@@ -301,6 +317,33 @@ def _check_step(rec: dict[str, Any], state: _State, plan: SamplePlan, schedule: 
     if not math.isclose(float(rec.get("scale", want_scale)), want_scale, rel_tol=1e-12):
         out.findings.append(Finding(step, "loss_scale", f"step {step} ran at loss scale {rec.get('scale'):g}, the "
                                                         f"scaler's rules give {want_scale:g}"))
+
+
+def _check_checkpoints(run: Path, seen: dict[int, list[tuple[list[int], int, float, int]]], out: Audit) -> None:
+    """Each kept checkpoint must hold the state the record gives after its step: the data order's
+    seed, the sample position, the applied steps and the loss scale. A batches.jsonl (or a
+    checkpoint) copied from another run agrees with itself but not with these, and the audit must
+    not call such a run exact."""
+    from mspretrain.checkpoint import store
+
+    for step, d in store.list_checkpoints(run):
+        if step not in seen:  # beyond the record: said by the extent check
+            continue
+        try:
+            ds = read_json_file(d / store.DATA_STATE, "data_state.json")
+            ts = read_json_file(d / store.TRAIN_STATE, "train_state.json")
+            have = ([int(src["consumed"]) for src in ds["sources"]], int(ts["applied_steps"]),
+                    float(ts["loss_scale"]["scale"]), int(ds["seed"]))
+        except (UserError, KeyError, TypeError, ValueError):
+            out.notes.append(f"checkpoint {d.name}: its state files are unreadable, so it was not compared with the record")
+            continue
+        if have in seen[step]:
+            continue
+        want = seen[step][-1]
+        what = [f"{name} {h} (the record gives {w})" for name, h, w in
+                zip(("sample position", "applied steps", "loss scale", "data order seed"), have, want) if h != w]
+        out.findings.append(Finding(step, "record", f"checkpoint {d.name} holds {', '.join(what)}: {BATCHES} and the "
+                                                    "checkpoint are not of one history (a file copied from another run?)"))
 
 
 def _check_metrics(run: Path, out: Audit) -> None:

@@ -298,6 +298,8 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
     start = int(ckpt.name.split("_")[1])
     cfg = scratch_config(ckpt, changes)
     data_dir = run_data_dir(run)
+    created = _first_missing(Path(out).expanduser().resolve()) if out is not None else None
+    given = os.stat(out) if out is not None and created is None else None  # an empty --out: its times are put back
     scratch, temporary = make_scratch(run, out)
     result = Replay(run=run, scratch=None if temporary else scratch, requested=from_step, start=start, end=end,
                     world_original=original_world(run, range(start + 1, end + 1)), world=1, changes=changes)
@@ -360,10 +362,41 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
                                    grad_norm=float(v["grad_norm"]), lr=float(v["lr"]),
                                    spike_original="spike" in orig, spike_replayed="spike" in v))
         return result
+    except UserError:
+        if not temporary:  # refused: --out is left as it was (absent, or the empty dir it had to be)
+            lock.release(scratch)
+            _undo_scratch(scratch, created)
+            if given is not None:
+                os.utime(scratch, ns=(given.st_atime_ns, given.st_mtime_ns))
+        raise
     finally:
         lock.release(scratch)
         if temporary:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` that does not exist yet (what `mkdir(parents=True)` makes)."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            break
+        missing = p
+    return missing
+
+
+def _undo_scratch(scratch: Path, created: Path | None) -> None:
+    """Remove what a refused replay wrote into --out: the dirs it made, or the contents of the
+    empty dir it was given (a refusal after the checkpoint copy, e.g. the data dir is gone, left
+    the copy behind)."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+        return
+    for p in scratch.iterdir():
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- output

@@ -452,18 +452,16 @@ img{max-width:100%;border:1px solid #eee}pre{background:#f6f6f6;padding:8px;font
 .warn{color:#a33}.muted{color:#888;font-size:13px}"""
 
 
-def build_report(run_dir: Path, out: Path | None = None, png_dir: Path | None = None) -> Path:
-    """Write the plots as PNGs into `png_dir` (default RUN_DIR/report/) and the HTML (default
-    RUN_DIR/report/report.html; the plots are embedded in it too); return the HTML path."""
+def render_report(run_dir: Path) -> tuple[str, dict[str, bytes]]:
+    """(the HTML, {panel stem: PNG bytes}) of a run, in memory: every check that can refuse the
+    report runs here, before anything is written (a refused report leaves no report/ dir behind)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run dir {run_dir} does not exist", "pass the --run directory of a training run")
     s = summarize(run_dir)
     if not s["records"] and not s["config_text"]:
         raise UserError(f"{run_dir} has no metrics.jsonl and no config.toml", "is this a run dir? `mspretrain train --run DIR` writes them")
-    png_dir = Path(png_dir) if png_dir is not None else run_dir / "report"
-    png_dir.mkdir(parents=True, exist_ok=True)
-    panels = []
+    panels, pngs = [], {}
     for stem, title in _PANELS:
         fig = _plot(stem, title, s)
         if fig is None and stem in _OPTIONAL_PANELS:
@@ -474,12 +472,28 @@ def build_report(run_dir: Path, out: Path | None = None, png_dir: Path | None = 
 
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
-        (png_dir / f"{stem}.png").write_bytes(buf.getvalue())
+        pngs[stem] = buf.getvalue()
         b64 = base64.b64encode(buf.getvalue()).decode("ascii")
         panels.append(f'<div><img alt="{html.escape(title)}" src="data:image/png;base64,{b64}"></div>')
+    return render_html(s, panels), pngs
+
+
+def write_pngs(pngs: dict[str, bytes], png_dir: Path) -> None:
+    png_dir.mkdir(parents=True, exist_ok=True)
+    for stem, data in pngs.items():
+        (png_dir / f"{stem}.png").write_bytes(data)
+
+
+def build_report(run_dir: Path, out: Path | None = None, png_dir: Path | None = None) -> Path:
+    """Write the plots as PNGs into `png_dir` (default RUN_DIR/report/) and the HTML (default
+    RUN_DIR/report/report.html; the plots are embedded in it too); return the HTML path."""
+    run_dir = Path(run_dir)
+    page, pngs = render_report(run_dir)
+    png_dir = Path(png_dir) if png_dir is not None else run_dir / "report"
+    write_pngs(pngs, png_dir)
     out = Path(out) if out else png_dir / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(s, panels), encoding="utf-8")
+    out.write_text(page, encoding="utf-8")
     return out
 
 

@@ -305,7 +305,8 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
         _write_run_files(paths, cfg, resolved_notes(cfg, b, sampling, device.threads, device.target), tokenizer, meta)
     say.release()
     metrics = MetricsLogger(paths.root, sampling, enabled=world.is_main, log=say,
-                            resume_step=int(resume_state["step"]) if resume_from is not None else None)
+                            # from step 0 (a run killed before its first checkpoint): its old lines are retrained
+                            resume_step=int(resume_state["step"]) if resume_from is not None else 0)
     meter = StepMeter(tokens_per_step=b.tokens_per_step, seq_len=cfg.data.seq_len, devices=world.size,
                       flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len, cfg.train.trainable),
                       peak_tflops=device_peak_tflops(device.target, cfg.precision.dtype, cfg.device.peak_tflops),
@@ -324,7 +325,8 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     ledger = SourceLedger(plan_for(loader), world=world.size, rank=world.rank, micro=b.micro_batch, accum=b.accumulation,
                           seq_len=cfg.data.seq_len, every=cfg.train.log_every)  # loss and tokens per data source
     spike_record = SpikeRecord(paths.root, global_batch=cfg.train.global_batch, enabled=world.is_main,  # RUN/spikes/
-                               resume_step=int(resume_state["step"]) if resume_from is not None else None)
+                               # from step 0 (a run killed before its first checkpoint): its old lines are retrained
+                            resume_step=int(resume_state["step"]) if resume_from is not None else 0)
     banner = (f"{device.describe()}; world {world.size}; micro-batch {b.micro_batch} x {b.accumulation} accumulation"
               + memory_options(cfg, step_fn, world, b.accumulation), f"schedule {b.schedule.describe()}")
     trainer = Trainer(
