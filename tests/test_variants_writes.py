@@ -133,7 +133,7 @@ def test_output_dir_named_dot_publishes_and_leaves_no_scratch(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # no scratch or aside dir beside it
 
 
-def test_written_files_get_the_mode_open_would_give(tmp_path):
+def test_written_files_get_the_mode_open_would_give(tmp_path, monkeypatch):
     """mkstemp (atomic writes), mkdtemp (output dirs) and the safetensors library create 0600/0700:
     a data dir's tokenizer, an export and every checkpoint were unreadable to the user's group, and
     an atomic rewrite changed a file's mode. Now: what `open()` gives under the umask, or the
@@ -144,6 +144,7 @@ def test_written_files_get_the_mode_open_would_give(tmp_path):
     from mspretrain.fsutil import atomic_write
     from mspretrain.outputs import OutputDir
 
+    monkeypatch.setattr("mspretrain.fsutil._UMASK", 0o022)  # read once at import: the process's umask
     umask = os.umask(0o022)
     try:
         new = tmp_path / "new.txt"
