@@ -364,6 +364,7 @@ def test_a_new_run_on_a_full_disk_is_one_line_and_leaves_no_run_dir(tmp_path, mo
         lock.acquire(tmp_path / "new-run", "train")
     assert not (tmp_path / "new-run").exists()
     (tmp_path / "old-run").mkdir()
+    (tmp_path / "old-run" / "run_meta.json").write_text("{}")  # a run dir (one without it is refused as not a run)
     (tmp_path / "old-run" / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="No space left on device"):
         lock.acquire(tmp_path / "old-run", "train")
@@ -436,10 +437,14 @@ def test_report_out_on_a_read_only_filesystem_is_one_line(tmp_path, capsys, monk
     def read_only(*a, **k):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "ro" / ".r.html.tmp"))
 
-    monkeypatch.setattr(report_ops, "build_report", read_only)
-    real_unlink = Path.unlink
+    # the report is rendered in memory first (every refusal before the first write); the write of
+    # the HTML's temporary file then meets the read-only filesystem, and so does its cleanup
+    monkeypatch.setattr(report_ops, "render_report", lambda run_dir: ("<html></html>", {}))
+    real_unlink, real_write = Path.unlink, Path.write_text
     monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: read_only() if self.name.endswith(".tmp")
                         else real_unlink(self, missing_ok=missing_ok))
+    monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: read_only() if self.name.endswith(".tmp")
+                        else real_write(self, *a, **k))
     run = tmp_path / "run"
     run.mkdir()
     code, _, err = _cli(capsys, "report", str(run), "--out", str(tmp_path / "r.html"))

@@ -117,14 +117,14 @@ def run(args: argparse.Namespace) -> int:
     msrun = shutil.which("msrun", path=search)
     if msrun is None:
         raise UserError("msrun is not installed next to this Python", "install MindSpore >= 2.3 in this environment (msrun ships with it)")
-    _check_log_dir(Path(log_dir))
+    check_worker_command(cmd)  # after --dry-run, which only prints; before anything is written
     env = {**os.environ, "PATH": search}
     env.setdefault("GLOG_v", "3")  # MindSpore's native logs: warnings and errors only
     env[LOCAL_RANKS_ENV] = str(args.nproc)  # train's memory check counts every rank on this host
     if args.node_rank > 0:
         env[NO_SCHEDULER] = "1"
         wait_for_master(args.master_addr, args.master_port, args.master_wait)
-    check_worker_command(cmd)  # the last check before msrun starts (after --dry-run, which only prints)
+    _check_log_dir(Path(log_dir))  # the first write, the last check before msrun starts
     print(line, flush=True)
     run_dir = None if args.no_watchdog else train_run_dir(cmd)
     code, verdict = supervise([msrun, *shlex.split(line)[1:]], env, run_dir, stale, grace)
@@ -151,6 +151,7 @@ def _check_log_dir(log_dir: Path) -> None:
 
     from mspretrain.errors import UserError
 
+    made = not log_dir.exists()
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=log_dir) as f:
@@ -158,6 +159,9 @@ def _check_log_dir(log_dir: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
+        if made:  # a refused launch leaves no log dir of its own behind
+            with contextlib.suppress(OSError):
+                log_dir.rmdir()
         raise UserError(f"cannot write msrun's --log-dir {log_dir}: {exc.strerror or exc}",
                         "pass a --log-dir on a disk with free space that you can write to") from None
 
