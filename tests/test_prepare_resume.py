@@ -199,6 +199,38 @@ def test_kill_with_a_given_tokenizer_is_byte_identical(reference, tmp_path, stag
     assert files_of(out) == files_of(tmp_path / "ref")
 
 
+def points_of(p: subprocess.CompletedProcess) -> list[str]:
+    return [ln.split(": ", 1)[1] for ln in p.stderr.splitlines() if ln.startswith("prepare-point: ")]
+
+
+@pytest.mark.sigkill
+@pytest.mark.parametrize("valid", ["0.1", "0.0001"])
+def test_a_killed_replay_resumes_after_its_last_committed_chunk(reference, tmp_path, valid):
+    """With a given tokenizer and local workers the replay commits per chunk: killed in its middle
+    (or, valid 0.0001, after its last chunk, while it moves a train document to the empty valid
+    split), the rerun places only the chunks after the commit, and the bytes are the same."""
+    raw, want, _ = reference
+    tok = tmp_path / "tokenizer.model"
+    tok.write_bytes(want["tokenizer.model"])
+    extra = ("--tokenizer", str(tok), "--valid-fraction", valid)
+    ref = run(raw, tmp_path / "ref", *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert ref.returncode == 0, ref.stderr
+    replays = [p for p in points_of(ref) if p.startswith("replay ") and p != "replay moved"]
+    assert len(replays) >= 4, replays  # a multi-chunk replay
+    at = "replay moved" if valid == "0.0001" else replays[len(replays) // 2]
+    assert at in points_of(ref)
+    out = tmp_path / "data"
+    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == files_of(tmp_path / "ref")
+    redone = [p for p in points_of(again) if p.startswith("replay ") and p != "replay moved"]
+    # the chunk killed before its commit is the only one placed again (none after the last chunk)
+    assert redone == ([] if at == "replay moved" else replays[replays.index(at):]), redone
+    assert not any(p.startswith("pass1") for p in points_of(again))
+
+
 @pytest.mark.parametrize("renamed", [(), (".bin",), (".bin", ".idx")])
 def test_a_shard_writer_finishes_after_a_kill_inside_finalize(tmp_path, renamed):
     """`finalize` killed after the index was written and some of its renames were made:

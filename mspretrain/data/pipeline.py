@@ -37,7 +37,7 @@ import numpy as np
 from mspretrain.config import PrepareConfig
 from mspretrain.data import clean, dedup, sources
 from mspretrain.data.diskdedup import ChunkSpool, DiskDedup, place_records
-from mspretrain.data.origin import RECORD, OriginWriter, origin_name, read_records
+from mspretrain.data.origin import RECORD, OriginWriter, cut_to, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, ordered, start_pool
 from mspretrain.data.publish import build_manifest
 from mspretrain.data.resume import Journal, point
@@ -105,7 +105,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     local worker processes (`workers` is then its CPU count).
 
     Stages, each resumed after a kill from the journal (`resume.py`): "pass1" (from its last
-    commit), "dedup", "replay" and "train" (redone whole), "encode" (from its last commit),
+    commit), "dedup" (redone whole), "replay" (from its last commit with a given tokenizer and
+    local workers, else redone whole), "train" (redone whole), "encode" (from its last commit),
     "finalize" (redone). `journal.stage` says where this call starts.
     """
     t0 = time.time()
@@ -155,19 +156,20 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         shutil.rmtree(dd.root, ignore_errors=True)
         spool = ChunkSpool(spool_path, j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
         spool.close()
-        sink, writers = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0,
+        sink, writers, origins = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0,
                                 min(workers, len(os.sched_getaffinity(0))) if j.data["pass1"].get("pieces") else None)
         if given is not None:
             tok_info = {"trained": False, "source": str(given.path)}
             _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
             j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(work / origin_name(s) for s in SPLITS), j.state_dir],
-                     stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()})
+                     stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()},
+                     origin_records={s: o.records for s, o in origins.items()})
             for w in writers.values():
                 w.close()
         else:
             _save_state(j, "train", stats=stats, sink=sink)
             j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
-                     stage="train", state="train")
+                     stage="train", state="train", origin_records={s: o.records for s, o in origins.items()})
         spool_path.unlink(missing_ok=True)
         removing.append(_remove_later(work / PIECES))
     if j.stage == "train":
@@ -214,6 +216,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         tok = Tokenizer.load(work / j.data["tokenizer_file"])
     for s in SPLITS:
         ShardWriter.finish_resumed(work / s, dtype, j.data["writers"][s], fsync=False)  # prepare fsyncs every file at once
+        if "origin_records" in j.data:  # the replay's move left the moved record's bytes (`OriginWriter.peek_last`)
+            cut_to(work / origin_name(s), j.data["origin_records"][s])
         point(f"finalized {s}")
     manifest = build_manifest(work, cfg, stats, sink, tok, tok_info, dtype)
     # the largest id per shard, counted while writing: `train` checks it against the vocabulary
@@ -354,16 +358,22 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
 
 def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool,
             log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
-            t0: float, pieces_workers: int | None = None) -> tuple[Sink, dict[str, ShardWriter]]:
-    """Pass 1's results again, now with their fate known, to the sink (redone whole after a kill:
-    every file it writes is started anew). `pieces_workers`: pass 1 left its chunks in files
-    (`workers.spill_chunk`); this many workers cut them into pieces of the outputs."""
-    writers = {s: ShardWriter(work / s, dtype) for s in SPLITS} if tokens else {}
+            t0: float, pieces_workers: int | None = None) -> tuple[Sink, dict[str, ShardWriter], dict[str, OriginWriter]]:
+    """Pass 1's results again, now with their fate known, to the sink. `pieces_workers`: pass 1
+    left its chunks in files (`workers.spill_chunk`); this many workers cut them into pieces of
+    the outputs, resumed after a kill from the last commit. Else (the documents go through
+    `Sink.take`, which holds back documents and the tokenizer sample) redone whole after a kill:
+    every file it writes is started anew."""
+    # the pieces path commits its progress (`_replay_pieces`): resumed, its files are cut back to it
+    at = j.data.get("replay") if pieces_workers is not None else None
+    writers = {s: ShardWriter(work / s, dtype, at and at["writers"][s]) for s in SPLITS} if tokens else {}
     spools = None if tokens else {s: Spool(work / f"{s}.spool") for s in SPLITS}
-    origins = {s: OriginWriter(work / origin_name(s)) for s in SPLITS}
+    origins = {s: OriginWriter(work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
     sink = Sink(cfg, writers if tokens else spools, 0 if tokens else cfg.tokenizer_sample_chars, origins)
     if pieces_workers is not None:
-        notes = _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, pieces_workers)
+        if at is not None:
+            log(f"resuming the replay after chunk {at['chunks']:,} of {spool.chunks:,}")
+        notes = _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, pieces_workers, j)
     else:
         done = 0
         for i, result in enumerate(spool.read(remove=False)):
@@ -391,19 +401,31 @@ def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dty
     kept = sink.docs["train"] + sink.docs["valid"]
     log(f"kept {kept:,} of {sink.docs_in:,} documents ({sink.chars['train'] + sink.chars['valid']:,} characters, "
         f"{time.time() - t0:.1f} s)")
-    return sink, writers
+    return sink, writers, origins
 
 
 def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool, sink: Sink,
-                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int) -> list[str]:
+                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int, j: Journal) -> list[str]:
     """The replay when pass 1's chunks are in files: workers cut each chunk into its kept
     documents' shard and origin pieces (`workers.replay_chunk`); here, per chunk, only the counts
     and each piece's place in the outputs, in order, where a worker copies it (`workers.place_piece`,
     in the kernel). Same bytes as `Sink.take`:
-    each split's documents in input order, and at the end the move of `Sink.finish`."""
+    each split's documents in input order, and at the end the move of `Sink.finish`.
+
+    Resumable: every `commit_seconds()` the journal's "replay" names the chunks done, the writers'
+    lengths and the sink's counters (a few hundred bytes: the pieces path holds no documents and
+    no tokenizer sample); `_replay` cut the outputs back to them, and the chunks after the commit
+    are cut and placed again (pass 1's chunk files stay until the replay's last commit)."""
     src, dst = work / PIECES, work / REPLAY_PIECES
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir()
+    at = j.data.get("replay")
+    skip = at["chunks"] if at is not None else 0
+    last_chars: dict[str, int] = {}
+    if at is not None:
+        _restore_counts(sink, at["sink"])
+        last_chars.update(at["last_chars"])
+    counted: deque = deque()  # per chunk sent out: what `Sink.count` adds when its result is in
 
     def items() -> Iterator[tuple]:
         done = 0
@@ -411,17 +433,32 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
             n = meta["n"]
             exact, near = dd.dropped(done, done + n)
             done += n
-            sink.count(meta, exact, near)  # in chunk order, as `Sink.take` counts
+            if i < skip:  # committed: only its documents' place in the dedup decisions is needed
+                continue
+            counted.append((meta, exact, near))
             yield str(src / f"{i:08d}"), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype
 
-    last_chars: dict[str, int] = {}
     placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
+
+    def drain() -> None:
+        while placing:
+            placing.popleft().get()
+
+    def commit(chunks: int) -> None:
+        drain()  # every piece up to `chunks` in its place before the files are fsynced
+        j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(o.path for o in origins.values())],
+                 replay={"chunks": chunks, "writers": {s: w.state() for s, w in writers.items()},
+                         "origins": {s: o.records for s, o in origins.items()}, "last_chars": dict(last_chars),
+                         "sink": _counts(sink)})
+
     in_flight = 2 * workers + 1
     for o in origins.values():
         o.seek_end()  # the header on disk before the workers write after it
-    pool = start_pool(workers if spool.chunks > 1 else 1, init_worker, (cfg, None, dtype.name))  # one chunk: no pool to start
+    todo = spool.chunks - skip
+    pool = start_pool(workers if todo > 1 else 1, init_worker, (cfg, None, dtype.name))  # one chunk: no pool to start
     try:
-        for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight)):
+        for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight), skip):
+            sink.count(*counted.popleft())  # in chunk order, as `Sink.take` counts, and only what is placed
             if res["per_file"] is not None:
                 sink.per_file.merge(res["per_file"])
             copies = []
@@ -441,9 +478,10 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
                 placing.append(pool.apply_async(place_piece, (task,)))
                 while len(placing) > in_flight or (placing and placing[0].ready()):
                     placing.popleft().get()
-            point(f"replay {i + 1}")
-        while placing:
-            placing.popleft().get()
+            point(f"replay {i + 1}", drain)
+            if j.due():
+                commit(i + 1)
+        drain()
     finally:
         if pool is not None:
             pool.terminate()
@@ -451,13 +489,34 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
         w.seek_end()
     moved = sink.planned_move()
     if moved:
+        # `peek_last`, not `pop_last`: the source's bytes stay until `finalize` cuts them to the
+        # counts of the commit after this, so a kill before that commit resumes from the last one
         a, b = moved
-        last = writers[a].pop_last()
+        last = writers[a].peek_last()
         writers[b].add_flat(last, np.array([last.size], dtype=np.int32))
         if origins[a].records:
-            origins[b].add(origins[a].pop_last())
+            origins[b].add(origins[a].peek_last())
+        point("replay moved", lambda: (writers[b].state(), origins[b].seek_end()))  # flushed: the tail a kill leaves
     shutil.rmtree(dst, ignore_errors=True)
     return sink.count_move(moved, last_chars[moved[0]] if moved else 0)
+
+
+def _counts(sink: Sink) -> dict:
+    """The counters of a sink on the pieces path, for the journal (JSON; Counters keep their order)."""
+    return {"docs_in": sink.docs_in, "chars_in": sink.chars_in, "changed": list(sink.changed.items()),
+            "dropped": list(sink.dropped.items()), "docs": dict(sink.docs), "chars": dict(sink.chars),
+            "per_file": {k: v.tolist() for k, v in sink.per_file.sums.items()}}
+
+
+def _restore_counts(sink: Sink, c: dict) -> None:
+    sink.docs_in, sink.chars_in = c["docs_in"], c["chars_in"]
+    sink.changed.clear()
+    sink.changed.update(dict(c["changed"]))
+    sink.dropped.clear()
+    sink.dropped.update(dict(c["dropped"]))
+    sink.docs.update(c["docs"])
+    sink.chars.update(c["chars"])
+    sink.per_file.sums = {k: np.asarray(v, dtype=np.int64) for k, v in c["per_file"].items()}
 
 
 def _encode(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dtype, sink: Sink, workers: int, progress: bool,

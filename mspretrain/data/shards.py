@@ -150,6 +150,19 @@ class ShardWriter:
         self.max_token = int(np.memmap(self._bin_tmp, dtype=self.dtype, mode="r", shape=(keep,)).max()) if keep else -1
         return last
 
+    def peek_last(self) -> np.ndarray:
+        """`pop_last` without cutting the files: the counts forget the last document, its bytes
+        stay until a writer is made from the new `state()` (`finish_resumed` cuts them). prepare's
+        replay moves a document this way, so that a kill before the commit naming the new counts
+        still finds every committed byte on disk."""
+        self.state()
+        (n,) = np.fromfile(self._len_tmp, dtype=np.int32, count=1, offset=(self.documents - 1) * 4)
+        keep = self.tokens - int(n)
+        last = np.fromfile(self._bin_tmp, dtype=self.dtype, count=int(n), offset=keep * self.dtype.itemsize)
+        self.tokens, self.documents = keep, self.documents - 1
+        self.max_token = int(np.memmap(self._bin_tmp, dtype=self.dtype, mode="r", shape=(keep,)).max()) if keep else -1
+        return last
+
     def add_flat(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Write documents given back to back in `tokens`, `lengths[i]` tokens each (the hot
         path of `prepare`: one write, no per-document Python work)."""
