@@ -89,7 +89,7 @@ def chosen(points: list[str], stage: str) -> str:
 
 # cleaning, dedup (resolve, then the replay through the sink), tokenizer training, encoding,
 # finalizing the shards, publishing
-STAGES = ["pass1 chunk", "dedup resolved", "replay", "trained", "encode valid", "finalized train", "publish"]
+STAGES = ["pass1 chunk", "dedup part", "dedup resolved", "replay", "trained", "encode valid", "finalized train", "publish"]
 
 
 @pytest.mark.sigkill
@@ -229,6 +229,24 @@ def test_a_killed_replay_resumes_after_its_last_committed_chunk(reference, tmp_p
     # the chunk killed before its commit is the only one placed again (none after the last chunk)
     assert redone == ([] if at == "replay moved" else replays[replays.index(at):]), redone
     assert not any(p.startswith("pass1") for p in points_of(again))
+
+
+@pytest.mark.sigkill
+def test_a_killed_dedup_sorts_again_only_the_undecided_partitions(reference, tmp_path):
+    """Each dedup partition's result is saved as it comes: killed after the first, the rerun
+    sorts only the others (its points name them; no cleaning again) and the bytes are the same."""
+    raw, want, points = reference
+    parts = [p for p in points if p.startswith("dedup part ")]
+    assert len(parts) >= 2, points  # exact and band partitions (near dedup is on)
+    out = tmp_path / "data"
+    killed = run(raw, out, env={"MSPRETRAIN_PREPARE_TEST_KILL": parts[0]})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == want
+    got = points_of(again)
+    assert [p for p in got if p.startswith("dedup part ")] == parts[1:]
+    assert not any(p.startswith("pass1") for p in got)
 
 
 @pytest.mark.parametrize("renamed", [(), (".bin",), (".bin", ".idx")])

@@ -105,9 +105,9 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     local worker processes (`workers` is then its CPU count).
 
     Stages, each resumed after a kill from the journal (`resume.py`): "pass1" (from its last
-    commit), "dedup" (redone whole), "replay" (from its last commit with a given tokenizer and
-    local workers, else redone whole), "train" (redone whole), "encode" (from its last commit),
-    "finalize" (redone). `journal.stage` says where this call starts.
+    commit), "dedup" (the partitions without a saved result), "replay" (from its last commit
+    with a given tokenizer and local workers, else redone whole), "train" (redone whole),
+    "encode" (from its last commit), "finalize" (redone). `journal.stage` says where this call starts.
     """
     t0 = time.time()
     j = journal
@@ -133,15 +133,22 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     if j.stage == "dedup":
         t1 = time.time()
         dd.restore(j.data["pass1"]["dedup"])  # files cut back to the commit (nothing was written after it)
-        # with Ray each partition is a task; the records stay until the decisions are on disk: a
-        # kill here takes them again
+        # with Ray each partition is a task; the records stay until the decisions are on disk, and
+        # each partition's result is saved as it comes (`decided`): a kill here sorts again only
+        # the partitions that had none
+        decided, files = dd.decided_count()
+        if decided:
+            log(f"dedup: resuming, {decided:,} of {files:,} partitions decided")
+
+        def done(name: str) -> None:
+            point(f"dedup part {name}")  # after its result file was renamed into place: that is its commit
+
         if ray is not None:
-            dd.resolve(ray.map, remove=False)
+            dd.resolve(ray.map, remove=False, decided=done)
         else:  # local workers read and sort the partitions (independent, split by key), if there are a few
-            files = len(dd.exact.existing()) + (len(dd.near.existing()) if dd.near is not None else 0)
-            pool = start_pool(workers if files > 2 else 1, init_worker, (cfg, None, dtype.name))
+            pool = start_pool(workers if files - decided > 2 else 1, init_worker, (cfg, None, dtype.name))
             try:
-                dd.resolve(pool.imap if pool is not None else map, remove=False, by_path=True)
+                dd.resolve(pool.imap if pool is not None else map, remove=False, by_path=True, decided=done)
             finally:
                 if pool is not None:
                     pool.terminate()
