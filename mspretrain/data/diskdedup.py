@@ -498,6 +498,14 @@ class ChunkSpool:
     def close(self) -> None:
         self._f.close()
 
+    def read_from(self, offset: int = 0, first: int = 0) -> Iterator[tuple[dict, int]]:
+        """The chunks from number `first` on, which start at byte `offset` (a resumed replay's
+        commit), each with the byte offset where it ends (what the next commit records)."""
+        with open(self.path, "rb", buffering=1 << 20) as f:
+            f.seek(offset)
+            for _ in range(first, self.chunks):
+                yield pickle.load(f), f.tell()
+
     def read(self, remove: bool = True) -> Iterator[dict]:
         with open(self.path, "rb", buffering=1 << 20) as f:
             for _ in range(self.chunks):

@@ -20,6 +20,7 @@ so the output is byte-identical whatever the number of workers.
 """
 from __future__ import annotations
 
+import heapq
 import os
 import pickle
 import shutil
@@ -40,7 +41,7 @@ from mspretrain.data.diskdedup import ChunkSpool, DiskDedup, place_records
 from mspretrain.data.origin import RECORD, OriginWriter, cut_to, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, ordered, start_pool
 from mspretrain.data.publish import build_manifest
-from mspretrain.data.resume import Journal, point
+from mspretrain.data.resume import Journal, point, truncate
 from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import Sink
 from mspretrain.data.spool import Spool, read_spool
@@ -178,6 +179,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
             j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
                      stage="train", state="train", origin_records={s: o.records for s, o in origins.items()})
         spool_path.unlink(missing_ok=True)
+        j.state_path("replay.log").unlink(missing_ok=True)  # `_replay_take`'s, not needed after the stage's commit
         removing.append(_remove_later(work / PIECES))
     if j.stage == "train":
         sink = _load_state(j, "train")["sink"]
@@ -366,29 +368,21 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
 def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool,
             log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
             t0: float, pieces_workers: int | None = None) -> tuple[Sink, dict[str, ShardWriter], dict[str, OriginWriter]]:
-    """Pass 1's results again, now with their fate known, to the sink. `pieces_workers`: pass 1
-    left its chunks in files (`workers.spill_chunk`); this many workers cut them into pieces of
-    the outputs, resumed after a kill from the last commit. Else (the documents go through
-    `Sink.take`, which holds back documents and the tokenizer sample) redone whole after a kill:
-    every file it writes is started anew."""
-    # the pieces path commits its progress (`_replay_pieces`): resumed, its files are cut back to it
-    at = j.data.get("replay") if pieces_workers is not None else None
+    """Pass 1's results again, now with their fate known, to the sink; resumed after a kill from
+    the last commit (`_replay_take`, `_replay_pieces`). `pieces_workers`: pass 1 left its chunks
+    in files (`workers.spill_chunk`); this many workers cut them into pieces of the outputs."""
+    # the replay commits its progress: resumed, its output files are cut back to the last commit
+    at = j.data.get("replay")
     writers = {s: ShardWriter(work / s, dtype, at and at["writers"][s]) for s in SPLITS} if tokens else {}
-    spools = None if tokens else {s: Spool(work / f"{s}.spool") for s in SPLITS}
+    spools = None if tokens else {s: Spool(work / f"{s}.spool", at and at["writers"][s]) for s in SPLITS}
     origins = {s: OriginWriter(work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
     sink = Sink(cfg, writers if tokens else spools, 0 if tokens else cfg.tokenizer_sample_chars, origins)
+    if at is not None:
+        log(f"resuming the replay after chunk {at['chunks']:,} of {spool.chunks:,}")
     if pieces_workers is not None:
-        if at is not None:
-            log(f"resuming the replay after chunk {at['chunks']:,} of {spool.chunks:,}")
         notes = _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, pieces_workers, j)
     else:
-        done = 0
-        for i, result in enumerate(spool.read(remove=False)):
-            n = len(result["chars"])
-            sink.take(result, *dd.dropped(done, done + n))
-            done += n
-            point(f"replay {i + 1}")
-        notes = sink.finish()
+        notes = _replay_take(spool, sink, dd, writers if tokens else spools, origins, j)
     for w in notes:
         warn(w)
     for o in origins.values():
@@ -409,6 +403,74 @@ def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dty
     log(f"kept {kept:,} of {sink.docs_in:,} documents ({sink.chars['train'] + sink.chars['valid']:,} characters, "
         f"{time.time() - t0:.1f} s)")
     return sink, writers, origins
+
+
+def _replay_take(spool: ChunkSpool, sink: Sink, dd: DiskDedup, outs: dict, origins: dict[str, OriginWriter], j: Journal) -> list[str]:
+    """The replay through `Sink.take` (the chunk spool holds whole results: a trained tokenizer,
+    or Ray), resumable per chunk. Every `commit_seconds()` the journal's "replay" names the chunks
+    taken, where the next starts in the spool, the outputs' lengths and the sink's counters. What
+    the sink holds beyond counters, the held-back document of each split and the tokenizer
+    sample (up to `prepare.tokenizer_sample_chars`, 20 M characters), goes to an append-only log
+    in the state dir instead, so that a commit writes only what changed since the last one: the
+    sample's new members (texts), the numbers of those that left, and the held documents."""
+    at = j.data.get("replay")
+    path = j.state_path("replay.log")
+    live: set[int] = set()  # the sample members (their `order`) the log holds as of the last commit
+    if at is None:
+        skip, docs, offset = 0, 0, 0
+        open(path, "wb").close()
+    else:
+        skip, docs, offset = at["chunks"], at["docs"], at["spool_bytes"]
+        _restore_counts(sink, at["sink"])
+        sink.sample_chars, sink.order = at["sample_chars"], at["order"]
+        truncate(path, at["log_bytes"])  # a torn record after the commit
+        members: dict[int, tuple] = {}
+        with open(path, "rb") as f:
+            while f.tell() < at["log_bytes"]:
+                kind, *rec = pickle.load(f)
+                if kind == "add":
+                    members[rec[1]] = tuple(rec)
+                elif kind == "del":
+                    members.pop(rec[0])
+                else:
+                    sink.held, sink.held_origin = rec
+        sink.sample = list(members.values())
+        heapq.heapify(sink.sample)  # (-u, order) are unique: the same pops as the uninterrupted heap
+        live.update(members)
+    f_log = open(path, "ab")
+
+    def flush() -> None:  # (for a test's kill: the uncommitted tail on disk)
+        for o in outs.values():
+            o.state()
+        for o in origins.values():
+            o.seek_end()
+
+    def commit(chunks: int, end: int) -> None:
+        now = {e[1]: e for e in sink.sample}
+        for o in sorted(live - now.keys()):
+            pickle.dump(("del", o), f_log, protocol=5)
+        for o in sorted(now.keys() - live):
+            pickle.dump(("add", *now[o]), f_log, protocol=5)
+        live.clear()
+        live.update(now)
+        pickle.dump(("held", sink.held, sink.held_origin), f_log, protocol=5)
+        f_log.flush()
+        j.commit(fsync=[path, *(f for o in outs.values() for f in o.files()), *(o.path for o in origins.values())],
+                 replay={"chunks": chunks, "docs": docs, "spool_bytes": end, "log_bytes": f_log.tell(),
+                         "writers": {s: o.state() for s, o in outs.items()}, "origins": {s: o.records for s, o in origins.items()},
+                         "sink": _counts(sink), "sample_chars": sink.sample_chars, "order": sink.order})
+
+    try:
+        for i, (result, end) in enumerate(spool.read_from(offset, skip), skip):
+            n = len(result["chars"])
+            sink.take(result, *dd.dropped(docs, docs + n))
+            docs += n
+            point(f"replay {i + 1}", flush)
+            if j.due():
+                commit(i + 1, end)
+    finally:
+        f_log.close()
+    return sink.finish()
 
 
 def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool, sink: Sink,
