@@ -232,6 +232,31 @@ def test_a_killed_replay_resumes_after_its_last_committed_chunk(reference, tmp_p
 
 
 @pytest.mark.sigkill
+@pytest.mark.parametrize("sample", [None, "3000"])
+def test_a_killed_replay_through_the_sink_resumes_after_its_last_committed_chunk(reference, tmp_path, sample):
+    """The replay of a trained-tokenizer run (documents through `Sink.take`, which holds the
+    tokenizer sample): killed in its middle, the rerun takes only the chunks after the commit and
+    trains the same tokenizer. A 3,000-character sample makes documents leave the sample as others
+    come (its log's removals); by default every document stays in it."""
+    raw, want, points = reference
+    extra = () if sample is None else (f"prepare.tokenizer_sample_chars={sample}",)
+    if sample is not None:
+        ref = run(raw, tmp_path / "ref", *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+        assert ref.returncode == 0, ref.stderr
+        want, points = files_of(tmp_path / "ref"), points_of(ref)
+    replays = [p for p in points if p.startswith("replay ")]
+    assert len(replays) >= 4, replays
+    at = replays[len(replays) // 2]
+    out = tmp_path / "data"
+    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == want
+    assert [p for p in points_of(again) if p.startswith("replay ")] == replays[replays.index(at):]
+
+
+@pytest.mark.sigkill
 def test_a_killed_dedup_sorts_again_only_the_undecided_partitions(reference, tmp_path):
     """Each dedup partition's result is saved as it comes: killed after the first, the rerun
     sorts only the others (its points name them; no cleaning again) and the bytes are the same."""
