@@ -80,16 +80,6 @@ class OriginWriter:
         self._f.flush()
         self._f.seek(len(HEADER) + self.records * RECORD.itemsize)
 
-    def pop_last(self) -> np.ndarray:
-        """Remove the last record and return it (the document `prepare` moves to the other split)."""
-        self._f.flush()
-        self.records -= 1
-        size = len(HEADER) + self.records * RECORD.itemsize
-        last = np.fromfile(self.path, dtype=RECORD, count=1, offset=size)
-        self._f.truncate(size)
-        self._f.seek(size)
-        return last
-
     def peek_last(self) -> np.ndarray:
         """Forget the last record and return it, leaving the file's bytes as they are (`prepare`'s
         replay moves it; `cut_to` later, after the commit that names the new count, so that a kill

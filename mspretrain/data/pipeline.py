@@ -106,9 +106,9 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     local worker processes (`workers` is then its CPU count).
 
     Stages, each resumed after a kill from the journal (`resume.py`): "pass1" (from its last
-    commit), "dedup" (the partitions without a saved result), "replay" (from its last commit
-    with a given tokenizer and local workers, else redone whole), "train" (redone whole),
-    "encode" (from its last commit), "finalize" (redone). `journal.stage` says where this call starts.
+    commit), "dedup" (the partitions without a saved result), "replay" (from its last commit),
+    "train" (redone whole), "encode" (from its last commit), "finalize" (redone).
+    `journal.stage` says where this call starts.
     """
     t0 = time.time()
     j = journal
@@ -558,8 +558,8 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
         w.seek_end()
     moved = sink.planned_move()
     if moved:
-        # `peek_last`, not `pop_last`: the source's bytes stay until `finalize` cuts them to the
-        # counts of the commit after this, so a kill before that commit resumes from the last one
+        # `peek_last` leaves the source's bytes until `finalize` cuts them to the counts of the
+        # commit after this, so a kill before that commit resumes from the last one
         a, b = moved
         last = writers[a].peek_last()
         writers[b].add_flat(last, np.array([last.size], dtype=np.int32))
