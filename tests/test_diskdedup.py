@@ -151,3 +151,49 @@ def test_lsh_params_and_permutations_equal_datasketch():
         want_a, want_b = MinHash(num_perm=dedup.NUM_PERM, seed=seed).permutations
         np.testing.assert_array_equal(a, want_a)
         np.testing.assert_array_equal(b, want_b)
+
+
+def test_resolve_interrupted_sorts_again_only_the_undecided_partitions(tmp_path, monkeypatch):
+    """prepare's dedup stage after a kill: each partition's result was saved as it came
+    (`resolve(decided=...)`); the second resolve sends out only the partitions without one, and
+    its decisions are those of the reference."""
+    monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)
+    monkeypatch.setattr(diskdedup, "BUFFER_BYTES", 2048)
+    docs = _corpus(1500, seed=7)
+    want_exact, want_near = _reference(docs, 0.6)
+    assert want_exact.sum() > 50 and want_near.sum() > 50
+    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, 0.6)
+    for lo in range(0, len(docs), 97):
+        part = docs[lo: lo + 97]
+        dd.add(dedup.dedup_keys(part), dedup.band_keys(dedup.signatures(part, seed=3), dd.bands, dd.rows))
+    state = dd.state()
+    n_exact, n_band = len(dd.exact.existing()), len(dd.near.existing())
+    assert n_exact > 8 and n_band > 8
+
+    class Killed(Exception):
+        pass
+
+    seen: list[str] = []
+
+    def decided(name: str) -> None:
+        seen.append(name)
+        if len(seen) == n_exact + 3:  # all exact partitions and 3 band partitions saved
+            raise Killed
+
+    with pytest.raises(Killed):
+        dd.resolve(map, remove=False, by_path=True, decided=decided)
+    again = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, 0.6)
+    again.restore(state)
+    assert again.decided_count() == (n_exact + 3, n_exact + n_band)
+    sent: list = []
+
+    def counting_map(fn, items):
+        return map(fn, (sent.append(it) or it for it in items))
+
+    redone: list[str] = []
+    again.resolve(counting_map, remove=False, by_path=True, decided=redone.append)
+    assert len(sent) == n_band - 3 and redone == [f"band.{i:04d}" for i in range(dd.near.parts)
+                                                  if (tmp_path / "dd" / f"band.{i:04d}").exists()][3:]
+    exact, near = again.dropped(0, len(docs))
+    np.testing.assert_array_equal(exact, want_exact)
+    np.testing.assert_array_equal(near, want_near)

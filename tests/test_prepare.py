@@ -520,7 +520,7 @@ def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(pre
     in files, place the dedup records and the shard pieces (`pipeline.LOCAL_PIECES`); the path
     through the main process (`--ray`'s) is the reference: the same bytes, the same manifest.
     Small blocks: many chunks, several files, near dedup on; or 5 documents, valid left empty,
-    so that the last train document moves (`Sink.finish`, `ShardWriter.pop_last`)."""
+    so that the last train document moves (`Sink.finish`, `ShardWriter.peek_last`)."""
     from mspretrain.data import pipeline, pool, sources
 
     out, _ = prepared

@@ -89,7 +89,7 @@ def chosen(points: list[str], stage: str) -> str:
 
 # cleaning, dedup (resolve, then the replay through the sink), tokenizer training, encoding,
 # finalizing the shards, publishing
-STAGES = ["pass1 chunk", "dedup resolved", "replay", "trained", "encode valid", "finalized train", "publish"]
+STAGES = ["pass1 chunk", "dedup part", "dedup resolved", "replay", "trained", "encode valid", "finalized train", "publish"]
 
 
 @pytest.mark.sigkill
@@ -197,6 +197,81 @@ def test_kill_with_a_given_tokenizer_is_byte_identical(reference, tmp_path, stag
     again = run(raw, out, *extra, workers=1)
     assert again.returncode == 0, again.stderr
     assert files_of(out) == files_of(tmp_path / "ref")
+
+
+def points_of(p: subprocess.CompletedProcess) -> list[str]:
+    return [ln.split(": ", 1)[1] for ln in p.stderr.splitlines() if ln.startswith("prepare-point: ")]
+
+
+@pytest.mark.sigkill
+@pytest.mark.parametrize("valid", ["0.1", "0.0001"])
+def test_a_killed_replay_resumes_after_its_last_committed_chunk(reference, tmp_path, valid):
+    """With a given tokenizer and local workers the replay commits per chunk: killed in its middle
+    (or, valid 0.0001, after its last chunk, while it moves a train document to the empty valid
+    split), the rerun places only the chunks after the commit, and the bytes are the same."""
+    raw, want, _ = reference
+    tok = tmp_path / "tokenizer.model"
+    tok.write_bytes(want["tokenizer.model"])
+    extra = ("--tokenizer", str(tok), "--valid-fraction", valid)
+    ref = run(raw, tmp_path / "ref", *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert ref.returncode == 0, ref.stderr
+    replays = [p for p in points_of(ref) if p.startswith("replay ") and p != "replay moved"]
+    assert len(replays) >= 4, replays  # a multi-chunk replay
+    at = "replay moved" if valid == "0.0001" else replays[len(replays) // 2]
+    assert at in points_of(ref)
+    out = tmp_path / "data"
+    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == files_of(tmp_path / "ref")
+    redone = [p for p in points_of(again) if p.startswith("replay ") and p != "replay moved"]
+    # the chunk killed before its commit is the only one placed again (none after the last chunk)
+    assert redone == ([] if at == "replay moved" else replays[replays.index(at):]), redone
+    assert not any(p.startswith("pass1") for p in points_of(again))
+
+
+@pytest.mark.sigkill
+@pytest.mark.parametrize("sample", [None, "3000"])
+def test_a_killed_replay_through_the_sink_resumes_after_its_last_committed_chunk(reference, tmp_path, sample):
+    """The replay of a trained-tokenizer run (documents through `Sink.take`, which holds the
+    tokenizer sample): killed in its middle, the rerun takes only the chunks after the commit and
+    trains the same tokenizer. A 3,000-character sample makes documents leave the sample as others
+    come (its log's removals); by default every document stays in it."""
+    raw, want, points = reference
+    extra = () if sample is None else (f"prepare.tokenizer_sample_chars={sample}",)
+    if sample is not None:
+        ref = run(raw, tmp_path / "ref", *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+        assert ref.returncode == 0, ref.stderr
+        want, points = files_of(tmp_path / "ref"), points_of(ref)
+    replays = [p for p in points if p.startswith("replay ")]
+    assert len(replays) >= 4, replays
+    at = replays[len(replays) // 2]
+    out = tmp_path / "data"
+    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == want
+    assert [p for p in points_of(again) if p.startswith("replay ")] == replays[replays.index(at):]
+
+
+@pytest.mark.sigkill
+def test_a_killed_dedup_sorts_again_only_the_undecided_partitions(reference, tmp_path):
+    """Each dedup partition's result is saved as it comes: killed after the first, the rerun
+    sorts only the others (its points name them; no cleaning again) and the bytes are the same."""
+    raw, want, points = reference
+    parts = [p for p in points if p.startswith("dedup part ")]
+    assert len(parts) >= 2, points  # exact and band partitions (near dedup is on)
+    out = tmp_path / "data"
+    killed = run(raw, out, env={"MSPRETRAIN_PREPARE_TEST_KILL": parts[0]})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == want
+    got = points_of(again)
+    assert [p for p in got if p.startswith("dedup part ")] == parts[1:]
+    assert not any(p.startswith("pass1") for p in got)
 
 
 @pytest.mark.parametrize("renamed", [(), (".bin",), (".bin", ".idx")])

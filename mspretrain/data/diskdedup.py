@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from mspretrain.data import dedup
+from mspretrain.fsutil import atomic_writer
 
 PART_BYTES = 64 << 20  # target size of one partition file (sorted in memory, ~3x this at once)
 BUFFER_BYTES = 16 << 20  # records buffered in memory before they are spread over the files
@@ -312,15 +313,29 @@ class DiskDedup:
             self.near.add(b)
         self.n += n
 
-    def resolve(self, map_parts: Callable[[Callable, Iterable], Iterable] = map, remove: bool = True, by_path: bool = False) -> None:
+    def resolve(self, map_parts: Callable[[Callable, Iterable], Iterable] = map, remove: bool = True, by_path: bool = False,
+                decided: Callable[[str], None] | None = None) -> None:
         """`map_parts(fn, partitions)`: fn's results over the partitions, in order (`map` here, or
         Ray tasks: `raypool.RayCluster.map`); the partitions are independent, split by key.
         `remove=False` keeps the partition files (a resumed prepare redoes this stage from them).
         `by_path`: fn gets the files' paths and reads them itself (local worker processes: the
-        sorting is theirs, this process only collects the duplicates' numbers)."""
+        sorting is theirs, this process only collects the duplicates' numbers).
+        `decided` (with `remove=False`): each partition's result is saved next to its file
+        (`result_path`, atomically and fsynced) before `decided(file name)` is called, and a
+        partition whose result is saved is not sent out again: a resumed prepare sorts only the
+        partitions a kill left undecided. The serial steps after them (bitmaps, the greedy near
+        pass over the candidates) are redone: they are linear in the duplicates' count."""
         self.exact_bits = Bits(self.n)
-        exact = map_parts(exact_duplicates_in, self.exact.existing()) if by_path else map_parts(exact_duplicates, self.exact.read(remove))
-        for dropped in exact:
+
+        def exact_item(path: str):
+            if by_path:
+                return path
+            recs = np.fromfile(path, dtype=EXACT)
+            if remove:
+                os.unlink(path)
+            return recs
+
+        for dropped in self._each(map_parts, exact_duplicates_in if by_path else exact_duplicates, self.exact, exact_item, decided):
             self.exact_bits.set(dropped)
         if self.near is None:
             return
@@ -329,9 +344,17 @@ class DiskDedup:
         if by_path:  # the workers filter out the exact duplicates, from the bitmap in a file
             bits = self.root / "exact.bits.npy"
             np.save(bits, self.exact_bits.bits)
-            found = map_parts(shared_buckets_in, [(p, str(bits)) for p in self.near.existing()])
-        else:  # exact duplicates never reach the LSH: filtered here (a gather), before the partitions go out
-            found = map_parts(shared_buckets, (recs[~self.exact_bits.get(recs["idx"])] for recs in self.near.read(remove)))
+
+        def band_item(path: str):
+            if by_path:
+                return path, str(bits)
+            recs = np.fromfile(path, dtype=BAND)
+            if remove:
+                os.unlink(path)
+            # exact duplicates never reach the LSH: filtered here (a gather), before the partition goes out
+            return recs[~self.exact_bits.get(recs["idx"])]
+
+        found = self._each(map_parts, shared_buckets_in if by_path else shared_buckets, self.near, band_item, decided)
         for idx, dense in found:
             if not idx.size:
                 continue
@@ -364,6 +387,40 @@ class DiskDedup:
                         claimed[b] = 1
             if dropped:
                 self.near_bits.set(idx[np.asarray(dropped, dtype=np.int64)])
+
+    @staticmethod
+    def result_path(part: str | Path) -> Path:
+        """Where `resolve(decided=...)` saves the result of the partition file `part`."""
+        return Path(str(part) + ".decided")
+
+    def decided_count(self) -> tuple[int, int]:
+        """(partitions with a saved result, partitions): what a resumed dedup has left to do."""
+        paths = self.exact.existing() + (self.near.existing() if self.near is not None else [])
+        return sum(self.result_path(p).exists() for p in paths), len(paths)
+
+    def _each(self, map_parts: Callable, fn: Callable, parts: Partitions, item_of: Callable[[str], object],
+              decided: Callable[[str], None] | None) -> Iterator:
+        """fn's result for each existing file of `parts`, in order: saved ones read back (with
+        `decided`), the others from `map_parts` over the items (`item_of(path)`) of those only."""
+        paths = parts.existing()
+        todo = [p for p in paths if decided is None or not self.result_path(p).exists()]
+        fresh = iter(map_parts(fn, (item_of(p) for p in todo)))
+        todo_set = set(todo)
+        for p in paths:
+            if p not in todo_set:
+                with open(self.result_path(p), "rb") as f:
+                    arrays = [np.load(f) for _ in range(int(np.load(f)))]
+                yield arrays[0] if len(arrays) == 1 else tuple(arrays)
+                continue
+            result = next(fresh)
+            if decided is not None:
+                arrays = result if isinstance(result, tuple) else (result,)
+                with atomic_writer(self.result_path(p)) as f:  # the partition's commit: whole or absent
+                    np.save(f, np.array(len(arrays)))
+                    for a in arrays:
+                        np.save(f, np.asarray(a))
+                decided(Path(p).name)
+            yield result
 
     def state(self) -> dict:
         """Flush the buffered records; what `restore` needs to come back to this point."""
@@ -440,6 +497,14 @@ class ChunkSpool:
 
     def close(self) -> None:
         self._f.close()
+
+    def read_from(self, offset: int = 0, first: int = 0) -> Iterator[tuple[dict, int]]:
+        """The chunks from number `first` on, which start at byte `offset` (a resumed replay's
+        commit), each with the byte offset where it ends (what the next commit records)."""
+        with open(self.path, "rb", buffering=1 << 20) as f:
+            f.seek(offset)
+            for _ in range(first, self.chunks):
+                yield pickle.load(f), f.tell()
 
     def read(self, remove: bool = True) -> Iterator[dict]:
         with open(self.path, "rb", buffering=1 << 20) as f:

@@ -22,6 +22,7 @@ costs no extra pass. Data dirs prepared before the index existed have no `.origi
 """
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +50,19 @@ class OriginWriter:
     """Appends origin records of one split; `close()` leaves the finished file (prepare writes in
     a hidden work dir and publishes the whole dir at once, so no temporary name is needed here)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, records: int | None = None) -> None:
+        """A new file, or (`records`) the one being written, cut back to that many records:
+        `prepare` resumes its replay after a kill this way (a torn tail goes)."""
         self.path = path
-        self._f = open(path, "wb")
-        self._f.write(HEADER)
-        self.records = 0
+        if records is None:
+            self._f = open(path, "wb")
+            self._f.write(HEADER)
+            self.records = 0
+            return
+        self._f = open(path, "r+b")
+        self._f.truncate(len(HEADER) + records * RECORD.itemsize)
+        self._f.seek(0, os.SEEK_END)
+        self.records = records
 
     def add(self, origin: np.ndarray) -> None:
         if origin.size:
@@ -71,18 +80,22 @@ class OriginWriter:
         self._f.flush()
         self._f.seek(len(HEADER) + self.records * RECORD.itemsize)
 
-    def pop_last(self) -> np.ndarray:
-        """Remove the last record and return it (the document `prepare` moves to the other split)."""
+    def peek_last(self) -> np.ndarray:
+        """Forget the last record and return it, leaving the file's bytes as they are (`prepare`'s
+        replay moves it; `cut_to` later, after the commit that names the new count, so that a kill
+        in between still finds the committed records on disk)."""
         self._f.flush()
         self.records -= 1
-        size = len(HEADER) + self.records * RECORD.itemsize
-        last = np.fromfile(self.path, dtype=RECORD, count=1, offset=size)
-        self._f.truncate(size)
-        self._f.seek(size)
-        return last
+        return np.fromfile(self.path, dtype=RECORD, count=1, offset=len(HEADER) + self.records * RECORD.itemsize)
 
     def close(self) -> None:
         self._f.close()
+
+
+def cut_to(path: Path, records: int) -> None:
+    """Cut an origin file back to `records` records (idempotent: redone after a kill)."""
+    with open(path, "r+b") as f:
+        f.truncate(len(HEADER) + records * RECORD.itemsize)
 
 
 def read_records(path: Path) -> np.ndarray:

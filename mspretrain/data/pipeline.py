@@ -20,6 +20,7 @@ so the output is byte-identical whatever the number of workers.
 """
 from __future__ import annotations
 
+import heapq
 import os
 import pickle
 import shutil
@@ -37,10 +38,10 @@ import numpy as np
 from mspretrain.config import PrepareConfig
 from mspretrain.data import clean, dedup, sources
 from mspretrain.data.diskdedup import ChunkSpool, DiskDedup, place_records
-from mspretrain.data.origin import RECORD, OriginWriter, origin_name, read_records
+from mspretrain.data.origin import RECORD, OriginWriter, cut_to, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, ordered, start_pool
 from mspretrain.data.publish import build_manifest
-from mspretrain.data.resume import Journal, point
+from mspretrain.data.resume import Journal, point, truncate
 from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import Sink
 from mspretrain.data.spool import Spool, read_spool
@@ -105,8 +106,9 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     local worker processes (`workers` is then its CPU count).
 
     Stages, each resumed after a kill from the journal (`resume.py`): "pass1" (from its last
-    commit), "dedup", "replay" and "train" (redone whole), "encode" (from its last commit),
-    "finalize" (redone). `journal.stage` says where this call starts.
+    commit), "dedup" (the partitions without a saved result), "replay" (from its last commit),
+    "train" (redone whole), "encode" (from its last commit), "finalize" (redone).
+    `journal.stage` says where this call starts.
     """
     t0 = time.time()
     j = journal
@@ -132,15 +134,22 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     if j.stage == "dedup":
         t1 = time.time()
         dd.restore(j.data["pass1"]["dedup"])  # files cut back to the commit (nothing was written after it)
-        # with Ray each partition is a task; the records stay until the decisions are on disk: a
-        # kill here takes them again
+        # with Ray each partition is a task; the records stay until the decisions are on disk, and
+        # each partition's result is saved as it comes (`decided`): a kill here sorts again only
+        # the partitions that had none
+        decided, files = dd.decided_count()
+        if decided:
+            log(f"dedup: resuming, {decided:,} of {files:,} partitions decided")
+
+        def done(name: str) -> None:
+            point(f"dedup part {name}")  # after its result file was renamed into place: that is its commit
+
         if ray is not None:
-            dd.resolve(ray.map, remove=False)
+            dd.resolve(ray.map, remove=False, decided=done)
         else:  # local workers read and sort the partitions (independent, split by key), if there are a few
-            files = len(dd.exact.existing()) + (len(dd.near.existing()) if dd.near is not None else 0)
-            pool = start_pool(workers if files > 2 else 1, init_worker, (cfg, None, dtype.name))
+            pool = start_pool(workers if files - decided > 2 else 1, init_worker, (cfg, None, dtype.name))
             try:
-                dd.resolve(pool.imap if pool is not None else map, remove=False, by_path=True)
+                dd.resolve(pool.imap if pool is not None else map, remove=False, by_path=True, decided=done)
             finally:
                 if pool is not None:
                     pool.terminate()
@@ -155,20 +164,22 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         shutil.rmtree(dd.root, ignore_errors=True)
         spool = ChunkSpool(spool_path, j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
         spool.close()
-        sink, writers = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0,
+        sink, writers, origins = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0,
                                 min(workers, len(os.sched_getaffinity(0))) if j.data["pass1"].get("pieces") else None)
         if given is not None:
             tok_info = {"trained": False, "source": str(given.path)}
             _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
             j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(work / origin_name(s) for s in SPLITS), j.state_dir],
-                     stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()})
+                     stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()},
+                     origin_records={s: o.records for s, o in origins.items()})
             for w in writers.values():
                 w.close()
         else:
             _save_state(j, "train", stats=stats, sink=sink)
             j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
-                     stage="train", state="train")
+                     stage="train", state="train", origin_records={s: o.records for s, o in origins.items()})
         spool_path.unlink(missing_ok=True)
+        j.state_path("replay.log").unlink(missing_ok=True)  # `_replay_take`'s, not needed after the stage's commit
         removing.append(_remove_later(work / PIECES))
     if j.stage == "train":
         sink = _load_state(j, "train")["sink"]
@@ -214,6 +225,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         tok = Tokenizer.load(work / j.data["tokenizer_file"])
     for s in SPLITS:
         ShardWriter.finish_resumed(work / s, dtype, j.data["writers"][s], fsync=False)  # prepare fsyncs every file at once
+        if "origin_records" in j.data:  # the replay's move left the moved record's bytes (`OriginWriter.peek_last`)
+            cut_to(work / origin_name(s), j.data["origin_records"][s])
         point(f"finalized {s}")
     manifest = build_manifest(work, cfg, stats, sink, tok, tok_info, dtype)
     # the largest id per shard, counted while writing: `train` checks it against the vocabulary
@@ -354,24 +367,22 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
 
 def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool,
             log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
-            t0: float, pieces_workers: int | None = None) -> tuple[Sink, dict[str, ShardWriter]]:
-    """Pass 1's results again, now with their fate known, to the sink (redone whole after a kill:
-    every file it writes is started anew). `pieces_workers`: pass 1 left its chunks in files
-    (`workers.spill_chunk`); this many workers cut them into pieces of the outputs."""
-    writers = {s: ShardWriter(work / s, dtype) for s in SPLITS} if tokens else {}
-    spools = None if tokens else {s: Spool(work / f"{s}.spool") for s in SPLITS}
-    origins = {s: OriginWriter(work / origin_name(s)) for s in SPLITS}
+            t0: float, pieces_workers: int | None = None) -> tuple[Sink, dict[str, ShardWriter], dict[str, OriginWriter]]:
+    """Pass 1's results again, now with their fate known, to the sink; resumed after a kill from
+    the last commit (`_replay_take`, `_replay_pieces`). `pieces_workers`: pass 1 left its chunks
+    in files (`workers.spill_chunk`); this many workers cut them into pieces of the outputs."""
+    # the replay commits its progress: resumed, its output files are cut back to the last commit
+    at = j.data.get("replay")
+    writers = {s: ShardWriter(work / s, dtype, at and at["writers"][s]) for s in SPLITS} if tokens else {}
+    spools = None if tokens else {s: Spool(work / f"{s}.spool", at and at["writers"][s]) for s in SPLITS}
+    origins = {s: OriginWriter(work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
     sink = Sink(cfg, writers if tokens else spools, 0 if tokens else cfg.tokenizer_sample_chars, origins)
+    if at is not None:
+        log(f"resuming the replay after chunk {at['chunks']:,} of {spool.chunks:,}")
     if pieces_workers is not None:
-        notes = _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, pieces_workers)
+        notes = _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, pieces_workers, j)
     else:
-        done = 0
-        for i, result in enumerate(spool.read(remove=False)):
-            n = len(result["chars"])
-            sink.take(result, *dd.dropped(done, done + n))
-            done += n
-            point(f"replay {i + 1}")
-        notes = sink.finish()
+        notes = _replay_take(spool, sink, dd, writers if tokens else spools, origins, j)
     for w in notes:
         warn(w)
     for o in origins.values():
@@ -391,19 +402,99 @@ def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dty
     kept = sink.docs["train"] + sink.docs["valid"]
     log(f"kept {kept:,} of {sink.docs_in:,} documents ({sink.chars['train'] + sink.chars['valid']:,} characters, "
         f"{time.time() - t0:.1f} s)")
-    return sink, writers
+    return sink, writers, origins
+
+
+def _replay_take(spool: ChunkSpool, sink: Sink, dd: DiskDedup, outs: dict, origins: dict[str, OriginWriter], j: Journal) -> list[str]:
+    """The replay through `Sink.take` (the chunk spool holds whole results: a trained tokenizer,
+    or Ray), resumable per chunk. Every `commit_seconds()` the journal's "replay" names the chunks
+    taken, where the next starts in the spool, the outputs' lengths and the sink's counters. What
+    the sink holds beyond counters, the held-back document of each split and the tokenizer
+    sample (up to `prepare.tokenizer_sample_chars`, 20 M characters), goes to an append-only log
+    in the state dir instead, so that a commit writes only what changed since the last one: the
+    sample's new members (texts), the numbers of those that left, and the held documents."""
+    at = j.data.get("replay")
+    path = j.state_path("replay.log")
+    live: set[int] = set()  # the sample members (their `order`) the log holds as of the last commit
+    if at is None:
+        skip, docs, offset = 0, 0, 0
+        open(path, "wb").close()
+    else:
+        skip, docs, offset = at["chunks"], at["docs"], at["spool_bytes"]
+        _restore_counts(sink, at["sink"])
+        sink.sample_chars, sink.order = at["sample_chars"], at["order"]
+        truncate(path, at["log_bytes"])  # a torn record after the commit
+        members: dict[int, tuple] = {}
+        with open(path, "rb") as f:
+            while f.tell() < at["log_bytes"]:
+                kind, *rec = pickle.load(f)
+                if kind == "add":
+                    members[rec[1]] = tuple(rec)
+                elif kind == "del":
+                    members.pop(rec[0])
+                else:
+                    sink.held, sink.held_origin = rec
+        sink.sample = list(members.values())
+        heapq.heapify(sink.sample)  # (-u, order) are unique: the same pops as the uninterrupted heap
+        live.update(members)
+    f_log = open(path, "ab")
+
+    def flush() -> None:  # (for a test's kill: the uncommitted tail on disk)
+        for o in outs.values():
+            o.state()
+        for o in origins.values():
+            o.seek_end()
+
+    def commit(chunks: int, end: int) -> None:
+        now = {e[1]: e for e in sink.sample}
+        for o in sorted(live - now.keys()):
+            pickle.dump(("del", o), f_log, protocol=5)
+        for o in sorted(now.keys() - live):
+            pickle.dump(("add", *now[o]), f_log, protocol=5)
+        live.clear()
+        live.update(now)
+        pickle.dump(("held", sink.held, sink.held_origin), f_log, protocol=5)
+        f_log.flush()
+        j.commit(fsync=[path, *(f for o in outs.values() for f in o.files()), *(o.path for o in origins.values())],
+                 replay={"chunks": chunks, "docs": docs, "spool_bytes": end, "log_bytes": f_log.tell(),
+                         "writers": {s: o.state() for s, o in outs.items()}, "origins": {s: o.records for s, o in origins.items()},
+                         "sink": _counts(sink), "sample_chars": sink.sample_chars, "order": sink.order})
+
+    try:
+        for i, (result, end) in enumerate(spool.read_from(offset, skip), skip):
+            n = len(result["chars"])
+            sink.take(result, *dd.dropped(docs, docs + n))
+            docs += n
+            point(f"replay {i + 1}", flush)
+            if j.due():
+                commit(i + 1, end)
+    finally:
+        f_log.close()
+    return sink.finish()
 
 
 def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool, sink: Sink,
-                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int) -> list[str]:
+                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int, j: Journal) -> list[str]:
     """The replay when pass 1's chunks are in files: workers cut each chunk into its kept
     documents' shard and origin pieces (`workers.replay_chunk`); here, per chunk, only the counts
     and each piece's place in the outputs, in order, where a worker copies it (`workers.place_piece`,
     in the kernel). Same bytes as `Sink.take`:
-    each split's documents in input order, and at the end the move of `Sink.finish`."""
+    each split's documents in input order, and at the end the move of `Sink.finish`.
+
+    Resumable: every `commit_seconds()` the journal's "replay" names the chunks done, the writers'
+    lengths and the sink's counters (a few hundred bytes: the pieces path holds no documents and
+    no tokenizer sample); `_replay` cut the outputs back to them, and the chunks after the commit
+    are cut and placed again (pass 1's chunk files stay until the replay's last commit)."""
     src, dst = work / PIECES, work / REPLAY_PIECES
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir()
+    at = j.data.get("replay")
+    skip = at["chunks"] if at is not None else 0
+    last_chars: dict[str, int] = {}
+    if at is not None:
+        _restore_counts(sink, at["sink"])
+        last_chars.update(at["last_chars"])
+    counted: deque = deque()  # per chunk sent out: what `Sink.count` adds when its result is in
 
     def items() -> Iterator[tuple]:
         done = 0
@@ -411,17 +502,32 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
             n = meta["n"]
             exact, near = dd.dropped(done, done + n)
             done += n
-            sink.count(meta, exact, near)  # in chunk order, as `Sink.take` counts
+            if i < skip:  # committed: only its documents' place in the dedup decisions is needed
+                continue
+            counted.append((meta, exact, near))
             yield str(src / f"{i:08d}"), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype
 
-    last_chars: dict[str, int] = {}
     placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
+
+    def drain() -> None:
+        while placing:
+            placing.popleft().get()
+
+    def commit(chunks: int) -> None:
+        drain()  # every piece up to `chunks` in its place before the files are fsynced
+        j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(o.path for o in origins.values())],
+                 replay={"chunks": chunks, "writers": {s: w.state() for s, w in writers.items()},
+                         "origins": {s: o.records for s, o in origins.items()}, "last_chars": dict(last_chars),
+                         "sink": _counts(sink)})
+
     in_flight = 2 * workers + 1
     for o in origins.values():
         o.seek_end()  # the header on disk before the workers write after it
-    pool = start_pool(workers if spool.chunks > 1 else 1, init_worker, (cfg, None, dtype.name))  # one chunk: no pool to start
+    todo = spool.chunks - skip
+    pool = start_pool(workers if todo > 1 else 1, init_worker, (cfg, None, dtype.name))  # one chunk: no pool to start
     try:
-        for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight)):
+        for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight), skip):
+            sink.count(*counted.popleft())  # in chunk order, as `Sink.take` counts, and only what is placed
             if res["per_file"] is not None:
                 sink.per_file.merge(res["per_file"])
             copies = []
@@ -441,9 +547,10 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
                 placing.append(pool.apply_async(place_piece, (task,)))
                 while len(placing) > in_flight or (placing and placing[0].ready()):
                     placing.popleft().get()
-            point(f"replay {i + 1}")
-        while placing:
-            placing.popleft().get()
+            point(f"replay {i + 1}", drain)
+            if j.due():
+                commit(i + 1)
+        drain()
     finally:
         if pool is not None:
             pool.terminate()
@@ -451,13 +558,34 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
         w.seek_end()
     moved = sink.planned_move()
     if moved:
+        # `peek_last` leaves the source's bytes until `finalize` cuts them to the counts of the
+        # commit after this, so a kill before that commit resumes from the last one
         a, b = moved
-        last = writers[a].pop_last()
+        last = writers[a].peek_last()
         writers[b].add_flat(last, np.array([last.size], dtype=np.int32))
         if origins[a].records:
-            origins[b].add(origins[a].pop_last())
+            origins[b].add(origins[a].peek_last())
+        point("replay moved", lambda: (writers[b].state(), origins[b].seek_end()))  # flushed: the tail a kill leaves
     shutil.rmtree(dst, ignore_errors=True)
     return sink.count_move(moved, last_chars[moved[0]] if moved else 0)
+
+
+def _counts(sink: Sink) -> dict:
+    """The counters of a sink on the pieces path, for the journal (JSON; Counters keep their order)."""
+    return {"docs_in": sink.docs_in, "chars_in": sink.chars_in, "changed": list(sink.changed.items()),
+            "dropped": list(sink.dropped.items()), "docs": dict(sink.docs), "chars": dict(sink.chars),
+            "per_file": {k: v.tolist() for k, v in sink.per_file.sums.items()}}
+
+
+def _restore_counts(sink: Sink, c: dict) -> None:
+    sink.docs_in, sink.chars_in = c["docs_in"], c["chars_in"]
+    sink.changed.clear()
+    sink.changed.update(dict(c["changed"]))
+    sink.dropped.clear()
+    sink.dropped.update(dict(c["dropped"]))
+    sink.docs.update(c["docs"])
+    sink.chars.update(c["chars"])
+    sink.per_file.sums = {k: np.asarray(v, dtype=np.int64) for k, v in c["per_file"].items()}
 
 
 def _encode(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dtype, sink: Sink, workers: int, progress: bool,

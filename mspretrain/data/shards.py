@@ -136,16 +136,15 @@ class ShardWriter:
         self._bin.seek(self.tokens * self.dtype.itemsize)
         self._len.seek(self.documents * 4)
 
-    def pop_last(self) -> np.ndarray:
-        """Remove the last document written and return its tokens (`prepare` moves it to the
-        other split when one would be empty); `max_token` is recomputed over what stays."""
+    def peek_last(self) -> np.ndarray:
+        """Remove the last document from the counts and return its tokens (`prepare` moves it to
+        the other split when one would be empty); `max_token` is recomputed over what stays. The
+        files keep its bytes until a writer is made from the new `state()` (`finish_resumed` cuts
+        them), so that a kill before the commit naming the new counts finds every committed byte."""
         self.state()
         (n,) = np.fromfile(self._len_tmp, dtype=np.int32, count=1, offset=(self.documents - 1) * 4)
         keep = self.tokens - int(n)
         last = np.fromfile(self._bin_tmp, dtype=self.dtype, count=int(n), offset=keep * self.dtype.itemsize)
-        for f, size in ((self._bin, keep * self.dtype.itemsize), (self._len, (self.documents - 1) * 4)):
-            f.truncate(size)
-            f.seek(size)
         self.tokens, self.documents = keep, self.documents - 1
         self.max_token = int(np.memmap(self._bin_tmp, dtype=self.dtype, mode="r", shape=(keep,)).max()) if keep else -1
         return last

@@ -12,10 +12,26 @@ from typing import Callable, Iterator
 class Spool:
     """Length-prefixed UTF-8 documents on disk, between pass 1 and pass 2."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, state: dict | None = None) -> None:
+        """A new spool, or (`state`, from `state()`) the one being written, cut back to that
+        state: `prepare` resumes its replay after a kill this way."""
         self.path = path
-        self._f = open(path, "wb")
-        self.documents = 0
+        if state is None:
+            self._f = open(path, "wb")
+            self.documents = 0
+            return
+        with open(path, "r+b") as f:
+            f.truncate(state["bytes"])  # a torn tail written after the state was taken
+        self._f = open(path, "ab")
+        self.documents = state["documents"]
+
+    def state(self) -> dict:
+        """Flush; what `Spool(path, state)` resumes from."""
+        self._f.flush()
+        return {"bytes": self._f.tell(), "documents": self.documents}
+
+    def files(self) -> list[Path]:
+        return [self.path]
 
     def add_many(self, texts: list[str]) -> None:
         for t in texts:
