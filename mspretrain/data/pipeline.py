@@ -112,6 +112,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     """
     t0 = time.time()
     j = journal
+    j.units_per_commit = workers  # a commit once each worker finished about one chunk (`Journal.due`)
     removing: list = []  # background removals of scratch dirs (`_remove_later`)
     total_bytes = sum(p.stat().st_size for p in paths)
     if given is not None:
@@ -305,6 +306,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         state = dd.state()
         size = spool.flush()
         j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent, *([pdir] if pieces else [])], **fields,
+                 background=not fields,  # its fsyncs (every dedup partition file) while pass 1 goes on; the last one waits
                  pass1={"chunks": spool.chunks, "spool_bytes": size, "dedup": state, "raw": [[f, *c] for f, c in sorted(raw.items())],
                         "pieces": pieces})
 

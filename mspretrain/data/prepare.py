@@ -48,6 +48,10 @@ def _tokenizer_id(given: Tokenizer | None) -> tuple[str, str] | None:
 
 def _discard(journal: resume.Journal) -> None:
     """A run that failed cleanly (an error, not a kill) leaves nothing behind."""
+    try:
+        journal.wait()  # a background commit must not write the journal after it was removed
+    except BaseException:  # noqa: BLE001 (its error is not the one being reported)
+        pass
     shutil.rmtree(journal.work, ignore_errors=True)
     journal.remove()
 
