@@ -76,7 +76,10 @@ class Sink:
         self.chars = dict.fromkeys(SPLITS, 0)
         # The latest document of each split is held back until the next one (see finish).
         self.held: dict = dict.fromkeys(SPLITS)
-        self.sample: list = []  # bottom-k heap of (-u, order, text) for the tokenizer
+        # (from, to) of the split move when it is done on the shards after the replay (a trained
+        # tokenizer's run with pass 1's chunks in files: `pipeline._replay_sample`)
+        self.moved: tuple[str, str] | None = None
+        self.sample: list | RefSample = []  # bottom-k heap of (-u, order, text) for the tokenizer, or `RefSample`
         self.sample_chars, self.sample_budget, self.order = 0, sample_chars, 0
 
     def count(self, r: dict, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
@@ -177,3 +180,87 @@ class Sink:
     def sample_texts(self) -> list[str]:
         """The tokenizer sample in input order, long documents cut into ≤ 4,096-character pieces."""
         return [p for _, _, t in sorted(self.sample, key=lambda e: e[1]) for p in sources.cut_text(t, 4096)]
+
+
+class RefSample:
+    """`Sink._sample` over documents whose texts stay on disk: the same bottom-k heap, fed each
+    kept train document's (u, chars) and a reference (chunk, number in the chunk) instead of its
+    text, so that the main process never holds a document's bytes (`pipeline._replay_sample`).
+
+    The heap is order-dependent (a short document with a large u stays if it fits the room the
+    budget leaves), so it is replayed exactly, but cheaply: a document changes nothing (it is
+    pushed and popped again at once) exactly when the heap is not empty, its u is above the
+    heap's largest (strictly: on a tie the older entry goes) and its characters exceed the room
+    (budget - sum; negative when one document alone is over the budget). Only the other
+    documents, the "events", touch the heap; numpy finds the next one over a growing window.
+    Entries are (-u, order, chunk, index, chars); (-u, order) is unique, so the pops do not
+    depend on the heap's internal layout (a resumed heap is rebuilt with `heapify`)."""
+
+    DTYPE = np.dtype([("neg_u", "<f8"), ("order", "<i8"), ("chunk", "<i8"), ("index", "<i8"), ("chars", "<i8")])
+    FILL = 4096  # documents looked at at once while the heap fills without pops
+
+    def __init__(self, budget: int) -> None:
+        self.heap: list[tuple] = []
+        self.chars, self.budget, self.order = 0, budget, 0
+
+    def feed(self, u: np.ndarray, chars: np.ndarray, chunk: int, index: np.ndarray) -> None:
+        """One chunk's kept train documents, in input order: u (`u[:, 1]`), characters and their
+        numbers in the chunk."""
+        u = np.asarray(u, dtype=np.float64)
+        chars = np.asarray(chars, dtype=np.int64)
+        n, p, heap = u.size, 0, self.heap
+        while p < n:
+            room = self.budget - self.chars
+            if not heap or chars[p] <= room:
+                # a run of documents that all fit: pushed with no pop in between, whatever their u
+                cs = np.cumsum(chars[p: p + self.FILL])
+                k = max(1, int(np.searchsorted(cs, room, side="right")))
+                self._push_many(u[p: p + k], chars[p: p + k], chunk, index[p: p + k])
+                p += k
+                continue
+            top, w, q, hit = -heap[0][0], 64, p, n
+            while q < n:  # the next event: u <= top or chars <= room
+                e = min(n, q + w)
+                m = np.flatnonzero((u[q:e] <= top) | (chars[q:e] <= room))
+                if m.size:
+                    hit = q + int(m[0])
+                    break
+                q, w = e, w * 2
+            self.order += hit - p  # the documents in between were pushed and popped at once
+            if hit < n:
+                self._push(float(u[hit]), int(chars[hit]), chunk, int(index[hit]))
+            p = hit + 1
+
+    def _push(self, u: float, chars: int, chunk: int, index: int) -> None:
+        heapq.heappush(self.heap, (-u, self.order, chunk, index, chars))
+        self.order += 1
+        self.chars += chars
+        while self.chars > self.budget and len(self.heap) > 1:
+            self.chars -= heapq.heappop(self.heap)[4]
+
+    def _push_many(self, u: np.ndarray, chars: np.ndarray, chunk: int, index: np.ndarray) -> None:
+        """Documents whose running sum stays within the budget (or the first into an empty heap)."""
+        if u.size == 1 or u.size * 8 < len(self.heap):  # a few into a big heap: pushed (heapify is O(heap))
+            for e in zip(u.tolist(), chars.tolist(), index.tolist()):
+                self._push(e[0], e[1], chunk, e[2])
+            return
+        new = list(zip((-u).tolist(), range(self.order, self.order + u.size), [chunk] * u.size, index.tolist(), chars.tolist()))
+        self.order += u.size
+        self.chars += int(chars.sum())
+        self.heap.extend(new)
+        heapq.heapify(self.heap)
+
+    def state(self) -> np.ndarray:
+        """The heap as an array (what `restore` takes back, with `chars` and `order`)."""
+        return np.array(self.heap, dtype=self.DTYPE) if self.heap else np.zeros(0, dtype=self.DTYPE)
+
+    def restore(self, entries: np.ndarray, chars: int, order: int) -> None:
+        self.heap = [tuple(e) for e in entries.tolist()]
+        heapq.heapify(self.heap)
+        self.chars, self.order = chars, order
+
+    def members(self) -> np.ndarray:
+        """(chunk, index) of the sample's documents in input order (`Sink.sample_texts`'s order)."""
+        s = self.state()
+        s = s[np.argsort(s["order"], kind="stable")]
+        return np.stack([s["chunk"], s["index"]], axis=1) if s.size else np.zeros((0, 2), dtype=np.int64)
