@@ -608,3 +608,37 @@ def test_trained_tokenizer_per_chunk_path_moves_the_last_document(tmp_path, monk
         assert m["documents"] == {"train": 4, "valid": 1}
     for name in FILES:
         assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ref_sample_keeps_the_members_sink_sample_keeps(seed):
+    """`sink.RefSample` (per-document u and characters, references instead of texts, numpy
+    between events) against `Sink._sample` document by document, on random streams: ties in u
+    (the older entry leaves first), short documents that fit the room a pop leaves, documents
+    alone over the budget, empty ones; fed in random chunk sizes, saved and restored midway."""
+    from mspretrain.data.sink import RefSample, Sink
+
+    rng = np.random.default_rng(seed)
+    n, budget = int(rng.integers(2000, 6000)), int(rng.integers(500, 20_000))
+    u = rng.random(n)
+    if seed % 2:
+        u = np.round(u * 50) / 50  # many ties
+    chars = rng.integers(20, 300, n)
+    short = rng.random(n) < 0.2
+    chars[short] = rng.integers(0, 5, int(short.sum()))
+    chars[rng.random(n) < 0.005] = budget + 1
+    sink = Sink(PrepareConfig(), {}, budget)
+    for i in range(n):
+        sink._sample(float(u[i]), "字" * int(chars[i]))
+    sample = RefSample(budget)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=30, replace=False))
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), n]):
+        sample.feed(u[lo:hi], chars[lo:hi], lo // 100, np.arange(lo, hi))
+        if rng.random() < 0.3:  # a resume: the heap from its saved state
+            again = RefSample(budget)
+            again.restore(sample.state(), sample.chars, sample.order)
+            sample = again
+    members = sample.members()
+    assert members[:, 1].tolist() == sorted(e[1] for e in sink.sample)  # order = document number here
+    assert (sample.chars, sample.order) == (sink.sample_chars, sink.order)
+    assert 1 < len(sink.sample) < n and sink.sample_chars <= budget or len(sink.sample) == 1
