@@ -6,14 +6,16 @@ chunks of ~256 K characters, `workers.py`) -> dedup + split + write (main proces
 of whole lines (`sources.RawLines`): the main process then only reads bytes, dedups and writes,
 and stays off the critical path (it used to decode, split and pickle every document).
 
-With a given tokenizer and local workers, the main process does per-chunk work only (its serial
-ceiling, docs/benchmarks/prepare.md): the workers read their blocks of uncompressed files
-themselves (`RawLines` by reference), keep each chunk's documents in a file (`PIECES`), write its
-dedup records where the main process reserved their place (`diskdedup.place_records`), sort the
-dedup partitions, and in the replay cut and copy each chunk's shard and origin pieces into the
-outputs at reserved offsets (`workers.replay_chunk`, `workers.place_piece`). `--ray` (whose nodes
-may not share this disk) and a trained tokenizer (whose sample is drawn from the texts here) take
-the path through the main process; both paths write the same bytes.
+With local workers, the main process does per-chunk work only (its serial ceiling,
+docs/benchmarks/prepare.md): the workers read their blocks of uncompressed files themselves
+(`RawLines` by reference), keep each chunk's documents in a file (`PIECES`: tokens with a given
+tokenizer, else the cleaned texts), write its dedup records where the main process reserved their
+place (`diskdedup.place_records`), sort the dedup partitions, and cut and copy each chunk's shard
+and origin pieces into the outputs at reserved offsets (`workers.replay_chunk`,
+`workers.place_piece`): in the replay with a given tokenizer, else in the encode stage, after the
+replay drew the tokenizer sample by reference (`_replay_sample`, `sink.RefSample`) and the
+tokenizer was trained on the sample's texts read from the chunk files. `--ray` (whose nodes may not
+share this disk) takes the path through the main process; both paths write the same bytes.
 
 Work is cut into chunks in input order and the results are consumed in that order (`pool.py`),
 so the output is byte-identical whatever the number of workers.
@@ -101,9 +103,10 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     """Read, clean, dedup, split, [train the tokenizer,] tokenize and write the shards into
     `work`; returns the manifest (without the keys that depend on prepare's arguments).
 
-    With a given tokenizer, one pass: workers clean and tokenize. Otherwise pass 1 cleans and
-    spools the kept documents (and keeps a bounded, uniform sample to train the tokenizer on),
-    and pass 2 tokenizes the spool. `ray`: a `raypool.RayCluster` that runs the chunks instead of
+    With a given tokenizer, one pass: workers clean and tokenize. Otherwise pass 1 cleans, the
+    replay keeps a bounded, uniform sample to train the tokenizer on, and the encode stage
+    tokenizes the kept documents: from pass 1's chunk files (local workers), or from the spools
+    the replay wrote (Ray). `ray`: a `raypool.RayCluster` that runs the chunks instead of
     local worker processes (`workers` is then its CPU count).
 
     Stages, each resumed after a kill from the journal (`resume.py`): "pass1" (from its last
@@ -645,7 +648,7 @@ def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSp
         done += n
         if i < skip:
             continue
-        a = read_small(str(src / f"{i:08d}"))
+        a = read_small(str(src / f"{i:08d}"), 2)  # chars and u
         sink.count(meta, exact, near)
         kept = np.flatnonzero(~(exact | near)).astype(np.int64)
         in_valid = a["u"][kept, 0] < cfg.valid_fraction

@@ -198,10 +198,10 @@ def spill_chunk(fn, item: tuple) -> dict:
     return out
 
 
-def read_small(path: str) -> dict[str, np.ndarray]:
-    """A piece file's `SMALL` arrays (chars, u, origin), without its tokens or texts."""
+def read_small(path: str, n: int = len(SMALL)) -> dict[str, np.ndarray]:
+    """A piece file's first `n` `SMALL` arrays (chars, u, origin), without its tokens or texts."""
     with open(path, "rb") as f:
-        return {k: np.load(f) for k in SMALL}
+        return {k: np.load(f) for k in SMALL[:n]}
 
 
 def read_texts(path: str, index: np.ndarray | None = None) -> list[str]:
