@@ -612,10 +612,11 @@ def test_trained_tokenizer_per_chunk_path_moves_the_last_document(tmp_path, monk
 
 @pytest.mark.parametrize("seed", range(6))
 def test_ref_sample_keeps_the_members_sink_sample_keeps(seed):
-    """`sink.RefSample` (per-document u and characters, references instead of texts, numpy
-    between events) against `Sink._sample` document by document, on random streams: ties in u
-    (the older entry leaves first), short documents that fit the room a pop leaves, documents
-    alone over the budget, empty ones; fed in random chunk sizes, saved and restored midway."""
+    """`sink.RefSample` (per-document u and characters, references instead of texts, the heap
+    touched only at events) against `Sink._sample` document by document, on random streams: ties
+    in u (the older entry leaves first), short documents that fit the room a pop leaves (some
+    exactly), documents alone over the budget, empty ones; fed in random chunk sizes, saved and
+    restored midway."""
     from mspretrain.data.sink import RefSample, Sink
 
     rng = np.random.default_rng(seed)
@@ -625,20 +626,20 @@ def test_ref_sample_keeps_the_members_sink_sample_keeps(seed):
         u = np.round(u * 50) / 50  # many ties
     chars = rng.integers(20, 300, n)
     short = rng.random(n) < 0.2
-    chars[short] = rng.integers(0, 5, int(short.sum()))
+    chars[short] = rng.integers(0, 40, int(short.sum()))
     chars[rng.random(n) < 0.005] = budget + 1
     sink = Sink(PrepareConfig(), {}, budget)
-    for i in range(n):
-        sink._sample(float(u[i]), "字" * int(chars[i]))
     sample = RefSample(budget)
-    cuts = np.sort(rng.choice(np.arange(1, n), size=30, replace=False))
+    cuts = np.sort(rng.choice(np.arange(1, n), size=n // 8, replace=False))
     for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), n]):
+        for i in range(lo, hi):
+            sink._sample(float(u[i]), "字" * int(chars[i]))
         sample.feed(u[lo:hi], chars[lo:hi], lo // 100, np.arange(lo, hi))
-        if rng.random() < 0.3:  # a resume: the heap from its saved state
+        # the same members after every chunk (order = document number here), not only at the end
+        assert sample.members()[:, 1].tolist() == sorted(e[1] for e in sink.sample)
+        assert (sample.chars, sample.order) == (sink.sample_chars, sink.order)
+        if rng.random() < 0.05:  # a resume: the heap from its saved state
             again = RefSample(budget)
             again.restore(sample.state(), sample.chars, sample.order)
             sample = again
-    members = sample.members()
-    assert members[:, 1].tolist() == sorted(e[1] for e in sink.sample)  # order = document number here
-    assert (sample.chars, sample.order) == (sink.sample_chars, sink.order)
     assert 1 < len(sink.sample) < n and sink.sample_chars <= budget or len(sink.sample) == 1

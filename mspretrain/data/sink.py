@@ -191,13 +191,15 @@ class RefSample:
     budget leaves), so it is replayed exactly, but cheaply: a document changes nothing (it is
     pushed and popped again at once) exactly when the heap is not empty, its u is above the
     heap's largest (strictly: on a tie the older entry goes) and its characters exceed the room
-    (budget - sum; negative when one document alone is over the budget). Only the other
-    documents, the "events", touch the heap; numpy finds the next one over a growing window.
-    Entries are (-u, order, chunk, index, chars); (-u, order) is unique, so the pops do not
-    depend on the heap's internal layout (a resumed heap is rebuilt with `heapify`)."""
+    (budget - sum; negative when one document alone is over the budget). Those cost two float
+    comparisons each; only the other documents, the "events", touch the heap. (Events are not
+    rare: the documents that fit the room keep the heap's largest u high. A numpy search for the
+    next event over a growing window cost ~10x more per event than this loop per document, at the
+    ~1 in 9 events of a 1.6 M-document run, docs/benchmarks/prepare.md.) Entries are
+    (-u, order, chunk, index, chars); (-u, order) is unique, so the pops do not depend on the
+    heap's internal layout (a resumed heap is rebuilt with `heapify`)."""
 
     DTYPE = np.dtype([("neg_u", "<f8"), ("order", "<i8"), ("chunk", "<i8"), ("index", "<i8"), ("chars", "<i8")])
-    FILL = 4096  # documents looked at at once while the heap fills without pops
 
     def __init__(self, budget: int) -> None:
         self.heap: list[tuple] = []
@@ -206,49 +208,22 @@ class RefSample:
     def feed(self, u: np.ndarray, chars: np.ndarray, chunk: int, index: np.ndarray) -> None:
         """One chunk's kept train documents, in input order: u (`u[:, 1]`), characters and their
         numbers in the chunk."""
-        u = np.asarray(u, dtype=np.float64)
-        chars = np.asarray(chars, dtype=np.int64)
-        n, p, heap = u.size, 0, self.heap
-        while p < n:
-            room = self.budget - self.chars
-            if not heap or chars[p] <= room:
-                # a run of documents that all fit: pushed with no pop in between, whatever their u
-                cs = np.cumsum(chars[p: p + self.FILL])
-                k = max(1, int(np.searchsorted(cs, room, side="right")))
-                self._push_many(u[p: p + k], chars[p: p + k], chunk, index[p: p + k])
-                p += k
+        heap, budget, total, order = self.heap, self.budget, self.chars, self.order
+        push, pop = heapq.heappush, heapq.heappop
+        top = -heap[0][0] if heap else float("inf")  # an empty heap: every document is an event
+        room = budget - total
+        for x, c, i in zip(np.asarray(u, dtype=np.float64).tolist(), np.asarray(chars, dtype=np.int64).tolist(),
+                           np.asarray(index).tolist()):
+            if x > top and c > room:  # pushed and popped at once: only its order number is used
+                order += 1
                 continue
-            top, w, q, hit = -heap[0][0], 64, p, n
-            while q < n:  # the next event: u <= top or chars <= room
-                e = min(n, q + w)
-                m = np.flatnonzero((u[q:e] <= top) | (chars[q:e] <= room))
-                if m.size:
-                    hit = q + int(m[0])
-                    break
-                q, w = e, w * 2
-            self.order += hit - p  # the documents in between were pushed and popped at once
-            if hit < n:
-                self._push(float(u[hit]), int(chars[hit]), chunk, int(index[hit]))
-            p = hit + 1
-
-    def _push(self, u: float, chars: int, chunk: int, index: int) -> None:
-        heapq.heappush(self.heap, (-u, self.order, chunk, index, chars))
-        self.order += 1
-        self.chars += chars
-        while self.chars > self.budget and len(self.heap) > 1:
-            self.chars -= heapq.heappop(self.heap)[4]
-
-    def _push_many(self, u: np.ndarray, chars: np.ndarray, chunk: int, index: np.ndarray) -> None:
-        """Documents whose running sum stays within the budget (or the first into an empty heap)."""
-        if u.size == 1 or u.size * 8 < len(self.heap):  # a few into a big heap: pushed (heapify is O(heap))
-            for e in zip(u.tolist(), chars.tolist(), index.tolist()):
-                self._push(e[0], e[1], chunk, e[2])
-            return
-        new = list(zip((-u).tolist(), range(self.order, self.order + u.size), [chunk] * u.size, index.tolist(), chars.tolist()))
-        self.order += u.size
-        self.chars += int(chars.sum())
-        self.heap.extend(new)
-        heapq.heapify(self.heap)
+            push(heap, (-x, order, chunk, i, c))
+            order += 1
+            total += c
+            while total > budget and len(heap) > 1:
+                total -= pop(heap)[4]
+            top, room = -heap[0][0], budget - total
+        self.chars, self.order = total, order
 
     def state(self) -> np.ndarray:
         """The heap as an array (what `restore` takes back, with `chars` and `order`)."""
