@@ -14,11 +14,20 @@ Two ways of moving a chunk's documents, in the same session:
 Main-process CPU seconds (its threads included, the workers and other children not) on the whole
 corpus and on its first quarter give the ceiling and its marginal rate (fixed start-up left out).
 
+`--trained`: the default command's path instead (no `--tokenizer`: pass 1 keeps the cleaned texts,
+the replay draws the tokenizer sample, a tokenizer is trained on it, the encode stage tokenizes).
+"through main" then sends every text through the main process three times (pass 1's results, the
+replay's `Sink.take` into train/valid.spool, pass 2's reading of the spools); "pieces" keeps the
+texts in pass 1's chunk files, draws the sample from (u, characters) by reference and encodes per
+chunk in the workers. The no-op worker returns the block's lines as the texts, and the no-op encoder
+100 tokens per document; the tokenizer is really trained, on a sample of `--sample-chars`
+(the same in every run, so the marginal rate leaves it out).
+
 The no-op worker answers each block of raw lines with what a real worker returns for it (one
 document per line, 16 random key bytes, 9 band keys with --near, 100 tokens per document),
 computed with a few numpy calls and no per-document Python.
 
-Usage: nice python benchmarks/prepare_ceiling_bench.py CORPUS.txt [--near] [--workers 2]
+Usage: nice python benchmarks/prepare_ceiling_bench.py CORPUS.txt [--near] [--workers 2] [--trained]
 (CORPUS: one document per line, e.g. a corpus that prepare_scale_bench.py --keep left behind,
 or any .txt file; a tokenizer with a vocabulary of at least 1,000 is trained on its start.)
 """
@@ -41,12 +50,14 @@ sys.path.insert(0, str(ROOT))
 
 from mspretrain.config import PrepareConfig  # noqa: E402
 from mspretrain.data import pipeline, sources  # noqa: E402
+from mspretrain.data import workers as worker_mod  # noqa: E402
 from mspretrain.data.origin import RECORD  # noqa: E402
 from mspretrain.data.prepare import prepare  # noqa: E402
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece  # noqa: E402
 
 TOKENS_PER_DOC = 100
 _NEAR = {"on": False}
+_TEXTS = {"on": False}  # --trained: the no-op worker returns texts (no tokenizer yet), not tokens
 
 
 def noop_chunk(work) -> dict:
@@ -54,7 +65,7 @@ def noop_chunk(work) -> dict:
     if not isinstance(work, sources.RawLines):
         raise SystemExit("the ceiling bench needs one-document-per-line .txt input (raw blocks)")
     blocks = [replace(work, rest=None), *(work.rest or [])]
-    keys, origins, chars = [], [], []
+    keys, origins, chars, texts = [], [], [], []
     for block in blocks:
         block = block.load()  # a reference to a block is read here, as a real worker reads it
         buf = np.frombuffer(block.data, dtype=np.uint8)
@@ -65,8 +76,15 @@ def noop_chunk(work) -> dict:
         origins.append(origin)
         chars.append((ends - starts.astype(np.int64)).astype(np.int64) // 3)
         keys.append(np.random.default_rng(block.offset).bytes(16 * ends.size))
+        if _TEXTS["on"]:
+            texts += bytes(block.data).decode("utf-8", "replace").split("\n")[: ends.size]
     n = sum(o.size for o in origins)
     rng = np.random.default_rng(work.offset)
+    if _TEXTS["on"]:
+        return {"docs_in": n, "chars_in": sum(b.size or len(b.data) for b in blocks) // 3, "changed": {}, "dropped": {},
+                "keys": b"".join(keys), "chars": np.fromiter(map(len, texts), dtype=np.int64, count=n), "u": rng.random((n, 2)),
+                "bands": rng.integers(0, 2**63, size=(n, 9), dtype=np.uint64) if _NEAR["on"] else None,
+                "raw": (work.file, n, 0, 0), "origin": np.concatenate(origins), "texts": texts}
     return {"docs_in": n, "chars_in": sum(b.size or len(b.data) for b in blocks) // 3, "changed": {}, "dropped": {},
             "keys": b"".join(keys), "chars": np.concatenate(chars), "u": rng.random((n, 2)),
             "bands": rng.integers(0, 2**63, size=(n, 9), dtype=np.uint64) if _NEAR["on"] else None,
@@ -75,11 +93,22 @@ def noop_chunk(work) -> dict:
             "fallback": np.zeros(n, dtype=np.int64)}
 
 
-def timed(corpus: Path, tok: Path, out: Path, cfg: PrepareConfig, workers: int) -> tuple[float, float, dict]:
-    """(wall s, main-process CPU s, manifest)."""
+def noop_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """`workers._encode` without encoding: 100 tokens per document."""
+    return np.ones(len(texts) * TOKENS_PER_DOC, dtype=np.uint16), np.full(len(texts), TOKENS_PER_DOC, dtype=np.int32)
+
+
+def noop_tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`workers.tokenize_chunk` (pass 2 through the main process) without encoding."""
+    flat, lengths = noop_encode(texts)
+    return flat, lengths, np.zeros(len(texts), dtype=np.int64)
+
+
+def timed(corpus: Path, tok: Path | None, out: Path, cfg: PrepareConfig, workers: int) -> tuple[float, float, dict]:
+    """(wall s, main-process CPU s, manifest); `tok` None: a tokenizer is trained."""
     me0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.time()
-    m = prepare([str(corpus)], out, cfg, tokenizer=str(tok), workers=workers, overwrite=True, log=lambda _: None)
+    m = prepare([str(corpus)], out, cfg, tokenizer=str(tok) if tok else None, workers=workers, overwrite=True, log=lambda _: None)
     wall = time.time() - t0
     me1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (me1.ru_utime + me1.ru_stime) - (me0.ru_utime + me0.ru_stime)
@@ -87,14 +116,16 @@ def timed(corpus: Path, tok: Path, out: Path, cfg: PrepareConfig, workers: int) 
     return wall, cpu, m
 
 
-def noop_run(corpus: Path, tok: Path, out: Path, cfg: PrepareConfig, workers: int, pieces: bool, repeat: int) -> tuple[float, int]:
-    """(least main-process CPU s of `repeat` runs, documents read) with no-op workers."""
-    real, mode = pipeline.clean_chunk, pipeline.LOCAL_PIECES
-    pipeline.clean_chunk, pipeline.LOCAL_PIECES = noop_chunk, pieces
+def noop_run(corpus: Path, tok: Path | None, out: Path, cfg: PrepareConfig, workers: int, pieces: bool, repeat: int) -> tuple[float, int]:
+    """(least main-process CPU s of `repeat` runs, documents read) with no-op workers (and no-op
+    encoding after a trained tokenizer: the workers inherit the patched modules when they fork)."""
+    real = pipeline.clean_chunk, pipeline.LOCAL_PIECES, pipeline.tokenize_chunk, worker_mod._encode
+    pipeline.clean_chunk, pipeline.LOCAL_PIECES, pipeline.tokenize_chunk, worker_mod._encode = (
+        noop_chunk, pieces, noop_tokenize_chunk, noop_encode)
     try:
         runs = [timed(corpus, tok, out, cfg, workers) for _ in range(repeat)]
     finally:
-        pipeline.clean_chunk, pipeline.LOCAL_PIECES = real, mode
+        pipeline.clean_chunk, pipeline.LOCAL_PIECES, pipeline.tokenize_chunk, worker_mod._encode = real
     return min(cpu for _, cpu, _ in runs), runs[0][2]["documents_in"]
 
 
@@ -104,6 +135,9 @@ def main() -> None:
     ap.add_argument("--near", action="store_true", help="near dedup on (band keys in the results)")
     ap.add_argument("--workers", type=int, default=2, help="no-op workers")
     ap.add_argument("--repeat", type=int, default=2, help="no-op runs per setting (the least CPU counts)")
+    ap.add_argument("--trained", action="store_true", help="no --tokenizer: the default command's path (a tokenizer is trained)")
+    ap.add_argument("--sample-chars", type=int, default=300_000, help="with --trained: prepare.tokenizer_sample_chars")
+    ap.add_argument("--skip-real", action="store_true", help="leave out the real 1-worker run (the per-worker rate)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="prepare_ceiling_"))
     try:
@@ -116,14 +150,18 @@ def main() -> None:
         trained, _ = train_sentencepiece(lines, tmp, 4000, character_coverage=1.0, num_threads=2, seed=0)
         tok = Tokenizer.load(trained.path).path
         cfg = replace(PrepareConfig(), doc_per_line=True, near_dedup=args.near)
+        if args.trained:
+            cfg = replace(cfg, vocab_size=4000, tokenizer_sample_chars=args.sample_chars)
+            tok = None
         size = args.corpus.stat().st_size
         quarter = tmp / "quarter.txt"
         with open(args.corpus, "rb") as f:
             head = f.read(size // 4)
         quarter.write_bytes(head[: head.rfind(b"\n") + 1])
         print(f"corpus {args.corpus} ({size / 1e6:,.0f} MB), near dedup {'on' if args.near else 'off'}, "
-              f"{args.workers} no-op workers, load average {os.getloadavg()[0]:.2f} (2 shared cores)")
-        _NEAR["on"] = args.near
+              f"{args.workers} no-op workers, {'a trained' if args.trained else 'a given'} tokenizer, "
+              f"load average {os.getloadavg()[0]:.2f} (2 shared cores)")
+        _NEAR["on"], _TEXTS["on"] = args.near, args.trained
         ceiling = {}
         for pieces in (False, True):
             cpu, docs = noop_run(args.corpus, tok, tmp / "noop", cfg, args.workers, pieces, args.repeat)
@@ -134,6 +172,10 @@ def main() -> None:
             print(f"{'pieces' if pieces else 'through main':>12}: main process {cpu:.2f} CPU s for {docs:,} documents "
                   f"({cpu_q:.2f} s for {docs_q:,}): ceiling {docs / cpu:,.0f} documents/s, {size / cpu / 1e6:,.0f} MB/s; "
                   f"marginal {marginal:,.0f} documents/s, {mb:,.0f} MB/s")
+        if args.skip_real:
+            print(f"ratio of the ceilings, pieces / through main: whole {ceiling[True][0] / ceiling[False][0]:.1f}x, "
+                  f"marginal {ceiling[True][1] / ceiling[False][1]:.1f}x")
+            return
         # the per-worker rate on the quarter (the workers' work is per document: the rate holds)
         wall1, cpu1, m1 = timed(quarter, tok, tmp / "real", cfg, 1)
         docs = m1["documents_in"]

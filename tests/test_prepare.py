@@ -270,6 +270,7 @@ def test_crash_mid_write_leaves_nothing_finished_looking(raw, tmp_path, monkeypa
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(shards.ShardWriter, "add_flat", boom)
+    monkeypatch.setattr(shards.ShardWriter, "reserve", boom)  # the per-chunk path's writes (`_replay_pieces`)
     with pytest.raises(RuntimeError, match="disk on fire"):
         prepare([str(raw)], tmp_path / "data", CFG, workers=2, **QUIET)
     assert calls and list(tmp_path.iterdir()) == []  # no data dir, no .partial left behind
@@ -298,9 +299,9 @@ def test_every_file_is_fsynced_before_the_data_dir_is_published(raw, tmp_path, m
 def test_hard_kill_mid_write_then_rerun(raw, tmp_path):
     # os._exit skips every cleanup handler, like a SIGKILL or a power cut.
     code = ("import os, sys\nfrom mspretrain.data import shards\nfrom mspretrain.cli import main\n"
-            "orig = shards.ShardWriter.add_flat\n"
-            "def die(self, *a, **k):\n    orig(self, *a, **k)\n    os._exit(9)\n"
-            "shards.ShardWriter.add_flat = die\n"
+            "def dying(orig):\n    def die(self, *a, **k):\n        orig(self, *a, **k)\n        os._exit(9)\n    return die\n"
+            "shards.ShardWriter.add_flat = dying(shards.ShardWriter.add_flat)\n"
+            "shards.ShardWriter.reserve = dying(shards.ShardWriter.reserve)\n"  # the per-chunk path's writes
             "sys.exit(main(sys.argv[1:]))\n")
     args = ["prepare", str(raw), "--out", str(tmp_path / "data"), "--vocab-size", "500", "--workers", "1", "--quiet",
             "prepare.valid_fraction=0.1", "prepare.min_chars=4"]
@@ -553,3 +554,92 @@ def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(pre
         assert m["dropped"].get("exact_dup", 0) > 0 and m["documents"]["valid"] > 0
     else:
         assert m["documents"] == {"train": 4, "valid": 1}
+
+
+@pytest.mark.parametrize("near", [False, True])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_per_chunk_path_with_a_trained_tokenizer_writes_what_the_main_process_path_writes(tmp_path, monkeypatch, near, workers):
+    """Without --tokenizer and with local workers, pass 1's chunk files hold the cleaned texts:
+    the tokenizer sample is chosen from per-document (u, characters) (`sink.RefSample`), its
+    texts gathered from the files, and the workers encode and place each chunk's pieces. The path
+    through the main process (`--ray`'s, `pipeline.LOCAL_PIECES = False`) is the reference: the
+    same data dir byte for byte (tokenizer included), the same manifest. A 3,000-character
+    sample budget, far below the corpus, makes documents leave the sample (the heap's pops), and
+    the short documents mixed in fit the room a pop leaves."""
+    from mspretrain.data import pipeline, pool, sources
+
+    d = tmp_path / "in"
+    d.mkdir()
+    poems = [p.replace("\n", "，") for p in make_poems(300, seed=12)]
+    short = ["春风又绿江南岸", "明月何时照我还", "白日依山尽黄河", "两个黄鹂鸣翠柳"]
+    for k in range(3):
+        lines = poems[k * 100: (k + 1) * 100] + poems[:5] + [f"{s}{k}{i}" for i, s in enumerate(short * 3)]
+        (d / f"p{k}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    cfg = replace(CFG, doc_per_line=True, near_dedup=near, tokenizer_sample_chars=3000, vocab_size=400)
+    monkeypatch.setattr(sources, "RAW_READ_BYTES", 2048)
+    monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
+    calls = []
+    real = pipeline._replay_sample
+    monkeypatch.setattr(pipeline, "_replay_sample", lambda *a: calls.append(1) or real(*a))
+    manifests = {}
+    for local in (True, False):
+        monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
+        m = prepare([str(d)], tmp_path / str(local), cfg, workers=workers, **QUIET)
+        manifests[local] = json.dumps(m)
+    assert calls == [1]  # the per-chunk path ran once, the other run went through the main process
+    for name in FILES:
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
+    assert manifests[True] == manifests[False]
+    m = json.loads(manifests[True])
+    assert m["dropped"].get("exact_dup", 0) > 0 and m["documents"]["valid"] > 0
+    assert 2000 < m["tokenizer"]["sample_characters"] <= 3000 < m["characters_by_split"]["train"]
+
+
+def test_trained_tokenizer_per_chunk_path_moves_the_last_document(tmp_path, monkeypatch):
+    """5 documents, valid left empty: the split move (`Sink.finish`) done on the shards in the
+    encode stage gives the bytes of the path through the main process."""
+    from mspretrain.data import pipeline
+
+    (tmp_path / "p.txt").write_text("\n".join(p.replace("\n", "，") for p in make_poems(5, seed=2)) + "\n", encoding="utf-8")
+    cfg = replace(CFG, doc_per_line=True, valid_fraction=0.001)
+    for local in (True, False):
+        monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
+        m = prepare([str(tmp_path / "p.txt")], tmp_path / str(local), cfg, workers=2, **QUIET)
+        assert m["documents"] == {"train": 4, "valid": 1}
+    for name in FILES:
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ref_sample_keeps_the_members_sink_sample_keeps(seed):
+    """`sink.RefSample` (per-document u and characters, references instead of texts, the heap
+    touched only at events) against `Sink._sample` document by document, on random streams: ties
+    in u (the older entry leaves first), short documents that fit the room a pop leaves (some
+    exactly), documents alone over the budget, empty ones; fed in random chunk sizes, saved and
+    restored midway."""
+    from mspretrain.data.sink import RefSample, Sink
+
+    rng = np.random.default_rng(seed)
+    n, budget = int(rng.integers(2000, 6000)), int(rng.integers(500, 20_000))
+    u = rng.random(n)
+    if seed % 2:
+        u = np.round(u * 50) / 50  # many ties
+    chars = rng.integers(20, 300, n)
+    short = rng.random(n) < 0.2
+    chars[short] = rng.integers(0, 40, int(short.sum()))
+    chars[rng.random(n) < 0.005] = budget + 1
+    sink = Sink(PrepareConfig(), {}, budget)
+    sample = RefSample(budget)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=n // 8, replace=False))
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), n]):
+        for i in range(lo, hi):
+            sink._sample(float(u[i]), "字" * int(chars[i]))
+        sample.feed(u[lo:hi], chars[lo:hi], lo // 100, np.arange(lo, hi))
+        # the same members after every chunk (order = document number here), not only at the end
+        assert sample.members()[:, 1].tolist() == sorted(e[1] for e in sink.sample)
+        assert (sample.chars, sample.order) == (sink.sample_chars, sink.order)
+        if rng.random() < 0.05:  # a resume: the heap from its saved state
+            again = RefSample(budget)
+            again.restore(sample.state(), sample.chars, sample.order)
+            sample = again
+    assert 1 < len(sink.sample) < n and sink.sample_chars <= budget or len(sink.sample) == 1

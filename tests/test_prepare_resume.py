@@ -43,11 +43,19 @@ def make_corpus(d: Path) -> Path:
     return d
 
 
-def run(raw: Path, out: Path, *extra: str, env: dict | None = None, workers: int = 2) -> subprocess.CompletedProcess:
+# prepare with every chunk's documents through the main process (`--ray`'s path; the default
+# with local workers keeps them in per-chunk files): the same bytes
+THROUGH_MAIN = ("import sys\nfrom mspretrain.data import pipeline\nfrom mspretrain.cli import main\n"
+                "pipeline.LOCAL_PIECES = False\nsys.exit(main(sys.argv[1:]))\n")
+
+
+def run(raw: Path, out: Path, *extra: str, env: dict | None = None, workers: int = 2,
+        through_main: bool = False) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
     e.update(PYTHONPATH=str(ROOT), GLOG_v="3", **(env or {}))
     vocab = [] if "--tokenizer" in extra else ["--vocab-size", "500"]
-    cmd = [sys.executable, "-m", "mspretrain.cli", "prepare", str(raw), "--out", str(out), "--workers", str(workers),
+    head = ["-c", THROUGH_MAIN] if through_main else ["-m", "mspretrain.cli"]
+    cmd = [sys.executable, *head, "prepare", str(raw), "--out", str(out), "--workers", str(workers),
            *ARGS, *vocab, *extra, "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
     try:
@@ -87,9 +95,9 @@ def chosen(points: list[str], stage: str) -> str:
     return mine[len(mine) // 2]
 
 
-# cleaning, dedup (resolve, then the replay through the sink), tokenizer training, encoding,
-# finalizing the shards, publishing
-STAGES = ["pass1 chunk", "dedup part", "dedup resolved", "replay", "trained", "encode valid", "finalized train", "publish"]
+# cleaning, dedup (resolve, then the replay: counts and the tokenizer sample), tokenizer training,
+# encoding (per chunk, in the workers), finalizing the shards, publishing
+STAGES = ["pass1 chunk", "dedup part", "dedup resolved", "replay", "trained", "encode", "finalized train", "publish"]
 
 
 @pytest.mark.sigkill
@@ -232,12 +240,17 @@ def test_a_killed_replay_resumes_after_its_last_committed_chunk(reference, tmp_p
 
 
 @pytest.mark.sigkill
+@pytest.mark.parametrize("through_main", [False, True], ids=["pieces", "through main"])
 @pytest.mark.parametrize("sample", [None, "3000"])
-def test_a_killed_replay_through_the_sink_resumes_after_its_last_committed_chunk(reference, tmp_path, sample):
-    """The replay of a trained-tokenizer run (documents through `Sink.take`, which holds the
-    tokenizer sample): killed in its middle, the rerun takes only the chunks after the commit and
-    trains the same tokenizer. A 3,000-character sample makes documents leave the sample as others
-    come (its log's removals); by default every document stays in it."""
+def test_a_killed_replay_of_a_trained_tokenizer_run_resumes_after_its_last_committed_chunk(reference, tmp_path, sample,
+                                                                                          through_main):
+    """The replay of a trained-tokenizer run, which chooses the tokenizer sample: through the main
+    process (documents through `Sink.take`, the sample's texts in its log) or from pass 1's chunk
+    files (`_replay_sample`: the sample as references, its heap saved per commit). Killed in its
+    middle, the rerun takes only the chunks after the commit and trains the same tokenizer. A
+    3,000-character sample makes documents leave the sample as others come; by default every
+    document stays in it. Both paths give the uninterrupted run's bytes (the reference ran the
+    per-chunk path)."""
     raw, want, points = reference
     extra = () if sample is None else (f"prepare.tokenizer_sample_chars={sample}",)
     if sample is not None:
@@ -248,12 +261,41 @@ def test_a_killed_replay_through_the_sink_resumes_after_its_last_committed_chunk
     assert len(replays) >= 4, replays
     at = replays[len(replays) // 2]
     out = tmp_path / "data"
+    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"},
+                 through_main=through_main)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"}, through_main=through_main)
+    assert again.returncode == 0, again.stderr
+    assert files_of(out) == want
+    assert [p for p in points_of(again) if p.startswith("replay ")] == replays[replays.index(at):]
+    assert not any(p.startswith("pass1") for p in points_of(again))
+
+
+@pytest.mark.sigkill
+@pytest.mark.parametrize("valid", ["0.1", "0.0001"])
+def test_a_killed_encode_of_a_trained_tokenizer_run_resumes_after_its_last_committed_chunk(reference, tmp_path, valid):
+    """The encode stage of a trained-tokenizer run with pass 1's chunks in files (the workers
+    encode each chunk's kept texts and place its pieces): killed in its middle (or, valid 0.0001,
+    after its last chunk, while it moves a train document to the empty valid split), the rerun
+    encodes only the chunks after the commit, trains nothing again, and the bytes are the same."""
+    raw, want, points = reference
+    extra = ("--valid-fraction", valid, "prepare.tokenizer_sample_chars=3000")
+    ref = run(raw, tmp_path / "ref", *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert ref.returncode == 0, ref.stderr
+    encodes = [p for p in points_of(ref) if p.startswith("encode ") and p != "encode moved"]
+    assert len(encodes) >= 4, encodes
+    at = "encode moved" if valid == "0.0001" else encodes[len(encodes) // 2]
+    assert at in points_of(ref)
+    out = tmp_path / "data"
     killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
     assert again.returncode == 0, again.stderr
-    assert files_of(out) == want
-    assert [p for p in points_of(again) if p.startswith("replay ")] == replays[replays.index(at):]
+    assert files_of(out) == files_of(tmp_path / "ref")
+    got = points_of(again)
+    assert [p for p in got if p.startswith("encode ") and p != "encode moved"] == (
+        [] if at == "encode moved" else encodes[encodes.index(at):])
+    assert not any(p.startswith(("pass1", "replay", "trained")) for p in got)
 
 
 @pytest.mark.sigkill

@@ -6,14 +6,16 @@ chunks of ~256 K characters, `workers.py`) -> dedup + split + write (main proces
 of whole lines (`sources.RawLines`): the main process then only reads bytes, dedups and writes,
 and stays off the critical path (it used to decode, split and pickle every document).
 
-With a given tokenizer and local workers, the main process does per-chunk work only (its serial
-ceiling, docs/benchmarks/prepare.md): the workers read their blocks of uncompressed files
-themselves (`RawLines` by reference), keep each chunk's documents in a file (`PIECES`), write its
-dedup records where the main process reserved their place (`diskdedup.place_records`), sort the
-dedup partitions, and in the replay cut and copy each chunk's shard and origin pieces into the
-outputs at reserved offsets (`workers.replay_chunk`, `workers.place_piece`). `--ray` (whose nodes
-may not share this disk) and a trained tokenizer (whose sample is drawn from the texts here) take
-the path through the main process; both paths write the same bytes.
+With local workers, the main process does per-chunk work only (its serial ceiling,
+docs/benchmarks/prepare.md): the workers read their blocks of uncompressed files themselves
+(`RawLines` by reference), keep each chunk's documents in a file (`PIECES`: tokens with a given
+tokenizer, else the cleaned texts), write its dedup records where the main process reserved their
+place (`diskdedup.place_records`), sort the dedup partitions, and cut and copy each chunk's shard
+and origin pieces into the outputs at reserved offsets (`workers.replay_chunk`,
+`workers.place_piece`): in the replay with a given tokenizer, else in the encode stage, after the
+replay drew the tokenizer sample by reference (`_replay_sample`, `sink.RefSample`) and the
+tokenizer was trained on the sample's texts read from the chunk files. `--ray` (whose nodes may not
+share this disk) takes the path through the main process; both paths write the same bytes.
 
 Work is cut into chunks in input order and the results are consumed in that order (`pool.py`),
 so the output is byte-identical whatever the number of workers.
@@ -21,6 +23,7 @@ so the output is byte-identical whatever the number of workers.
 from __future__ import annotations
 
 import heapq
+import io
 import os
 import pickle
 import shutil
@@ -43,10 +46,10 @@ from mspretrain.data.pool import batched, chunks, ordered, start_pool
 from mspretrain.data.publish import build_manifest
 from mspretrain.data.resume import Journal, point, truncate
 from mspretrain.data.shards import ShardWriter, token_dtype
-from mspretrain.data.sink import Sink
+from mspretrain.data.sink import RefSample, Sink
 from mspretrain.data.spool import Spool, read_spool
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
-from mspretrain.data.workers import clean_chunk, init_worker, place_piece, replay_chunk, spill_chunk, tokenize_chunk
+from mspretrain.data.workers import clean_chunk, init_worker, place_piece, read_small, read_texts, replay_chunk, spill_chunk, tokenize_chunk
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
@@ -100,9 +103,10 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     """Read, clean, dedup, split, [train the tokenizer,] tokenize and write the shards into
     `work`; returns the manifest (without the keys that depend on prepare's arguments).
 
-    With a given tokenizer, one pass: workers clean and tokenize. Otherwise pass 1 cleans and
-    spools the kept documents (and keeps a bounded, uniform sample to train the tokenizer on),
-    and pass 2 tokenizes the spool. `ray`: a `raypool.RayCluster` that runs the chunks instead of
+    With a given tokenizer, one pass: workers clean and tokenize. Otherwise pass 1 cleans, the
+    replay keeps a bounded, uniform sample to train the tokenizer on, and the encode stage
+    tokenizes the kept documents: from pass 1's chunk files (local workers), or from the spools
+    the replay wrote (Ray). `ray`: a `raypool.RayCluster` that runs the chunks instead of
     local worker processes (`workers` is then its CPU count).
 
     Stages, each resumed after a kill from the journal (`resume.py`): "pass1" (from its last
@@ -167,6 +171,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         spool.close()
         sink, writers, origins = _replay(paths, work, cfg, given is not None, dtype, dd, spool, log, warn, stats, j, t0,
                                 min(workers, len(os.sched_getaffinity(0))) if j.data["pass1"].get("pieces") else None)
+        texts_in_files = given is None and j.data["pass1"].get("pieces")
         if given is not None:
             tok_info = {"trained": False, "source": str(given.path)}
             _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
@@ -175,16 +180,21 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
                      origin_records={s: o.records for s, o in origins.items()})
             for w in writers.values():
                 w.close()
+        elif texts_in_files:  # pass 1's chunk files and spool stay for the encode stage
+            _save_state(j, "train", stats=stats, sink=sink)
+            j.commit(fsync=[j.state_dir], stage="train", state="train", moved=list(sink.moved) if sink.moved else None)
         else:
             _save_state(j, "train", stats=stats, sink=sink)
             j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
                      stage="train", state="train", origin_records={s: o.records for s, o in origins.items()})
-        spool_path.unlink(missing_ok=True)
         j.state_path("replay.log").unlink(missing_ok=True)  # `_replay_take`'s, not needed after the stage's commit
-        removing.append(_remove_later(work / PIECES))
+        if not texts_in_files:
+            spool_path.unlink(missing_ok=True)
+            removing.append(_remove_later(work / PIECES))
     if j.stage == "train":
         sink = _load_state(j, "train")["sink"]
-        sample = sink.sample_texts()
+        # the texts of the sample: from pass 1's chunk files, or held by the sink
+        sample = _gather_sample(work, sink.sample.members()) if isinstance(sink.sample, RefSample) else sink.sample_texts()
         n_chars = sum(map(len, sample))
         log(f"training a SentencePiece BPE tokenizer (vocab {cfg.vocab_size:,}) on {n_chars:,} characters")
         trained, tok_warnings = train_sentencepiece(sample, work, cfg.vocab_size, character_coverage=cfg.character_coverage,
@@ -205,10 +215,19 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         saved = _load_state(j, "encode")
         sink, tok_info = saved["sink"], saved["tok_info"]
         tok = Tokenizer.load(work / j.data["tokenizer_file"])
-        writers = _encode(work, cfg, tok, dtype, sink, workers, progress, j, ray)
-        _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
-        j.commit(fsync=[*(f for w in writers.values() for f in w.files()), j.state_dir],
-                 stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()})
+        if j.data["pass1"].get("pieces"):  # pass 1's chunk files hold the texts: encoded and placed per chunk
+            writers, origins = _encode_pieces(work, cfg, tok, dtype, sink, min(workers, len(os.sched_getaffinity(0))), j, total_bytes,
+                                            progress)
+            _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
+            j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(work / origin_name(s) for s in SPLITS), j.state_dir],
+                     stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()},
+                     origin_records={s: o.records for s, o in origins.items()})
+            removing.append(_remove_later(work / PIECES))
+        else:
+            writers = _encode(work, cfg, tok, dtype, sink, workers, progress, j, ray)
+            _save_state(j, "finalize", stats=stats, sink=sink, tok_info=tok_info)
+            j.commit(fsync=[*(f for w in writers.values() for f in w.files()), j.state_dir],
+                     stage="finalize", state="finalize", writers={s: w.state() for s, w in writers.items()})
         for w in writers.values():
             w.close()
         for s in SPLITS:
@@ -281,10 +300,11 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     the workers read their blocks (`by_reference`), "reading" a skipped chunk is finding its
     blocks' ends: a few KB each."""
     done = j.data.get("pass1")
-    # With a given tokenizer and local workers, the workers keep each chunk's documents in a file
-    # of their own and send back only counts and dedup keys (`workers.spill_chunk`). Fixed by the
-    # run that started pass 1: its spool holds one kind of record or the other.
-    pieces = bool(tok_path) and ray is None and LOCAL_PIECES if done is None else bool(done.get("pieces"))
+    # With local workers, the workers keep each chunk's documents (tokens with a given tokenizer,
+    # else the cleaned texts) in a file of their own and send back only counts and dedup keys
+    # (`workers.spill_chunk`). Fixed by the run that started pass 1: its spool holds one kind of
+    # record or the other.
+    pieces = ray is None and LOCAL_PIECES if done is None else bool(done.get("pieces"))
     pdir = spool_path.parent / PIECES
     if done is None:  # a new pass 1 (or one killed before its first commit)
         shutil.rmtree(dd.root, ignore_errors=True)
@@ -371,17 +391,22 @@ def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dty
             log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
             t0: float, pieces_workers: int | None = None) -> tuple[Sink, dict[str, ShardWriter], dict[str, OriginWriter]]:
     """Pass 1's results again, now with their fate known, to the sink; resumed after a kill from
-    the last commit (`_replay_take`, `_replay_pieces`). `pieces_workers`: pass 1 left its chunks
-    in files (`workers.spill_chunk`); this many workers cut them into pieces of the outputs."""
+    the last commit (`_replay_take`, `_replay_pieces`, `_replay_sample`). `pieces_workers`: pass 1
+    left its chunks in files (`workers.spill_chunk`); with tokens, this many workers cut them into
+    pieces of the outputs; with texts, the outputs wait for the encode stage (`_replay_sample`:
+    no writers here, and the sink's `sample` is a `RefSample`, its `moved` the split move)."""
     # the replay commits its progress: resumed, its output files are cut back to the last commit
     at = j.data.get("replay")
+    texts_in_files = pieces_workers is not None and not tokens
     writers = {s: ShardWriter(work / s, dtype, at and at["writers"][s]) for s in SPLITS} if tokens else {}
-    spools = None if tokens else {s: Spool(work / f"{s}.spool", at and at["writers"][s]) for s in SPLITS}
-    origins = {s: OriginWriter(work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
+    spools = None if tokens or texts_in_files else {s: Spool(work / f"{s}.spool", at and at["writers"][s]) for s in SPLITS}
+    origins = {} if texts_in_files else {s: OriginWriter(work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
     sink = Sink(cfg, writers if tokens else spools, 0 if tokens else cfg.tokenizer_sample_chars, origins)
     if at is not None:
         log(f"resuming the replay after chunk {at['chunks']:,} of {spool.chunks:,}")
-    if pieces_workers is not None:
+    if texts_in_files:
+        notes, sink.moved, sink.sample = _replay_sample(work, cfg, dd, spool, sink, j)
+    elif pieces_workers is not None:
         notes = _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, pieces_workers, j)
     else:
         notes = _replay_take(spool, sink, dd, writers if tokens else spools, origins, j)
@@ -476,7 +501,9 @@ def _replay_take(spool: ChunkSpool, sink: Sink, dd: DiskDedup, outs: dict, origi
 
 
 def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool, sink: Sink,
-                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int, j: Journal) -> list[str]:
+                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int, j: Journal,
+                   stage: str = "replay", tok_path: str | None = None, moved: tuple[str, str] | None | bool = False,
+                   done_chunk: Callable[[int], object] | None = None) -> list[str]:
     """The replay when pass 1's chunks are in files: workers cut each chunk into its kept
     documents' shard and origin pieces (`workers.replay_chunk`); here, per chunk, only the counts
     and each piece's place in the outputs, in order, where a worker copies it (`workers.place_piece`,
@@ -486,11 +513,16 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
     Resumable: every `commit_seconds()` the journal's "replay" names the chunks done, the writers'
     lengths and the sink's counters (a few hundred bytes: the pieces path holds no documents and
     no tokenizer sample); `_replay` cut the outputs back to them, and the chunks after the commit
-    are cut and placed again (pass 1's chunk files stay until the replay's last commit)."""
+    are cut and placed again (pass 1's chunk files stay until the replay's last commit).
+
+    `stage` "encode" (a trained tokenizer's run, its pieces hold texts): the same after training,
+    with the workers encoding (`tok_path`); the sink's counts and the `moved` document were
+    settled by `_replay_sample` already, so only the per-file tallies are added here."""
     src, dst = work / PIECES, work / REPLAY_PIECES
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir()
-    at = j.data.get("replay")
+    counting = stage == "replay"
+    at = j.data.get(stage)
     skip = at["chunks"] if at is not None else 0
     last_chars: dict[str, int] = {}
     if at is not None:
@@ -506,8 +538,10 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
             done += n
             if i < skip:  # committed: only its documents' place in the dedup decisions is needed
                 continue
-            counted.append((meta, exact, near))
-            yield str(src / f"{i:08d}"), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype
+            if counting:
+                counted.append((meta, exact, near))
+            yield (str(src / f"{i:08d}"), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype,
+                   meta.get("text_piece", False))
 
     placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
 
@@ -518,24 +552,26 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
     def commit(chunks: int) -> None:
         drain()  # every piece up to `chunks` in its place before the files are fsynced
         j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(o.path for o in origins.values())],
-                 replay={"chunks": chunks, "writers": {s: w.state() for s, w in writers.items()},
+                 **{stage: {"chunks": chunks, "writers": {s: w.state() for s, w in writers.items()},
                          "origins": {s: o.records for s, o in origins.items()}, "last_chars": dict(last_chars),
-                         "sink": _counts(sink)})
+                         "sink": _counts(sink)}})
 
     in_flight = 2 * workers + 1
     for o in origins.values():
         o.seek_end()  # the header on disk before the workers write after it
     todo = spool.chunks - skip
-    pool = start_pool(workers if todo > 1 else 1, init_worker, (cfg, None, dtype.name))  # one chunk: no pool to start
+    pool = start_pool(workers if todo > 1 else 1, init_worker, (cfg, tok_path, dtype.name))  # one chunk: no pool to start
     try:
         for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight), skip):
-            sink.count(*counted.popleft())  # in chunk order, as `Sink.take` counts, and only what is placed
+            if counting:
+                sink.count(*counted.popleft())  # in chunk order, as `Sink.take` counts, and only what is placed
             if res["per_file"] is not None:
                 sink.per_file.merge(res["per_file"])
             copies = []
             for split, p in res["splits"].items():
-                sink.docs[split] += p["docs"]
-                sink.chars[split] += p["chars"]
+                if counting:
+                    sink.docs[split] += p["docs"]
+                    sink.chars[split] += p["chars"]
                 n_tok, n_len, n_org = p["sizes"]
                 at_bin, at_len = writers[split].reserve(n_tok, n_len, p["max_token"])
                 w_bin, w_len = writers[split].files()
@@ -549,7 +585,9 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
                 placing.append(pool.apply_async(place_piece, (task,)))
                 while len(placing) > in_flight or (placing and placing[0].ready()):
                     placing.popleft().get()
-            point(f"replay {i + 1}", drain)
+            if done_chunk is not None:
+                done_chunk(i)
+            point(f"{stage} {i + 1}", drain)
             if j.due():
                 commit(i + 1)
         drain()
@@ -558,7 +596,8 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
             pool.terminate()
     for w in (*writers.values(), *origins.values()):
         w.seek_end()
-    moved = sink.planned_move()
+    if counting:
+        moved = sink.planned_move()
     if moved:
         # `peek_last` leaves the source's bytes until `finalize` cuts them to the counts of the
         # commit after this, so a kill before that commit resumes from the last one
@@ -567,9 +606,108 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
         writers[b].add_flat(last, np.array([last.size], dtype=np.int32))
         if origins[a].records:
             origins[b].add(origins[a].peek_last())
-        point("replay moved", lambda: (writers[b].state(), origins[b].seek_end()))  # flushed: the tail a kill leaves
+        point(f"{stage} moved", lambda: (writers[b].state(), origins[b].seek_end()))  # flushed: the tail a kill leaves
     shutil.rmtree(dst, ignore_errors=True)
-    return sink.count_move(moved, last_chars[moved[0]] if moved else 0)
+    return sink.count_move(moved, last_chars[moved[0]] if moved else 0) if counting else []
+
+
+def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSpool, sink: Sink, j: Journal
+                   ) -> tuple[list[str], tuple[str, str] | None, RefSample]:
+    """The replay of a trained tokenizer's run when pass 1's chunks are in files (their texts
+    stay there until the encode stage): per chunk, the dedup decisions and the split of its
+    documents from their per-document arrays (`workers.read_small`: characters and split numbers,
+    24 bytes a document), the sink's counts, and the tokenizer sample as references
+    (`sink.RefSample`: the same members as `Sink._sample`). Returns the notes of the split move
+    (`Sink.finish`'s), the move (done on the shards in the encode stage), and the sample.
+
+    Resumable: every `commit_seconds()` the journal's "replay" names the chunks done, the sink's
+    counters and the sample's state, saved to a file of the state dir named by the commit."""
+    src = work / PIECES
+    at = j.data.get("replay")
+    skip = at["chunks"] if at is not None else 0
+    last_chars: dict[str, int] = {}
+    sample = RefSample(cfg.tokenizer_sample_chars)
+    if at is not None:
+        _restore_counts(sink, at["sink"])
+        last_chars.update(at["last_chars"])
+        sample.restore(np.load(j.state_path(at["sample_file"])), at["sample_chars"], at["order"])
+
+    def commit(chunks: int) -> None:
+        name = f"sample-{chunks:08d}.npy"
+        buf = io.BytesIO()
+        np.save(buf, sample.state())
+        atomic_write(j.state_path(name), buf.getvalue())  # a new file per commit: the journal names the one it holds
+        old = (j.data.get("replay") or {}).get("sample_file")
+        j.commit(replay={"chunks": chunks, "sink": _counts(sink), "last_chars": dict(last_chars), "sample_file": name,
+                         "sample_chars": sample.chars, "order": sample.order})
+        if old and old != name:
+            j.state_path(old).unlink(missing_ok=True)
+
+    done = 0
+    for i, meta in enumerate(spool.read(remove=False)):
+        n = meta["n"]
+        exact, near = dd.dropped(done, done + n)
+        done += n
+        if i < skip:
+            continue
+        a = read_small(str(src / f"{i:08d}"), 2)  # chars and u
+        sink.count(meta, exact, near)
+        kept = np.flatnonzero(~(exact | near)).astype(np.int64)
+        in_valid = a["u"][kept, 0] < cfg.valid_fraction
+        for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
+            if sel.size:
+                sink.docs[split] += int(sel.size)
+                sink.chars[split] += int(a["chars"][sel].sum())
+                last_chars[split] = int(a["chars"][sel[-1]])
+                if split == "train" and sample.budget:
+                    sample.feed(a["u"][sel, 1], a["chars"][sel], i, sel)
+        point(f"replay {i + 1}")
+        if j.due():
+            commit(i + 1)
+    moved = sink.planned_move()
+    return sink.count_move(moved, last_chars[moved[0]] if moved else 0), moved, sample
+
+
+def _gather_sample(work: Path, members: np.ndarray) -> list[str]:
+    """The texts of the sample's members ((chunk, index) in input order) from pass 1's chunk
+    files, as `Sink.sample_texts` gives them: long documents cut into ≤ 4,096-character pieces."""
+    texts: list[str] = []
+    if not members.size:
+        return texts
+    bounds = np.flatnonzero(np.diff(members[:, 0])) + 1  # runs of one chunk (input order: ascending)
+    for run in np.split(members, bounds):
+        texts += read_texts(str(work / PIECES / f"{int(run[0, 0]):08d}"), run[:, 1])
+    return [p for t in texts for p in sources.cut_text(t, 4096)]
+
+
+def _encode_pieces(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dtype, sink: Sink, workers: int, j: Journal,
+                   total_bytes: int, progress: bool) -> tuple[dict[str, ShardWriter], dict[str, OriginWriter]]:
+    """The encode stage when pass 1's chunk files hold the texts (a trained tokenizer, local
+    workers): `_replay_pieces` once more, its workers encoding each chunk's kept documents with
+    the trained tokenizer, and the split move `_replay_sample` planned. Resumed from its last
+    commit (the journal's "encode"); pass 1's chunk files and spool stay until the stage's end."""
+    at = j.data.get("encode")
+    dd = DiskDedup(work / "dedup.tmp", total_bytes, cfg.near_dedup, cfg.near_dedup_threshold)
+    dd.load_decisions(j.state_path("decisions.npy"))
+    shutil.rmtree(dd.root, ignore_errors=True)
+    spool = ChunkSpool(work / "pass1.tmp", j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
+    spool.close()
+    writers = {s: ShardWriter(work / s, dtype, at and at["writers"][s]) for s in SPLITS}
+    origins = {s: OriginWriter(work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
+    moved = tuple(j.data["moved"]) if j.data.get("moved") else None
+    sizes = [(work / PIECES / f"{i:08d}").stat().st_size if (work / PIECES / f"{i:08d}").exists() else 0 for i in range(spool.chunks)]
+    bar = progress_bar(progress, sum(sizes), "tokenize")
+    if bar is not None and at is not None:
+        bar.update(sum(sizes[: at["chunks"]]))
+    try:
+        _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, workers, j, stage="encode", tok_path=str(tok.path),
+                       moved=moved, done_chunk=(lambda i: bar.update(sizes[i])) if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    for o in origins.values():
+        o.close()
+    return writers, origins
 
 
 def _counts(sink: Sink) -> dict:

@@ -3,7 +3,8 @@
 Layout (additions next to the data dir `NAME` that `prepare --out NAME` writes):
     .NAME.progress.json   the journal: JSON, replaced atomically (fsync + rename) at each commit
     .NAME.partial/.resume/ state too big or too Pythonic for the journal (pickles, dedup bitmaps,
-                          `replay.log`: the replay's tokenizer sample and held documents);
+                          `replay.log`: the replay's tokenizer sample and held documents, or
+                          `sample-N.npy`: the sample's heap by reference, per-chunk path);
                           removed before the data dir is published
     .NAME.partial/dedup.tmp/PART.decided  a dedup partition's result (its commit: see diskdedup)
 The journal sits beside the work dir `.NAME.partial/`, not in it, because publishing moves the

@@ -76,7 +76,10 @@ class Sink:
         self.chars = dict.fromkeys(SPLITS, 0)
         # The latest document of each split is held back until the next one (see finish).
         self.held: dict = dict.fromkeys(SPLITS)
-        self.sample: list = []  # bottom-k heap of (-u, order, text) for the tokenizer
+        # (from, to) of the split move when it is done on the shards after the replay (a trained
+        # tokenizer's run with pass 1's chunks in files: `pipeline._replay_sample`)
+        self.moved: tuple[str, str] | None = None
+        self.sample: list | RefSample = []  # bottom-k heap of (-u, order, text) for the tokenizer, or `RefSample`
         self.sample_chars, self.sample_budget, self.order = 0, sample_chars, 0
 
     def count(self, r: dict, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
@@ -177,3 +180,62 @@ class Sink:
     def sample_texts(self) -> list[str]:
         """The tokenizer sample in input order, long documents cut into ≤ 4,096-character pieces."""
         return [p for _, _, t in sorted(self.sample, key=lambda e: e[1]) for p in sources.cut_text(t, 4096)]
+
+
+class RefSample:
+    """`Sink._sample` over documents whose texts stay on disk: the same bottom-k heap, fed each
+    kept train document's (u, chars) and a reference (chunk, number in the chunk) instead of its
+    text, so that the main process never holds a document's bytes (`pipeline._replay_sample`).
+
+    The heap is order-dependent (a short document with a large u stays if it fits the room the
+    budget leaves), so it is replayed exactly, but cheaply: a document changes nothing (it is
+    pushed and popped again at once) exactly when the heap is not empty, its u is above the
+    heap's largest (strictly: on a tie the older entry goes) and its characters exceed the room
+    (budget - sum; negative when one document alone is over the budget). Those cost two float
+    comparisons each; only the other documents, the "events", touch the heap. (Events are not
+    rare: the documents that fit the room keep the heap's largest u high. A numpy search for the
+    next event over a growing window cost ~10x more per event than this loop per document, at the
+    ~1 in 9 events of a 1.6 M-document run, docs/benchmarks/prepare.md.) Entries are
+    (-u, order, chunk, index, chars); (-u, order) is unique, so the pops do not depend on the
+    heap's internal layout (a resumed heap is rebuilt with `heapify`)."""
+
+    DTYPE = np.dtype([("neg_u", "<f8"), ("order", "<i8"), ("chunk", "<i8"), ("index", "<i8"), ("chars", "<i8")])
+
+    def __init__(self, budget: int) -> None:
+        self.heap: list[tuple] = []
+        self.chars, self.budget, self.order = 0, budget, 0
+
+    def feed(self, u: np.ndarray, chars: np.ndarray, chunk: int, index: np.ndarray) -> None:
+        """One chunk's kept train documents, in input order: u (`u[:, 1]`), characters and their
+        numbers in the chunk."""
+        heap, budget, total, order = self.heap, self.budget, self.chars, self.order
+        push, pop = heapq.heappush, heapq.heappop
+        top = -heap[0][0] if heap else float("inf")  # an empty heap: every document is an event
+        room = budget - total
+        for x, c, i in zip(np.asarray(u, dtype=np.float64).tolist(), np.asarray(chars, dtype=np.int64).tolist(),
+                           np.asarray(index).tolist()):
+            if x > top and c > room:  # pushed and popped at once: only its order number is used
+                order += 1
+                continue
+            push(heap, (-x, order, chunk, i, c))
+            order += 1
+            total += c
+            while total > budget and len(heap) > 1:
+                total -= pop(heap)[4]
+            top, room = -heap[0][0], budget - total
+        self.chars, self.order = total, order
+
+    def state(self) -> np.ndarray:
+        """The heap as an array (what `restore` takes back, with `chars` and `order`)."""
+        return np.array(self.heap, dtype=self.DTYPE) if self.heap else np.zeros(0, dtype=self.DTYPE)
+
+    def restore(self, entries: np.ndarray, chars: int, order: int) -> None:
+        self.heap = [tuple(e) for e in entries.tolist()]
+        heapq.heapify(self.heap)
+        self.chars, self.order = chars, order
+
+    def members(self) -> np.ndarray:
+        """(chunk, index) of the sample's documents in input order (`Sink.sample_texts`'s order)."""
+        s = self.state()
+        s = s[np.argsort(s["order"], kind="stable")]
+        return np.stack([s["chunk"], s["index"]], axis=1) if s.size else np.zeros((0, 2), dtype=np.int64)

@@ -153,13 +153,19 @@ def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray
 # copies it there in the kernel (`place_piece`). Not with `--ray`: its tasks may run on nodes
 # that do not share our disk.
 
-PIECE_ARRAYS = ("tokens", "lengths", "fallback", "chars", "u", "origin")
+# A piece file holds the small per-document arrays first (`SMALL`: the replay of a trained
+# tokenizer's run reads them without the rest), then either the tokens (`TOKEN_ARRAYS`, a given
+# tokenizer) or the cleaned texts (a tokenizer still to train): the byte offsets of each text
+# (n + 1 int64) and then the texts' UTF-8 bytes back to back, read by slices (`read_texts`).
+SMALL = ("chars", "u", "origin")
+TOKEN_ARRAYS = ("tokens", "lengths", "fallback")
 
 
 def spill_chunk(fn, item: tuple) -> dict:
-    """`fn` (`clean_chunk`) over `work`: its per-document arrays written to `path`, its dedup
-    records grouped by partition file (`diskdedup.chunk_records`) to `path`.dd; returns the rest
-    (counts, the records per partition file) and `n`, the number of cleaned documents."""
+    """`fn` (`clean_chunk`) over `work`: its per-document arrays (and its texts, when there is no
+    tokenizer yet) written to `path`, its dedup records grouped by partition file
+    (`diskdedup.chunk_records`) to `path`.dd; returns the rest (counts, the records per partition
+    file), `n`, the number of cleaned documents, and `text_piece` (the piece holds texts)."""
     from mspretrain.data.diskdedup import chunk_records
 
     work, path, exact_parts, band_parts = item
@@ -169,14 +175,53 @@ def spill_chunk(fn, item: tuple) -> dict:
     has_origin = out["origin"] is not None
     if not has_origin:
         out["origin"] = np.zeros(0, dtype=_origin_dtype())
-    for name, arrays in ((path, [out.pop(k) for k in PIECE_ARRAYS]), (path + ".dd", [exact] + ([bands] if bands is not None else []))):
+    texts = out.pop("texts", None)
+    arrays = [out.pop(k) for k in SMALL]
+    blob = b""
+    if texts is None:
+        arrays += [out.pop(k) for k in TOKEN_ARRAYS]
+    else:
+        encoded = [t.encode("utf-8") for t in texts]
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
+        arrays.append(offsets)
+        blob = b"".join(encoded)
+    for name, group, tail in ((path, arrays, blob), (path + ".dd", [exact] + ([bands] if bands is not None else []), b"")):
         with open(name, "wb") as f:
-            for a in arrays:
+            for a in group:
                 np.save(f, a)
+            f.write(tail)
             f.flush()
             os.fsync(f.fileno())  # durable before the main process commits its chunk (here, in parallel)
     out["has_origin"] = has_origin
+    out["text_piece"] = texts is not None
     return out
+
+
+def read_small(path: str, n: int = len(SMALL)) -> dict[str, np.ndarray]:
+    """A piece file's first `n` `SMALL` arrays (chars, u, origin), without its tokens or texts."""
+    with open(path, "rb") as f:
+        return {k: np.load(f) for k in SMALL[:n]}
+
+
+def read_texts(path: str, index: np.ndarray | None = None) -> list[str]:
+    """Texts of a piece file that holds texts: those numbered `index` (ascending), or all."""
+    with open(path, "rb") as f:
+        for _ in SMALL:
+            np.load(f)
+        offsets = np.load(f)
+        at = f.tell()
+        if index is None:
+            index = np.arange(offsets.size - 1)
+        starts, ends = offsets[index].tolist(), offsets[index + 1].tolist()
+        if 16 * index.size >= offsets.size:  # many of them: one read, then slices
+            blob = f.read()
+            return [blob[a:b].decode("utf-8") for a, b in zip(starts, ends)]
+        out = []
+        for a, b in zip(starts, ends):
+            f.seek(at + a)
+            out.append(f.read(b - a).decode("utf-8"))
+        return out
 
 
 def _origin_dtype() -> np.dtype:
@@ -188,11 +233,23 @@ def _origin_dtype() -> np.dtype:
 def replay_chunk(item: tuple) -> dict:
     """A spilled chunk (`spill_chunk`) with its dedup decisions: the kept documents of each split,
     in order, written to `dst` as [tokens | lengths (int32) | origin records] per split, and what
-    `sink.Sink.take` counts for them. `drop`: bool per cleaned document (exact or near duplicate)."""
-    src, dst, drop, valid_fraction, has_origin, dtype = item
-    with open(src, "rb") as f:
-        a = {k: np.load(f) for k in PIECE_ARRAYS}
+    `sink.Sink.take` counts for them. `drop`: bool per cleaned document (exact or near duplicate).
+    A piece that holds texts (`text_piece`, a trained tokenizer's run) has its kept documents
+    encoded here, with the tokenizer `init_worker` loaded."""
+    src, dst, drop, valid_fraction, has_origin, dtype, text_piece = item
     kept = np.flatnonzero(~drop).astype(np.int64)
+    if text_piece:
+        a = read_small(src)
+        flat, kept_lengths = _encode(read_texts(src, kept))
+        # per document of the chunk (dropped ones: no tokens), as a given tokenizer's piece holds them
+        a["tokens"] = flat
+        a["lengths"] = np.zeros(drop.size, dtype=kept_lengths.dtype)
+        a["lengths"][kept] = kept_lengths
+        a["fallback"] = np.zeros(drop.size, dtype=np.int64)
+        a["fallback"][kept] = byte_fallback_counts(flat, kept_lengths)
+    else:
+        with open(src, "rb") as f:
+            a = {k: np.load(f) for k in SMALL + TOKEN_ARRAYS}
     in_valid = a["u"][kept, 0] < valid_fraction
     lengths = a["lengths"]
     out: dict = {"splits": {}, "per_file": None}
