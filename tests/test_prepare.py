@@ -610,15 +610,21 @@ def test_trained_tokenizer_per_chunk_path_moves_the_last_document(tmp_path, monk
         assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
 
 
+@pytest.mark.parametrize("impl", ["c", "python"])
 @pytest.mark.parametrize("seed", range(6))
-def test_ref_sample_keeps_the_members_sink_sample_keeps(seed):
+def test_ref_sample_keeps_the_members_sink_sample_keeps(seed, impl, monkeypatch):
     """`sink.RefSample` (per-document u and characters, references instead of texts, the heap
     touched only at events) against `Sink._sample` document by document, on random streams: ties
     in u (the older entry leaves first), short documents that fit the room a pop leaves (some
     exactly), documents alone over the budget, empty ones; fed in random chunk sizes, saved and
     restored midway."""
-    from mspretrain.data.sink import RefSample, Sink
+    from mspretrain.data.sink import RefSample, Sink, _c_sample
 
+    if impl == "python":
+        monkeypatch.setenv("MSPRETRAIN_SAMPLE", "python")
+    elif _c_sample() is None:
+        pytest.skip("the optional C extension is not built")
+    assert RefSample(1)._fast == (impl == "c")
     rng = np.random.default_rng(seed)
     n, budget = int(rng.integers(2000, 6000)), int(rng.integers(500, 20_000))
     u = rng.random(n)
