@@ -275,3 +275,20 @@ def why_not(path: str | Path, want: str = "a regular file") -> str:
     "does not exist", or "is a FIFO, not a regular file" (a FIFO was reported as missing)."""
     kind = file_kind(path)
     return "does not exist" if kind == "missing" else f"is {kind}, not {want}"
+
+
+def cut_back(f: IO[bytes] | str | Path, size: int) -> None:
+    """Cut a file (a path, or a file opened for writing) back to the `size` bytes a commit of
+    `prepare`'s journal recorded: the torn tail a kill left goes. A file shorter than that lost
+    bytes the commit said were written (a damaged or edited work dir): `truncate` would pad it
+    with zeros, which would pass for data, so it is refused instead."""
+    if isinstance(f, (str, Path)):
+        with open(f, "r+b") as g:
+            cut_back(g, size)
+        return
+    have = os.fstat(f.fileno()).st_size
+    if have < size:
+        raise UserError(f"{f.name} holds {have:,} bytes, fewer than the {size:,} that prepare's progress journal "
+                        "recorded for it: the interrupted prepare's work dir was damaged after the kill, and cannot be resumed",
+                        "run the same command again: prepare removed the damaged work dir, and starts over")
+    f.truncate(size)

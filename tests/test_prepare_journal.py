@@ -99,7 +99,7 @@ def test_pass1_commits_once_per_chunk_per_worker(tmp_path, monkeypatch):
 
     def commit(self, *, fsync=(), background=False, **fields):
         real(self, fsync=fsync, background=background, **fields)
-        if background:  # pass 1's own commits (its last one, with the stage's end, is not)
+        if background and self.stage == "pass1":  # pass 1's own commits (its last one, with the stage's end, is not)
             seen.append(self.data["pass1"]["chunks"])
 
     monkeypatch.setattr(resume.Journal, "commit", commit)
@@ -108,3 +108,80 @@ def test_pass1_commits_once_per_chunk_per_worker(tmp_path, monkeypatch):
         seen.clear()
         prepare([str(raw)], tmp_path / f"out{workers}", cfg, workers=workers, log=lambda m: None)
         assert seen == want
+
+
+def _covered(work: Path, fields: dict, itemsize: int) -> list[str]:
+    """What a commit's fields say is written that the files on disk do not hold yet (at the time
+    of the commit): a kill after the commit would lose it, and a resume would pad it with zeros."""
+    from mspretrain.data.origin import HEADER, RECORD, origin_name
+
+    short = []
+
+    def need(path: Path, n: int) -> None:
+        if path.stat().st_size < n:
+            short.append(f"{path.name}: {path.stat().st_size} < {n}")
+
+    for key in ("replay", "encode", "pass2"):
+        v = fields.get(key) or {}
+        for s, st in (v.get("writers") or {}).items():
+            if "tokens" in st:
+                need(work / f"{s}.bin.tmp", st["tokens"] * itemsize)
+                need(work / f"{s}.len.tmp", st["documents"] * 4)
+            else:
+                need(work / f"{s}.spool", st["bytes"])
+        for s, r in (v.get("origins") or {}).items():
+            need(work / origin_name(s), len(HEADER) + r * RECORD.itemsize)
+        if "log_bytes" in v:
+            need(work / resume.STATE_DIR / "replay.log", v["log_bytes"])
+    if fields.get("pass1"):
+        need(work / "pass1.tmp", fields["pass1"]["spool_bytes"])
+    return short
+
+
+@pytest.mark.parametrize("pieces", [True, False])
+@pytest.mark.parametrize("given", [True, False])
+def test_every_commit_describes_bytes_already_in_the_files(tmp_path, monkeypatch, pieces, given):
+    """At each commit (one after every chunk here) the files hold at least what the journal's new
+    fields say they hold, on every path: buffered bytes flushed first. (The replay through the
+    sink committed origin records still in this process's buffer.)"""
+    from mspretrain.data import pipeline
+
+    monkeypatch.setenv("MSPRETRAIN_PREPARE_COMMIT_SECONDS", "0")
+    monkeypatch.setattr(pipeline, "LOCAL_PIECES", pieces)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    poems = [p.replace("\n", "，") for p in make_poems(300, seed=4)]
+    for k in range(5):
+        (raw / f"p{k}.txt").write_text("\n".join(poems[k * 60: (k + 1) * 60] + poems[:3]) + "\n", encoding="utf-8")
+    cfg = PrepareConfig(vocab_size=400, doc_per_line=True, valid_fraction=0.2, tokenizer_sample_chars=2000)
+    tok = None
+    if given:
+        first = prepare([str(raw)], tmp_path / "first", cfg, workers=1, log=lambda m: None)
+        tok = str(tmp_path / "first" / first["tokenizer"]["file"])
+    problems: list[str] = []
+    commits = []
+    real = resume.Journal.commit
+
+    def commit(self, *, fsync=(), background=False, **fields):
+        commits.append(sorted(fields))
+        problems.extend(_covered(self.work, fields, 2))
+        real(self, fsync=fsync, background=background, **fields)
+
+    monkeypatch.setattr(resume.Journal, "commit", commit)
+    prepare([str(raw)], tmp_path / "out", cfg, tokenizer=tok, workers=2, log=lambda m: None)
+    assert len(commits) > 10 and not problems
+
+
+def test_a_file_shorter_than_its_commit_is_refused_not_padded(tmp_path):
+    """Resuming cuts a file back to its committed length; one that lost committed bytes (damaged
+    after the kill) is refused: `truncate` would pad it with zeros that pass for tokens."""
+    from mspretrain.errors import UserError
+    from mspretrain.fsutil import cut_back
+
+    f = tmp_path / "train.bin.tmp"
+    f.write_bytes(b"0123456789")
+    cut_back(f, 8)  # a torn tail goes
+    assert f.read_bytes() == b"01234567"
+    with pytest.raises(UserError, match="holds 8 bytes, fewer than the 12"):
+        cut_back(f, 12)
+    assert f.read_bytes() == b"01234567"

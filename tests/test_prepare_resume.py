@@ -397,3 +397,24 @@ def test_kill_inside_a_file_by_file_publish_starts_over_and_keeps_your_files(ref
     got = files_of(out)
     assert got.pop("notes.txt") == b"mine" and got == want
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+@pytest.mark.sigkill
+def test_a_work_dir_damaged_after_the_kill_is_refused_in_one_line_then_started_over(reference, tmp_path):
+    """A shard file that lost committed bytes after the kill is not padded with zeros (which
+    would pass for tokens): the rerun stops with one line, and the next run starts over."""
+    raw, want, points = reference
+    out = tmp_path / "data"
+    killed = run(raw, out, env={"MSPRETRAIN_PREPARE_TEST_KILL": chosen(points, "encode"), "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    journal = json.loads((tmp_path / ".data.progress.json").read_text())
+    assert journal["stage"] == "encode" and journal["encode"]["writers"]["train"]["tokens"] > 0
+    (tmp_path / ".data.partial" / "train.bin.tmp").write_bytes(b"")  # lost
+    again = run(raw, out)
+    assert again.returncode == 2
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 2 and "fewer than" in lines[0] and "damaged" in lines[0] and lines[1].startswith("hint:"), again.stderr
+    assert "Traceback" not in again.stderr
+    third = run(raw, out)
+    assert third.returncode == 0, third.stderr
+    assert files_of(out) == want

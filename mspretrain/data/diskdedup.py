@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from mspretrain.data import dedup
-from mspretrain.fsutil import atomic_writer
+from mspretrain.fsutil import atomic_writer, cut_back
 
 PART_BYTES = 64 << 20  # target size of one partition file (sorted in memory, ~3x this at once)
 BUFFER_BYTES = 16 << 20  # records buffered in memory before they are spread over the files
@@ -114,8 +114,7 @@ class Partitions:
         for i in range(self.parts):
             p = self.path(i)
             if p.name in sizes:
-                with open(p, "r+b") as f:
-                    f.truncate(sizes[p.name])
+                cut_back(p, sizes[p.name])
             else:
                 p.unlink(missing_ok=True)
         self._buf, self._buffered, self.records = [], 0, records
@@ -481,8 +480,7 @@ class ChunkSpool:
         if size is None:
             self._f = open(path, "wb", buffering=1 << 20)
         else:
-            with open(path, "r+b") as f:
-                f.truncate(size)
+            cut_back(path, size)
             self._f = open(path, "ab", buffering=1 << 20)
         self.chunks = chunks
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.errors import UserError
+from mspretrain.fsutil import cut_back
 
 MAGIC = b"MSORIGIN"
 VERSION = 1
@@ -60,7 +61,7 @@ class OriginWriter:
             self.records = 0
             return
         self._f = open(path, "r+b")
-        self._f.truncate(len(HEADER) + records * RECORD.itemsize)
+        cut_back(self._f, len(HEADER) + records * RECORD.itemsize)
         self._f.seek(0, os.SEEK_END)
         self.records = records
 

@@ -466,7 +466,7 @@ def _replay_take(spool: ChunkSpool, sink: Sink, dd: DiskDedup, outs: dict, origi
         live.update(members)
     f_log = open(path, "ab")
 
-    def flush() -> None:  # (for a test's kill: the uncommitted tail on disk)
+    def flush() -> None:  # every buffered byte to the files: before a commit (and a test's kill: the uncommitted tail)
         for o in outs.values():
             o.state()
         for o in origins.values():
@@ -482,7 +482,8 @@ def _replay_take(spool: ChunkSpool, sink: Sink, dd: DiskDedup, outs: dict, origi
         live.update(now)
         pickle.dump(("held", sink.held, sink.held_origin), f_log, protocol=5)
         f_log.flush()
-        j.commit(fsync=[path, *(f for o in outs.values() for f in o.files()), *(o.path for o in origins.values())],
+        flush()  # the origin records too: buffered in this process, they were lost to a kill after the commit
+        j.commit(fsync=[path, *(f for o in outs.values() for f in o.files()), *(o.path for o in origins.values())], background=True,
                  replay={"chunks": chunks, "docs": docs, "spool_bytes": end, "log_bytes": f_log.tell(),
                          "writers": {s: o.state() for s, o in outs.items()}, "origins": {s: o.records for s, o in origins.items()},
                          "sink": _counts(sink), "sample_chars": sink.sample_chars, "order": sink.order})
@@ -551,7 +552,7 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
 
     def commit(chunks: int) -> None:
         drain()  # every piece up to `chunks` in its place before the files are fsynced
-        j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(o.path for o in origins.values())],
+        j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(o.path for o in origins.values())], background=True,
                  **{stage: {"chunks": chunks, "writers": {s: w.state() for s, w in writers.items()},
                          "origins": {s: o.records for s, o in origins.items()}, "last_chars": dict(last_chars),
                          "sink": _counts(sink)}})
@@ -738,7 +739,7 @@ def _encode(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dtype, sin
 
     def commit(split: int, docs: int) -> None:
         states = {s: w.state() for s, w in writers.items()}
-        j.commit(fsync=[f for w in writers.values() for f in w.files()],
+        j.commit(fsync=[f for w in writers.values() for f in w.files()], background=True,
                  pass2={"split": split, "docs": docs, "writers": states,
                         "per_file": {k: v.tolist() for k, v in sink.per_file.sums.items()}})
 

@@ -44,7 +44,7 @@ from mspretrain import __version__
 from mspretrain.config import PrepareConfig
 from mspretrain.data.publish import fsync_all
 from mspretrain.errors import UserError
-from mspretrain.fsutil import atomic_write
+from mspretrain.fsutil import atomic_write, cut_back
 
 VERSION = 1
 COMMIT_SECONDS = 10.0  # at most this much time between commits (MSPRETRAIN_PREPARE_COMMIT_SECONDS overrides)
@@ -237,5 +237,4 @@ def _durable(fsync: list[Path], path: Path, text: str) -> None:
 
 def truncate(path: Path, size: int) -> None:
     """Cut a file back to the length a commit recorded (a torn tail after kill -9)."""
-    with open(path, "r+b") as f:
-        f.truncate(size)
+    cut_back(path, size)

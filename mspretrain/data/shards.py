@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.errors import UserError
-from mspretrain.fsutil import fsync_path
+from mspretrain.fsutil import cut_back, fsync_path
 from mspretrain.paths import SPLITS, DataPaths
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -70,8 +70,7 @@ class ShardWriter:
             return
         self.tokens, self.documents, self.max_token = state["tokens"], state["documents"], state["max_token"]
         for path, size in ((self._bin_tmp, self.tokens * self.dtype.itemsize), (self._len_tmp, self.documents * 4)):
-            with open(path, "r+b") as f:
-                f.truncate(size)  # a torn tail written after the state was taken
+            cut_back(path, size)  # a torn tail written after the state was taken
         self._bin = open(self._bin_tmp, "ab")
         self._len = open(self._len_tmp, "ab")
 

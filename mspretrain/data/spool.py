@@ -8,6 +8,8 @@ import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
+from mspretrain.fsutil import cut_back
+
 
 class Spool:
     """Length-prefixed UTF-8 documents on disk, between pass 1 and pass 2."""
@@ -20,8 +22,7 @@ class Spool:
             self._f = open(path, "wb")
             self.documents = 0
             return
-        with open(path, "r+b") as f:
-            f.truncate(state["bytes"])  # a torn tail written after the state was taken
+        cut_back(path, state["bytes"])  # a torn tail written after the state was taken
         self._f = open(path, "ab")
         self.documents = state["documents"]
 
