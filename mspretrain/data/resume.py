@@ -53,6 +53,9 @@ STATE_DIR = ".resume"  # in the work dir; never published
 WORK_MARK = "prepare-work"  # in STATE_DIR: the work dir is prepare's own (see Journal._ours)
 
 
+_background: threading.Thread | None = None  # the latest background commit (for `point`'s test kill only)
+
+
 def commit_seconds() -> float:
     """Seconds between commits. The environment variable is for tests (0: after every unit)."""
     return float(os.environ.get("MSPRETRAIN_PREPARE_COMMIT_SECONDS", COMMIT_SECONDS))
@@ -71,6 +74,8 @@ def point(name: str, written: Callable[[], object] | None = None) -> None:
 
         if written is not None:
             written()
+        if _background is not None and _background.is_alive():  # the kill lands after the commit before it, as named
+            _background.join()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -206,7 +211,8 @@ class Journal:
             except BaseException as exc:  # raised in the caller's thread by the next `wait`
                 self._failed = exc
 
-        self._pending = threading.Thread(target=run, name="prepare-commit", daemon=True)
+        global _background
+        self._pending = _background = threading.Thread(target=run, name="prepare-commit", daemon=True)
         self._pending.start()
 
     def wait(self) -> None:
