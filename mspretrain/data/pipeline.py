@@ -30,6 +30,7 @@ import time
 from collections import deque
 from dataclasses import replace
 from functools import partial
+from itertools import zip_longest
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -325,7 +326,8 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names,
-                                    by_reference=pieces)  # local workers read their blocks (the same chunks on a resume)
+                                    by_reference=pieces,  # local workers read their blocks (the same chunks on a resume)
+                                    report=False)  # what files lost: warned at the end, in file order, whichever path read them
         work = todo(chunks_with_origin(docs))
         fn = clean_chunk
         if pieces:
@@ -336,7 +338,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
             if result["raw"] is not None:
                 sources.count_raw(stats, *result["raw"])
                 f, *c = result["raw"]
-                raw[f] = [a + b for a, b in zip(raw.get(f, [0, 0, 0]), c)]
+                raw[f] = [a + b for a, b in zip_longest(raw.get(f, ()), c, fillvalue=0)]
             if pieces:  # a worker writes the chunk's dedup records where they go
                 base, *places = dd.reserve(result["n"], result.pop("exact_counts"), result.pop("band_counts"))
                 task = (str(pdir / f"{spool.chunks:08d}.dd"), base, places if dd.near is not None else places[:1])
@@ -359,7 +361,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
             pool.terminate()
         if bar is not None:
             bar.close()
-    sources.report_raw_files(stats, warn)
+    sources.report_raw_files(stats, warn, cfg.text_field, every=True)
     _save_state(j, "dedup", stats=stats)
     commit(stage="dedup", state="dedup")
     spool.close()

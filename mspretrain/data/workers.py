@@ -99,8 +99,8 @@ def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLine
     `origin`, `lengths`, `fallback`) are aligned with `keys`."""
     raw, origin = None, None
     if isinstance(work, sources.RawLines):  # decoded here, in parallel, not in the main process
-        docs, dropped, split_long = sources.decode_raw(work)
-        raw, origin = (work.file, len(docs), dropped, split_long), docs.origin
+        docs, found = sources.decode_raw(work)
+        raw, origin = (work.file, len(docs), *found), docs.origin
     elif isinstance(work, tuple):
         docs, origin = work
     else:

@@ -1,0 +1,92 @@
+"""`prepare` reading .jsonl files by reference (the workers read, decode and parse their blocks)
+and compressed files as whole-file units (a worker decompresses): the data dir must be
+byte-identical to the path through the main process (`pipeline.LOCAL_PIECES = False`, what
+`--ray` takes): shards, idx, origin files and the manifest (which holds no timestamps)."""
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from mspretrain.config import PrepareConfig
+from mspretrain.data import pipeline, pool, sources
+from mspretrain.data.prepare import prepare
+from tests.conftest import make_poems
+
+CFG = PrepareConfig(vocab_size=500, valid_fraction=0.1, min_chars=4, doc_per_line=True)
+QUIET = {"log": lambda _: None}
+FILES = ("manifest.json", "tokenizer.model", "train.bin", "train.idx", "train.origin", "valid.bin", "valid.idx", "valid.origin")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("tok")
+    (d / "p.txt").write_text("\n".join(p.replace("\n", "，") for p in make_poems(300, seed=2)) + "\n", encoding="utf-8")
+    prepare([str(d / "p.txt")], d / "data", CFG, workers=1, **QUIET)
+    return str(d / "data" / "tokenizer.model")
+
+
+def _jsonl(poems: list[str], k: int) -> str:
+    """Records with messy lines between them: broken, without the field, not an object, blank,
+    too long (MAX_JSONL_LINE_CHARS is lowered below), \\r\\n endings, a lone surrogate escape."""
+    lines = []
+    for i, p in enumerate(poems):
+        lines.append(json.dumps({"text": p, "id": i}, ensure_ascii=i % 5 == 0))
+        if i % 17 == k:
+            lines += ["{broken", json.dumps({"body": p}, ensure_ascii=False), "[1, 2]", "", "  ",
+                      json.dumps({"text": "长" * 400}, ensure_ascii=False), '{"text": "坏\\ud800掉了的一行字"}']
+    return "\r\n".join(lines[: len(lines) // 2]) + "\r\n" + "\n".join(lines[len(lines) // 2:]) + "\n"
+
+
+def make_inputs(d: Path) -> Path:
+    """.jsonl (UTF-8, GB18030), a plain .txt, .txt.gz, .jsonl.zst, a truncated .txt.gz, mixed."""
+    d.mkdir()
+    poems = [p.replace("\n", "，") for p in make_poems(600, seed=7)]
+    (d / "a.jsonl").write_text(_jsonl(poems[:150] + poems[:5], 3), encoding="utf-8")
+    (d / "b.jsonl").write_bytes(_jsonl(poems[150:250], 5).encode("gb18030"))
+    (d / "c.txt").write_text("\n".join(poems[250:300]) + "\n", encoding="utf-8")
+    (d / "d.txt.gz").write_bytes(gzip.compress(("\n".join(poems[300:400] + poems[:3]) + "\n").encode()))
+    (d / "e.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(poems[400:480], 2).encode()))
+    whole = gzip.compress(("\n".join(poems[480:600] * 20) + "\n").encode())
+    (d / "f.txt.gz").write_bytes(whole[: len(whole) // 2])
+    (d / "g.jsonl").write_bytes(b'{"body": "x"}\n')  # no documents: a warning with the --text-field hint
+    return d
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_path_writes(tokenizer, tmp_path, monkeypatch, workers):
+    d = make_inputs(tmp_path / "in")
+    monkeypatch.setattr(sources, "MAX_JSONL_LINE_CHARS", 300)  # (forked workers inherit it)
+    monkeypatch.setattr(sources, "RAW_READ_BYTES", 2048)  # many blocks and chunks
+    monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
+    kinds: list[str] = []
+    real = sources.iter_batches
+
+    def spy(*a, **kw):
+        for b in real(*a, **kw):
+            kinds.append("jsonl ref" if isinstance(b, sources.RawLines) and b.jsonl and b.data is None else type(b).__name__)
+            yield b
+
+    monkeypatch.setattr(sources, "iter_batches", spy)
+    manifests = {}
+    for local in (True, False):
+        monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
+        kinds.clear()
+        m = prepare([str(d)], tmp_path / str(local), replace(CFG, near_dedup=True), tokenizer=tokenizer, workers=workers, **QUIET)
+        manifests[local] = json.dumps(m, indent=1)
+        assert ("jsonl ref" in kinds) == local
+    for name in FILES:
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
+    assert manifests[True] == manifests[False]
+    m = json.loads(manifests[True])
+    per = {f["name"].rsplit("/", 1)[-1]: f for f in m["input_files"]}
+    assert per["a.jsonl"]["jsonl_broken"] == per["a.jsonl"]["jsonl_too_long"] == 9 and per["a.jsonl"]["surrogates_dropped"] == 9
+    assert per["b.jsonl"]["encoding"] == "gbk" and per["b.jsonl"]["jsonl_no_field"] == 2 * 6
+    assert per["f.txt.gz"]["status"] == "corrupt" and per["g.jsonl"]["documents"] == 0
+    w = "\n".join(m["warnings"])
+    assert "g.jsonl: no documents found (is the text in a field other than 'text'?" in w and "a.jsonl: skipped 9 broken lines" in w
+    assert m["dropped"].get("exact_dup", 0) > 0 and m["origin"]["offsets"][:2] == ["byte", "byte"]
