@@ -54,6 +54,7 @@ def make_inputs(d: Path) -> Path:
     whole = gzip.compress(("\n".join(poems[480:600] * 20) + "\n").encode())
     (d / "f.txt.gz").write_bytes(whole[: len(whole) // 2])
     (d / "g.jsonl").write_bytes(b'{"body": "x"}\n')  # no documents: a warning with the --text-field hint
+    (d / "h.txt").write_bytes(b"")  # warned about while the worker still reads f.txt.gz: the order of warnings holds
     return d
 
 
@@ -69,16 +70,22 @@ def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_pat
     def spy(*a, **kw):
         for b in real(*a, **kw):
             kinds.append("jsonl ref" if isinstance(b, sources.RawLines) and b.jsonl and b.data is None else type(b).__name__)
+            if isinstance(b, sources.FileUnit):  # (a worker reads it: its counts are not known here yet)
+                assert not stats_of(b).documents
             yield b
 
     monkeypatch.setattr(sources, "iter_batches", spy)
+    stats_of = lambda b: spied_stats[-1].per_file[b.file]  # noqa: E731
+    spied_stats: list = []
+    real_run = pipeline.run
+    monkeypatch.setattr(pipeline, "run", lambda *a, **kw: spied_stats.append(a[9]) or real_run(*a, **kw))
     manifests = {}
     for local in (True, False):
         monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
         kinds.clear()
         m = prepare([str(d)], tmp_path / str(local), replace(CFG, near_dedup=True), tokenizer=tokenizer, workers=workers, **QUIET)
         manifests[local] = json.dumps(m, indent=1)
-        assert ("jsonl ref" in kinds) == local
+        assert ("jsonl ref" in kinds) == local and (kinds.count("FileUnit") == 3 * local)
     for name in FILES:
         assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
     assert manifests[True] == manifests[False]
@@ -88,5 +95,6 @@ def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_pat
     assert per["b.jsonl"]["encoding"] == "gbk" and per["b.jsonl"]["jsonl_no_field"] == 2 * 6
     assert per["f.txt.gz"]["status"] == "corrupt" and per["g.jsonl"]["documents"] == 0
     w = "\n".join(m["warnings"])
+    assert w.index("f.txt.gz: stopped reading after") < w.index("h.txt: empty file")
     assert "g.jsonl: no documents found (is the text in a field other than 'text'?" in w and "a.jsonl: skipped 9 broken lines" in w
     assert m["dropped"].get("exact_dup", 0) > 0 and m["origin"]["offsets"][:2] == ["byte", "byte"]

@@ -206,7 +206,7 @@ def _read_raw(path: Path, stats: SourceStats, warnings: list[str], origins: list
     `origins` receives each document's origin offset."""
     docs = []
     kw.setdefault("doc_per_line", True)
-    for unit in sources.iter_file_batches(path, stats=stats, warn=warnings.append, raw=True, **kw):
+    for unit in _units_read(sources.iter_file_batches(path, stats=stats, warn=warnings.append, raw=True, **kw), stats, warnings):
         if isinstance(unit, sources.RawLines):
             got, found = sources.decode_raw(unit)
             sources.count_raw(stats, unit.file, len(got), *found)
@@ -318,6 +318,15 @@ def test_decoding_outside_a_file_counts_nothing_anywhere(tmp_path):
     assert stats.per_file[0].bytes_dropped == 0
 
 
+def _units_read(batches, stats: SourceStats, warnings: list[str]):
+    """The batches, a compressed file's (`FileUnit`) read here as a worker reads it."""
+    for b in batches:
+        if isinstance(b, sources.FileUnit):
+            yield from b.batches(stats.per_file[b.file], warnings.append)
+        else:
+            yield b
+
+
 def _jsonl_bytes(rng, encoding: str) -> bytes:
     """A messy .jsonl file: records, broken lines, lines without the field, non-object JSON,
     blank lines, \r\n and lone \r, undecodable bytes, lone surrogate escapes, long texts."""
@@ -381,13 +390,14 @@ def test_jsonl_blocks_by_reference_equal_the_decoding_reader(tmp_path, monkeypat
 
 
 def test_jsonl_in_blocks_only_by_reference_and_uncompressed(tmp_path):
-    # --ray (no references) and compressed .jsonl keep the reader of the main process.
+    # --ray (no references) keeps the reader of the main process; a compressed file by reference
+    # is one `FileUnit`, read whole by a worker, through the same reader.
     jl = ("\n".join(json.dumps({"text": d}, ensure_ascii=False) for d in DOCS) + "\n").encode()
     (tmp_path / "a.jsonl").write_bytes(jl)
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(jl))
     (tmp_path / "c.jsonl").write_bytes(jl.decode().encode("utf-16"))
-    for name, by_ref, blocks in (("a.jsonl", True, True), ("a.jsonl", False, False), ("b.jsonl.gz", True, False),
-                                 ("c.jsonl", True, False)):
+    for name, by_ref, kind in (("a.jsonl", True, sources.RawLines), ("a.jsonl", False, list), ("b.jsonl.gz", True, sources.FileUnit),
+                               ("b.jsonl.gz", False, list), ("c.jsonl", True, list)):
         units = list(sources.iter_file_batches(tmp_path / name, stats=SourceStats(), warn=print, raw=True, by_reference=by_ref))
-        assert all(isinstance(u, sources.RawLines) == blocks for u in units), name
+        assert all(isinstance(u, kind) for u in units) and (kind is not sources.FileUnit or len(units) == 1), name
         assert _read_raw(tmp_path / name, SourceStats(), [], doc_per_line=False, by_reference=by_ref) == DOCS

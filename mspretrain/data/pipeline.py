@@ -32,22 +32,22 @@ from dataclasses import replace
 from functools import partial
 from itertools import zip_longest
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import clean, dedup, sources
 from mspretrain.data.diskdedup import ChunkSpool, DiskDedup, place_records
-from mspretrain.data.origin import RECORD, OriginWriter, cut_to, origin_name, read_records
-from mspretrain.data.pool import batched, chunks, ordered, start_pool
+from mspretrain.data.origin import OriginWriter, cut_to, origin_name, read_records
+from mspretrain.data.pool import batched, chunks, chunks_with_origin, ordered, start_pool
 from mspretrain.data.publish import build_manifest
 from mspretrain.data.resume import Journal, point, truncate
 from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import Sink
 from mspretrain.data.spool import Spool, read_spool
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
-from mspretrain.data.workers import clean_chunk, init_worker, place_piece, replay_chunk, spill_chunk, tokenize_chunk
+from mspretrain.data.workers import clean_chunk, init_worker, place_piece, replay_chunk, spill_item, tokenize_chunk
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
@@ -64,35 +64,6 @@ def progress_bar(enabled: bool, total: int, desc: str):
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 dynamic_ncols=True, leave=False)
-
-
-def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[tuple[list[str], np.ndarray] | sources.RawLines]:
-    """`pool.chunks(batches)`, each chunk of documents paired with its documents' origin records
-    (a `RawLines` chunk carries its own). `chunks` builds plain lists, so the records of the
-    batches it reads wait here, in order, until the chunk holding their documents comes out."""
-    pending: deque[np.ndarray] = deque()
-
-    def noted() -> Iterator[list[str] | sources.RawLines]:
-        for b in batches:
-            if not isinstance(b, sources.RawLines):
-                pending.append(b.origin)
-            yield b
-
-    for chunk in chunks(noted()):
-        if isinstance(chunk, sources.RawLines):
-            yield chunk
-            continue
-        n, parts = len(chunk), []
-        while n:
-            head = pending[0]
-            if head.size <= n:
-                parts.append(pending.popleft())
-                n -= head.size
-            else:
-                parts.append(head[:n])
-                pending[0] = head[n:]
-                n = 0
-        yield chunk, np.concatenate(parts) if parts else np.zeros(0, dtype=RECORD)
 
 
 def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,
@@ -276,10 +247,11 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
            spool_path: Path, workers: int, progress: bool, warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
            ray=None) -> None:
     """Read, clean, hash; every result to the chunk spool and the dedup records on disk. After a
-    kill, the input is read again from its start (main process only) and the chunks up to the
-    last commit are not sent to the workers; their per-file counts come from the journal. Where
-    the workers read their blocks (`by_reference`), "reading" a skipped chunk is finding its
-    blocks' ends: a few KB each."""
+    kill, the input is read again from its start (main process only) and the work items up to
+    the last commit are not sent to the workers; their per-file counts come from the journal.
+    Where the workers read their blocks (`by_reference`), "reading" a skipped chunk is finding its
+    blocks' ends: a few KB each; a compressed file is then one work item (`sources.FileUnit`,
+    `workers.spill_unit`) whose chunks are the next chunks here, and commits fall between items."""
     done = j.data.get("pass1")
     # With a given tokenizer and local workers, the workers keep each chunk's documents in a file
     # of their own and send back only counts and dedup keys (`workers.spill_chunk`). Fixed by the
@@ -292,11 +264,15 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         shutil.rmtree(pdir, ignore_errors=True)
         if pieces:
             pdir.mkdir()
-        spool, skip, raw = ChunkSpool(spool_path), 0, {}
+        spool, skip, raw, units = ChunkSpool(spool_path), 0, {}, {}
     else:
         dd.restore(done["dedup"])
-        spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done["chunks"]
+        # work items: chunks, or compressed files of several chunks each (journals before those: chunks)
+        spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done.get("items", done["chunks"])
         raw = {int(f): c for f, *c in done["raw"]}
+        units = {int(f): (c, w) for f, c, w in done.get("units", [])}
+    items = skip
+    in_order = _InOrder(warn)
 
     placing: deque = deque()  # `place_records` tasks out
 
@@ -306,16 +282,28 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         state = dd.state()
         size = spool.flush()
         j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent, *([pdir] if pieces else [])], **fields,
-                 pass1={"chunks": spool.chunks, "spool_bytes": size, "dedup": state, "raw": [[f, *c] for f, c in sorted(raw.items())],
-                        "pieces": pieces})
+                 pass1={"chunks": spool.chunks, "items": items, "spool_bytes": size, "dedup": state,
+                        "raw": [[f, *c] for f, c in sorted(raw.items())], "pieces": pieces,
+                        "units": [[f, c, w] for f, (c, w) in sorted(units.items())]})
 
-    def todo(items: Iterator) -> Iterator:
+    def todo(work: Iterator) -> Iterator:
         for _ in range(skip):  # read again, not cleaned again (chunk boundaries are a function of the input)
-            if next(items, None) is None:
+            if next(work, None) is None:
                 break
         for f, c in raw.items():
             sources.count_raw(stats, f, *c)
-        yield from items
+        yield from work
+
+    def placed(batches: Iterator) -> Iterator:
+        """The batches, each compressed file's place kept in the order of the warnings (its own
+        come from its worker); a finished one (resumed) gets its counts and warnings from the journal."""
+        for b in batches:
+            if isinstance(b, sources.FileUnit):
+                in_order.hold(b.file)
+                if b.file in units:
+                    _apply_counts(stats.per_file[b.file], units[b.file][0])
+                    in_order.fill(b.file, units[b.file][1])
+            yield b
 
     in_flight = 2 * workers + 1
     bar = progress_bar(progress, sum(p.stat().st_size for p in paths), "clean" if not tok_path else "clean+tokenize")
@@ -325,34 +313,40 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     pool = start_pool(workers, init_worker, (cfg, tok_path or None, dtype.name, lsh), warm_up=clean.warm_up, ray=ray)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
-                                    stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names,
+                                    stats=stats, warn=in_order, progress=bar.update if bar else None, raw=True, names=names,
                                     by_reference=pieces,  # local workers read their blocks (the same chunks on a resume)
                                     report=False)  # what files lost: warned at the end, in file order, whichever path read them
-        work = todo(chunks_with_origin(docs))
+        work = todo(chunks_with_origin(placed(docs)))
         fn = clean_chunk
         if pieces:
             parts = (dd.exact.parts, dd.near.parts if dd.near is not None else 0)  # the workers group records by file
-            work = ((w, str(pdir / f"{i:08d}"), *parts) for i, w in enumerate(work, skip))
-            fn = partial(spill_chunk, clean_chunk)
-        for result in ordered(pool, fn, work, in_flight):
-            if result["raw"] is not None:
-                sources.count_raw(stats, *result["raw"])
-                f, *c = result["raw"]
-                raw[f] = [a + b for a, b in zip_longest(raw.get(f, ()), c, fillvalue=0)]
-            if pieces:  # a worker writes the chunk's dedup records where they go
-                base, *places = dd.reserve(result["n"], result.pop("exact_counts"), result.pop("band_counts"))
-                task = (str(pdir / f"{spool.chunks:08d}.dd"), base, places if dd.near is not None else places[:1])
-                if pool is None:
-                    place_records(task)
+            work = ((w, str(pdir / f"{i:08d}"), *parts) for i, w in enumerate(work, skip))  # pieces named by item
+            fn = partial(spill_item, clean_chunk)
+        for item in ordered(pool, fn, work, in_flight):
+            if "chunks" in item:  # a compressed file, read by a worker (`workers.spill_unit`): its counts and warnings
+                _apply_counts(stats.per_file[item["file"]], item["counts"])
+                units[item["file"]] = (item["counts"], item["warnings"])
+                in_order.fill(item["file"], item["warnings"])
+            for result in item.get("chunks", [item]):
+                if result["raw"] is not None:
+                    sources.count_raw(stats, *result["raw"])
+                    f, *c = result["raw"]
+                    raw[f] = [a + b for a, b in zip_longest(raw.get(f, ()), c, fillvalue=0)]
+                if pieces:  # a worker writes the chunk's dedup records where they go
+                    base, *places = dd.reserve(result["n"], result.pop("exact_counts"), result.pop("band_counts"))
+                    task = (str(pdir / f"{result['piece']}.dd"), base, places if dd.near is not None else places[:1])
+                    if pool is None:
+                        place_records(task)
+                    else:
+                        placing.append(pool.apply_async(place_records, (task,)))
+                        while len(placing) > in_flight or (placing and placing[0].ready()):
+                            placing.popleft().get()
                 else:
-                    placing.append(pool.apply_async(place_records, (task,)))
-                    while len(placing) > in_flight or (placing and placing[0].ready()):
-                        placing.popleft().get()
-            else:
-                dd.add(result["keys"], result.pop("bands"))
-            spool.add(result)
-            point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
-            if j.due():
+                    dd.add(result["keys"], result.pop("bands"))
+                spool.add(result)
+                point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
+            items += 1
+            if j.due():  # between work items only: a resume skips whole items
                 commit()
         while placing:  # before the pool goes
             placing.popleft().get()
@@ -361,10 +355,47 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
             pool.terminate()
         if bar is not None:
             bar.close()
+    in_order.flush()
     sources.report_raw_files(stats, warn, cfg.text_field, every=True)
     _save_state(j, "dedup", stats=stats)
     commit(stage="dedup", state="dedup")
     spool.close()
+
+
+class _InOrder:
+    """Pass 1's reading warnings, in reading order although a compressed file is read by a
+    worker (`sources.FileUnit`): from where it is read (`hold`), the warnings wait until its
+    worker's are in (`fill`), so they come as if this process had read it."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self.warn = warn
+        self.queue: deque = deque()  # warnings, and the file index of each file held
+        self.got: dict[int, list[str]] = {}
+
+    def __call__(self, msg: str) -> None:
+        if self.queue:
+            self.queue.append(msg)
+        else:
+            self.warn(msg)
+
+    def hold(self, file: int) -> None:
+        self.queue.append(file)
+
+    def fill(self, file: int, warnings: list[str]) -> None:
+        self.got[file] = warnings
+        self.flush()
+
+    def flush(self) -> None:
+        while self.queue and (isinstance(self.queue[0], str) or self.queue[0] in self.got):
+            head = self.queue.popleft()
+            for msg in [head] if isinstance(head, str) else self.got.pop(head):
+                self.warn(msg)
+
+
+def _apply_counts(counts: sources.FileCounts, fields: dict) -> None:
+    """A compressed file's counts, as its worker found them (`workers.spill_unit`)."""
+    for k, v in fields.items():
+        setattr(counts, k, v)
 
 
 def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool,
@@ -507,7 +538,8 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
             if i < skip:  # committed: only its documents' place in the dedup decisions is needed
                 continue
             counted.append((meta, exact, near))
-            yield str(src / f"{i:08d}"), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype
+            piece = meta.get("piece", f"{i:08d}")  # (named by work item since compressed files are items of several chunks)
+            yield str(src / piece), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype
 
     placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
 

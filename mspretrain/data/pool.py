@@ -12,7 +12,10 @@ from collections import deque
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
+
 from mspretrain.data import sources
+from mspretrain.data.origin import RECORD
 
 CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
 CHUNK_DOCS = 4096
@@ -25,10 +28,11 @@ RAW_GROUP = 4
 RAW_GROUP_BY_REFERENCE = 16
 
 
-def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str] | sources.RawLines]:
+def chunks(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit]) -> Iterator[list[str] | sources.RawLines | sources.FileUnit]:
     """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents); up to
     RAW_GROUP consecutive `RawLines` blocks of one file make a chunk of their own (the first
-    carries the others in `rest`; the documents before them go first)."""
+    carries the others in `rest`; the documents before them go first). A `FileUnit` is an item
+    of its own."""
     chunk: list[str] = []
     size = 0
     group: list[sources.RawLines] = []
@@ -42,6 +46,14 @@ def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str
         return first
 
     for batch in batches:
+        if isinstance(batch, sources.FileUnit):
+            if chunk:
+                yield chunk
+                chunk, size = [], 0
+            if group:
+                yield grouped()
+            yield batch
+            continue
         if isinstance(batch, sources.RawLines):
             if chunk:
                 yield chunk
@@ -67,6 +79,36 @@ def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str
         yield grouped()
     if chunk:
         yield chunk
+
+
+def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit]) -> Iterator:
+    """`chunks(batches)`, each chunk of documents paired with its documents' origin records
+    (a `RawLines` chunk carries its own, a `FileUnit` is read elsewhere). `chunks` builds plain
+    lists, so the records of the batches it reads wait here, in order, until the chunk holding
+    their documents comes out."""
+    pending: deque[np.ndarray] = deque()
+
+    def noted() -> Iterator[list[str] | sources.RawLines | sources.FileUnit]:
+        for b in batches:
+            if not isinstance(b, (sources.RawLines, sources.FileUnit)):
+                pending.append(b.origin)
+            yield b
+
+    for chunk in chunks(noted()):
+        if isinstance(chunk, (sources.RawLines, sources.FileUnit)):
+            yield chunk
+            continue
+        n, parts = len(chunk), []
+        while n:
+            head = pending[0]
+            if head.size <= n:
+                parts.append(pending.popleft())
+                n -= head.size
+            else:
+                parts.append(head[:n])
+                pending[0] = head[n:]
+                n = 0
+        yield chunk, np.concatenate(parts) if parts else np.zeros(0, dtype=RECORD)
 
 
 def batched(items: Iterable[str], n: int = 256) -> Iterator[list[str]]:

@@ -839,7 +839,11 @@ def _raw_offsets(block: RawLines, text: str, where: list[tuple[int, int]]) -> np
 def count_raw(stats: SourceStats, file: int, documents: int, *found: int) -> None:
     """Add what decoding a block of `stats.per_file[file]` found (`decode_raw`'s counts, in
     RAW_COUNTS order; fewer of them from a journal written before .jsonl blocks) to that file's counts."""
-    counts = stats.per_file[file]
+    add_raw(stats.per_file[file], documents, *found)
+
+
+def add_raw(counts: FileCounts, documents: int, *found: int) -> None:
+    """`count_raw` into `counts`."""
     counts.documents += documents
     for key, n in zip(RAW_COUNTS, found):
         setattr(counts, key, getattr(counts, key) + n)
@@ -1073,7 +1077,8 @@ def iter_file(path: Path, *, doc_per_line: bool = False, text_field: str = "text
 def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str = "text",
                       stats: SourceStats, warn: Callable[[str], None],
                       progress: Callable[[int], None] | None = None, raw: bool = False,
-                      name: str | None = None, by_reference: bool = False, report: bool = True) -> Iterator[list[str] | RawLines]:
+                      name: str | None = None, by_reference: bool = False,
+                      report: bool = True) -> Iterator[list[str] | RawLines | FileUnit]:
     """`iter_file` in lists of documents (no per-document Python work for the caller). The file's
     counts go to a new `FileCounts` (named `name`, by default the path) at the end of `stats.per_file`.
 
@@ -1082,7 +1087,8 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     finally calls `report_raw_files` for the warnings about those files. `by_reference`: an
     uncompressed one comes as references to its blocks, which whoever decodes them reads; so
     does an uncompressed .jsonl file in a RAW_CODECS encoding (blocks of whole records, parsed
-    by whoever decodes them). `report=False`: no warnings about what reading the file lost at its
+    by whoever decodes them), and a compressed file comes whole, as a `FileUnit` for a worker to
+    read (its counts and warnings then come from there). `report=False`: no warnings about what reading the file lost at its
     end; the caller calls `report_raw_files(every=True)` at the end (prepare, so that its
     warnings come in the same order whichever files were read in blocks)."""
     counts = FileCounts(str(path) if name is None else name, path)
@@ -1119,9 +1125,47 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
         return
     codec, label = enc
     counts.encoding = label
+    file = len(stats.per_file) - 1
+    if by_reference and _strip_compression(path.name) != path.name.lower():
+        # a compressed file: decompressed in a worker, whole (`FileUnit`); its counts come back from there
+        counts.bytes_in = size
+        yield FileUnit(str(path), file, codec, size, doc_per_line, text_field, raw)
+        if progress:
+            progress(size)
+        return
+    yield from read_body(path, counts, codec, size, file, doc_per_line=doc_per_line, text_field=text_field, raw=raw,
+                         by_reference=by_reference, warn=warn, progress=progress)
+    if report and not counts.raw:  # (a file read in blocks is warned about once they are decoded: `report_raw_files`)
+        _warn_counts(counts, text_field, warn)
+
+
+@dataclass
+class FileUnit:
+    """A compressed input file as one unit of work: a worker decompresses it, cuts it into chunks
+    (`pool.chunks_with_origin` over `read_body`) and cleans them (`workers.spill_unit`); prepare's
+    main process only sniffs its head. Local workers only (they read the file)."""
+
+    path: str
+    file: int  # index into `SourceStats.per_file`
+    codec: str
+    size: int  # compressed bytes
+    doc_per_line: bool
+    text_field: str
+    raw: bool
+
+    def batches(self, counts: FileCounts, warn: Callable[[str], None]) -> Iterator[list[str] | RawLines]:
+        """What the main process would have read of the file (`read_body`), into `counts`."""
+        return read_body(Path(self.path), counts, self.codec, self.size, self.file, doc_per_line=self.doc_per_line,
+                         text_field=self.text_field, raw=self.raw, by_reference=False, warn=warn, progress=None)
+
+
+def read_body(path: Path, counts: FileCounts, codec: str, size: int, file: int, *, doc_per_line: bool, text_field: str,
+              raw: bool, by_reference: bool, warn: Callable[[str], None],
+              progress: Callable[[int], None] | None) -> Iterator[list[str] | RawLines]:
+    """The batches of a file that `iter_file_batches` sniffed (`codec`): a damaged stream keeps
+    what was read before the damage (status "corrupt", one warning)."""
     stream, rawf = _open_binary(path)
     done = 0
-    file = len(stats.per_file) - 1
     # .jsonl in blocks only by reference: compressed ones, and with --ray, stay with the reader here
     jsonl = is_jsonl(path)
     refs = by_reference and stream is rawf
@@ -1135,7 +1179,7 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
         else:
             tracker = None
             if counts.offsets == "byte":  # the same bytes reach the decoder; the tracker notes line starts
-                bom = codecs.BOM_UTF8 if codec == "utf-8-sig" and sample.startswith(codecs.BOM_UTF8) else b""
+                bom = codecs.BOM_UTF8 if codec == "utf-8-sig" else b""  # (utf-8-sig: the head starts with the BOM)
                 tracker = _LineStarts(stream)
                 tracker.starts = [np.array([len(bom)], dtype=np.int64)]  # line 0 starts after a BOM
                 stream = io.BufferedReader(tracker, 1 << 16)
@@ -1169,8 +1213,6 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     counts.bytes_in = size
     if progress:
         progress(size - done)
-    if report and not counts.raw:  # (a file read in blocks is warned about once they are decoded: `report_raw_files`)
-        _warn_counts(counts, text_field, warn)
 
 
 def iter_documents(paths: Sequence[Path], *, doc_per_line: bool = False, text_field: str = "text",
@@ -1185,7 +1227,8 @@ def iter_documents(paths: Sequence[Path], *, doc_per_line: bool = False, text_fi
 def iter_batches(paths: Sequence[Path], *, doc_per_line: bool = False, text_field: str = "text",
                  stats: SourceStats, warn: Callable[[str], None],
                  progress: Callable[[int], None] | None = None, raw: bool = False,
-                 names: Sequence[str] | None = None, by_reference: bool = False, report: bool = True) -> Iterator[list[str] | RawLines]:
+                 names: Sequence[str] | None = None, by_reference: bool = False,
+                 report: bool = True) -> Iterator[list[str] | RawLines | FileUnit]:
     """`iter_documents` in lists of documents (or `RawLines`, see `iter_file_batches`), in order;
     `names` (one per path, see `discover_named`) name the files' counts."""
     for i, path in enumerate(paths):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -176,7 +177,38 @@ def spill_chunk(fn, item: tuple) -> dict:
             f.flush()
             os.fsync(f.fileno())  # durable before the main process commits its chunk (here, in parallel)
     out["has_origin"] = has_origin
+    out["piece"] = os.path.basename(path)  # the replay finds the chunk's file by this name
     return out
+
+
+def spill_item(fn, item: tuple) -> dict:
+    """`spill_chunk`, or `spill_unit` for a compressed file (`sources.FileUnit`)."""
+    return spill_unit(fn, item) if isinstance(item[0], sources.FileUnit) else spill_chunk(fn, item)
+
+
+def spill_unit(fn, item: tuple) -> dict:
+    """A compressed file, whole: decompressed here as a stream (what prepare's main process used
+    to read), cut into the chunks it would have cut (`pool.chunks_with_origin`), each through
+    `spill_chunk` to `path`.NNNN. Returns {"file": its index, "chunks": their results in order (each with `piece`,
+    its file's name), "counts": the file's `FileCounts` fields, "warnings": what reading it
+    warned}. Memory: one chunk at a time, whatever the file's size."""
+    from dataclasses import asdict
+
+    from mspretrain.data.pool import chunks_with_origin
+
+    unit, path, exact_parts, band_parts = item
+    counts = sources.FileCounts(unit.path, Path(unit.path))
+    warnings: list[str] = []
+    results = []
+    for k, work in enumerate(chunks_with_origin(unit.batches(counts, warnings.append))):
+        piece = f"{path}.{k:04d}"
+        res = spill_chunk(fn, (work, piece, exact_parts, band_parts))
+        if res["raw"] is not None:  # a block's counts: the file's, here (the main process takes `counts`)
+            sources.add_raw(counts, *res["raw"][1:])
+            res["raw"] = None
+        results.append(res)
+    fields = {k: v for k, v in asdict(counts).items() if k not in ("name", "path", "bytes_in", "encoding")}
+    return {"file": unit.file, "chunks": results, "counts": fields, "warnings": warnings}
 
 
 def _origin_dtype() -> np.dtype:
