@@ -98,3 +98,38 @@ def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_pat
     assert w.index("f.txt.gz: stopped reading after") < w.index("h.txt: empty file")
     assert "g.jsonl: no documents found (is the text in a field other than 'text'?" in w and "a.jsonl: skipped 9 broken lines" in w
     assert m["dropped"].get("exact_dup", 0) > 0 and m["origin"]["offsets"][:2] == ["byte", "byte"]
+
+
+@pytest.mark.sigkill
+def test_kill_in_pass1_over_compressed_units_resumes_byte_identical(tokenizer, tmp_path):
+    """SIGKILL inside a compressed file's chunks (its first chunks spooled, not committed: the
+    file is read again whole) and later (the finished files are skipped, their counts and
+    warnings from the journal), commits after every work item: the same bytes as a run never killed."""
+    from tests.test_prepare_resume import files_of, run
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    poems = [p.replace("\n", "，") for p in make_poems(400, seed=9)]
+    (raw / "a.jsonl").write_text(_jsonl(poems[:100], 1), encoding="utf-8")
+    many = [f"{i}、{poems[i % 400]}" for i in range(10000)]  # 3 chunks (CHUNK_DOCS)
+    (raw / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(many, 4).encode()))
+    (raw / "c.txt.gz").write_bytes(gzip.compress(("\n".join(poems[100:200] + poems[:3]) + "\n").encode()))
+    whole = gzip.compress(("\n".join(poems[200:400] * 30) + "\n").encode())
+    (raw / "d.txt.gz").write_bytes(whole[: len(whole) // 2])
+    (raw / "e.txt").write_bytes(b"")
+    extra = ("--tokenizer", tokenizer)
+    ref = run(raw, tmp_path / "ref", *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert ref.returncode == 0, ref.stderr
+    points = [ln.split(": ", 1)[1] for ln in ref.stderr.splitlines() if ln.startswith("prepare-point: pass1")]
+    assert points == [f"pass1 chunk {i}" for i in range(1, 7)]  # a: 1, b: 2-4, c: 5, d: 6
+    want = files_of(tmp_path / "ref")
+    assert b"d.txt.gz: stopped reading after" in want["manifest.json"]
+    for at, first in (("pass1 chunk 3", "pass1 chunk 2"), ("pass1 chunk 6", "pass1 chunk 6")):
+        out = tmp_path / at.replace(" ", "_")
+        killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+        assert killed.returncode == -9, killed.stderr
+        again = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+        assert again.returncode == 0, again.stderr
+        resumed = [ln.split(": ", 1)[1] for ln in again.stderr.splitlines() if ln.startswith("prepare-point: pass1")]
+        assert resumed[0] == first, resumed  # from the first chunk of the file the kill was in
+        assert files_of(out) == want, at
