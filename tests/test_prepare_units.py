@@ -133,3 +133,23 @@ def test_kill_in_pass1_over_compressed_units_resumes_byte_identical(tokenizer, t
         resumed = [ln.split(": ", 1)[1] for ln in again.stderr.splitlines() if ln.startswith("prepare-point: pass1")]
         assert resumed[0] == first, resumed  # from the first chunk of the file the kill was in
         assert files_of(out) == want, at
+
+
+def test_fewer_compressed_files_than_workers_stay_with_the_main_process(tokenizer, tmp_path, monkeypatch):
+    """A unit is one worker's: with fewer compressed files than workers the main process reads
+    them (`pipeline.UNITS` None); forced on, the same bytes."""
+    d = tmp_path / "in"
+    d.mkdir()
+    poems = [p.replace("\n", "，") for p in make_poems(200, seed=4)]
+    (d / "a.jsonl.gz").write_bytes(gzip.compress(_jsonl(poems, 6).encode()))
+    seen: list[int] = []
+    real = sources.iter_batches
+    monkeypatch.setattr(sources, "iter_batches", lambda *a, **kw: seen.append(kw["units"]) or real(*a, **kw))
+    outs = []
+    for units in (None, True):
+        monkeypatch.setattr(pipeline, "UNITS", units)
+        outs.append(tmp_path / str(units))
+        prepare([str(d)], outs[-1], CFG, tokenizer=tokenizer, workers=2, **QUIET)
+    assert seen == [False, True]
+    for name in FILES:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name

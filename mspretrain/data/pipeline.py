@@ -8,7 +8,9 @@ and stays off the critical path (it used to decode, split and pickle every docum
 
 With a given tokenizer and local workers, the main process does per-chunk work only (its serial
 ceiling, docs/benchmarks/prepare.md): the workers read their blocks of uncompressed files
-themselves (`RawLines` by reference), keep each chunk's documents in a file (`PIECES`), write its
+themselves (`RawLines` by reference; of .jsonl files too, parsed there), decompress a compressed
+file whole (`sources.FileUnit`, `workers.spill_unit`: its chunks are the next chunks here), keep
+each chunk's documents in a file (`PIECES`, named by work item), write its
 dedup records where the main process reserved their place (`diskdedup.place_records`), sort the
 dedup partitions, and in the replay cut and copy each chunk's shard and origin pieces into the
 outputs at reserved offsets (`workers.replay_chunk`, `workers.place_piece`). `--ray` (whose nodes
@@ -53,6 +55,10 @@ from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
 
 LOCAL_PIECES = True  # False: every chunk's documents pass through this process, as with --ray (benchmarks compare)
+# Compressed files as whole-file units read by a worker (`sources.FileUnit`), on the per-chunk path:
+# None = when there are at least as many compressed files as workers (fewer would leave workers
+# idle: one worker per file, while this process can feed them all); True / False: always / never.
+UNITS: bool | None = None
 PIECES = "pass1.pieces"  # pass 1's per-chunk files written by the workers (`workers.spill_chunk`)
 REPLAY_PIECES = "replay.pieces"  # the replay's per-chunk shard and origin pieces (`workers.replay_chunk`)
 
@@ -257,6 +263,9 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     # of their own and send back only counts and dedup keys (`workers.spill_chunk`). Fixed by the
     # run that started pass 1: its spool holds one kind of record or the other.
     pieces = bool(tok_path) and ray is None and LOCAL_PIECES if done is None else bool(done.get("pieces"))
+    # fixed by the run that started pass 1 too (a resume may have another --workers): the work items follow from it
+    auto = sum(map(sources.is_compressed, paths)) >= workers
+    units = pieces and (auto if UNITS is None else UNITS) if done is None else bool(done.get("units_on"))
     pdir = spool_path.parent / PIECES
     if done is None:  # a new pass 1 (or one killed before its first commit)
         shutil.rmtree(dd.root, ignore_errors=True)
@@ -264,13 +273,13 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         shutil.rmtree(pdir, ignore_errors=True)
         if pieces:
             pdir.mkdir()
-        spool, skip, raw, units = ChunkSpool(spool_path), 0, {}, {}
+        spool, skip, raw, unit_counts = ChunkSpool(spool_path), 0, {}, {}
     else:
         dd.restore(done["dedup"])
         # work items: chunks, or compressed files of several chunks each (journals before those: chunks)
         spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done.get("items", done["chunks"])
         raw = {int(f): c for f, *c in done["raw"]}
-        units = {int(f): (c, w) for f, c, w in done.get("units", [])}
+        unit_counts = {int(f): (c, w) for f, c, w in done.get("units", [])}
     items = skip
     in_order = _InOrder(warn)
 
@@ -283,8 +292,8 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         size = spool.flush()
         j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent, *([pdir] if pieces else [])], **fields,
                  pass1={"chunks": spool.chunks, "items": items, "spool_bytes": size, "dedup": state,
-                        "raw": [[f, *c] for f, c in sorted(raw.items())], "pieces": pieces,
-                        "units": [[f, c, w] for f, (c, w) in sorted(units.items())]})
+                        "raw": [[f, *c] for f, c in sorted(raw.items())], "pieces": pieces, "units_on": units,
+                        "units": [[f, c, w] for f, (c, w) in sorted(unit_counts.items())]})
 
     def todo(work: Iterator) -> Iterator:
         for _ in range(skip):  # read again, not cleaned again (chunk boundaries are a function of the input)
@@ -300,9 +309,9 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         for b in batches:
             if isinstance(b, sources.FileUnit):
                 in_order.hold(b.file)
-                if b.file in units:
-                    _apply_counts(stats.per_file[b.file], units[b.file][0])
-                    in_order.fill(b.file, units[b.file][1])
+                if b.file in unit_counts:
+                    _apply_counts(stats.per_file[b.file], unit_counts[b.file][0])
+                    in_order.fill(b.file, unit_counts[b.file][1])
             yield b
 
     in_flight = 2 * workers + 1
@@ -315,7 +324,8 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=in_order, progress=bar.update if bar else None, raw=True, names=names,
                                     by_reference=pieces,  # local workers read their blocks (the same chunks on a resume)
-                                    report=False)  # what files lost: warned at the end, in file order, whichever path read them
+                                    report=False,  # what files lost: warned at the end, in file order, whichever path read them
+                                    units=units)
         work = todo(chunks_with_origin(placed(docs)))
         fn = clean_chunk
         if pieces:
@@ -325,7 +335,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         for item in ordered(pool, fn, work, in_flight):
             if "chunks" in item:  # a compressed file, read by a worker (`workers.spill_unit`): its counts and warnings
                 _apply_counts(stats.per_file[item["file"]], item["counts"])
-                units[item["file"]] = (item["counts"], item["warnings"])
+                unit_counts[item["file"]] = (item["counts"], item["warnings"])
                 in_order.fill(item["file"], item["warnings"])
             for result in item.get("chunks", [item]):
                 if result["raw"] is not None:

@@ -6,7 +6,10 @@ Design choices:
   explicitly is read as text whatever its name. An input that matches nothing is an error: a
   typo must not silently shrink the corpus.
 - Everything streams: files are read through an incremental decoder (line by line, or in blocks
-  split in C for one document per line), with a cap on how much of one line is held at a time. A document longer than `MAX_DOC_CHARS` is cut into
+  split in C for one document per line), with a cap on how much of one line is held at a time.
+  For prepare's local workers, uncompressed one-document-per-line and .jsonl files come as
+  references to blocks of whole lines (`RawLines`, decoded and parsed where they are read), and
+  a compressed file as one `FileUnit` that a worker reads with the same reader (`read_body`). A document longer than `MAX_DOC_CHARS` is cut into
   pieces (counted) instead of growing without bound: pretraining packs documents into windows
   anyway, so a cut costs one EOS and nothing else.
 - The encoding is detected per file from its first 64 KiB: a BOM, else strict UTF-8, else
@@ -295,6 +298,10 @@ def _strip_compression(name: str) -> str:
         if low.endswith(suf):
             return low[: -len(suf)]
     return low
+
+
+def is_compressed(path: Path) -> bool:
+    return _strip_compression(path.name) != path.name.lower()
 
 
 def is_jsonl(path: Path) -> bool:
@@ -1078,7 +1085,7 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
                       stats: SourceStats, warn: Callable[[str], None],
                       progress: Callable[[int], None] | None = None, raw: bool = False,
                       name: str | None = None, by_reference: bool = False,
-                      report: bool = True) -> Iterator[list[str] | RawLines | FileUnit]:
+                      report: bool = True, units: bool = False) -> Iterator[list[str] | RawLines | FileUnit]:
     """`iter_file` in lists of documents (no per-document Python work for the caller). The file's
     counts go to a new `FileCounts` (named `name`, by default the path) at the end of `stats.per_file`.
 
@@ -1087,8 +1094,8 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     finally calls `report_raw_files` for the warnings about those files. `by_reference`: an
     uncompressed one comes as references to its blocks, which whoever decodes them reads; so
     does an uncompressed .jsonl file in a RAW_CODECS encoding (blocks of whole records, parsed
-    by whoever decodes them), and a compressed file comes whole, as a `FileUnit` for a worker to
-    read (its counts and warnings then come from there). `report=False`: no warnings about what reading the file lost at its
+    by whoever decodes them). `units`: a compressed file comes whole, as a `FileUnit` for a worker
+    to read (its counts and warnings then come from there). `report=False`: no warnings about what reading the file lost at its
     end; the caller calls `report_raw_files(every=True)` at the end (prepare, so that its
     warnings come in the same order whichever files were read in blocks)."""
     counts = FileCounts(str(path) if name is None else name, path)
@@ -1126,7 +1133,7 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     codec, label = enc
     counts.encoding = label
     file = len(stats.per_file) - 1
-    if by_reference and _strip_compression(path.name) != path.name.lower():
+    if units and is_compressed(path):
         # a compressed file: decompressed in a worker, whole (`FileUnit`); its counts come back from there
         counts.bytes_in = size
         yield FileUnit(str(path), file, codec, size, doc_per_line, text_field, raw)
@@ -1228,10 +1235,10 @@ def iter_batches(paths: Sequence[Path], *, doc_per_line: bool = False, text_fiel
                  stats: SourceStats, warn: Callable[[str], None],
                  progress: Callable[[int], None] | None = None, raw: bool = False,
                  names: Sequence[str] | None = None, by_reference: bool = False,
-                 report: bool = True) -> Iterator[list[str] | RawLines | FileUnit]:
+                 report: bool = True, units: bool = False) -> Iterator[list[str] | RawLines | FileUnit]:
     """`iter_documents` in lists of documents (or `RawLines`, see `iter_file_batches`), in order;
     `names` (one per path, see `discover_named`) name the files' counts."""
     for i, path in enumerate(paths):
         yield from iter_file_batches(path, doc_per_line=doc_per_line, text_field=text_field, stats=stats,
                                      warn=warn, progress=progress, raw=raw, name=None if names is None else names[i],
-                                     by_reference=by_reference, report=report)
+                                     by_reference=by_reference, report=report, units=units)
