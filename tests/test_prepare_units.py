@@ -64,6 +64,7 @@ def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_pat
     monkeypatch.setattr(sources, "MAX_JSONL_LINE_CHARS", 300)  # (forked workers inherit it)
     monkeypatch.setattr(sources, "RAW_READ_BYTES", 2048)  # many blocks and chunks
     monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
+    monkeypatch.setattr(pool, "UNIT_CHUNK_DOCS", 40)  # several chunks per compressed file
     kinds: list[str] = []
     real = sources.iter_batches
 
@@ -111,7 +112,7 @@ def test_kill_in_pass1_over_compressed_units_resumes_byte_identical(tokenizer, t
     raw.mkdir()
     poems = [p.replace("\n", "，") for p in make_poems(400, seed=9)]
     (raw / "a.jsonl").write_text(_jsonl(poems[:100], 1), encoding="utf-8")
-    many = [f"{i}、{poems[i % 400]}" for i in range(10000)]  # 3 chunks (CHUNK_DOCS)
+    many = [f"{i}、{poems[i % 400]}" for i in range(40000)]  # 2 chunks (pool.UNIT_CHUNK_DOCS)
     (raw / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(many, 4).encode()))
     (raw / "c.txt.gz").write_bytes(gzip.compress(("\n".join(poems[100:200] + poems[:3]) + "\n").encode()))
     whole = gzip.compress(("\n".join(poems[200:400] * 30) + "\n").encode())
@@ -121,10 +122,10 @@ def test_kill_in_pass1_over_compressed_units_resumes_byte_identical(tokenizer, t
     ref = run(raw, tmp_path / "ref", *extra, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
     assert ref.returncode == 0, ref.stderr
     points = [ln.split(": ", 1)[1] for ln in ref.stderr.splitlines() if ln.startswith("prepare-point: pass1")]
-    assert points == [f"pass1 chunk {i}" for i in range(1, 7)]  # a: 1, b: 2-4, c: 5, d: 6
+    assert points == [f"pass1 chunk {i}" for i in range(1, 6)]  # a: 1, b: 2-3, c: 4, d: 5
     want = files_of(tmp_path / "ref")
     assert b"d.txt.gz: stopped reading after" in want["manifest.json"]
-    for at, first in (("pass1 chunk 3", "pass1 chunk 2"), ("pass1 chunk 6", "pass1 chunk 6")):
+    for at, first in (("pass1 chunk 3", "pass1 chunk 2"), ("pass1 chunk 5", "pass1 chunk 5")):
         out = tmp_path / at.replace(" ", "_")
         killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
         assert killed.returncode == -9, killed.stderr

@@ -26,17 +26,24 @@ CHUNK_DOCS = 4096
 # (compressed input, Ray): ~3 MB, as 2 x workers + 1 chunks are in flight.
 RAW_GROUP = 4
 RAW_GROUP_BY_REFERENCE = 16
+# A compressed file read whole by a worker (`workers.spill_unit`) is cut there into chunks of
+# this size instead: each costs the main process the same as any chunk, and the worker holds one
+# at a time either way (~12 MB of text, like a chunk of block references).
+UNIT_CHUNK_CHARS = 1 << 22
+UNIT_CHUNK_DOCS = 1 << 15
 
 
-def chunks(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit]) -> Iterator[list[str] | sources.RawLines | sources.FileUnit]:
-    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents); up to
-    RAW_GROUP consecutive `RawLines` blocks of one file make a chunk of their own (the first
-    carries the others in `rest`; the documents before them go first). A `FileUnit` is an item
-    of its own."""
+def chunks(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit], chars: int | None = None, docs: int | None = None,
+           blocks: int | None = None) -> Iterator[list[str] | sources.RawLines | sources.FileUnit]:
+    """Lists of documents of about `chars` (CHUNK_CHARS) characters (at most `docs`, CHUNK_DOCS,
+    documents); up to `blocks` (RAW_GROUP, or RAW_GROUP_BY_REFERENCE for references)
+    consecutive `RawLines` blocks of one file make a chunk of their own (the first carries the
+    others in `rest`; the documents before them go first). A `FileUnit` is an item of its own."""
     chunk: list[str] = []
     size = 0
     group: list[sources.RawLines] = []
-    most = lambda b: RAW_GROUP if b.data is not None else RAW_GROUP_BY_REFERENCE  # noqa: E731
+    most = lambda b: blocks or (RAW_GROUP if b.data is not None else RAW_GROUP_BY_REFERENCE)  # noqa: E731
+    max_chars, max_docs = chars or CHUNK_CHARS, docs or CHUNK_DOCS
 
     def grouped() -> sources.RawLines:
         first = group[0]
@@ -65,14 +72,14 @@ def chunks(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit]) -
         if group:
             yield grouped()
         n = sum(map(len, batch))
-        if size + n < CHUNK_CHARS and len(chunk) + len(batch) < CHUNK_DOCS:
+        if size + n < max_chars and len(chunk) + len(batch) < max_docs:
             chunk.extend(batch)  # the common case: the whole batch fits
             size += n
             continue
         for item in batch:
             chunk.append(item)
             size += len(item)
-            if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
+            if size >= max_chars or len(chunk) >= max_docs:
                 yield chunk
                 chunk, size = [], 0
     if group:
@@ -81,8 +88,8 @@ def chunks(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit]) -
         yield chunk
 
 
-def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit]) -> Iterator:
-    """`chunks(batches)`, each chunk of documents paired with its documents' origin records
+def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit], **sizes) -> Iterator:
+    """`chunks(batches, **sizes)`, each chunk of documents paired with its documents' origin records
     (a `RawLines` chunk carries its own, a `FileUnit` is read elsewhere). `chunks` builds plain
     lists, so the records of the batches it reads wait here, in order, until the chunk holding
     their documents comes out."""
@@ -94,7 +101,7 @@ def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines | sources.
                 pending.append(b.origin)
             yield b
 
-    for chunk in chunks(noted()):
+    for chunk in chunks(noted(), **sizes):
         if isinstance(chunk, (sources.RawLines, sources.FileUnit)):
             yield chunk
             continue

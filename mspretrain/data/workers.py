@@ -188,19 +188,20 @@ def spill_item(fn, item: tuple) -> dict:
 
 def spill_unit(fn, item: tuple) -> dict:
     """A compressed file, whole: decompressed here as a stream (what prepare's main process used
-    to read), cut into the chunks it would have cut (`pool.chunks_with_origin`), each through
+    to read), cut into chunks (`pool.chunks_with_origin`, of UNIT_CHUNK_* size), each through
     `spill_chunk` to `path`.NNNN. Returns {"file": its index, "chunks": their results in order (each with `piece`,
     its file's name), "counts": the file's `FileCounts` fields, "warnings": what reading it
     warned}. Memory: one chunk at a time, whatever the file's size."""
     from dataclasses import asdict
 
-    from mspretrain.data.pool import chunks_with_origin
+    from mspretrain.data import pool
 
     unit, path, exact_parts, band_parts = item
     counts = sources.FileCounts(unit.path, Path(unit.path))
     warnings: list[str] = []
     results = []
-    for k, work in enumerate(chunks_with_origin(unit.batches(counts, warnings.append))):
+    sizes = {"chars": pool.UNIT_CHUNK_CHARS, "docs": pool.UNIT_CHUNK_DOCS, "blocks": pool.RAW_GROUP_BY_REFERENCE}
+    for k, work in enumerate(pool.chunks_with_origin(unit.batches(counts, warnings.append), **sizes)):
         piece = f"{path}.{k:04d}"
         res = spill_chunk(fn, (work, piece, exact_parts, band_parts))
         if res["raw"] is not None:  # a block's counts: the file's, here (the main process takes `counts`)
