@@ -390,7 +390,7 @@ def test_jsonl_blocks_by_reference_equal_the_decoding_reader(tmp_path, monkeypat
 
 
 def test_jsonl_in_blocks_only_by_reference_and_uncompressed(tmp_path):
-    # --ray (no references) keeps the reader of the main process; a compressed file by reference
+    # --ray (no references) keeps the reader of the main process; a compressed file with `units`
     # is one `FileUnit`, read whole by a worker, through the same reader.
     jl = ("\n".join(json.dumps({"text": d}, ensure_ascii=False) for d in DOCS) + "\n").encode()
     (tmp_path / "a.jsonl").write_bytes(jl)
@@ -398,6 +398,7 @@ def test_jsonl_in_blocks_only_by_reference_and_uncompressed(tmp_path):
     (tmp_path / "c.jsonl").write_bytes(jl.decode().encode("utf-16"))
     for name, by_ref, kind in (("a.jsonl", True, sources.RawLines), ("a.jsonl", False, list), ("b.jsonl.gz", True, sources.FileUnit),
                                ("b.jsonl.gz", False, list), ("c.jsonl", True, list)):
-        units = list(sources.iter_file_batches(tmp_path / name, stats=SourceStats(), warn=print, raw=True, by_reference=by_ref))
+        units = list(sources.iter_file_batches(tmp_path / name, stats=SourceStats(), warn=print, raw=True, by_reference=by_ref,
+                                               units=by_ref))
         assert all(isinstance(u, kind) for u in units) and (kind is not sources.FileUnit or len(units) == 1), name
-        assert _read_raw(tmp_path / name, SourceStats(), [], doc_per_line=False, by_reference=by_ref) == DOCS
+        assert _read_raw(tmp_path / name, SourceStats(), [], doc_per_line=False, by_reference=by_ref, units=by_ref) == DOCS
