@@ -154,3 +154,34 @@ def test_fewer_compressed_files_than_workers_stay_with_the_main_process(tokenize
     assert seen == [False, True]
     for name in FILES:
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+
+
+def test_a_worker_reading_a_compressed_file_holds_one_chunk_at_a_time(tmp_path, monkeypatch):
+    """`workers.spill_unit` streams: its peak memory is about one chunk, not the file."""
+    import tracemalloc
+
+    import numpy as np
+
+    from mspretrain.data import workers
+    from mspretrain.data.origin import RECORD
+
+    def noop(work) -> dict:  # what `clean_chunk` returns, without the work
+        docs, origin = work
+        n = len(docs)
+        return {"docs_in": n, "keys": bytes(16 * n), "bands": None, "raw": None, "origin": np.asarray(origin, dtype=RECORD),
+                "tokens": np.ones(n, dtype=np.uint16), "lengths": np.ones(n, dtype=np.int32), "fallback": np.zeros(n, dtype=np.int64),
+                "chars": np.fromiter(map(len, docs), dtype=np.int64, count=n), "u": np.zeros((n, 2))}
+
+    text = "".join(json.dumps({"text": f"第{i}段。" + "春眠不觉晓，处处闻啼鸟。" * 8}, ensure_ascii=False) + "\n" for i in range(40000))
+    path = tmp_path / "big.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(text.encode()))
+    stats = sources.SourceStats()
+    (unit,) = sources.iter_file_batches(path, stats=stats, warn=print, raw=True, units=True)
+    monkeypatch.setattr(pool, "UNIT_CHUNK_DOCS", 2000)
+    size = len(text.encode())
+    tracemalloc.start()
+    out = workers.spill_unit(noop, (unit, str(tmp_path / "00000000"), 4, 0))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(out["chunks"]) == 20 and out["counts"]["documents"] == 40000 and sum(c["n"] for c in out["chunks"]) == 40000
+    assert size > 10_000_000 and peak < size / 8, peak
