@@ -23,7 +23,7 @@ CHUNK_DOCS = 4096
 # results back, a journal entry), so bigger chunks lift its ceiling (docs/benchmarks/prepare.md);
 # the blocks are still decoded one by one. References to blocks (local workers read them) cost
 # the main process nothing to hold: ~13 MB chunks (~27,000 short documents). Blocks it holds
-# (compressed input, Ray): ~3 MB, as 2 x workers + 1 chunks are in flight.
+# (compressed input it reads itself, Ray): ~3 MB, as 2 x workers + 1 chunks are in flight.
 RAW_GROUP = 4
 RAW_GROUP_BY_REFERENCE = 16
 # A compressed file read whole by a worker (`workers.spill_unit`) is cut there into chunks of
