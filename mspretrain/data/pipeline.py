@@ -280,8 +280,13 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done.get("items", done["chunks"])
         raw = {int(f): c for f, *c in done["raw"]}
         unit_counts = {int(f): (c, w) for f, c, w in done.get("units", [])}
-    items = skip
+    items = skip  # work items whose results are in (the skipped ones of a resume too)
     in_order = _InOrder(warn)
+    # a .jsonl file read in blocks: its loss warnings where the reader would have given them
+    # (`iter_file_batches(hold=...)`), once the work item holding its last block is done
+    last_raw: dict[int, bool] = {}  # per file read so far: whether its last batch was a block
+    due_after: dict[int, int] = {}  # file held -> the work item after which its counts are complete
+    st = {"made": 0, "ready": False}  # work items made (skipped ones too); the journal's counts are in
 
     placing: deque = deque()  # `place_records` tasks out
 
@@ -301,12 +306,36 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
                 break
         for f, c in raw.items():
             sources.count_raw(stats, f, *c)
+        st["ready"] = True
+        settle()
         yield from work
+
+    def made(work: Iterator) -> Iterator:
+        for w in work:
+            st["made"] += 1
+            yield w
+
+    def hold(f: int) -> None:
+        in_order.hold(f)
+        # its last block is in the next item (`pool.chunks` groups blocks until the next batch), or in one made already
+        due_after[f] = st["made"] if last_raw.get(f) else st["made"] - 1
+        settle()
+
+    def settle(force: bool = False) -> None:
+        for f in [f for f, k in due_after.items() if force or st["ready"] and k < items]:
+            del due_after[f]
+            msgs: list[str] = []
+            sources.warn_counts(stats.per_file[f], cfg.text_field, msgs.append)
+            in_order.fill(f, msgs)
 
     def placed(batches: Iterator) -> Iterator:
         """The batches, each compressed file's place kept in the order of the warnings (its own
         come from its worker); a finished one (resumed) gets its counts and warnings from the journal."""
         for b in batches:
+            if isinstance(b, sources.RawLines):
+                last_raw[b.file] = True
+            elif getattr(b, "origin", None) is not None and len(b):
+                last_raw[int(b.origin["file"][0])] = False
             if isinstance(b, sources.FileUnit):
                 in_order.hold(b.file)
                 if b.file in unit_counts:
@@ -324,9 +353,8 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=in_order, progress=bar.update if bar else None, raw=True, names=names,
                                     by_reference=pieces,  # local workers read their blocks (the same chunks on a resume)
-                                    report=False,  # what files lost: warned at the end, in file order, whichever path read them
-                                    units=units)
-        work = todo(chunks_with_origin(placed(docs)))
+                                    units=units, hold=hold)
+        work = todo(made(chunks_with_origin(placed(docs))))
         fn = clean_chunk
         if pieces:
             parts = (dd.exact.parts, dd.near.parts if dd.near is not None else 0)  # the workers group records by file
@@ -356,6 +384,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
                 spool.add(result)
                 point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
             items += 1
+            settle()
             if j.due():  # between work items only: a resume skips whole items
                 commit()
         while placing:  # before the pool goes
@@ -365,8 +394,9 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
             pool.terminate()
         if bar is not None:
             bar.close()
+    settle(force=True)  # (every item is done)
     in_order.flush()
-    sources.report_raw_files(stats, warn, cfg.text_field, every=True)
+    sources.report_raw_files(stats, warn, cfg.text_field, jsonl=False)
     _save_state(j, "dedup", stats=stats)
     commit(stage="dedup", state="dedup")
     spool.close()

@@ -856,16 +856,16 @@ def add_raw(counts: FileCounts, documents: int, *found: int) -> None:
         setattr(counts, key, getattr(counts, key) + n)
 
 
-def report_raw_files(stats: SourceStats, warn: Callable[[str], None], text_field: str = "text", every: bool = False) -> None:
+def report_raw_files(stats: SourceStats, warn: Callable[[str], None], text_field: str = "text", jsonl: bool = True) -> None:
     """The per-file warnings of files read as `RawLines`, once all their blocks are decoded: the
-    same as a file read whole gets at its end (`_warn_counts`), in the order of the files.
-    `every`: of every file read (`iter_file_batches(report=False)`)."""
+    same as a file read whole gets at its end (`warn_counts`), in the order of the files.
+    `jsonl=False`: not of .jsonl files (their warnings were `hold`-en, see `iter_file_batches`)."""
     for counts in stats.per_file:
-        if counts.raw or every and counts.encoding:
-            _warn_counts(counts, text_field, warn)
+        if counts.raw and (jsonl or not is_jsonl(counts.path)):
+            warn_counts(counts, text_field, warn)
 
 
-def _warn_counts(counts: FileCounts, text_field: str, warn: Callable[[str], None]) -> None:
+def warn_counts(counts: FileCounts, text_field: str, warn: Callable[[str], None]) -> None:
     """What a file read lost, in one warning per kind."""
     path, dropped = counts.path, counts.bytes_dropped
     if counts.encoding == MIXED_LABEL:
@@ -1085,7 +1085,7 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
                       stats: SourceStats, warn: Callable[[str], None],
                       progress: Callable[[int], None] | None = None, raw: bool = False,
                       name: str | None = None, by_reference: bool = False,
-                      report: bool = True, units: bool = False) -> Iterator[list[str] | RawLines | FileUnit]:
+                      units: bool = False, hold: Callable[[int], None] | None = None) -> Iterator[list[str] | RawLines | FileUnit]:
     """`iter_file` in lists of documents (no per-document Python work for the caller). The file's
     counts go to a new `FileCounts` (named `name`, by default the path) at the end of `stats.per_file`.
 
@@ -1095,9 +1095,10 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     uncompressed one comes as references to its blocks, which whoever decodes them reads; so
     does an uncompressed .jsonl file in a RAW_CODECS encoding (blocks of whole records, parsed
     by whoever decodes them). `units`: a compressed file comes whole, as a `FileUnit` for a worker
-    to read (its counts and warnings then come from there). `report=False`: no warnings about what reading the file lost at its
-    end; the caller calls `report_raw_files(every=True)` at the end (prepare, so that its
-    warnings come in the same order whichever files were read in blocks)."""
+    to read (its counts and warnings then come from there). `hold(file)`: called where a .jsonl
+    file read in blocks ends, where the reader would have warned about what it lost: the caller
+    warns (`warn_counts`) there once its blocks are counted (prepare keeps the order of its
+    warnings so); without `hold`, `report_raw_files` warns about it."""
     counts = FileCounts(str(path) if name is None else name, path)
     stats.per_file.append(counts)
     try:
@@ -1142,8 +1143,10 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
         return
     yield from read_body(path, counts, codec, size, file, doc_per_line=doc_per_line, text_field=text_field, raw=raw,
                          by_reference=by_reference, warn=warn, progress=progress)
-    if report and not counts.raw:  # (a file read in blocks is warned about once they are decoded: `report_raw_files`)
-        _warn_counts(counts, text_field, warn)
+    if not counts.raw:  # (a file read in blocks is warned about once they are decoded: `report_raw_files`)
+        warn_counts(counts, text_field, warn)
+    elif hold is not None and is_jsonl(path):
+        hold(file)
 
 
 @dataclass
@@ -1235,10 +1238,10 @@ def iter_batches(paths: Sequence[Path], *, doc_per_line: bool = False, text_fiel
                  stats: SourceStats, warn: Callable[[str], None],
                  progress: Callable[[int], None] | None = None, raw: bool = False,
                  names: Sequence[str] | None = None, by_reference: bool = False,
-                 report: bool = True, units: bool = False) -> Iterator[list[str] | RawLines | FileUnit]:
+                 units: bool = False, hold: Callable[[int], None] | None = None) -> Iterator[list[str] | RawLines | FileUnit]:
     """`iter_documents` in lists of documents (or `RawLines`, see `iter_file_batches`), in order;
     `names` (one per path, see `discover_named`) name the files' counts."""
     for i, path in enumerate(paths):
         yield from iter_file_batches(path, doc_per_line=doc_per_line, text_field=text_field, stats=stats,
                                      warn=warn, progress=progress, raw=raw, name=None if names is None else names[i],
-                                     by_reference=by_reference, report=report, units=units)
+                                     by_reference=by_reference, units=units, hold=hold)

@@ -208,6 +208,8 @@ def spill_unit(fn, item: tuple) -> dict:
             sources.add_raw(counts, *res["raw"][1:])
             res["raw"] = None
         results.append(res)
+    if not counts.raw:  # what reading it lost, where the main process's reader would have warned (blocks: at the end)
+        sources.warn_counts(counts, unit.text_field, warnings.append)
     fields = {k: v for k, v in asdict(counts).items() if k not in ("name", "path", "bytes_in", "encoding")}
     return {"file": unit.file, "chunks": results, "counts": fields, "warnings": warnings}
 
