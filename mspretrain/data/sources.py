@@ -9,9 +9,10 @@ Design choices:
   split in C for one document per line), with a cap on how much of one line is held at a time.
   For prepare's local workers, uncompressed one-document-per-line and .jsonl files come as
   references to blocks of whole lines (`RawLines`, decoded and parsed where they are read), and
-  a compressed file as one `FileUnit` that a worker reads with the same reader (`read_body`). A document longer than `MAX_DOC_CHARS` is cut into
-  pieces (counted) instead of growing without bound: pretraining packs documents into windows
-  anyway, so a cut costs one EOS and nothing else.
+  a compressed file as one `FileUnit` that a worker reads with the same reader (`read_body`).
+  A document longer than `MAX_DOC_CHARS` is cut into pieces (counted) instead of growing
+  without bound: pretraining packs documents into windows anyway, so a cut costs one EOS and
+  nothing else.
 - The encoding is detected per file from its first 64 KiB: a BOM, else strict UTF-8, else
   `charset-normalizer` (GBK/GB2312 are read as GB18030, their superset). Bytes that still do
   not decode are dropped and counted, never fatal. A file that looks binary (known magic
