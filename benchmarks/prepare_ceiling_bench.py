@@ -27,13 +27,23 @@ The no-op worker answers each block of raw lines with what a real worker returns
 document per line, 16 random key bytes, 9 band keys with --near, 100 tokens per document),
 computed with a few numpy calls and no per-document Python.
 
+`--format jsonl` writes the corpus as {"text": line} records first, `--compress gz|zst` compresses
+it (gzip level 6, zstd level 3), so the same documents are measured as a .jsonl, .txt.gz or
+.jsonl.zst input. The no-op worker then answers a block of .jsonl lines by reference like a block
+of text lines (no JSON parsed: a no-op), documents that the main process parsed with their
+count, and a compressed file (read whole by a worker on the per-chunk path) by running the real
+reader in the worker (decompression, and JSON parsing for .jsonl.*: what the worker must do to
+cut the file into chunks) and the no-op on each chunk.
+
 Usage: nice python benchmarks/prepare_ceiling_bench.py CORPUS.txt [--near] [--workers 2] [--trained]
+       [--format txt|jsonl] [--compress none|gz|zst]
 (CORPUS: one document per line, e.g. a corpus that prepare_scale_bench.py --keep left behind,
 or any .txt file; a tokenizer with a vocabulary of at least 1,000 is trained on its start.)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -61,9 +71,9 @@ _TEXTS = {"on": False}  # --trained: the no-op worker returns texts (no tokenize
 
 
 def noop_chunk(work) -> dict:
-    """What `workers.clean_chunk` returns for a chunk of raw blocks, without cleaning, hashing or encoding."""
+    """What `workers.clean_chunk` returns for a chunk, without cleaning, hashing or encoding."""
     if not isinstance(work, sources.RawLines):
-        raise SystemExit("the ceiling bench needs one-document-per-line .txt input (raw blocks)")
+        return _noop_docs(work)
     blocks = [replace(work, rest=None), *(work.rest or [])]
     keys, origins, chars, texts = [], [], [], []
     for block in blocks:
@@ -91,6 +101,51 @@ def noop_chunk(work) -> dict:
             "raw": (work.file, n, 0, 0), "origin": np.concatenate(origins),
             "tokens": np.ones(n * TOKENS_PER_DOC, dtype=np.uint16), "lengths": np.full(n, TOKENS_PER_DOC, dtype=np.int32),
             "fallback": np.zeros(n, dtype=np.int64)}
+
+
+def _noop_docs(work) -> dict:
+    """The no-op answer for documents the main process (or a worker reading a compressed file) decoded."""
+    docs, origin = work if isinstance(work, tuple) else (work, None)
+    n = len(docs)
+    rng = np.random.default_rng(n)
+    if origin is None:
+        origin = np.zeros(n, dtype=RECORD)
+    out = {"docs_in": n, "chars_in": sum(map(len, docs)), "changed": {}, "dropped": {},
+           "keys": rng.bytes(16 * n), "chars": np.fromiter(map(len, docs), dtype=np.int64, count=n), "u": rng.random((n, 2)),
+           "bands": rng.integers(0, 2**63, size=(n, 9), dtype=np.uint64) if _NEAR["on"] else None,
+           "raw": None, "origin": origin}
+    if _TEXTS["on"]:
+        out["texts"] = list(docs)
+    else:
+        out.update(tokens=np.ones(n * TOKENS_PER_DOC, dtype=np.uint16), lengths=np.full(n, TOKENS_PER_DOC, dtype=np.int32),
+                   fallback=np.zeros(n, dtype=np.int64))
+    return out
+
+
+def as_input(src: Path, tmp: Path, fmt: str, compress: str) -> Path:
+    """The corpus as the input kind measured: .txt as is, or .jsonl, optionally .gz / .zst."""
+    if fmt == "txt" and compress == "none":
+        return src
+    out = tmp / (src.stem + "." + fmt + ("" if compress == "none" else "." + compress))
+    if compress == "gz":
+        import gzip
+
+        sink = gzip.open(out, "wb", compresslevel=6)
+    elif compress == "zst":
+        import zstandard
+
+        sink = zstandard.ZstdCompressor(level=3).stream_writer(open(out, "wb"))
+    else:
+        sink = open(out, "wb")
+    with open(src, encoding="utf-8") as f, sink:
+        buf = []
+        for line in f:
+            buf.append((json.dumps({"text": line.rstrip("\n")}, ensure_ascii=False) + "\n") if fmt == "jsonl" else line)
+            if len(buf) >= 65536:
+                sink.write("".join(buf).encode())
+                buf = []
+        sink.write("".join(buf).encode())
+    return out
 
 
 def noop_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -129,6 +184,11 @@ def noop_run(corpus: Path, tok: Path | None, out: Path, cfg: PrepareConfig, work
     return min(cpu for _, cpu, _ in runs), runs[0][2]["documents_in"]
 
 
+# One compressed corpus file: read whole by a worker (`pipeline.UNITS`), as with many files; by
+# default a file is a unit only when there are at least as many compressed files as workers.
+pipeline.UNITS = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("corpus", type=Path)
@@ -138,6 +198,8 @@ def main() -> None:
     ap.add_argument("--trained", action="store_true", help="no --tokenizer: the default command's path (a tokenizer is trained)")
     ap.add_argument("--sample-chars", type=int, default=300_000, help="with --trained: prepare.tokenizer_sample_chars")
     ap.add_argument("--skip-real", action="store_true", help="leave out the real 1-worker run (the per-worker rate)")
+    ap.add_argument("--format", choices=("txt", "jsonl"), default="txt", help="the input as .txt lines or .jsonl records")
+    ap.add_argument("--compress", choices=("none", "gz", "zst"), default="none")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="prepare_ceiling_"))
     try:
@@ -158,13 +220,17 @@ def main() -> None:
         with open(args.corpus, "rb") as f:
             head = f.read(size // 4)
         quarter.write_bytes(head[: head.rfind(b"\n") + 1])
-        print(f"corpus {args.corpus} ({size / 1e6:,.0f} MB), near dedup {'on' if args.near else 'off'}, "
+        (tmp / "full").mkdir()
+        corpus = as_input(args.corpus, tmp / "full", args.format, args.compress)
+        quarter = as_input(quarter, tmp, args.format, args.compress)
+        size = corpus.stat().st_size  # (MB/s: of the input as given, compressed or not)
+        print(f"corpus {corpus} ({size / 1e6:,.0f} MB), near dedup {'on' if args.near else 'off'}, "
               f"{args.workers} no-op workers, {'a trained' if args.trained else 'a given'} tokenizer, "
               f"load average {os.getloadavg()[0]:.2f} (2 shared cores)")
         _NEAR["on"], _TEXTS["on"] = args.near, args.trained
         ceiling = {}
         for pieces in (False, True):
-            cpu, docs = noop_run(args.corpus, tok, tmp / "noop", cfg, args.workers, pieces, args.repeat)
+            cpu, docs = noop_run(corpus, tok, tmp / "noop", cfg, args.workers, pieces, args.repeat)
             cpu_q, docs_q = noop_run(quarter, tok, tmp / "noop", cfg, args.workers, pieces, args.repeat)
             marginal = (docs - docs_q) / max(cpu - cpu_q, 1e-9)
             mb = (size - quarter.stat().st_size) / max(cpu - cpu_q, 1e-9) / 1e6

@@ -8,14 +8,16 @@ and stays off the critical path (it used to decode, split and pickle every docum
 
 With local workers, the main process does per-chunk work only (its serial ceiling,
 docs/benchmarks/prepare.md): the workers read their blocks of uncompressed files themselves
-(`RawLines` by reference), keep each chunk's documents in a file (`PIECES`: tokens with a given
-tokenizer, else the cleaned texts), write its dedup records where the main process reserved their
-place (`diskdedup.place_records`), sort the dedup partitions, and cut and copy each chunk's shard
-and origin pieces into the outputs at reserved offsets (`workers.replay_chunk`,
-`workers.place_piece`): in the replay with a given tokenizer, else in the encode stage, after the
-replay drew the tokenizer sample by reference (`_replay_sample`, `sink.RefSample`) and the
-tokenizer was trained on the sample's texts read from the chunk files. `--ray` (whose nodes may not
-share this disk) takes the path through the main process; both paths write the same bytes.
+(`RawLines` by reference; of .jsonl files too, parsed there), decompress a compressed file whole
+(`sources.FileUnit`, `workers.spill_unit`: its chunks are the next chunks here), keep each
+chunk's documents in a file (`PIECES`, named by work item: tokens with a given tokenizer, else the
+cleaned texts), write its dedup records where the main process reserved their place
+(`diskdedup.place_records`), sort the dedup partitions, and cut and copy each chunk's shard and
+origin pieces into the outputs at reserved offsets (`workers.replay_chunk`, `workers.place_piece`):
+in the replay with a given tokenizer, else in the encode stage, after the replay drew the tokenizer
+sample by reference (`_replay_sample`, `sink.RefSample`) and the tokenizer was trained on the
+sample's texts read from the chunk files. `--ray` (whose nodes may not share this disk) takes the
+path through the main process; both paths write the same bytes.
 
 Work is cut into chunks in input order and the results are consumed in that order (`pool.py`),
 so the output is byte-identical whatever the number of workers.
@@ -33,28 +35,33 @@ import time
 from collections import deque
 from dataclasses import replace
 from functools import partial
+from itertools import zip_longest
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import clean, dedup, sources
 from mspretrain.data.diskdedup import ChunkSpool, DiskDedup, place_records
-from mspretrain.data.origin import RECORD, OriginWriter, cut_to, origin_name, read_records
-from mspretrain.data.pool import batched, chunks, ordered, start_pool
+from mspretrain.data.origin import OriginWriter, cut_to, origin_name, read_records
+from mspretrain.data.pool import batched, chunks, chunks_with_origin, ordered, start_pool
 from mspretrain.data.publish import build_manifest
 from mspretrain.data.resume import Journal, point, truncate
 from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import RefSample, Sink
 from mspretrain.data.spool import Spool, read_spool
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
-from mspretrain.data.workers import clean_chunk, init_worker, place_piece, read_texts, replay_chunk, sample_chunk, spill_chunk, tokenize_chunk
+from mspretrain.data.workers import clean_chunk, init_worker, place_piece, read_texts, replay_chunk, sample_chunk, spill_item, tokenize_chunk
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
 
 LOCAL_PIECES = True  # False: every chunk's documents pass through this process, as with --ray (benchmarks compare)
+# Compressed files as whole-file units read by a worker (`sources.FileUnit`), on the per-chunk path:
+# None = when there are at least as many compressed files as workers (fewer would leave workers
+# idle: one worker per file, while this process can feed them all); True / False: always / never.
+UNITS: bool | None = None
 PIECES = "pass1.pieces"  # pass 1's per-chunk files written by the workers (`workers.spill_chunk`)
 REPLAY_PIECES = "replay.pieces"  # the replay's per-chunk shard and origin pieces (`workers.replay_chunk`)
 
@@ -66,35 +73,6 @@ def progress_bar(enabled: bool, total: int, desc: str):
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 dynamic_ncols=True, leave=False)
-
-
-def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[tuple[list[str], np.ndarray] | sources.RawLines]:
-    """`pool.chunks(batches)`, each chunk of documents paired with its documents' origin records
-    (a `RawLines` chunk carries its own). `chunks` builds plain lists, so the records of the
-    batches it reads wait here, in order, until the chunk holding their documents comes out."""
-    pending: deque[np.ndarray] = deque()
-
-    def noted() -> Iterator[list[str] | sources.RawLines]:
-        for b in batches:
-            if not isinstance(b, sources.RawLines):
-                pending.append(b.origin)
-            yield b
-
-    for chunk in chunks(noted()):
-        if isinstance(chunk, sources.RawLines):
-            yield chunk
-            continue
-        n, parts = len(chunk), []
-        while n:
-            head = pending[0]
-            if head.size <= n:
-                parts.append(pending.popleft())
-                n -= head.size
-            else:
-                parts.append(head[:n])
-                pending[0] = head[n:]
-                n = 0
-        yield chunk, np.concatenate(parts) if parts else np.zeros(0, dtype=RECORD)
 
 
 def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,
@@ -194,7 +172,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     if j.stage == "train":
         sink = _load_state(j, "train")["sink"]
         # the texts of the sample: from pass 1's chunk files, or held by the sink
-        sample = _gather_sample(work, sink.sample.members()) if isinstance(sink.sample, RefSample) else sink.sample_texts()
+        sample = _gather_sample(work, sink.sample.members(), _piece_names(work, j)) if isinstance(sink.sample, RefSample) else sink.sample_texts()
         n_chars = sum(map(len, sample))
         log(f"training a SentencePiece BPE tokenizer (vocab {cfg.vocab_size:,}) on {n_chars:,} characters")
         trained, tok_warnings = train_sentencepiece(sample, work, cfg.vocab_size, character_coverage=cfg.character_coverage,
@@ -295,16 +273,20 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
            spool_path: Path, workers: int, progress: bool, warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
            ray=None) -> None:
     """Read, clean, hash; every result to the chunk spool and the dedup records on disk. After a
-    kill, the input is read again from its start (main process only) and the chunks up to the
-    last commit are not sent to the workers; their per-file counts come from the journal. Where
-    the workers read their blocks (`by_reference`), "reading" a skipped chunk is finding its
-    blocks' ends: a few KB each."""
+    kill, the input is read again from its start (main process only) and the work items up to
+    the last commit are not sent to the workers; their per-file counts come from the journal.
+    Where the workers read their blocks (`by_reference`), "reading" a skipped chunk is finding its
+    blocks' ends: a few KB each; a compressed file is then one work item (`sources.FileUnit`,
+    `workers.spill_unit`) whose chunks are the next chunks here, and commits fall between items."""
     done = j.data.get("pass1")
     # With local workers, the workers keep each chunk's documents (tokens with a given tokenizer,
     # else the cleaned texts) in a file of their own and send back only counts and dedup keys
     # (`workers.spill_chunk`). Fixed by the run that started pass 1: its spool holds one kind of
     # record or the other.
     pieces = ray is None and LOCAL_PIECES if done is None else bool(done.get("pieces"))
+    # fixed by the run that started pass 1 too (a resume may have another --workers): the work items follow from it
+    auto = sum(map(sources.is_compressed, paths)) >= workers
+    units = pieces and (auto if UNITS is None else UNITS) if done is None else bool(done.get("units_on"))
     pdir = spool_path.parent / PIECES
     if done is None:  # a new pass 1 (or one killed before its first commit)
         shutil.rmtree(dd.root, ignore_errors=True)
@@ -312,11 +294,20 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         shutil.rmtree(pdir, ignore_errors=True)
         if pieces:
             pdir.mkdir()
-        spool, skip, raw = ChunkSpool(spool_path), 0, {}
+        spool, skip, raw, unit_counts = ChunkSpool(spool_path), 0, {}, {}
     else:
         dd.restore(done["dedup"])
-        spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done["chunks"]
+        # work items: chunks, or compressed files of several chunks each (journals before those: chunks)
+        spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done.get("items", done["chunks"])
         raw = {int(f): c for f, *c in done["raw"]}
+        unit_counts = {int(f): (c, w) for f, c, w in done.get("units", [])}
+    items = skip  # work items whose results are in (the skipped ones of a resume too)
+    in_order = _InOrder(warn)
+    # a .jsonl file read in blocks: its loss warnings where the reader would have given them
+    # (`iter_file_batches(hold=...)`), once the work item holding its last block is done
+    last_raw: dict[int, bool] = {}  # per file read so far: whether its last batch was a block
+    due_after: dict[int, int] = {}  # file held -> the work item after which its counts are complete
+    st = {"made": 0, "ready": False}  # work items made (skipped ones too); the journal's counts are in
 
     placing: deque = deque()  # `place_records` tasks out
 
@@ -327,16 +318,52 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         size = spool.flush()
         j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent, *([pdir] if pieces else [])], **fields,
                  background=not fields,  # its fsyncs (every dedup partition file) while pass 1 goes on; the last one waits
-                 pass1={"chunks": spool.chunks, "spool_bytes": size, "dedup": state, "raw": [[f, *c] for f, c in sorted(raw.items())],
-                        "pieces": pieces})
+                 pass1={"chunks": spool.chunks, "items": items, "spool_bytes": size, "dedup": state,
+                        "raw": [[f, *c] for f, c in sorted(raw.items())], "pieces": pieces, "units_on": units,
+                        "units": [[f, c, w] for f, (c, w) in sorted(unit_counts.items())]})
 
-    def todo(items: Iterator) -> Iterator:
+    def todo(work: Iterator) -> Iterator:
         for _ in range(skip):  # read again, not cleaned again (chunk boundaries are a function of the input)
-            if next(items, None) is None:
+            if next(work, None) is None:
                 break
         for f, c in raw.items():
             sources.count_raw(stats, f, *c)
-        yield from items
+        st["ready"] = True
+        settle()
+        yield from work
+
+    def made(work: Iterator) -> Iterator:
+        for w in work:
+            st["made"] += 1
+            yield w
+
+    def hold(f: int) -> None:
+        in_order.hold(f)
+        # its last block is in the next item (`pool.chunks` groups blocks until the next batch), or in one made already
+        due_after[f] = st["made"] if last_raw.get(f) else st["made"] - 1
+        settle()
+
+    def settle(force: bool = False) -> None:
+        for f in [f for f, k in due_after.items() if force or st["ready"] and k < items]:
+            del due_after[f]
+            msgs: list[str] = []
+            sources.warn_counts(stats.per_file[f], cfg.text_field, msgs.append)
+            in_order.fill(f, msgs)
+
+    def placed(batches: Iterator) -> Iterator:
+        """The batches, each compressed file's place kept in the order of the warnings (its own
+        come from its worker); a finished one (resumed) gets its counts and warnings from the journal."""
+        for b in batches:
+            if isinstance(b, sources.RawLines):
+                last_raw[b.file] = True
+            elif getattr(b, "origin", None) is not None and len(b):
+                last_raw[int(b.origin["file"][0])] = False
+            if isinstance(b, sources.FileUnit):
+                in_order.hold(b.file)
+                if b.file in unit_counts:
+                    _apply_counts(stats.per_file[b.file], unit_counts[b.file][0])
+                    in_order.fill(b.file, unit_counts[b.file][1])
+            yield b
 
     in_flight = 2 * workers + 1
     bar = progress_bar(progress, sum(p.stat().st_size for p in paths), "clean" if not tok_path else "clean+tokenize")
@@ -346,33 +373,41 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     pool = start_pool(workers, init_worker, (cfg, tok_path or None, dtype.name, lsh), warm_up=clean.warm_up, ray=ray)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
-                                    stats=stats, warn=warn, progress=bar.update if bar else None, raw=True, names=names,
-                                    by_reference=pieces)  # local workers read their blocks (the same chunks on a resume)
-        work = todo(chunks_with_origin(docs))
+                                    stats=stats, warn=in_order, progress=bar.update if bar else None, raw=True, names=names,
+                                    by_reference=pieces,  # local workers read their blocks (the same chunks on a resume)
+                                    units=units, hold=hold)
+        work = todo(made(chunks_with_origin(placed(docs))))
         fn = clean_chunk
         if pieces:
             parts = (dd.exact.parts, dd.near.parts if dd.near is not None else 0)  # the workers group records by file
-            work = ((w, str(pdir / f"{i:08d}"), *parts) for i, w in enumerate(work, skip))
-            fn = partial(spill_chunk, clean_chunk)
-        for result in ordered(pool, fn, work, in_flight):
-            if result["raw"] is not None:
-                sources.count_raw(stats, *result["raw"])
-                f, *c = result["raw"]
-                raw[f] = [a + b for a, b in zip(raw.get(f, [0, 0, 0]), c)]
-            if pieces:  # a worker writes the chunk's dedup records where they go
-                base, *places = dd.reserve(result["n"], result.pop("exact_counts"), result.pop("band_counts"))
-                task = (str(pdir / f"{spool.chunks:08d}.dd"), base, places if dd.near is not None else places[:1])
-                if pool is None:
-                    place_records(task)
+            work = ((w, str(pdir / f"{i:08d}"), *parts) for i, w in enumerate(work, skip))  # pieces named by item
+            fn = partial(spill_item, clean_chunk)
+        for item in ordered(pool, fn, work, in_flight):
+            if "chunks" in item:  # a compressed file, read by a worker (`workers.spill_unit`): its counts and warnings
+                _apply_counts(stats.per_file[item["file"]], item["counts"])
+                unit_counts[item["file"]] = (item["counts"], item["warnings"])
+                in_order.fill(item["file"], item["warnings"])
+            for result in item.get("chunks", [item]):
+                if result["raw"] is not None:
+                    sources.count_raw(stats, *result["raw"])
+                    f, *c = result["raw"]
+                    raw[f] = [a + b for a, b in zip_longest(raw.get(f, ()), c, fillvalue=0)]
+                if pieces:  # a worker writes the chunk's dedup records where they go
+                    base, *places = dd.reserve(result["n"], result.pop("exact_counts"), result.pop("band_counts"))
+                    task = (str(pdir / f"{result['piece']}.dd"), base, places if dd.near is not None else places[:1])
+                    if pool is None:
+                        place_records(task)
+                    else:
+                        placing.append(pool.apply_async(place_records, (task,)))
+                        while len(placing) > in_flight or (placing and placing[0].ready()):
+                            placing.popleft().get()
                 else:
-                    placing.append(pool.apply_async(place_records, (task,)))
-                    while len(placing) > in_flight or (placing and placing[0].ready()):
-                        placing.popleft().get()
-            else:
-                dd.add(result["keys"], result.pop("bands"))
-            spool.add(result)
-            point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
-            if j.due():
+                    dd.add(result["keys"], result.pop("bands"))
+                spool.add(result)
+                point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
+            items += 1
+            settle()
+            if j.due():  # between work items only: a resume skips whole items
                 commit()
         while placing:  # before the pool goes
             placing.popleft().get()
@@ -381,10 +416,48 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
             pool.terminate()
         if bar is not None:
             bar.close()
-    sources.report_raw_files(stats, warn)
+    settle(force=True)  # (every item is done)
+    in_order.flush()
+    sources.report_raw_files(stats, warn, cfg.text_field, jsonl=False)
     _save_state(j, "dedup", stats=stats)
     commit(stage="dedup", state="dedup")
     spool.close()
+
+
+class _InOrder:
+    """Pass 1's reading warnings, in reading order although a compressed file is read by a
+    worker (`sources.FileUnit`): from where it is read (`hold`), the warnings wait until its
+    worker's are in (`fill`), so they come as if this process had read it."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self.warn = warn
+        self.queue: deque = deque()  # warnings, and the file index of each file held
+        self.got: dict[int, list[str]] = {}
+
+    def __call__(self, msg: str) -> None:
+        if self.queue:
+            self.queue.append(msg)
+        else:
+            self.warn(msg)
+
+    def hold(self, file: int) -> None:
+        self.queue.append(file)
+
+    def fill(self, file: int, warnings: list[str]) -> None:
+        self.got[file] = warnings
+        self.flush()
+
+    def flush(self) -> None:
+        while self.queue and (isinstance(self.queue[0], str) or self.queue[0] in self.got):
+            head = self.queue.popleft()
+            for msg in [head] if isinstance(head, str) else self.got.pop(head):
+                self.warn(msg)
+
+
+def _apply_counts(counts: sources.FileCounts, fields: dict) -> None:
+    """A compressed file's counts, as its worker found them (`workers.spill_unit`)."""
+    for k, v in fields.items():
+        setattr(counts, k, v)
 
 
 def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool,
@@ -541,7 +614,8 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
                 continue
             if counting:
                 counted.append((meta, exact, near))
-            yield (str(src / f"{i:08d}"), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype,
+            piece = meta.get("piece", f"{i:08d}")  # (named by work item since compressed files are items of several chunks)
+            yield (str(src / piece), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype,
                    meta.get("text_piece", False))
 
     placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
@@ -679,15 +753,24 @@ def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSp
     return sink.count_move(moved, last_chars[moved[0]] if moved else 0), moved, sample
 
 
-def _gather_sample(work: Path, members: np.ndarray) -> list[str]:
+def _piece_names(work: Path, j: Journal) -> list[str]:
+    """The file of each of pass 1's chunks in `PIECES`, in chunk order (named by work item: a
+    compressed file's chunks are `ITEM.NNNN`), from the chunk spool."""
+    spool = ChunkSpool(work / "pass1.tmp", j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
+    spool.close()
+    return [meta.get("piece", f"{i:08d}") for i, meta in enumerate(spool.read(remove=False))]
+
+
+def _gather_sample(work: Path, members: np.ndarray, names: list[str]) -> list[str]:
     """The texts of the sample's members ((chunk, index) in input order) from pass 1's chunk
-    files, as `Sink.sample_texts` gives them: long documents cut into ≤ 4,096-character pieces."""
+    files (`names`: `_piece_names`), as `Sink.sample_texts` gives them: long documents cut into
+    ≤ 4,096-character pieces."""
     texts: list[str] = []
     if not members.size:
         return texts
     bounds = np.flatnonzero(np.diff(members[:, 0])) + 1  # runs of one chunk (input order: ascending)
     for run in np.split(members, bounds):
-        texts += read_texts(str(work / PIECES / f"{int(run[0, 0]):08d}"), run[:, 1])
+        texts += read_texts(str(work / PIECES / names[int(run[0, 0])]), run[:, 1])
     return [p for t in texts for p in sources.cut_text(t, 4096)]
 
 
@@ -706,7 +789,8 @@ def _encode_pieces(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dty
     writers = {s: ShardWriter(work / s, dtype, at and at["writers"][s]) for s in SPLITS}
     origins = {s: OriginWriter(work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
     moved = tuple(j.data["moved"]) if j.data.get("moved") else None
-    sizes = [(work / PIECES / f"{i:08d}").stat().st_size if (work / PIECES / f"{i:08d}").exists() else 0 for i in range(spool.chunks)]
+    files = [work / PIECES / name for name in _piece_names(work, j)]
+    sizes = [f.stat().st_size if f.exists() else 0 for f in files]
     bar = progress_bar(progress, sum(sizes), "tokenize")
     if bar is not None and at is not None:
         bar.update(sum(sizes[: at["chunks"]]))

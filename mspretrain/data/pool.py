@@ -12,7 +12,10 @@ from collections import deque
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
+
 from mspretrain.data import sources
+from mspretrain.data.origin import RECORD
 
 CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
 CHUNK_DOCS = 4096
@@ -20,19 +23,27 @@ CHUNK_DOCS = 4096
 # results back, a journal entry), so bigger chunks lift its ceiling (docs/benchmarks/prepare.md);
 # the blocks are still decoded one by one. References to blocks (local workers read them) cost
 # the main process nothing to hold: ~13 MB chunks (~27,000 short documents). Blocks it holds
-# (compressed input, Ray): ~3 MB, as 2 x workers + 1 chunks are in flight.
+# (compressed input it reads itself, Ray): ~3 MB, as 2 x workers + 1 chunks are in flight.
 RAW_GROUP = 4
 RAW_GROUP_BY_REFERENCE = 16
+# A compressed file read whole by a worker (`workers.spill_unit`) is cut there into chunks of
+# this size instead: each costs the main process the same as any chunk, and the worker holds one
+# at a time either way (~12 MB of text, like a chunk of block references).
+UNIT_CHUNK_CHARS = 1 << 22
+UNIT_CHUNK_DOCS = 1 << 15
 
 
-def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str] | sources.RawLines]:
-    """Lists of documents of about CHUNK_CHARS characters (at most CHUNK_DOCS documents); up to
-    RAW_GROUP consecutive `RawLines` blocks of one file make a chunk of their own (the first
-    carries the others in `rest`; the documents before them go first)."""
+def chunks(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit], chars: int | None = None, docs: int | None = None,
+           blocks: int | None = None) -> Iterator[list[str] | sources.RawLines | sources.FileUnit]:
+    """Lists of documents of about `chars` (CHUNK_CHARS) characters (at most `docs`, CHUNK_DOCS,
+    documents); up to `blocks` (RAW_GROUP, or RAW_GROUP_BY_REFERENCE for references)
+    consecutive `RawLines` blocks of one file make a chunk of their own (the first carries the
+    others in `rest`; the documents before them go first). A `FileUnit` is an item of its own."""
     chunk: list[str] = []
     size = 0
     group: list[sources.RawLines] = []
-    most = lambda b: RAW_GROUP if b.data is not None else RAW_GROUP_BY_REFERENCE  # noqa: E731
+    most = lambda b: blocks or (RAW_GROUP if b.data is not None else RAW_GROUP_BY_REFERENCE)  # noqa: E731
+    max_chars, max_docs = chars or CHUNK_CHARS, docs or CHUNK_DOCS
 
     def grouped() -> sources.RawLines:
         first = group[0]
@@ -42,6 +53,14 @@ def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str
         return first
 
     for batch in batches:
+        if isinstance(batch, sources.FileUnit):
+            if chunk:
+                yield chunk
+                chunk, size = [], 0
+            if group:
+                yield grouped()
+            yield batch
+            continue
         if isinstance(batch, sources.RawLines):
             if chunk:
                 yield chunk
@@ -53,20 +72,50 @@ def chunks(batches: Iterable[list[str] | sources.RawLines]) -> Iterator[list[str
         if group:
             yield grouped()
         n = sum(map(len, batch))
-        if size + n < CHUNK_CHARS and len(chunk) + len(batch) < CHUNK_DOCS:
+        if size + n < max_chars and len(chunk) + len(batch) < max_docs:
             chunk.extend(batch)  # the common case: the whole batch fits
             size += n
             continue
         for item in batch:
             chunk.append(item)
             size += len(item)
-            if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
+            if size >= max_chars or len(chunk) >= max_docs:
                 yield chunk
                 chunk, size = [], 0
     if group:
         yield grouped()
     if chunk:
         yield chunk
+
+
+def chunks_with_origin(batches: Iterable[list[str] | sources.RawLines | sources.FileUnit], **sizes) -> Iterator:
+    """`chunks(batches, **sizes)`, each chunk of documents paired with its documents' origin records
+    (a `RawLines` chunk carries its own, a `FileUnit` is read elsewhere). `chunks` builds plain
+    lists, so the records of the batches it reads wait here, in order, until the chunk holding
+    their documents comes out."""
+    pending: deque[np.ndarray] = deque()
+
+    def noted() -> Iterator[list[str] | sources.RawLines | sources.FileUnit]:
+        for b in batches:
+            if not isinstance(b, (sources.RawLines, sources.FileUnit)):
+                pending.append(b.origin)
+            yield b
+
+    for chunk in chunks(noted(), **sizes):
+        if isinstance(chunk, (sources.RawLines, sources.FileUnit)):
+            yield chunk
+            continue
+        n, parts = len(chunk), []
+        while n:
+            head = pending[0]
+            if head.size <= n:
+                parts.append(pending.popleft())
+                n -= head.size
+            else:
+                parts.append(head[:n])
+                pending[0] = head[n:]
+                n = 0
+        yield chunk, np.concatenate(parts) if parts else np.zeros(0, dtype=RECORD)
 
 
 def batched(items: Iterable[str], n: int = 256) -> Iterator[list[str]]:

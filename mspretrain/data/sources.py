@@ -6,9 +6,13 @@ Design choices:
   explicitly is read as text whatever its name. An input that matches nothing is an error: a
   typo must not silently shrink the corpus.
 - Everything streams: files are read through an incremental decoder (line by line, or in blocks
-  split in C for one document per line), with a cap on how much of one line is held at a time. A document longer than `MAX_DOC_CHARS` is cut into
-  pieces (counted) instead of growing without bound: pretraining packs documents into windows
-  anyway, so a cut costs one EOS and nothing else.
+  split in C for one document per line), with a cap on how much of one line is held at a time.
+  For prepare's local workers, uncompressed one-document-per-line and .jsonl files come as
+  references to blocks of whole lines (`RawLines`, decoded and parsed where they are read), and
+  a compressed file as one `FileUnit` that a worker reads with the same reader (`read_body`).
+  A document longer than `MAX_DOC_CHARS` is cut into pieces (counted) instead of growing
+  without bound: pretraining packs documents into windows anyway, so a cut costs one EOS and
+  nothing else.
 - The encoding is detected per file from its first 64 KiB: a BOM, else strict UTF-8, else
   `charset-normalizer` (GBK/GB2312 are read as GB18030, their superset). Bytes that still do
   not decode are dropped and counted, never fatal. A file that looks binary (known magic
@@ -32,7 +36,7 @@ import zlib
 from collections import Counter
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -140,6 +144,7 @@ def _counted(batches: Iterable, counts: FileCounts) -> Iterator:
 # --------------------------------------------------------------------------- files mixing UTF-8 and GB18030 lines
 
 MIXED_CODEC = "mspretrain-mixed"
+MIXED_LABEL = "utf-8+gb18030"  # its label in the manifest
 _MIXED_HOLD = 1 << 20  # a line with no end yet is decoded in pieces beyond this: memory stays bounded
 
 
@@ -294,6 +299,10 @@ def _strip_compression(name: str) -> str:
         if low.endswith(suf):
             return low[: -len(suf)]
     return low
+
+
+def is_compressed(path: Path) -> bool:
+    return _strip_compression(path.name) != path.name.lower()
 
 
 def is_jsonl(path: Path) -> bool:
@@ -738,6 +747,7 @@ class RawLines:
     path: str | None = None
     size: int = 0
     rest: list["RawLines"] | None = None  # blocks of the same file that follow, decoded with it (`pool.chunks`)
+    jsonl: str | None = None  # a .jsonl file's block: the records' text field (`_jsonl_line_docs`); None: a document per line
 
     def load(self) -> "RawLines":
         """The block with its bytes: a reference (an uncompressed file read by local workers,
@@ -749,17 +759,23 @@ class RawLines:
             data = os.pread(f.fileno(), self.size, self.offset)
         if len(data) != self.size:
             raise OSError(f"{self.path}: {len(data)} bytes at {self.offset}, expected {self.size} (did the file change?)")
-        return RawLines(data, self.codec, self.file, self.offset)
+        return replace(self, data=data, path=None, size=0)
 
 
-def decode_raw(block: RawLines) -> tuple[Docs, int, int]:
-    """(documents, undecodable bytes dropped, documents cut at MAX_DOC_CHARS) of a block; the
-    documents carry their origin (the byte offset of each one's first byte in the file)."""
+# What decoding a block counts, besides its documents: `decode_raw` returns them in this order,
+# `count_raw` adds them to the file's `FileCounts`.
+RAW_COUNTS = ("bytes_dropped", "split_long", "surrogates_dropped", "jsonl_broken", "jsonl_no_field", "jsonl_too_long")
+
+
+def decode_raw(block: RawLines) -> tuple[Docs, tuple[int, ...]]:
+    """(documents, their counts in RAW_COUNTS order: undecodable bytes dropped, documents cut at
+    MAX_DOC_CHARS, and for a .jsonl block its lost escapes and skipped lines) of a block; the
+    documents carry their origin (the byte offset of each one's first byte, or of its record's
+    line, in the file)."""
     if block.rest:  # each block decoded on its own, as if it were a chunk of its own
-        parts = [decode_raw(b) for b in (RawLines(block.data, block.codec, block.file, block.offset, block.path, block.size),
-                                         *block.rest)]
+        parts = [decode_raw(b) for b in (replace(block, rest=None), *block.rest)]
         return (_docs([d for p in parts for d in p[0]], np.concatenate([p[0].origin for p in parts])),
-                sum(p[1] for p in parts), sum(p[2] for p in parts))
+                tuple(map(sum, zip(*(p[1] for p in parts)))))
     block = block.load()
     # counted here, for the caller to add to the file's counts (`count_raw`): the block may be
     # decoded in another process, or while the main process reads another file
@@ -768,8 +784,46 @@ def decode_raw(block: RawLines) -> tuple[Docs, int, int]:
     if "\r" in text:  # universal newlines, as TextIOWrapper(newline=None) reads them
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     where: list[tuple[int, int]] = []
-    docs = _whole_lines_docs(text, counts, where)
-    return _docs(docs, _records(block.file, _raw_offsets(block, text, where))), counts.bytes_dropped, counts.split_long
+    if block.jsonl is not None:
+        docs = _jsonl_line_docs(text, block.jsonl, counts, where)
+    else:
+        docs = _whole_lines_docs(text, counts, where)
+    return (_docs(docs, _records(block.file, _raw_offsets(block, text, where))),
+            tuple(getattr(counts, k) for k in RAW_COUNTS))
+
+
+def _jsonl_line_docs(text: str, text_field: str, counts: FileCounts, where: list[tuple[int, int]]) -> list[str]:
+    """What `_jsonl_docs` makes of these whole lines (decoded, universal newlines already \n):
+    the same records skipped and counted, the same pieces; `where` receives (line index, 0) of
+    each document. A line here has at most a few MB (`_raw_line_refs` cuts blocks only after a
+    newline), so `readline(MAX_JSONL_LINE_CHARS)` would have returned it whole, its "\n" aside."""
+    lines = text.split("\n")
+    if not lines[-1]:
+        lines.pop()  # the text ends with a newline (else the last line is the file's unterminated one)
+    docs: list[str] = []
+    for i, line in enumerate(lines):
+        if len(line) >= MAX_JSONL_LINE_CHARS:
+            counts.jsonl_too_long += 1
+            continue
+        if not line or line.isspace():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            counts.jsonl_broken += 1
+            continue
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            counts.jsonl_no_field += 1
+            continue
+        if "\\u" in line and _SURROGATE.search(text):
+            text, n = _SURROGATE.subn("", text)
+            counts.surrogates_dropped += n
+        pieces = cut_text(text, MAX_DOC_CHARS)
+        counts.split_long += len(pieces) - 1
+        docs.extend(pieces)
+        where.extend([(i, 0)] * len(pieces))
+    return docs
 
 
 def _raw_offsets(block: RawLines, text: str, where: list[tuple[int, int]]) -> np.ndarray:
@@ -790,23 +844,45 @@ def _raw_offsets(block: RawLines, text: str, where: list[tuple[int, int]]) -> np
     return out
 
 
-def count_raw(stats: SourceStats, file: int, documents: int, dropped: int, split_long: int) -> None:
-    """Add what decoding a block of `stats.per_file[file]` found to that file's counts."""
-    counts = stats.per_file[file]
+def count_raw(stats: SourceStats, file: int, documents: int, *found: int) -> None:
+    """Add what decoding a block of `stats.per_file[file]` found (`decode_raw`'s counts, in
+    RAW_COUNTS order; fewer of them from a journal written before .jsonl blocks) to that file's counts."""
+    add_raw(stats.per_file[file], documents, *found)
+
+
+def add_raw(counts: FileCounts, documents: int, *found: int) -> None:
+    """`count_raw` into `counts`."""
     counts.documents += documents
-    counts.bytes_dropped += dropped
-    counts.split_long += split_long
+    for key, n in zip(RAW_COUNTS, found):
+        setattr(counts, key, getattr(counts, key) + n)
 
 
-def report_raw_files(stats: SourceStats, warn: Callable[[str], None]) -> None:
-    """The per-file warnings of files read as `RawLines`, once all their blocks are decoded."""
+def report_raw_files(stats: SourceStats, warn: Callable[[str], None], text_field: str = "text", jsonl: bool = True) -> None:
+    """The per-file warnings of files read as `RawLines`, once all their blocks are decoded: the
+    same as a file read whole gets at its end (`warn_counts`), in the order of the files.
+    `jsonl=False`: not of .jsonl files (their warnings were `hold`-en, see `iter_file_batches`)."""
     for counts in stats.per_file:
-        if not counts.raw:
-            continue
-        if counts.bytes_dropped:
-            warn(f"{counts.path}: {counts.bytes_dropped} undecodable bytes dropped (read as {counts.encoding})")
-        if not counts.documents:
-            warn(f"{counts.path}: no documents found")
+        if counts.raw and (jsonl or not is_jsonl(counts.path)):
+            warn_counts(counts, text_field, warn)
+
+
+def warn_counts(counts: FileCounts, text_field: str, warn: Callable[[str], None]) -> None:
+    """What a file read lost, in one warning per kind."""
+    path, dropped = counts.path, counts.bytes_dropped
+    if counts.encoding == MIXED_LABEL:
+        gb, bad = counts.mixed_gb18030_lines, counts.mixed_bad_lines
+        warn(f"{path}: mixes encodings: {gb} lines read as GB18030, the others as UTF-8"
+             + (f"; {bad} lines fit neither ({dropped} bytes dropped)" if bad else ""))
+    elif dropped:
+        warn(f"{path}: {dropped} undecodable bytes dropped (read as {counts.encoding})")
+    broken, no_field, too_long = counts.jsonl_broken, counts.jsonl_no_field, counts.jsonl_too_long
+    if broken or no_field or too_long:
+        parts = [f"{broken} broken lines"] * bool(broken) + [f"{no_field} lines without a string '{text_field}' field"] * bool(no_field) \
+            + [f"{too_long} lines over {MAX_JSONL_LINE_CHARS:,} characters"] * bool(too_long)
+        warn(f"{path}: skipped {', '.join(parts)}")
+    if not counts.documents:
+        warn(f"{path}: no documents found" + (f" (is the text in a field other than '{text_field}'? use --text-field)"
+                                              if is_jsonl(path) else ""))
 
 
 class _Prefixed(io.RawIOBase):
@@ -882,12 +958,15 @@ def _raw_line_blocks(stream, codec: str, file: int, counts: FileCounts) -> Itera
         yield RawLines(carry, codec, file, base)
 
 
-def _long_line_rest(carry: bytes, stream, base: int, codec: str, file: int, counts: FileCounts) -> Iterator[list[str]]:
-    """The rest of a file from `base` (`carry`, then `stream`) through the decoding reader."""
+def _long_line_rest(carry: bytes, stream, base: int, codec: str, file: int, counts: FileCounts,
+                    jsonl: str | None = None) -> Iterator[list[str]]:
+    """The rest of a file from `base` (`carry`, then `stream`) through the decoding reader (of
+    records with the text field `jsonl`, if given)."""
     tracker = _LineStarts(_Prefixed(carry, stream), base)
     f = io.TextIOWrapper(io.BufferedReader(tracker), encoding=codec, errors="mspretrain.drop", newline=None)
     starts: list[int] = []
-    yield from _with_origin(_line_doc_batches(f, counts, starts), starts, file, tracker)
+    docs = _line_doc_batches(f, counts, starts) if jsonl is None else _batched(_jsonl_docs(f, jsonl, counts, starts))
+    yield from _with_origin(docs, starts, file, tracker)
 
 
 def _last_newline(fd: int, lo: int, hi: int, window: int = 1 << 14) -> int:
@@ -902,11 +981,13 @@ def _last_newline(fd: int, lo: int, hi: int, window: int = 1 << 14) -> int:
     return 0
 
 
-def _raw_line_refs(rawf, path: Path, size: int, codec: str, file: int, counts: FileCounts) -> Iterator[RawLines | list[str]]:
+def _raw_line_refs(rawf, path: Path, size: int, codec: str, file: int, counts: FileCounts,
+                   jsonl: str | None = None) -> Iterator[RawLines | list[str]]:
     """`_raw_line_blocks` of an uncompressed file as references (`RawLines.load`): the same
     blocks, cut at the last b"\n" before the same read positions (RAW_READ_BYTES apart, after a
     utf-8-sig file's first 3 bytes), without reading them. `rawf` is moved to each block's end,
-    for the progress bar."""
+    for the progress bar. `jsonl`: a .jsonl file's blocks (records' text field); a line with no
+    end then switches the rest of the file to `_jsonl_docs`."""
     fd = rawf.fileno()
     base = pos = 0  # where the next block starts; how far the old reader would have read
     if codec == "utf-8-sig":
@@ -920,15 +1001,15 @@ def _raw_line_refs(rawf, path: Path, size: int, codec: str, file: int, counts: F
         if not cut:
             if pos - base >= 4 * MAX_DOC_CHARS:  # a line with no end: the decoding reader from here
                 rawf.seek(pos)
-                yield from _long_line_rest(os.pread(fd, pos - base, base), rawf, base, codec, file, counts)
+                yield from _long_line_rest(os.pread(fd, pos - base, base), rawf, base, codec, file, counts, jsonl)
                 return
             continue
         rawf.seek(cut)
-        yield RawLines(None, codec, file, base, str(path), cut - base)
+        yield RawLines(None, codec, file, base, str(path), cut - base, jsonl=jsonl)
         base = cut
     if base < size:
         rawf.seek(size)
-        yield RawLines(None, codec, file, base, str(path), size - base)
+        yield RawLines(None, codec, file, base, str(path), size - base, jsonl=jsonl)
 
 
 def _jsonl_docs(f: io.TextIOBase, text_field: str, counts: FileCounts, starts: list[int] | None = None) -> Iterator[str]:
@@ -1004,14 +1085,21 @@ def iter_file(path: Path, *, doc_per_line: bool = False, text_field: str = "text
 def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str = "text",
                       stats: SourceStats, warn: Callable[[str], None],
                       progress: Callable[[int], None] | None = None, raw: bool = False,
-                      name: str | None = None, by_reference: bool = False) -> Iterator[list[str] | RawLines]:
+                      name: str | None = None, by_reference: bool = False,
+                      units: bool = False, hold: Callable[[int], None] | None = None) -> Iterator[list[str] | RawLines | FileUnit]:
     """`iter_file` in lists of documents (no per-document Python work for the caller). The file's
     counts go to a new `FileCounts` (named `name`, by default the path) at the end of `stats.per_file`.
 
     With `raw`, a one-document-per-line file in a RAW_CODECS encoding comes as `RawLines`
     blocks instead: the caller decodes them (`decode_raw`), adds the counts (`count_raw`) and
     finally calls `report_raw_files` for the warnings about those files. `by_reference`: an
-    uncompressed one comes as references to its blocks, which whoever decodes them reads."""
+    uncompressed one comes as references to its blocks, which whoever decodes them reads; so
+    does an uncompressed .jsonl file in a RAW_CODECS encoding (blocks of whole records, parsed
+    by whoever decodes them). `units`: a compressed file comes whole, as a `FileUnit` for a worker
+    to read (its counts and warnings then come from there). `hold(file)`: called where a .jsonl
+    file read in blocks ends, where the reader would have warned about what it lost: the caller
+    warns (`warn_counts`) there once its blocks are counted (prepare keeps the order of its
+    warnings so); without `hold`, `report_raw_files` warns about it."""
     counts = FileCounts(str(path) if name is None else name, path)
     stats.per_file.append(counts)
     try:
@@ -1040,32 +1128,75 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     reason = binary_reason(sample)
     enc = None if reason else detect_encoding(sample, complete)
     if enc is None and not reason and mixed_lines_fit(sample, complete):
-        enc = (MIXED_CODEC, "utf-8+gb18030")  # decoded line by line (the raw path is for one codec)
+        enc = (MIXED_CODEC, MIXED_LABEL)  # decoded line by line (the raw path is for one codec)
     if reason or enc is None:
         skip("binary", f"looks binary ({reason or 'no text encoding fits'})")
         return
     codec, label = enc
     counts.encoding = label
+    file = len(stats.per_file) - 1
+    if units and is_compressed(path):
+        # a compressed file: decompressed in a worker, whole (`FileUnit`); its counts come back from there
+        counts.bytes_in = size
+        yield FileUnit(str(path), file, codec, size, doc_per_line, text_field, raw)
+        if progress:
+            progress(size)
+        return
+    yield from read_body(path, counts, codec, size, file, doc_per_line=doc_per_line, text_field=text_field, raw=raw,
+                         by_reference=by_reference, warn=warn, progress=progress)
+    if not counts.raw:  # (a file read in blocks is warned about once they are decoded: `report_raw_files`)
+        warn_counts(counts, text_field, warn)
+    elif hold is not None and is_jsonl(path):
+        hold(file)
+
+
+@dataclass
+class FileUnit:
+    """A compressed input file as one unit of work: a worker decompresses it, cuts it into chunks
+    (`pool.chunks_with_origin` over `read_body`) and cleans them (`workers.spill_unit`); prepare's
+    main process only sniffs its head. Local workers only (they read the file)."""
+
+    path: str
+    file: int  # index into `SourceStats.per_file`
+    codec: str
+    size: int  # compressed bytes
+    doc_per_line: bool
+    text_field: str
+    raw: bool
+
+    def batches(self, counts: FileCounts, warn: Callable[[str], None]) -> Iterator[list[str] | RawLines]:
+        """What the main process would have read of the file (`read_body`), into `counts`."""
+        return read_body(Path(self.path), counts, self.codec, self.size, self.file, doc_per_line=self.doc_per_line,
+                         text_field=self.text_field, raw=self.raw, by_reference=False, warn=warn, progress=None)
+
+
+def read_body(path: Path, counts: FileCounts, codec: str, size: int, file: int, *, doc_per_line: bool, text_field: str,
+              raw: bool, by_reference: bool, warn: Callable[[str], None],
+              progress: Callable[[int], None] | None) -> Iterator[list[str] | RawLines]:
+    """The batches of a file that `iter_file_batches` sniffed (`codec`): a damaged stream keeps
+    what was read before the damage (status "corrupt", one warning)."""
     stream, rawf = _open_binary(path)
     done = 0
-    file = len(stats.per_file) - 1
-    counts.raw = raw and doc_per_line and not is_jsonl(path) and codec in RAW_CODECS
+    # .jsonl in blocks only by reference: compressed ones, and with --ray, stay with the reader here
+    jsonl = is_jsonl(path)
+    refs = by_reference and stream is rawf
+    counts.raw = raw and codec in RAW_CODECS and (refs if jsonl else doc_per_line)
     counts.offsets = "byte" if counts.raw or newline_bytes_safe(codec) else "row"
     try:
-        if counts.raw and by_reference and stream is rawf:
-            batches = _raw_line_refs(rawf, path, size, codec, file, counts)
+        if counts.raw and refs:
+            batches = _raw_line_refs(rawf, path, size, codec, file, counts, text_field if jsonl else None)
         elif counts.raw:
             batches = _raw_line_blocks(stream, codec, file, counts)
         else:
             tracker = None
             if counts.offsets == "byte":  # the same bytes reach the decoder; the tracker notes line starts
-                bom = codecs.BOM_UTF8 if codec == "utf-8-sig" and sample.startswith(codecs.BOM_UTF8) else b""
+                bom = codecs.BOM_UTF8 if codec == "utf-8-sig" else b""  # (utf-8-sig: the head starts with the BOM)
                 tracker = _LineStarts(stream)
                 tracker.starts = [np.array([len(bom)], dtype=np.int64)]  # line 0 starts after a BOM
                 stream = io.BufferedReader(tracker, 1 << 16)
             f = io.TextIOWrapper(stream, encoding=codec, errors="mspretrain.drop", newline=None)
             starts: list[int] = []
-            if is_jsonl(path):
+            if jsonl:
                 docs = _batched(_jsonl_docs(f, text_field, counts, starts))
             else:
                 docs = _line_doc_batches(f, counts, starts) if doc_per_line else _batched(_text_docs(f, counts, starts))
@@ -1093,22 +1224,6 @@ def iter_file_batches(path: Path, *, doc_per_line: bool = False, text_field: str
     counts.bytes_in = size
     if progress:
         progress(size - done)
-    if counts.raw:  # its blocks are decoded later: report_raw_files warns
-        return
-    dropped = counts.bytes_dropped
-    if codec == MIXED_CODEC:
-        gb, bad = counts.mixed_gb18030_lines, counts.mixed_bad_lines
-        warn(f"{path}: mixes encodings: {gb} lines read as GB18030, the others as UTF-8"
-             + (f"; {bad} lines fit neither ({dropped} bytes dropped)" if bad else ""))
-    elif dropped:
-        warn(f"{path}: {dropped} undecodable bytes dropped (read as {label})")
-    broken, no_field, too_long = counts.jsonl_broken, counts.jsonl_no_field, counts.jsonl_too_long
-    if broken or no_field or too_long:
-        parts = [f"{broken} broken lines"] * bool(broken) + [f"{no_field} lines without a string '{text_field}' field"] * bool(no_field) \
-            + [f"{too_long} lines over {MAX_JSONL_LINE_CHARS:,} characters"] * bool(too_long)
-        warn(f"{path}: skipped {', '.join(parts)}")
-    if not counts.documents:
-        warn(f"{path}: no documents found" + (f" (is the text in a field other than '{text_field}'? use --text-field)" if is_jsonl(path) else ""))
 
 
 def iter_documents(paths: Sequence[Path], *, doc_per_line: bool = False, text_field: str = "text",
@@ -1123,10 +1238,11 @@ def iter_documents(paths: Sequence[Path], *, doc_per_line: bool = False, text_fi
 def iter_batches(paths: Sequence[Path], *, doc_per_line: bool = False, text_field: str = "text",
                  stats: SourceStats, warn: Callable[[str], None],
                  progress: Callable[[int], None] | None = None, raw: bool = False,
-                 names: Sequence[str] | None = None, by_reference: bool = False) -> Iterator[list[str] | RawLines]:
+                 names: Sequence[str] | None = None, by_reference: bool = False,
+                 units: bool = False, hold: Callable[[int], None] | None = None) -> Iterator[list[str] | RawLines | FileUnit]:
     """`iter_documents` in lists of documents (or `RawLines`, see `iter_file_batches`), in order;
     `names` (one per path, see `discover_named`) name the files' counts."""
     for i, path in enumerate(paths):
         yield from iter_file_batches(path, doc_per_line=doc_per_line, text_field=text_field, stats=stats,
                                      warn=warn, progress=progress, raw=raw, name=None if names is None else names[i],
-                                     by_reference=by_reference)
+                                     by_reference=by_reference, units=units, hold=hold)

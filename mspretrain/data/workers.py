@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -99,8 +100,8 @@ def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLine
     `origin`, `lengths`, `fallback`) are aligned with `keys`."""
     raw, origin = None, None
     if isinstance(work, sources.RawLines):  # decoded here, in parallel, not in the main process
-        docs, dropped, split_long = sources.decode_raw(work)
-        raw, origin = (work.file, len(docs), dropped, split_long), docs.origin
+        docs, found = sources.decode_raw(work)
+        raw, origin = (work.file, len(docs), *found), docs.origin
     elif isinstance(work, tuple):
         docs, origin = work
     else:
@@ -195,7 +196,41 @@ def spill_chunk(fn, item: tuple) -> dict:
             os.fsync(f.fileno())  # durable before the main process commits its chunk (here, in parallel)
     out["has_origin"] = has_origin
     out["text_piece"] = texts is not None
+    out["piece"] = os.path.basename(path)  # the replay finds the chunk's file by this name
     return out
+
+
+def spill_item(fn, item: tuple) -> dict:
+    """`spill_chunk`, or `spill_unit` for a compressed file (`sources.FileUnit`)."""
+    return spill_unit(fn, item) if isinstance(item[0], sources.FileUnit) else spill_chunk(fn, item)
+
+
+def spill_unit(fn, item: tuple) -> dict:
+    """A compressed file, whole: decompressed here as a stream (what prepare's main process used
+    to read), cut into chunks (`pool.chunks_with_origin`, of UNIT_CHUNK_* size), each through
+    `spill_chunk` to `path`.NNNN. Returns {"file": its index, "chunks": their results in order (each with `piece`,
+    its file's name), "counts": the file's `FileCounts` fields, "warnings": what reading it
+    warned}. Memory: one chunk at a time, whatever the file's size."""
+    from dataclasses import asdict
+
+    from mspretrain.data import pool
+
+    unit, path, exact_parts, band_parts = item
+    counts = sources.FileCounts(unit.path, Path(unit.path))
+    warnings: list[str] = []
+    results = []
+    sizes = {"chars": pool.UNIT_CHUNK_CHARS, "docs": pool.UNIT_CHUNK_DOCS, "blocks": pool.RAW_GROUP_BY_REFERENCE}
+    for k, work in enumerate(pool.chunks_with_origin(unit.batches(counts, warnings.append), **sizes)):
+        piece = f"{path}.{k:04d}"
+        res = spill_chunk(fn, (work, piece, exact_parts, band_parts))
+        if res["raw"] is not None:  # a block's counts: the file's, here (the main process takes `counts`)
+            sources.add_raw(counts, *res["raw"][1:])
+            res["raw"] = None
+        results.append(res)
+    if not counts.raw:  # what reading it lost, where the main process's reader would have warned (blocks: at the end)
+        sources.warn_counts(counts, unit.text_field, warnings.append)
+    fields = {k: v for k, v in asdict(counts).items() if k not in ("name", "path", "bytes_in", "encoding")}
+    return {"file": unit.file, "chunks": results, "counts": fields, "warnings": warnings}
 
 
 def read_small(path: str, n: int = len(SMALL)) -> dict[str, np.ndarray]:
