@@ -58,8 +58,12 @@ def make_inputs(d: Path) -> Path:
     return d
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["given tokenizer", "trained tokenizer"])
 @pytest.mark.parametrize("workers", [1, 2])
-def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_path_writes(tokenizer, tmp_path, monkeypatch, workers):
+def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_path_writes(tokenizer, tmp_path, monkeypatch, workers, given):
+    """Also without --tokenizer: the trained tokenizer's replay, sample and encode stage find a
+    compressed file's chunks by their piece names (`ITEM.NNNN`); the sample budget is small so
+    that its heap pops."""
     d = make_inputs(tmp_path / "in")
     # (only what changes no output is lowered here: workers may be spawned, without these values;
     # too long lines and cut documents are compared in tests/test_sources.py)
@@ -85,7 +89,8 @@ def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_pat
     for local in (True, False):
         monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
         kinds.clear()
-        m = prepare([str(d)], tmp_path / str(local), replace(CFG, near_dedup=True), tokenizer=tokenizer, workers=workers, **QUIET)
+        m = prepare([str(d)], tmp_path / str(local), replace(CFG, near_dedup=True, tokenizer_sample_chars=3000),
+                    tokenizer=tokenizer if given else None, workers=workers, **QUIET)
         manifests[local] = json.dumps(m, indent=1)
         assert ("jsonl ref" in kinds) == local and (kinds.count("FileUnit") == 3 * local)
     for name in FILES:
