@@ -52,7 +52,7 @@ from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import RefSample, Sink
 from mspretrain.data.spool import Spool, read_spool
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
-from mspretrain.data.workers import clean_chunk, init_worker, place_piece, read_texts, replay_chunk, sample_chunk, spill_item, tokenize_chunk
+from mspretrain.data.workers import clean_chunk, init_worker, place_piece, read_small, read_texts, replay_chunk, spill_item, tokenize_chunk
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
@@ -478,7 +478,7 @@ def _replay(paths: list[Path], work: Path, cfg: PrepareConfig, tokens: bool, dty
     if at is not None:
         log(f"resuming the replay after chunk {at['chunks']:,} of {spool.chunks:,}")
     if texts_in_files:
-        notes, sink.moved, sink.sample = _replay_sample(work, cfg, dd, spool, sink, j, pieces_workers)
+        notes, sink.moved, sink.sample = _replay_sample(work, cfg, dd, spool, sink, j)
     elif pieces_workers is not None:
         notes = _replay_pieces(work, cfg, dtype, dd, spool, sink, writers, origins, pieces_workers, j)
     else:
@@ -686,13 +686,13 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
     return sink.count_move(moved, last_chars[moved[0]] if moved else 0) if counting else []
 
 
-def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSpool, sink: Sink, j: Journal, workers: int
+def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSpool, sink: Sink, j: Journal
                    ) -> tuple[list[str], tuple[str, str] | None, RefSample]:
     """The replay of a trained tokenizer's run when pass 1's chunks are in files (their texts
-    stay there until the encode stage): per chunk, a worker applies the dedup decisions and the
-    split to its documents' per-document arrays (`workers.sample_chunk`: characters and split
-    numbers, 24 bytes a document); here, in chunk order, the sink's counts and the tokenizer sample
-    as references (`sink.RefSample`: the same members as `Sink._sample`). Returns the notes of the split move
+    stay there until the encode stage): per chunk, the dedup decisions and the split of its
+    documents from their per-document arrays (`workers.read_small`: characters and split numbers,
+    24 bytes a document), the sink's counts, and the tokenizer sample as references
+    (`sink.RefSample`: the same members as `Sink._sample`). Returns the notes of the split move
     (`Sink.finish`'s), the move (done on the shards in the encode stage), and the sample.
 
     Resumable: every `commit_seconds()` the journal's "replay" names the chunks done, the sink's
@@ -718,37 +718,29 @@ def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSp
         if old and old != name:
             j.state_path(old).unlink(missing_ok=True)
 
-    counted: deque = deque()  # per chunk sent out: what `Sink.count` adds when its result is in
-
-    def items() -> Iterator[tuple]:
-        done = 0
-        for i, meta in enumerate(spool.read(remove=False)):
-            n = meta["n"]
-            exact, near = dd.dropped(done, done + n)
-            done += n
-            if i < skip:  # committed: only its documents' place in the dedup decisions is needed
-                continue
-            counted.append((meta, exact, near))
-            yield str(src / meta.get("piece", f"{i:08d}")), exact | near, cfg.valid_fraction
-
-    # workers read each chunk's characters and split numbers and apply the decisions
-    # (`workers.sample_chunk`); here only the counts and the sample's heap, in chunk order
-    pool = start_pool(workers if spool.chunks - skip > 1 else 1, init_worker, (cfg, None, None))
-    try:
-        for i, res in enumerate(ordered(pool, sample_chunk, items(), 2 * workers + 1), skip):
-            sink.count(*counted.popleft())
-            for split, r in res.items():
-                sink.docs[split] += r["docs"]
-                sink.chars[split] += r["chars"]
-                last_chars[split] = r["last_chars"]
+    # here, not in workers: reading 24 bytes a document from the page cache costs this process
+    # less than the same arrays pickled through a pool's pipes (measured: docs/benchmarks/prepare.md)
+    done = 0
+    for i, meta in enumerate(spool.read(remove=False)):
+        n = meta["n"]
+        exact, near = dd.dropped(done, done + n)
+        done += n
+        if i < skip:
+            continue
+        a = read_small(str(src / meta.get("piece", f"{i:08d}")), 2)  # chars and u
+        sink.count(meta, exact, near)
+        kept = np.flatnonzero(~(exact | near)).astype(np.int64)
+        in_valid = a["u"][kept, 0] < cfg.valid_fraction
+        for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
+            if sel.size:
+                sink.docs[split] += int(sel.size)
+                sink.chars[split] += int(a["chars"][sel].sum())
+                last_chars[split] = int(a["chars"][sel[-1]])
                 if split == "train" and sample.budget:
-                    sample.feed(r["u"], r["each"], i, r["index"])
-            point(f"replay {i + 1}")
-            if j.due():
-                commit(i + 1)
-    finally:
-        if pool is not None:
-            pool.terminate()
+                    sample.feed(a["u"][sel, 1], a["chars"][sel], i, sel)
+        point(f"replay {i + 1}")
+        if j.due():
+            commit(i + 1)
     moved = sink.planned_move()
     return sink.count_move(moved, last_chars[moved[0]] if moved else 0), moved, sample
 

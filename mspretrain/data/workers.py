@@ -239,26 +239,6 @@ def read_small(path: str, n: int = len(SMALL)) -> dict[str, np.ndarray]:
         return {k: np.load(f) for k in SMALL[:n]}
 
 
-def sample_chunk(item: tuple) -> dict:
-    """A chunk of a trained tokenizer's replay (`pipeline._replay_sample`), read here, not in the
-    main process: per split the kept documents' count, characters and the last one's characters;
-    for the train split also their numbers in the chunk, characters and u (`u[:, 1]`), in order,
-    which the main process feeds to the tokenizer sample's heap (`sink.RefSample`). `drop`: bool
-    per cleaned document (exact or near duplicate)."""
-    path, drop, valid_fraction = item
-    a = read_small(path, 2)  # chars and u: 24 bytes a document
-    kept = np.flatnonzero(~drop).astype(np.int64)
-    in_valid = a["u"][kept, 0] < valid_fraction
-    out: dict = {}
-    for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
-        if sel.size:
-            chars = a["chars"][sel]
-            out[split] = {"docs": int(sel.size), "chars": int(chars.sum()), "last_chars": int(chars[-1])}
-            if split == "train":
-                out[split].update(index=sel, u=np.ascontiguousarray(a["u"][sel, 1]), each=chars)
-    return out
-
-
 def read_texts(path: str, index: np.ndarray | None = None) -> list[str]:
     """Texts of a piece file that holds texts: those numbered `index` (ascending), or all."""
     with open(path, "rb") as f:
