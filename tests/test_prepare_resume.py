@@ -30,8 +30,8 @@ TEST_ENV = ("MSPRETRAIN_PREPARE_TEST_POINTS", "MSPRETRAIN_PREPARE_TEST_KILL", "M
 
 def make_corpus(d: Path) -> Path:
     """Several small one-document-per-line files (a chunk each), exact duplicates across them,
-    a .jsonl first (read by reference and parsed in the workers; in the main process through Ray), an empty file and undecodable bytes (warnings and
-    per-file counts that a resume must restore)."""
+    a .jsonl first (read by reference and parsed in the workers), an empty file and undecodable
+    bytes (warnings and per-file counts that a resume must restore)."""
     d.mkdir()
     poems = [p.replace("\n", "，") for p in make_poems(500, seed=5)]
     for k in range(5):
