@@ -805,22 +805,7 @@ def _jsonl_line_docs(text: str, text_field: str, counts: FileCounts, where: list
         if len(line) >= MAX_JSONL_LINE_CHARS:
             counts.jsonl_too_long += 1
             continue
-        if not line or line.isspace():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            counts.jsonl_broken += 1
-            continue
-        text = record.get(text_field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            counts.jsonl_no_field += 1
-            continue
-        if "\\u" in line and _SURROGATE.search(text):
-            text, n = _SURROGATE.subn("", text)
-            counts.surrogates_dropped += n
-        pieces = cut_text(text, MAX_DOC_CHARS)
-        counts.split_long += len(pieces) - 1
+        pieces = _jsonl_record(line, text_field, counts)
         docs.extend(pieces)
         where.extend([(i, 0)] * len(pieces))
     return docs
@@ -1027,26 +1012,32 @@ def _jsonl_docs(f: io.TextIOBase, text_field: str, counts: FileCounts, starts: l
             while (rest := f.readline(MAX_JSONL_LINE_CHARS)) and not rest.endswith("\n"):
                 pass
             continue
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            counts.jsonl_broken += 1
-            continue
-        text = record.get(text_field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            counts.jsonl_no_field += 1
-            continue
-        if "\\u" in line and _SURROGATE.search(text):
-            # A "\ud800" escape without its pair: not text, and not encodable as UTF-8.
-            text, n = _SURROGATE.subn("", text)
-            counts.surrogates_dropped += n
-        pieces = cut_text(text, MAX_DOC_CHARS)
-        counts.split_long += len(pieces) - 1
-        for piece in pieces:
+        for piece in _jsonl_record(line, text_field, counts):
             note(this)
             yield piece
+
+
+def _jsonl_record(line: str, text_field: str, counts: FileCounts) -> list[str]:
+    """The document pieces of one .jsonl line (none for a blank or unusable one, counted), for
+    both readers (`_jsonl_docs`, `_jsonl_line_docs`)."""
+    if not line.strip():
+        return []
+    try:
+        record = json.loads(line)
+    except ValueError:
+        counts.jsonl_broken += 1
+        return []
+    text = record.get(text_field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        counts.jsonl_no_field += 1
+        return []
+    if "\\u" in line and _SURROGATE.search(text):
+        # A "\ud800" escape without its pair: not text, and not encodable as UTF-8.
+        text, n = _SURROGATE.subn("", text)
+        counts.surrogates_dropped += n
+    pieces = cut_text(text, MAX_DOC_CHARS)
+    counts.split_long += len(pieces) - 1
+    return pieces
 
 
 def _batched(docs: Iterator[str], n: int = 256) -> Iterator[list[str]]:
