@@ -377,9 +377,11 @@ def _assert_runs_equal(a: Path, b: Path, steps: int, tol: float) -> None:
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_bucketed_zero2_equals_one_collective_per_parameter_on_2_workers(tmp_path, tiny_data, zero2_accum_run):
-    """ZeRO-2 with 2 micro-batches on 2 msrun workers, fp32: the default buckets (1 reduce bucket
-    per micro-batch, 1 gather bucket) against `bucket_mb = 0` (a rank bucket per k-th owned
-    parameter, AllReduce + Broadcast for the rest): 3 against 36 collectives per step. Losses and
+    """ZeRO-2 with 2 micro-batches on 2 msrun workers, fp32, embedding and lm_head split
+    (`ZERO2_ACCUM`): the default buckets (1 reduce bucket per micro-batch, 1 gather bucket, and a
+    reduce-scatter and a gather per split parameter) against `bucket_mb = 0` (a rank bucket per
+    k-th owned parameter, AllReduce + Broadcast for the rest): 9 against 42 collectives per step
+    at vocabulary 512 (3 against 33 with nothing split: `TrainStep.collectives`). Losses and
     grad norms of all 8 steps and the final model and optimizer files within 1e-6; measured bit
     for bit (2026-12-01). The bound is not 0: the owned gradients come in another order, so the
     owners' partial sums of squares (the norm) are added in another order and may round apart."""
