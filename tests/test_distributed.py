@@ -100,7 +100,8 @@ def test_two_ranks_match_one_process(tmp_path, tiny_data, reference_run, wire, r
     """Losses, grad norms and the final model and optimizer files of 2 msrun ranks against one
     process. The losses alone cannot see a gradient scale: clipping and Adam hide it from the
     weights for a while; the grad norm and the moments show it at once."""
-    if wire == "fp32":  # the session's run (conftest), also compared with per-parameter AllReduce in test_zero2.py
+    if wire == "fp32":  # the session's run (conftest: two "nodes" of one worker), also checked in test_multinode.py and
+        # compared with per-parameter AllReduce on one 2-worker msrun in test_zero2.py
         two = request.getfixturevalue("two_ranks_fp32")
     else:  # fp16 on the wire needs loss scaling (config.validate); a static power-of-two scale is exact in fp32
         two = tmp_path / f"two-{wire}"

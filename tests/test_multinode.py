@@ -48,9 +48,10 @@ def two_nodes(tmp_path: Path, data: Path, run: Path, *args: str, timeout: float 
     assert (logs / "node_1" / "worker_1.log").is_file()
 
 
-def test_two_nodes_equal_one_process_and_resume(tmp_path, tiny_data, reference_run):
-    run = tmp_path / "nodes"
-    two_nodes(tmp_path, tiny_data, run, *REFERENCE_ARGS)
+def test_two_nodes_equal_one_process_and_resume(tmp_path, tiny_data, reference_run, two_ranks_fp32):
+    """The session's `two_ranks_fp32` (conftest) is this two-node job: `two_nodes` checked its
+    exit codes and per-node log dirs when it ran."""
+    run = two_ranks_fp32
     one, got = _metrics(reference_run), _metrics(run)
     steps = list(range(1, REFERENCE_STEPS + 1))
     assert sorted(got) == sorted(one) == steps
@@ -69,7 +70,7 @@ def test_two_nodes_equal_one_process_and_resume(tmp_path, tiny_data, reference_r
     # resume on two nodes from step 5: steps 6-8 and the final state equal the unbroken run
     resume_at = 5
     resumed = copy_run_at(run, tmp_path / "nodes-resumed", resume_at)
-    two_nodes(tmp_path, tiny_data, resumed, *REFERENCE_ARGS)
+    two_nodes(tmp_path, tiny_data, resumed, *REFERENCE_ARGS, "precision.allreduce_dtype=fp32")
     assert f"resumed from step_{resume_at:06d}" in (resumed / "train.log").read_text()
     after = _metrics(resumed)
     for step in range(resume_at + 1, REFERENCE_STEPS + 1):

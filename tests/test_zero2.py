@@ -125,14 +125,36 @@ def _resume_on_one_process(run, tiny_data, tmp_path, at: int, *extra: str):
     return resumed
 
 
+# ZeRO-2 with 2 micro-batches and `optim.split_mb = 0.1` (26,214 elements): the tiny embedding and
+# lm_head (512 x 64 = 32,768 each) are cut into a slice per rank, the other 13 parameters stay whole,
+# so one job runs both paths (a split test and a whole-tensor test each launched the same job before).
+ZERO2_ACCUM = ("optim.shard_gradients=true", "train.micro_batch=1", "optim.split_mb=0.1")
+
+
 @pytest.fixture(scope="module")
 def zero2_accum_run(tmp_path_factory, tiny_data) -> Path:
-    """ZeRO-2 on 2 msrun workers, 2 micro-batches each, default buckets (the reference run's
-    config otherwise). Module-scoped: two tests compare against it, one launch. Read-only."""
+    """ZeRO-2 on 2 msrun workers, 2 micro-batches each, default buckets, embedding and lm_head
+    split (`ZERO2_ACCUM`; the reference run's config otherwise). Module-scoped: two tests compare
+    against it, one launch. Read-only."""
     tmp = tmp_path_factory.mktemp("zero2")
     two = tmp / "zero2"
-    _msrun(tmp, tiny_data, two, "optim.shard_gradients=true", "train.micro_batch=1")
+    _msrun(tmp, tiny_data, two, *ZERO2_ACCUM)
     return two
+
+
+FP16_MASTERS = ("precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static")
+
+
+@pytest.fixture(scope="module")
+def one_fp16(tmp_path_factory, tiny_data) -> Path:
+    """The reference run's config in fp16 with fp16 matrices and fp32 masters, on one process: what
+    the two fp16-masters msrun tests below compare against (each trained it for itself before). Read-only."""
+    from mspretrain.cli import main
+
+    one = tmp_path_factory.mktemp("one-fp16") / "one-fp16"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *ARGS, "train.log_every=1",
+                 *FP16_MASTERS]) == 0
+    return one
 
 
 def _assert_two_ranks_equal_one_process(two: Path, reference_run: Path, tiny_data: Path, tmp_path: Path) -> Path:
@@ -166,9 +188,24 @@ def test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_wor
     """ZeRO-2 on 2 msrun workers, 2 micro-batches each (a reduce-scatter per micro-batch, bucketed
     AllGather after the update) against one process without accumulation: losses, grad norms,
     the final model and optimizer files, identical replicas; one process resumes it at step 5 and,
-    after resumed updates, has the unbroken run's weights and moments."""
+    after resumed updates, has the unbroken run's weights and moments.
+
+    Split parameters (`ZERO2_ACCUM`: `optim.split_mb = 0.1`): embedding and lm_head are cut into a
+    slice per rank, reduce-scattered into the slices, updated there and gathered whole; each rank's
+    shard holds its slices, and the one-process resume re-joins them into whole tensors."""
+    from safetensors.numpy import load_file
+
     two = zero2_accum_run
     assert "optimizer state and gradients sharded over 2 ranks" in (two / "train.log").read_text()
+    shards = sorted(_step_dir(two, FINAL).glob("optimizer-*.safetensors"))
+    keys = [set(load_file(str(s))) for s in shards]
+    assert len(shards) == 2
+    for name in ("embed.weight", "lm_head.weight"):
+        assert f"exp_avg.{name}@0:16384" in keys[0] and f"exp_avg.{name}@16384:32768" in keys[1]
+        assert not any(k.startswith(f"exp_avg.{name}") for k in keys[0] & keys[1])
+    # the other 13 parameters stay whole: each in exactly one rank's shard, under its plain name
+    whole = {k for k in keys[0] | keys[1] if k.startswith("exp_avg.") and "@" not in k}
+    assert len(whole) == 13 and not whole & keys[0] & keys[1]
     resumed = _assert_two_ranks_equal_one_process(two, reference_run, tiny_data, tmp_path)
     for step in range(6, FINAL + 1):
         assert_same_checkpoint(_step_dir(resumed, step), _step_dir(reference_run, step), 1e-5)
@@ -177,15 +214,11 @@ def test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_wor
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, tiny_data):
+def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, tiny_data, one_fp16):
     """fp16 compute with fp16 matrices and sharded fp32 masters, ZeRO-2, and `bucket_mb = 0` (the
     per-parameter collectives) on 2 workers, against the same config on one process; then resumed
     from its step 5 on one process."""
-    from mspretrain.cli import main
-
-    fp16 = ["precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static"]
-    one = tmp_path / "one-fp16"
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *ARGS, "train.log_every=1", *fp16]) == 0
+    fp16, one = FP16_MASTERS, one_fp16
     two = tmp_path / "zero2-fp16"
     _msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_gradients=true", "optim.bucket_mb=0")
     a, b = _metrics(one), _metrics(two)
@@ -344,14 +377,16 @@ def _assert_runs_equal(a: Path, b: Path, steps: int, tol: float) -> None:
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_bucketed_zero2_equals_one_collective_per_parameter_on_2_workers(tmp_path, tiny_data, zero2_accum_run):
-    """ZeRO-2 with 2 micro-batches on 2 msrun workers, fp32: the default buckets (1 reduce bucket
-    per micro-batch, 1 gather bucket) against `bucket_mb = 0` (a rank bucket per k-th owned
-    parameter, AllReduce + Broadcast for the rest): 3 against 36 collectives per step. Losses and
+    """ZeRO-2 with 2 micro-batches on 2 msrun workers, fp32, embedding and lm_head split
+    (`ZERO2_ACCUM`): the default buckets (1 reduce bucket per micro-batch, 1 gather bucket, and a
+    reduce-scatter and a gather per split parameter) against `bucket_mb = 0` (a rank bucket per
+    k-th owned parameter, AllReduce + Broadcast for the rest): 9 against 42 collectives per step
+    at vocabulary 512 (3 against 33 with nothing split: `TrainStep.collectives`). Losses and
     grad norms of all 8 steps and the final model and optimizer files within 1e-6; measured bit
     for bit (2026-12-01). The bound is not 0: the owned gradients come in another order, so the
     owners' partial sums of squares (the norm) are added in another order and may round apart."""
     per_param = tmp_path / "zero2-per-parameter"
-    _msrun(tmp_path, tiny_data, per_param, "optim.shard_gradients=true", "train.micro_batch=1", "optim.bucket_mb=0")
+    _msrun(tmp_path, tiny_data, per_param, *ZERO2_ACCUM, "optim.bucket_mb=0")
     assert _collectives(zero2_accum_run) < _collectives(per_param)
     _assert_runs_equal(zero2_accum_run, per_param, FINAL, 1e-6)
 
@@ -550,36 +585,16 @@ def test_split_fp16_masters_are_slices_and_fp32_ones_come_from_the_weights(tiny_
     assert np.array_equal(step.own_masters[k].asnumpy(), new.reshape(-1)[lo:hi])
 
 
-@pytest.mark.slow
-@pytest.mark.msrun
-@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_split_parameters_under_zero2_match_one_process_and_resume_at_world_1(tmp_path, tiny_data, reference_run):
-    """ZeRO-2 with 2 micro-batches on 2 msrun workers and `optim.split_mb = 0.1` (26,214 elements):
-    the tiny embedding and lm_head (512 x 64 = 32,768 each) are cut into a slice per rank, reduce-
-    scattered into the slices, updated there and gathered whole. Losses, grad norms, the final
-    weights and the (joined) optimizer state equal one unsharded process within the whole-tensor
-    ZeRO-2 test's tolerances; each rank's shard holds its slices; one process resumes the step-5
-    checkpoint (the slices re-joined into whole tensors) and keeps the unbroken run's numbers."""
-    from safetensors.numpy import load_file
-
-    two = tmp_path / "zero2-split"
-    _msrun(tmp_path, tiny_data, two, "optim.shard_gradients=true", "train.micro_batch=1", "optim.split_mb=0.1")
-    assert "optimizer state and gradients sharded over 2 ranks" in (two / "train.log").read_text()
-    shards = sorted(_step_dir(two, FINAL).glob("optimizer-*.safetensors"))
-    keys = [set(load_file(str(s))) for s in shards]
-    assert len(shards) == 2
-    for name in ("embed.weight", "lm_head.weight"):
-        assert f"exp_avg.{name}@0:16384" in keys[0] and f"exp_avg.{name}@16384:32768" in keys[1]
-        assert not any(k.startswith(f"exp_avg.{name}") for k in keys[0] & keys[1])
-
-    resumed = _assert_two_ranks_equal_one_process(two, reference_run, tiny_data, tmp_path)
-    assert_same_checkpoint(_step_dir(resumed, FINAL), _step_dir(reference_run, FINAL), 1e-5)
+# ZeRO-2 with split parameters on 2 msrun workers (reduce-scattered into the slices, updated there,
+# gathered whole; the resume at world 1 re-joins them): the `zero2_accum_run` job above, checked by
+# test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_world_1 and, against one
+# collective per parameter, by test_bucketed_zero2_equals_one_collective_per_parameter_on_2_workers.
 
 
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_path, tiny_data):
+def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_path, tiny_data, one_fp16):
     """The other paths of a split parameter: ZeRO-1 (gradients all-reduced whole, each rank cuts
     its slice for the update) in the fused step (no accumulation), fp16 matrices whose fp32
     masters are slices, and `optim.split_mb = 0.04` (10,485 elements: the fp32 embedding and
@@ -587,11 +602,7 @@ def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_pa
     the fp16-masters test's tolerances."""
     from safetensors.numpy import load_file
 
-    from mspretrain.cli import main
-
-    fp16 = ["precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static"]
-    one = tmp_path / "one-fp16"
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *ARGS, "train.log_every=1", *fp16]) == 0
+    fp16, one = FP16_MASTERS, one_fp16
     two = tmp_path / "zero1-split-fp16"
     _msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_optimizer=true", "optim.split_mb=0.04", "train.log_every=1")
     assert "optimizer state sharded over 2 ranks" in (two / "train.log").read_text()
