@@ -289,16 +289,22 @@ def test_prepare_disk_errors_are_one_line(poems_dir, tmp_path, capsys, monkeypat
     import errno
     import os
 
+    from mspretrain.data.shards import ShardWriter
     from mspretrain.data.sink import Sink
 
     code = getattr(errno, err)
+    calls = []
 
     def full(self, *a, **k):
+        calls.append(1)
         raise OSError(code, os.strerror(code), str(tmp_path / ".data.partial" / "train.bin"))
 
+    # where the shards grow: the replay through the sink, or the places the per-chunk path reserves
     monkeypatch.setattr(Sink, "take", full)
+    monkeypatch.setattr(ShardWriter, "reserve", full)
     out = tmp_path / "data"
     assert os.strerror(code) in refused(capsys, "prepare", poems_dir, "--out", out, *PREP)
+    assert calls  # the error came from a write, not from something earlier
     assert not out.exists() and not (tmp_path / ".data.partial").exists()
 
 

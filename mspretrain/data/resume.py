@@ -23,9 +23,10 @@ Design choices:
 - Commits come once every worker has finished about one unit (chunk) since the last commit, but
   at most every `MIN_COMMIT_SECONDS`, and at least every `COMMIT_SECONDS`: a kill redoes about
   one unit per worker of the stage that was running, plus the units in flight (`Journal.due`).
-- A commit's fsyncs run in a thread (`commit(background=True)`, pass 1's, which fsyncs every
+- A periodic commit's fsyncs run in a thread (`commit(background=True)`; pass 1's fsync every
   dedup partition file: ~0.1 s for 640 files) while the stage goes on; the journal is replaced
-  only after they are done, and the next commit waits for it. The files grow past the committed
+  only after they are done, and the next commit waits for it (a stage's last commit is made in
+  the caller's thread). The files grow past the committed
   lengths meanwhile, which a resume cuts off as it does a torn tail.
 """
 from __future__ import annotations
