@@ -84,8 +84,13 @@ def bounded(kind: type, low: float, high: float, *, what: str = "") -> Callable[
             name = "a whole number" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
         if isinstance(value, float) and not math.isfinite(value) or not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text} is outside [{low:g}, {high:g}]{what and ' (' + what + ')'}")
+            raise argparse.ArgumentTypeError(f"{text} is outside [{_bound(low)}, {_bound(high)}]{what and ' (' + what + ')'}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its own messages
     return parse
+
+
+def _bound(v: float) -> str:
+    """A flag's limit as a user reads it: 1048576 rather than 1.04858e+06."""
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else f"{v:g}"
