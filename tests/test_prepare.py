@@ -32,6 +32,22 @@ QUIET = {"log": lambda _: None}
 FILES = ("manifest.json", "tokenizer.model", "train.bin", "train.idx", "train.origin", "valid.bin", "valid.idx", "valid.origin")
 
 
+def _both_paths(monkeypatch, inputs: list[str], tmp_path: Path, cfg: PrepareConfig, **kw) -> dict:
+    """prepare on the per-chunk path and on the path through the main process
+    (`pipeline.LOCAL_PIECES`, `--ray`'s): every file of the data dirs and the manifests equal.
+    Returns the manifest."""
+    from mspretrain.data import pipeline
+
+    manifests = {}
+    for local in (True, False):
+        monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
+        manifests[local] = json.dumps(prepare(inputs, tmp_path / str(local), cfg, **kw, **QUIET))
+    for name in FILES:
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
+    assert manifests[True] == manifests[False]
+    return json.loads(manifests[True])
+
+
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory) -> Path:
     """Poems as .txt (blank-line blocks) and .jsonl, with dirt and duplicates mixed in."""
@@ -540,16 +556,8 @@ def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(pre
     calls = []
     real = pipeline._replay_pieces
     monkeypatch.setattr(pipeline, "_replay_pieces", lambda *a: calls.append(1) or real(*a))
-    manifests = {}
-    for local in (True, False):
-        monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
-        m = prepare([str(d)], tmp_path / str(local), cfg, tokenizer=str(out / "tokenizer.model"), workers=2, **QUIET)
-        manifests[local] = json.dumps(m)
+    m = _both_paths(monkeypatch, [str(d)], tmp_path, cfg, tokenizer=str(out / "tokenizer.model"), workers=2)
     assert calls == [1]  # the per-chunk path ran once, the other run went through the main process
-    for name in FILES:
-        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
-    assert manifests[True] == manifests[False]
-    m = json.loads(manifests[True])
     if case == "chunks":
         assert m["dropped"].get("exact_dup", 0) > 0 and m["documents"]["valid"] > 0
     else:
@@ -581,16 +589,8 @@ def test_per_chunk_path_with_a_trained_tokenizer_writes_what_the_main_process_pa
     calls = []
     real = pipeline._replay_sample
     monkeypatch.setattr(pipeline, "_replay_sample", lambda *a: calls.append(1) or real(*a))
-    manifests = {}
-    for local in (True, False):
-        monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
-        m = prepare([str(d)], tmp_path / str(local), cfg, workers=workers, **QUIET)
-        manifests[local] = json.dumps(m)
+    m = _both_paths(monkeypatch, [str(d)], tmp_path, cfg, workers=workers)
     assert calls == [1]  # the per-chunk path ran once, the other run went through the main process
-    for name in FILES:
-        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
-    assert manifests[True] == manifests[False]
-    m = json.loads(manifests[True])
     assert m["dropped"].get("exact_dup", 0) > 0 and m["documents"]["valid"] > 0
     assert 2000 < m["tokenizer"]["sample_characters"] <= 3000 < m["characters_by_split"]["train"]
 
@@ -598,16 +598,10 @@ def test_per_chunk_path_with_a_trained_tokenizer_writes_what_the_main_process_pa
 def test_trained_tokenizer_per_chunk_path_moves_the_last_document(tmp_path, monkeypatch):
     """5 documents, valid left empty: the split move (`Sink.finish`) done on the shards in the
     encode stage gives the bytes of the path through the main process."""
-    from mspretrain.data import pipeline
-
     (tmp_path / "p.txt").write_text("\n".join(p.replace("\n", "，") for p in make_poems(5, seed=2)) + "\n", encoding="utf-8")
     cfg = replace(CFG, doc_per_line=True, valid_fraction=0.001)
-    for local in (True, False):
-        monkeypatch.setattr(pipeline, "LOCAL_PIECES", local)
-        m = prepare([str(tmp_path / "p.txt")], tmp_path / str(local), cfg, workers=2, **QUIET)
-        assert m["documents"] == {"train": 4, "valid": 1}
-    for name in FILES:
-        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
+    m = _both_paths(monkeypatch, [str(tmp_path / "p.txt")], tmp_path, cfg, workers=2)
+    assert m["documents"] == {"train": 4, "valid": 1}
 
 
 @pytest.mark.parametrize("impl", ["c", "python"])
