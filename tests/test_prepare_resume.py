@@ -73,6 +73,16 @@ def files_of(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
+def killed_then_rerun(raw: Path, out: Path, at: str, *extra: str, **kw) -> list[str]:
+    """Kill -9 at the point `at` (a commit after every unit), rerun the same command with one
+    worker; the rerun's progress points."""
+    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"}, **kw)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"}, **kw)
+    assert again.returncode == 0, again.stderr
+    return points_of(again)
+
+
 def digest(d: Path) -> dict[str, str]:
     return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
 
@@ -228,15 +238,12 @@ def test_a_killed_replay_resumes_after_its_last_committed_chunk(reference, tmp_p
     at = "replay moved" if valid == "0.0001" else replays[len(replays) // 2]
     assert at in points_of(ref)
     out = tmp_path / "data"
-    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
-    assert again.returncode == 0, again.stderr
+    got = killed_then_rerun(raw, out, at, *extra)
     assert files_of(out) == files_of(tmp_path / "ref")
-    redone = [p for p in points_of(again) if p.startswith("replay ") and p != "replay moved"]
+    redone = [p for p in got if p.startswith("replay ") and p != "replay moved"]
     # the chunk killed before its commit is the only one placed again (none after the last chunk)
     assert redone == ([] if at == "replay moved" else replays[replays.index(at):]), redone
-    assert not any(p.startswith("pass1") for p in points_of(again))
+    assert not any(p.startswith("pass1") for p in got)
 
 
 @pytest.mark.sigkill
@@ -261,14 +268,10 @@ def test_a_killed_replay_of_a_trained_tokenizer_run_resumes_after_its_last_commi
     assert len(replays) >= 4, replays
     at = replays[len(replays) // 2]
     out = tmp_path / "data"
-    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"},
-                 through_main=through_main)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"}, through_main=through_main)
-    assert again.returncode == 0, again.stderr
+    got = killed_then_rerun(raw, out, at, *extra, through_main=through_main)
     assert files_of(out) == want
-    assert [p for p in points_of(again) if p.startswith("replay ")] == replays[replays.index(at):]
-    assert not any(p.startswith("pass1") for p in points_of(again))
+    assert [p for p in got if p.startswith("replay ")] == replays[replays.index(at):]
+    assert not any(p.startswith("pass1") for p in got)
 
 
 @pytest.mark.sigkill
@@ -287,12 +290,8 @@ def test_a_killed_encode_of_a_trained_tokenizer_run_resumes_after_its_last_commi
     at = "encode moved" if valid == "0.0001" else encodes[len(encodes) // 2]
     assert at in points_of(ref)
     out = tmp_path / "data"
-    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
-    assert again.returncode == 0, again.stderr
+    got = killed_then_rerun(raw, out, at, *extra)
     assert files_of(out) == files_of(tmp_path / "ref")
-    got = points_of(again)
     assert [p for p in got if p.startswith("encode ") and p != "encode moved"] == (
         [] if at == "encode moved" else encodes[encodes.index(at):])
     assert not any(p.startswith(("pass1", "replay", "trained")) for p in got)
