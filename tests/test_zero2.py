@@ -211,16 +211,9 @@ def test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_wor
         assert_same_checkpoint(_step_dir(resumed, step), _step_dir(reference_run, step), 1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.msrun
-@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, tiny_data, one_fp16):
-    """fp16 compute with fp16 matrices and sharded fp32 masters, ZeRO-2, and `bucket_mb = 0` (the
-    per-parameter collectives) on 2 workers, against the same config on one process; then resumed
-    from its step 5 on one process."""
-    fp16, one = FP16_MASTERS, one_fp16
-    two = tmp_path / "zero2-fp16"
-    _msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_gradients=true", "optim.bucket_mb=0")
+def _fp16_run_equals_one_process(two: Path, one: Path) -> tuple[dict, dict]:
+    """A 2-worker fp16 run against the same config on one process: losses, identical replicas,
+    the final checkpoint. Returns both runs' losses by step."""
     a, b = _metrics(one), _metrics(two)
     assert sorted(a) == sorted(b) == STEPS
     # The two ranks sum the gradients in another order, and fp16 weights can round the other way
@@ -232,6 +225,20 @@ def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, t
     # fp16 weights: one ulp is ~1e-3 relative, and summation order flips some roundings (measured
     # 1.6e-4 and 7.7e-4 in two runs), as in the fp16-wire test of test_distributed.py
     assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(one, FINAL), 5e-3)
+    return a, b
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, tiny_data, one_fp16):
+    """fp16 compute with fp16 matrices and sharded fp32 masters, ZeRO-2, and `bucket_mb = 0` (the
+    per-parameter collectives) on 2 workers, against the same config on one process; then resumed
+    from its step 5 on one process."""
+    fp16, one = FP16_MASTERS, one_fp16
+    two = tmp_path / "zero2-fp16"
+    _msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_gradients=true", "optim.bucket_mb=0")
+    a, b = _fp16_run_equals_one_process(two, one)
 
     # resumed at another world size: the 2 workers' step-5 checkpoint (fp16 weights, fp32 masters
     # sharded over 2 files) continued by one process keeps the unbroken runs' losses
@@ -610,13 +617,7 @@ def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_pa
     assert {"master.layers.1.mlp.w13.weight@0:12288", "master.layers.1.mlp.w13.weight@12288:24576",
             "exp_avg.lm_head.weight@16384:32768"} <= keys
     assert not any(k.startswith("master.lm_head") for k in keys)  # fp32: its master is the weights
-    a, b = _metrics(one), _metrics(two)
-    assert sorted(a) == sorted(b) == STEPS
-    for step in a:
-        assert abs(a[step] - b[step]) <= (1e-5 if step <= 5 else 1e-4), (step, a[step], b[step])
-    hashes = _replica_hashes(two)
-    assert len(hashes) == 2 and hashes[0] == hashes[1]
-    assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(one, FINAL), 5e-3)
+    _fp16_run_equals_one_process(two, one)
 
 
 @pytest.mark.parametrize("dtype,param_dtype", [("fp32", "fp32"), ("fp16", "compute")])
