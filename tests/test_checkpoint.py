@@ -146,7 +146,9 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, reference_run,
     published = store.latest_verified(run, log=lambda s: None)
     assert published is not None, f"no checkpoint was published before the kill at step {kill_at}"
     published_step = int(json.loads((published / "train_state.json").read_text())["step"])
-    assert 1 <= published_step <= kill_at and published.name == f"step_{published_step:06d}"
+    # The poller sees step kill_at in metrics.jsonl and then sends the kill; the run keeps going
+    # meanwhile and may publish a later step first. Any step short of the last leaves work to resume.
+    assert 1 <= published_step < REFERENCE_STEPS and published.name == f"step_{published_step:06d}", (kill_at, published_step)
     resumed = subprocess.run(_train_cmd(tiny_data, run, *over), capture_output=True, text=True, timeout=300,
                              env={**os.environ, "GLOG_v": "3"})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
