@@ -206,7 +206,10 @@ class Bits:
         return ((self.bits[idx >> 3] >> (idx & 7).astype(np.uint8)) & 1).astype(bool)
 
     def range(self, lo: int, hi: int) -> np.ndarray:
-        return self.get(np.arange(lo, hi, dtype=np.int64))
+        # the bytes holding lo..hi-1 unpacked (bit i of a byte is document 8 * byte + i), not a
+        # gather per document: this runs in the main process once per chunk of the replay
+        b = lo >> 3
+        return np.unpackbits(self.bits[b:(hi + 7) >> 3], bitorder="little")[lo - 8 * b:hi - 8 * b].view(bool)
 
     def count(self) -> int:
         return int(np.unpackbits(self.bits).sum())

@@ -7,6 +7,7 @@ whatever the corpus size (`multiprocessing.Pool.imap` would read ahead without l
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.pool
 import sys
 from collections import deque
 from dataclasses import replace
@@ -156,5 +157,34 @@ def start_pool(workers: int, initializer: Callable, initargs: tuple, warm_up: Ca
     method = "spawn" if "mindspore" in sys.modules else "fork"
     if method == "fork" and warm_up is not None:
         warm_up()
-    ctx = mp.get_context(method)
-    return ctx.Pool(workers, initializer=initializer, initargs=initargs)
+    return QuietPool(workers, initializer=initializer, initargs=initargs, context=mp.get_context(method))
+
+
+class QuietPool(mp.pool.Pool):
+    """A `multiprocessing.Pool` whose worker-handler thread sleeps while the pool runs.
+
+    CPython's pool (multiprocessing/pool.py, 3.8-3.13) wakes that thread, which polls every worker
+    and rebuilds its selector, (1) whenever a result is waiting in the result pipe
+    (`Pool._get_sentinels` lists its reader), where it spins until the result thread has read it,
+    and (2) whenever the table of outstanding tasks becomes empty (`_PoolCache.__delitem__`). When
+    the main process sets the pace (`prepare`'s ceiling: workers faster than it), that is every
+    result, four a chunk: a third of the main process's CPU per chunk went there
+    (benchmarks/prepare_ceiling_bench.py, docs/benchmarks/prepare.md). Here it waits only for a
+    worker's exit (its sentinel: lost workers are still replaced) and for the pool's own state
+    changes: (1) is dropped from the sentinels, and for (2) a placeholder entry keeps the table
+    from becoming empty while the pool runs; `terminate` removes it first (the pool checks that
+    the table is empty if its result thread has gone). Nothing here calls `close`/`join`.
+    Checked against CPython 3.11.7's multiprocessing/pool.py (this project's interpreter)."""
+
+    _AWAKE = "mspretrain: never finished"  # not an int, so never a task's job number
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        dict.__setitem__(self._cache, self._AWAKE, None)
+
+    def _get_sentinels(self) -> list:
+        return [self._change_notifier._reader]
+
+    def terminate(self) -> None:
+        dict.pop(self._cache, self._AWAKE, None)  # (dict's own pop: no wake-up notice)
+        super().terminate()

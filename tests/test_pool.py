@@ -1,0 +1,58 @@
+"""`pool.start_pool`'s pool: its worker-handler thread does not wake for every result (it used to
+spin on the result pipe, a third of `prepare`'s main-process CPU at its ceiling), and it still
+replaces a worker that exits."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.pool
+
+import pytest
+
+from mspretrain.data.pool import QuietPool, start_pool
+
+
+@pytest.fixture
+def handler_rounds(monkeypatch) -> list[int]:
+    """One entry per round of a pool's worker-handler loop (each round starts with `_maintain_pool`)."""
+    rounds: list[int] = []
+    real = mp.pool.Pool._maintain_pool  # a staticmethod (CPython 3.11)
+
+    def counted(*args):
+        rounds.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(mp.pool.Pool, "_maintain_pool", staticmethod(counted))
+    return rounds
+
+
+def _results(pool, n: int) -> None:
+    for i in range(n):  # one at a time: the table of outstanding tasks empties after each
+        assert pool.apply_async(abs, (-i,)).get(timeout=120) == i  # a stalled pool fails, not hangs
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_the_worker_handler_sleeps_while_results_come_back(handler_rounds, quiet):
+    pool = start_pool(2, int, ()) if quiet else mp.get_context("fork").Pool(2)
+    try:
+        assert isinstance(pool, QuietPool) == quiet
+        _results(pool, 5)  # the workers are up
+        before = len(handler_rounds)
+        _results(pool, 200)
+        woke = len(handler_rounds) - before
+    finally:
+        pool.terminate()
+    if quiet:
+        assert woke <= 2, woke
+    else:  # the reference: CPython's own (forked, as `prepare` runs it) wakes about once a result or more
+        assert woke >= 20, woke
+
+
+def test_a_worker_that_exits_is_still_replaced():
+    """The handler still wakes for a worker's exit: here each worker exits after one task
+    (`maxtasksperchild`), so without its replacement the pool would stall. (A worker is not
+    SIGKILLed: one that holds the task queue's lock at that moment stalls any CPython pool.)"""
+    pool = QuietPool(2, maxtasksperchild=1, context=mp.get_context("spawn"))
+    try:
+        _results(pool, 12)
+    finally:
+        pool.terminate()
