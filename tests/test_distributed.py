@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +34,9 @@ def _step_dir(run: Path, step: int) -> Path:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.conftest import free_port  # outside the ephemeral range, which any process may be given
+
+    return free_port()
 
 
 def test_rank_detection():

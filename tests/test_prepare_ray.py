@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,17 +24,11 @@ from mspretrain.cli import main
 from mspretrain.data import dedup, diskdedup
 from mspretrain.data.raypool import RayCluster
 from mspretrain.errors import UserError
-from tests.conftest import make_poems
+from tests.conftest import free_port, make_poems
 from tests.test_diskdedup import _corpus, _reference
 
 ROOT = Path(__file__).resolve().parents[1]
 START_SECONDS = 90  # a node's `ray start` on a busy 2-core box
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ray_env() -> dict:
