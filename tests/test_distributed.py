@@ -312,6 +312,23 @@ def _wait_for_rank(run: Path, rank: int, step: int, proc: subprocess.Popen, time
     raise AssertionError(f"rank {rank} did not reach step {step} in {timeout} s")
 
 
+def _wait_for_beat_after(run: Path, rank: int, t0: float, proc: subprocess.Popen, timeout: float = 15) -> None:
+    """Until rank `rank` has written a heartbeat after time `t0` (well inside STOP_GRACE)."""
+    import time
+
+    path = run / "heartbeat" / f"rank_{rank:05d}.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if json.loads(path.read_text()).get("time", 0) > t0:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} wrote no heartbeat in the {timeout} s after the stop")
+
+
 def _ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
     import time
 
@@ -374,6 +391,10 @@ def killed_then_stopped(tmp_path_factory, tiny_data) -> dict:
         t0 = time.time()
         os.kill(beat["pid"], signal.SIGSTOP)
         time.sleep(3)  # rank 0 runs into the next step's collective and waits there
+        # and its heartbeat is one written since the stop (its thread beats every 2 s, later on a
+        # loaded box): an older one can be steps behind rank 1's last, and diagnose then names
+        # rank 0 "behind" as well
+        _wait_for_beat_after(run, 0, t0, proc)
         with contextlib.redirect_stdout(io.StringIO()) as live:
             live_rc = main(["diagnose", str(run), "--hang"])
         err, took = _ended_within(proc, t0)
