@@ -122,29 +122,13 @@ def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now, for a server a test starts (msrun's scheduler, a Ray
-    head), chosen outside the kernel's ephemeral range. A port found by binding port 0 and then
-    released comes from that range, where any process may be given it (its own bind to port 0, an
-    outgoing connection) before the server binds it seconds later: a Ray node or an msrun job on
-    the other pytest-xdist worker does exactly that. Below the range only an explicit choice takes
-    a port; from 20000 up, above Ray's worker ports (10002-19999)."""
-    import random
-    import socket
+    """A TCP port for a server a test starts (msrun's scheduler, a Ray head): one outside the
+    kernel's ephemeral range (mspretrain.train.distributed.free_local_port). A port found free by
+    binding port 0 and then closed could be given to another process (a Ray node or an msrun job
+    on the other pytest-xdist worker) before the server bound it."""
+    from mspretrain.train.distributed import free_local_port
 
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    pick = random.SystemRandom()
-    for _ in range(200):
-        port = pick.randrange(20000, max(low, 20001))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free TCP port between 20000 and the ephemeral range")
+    return free_local_port()
 
 
 def copy_run_at(src: Path, dst: Path, step: int) -> Path:
