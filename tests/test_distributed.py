@@ -78,7 +78,12 @@ def _msrun(tmp_path: Path, data: Path, run: Path, *extra: str, args: list[str] =
     logs = tmp_path / f"logs-{run.name}"
     cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(_free_port()),
            "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), *args, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "GLOG_v": "3"})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
+    try:
+        proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:  # a timeout: msrun and its workers (own process groups) go too,
+            _kill_tree(proc)     # not left training beside the rest of the suite
     text = "".join(p.read_text() for p in sorted(logs.glob("worker_*.log")))
     assert proc.returncode == 0, text[-3000:]
 
