@@ -75,7 +75,11 @@ def cluster():
         return "Ray runtime started" in (Path(tmp) / f"{name}.log").read_text(errors="replace")
 
     def nodes_up() -> bool:
-        out = subprocess.run([ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=ray_env(), timeout=30)
+        try:  # a `ray status` slow on a loaded box is "not yet": START_SECONDS bounds the wait
+            out = subprocess.run([ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=ray_env(),
+                                 timeout=max(1.0, min(30.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            return False
         return out.stdout.count(" node_") >= 2
 
     try:
