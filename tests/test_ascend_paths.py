@@ -211,8 +211,11 @@ def step(x):  # a train step's shape: value_and_grad and an update (what the hos
 
 x = Tensor(np.ones((512, 512), np.float32))
 step(x).asnumpy()  # compiles
-t0 = time.perf_counter(); y = step(x); t1 = time.perf_counter(); y.asnumpy(); t2 = time.perf_counter()
-print(json.dumps({"env": os.environ.get("MS_DEV_HOST_BLOCKING_RUN"), "call": t1 - t0, "read": t2 - t1}))
+calls, reads = [], []
+for _ in range(3):  # the fastest of 3: one thread stalled on a loaded box must not decide
+    t0 = time.perf_counter(); y = step(x); t1 = time.perf_counter(); y.asnumpy(); t2 = time.perf_counter()
+    calls.append(t1 - t0); reads.append(t2 - t1)
+print(json.dumps({"env": os.environ.get("MS_DEV_HOST_BLOCKING_RUN"), "call": min(calls), "read": min(reads)}))
 """
 
 

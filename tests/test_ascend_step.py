@@ -2,7 +2,6 @@
 kept visible on Ascend (selection and refusal), MFU never above 100 %, and the API updates."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import mindspore as ms
@@ -67,9 +66,17 @@ def test_doctor_checks_the_overflow_mode():
 
 # ------------------------------------------------------------------ 8. MFU never above 100 %
 
-def test_a_low_peak_is_raised_to_the_observed_rate_and_mfu_stays_at_most_one():
+def test_a_low_peak_is_raised_to_the_observed_rate_and_mfu_stays_at_most_one(monkeypatch):
+    import types
+
+    from mspretrain.monitor import meter as meter_mod
     from mspretrain.monitor import mfu
     from mspretrain.monitor.meter import StepMeter
+
+    # the meter's clock, advanced by hand: slept windows of 0.01 s and 0.05 s could come out in
+    # the wrong order on a loaded machine (a 0.01 s sleep woken 0.1 s late)
+    now = [1000.0]
+    monkeypatch.setattr(meter_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     # 1000 tokens/s x 1e9 FLOPs/token on one device = 1 TFLOPS against a "measured" peak of 0.5
     assert mfu.observed_peak(0.5, tokens=1000, seconds=1.0, flops_per_token=1e9, devices=1) == pytest.approx(1.0)
@@ -80,11 +87,11 @@ def test_a_low_peak_is_raised_to_the_observed_rate_and_mfu_stays_at_most_one():
     meter = StepMeter(tokens_per_step=10**6, seq_len=64, devices=1, flops_per_token=1e9, peak_tflops=1e-9,
                       price_per_device_hour=0.0, throughput_every=1, log_every=1, memory_every=10**9, target="cpu")
     meter.sample(1, first=True)
-    time.sleep(0.01)
+    now[0] += 0.01
     out = meter.sample(2, first=False)
     assert out["mfu"] == pytest.approx(1.0) and out["mfu"] <= 1.0
-    assert out["peak_tflops"] == meter.peak_tflops > 1e-9  # the raised peak, logged with the sample
-    time.sleep(0.05)  # a slower window: below the raised peak
+    assert out["peak_tflops"] == meter.peak_tflops == pytest.approx(1e6 * 1e9 / 0.01 / 1e12)  # raised, logged with the sample
+    now[0] += 0.05  # a slower window: below the raised peak
     assert meter.sample(3, first=False)["mfu"] < 1.0
 
 

@@ -111,6 +111,8 @@ def _run_until_killed(cmd: list[str], run: Path, kill_at: int, during_save: bool
     deadline = time.time() + 240
     try:
         while time.time() < deadline:
+            if proc.poll() is not None:  # a held save never ends on its own: the run failed
+                pytest.fail(f"the run exited ({proc.returncode}) before the kill point")
             if during_save:
                 if list((run / "checkpoints").glob(f"step_{kill_at:06d}.tmp")) if (run / "checkpoints").is_dir() else []:
                     break
@@ -135,8 +137,12 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, reference_run,
     run = tmp_path / "crash"
     rng = np.random.default_rng(zlib.crc32(trial.encode()))
     kill_at = int(rng.integers(3, 7))
-    if trial == "during_save":
-        env["MSPRETRAIN_FAULT_SAVE_DELAY"] = "3"  # the save of step kill_at is held open mid-write
+    # A save held open mid-write until the kill (store._fault_delay): during_save holds step
+    # kill_at's, so the poller cannot miss its .tmp; random_step holds the last step's, so that
+    # however late the poller's kill comes on a loaded machine, the run cannot have finished (and
+    # published step 8) first. Where the kill lands between step kill_at and the end stays open.
+    held = kill_at if trial == "during_save" else REFERENCE_STEPS
+    env["MSPRETRAIN_FAULT_SAVE_DELAY"] = f"600@{held}"
     _run_until_killed(_train_cmd(tiny_data, run, *over), run, kill_at, trial == "during_save", env)
     if trial == "during_save":
         assert (run / "checkpoints" / f"step_{kill_at:06d}.tmp").exists()  # the kill hit a half-written save
@@ -147,7 +153,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, reference_run,
     assert published is not None, f"no checkpoint was published before the kill at step {kill_at}"
     published_step = int(json.loads((published / "train_state.json").read_text())["step"])
     # The poller sees step kill_at in metrics.jsonl and then sends the kill; the run keeps going
-    # meanwhile and may publish a later step first. Any step short of the last leaves work to resume.
+    # meanwhile and may publish a later step first, but never the last (its save is held open).
     assert 1 <= published_step < REFERENCE_STEPS and published.name == f"step_{published_step:06d}", (kill_at, published_step)
     resumed = subprocess.run(_train_cmd(tiny_data, run, *over), capture_output=True, text=True, timeout=300,
                              env={**os.environ, "GLOG_v": "3"})

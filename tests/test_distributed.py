@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +34,9 @@ def _step_dir(run: Path, step: int) -> Path:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.conftest import free_port  # outside the ephemeral range, which any process may be given
+
+    return free_port()
 
 
 def test_rank_detection():
@@ -79,7 +78,12 @@ def _msrun(tmp_path: Path, data: Path, run: Path, *extra: str, args: list[str] =
     logs = tmp_path / f"logs-{run.name}"
     cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(_free_port()),
            "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), *args, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "GLOG_v": "3"})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
+    try:
+        proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:  # a timeout: msrun and its workers (own process groups) go too,
+            _kill_tree(proc)     # not left training beside the rest of the suite
     text = "".join(p.read_text() for p in sorted(logs.glob("worker_*.log")))
     assert proc.returncode == 0, text[-3000:]
 
@@ -313,6 +317,23 @@ def _wait_for_rank(run: Path, rank: int, step: int, proc: subprocess.Popen, time
     raise AssertionError(f"rank {rank} did not reach step {step} in {timeout} s")
 
 
+def _wait_for_beat_after(run: Path, rank: int, t0: float, proc: subprocess.Popen, timeout: float = 15) -> None:
+    """Until rank `rank` has written a heartbeat after time `t0` (well inside STOP_GRACE)."""
+    import time
+
+    path = run / "heartbeat" / f"rank_{rank:05d}.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if json.loads(path.read_text()).get("time", 0) > t0:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} wrote no heartbeat in the {timeout} s after the stop")
+
+
 def _ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
     import time
 
@@ -375,6 +396,10 @@ def killed_then_stopped(tmp_path_factory, tiny_data) -> dict:
         t0 = time.time()
         os.kill(beat["pid"], signal.SIGSTOP)
         time.sleep(3)  # rank 0 runs into the next step's collective and waits there
+        # and its heartbeat is one written since the stop (its thread beats every 2 s, later on a
+        # loaded box): an older one can be steps behind rank 1's last, and diagnose then names
+        # rank 0 "behind" as well
+        _wait_for_beat_after(run, 0, t0, proc)
         with contextlib.redirect_stdout(io.StringIO()) as live:
             live_rc = main(["diagnose", str(run), "--hang"])
         err, took = _ended_within(proc, t0)

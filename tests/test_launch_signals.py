@@ -40,9 +40,14 @@ def test_watchdog_names_the_rank_that_exited_first_whatever_the_poll_order(tmp_p
         _beat(tmp_path, 1, procs[1].pid, age=0.1)
         dog = Watchdog(tmp_path, since=time.time() - 600)
         assert dog.check() is None  # both running: their pidfds are taken
+        # Each kill is awaited until the process has exited (a zombie, not reaped): a process
+        # not scheduled within watch_exits' 0.3 s on a loaded box exited together with the next
+        # one, and their order was then the heartbeat ages' (rank 0 first).
         procs[1].kill()
+        _until_exited(procs[1].pid)
         dog.watch_exits(0.3)
         procs[0].kill()
+        _until_exited(procs[0].pid)
         dog.watch_exits(0.3)
         v = dog.check()
         assert (v.rank, v.what) == (1, "died"), v
@@ -53,17 +58,23 @@ def test_watchdog_names_the_rank_that_exited_first_whatever_the_poll_order(tmp_p
             p.wait(timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _until_exited(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while process_state(pid) not in ("zombie", "dead"):
+        assert time.monotonic() < deadline, f"process {pid} still runs {timeout} s after SIGKILL"
+        time.sleep(0.01)
 
 
 def test_node_rank_1_without_node_0_fails_in_bounded_time(capsys):
     from mspretrain.cli import main
     from mspretrain.commands.launch import wait_for_master
 
-    port = _free_port()
+    # A port bound here and never listened on: connecting is refused, and no other process (a
+    # Ray node, an msrun scheduler of the other xdist worker) can take it meanwhile, as it could
+    # a port found free and then closed.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
     t0 = time.monotonic()
     with pytest.raises(UserError, match=f"node 0 is not listening at 127.0.0.1:{port} after 1 s"):
         wait_for_master("127.0.0.1", port, 1.0, log=lambda *a, **k: None)
@@ -77,6 +88,7 @@ def test_node_rank_1_without_node_0_fails_in_bounded_time(capsys):
         srv.bind(("127.0.0.1", 0))
         srv.listen()
         wait_for_master("127.0.0.1", srv.getsockname()[1], 1.0, log=lambda *a, **k: None)
+    closed.close()
 
 
 def test_sigterm_to_launch_ends_msrun_and_its_workers(tmp_path):
@@ -86,13 +98,25 @@ def test_sigterm_to_launch_ends_msrun_and_its_workers(tmp_path):
     pidfile = tmp_path / "worker.pid"
     fake = (f"import subprocess, time; p = subprocess.Popen(['sleep', '120'], start_new_session=True); "
             f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)")
-    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    done = threading.Event()
+
+    def term_once_started() -> None:
+        # once the worker exists and supervise's handler is in place: a fixed 1.5 s timer could
+        # fire before a slow-starting stand-in had started its worker (no pidfile to read below)
+        while not done.wait(0.02):
+            if pidfile.is_file() and pidfile.read_text() and signal.getsignal(signal.SIGTERM) is not before:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    timer = threading.Thread(target=term_once_started, daemon=True)
     timer.start()
     t0 = time.monotonic()
     try:
         code, verdict = supervise([sys.executable, "-c", fake], dict(os.environ), None, 20.0, 5.0)
     finally:
-        timer.cancel()
+        done.set()
+        timer.join(timeout=10)
     assert code == 128 + signal.SIGTERM and verdict is None
     assert time.monotonic() - t0 < 30
     worker = int(pidfile.read_text())

@@ -145,13 +145,25 @@ def test_signal_writes_checkpoint_and_exits_zero(tmp_path, tiny_data, sig):
            "--run", str(run), "train.max_steps=100000", "checkpoint.every=0", "train.log_every=1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "GLOG_v": "3"})
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if (run / "metrics.jsonl").is_file() and len(metrics(run)) >= 2:
-            break
-        time.sleep(0.5)
-    proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=120)
+
+    def logged() -> int:  # whole lines only: json.loads of a line being appended could fail here
+        try:
+            return (run / "metrics.jsonl").read_bytes().count(b"\n")
+        except OSError:
+            return 0
+
+    try:
+        deadline = time.time() + 180
+        while logged() < 2:  # in the training loop, its signal handlers installed
+            assert proc.poll() is None, proc.communicate()[0][-2000:]
+            assert time.time() < deadline, "no 2 steps logged in 180 s"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a 100000-step run left behind would slow every later test
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0, out
     # MindSpore's runtime turns a SIGINT during a step into SIGTERM: either name, same outcome
     assert re.search(r"stopped by SIG(TERM|INT) after step", out), out[-500:]

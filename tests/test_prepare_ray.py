@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,17 +24,11 @@ from mspretrain.cli import main
 from mspretrain.data import dedup, diskdedup
 from mspretrain.data.raypool import RayCluster
 from mspretrain.errors import UserError
-from tests.conftest import make_poems
+from tests.conftest import free_port, make_poems
 from tests.test_diskdedup import _corpus, _reference
 
 ROOT = Path(__file__).resolve().parents[1]
 START_SECONDS = 90  # a node's `ray start` on a busy 2-core box
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ray_env() -> dict:
@@ -82,7 +75,11 @@ def cluster():
         return "Ray runtime started" in (Path(tmp) / f"{name}.log").read_text(errors="replace")
 
     def nodes_up() -> bool:
-        out = subprocess.run([ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=ray_env(), timeout=30)
+        try:  # a `ray status` slow on a loaded box is "not yet": START_SECONDS bounds the wait
+            out = subprocess.run([ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=ray_env(),
+                                 timeout=max(1.0, min(30.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            return False
         return out.stdout.count(" node_") >= 2
 
     try:

@@ -149,7 +149,7 @@ def write_checkpoint_dir(
         tmp.mkdir(parents=True)
         save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, str(tmp / MODEL_FILE),
                   metadata={"format": "mspretrain", "step": str(step)})
-        _fault_delay()
+        _fault_delay(step)
         if optimizer is not None:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / optimizer_file),
                       metadata={"format": "mspretrain", "step": str(step)})
@@ -184,11 +184,16 @@ def write_checkpoint_dir(
     return final_dir
 
 
-def _fault_delay() -> None:
-    """Fault-injection hook for the crash tests: hold a save open mid-write for N seconds."""
+def _fault_delay(step: int) -> None:
+    """Fault-injection hook for the crash tests: hold a save open mid-write for N seconds.
+    MSPRETRAIN_FAULT_SAVE_DELAY=N holds every save; N@STEP only the save of STEP (a crash test
+    holds the last save so that its kill always lands before the run could finish, whatever the
+    scheduling delays of a loaded machine)."""
     delay = os.environ.get("MSPRETRAIN_FAULT_SAVE_DELAY")
     if delay:
-        time.sleep(float(delay))
+        seconds, _, only = delay.partition("@")
+        if not only or int(only) == step:
+            time.sleep(float(seconds))
 
 
 def write_weights_only_checkpoint(out_dir: str | Path, tensors: dict[str, np.ndarray], config: Config,

@@ -15,7 +15,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +24,9 @@ from typing import Any
 from mspretrain.errors import UserError
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(n: int, out: Path, *, size_mb: int, target: str, timeout_s: float = 300.0) -> dict[str, Any]:
     """Run `n` workers through msrun on this node; rank 0's result."""
-    from mspretrain.train.distributed import msrun_command
+    from mspretrain.train.distributed import free_local_port, msrun_command
 
     bin_dir = Path(sys.executable).parent
     search = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -41,7 +34,7 @@ def launch(n: int, out: Path, *, size_mb: int, target: str, timeout_s: float = 3
     if msrun is None:
         raise UserError("msrun is not installed next to this Python", "install MindSpore >= 2.3 in this environment (msrun ships with it)")
     logs = out / "logs"
-    line = msrun_command(n, [str(out), str(size_mb), target], master_port=_free_port(), log_dir=str(logs), script=__file__)
+    line = msrun_command(n, [str(out), str(size_mb), target], master_port=free_local_port(), log_dir=str(logs), script=__file__)
     env = {**os.environ, "PATH": search, "GLOG_v": os.environ.get("GLOG_v", "3")}
     try:
         proc = subprocess.run([msrun, *shlex.split(line)[1:]], env=env, capture_output=True, text=True, timeout=timeout_s)

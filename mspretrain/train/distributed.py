@@ -147,6 +147,34 @@ def init(target: str, env: dict[str, str] | None = None) -> World:
 CLUSTER_TIMEOUT_S = 1200
 
 
+def free_local_port() -> int:
+    """A TCP port nothing on 127.0.0.1 listens on now, for an msrun scheduler started on this
+    host, chosen outside the kernel's ephemeral range. A port found by binding port 0 and then
+    released comes from that range, where any process may be given it (its own bind to port 0, an
+    outgoing connection) in the seconds before msrun binds it. Below the range only an explicit
+    choice takes a port; from 20000 up, above older Ray versions' default worker ports."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.SystemRandom()  # not the run seed: two jobs at once must not pick alike
+    for _ in range(200):
+        port = pick.randrange(20000, max(low, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken (hardly): the kernel's choice, as before
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def msrun_command(nproc: int, args: list[str], *, nodes: int = 1, node_rank: int = 0,
                   master_addr: str = "127.0.0.1", master_port: int = 8118, log_dir: str = "msrun_log",
                   script: str = "mspretrain", cluster_timeout: int = CLUSTER_TIMEOUT_S) -> str:
