@@ -1,6 +1,6 @@
 """`pool.start_pool`'s pool: its worker-handler thread does not wake for every result (it used to
 spin on the result pipe, a third of `prepare`'s main-process CPU at its ceiling), and it still
-replaces a worker that exits."""
+replaces a worker that exits; a killed worker ends the wait for its task."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -56,3 +56,29 @@ def test_a_worker_that_exits_is_still_replaced():
         _results(pool, 12)
     finally:
         pool.terminate()
+
+
+def test_a_killed_worker_ends_the_wait_for_its_task_and_terminate_returns():
+    """CPython's pool replaces a killed worker and waits for its task forever; here the wait ends
+    in `WorkerDied` (prepare's one-line error). Both workers are killed, so one of them held the
+    task queue's lock (an idle worker waits holding it): `terminate` must not wait for it."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from mspretrain.data.pool import WorkerDied
+
+    pool = start_pool(2, int, ())
+    try:
+        _results(pool, 4)
+        busy = pool.apply_async(time.sleep, (120,))
+        for p in list(pool._pool):
+            os.kill(p.pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match="killed by signal 9"):
+            busy.get()
+    finally:
+        done = threading.Thread(target=pool.terminate, daemon=True)
+        done.start()
+        done.join(60)
+    assert not done.is_alive(), "terminate waited for a dead worker's lock"

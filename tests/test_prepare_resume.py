@@ -24,7 +24,8 @@ from tests.conftest import make_poems
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--doc-per-line", "--valid-fraction", "0.1", "prepare.near_dedup=true"]
-TEST_ENV = ("MSPRETRAIN_PREPARE_TEST_POINTS", "MSPRETRAIN_PREPARE_TEST_KILL", "MSPRETRAIN_PREPARE_COMMIT_SECONDS")
+TEST_ENV = ("MSPRETRAIN_PREPARE_TEST_POINTS", "MSPRETRAIN_PREPARE_TEST_KILL", "MSPRETRAIN_PREPARE_COMMIT_SECONDS",
+            "MSPRETRAIN_PREPARE_TEST_WORKER_KILL")
 
 
 
@@ -420,4 +421,22 @@ def test_a_work_dir_damaged_after_the_kill_is_refused_in_one_line_then_started_o
     assert "Traceback" not in again.stderr
     third = run(raw, out)
     assert third.returncode == 0, third.stderr
+    assert files_of(out) == want
+
+
+@pytest.mark.sigkill
+def test_a_worker_killed_mid_run_ends_prepare_in_one_line_and_the_rerun_resumes(reference, tmp_path):
+    """A pool worker SIGKILLed (the out-of-memory killer's way) while it holds a work item: CPython's
+    pool would replace it and wait for that item forever. prepare ends in one line, exit 2, and the
+    same command resumes to the uninterrupted run's bytes."""
+    raw, want, _ = reference
+    out = tmp_path / "data"
+    died = run(raw, out, env={"MSPRETRAIN_PREPARE_TEST_WORKER_KILL": "3", "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert died.returncode == 2, died.stderr
+    err = died.stderr.strip().splitlines()
+    assert err[0].startswith("error: a prepare worker process (pid ") and "killed by signal 9" in err[0], died.stderr
+    assert "run the same command again" in died.stderr and "Traceback" not in died.stderr
+    assert not (out / "manifest.json").exists() and (tmp_path / ".data.progress.json").is_file()  # kept, as after a kill -9
+    again = run(raw, out)
+    assert again.returncode == 0, again.stderr
     assert files_of(out) == want

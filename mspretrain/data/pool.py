@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.pool
 import sys
+import time
 from collections import deque
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator
@@ -17,6 +18,7 @@ import numpy as np
 
 from mspretrain.data import sources
 from mspretrain.data.origin import RECORD
+from mspretrain.errors import UserError
 
 CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
 CHUNK_DOCS = 4096
@@ -181,10 +183,72 @@ class QuietPool(mp.pool.Pool):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         dict.__setitem__(self._cache, self._AWAKE, None)
+        self._started = list(self._pool)
 
     def _get_sentinels(self) -> list:
         return [self._change_notifier._reader]
 
+    def apply_async(self, *args, **kwargs) -> Watched:
+        return Watched(super().apply_async(*args, **kwargs), self)
+
+    def dead(self) -> mp.Process | None:
+        """The first worker that was killed or crashed, if any (its task is never done). A worker
+        ends on its own with code 0 only when told to (`maxtasksperchild`, which prepare does not use)."""
+        return next((p for p in self._started if p.exitcode not in (None, 0)), None)
+
     def terminate(self) -> None:
+        if self.dead() is not None:
+            self._abandon()
+            return
         dict.pop(self._cache, self._AWAKE, None)  # (dict's own pop: no wake-up notice)
         super().terminate()
+
+    def _abandon(self) -> None:
+        """Stop without `Pool.terminate`, which takes the task queue's lock: a worker killed while
+        it held that lock (an idle worker waits holding it) never gives it back, and the pool's
+        own clean-up would wait for it forever. The workers are killed, the handler told to stop
+        replacing them; its threads are daemons and end with this process."""
+        self._terminate.cancel()  # nor at exit
+        self._worker_handler._state = mp.pool.TERMINATE
+        self._change_notifier.put(None)
+        for p in list(self._pool):
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+
+
+WATCH_SECONDS = 1.0  # how often a wait for a result looks whether a worker died
+
+
+class WorkerDied(UserError):
+    def __init__(self, p: mp.Process) -> None:
+        code = p.exitcode or 0
+        how = f"was killed by signal {-code}" + (" (SIGKILL: often the kernel's out-of-memory killer)" if code == -9 else "") \
+            if code < 0 else f"exited with code {code}"
+        super().__init__(f"a prepare worker process (pid {p.pid}) {how}",
+                         "run the same command again: it resumes from its last commit; if memory ran out, use fewer --workers")
+
+
+class Watched:
+    """A pool task's result (`ApplyResult`) whose wait ends if a worker dies: CPython's pool
+    replaces the worker but never its task, so the wait would last forever."""
+
+    __slots__ = ("_res", "_pool")
+
+    def __init__(self, res: mp.pool.ApplyResult, pool: QuietPool) -> None:
+        self._res, self._pool = res, pool
+
+    def ready(self) -> bool:
+        return self._res.ready()
+
+    def get(self, timeout: float | None = None):
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self._res.get(timeout=WATCH_SECONDS if end is None else max(0.0, min(WATCH_SECONDS, end - time.monotonic())))
+            except mp.TimeoutError:
+                dead = self._pool.dead()
+                if dead is not None:
+                    raise WorkerDied(dead) from None
+                if end is not None and time.monotonic() >= end:
+                    raise

@@ -23,6 +23,7 @@ from typing import Callable
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import pipeline, resume, sources
+from mspretrain.data.pool import WorkerDied
 from mspretrain.data.publish import WRITE_ERRNOS, check_out, fsync_all, publish
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
@@ -165,6 +166,14 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
                    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else
                    f"fix the permissions of {where} (or choose another --out)")
             raise UserError(f"prepare stopped: {exc.strerror} ({where}); nothing was published", fix) from None
+        raise
+    except WorkerDied:
+        # as after a kill -9 of the whole command: the work dir and its journal stay (the last
+        # commit's background fsyncs finished first), and the same command resumes from them
+        try:
+            journal.wait()
+        except BaseException:  # noqa: BLE001 (a failed last commit leaves the one before it: still a resume)
+            pass
         raise
     except BaseException:
         _discard(journal)

@@ -201,7 +201,14 @@ def spill_chunk(fn, item: tuple) -> dict:
 
 
 def spill_item(fn, item: tuple) -> dict:
-    """`spill_chunk`, or `spill_unit` for a compressed file (`sources.FileUnit`)."""
+    """`spill_chunk`, or `spill_unit` for a compressed file (`sources.FileUnit`).
+    Test-only hook (like `resume.point`'s): MSPRETRAIN_PREPARE_TEST_WORKER_KILL=N makes the worker
+    given work item N SIGKILL itself, as the out-of-memory killer would."""
+    kill = os.environ.get("MSPRETRAIN_PREPARE_TEST_WORKER_KILL")
+    if kill is not None and int(Path(item[1]).name) == int(kill):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
     return spill_unit(fn, item) if isinstance(item[0], sources.FileUnit) else spill_chunk(fn, item)
 
 
