@@ -121,16 +121,6 @@ def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
     return run
 
 
-def free_port() -> int:
-    """A TCP port for a server a test starts (msrun's scheduler, a Ray head): one outside the
-    kernel's ephemeral range (mspretrain.train.distributed.free_local_port). A port found free by
-    binding port 0 and then closed could be given to another process (a Ray node or an msrun job
-    on the other pytest-xdist worker) before the server bound it."""
-    from mspretrain.train.distributed import free_local_port
-
-    return free_local_port()
-
-
 def copy_run_at(src: Path, dst: Path, step: int) -> Path:
     """A copy of a run dir as it was right after the save of `step`: later checkpoints gone and
     metrics.jsonl cut there (what a crash after that save leaves to resume from)."""

@@ -13,6 +13,7 @@ import pytest
 
 from mspretrain.errors import UserError
 from mspretrain.train import distributed
+from mspretrain.train.distributed import free_local_port
 from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, REWIND_ARGS, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
 
 
@@ -31,12 +32,6 @@ def _grad_norms(run: Path) -> dict[int, float]:
 
 def _step_dir(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"step_{step:06d}"
-
-
-def _free_port() -> int:
-    from tests.conftest import free_port  # outside the ephemeral range, which any process may be given
-
-    return free_port()
 
 
 def test_rank_detection():
@@ -76,7 +71,7 @@ def _msrun(tmp_path: Path, data: Path, run: Path, *extra: str, args: list[str] =
     """2 workers through `mspretrain launch` (which must find msrun and itself next to the
     interpreter: CI runs the venv's python without the venv on PATH, as here)."""
     logs = tmp_path / f"logs-{run.name}"
-    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(free_local_port()),
            "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), *args, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
     try:
@@ -293,7 +288,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def _start_launch(tmp_path: Path, data: Path, run: Path, *extra: str, launch: tuple[str, ...] = ()) -> subprocess.Popen:
     logs = tmp_path / f"logs-{run.name}"
-    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(_free_port()), "--log-dir", str(logs),
+    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(free_local_port()), "--log-dir", str(logs),
            *launch, "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), "--quiet", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
 

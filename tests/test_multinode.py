@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from mspretrain.train.distributed import free_local_port
 from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, REWIND_ARGS, TINY, assert_same_checkpoint, copy_run_at
-from tests.test_distributed import MSRUN, _free_port, _grad_norms, _metrics, _replica_hashes, _step_dir
+from tests.test_distributed import MSRUN, _grad_norms, _metrics, _replica_hashes, _step_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")]
 
 
 def two_nodes(tmp_path: Path, data: Path, run: Path, *args: str, timeout: float = 900) -> None:
     """Node 0 and node 1 as two launch processes, as two hosts would run them."""
-    logs, port = tmp_path / f"logs-{run.name}", str(_free_port())
+    logs, port = tmp_path / f"logs-{run.name}", str(free_local_port())
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "1", "--nodes", "2", "--node-rank", str(node),

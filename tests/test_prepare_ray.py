@@ -24,7 +24,8 @@ from mspretrain.cli import main
 from mspretrain.data import dedup, diskdedup
 from mspretrain.data.raypool import RayCluster
 from mspretrain.errors import UserError
-from tests.conftest import free_port, make_poems
+from mspretrain.train.distributed import free_local_port
+from tests.conftest import make_poems
 from tests.test_diskdedup import _corpus, _reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def cluster():
 
     ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
     tmp = tempfile.mkdtemp(prefix="msr-", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
-    port = free_port()
+    port = free_local_port()
     address = f"127.0.0.1:{port}"
     common = ["--block", "--node-ip-address=127.0.0.1", "--object-store-memory=80000000", "--disable-usage-stats"]
     procs: list[subprocess.Popen] = []
@@ -201,7 +202,7 @@ def test_unreachable_address_is_refused_and_nothing_is_written(corpus, tmp_path,
     import ray  # noqa: F401
 
     out = tmp_path / "data"
-    err = refused(["prepare", str(corpus), "--out", str(out), "--ray", f"127.0.0.1:{free_port()}"], capsys)
+    err = refused(["prepare", str(corpus), "--out", str(out), "--ray", f"127.0.0.1:{free_local_port()}"], capsys)
     assert err.startswith("error: cannot reach the Ray cluster at 127.0.0.1:") and "nothing was written" in err
     assert list(tmp_path.iterdir()) == []
 
