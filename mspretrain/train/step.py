@@ -233,12 +233,19 @@ class TrainStep:
         # Chaining every collective after the previous one: MindSpore's CPU runtime launches ready
         # kernels as they come (actor dataflow), so without it two ranks may issue independent
         # collectives in different orders, and mccl pairs one rank's bucket with another's (measured).
-        # On Ascend the collectives carry `no_eliminate` (ops/operations/comm_ops.py, AllReduce /
-        # ReduceScatter / AllGather __init__) and run in the compiled graph's execution order, which
-        # MindSpore's own data-parallel reducer relies on (nn/wrap/grad_reducer.py,
-        # DistributedGradReducer.construct maps independent AllReduces, with no depend between them).
-        # There a chain would only make the next bucket's copy, on the compute stream, wait for the
-        # previous collective: a stall of the backward pass.
+        # On Ascend the collectives run in the compiled graph's execution order, which MindSpore's own
+        # data-parallel reducer relies on (nn/wrap/grad_reducer.py, DistributedGradReducer.construct
+        # maps independent AllReduces, with no depend between them); there a chain would only make
+        # the next bucket's copy, on the compute stream, wait for the previous collective: a stall of
+        # the backward pass. What that reducer does not face, and ZeRO does: a rank that does not use
+        # a collective's result (a bucket another rank owns). `no_eliminate` (ops/operations/
+        # comm_ops.py, AllReduce / ReduceScatter / AllGather __init__) does not keep such a node: the
+        # frontend pass `jit_opt_a` drops it from that rank's graph alone (measured in 2.10's IR at
+        # world 4: 13 AllReduces traced, 5 kept on rank 0), and the ranks' sequences no longer pair
+        # up (an HCCL hang, or the wrong sums where sizes match). `_reduce` therefore returns a
+        # result that depends on every collective it issued, in schedule order, whichever it uses:
+        # tests/test_collective_sequence.py compiles the Ascend path for each rank of worlds 2, 4
+        # and 8 and compares their ordered collectives.
         self._chain = device != "ascend"
         self._own_pos = [self._order.index(i) for i in self.own]
         # where `_reduce` leaves a split parameter's gradient whole (replicated: ZeRO-1), the update
@@ -315,13 +322,15 @@ class TrainStep:
         result. The collectives run in `self._schedule`'s order, the order in which the backward
         pass completes their buckets, so the first starts while the backward pass still runs. On
         CPU each bucket's flat copy is made after the previous collective's result (`self._chain`):
-        all ranks then issue them in one order, and one bucket is alive at a time."""
+        all ranks then issue them in one order, and one bucket is alive at a time. The returned last
+        result depends on every collective issued here (kept in every rank's graph, in one order)."""
         if in_order:  # replicated buffers already in bucket order: a permutation of all indices
             grads = [grads[self._order_pos[i]] for i in range(len(self.params))]
         if self.world == 1:
             return [g.astype(ms.float32) for g in grads], None
         out: list[Tensor] = []
         prev: Tensor | None = None
+        issued: list[Tensor] = []  # every collective's result, used here or not
         for kind, k in self._schedule:
             if kind == 0:  # replicated gradients: AllReduce
                 indices, sizes, wire = self._ar[k]
@@ -330,6 +339,7 @@ class TrainStep:
                     flat = ops.depend(flat, prev)
                 red = self.allreduce(flat)
                 prev = red
+                issued.append(red)
                 for i, piece in zip(indices, _pieces(red, sizes)):
                     out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
             elif kind == 1:  # sharded gradients: each rank ends with its own segment
@@ -350,6 +360,7 @@ class TrainStep:
                 start = self.rank * length
                 mine = self._reduce_scatters[k](flat) if self._reduce_scatters else self.allreduce(flat)[start:start + length]
                 prev = mine
+                issued.append(mine)
                 if segments[self.rank]:
                     own = mine if used[self.rank] == length else mine[:used[self.rank]]
                     if split:  # this rank's slice, 1-D like its moments
@@ -363,9 +374,12 @@ class TrainStep:
                     g = ops.depend(g, prev)
                 red = self.allreduce(g)
                 prev = red
+                issued.append(red)
                 if self.owner[k] == self.rank:
                     out.append(red.astype(ms.float32))
-        return out, prev
+        # every collective's result, in schedule order, behind the one returned: a rank keeps the
+        # collectives it does not read (see `_chain` in __init__) and reaches them in one order
+        return out, ops.depend(prev, tuple(issued))
 
     def _finish(self, grads: list[Tensor], loss_sum: Tensor, lr: Tensor, inv_scale: Tensor):
         """Norm, overflow check, update of the owned parameters, then every rank gets every owner's

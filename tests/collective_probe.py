@@ -1,0 +1,115 @@
+"""Compile the real train step for every rank of one world size, as the Ascend path builds it, and
+print each rank's ordered collectives per graph as JSON (run as a script by
+tests/test_collective_sequence.py, in a process of its own).
+
+Why a separate process: it replaces `get_rank` / `get_group_size` in MindSpore's
+`ops/operations/comm_ops.py` (the collective primitives read the world there at construction:
+AllGather's `rank`/`rank_size`, ReduceScatter's `rank_size`), so that rank r of a world of N is
+built in one CPU process without `init()`, and it sets MindSpore's IR dump switches, read by the
+compiler:
+- `MS_DEV_PRECOMPILE_ONLY=1`: `_JitExecutor.__call__` compiles the graph and returns None without
+  running it (mindspore/graph/api.py, `__call__` and `compile_frontend`), so no collective kernel is
+  launched and no communication library is needed.
+- `MS_DEV_SAVE_GRAPHS=1` with `MS_DEV_DUMP_IR_PASSES=backend_pass`: only the IR after the last
+  frontend pass (`NN_backend_pass_NNNN.ir`) is written, into `MS_DEV_SAVE_GRAPHS_PATH`, which the
+  compiler reads per compilation (one folder per rank and graph here). That is the graph the backend
+  is handed: every frontend pruning (`jit_opt_a` removes a node whose result nothing uses, despite
+  the primitive's `no_eliminate` attribute) has already happened.
+The device is "ascend" for the step and the model (ReduceScatter and AllGather instead of the CPU's
+AllReduce forms, no chaining of collectives: train/step.py `_chain`), attention is the math path
+(the flash kernel's infer needs no NPU, but nothing here is about attention).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+COLLECTIVES = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast")
+# `  %12(CNode_34$prev) = ReduceScatter(%11) primitive_attrs: {group: "hccl_world_group", ...}`
+# followed by `      : (<Tensor[Float32], (32768)>) -> (<Tensor[Float32], (8192)>)`
+_NODE = re.compile(r"^\s*%\d+\([^)]*\) = (" + "|".join(COLLECTIVES) + r")\((.*)$")
+_GROUP = re.compile(r'group: "([^"]*)"')
+_TYPES = re.compile(r"^\s*: \((.*)\) -> \((.*)\)\s*$")
+
+
+def collectives_in_ir(text: str) -> list[list[str]]:
+    """[kind, group, input types, output types] of every collective node, in the IR's order (the
+    order of the graph's node list, which the backend's execution order follows for nodes with no
+    data dependency forcing another)."""
+    out: list[list[str]] = []
+    lines = text.splitlines()
+    for n, line in enumerate(lines):
+        m = _NODE.match(line)
+        if not m:
+            continue
+        group = _GROUP.search(m.group(2))
+        types = _TYPES.match(lines[n + 1]) if n + 1 < len(lines) else None
+        out.append([m.group(1), group.group(1) if group else "", types.group(1) if types else "?",
+                    types.group(2) if types else "?"])
+    return out
+
+
+def _final_ir(folder: Path) -> str:
+    files = sorted(folder.glob("*backend_pass*.ir"))
+    if len(files) != 1:
+        raise SystemExit(f"expected one backend_pass IR file in {folder}, found {[f.name for f in files]}")
+    return files[0].read_text(encoding="utf-8")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--zero", type=int, choices=(1, 2), required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    os.environ.update({"GLOG_v": "3", "MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "backend_pass",
+                       "MS_DEV_PRECOMPILE_ONLY": "1"})
+    import mindspore as ms
+    import numpy as np
+    from mindspore.ops.operations import comm_ops
+
+    from mspretrain import config as cfgmod
+    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.train.step import TrainStep
+
+    cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
+    m = cfgmod.resolve_model(cfg.model, 512)
+    tokens = ms.Tensor(np.zeros((2, 33), np.int32))
+    one = ms.Tensor(1.0, ms.float32)
+    result: dict[str, dict] = {}
+    for rank in range(args.world):
+        comm_ops.get_rank = lambda group=None, rank=rank: rank
+        comm_ops.get_group_size = lambda group=None: args.world
+        # The shipped Qwen2.5 910B recipe's choices, small: bf16 with half-precision matrices (fp32
+        # masters), the embedding frozen, ZeRO; tiny buckets and a low split threshold so that the
+        # step has split parameters, several buckets of each kind and unbucketed singletons.
+        model = Llama(m, dtype="bf16", attention="math", device="ascend", seed=0)
+        step = TrainStep(model, cfg.optim, global_tokens=64, world=args.world, rank=rank, shard=True,
+                         shard_grads=args.zero == 2, half_params=half_eligible(model), bucket_mb=0.01,
+                         split_mb=0.05, device="ascend", trainable=["attention", "mlp", "norms", "lm_head"])
+        graphs = {"fused": lambda step=step: step._fused(tokens, None, None, one, one, one),
+                  "accumulate": lambda step=step: step._accumulate(tokens, None, None, one, ms.Tensor(True)),
+                  "apply": lambda step=step: step._apply(one, one)}
+        # what the step's Python code issues per graph, from its own tables: the reductions
+        # (`_reduce`, one per bucket or singleton), the loss AllReduce, the norm's AllReduce of the
+        # owners' partial sums (sharded gradients), the gathers (`_gather`)
+        sg = int(step.shard_grads)
+        reduce, gather = len(step._schedule), len(step._ag) + len(step._ag_single)
+        traced = {"fused": reduce + 1 + sg + gather, "accumulate": reduce * sg, "apply": reduce * (1 - sg) + 1 + sg + gather}
+        result[str(rank)] = {"traced": traced}
+        for name, compile_graph in graphs.items():
+            folder = args.out / f"rank{rank}" / name
+            os.environ["MS_DEV_SAVE_GRAPHS_PATH"] = str(folder)
+            if name == "accumulate":
+                step._ensure_accum()
+            compile_graph()
+            result[str(rank)][name] = collectives_in_ir(_final_ir(folder))
+    json.dump(result, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
