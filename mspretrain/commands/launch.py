@@ -1,7 +1,7 @@
 """Run an mspretrain command on N data-parallel workers through msrun (MindSpore's launcher).
 
 Builds the msrun line (`--worker_num`, `--local_worker_num`, `--master_addr/--master_port`,
-`--node_rank`, `--log_dir`, `--join`), finds msrun and the mspretrain script next to this
+`--node_rank`, `--log_dir`, `--join`, `--cluster_time_out`), finds msrun and the mspretrain script next to this
 interpreter (msrun starts `python` from PATH, so this venv's bin goes first on it), and runs it.
 Nothing here is needed to use msrun directly; it saves typing the line right.
 
