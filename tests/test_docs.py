@@ -3,6 +3,7 @@ loads and validates, every subcommand's help has examples, and every `mspretrain
 line shown in a help epilog or in docs/*.md parses with today's CLI."""
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -435,11 +436,17 @@ def test_every_documented_msrun_line_carries_launchs_cluster_timeout():
 
     flag = f"--cluster_time_out={CLUSTER_TIMEOUT_S}"
     assert flag in shlex.split(msrun_command(8, ["train"]))  # launch's own line
-    found = 0
-    for path in [*DOC_FILES, ROOT / "README.md"]:
-        for line in msrun_lines(path.read_text(encoding="utf-8")):
-            found += 1
+    texts = {path.name: path.read_text(encoding="utf-8") for path in [*DOC_FILES, ROOT / "README.md"]}
+    # the commands' --help examples are documentation too (as a code block: their lines are indented)
+    for name in COMMANDS:
+        examples = getattr(importlib.import_module(f"mspretrain.commands.{name}"), "EXAMPLES", "")
+        texts[f"mspretrain {name} --help"] = "```\n" + examples + "\n```"
+    found = {}
+    for where, text in texts.items():
+        for line in msrun_lines(text):
+            found[where] = found.get(where, 0) + 1
             words = line.split()
-            assert flag in words, f"{path.name}: msrun line without {flag}: {line[:100]}"
+            assert flag in words, f"{where}: msrun line without {flag}: {line[:100]}"
             assert words.index(flag) < next(i for i, w in enumerate(words) if "mspretrain" in w), line[:100]  # msrun's flag, not the script's
-    assert found >= 5  # operators.md: 8 devices, the 2-worker rehearsal, 2 x 8 devices (two lines), launch's two-node line
+    # operators.md: 8 devices, the 2-worker rehearsal, 2 x 8 devices (two lines), launch's two-node line
+    assert found["operators.md"] >= 5 and found["mspretrain train --help"] == 1
