@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -126,3 +127,28 @@ def test_sigterm_to_launch_ends_msrun_and_its_workers(tmp_path):
         time.sleep(0.1)
     assert process_state(worker) in ("dead", "zombie")
     assert signal.getsignal(signal.SIGTERM) is not None  # the handler was restored
+
+
+def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tmp_path, monkeypatch, capsys):
+    """Issue 38: on a 32 GB 910B4 every rank would set the 58 GB pool and fail at its first large
+    allocation; launch reads the HBM (npu-smi, monkeypatched here) first and refuses in one line."""
+    from mspretrain import device
+    from mspretrain.cli import main
+    from mspretrain.commands import launch
+    from tests.conftest import TINY
+
+    monkeypatch.setattr(device, "npu_hbm_bytes", lambda npu=0, **kw: 32 * 2**30)
+    monkeypatch.setattr(shutil, "which", lambda name, **kw: f"/opt/venv/bin/{name}")  # msrun is never run here
+    monkeypatch.setattr(launch, "supervise", lambda *a, **kw: pytest.fail("msrun started"))
+    logs = tmp_path / "logs"
+    argv = ["launch", "--nproc", "8", "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(tmp_path),
+            "--run", str(tmp_path / "run")]
+    assert main([*argv, "device.target=ascend"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: device.max_device_memory 58 GB does not fit this NPU's 32.0 GB") and err.count("\n") == 2
+    assert "hint: set device.max_device_memory=26 (GB)" in err and "Traceback" not in err
+    assert not logs.exists()
+    # the pool the hint names passes the check (and msrun would start)
+    started = []
+    monkeypatch.setattr(launch, "supervise", lambda *a, **kw: started.append(a) or (0, None))
+    assert main([*argv, "device.target=ascend", "device.max_device_memory=26"]) == 0 and started

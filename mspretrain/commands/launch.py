@@ -82,6 +82,25 @@ def check_worker_command(cmd: list[str]) -> None:
         raise UserError(f"`mspretrain {cmd[0]}` does not take {' '.join(bad)}", f"see `mspretrain {cmd[0]} --help`")
 
 
+def check_device_pool(cmd: list[str]) -> None:
+    """The worker command's Ascend memory pool (device.max_device_memory, 58 GB by default) against
+    this node's NPUs, read with npu-smi (device.py `pool_checked`) before msrun starts a rank: on a
+    32 GB 910B4 every rank would set the 58 GB cap and fail at its first large allocation, minutes
+    in. Only a pool known not to fit is refused; an unreadable HBM is `doctor`'s warning."""
+    from mspretrain.cli import TAKE_OVERRIDES, build_parser
+    from mspretrain.commands.common import load_config
+    from mspretrain.device import pool_checked
+    from mspretrain.errors import UserError
+
+    if cmd[0] not in TAKE_OVERRIDES:  # a run reader: no config of its own to train with
+        return
+    args, extra = build_parser(cmd[0]).parse_known_args(cmd)
+    args.overrides = [e for e in extra if "=" in e and not e.startswith("-")]
+    status, detail, fix = pool_checked(load_config(args))
+    if status == "fail":
+        raise UserError(f"{detail}: every rank would fail at its first large allocation", fix)
+
+
 def run(args: argparse.Namespace) -> int:
     from mspretrain.cli import COMMANDS
     from mspretrain.errors import UserError
@@ -118,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     if msrun is None:
         raise UserError("msrun is not installed next to this Python", "install MindSpore >= 2.3 in this environment (msrun ships with it)")
     check_worker_command(cmd)  # after --dry-run, which only prints; before anything is written
+    check_device_pool(cmd)
     env = {**os.environ, "PATH": search}
     env.setdefault("GLOG_v", "3")  # MindSpore's native logs: warnings and errors only
     env[LOCAL_RANKS_ENV] = str(args.nproc)  # train's memory check counts every rank on this host

@@ -307,16 +307,19 @@ def visible_npus(env: dict[str, str] | None = None, dev: Path = Path("/dev")) ->
 
 def check_hbm(total_bytes: int, max_device_memory_gb: float) -> Check:
     """Each device's HBM against `device.max_device_memory` (the pool MindSpore may take): a 910B4
-    has 32 GB, so the 910B templates' 58 GB would fail at the first large allocation. 2 GB stay
-    for HCCL and the driver outside the pool."""
-    total_gb = total_bytes / 1e9
+    has 32 GB, so the 910B templates' 58 GB would fail at the first large allocation. The rule is
+    device.py's `pool_problem`, which `doctor` and `launch` apply before the pool is set."""
+    from mspretrain.device import GIB, pool_fix, pool_problem
+
+    total_gb = total_bytes / GIB
     if total_bytes <= 0:
         return Check("device memory", SKIPPED, "the runtime reported no HBM size")
-    ok = max_device_memory_gb <= total_gb - 2
+    problem = pool_problem(total_bytes, max_device_memory_gb)
     detail = f"{total_gb:.1f} GB HBM per device, device.max_device_memory {max_device_memory_gb:g} GB"
-    if not ok:
-        detail += f": larger than the device; set device.max_device_memory={max(1, int(total_gb - 2))}GB-or-less"
-    return Check("device memory", PASSED if ok else FAILED, detail, data={"hbm_bytes": total_bytes, "max_device_memory_gb": max_device_memory_gb})
+    if problem:
+        detail += f": larger than the device; {pool_fix(total_bytes)}"
+    return Check("device memory", FAILED if problem else PASSED, detail,
+                 data={"hbm_bytes": total_bytes, "max_device_memory_gb": max_device_memory_gb})
 
 
 def check_device_memory(ctx: Context) -> Check:
