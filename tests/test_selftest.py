@@ -171,6 +171,12 @@ def test_selftest_runs_the_zero2_ranks_before_binding_an_npu_and_its_reference_a
     doc = selftest.run_selftest(cfgmod.load(TINY), tmp_path / "run", target="ascend", only=("zero2 step",))
     assert order == ["ranks", "setup_mindspore", "reference ascend 1"]
     assert next(c for c in doc["checks"] if c["name"] == "zero2 step")["status"] == "passed"
+    # collectives that fail make the ZeRO-2 ranks pointless: not run, said why
+    order.clear()
+    monkeypatch.setattr(selftest, "check_collectives", lambda ctx: selftest.Check("collectives", "failed", "HCCL timeout"))
+    doc = selftest.run_selftest(cfgmod.load(TINY), tmp_path / "run", target="ascend", only=("collectives", "zero2 step"))
+    z2 = next(c for c in doc["checks"] if c["name"] == "zero2 step")
+    assert order == ["setup_mindspore"] and z2["status"] == "skipped" and "collectives check failed" in z2["detail"]
 
 
 # --------------------------------------------------------------------------- end to end on CPU (CI)

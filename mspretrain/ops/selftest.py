@@ -331,7 +331,7 @@ def check_feature(ctx: Context, name: str) -> Check:
     feature = features(seq)[name]
     dtypes = ("fp16", "bf16") if ctx.target == "ascend" else ("fp16",)
     res = compare_feature(feature, ctx.target, dtypes, seq)
-    worst = max(tol for tol in (FEATURE_TOLERANCE[d] for d in dtypes))
+    worst = max(FEATURE_TOLERANCE[d] for d in dtypes)
     problems = []
     if not res["effect"] >= FEATURE_EFFECT_MARGIN * worst:  # NaN fails too
         problems.append(f"the feature moves the fp32 logits by only {res['effect']:.3g}: the comparison cannot see it")
@@ -740,7 +740,9 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
         try:
             if "collectives" in wanted:
                 early["collectives"] = _timed("collectives", lambda: check_collectives(pre))
-            if ZERO2 in wanted:
+            if ZERO2 in wanted and early.get("collectives", Check("", PASSED, "")).status == FAILED:
+                ranks = Check(ZERO2, SKIPPED, "the collectives check failed: a ZeRO-2 step needs them")
+            elif ZERO2 in wanted:
                 log(f"selftest: {ZERO2} (ranks) ...")
                 ranks = zero2_ranks(pre)
         finally:
