@@ -104,6 +104,17 @@ def test_feature_check_runs_the_cpu_path_and_sees_the_feature(name):
     assert check.data["seq_len"] == 64 and "needs Ascend" not in check.status
 
 
+def test_feature_checks_draw_only_the_features_own_weights():
+    """The effect is the feature's alone: the qk-norm check draws q_norm / k_norm, not the block norms."""
+    from mspretrain.model.llama import Llama
+
+    for name, want in (("qk norm", {"q_norm", "k_norm"}), ("qkv bias", {"wqkv"}), ("sliding window", set())):
+        feature = selftest.features(64)[name]
+        names = [p.name for p in Llama(selftest.feature_config(feature, 64)).get_parameters()]
+        drawn = [n for n in names if n.endswith(feature.drawn)]
+        assert {n.split(".")[-2] for n in drawn} == want and len(drawn) == 2 * len(want)  # 2 layers
+
+
 def test_the_sliding_window_is_shorter_than_the_sequence_on_both_devices():
     for target, seq in (("cpu", 64), ("ascend", 512)):
         assert selftest.feature_seq(target) == seq
@@ -111,10 +122,10 @@ def test_the_sliding_window_is_shorter_than_the_sequence_on_both_devices():
         assert 0 < shape.sliding_window < seq and shape.family == "mistral" and shape.head_size == 64  # a flash head size
 
 
-@pytest.mark.parametrize("name", ["sliding window", "qkv bias"])
+@pytest.mark.parametrize("name", sorted(FEATURES))
 def test_feature_check_fails_a_candidate_that_ignores_the_feature(monkeypatch, name):
     """A device path that drops the feature (a kernel ignoring the window, a projection that skips
-    its bias) is caught: its logits are the feature's effect away from the reference."""
+    its bias, attention without its QK-norm) is caught: its logits are the feature's effect away."""
     from dataclasses import replace
 
     real = selftest.feature_candidate
@@ -122,9 +133,12 @@ def test_feature_check_fails_a_candidate_that_ignores_the_feature(monkeypatch, n
     def without(cfg_model, dtype, target):
         if name == "sliding window":
             return real(replace(cfg_model, sliding_window=0, family="llama"), dtype, target)
-        model = real(cfg_model, dtype, target)  # the bias parameters exist (the weights load) but are not added
+        model = real(cfg_model, dtype, target)  # the parameters exist (the weights load) but are not applied
         for layer in model.layers:
-            layer.attn.wqkv.has_bias = False
+            if name == "qkv bias":
+                layer.attn.wqkv.has_bias = False
+            else:
+                layer.attn.qk_norm = False
         return model
 
     monkeypatch.setattr(selftest, "feature_candidate", without)
