@@ -14,7 +14,10 @@ Two things msrun does not do, added here:
   so on one host node 1 would start a second scheduler on node 0's port. Node ranks > 0 get
   MSPRETRAIN_NO_SCHEDULER=1, and that scheduler process exits at once (train/distributed.py); each
   node also logs into its own `LOG_DIR/node_N` (both schedulers would write LOG_DIR/scheduler.log).
-  On separate hosts both are harmless."""
+  On separate hosts both are harmless.
+- Before msrun starts a rank (issue 38): a memory pool (device.max_device_memory) larger than the
+  NPUs' HBM is refused in one line (a 32 GB 910B4 under the 910B configs' 58 GB), and a `train` on
+  Ascend gets HCCL_BUFFSIZE from its plan (train/hccl.py), unless the user exported one."""
 from __future__ import annotations
 
 import argparse

@@ -33,6 +33,8 @@ Design choices:
     HCCL + workspace    Ascend: 1 GiB of kernel workspace and HCCL's communication buffers
                         (HCCL_BUFFSIZE, 200 MB per communicator by default; assumed, not measured).
                         JSON key `framework_reserve` (kept for scripts that read it)
+- HCCL_BUFFSIZE (Ascend, devices > 1; JSON `hccl`): the buffer that holds the step's largest
+  collective (train/hccl.py `buffsize_mb`), which `launch` exports; not added to the memory above.
     CPU backend         device.target = cpu only: resident memory MindSpore 2.10's CPU backend holds
                         outside the tensors above, from the first call of each compiled graph on
                         (measured, docs/benchmarks/memory.md runs 3 and 4): a per-parameter runtime
