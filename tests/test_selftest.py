@@ -122,6 +122,14 @@ def test_the_sliding_window_is_shorter_than_the_sequence_on_both_devices():
         assert 0 < shape.sliding_window < seq and shape.family == "mistral" and shape.head_size == 64  # a flash head size
 
 
+def test_the_910b_candidate_runs_flash_attention():
+    """On a 910B each feature's model is built on the flash path (built here, not run: no NPU)."""
+    for feature in selftest.features(512).values():
+        shape = selftest.feature_config(feature, 512)
+        assert selftest.feature_candidate(shape, "bf16", "ascend").use_flash
+        assert not selftest.feature_candidate(shape, "fp16", "cpu").use_flash
+
+
 @pytest.mark.parametrize("name", sorted(FEATURES))
 def test_feature_check_fails_a_candidate_that_ignores_the_feature(monkeypatch, name):
     """A device path that drops the feature (a kernel ignoring the window, a projection that skips
