@@ -88,6 +88,71 @@ def resolve_target(target: str) -> str:
 # (context.max_device_memory: "58GB" in e.g. configs/llama2/pretrain_llama2_7b.yaml): the rest is
 # left to HCCL and the driver. We plan against the same figure (device.max_device_memory).
 ASCEND_910B_USABLE_GB = 58.0
+# HBM each NPU keeps outside MindSpore's pool: the margin of MindSpore Transformers' 910B templates
+# (max_device_memory 58GB of 64). The driver holds 4 GB of a 64 GB Atlas 800T A2 NPU while idle and 3
+# of a 32 GB one (CANN HDK docs, dcmi_get_device_hbm_info's constraints), HCCL 2 x HCCL_BUFFSIZE per
+# communicator. GB here are MindSpore's (2^30 bytes: its "xxGB" sizes, runtime/memory.py, are
+# binary; the memory_stats example there shows a 1 GB block as 1073741824 bytes) and npu-smi's MB 2^20.
+HBM_RESERVE_GB = 6.0
+GIB = 2**30
+NPU_SMI = "npu-smi"
+
+
+def npu_hbm_bytes(npu: int = 0, *, timeout_s: float = 20.0) -> int | None:
+    """HBM of one NPU in bytes, read with the driver's `npu-smi info -t usages -i NPU` ("HBM
+    Capacity(MB) : 32768" on a 910B4, 65536 on a 910B1-B3; MB = 2^20 bytes), without initialising
+    the device. MindSpore's query (`hal.get_device_properties`, what `selftest` uses) binds the NPU,
+    which a launcher must not do before its ranks bind theirs. None when npu-smi is missing, fails,
+    or prints no such line (unverified on hardware: the field name is what public npu-smi parsers read)."""
+    import re
+    import shutil
+    import subprocess
+
+    exe = shutil.which(NPU_SMI)
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "info", "-t", "usages", "-i", str(npu)], capture_output=True, text=True,
+                             timeout=timeout_s).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = [int(m) for m in re.findall(r"HBM Capacity\(MB\)\s*:\s*(\d+)", out)]
+    return min(sizes) * 2**20 if sizes else None  # one line per chip; the smallest bounds the pool
+
+
+def pool_problem(hbm_bytes: int, pool_gb: float) -> str | None:
+    """Why a memory pool of `pool_gb` (device.max_device_memory) does not fit an NPU of `hbm_bytes`,
+    or None. A 910B4 has 32 GB of HBM, so the 910B configs' 58 GB fails at the first large allocation."""
+    total_gb = hbm_bytes / GIB
+    if pool_gb <= total_gb - HBM_RESERVE_GB:
+        return None
+    return (f"device.max_device_memory {pool_gb:g} GB does not fit this NPU's {total_gb:.1f} GB of HBM "
+            f"less {HBM_RESERVE_GB:g} GB for the driver and HCCL" + (" (a 32 GB 910B4?)" if total_gb < 40 else ""))
+
+
+def pool_fix(hbm_bytes: int) -> str:
+    return f"set device.max_device_memory={max(1, int(hbm_bytes / GIB - HBM_RESERVE_GB))} (GB) or less in the config"
+
+
+def pool_checked(cfg: Config, *, hbm: int | None = None) -> tuple[str, str, str]:
+    """(status ok/warn/fail/skip, detail, fix) of the config's Ascend memory pool against this
+    node's NPUs, asked before anything sets the pool (doctor, launch). "skip": not an Ascend run."""
+    # No MindSpore here: `launch` asks before any rank starts, and npu-smi answers only where NPUs are.
+    if cfg.device.target == "cpu":
+        return "skip", "device.target = cpu: no pool to check", ""
+    pool = cfg.device.max_device_memory or ASCEND_910B_USABLE_GB
+    hbm = npu_hbm_bytes() if hbm is None else hbm
+    if hbm is None:
+        if cfg.device.target == "auto" and not any(os.path.exists(p) for p in ("/dev/davinci0", "/dev/davinci_manager")):
+            return "skip", "no NPU here (device.target = auto runs on CPU): no pool to check", ""
+        return ("warn", f"could not read the NPUs' HBM ({NPU_SMI} info -t usages -i 0): the {pool:g} GB pool cap is unchecked",
+                f"run `{NPU_SMI} info -t usages -i 0`; on a 32 GB 910B4 set device.max_device_memory=26")
+    problem = pool_problem(hbm, pool)
+    if problem:
+        return "fail", problem, pool_fix(hbm)
+    return "ok", f"{hbm / GIB:.1f} GB HBM per NPU, pool cap device.max_device_memory {pool:g} GB", ""
+
+
 ATTENTION_KINDS = ("auto", "math", "flash")
 # FlashAttentionScore's head size D: "a multiple of 16, with the max value of 512"
 # (mindspore/ops/auto_generate/gen_ops_prim.py, FlashAttentionScore's doc, MindSpore 2.10).

@@ -233,9 +233,10 @@ def test_selftest_runs_the_collectives_before_binding_an_npu(monkeypatch, tmp_pa
 def test_hbm_is_compared_with_max_device_memory():
     from mspretrain.ops import selftest
 
-    assert selftest.check_hbm(64 * 10**9, 58.0).status == selftest.PASSED  # a 910B with 64 GB
-    small = selftest.check_hbm(32 * 10**9, 58.0)  # a 910B4
-    assert small.status == selftest.FAILED and "device.max_device_memory=30GB" in small.detail
+    assert selftest.check_hbm(64 * 2**30, 58.0).status == selftest.PASSED  # a 910B with 64 GB: the templates' 58 fit
+    small = selftest.check_hbm(32 * 2**30, 58.0)  # a 910B4
+    assert small.status == selftest.FAILED and "device.max_device_memory=26 (GB)" in small.detail
+    assert selftest.check_hbm(32 * 2**30, 26.0).status == selftest.PASSED
     assert selftest.check_hbm(0, 58.0).status == selftest.SKIPPED
 
 

@@ -3,6 +3,7 @@ loads and validates, every subcommand's help has examples, and every `mspretrain
 line shown in a help epilog or in docs/*.md parses with today's CLI."""
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -398,3 +399,54 @@ def test_walkthrough_sessions_print_what_the_docs_show(walkthrough_transcript, n
                 expected = [e for e in expected if not ((m := re.match(r"step (\d+)/", e)) and int(m.group(1)) <= late)]
         missing += compare_output(expected, output, f"{name}: $ {command}")
     assert not missing, f"lines {name} shows that the run did not print:\n" + "\n".join(missing)
+
+
+# ----------------------------------------------------------------------------------------------
+# The raw msrun lines of the docs and `mspretrain launch` run msrun alike (issue 38, item 2).
+
+def msrun_lines(text: str) -> list[str]:
+    """Every msrun invocation in a Markdown text's code blocks (any language: a launch transcript
+    in a ```text block counts), continuation lines joined."""
+    out, body = [], None
+    for line in text.splitlines():
+        if not line.startswith("```"):
+            if body is not None:
+                body.append(line)
+            continue
+        if body is None:
+            body = []
+            continue
+        for ln in "\n".join(body).replace("\\\n", " ").splitlines():
+            ln = " ".join(ln.split()).removeprefix("$ ")
+            if ln.startswith("msrun "):
+                out.append(ln)
+        body = None
+    return out
+
+
+def test_msrun_lines_reads_blocks_and_continuations():
+    text = "msrun --a prose\n```bash\nmsrun --x=1 \\\n  --y=2 prog\n# msrun no\n```\n```text\n$ msrun --z=3 p\n```\n"
+    assert msrun_lines(text) == ["msrun --x=1 --y=2 prog", "msrun --z=3 p"]
+
+
+def test_every_documented_msrun_line_carries_launchs_cluster_timeout():
+    """A raw msrun line without --cluster_time_out waits on msrun's own default for a missing rank;
+    `launch` passes CLUSTER_TIMEOUT_S. Every line in the docs and the README must agree with it."""
+    from mspretrain.train.distributed import CLUSTER_TIMEOUT_S, msrun_command
+
+    flag = f"--cluster_time_out={CLUSTER_TIMEOUT_S}"
+    assert flag in shlex.split(msrun_command(8, ["train"]))  # launch's own line
+    texts = {path.name: path.read_text(encoding="utf-8") for path in [*DOC_FILES, ROOT / "README.md"]}
+    # the commands' --help examples are documentation too (as a code block: their lines are indented)
+    for name in COMMANDS:
+        examples = getattr(importlib.import_module(f"mspretrain.commands.{name}"), "EXAMPLES", "")
+        texts[f"mspretrain {name} --help"] = "```\n" + examples + "\n```"
+    found = {}
+    for where, text in texts.items():
+        for line in msrun_lines(text):
+            found[where] = found.get(where, 0) + 1
+            words = line.split()
+            assert flag in words, f"{where}: msrun line without {flag}: {line[:100]}"
+            assert words.index(flag) < next(i for i, w in enumerate(words) if "mspretrain" in w), line[:100]  # msrun's flag, not the script's
+    # operators.md: 8 devices, the 2-worker rehearsal, 2 x 8 devices (two lines), launch's two-node line
+    assert found["operators.md"] >= 5 and found["mspretrain train --help"] == 1

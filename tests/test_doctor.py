@@ -19,7 +19,7 @@ def test_doctor_runs_green_on_this_machine(tmp_path, capsys):
     assert not [f for f in findings if f.status == "fail"], doctor.format_findings(findings)
     names = by_name(findings)
     for name in ("python", "numpy", "mindspore", "ascend", "msrun", "threads", "native logs", "disk", "memory",
-                 "run dir filesystem", "cpu isolation"):
+                 "run dir filesystem", "cpu isolation", "device memory"):
         assert name in names, name
     assert "CPU" in names["mindspore"].detail
     assert main(["doctor", "--run", str(tmp_path)]) == 0
@@ -75,3 +75,60 @@ def test_ascend_versions_read_from_install_tree(tmp_path, monkeypatch):
 def test_cgroup_check_warns_only_when_a_quota_is_asked(tmp_path, quota, status):
     cfg = cfgmod.load(None, [f"device.cpu_quota={quota}"])
     assert doctor.check_cgroup(cfg, cgroup_root=tmp_path / "none")[0].status == status
+
+
+# --------------------------------------------------------------------------- a 910B4 before the pool is set
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("hbm, pool, status", [
+    (64 * GiB, 0, "ok"),  # a 910B1-B3: the templates' 58 GB (the default) fit
+    (32 * GiB, 0, "fail"),  # a 910B4: 58 GB does not
+    (32 * GiB, 26, "ok"),  # ... with the pool the fix names
+    (None, 0, "warn"),  # npu-smi missing or unreadable: unchecked, said so
+])
+def test_a_910b4_is_found_before_the_58_gb_pool_is_set(monkeypatch, hbm, pool, status):
+    from mspretrain import device
+
+    monkeypatch.setattr(device, "npu_hbm_bytes", lambda npu=0, **kw: hbm)  # the device query, no NPU here
+    cfg = cfgmod.load(None, ["device.target=ascend", f"device.max_device_memory={pool}"])
+    f = by_name(doctor.check_device_memory(cfg))["device memory"]
+    assert f.status == status, f
+    if status == "fail":
+        assert "58 GB does not fit this NPU's 32.0 GB" in f.detail and "910B4" in f.detail
+        assert f.fix.startswith("set device.max_device_memory=26 (GB)")
+    # a CPU run has no pool, whatever the device says
+    assert by_name(doctor.check_device_memory(cfgmod.load(None, ["device.target=cpu"])))["device memory"].status == "ok"
+
+
+def test_doctor_runs_the_device_memory_check(tmp_path, monkeypatch):
+    from mspretrain import device
+
+    monkeypatch.setattr(device, "npu_hbm_bytes", lambda npu=0, **kw: 32 * GiB)
+    f = by_name(doctor.run_checks(tmp_path, cfgmod.load(None, ["device.target=ascend"])))["device memory"]
+    assert f.status == "fail" and "910B4" in f.detail
+
+
+def test_npu_smi_hbm_is_parsed_per_chip(monkeypatch):
+    """`npu-smi info -t usages -i 0` as the driver prints it: one "HBM Capacity(MB)" line per chip."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from mspretrain import device
+
+    seen = []
+    out = ("        NPU ID                         : 0\n        Chip Count                     : 1\n\n"
+           "        HBM Capacity(MB)               : 32768\n        HBM Usage Rate(%)              : 3\n")
+
+    def run(argv, **kw):
+        seen.append(argv[1:])
+        return SimpleNamespace(stdout=out, returncode=0)
+
+    monkeypatch.setattr("shutil.which", lambda name, **kw: "/usr/local/bin/npu-smi")
+    monkeypatch.setattr(subprocess, "run", run)
+    assert device.npu_hbm_bytes() == 32 * GiB and seen == [["info", "-t", "usages", "-i", "0"]]
+    out = "no such field"
+    assert device.npu_hbm_bytes() is None
+    monkeypatch.setattr("shutil.which", lambda name, **kw: None)
+    assert device.npu_hbm_bytes() is None  # no npu-smi: a CPU box

@@ -28,3 +28,17 @@ def test_bad_topology_inputs():
         hccl.rank_table([{"host_ip": "1.1.1.1", "device_ips": ["1.2.3.4"]}, {"host_ip": "1.1.1.2", "device_ips": []}])
     with pytest.raises(UserError, match="do not split"):
         hccl.chip_groups(6, 4)
+
+
+def test_hccl_buffsize_holds_the_largest_collective_within_its_bounds():
+    """Within a server a collective crosses the buffer in slices of data / ranks, across servers
+    whole (train/hccl.py); HCCL's default 200 MB is the floor, 1 GB (2 GB a communicator) the cap."""
+    from mspretrain.train.hccl import HCCL_BUFFSIZE_DEFAULT_MB, HCCL_BUFFSIZE_MAX_MB, buffsize_mb
+
+    MB = 2**20
+    assert (HCCL_BUFFSIZE_DEFAULT_MB, HCCL_BUFFSIZE_MAX_MB) == (200, 1024)
+    assert buffsize_mb(768 * MB, 8, 1) == 200  # Llama-2 7B's 768 MB bucket on one server: 96 MB a rank
+    assert buffsize_mb(2079 * MB, 8, 1) == 260  # Qwen2.5-7B's split lm_head on one server
+    assert buffsize_mb(768 * MB, 8, 2) == 768 and buffsize_mb(768 * MB + 1, 8, 2) == 769  # across servers: whole, rounded up
+    assert buffsize_mb(1536 * MB, 8, 2) == 1024  # capped: the rest runs in passes through the buffer
+    assert buffsize_mb(0, 8, 1) == 200

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -126,3 +127,67 @@ def test_sigterm_to_launch_ends_msrun_and_its_workers(tmp_path):
         time.sleep(0.1)
     assert process_state(worker) in ("dead", "zombie")
     assert signal.getsignal(signal.SIGTERM) is not None  # the handler was restored
+
+
+def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tmp_path, monkeypatch, capsys):
+    """Issue 38: on a 32 GB 910B4 every rank would set the 58 GB pool and fail at its first large
+    allocation; launch reads the HBM (npu-smi, monkeypatched here) first and refuses in one line."""
+    from mspretrain import device
+    from mspretrain.cli import main
+    from mspretrain.commands import launch
+    from tests.conftest import TINY
+
+    monkeypatch.setattr(device, "npu_hbm_bytes", lambda npu=0, **kw: 32 * 2**30)
+    monkeypatch.setattr(shutil, "which", lambda name, **kw: f"/opt/venv/bin/{name}")  # msrun is never run here
+    monkeypatch.setattr(launch, "supervise", lambda *a, **kw: pytest.fail("msrun started"))
+    logs = tmp_path / "logs"
+    argv = ["launch", "--nproc", "8", "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(tmp_path),
+            "--run", str(tmp_path / "run")]
+    assert main([*argv, "device.target=ascend"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: device.max_device_memory 58 GB does not fit this NPU's 32.0 GB") and err.count("\n") == 2
+    assert "hint: set device.max_device_memory=26 (GB)" in err and "Traceback" not in err
+    assert not logs.exists()
+    # the pool the hint names passes the check (and msrun would start)
+    started = []
+    monkeypatch.setattr(launch, "supervise", lambda *a, **kw: started.append(a) or (0, None))
+    assert main([*argv, "device.target=ascend", "device.max_device_memory=26"]) == 0 and started
+
+
+@pytest.mark.parametrize("user", [None, "300"])
+def test_launch_exports_the_plans_hccl_buffsize_on_ascend(tmp_path, monkeypatch, capsys, user):
+    """Issue 38: a collective larger than HCCL_BUFFSIZE (200 MB by default) may run slower (CANN);
+    launch exports the plan's size for a train on Ascend, and keeps a value the user exported."""
+    from mspretrain import config as cfgmod
+    from mspretrain import device
+    from mspretrain.cli import main
+    from mspretrain.commands import launch
+    from mspretrain.ops.plan import make_plan
+    from tests.conftest import TINY
+
+    monkeypatch.setattr(device, "npu_hbm_bytes", lambda npu=0, **kw: 64 * 2**30)
+    monkeypatch.setattr(shutil, "which", lambda name, **kw: f"/opt/venv/bin/{name}")
+    envs = []
+    monkeypatch.setattr(launch, "supervise", lambda argv, env, *a: envs.append(env) or (0, None))
+    if user:
+        monkeypatch.setenv("HCCL_BUFFSIZE", user)
+    else:
+        monkeypatch.delenv("HCCL_BUFFSIZE", raising=False)
+    # a model whose embedding alone is 500 MB: split over the ranks, it crosses in one collective
+    big = ["device.target=ascend", "model.vocab_size=32000", "model.dim=4096", "model.n_heads=32", "model.n_layers=1",
+           "optim.shard_optimizer=true", "optim.shard_gradients=true"]
+    argv = ["launch", "--nproc", "2", "--nodes", "2", "--node-rank", "0", "--log-dir", str(tmp_path / "logs"), "--", "train",
+            "--config", str(TINY), "--data", str(tmp_path), "--run", str(tmp_path / "run"), *big]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    plan = make_plan(cfgmod.load(TINY, big + ["train.max_steps=0"]), devices=4, tokens=None, data_dir=None,
+                     tokens_per_s_per_device=None, target="ascend", nodes_ranks=2)
+    want = plan["hccl"]["buffsize_mb"]
+    assert plan["hccl"]["nodes"] == 2 and 200 < want <= 1024  # across servers: the whole collective
+    assert envs[0]["HCCL_BUFFSIZE"] == (user or str(want))
+    assert f"HCCL_BUFFSIZE={user or want} ({'yours; ' if user else ''}the plan's: {want} MB" in out
+    # a CPU run: nothing exported
+    envs.clear()
+    monkeypatch.delenv("HCCL_BUFFSIZE", raising=False)
+    assert main([*argv[:-len(big)], *[b for b in big if not b.startswith("device.")], "device.target=cpu"]) == 0
+    assert "HCCL_BUFFSIZE" not in envs[0] and "HCCL_BUFFSIZE" not in capsys.readouterr().out

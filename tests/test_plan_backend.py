@@ -162,3 +162,27 @@ def test_run_config_notes_the_bucket_cap_that_ran(tiny_cfg):
     assert "optim.bucket_mb" not in notes(1, "cpu")  # one process: no collective, nothing to say
     fixed = replace(cfg, optim=replace(cfg.optim, bucket_mb=64.0))
     assert "optim.bucket_mb" not in resolved_notes(fixed, budget.derive(fixed, world=2, data_tokens=10**6), MetricsConfig(), 2, "cpu")
+
+
+@pytest.mark.parametrize("config, devices, largest_mb, buffsize", [
+    ("llama2-7b-910b.toml", 8, 768, 200),  # one server: 768 / 8 ranks fits HCCL's default
+    ("llama2-7b-910b.toml", 16, 1536, 1024),  # two servers: whole, capped at 1 GB
+    ("qwen2.5-7b-zh-continue-910b.toml", 8, 2079, 260),  # the split lm_head (152,064 x 3,584 fp32) in one collective
+])
+def test_plan_sizes_hccl_buffsize_from_the_largest_collective(config, devices, largest_mb, buffsize):
+    """What `launch` exports as HCCL_BUFFSIZE (issue 38): a ZeRO bucket holds at least one parameter
+    per rank and a split parameter crosses whole, so the largest collective is far above the
+    256 MB bucket cap; buckets sized to HCCL's 200 MB buffer would not change these."""
+    from pathlib import Path
+
+    from mspretrain import config as cfgmod
+    from mspretrain.train.layout import bucket_mb_for
+
+    cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / config)
+    plan = planmod.make_plan(cfg, devices=devices, tokens=10**9, data_dir=None, tokens_per_s_per_device=None)
+    hc = plan["hccl"]
+    assert (round(hc["largest_collective_bytes"] / 2**20), hc["buffsize_mb"]) == (largest_mb, buffsize)
+    assert hc["largest_collective_bytes"] > bucket_mb_for("auto", "ascend") * 2**20
+    assert f"HCCL_BUFFSIZE {buffsize} MB" in planmod.format_plan(plan)
+    cpu = replace(cfg, device=replace(cfg.device, target="cpu"))
+    assert "hccl" not in planmod.make_plan(cpu, devices=devices, tokens=10**9, data_dir=None, tokens_per_s_per_device=None)

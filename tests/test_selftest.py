@@ -17,8 +17,10 @@ from mspretrain.model.llama import Llama
 from mspretrain.ops import selftest
 from tests.conftest import TINY
 
-ASCEND_ONLY = {"devices", "device memory", "flash attention fp16", "flash attention bf16", "train step bf16", "collectives"}
-CPU_RUNS = {"versions", "doctor", "train step fp16", "checkpoint", "decoder layer"}
+ASCEND_ONLY = {"devices", "device memory", "flash attention fp16", "flash attention bf16", "train step bf16", "collectives",
+               "zero2 step"}
+FEATURES = {"sliding window", "qkv bias", "qk norm"}  # on CPU: fp16 math path against fp32
+CPU_RUNS = {"versions", "doctor", "train step fp16", "checkpoint", "decoder layer"} | FEATURES
 
 
 # --------------------------------------------------------------------------- the one comparison
@@ -83,6 +85,120 @@ def test_the_ascend_attention_check_with_a_stand_in_kernel(monkeypatch, override
     assert check.status == status, check.detail
     if status == "passed":
         assert 0 < check.data["documents"]["max_abs_diff"] <= 1e-2 and "max |diff|" in check.detail
+
+
+# --------------------------------------------------------------------------- what a family adds
+
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_feature_check_runs_the_cpu_path_and_sees_the_feature(name):
+    """Each feature's check as the CPU selftest runs it (fp16 math against the fp32 CPU path), its
+    numbers, and that the feature moves the logits far more than the tolerance."""
+    ctx = selftest.Context(cfg=cfgmod.load(TINY), target="cpu", work=Path("unused"))
+    check = selftest.check_feature(ctx, name)
+    assert check.status == "passed", check.detail
+    fp16 = check.data["dtypes"]["fp16"]
+    assert set(check.data["dtypes"]) == {"fp16"} and not fp16["flash_attention"]  # the math path on CPU
+    for kind in ("causal", "documents"):
+        assert 0 < fp16[kind]["max_abs_diff"] <= fp16[kind]["tolerance"] == selftest.FEATURE_TOLERANCE["fp16"]
+    assert check.data["effect"] >= selftest.FEATURE_EFFECT_MARGIN * selftest.FEATURE_TOLERANCE["bf16"]  # bf16's bound too
+    assert check.data["seq_len"] == 64 and "needs Ascend" not in check.status
+
+
+def test_feature_checks_draw_only_the_features_own_weights():
+    """The effect is the feature's alone: the qk-norm check draws q_norm / k_norm, not the block norms."""
+    from mspretrain.model.llama import Llama
+
+    for name, want in (("qk norm", {"q_norm", "k_norm"}), ("qkv bias", {"wqkv"}), ("sliding window", set())):
+        feature = selftest.features(64)[name]
+        names = [p.name for p in Llama(selftest.feature_config(feature, 64)).get_parameters()]
+        drawn = [n for n in names if n.endswith(feature.drawn)]
+        assert {n.split(".")[-2] for n in drawn} == want and len(drawn) == 2 * len(want)  # 2 layers
+
+
+def test_the_sliding_window_is_shorter_than_the_sequence_on_both_devices():
+    for target, seq in (("cpu", 64), ("ascend", 512)):
+        assert selftest.feature_seq(target) == seq
+        shape = selftest.feature_config(selftest.features(seq)["sliding window"], seq)
+        assert 0 < shape.sliding_window < seq and shape.family == "mistral" and shape.head_size == 64  # a flash head size
+
+
+def test_the_910b_candidate_runs_flash_attention():
+    """On a 910B each feature's model is built on the flash path (built here, not run: no NPU)."""
+    for feature in selftest.features(512).values():
+        shape = selftest.feature_config(feature, 512)
+        assert selftest.feature_candidate(shape, "bf16", "ascend").use_flash
+        assert not selftest.feature_candidate(shape, "fp16", "cpu").use_flash
+
+
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_feature_check_fails_a_candidate_that_ignores_the_feature(monkeypatch, name):
+    """A device path that drops the feature (a kernel ignoring the window, a projection that skips
+    its bias, attention without its QK-norm) is caught: its logits are the feature's effect away."""
+    from dataclasses import replace
+
+    real = selftest.feature_candidate
+
+    def without(cfg_model, dtype, target):
+        if name == "sliding window":
+            return real(replace(cfg_model, sliding_window=0, family="llama"), dtype, target)
+        model = real(cfg_model, dtype, target)  # the parameters exist (the weights load) but are not applied
+        for layer in model.layers:
+            if name == "qkv bias":
+                layer.attn.wqkv.has_bias = False
+            else:
+                layer.attn.qk_norm = False
+        return model
+
+    monkeypatch.setattr(selftest, "feature_candidate", without)
+    ctx = selftest.Context(cfg=cfgmod.load(TINY), target="cpu", work=Path("unused"))
+    check = selftest.check_feature(ctx, name)
+    assert check.status == "failed" and "logits differ by" in check.detail, check.detail
+
+
+def _zero2_records(n=2, losses=(5.5, 5.4), digest="d"):
+    return [{"rank": r, "losses": list(losses), "grad_norms": [0.8, 0.8], "finite": [True, True], "digest": digest,
+             "collectives": {"calls": 33, "bytes": 1}} for r in range(n)]
+
+
+def test_zero2_comparison_passes_equal_ranks_and_names_what_differs():
+    w = {"a": np.ones(4, np.float32)}
+    ref = {"losses": [5.5, 5.4], "grad_norms": [0.8, 0.8], "finite": [True, True], "weights": w, "collectives": {}}
+    good = {"devices": 2, "ranks": _zero2_records(), "weights": {"a": w["a"] + 1e-7}}
+    assert selftest.zero2_check(good, ref).status == "passed"
+    stale = dict(good, ranks=_zero2_records()[:1] + [dict(_zero2_records()[1], digest="other")])
+    assert "ranks [1] hold other weights" in selftest.zero2_check(stale, ref).detail
+    off = dict(good, weights={"a": w["a"] + 1e-3})
+    assert "weights differ from one process by 0.001" in selftest.zero2_check(off, ref).detail
+    assert "1 of 2 ranks reported" in selftest.zero2_check(dict(good, ranks=_zero2_records()[:1]), ref).detail
+    nan = dict(good, ranks=_zero2_records(losses=(float("nan"), 5.4)))
+    assert selftest.zero2_check(nan, ref).status == "failed"  # NaN never passes
+    cpu = selftest.Context(cfg=cfgmod.load(TINY), target="cpu", work=Path("unused"))
+    assert selftest.check_zero2(cpu, None).status == "needs Ascend"
+    assert selftest.check_zero2(cpu, selftest.Check("zero2 step", "skipped", "1 NPU")).status == "skipped"
+
+
+def test_selftest_runs_the_zero2_ranks_before_binding_an_npu_and_its_reference_after(monkeypatch, tmp_path):
+    """On Ascend the ZeRO-2 ranks (msrun children) run before the parent's setup_mindspore, like the
+    collectives; the single-process reference runs after it, on the parent's NPU."""
+    from mspretrain import device
+    from mspretrain.ops import zero2_worker
+
+    order: list[str] = []
+    w = {"a": np.zeros(2, np.float32)}
+    ranks = {"devices": 2, "ranks": _zero2_records(), "weights": w, "seconds": 1.0}
+    ref = {"losses": [5.5, 5.4], "grad_norms": [0.8, 0.8], "finite": [True, True], "weights": w, "collectives": {}}
+    monkeypatch.setattr(selftest, "zero2_ranks", lambda ctx: order.append("ranks") or ranks)
+    monkeypatch.setattr(device, "setup_mindspore", lambda info, **kw: order.append("setup_mindspore"))
+    monkeypatch.setattr(zero2_worker, "run_steps", lambda target, world, rank, batches: order.append(f"reference {target} {world}") or ref)
+    doc = selftest.run_selftest(cfgmod.load(TINY), tmp_path / "run", target="ascend", only=("zero2 step",))
+    assert order == ["ranks", "setup_mindspore", "reference ascend 1"]
+    assert next(c for c in doc["checks"] if c["name"] == "zero2 step")["status"] == "passed"
+    # collectives that fail make the ZeRO-2 ranks pointless: not run, said why
+    order.clear()
+    monkeypatch.setattr(selftest, "check_collectives", lambda ctx: selftest.Check("collectives", "failed", "HCCL timeout"))
+    doc = selftest.run_selftest(cfgmod.load(TINY), tmp_path / "run", target="ascend", only=("collectives", "zero2 step"))
+    z2 = next(c for c in doc["checks"] if c["name"] == "zero2 step")
+    assert order == ["setup_mindspore"] and z2["status"] == "skipped" and "collectives check failed" in z2["detail"]
 
 
 # --------------------------------------------------------------------------- end to end on CPU (CI)
@@ -195,3 +311,24 @@ def test_collectives_worker_on_two_cpu_processes(tmp_path):
     res["ops"]["AllGather"]["correct"] = False
     assert selftest._collectives_check(res, 2, 4).status == "failed"
     assert collectives_worker.bus_factor("AllReduce", 8) == 2 * 7 / 8 and collectives_worker.bus_factor("Broadcast", 8) == 1.0
+
+
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_zero2_step_on_two_cpu_processes_matches_one_process(tmp_path):
+    """The ZeRO-2 check as a 910B runs it (ranks through msrun, the single-process reference here),
+    on 2 CPU workers: the same compiled TrainStep with split, single and bucketed parameters."""
+    from mspretrain.ops import zero2_worker
+
+    ctx = selftest.Context(cfg=cfgmod.load(TINY), target="cpu", work=tmp_path, results={"npus": 2})
+    ranks = selftest.zero2_ranks(ctx)
+    assert isinstance(ranks, dict) and ranks["devices"] == 2, ranks
+    check = selftest.check_zero2(ctx, ranks)
+    assert check.status == "passed", check.detail
+    diffs = check.data["max_abs_diff"]
+    assert diffs["losses"] <= 1e-5 and diffs["weights"] <= 1e-5 and "replicas identical" in check.detail
+    assert check.data["collectives"]["calls"] > check.data["reference_collectives"]["calls"] == 0  # one process: none
+    assert len(check.data["losses"]) == zero2_worker.STEPS
+    # a rank whose slice the all-gather did not deliver
+    ranks["weights"]["embed.weight"][0, 0] += 1e-3
+    assert selftest.check_zero2(ctx, ranks).status == "failed"

@@ -1,7 +1,7 @@
 """Run an mspretrain command on N data-parallel workers through msrun (MindSpore's launcher).
 
 Builds the msrun line (`--worker_num`, `--local_worker_num`, `--master_addr/--master_port`,
-`--node_rank`, `--log_dir`, `--join`), finds msrun and the mspretrain script next to this
+`--node_rank`, `--log_dir`, `--join`, `--cluster_time_out`), finds msrun and the mspretrain script next to this
 interpreter (msrun starts `python` from PATH, so this venv's bin goes first on it), and runs it.
 Nothing here is needed to use msrun directly; it saves typing the line right.
 
@@ -14,7 +14,10 @@ Two things msrun does not do, added here:
   so on one host node 1 would start a second scheduler on node 0's port. Node ranks > 0 get
   MSPRETRAIN_NO_SCHEDULER=1, and that scheduler process exits at once (train/distributed.py); each
   node also logs into its own `LOG_DIR/node_N` (both schedulers would write LOG_DIR/scheduler.log).
-  On separate hosts both are harmless."""
+  On separate hosts both are harmless.
+- Before msrun starts a rank (issue 38): a memory pool (device.max_device_memory) larger than the
+  NPUs' HBM is refused in one line (a 32 GB 910B4 under the 910B configs' 58 GB), and a `train` on
+  Ascend gets HCCL_BUFFSIZE from its plan (train/hccl.py), unless the user exported one."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from mspretrain.commands.common import bounded
 
@@ -82,6 +86,60 @@ def check_worker_command(cmd: list[str]) -> None:
         raise UserError(f"`mspretrain {cmd[0]}` does not take {' '.join(bad)}", f"see `mspretrain {cmd[0]} --help`")
 
 
+def worker_config(cmd: list[str]) -> tuple[argparse.Namespace, Any] | None:
+    """The worker command's parsed arguments and config, for the checks launch makes before msrun
+    starts; None for a command that reads no config of its own (a run reader)."""
+    from mspretrain.cli import TAKE_OVERRIDES, build_parser
+    from mspretrain.commands.common import load_config
+
+    if cmd[0] not in TAKE_OVERRIDES:
+        return None
+    args, extra = build_parser(cmd[0]).parse_known_args(cmd)
+    args.overrides = [e for e in extra if "=" in e and not e.startswith("-")]
+    return args, load_config(args)
+
+
+def check_device_pool(cfg: Any) -> None:
+    """The worker config's Ascend memory pool (device.max_device_memory, 58 GB by default) against
+    this node's NPUs, read with npu-smi (device.py `pool_checked`) before msrun starts a rank: on a
+    32 GB 910B4 every rank would set the 58 GB cap and fail at its first large allocation, minutes
+    in. Only a pool known not to fit is refused; an unreadable HBM is `doctor`'s warning."""
+    from mspretrain.device import pool_checked
+    from mspretrain.errors import UserError
+
+    status, detail, fix = pool_checked(cfg)
+    if status == "fail":
+        raise UserError(f"{detail}: every rank would fail at its first large allocation", fix)
+
+
+def hccl_buffsize(args: argparse.Namespace, cfg: Any, nproc: int, nodes: int) -> tuple[int, int] | None:
+    """(HCCL_BUFFSIZE in MB, the largest collective in bytes) for a `train` on Ascend, from the plan
+    of its config at this world size (ops/plan.py, train/hccl.py `buffsize_mb`); None when the run
+    is not one (CPU, another command) or its plan cannot be made here (the train says why itself)."""
+    from dataclasses import replace
+
+    from mspretrain.errors import UserError
+    from mspretrain.ops.plan import make_plan
+
+    on_npu = any(os.path.exists(p) for p in ("/dev/davinci0", "/dev/davinci_manager"))
+    if args.command != "train" or not (cfg.device.target == "ascend" or (cfg.device.target == "auto" and on_npu)):
+        return None
+    data = Path(args.data) if getattr(args, "data", None) else None
+    try:
+        if getattr(args, "model", None):
+            from mspretrain.commands.train import with_preset
+
+            cfg = with_preset(cfg, args.model, args.overrides)
+        no_budget = replace(cfg.train, max_steps=0, max_tokens=0)  # the memory layout needs no schedule
+        plan = make_plan(replace(cfg, train=no_budget), devices=nproc * nodes, tokens=None,
+                         data_dir=data if data is not None and (data / "manifest.json").is_file() else None,
+                         tokens_per_s_per_device=None, target="ascend", nodes_ranks=nproc)
+    except (UserError, OSError, ValueError):
+        return None
+    hc = plan.get("hccl")
+    return (hc["buffsize_mb"], hc["largest_collective_bytes"]) if hc else None
+
+
 def run(args: argparse.Namespace) -> int:
     from mspretrain.cli import COMMANDS
     from mspretrain.errors import UserError
@@ -118,7 +176,19 @@ def run(args: argparse.Namespace) -> int:
     if msrun is None:
         raise UserError("msrun is not installed next to this Python", "install MindSpore >= 2.3 in this environment (msrun ships with it)")
     check_worker_command(cmd)  # after --dry-run, which only prints; before anything is written
+    worker = worker_config(cmd)
+    if worker is not None:
+        check_device_pool(worker[1])
     env = {**os.environ, "PATH": search}
+    hccl = hccl_buffsize(*worker, args.nproc, args.nodes) if worker is not None else None
+    if hccl is not None:  # the user's own value wins; docs/operators.md section 5 says why it is set
+        from mspretrain.train.hccl import HCCL_BUFFSIZE_ENV
+
+        mb, largest = hccl
+        given = env.get(HCCL_BUFFSIZE_ENV)
+        env.setdefault(HCCL_BUFFSIZE_ENV, str(mb))
+        print(f"{HCCL_BUFFSIZE_ENV}={env[HCCL_BUFFSIZE_ENV]} ({'yours; ' if given else ''}the plan's: {mb} MB for a largest "
+              f"collective of {largest / 2**20:,.0f} MB)", flush=True)
     env.setdefault("GLOG_v", "3")  # MindSpore's native logs: warnings and errors only
     env[LOCAL_RANKS_ENV] = str(args.nproc)  # train's memory check counts every rank on this host
     if args.node_rank > 0:

@@ -12,7 +12,7 @@ EXAMPLES = """examples:
   mspretrain train --config configs/demo.toml --data data/ --run runs/demo      # resumes if runs/demo has a checkpoint
   mspretrain train --model 125m --config configs/demo.toml --data data/ --run runs/125m   # a preset's architecture
   mspretrain train --init-from ~/models/Llama-2-7b-hf --config configs/llama2-7b-910b.toml --data data-zh/ --run runs/zh   # new run from HF weights
-  msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=logs --join=True \\
+  msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=logs --join=True --cluster_time_out=1200 \\
         $(which mspretrain) train --config configs/tiny.toml --data data/ --run runs/dp"""
 
 

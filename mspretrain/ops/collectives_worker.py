@@ -26,6 +26,14 @@ from mspretrain.errors import UserError
 
 def launch(n: int, out: Path, *, size_mb: int, target: str, timeout_s: float = 300.0) -> dict[str, Any]:
     """Run `n` workers through msrun on this node; rank 0's result."""
+    run_workers(n, out, [str(out), str(size_mb), target], script=__file__, timeout_s=timeout_s,
+                what="the collectives")
+    return json.loads((out / "result.json").read_text())
+
+
+def run_workers(n: int, out: Path, args: list[str], *, script: str, timeout_s: float, what: str) -> None:
+    """`python SCRIPT ARGS...` in `n` msrun workers on this node (logs in OUT/logs); returns when
+    all have exited 0 and OUT/result.json exists, else one-line UserError naming the worker logs."""
     from mspretrain.train.distributed import free_local_port, msrun_command
 
     bin_dir = Path(sys.executable).parent
@@ -34,17 +42,15 @@ def launch(n: int, out: Path, *, size_mb: int, target: str, timeout_s: float = 3
     if msrun is None:
         raise UserError("msrun is not installed next to this Python", "install MindSpore >= 2.3 in this environment (msrun ships with it)")
     logs = out / "logs"
-    line = msrun_command(n, [str(out), str(size_mb), target], master_port=free_local_port(), log_dir=str(logs), script=__file__)
+    line = msrun_command(n, args, master_port=free_local_port(), log_dir=str(logs), script=script)
     env = {**os.environ, "PATH": search, "GLOG_v": os.environ.get("GLOG_v", "3")}
     try:
         proc = subprocess.run([msrun, *shlex.split(line)[1:]], env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise UserError(f"the collectives did not finish in {timeout_s:.0f} s", f"read {logs}/worker_*.log (HCCL timeouts show there)") from None
-    result = out / "result.json"
-    if proc.returncode != 0 or not result.is_file():
+        raise UserError(f"{what} did not finish in {timeout_s:.0f} s", f"read {logs}/worker_*.log (HCCL timeouts show there)") from None
+    if proc.returncode != 0 or not (out / "result.json").is_file():
         tail = "".join(p.read_text(errors="replace") for p in sorted(logs.glob("worker_*.log")))[-400:].strip().splitlines()
         raise UserError(f"msrun exited {proc.returncode}: {tail[-1] if tail else 'no worker log'}", f"read {logs}/worker_*.log")
-    return json.loads(result.read_text())
 
 
 def bus_factor(op: str, n: int) -> float:

@@ -210,9 +210,19 @@ def check_overflow_mode(target: str, env: Mapping[str, str] | None = None) -> li
     return [Finding("ok", "fp16 overflow mode", detail)]
 
 
+def check_device_memory(cfg: Config, *, hbm: int | None = None) -> list[Finding]:
+    """The memory pool the run will ask for (device.max_device_memory, 58 GB by default on Ascend)
+    against the NPUs' HBM, read with npu-smi before anything binds a device: a 910B4 has 32 GB,
+    and the pool would fail at the first large allocation, minutes into the job."""
+    from mspretrain.device import pool_checked
+
+    status, detail, fix = pool_checked(cfg, hbm=hbm)
+    return [Finding("ok" if status == "skip" else status, "device memory", detail, fix)]
+
+
 def run_checks(run_dir: Path, cfg: Config, *, mountinfo: str | Path = MOUNTINFO) -> list[Finding]:
     return (check_python_stack() + check_mindspore(cfg.device.target) + check_ascend() + check_overflow_mode(cfg.device.target)
-            + check_launcher_and_threads(cfg) + check_run_dir(run_dir, cfg, mountinfo) + check_cgroup(cfg))
+            + check_device_memory(cfg) + check_launcher_and_threads(cfg) + check_run_dir(run_dir, cfg, mountinfo) + check_cgroup(cfg))
 
 
 def format_findings(findings: list[Finding]) -> str:

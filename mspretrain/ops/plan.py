@@ -33,6 +33,8 @@ Design choices:
     HCCL + workspace    Ascend: 1 GiB of kernel workspace and HCCL's communication buffers
                         (HCCL_BUFFSIZE, 200 MB per communicator by default; assumed, not measured).
                         JSON key `framework_reserve` (kept for scripts that read it)
+- HCCL_BUFFSIZE (Ascend, devices > 1; JSON `hccl`): the buffer that holds the step's largest
+  collective (train/hccl.py `buffsize_mb`), which `launch` exports; not added to the memory above.
     CPU backend         device.target = cpu only: resident memory MindSpore 2.10's CPU backend holds
                         outside the tensors above, from the first call of each compiled graph on
                         (measured, docs/benchmarks/memory.md runs 3 and 4): a per-parameter runtime
@@ -315,7 +317,8 @@ def target_given(target: str | None, cfg: Config) -> bool:
 def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path | None,
               tokens_per_s_per_device: float | None, device_mem_gb: float | None = None,
               zero: bool = False, recompute: bool = False, flash: bool | None = None,
-              assumed: Sequence[str] = (), bus_gbps: float | None = None, target: str | None = None) -> dict:
+              assumed: Sequence[str] = (), bus_gbps: float | None = None, target: str | None = None,
+              nodes_ranks: int | None = None) -> dict:
     """The plan as a dict (bytes, steps, hours); `format_plan` prints it.
 
     zero / recompute: also taken from the config (optim.shard_optimizer, train.recompute), so a
@@ -327,6 +330,7 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     estimate (measured by `selftest`; default ASSUMED_BUS_GBPS, said to be assumed).
     target: the device to plan for when the config says `auto` (`plan` passes this machine's);
     None: Ascend when flash attention is assumed, else the config's value.
+    nodes_ranks: ranks per server for the HCCL buffer (`launch` passes --nproc); None: 8 (Atlas 800T A2).
     """
     zero = zero or cfg.optim.shard_optimizer
     recompute = recompute or cfg.train.recompute
@@ -383,6 +387,14 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         "target": target, "target_source": ("device.target" if cfg.device.target != "auto"
                                             else "this machine (device.target = auto)" if target_given(here, cfg) else "assumed"),
     }
+    if target == "ascend" and devices > 1:  # what `launch` exports as HCCL_BUFFSIZE (train/hccl.py says why)
+        from mspretrain.train.hccl import NPUS_PER_SERVER, buffsize_mb
+
+        largest = max(layout.largest_bucket_bytes())
+        per_node = min(devices, nodes_ranks or NPUS_PER_SERVER)
+        node_count = -(-devices // per_node)
+        plan["hccl"] = {"largest_collective_bytes": largest, "nodes": node_count,
+                        "buffsize_mb": buffsize_mb(largest, per_node, node_count)}
     plan["host_bytes"] = host_memory(m, cfg, layout, devices=devices, target=target, tokens=b.tokens)
     if target == "cpu":  # the host is the device: the whole process
         h = plan["host_bytes"]
@@ -481,6 +493,10 @@ def format_plan(plan: dict) -> str:
     c = plan["collectives_per_step"]
     if plan["devices"] > 1:
         lines.append(f"collectives {c['calls']:,} per step, {c['bytes'] / GB:,.2f} GB handed to them per step per device")
+    if "hccl" in plan:
+        hc = plan["hccl"]
+        lines.append(f"HCCL_BUFFSIZE {hc['buffsize_mb']} MB: largest collective {hc['largest_collective_bytes'] / 2**20:,.0f} MB "
+                     f"on {hc['nodes']} server{'s' if hc['nodes'] > 1 else ''} (`launch` exports it; export it for a raw msrun)")
     if "overlap" in plan:
         o = plan["overlap"]
         per = f" per micro-batch (x{o['per_step']} a step)" if o["per_step"] > 1 else " per step"

@@ -219,6 +219,143 @@ def check_attention(ctx: Context, dtype: str) -> Check:
                  data={k: asdict(c) for k, c in res.items()})
 
 
+# --------------------------------------------------------------------------- what a family adds
+
+# max |logits - fp32 CPU-path logits| of the feature checks' model. Its init_std (0.05, 2.5 x Llama's)
+# gives logits of a few units and attention far from uniform, so each feature moves the logits by
+# far more than rounding does: its "effect" (the fp32 logits with the feature against without it)
+# must be FEATURE_EFFECT_MARGIN x the tolerance, or a kernel ignoring the feature could pass.
+# Measured on CPU (fp16 math path against fp32): max |diff| 2.2e-3 (qkv bias) to 4.5e-3 (qk norm),
+# effects 1.7 (qk norm) to 3.1 (qkv bias). fp16: ~7 x the worst measured; bf16 keeps 3 fewer
+# mantissa bits (x 8) and the flash kernel rounds its blockwise softmax in the compute dtype.
+FEATURE_TOLERANCE = {"fp16": 3e-2, "bf16": 2e-1}
+FEATURE_EFFECT_MARGIN = 5.0
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A family's switch in ModelConfig, checked on the device against the CPU path in fp32."""
+    name: str  # the check's name
+    family: str  # model.family that has it
+    on: dict[str, Any]  # ModelConfig fields that switch it on
+    drawn: tuple[str, ...]  # name endings of the parameters drawn (not left at their init), so that they matter
+    off: dict[str, Any]  # fields that switch it off again, for the effect ({}: the drawn weights at their init)
+
+
+def window_for(seq: int) -> int:
+    """The sliding window of the feature check: a fifth of the sequence (102 of 512 tokens on a
+    910B: no multiple of a kernel block, so the band cuts through blocks and, with band mode,
+    whole blocks lie outside it)."""
+    return max(2, seq // 5)
+
+
+def features(seq: int) -> dict[str, Feature]:
+    return {
+        "sliding window": Feature("sliding window", "mistral", {"sliding_window": window_for(seq)}, (),
+                                  {"sliding_window": 0, "family": "llama"}),
+        "qkv bias": Feature("qkv bias", "qwen2", {"qkv_bias": True}, ("attn.wqkv.bias",), {}),
+        "qk norm": Feature("qk norm", "qwen3", {"qk_norm": True}, ("attn.q_norm.weight", "attn.k_norm.weight"), {}),
+    }
+
+
+def feature_seq(target: str) -> int:
+    """512 tokens on a 910B (four 128-token blocks), 64 on CPU (the math path's cost is T^2)."""
+    return 512 if target == "ascend" else 64
+
+
+def feature_config(feature: Feature, seq: int) -> cfgmod.ModelConfig:
+    """2 layers, head size 64 (a FlashAttentionScore size), 2 query heads sharing 1 KV head (GQA)."""
+    return cfgmod.resolve_model(cfgmod.ModelConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=256,
+                                                   max_seq_len=seq, init_std=0.05, family=feature.family, **feature.on))
+
+
+def feature_inputs(seq: int, batch: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
+    """Tokens (B, T), and document ids with the positions restarting at each document (two per row)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, (batch, seq)).astype(np.int32)
+    cut = np.array([seq // 3, seq // 2])[:batch, None]
+    idx = np.arange(seq)[None, :]
+    segments = (idx >= cut).astype(np.int32)
+    positions = np.where(idx >= cut, idx - cut, idx).astype(np.int32)
+    return {"tokens": tokens, "segments": segments, "positions": positions}
+
+
+def feature_logits(model, inputs: dict[str, np.ndarray], *, documents: bool) -> np.ndarray:
+    """The model's forward pass (its public call, as training runs it), fp32 logits (B, T, V)."""
+    import mindspore as ms
+
+    pos, seg = ((ms.Tensor(inputs["positions"]), ms.Tensor(inputs["segments"])) if documents else (None, None))
+    return model(ms.Tensor(inputs["tokens"]), pos, seg).asnumpy()
+
+
+def feature_candidate(cfg_model, dtype: str, target: str):
+    """The model as training builds it on `target`: flash attention and fused kernels on a 910B
+    (asked for explicitly there, so that a model that could not take it fails instead of passing
+    on the math path), the math path elsewhere."""
+    from mspretrain.model.llama import Llama
+
+    return Llama(cfg_model, dtype=dtype, attention="flash" if target == "ascend" else "auto", device=target, seed=0)
+
+
+def compare_feature(feature: Feature, target: str, dtypes: tuple[str, ...], seq: int) -> dict[str, Any]:
+    """Each dtype's candidate against the fp32 CPU path (math attention, the CPU kernels' graph),
+    causal and with documents, on the same weights; and the feature's effect on that reference."""
+    from mspretrain.model.llama import Llama, load_numpy, state_numpy
+
+    shape = feature_config(feature, seq)
+    reference = Llama(shape, dtype="fp32", attention="math", device="cpu", seed=0)
+    init = {k: v.copy() for k, v in state_numpy(reference).items()}
+    rng = np.random.default_rng(1)
+    state = dict(init)
+    for name in (n for n in init if n.endswith(feature.drawn)):  # () draws none
+        # around the init (zeros for a bias, ones for a norm weight), at the scale of what it adds to
+        state[name] = init[name] + 0.5 * rng.standard_normal(init[name].shape).astype(np.float32)
+    load_numpy(reference, state)
+    baseline = Llama(cfgmod.resolve_model(replace(shape, **feature.off)), dtype="fp32", attention="math", device="cpu", seed=0)
+    load_numpy(baseline, init if feature.drawn else state)
+    inputs = feature_inputs(seq)
+    kinds = (("causal", False), ("documents", True))
+    ref = {kind: feature_logits(reference, inputs, documents=docs) for kind, docs in kinds}
+    effect = max(float(np.abs(ref[kind] - feature_logits(baseline, inputs, documents=docs)).max()) for kind, docs in kinds)
+    out: dict[str, Any] = {"effect": effect, "seq_len": seq, "dtypes": {}}
+    for dtype in dtypes:
+        candidate = feature_candidate(shape, dtype, target)
+        load_numpy(candidate, state)
+        res = {kind: asdict(compare_outputs(feature_logits(candidate, inputs, documents=docs), ref[kind], dtype, FEATURE_TOLERANCE))
+               for kind, docs in kinds}
+        out["dtypes"][dtype] = {**res, "flash_attention": bool(candidate.use_flash)}
+    return out
+
+
+def check_feature(ctx: Context, name: str) -> Check:
+    """A family's feature on this device (fp16, and bf16 on a 910B) against the fp32 CPU path."""
+    seq = feature_seq(ctx.target)
+    feature = features(seq)[name]
+    dtypes = ("fp16", "bf16") if ctx.target == "ascend" else ("fp16",)
+    res = compare_feature(feature, ctx.target, dtypes, seq)
+    worst = max(FEATURE_TOLERANCE[d] for d in dtypes)
+    problems = []
+    if not res["effect"] >= FEATURE_EFFECT_MARGIN * worst:  # NaN fails too
+        problems.append(f"the feature moves the fp32 logits by only {res['effect']:.3g}: the comparison cannot see it")
+    parts = []
+    for dtype, r in res["dtypes"].items():
+        diffs = {k: r[k]["max_abs_diff"] for k in ("causal", "documents")}
+        kernel = "flash" if r["flash_attention"] else "math"
+        parts.append(f"{dtype} ({kernel}) max |diff| {max(diffs.values()):.2g}")
+        bad = [k for k in diffs if not r[k]["max_abs_diff"] <= r[k]["tolerance"]]
+        if bad:
+            problems.append(f"{dtype} {'/'.join(bad)} logits differ by {max(diffs[k] for k in bad):.3g} "
+                            f"(tolerance {FEATURE_TOLERANCE[dtype]:g})")
+    what = {"sliding window": f"window {window_for(seq)} of {seq} tokens", "qkv bias": "q/k/v bias drawn N(0, 0.5)",
+            "qk norm": "q/k norm weights drawn 1 + N(0, 0.5)"}[name]
+    detail = (f"{feature.family} 2-layer model, {what}, causal and with documents, logits vs the fp32 CPU path: "
+              + ", ".join(parts) + f" (tolerance {', '.join(f'{d} {FEATURE_TOLERANCE[d]:g}' for d in dtypes)}; "
+              f"the feature itself moves them by {res['effect']:.2g})")
+    if ctx.target != "ascend":
+        detail += "; bf16 and the flash kernel need Ascend"
+    return Check(name, FAILED if problems else PASSED, "; ".join(problems) if problems else detail, data=res)
+
+
 def three_steps(dtype: str, target: str, *, jit: bool) -> tuple[list[float], list[str], Any]:
     """Three steps of a tiny model with dynamic loss scaling (1024) through the public TrainStep API;
     the second runs with an infinite scale (an overflow in any dtype). Returns the two finite
@@ -295,6 +432,79 @@ def check_collectives(ctx: Context) -> Check:
     return _collectives_check(res, n, size_mb)
 
 
+ZERO2 = "zero2 step"
+# max |difference| of the ZeRO-2 ranks from one process (fp32 both): the same micro-batch gradients,
+# summed across ranks instead of accumulated in one process, differ only in the order of fp32 sums.
+# Measured on 2 CPU workers: losses 4.8e-7, grad norms 0, weights 5.4e-7. AdamW's first steps move
+# each weight by ~lr = 1e-3, so a wrong gradient sum or a stale slice shows 100 x above these bounds.
+ZERO2_TOLERANCE = {"losses": 1e-5, "grad_norms": 1e-4, "weights": 1e-5}
+
+
+def zero2_ranks(ctx: Context) -> dict[str, Any] | Check:
+    """The ZeRO-2 step on every NPU of the node (msrun workers), run before this process binds one
+    (as the collectives); a Check when it could not run."""
+    from mspretrain.ops import zero2_worker
+
+    n = ctx.results.get("npus", 0) or visible_npus()
+    if n < 2:
+        return Check(ZERO2, SKIPPED, f"{n} NPU visible: no ranks to shard over")
+    out = ctx.work / "zero2"
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        res = zero2_worker.launch(n, out, target=ctx.target)
+    except UserError as exc:
+        return Check(ZERO2, FAILED, f"{exc.cause} ({exc.fix})" if getattr(exc, "fix", None) else str(exc),
+                     seconds=time.perf_counter() - t0)
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def check_zero2(ctx: Context, ranks: dict[str, Any] | Check | None) -> Check:
+    """The ranks' ZeRO-2 steps against the same steps on one process, computed here."""
+    if isinstance(ranks, Check):
+        return ranks
+    if ranks is None:
+        return Check(ZERO2, NEEDS_ASCEND, "a ZeRO-2 step (reduce-scatter, sharded AdamW, all-gather) on every NPU through msrun "
+                                          "against one process; tested on 2 CPU processes in tests/test_selftest.py")
+    from mspretrain.ops import zero2_worker
+
+    ref = zero2_worker.run_steps(ctx.target, 1, 0, zero2_worker.global_batches(ranks["devices"]))
+    return zero2_check(ranks, ref)
+
+
+def zero2_check(ranks: dict[str, Any], ref: dict[str, Any]) -> Check:
+    """The comparison: every rank finite, with rank 0's losses, grad norms and weights within
+    ZERO2_TOLERANCE of the single process, and every rank holding the same weights (digest)."""
+    n, recs = ranks["devices"], ranks["ranks"]
+    problems = []
+    if len(recs) != n:
+        problems.append(f"{len(recs)} of {n} ranks reported")
+    if len({r["digest"] for r in recs}) > 1:
+        odd = [r["rank"] for r in recs if r["digest"] != recs[0]["digest"]]
+        problems.append(f"ranks {odd} hold other weights than rank 0 after the all-gather")
+    if not all(all(r["finite"]) for r in recs) or not all(ref["finite"]):
+        problems.append("a step overflowed (fp32: a collective returned garbage)")
+    diffs = {"losses": float(np.abs(np.subtract(recs[0]["losses"], ref["losses"])).max()) if recs else float("nan"),
+             "grad_norms": float(np.abs(np.subtract(recs[0]["grad_norms"], ref["grad_norms"])).max()) if recs else float("nan"),
+             "weights": max(float(np.abs(ranks["weights"][k] - ref["weights"][k]).max()) for k in ref["weights"])}
+    for k, d in diffs.items():
+        if not d <= ZERO2_TOLERANCE[k]:
+            problems.append(f"{k} differ from one process by {d:.3g} (tolerance {ZERO2_TOLERANCE[k]:g})")
+    calls = ref.get("collectives", {})
+    mine = recs[0].get("collectives", {}) if recs else {}
+    from mspretrain.ops.zero2_worker import STEPS
+
+    detail = (f"{n} ranks, {STEPS} fp32 steps of a 2-layer model with 2 micro-batches a rank, "
+              f"{mine.get('calls', '?')} collectives a step (split, single and bucketed parameters): losses "
+              f"{' -> '.join(f'{x:.4f}' for x in ref['losses'])} as one process (max |diff| {diffs['losses']:.2g}), "
+              f"weights max |diff| {diffs['weights']:.2g}, replicas identical")
+    data = {"devices": n, "max_abs_diff": diffs, "tolerance": ZERO2_TOLERANCE, "losses": recs[0]["losses"] if recs else [],
+            "reference_losses": ref["losses"], "collectives": mine, "reference_collectives": calls,
+            "ranks_seconds": ranks.get("seconds")}
+    return Check(ZERO2, FAILED if problems else PASSED, "; ".join(problems) if problems else detail, data=data)
+
+
 def visible_npus(env: dict[str, str] | None = None, dev: Path = Path("/dev")) -> int:
     """NPUs this process may use, without asking the runtime (which would bind one): the
     ASCEND_RT_VISIBLE_DEVICES list when set, else the /dev/davinciN nodes."""
@@ -307,16 +517,19 @@ def visible_npus(env: dict[str, str] | None = None, dev: Path = Path("/dev")) ->
 
 def check_hbm(total_bytes: int, max_device_memory_gb: float) -> Check:
     """Each device's HBM against `device.max_device_memory` (the pool MindSpore may take): a 910B4
-    has 32 GB, so the 910B templates' 58 GB would fail at the first large allocation. 2 GB stay
-    for HCCL and the driver outside the pool."""
-    total_gb = total_bytes / 1e9
+    has 32 GB, so the 910B templates' 58 GB would fail at the first large allocation. The rule is
+    device.py's `pool_problem`, which `doctor` and `launch` apply before the pool is set."""
+    from mspretrain.device import GIB, pool_fix, pool_problem
+
+    total_gb = total_bytes / GIB
     if total_bytes <= 0:
         return Check("device memory", SKIPPED, "the runtime reported no HBM size")
-    ok = max_device_memory_gb <= total_gb - 2
+    problem = pool_problem(total_bytes, max_device_memory_gb)
     detail = f"{total_gb:.1f} GB HBM per device, device.max_device_memory {max_device_memory_gb:g} GB"
-    if not ok:
-        detail += f": larger than the device; set device.max_device_memory={max(1, int(total_gb - 2))}GB-or-less"
-    return Check("device memory", PASSED if ok else FAILED, detail, data={"hbm_bytes": total_bytes, "max_device_memory_gb": max_device_memory_gb})
+    if problem:
+        detail += f": larger than the device; {pool_fix(total_bytes)}"
+    return Check("device memory", FAILED if problem else PASSED, detail,
+                 data={"hbm_bytes": total_bytes, "max_device_memory_gb": max_device_memory_gb})
 
 
 def check_device_memory(ctx: Context) -> Check:
@@ -518,13 +731,22 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
     cfgmod.validate(cfg, device=on_this_device, budget=False)  # selftest trains a few fixed steps, not the config's budget
     # On Ascend the collectives check runs first, in msrun children, before this process binds an
     # NPU (setup_mindspore): a parent holding device 0 would collide with the rank that needs it.
+    # The ZeRO-2 ranks run there too; their single-process reference is computed after setup.
     early: dict[str, Check] = {}
-    if target == "ascend" and (not only or "collectives" in only):
+    ranks: dict[str, Any] | Check | None = None
+    wanted = [name for name in ("collectives", ZERO2) if not only or name in only]
+    if target == "ascend" and wanted:
         run_dir_ = Path(run_dir)
         run_dir_.mkdir(parents=True, exist_ok=True)
         pre = Context(cfg=cfg, target=target, work=Path(tempfile.mkdtemp(prefix=".selftest-", dir=run_dir_)), quick=quick)
         try:
-            early["collectives"] = _timed("collectives", lambda: check_collectives(pre))
+            if "collectives" in wanted:
+                early["collectives"] = _timed("collectives", lambda: check_collectives(pre))
+            if ZERO2 in wanted and early.get("collectives", Check("", PASSED, "")).status == FAILED:
+                ranks = Check(ZERO2, SKIPPED, "the collectives check failed: a ZeRO-2 step needs them")
+            elif ZERO2 in wanted:
+                log(f"selftest: {ZERO2} (ranks) ...")
+                ranks = zero2_ranks(pre)
         finally:
             shutil.rmtree(pre.work, ignore_errors=True)
     setup_mindspore(plan_device(cfg, target=target))
@@ -547,10 +769,12 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
         ("doctor", lambda: check_doctor(ctx)),
         ("flash attention fp16", lambda: check_attention(ctx, "fp16")),
         ("flash attention bf16", lambda: check_attention(ctx, "bf16")),
+        *((name, lambda name=name: check_feature(ctx, name)) for name in features(feature_seq(target))),
         ("train step fp16", lambda: check_train_step(ctx, "fp16")),
         ("train step bf16", lambda: check_train_step(ctx, "bf16")),
         ("device memory", lambda: check_device_memory(ctx)),
-        ("collectives", lambda: check_collectives(ctx)), ("checkpoint", lambda: check_checkpoint(ctx)),
+        ("collectives", lambda: check_collectives(ctx)), (ZERO2, lambda: check_zero2(ctx, ranks)),
+        ("checkpoint", lambda: check_checkpoint(ctx)),
         ("decoder layer", lambda: check_layer(ctx)),
     ]
     checks = []

@@ -77,3 +77,34 @@ def write_topology(out_dir: str | Path, servers: list[dict], per_chip: int = 4) 
         p.write_text(json.dumps(obj, indent=2), encoding="utf-8")
         paths.append(p)
     return paths
+
+
+# ---------------------------------------------------------------------------- HCCL_BUFFSIZE
+# CANN (environment variable reference, HCCL_BUFFSIZE): "the buffer size shared between two NPUs,
+# unit MB, default 200"; each communicator holds 2 x HCCL_BUFFSIZE of HBM used by HCCL alone (send and
+# receive); "for collective communication operators, when the data size exceeds HCCL_BUFFSIZE
+# performance may degrade; set HCCL_BUFFSIZE larger than the data size". Ascend's PyTorch tuning guide
+# (hccl_buffer_size) sizes it per communicator as the largest collective / rank size for pure SDMA
+# traffic (the NPUs of one server) and the whole largest collective with RDMA (across servers).
+# `mspretrain launch` sets it from the plan's largest collective (train/layout.py
+# `largest_bucket_bytes`), which bucket sizes alone cannot bound: a ZeRO bucket holds at least one
+# parameter per rank (768 MB for Llama-2 7B at 8 ranks whatever the cap) and a split parameter
+# crosses in one collective (Qwen2.5-7B's lm_head: 2,079 MB). Unverified on a 910B: the speed-up, and
+# whether MindSpore 2.10's HCCL communicators read the variable in graph mode (CANN lists dynamic
+# shapes and HCCL's C API as its scenarios).
+HCCL_BUFFSIZE_ENV = "HCCL_BUFFSIZE"
+HCCL_BUFFSIZE_DEFAULT_MB = 200
+# At most 1 GB (2 GB a communicator with send and receive): what the 910B templates' pool cap (58 of
+# 64 GB) leaves beside the driver's 4 GB (device.py HBM_RESERVE_GB). Larger collectives still run,
+# in several passes through the buffer.
+HCCL_BUFFSIZE_MAX_MB = 1024
+NPUS_PER_SERVER = 8  # Atlas 800T A2: a plan of more devices crosses servers (RDMA)
+
+
+def buffsize_mb(largest_bytes: int, ranks_per_node: int, nodes: int) -> int:
+    """HCCL_BUFFSIZE (MB = 2^20 bytes) for a step whose largest collective moves `largest_bytes`:
+    that divided by the ranks of a server within one server, whole across servers; never below
+    HCCL's default, never above HCCL_BUFFSIZE_MAX_MB."""
+    per = largest_bytes if nodes > 1 else largest_bytes / max(1, ranks_per_node)
+    need = -(-int(per) // 2**20)  # ceil
+    return min(max(need, HCCL_BUFFSIZE_DEFAULT_MB), HCCL_BUFFSIZE_MAX_MB)
