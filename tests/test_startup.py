@@ -37,27 +37,47 @@ def _reference_weights(m, seed: int) -> dict[str, np.ndarray]:
 
 
 def test_weights_are_bit_identical_and_streamed_to_the_device_on_ascend(tiny_cfg, monkeypatch):
+    """Each drawn weight's Parameter holds the very tensor `Tensor.to` returned, not a rebuild of it.
+
+    MindSpore 2.10's Parameter.__new__ copies its input through the host (`data.asnumpy()`) unless
+    the input's reference count is exactly 4 (common/parameter.py l.377-394); on a 910B that copy
+    brings every streamed weight back to host memory. Here `Tensor.to` stands in for the device
+    copy: it returns a new tensor in a new buffer and records only that buffer's address (holding
+    the tensor itself would raise its reference count). A Parameter rebuilt from a host copy has
+    another address."""
     import mindspore as ms
 
     from mspretrain.model import llama
 
     m = cfgmod.resolve_model(tiny_cfg.model, 512)
     want = _reference_weights(m, seed=7)
-    cpu = llama.state_numpy(llama.Llama(m, seed=7, device="cpu"))
+    cpu_model = llama.Llama(m, seed=7, device="cpu")
+    cpu = llama.state_numpy(cpu_model)
     assert set(cpu) == set(want) and all(np.array_equal(cpu[k], want[k]) for k in want)
 
-    moved: list[tuple[tuple[int, ...], str]] = []
-    monkeypatch.setattr(ms.Tensor, "to", lambda self, device: moved.append((tuple(self.shape), device)) or self)
+    moved: list[tuple[tuple[int, ...], str, int]] = []
+
+    def to(self, device):
+        out = ms.Tensor(self.asnumpy().copy())  # the "device" copy: its own buffer
+        moved.append((tuple(self.shape), device, out._data_ptr()))
+        return out
+
+    monkeypatch.setattr(ms.Tensor, "to", to)
     class _OnNPU:
         device_target = "Ascend"
     llama.Llama(m, dtype="fp16", seed=7, device="ascend")  # built on a CPU process: stays on the host
     assert moved == []
     monkeypatch.setattr(ms, "get_current_device", lambda: _OnNPU())  # as in a process bound to an NPU
-    asc = llama.state_numpy(llama.Llama(m, dtype="fp16", seed=7, device="ascend"))
+    model = llama.Llama(m, dtype="fp16", seed=7, device="ascend")
+    asc = llama.state_numpy(model)
     assert all(np.array_equal(asc[k], want[k]) for k in want)
-    # every drawn weight went to the device as it was drawn, one at a time, in creation order
-    drawn = [v.shape for k, v in want.items() if "norm" not in k]
-    assert moved == [(s, "Ascend") for s in drawn]
+    # every drawn weight went to the device as it was drawn, one at a time, in creation order ...
+    drawn = [k for k in want if "norm" not in k]
+    assert [(s, d) for s, d, _ in moved] == [(want[k].shape, "Ascend") for k in drawn]
+    # ... and its Parameter wraps that device tensor: no host copy was made of any of them
+    params = dict(model.parameters_and_names())
+    held = [params[k]._data_ptr() for k in drawn]
+    assert held == [ptr for _, _, ptr in moved], "a weight was rebuilt from a host copy"
     assert llama._init_device == [None]  # nothing leaks into models built afterwards
     llama.Llama(m, seed=7, device="cpu")
     assert len(moved) == len(drawn)

@@ -160,11 +160,34 @@ class RMSNormFn(nn.Cell):
 _init_device: list[str | None] = [None]
 
 
+def _draw(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Tensor:
+    """normal(0, std) float32 of `shape`, as a Tensor on `_init_device[0]` (host memory if None).
+
+    The values are exactly `rng.standard_normal(shape, dtype=float32) * float32(std)`, one array from
+    the one PCG64 stream, in creation order: the stream is consumed by a rejection sampler (numpy's
+    ziggurat), so the k-th weight's numbers depend on every draw before it and cannot be split
+    across threads or ranks without changing them (docs/operators.md, start-up)."""
+    x = rng.standard_normal(shape, dtype=np.float32)
+    x *= np.float32(std)  # in place: the same float32 products as `x * std`, without a second array
+    if _init_device[0] is None:
+        return Tensor(x)
+    # from_numpy shares `x` (no host copy); `to` copies it to the device synchronously (its default
+    # non_blocking=False), after which `x` is freed on return
+    return Tensor.from_numpy(x).to(_init_device[0])
+
+
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Parameter:
-    t = Tensor(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
-    if _init_device[0] is not None:
-        t = t.to(_init_device[0])
-    return Parameter(t, name="weight")
+    # The drawn tensor is passed as a temporary and the name positionally, on purpose. MindSpore
+    # 2.10's Parameter.__new__ (mindspore/common/parameter.py l.257-273) takes
+    # rc = sys.getrefcount(default_input), and `_get_parameter_new_args` (l.377-394) wraps the tensor
+    # without a copy only if rc == 4 ("the input data is not referenced in other place"); otherwise
+    # it rebuilds the Parameter from `data.asnumpy()`: a device tensor comes back to the host and is
+    # copied again. Measured on CPython 3.11: `Parameter(Tensor(x), "w")` gives 4; a local variable
+    # holding the tensor adds 1 and passing `name=` as a keyword adds 1 more, so the former
+    # `t = ...; Parameter(t, name="weight")` gave 6 (the probe's number), and so does any caller
+    # that keeps a reference. The count is the interpreter's, not an API:
+    # tests/test_startup.py checks the Parameter holds the very buffer `Tensor.to` returned.
+    return Parameter(_draw(rng, shape, std), "weight")
 
 
 class Linear(nn.Cell):
