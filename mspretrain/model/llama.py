@@ -289,6 +289,7 @@ class Attention(nn.Cell):
         self.bmm_pv = ops.BatchMatMul()
         self.softmax = SoftmaxFP32()
         self.use_flash = use_flash
+        self.window = cfg.sliding_window  # 0 = full attention; windowed only when T > window (static)
         if use_flash:
             # Causal without documents: leftUpCausal (sparse_mode 2) with the compressed 2048x2048
             # mask; with documents: the full (B, 1, T, T) mask (sparse_mode 0). 1 = masked out.
@@ -298,6 +299,30 @@ class Attention(nn.Cell):
             self.flash_masked = FlashAttentionScore(
                 head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=2147483647, next_tokens=0,
                 input_layout="BNSD", sparse_mode=0)
+            if cfg.sliding_window:
+                # Mistral's window (key j visible from query i iff 0 <= i - j < window) is the
+                # kernel's band: it computes the keys i - pre_tokens <= j <= i + next_tokens
+                # (2.10's FlashAttentionScore docstring, gen_ops_prim.py: "the part between counting
+                # preTokens and nextTokens"; the bounds as Huawei's CPU golden of the kernel draws
+                # them: mindstudio-probe msprobe/pytorch/bench_functions/npu_fusion_attention.py,
+                # generate_atten_mask, masks triu(k=next+1) and tril(k=-pre-1)), so pre_tokens =
+                # window - 1 and next_tokens = 0. For S1 == S2 (self-attention) the band's left-up
+                # and right-down origins coincide.
+                # Without documents: band mode (sparse_mode 4) with the same compressed 2048x2048
+                # mask as sparse_mode 2 (the docstring: modes 2, 3, 4 take the "optimized" mask),
+                # so blocks outside the band are skipped and no (B, 1, T, T) mask exists.
+                self.flash_band = FlashAttentionScore(
+                    head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=cfg.sliding_window - 1,
+                    next_tokens=0, input_layout="BNSD", sparse_mode=4)
+                # With documents: band mode cannot carry them (its attn_mask must be the compressed
+                # 2048x2048 one, per sample masks are for modes 0/1/5), and the varlen layout (TND,
+                # actual_seq_qlen) allows only sparse_mode 2 or 3, no band. So the full (B, 1, T, T)
+                # mask (causal, window, documents) in sparse_mode 0, which the docstring says
+                # computes "the part between preTokens and nextTokens": the same band bounds let
+                # the kernel skip the blocks outside the window; the mask decides within it.
+                self.flash_band_masked = FlashAttentionScore(
+                    head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=cfg.sliding_window - 1,
+                    next_tokens=0, input_layout="BNSD", sparse_mode=0)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, discard: Tensor | None) -> Tensor:
         q, k, v = self.project(x, cos, sin)
@@ -338,9 +363,16 @@ class Attention(nn.Cell):
         return o.reshape(B, KV * G, T, hd)  # head h = kv * G + g, as HF's repeat_kv: (B, H, T, hd)
 
     def _flash(self, q: Tensor, k: Tensor, v: Tensor, discard: Tensor) -> Tensor:
-        """discard: the model's one compressed (2048, 2048) causal mask, or a (B, 1, T, T) document mask."""
-        if discard.ndim == 2:  # a static shape: the kernel is chosen at compile time
-            out = self.flash_causal(q, k, v, None, None, None, discard, None, None, None)
+        """discard: the model's one compressed (2048, 2048) causal mask, or a (B, 1, T, T) document mask
+        (which holds the window too). The kernel is chosen at compile time from static shapes."""
+        windowed = bool(self.window) and q.shape[2] > self.window  # as Llama._mask decides it
+        if discard.ndim == 2:
+            if windowed:
+                out = self.flash_band(q, k, v, None, None, None, discard, None, None, None)
+            else:
+                out = self.flash_causal(q, k, v, None, None, None, discard, None, None, None)
+        elif windowed:
+            out = self.flash_band_masked(q, k, v, None, None, None, discard, None, None, None)
         else:
             out = self.flash_masked(q, k, v, None, None, None, discard, None, None, None)
         return out[3]  # (softmax_max, softmax_sum, softmax_out, attention_out)
@@ -537,9 +569,9 @@ class Llama(nn.Cell):
         bias = ops.stop_gradient((allowed.astype(ms.float32) - 1.0) * -NEG)  # 0 where visible, NEG where masked
         discard = None
         if self.use_flash:
-            if segments is None and not windowed:
+            if segments is None:  # causal (sparse_mode 2) or, windowed, the band (sparse_mode 4): see Attention
                 discard = self.flash_causal_mask
-            else:  # the full (B, 1, T, T) mask: flash_masked (sparse_mode 0)
+            else:  # the full (B, 1, T, T) mask, window included: sparse_mode 0 (see Attention)
                 # the kernel's (B, 1, S, S) layout; with documents the batch is the segments' own
                 rows = allowed.shape[0] if segments is not None else B
                 discard = ops.logical_not(ops.broadcast_to(allowed, (rows, 1, T, T)))
