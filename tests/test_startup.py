@@ -149,3 +149,19 @@ def test_msrun_gets_an_explicit_cluster_timeout():
     line = distributed.msrun_command(8, ["train"])
     assert f"--cluster_time_out={distributed.CLUSTER_TIMEOUT_S}" in line.split()
     assert line.split().index("--cluster_time_out=1200") < line.split().index("mspretrain")
+
+
+def test_documented_msrun_lines_pass_the_cluster_timeout_launch_passes():
+    """Issue 38, item 2: every raw msrun command in the operator's guide's bash blocks carries the
+    same --cluster_time_out as `launch` (console transcripts are records of past runs, not advice)."""
+    import re
+    from pathlib import Path
+
+    from mspretrain.train import distributed
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "operators.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    commands = [c for b in blocks for c in b.replace("\\\n", " ").splitlines() if c.lstrip().startswith("msrun ")]
+    assert len(commands) >= 3
+    for c in commands:
+        assert f"--cluster_time_out={distributed.CLUSTER_TIMEOUT_S}" in c.split(), c
