@@ -171,9 +171,10 @@ def _draw(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Tenso
     x *= np.float32(std)  # in place: the same float32 products as `x * std`, without a second array
     if _init_device[0] is None:
         return Tensor(x)
-    # from_numpy shares `x` (no host copy); `to` copies it to the device synchronously (its default
-    # non_blocking=False), after which `x` is freed on return
-    return Tensor.from_numpy(x).to(_init_device[0])
+    # ms.from_numpy (ops/function/array_func.py; `Tensor.from_numpy` is the deprecated spelling) shares
+    # `x`, no host copy, and holds a reference to it (measured: the array's refcount + 1), so the
+    # buffer outlives any queued copy; `to` copies it to the device (non_blocking=False by default)
+    return ms.from_numpy(x).to(_init_device[0])
 
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Parameter:
