@@ -34,7 +34,8 @@ Design choices (and the trade-off taken):
   (Qwen3: an RMSNorm over head_dim on q and on k, before RoPE); an explicit head_dim (Qwen3);
   Llama-3.1's `llama3` RoPE frequency rescaling (transformers' `_compute_llama3_parameters`); a
   sliding window (Mistral: key j visible from query i iff i - j < window, transformers'
-  `sliding_window_overlay`), applied only when the sequence is longer than the window. The
+  `sliding_window_overlay`), applied only when the sequence is longer than the window (on the
+  flash path as the kernel's band, sparse_mode 4: see Attention). The
   Llama-2 path (none of them) builds exactly the graph it built before.
 """
 from __future__ import annotations
