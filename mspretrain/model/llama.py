@@ -557,7 +557,8 @@ class Llama(nn.Cell):
         return ops.stop_gradient(cos), ops.stop_gradient(sin)
 
     def _mask(self, segments: Tensor | None, T: int, B: int = 1) -> tuple[Tensor, Tensor | None]:
-        """Additive fp32 bias (B|1, 1, T, T) for the math path; bool discard mask for flash."""
+        """Additive fp32 bias (B|1, 1, T, T) for the math path; bool discard mask for flash. `B` is
+        unused since a flash mask exists only with documents (kept: callers pass it)."""
         idx = ops.arange(T)
         allowed = idx.expand_dims(0) <= idx.expand_dims(1)  # (T, T): key j visible from query i iff j <= i
         windowed = bool(self.window) and T > self.window  # static: decided when the graph is compiled
@@ -574,10 +575,8 @@ class Llama(nn.Cell):
         if self.use_flash:
             if segments is None:  # causal (sparse_mode 2) or, windowed, the band (sparse_mode 4): see Attention
                 discard = self.flash_causal_mask
-            else:  # the full (B, 1, T, T) mask, window included: sparse_mode 0 (see Attention)
-                # the kernel's (B, 1, S, S) layout; with documents the batch is the segments' own
-                rows = allowed.shape[0] if segments is not None else B
-                discard = ops.logical_not(ops.broadcast_to(allowed, (rows, 1, T, T)))
+            else:  # sparse_mode 0 (see Attention): the full mask, window included, already in the
+                discard = ops.logical_not(allowed)  # kernel's (B, 1, S, S) layout, B the segments' batch
         return bias, discard
 
 
