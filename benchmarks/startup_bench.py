@@ -32,6 +32,17 @@ term", about 5.5 bytes per parameter), which is the step's device memory, not in
     # for the matrices (the model is still built, initialised and stepped in full):
     nice python benchmarks/startup_bench.py --dim 2048 --layers 20 --set 'train.trainable=["norms"]' --stop-after-init
     nice python benchmarks/startup_bench.py --dim 2048 --layers 14 --set 'train.trainable=["norms"]'   # 0.71 B, to step 1
+
+`--init` (issue 38, item 2) times only the model's construction on the Ascend path, in one process
+per source tree (this one and --before), on this CPU box: `get_current_device` says Ascend and
+`Tensor.to("Ascend")` becomes `to("CPU")`, a real copy into a new buffer as the host-to-device copy
+is. Per tree: ns per parameter for the whole build and for the build with the draw replaced by
+`np.ones` (what the tree adds to numpy's draw, which no tree changes), how many weights
+`Parameter.__new__` rebuilt through `asnumpy()` (its rc != 4 branch, mindspore/common/parameter.py
+l.377-394), and the 7B x 8-rank extrapolation, (bare draw + the tree's rest) x parameters:
+
+    git archive HEAD~1 mspretrain | tar -x -C /tmp/before     # the tree before the change
+    nice python benchmarks/startup_bench.py --init --before /tmp/before --dim 1024 --layers 8
 """
 from __future__ import annotations
 
@@ -223,6 +234,89 @@ def _available() -> int:
     return 1 << 62
 
 
+INIT_PROBE = r"""
+import json, sys, time
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+from mindspore.common import parameter as P
+from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.model import llama
+from mspretrain.model.presets import param_count
+
+dim, layers, vocab = (int(a) for a in sys.argv[1:4])
+draw = sys.argv[4] == "draw"
+to_device = Tensor.to
+Tensor.to = lambda self, device, *a, **k: to_device(self, "CPU")  # a real copy, as the H2D one is
+class _NPU:
+    device_target = "Ascend"
+ms.get_current_device = lambda: _NPU()
+new_args = P.Parameter._get_parameter_new_args
+copies = []
+def counted(data, rc, init_param=True):
+    if isinstance(data, Tensor) and not data.has_init and rc != 4 and data.size > 4096:  # weights, not norms
+        copies.append(data.size)
+    return new_args(data, rc, init_param)
+P.Parameter._get_parameter_new_args = staticmethod(counted)
+class _Ones:  # everything but the draw: arrays written once (their pages touched), no random numbers
+    def standard_normal(self, shape, dtype):
+        return np.ones(shape, dtype)
+if not draw:
+    llama.np.random.default_rng = lambda seed: _Ones()  # numpy's module: this process only
+cfg = resolve_model(ModelConfig(dim=dim, n_layers=layers, n_heads=dim // 64), vocab_size=vocab)
+params = param_count(cfg)
+llama.Llama(resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=1), vocab_size=64), dtype="fp16", device="ascend")  # warm-up
+t = time.perf_counter()
+model = llama.Llama(cfg, dtype="fp16", device="ascend", seed=0)
+build = time.perf_counter() - t
+print(json.dumps({"params": params, "ns_per_param": build / params * 1e9, "host_copies": len(copies),
+                  "copied_params": sum(copies)}))
+"""
+
+
+def _bare_draw_ns() -> float:
+    """numpy's float32 ziggurat alone, ns per value (the part of the build no tree changes)."""
+    rng, n = np.random.default_rng(0), 1 << 24
+    t = time.perf_counter()
+    rng.standard_normal(n, dtype=np.float32)
+    return (time.perf_counter() - t) / n * 1e9
+
+
+def init_bench(trees: dict[str, Path], dim: int, layers: int, vocab: int, repeat: int) -> None:
+    """Issue 38, item 2: the model build on the (simulated) Ascend path, per source tree: the whole
+    build, and the build with the draw replaced by np.ones (what the tree costs on top of numpy)."""
+    from mspretrain.model.presets import param_count, preset
+
+    best: dict[tuple[str, str], dict] = {}
+    draws = []
+    for _ in range(repeat):  # alternated, the fastest of each kept: the box is shared, its noise is one-sided
+        for name, tree in trees.items():
+            for mode in ("draw", "ones"):
+                env = {**os.environ, "PYTHONPATH": str(tree), "GLOG_v": "3"}
+                out = subprocess.run([sys.executable, "-c", INIT_PROBE, str(dim), str(layers), str(vocab), mode],
+                                     env=env, cwd=tree, capture_output=True, text=True, check=True).stdout
+                r = json.loads(out.strip().splitlines()[-1])
+                if (name, mode) not in best or r["ns_per_param"] < best[name, mode]["ns_per_param"]:
+                    best[name, mode] = r
+                draws.append(_bare_draw_ns())
+    draw = min(draws)
+    print(f"bare numpy draw (float32 ziggurat, PCG64): {draw:.1f} ns per value (fastest of {len(draws)})")
+    rest = {}
+    for name in trees:
+        whole, ones = best[name, "draw"], best[name, "ones"]
+        rest[name] = ones["ns_per_param"]
+        print(f"{name:<7} {whole['params'] / 1e6:.0f} M parameters: whole build {whole['ns_per_param']:.1f} ns per "
+              f"parameter; without the draw {ones['ns_per_param']:.1f} ns (fastest of {repeat} each); weights rebuilt "
+              f"from a host copy by Parameter.__new__: {whole['host_copies']} ({whole['copied_params'] / 1e6:.0f} M "
+              f"parameters)", flush=True)
+    for model in ("llama2-7b", "qwen2.5-7b"):
+        p7 = param_count(preset(model))
+        cells = ", ".join(f"{name} ({draw:.1f} + {ns:.1f}) ns x {p7 / 1e9:.2f} B = {(draw + ns) * p7 / 1e9:.0f} s"
+                          for name, ns in rest.items())
+        print(f"{model}, 8 ranks, each drawing the whole model at once on its own core (no rank waits for "
+              f"another): per rank and node wall time {cells}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", default="/work/wt-before", help="source tree of the code before the change")
@@ -236,7 +330,14 @@ def main() -> None:
     ap.add_argument("--runs", default="before,old-data,after", help="which runs, comma-separated")
     ap.add_argument("--stop-after-init", action="store_true",
                     help="stop each run when the model is built (its step does not fit this machine twice)")
+    ap.add_argument("--init", action="store_true", help="time only the model build on the simulated Ascend path")
+    ap.add_argument("--vocab", type=int, default=32000, help="--init: vocabulary size")
+    ap.add_argument("--repeat", type=int, default=3, help="--init: builds per tree, alternated; the fastest is kept")
     args = ap.parse_args()
+    if args.init:
+        trees = {"before": Path(args.before), "after": ROOT} if Path(args.before).exists() else {"after": ROOT}
+        init_bench(trees, args.dim, args.layers, args.vocab, args.repeat)
+        return
     MIN_AVAILABLE[0] = int(args.min_available_gib * GiB)
     from mspretrain.config import ModelConfig, resolve_model
     from mspretrain.model.presets import param_count, param_shapes, preset

@@ -314,15 +314,24 @@ def test_mfu_counts_the_family_matmuls(name):
     assert matmul_params(small) == sum(math.prod(s) for n, s in param_shapes(small) if len(s) == 2)
 
 
+def _flash_kernels(attn, seen: list, out_dtype=np.float16) -> None:
+    """Every FlashAttentionScore of `attn` replaced by the documented-semantics stand-in, recording."""
+    from tests.test_model import flash_reference
+
+    for name in ("flash_causal", "flash_masked", "flash_band", "flash_band_masked"):
+        if hasattr(attn, name):
+            setattr(attn, name, flash_reference(getattr(attn, name), seen, out_dtype))
+
+
 def test_sliding_window_on_the_flash_path_matches_the_math_path(monkeypatch):
-    """Mistral's window on Ascend is the flash kernel's full (B, 1, T, T) mask (sparse_mode 0):
-    checked on CPU against the documented kernel semantics (tests/test_model.py flash_reference;
-    unverified on hardware, like every flash layout test), with and without documents, and the
-    window really masks (a window of T gives other logits)."""
+    """Mistral's window on Ascend: band mode (sparse_mode 4, pre_tokens = window - 1, next_tokens 0)
+    with the one compressed 2048x2048 mask; with documents, the full (B, 1, T, T) mask in sparse_mode
+    0 with the same band bounds. Checked on CPU against the documented kernel semantics
+    (tests/test_model.py kernel_discard; unverified on hardware, like every flash layout test), and
+    the window really masks (a window of T gives other logits)."""
     from mspretrain.config import ModelConfig, resolve_model
     from mspretrain.model import llama as llama_mod
     from tests.test_ascend_step import _rms_norm_reference
-    from tests.test_model import flash_reference
 
     monkeypatch.setattr(llama_mod.ops, "rms_norm", _rms_norm_reference)  # Ascend's fused norm has no CPU kernel
 
@@ -331,9 +340,9 @@ def test_sliding_window_on_the_flash_path_matches_the_math_path(monkeypatch):
     math16 = Llama(cfg, dtype="fp16", device="cpu", seed=3)
     flash16 = Llama(cfg, dtype="fp16", device="ascend", seed=3)
     assert flash16.use_flash and not math16.use_flash
+    seen: list = []
     for layer in flash16.layers:
-        layer.attn.flash_causal = flash_reference(layer.attn.flash_causal)
-        layer.attn.flash_masked = flash_reference(layer.attn.flash_masked)
+        _flash_kernels(layer.attn, seen)
     tok = tokens(9, (2, 12))
     seg = np.array([[0] * 5 + [1] * 7, [0] * 12], np.int32)
     pos = np.array([list(range(5)) + list(range(7)), list(range(12))], np.int32)
@@ -342,10 +351,72 @@ def test_sliding_window_on_the_flash_path_matches_the_math_path(monkeypatch):
 
     a, b = flash16(ms.Tensor(tok)).asnumpy(), math16(ms.Tensor(tok)).asnumpy()
     assert rel(a, b) <= 5e-3
+    # both layers: the band, with the model's one compressed mask (no (B, 1, T, T) tensor)
+    assert [x[:3] for x in seen] == [(4, 3, 0)] * 2 and all(x[3] is flash16.flash_causal_mask for x in seen)
+    seen.clear()
     a = flash16(ms.Tensor(tok), ms.Tensor(pos), ms.Tensor(seg)).asnumpy()
     assert rel(a, math16(ms.Tensor(tok), ms.Tensor(pos), ms.Tensor(seg)).asnumpy()) <= 5e-3
-    full = Llama(replace(cfg, sliding_window=0), dtype="fp16", device="cpu", seed=3)
+    assert [x[:3] for x in seen] == [(0, 3, 0)] * 2 and all(tuple(x[3].shape) == (2, 1, 12, 12) for x in seen)
+    full = Llama(replace(cfg, sliding_window=0), dtype="fp16", device="ascend", seed=3)
+    seen.clear()
+    for layer in full.layers:
+        _flash_kernels(layer.attn, seen)
     assert rel(full(ms.Tensor(tok)).asnumpy(), b) > 5e-2
+    assert [x[:3] for x in seen] == [(2, 2147483647, 0)] * 2  # no window: leftUpCausal, as before
+
+
+T_EDGE = 12
+
+
+@pytest.mark.parametrize("window", [1, 2, T_EDGE - 1, T_EDGE, T_EDGE + 1])
+@pytest.mark.parametrize("documents", [False, True])
+def test_banded_window_equals_plain_attention_on_every_edge(window, documents):
+    """Issue 38, item 3: the flash path's kernel arguments (recorded from Attention._flash), turned
+    into the mask the kernel applies by the documented semantics (kernel_discard), then fed to the
+    model's plain fp32 attention, equal the model's own sliding-window attention within 1e-5, at
+    window 1, 2, T-1, T, T+1, with and without documents. The masks are also compared exactly, and
+    pre_tokens = window (one more) would fail: the edge is tested, not only the bulk."""
+    from mspretrain.config import ModelConfig, resolve_model
+    from tests.test_model import kernel_discard
+
+    cfg = resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
+                                    family="mistral", sliding_window=window))
+    flash16 = Llama(cfg, dtype="fp16", device="ascend", seed=1)
+    plain32 = Llama(cfg, dtype="fp32", device="cpu", seed=1)
+    B, T, hd = 2, T_EDGE, cfg.head_size
+    rng = np.random.default_rng(window)
+    # fp16-representable inputs: both sides see the same values (the kernel's inputs are fp16)
+    q, k, v = (rng.standard_normal((B, h, T, hd)).astype(np.float16).astype(np.float32)
+               for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
+    seg = ms.Tensor(np.array([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9], np.int32)) if documents else None
+
+    seen: list = []
+    attn = flash16.layers[0].attn
+    _flash_kernels(attn, seen, out_dtype=np.float32)
+    _, discard = flash16._mask(seg, T, B)
+    banded = attn._flash(*(ms.Tensor(x).astype(ms.float16) for x in (q, k, v)), discard).asnumpy()
+    (mode, pre, nxt, mask), = seen
+    windowed = window < T
+    assert (mode, pre, nxt) == ((0 if documents else 4, window - 1, 0) if windowed else
+                                (0 if documents else 2, 2147483647, 0))
+    if documents:
+        assert tuple(mask.shape) == (B, 1, T, T)
+    else:
+        assert mask is flash16.flash_causal_mask  # the compressed 2048x2048 mask, never a (B, 1, T, T) one
+
+    bias, _ = plain32._mask(seg, T, B)
+    plain = plain32.layers[0].attn.attend(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), bias).asnumpy()
+    kernel_mask = kernel_discard(mode, pre, nxt, mask.asnumpy().astype(bool), T)
+    assert np.array_equal(np.broadcast_to(kernel_mask, (B, 1, T, T)), np.broadcast_to(bias.asnumpy() != 0, (B, 1, T, T)))
+    as_bias = ms.Tensor(np.where(kernel_mask, np.float32(-1e9), np.float32(0)))
+    via_kernel_mask = plain32.layers[0].attn.attend(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), as_bias).asnumpy()
+    assert np.abs(via_kernel_mask - plain).max() <= 1e-5
+    assert np.abs(banded - plain).max() <= 1e-5  # the stand-in kernel itself (numpy, fp32) agrees too
+    if windowed and not documents:  # band mode: one token more of band is another mask, the off-by-one is seen
+        # (with documents the full mask holds the window; the band bounds only let blocks be skipped,
+        # and one too narrow would fail the mask comparison above)
+        wider = kernel_discard(mode, pre + 1, nxt, mask.asnumpy().astype(bool), T)
+        assert not np.array_equal(np.broadcast_to(wider, (B, 1, T, T)), np.broadcast_to(kernel_mask, (B, 1, T, T)))
 
 
 def test_sliding_window_kv_cache_greedy_equals_full_recompute():

@@ -254,9 +254,29 @@ def test_attention_selection_by_device():
         llama.select_attention("flash", "ascend", "fp32")
 
 
-def flash_reference(prim):
-    """FlashAttentionScore as documented (BNSD; N2 divides N1; mask 1 = discard; sparse 0 full mask,
-    sparse 2 = leftUpCausal with a 2048x2048 compressed mask), in numpy, with layout assertions.
+def kernel_discard(sparse_mode: int, pre_tokens: int, next_tokens: int, attn_mask: np.ndarray, S: int) -> np.ndarray:
+    """The mask FlashAttentionScore applies for self-attention of length S (1 = discard), as 2.10's
+    docstring (ops/auto_generate/gen_ops_prim.py) documents it, broadcastable to (B, N1, S, S):
+
+    - the band: query i computes keys i - pre_tokens <= j <= i + next_tokens ("the part between
+      counting preTokens and nextTokens"; the bounds as Huawei's CPU golden of the kernel draws them,
+      mindstudio-probe's npu_fusion_attention.py generate_atten_mask);
+    - sparse_mode 2 (leftUpCausal) and 4 (band) take the compressed 2048x2048 mask, triu(1), and
+      apply causal (2, pre/next ignored) or the band (4); S1 == S2 here, so left-up and right-down
+      origins coincide;
+    - sparse_mode 0 takes the full (B, 1, S, S) mask and computes only within the band."""
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    outside_band = (j - i > next_tokens) | (i - j > pre_tokens)
+    if sparse_mode in (2, 4):
+        assert attn_mask.shape == (2048, 2048) and np.array_equal(attn_mask, np.triu(np.ones((2048, 2048), bool), 1))
+        return (j > i)[None, None] if sparse_mode == 2 else outside_band[None, None]
+    assert sparse_mode == 0 and attn_mask.ndim == 4 and attn_mask.shape[1:] == (1, S, S)
+    return attn_mask | outside_band[None, None]
+
+
+def flash_reference(prim, seen: list | None = None, out_dtype=np.float16):
+    """FlashAttentionScore as documented (BNSD; N2 divides N1; the mask of `kernel_discard`), in
+    numpy, with layout assertions; `seen` collects (sparse_mode, pre_tokens, next_tokens, attn_mask).
 
     UNVERIFIED ON HARDWARE: this is checked against our reading of the kernel's docs, not against
     the kernel (CPU has none). A misreading shared by the model code and this stand-in passes
@@ -272,18 +292,15 @@ def flash_reference(prim):
         N2 = kn.shape[1]
         assert attrs["head_num"] == N1 and N1 % N2 == 0 and kn.shape == vn.shape == (B, N2, S1, D)
         mask = attn_mask.asnumpy().astype(bool)
-        if attrs["sparse_mode"] == 2:
-            assert mask.shape == (2048, 2048) and np.array_equal(mask, np.triu(np.ones((2048, 2048), bool), 1))
-            discard = mask[:S1, :S1][None, None]
-        else:
-            assert attrs["sparse_mode"] == 0 and mask.shape == (B, 1, S1, S1)
-            discard = mask
+        if seen is not None:
+            seen.append((attrs["sparse_mode"], attrs["pre_tokens"], attrs["next_tokens"], attn_mask))
+        discard = kernel_discard(attrs["sparse_mode"], attrs["pre_tokens"], attrs["next_tokens"], mask, S1)
         kr, vr = np.repeat(kn, N1 // N2, axis=1), np.repeat(vn, N1 // N2, axis=1)  # head h uses kv head h // G
         s = attrs["scale_value"] * qn @ kr.transpose(0, 1, 3, 2)
         s = np.where(discard, -np.inf, s)
         p = np.exp(s - s.max(-1, keepdims=True))
         out = (p / p.sum(-1, keepdims=True)) @ vr
-        return (None, None, None, ms.Tensor(out.astype(np.float16)))
+        return (None, None, None, ms.Tensor(out.astype(out_dtype)))
 
     return run
 

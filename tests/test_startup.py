@@ -37,27 +37,47 @@ def _reference_weights(m, seed: int) -> dict[str, np.ndarray]:
 
 
 def test_weights_are_bit_identical_and_streamed_to_the_device_on_ascend(tiny_cfg, monkeypatch):
+    """Each drawn weight's Parameter holds the very tensor `Tensor.to` returned, not a rebuild of it.
+
+    MindSpore 2.10's Parameter.__new__ copies its input through the host (`data.asnumpy()`) unless
+    the input's reference count is exactly 4 (common/parameter.py l.377-394); on a 910B that copy
+    brings every streamed weight back to host memory. Here `Tensor.to` stands in for the device
+    copy: it returns a new tensor in a new buffer and records only that buffer's address (holding
+    the tensor itself would raise its reference count). A Parameter rebuilt from a host copy has
+    another address."""
     import mindspore as ms
 
     from mspretrain.model import llama
 
     m = cfgmod.resolve_model(tiny_cfg.model, 512)
     want = _reference_weights(m, seed=7)
-    cpu = llama.state_numpy(llama.Llama(m, seed=7, device="cpu"))
+    cpu_model = llama.Llama(m, seed=7, device="cpu")
+    cpu = llama.state_numpy(cpu_model)
     assert set(cpu) == set(want) and all(np.array_equal(cpu[k], want[k]) for k in want)
 
-    moved: list[tuple[tuple[int, ...], str]] = []
-    monkeypatch.setattr(ms.Tensor, "to", lambda self, device: moved.append((tuple(self.shape), device)) or self)
+    moved: list[tuple[tuple[int, ...], str, int]] = []
+
+    def to(self, device):
+        out = ms.Tensor(self.asnumpy().copy())  # the "device" copy: its own buffer
+        moved.append((tuple(self.shape), device, out._data_ptr()))
+        return out
+
+    monkeypatch.setattr(ms.Tensor, "to", to)
     class _OnNPU:
         device_target = "Ascend"
     llama.Llama(m, dtype="fp16", seed=7, device="ascend")  # built on a CPU process: stays on the host
     assert moved == []
     monkeypatch.setattr(ms, "get_current_device", lambda: _OnNPU())  # as in a process bound to an NPU
-    asc = llama.state_numpy(llama.Llama(m, dtype="fp16", seed=7, device="ascend"))
+    model = llama.Llama(m, dtype="fp16", seed=7, device="ascend")
+    asc = llama.state_numpy(model)
     assert all(np.array_equal(asc[k], want[k]) for k in want)
-    # every drawn weight went to the device as it was drawn, one at a time, in creation order
-    drawn = [v.shape for k, v in want.items() if "norm" not in k]
-    assert moved == [(s, "Ascend") for s in drawn]
+    # every drawn weight went to the device as it was drawn, one at a time, in creation order ...
+    drawn = [k for k in want if "norm" not in k]
+    assert [(s, d) for s, d, _ in moved] == [(want[k].shape, "Ascend") for k in drawn]
+    # ... and its Parameter wraps that device tensor: no host copy was made of any of them
+    params = dict(model.parameters_and_names())
+    held = [params[k]._data_ptr() for k in drawn]
+    assert held == [ptr for _, _, ptr in moved], "a weight was rebuilt from a host copy"
     assert llama._init_device == [None]  # nothing leaks into models built afterwards
     llama.Llama(m, seed=7, device="cpu")
     assert len(moved) == len(drawn)
@@ -129,3 +149,34 @@ def test_msrun_gets_an_explicit_cluster_timeout():
     line = distributed.msrun_command(8, ["train"])
     assert f"--cluster_time_out={distributed.CLUSTER_TIMEOUT_S}" in line.split()
     assert line.split().index("--cluster_time_out=1200") < line.split().index("mspretrain")
+
+
+def test_optimizer_state_is_not_rebuilt_from_host_copies(tiny_cfg, monkeypatch):
+    """Issue 38, item 2: the same trap in TrainStep. Its zeroed moments and gradient accumulators
+    come from `ops.zeros` (device memory on an NPU) and the fp32 masters from a host array; a
+    Parameter built from any of them at a reference count other than 4 is rebuilt through
+    `asnumpy()` by MindSpore 2.10 (common/parameter.py l.377-394). Counted in that branch."""
+    from mindspore.common import parameter as P
+
+    from mspretrain.model import llama
+    from mspretrain.train.step import TrainStep
+
+    m = cfgmod.resolve_model(tiny_cfg.model, 512)
+    model = llama.Llama(m, dtype="fp16", seed=7, device="cpu")
+    new_args = P.Parameter._get_parameter_new_args
+    rebuilt: list[tuple[tuple[int, ...], int]] = []
+
+    def counted(data, rc, init_param=True):
+        import mindspore as ms
+
+        if isinstance(data, ms.Tensor) and not data.has_init and rc != 4 and data.size > 1:  # not the step counters
+            rebuilt.append((tuple(data.shape), rc))
+        return new_args(data, rc, init_param)
+
+    monkeypatch.setattr(P.Parameter, "_get_parameter_new_args", staticmethod(counted))
+    step = TrainStep(model, tiny_cfg.optim, global_tokens=2 * 16, jit=False, half_params=llama.half_eligible(model),
+                     accumulation=2)
+    step._ensure_accum()
+    assert len(step.exp_avg) == len(step.exp_avg_sq) > 0 and step.accum is not None and len(step.accum) > 0
+    assert any(p is not q for p, q in zip(step.own_masters, [step.params[i] for i in step.own]))  # separate masters built
+    assert rebuilt == []

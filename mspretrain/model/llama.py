@@ -34,7 +34,8 @@ Design choices (and the trade-off taken):
   (Qwen3: an RMSNorm over head_dim on q and on k, before RoPE); an explicit head_dim (Qwen3);
   Llama-3.1's `llama3` RoPE frequency rescaling (transformers' `_compute_llama3_parameters`); a
   sliding window (Mistral: key j visible from query i iff i - j < window, transformers'
-  `sliding_window_overlay`), applied only when the sequence is longer than the window. The
+  `sliding_window_overlay`), applied only when the sequence is longer than the window (on the
+  flash path as the kernel's band, sparse_mode 4: see Attention). The
   Llama-2 path (none of them) builds exactly the graph it built before.
 """
 from __future__ import annotations
@@ -160,11 +161,36 @@ class RMSNormFn(nn.Cell):
 _init_device: list[str | None] = [None]
 
 
+def _draw(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Tensor:
+    """normal(0, std) float32 of `shape`, as a Tensor on `_init_device[0]` (host memory if None).
+
+    The values are exactly `rng.standard_normal(shape, dtype=float32) * float32(std)`, one array from
+    the one PCG64 stream, in creation order: the stream is consumed by a rejection sampler (numpy's
+    ziggurat), so the k-th weight's numbers depend on every draw before it and cannot be split
+    across threads or ranks without changing them (docs/operators.md, start-up)."""
+    x = rng.standard_normal(shape, dtype=np.float32)
+    x *= np.float32(std)  # in place: the same float32 products as `x * std`, without a second array
+    if _init_device[0] is None:
+        return Tensor(x)
+    # ms.from_numpy (ops/function/array_func.py; `Tensor.from_numpy` is the deprecated spelling) shares
+    # `x`, no host copy, and holds a reference to it (measured: the array's refcount + 1), so the
+    # buffer outlives any queued copy; `to` copies it to the device (non_blocking=False by default)
+    return ms.from_numpy(x).to(_init_device[0])
+
+
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Parameter:
-    t = Tensor(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
-    if _init_device[0] is not None:
-        t = t.to(_init_device[0])
-    return Parameter(t, name="weight")
+    # The drawn tensor is passed as a temporary and the name positionally, on purpose. MindSpore
+    # 2.10's Parameter.__new__ (mindspore/common/parameter.py l.257-273) takes
+    # rc = sys.getrefcount(default_input), and `_get_parameter_new_args` (l.377-394) wraps the tensor
+    # without a copy only if rc == 4 ("the input data is not referenced in other place"); otherwise
+    # it rebuilds the Parameter from `data.asnumpy()`: a device tensor comes back to the host and is
+    # copied again. Measured on CPython 3.11 (and, with a pure-Python stand-in of that __new__, the
+    # same on 3.9, 3.10 and 3.12): `Parameter(Tensor(x), "w")` gives 4; a local variable
+    # holding the tensor adds 1 and passing `name=` as a keyword adds 1 more, so the former
+    # `t = ...; Parameter(t, name="weight")` gave 6 (the probe's number), and so does any caller
+    # that keeps a reference. The count is the interpreter's, not an API:
+    # tests/test_startup.py checks the Parameter holds the very buffer `Tensor.to` returned.
+    return Parameter(_draw(rng, shape, std), "weight")
 
 
 class Linear(nn.Cell):
@@ -266,6 +292,7 @@ class Attention(nn.Cell):
         self.bmm_pv = ops.BatchMatMul()
         self.softmax = SoftmaxFP32()
         self.use_flash = use_flash
+        self.window = cfg.sliding_window  # 0 = full attention; windowed only when T > window (static)
         if use_flash:
             # Causal without documents: leftUpCausal (sparse_mode 2) with the compressed 2048x2048
             # mask; with documents: the full (B, 1, T, T) mask (sparse_mode 0). 1 = masked out.
@@ -275,6 +302,30 @@ class Attention(nn.Cell):
             self.flash_masked = FlashAttentionScore(
                 head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=2147483647, next_tokens=0,
                 input_layout="BNSD", sparse_mode=0)
+            if cfg.sliding_window:
+                # Mistral's window (key j visible from query i iff 0 <= i - j < window) is the
+                # kernel's band: it computes the keys i - pre_tokens <= j <= i + next_tokens
+                # (2.10's FlashAttentionScore docstring, gen_ops_prim.py: "the part between counting
+                # preTokens and nextTokens"; the bounds as Huawei's CPU golden of the kernel draws
+                # them: mindstudio-probe msprobe/pytorch/bench_functions/npu_fusion_attention.py,
+                # generate_atten_mask, masks triu(k=next+1) and tril(k=-pre-1)), so pre_tokens =
+                # window - 1 and next_tokens = 0. For S1 == S2 (self-attention) the band's left-up
+                # and right-down origins coincide.
+                # Without documents: band mode (sparse_mode 4) with the same compressed 2048x2048
+                # mask as sparse_mode 2 (the docstring: modes 2, 3, 4 take the "optimized" mask),
+                # so blocks outside the band are skipped and no (B, 1, T, T) mask exists.
+                self.flash_band = FlashAttentionScore(
+                    head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=cfg.sliding_window - 1,
+                    next_tokens=0, input_layout="BNSD", sparse_mode=4)
+                # With documents: band mode cannot carry them (its attn_mask must be the compressed
+                # 2048x2048 one, per sample masks are for modes 0/1/5), and the varlen layout (TND,
+                # actual_seq_qlen) allows only sparse_mode 2 or 3, no band. So the full (B, 1, T, T)
+                # mask (causal, window, documents) in sparse_mode 0, which the docstring says
+                # computes "the part between preTokens and nextTokens": the same band bounds let
+                # the kernel skip the blocks outside the window; the mask decides within it.
+                self.flash_band_masked = FlashAttentionScore(
+                    head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=cfg.sliding_window - 1,
+                    next_tokens=0, input_layout="BNSD", sparse_mode=0)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, discard: Tensor | None) -> Tensor:
         q, k, v = self.project(x, cos, sin)
@@ -315,9 +366,16 @@ class Attention(nn.Cell):
         return o.reshape(B, KV * G, T, hd)  # head h = kv * G + g, as HF's repeat_kv: (B, H, T, hd)
 
     def _flash(self, q: Tensor, k: Tensor, v: Tensor, discard: Tensor) -> Tensor:
-        """discard: the model's one compressed (2048, 2048) causal mask, or a (B, 1, T, T) document mask."""
-        if discard.ndim == 2:  # a static shape: the kernel is chosen at compile time
-            out = self.flash_causal(q, k, v, None, None, None, discard, None, None, None)
+        """discard: the model's one compressed (2048, 2048) causal mask, or a (B, 1, T, T) document mask
+        (which holds the window too). The kernel is chosen at compile time from static shapes."""
+        windowed = bool(self.window) and q.shape[2] > self.window  # as Llama._mask decides it
+        if discard.ndim == 2:
+            if windowed:
+                out = self.flash_band(q, k, v, None, None, None, discard, None, None, None)
+            else:
+                out = self.flash_causal(q, k, v, None, None, None, discard, None, None, None)
+        elif windowed:
+            out = self.flash_band_masked(q, k, v, None, None, None, discard, None, None, None)
         else:
             out = self.flash_masked(q, k, v, None, None, None, discard, None, None, None)
         return out[3]  # (softmax_max, softmax_sum, softmax_out, attention_out)
@@ -499,7 +557,8 @@ class Llama(nn.Cell):
         return ops.stop_gradient(cos), ops.stop_gradient(sin)
 
     def _mask(self, segments: Tensor | None, T: int, B: int = 1) -> tuple[Tensor, Tensor | None]:
-        """Additive fp32 bias (B|1, 1, T, T) for the math path; bool discard mask for flash."""
+        """Additive fp32 bias (B|1, 1, T, T) for the math path; bool discard mask for flash. `B` is
+        unused since a flash mask exists only with documents (kept: callers pass it)."""
         idx = ops.arange(T)
         allowed = idx.expand_dims(0) <= idx.expand_dims(1)  # (T, T): key j visible from query i iff j <= i
         windowed = bool(self.window) and T > self.window  # static: decided when the graph is compiled
@@ -514,12 +573,10 @@ class Llama(nn.Cell):
         bias = ops.stop_gradient((allowed.astype(ms.float32) - 1.0) * -NEG)  # 0 where visible, NEG where masked
         discard = None
         if self.use_flash:
-            if segments is None and not windowed:
+            if segments is None:  # causal (sparse_mode 2) or, windowed, the band (sparse_mode 4): see Attention
                 discard = self.flash_causal_mask
-            else:  # the full (B, 1, T, T) mask: flash_masked (sparse_mode 0)
-                # the kernel's (B, 1, S, S) layout; with documents the batch is the segments' own
-                rows = allowed.shape[0] if segments is not None else B
-                discard = ops.logical_not(ops.broadcast_to(allowed, (rows, 1, T, T)))
+            else:  # sparse_mode 0 (see Attention): the full mask, window included, already in the
+                discard = ops.logical_not(allowed)  # kernel's (B, 1, S, S) layout, B the segments' batch
         return bias, discard
 
 

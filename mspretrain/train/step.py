@@ -180,15 +180,19 @@ class TrainStep:
         # (a slice of a Parameter is not a Parameter the update kernel can write).
         self._own_has_master = [self.names[i] in half for i in self.own]  # in the checkpoint (fp32 ones are the weights)
         self._own_separate = [h or c for h, c in zip(self._own_has_master, self._own_split)]  # a tensor of its own
+        # Every state Parameter below gets a temporary and positional arguments: MindSpore 2.10's
+        # Parameter.__new__ wraps its input only at refcount 4 and otherwise rebuilds it from
+        # `asnumpy()` (model/llama.py `_normal` says why), which would bring each zeroed moment
+        # and accumulator of an NPU back through host memory (tests/test_startup.py).
         self.own_masters = ms.ParameterTuple([
-            Parameter(Tensor(self._flat_value(k)), name=self._key(k, "master"), requires_grad=False) if sep else self.params[i]
+            Parameter(Tensor(self._flat_value(k)), self._key(k, "master"), False) if sep else self.params[i]
             for k, (i, sep) in enumerate(zip(self.own, self._own_separate))])
         for p in self.params + self.frozen:
             if p.name in half:
                 p.set_dtype(model.dtype)
         # a slice's state is 1-D, a whole parameter's has its shape
         shape = lambda k: (self._own_bounds[k][1] - self._own_bounds[k][0],) if self._own_split[k] else self.params[self.own[k]].shape
-        zeros = lambda k, prefix: Parameter(ops.zeros(shape(k), ms.float32), name=self._key(k, prefix), requires_grad=False)
+        zeros = lambda k, prefix: Parameter(ops.zeros(shape(k), ms.float32), self._key(k, prefix), False)
         self.exp_avg = ms.ParameterTuple([zeros(k, "exp_avg") for k in range(len(self.own))])
         self.exp_avg_sq = ms.ParameterTuple([zeros(k, "exp_avg_sq") for k in range(len(self.own))])
         self.opt_step = Parameter(Tensor(0, ms.int32), name="opt_step", requires_grad=False)
@@ -478,8 +482,8 @@ class TrainStep:
         if self.accum is not None:
             return
         # in `self._order`: the order `_reduce` produces and `_finish` reads
-        self.accum = ms.ParameterTuple([Parameter(ops.zeros(shape, ms.float32), name=f"accum.{self.names[i]}",
-                                                  requires_grad=False) for i, shape in zip(self._order, self._order_shape)])
+        self.accum = ms.ParameterTuple([Parameter(ops.zeros(shape, ms.float32), f"accum.{self.names[i]}", False)
+                                        for i, shape in zip(self._order, self._order_shape)])  # positional: see __init__
 
         # The first micro-batch of a step overwrites the buffers instead of adding to them, so
         # `apply` never zeroes them: a zeroing assign there is ordered before the reads of the same
