@@ -155,6 +155,48 @@ def test_feature_check_fails_a_candidate_that_ignores_the_feature(monkeypatch, n
     assert check.status == "failed" and "logits differ by" in check.detail, check.detail
 
 
+@pytest.mark.parametrize("band_ignored", [False, True])
+def test_the_window_check_as_a_910b_runs_it_with_the_documented_kernel(monkeypatch, band_ignored):
+    """The sliding-window check with the 910B's candidate (flash attention, fused kernels), its kernels
+    replaced by their documented semantics (FlashAttentionScore: tests/test_model.py `flash_reference`;
+    RmsNorm: tests/test_ascend_step.py), at the CPU's sequence length: band mode passes, and a kernel
+    that computes the whole causal triangle instead of the band fails. Unverified on hardware like
+    every stand-in: `selftest` on a 910B runs the same comparison against the real kernel."""
+    from mindspore import ops
+
+    from tests.test_ascend_step import _rms_norm_reference
+    from tests.test_model import flash_reference
+
+    monkeypatch.setattr(ops, "rms_norm", _rms_norm_reference)
+    real, seen = selftest.feature_candidate, []
+
+    def documented(cfg_model, dtype, target):
+        model = real(cfg_model, dtype, target)
+        assert model.use_flash
+        for layer in model.layers:
+            attn = layer.attn
+            prims = {name: getattr(attn, name) for name in ("flash_causal", "flash_masked", "flash_band", "flash_band_masked")}
+            if band_ignored:  # band mode's call runs the causal kernel (sparse_mode 2) instead
+                prims["flash_band"] = prims["flash_causal"]
+            for name, prim in prims.items():
+                setattr(attn, name, flash_reference(prim, seen))
+        return model
+
+    monkeypatch.setattr(selftest, "feature_candidate", documented)
+    seq = selftest.feature_seq("cpu")
+    res = selftest.compare_feature(selftest.features(seq)["sliding window"], "ascend", ("fp16",), seq)
+    fp16 = res["dtypes"]["fp16"]
+    assert fp16["flash_attention"]
+    modes = {(mode, pre) for mode, pre, _, _ in seen}
+    if band_ignored:  # with documents the full mask still carries the window; without, nothing does
+        assert not fp16["causal"]["max_abs_diff"] <= fp16["causal"]["tolerance"]
+        assert (4, selftest.window_for(seq) - 1) not in modes
+    else:
+        assert (4, selftest.window_for(seq) - 1) in modes and (0, selftest.window_for(seq) - 1) in modes
+        for kind in ("causal", "documents"):
+            assert fp16[kind]["max_abs_diff"] <= fp16[kind]["tolerance"], (kind, fp16[kind])
+
+
 def _zero2_records(n=2, losses=(5.5, 5.4), digest="d"):
     return [{"rank": r, "losses": list(losses), "grad_norms": [0.8, 0.8], "finite": [True, True], "digest": digest,
              "collectives": {"calls": 33, "bytes": 1}} for r in range(n)]
