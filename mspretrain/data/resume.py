@@ -81,8 +81,9 @@ def point(name: str, written: Callable[[], object] | None = None) -> None:
 
 
 def fingerprint(inputs: list[str], paths: list[Path], names: list[str], cfg: PrepareConfig,
-                tokenizer: tuple[str, str] | None, seq_len: int | None) -> dict:
-    """What makes the output what it is: a rerun must match all of it to resume."""
+                tokenizer: tuple[str, str] | None, seq_len: int | None, quality: dict | None = None) -> dict:
+    """What makes the output what it is: a rerun must match all of it to resume. `quality`: the
+    quality models' paths and SHA-256 (`scoring.QualityStage.identity`), None without them."""
     files = []
     for p, n in zip(paths, names):
         st = p.stat()
@@ -90,7 +91,7 @@ def fingerprint(inputs: list[str], paths: list[Path], names: list[str], cfg: Pre
     return {"mspretrain": __version__, "inputs": list(inputs), "files": files,
             "config": json.loads(json.dumps(asdict(cfg), default=str)),
             "tokenizer": None if tokenizer is None else {"path": tokenizer[0], "sha256": tokenizer[1]},
-            "seq_len": seq_len}
+            "seq_len": seq_len, **({"quality": quality} if quality is not None else {})}
 
 
 def _short(v: object) -> str:
@@ -105,7 +106,8 @@ def difference(old: dict, new: dict) -> str | None:
     ot, nt = old.get("tokenizer"), new.get("tokenizer")
     if ot and nt and ot != nt and ot.get("path") == nt.get("path"):
         return f"the tokenizer {nt.get('path')} changed (its SHA-256)"
-    for key, what in (("mspretrain", "the mspretrain version"), ("inputs", "INPUT"), ("seq_len", "--seq-len"), ("tokenizer", "--tokenizer")):
+    for key, what in (("mspretrain", "the mspretrain version"), ("inputs", "INPUT"), ("seq_len", "--seq-len"), ("tokenizer", "--tokenizer"),
+                      ("quality", "the quality models (their SHA-256)")):
         if old.get(key) != new.get(key):
             return f"{what} was {_short(old.get(key))}, now {_short(new.get(key))}"
     oc, nc = old.get("config") or {}, new.get("config") or {}
