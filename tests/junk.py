@@ -4,15 +4,24 @@ documents a web crawl holds and a pretraining corpus should not, each drawn from
 - "translated": machine-translated-looking Chinese, function words and calques strung together;
 - "boilerplate": site chrome (copyright, navigation, login, disclaimers) with numbers;
 - "spam": keyword stuffing, a few product words repeated in varying order;
-- "foreign": other languages (English, Japanese, Korean, Russian), which the language filter takes.
+- "foreign": other languages (English, Japanese, Korean, Russian), which the language filter takes;
+- "salad": the hard case, poems' form and the poems' own characters drawn uniformly, without the
+  successor structure real poems have (generated text that only looks like the good documents).
 
-The good documents are the poems of `tests.conftest.make_poems` (held-in Chinese text).
+The good documents are the poems of `tests.conftest.make_poems`. Its seed also draws the poems'
+successor structure (each seed is a "language" of its own), so a classifier is trained held-in:
+on other poems of the seed the corpus is drawn from (interleaved with the corpus's, so that their
+numbers "第N首" are drawn alike).
 """
 from __future__ import annotations
 
 import numpy as np
 
-KINDS = ("translated", "boilerplate", "spam", "foreign")
+from tests.conftest import CHARS, make_poems
+
+_POEM_CHARS = list(dict.fromkeys(CHARS))
+
+KINDS = ("translated", "boilerplate", "spam", "foreign", "salad")
 
 _TRANSLATED = ("的", "了", "是", "在", "被", "对于", "关于", "进行", "一个", "我们", "这个", "非常", "重要", "通过", "以及",
                "使得", "它是", "作为", "所", "对", "于", "的时候", "能够", "正在", "被认为", "基于", "方面", "实现", "提供",
@@ -45,6 +54,11 @@ def junk(kind: str, n: int, seed: int) -> list[str]:
         elif kind == "spam":
             words = [_SPAM[j] for j in rng.integers(len(_SPAM), size=int(rng.integers(25, 60)))]
             text = "".join(w + ("！" if rng.random() < 0.2 else "") for w in words)
+        elif kind == "salad":
+            width = 5 if i % 2 else 7
+            rows = ["".join(_POEM_CHARS[j] for j in rng.integers(len(_POEM_CHARS), size=width)) for _ in range(4)]
+            # numbered like the poems (make_poems numbers them 0, 1, ...): the number must not give it away
+            text = f"第{int(rng.integers(0, 100_000))}首，" + "，".join(rows[:2]) + "。，" + "，".join(rows[2:]) + "。"
         else:
             vocab = _FOREIGN[i % len(_FOREIGN)].split()
             words = [vocab[j] for j in rng.integers(len(vocab), size=int(rng.integers(20, 50)))]
@@ -60,3 +74,11 @@ def mixed(poems: list[str], per_kind: int, seed: int) -> tuple[list[str], np.nda
     bad = np.r_[np.zeros(len(poems), dtype=bool), np.ones(len(docs) - len(poems), dtype=bool)]
     order = np.random.default_rng(seed).permutation(len(docs))
     return [docs[i] for i in order], bad[order]
+
+
+def held_in(n: int, seed: int, every: int = 10) -> tuple[list[str], list[str]]:
+    """(n poems for a corpus, n // every other poems of the same seed for training), one line
+    each; the training poems are every `every + 1`-th of one draw, so both have alike numbers."""
+    poems = [p.replace("\n", "，") for p in make_poems(n + n // every, seed=seed)]
+    train = set(range(every, len(poems), every + 1)[: n // every])
+    return [p for i, p in enumerate(poems) if i not in train][:n], [poems[i] for i in sorted(train)]

@@ -17,7 +17,7 @@ import pytest
 
 from mspretrain.cli import main
 from tests.conftest import make_poems
-from tests.junk import KINDS, junk, mixed
+from tests.junk import KINDS, held_in, junk, mixed
 from tests.test_prepare_resume import chosen, files_of, points_of, run
 
 
@@ -27,10 +27,11 @@ def lines(docs: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """A classifier trained on poems (positive) and planted junk (negative) of other seeds than
-    the corpora below, and a character LM of the poems."""
+    """A classifier trained on poems (positive) and planted junk (negative), documents other than
+    the corpora's below (junk of another seed, poems held-in: other poems of the same seed), and a
+    character LM of the poems."""
     d = tmp_path_factory.mktemp("models")
-    (d / "pos.txt").write_text(lines(make_poems(400, seed=21)), encoding="utf-8")
+    (d / "pos.txt").write_text(lines(held_in(800, 22)[1]), encoding="utf-8")  # held-in: other poems of the corpora's seed
     (d / "neg.txt").write_text(lines([t for k in KINDS for t in junk(k, 100, 21)]), encoding="utf-8")
     assert main(["quality", "train", "--positive", str(d / "pos.txt"), "--negative", str(d / "neg.txt"), "--doc-per-line",
                  "--out", str(d / "clf.npz"), "--quiet"]) == 0
@@ -52,7 +53,7 @@ def line_starts(path: Path) -> np.ndarray:
 def test_classifier_drops_planted_junk_and_keeps_its_scores(models, tmp_path):
     from mspretrain.data.scoring import REASONS, read_scores
 
-    docs, bad = mixed([p.replace("\n", "，") for p in make_poems(400, seed=22)], 25, 22)
+    docs, bad = mixed(held_in(800, 22)[0][:400], 25, 22)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(docs) + "\n", encoding="utf-8")
     m = prepare_in_process(corpus, tmp_path / "out", f"prepare.quality_model={models['clf']}")
@@ -134,7 +135,7 @@ def raw(tmp_path_factory, models) -> Path:
     d = tmp_path_factory.mktemp("qraw") / "raw"
     d.mkdir()
     for k in range(4):
-        docs, _ = mixed([p.replace("\n", "，") for p in make_poems(120, seed=30 + k)], 8, 30 + k)
+        docs, _ = mixed(held_in(800, 22)[0][400 + 100 * k: 500 + 100 * k], 8, 30 + k)
         (d / f"p{k}.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
     return d
 

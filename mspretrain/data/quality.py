@@ -14,7 +14,8 @@ Why these models:
   perplexity CCNet takes from KenLM, without KenLM's modified Kneser-Ney smoothing: fixed
   interpolation weights, which is enough to rank documents against a reference set).
 - Language identification is py3langid (langid.py's model ships inside the wheel: nothing is
-  downloaded at run time), asked for the probability that a document is Chinese.
+  downloaded at run time), asked for the probability that a document is Chinese; a document whose
+  script already says so (mostly Han, no kana or hangul) skips the model (`LangID`).
 
 Model files are `.npz` written without pickle; their SHA-256 goes into the run's fingerprint and
 the manifest, and a `NAME.sha256` file written beside each model is checked when it is loaded.
@@ -63,21 +64,31 @@ def codepoints(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     return cp, starts
 
 
-def ngram_hashes(cp: np.ndarray, starts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+def ngram_hashes(cp: np.ndarray, starts: np.ndarray, n: int, room: np.ndarray | None = None,
+                 doc: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """64-bit hashes of every character n-gram inside one text (none across two), and the text
-    each belongs to. Vectorised over the whole chunk: n array passes, no Python loop per document."""
+    each belongs to. Vectorised over the whole chunk: n array passes, no Python loop per document.
+    `room`, `doc`: `layout(starts)`, when the caller takes several orders of one chunk."""
     total = cp.size - n + 1
     if total <= 0:
         return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
+    if room is None:
+        room, doc = layout(starts)
     h = np.full(total, np.uint64(n), dtype=np.uint64)
     with np.errstate(over="ignore"):
         for k in range(n):
             h = (h * _MULT) ^ cp[k: k + total]
-    h = _mix(h)
-    doc = np.searchsorted(starts, np.arange(total, dtype=np.int64), side="right") - 1
-    ends = starts[1:]
-    inside = np.arange(total, dtype=np.int64) + n <= ends[doc]  # the n-gram ends in the text it starts in
-    return h[inside], doc[inside]
+    inside = room[:total] >= n  # the n-gram ends in the text it starts in
+    return _mix(h[inside]), doc[:total][inside]
+
+
+def layout(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per character of the chunk: how many characters of its text are left from it (itself
+    included), and its text's number. O(characters), no search."""
+    lengths = np.diff(starts)
+    doc = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    room = starts[1:][doc] - np.arange(doc.size, dtype=np.int64)
+    return room, doc
 
 
 def sha256_file(path: Path) -> str:
@@ -137,10 +148,11 @@ def _load(path: str | Path, kind: str, what: str, names: tuple[str, ...]) -> tup
 def features(texts: Sequence[str], bits: int = CLASSIFIER_BITS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(feature index per n-gram, its document, n-grams per document) over ORDERS."""
     cp, starts = codepoints(texts)
+    room, where = layout(starts)
     idx, doc = [], []
     mask = np.uint64((1 << bits) - 1)
     for n in ORDERS:
-        h, d = ngram_hashes(cp, starts, n)
+        h, d = ngram_hashes(cp, starts, n, room, where)
         idx.append((h & mask).astype(np.int64))
         doc.append(d)
     ids, docs = np.concatenate(idx), np.concatenate(doc)
@@ -235,9 +247,9 @@ class CharLM:
         cp, starts = codepoints(texts)
         mask = np.uint64(self.counts.shape[1] - 1)
         n = cp.size
-        h = [ngram_hashes(cp, starts, k)[0] for k in (1, 2, 3)]  # full-text hashes, realigned below
+        room, doc = layout(starts)
+        h = [ngram_hashes(cp, starts, k, room, doc)[0] for k in (1, 2, 3)]  # realigned below
         # position i's n-grams ending at i: valid only when they do not reach before the text's start
-        doc = np.searchsorted(starts, np.arange(n, dtype=np.int64), side="right") - 1
         pos = np.arange(n, dtype=np.int64) - starts[doc]
         probs = np.full(n, LM_LAMBDAS[3] / LM_VOCAB)
         c1 = self.counts[0][(h[0] & mask).astype(np.int64)].astype(np.float64)
@@ -281,8 +293,9 @@ def train_lm(texts: Sequence[str], bits: int = LM_BITS) -> tuple[np.ndarray, flo
     mask = np.uint64((1 << bits) - 1)
     for i in range(0, len(texts), 4096):  # bounded memory: a few thousand documents at a time
         cp, starts = codepoints(texts[i: i + 4096])
+        room, doc = layout(starts)
         for k in (1, 2, 3):
-            h, _ = ngram_hashes(cp, starts, k)
+            h, _ = ngram_hashes(cp, starts, k, room, doc)
             counts[k - 1] += np.bincount((h & mask).astype(np.int64), minlength=1 << bits)
     return counts.astype(np.float32), float(counts[0].sum())
 
@@ -295,7 +308,16 @@ def save_lm(path: Path, counts: np.ndarray, total: float, report: dict) -> str:
 # ----------------------------------------------------------------------------- language identification
 
 class LangID:
-    """P(Chinese) per text from py3langid's bundled model (langid.py's 97 languages)."""
+    """P(Chinese) per text: by script where the script decides, else from py3langid's bundled model
+    (langid.py's 97 languages).
+
+    py3langid walks each text's bytes in Python (~2-5 K documents a second per worker, the slowest
+    stage by far), and a text that is mostly Han characters with no kana or hangul is Chinese
+    whatever it says (langid even gives short classical poems of that kind P(zh) < 0.5, as it has
+    few byte n-grams to go on). So: at least `HAN_SHARE` of the characters Han and none Japanese
+    or Korean -> 1.0, without the model; any other text goes to the model."""
+
+    HAN_SHARE = 0.5
 
     def __init__(self) -> None:
         try:
@@ -310,10 +332,22 @@ class LangID:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
+    def by_script(self, texts: Sequence[str]) -> np.ndarray:
+        """bool per text: Chinese by script alone."""
+        cp, starts = codepoints(texts)
+        _, doc = layout(starts)
+        han = ((cp >= 0x4E00) & (cp <= 0x9FFF)) | ((cp >= 0x3400) & (cp <= 0x4DBF)) | ((cp >= 0x20000) & (cp <= 0x2EBEF)) \
+            | ((cp >= 0xF900) & (cp <= 0xFAFF))
+        other = ((cp >= 0x3040) & (cp <= 0x30FF)) | ((cp >= 0x31F0) & (cp <= 0x31FF)) | ((cp >= 0xFF66) & (cp <= 0xFF9F)) \
+            | ((cp >= 0xAC00) & (cp <= 0xD7AF)) | ((cp >= 0x1100) & (cp <= 0x11FF)) | ((cp >= 0x3130) & (cp <= 0x318F))
+        n = len(texts)
+        han_n = np.bincount(doc[han], minlength=n)
+        other_n = np.bincount(doc[other], minlength=n)
+        return (han_n >= self.HAN_SHARE * np.diff(starts)) & (han_n > 0) & (other_n == 0)
+
     def zh_prob(self, texts: Sequence[str]) -> np.ndarray:
-        out = np.zeros(len(texts), dtype=np.float32)
-        for i, t in enumerate(texts):
-            ranked = self._ident.rank(t[:2000])  # the first 2,000 characters decide: cost bounded per document
+        out = np.ones(len(texts), dtype=np.float32)
+        for i in np.flatnonzero(~self.by_script(texts)).tolist():
+            ranked = self._ident.rank(texts[i][:2000])  # the first 2,000 characters decide: cost bounded per document
             out[i] = next((p for lang, p in ranked if lang == "zh"), 0.0)
         return out
-
