@@ -18,7 +18,10 @@ import pytest
 from mspretrain.cli import main
 from tests.conftest import make_poems
 from tests.junk import KINDS, held_in, junk, mixed
+from tests import test_prepare_ray
 from tests.test_prepare_resume import chosen, files_of, points_of, run
+
+cluster = test_prepare_ray.cluster  # the fixture: a 2-node Ray cluster on 127.0.0.1, started once for this module
 
 
 def lines(docs: list[str]) -> str:
@@ -223,3 +226,21 @@ def test_training_is_deterministic(models, tmp_path):
     assert main(["quality", "train", "--positive", str(models["pos"]), "--negative", str(models["neg"]), "--doc-per-line",
                  "--out", str(tmp_path / "again.npz"), "--quiet"]) == 0
     assert (tmp_path / "again.npz").read_bytes() == models["clf"].read_bytes()
+
+
+@pytest.mark.slow
+def test_ray_run_with_every_filter_is_byte_identical_to_the_local_run(cluster, models, raw, tmp_path):
+    """A real two-node Ray cluster (tests/test_prepare_ray.py's): the models go to the node by
+    content (py3langid's from the node's own install), and the data dir, sidecar included, is the
+    local run's byte for byte."""
+    from tests.test_prepare_ray import run_local, run_prepare, same_files
+
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"context": raw.joinpath("p1.txt").read_text(encoding="utf-8").splitlines()[3], "choices": ["甲", "乙"],
+                                 "label": 0}, ensure_ascii=False) + "\n", encoding="utf-8")
+    args = ["--doc-per-line", "--vocab-size", "400", *filters(models), f"prepare.decontam={json.dumps([str(evals)])}"]
+    run_local(raw, tmp_path / "local", *args)
+    m = json.loads((tmp_path / "local" / "manifest.json").read_text())
+    assert m["dropped"]["contaminated"] >= 1 and m["dropped"]["quality"] > 0
+    run_prepare(raw, tmp_path / "ray", *args, "--ray", cluster)
+    same_files(tmp_path / "local", tmp_path / "ray")
