@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from mspretrain.cli import main
+from tests import test_prepare_ray
 from tests.conftest import make_poems
 from tests.junk import KINDS, held_in, junk, mixed
-from tests import test_prepare_ray
 from tests.test_prepare_resume import chosen, files_of, points_of, run
 
 cluster = test_prepare_ray.cluster  # the fixture: a 2-node Ray cluster on 127.0.0.1, started once for this module
