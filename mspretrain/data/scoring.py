@@ -36,6 +36,7 @@ RECORD = np.dtype([("file", "<u4"), ("offset", "<u8"), ("hits", "<u4"), ("zh", "
                    ("reason", "u1")])  # packed: 29 bytes; a score not computed is NaN
 HEADER = MAGIC + np.array([VERSION, RECORD.itemsize], dtype="<u4").tobytes()
 NO_FILE = 0xFFFFFFFF  # documents given without an origin
+BATCH_CHARS = 1 << 16  # characters scored at once (`QualityStage.score`)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,22 @@ class QualityStage:
 
     def score(self, texts: Sequence[str]) -> np.ndarray:
         """RECORD per text (origin left 0), each score computed for every text, so the sidecar
-        shows what any threshold would do; `reason` the first filter that drops it."""
+        shows what any threshold would do; `reason` the first filter that drops it.
+
+        In batches of about BATCH_CHARS characters: a block of raw lines is a chunk of ~2 M
+        characters, and the n-gram arrays of all of it at once (8 bytes per character and order,
+        several of them) ran 10 x slower per document than cache-sized batches (measured:
+        docs/benchmarks.md, "Quality filters"). A document's scores do not depend on its batch."""
+        out, i = [], 0
+        lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        ends = np.cumsum(lengths)
+        while i < len(texts):
+            j = max(i + 1, int(np.searchsorted(ends, (ends[i - 1] if i else 0) + BATCH_CHARS, side="right")))
+            out.append(self._score(texts[i:j]))
+            i = j
+        return np.concatenate(out) if out else np.zeros(0, dtype=RECORD)
+
+    def _score(self, texts: Sequence[str]) -> np.ndarray:
         r = np.zeros(len(texts), dtype=RECORD)
         for k in ("zh", "ppl", "quality"):
             r[k] = np.nan
