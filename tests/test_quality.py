@@ -81,6 +81,42 @@ def test_classifier_drops_planted_junk_and_keeps_its_scores(models, tmp_path):
     assert "documents scored (quality.scores)" in text and "quality_threshold=0.9" in text and "e.g." in text
 
 
+def test_language_and_perplexity_filters_drop_by_their_own_scores(models, tmp_path):
+    """Each filter's drops are exactly its score against its threshold (the first reason that
+    applies, in the order contaminated, language, perplexity, quality), the foreign kind goes to
+    the language filter, and poems sit inside the perplexity band."""
+    from mspretrain.data.scoring import REASONS, read_scores
+
+    docs, _ = mixed(held_in(800, 22)[0][:300], 20, 24)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(docs) + "\n", encoding="utf-8")
+    m = prepare_in_process(corpus, tmp_path / "out", f"prepare.lm_model={models['lm']}", "prepare.ppl_max=100", "prepare.min_zh_prob=0.5")
+    r = read_scores(tmp_path / "out" / "quality.scores")
+    k = np.array(docs, dtype=object)[np.searchsorted(line_starts(corpus), r["offset"])]
+    lang, ppl = r["reason"] == REASONS.index("language"), r["reason"] == REASONS.index("perplexity")
+    assert np.array_equal(lang, r["zh"] < 0.5) and np.array_equal(ppl, ~lang & (r["ppl"] > 100))
+    assert np.isnan(r["quality"]).all() and (r["hits"] == 0).all()  # the filters that are off
+    foreign = set(junk("foreign", 20, 24))
+    assert {d for d in k[lang]} <= foreign and lang.sum() >= 18
+    poems = np.array([d.startswith("第") and "首，" in d for d in k])
+    salad = set(junk("salad", 20, 24))
+    is_salad = np.array([d in salad for d in k])
+    assert (r["ppl"][poems & ~is_salad] < 100).all() and (ppl | lang)[~poems].all()
+    assert m["dropped"]["language"] == int(lang.sum()) and m["dropped"]["perplexity"] == int(ppl.sum())
+    assert m["quality"]["perplexity"]["max"] == 100 and m["quality"]["language"]["model"] == "py3langid 0.2.2"
+
+
+def test_language_id_decides_mostly_han_text_by_script():
+    from mspretrain.data.quality import LangID
+
+    texts = ["春风又绿江南岸，明月何时照我还。", "東京の春は桜がきれいです。", "서울의 봄은 아름답습니다", "The quick brown fox.",
+             "第12首，水山花。"]
+    lid = LangID()
+    assert lid.by_script(texts).tolist() == [True, False, False, False, True]
+    p = lid.zh_prob(texts)
+    assert p[0] == p[4] == 1.0 and (p[1:4] < 0.5).all()
+
+
 def norm13(text: str) -> set[str]:
     """This test's own normalisation and 13-grams (as strings): NFKC, lower case, letters and
     digits only."""
