@@ -280,3 +280,24 @@ def test_ray_run_with_every_filter_is_byte_identical_to_the_local_run(cluster, m
     assert m["dropped"]["contaminated"] >= 1 and m["dropped"]["quality"] > 0
     run_prepare(raw, tmp_path / "ray", *args, "--ray", cluster)
     same_files(tmp_path / "local", tmp_path / "ray")
+
+
+def test_a_compressed_file_read_by_a_worker_scores_as_the_plain_file(models, tmp_path, monkeypatch):
+    """A .gz file as one work item of several chunks (`workers.spill_unit`): the same sidecar and
+    shards as the same text uncompressed."""
+    import gzip
+
+    from mspretrain.data import pipeline, pool
+
+    docs, _ = mixed(held_in(800, 22)[0][:400], 25, 25)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "c.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
+    (tmp_path / "b" / "c.txt.gz").write_bytes(gzip.compress(("\n".join(docs) + "\n").encode()))
+    monkeypatch.setattr(pipeline, "UNITS", True)
+    monkeypatch.setattr(pool, "UNIT_CHUNK_DOCS", 100)  # several chunks in the unit
+    args = ["--doc-per-line", "--vocab-size", "400", "--workers", "2", "--quiet", f"prepare.quality_model={models['clf']}"]
+    assert main(["prepare", str(tmp_path / "a" / "c.txt"), "--out", str(tmp_path / "plain"), *args]) == 0
+    assert main(["prepare", str(tmp_path / "b" / "c.txt.gz"), "--out", str(tmp_path / "gz"), *args]) == 0
+    for name in ("quality.scores", "train.bin", "valid.bin"):
+        assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "gz" / name).read_bytes(), name

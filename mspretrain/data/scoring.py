@@ -184,5 +184,7 @@ def read_scores(path: Path) -> np.ndarray:
         head = f.read(len(HEADER))
     if head != HEADER or (size - len(HEADER)) % RECORD.itemsize:
         raise UserError(f"{path} is not a quality score file of this version", "run prepare again to write it")
-    return np.fromfile(path, dtype=RECORD, offset=len(HEADER))
+    if size == len(HEADER):
+        return np.zeros(0, dtype=RECORD)
+    return np.memmap(path, mode="r", dtype=RECORD, offset=len(HEADER))  # 29 bytes a document: not read whole
 
