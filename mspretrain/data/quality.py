@@ -199,7 +199,9 @@ def train_classifier(pos: Sequence[str], neg: Sequence[str], l2: float = 1e-6, b
     y = np.concatenate([np.ones(len(pos)), np.zeros(len(neg))])
     sw = np.where(y > 0, 0.5 / len(pos), 0.5 / len(neg))  # each class half the loss
     ids, docs, counts = features(texts, bits)
-    inv = 1.0 / np.maximum(counts, 1)[docs]  # each n-gram's share of its document's mean
+    # memory: the examples' n-grams stay for every iteration, 16 bytes each (3 per character)
+    ids, docs = ids.astype(np.int32), docs.astype(np.int32)
+    inv = (1.0 / np.maximum(counts, 1))[docs].astype(np.float32)  # each n-gram's share of its document's mean
     dim = 1 << bits
 
     def f(theta: np.ndarray) -> tuple[float, np.ndarray]:
