@@ -218,7 +218,7 @@ def test_a_changed_model_is_not_resumed(models, raw, tmp_path):
     w = np.zeros(1 << quality.CLASSIFIER_BITS, dtype=np.float32)
     quality.save_classifier(clf, w, 1.0, {})
     again = run(raw, tmp_path / "data", *args)
-    assert again.returncode == 2 and "quality models" in again.stderr, again.stderr
+    assert again.returncode == 2 and "a quality model or eval set" in again.stderr, again.stderr
 
 
 # ----------------------------------------------------------------------------- one-line refusals

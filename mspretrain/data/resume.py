@@ -106,14 +106,15 @@ def difference(old: dict, new: dict) -> str | None:
     ot, nt = old.get("tokenizer"), new.get("tokenizer")
     if ot and nt and ot != nt and ot.get("path") == nt.get("path"):
         return f"the tokenizer {nt.get('path')} changed (its SHA-256)"
-    for key, what in (("mspretrain", "the mspretrain version"), ("inputs", "INPUT"), ("seq_len", "--seq-len"), ("tokenizer", "--tokenizer"),
-                      ("quality", "the quality models (their SHA-256)")):
+    for key, what in (("mspretrain", "the mspretrain version"), ("inputs", "INPUT"), ("seq_len", "--seq-len"), ("tokenizer", "--tokenizer")):
         if old.get(key) != new.get(key):
             return f"{what} was {_short(old.get(key))}, now {_short(new.get(key))}"
     oc, nc = old.get("config") or {}, new.get("config") or {}
     for k in sorted(set(oc) | set(nc)):
         if oc.get(k) != nc.get(k):
             return f"prepare.{k} was {_short(oc.get(k))}, now {_short(nc.get(k))}"
+    if old.get("quality") != new.get("quality"):  # the same names, other bytes
+        return "a quality model or eval set of prepare.* changed since the interrupted run (its SHA-256)"
     of, nf = old.get("files") or [], new.get("files") or []
     for a, b in zip(of, nf):
         if a != b:
