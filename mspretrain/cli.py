@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("mspretrain.commands.generate", "sample text from a run or checkpoint"),
     "export": ("mspretrain.commands.export", "export a checkpoint to a HF Llama folder or MINDIR"),
     "convert": ("mspretrain.commands.convert", "import HF Llama safetensors weights as a checkpoint"),
+    "quality": ("mspretrain.commands.quality", "train the quality classifier or the perplexity model prepare filters with"),
     "tokenizer": ("mspretrain.commands.tokenizer", "extend a SentencePiece tokenizer with new pieces, base ids unchanged"),
     "checkpoints": ("mspretrain.commands.checkpoints", "list (and verify) the checkpoints of a run"),
     "recover": ("mspretrain.commands.recover", "rebuild a lost train/data state from weights and metrics"),
@@ -56,7 +57,7 @@ them (a run reader uses the run's saved config)."""
 # Commands whose config can be changed by section.key=value overrides; the run readers (eval,
 # generate, report, replay, spike) and tokenizer refuse them with their own hint, and every
 # other command is refused here: an override silently ignored is a wrong answer.
-TAKE_OVERRIDES = frozenset({"prepare", "train", "plan", "doctor", "selftest", "demo", "launch"})
+TAKE_OVERRIDES = frozenset({"prepare", "quality", "train", "plan", "doctor", "selftest", "demo", "launch"})
 REFUSE_THEMSELVES = frozenset({"eval", "generate", "report", "replay", "spike", "tokenizer"})
 
 

@@ -228,6 +228,15 @@ class PrepareConfig(_Section):
     near_dedup: bool = False
     near_dedup_threshold: float = 0.8
     seed: int = 1234
+    # Model-based quality filters (issue 39; docs/operators.md "Quality filtering"), each off by default.
+    quality_model: str = ""  # classifier from `mspretrain quality train`; "" = off
+    quality_threshold: float = 0.5  # drop documents whose classifier score (P(positive), 0-1) is below this
+    lm_model: str = ""  # character n-gram model from `mspretrain quality lm`, for perplexity bands; "" = off
+    ppl_min: float = 0.0  # drop documents whose perplexity is below this (0 = no lower bound)
+    ppl_max: float = 0.0  # drop documents whose perplexity is above this (0 = no upper bound)
+    min_zh_prob: float = 0.0  # drop documents whose P(Chinese) by py3langid is below this (0 = off)
+    decontam: tuple = ()  # eval sets (C-Eval/CMMLU .csv / .jsonl files or dirs): drop documents sharing an n-gram with them
+    decontam_ngram: int = 13  # n of the character n-grams decontamination matches (after normalising)
 
     def check(self) -> None:
         if self.vocab_size < 256 + 4:
@@ -246,6 +255,26 @@ class PrepareConfig(_Section):
         if self.tokenizer_sample_chars <= 0:
             _fail("prepare.tokenizer_sample_chars", f"= {self.tokenizer_sample_chars} must be positive", "the default is 20000000")
         _check_seed(self, "seed")
+        for name in ("quality_threshold", "min_zh_prob"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1):
+                _fail(f"prepare.{name}", f"= {v} is outside [0, 1]", "it is a probability; e.g. 0.5")
+        for name in ("ppl_min", "ppl_max"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")):
+                _fail(f"prepare.{name}", f"= {v} must be a finite number >= 0", "0 = no bound; see the perplexities with prepare --inspect")
+        if self.ppl_min > 0 and self.ppl_max > 0 and self.ppl_min >= self.ppl_max:
+            _fail("prepare.ppl_min", f"= {self.ppl_min} is not below prepare.ppl_max = {self.ppl_max}", "the band kept is [ppl_min, ppl_max]")
+        if (self.ppl_min > 0 or self.ppl_max > 0) and not self.lm_model:
+            _fail("prepare.ppl_max" if self.ppl_max > 0 else "prepare.ppl_min", "is set but prepare.lm_model is not",
+                  "train one with `mspretrain quality lm REFERENCE... --out lm.npz` and set prepare.lm_model")
+        for name in ("quality_model", "lm_model"):
+            if not isinstance(getattr(self, name), str):
+                _fail(f"prepare.{name}", "must be a file name (a string)", 'e.g. prepare.quality_model = "quality.npz"')
+        if not all(isinstance(x, str) and x.strip() for x in self.decontam):
+            _fail("prepare.decontam", "must be a list of file or directory names", 'e.g. prepare.decontam = ["ceval/val"]')
+        if not 5 <= self.decontam_ngram <= 64:
+            _fail("prepare.decontam_ngram", f"= {self.decontam_ngram} is outside [5, 64]", "13 is the usual n")
         # SentencePiece parses its options as int32; the model section's vocabulary ceiling applies.
         _cap(self, {"vocab_size": 1 << 22, "tokenizer_sample_chars": 1 << 40}, "more than any tokenizer trainer takes")
 

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.origin import MISSING_HINT, origin_path
+from mspretrain.data.scoring import NO_FILE, REASONS, SCORES, read_scores
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.paths import SPLITS, DataPaths
@@ -63,6 +66,8 @@ def inspect(data_dir: str | Path, n_docs: int = 3, max_chars: int = 200) -> str:
         lines.append(f"lossy files  {len(lossy)}: " + "; ".join(lossy[:5]) + ("; ..." if len(lossy) > 5 else ""))
     if isinstance(m.get("warnings"), list) and m["warnings"]:
         lines.append(f"warnings     {len(m['warnings'])}: " + "; ".join(map(str, m["warnings"][:3])))
+    if (d / SCORES).is_file():
+        lines += quality_lines(d, m)
     eos = tok.eos_id
     for split in SPLITS:
         if not paths.idx(split).is_file():
@@ -102,3 +107,76 @@ def _lossy_files(entries: object) -> list[str]:
         if lost:
             out.append(f"{e.get('name', '?')}: {', '.join(lost)}")
     return out
+
+
+# what-if thresholds shown per score (the perplexity's come from its own quantiles)
+WHAT_IF = {"quality": (0.1, 0.3, 0.5, 0.7, 0.9), "zh": (0.5, 0.8, 0.9, 0.99)}
+
+
+def quality_lines(d: Path, m: dict, examples: int = 2, width: int = 60) -> list[str]:
+    """The quality sidecar (`scoring.SCORES`): what was dropped and why, each score's distribution,
+    what other thresholds would drop (each filter alone, over every scored document), with the
+    dropped documents nearest the threshold as examples, read from the inputs by their origin."""
+    r = read_scores(d / SCORES)
+    q = m.get("quality") if isinstance(m.get("quality"), dict) else {}
+    files = [e.get("name") if isinstance(e, dict) else None for e in m.get("input_files") or []]
+    kinds = (m.get("origin") or {}).get("offsets") or [] if isinstance(m.get("origin"), dict) else []
+    counts = np.bincount(r["reason"], minlength=len(REASONS))
+    out = [f"quality      {r.size:,} documents scored ({SCORES}): kept {int(counts[0]):,}; dropped "
+           + ", ".join(f"{REASONS[k]} {int(counts[k]):,}" for k in range(1, len(REASONS)))]
+
+    def text(i: int) -> str:
+        return _doc_text(d, files, kinds, int(r["file"][i]), int(r["offset"][i]), width)
+
+    for k in range(1, len(REASONS)):
+        for i in np.flatnonzero(r["reason"] == k)[:examples if REASONS[k] != "contaminated" else 10].tolist():
+            extra = f" ({int(r['hits'][i])} eval n-grams)" if REASONS[k] == "contaminated" else ""
+            out.append(f"  dropped {REASONS[k]}{extra}: {text(i)}")
+    for key, label, cfg in (("zh", "P(Chinese)", (q.get("language") or {}).get("min_zh_prob")),
+                            ("ppl", "perplexity", (q.get("perplexity") or {}).get("max")),
+                            ("quality", "classifier", (q.get("classifier") or {}).get("threshold"))):
+        v = r[key]
+        ok = np.isfinite(v)
+        if not ok.any():
+            continue
+        pct = np.percentile(v[ok], [0, 10, 25, 50, 75, 90, 100])
+        out.append(f"  {label:<11} min {pct[0]:.4g}, p10 {pct[1]:.4g}, p25 {pct[2]:.4g}, median {pct[3]:.4g}, "
+                   f"p75 {pct[4]:.4g}, p90 {pct[5]:.4g}, max {pct[6]:.4g}" + (f" (threshold now {cfg})" if cfg is not None else ""))
+        if key == "ppl":  # an upper bound at each decile drops the tail above it
+            for t in np.percentile(v[ok], [50, 75, 90, 95]).tolist():
+                out += _what_if(v > t, v, f"ppl_max={t:.4g}", text, examples, -1)
+        else:
+            for t in WHAT_IF[key]:
+                out += _what_if(v < t, v, f"{'quality_threshold' if key == 'quality' else 'min_zh_prob'}={t}", text, examples, 1)
+    return out
+
+
+def _what_if(drop: np.ndarray, v: np.ndarray, label: str, text, examples: int, sign: int) -> list[str]:
+    idx = np.flatnonzero(drop)
+    lines = [f"    {label:<26} drops {idx.size:,} of {v.size:,} ({100 * idx.size / max(v.size, 1):.1f} %)"]
+    # the dropped documents nearest the threshold: what a user loses by moving it
+    for i in idx[np.argsort(-sign * v[idx], kind="stable")][:examples].tolist():
+        lines.append(f"      e.g. {v[i]:.4g}: {text(i)}")
+    return lines
+
+
+def _doc_text(d: Path, files: list, kinds: list, f: int, offset: int, width: int) -> str:
+    """The start of the document at `offset` of input file `f` (as named in the manifest, read
+    from where prepare ran or this dir); its origin alone when the file cannot be read here."""
+    if f == NO_FILE or f >= len(files) or not files[f]:
+        return "(no origin)"
+    where = f"{files[f]}@{offset}"
+    kind = kinds[f] if f < len(kinds) else "byte"
+    path = Path(files[f])
+    if kind != "byte" or path.suffix in (".gz", ".zst") or not path.is_file():
+        return where
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            raw = fh.read(4 * width + 4)
+    except OSError:
+        return where
+    t = raw.decode("utf-8", errors="ignore").split("\n", 1)[0]
+    if path.suffix == ".jsonl":  # the record's text field would need the whole line: show the line's start
+        t = t.replace("\\n", " ")
+    return f"{where} {t[:width]!r}"

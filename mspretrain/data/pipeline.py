@@ -48,6 +48,7 @@ from mspretrain.data.origin import OriginWriter, cut_to, origin_name, read_recor
 from mspretrain.data.pool import batched, chunks, chunks_with_origin, ordered, start_pool
 from mspretrain.data.publish import build_manifest
 from mspretrain.data.resume import Journal, point, truncate
+from mspretrain.data.scoring import SCORES, QualityStage, ScoreWriter
 from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.sink import RefSample, Sink
 from mspretrain.data.spool import Spool, read_spool
@@ -77,7 +78,7 @@ def progress_bar(enabled: bool, total: int, desc: str):
 
 def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,
         log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, journal: Journal,
-        ray=None) -> dict:
+        ray=None, quality: QualityStage | None = None) -> dict:
     """Read, clean, dedup, split, [train the tokenizer,] tokenize and write the shards into
     `work`; returns the manifest (without the keys that depend on prepare's arguments).
 
@@ -85,7 +86,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     replay keeps a bounded, uniform sample to train the tokenizer on, and the encode stage
     tokenizes the kept documents: from pass 1's chunk files (local workers), or from the spools
     the replay wrote (Ray). `ray`: a `raypool.RayCluster` that runs the chunks instead of
-    local worker processes (`workers` is then its CPU count).
+    local worker processes (`workers` is then its CPU count). `quality`: the model-based filters
+    (`scoring.py`), run in pass 1's workers after cleaning; their scores go to `scoring.SCORES`.
 
     Stages, each resumed after a kill from the journal (`resume.py`): "pass1" (from its last
     commit), "dedup" (the partitions without a saved result), "replay" (from its last commit),
@@ -108,7 +110,8 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     if j.stage == "pass1":
         log(f"reading {len(paths)} file{'s' * (len(paths) != 1)} ({total_bytes / 1e6:,.1f} MB) with {workers} worker{'s' * (workers != 1)}"
             + (f", resuming after chunk {j.data['pass1']['chunks']:,}" if "pass1" in j.data else ""))
-        _pass1(paths, names, cfg, given is not None and str(tok_path), dtype, dd, spool_path, workers, progress, warn, stats, j, ray)
+        _pass1(paths, names, cfg, given is not None and str(tok_path), dtype, dd, spool_path, workers, progress, warn, stats, j, ray,
+               quality)
     else:
         log(f"resuming the interrupted prepare at its stage '{j.stage}'")
         saved = _load_state(j, j.data["state"])
@@ -271,7 +274,7 @@ def _load_state(j: Journal, name: str) -> dict:
 
 def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: str | bool, dtype: np.dtype, dd: DiskDedup,
            spool_path: Path, workers: int, progress: bool, warn: Callable[[str], None], stats: sources.SourceStats, j: Journal,
-           ray=None) -> None:
+           ray=None, quality: QualityStage | None = None) -> None:
     """Read, clean, hash; every result to the chunk spool and the dedup records on disk. After a
     kill, the input is read again from its start (main process only) and the work items up to
     the last commit are not sent to the workers; their per-file counts come from the journal.
@@ -295,7 +298,9 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
         if pieces:
             pdir.mkdir()
         spool, skip, raw, unit_counts = ChunkSpool(spool_path), 0, {}, {}
+        scores = ScoreWriter(spool_path.parent / SCORES) if quality is not None else None
     else:
+        scores = ScoreWriter(spool_path.parent / SCORES, done["scores_bytes"]) if quality is not None else None
         dd.restore(done["dedup"])
         # work items: chunks, or compressed files of several chunks each (journals before those: chunks)
         spool, skip = ChunkSpool(spool_path, done["spool_bytes"], done["chunks"]), done.get("items", done["chunks"])
@@ -316,11 +321,13 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
             placing.popleft().get()
         state = dd.state()
         size = spool.flush()
-        j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent, *([pdir] if pieces else [])], **fields,
+        scored = scores.flush() if scores is not None else None  # the sidecar's length: a resume cuts it back to this
+        j.commit(fsync=[spool_path, *dd.touched(), dd.root, spool_path.parent, *([pdir] if pieces else []),
+                        *([scores.path] if scores is not None else [])], **fields,
                  background=not fields,  # its fsyncs (every dedup partition file) while pass 1 goes on; the last one waits
                  pass1={"chunks": spool.chunks, "items": items, "spool_bytes": size, "dedup": state,
                         "raw": [[f, *c] for f, c in sorted(raw.items())], "pieces": pieces, "units_on": units,
-                        "units": [[f, c, w] for f, (c, w) in sorted(unit_counts.items())]})
+                        "units": [[f, c, w] for f, (c, w) in sorted(unit_counts.items())], "scores_bytes": scored})
 
     def todo(work: Iterator) -> Iterator:
         for _ in range(skip):  # read again, not cleaned again (chunk boundaries are a function of the input)
@@ -370,7 +377,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     lsh = (dd.bands, dd.rows, *dedup._permutations(cfg.seed, dedup.NUM_PERM)) if cfg.near_dedup else None
     if pieces and ray is not None:  # resumed with --ray after a local start: finish pass 1 locally
         ray, workers = None, min(workers, len(os.sched_getaffinity(0)))
-    pool = start_pool(workers, init_worker, (cfg, tok_path or None, dtype.name, lsh), warm_up=clean.warm_up, ray=ray)
+    pool = start_pool(workers, init_worker, (cfg, tok_path or None, dtype.name, lsh, quality), warm_up=clean.warm_up, ray=ray)
     try:
         docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field,
                                     stats=stats, warn=in_order, progress=bar.update if bar else None, raw=True, names=names,
@@ -388,6 +395,9 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
                 unit_counts[item["file"]] = (item["counts"], item["warnings"])
                 in_order.fill(item["file"], item["warnings"])
             for result in item.get("chunks", [item]):
+                rec = result.pop("scores", None)
+                if scores is not None:
+                    scores.add(rec)  # in input order, as the chunk's documents go to the spool
                 if result["raw"] is not None:
                     sources.count_raw(stats, *result["raw"])
                     f, *c = result["raw"]
@@ -404,7 +414,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
                 else:
                     dd.add(result["keys"], result.pop("bands"))
                 spool.add(result)
-                point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state()))
+                point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state(), scores and scores.flush()))
             items += 1
             settle()
             if j.due():  # between work items only: a resume skips whole items
@@ -422,6 +432,8 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
     _save_state(j, "dedup", stats=stats)
     commit(stage="dedup", state="dedup")
     spool.close()
+    if scores is not None:
+        scores.close()
 
 
 class _InOrder:

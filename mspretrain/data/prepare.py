@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import pipeline, resume, sources
+from mspretrain.data import pipeline, resume, scoring, sources
 from mspretrain.data.pool import WorkerDied
 from mspretrain.data.publish import WRITE_ERRNOS, check_out, fsync_all, publish
 from mspretrain.data.tokenizer import Tokenizer
@@ -45,6 +45,16 @@ def check_names(names: list[str]) -> None:
 
 def _tokenizer_id(given: Tokenizer | None) -> tuple[str, str] | None:
     return None if given is None else (str(given.path), given.sha256())
+
+
+def _quality_id(cfg: PrepareConfig) -> dict | None:
+    """The quality models' identity for the fingerprint; None when a model cannot be loaded (then
+    the run is not the one that was published, and `prepare` refuses the model in one line)."""
+    try:
+        stage = scoring.QualityStage.load(cfg)
+    except UserError:
+        return None
+    return stage.identity() if stage is not None else None
 
 
 def _discard(journal: resume.Journal) -> None:
@@ -74,7 +84,8 @@ def _already_published(journal: resume.Journal, out: Path, inputs: list[str], na
     if old is None or old.get("stage") != "publish" or journal.work.exists() or not DataPaths(out).manifest.is_file():
         return None
     given = Tokenizer.load(tokenizer) if tokenizer else None
-    fp = resume.fingerprint(inputs, [p for p, _ in named], [n for _, n in named], cfg, _tokenizer_id(given), seq_len)
+    fp = resume.fingerprint(inputs, [p for p, _ in named], [n for _, n in named], cfg, _tokenizer_id(given), seq_len,
+                            _quality_id(cfg))
     if resume.difference(old["fingerprint"], fp) is not None:
         return None
     journal.remove()
@@ -120,7 +131,10 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
         log(f"warning: {msg}")
 
     work = journal.work
-    fp = resume.fingerprint(inputs, paths, [n for _, n in named], cfg, _tokenizer_id(given), seq_len)
+    # the quality models, loaded (and a missing or corrupt one refused) before anything is written
+    quality = scoring.QualityStage.load(cfg)
+    fp = resume.fingerprint(inputs, paths, [n for _, n in named], cfg, _tokenizer_id(given), seq_len,
+                            quality.identity() if quality is not None else None)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         # a work dir left by a killed run of this command is resumed; of another, refused
@@ -138,7 +152,9 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
             manifest = json.loads(DataPaths(work).manifest.read_text(encoding="utf-8"))
         else:
             manifest = pipeline.run(paths, [n for _, n in named], work, cfg, given, workers, progress, log, warn, stats, journal,
-                                        ray=ray)
+                                        ray=ray, quality=quality)
+            if quality is not None:
+                manifest["quality"] = quality.describe()
             manifest["inputs"] = [str(i) for i in inputs]
             manifest["warnings"] = warnings
             if seq_len:

@@ -58,7 +58,7 @@ def code_fingerprint() -> dict[str, str]:
         h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     out = {"mspretrain": f"{mspretrain.__version__} sources {h.hexdigest()[:16]}",
            "python": ".".join(map(str, sys.version_info[:3])), "numpy": numpy.__version__}
-    for lib in ("sentencepiece", "tokenizers", "opencc"):
+    for lib in ("sentencepiece", "tokenizers", "opencc", "py3langid"):
         if importlib.util.find_spec(lib) is not None:
             out[lib] = getattr(__import__(lib), "__version__", "?")
     return out

@@ -81,8 +81,9 @@ def point(name: str, written: Callable[[], object] | None = None) -> None:
 
 
 def fingerprint(inputs: list[str], paths: list[Path], names: list[str], cfg: PrepareConfig,
-                tokenizer: tuple[str, str] | None, seq_len: int | None) -> dict:
-    """What makes the output what it is: a rerun must match all of it to resume."""
+                tokenizer: tuple[str, str] | None, seq_len: int | None, quality: dict | None = None) -> dict:
+    """What makes the output what it is: a rerun must match all of it to resume. `quality`: the
+    quality models' paths and SHA-256 (`scoring.QualityStage.identity`), None without them."""
     files = []
     for p, n in zip(paths, names):
         st = p.stat()
@@ -90,7 +91,7 @@ def fingerprint(inputs: list[str], paths: list[Path], names: list[str], cfg: Pre
     return {"mspretrain": __version__, "inputs": list(inputs), "files": files,
             "config": json.loads(json.dumps(asdict(cfg), default=str)),
             "tokenizer": None if tokenizer is None else {"path": tokenizer[0], "sha256": tokenizer[1]},
-            "seq_len": seq_len}
+            "seq_len": seq_len, **({"quality": quality} if quality is not None else {})}
 
 
 def _short(v: object) -> str:
@@ -112,6 +113,8 @@ def difference(old: dict, new: dict) -> str | None:
     for k in sorted(set(oc) | set(nc)):
         if oc.get(k) != nc.get(k):
             return f"prepare.{k} was {_short(oc.get(k))}, now {_short(nc.get(k))}"
+    if old.get("quality") != new.get("quality"):  # the same names, other bytes
+        return "a quality model or eval set of prepare.* changed since the interrupted run (its SHA-256)"
     of, nf = old.get("files") or [], new.get("files") or []
     for a, b in zip(of, nf):
         if a != b:

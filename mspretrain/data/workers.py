@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import dedup, sources
+from mspretrain.data import dedup, scoring, sources
 from mspretrain.data.clean import Cleaner
+from mspretrain.data.scoring import QualityStage
 from mspretrain.data.tokenizer import Tokenizer
 
 _W: dict = {}  # per-worker state, set by init_worker
@@ -48,9 +49,11 @@ def _die_with_parent() -> None:
         os._exit(0)  # the parent died before prctl took effect
 
 
-def init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | None, lsh: tuple | None = None) -> None:
+def init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | None, lsh: tuple | None = None,
+                quality: QualityStage | None = None) -> None:
     """`lsh`: (bands, rows, a, b) of near dedup (`dedup.lsh_params`, `dedup._permutations`),
-    computed by the main process: datasketch (and the scipy it imports) stays out of the workers."""
+    computed by the main process: datasketch (and the scipy it imports) stays out of the workers.
+    `quality`: pass 1's quality stage (`scoring.QualityStage`, its models loaded by the main process)."""
     if mp.parent_process() is not None:
         _die_with_parent()
         # HF tokenizers would start a thread per core in every worker process.
@@ -58,7 +61,7 @@ def init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | Non
         _keep_freed_memory()  # a worker process only: the caller's process keeps its settings
     _W.clear()
     tok = Tokenizer.load(tokenizer_path) if tokenizer_path else None
-    _W.update(cfg=cfg, cleaner=Cleaner(cfg), dtype=dtype, tok=tok, lsh=lsh,
+    _W.update(cfg=cfg, cleaner=Cleaner(cfg), dtype=dtype, tok=tok, lsh=lsh, quality=quality,
               byte_pieces=byte_piece_table(tok) if tok is not None else None)
 
 
@@ -114,9 +117,13 @@ def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLine
     texts = [t for t in cleaned if t is not None]
     if origin is not None and len(texts) < len(cleaned):
         origin = origin[np.fromiter((t is not None for t in cleaned), dtype=bool, count=len(cleaned))]
+    dropped = dict(cleaner.dropped)
+    scores = None
+    if _W.get("quality") is not None:  # the model-based filters, after the rules, before dedup (`scoring.py`)
+        texts, origin, scores = scoring.apply(_W["quality"], texts, origin, dropped)
     keys = dedup.dedup_keys(texts)
     out = {"docs_in": len(docs), "chars_in": sum(map(len, docs)), "changed": dict(cleaner.changed),
-           "dropped": dict(cleaner.dropped), "keys": keys,
+           "dropped": dropped, "keys": keys, "scores": scores,
            "chars": np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)),
            "u": dedup.split_numbers(keys, cfg.seed),
            "bands": _bands(texts, cfg) if cfg.near_dedup else None, "raw": raw, "origin": origin}
