@@ -28,8 +28,9 @@ pytestmark = pytest.mark.slow  # 18 rank compilations in subprocesses (about 3 m
 PROBE = Path(__file__).with_name("collective_probe.py")
 ROOT = PROBE.parents[1]
 # ZeRO-2 (the shipped 910B configs) at every world; ZeRO-1 (whose replicated buckets an owner alone
-# reads after the reduction) at one.
-CASES = [(2, 2), (4, 2), (8, 2), (4, 1)]
+# reads after the reduction) at one; ZeRO-3 (gathers and reduce-scatters inside the model's graph,
+# ordered by the data flow alone on Ascend: train/zero3.py) at two.
+CASES = [(2, 2), (4, 2), (8, 2), (4, 1), (2, 3), (4, 3)]
 
 
 @pytest.fixture(scope="module")
