@@ -117,6 +117,43 @@ def test_shard_parameters_is_a_no_op_on_one_process(tiny_cfg):
     assert not step.zero3 and [p.shape for p in model.trainable_params()] == shapes
 
 
+@pytest.mark.parametrize("dtype,param_dtype,accumulation,recompute", [
+    ("fp32", "fp32", 1, False), ("fp32", "fp32", 2, True), ("fp16", "compute", 2, False)])
+def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtype, param_dtype, accumulation, recompute):
+    """`plan` with optim.shard_parameters at 2 devices: rank 0's weights, masters, moments and
+    buffers are what its TrainStep allocates; the gathered weights are every trained weight whole,
+    or with recompute the largest layer's plus the lm_head's."""
+    from dataclasses import replace
+
+    from mspretrain.config import resolve_model
+    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.ops.plan import format_plan, make_plan
+    from mspretrain.train.step import TrainStep
+
+    world_of(0, 2)
+    model_cfg = resolve_model(tiny_cfg.model, vocab_size=512)
+    gb = tiny_cfg.train.global_batch
+    cfg = replace(tiny_cfg, model=model_cfg, precision=replace(tiny_cfg.precision, dtype=dtype, param_dtype=param_dtype),
+                  optim=replace(tiny_cfg.optim, shard_parameters=True),
+                  train=replace(tiny_cfg.train, micro_batch=gb // 2 // accumulation, recompute=recompute))
+    model = Llama(model_cfg, dtype=dtype, seed=0)
+    whole = {p.name: int(np.prod(p.shape)) * (2 if p.name in half_eligible(model) and param_dtype == "compute" else 4)
+             for p in model.trainable_params()}
+    half = half_eligible(model) if param_dtype == "compute" else []
+    step = TrainStep(model, cfg.optim, global_tokens=gb * cfg.data.seq_len, world=2, rank=0, half_params=half,
+                     accumulation=accumulation, shard_params=True, jit=False)
+    assert step.zero3
+    plan = make_plan(cfg, devices=2, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)
+    have = step.buffer_bytes()
+    for kind in ("weights", "master_weights", "adam_moments", "gradients"):
+        assert plan["memory_bytes"][kind] == have[kind], kind
+    assert have["weights"] < 0.51 * sum(whole.values())  # about half of the whole model on each of 2 ranks
+    layer0 = sum(b for n, b in whole.items() if n.startswith("layers.0."))
+    want = layer0 + whole["lm_head.weight"] if recompute else sum(whole.values())
+    assert plan["memory_bytes"]["gathered_weights"] == want
+    assert plan["shard_parameters"] and "ZeRO-3" in format_plan(plan)
+
+
 # ---- 2 msrun ranks against one process
 
 ZERO3 = ("optim.shard_parameters=true",)
@@ -158,11 +195,13 @@ def test_sharded_parameters_match_one_process_and_resume_at_world_1(tmp_path, ti
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-@pytest.mark.parametrize("source, layout", [("zero3", ("optim.shard_gradients=true",)), ("one", ZERO3)])
+@pytest.mark.parametrize("source, layout", [("zero3", ("optim.shard_gradients=true",)),
+                                            ("one", (*ZERO3, "train.recompute=true"))])
 def test_resume_across_layouts(tmp_path, tiny_data, reference_run, zero3_run, source, layout):
     """ZeRO-3 (2 ranks, step 5) resumed by ZeRO-2 on 2 ranks, and one process's step 5 resumed by
-    ZeRO-3 on 2 ranks without accumulation (the fused step): the unbroken one-process run's losses,
-    grad norms and checkpoints to the end."""
+    ZeRO-3 on 2 ranks without accumulation (the fused step) and with layer recompute (the backward
+    gathers each layer's weights again): the unbroken one-process run's losses, grad norms and
+    checkpoints to the end."""
     src = zero3_run if source == "zero3" else reference_run
     run = copy_run_at(src, tmp_path / f"from-{source}", 5)
     _msrun(tmp_path, tiny_data, run, *layout)

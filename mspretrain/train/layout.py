@@ -342,5 +342,12 @@ def plan_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: i
                   tuple(cut))
 
 
+def zero3_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: int) -> Layout:
+    """ZeRO-3 (train/zero3.py): every parameter split into a slice per rank (`slice_bounds`), no
+    bucket: the gathers and the reduce-scatters are in the model's graph, one per parameter."""
+    n = len(sizes)
+    return Layout(tuple(sizes), tuple(half), tuple(wire16), world, True, True, (-1,) * n, (), (), (), (), (), (True,) * n)
+
+
 def _bucket_indices(b: RankBucket) -> Iterable[int]:
     return (i for s in b.segments for i in s)

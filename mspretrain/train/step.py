@@ -49,6 +49,11 @@ Sharding over data-parallel ranks (train/layout.py has the tables):
   Its gradient crosses ranks as its own bucket (ZeRO-2: reduce-scattered straight into the
   slices) or is all-reduced whole and sliced (ZeRO-1). Each element's update is the same AdamW
   arithmetic whichever rank does it, so the numbers are those of the whole tensor.
+- `shard_params` (ZeRO-3, implies `shard_grads`; train/zero3.py): the model itself holds rank r's
+  slice of every trained parameter (the split parameters' slices), gathers each where it is used
+  and reduce-scatters its gradient in the backward pass, both inside the model's graph. Here every
+  parameter is then a split one whose gradient arrives as the slice: no bucket, no reduction and
+  no gather after the update (`zero3_layout`); the slice Parameter is its own fp32 master.
 The grad norm is the same on every rank (owners' partial sums of squares are all-reduced), so
 clipping and the overflow decision agree everywhere, and an owner computes exactly what an
 unsharded rank would.
@@ -79,7 +84,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mspretrain.config import OptimConfig
 from mspretrain.model.groups import trainable_mask
 from mspretrain.model.llama import use_fused_kernels
-from mspretrain.train.layout import Layout, assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness, split_elements_for
+from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness, split_elements_for, zero3_layout
 
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners"]
 
@@ -178,9 +183,7 @@ class TrainStep:
         cap = cap_elements(bucket_mb_for(bucket_mb, device))
         wire16 = [allreduce_fp16 and "lm_head" not in n for n in self.names]
         if self.zero3:  # every parameter split, no bucket: the gathers and reductions live in the model's graph
-            n_p = len(self.sizes)
-            self.layout = Layout(tuple(self.sizes), tuple(n in half for n in self.names), tuple(wire16), world, True, True,
-                                 (-1,) * n_p, (), (), (), (), (), (True,) * n_p)
+            self.layout = zero3_layout(self.sizes, [n in half for n in self.names], wire16, world)
         else:
             self.layout = plan_layout(self.sizes, [n in half for n in self.names], wire16, world,
                                       shard=shard, shard_grads=shard_grads, cap=cap, split=split_elements_for(split_mb, cap))
