@@ -152,6 +152,9 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
     want = layer0 + whole["lm_head.weight"] if recompute else sum(whole.values())
     assert plan["memory_bytes"]["gathered_weights"] == want
     assert plan["shard_parameters"] and "ZeRO-3" in format_plan(plan)
+    # a gather and a reduce-scatter per weight and micro-batch, each the whole weight in its storage dtype
+    assert plan["collectives_per_step"] == step.collectives(accumulation) == {
+        "calls": 2 * 15 * accumulation, "bytes": 2 * accumulation * sum(whole.values())}
 
 
 # ---- 2 msrun ranks against one process
