@@ -13,7 +13,7 @@ from mspretrain.errors import UserError
 from mspretrain.train.layout import slice_bounds
 from tests.conftest import assert_same_checkpoint, copy_run_at
 from tests.test_distributed import FINAL, MSRUN, STEPS, _grad_norms, _metrics, _msrun, _step_dir
-from tests.test_zero2 import _assert_two_ranks_equal_one_process
+from tests.test_zero2 import FP16_MASTERS, _assert_two_ranks_equal_one_process, _fp16_run_equals_one_process, one_fp16  # noqa: F401 (a fixture)
 
 
 def _tiny(**kw):
@@ -218,3 +218,20 @@ def test_resume_across_layouts(tmp_path, tiny_data, reference_run, zero3_run, so
         assert_same_checkpoint(_step_dir(run, step), _step_dir(reference_run, step), 1e-5)
 
 
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_sharded_parameters_with_fp16_matrices_and_fp32_master_slices(tmp_path, tiny_data, one_fp16):  # noqa: F811
+    """fp16 compute, fp16 matrices (gathered and reduce-scattered in fp16) with fp32 master slices,
+    ZeRO-3 on 2 workers against the same config on one process (test_zero2's fp16 tolerances:
+    the ranks sum in another order and fp16 weights may round the other way)."""
+    from safetensors.numpy import load_file
+
+    two = tmp_path / "zero3-fp16"
+    _msrun(tmp_path, tiny_data, two, *FP16_MASTERS, *ZERO3)
+    _fp16_run_equals_one_process(two, one_fp16)
+    keys = set().union(*(load_file(str(s)).keys() for s in _step_dir(two, FINAL).glob("optimizer-*.safetensors")))
+    assert "master.layers.0.mlp.w13.weight@0:12288" in keys and "master.layers.0.mlp.w13.weight@12288:24576" in keys
+    assert not any(k.startswith("master.lm_head") for k in keys)  # an fp32 slice is its own master
