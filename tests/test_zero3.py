@@ -11,9 +11,9 @@ from mindspore import Tensor, ops
 
 from mspretrain.errors import UserError
 from mspretrain.train.layout import slice_bounds
-from tests.conftest import assert_same_checkpoint, copy_run_at
+from tests.conftest import FP16_MASTERS, assert_same_checkpoint, copy_run_at
 from tests.test_distributed import FINAL, MSRUN, STEPS, _grad_norms, _metrics, _msrun, _step_dir
-from tests.test_zero2 import FP16_MASTERS, _assert_two_ranks_equal_one_process, _fp16_run_equals_one_process, one_fp16  # noqa: F401 (a fixture)
+from tests.test_zero2 import _assert_two_ranks_equal_one_process, _fp16_run_equals_one_process
 
 
 def _tiny(**kw):
@@ -223,7 +223,7 @@ def test_resume_across_layouts(tmp_path, tiny_data, reference_run, zero3_run, so
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_sharded_parameters_with_fp16_matrices_and_fp32_master_slices(tmp_path, tiny_data, one_fp16):  # noqa: F811
+def test_sharded_parameters_with_fp16_matrices_and_fp32_master_slices(tmp_path, tiny_data, one_fp16):
     """fp16 compute, fp16 matrices (gathered and reduce-scattered in fp16) with fp32 master slices,
     ZeRO-3 on 2 workers against the same config on one process (test_zero2's fp16 tolerances:
     the ranks sum in another order and fp16 weights may round the other way)."""
