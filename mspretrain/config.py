@@ -325,6 +325,11 @@ class OptimConfig(_Section):
     # only for what it owns; every micro-batch's gradients are reduce-scattered into them. Saves
     # 4 bytes x (N-1)/N per parameter, costs one reduction per micro-batch instead of one per step.
     shard_gradients: bool = False
+    # ZeRO-3 (implies shard_gradients): a rank also keeps only a slice (1/N) of every trained
+    # weight; a layer's weights are gathered right before use and freed after, gradients are
+    # reduce-scattered into the slices. Costs a gather per weight in the forward and a
+    # reduce-scatter in the backward of every micro-batch (train/zero3.py).
+    shard_parameters: bool = False
     # Cap of one collective's flat buffer in MB (a transient copy): gradients and parameters cross
     # ranks in a few buckets instead of one collective per parameter. 0 = one per parameter.
     # "auto": 256 on Ascend, 32 on CPU (train/layout.py `bucket_mb_for` says why).

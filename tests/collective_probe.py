@@ -63,7 +63,7 @@ def _final_ir(folder: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--zero", type=int, choices=(1, 2), required=True)
+    ap.add_argument("--zero", type=int, choices=(1, 2, 3), required=True)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     os.environ.update({"GLOG_v": "3", "MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "backend_pass",
@@ -75,6 +75,7 @@ def main() -> None:
     from mspretrain import config as cfgmod
     from mspretrain.model.llama import Llama, half_eligible
     from mspretrain.train.step import TrainStep
+    from mspretrain.train.zero3 import gathered_cells
 
     cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
     m = cfgmod.resolve_model(cfg.model, 512)
@@ -89,7 +90,7 @@ def main() -> None:
         # step has split parameters, several buckets of each kind and unbucketed singletons.
         model = Llama(m, dtype="bf16", attention="math", device="ascend", seed=0)
         step = TrainStep(model, cfg.optim, global_tokens=64, world=args.world, rank=rank, shard=True,
-                         shard_grads=args.zero == 2, half_params=half_eligible(model), bucket_mb=0.01,
+                         shard_grads=args.zero >= 2, shard_params=args.zero == 3, half_params=half_eligible(model), bucket_mb=0.01,
                          split_mb=0.05, device="ascend", trainable=["attention", "mlp", "norms", "lm_head"])
         graphs = {"fused": lambda step=step: step._fused(tokens, None, None, one, one, one),
                   "accumulate": lambda step=step: step._accumulate(tokens, None, None, one, ms.Tensor(True)),
@@ -100,6 +101,9 @@ def main() -> None:
         sg = int(step.shard_grads)
         reduce, gather = len(step._schedule), len(step._ag) + len(step._ag_single)
         traced = {"fused": reduce + 1 + sg + gather, "accumulate": reduce * sg, "apply": reduce * (1 - sg) + 1 + sg + gather}
+        if step.zero3:  # in the model's graph: a gather per sharded weight forward, a reduce-scatter backward
+            weights = len(gathered_cells(model))
+            traced = {"fused": 2 * weights + 2, "accumulate": 2 * weights, "apply": 2}
         result[str(rank)] = {"traced": traced}
         for name, compile_graph in graphs.items():
             folder = args.out / f"rank{rank}" / name

@@ -88,6 +88,22 @@ def reference_run(tmp_path_factory, tiny_data) -> Path:
     return run
 
 
+FP16_MASTERS = ("precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static")
+
+
+@pytest.fixture(scope="session")
+def one_fp16(tmp_path_factory, tiny_data) -> Path:
+    """The reference run's config in fp16 with fp16 matrices and fp32 masters, on one process: what
+    the fp16-masters msrun tests of tests/test_zero2.py and tests/test_zero3.py compare against
+    (each trained it for itself before). Read-only."""
+    from mspretrain.cli import main
+
+    one = tmp_path_factory.mktemp("one-fp16") / "one-fp16"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *REFERENCE_ARGS, "--quiet",
+                 "train.log_every=1", *FP16_MASTERS]) == 0
+    return one
+
+
 # A spike `rewind` run in one process (checkpoints every 4 steps, lr 10x the reference's so that
 # spikes come): what the 2-rank msrun rewind run (tests/test_distributed.py) and the two-node one
 # (tests/test_multinode.py) must equal. Both used to train this same run of their own.
@@ -221,7 +237,8 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
 # would starve each other's heartbeats on 2 cores. The files' other tests (tables, one-process
 # steps, the CPU selftest) are units of their own, free for either worker. A new msrun test
 # elsewhere is refused at collection.
-MSRUN_FILES = ("tests/test_distributed.py", "tests/test_multinode.py", "tests/test_selftest.py", "tests/test_zero2.py")
+MSRUN_FILES = ("tests/test_distributed.py", "tests/test_multinode.py", "tests/test_selftest.py", "tests/test_zero2.py",
+               "tests/test_zero3.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mspretrain.train.layout import assign_owners_grouped, cap_elements, flat_buckets, rank_buckets
-from tests.conftest import TINY, assert_same_checkpoint, snapshot
+from tests.conftest import FP16_MASTERS, TINY, assert_same_checkpoint, snapshot
 from tests.test_distributed import ARGS, FINAL, MSRUN, STEPS, _grad_norms, _metrics, _msrun, _replica_hashes, _step_dir
 
 # a 7B-shaped table: embedding, 32 x (norm, wqkv, wo, norm, w13, w2), norm, lm_head
@@ -140,21 +140,6 @@ def zero2_accum_run(tmp_path_factory, tiny_data) -> Path:
     two = tmp / "zero2"
     _msrun(tmp, tiny_data, two, *ZERO2_ACCUM)
     return two
-
-
-FP16_MASTERS = ("precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static")
-
-
-@pytest.fixture(scope="module")
-def one_fp16(tmp_path_factory, tiny_data) -> Path:
-    """The reference run's config in fp16 with fp16 matrices and fp32 masters, on one process: what
-    the two fp16-masters msrun tests below compare against (each trained it for itself before). Read-only."""
-    from mspretrain.cli import main
-
-    one = tmp_path_factory.mktemp("one-fp16") / "one-fp16"
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *ARGS, "train.log_every=1",
-                 *FP16_MASTERS]) == 0
-    return one
 
 
 def _assert_two_ranks_equal_one_process(two: Path, reference_run: Path, tiny_data: Path, tmp_path: Path) -> Path:

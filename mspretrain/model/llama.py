@@ -203,13 +203,19 @@ class Linear(nn.Cell):
         self.out_dim = out_dim
         self.dtype = dtype
         self.weight = _normal(rng, (out_dim, in_dim), std)
+        self.gather = None  # ZeRO-3: a ShardedGather, `weight` then this rank's slice (train/zero3.py)
         self.has_bias = bias
         if bias:
             self.bias = Parameter(Tensor(np.zeros(out_dim, np.float32)), name="bias")
         self.matmul = ops.MatMul(transpose_b=True)
 
+    def full_weight(self, anchor: Tensor) -> Tensor:
+        """The whole weight: the Parameter, or (ZeRO-3) gathered after `anchor`, the input it multiplies."""
+        return self.weight if self.gather is None else self.gather(self.weight, anchor)
+
     def construct(self, x: Tensor) -> Tensor:
-        w = self.weight if self.dtype == ms.float32 else self.weight.astype(self.dtype)
+        w = self.full_weight(x)
+        w = w if self.dtype == ms.float32 else w.astype(self.dtype)
         lead = x.shape[:-1]
         y = self.matmul(x.reshape(-1, x.shape[-1]), w)  # (N, out)
         if self.has_bias:
@@ -220,7 +226,8 @@ class Linear(nn.Cell):
         """x @ W_i^T for consecutive row blocks W_i of a fused weight. The weight is split, not the
         output: on CPU, MindSpore's Split/Concat copy, and an (out, in) weight is far smaller than the
         (tokens, out) activation, so this beats one big MatMul followed by a split (see train.md)."""
-        w = self.weight if self.dtype == ms.float32 else self.weight.astype(self.dtype)
+        w = self.full_weight(x)
+        w = w if self.dtype == ms.float32 else w.astype(self.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         if self.has_bias:
@@ -234,9 +241,13 @@ class Embedding(nn.Cell):
     def __init__(self, vocab: int, dim: int, std: float, rng: np.random.Generator) -> None:
         super().__init__()
         self.weight = _normal(rng, (vocab, dim), std)
+        self.gather = None  # ZeRO-3, as in Linear
+
+    def full_weight(self, anchor: Tensor) -> Tensor:
+        return self.weight if self.gather is None else self.gather(self.weight, anchor)
 
     def construct(self, tokens: Tensor) -> Tensor:
-        return ops.gather(self.weight, tokens, 0)  # (B, T) -> (B, T, D) fp32
+        return ops.gather(self.full_weight(tokens), tokens, 0)  # (B, T) -> (B, T, D) fp32
 
 
 class RMSNorm(nn.Cell):
@@ -250,12 +261,14 @@ class RMSNorm(nn.Cell):
         self.fn = RMSNormFn(eps, dtype)
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
         self.fused = False
+        self.gather = None  # ZeRO-3, as in Linear
 
     def construct(self, x: Tensor) -> Tensor:
+        w = self.weight if self.gather is None else self.gather(self.weight, x)
         if self.fused:
-            y = ops.rms_norm(x.astype(ms.float32), self.weight, self.fn.eps)[0]
+            y = ops.rms_norm(x.astype(ms.float32), w, self.fn.eps)[0]
             return y if self.fn.dtype == ms.float32 else y.astype(self.fn.dtype)
-        return self.fn(x, self.weight)
+        return self.fn(x, w)
 
 
 class SoftmaxPlain(nn.Cell):
@@ -498,7 +511,7 @@ class Llama(nn.Cell):
     def _head(self, x: Tensor) -> Tensor:
         B, T = x.shape[0], x.shape[1]
         h = self.norm(x).astype(ms.float32).reshape(B * T, -1)  # (B*T, D) fp32: lm_head is an fp32 island
-        w = self.embed.weight if self.tied else self.lm_head.weight
+        w = self.embed.full_weight(h) if self.tied else self.lm_head.full_weight(h)
         return self.head_matmul(h, w).reshape(B, T, -1)  # (B, T, V) fp32
 
     # ----------------------------------------------------------------- incremental decoding

@@ -147,7 +147,7 @@ def cpu_backend_bytes(sizes: Sequence[int], half_matrix: Sequence[bool], half: b
 
 
 def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum: int, zero: bool, shard_grads: bool,
-                 recompute: bool, flash: bool, target: str) -> tuple[dict[str, float], Any]:
+                 recompute: bool, flash: bool, target: str, shard_params: bool = False) -> tuple[dict[str, float], Any]:
     """Bytes per device by kind, for the most loaded rank, plus `peak`: the largest set alive at once.
 
     Exactly the buffers train/step.py allocates (tests/test_zero2.py checks them against a real
@@ -161,10 +161,15 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     gradients without accumulation, where the update runs in the same graph).
     With `train.trainable` naming groups, frozen parameters count as weights only: masters,
     moments, accumulation buffers, micro-batch gradients, buckets and temporaries are those of the
-    trained parameters (the step computes no gradient for a frozen one)."""
+    trained parameters (the step computes no gradient for a frozen one).
+    ZeRO-3 (`shard_params`, train/zero3.py): the trained weights, their micro-batch gradients,
+    masters (half ones only: an fp32 slice is its own), moments and buffers are rank 0's slices
+    (the largest); `gathered_weights` is what the gathers hold during a micro-batch: every trained
+    weight whole without recompute (a gathered weight lives until its layer's backward), the
+    largest layer's plus the lm_head's with it; the collective buffers are the largest parameter's."""
     from mspretrain.model.groups import trainable_mask
     from mspretrain.model.presets import is_half_eligible, param_shapes
-    from mspretrain.train.layout import bucket_mb_for, cap_elements, plan_layout, split_elements_for
+    from mspretrain.train.layout import bucket_mb_for, cap_elements, plan_layout, split_elements_for, zero3_layout
 
     shapes = param_shapes(m)
     sizes = [math.prod(s) for _, s in shapes]
@@ -176,25 +181,33 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     # parameters only (T); frozen ones are weights and nothing else. Indices below are into all.
     T = [i for i, k in enumerate(trainable_mask([n for n, _ in shapes], cfg.train.trainable, tied=m.tie_embeddings)) if k]
     cap = cap_elements(bucket_mb_for(cfg.optim.bucket_mb, target))
-    layout = plan_layout([sizes[i] for i in T], [is_half[i] for i in T], [wire16[i] for i in T], devices,
-                         shard=zero, shard_grads=shard_grads, cap=cap, split=split_elements_for(cfg.optim.split_mb, cap))
+    zero3 = shard_params and devices > 1
+    if zero3:
+        layout = zero3_layout([sizes[i] for i in T], [is_half[i] for i in T], [wire16[i] for i in T], devices)
+    else:
+        layout = plan_layout([sizes[i] for i in T], [is_half[i] for i in T], [wire16[i] for i in T], devices,
+                             shard=zero, shard_grads=shard_grads, cap=cap, split=split_elements_for(cfg.optim.split_mb, cap))
     # the heaviest rank's state: (parameter index into all, elements it holds: all, or its slice
     # of a split parameter, whose fp32 master is a tensor of its own even for an fp32 parameter)
     heavy = layout.heaviest_rank() if layout.sharded else 0
     owned = [(T[j], n, layout.is_split(j)) for j, n in zip(layout.owned(heavy), layout.owned_sizes(heavy))] \
         if layout.sharded else [(i, sizes[i], False) for i in T]
     pbytes = [2 if h else 4 for h in is_half]
+    held = {i: n for i, n, _ in owned} if zero3 else {}  # ZeRO-3: the elements of each trained weight held
     mem: dict[str, float] = {
-        "weights": sum(n * b for n, b in zip(sizes, pbytes)),
+        "weights": sum(held.get(i, n) * b for i, (n, b) in enumerate(zip(sizes, pbytes))),
         # fp16/bf16 compute with fp32 parameters: the cast copy of each decoder matrix the matmuls read
         "half_weights": sum(2 * n for (name, _), n in zip(shapes, sizes) if is_half_eligible(name)) if half and not half_params else 0,
-        "master_weights": sum(4 * n for i, n, cut in owned if is_half[i] or cut),
+        "master_weights": sum(4 * n for i, n, cut in owned if is_half[i] or (cut and not zero3)),
         "gradients": (sum(4 * n for _, n, _ in owned) if layout.shard_grads else sum(4 * sizes[i] for i in T)) if accum > 1 else 0,
-        "micro_gradients": sum(sizes[i] * pbytes[i] for i in T),
+        "micro_gradients": sum(held.get(i, sizes[i]) * pbytes[i] for i in T),
         "adam_moments": sum(8 * n for _, n, _ in owned),
         "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash),
     }
+    mem["gathered_weights"] = gathered_bytes(shapes, sizes, pbytes, T, recompute) if zero3 else 0
     red, gat = layout.largest_bucket_bytes()
+    if zero3:  # one collective per parameter: the largest one's gather and its gradient's reduction
+        red = gat = max(sizes[i] * pbytes[i] for i in T)
     # a flat copy and the result: AllReduce's result is the whole bucket; ReduceScatter's (Ascend) 1/N
     reduce_t = red + (red / devices if layout.shard_grads and target == "ascend" else red) if devices > 1 else 0
     gather_t = gat + gat / devices if devices > 1 else 0
@@ -210,12 +223,30 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     if accum > 1:
         accumulate = mem["activations"] + mem["micro_gradients"] + (reduce_t if layout.shard_grads else 0)
     else:
-        accumulate = mem["activations"] + mem["micro_gradients"]
+        accumulate = mem["activations"] + mem["micro_gradients"] + (reduce_t if zero3 else 0)
         update += mem["micro_gradients"]
+    accumulate += mem["gathered_weights"]
     mem["total"] = sum(mem.values())
     # the CPU backend's term is resident from the first call of each graph on: it adds to the peak
     mem["peak"] = persistent + max(accumulate, update) + mem["framework_reserve"] + mem["cpu_backend"]
     return mem, layout
+
+
+def gathered_bytes(shapes: list, sizes: list[int], pbytes: list[int], trained: list[int], recompute: bool) -> int:
+    """ZeRO-3: bytes of the gathered (whole) weights alive at once during a micro-batch (see
+    `memory_model`): all trained ones without recompute; with it the largest decoder layer's plus
+    the lm_head's (or the tied embedding's), which the loss's backward holds."""
+    whole = {i: sizes[i] * pbytes[i] for i in trained}
+    if not recompute:
+        return sum(whole.values())
+    layers: dict[str, int] = {}
+    for i, b in whole.items():
+        name = shapes[i][0]
+        if name.startswith("layers."):
+            key = name.split(".")[1]
+            layers[key] = layers.get(key, 0) + b
+    head = [b for i, b in whole.items() if shapes[i][0].startswith(("lm_head", "embed"))]
+    return max(layers.values(), default=0) + max(head, default=0)
 
 
 # The bus bandwidth the overlap estimate assumes for HCCL on one 8 x 910B node when no measurement
@@ -302,6 +333,12 @@ def checkpoint_bytes(params: int, half_params: str | None = None, trained: int |
     return weights * params + 8 * trained + (4 * trained if half_params else 0)
 
 
+def _sharding(plan: dict) -> str:
+    if plan.get("shard_parameters"):
+        return ", weight, optimizer and gradient sharding (ZeRO-3)"
+    return ", optimizer and gradient sharding" if plan["shard_gradients"] else ", optimizer sharding"
+
+
 def host_ram_gb() -> float:
     """This machine's physical memory in GB. On CPU the host is the device, and the ranks of a
     launch on this machine share it: each rank's peak is compared with its share."""
@@ -362,10 +399,11 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     if flash is None:
         flash = half and planned_for not in ("cpu",)
     half_params = half and cfg.precision.param_dtype == "compute"
-    shard_grads = cfg.optim.shard_gradients
+    shard_params = cfg.optim.shard_parameters
+    shard_grads = cfg.optim.shard_gradients or shard_params
     target = "ascend" if (planned_for == "ascend" or flash) else planned_for
     mem, layout = memory_model(m, cfg, devices=devices, micro=micro, accum=accum, zero=zero, shard_grads=shard_grads,
-                               recompute=recompute, flash=flash, target=target)
+                               recompute=recompute, flash=flash, target=target, shard_params=shard_params)
     # a device size given on the command line wins (it used to be ignored for Ascend configs)
     usable_gb = device_mem_gb or cfg.device.max_device_memory or (
         ASCEND_910B_USABLE_GB if target == "ascend" else round(host_ram_gb() / devices, 1) if target == "cpu" else 64.0)
@@ -377,6 +415,7 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
                   "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
         "params": P, "devices": devices, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
         "seq_len": seq, "dtype": cfg.precision.dtype, "zero": zero or shard_grads, "shard_gradients": shard_grads and devices > 1,
+        "shard_parameters": shard_params and devices > 1,
         "recompute": recompute, "flash_attention": flash,
         "tokens": b.tokens, "tokens_source": b.tokens_source, "steps": b.steps, "warmup_steps": b.warmup,
         "warmup_note": b.warmup_note, "lr": b.lr, "lr_note": b.lr_note, "assumed": list(assumed),
@@ -453,7 +492,7 @@ def format_plan(plan: dict) -> str:
            if plan.get("trained_params", plan["params"]) < plan["params"] else ""),
         f"layout     {plan['devices']} devices, global batch {plan['global_batch']} = micro {plan['micro_batch']} "
         f"x accum {plan['accumulation']} x {plan['devices']}, seq {plan['seq_len']}, {plan['dtype']}"
-        + ((", optimizer and gradient sharding" if plan["shard_gradients"] else ", optimizer sharding") if plan["zero"] else "")
+        + (_sharding(plan) if plan["zero"] else "")
         + (", recompute" if plan["recompute"] else "")
         + (", flash attention" if plan["flash_attention"] else ""),
     ]
@@ -473,6 +512,7 @@ def format_plan(plan: dict) -> str:
                        ("micro_gradients", "micro-batch gradients" + (" (half)" if half_params else "")),
                        ("adam_moments", "Adam moments (fp32)"),
                        ("activations", "activations" + (" (recompute)" if plan["recompute"] else "")),
+                       ("gathered_weights", "gathered weights (ZeRO-3)"),
                        ("collective_buffers", "collective buckets"), ("update_temporaries", "update temporaries"),
                        ("framework_reserve", "HCCL buffers + workspace"),
                        ("cpu_backend", "CPU backend term (measured)")):

@@ -117,9 +117,11 @@ def memory_options(cfg: Config, step_fn: Any, world: Any, accum: int) -> str:
     """The memory options in effect, for the start-up line (rank 0's share of the state)."""
     parts = []
     if step_fn.sharded:
-        sizes = [int(np.prod(p.shape)) for p in step_fn.params]
+        sizes = step_fn.sizes  # whole parameters' (ZeRO-3 holds slices)
         mine = step_fn.owned_elements()
-        parts.append(f"optimizer state{' and gradients' if step_fn.shard_grads else ''} sharded over "
+        what = "weights, optimizer state and gradients" if getattr(step_fn, "zero3", False) else \
+            f"optimizer state{' and gradients' if step_fn.shard_grads else ''}"
+        parts.append(f"{what} sharded over "
                      f"{world.size} ranks (rank {world.rank} holds {mine / sum(sizes):.0%})")
     if world.size > 1:
         c = step_fn.collectives(accum)
@@ -282,6 +284,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     step_fn = TrainStep(model, cfg.optim, global_tokens=b.tokens_per_step, world=world.size, rank=world.rank,
                         jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16",
                         shard=cfg.optim.shard_optimizer, shard_grads=cfg.optim.shard_gradients,
+                        shard_params=cfg.optim.shard_parameters,
                         bucket_mb=cfg.optim.bucket_mb, split_mb=cfg.optim.split_mb, device=device.target, accumulation=b.accumulation,
                         half_params=half, jit_level=cfg.device.jit_level, trainable=cfg.train.trainable)
     loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=b.micro_batch, seed=cfg.train.seed,

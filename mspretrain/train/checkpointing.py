@@ -9,7 +9,9 @@ Design choices:
 - The snapshot is a host *copy*: on CPU asnumpy() returns a view of the live parameter memory, and
   the next step would change the weights while the writer thread is still writing them.
 - Only rank 0 writes, except with a sharded optimizer where every rank writes its optimizer shard
-  and rank 0 publishes the checkpoint once all are there (checkpoint/shards.py).
+  and rank 0 publishes the checkpoint once all are there (checkpoint/shards.py). Under ZeRO-3 the
+  weights are gathered whole first (every rank takes part), so the model file is the same as any
+  other layout's and every layout resumes from it.
 - A rewind must reload the same checkpoint on every rank: "newest on disk" could differ between
   ranks while rank 0's writer is at work, so under msrun every rank takes the step of this run's
   newest save and waits until rank 0 has published it.
@@ -46,19 +48,20 @@ class CheckpointManager:
 
     def save(self, step: int, train_state: dict[str, Any]) -> Path | None:
         """Checkpoint the state after `step`; the copy to host blocks briefly, the write does not."""
-        from mspretrain.model.llama import state_numpy
-
         sharded = self.step_fn.sharded
         self.last_save_step = step
         if self.rank != 0 and not sharded:
             return None
         t0 = time.perf_counter()
+        # ZeRO-3: the whole weights are gathered on every rank (a collective: all ranks call it), so
+        # the model file is the one any layout writes and any layout resumes from
+        whole = self.step_fn.full_weights() if getattr(self.step_fn, "zero3", False) else None
         optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
         try:
             if self.rank != 0:
                 self.saver.save_shard(step=step, rank=self.rank, world=self.world, optimizer=optim, stall_started=t0)
                 return None
-            model = {k: v.copy() for k, v in state_numpy(self.model, keep_fp16=True).items()}
+            model = whole if whole is not None else {k: v.copy() for k, v in self.step_fn.full_weights().items()}
             self.saver.save(step=step, model=model, optimizer=optim, train_state=train_state,
                             data_state=self.loader.state(), config=self.cfg, tokenizer_path=self.tokenizer,
                             stall_started=t0, world=self.world if sharded else 1)
@@ -75,10 +78,8 @@ class CheckpointManager:
     def load(self, ckpt: Path, *, restore_data: bool) -> dict[str, Any]:
         """Load a checkpoint's weights, this rank's optimizer state and (optionally) the loader
         position into the live objects; returns its train_state for the loop's own counters."""
-        from mspretrain.model.llama import load_numpy
-
         ts = store.read_json(ckpt / store.TRAIN_STATE)
-        load_numpy(self.model, store.load_file(str(ckpt / store.MODEL_FILE)))
+        self.step_fn.load_weights(store.load_file(str(ckpt / store.MODEL_FILE)))  # ZeRO-3: this rank's slices
         available = store.optimizer_keys(ckpt)
         if not available:
             raise UserError(f"checkpoint {ckpt.name} has no optimizer state",

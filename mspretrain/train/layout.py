@@ -259,6 +259,7 @@ class Layout:
     gather_rank: tuple[RankBucket, ...]  # owners' parameters: AllGather
     gather_single: tuple[int, ...]  # Broadcast each
     split: tuple[bool, ...] = ()
+    zero3: bool = False  # the gathers and reduce-scatters are in the model's graph (`zero3_layout`)
 
     def is_split(self, i: int) -> bool:
         return bool(self.split) and self.split[i]
@@ -291,6 +292,9 @@ class Layout:
                      + sum(b.numel * wb(first(b)) for b in self.reduce_rank)
                      + sum(self.sizes[i] * wb(i) for i in self.reduce_single))
         times = accumulation if self.shard_grads else 1
+        if self.zero3:  # per micro-batch, every parameter: a gather forward, a reduce-scatter backward
+            n = len(self.sizes)  # (in the storage dtype both ways; layer recompute gathers once more)
+            return 2 * n * accumulation, 2 * accumulation * sum(s * pb(i) for i, s in enumerate(self.sizes))
         gather_calls = len(self.gather_rank) + len(self.gather_single)
         gather_bytes = (sum(b.numel * pb(first(b)) for b in self.gather_rank)
                         + sum(self.sizes[i] * pb(i) for i in self.gather_single))
@@ -340,6 +344,13 @@ def plan_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: i
     return Layout(tuple(sizes), tuple(half), tuple(wire16), world, sharded, shard_grads, tuple(owner),
                   tuple(reduce_flat), tuple(reduce_rank), tuple(reduce_single), tuple(gather_rank), tuple(gather_single),
                   tuple(cut))
+
+
+def zero3_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: int) -> Layout:
+    """ZeRO-3 (train/zero3.py): every parameter split into a slice per rank (`slice_bounds`), no
+    bucket: the gathers and the reduce-scatters are in the model's graph, one per parameter."""
+    n = len(sizes)
+    return Layout(tuple(sizes), tuple(half), tuple(wire16), world, True, True, (-1,) * n, (), (), (), (), (), (True,) * n, True)
 
 
 def _bucket_indices(b: RankBucket) -> Iterable[int]:

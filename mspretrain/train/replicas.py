@@ -5,16 +5,18 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
-def record_weights_hash(run_dir: Path, *, rank: int, world: int, step: int, model: Any) -> None:
+def record_weights_hash(run_dir: Path, *, rank: int, world: int, step: int, model: Any,
+                        weights: Callable[[], dict[str, Any]] | None = None) -> None:
+    """`weights`: the whole weights where the model holds slices (ZeRO-3: a collective every rank calls)."""
     if world == 1:
         return
     from mspretrain.model.llama import state_numpy
 
     h = hashlib.sha256()
-    for name, arr in sorted(state_numpy(model).items()):
+    for name, arr in sorted((weights() if weights is not None else state_numpy(model)).items()):
         h.update(name.encode())
         h.update(arr.tobytes())
     ranks = Path(run_dir) / "ranks"

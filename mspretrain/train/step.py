@@ -49,6 +49,11 @@ Sharding over data-parallel ranks (train/layout.py has the tables):
   Its gradient crosses ranks as its own bucket (ZeRO-2: reduce-scattered straight into the
   slices) or is all-reduced whole and sliced (ZeRO-1). Each element's update is the same AdamW
   arithmetic whichever rank does it, so the numbers are those of the whole tensor.
+- `shard_params` (ZeRO-3, implies `shard_grads`; train/zero3.py): the model itself holds rank r's
+  slice of every trained parameter (the split parameters' slices), gathers each where it is used
+  and reduce-scatters its gradient in the backward pass, both inside the model's graph. Here every
+  parameter is then a split one whose gradient arrives as the slice: no bucket, no reduction and
+  no gather after the update (`zero3_layout`); the slice Parameter is its own fp32 master.
 The grad norm is the same on every rank (owners' partial sums of squares are all-reduced), so
 clipping and the overflow decision agree everywhere, and an owner computes exactly what an
 unsharded rank would.
@@ -79,7 +84,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mspretrain.config import OptimConfig
 from mspretrain.model.groups import trainable_mask
 from mspretrain.model.llama import use_fused_kernels
-from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness, split_elements_for
+from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness, split_elements_for, zero3_layout
 
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners"]
 
@@ -139,7 +144,7 @@ class TrainStep:
                  shard_grads: bool = False, half_params: list[str] | None = None,
                  bucket_mb: float | str = "auto", device: str = "cpu", accumulation: int | None = None,
                  jit_level: str = "O0", trainable: list[str] | tuple[str, ...] | None = None,
-                 split_mb: float | str = "auto") -> None:
+                 split_mb: float | str = "auto", shard_params: bool = False) -> None:
         """half_params: names of parameters to store in the model's compute dtype from now on;
         their fp32 values become master copies held with the optimizer state (by their owner).
         bucket_mb: cap of one collective's flat buffer (0 = one collective per parameter; "auto": by
@@ -148,12 +153,22 @@ class TrainStep:
         jit_level: MindSpore's graph optimisation level for the compiled functions (device.jit_level).
         trainable: parameter groups to train (train.trainable); None or ["all"]: every parameter.
         split_mb: with sharding, parameters of at least this many MB (4 bytes an element) are cut
-        into a slice per rank ("auto": the bucket cap; 0: never; train/layout.py `split_elements_for`)."""
+        into a slice per rank ("auto": the bucket cap; 0: never; train/layout.py `split_elements_for`).
+        shard_params: ZeRO-3 (implies shard_grads): the model's trained parameters become this rank's
+        slices, gathered where they are used and reduce-scattered in the backward (train/zero3.py)."""
         from mspretrain.model.loss import token_nll
 
         self.model = model
         every = tuple(model.trainable_params())
         keep = trainable_mask([p.name for p in every], trainable, tied=bool(getattr(model, "tied", False)))
+        # ZeRO-3: the trained parameters are cut into slices now, before any table below is built
+        self.zero3 = shard_params and world > 1
+        full_size = {p.name: int(np.prod(p.shape)) for p in every}
+        if self.zero3:
+            from mspretrain.train.zero3 import shard_model, sharded_names
+
+            shard_model(model, sharded_names(model, [p.name for p, k in zip(every, keep) if k], world), world, rank, device)
+            every = tuple(model.trainable_params())
         self.params = tuple(p for p, k in zip(every, keep) if k)  # the trained ones: all tables below index these
         self.frozen = tuple(p for p, k in zip(every, keep) if not k)
         self.names = [p.name for p in self.params]
@@ -163,12 +178,15 @@ class TrainStep:
         self.clip = float(optim.grad_clip)
         self.wd = [float(optim.weight_decay) if d else 0.0 for d in decay_mask(self.names, optim.decay_embeddings)]
         half = set(half_params or ())
-        self.sizes = [int(np.prod(p.shape)) for p in self.params]
+        self.sizes = [full_size[n] for n in self.names]  # whole parameters' (ZeRO-3 holds slices of them)
         # fp16 on the wire for every gradient but lm_head's (the field report's exemption)
         cap = cap_elements(bucket_mb_for(bucket_mb, device))
-        self.layout = plan_layout(self.sizes, [n in half for n in self.names],
-                                  [allreduce_fp16 and "lm_head" not in n for n in self.names], world,
-                                  shard=shard, shard_grads=shard_grads, cap=cap, split=split_elements_for(split_mb, cap))
+        wire16 = [allreduce_fp16 and "lm_head" not in n for n in self.names]
+        if self.zero3:  # every parameter split, no bucket: the gathers and reductions live in the model's graph
+            self.layout = zero3_layout(self.sizes, [n in half for n in self.names], wire16, world)
+        else:
+            self.layout = plan_layout(self.sizes, [n in half for n in self.names], wire16, world,
+                                      shard=shard, shard_grads=shard_grads, cap=cap, split=split_elements_for(split_mb, cap))
         self.shard_grads, self.sharded = self.layout.shard_grads, self.layout.sharded
         self.owner = list(self.layout.owner) if self.sharded else [rank] * len(self.params)
         # indices whose state (all of it, or a slice of a split parameter) lives here
@@ -179,7 +197,8 @@ class TrainStep:
         # before the parameter is rounded; fp32 parameters are their own masters, unless split
         # (a slice of a Parameter is not a Parameter the update kernel can write).
         self._own_has_master = [self.names[i] in half for i in self.own]  # in the checkpoint (fp32 ones are the weights)
-        self._own_separate = [h or c for h, c in zip(self._own_has_master, self._own_split)]  # a tensor of its own
+        # a tensor of its own (ZeRO-3: an fp32 slice is its own master, the Parameter is the slice)
+        self._own_separate = [h or (c and not self.zero3) for h, c in zip(self._own_has_master, self._own_split)]
         # Every state Parameter below gets a temporary and positional arguments: MindSpore 2.10's
         # Parameter.__new__ wraps its input only at refcount 4 and otherwise rebuilds it from
         # `asnumpy()` (model/llama.py `_normal` says why), which would bring each zeroed moment
@@ -198,6 +217,7 @@ class TrainStep:
         self.opt_step = Parameter(Tensor(0, ms.int32), name="opt_step", requires_grad=False)
         self.loss_accum = Parameter(Tensor(0.0, ms.float32), name="loss_accum", requires_grad=False)
         self.accum: ms.ParameterTuple | None = None  # fp32, for the parameters whose gradients this rank sums
+        self._full_state: Callable[[], dict[str, np.ndarray]] | None = None  # ZeRO-3: the compiled gather of the whole weights
 
         # ---- collectives and their packing (pure tables: train/layout.py)
         # As plain tuples of ints and dtypes: graph code reads no dataclasses, dicts or generators.
@@ -225,7 +245,7 @@ class TrainStep:
                  + [(readiness(i for seg in b.segments for i in seg), 1, k) for k, b in enumerate(self.layout.reduce_rank)]
                  + [(i, 2, i) for i in self._rs_single])
         self._schedule = [(kind, k) for _, kind, k in sorted(sched, key=lambda t: -t[0])]
-        if world == 1:
+        if world == 1 or self.zero3:
             self._order = list(range(len(self.params)))
         else:
             produced = {0: lambda k: list(self._ar[k][0]), 1: lambda k: list(self._rs[k][0][rank]),
@@ -313,7 +333,7 @@ class TrainStep:
     def _flat_value(self, k: int) -> np.ndarray:
         """Owned unit k's current values in fp32, shaped like its state (a copy)."""
         value = self.params[self.own[k]].asnumpy().astype(np.float32)
-        if not self._own_split[k]:
+        if not self._own_split[k] or self.zero3:  # whole, or (ZeRO-3) the Parameter is the slice
             return value.copy()
         a, b = self._own_bounds[k]
         return value.reshape(-1)[a:b].copy()
@@ -332,6 +352,9 @@ class TrainStep:
             grads = [grads[self._order_pos[i]] for i in range(len(self.params))]
         if self.world == 1:
             return [g.astype(ms.float32) for g in grads], None
+        if self.zero3:  # reduce-scattered in the backward pass already (train/zero3.py, ShardedGather.bprop)
+            out = [g.astype(ms.float32) for g in grads]
+            return out, ops.depend(out[0], tuple(out))  # what follows (the loss AllReduce) waits for all of them
         out: list[Tensor] = []
         prev: Tensor | None = None
         issued: list[Tensor] = []  # every collective's result, used here or not
@@ -431,7 +454,7 @@ class TrainStep:
             g = ops.nan_to_num(g * gscale, 0.0, 0.0, 0.0)
             wd = self.wd[i] * wd_factor if self.wd[i] else 0.0
             self._adamw(master, self.exp_avg[k], self.exp_avg_sq[k], lr_t, b1, b2, eps_t, wd, g)
-            if self._own_has_master[k] and not self._own_split[k]:  # a split one reaches its parameter in `_gather`
+            if self._own_has_master[k] and (self.zero3 or not self._own_split[k]):  # a split one reaches its parameter in `_gather`
                 ops.assign(self.params[i], master.astype(self.params[i].dtype))
         # the returned loss depends on the last collective: a collective whose result a rank does
         # not use would otherwise be pruned from that rank's graph only, and the ranks' sequences
@@ -538,6 +561,33 @@ class TrainStep:
         return StepResult(loss=float(loss_sum.asnumpy()) / self.global_tokens,
                           grad_norm=float(norm.asnumpy()), finite=bool(finite.asnumpy()),
                           row_nll=np.concatenate([r.asnumpy() for r in row_parts]))
+
+    # ----------------------------------------------------------------- weights
+    def full_weights(self) -> dict[str, np.ndarray]:
+        """Every parameter whole by name (what a checkpoint's model file holds), fp16 ones as fp16,
+        the rest fp32: the model's own under ZeRO-0/1/2; gathered under ZeRO-3, a collective that
+        every rank must call (train/zero3.py `full_state`)."""
+        from mspretrain.model.llama import state_numpy
+
+        if not self.zero3:
+            return state_numpy(self.model, keep_fp16=True)
+        from mspretrain.train.zero3 import full_state
+
+        if self._full_state is None:
+            self._full_state = full_state(self.model, jit=self._jit is not None)
+        return {k: v.copy() for k, v in self._full_state().items()}
+
+    def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
+        """Whole tensors (a checkpoint's model file, written by any layout) into the model: whole,
+        or under ZeRO-3 this rank's slices of them."""
+        from mspretrain.model.llama import load_numpy
+
+        if not self.zero3:
+            load_numpy(self.model, tensors)
+            return
+        from mspretrain.train.zero3 import load_full_state
+
+        load_full_state(self.model, tensors, self.world, self.rank)
 
     # ----------------------------------------------------------------- memory
     def buffer_bytes(self) -> dict[str, int]:

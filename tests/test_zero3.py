@@ -1,0 +1,237 @@
+"""Sharded parameters (ZeRO-3, `optim.shard_parameters`): the gather primitive and its bprop, the
+slicing of the model, and 2 msrun ranks against one process, resumed across layouts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, ops
+
+from mspretrain.errors import UserError
+from mspretrain.train.layout import slice_bounds
+from tests.conftest import FP16_MASTERS, assert_same_checkpoint, copy_run_at
+from tests.test_distributed import FINAL, MSRUN, STEPS, _grad_norms, _metrics, _msrun, _step_dir
+from tests.test_zero2 import _assert_two_ranks_equal_one_process, _fp16_run_equals_one_process
+
+
+def _tiny(**kw):
+    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.model.llama import Llama
+
+    return Llama(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **kw), vocab_size=96), seed=0)
+
+
+@pytest.fixture
+def world_of(monkeypatch):
+    """Collective primitives built as rank r of a world of n without `init()` (as tests/collective_probe.py does)."""
+    from mindspore.ops.operations import comm_ops
+
+    def set_world(rank: int, n: int) -> None:
+        monkeypatch.setattr(comm_ops, "get_rank", lambda group=None: rank)
+        monkeypatch.setattr(comm_ops, "get_group_size", lambda group=None: n)
+    return set_world
+
+
+def test_the_gather_picks_its_collectives_by_device(world_of):
+    """Ascend: HCCL's AllGather forward, ReduceScatter backward; CPU (mccl has neither a
+    ReduceScatter nor a second AllGather per graph): AllReduce both ways."""
+    from mspretrain.train.zero3 import ShardedGather
+
+    world_of(1, 4)
+    npu = ShardedGather((10, 3), 4, 1, "ascend")
+    assert isinstance(npu.all_gather, ops.AllGather) and isinstance(npu.reduce_scatter, ops.ReduceScatter)
+    assert not hasattr(npu, "all_reduce")
+    cpu = ShardedGather((10, 3), 4, 1, "cpu")
+    assert isinstance(cpu.all_reduce, ops.AllReduce) and not hasattr(cpu, "all_gather") and not hasattr(cpu, "reduce_scatter")
+    # 30 elements over 4 ranks: slices of c = 8, the last one 6 (layout.py slice_bounds)
+    assert (cpu.c, cpu.len) == (8, 8) and ShardedGather((10, 3), 4, 3, "cpu").len == 6
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_gather_and_its_bprop_on_the_cpu_form_with_a_loopback_peer(world_of, rank):
+    """The CPU form with the AllReduce replaced by the identity (the peers contribute zeros): the
+    forward puts this rank's slice at its place in the whole tensor, zeros elsewhere; the backward
+    hands this rank exactly its slice of the whole gradient, and the anchor a zero gradient."""
+    from mspretrain.train.zero3 import ShardedGather
+
+    world_of(rank, 3)
+    shape, n = (5, 4), 20  # c = 7: slices 7, 7, 6
+    g = ShardedGather(shape, 3, rank, "cpu")
+    g.all_reduce = lambda x: x
+    a, b = slice_bounds(n, 3, rank)
+    piece = Tensor(np.arange(a, b, dtype=np.float32) + 1)
+    anchor = Tensor(np.ones((2, 4), np.float32))
+    full = g(piece, anchor).asnumpy()
+    want = np.zeros(n, np.float32)
+    want[a:b] = np.arange(a, b) + 1
+    assert full.shape == shape and np.array_equal(full.reshape(-1), want)
+
+    weights = Tensor(np.arange(n, dtype=np.float32).reshape(shape) * 0.5)
+    grads = ms.grad(lambda p, x: (g(p, x) * weights).sum(), grad_position=(0, 1))(piece, anchor)
+    assert np.array_equal(grads[0].asnumpy(), weights.asnumpy().reshape(-1)[a:b])  # d/dslice of sum(W * full)
+    assert np.array_equal(grads[1].asnumpy(), np.zeros((2, 4), np.float32))
+
+
+def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_whole_tensors(world_of):
+    from mspretrain.model.llama import state_numpy
+    from mspretrain.train.zero3 import gathered_cells, load_full_state, shard_model
+
+    world_of(1, 2)
+    whole = {k: v.copy() for k, v in state_numpy(_tiny()).items()}
+    model = _tiny()
+    names = [p.name for p in model.trainable_params()]
+    shard_model(model, names, 2, 1, "cpu")
+    assert [p.name for p in model.trainable_params()] == names  # same names, same order
+    for p in model.trainable_params():
+        a, b = slice_bounds(whole[p.name].size, 2, 1)
+        assert p.shape == (b - a,) and np.array_equal(p.asnumpy(), whole[p.name].reshape(-1)[a:b])
+    assert [n for n, _ in gathered_cells(model)] == names
+    # a checkpoint's whole tensors (any layout) come back as this rank's slices
+    load_full_state(model, {k: v * 2 for k, v in whole.items()}, 2, 1)
+    p = dict((q.name, q) for q in model.trainable_params())["lm_head.weight"]
+    assert np.array_equal(p.asnumpy(), 2 * whole["lm_head.weight"].reshape(-1)[3072:])
+    with pytest.raises(UserError, match="shape"):
+        load_full_state(model, {**whole, "norm.weight": np.ones(65, np.float32)}, 2, 1)
+
+
+def test_shard_parameters_refuses_what_it_cannot_order_or_cut(world_of):
+    from mspretrain.train.zero3 import sharded_names
+
+    world_of(0, 2)
+    model = _tiny(family="qwen3", qk_norm=True, head_dim=16)
+    with pytest.raises(UserError, match="qk_norm"):
+        sharded_names(model, [p.name for p in model.trainable_params()], 2)
+    model = _tiny()
+    with pytest.raises(UserError, match="fewer than world"):  # a 64-element norm over 9 ranks: an empty slice
+        sharded_names(model, [p.name for p in model.trainable_params()], 9)
+
+
+def test_shard_parameters_is_a_no_op_on_one_process(tiny_cfg):
+    from mspretrain.train.step import TrainStep
+
+    model = _tiny()
+    shapes = [p.shape for p in model.trainable_params()]
+    step = TrainStep(model, tiny_cfg.optim, global_tokens=64, shard_params=True, jit=False)
+    assert not step.zero3 and [p.shape for p in model.trainable_params()] == shapes
+
+
+@pytest.mark.parametrize("dtype,param_dtype,accumulation,recompute", [
+    ("fp32", "fp32", 1, False), ("fp32", "fp32", 2, True), ("fp16", "compute", 2, False)])
+def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtype, param_dtype, accumulation, recompute):
+    """`plan` with optim.shard_parameters at 2 devices: rank 0's weights, masters, moments and
+    buffers are what its TrainStep allocates; the gathered weights are every trained weight whole,
+    or with recompute the largest layer's plus the lm_head's."""
+    from dataclasses import replace
+
+    from mspretrain.config import resolve_model
+    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.ops.plan import format_plan, make_plan
+    from mspretrain.train.step import TrainStep
+
+    world_of(0, 2)
+    model_cfg = resolve_model(tiny_cfg.model, vocab_size=512)
+    gb = tiny_cfg.train.global_batch
+    cfg = replace(tiny_cfg, model=model_cfg, precision=replace(tiny_cfg.precision, dtype=dtype, param_dtype=param_dtype),
+                  optim=replace(tiny_cfg.optim, shard_parameters=True),
+                  train=replace(tiny_cfg.train, micro_batch=gb // 2 // accumulation, recompute=recompute))
+    model = Llama(model_cfg, dtype=dtype, seed=0)
+    whole = {p.name: int(np.prod(p.shape)) * (2 if p.name in half_eligible(model) and param_dtype == "compute" else 4)
+             for p in model.trainable_params()}
+    half = half_eligible(model) if param_dtype == "compute" else []
+    step = TrainStep(model, cfg.optim, global_tokens=gb * cfg.data.seq_len, world=2, rank=0, half_params=half,
+                     accumulation=accumulation, shard_params=True, jit=False)
+    assert step.zero3
+    plan = make_plan(cfg, devices=2, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)
+    have = step.buffer_bytes()
+    for kind in ("weights", "master_weights", "adam_moments", "gradients"):
+        assert plan["memory_bytes"][kind] == have[kind], kind
+    assert have["weights"] < 0.51 * sum(whole.values())  # about half of the whole model on each of 2 ranks
+    layer0 = sum(b for n, b in whole.items() if n.startswith("layers.0."))
+    want = layer0 + whole["lm_head.weight"] if recompute else sum(whole.values())
+    assert plan["memory_bytes"]["gathered_weights"] == want
+    assert plan["shard_parameters"] and "ZeRO-3" in format_plan(plan)
+    # a gather and a reduce-scatter per weight and micro-batch, each the whole weight in its storage dtype
+    assert plan["collectives_per_step"] == step.collectives(accumulation) == {
+        "calls": 2 * 15 * accumulation, "bytes": 2 * accumulation * sum(whole.values())}
+
+
+# ---- 2 msrun ranks against one process
+
+ZERO3 = ("optim.shard_parameters=true",)
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, tiny_data) -> Path:
+    """ZeRO-3 on 2 msrun workers, 2 micro-batches each (a gather per weight in every forward, a
+    reduce-scatter per weight in every backward), the reference run's config otherwise. Read-only."""
+    tmp = tmp_path_factory.mktemp("zero3")
+    run = tmp / "zero3"
+    _msrun(tmp, tiny_data, run, *ZERO3, "train.micro_batch=1")
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_sharded_parameters_match_one_process_and_resume_at_world_1(tmp_path, tiny_data, reference_run, zero3_run):
+    """Losses, grad norms, the final model and optimizer files and identical (gathered) replicas
+    against one process; every parameter's state is split into the two ranks' slices; one process
+    resumes the ZeRO-3 step-5 checkpoint and keeps the unbroken run's numbers."""
+    from safetensors.numpy import load_file
+
+    two = zero3_run
+    assert "weights, optimizer state and gradients sharded over 2 ranks" in (two / "train.log").read_text()
+    shards = sorted(_step_dir(two, FINAL).glob("optimizer-*.safetensors"))
+    keys = [set(load_file(str(s))) for s in shards]
+    assert len(shards) == 2
+    for name in ("embed.weight", "layers.0.attn_norm.weight", "lm_head.weight"):
+        n = {"embed.weight": 32768, "layers.0.attn_norm.weight": 64, "lm_head.weight": 32768}[name]
+        assert f"exp_avg.{name}@0:{n // 2}" in keys[0] and f"exp_avg.{name}@{n // 2}:{n}" in keys[1]
+    assert not {k for k in keys[0] & keys[1] if k != "opt_step"}
+    resumed = _assert_two_ranks_equal_one_process(two, reference_run, tiny_data, tmp_path)
+    for step in range(6, FINAL + 1):
+        assert_same_checkpoint(_step_dir(resumed, step), _step_dir(reference_run, step), 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+@pytest.mark.parametrize("source, layout", [("zero3", ("optim.shard_gradients=true",)),
+                                            ("one", (*ZERO3, "train.recompute=true"))])
+def test_resume_across_layouts(tmp_path, tiny_data, reference_run, zero3_run, source, layout):
+    """ZeRO-3 (2 ranks, step 5) resumed by ZeRO-2 on 2 ranks, and one process's step 5 resumed by
+    ZeRO-3 on 2 ranks without accumulation (the fused step) and with layer recompute (the backward
+    gathers each layer's weights again): the unbroken one-process run's losses, grad norms and
+    checkpoints to the end."""
+    src = zero3_run if source == "zero3" else reference_run
+    run = copy_run_at(src, tmp_path / f"from-{source}", 5)
+    _msrun(tmp_path, tiny_data, run, *layout)
+    assert "resumed from step_000005" in (run / "train.log").read_text()
+    one, got = _metrics(reference_run), _metrics(run)
+    one_gn, got_gn = _grad_norms(reference_run), _grad_norms(run)
+    assert sorted(got) == STEPS
+    for step in range(6, FINAL + 1):
+        assert abs(got[step] - one[step]) <= 1e-5, (step, one[step], got[step])
+        assert got_gn[step] == pytest.approx(one_gn[step], rel=1e-5)
+        assert_same_checkpoint(_step_dir(run, step), _step_dir(reference_run, step), 1e-5)
+
+
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_sharded_parameters_with_fp16_matrices_and_fp32_master_slices(tmp_path, tiny_data, one_fp16):
+    """fp16 compute, fp16 matrices (gathered and reduce-scattered in fp16) with fp32 master slices,
+    ZeRO-3 on 2 workers against the same config on one process (test_zero2's fp16 tolerances:
+    the ranks sum in another order and fp16 weights may round the other way)."""
+    from safetensors.numpy import load_file
+
+    two = tmp_path / "zero3-fp16"
+    _msrun(tmp_path, tiny_data, two, *FP16_MASTERS, *ZERO3)
+    _fp16_run_equals_one_process(two, one_fp16)
+    keys = set().union(*(load_file(str(s)).keys() for s in _step_dir(two, FINAL).glob("optimizer-*.safetensors")))
+    assert "master.layers.0.mlp.w13.weight@0:12288" in keys and "master.layers.0.mlp.w13.weight@12288:24576" in keys
+    assert not any(k.startswith("master.lm_head") for k in keys)  # an fp32 slice is its own master
