@@ -14,7 +14,6 @@ import pytest
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
 
-
 BLOCK = 1 << 20  # the scheme's block: a constant of the documented scheme, written here on its own
 
 
