@@ -34,7 +34,7 @@ Design choices (and the trade-off taken):
   untied); block b of INIT_BLOCK = 2^20 values of weight k's row-major flattening is
   `Generator(PCG64(SeedSequence(seed, spawn_key=(k, b)))).standard_normal(n_b, dtype=float32)`
   times float32(std), the last block shorter. Blocks are drawn by a thread pool; the weights are
-  bit-identical whatever the thread count, on every rank and machine.
+  bit-identical whatever the thread count, and on every rank.
 - Families (issue 31), each a switch in ModelConfig read from the HF config by model/hf.py, with
   transformers' numerics: q/k/v bias (Qwen2: `wqkv.bias`, zeros at init, never on o); QK-norm
   (Qwen3: an RMSNorm over head_dim on q and on k, before RoPE); an explicit head_dim (Qwen3);
@@ -169,7 +169,7 @@ _init_device: list[str | None] = [None]
 
 # Values per random stream in the weight draw (issue 38, item 2): a constant of the scheme, never
 # derived from the thread count or the machine, so the weights are the same wherever they are
-# drawn. 2^20 values (4 MB of float32) is ~9 ms of drawing per stream against ~20 us to seed one,
+# drawn. 2^20 values (4 MB of float32) is ~9 ms of drawing per stream against ~25 us to seed one,
 # and Qwen2.5-7B's largest weight still splits into 520 pieces for the threads to share.
 INIT_BLOCK = 1 << 20
 INIT_THREADS_CAP = 32
@@ -178,8 +178,8 @@ INIT_THREADS_CAP = 32
 def init_threads() -> int:
     """Threads that draw the weights: `$MSPRETRAIN_INIT_THREADS` if set, else the cores this process
     may run on (`os.sched_getaffinity`: a rank that msrun or taskset binds to its share of the host
-    gets that share; an unbound rank sees every core, and 8 of them at once oversubscribe a node by
-    at most the cap), at most INIT_THREADS_CAP. Only the speed depends on it, never a value."""
+    gets that share; an unbound rank sees every core, so 8 unbound ranks run up to 8 x 32 threads
+    at once), at most INIT_THREADS_CAP. Only the speed depends on it, never a value."""
     env = os.environ.get("MSPRETRAIN_INIT_THREADS", "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
@@ -198,8 +198,9 @@ class InitStreams:
     `SeedSequence(seed, spawn_key=(k, b))` (the same stream as `SeedSequence(seed).spawn(k + 1)[k]
     .spawn(b + 1)[b]`): `standard_normal(n_b, dtype=float32) * float32(std)`. No stream depends on
     another, so the blocks are drawn by `threads` threads (numpy's fill methods release the GIL)
-    into one preallocated array, and the result is bit-identical for any thread count, on every
-    rank and every machine (numpy's float32 ziggurat and PCG64 are pure integer/IEEE arithmetic)."""
+    into one preallocated array, and the result is bit-identical for any thread count and on every
+    rank. (Across CPU architectures it is as identical as numpy's float32 ziggurat is: its rare
+    tail and wedge paths call the C library's expf/log1pf.)"""
 
     def __init__(self, seed: int, threads: int | None = None) -> None:
         self.seed = int(seed)
