@@ -37,12 +37,16 @@ term", about 5.5 bytes per parameter), which is the step's device memory, not in
 per source tree (this one and --before), on this CPU box: `get_current_device` says Ascend and
 `Tensor.to("Ascend")` becomes `to("CPU")`, a real copy into a new buffer as the host-to-device copy
 is. Per tree: ns per parameter for the whole build and for the build with the draw replaced by
-`np.ones` (what the tree adds to numpy's draw, which no tree changes), how many weights
-`Parameter.__new__` rebuilt through `asnumpy()` (its rc != 4 branch, mindspore/common/parameter.py
-l.377-394), and the 7B x 8-rank extrapolation, (bare draw + the tree's rest) x parameters:
+`np.ones` (what the tree adds to the draw), how many weights `Parameter.__new__` rebuilt through
+`asnumpy()` (its rc != 4 branch, mindspore/common/parameter.py l.377-394), and the 7B x 8-rank
+extrapolation, (draw + the tree's rest) x parameters. A tree with `InitStreams` (the parallel,
+counter-based draw) is built once per `--threads` count (MSPRETRAIN_INIT_THREADS), and its draw
+alone is timed at each count too (the ratio is the draw's speed-up on this box); the 7B line
+divides the one-thread draw by `--cores-per-rank` (an assumed host, linear scaling assumed):
 
     git archive HEAD~1 mspretrain | tar -x -C /tmp/before     # the tree before the change
     nice python benchmarks/startup_bench.py --init --before /tmp/before --dim 1024 --layers 8
+    python benchmarks/startup_bench.py --init --before /tmp/before --dim 1024 --layers 8 --threads 1,2
 """
 from __future__ import annotations
 
@@ -261,7 +265,9 @@ P.Parameter._get_parameter_new_args = staticmethod(counted)
 class _Ones:  # everything but the draw: arrays written once (their pages touched), no random numbers
     def standard_normal(self, shape, dtype):
         return np.ones(shape, dtype)
-if not draw:
+if not draw and hasattr(llama, "InitStreams"):  # the counter-based draw (issue 38)
+    llama.InitStreams.draw = lambda self, shape, std: np.ones(shape, np.float32)
+elif not draw:
     llama.np.random.default_rng = lambda seed: _Ones()  # numpy's module: this process only
 cfg = resolve_model(ModelConfig(dim=dim, n_layers=layers, n_heads=dim // 64), vocab_size=vocab)
 params = param_count(cfg)
@@ -270,51 +276,123 @@ t = time.perf_counter()
 model = llama.Llama(cfg, dtype="fp16", device="ascend", seed=0)
 build = time.perf_counter() - t
 print(json.dumps({"params": params, "ns_per_param": build / params * 1e9, "host_copies": len(copies),
-                  "copied_params": sum(copies)}))
+                  "copied_params": sum(copies),
+                  "threads": llama.init_threads() if hasattr(llama, "init_threads") else 1}))
 """
 
 
 def _bare_draw_ns() -> float:
-    """numpy's float32 ziggurat alone, ns per value (the part of the build no tree changes)."""
+    """numpy's float32 ziggurat on one PCG64 stream, ns per value (the draw before issue 38)."""
     rng, n = np.random.default_rng(0), 1 << 24
     t = time.perf_counter()
     rng.standard_normal(n, dtype=np.float32)
     return (time.perf_counter() - t) / n * 1e9
 
 
-def init_bench(trees: dict[str, Path], dim: int, layers: int, vocab: int, repeat: int) -> None:
-    """Issue 38, item 2: the model build on the (simulated) Ascend path, per source tree: the whole
-    build, and the build with the draw replaced by np.ones (what the tree costs on top of numpy)."""
+def _streams_draw_ns(threads: int) -> float | None:
+    """This tree's counter-based draw (model/llama.py InitStreams) of 2^25 values with `threads`
+    threads, ns per value (a fresh array, as a weight's: its pages are touched too), or None
+    when the tree has no InitStreams."""
+    from mspretrain.model import llama
+
+    if not hasattr(llama, "InitStreams"):
+        return None
+    n = 1 << 25
+    t = time.perf_counter()
+    llama.InitStreams(0, threads=threads).draw((n,), 0.02)
+    return (time.perf_counter() - t) / n * 1e9
+
+
+def _gil_check() -> tuple[float, float]:
+    """Whether the draw releases the GIL, independently of free cores: a pure-Python loop's rate in
+    the main thread (iterations/s) while another thread runs one 2^26-value `standard_normal(out=,
+    dtype=float32)` fill, and while it runs a pure-Python sum (which holds the GIL but for the
+    interpreter's 5 ms switches). A fill that released nothing would leave the loop as starved."""
+    import threading
+
+    out = np.empty(1 << 26, np.float32)
+
+    def fill() -> None:
+        np.random.Generator(np.random.PCG64(np.random.SeedSequence(0, spawn_key=(0, 0)))).standard_normal(
+            out=out, dtype=np.float32)
+
+    rates = []
+    for fn in (fill, lambda: sum(range(30_000_000))):
+        t, n = threading.Thread(target=fn), 0
+        t0 = time.perf_counter()
+        t.start()
+        while t.is_alive():
+            n += 1
+        rates.append(n / (time.perf_counter() - t0))
+    return rates[0], rates[1]
+
+
+def init_bench(trees: dict[str, Path], dim: int, layers: int, vocab: int, repeat: int, threads: list[int],
+               cores_per_rank: int) -> None:
+    """Issue 38, item 2: the model build on the (simulated) Ascend path, per source tree (and per
+    thread count where the tree draws in parallel): the whole build, and the build with the draw
+    replaced by np.ones (what the tree costs on top of the draw)."""
     from mspretrain.model.presets import param_count, preset
 
-    best: dict[tuple[str, str], dict] = {}
-    draws = []
+    parallel = {name: (tree / "mspretrain" / "model" / "llama.py").read_text().count("class InitStreams") > 0
+                for name, tree in trees.items()}
+    runs = [(name, mode, t) for name in trees for mode, t in
+            ([("draw", t) for t in threads] + [("ones", threads[0])] if parallel[name] else [("draw", 1), ("ones", 1)])]
+    best: dict[tuple[str, str, int], dict] = {}
+    draws: list[float] = []
+    streams: dict[int, list[float]] = {t: [] for t in threads}
     for _ in range(repeat):  # alternated, the fastest of each kept: the box is shared, its noise is one-sided
-        for name, tree in trees.items():
-            for mode in ("draw", "ones"):
-                env = {**os.environ, "PYTHONPATH": str(tree), "GLOG_v": "3"}
-                out = subprocess.run([sys.executable, "-c", INIT_PROBE, str(dim), str(layers), str(vocab), mode],
-                                     env=env, cwd=tree, capture_output=True, text=True, check=True).stdout
-                r = json.loads(out.strip().splitlines()[-1])
-                if (name, mode) not in best or r["ns_per_param"] < best[name, mode]["ns_per_param"]:
-                    best[name, mode] = r
-                draws.append(_bare_draw_ns())
+        for name, mode, t in runs:
+            env = {**os.environ, "PYTHONPATH": str(trees[name]), "GLOG_v": "3", "MSPRETRAIN_INIT_THREADS": str(t)}
+            out = subprocess.run([sys.executable, "-c", INIT_PROBE, str(dim), str(layers), str(vocab), mode],
+                                 env=env, cwd=trees[name], capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            if (name, mode, t) not in best or r["ns_per_param"] < best[name, mode, t]["ns_per_param"]:
+                best[name, mode, t] = r
+        draws.append(_bare_draw_ns())
+        for t in threads:
+            ns = _streams_draw_ns(t)
+            if ns is not None:
+                streams[t].append(ns)
     draw = min(draws)
-    print(f"bare numpy draw (float32 ziggurat, PCG64): {draw:.1f} ns per value (fastest of {len(draws)})")
+    print(f"bare numpy draw, one PCG64 stream (float32 ziggurat, the draw before issue 38): {draw:.1f} ns per value "
+          f"(fastest of {len(draws)})")
+    sdraw = {t: min(v) for t, v in streams.items() if v}
+    for t, ns in sdraw.items():
+        print(f"counter-based draw (InitStreams, 2^20-value blocks), {t} thread(s): {ns:.2f} ns per value"
+              + (f", {sdraw[threads[0]] / ns:.2f}x the {threads[0]}-thread rate" if t != threads[0] else ""))
+    if sdraw:
+        fill, held = _gil_check()
+        print(f"GIL: a pure-Python loop in the main thread runs {fill:,.0f} iterations/s while another thread fills "
+              f"2^26 normals, {held:,.0f}/s while it runs Python code ({fill / held:.0f}x): the fill releases the GIL")
     rest = {}
-    for name in trees:
-        whole, ones = best[name, "draw"], best[name, "ones"]
+    for name, mode, t in runs:
+        if mode != "draw":
+            continue
+        whole, ones = best[name, "draw", t], best[name, "ones", threads[0] if parallel[name] else 1]
         rest[name] = ones["ns_per_param"]
-        print(f"{name:<7} {whole['params'] / 1e6:.0f} M parameters: whole build {whole['ns_per_param']:.1f} ns per "
+        label = f"{name} ({t} thread{'s' if t > 1 else ''})" if parallel[name] else name
+        print(f"{label:<17} {whole['params'] / 1e6:.0f} M parameters: whole build {whole['ns_per_param']:.1f} ns per "
               f"parameter; without the draw {ones['ns_per_param']:.1f} ns (fastest of {repeat} each); weights rebuilt "
               f"from a host copy by Parameter.__new__: {whole['host_copies']} ({whole['copied_params'] / 1e6:.0f} M "
               f"parameters)", flush=True)
+        if parallel[name] and t != threads[0]:
+            print(f"{'':<17} whole build, {threads[0]} / {t} threads: "
+                  f"{best[name, 'draw', threads[0]]['ns_per_param'] / whole['ns_per_param']:.2f}x")
     for model in ("llama2-7b", "qwen2.5-7b"):
         p7 = param_count(preset(model))
-        cells = ", ".join(f"{name} ({draw:.1f} + {ns:.1f}) ns x {p7 / 1e9:.2f} B = {(draw + ns) * p7 / 1e9:.0f} s"
-                          for name, ns in rest.items())
-        print(f"{model}, 8 ranks, each drawing the whole model at once on its own core (no rank waits for "
-              f"another): per rank and node wall time {cells}")
+        cells = []
+        for name, ns in rest.items():
+            if parallel[name] and threads[0] in sdraw:
+                eff = min(cores_per_rank, 32)
+                one = sdraw[threads[0]] * threads[0]  # one thread's ns per value
+                cells.append(f"{name} ({one:.1f} / {eff} + {ns:.1f}) ns x {p7 / 1e9:.2f} B = "
+                             f"{(one / eff + ns) * p7 / 1e9:.0f} s (assuming {cores_per_rank} host cores per rank "
+                             f"and a linear speed-up)")
+            else:
+                cells.append(f"{name} ({draw:.1f} + {ns:.1f}) ns x {p7 / 1e9:.2f} B = {(draw + ns) * p7 / 1e9:.0f} s")
+        print(f"{model}, 8 ranks, each drawing the whole model at once (no rank waits for another): per rank and "
+              f"node wall time {'; '.join(cells)}")
 
 
 def main() -> None:
@@ -333,10 +411,14 @@ def main() -> None:
     ap.add_argument("--init", action="store_true", help="time only the model build on the simulated Ascend path")
     ap.add_argument("--vocab", type=int, default=32000, help="--init: vocabulary size")
     ap.add_argument("--repeat", type=int, default=3, help="--init: builds per tree, alternated; the fastest is kept")
+    ap.add_argument("--threads", default="1,2", help="--init: draw threads to time the parallel draw at (comma-separated)")
+    ap.add_argument("--cores-per-rank", type=int, default=24,
+                    help="--init: host cores per rank assumed for the 7B line (default 24: 192 cores / 8 ranks)")
     args = ap.parse_args()
     if args.init:
         trees = {"before": Path(args.before), "after": ROOT} if Path(args.before).exists() else {"after": ROOT}
-        init_bench(trees, args.dim, args.layers, args.vocab, args.repeat)
+        init_bench(trees, args.dim, args.layers, args.vocab, args.repeat,
+                   [int(t) for t in args.threads.split(",")], args.cores_per_rank)
         return
     MIN_AVAILABLE[0] = int(args.min_available_gib * GiB)
     from mspretrain.config import ModelConfig, resolve_model
@@ -397,12 +479,11 @@ def main() -> None:
     print(f"7B x 8 ranks, largest-id check at 120 B uint16 tokens ({data7:.0f} GiB): before 9 x {data7:.0f} GiB read "
           f"(8 ranks + the scheduler) before init, {data7 * GiB / 3e9:.0f} s each at 3 GB/s (this box's page-cache rate, "
           f"data/manifest.py), 9 x from one disk at once; after 0 (recorded at prepare), or 1 x on rank 0 for an old data dir")
-    rng, t = np.random.default_rng(0), time.perf_counter()
-    rng.standard_normal(1 << 24, dtype=np.float32)
-    ns = (time.perf_counter() - t) / (1 << 24) * 1e9
-    print(f"7B x 8 ranks, drawing the weights: {ns:.0f} ns per value here (single-threaded numpy, the same before and "
-          f"after: every rank still draws every weight so they stay bit-identical) = {p7 * ns / 1e9:.0f} s per rank for "
-          f"{p7 / 1e9:.2f} B parameters; {params * ns / 1e9:.0f} s of this run's init time for {params / 1e9:.2f} B")
+    ns = _bare_draw_ns()
+    print(f"7B x 8 ranks, drawing the weights: {ns:.0f} ns per value here on one thread (every rank draws every "
+          f"weight so they stay bit-identical; issue 38 splits each rank's draw over its cores: see --init) = "
+          f"{p7 * ns / 1e9:.0f} s per rank for {p7 / 1e9:.2f} B parameters on one thread; {params * ns / 1e9:.0f} s of "
+          f"this run's init time for {params / 1e9:.2f} B on one thread")
 
 
 if __name__ == "__main__":

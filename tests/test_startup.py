@@ -1,5 +1,6 @@
 """Issue 30, item 5: a 7B job reaches its first step quickly. Initialisation streams each weight to
-the device on Ascend with the same numbers as before; the largest token id per shard is recorded at
+the device on Ascend with the same numbers as on CPU, drawn by threads from per-block streams of
+the seed (issue 38, item 2); the largest token id per shard is recorded at
 prepare time and checked instead of rescanned; old data dirs are scanned on rank 0 alone; msrun
 gets an explicit cluster timeout."""
 from __future__ import annotations
@@ -13,13 +14,27 @@ import pytest
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
 
+BLOCK = 1 << 20  # the scheme's block: a constant of the documented scheme, written here on its own
+
+
+def _reference_draw(seed: int, k: int, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Weight k as the model docstring specifies it, written independently of InitStreams: block b of
+    2^20 values of the row-major flattening from the stream SeedSequence(seed)'s (k+1)-th child's
+    (b+1)-th child (= spawn_key (k, b)), one block after another on one thread, then reshaped."""
+    n = int(np.prod(shape))
+    nblocks = max(1, -(-n // BLOCK))
+    children = np.random.SeedSequence(seed).spawn(k + 1)[k].spawn(nblocks)
+    parts = [np.random.default_rng(children[b]).standard_normal(min(BLOCK, n - b * BLOCK), dtype=np.float32)
+             for b in range(nblocks)]
+    return (np.concatenate(parts) * np.float32(std)).reshape(shape)
+
 
 def _reference_weights(m, seed: int) -> dict[str, np.ndarray]:
     """The initialisation as specified (model/llama.py docstring), drawn independently: normal(0,
-    init_std) in creation order (embedding; per layer wqkv, wo, w13, w2; lm_head), the residual
-    projections scaled by 1/sqrt(2 n_layers); norms at one."""
-    rng = np.random.default_rng(seed)
-    draw = lambda shape, std: rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    init_std), weight k in creation order (embedding; per layer wqkv, wo, w13, w2; lm_head) from its
+    own streams, the residual projections scaled by 1/sqrt(2 n_layers); norms at one."""
+    count = iter(range(1 << 30))
+    draw = lambda shape, std: _reference_draw(seed, next(count), shape, std)
     hd = m.dim // m.n_heads
     out_std = m.init_std / np.sqrt(2 * m.n_layers)
     w = {"embed.weight": draw((m.vocab_size, m.dim), m.init_std)}
@@ -34,6 +49,51 @@ def _reference_weights(m, seed: int) -> dict[str, np.ndarray]:
     if not m.tie_embeddings:
         w["lm_head.weight"] = draw((m.vocab_size, m.dim), m.init_std)
     return w
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_draw_is_the_documented_streams_whatever_the_thread_count(threads, monkeypatch):
+    """Issue 38, item 2: weights larger than one block (a remainder too) are drawn block by block by
+    a thread pool; 1 and 3 threads give the reference's bits (the same for every thread count), a
+    later weight gets other streams, and a zero-size weight draws nothing. The default thread count
+    follows the process's cores (capped) unless MSPRETRAIN_INIT_THREADS says otherwise."""
+    from mspretrain.model import llama
+
+    assert llama.INIT_BLOCK == BLOCK
+    shape, std = (3, BLOCK + 12_345), 0.02  # 3.04 blocks' worth: 4 streams, the last one short
+    streams = llama.InitStreams(11, threads=threads)
+    first = streams.draw((5, 7), 0.5)
+    big = streams.draw(shape, std)
+    empty = streams.draw((0, 4), std)
+    assert np.array_equal(first, _reference_draw(11, 0, (5, 7), 0.5))
+    assert big.dtype == np.float32 and big.flags.c_contiguous
+    assert np.array_equal(big, _reference_draw(11, 1, shape, std))
+    assert empty.shape == (0, 4) and streams.count == 3
+    assert not np.array_equal(big.reshape(-1)[:35], _reference_draw(11, 0, (35,), std))
+    monkeypatch.setenv("MSPRETRAIN_INIT_THREADS", str(threads))
+    assert llama.InitStreams(0).threads == threads
+    monkeypatch.delenv("MSPRETRAIN_INIT_THREADS")
+    monkeypatch.setattr(llama.os, "sched_getaffinity", lambda pid: set(range(192)))
+    assert llama.init_threads() == llama.INIT_THREADS_CAP == 32
+    monkeypatch.setattr(llama.os, "sched_getaffinity", lambda pid: {5})
+    assert llama.init_threads() == 1
+
+
+def test_a_model_is_the_same_whatever_the_thread_count(tiny_cfg, monkeypatch):
+    """The whole model, with blocks shrunk to 1,000 values so that every tiny weight has several:
+    1 and 3 threads give the same bits (the block, not the threads, fixes the streams)."""
+    from mspretrain.model import llama
+
+    m = cfgmod.resolve_model(tiny_cfg.model, 512)
+    monkeypatch.setattr(llama, "INIT_BLOCK", 1000)
+    built = {}
+    for threads in (1, 3):
+        monkeypatch.setenv("MSPRETRAIN_INIT_THREADS", str(threads))
+        built[threads] = llama.state_numpy(llama.Llama(m, seed=3, device="cpu"))
+    assert all(np.array_equal(built[1][k], built[3][k]) for k in built[1])
+    monkeypatch.setenv("MSPRETRAIN_INIT_THREADS", "0")
+    with pytest.raises(UserError, match="MSPRETRAIN_INIT_THREADS"):
+        llama.Llama(m, seed=3, device="cpu")
 
 
 def test_weights_are_bit_identical_and_streamed_to_the_device_on_ascend(tiny_cfg, monkeypatch):

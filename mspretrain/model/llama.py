@@ -28,7 +28,13 @@ Design choices (and the trade-off taken):
   spread to full rows by an outer-product GEMM (`spread`). Both are exact: the numbers are
   bit-identical to the broadcasting form.
 - Initialisation is Llama's, explicit and seeded: normal(0, init_std) for embedding and linear
-  weights, the residual projections (wo, w2) scaled by 1/sqrt(2 * n_layers), norms at one.
+  weights, the residual projections (wo, w2) scaled by 1/sqrt(2 * n_layers), norms at one, q/k/v
+  biases at zero. The numbers (issue 38, counter-based, `InitStreams`): the drawn weights are
+  numbered k = 0, 1, ... in creation order (embedding; per layer wqkv, wo, w13, w2; lm_head if
+  untied); block b of INIT_BLOCK = 2^20 values of weight k's row-major flattening is
+  `Generator(PCG64(SeedSequence(seed, spawn_key=(k, b)))).standard_normal(n_b, dtype=float32)`
+  times float32(std), the last block shorter. Blocks are drawn by a thread pool; the weights are
+  bit-identical whatever the thread count, and on every rank.
 - Families (issue 31), each a switch in ModelConfig read from the HF config by model/hf.py, with
   transformers' numerics: q/k/v bias (Qwen2: `wqkv.bias`, zeros at init, never on o); QK-norm
   (Qwen3: an RMSNorm over head_dim on q and on k, before RoPE); an explicit head_dim (Qwen3);
@@ -41,6 +47,8 @@ Design choices (and the trade-off taken):
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import mindspore as ms
 import numpy as np
@@ -156,20 +164,77 @@ class RMSNormFn(nn.Cell):
 # MindSpore device name. On Ascend each weight goes into device memory as soon as it is drawn, so a
 # rank's host holds one parameter at a time, not the fp32 model (27 GB for 7B, 216 GB for 8 ranks).
 # `Tensor.to(device)` is 2.10's API for it (mindspore/common/tensor.py documents `to("Ascend")`;
-# `move_to` is deprecated there). The numbers are drawn on the host exactly as before, in the same
-# order from the same generator, so the weights are bit-identical on every device.
+# `move_to` is deprecated there). The numbers are drawn on the host, the same on every device.
 _init_device: list[str | None] = [None]
 
+# Values per random stream in the weight draw (issue 38, item 2): a constant of the scheme, never
+# derived from the thread count or the machine, so the weights are the same wherever they are
+# drawn. 2^20 values (4 MB of float32) is ~9 ms of drawing per stream against ~25 us to seed one,
+# and Qwen2.5-7B's largest weight still splits into 520 pieces for the threads to share.
+INIT_BLOCK = 1 << 20
+INIT_THREADS_CAP = 32
 
-def _draw(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Tensor:
-    """normal(0, std) float32 of `shape`, as a Tensor on `_init_device[0]` (host memory if None).
 
-    The values are exactly `rng.standard_normal(shape, dtype=float32) * float32(std)`, one array from
-    the one PCG64 stream, in creation order: the stream is consumed by a rejection sampler (numpy's
-    ziggurat), so the k-th weight's numbers depend on every draw before it and cannot be split
-    across threads or ranks without changing them (docs/operators.md, start-up)."""
-    x = rng.standard_normal(shape, dtype=np.float32)
-    x *= np.float32(std)  # in place: the same float32 products as `x * std`, without a second array
+def init_threads() -> int:
+    """Threads that draw the weights: `$MSPRETRAIN_INIT_THREADS` if set, else the cores this process
+    may run on (`os.sched_getaffinity`: a rank that msrun or taskset binds to its share of the host
+    gets that share; an unbound rank sees every core, so 8 unbound ranks run up to 8 x 32 threads
+    at once), at most INIT_THREADS_CAP. Only the speed depends on it, never a value."""
+    env = os.environ.get("MSPRETRAIN_INIT_THREADS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise UserError(f"MSPRETRAIN_INIT_THREADS={env!r} is not a positive integer",
+                            "unset it (the process's cores, at most 32, are used) or set e.g. MSPRETRAIN_INIT_THREADS=8")
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, INIT_THREADS_CAP))
+
+
+class InitStreams:
+    """The random streams of one model's initialisation, all from the run seed (counter-based).
+
+    Weight k (0, 1, ... in creation order) is drawn in blocks of INIT_BLOCK values of its row-major
+    flattening; block b comes from its own stream, PCG64 seeded by
+    `SeedSequence(seed, spawn_key=(k, b))` (the same stream as `SeedSequence(seed).spawn(k + 1)[k]
+    .spawn(b + 1)[b]`): `standard_normal(n_b, dtype=float32) * float32(std)`. No stream depends on
+    another, so the blocks are drawn by `threads` threads (numpy's fill methods release the GIL)
+    into one preallocated array, and the result is bit-identical for any thread count and on every
+    rank. (Across CPU architectures it is as identical as numpy's float32 ziggurat is: its rare
+    tail and wedge paths call the C library's expf/log1pf.)"""
+
+    def __init__(self, seed: int, threads: int | None = None) -> None:
+        self.seed = int(seed)
+        self.threads = threads if threads is not None else init_threads()
+        self.count = 0  # weights drawn so far: the next weight's index k
+
+    def draw(self, shape: tuple[int, ...], std: float) -> np.ndarray:
+        """The next weight: normal(0, std) float32 of `shape`, as specified in the class docstring."""
+        k, self.count = self.count, self.count + 1
+        x = np.empty(shape, np.float32)
+        flat = x.reshape(-1)  # a view: C-contiguous, so every block is a contiguous slice
+        scale = np.float32(std)
+
+        def block(b: int) -> None:
+            piece = flat[b * INIT_BLOCK:(b + 1) * INIT_BLOCK]
+            gen = np.random.Generator(np.random.PCG64(np.random.SeedSequence(self.seed, spawn_key=(k, b))))
+            gen.standard_normal(out=piece, dtype=np.float32)
+            piece *= scale  # in place: the same float32 products as `piece * std`
+
+        blocks = range(-(-flat.size // INIT_BLOCK))
+        if self.threads == 1 or len(blocks) <= 1:
+            for b in blocks:
+                block(b)
+        else:
+            with ThreadPoolExecutor(min(self.threads, len(blocks))) as pool:
+                list(pool.map(block, blocks))  # list(): re-raises a block's exception here
+        return x
+
+
+def _draw(streams: InitStreams, shape: tuple[int, ...], std: float) -> Tensor:
+    """normal(0, std) float32 of `shape`, the next weight of `streams` (InitStreams: the streams of
+    the run seed, drawn in parallel, docs/operators.md start-up), as a Tensor on `_init_device[0]`
+    (host memory if None)."""
+    x = streams.draw(shape, std)
     if _init_device[0] is None:
         return Tensor(x)
     # ms.from_numpy (ops/function/array_func.py; `Tensor.from_numpy` is the deprecated spelling) shares
@@ -178,7 +243,7 @@ def _draw(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Tenso
     return ms.from_numpy(x).to(_init_device[0])
 
 
-def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Parameter:
+def _normal(streams: InitStreams, shape: tuple[int, ...], std: float) -> Parameter:
     # The drawn tensor is passed as a temporary and the name positionally, on purpose. MindSpore
     # 2.10's Parameter.__new__ (mindspore/common/parameter.py l.257-273) takes
     # rc = sys.getrefcount(default_input), and `_get_parameter_new_args` (l.377-394) wraps the tensor
@@ -190,7 +255,7 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> Par
     # `t = ...; Parameter(t, name="weight")` gave 6 (the probe's number), and so does any caller
     # that keeps a reference. The count is the interpreter's, not an API:
     # tests/test_startup.py checks the Parameter holds the very buffer `Tensor.to` returned.
-    return Parameter(_draw(rng, shape, std), "weight")
+    return Parameter(_draw(streams, shape, std), "weight")
 
 
 class Linear(nn.Cell):
@@ -440,7 +505,7 @@ class Llama(nn.Cell):
 
     `positions` (B, T) restart RoPE at document starts; `segments` (B, T) (document id per token) keep
     attention inside a document. `dtype` is the compute dtype, `attention` auto|math|flash, `device`
-    cpu|ascend (picks the kernel), `seed` the initialisation (numpy PCG64, independent of MindSpore).
+    cpu|ascend (picks the kernel), `seed` the initialisation (numpy PCG64 streams, `InitStreams`, independent of MindSpore).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype: str = "fp32", attention: str = "auto", device: str = "cpu",
@@ -461,7 +526,7 @@ class Llama(nn.Cell):
         # One compressed causal mask for all layers (a per-layer copy was 32 x 4 MB for 7B).
         self.flash_causal_mask = (Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
                                   if self.use_flash else None)
-        rng = np.random.default_rng(seed)
+        rng = InitStreams(seed)  # each weight's streams from the seed (see InitStreams); passed down as `rng`
         # see `_normal`; only where this process runs on an NPU (a model built for Ascend on a CPU box,
         # as the tests and `selftest` do, stays in host memory)
         on_npu = use_fused_kernels(device) and ms.get_current_device().device_target == "Ascend"

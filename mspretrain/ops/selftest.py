@@ -645,7 +645,7 @@ def check_layer(ctx: Context) -> Check:
     layer_cfg = cfgmod.resolve_model(replace(m, n_layers=1, max_seq_len=max(m.max_seq_len, seq), vocab_size=m.vocab_size or 1))
     use_flash = select_attention("auto", ctx.target, dtype, layer_cfg.head_size)
     compute = llama.COMPUTE_DTYPES[dtype]
-    block = llama.Block(layer_cfg, np.random.default_rng(0), compute, use_flash)
+    block = llama.Block(layer_cfg, llama.InitStreams(0), compute, use_flash)
     if ctx.cfg.train.recompute:
         block.recompute()
     cos, sin = llama.rope_tables(layer_cfg.head_size, seq, layer_cfg.rope_theta)
