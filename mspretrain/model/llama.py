@@ -262,7 +262,7 @@ class Linear(nn.Cell):
     """y = x @ W^T (+ b); W (out, in) fp32, cast to the compute dtype at use. The bias (Qwen2's q/k/v)
     starts at zero, as transformers' `_init_weights` sets it."""
 
-    def __init__(self, in_dim: int, out_dim: int, std: float, rng: np.random.Generator, dtype: ms.Type,
+    def __init__(self, in_dim: int, out_dim: int, std: float, rng: InitStreams, dtype: ms.Type,
                  bias: bool = False) -> None:
         super().__init__()
         self.out_dim = out_dim
@@ -303,7 +303,7 @@ class Linear(nn.Cell):
 
 
 class Embedding(nn.Cell):
-    def __init__(self, vocab: int, dim: int, std: float, rng: np.random.Generator) -> None:
+    def __init__(self, vocab: int, dim: int, std: float, rng: InitStreams) -> None:
         super().__init__()
         self.weight = _normal(rng, (vocab, dim), std)
         self.gather = None  # ZeRO-3, as in Linear
@@ -351,7 +351,7 @@ def use_fused_kernels(device: str) -> bool:
 
 
 class Attention(nn.Cell):
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, dtype: ms.Type, use_flash: bool) -> None:
+    def __init__(self, cfg: ModelConfig, rng: InitStreams, dtype: ms.Type, use_flash: bool) -> None:
         super().__init__()
         self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
         self.group = cfg.n_heads // cfg.n_kv_heads
@@ -462,7 +462,7 @@ class Attention(nn.Cell):
 class MLP(nn.Cell):
     """SwiGLU: w2(silu(x w1^T) * (x w3^T)), with w1 and w3 fused into w13."""
 
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, dtype: ms.Type) -> None:
+    def __init__(self, cfg: ModelConfig, rng: InitStreams, dtype: ms.Type) -> None:
         super().__init__()
         self.ffn = cfg.ffn_dim
         self.w13 = Linear(cfg.dim, 2 * cfg.ffn_dim, cfg.init_std, rng, dtype)
@@ -474,7 +474,7 @@ class MLP(nn.Cell):
 
 
 class Block(nn.Cell):
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, dtype: ms.Type, use_flash: bool) -> None:
+    def __init__(self, cfg: ModelConfig, rng: InitStreams, dtype: ms.Type, use_flash: bool) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype)
         self.attn = Attention(cfg, rng, dtype, use_flash)
