@@ -53,6 +53,7 @@ SKELETON = {
     "spike": ["spike", "no-such-run", "--step", "1", "--no-replay"],
     "replay": ["replay", "no-such-run", "--from-step", "0", "--steps", "1"],
     "dashboard": ["dashboard", "no-such-run"],
+    "quality": ["quality", "train", "--positive", "no-such-good", "--negative", "no-such-bad", "--out", "no-such.npz"],
 }
 TAIL = {"launch": ["--", "plan"]}
 
