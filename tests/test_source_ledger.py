@@ -37,7 +37,10 @@ def test_two_sources_each_get_their_loss_tokens_and_share(tmp_path, tiny_data, t
     assert abs(recs[12]["source1/share"] - 0.25) <= 1 / (12 * g)  # stride scheduling: within one sample
     for step in (4, 8, 12):
         assert {"source0/loss", "source1/loss"} <= set(recs[step])
-    assert recs[12]["source1/loss"] < recs[12]["source0/loss"]  # the repeated characters are learned first
+    # each source's own loss is tracked and falls (which source falls faster in 12 steps depends on
+    # the initial weights: the repeated characters led with the pre-issue-38 draw, not with this one)
+    for k in (0, 1):
+        assert recs[4][f"source{k}/loss"] > recs[8][f"source{k}/loss"] > recs[12][f"source{k}/loss"], k
 
     # one process sees every row: the per-source losses, weighted by the window's sample counts,
     # are the mean of the window's step losses
