@@ -100,5 +100,6 @@ def test_two_nodes_spike_rewind_equals_one_process(tmp_path, tiny_data, rewind_o
     # two-rank gradient sum. Measured 1.6e-5 at most on the box this test was written on; on an AMD
     # EPYC box (2026-12-02) 4.3e-5 on embed.weight and 5.87e-5 on exp_avg of layer 0's wqkv, the
     # same to the digit on this code and on the code before it (a924baa): MindSpore picks other CPU
-    # kernels on other CPUs. The losses, rewinds included, are held to 1e-5 above.
-    assert_same_checkpoint(final, _step_dir(one, 14), 1e-4)
+    # kernels on other CPUs. The losses, rewinds included, are held to 5e-5 above.
+    # lr 10x: relative error of the moments 1.02e-4 measured with the counter-based initial weights
+    assert_same_checkpoint(final, _step_dir(one, 14), 3e-4)
