@@ -374,6 +374,9 @@ def test_a_source_that_does_not_fit_is_refused_in_one_line(models, raw, scored, 
     p = changed / "p1.txt"
     p.write_text(p.read_text(encoding="utf-8").replace("第", "弟", 3), encoding="utf-8")
     assert "hold no record of the document" in refused(["prepare", str(changed)] + base[2:] + clf, capsys)
+    # raised in a pool worker: its hint survives the trip back (`ScoresMissing.__reduce__`)
+    two = ["prepare", str(changed)] + [a if a != "1" else "2" for a in base[2:]] + clf
+    assert "hint: run prepare without --scores-from" in refused(two, capsys)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
@@ -425,6 +428,18 @@ def test_kill_during_the_scan_resumes_byte_identical(models, raw, tmp_path):
     through = run(raw, tmp_path / "through", *args, through_main=True)  # `--ray`'s path: the records go with the work items
     assert through.returncode == 0, through.stderr
     assert files_of(tmp_path / "through") == files_of(tmp_path / "ref")
+
+
+@pytest.mark.sigkill
+def test_kill_during_a_rethreshold_resumes_byte_identical(models, raw, scored, tmp_path):
+    """Pass 1 looking its scores up in another dir's sidecar (local workers map the file), killed
+    in its middle: the rerun writes the uninterrupted run's bytes."""
+    args = ["--scores-from", str(scored), f"prepare.quality_model={models['clf']}", "prepare.quality_threshold=0.7",
+            f"prepare.lm_model={models['lm']}", "prepare.ppl_quantiles=[0.05, 0.95]"]
+    ref = run(raw, tmp_path / "ref", *args, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"})
+    assert ref.returncode == 0, ref.stderr
+    killed_then_rerun(raw, tmp_path / "data", chosen(points_of(ref), "pass1 chunk"), *args)
+    assert files_of(tmp_path / "data") == files_of(tmp_path / "ref")
 
 
 def test_fraction_values_out_of_range_are_refused_in_one_line(models, tmp_path, capsys):
