@@ -221,7 +221,7 @@ def _check_fractions(c: "PrepareConfig") -> None:
               "e.g. [0, 0.6] keeps the 60 % least perplexing")
     if c.ppl_min > 0 or c.ppl_max > 0:
         _fail("prepare.ppl_quantiles", "and prepare.ppl_min / ppl_max are both given", "keep a band by perplexity or by quantile, not both")
-    if not c.lm_model:
+    if not (c.lm_model or c.lm_reference):
         _fail("prepare.ppl_quantiles", "is set but prepare.lm_model is not", "train one with `mspretrain quality lm REFERENCE... --out lm.npz`")
 
 
@@ -256,6 +256,7 @@ class PrepareConfig(_Section):
     quality_threshold: float = 0.5  # drop documents whose classifier score (P(positive), 0-1) is below this
     quality_top_fraction: float = 0.0  # instead: keep this fraction (0-1] of the classifier's candidates, best first; 0 = off
     lm_model: str = ""  # character n-gram model from `mspretrain quality lm`, for perplexity bands; "" = off
+    lm_reference: tuple = ()  # instead: reference text files/dirs/globs prepare counts that model from (written as lm.npz)
     ppl_min: float = 0.0  # drop documents whose perplexity is below this (0 = no lower bound)
     ppl_max: float = 0.0  # drop documents whose perplexity is above this (0 = no upper bound)
     ppl_quantiles: tuple = ()  # instead: [lo, hi], keep the perplexity band between these quantiles (e.g. [0, 0.6])
@@ -291,7 +292,11 @@ class PrepareConfig(_Section):
         if self.ppl_min > 0 and self.ppl_max > 0 and self.ppl_min >= self.ppl_max:
             _fail("prepare.ppl_min", f"= {self.ppl_min} is not below prepare.ppl_max = {self.ppl_max}", "the band kept is [ppl_min, ppl_max]")
         _check_fractions(self)
-        if (self.ppl_min > 0 or self.ppl_max > 0) and not self.lm_model:
+        if self.lm_model and self.lm_reference:
+            _fail("prepare.lm_reference", "and prepare.lm_model are both given", "name the model file or the reference text, not both")
+        if not all(isinstance(x, str) and x.strip() for x in self.lm_reference):
+            _fail("prepare.lm_reference", "must be a list of file, directory or glob names", 'e.g. prepare.lm_reference = ["baike/"]')
+        if (self.ppl_min > 0 or self.ppl_max > 0) and not (self.lm_model or self.lm_reference):
             _fail("prepare.ppl_max" if self.ppl_max > 0 else "prepare.ppl_min", "is set but prepare.lm_model is not",
                   "train one with `mspretrain quality lm REFERENCE... --out lm.npz` and set prepare.lm_model")
         for name in ("quality_model", "lm_model"):

@@ -430,6 +430,23 @@ def test_kill_during_the_scan_resumes_byte_identical(models, raw, tmp_path):
     assert files_of(tmp_path / "through") == files_of(tmp_path / "ref")
 
 
+def test_prepare_counts_the_perplexity_model_from_named_reference_files(models, raw, tmp_path, capsys):
+    """`prepare.lm_reference`: the model `quality lm` writes for the same files (byte for byte),
+    shipped in the data dir as lm.npz and named there by the manifest, scoring as that model does."""
+    ref = [f"prepare.lm_reference={json.dumps([str(models['pos'])])}", "prepare.ppl_quantiles=[0, 0.6]"]
+    got = prepare_dir(raw, tmp_path / "ref", *ref)
+    want = prepare_dir(raw, tmp_path / "model", f"prepare.lm_model={models['lm']}", "prepare.ppl_quantiles=[0, 0.6]")
+    assert got["lm.npz"] == models["lm"].read_bytes()
+    for name in ("quality.scores", "train.bin", "valid.bin"):
+        assert got[name] == want[name], name
+    m = json.loads(got["manifest.json"])
+    assert m["quality"]["perplexity"]["model"] == "lm.npz" and "lm.npz" in m["outputs"]
+    assert m["quality"]["perplexity"]["sha256"] == json.loads(want["manifest.json"])["quality"]["perplexity"]["sha256"]
+    base = ["prepare", str(raw), "--out", str(tmp_path / "out"), "--doc-per-line", "--workers", "1"]
+    assert "both given" in refused(base + [f"prepare.lm_model={models['lm']}", ref[0]], capsys)
+    assert "does not exist" in refused(base + ['prepare.lm_reference=["nowhere.txt"]'], capsys)
+
+
 @pytest.mark.sigkill
 def test_kill_during_a_rethreshold_resumes_byte_identical(models, raw, scored, tmp_path):
     """Pass 1 looking its scores up in another dir's sidecar (local workers map the file), killed

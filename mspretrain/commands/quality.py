@@ -46,27 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_quiet_argument(q)
 
 
-def read_cleaned(inputs: list[str], cfg) -> list[str]:
-    """The documents of `inputs`, cleaned by `prepare`'s rules (`cfg`: a PrepareConfig)."""
-    from mspretrain.data import sources
-    from mspretrain.data.clean import Cleaner
-
-    stats = sources.SourceStats()
-    paths = [p for p, _ in sources.discover_named(inputs, stats)]
-    cleaner = Cleaner(cfg)
-    out: list[str] = []
-    for batch in sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field, stats=stats,
-                                      warn=lambda m: None):
-        out += [t for t in cleaner.clean_many(batch) if t is not None]
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     import numpy as np
 
     from mspretrain.data import quality
+    from mspretrain.data.quality import read_cleaned
 
     cfg = load_config(args).prepare
     flags = {"doc_per_line": args.doc_per_line, "text_field": args.text_field}

@@ -23,6 +23,7 @@ from typing import Callable
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import pipeline, rescore, resume, scoring, sources
+from mspretrain.data import quality as quality_models
 from mspretrain.data.pool import WorkerDied
 from mspretrain.data.publish import WRITE_ERRNOS, check_out, fsync_all, publish
 from mspretrain.data.tokenizer import Tokenizer
@@ -51,7 +52,7 @@ def _quality_id(cfg: PrepareConfig, scores_from: str | None = None) -> dict | No
     """The quality models' identity for the fingerprint; None when a model cannot be loaded (then
     the run is not the one that was published, and `prepare` refuses the model in one line)."""
     try:
-        stage = scoring.QualityStage.load(cfg)
+        stage = scoring.QualityStage.load(cfg, quality_models.reference_lm(cfg)[0] if cfg.lm_reference else None)
         return _identity(stage, scores_from)
     except (UserError, OSError):
         return None
@@ -142,7 +143,9 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
 
     work = journal.work
     # the quality models, loaded (and a missing or corrupt one refused) before anything is written
-    quality = scoring.QualityStage.load(cfg)
+    # (prepare.lm_reference: the perplexity model counted here, from the files named; written to the data dir)
+    reference = quality_models.reference_lm(cfg) if cfg.lm_reference else None
+    quality = scoring.QualityStage.load(cfg, reference[0] if reference else None)
     source = rescore.open_source(scores_from, quality, cfg, [n for _, n in named]) if scores_from else None
     fp = resume.fingerprint(inputs, paths, [n for _, n in named], cfg, _tokenizer_id(given), seq_len, _identity(quality, scores_from))
     try:
@@ -171,6 +174,8 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
                                         ray=ray, quality=quality)
             if quality is not None:
                 manifest["quality"] = quality.describe()
+            if reference is not None:
+                quality_models.write_model(work / quality_models.REFERENCE_LM, reference[1])
             manifest["inputs"] = [str(i) for i in inputs]
             manifest["warnings"] = warnings
             if seq_len:

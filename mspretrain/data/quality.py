@@ -101,20 +101,29 @@ def sha256_file(path: Path) -> str:
 
 # ----------------------------------------------------------------------------- model files
 
-def _save(path: Path, kind: str, meta: dict, arrays: dict[str, np.ndarray]) -> str:
-    """Write a model (`np.savez`, no pickle) and `PATH.sha256`; returns the SHA-256."""
+def _bytes(kind: str, meta: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    """A model file's bytes (`np.savez`, no pickle; its zip entries carry a fixed date: the same
+    model, the same bytes)."""
     import io
-
-    from mspretrain.fsutil import atomic_write
 
     buf = io.BytesIO()
     head = json.dumps({"kind": kind, "format": FORMAT, **meta}, ensure_ascii=False, sort_keys=True).encode()
     np.savez(buf, meta=np.frombuffer(head, dtype=np.uint8), **arrays)
-    data = buf.getvalue()
+    return buf.getvalue()
+
+
+def write_model(path: Path, data: bytes) -> str:
+    """Write a model's bytes and `PATH.sha256`; returns the SHA-256."""
+    from mspretrain.fsutil import atomic_write
+
     digest = hashlib.sha256(data).hexdigest()
     atomic_write(path, data)
     atomic_write(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
     return digest
+
+
+def _save(path: Path, kind: str, meta: dict, arrays: dict[str, np.ndarray]) -> str:
+    return write_model(path, _bytes(kind, meta, arrays))
 
 
 def _load(path: str | Path, kind: str, what: str, names: tuple[str, ...]) -> tuple[dict, dict[str, np.ndarray], str]:
@@ -324,9 +333,42 @@ def train_lm(texts: Sequence[str], bits: int = LM_BITS) -> tuple[np.ndarray, flo
     return counts.astype(np.float32), float(counts[0].sum())
 
 
+def lm_bytes(counts: np.ndarray, total: float, report: dict) -> bytes:
+    return _bytes(LM_KIND, {"bits": int(counts.shape[1]).bit_length() - 1, "report": report},
+                  {"counts": counts, "total": np.array(total, dtype=np.float64)})
+
+
 def save_lm(path: Path, counts: np.ndarray, total: float, report: dict) -> str:
-    return _save(path, LM_KIND, {"bits": int(counts.shape[1]).bit_length() - 1, "report": report},
-                 {"counts": counts, "total": np.array(total, dtype=np.float64)})
+    return write_model(path, lm_bytes(counts, total, report))
+
+
+REFERENCE_LM = "lm.npz"  # in the data dir: the model `prepare.lm_reference` counted
+
+
+def reference_lm(cfg) -> tuple[CharLM, bytes]:
+    """The character LM of `prepare.lm_reference` (`cfg`: a PrepareConfig), counted here as
+    `quality lm` counts it (the same bytes for the same files and rules), and its file's bytes,
+    which prepare writes to the data dir as REFERENCE_LM."""
+    texts = read_cleaned(list(cfg.lm_reference), cfg)
+    counts, total = train_lm(texts)
+    data = lm_bytes(counts, total, {"documents": len(texts), "characters": int(total)})
+    return CharLM(counts, total, hashlib.sha256(data).hexdigest(), REFERENCE_LM), data
+
+
+def read_cleaned(inputs: list[str], cfg) -> list[str]:
+    """The documents of `inputs`, read as `prepare` reads them (`cfg.doc_per_line`,
+    `cfg.text_field`) and cleaned by its rules (`cfg`: a PrepareConfig)."""
+    from mspretrain.data import sources
+    from mspretrain.data.clean import Cleaner
+
+    stats = sources.SourceStats()
+    paths = [p for p, _ in sources.discover_named(inputs, stats)]
+    cleaner = Cleaner(cfg)
+    out: list[str] = []
+    for batch in sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field, stats=stats,
+                                      warn=lambda m: None):
+        out += [t for t in cleaner.clean_many(batch) if t is not None]
+    return out
 
 
 # ----------------------------------------------------------------------------- language identification

@@ -124,14 +124,15 @@ class QualityStage:
     source: ScoreSource | None = None  # take the scores from this sidecar instead of the models
 
     @staticmethod
-    def load(cfg: PrepareConfig) -> "QualityStage | None":
-        """The configured models, or None when no quality filter is on."""
+    def load(cfg: PrepareConfig, lm: CharLM | None = None) -> "QualityStage | None":
+        """The configured models, or None when no quality filter is on. `lm`: the model of
+        `prepare.lm_reference` (`quality.reference_lm`), counted by the caller."""
         if not enabled(cfg):
             return None
         return QualityStage(
             evals=EvalNgrams.build(cfg.decontam, cfg.decontam_ngram) if cfg.decontam else None,
             langid=LangID() if cfg.min_zh_prob > 0 else None, min_zh=cfg.min_zh_prob,
-            lm=CharLM.load(cfg.lm_model) if cfg.lm_model else None, ppl_min=cfg.ppl_min, ppl_max=cfg.ppl_max,
+            lm=CharLM.load(cfg.lm_model) if cfg.lm_model else lm, ppl_min=cfg.ppl_min, ppl_max=cfg.ppl_max,
             classifier=Classifier.load(cfg.quality_model) if cfg.quality_model else None, threshold=cfg.quality_threshold,
             top_fraction=cfg.quality_top_fraction, ppl_quantiles=tuple(cfg.ppl_quantiles))
 
@@ -254,7 +255,7 @@ def _version(lib: str) -> str:
 
 
 def enabled(cfg: PrepareConfig) -> bool:
-    return bool(cfg.decontam or cfg.min_zh_prob > 0 or cfg.lm_model or cfg.quality_model)
+    return bool(cfg.decontam or cfg.min_zh_prob > 0 or cfg.lm_model or cfg.lm_reference or cfg.quality_model)
 
 
 def apply(stage: QualityStage, texts: list[str], origin: np.ndarray | None, dropped: dict, keys: bytes,
