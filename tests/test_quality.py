@@ -444,6 +444,12 @@ def test_prepare_counts_the_perplexity_model_from_named_reference_files(models, 
     assert m["quality"]["perplexity"]["sha256"] == json.loads(want["manifest.json"])["quality"]["perplexity"]["sha256"]
     base = ["prepare", str(raw), "--out", str(tmp_path / "out"), "--doc-per-line", "--workers", "1"]
     assert "both given" in refused(base + [f"prepare.lm_model={models['lm']}", ref[0]], capsys)
+    # --overwrite of a data dir prepared without a quality filter, holding a file of the user's named like an output
+    mine = tmp_path / "model" / "lm.npz"
+    mine.write_bytes(b"mine")
+    assert "which no earlier prepare wrote" in refused(["prepare", str(raw), "--out", str(tmp_path / "model"), "--doc-per-line",
+                                                        "--overwrite", "--workers", "1", ref[0]], capsys)
+    assert mine.read_bytes() == b"mine"
     assert "does not exist" in refused(base + ['prepare.lm_reference=["nowhere.txt"]'], capsys)
 
 
