@@ -202,6 +202,29 @@ class ModelConfig(_Section):
         _floor(self, {"norm_eps": 1e-12, "init_std": 1e-8}, "float32 rounds it to 0, or to weights of 0")
 
 
+def _check_fractions(c: "PrepareConfig") -> None:
+    """The quality filters that keep a fraction (`data/rescore.py`): in range, and not given
+    together with the fixed threshold they replace."""
+    f = c.quality_top_fraction
+    if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0 <= f <= 1):
+        _fail("prepare.quality_top_fraction", f"= {f} is outside (0, 1]", "the share of documents to keep, e.g. 0.3; 0 = off")
+    if f and c.quality_threshold != 0.5:
+        _fail("prepare.quality_top_fraction", "and prepare.quality_threshold are both given", "keep by a threshold or by a fraction, not both")
+    if f and not c.quality_model:
+        _fail("prepare.quality_top_fraction", "is set but prepare.quality_model is not", "train one with `mspretrain quality train` first")
+    q = c.ppl_quantiles
+    if not q:
+        return
+    if len(q) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in q) or not 0 <= q[0] < q[1] <= 1 \
+            or tuple(q) == (0, 1):
+        _fail("prepare.ppl_quantiles", f"= {list(q)} is not [lo, hi] with 0 <= lo < hi <= 1 (and not [0, 1])",
+              "e.g. [0, 0.6] keeps the 60 % least perplexing")
+    if c.ppl_min > 0 or c.ppl_max > 0:
+        _fail("prepare.ppl_quantiles", "and prepare.ppl_min / ppl_max are both given", "keep a band by perplexity or by quantile, not both")
+    if not (c.lm_model or c.lm_reference):
+        _fail("prepare.ppl_quantiles", "is set but prepare.lm_model is not", "train one with `mspretrain quality lm REFERENCE... --out lm.npz`")
+
+
 @dataclass(frozen=True)
 class PrepareConfig(_Section):
     """How `prepare` turns raw text into shards (cleaning rules are switchable one by one)."""
@@ -231,9 +254,12 @@ class PrepareConfig(_Section):
     # Model-based quality filters (issue 39; docs/operators.md "Quality filtering"), each off by default.
     quality_model: str = ""  # classifier from `mspretrain quality train`; "" = off
     quality_threshold: float = 0.5  # drop documents whose classifier score (P(positive), 0-1) is below this
+    quality_top_fraction: float = 0.0  # instead: keep this fraction (0-1] of the classifier's candidates, best first; 0 = off
     lm_model: str = ""  # character n-gram model from `mspretrain quality lm`, for perplexity bands; "" = off
+    lm_reference: tuple = ()  # instead: reference text files/dirs/globs prepare counts that model from (written as lm.npz)
     ppl_min: float = 0.0  # drop documents whose perplexity is below this (0 = no lower bound)
     ppl_max: float = 0.0  # drop documents whose perplexity is above this (0 = no upper bound)
+    ppl_quantiles: tuple = ()  # instead: [lo, hi], keep the perplexity band between these quantiles (e.g. [0, 0.6])
     min_zh_prob: float = 0.0  # drop documents whose P(Chinese) by py3langid is below this (0 = off)
     decontam: tuple = ()  # eval sets (C-Eval/CMMLU .csv / .jsonl files or dirs): drop documents sharing an n-gram with them
     decontam_ngram: int = 13  # n of the character n-grams decontamination matches (after normalising)
@@ -265,7 +291,12 @@ class PrepareConfig(_Section):
                 _fail(f"prepare.{name}", f"= {v} must be a finite number >= 0", "0 = no bound; see the perplexities with prepare --inspect")
         if self.ppl_min > 0 and self.ppl_max > 0 and self.ppl_min >= self.ppl_max:
             _fail("prepare.ppl_min", f"= {self.ppl_min} is not below prepare.ppl_max = {self.ppl_max}", "the band kept is [ppl_min, ppl_max]")
-        if (self.ppl_min > 0 or self.ppl_max > 0) and not self.lm_model:
+        _check_fractions(self)
+        if self.lm_model and self.lm_reference:
+            _fail("prepare.lm_reference", "and prepare.lm_model are both given", "name the model file or the reference text, not both")
+        if not all(isinstance(x, str) and x.strip() for x in self.lm_reference):
+            _fail("prepare.lm_reference", "must be a list of file, directory or glob names", 'e.g. prepare.lm_reference = ["baike/"]')
+        if (self.ppl_min > 0 or self.ppl_max > 0) and not (self.lm_model or self.lm_reference):
             _fail("prepare.ppl_max" if self.ppl_max > 0 else "prepare.ppl_min", "is set but prepare.lm_model is not",
                   "train one with `mspretrain quality lm REFERENCE... --out lm.npz` and set prepare.lm_model")
         for name in ("quality_model", "lm_model"):

@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   mspretrain prepare lines.txt --doc-per-line --tokenizer data/tokenizer.model --out data/more
   mspretrain prepare corpus/ --out data/ prepare.t2s=true prepare.near_dedup=true
   mspretrain prepare 'news/*.txt' --doc-per-line --out data/news --ray 10.0.0.1:6379
+  mspretrain prepare web/ --out data/q7 --scores-from data/q5 prepare.quality_model=q.npz prepare.quality_threshold=0.7
   mspretrain prepare --inspect data/"""
 
 
@@ -39,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(needs pip install 'mspretrain[ray]' on every node; reading, dedup decisions and writing stay here)")
     p.add_argument("--valid-fraction", type=bounded(float, 0, 1), metavar="F", help="share of documents for the valid split (prepare.valid_fraction)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing data dir")
+    p.add_argument("--scores-from", metavar="DATA_DIR",
+                   help="take the quality filters' scores from DATA_DIR's quality.scores (a prepare of the same inputs with the "
+                        "same models) instead of scoring again: only the thresholds are applied anew")
     p.add_argument("--inspect", metavar="DATA_DIR", help="print the manifest summary of a data dir and decode a few documents")
     add_quiet_argument(p)
 
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             print(line, flush=True)
 
     options = dict(tokenizer=args.tokenizer, overwrite=args.overwrite, workers=args.workers, progress=progress_enabled(args),
-                   log=log, seq_len=cfg.data.seq_len)
+                   log=log, seq_len=cfg.data.seq_len, scores_from=args.scores_from)
     if args.ray is None:
         prepare(args.inputs, args.out, cfg.prepare, **options)
     else:

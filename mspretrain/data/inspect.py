@@ -1,6 +1,7 @@
 """`prepare --inspect`: a data dir's manifest in a few lines, and its first documents decoded."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -116,47 +117,80 @@ WHAT_IF = {"quality": (0.1, 0.3, 0.5, 0.7, 0.9), "zh": (0.5, 0.8, 0.9, 0.99)}
 def quality_lines(d: Path, m: dict, examples: int = 2, width: int = 60) -> list[str]:
     """The quality sidecar (`scoring.SCORES`): what was dropped and why, each score's distribution,
     what other thresholds would drop (each filter alone, over every scored document), with the
-    dropped documents nearest the threshold as examples, read from the inputs by their origin."""
-    r = read_scores(d / SCORES)
+    dropped documents nearest the threshold as examples, read from the inputs by their origin.
+
+    Read in blocks (`rescore.blocks`), its percentiles exact by histogram (`rescore.order_stats`:
+    the k-th value with k = max(1, ceil(q n)), q the percentile's share), so the memory is the
+    same for 16 M documents as for 16; a few passes over the file per score."""
+    from mspretrain.data.rescore import blocks, order_stats
+
+    path = d / SCORES
+    r = read_scores(path)  # memory-mapped: the examples' records are read one by one
     q = m.get("quality") if isinstance(m.get("quality"), dict) else {}
     files = [e.get("name") if isinstance(e, dict) else None for e in m.get("input_files") or []]
     kinds = (m.get("origin") or {}).get("offsets") or [] if isinstance(m.get("origin"), dict) else []
-    counts = np.bincount(r["reason"], minlength=len(REASONS))
+    counts = np.zeros(len(REASONS), dtype=np.int64)
+    first: dict[int, list[int]] = {k: [] for k in range(1, len(REASONS))}  # each reason's first documents, by index
+    base = 0
+    for b in blocks(path):
+        counts += np.bincount(b["reason"], minlength=len(REASONS))[:len(REASONS)]
+        for k, got in first.items():
+            want = (examples if REASONS[k] != "contaminated" else 10) - len(got)
+            if want > 0:
+                got += (base + np.flatnonzero(b["reason"] == k)[:want]).tolist()
+        base += b.size
     out = [f"quality      {r.size:,} documents scored ({SCORES}): kept {int(counts[0]):,}; dropped "
            + ", ".join(f"{REASONS[k]} {int(counts[k]):,}" for k in range(1, len(REASONS)))]
 
     def text(i: int) -> str:
         return _doc_text(d, files, kinds, int(r["file"][i]), int(r["offset"][i]), width)
 
-    for k in range(1, len(REASONS)):
-        for i in np.flatnonzero(r["reason"] == k)[:examples if REASONS[k] != "contaminated" else 10].tolist():
+    for k, got in first.items():
+        for i in got:
             extra = f" ({int(r['hits'][i])} eval n-grams)" if REASONS[k] == "contaminated" else ""
             out.append(f"  dropped {REASONS[k]}{extra}: {text(i)}")
     for key, label, cfg in (("zh", "P(Chinese)", (q.get("language") or {}).get("min_zh_prob")),
                             ("ppl", "perplexity", (q.get("perplexity") or {}).get("max")),
                             ("quality", "classifier", (q.get("classifier") or {}).get("threshold"))):
-        v = r[key]
-        ok = np.isfinite(v)
-        if not ok.any():
+        n = sum(int(np.isfinite(b[key]).sum()) for b in blocks(path))
+        if not n:
             continue
-        pct = np.percentile(v[ok], [0, 10, 25, 50, 75, 90, 100])
+
+        def finite(key: str = key):
+            return (b[key][np.isfinite(b[key])] for b in blocks(path))
+
+        shares = (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0) + ((0.5, 0.75, 0.9, 0.95) if key == "ppl" else ())
+        pct = order_stats(finite, [max(1, math.ceil(s * n)) for s in shares])
         out.append(f"  {label:<11} min {pct[0]:.4g}, p10 {pct[1]:.4g}, p25 {pct[2]:.4g}, median {pct[3]:.4g}, "
                    f"p75 {pct[4]:.4g}, p90 {pct[5]:.4g}, max {pct[6]:.4g}" + (f" (threshold now {cfg})" if cfg is not None else ""))
-        if key == "ppl":  # an upper bound at each decile drops the tail above it
-            for t in np.percentile(v[ok], [50, 75, 90, 95]).tolist():
-                out += _what_if(v > t, v, f"ppl_max={t:.4g}", text, examples, -1)
+        if key == "ppl":  # an upper bound at each of these quantiles drops the tail above it
+            out += _what_if(path, key, [(t, f"ppl_max={t:.4g}") for t in pct[7:]], n, text, examples, -1)
         else:
-            for t in WHAT_IF[key]:
-                out += _what_if(v < t, v, f"{'quality_threshold' if key == 'quality' else 'min_zh_prob'}={t}", text, examples, 1)
+            name = "quality_threshold" if key == "quality" else "min_zh_prob"
+            out += _what_if(path, key, [(t, f"{name}={t}") for t in WHAT_IF[key]], n, text, examples, 1)
     return out
 
 
-def _what_if(drop: np.ndarray, v: np.ndarray, label: str, text, examples: int, sign: int) -> list[str]:
-    idx = np.flatnonzero(drop)
-    lines = [f"    {label:<26} drops {idx.size:,} of {v.size:,} ({100 * idx.size / max(v.size, 1):.1f} %)"]
-    # the dropped documents nearest the threshold: what a user loses by moving it
-    for i in idx[np.argsort(-sign * v[idx], kind="stable")][:examples].tolist():
-        lines.append(f"      e.g. {v[i]:.4g}: {text(i)}")
+def _what_if(path: Path, key: str, thresholds: list[tuple[float, str]], n: int, text, examples: int, sign: int) -> list[str]:
+    """Per threshold: how many documents it drops (`sign` 1: score below it, -1: above it), and the
+    dropped documents nearest it (what a user loses by moving it), in one pass over the sidecar."""
+    from mspretrain.data.rescore import blocks
+
+    dropped = [0] * len(thresholds)
+    nearest: list[list[tuple[float, int, float]]] = [[] for _ in thresholds]  # (distance key, index, value)
+    base = 0
+    for b in blocks(path):
+        v = b[key]
+        for j, (t, _) in enumerate(thresholds):
+            idx = np.flatnonzero(v < t if sign > 0 else v > t)
+            dropped[j] += idx.size
+            best = idx[np.argsort(-sign * v[idx], kind="stable")[:examples]]
+            nearest[j] = sorted(nearest[j] + [(float(-sign * v[i]), base + int(i), float(v[i])) for i in best])[:examples]
+        base += b.size
+    lines = []
+    for (_, label), count, near in zip(thresholds, dropped, nearest):
+        lines.append(f"    {label:<26} drops {count:,} of {n:,} ({100 * count / max(n, 1):.1f} %)")
+        lines += [f"      e.g. {value:.4g}: {text(i)}" for _, i, value in near]
     return lines
 
 

@@ -47,6 +47,7 @@ from mspretrain.data.diskdedup import ChunkSpool, DiskDedup, place_records
 from mspretrain.data.origin import OriginWriter, cut_to, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, chunks_with_origin, ordered, start_pool
 from mspretrain.data.publish import build_manifest
+from mspretrain.data.rescore import attach
 from mspretrain.data.resume import Journal, point, truncate
 from mspretrain.data.scoring import SCORES, QualityStage, ScoreWriter
 from mspretrain.data.shards import ShardWriter, token_dtype
@@ -384,6 +385,8 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
                                     by_reference=pieces,  # local workers read their blocks (the same chunks on a resume)
                                     units=units, hold=hold)
         work = todo(made(chunks_with_origin(placed(docs))))
+        if quality is not None and quality.source is not None and not pieces:  # Ray's nodes may not share the scores' disk
+            work = attach(work, quality.source)
         fn = clean_chunk
         if pieces:
             parts = (dd.exact.parts, dd.near.parts if dd.near is not None else 0)  # the workers group records by file

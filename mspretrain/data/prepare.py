@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import pipeline, resume, scoring, sources
+from mspretrain.data import pipeline, rescore, resume, scoring, sources
+from mspretrain.data import quality as quality_models
 from mspretrain.data.pool import WorkerDied
 from mspretrain.data.publish import WRITE_ERRNOS, check_out, fsync_all, publish
 from mspretrain.data.tokenizer import Tokenizer
@@ -47,14 +48,22 @@ def _tokenizer_id(given: Tokenizer | None) -> tuple[str, str] | None:
     return None if given is None else (str(given.path), given.sha256())
 
 
-def _quality_id(cfg: PrepareConfig) -> dict | None:
+def _quality_id(cfg: PrepareConfig, scores_from: str | None = None) -> dict | None:
     """The quality models' identity for the fingerprint; None when a model cannot be loaded (then
     the run is not the one that was published, and `prepare` refuses the model in one line)."""
     try:
-        stage = scoring.QualityStage.load(cfg)
-    except UserError:
+        stage = scoring.QualityStage.load(cfg, quality_models.reference_lm(cfg)[0] if cfg.lm_reference else None)
+        return _identity(stage, scores_from)
+    except (UserError, OSError):
         return None
-    return stage.identity() if stage is not None else None
+
+
+def _identity(stage: scoring.QualityStage | None, scores_from: str | None) -> dict | None:
+    """The fingerprint's `quality`: the models, and the sidecar `--scores-from` takes scores from
+    (a rerun with another one must not resume; the output does not depend on it)."""
+    if stage is None:
+        return None
+    return {**stage.identity(), **({"scores_from": rescore.source_identity(scores_from)} if scores_from else {})}
 
 
 def _discard(journal: resume.Journal) -> None:
@@ -77,7 +86,7 @@ def _complete(work: Path) -> bool:
 
 
 def _already_published(journal: resume.Journal, out: Path, inputs: list[str], named: list, cfg: PrepareConfig,
-                       tokenizer: str | None, seq_len: int | None, log: Callable[[str], None]) -> dict | None:
+                       tokenizer: str | None, seq_len: int | None, log: Callable[[str], None], scores_from: str | None = None) -> dict | None:
     """The manifest of `out` when the same command was killed after publishing it but before it
     removed its journal: the data dir is finished, there is nothing left to do."""
     old = journal.read()
@@ -85,7 +94,7 @@ def _already_published(journal: resume.Journal, out: Path, inputs: list[str], na
         return None
     given = Tokenizer.load(tokenizer) if tokenizer else None
     fp = resume.fingerprint(inputs, [p for p, _ in named], [n for _, n in named], cfg, _tokenizer_id(given), seq_len,
-                            _quality_id(cfg))
+                            _quality_id(cfg, scores_from))
     if resume.difference(old["fingerprint"], fp) is not None:
         return None
     journal.remove()
@@ -95,14 +104,16 @@ def _already_published(journal: resume.Journal, out: Path, inputs: list[str], na
 
 def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, tokenizer: str | None = None,
             overwrite: bool = False, workers: int | None = None, progress: bool = False,
-            log: Callable[[str], None] = print, seq_len: int | None = None, ray=None) -> dict:
+            log: Callable[[str], None] = print, seq_len: int | None = None, ray=None, scores_from: str | None = None) -> dict:
     """Clean, dedup, tokenize `inputs` into the data dir `out_dir`; returns the manifest.
 
     `tokenizer`: an existing `tokenizer.model` / `tokenizer.json` (or a dir holding one);
     otherwise a SentencePiece BPE of `cfg.vocab_size` is trained on a sample. `seq_len` is only
     used to warn when a split is shorter than one training window. `ray`: a connected
     `raypool.RayCluster` (the caller's, which closes it) to run the chunks on; `workers` is then
-    its CPU count.
+    its CPU count. `scores_from`: a data dir prepared with the same quality models from the
+    same inputs, whose `quality.scores` gives every document's scores (`rescore.py`): only the
+    thresholds are applied again.
     """
     t0 = time.time()  # `cfg` checked itself when it was built (config.PrepareConfig.check)
     cores = len(os.sched_getaffinity(0))
@@ -116,7 +127,7 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     paths = [p for p, _ in named]
     check_names([*inputs, *(str(p) for p in paths), *(n for _, n in named), str(out)])
     journal = resume.Journal(out)
-    done = _already_published(journal, out, inputs, named, cfg, tokenizer, seq_len, log)
+    done = _already_published(journal, out, inputs, named, cfg, tokenizer, seq_len, log, scores_from)
     if done is not None:
         return done
     check_out(out, overwrite, paths)
@@ -132,9 +143,11 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
 
     work = journal.work
     # the quality models, loaded (and a missing or corrupt one refused) before anything is written
-    quality = scoring.QualityStage.load(cfg)
-    fp = resume.fingerprint(inputs, paths, [n for _, n in named], cfg, _tokenizer_id(given), seq_len,
-                            quality.identity() if quality is not None else None)
+    # (prepare.lm_reference: the perplexity model counted here, from the files named; written to the data dir)
+    reference = quality_models.reference_lm(cfg) if cfg.lm_reference else None
+    quality = scoring.QualityStage.load(cfg, reference[0] if reference else None)
+    source = rescore.open_source(scores_from, quality, cfg, [n for _, n in named]) if scores_from else None
+    fp = resume.fingerprint(inputs, paths, [n for _, n in named], cfg, _tokenizer_id(given), seq_len, _identity(quality, scores_from))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         # a work dir left by a killed run of this command is resumed; of another, refused
@@ -151,10 +164,18 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
             log(f"resuming the interrupted prepare: publishing {out}")
             manifest = json.loads(DataPaths(work).manifest.read_text(encoding="utf-8"))
         else:
+            if quality is not None and (source is not None or quality.by_fraction):
+                # scores first (a scan, or another data dir's), then the thresholds from them (on a
+                # resume after pass 1 too: the manifest names the thresholds the fractions resolved to)
+                if source is None:
+                    source = rescore.scan(paths, [n for _, n in named], cfg, quality, workers, journal, log, ray, progress)
+                quality = rescore.resolve(quality, source)
             manifest = pipeline.run(paths, [n for _, n in named], work, cfg, given, workers, progress, log, warn, stats, journal,
                                         ray=ray, quality=quality)
             if quality is not None:
                 manifest["quality"] = quality.describe()
+            if reference is not None:
+                quality_models.write_model(work / quality_models.REFERENCE_LM, reference[1])
             manifest["inputs"] = [str(i) for i in inputs]
             manifest["warnings"] = warnings
             if seq_len:

@@ -26,6 +26,8 @@ from mspretrain.data import dedup
 from mspretrain.data.clean import Cleaner
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.origin import RECORD, origin_name, read_records
+from mspretrain.data.quality import REFERENCE_LM
+from mspretrain.data.scoring import SCORES
 from mspretrain.data.shards import DTYPE_CODES, HEADER_SIZE, MAGIC, data_fingerprint
 from mspretrain.data.sink import Sink
 from mspretrain.data.sources import SourceStats
@@ -37,7 +39,7 @@ from mspretrain.paths import SPLITS, DataPaths
 OUR_FILES = frozenset(p.name for p in DataPaths(Path()).files())
 # Names prepare writes now that the fixed set of older prepares (`owned`'s fallback) lacks: an
 # `--overwrite` must not replace a file of one of these names that no manifest lists either.
-NEW_FILES = frozenset(origin_name(s) for s in SPLITS)
+NEW_FILES = frozenset(origin_name(s) for s in SPLITS) | {SCORES, REFERENCE_LM, REFERENCE_LM + ".sha256"}  # + the quality stage's
 WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 

@@ -101,20 +101,29 @@ def sha256_file(path: Path) -> str:
 
 # ----------------------------------------------------------------------------- model files
 
-def _save(path: Path, kind: str, meta: dict, arrays: dict[str, np.ndarray]) -> str:
-    """Write a model (`np.savez`, no pickle) and `PATH.sha256`; returns the SHA-256."""
+def _bytes(kind: str, meta: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    """A model file's bytes (`np.savez`, no pickle; its zip entries carry a fixed date: the same
+    model, the same bytes)."""
     import io
-
-    from mspretrain.fsutil import atomic_write
 
     buf = io.BytesIO()
     head = json.dumps({"kind": kind, "format": FORMAT, **meta}, ensure_ascii=False, sort_keys=True).encode()
     np.savez(buf, meta=np.frombuffer(head, dtype=np.uint8), **arrays)
-    data = buf.getvalue()
+    return buf.getvalue()
+
+
+def write_model(path: Path, data: bytes) -> str:
+    """Write a model's bytes and `PATH.sha256`; returns the SHA-256."""
+    from mspretrain.fsutil import atomic_write
+
     digest = hashlib.sha256(data).hexdigest()
     atomic_write(path, data)
     atomic_write(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
     return digest
+
+
+def _save(path: Path, kind: str, meta: dict, arrays: dict[str, np.ndarray]) -> str:
+    return write_model(path, _bytes(kind, meta, arrays))
 
 
 def _load(path: str | Path, kind: str, what: str, names: tuple[str, ...]) -> tuple[dict, dict[str, np.ndarray], str]:
@@ -145,8 +154,16 @@ def _load(path: str | Path, kind: str, what: str, names: tuple[str, ...]) -> tup
 
 # ----------------------------------------------------------------------------- the classifier
 
-def features(texts: Sequence[str], bits: int = CLASSIFIER_BITS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(feature index per n-gram, its document, n-grams per document) over ORDERS."""
+FEATURES = ("chars", "words")  # the classifier's features: character 1-3-grams, or jieba word 1-2-grams (`words.py`)
+
+
+def features(texts: Sequence[str], bits: int = CLASSIFIER_BITS, kind: str = "chars") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(feature index per n-gram, its document, n-grams per document) over ORDERS (characters),
+    or over word 1-2-grams (`kind` "words")."""
+    if kind == "words":
+        from mspretrain.data import words
+
+        return words.features(texts, bits)
     cp, starts = codepoints(texts)
     room, where = layout(starts)
     idx, doc = [], []
@@ -166,13 +183,14 @@ class Classifier:
     bias: float
     sha256: str = ""
     path: str = ""
+    features: str = "chars"  # one of FEATURES
 
     def score(self, texts: Sequence[str]) -> np.ndarray:
         """P(positive) per text, float32: sigmoid(bias + mean weight of its n-grams)."""
         if not texts:
             return np.zeros(0, dtype=np.float32)
         bits = int(self.weights.size).bit_length() - 1
-        ids, docs, counts = features(texts, bits)
+        ids, docs, counts = features(texts, bits, self.features)
         z = np.bincount(docs, weights=self.weights[ids].astype(np.float64), minlength=len(texts)) / np.maximum(counts, 1)
         return (1.0 / (1.0 + np.exp(-(z + self.bias)))).astype(np.float32)
 
@@ -180,13 +198,18 @@ class Classifier:
     def load(path: str | Path) -> "Classifier":
         meta, a, digest = _load(path, CLASSIFIER_KIND, "quality model", ("weights", "bias"))
         w = a["weights"].astype(np.float32)
-        if w.ndim != 1 or w.size & (w.size - 1) or tuple(meta.get("orders", ())) != ORDERS:
+        kind = meta.get("features", "chars")
+        if w.ndim != 1 or w.size & (w.size - 1) or kind not in FEATURES or kind == "chars" and tuple(meta.get("orders", ())) != ORDERS:
             raise UserError(f"quality model {path} has a feature layout this version does not read", "train it again with `mspretrain quality train`")
-        return Classifier(w, float(a["bias"]), digest, str(path))
+        if kind == "words":
+            from mspretrain.data.words import require
+
+            require()
+        return Classifier(w, float(a["bias"]), digest, str(path), kind)
 
 
 def train_classifier(pos: Sequence[str], neg: Sequence[str], l2: float = 1e-6, bits: int = CLASSIFIER_BITS,
-                     max_iter: int = 300) -> tuple[np.ndarray, float, dict]:
+                     max_iter: int = 300, kind: str = "chars") -> tuple[np.ndarray, float, dict]:
     """Logistic regression, classes weighted to equal total weight, L2 `l2` on the weights; full
     batch L-BFGS from zeros (no random choice: the same files give the same model). Returns
     (weights, bias, training report)."""
@@ -198,7 +221,7 @@ def train_classifier(pos: Sequence[str], neg: Sequence[str], l2: float = 1e-6, b
     texts = list(pos) + list(neg)
     y = np.concatenate([np.ones(len(pos)), np.zeros(len(neg))])
     sw = np.where(y > 0, 0.5 / len(pos), 0.5 / len(neg))  # each class half the loss
-    ids, docs, counts = features(texts, bits)
+    ids, docs, counts = features(texts, bits, kind)
     # memory: the examples' n-grams stay for every iteration, 16 bytes each (3 per character)
     ids, docs = ids.astype(np.int32), docs.astype(np.int32)
     inv = (1.0 / np.maximum(counts, 1))[docs].astype(np.float32)  # each n-gram's share of its document's mean
@@ -218,15 +241,23 @@ def train_classifier(pos: Sequence[str], neg: Sequence[str], l2: float = 1e-6, b
     res = minimize(f, np.zeros(dim + 1), jac=True, method="L-BFGS-B", options={"maxiter": max_iter})
     w = res.x[:dim].astype(np.float32)
     b = float(res.x[dim])
-    p = Classifier(w, b).score(texts)
+    p = Classifier(w, b, features=kind).score(texts)
     report = {"positives": len(pos), "negatives": len(neg), "iterations": int(res.nit), "loss": float(res.fun),
               "train_accuracy": float(np.mean((p >= 0.5) == (y > 0)))}
     return w, b, report
 
 
-def save_classifier(path: Path, w: np.ndarray, b: float, report: dict) -> str:
-    return _save(path, CLASSIFIER_KIND, {"orders": list(ORDERS), "bits": int(w.size).bit_length() - 1, "report": report},
+def save_classifier(path: Path, w: np.ndarray, b: float, report: dict, kind: str = "chars") -> str:
+    # a character model's meta is as before word features existed (the same bytes, the same SHA-256)
+    meta = {"orders": list(ORDERS)} if kind == "chars" else {"features": kind, "orders": list(words_orders())}
+    return _save(path, CLASSIFIER_KIND, {**meta, "bits": int(w.size).bit_length() - 1, "report": report},
                  {"weights": w.astype(np.float32), "bias": np.array(b, dtype=np.float64)})
+
+
+def words_orders() -> tuple[int, ...]:
+    from mspretrain.data.words import ORDERS as WORD_ORDERS
+
+    return WORD_ORDERS
 
 
 # ----------------------------------------------------------------------------- the language model
@@ -302,9 +333,42 @@ def train_lm(texts: Sequence[str], bits: int = LM_BITS) -> tuple[np.ndarray, flo
     return counts.astype(np.float32), float(counts[0].sum())
 
 
+def lm_bytes(counts: np.ndarray, total: float, report: dict) -> bytes:
+    return _bytes(LM_KIND, {"bits": int(counts.shape[1]).bit_length() - 1, "report": report},
+                  {"counts": counts, "total": np.array(total, dtype=np.float64)})
+
+
 def save_lm(path: Path, counts: np.ndarray, total: float, report: dict) -> str:
-    return _save(path, LM_KIND, {"bits": int(counts.shape[1]).bit_length() - 1, "report": report},
-                 {"counts": counts, "total": np.array(total, dtype=np.float64)})
+    return write_model(path, lm_bytes(counts, total, report))
+
+
+REFERENCE_LM = "lm.npz"  # in the data dir: the model `prepare.lm_reference` counted
+
+
+def reference_lm(cfg) -> tuple[CharLM, bytes]:
+    """The character LM of `prepare.lm_reference` (`cfg`: a PrepareConfig), counted here as
+    `quality lm` counts it (the same bytes for the same files and rules), and its file's bytes,
+    which prepare writes to the data dir as REFERENCE_LM."""
+    texts = read_cleaned(list(cfg.lm_reference), cfg)
+    counts, total = train_lm(texts)
+    data = lm_bytes(counts, total, {"documents": len(texts), "characters": int(total)})
+    return CharLM(counts, total, hashlib.sha256(data).hexdigest(), REFERENCE_LM), data
+
+
+def read_cleaned(inputs: list[str], cfg) -> list[str]:
+    """The documents of `inputs`, read as `prepare` reads them (`cfg.doc_per_line`,
+    `cfg.text_field`) and cleaned by its rules (`cfg`: a PrepareConfig)."""
+    from mspretrain.data import sources
+    from mspretrain.data.clean import Cleaner
+
+    stats = sources.SourceStats()
+    paths = [p for p, _ in sources.discover_named(inputs, stats)]
+    cleaner = Cleaner(cfg)
+    out: list[str] = []
+    for batch in sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field, stats=stats,
+                                      warn=lambda m: None):
+        out += [t for t in cleaner.clean_many(batch) if t is not None]
+    return out
 
 
 # ----------------------------------------------------------------------------- language identification

@@ -93,36 +93,25 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return tok.encode_flat(texts, tok.eos_id, np.dtype(_W["dtype"]))
 
 
-def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLines) -> dict:
+def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLines | scoring.Scored) -> dict:
     """Pass 1 over one chunk: the kept documents' texts (or tokens, when the tokenizer is given),
     their dedup keys and split numbers, their origins, and what the cleaner changed and dropped.
 
     `work`: a block of raw lines, or documents with their origin records (`origin.RECORD`), or
-    bare documents. The result is per chunk, its documents in input order; the main process
-    (`sink.Sink`) drops duplicates and assigns splits. Per-document arrays (`chars`, `u`,
-    `origin`, `lengths`, `fallback`) are aligned with `keys`."""
-    raw, origin = None, None
-    if isinstance(work, sources.RawLines):  # decoded here, in parallel, not in the main process
-        docs, found = sources.decode_raw(work)
-        raw, origin = (work.file, len(docs), *found), docs.origin
-    elif isinstance(work, tuple):
-        docs, origin = work
-    else:
-        docs = work
+    bare documents; or one of those with the quality scores of its input range (`scoring.Scored`).
+    The result is per chunk, its documents in input order; the main process (`sink.Sink`) drops
+    duplicates and assigns splits. Per-document arrays (`chars`, `u`, `origin`, `lengths`,
+    `fallback`) are aligned with `keys`."""
+    given = None
+    if isinstance(work, scoring.Scored):
+        work, given = work.work, work.records
+    docs, texts, origin, raw, changed, dropped = _clean(work)
     cfg: PrepareConfig = _W["cfg"]
-    cleaner: Cleaner = _W["cleaner"]
-    cleaner.changed.clear()
-    cleaner.dropped.clear()
-    cleaned = cleaner.clean_many(docs)
-    texts = [t for t in cleaned if t is not None]
-    if origin is not None and len(texts) < len(cleaned):
-        origin = origin[np.fromiter((t is not None for t in cleaned), dtype=bool, count=len(cleaned))]
-    dropped = dict(cleaner.dropped)
+    keys = dedup.dedup_keys(texts)  # before the quality stage: its sidecar keeps each scored document's key
     scores = None
     if _W.get("quality") is not None:  # the model-based filters, after the rules, before dedup (`scoring.py`)
-        texts, origin, scores = scoring.apply(_W["quality"], texts, origin, dropped)
-    keys = dedup.dedup_keys(texts)
-    out = {"docs_in": len(docs), "chars_in": sum(map(len, docs)), "changed": dict(cleaner.changed),
+        texts, origin, scores, keys = scoring.apply(_W["quality"], texts, origin, dropped, keys, given)
+    out = {"docs_in": len(docs), "chars_in": sum(map(len, docs)), "changed": changed,
            "dropped": dropped, "keys": keys, "scores": scores,
            "chars": np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)),
            "u": dedup.split_numbers(keys, cfg.seed),
@@ -133,6 +122,34 @@ def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLine
     else:
         out["texts"] = texts
     return out
+
+
+def _clean(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLines) -> tuple:
+    """(the documents read, those the rules kept (cleaned), their origins, the block's counts
+    (`sources.decode_raw`) or None, what the cleaner changed, what it dropped) of one chunk."""
+    raw, origin = None, None
+    if isinstance(work, sources.RawLines):  # decoded here, in parallel, not in the main process
+        docs, found = sources.decode_raw(work)
+        raw, origin = (work.file, len(docs), *found), docs.origin
+    elif isinstance(work, tuple):
+        docs, origin = work
+    else:
+        docs = work
+    cleaner: Cleaner = _W["cleaner"]
+    cleaner.changed.clear()
+    cleaner.dropped.clear()
+    cleaned = cleaner.clean_many(docs)
+    texts = [t for t in cleaned if t is not None]
+    if origin is not None and len(texts) < len(cleaned):
+        origin = origin[np.fromiter((t is not None for t in cleaned), dtype=bool, count=len(cleaned))]
+    return docs, texts, origin, raw, dict(cleaner.changed), dict(cleaner.dropped)
+
+
+def score_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLines) -> np.ndarray:
+    """The quality scan (`rescore.scan`): one chunk cleaned as pass 1 cleans it, and the sidecar
+    records (`scoring.RECORD`) of its cleaned documents, every score computed by the models."""
+    _, texts, origin, _, _, dropped = _clean(work)
+    return scoring.apply(_W["quality"], texts, origin, dropped, dedup.dedup_keys(texts))[2]
 
 
 def _bands(texts: list[str], cfg: PrepareConfig) -> np.ndarray:
