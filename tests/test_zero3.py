@@ -322,7 +322,8 @@ def families_two(tmp_path_factory) -> Path:
 def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, family):
     """fp32, 3 steps at lr 1e-2: both ranks' losses and grad norms, and the gathered weights (the
     bias and the QK-norm weights included, which moved from their zero / one initial values), equal
-    one process's within 1e-5."""
+    one process's within 1e-5 (the one process runs the ranks' halves of each batch as two
+    micro-batches: tests/zero3_worker.py says why)."""
     import json
 
     from tests.zero3_worker import run_steps
@@ -341,4 +342,14 @@ def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, famil
     for k in small:  # trained away from their initial values (zeros, ones)
         assert np.abs(one["weights"][k] - (0.0 if "bias" in k else 1.0)).max() > 1e-3, k
     for k in sorted(two):
-        assert_close_rel(two[k], one["weights"][k], 1e-5, f"{family} {k}")
+        if k.endswith("wqkv.bias"):  # the q and v rows within 1e-5; the k rows, ill-conditioned, within 1e-3
+            q, kv = 4 * 16, 2 * 16  # n_heads x head_dim, n_kv_heads x head_dim (tests/zero3_worker.py)
+            # Measured in one process against itself, one micro-batch against two of the same rows:
+            # 1.1e-4 relative on layer 0's k bias, 1.2e-6 on its q and v bias, 1.7e-6 on the weight.
+            # The k bias's gradient nearly cancels (a shift common to a query's scores is lost in
+            # the softmax; RoPE leaves a small position-dependent remainder), so Adam's normalised
+            # step turns summation-order rounding into visible differences.
+            for rows, tol in (((0, q), 1e-5), ((q, q + kv), 1e-3), ((q + kv, q + 2 * kv), 1e-5)):
+                assert_close_rel(two[k][slice(*rows)], one["weights"][k][slice(*rows)], tol, f"{family} {k}{rows}")
+        else:
+            assert_close_rel(two[k], one["weights"][k], 1e-5, f"{family} {k}")

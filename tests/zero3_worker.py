@@ -2,8 +2,10 @@
 in 2 msrun workers (`run_workers`, as the selftest runs its ZeRO-2 worker) and, for the reference,
 in the test process itself at world 1 (`run_steps`).
 
-Each family trains STEPS fused steps (one micro-batch a rank, fp32) on the same global batches; the
-ranks take consecutive rows of each. Every rank writes OUT/rank_R.json (its losses and grad norms),
+Each family trains STEPS steps (fp32) on the same global batches: at world 2 fused steps, each rank
+on its half of the rows; at world 1 the same two halves as two micro-batches of one step (each
+half's gradients summed with the other's once, as the two ranks' AllReduce sums them).
+Every rank writes OUT/rank_R.json (its losses and grad norms),
 rank 0 also each family's whole weights (gathered, train/zero3.py `full_state`) to OUT/FAMILY.npz
 and OUT/result.json.
 """
@@ -30,19 +32,20 @@ def model_config(family: str):
 
 
 def run_steps(family: str, world: int, rank: int) -> dict[str, Any]:
-    """STEPS fp32 steps on this rank's rows of each global batch; ZeRO-3 when world > 1."""
+    """STEPS fp32 steps on this rank's rows of each global batch (world 1 or 2); ZeRO-3 when world > 1."""
     from mspretrain import config as cfgmod
     from mspretrain.model.llama import Llama
     from mspretrain.train.step import TrainStep
 
     tokens = np.random.default_rng(1).integers(0, VOCAB, (STEPS, ROWS, SEQ + 1)).astype(np.int32)
     model = Llama(model_config(family), dtype="fp32", seed=0)
-    per = ROWS // world
+    half = ROWS // 2
     step = TrainStep(model, cfgmod.OptimConfig(lr=LR), global_tokens=ROWS * SEQ, world=world, rank=rank,
-                     shard_params=world > 1, device="cpu")
+                     shard_params=world > 1, device="cpu", accumulation=2 // world)
+    mine = [rank] if world == 2 else [0, 1]  # the halves of the rows this process runs
     losses, norms = [], []
     for s in range(STEPS):
-        res = step.run([(tokens[s, rank * per:(rank + 1) * per], None, None)], LR, 1.0)
+        res = step.run([(tokens[s, k * half:(k + 1) * half], None, None) for k in mine], LR, 1.0)
         losses.append(res.loss)
         norms.append(res.grad_norm)
     return {"losses": losses, "grad_norms": norms, "weights": step.full_weights()}
