@@ -114,3 +114,12 @@ def test_the_new_presets_count_what_transformers_counts(name, count):
     with torch.device("meta"):
         n_hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls).from_dict(config_to_hf(m))).num_parameters()
     assert n_hf == count and config_from_hf(config_to_hf(m)) == m
+
+
+def test_the_table_stops_at_64_devices():
+    """Each row builds the step's owner tables, whose cost grows with the world: no table beyond
+    MAX_DEVICES (one to a few nodes is the question it answers)."""
+    from mspretrain.ops.layouts import MAX_DEVICES
+
+    assert MAX_DEVICES == 64
+    assert "layouts" in _plan("qwen3-14b", devices=64) and "layouts" not in _plan("qwen3-14b", devices=128)

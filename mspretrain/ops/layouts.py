@@ -1,10 +1,11 @@
 """`plan`'s layout table: each way of spreading one config over N devices, with its per-device memory
 and step time, and the cheapest layout that fits.
 
-Layouts: plain data parallel (DP), ZeRO-1, ZeRO-2 and ZeRO-3 over all N devices (what `train` runs:
-optim.shard_optimizer / shard_gradients / shard_parameters); tensor parallel t x data parallel N/t
-for t = 2, 4, 8 (t dividing N), plain and with ZeRO-1 over the data-parallel group. The TP rows are
-planned only: `train` does not run a TP layout yet, and no TP step's buffers were measured.
+Layouts (for 2 to `MAX_DEVICES` devices): plain data parallel (DP), ZeRO-1, ZeRO-2 and ZeRO-3
+over all N devices (what `train` runs: optim.shard_optimizer / shard_gradients / shard_parameters);
+tensor parallel t x data parallel N/t for t = 2, 4, 8 (t dividing N), plain and with ZeRO-1 over
+the data-parallel group. The TP rows are planned only: `train` does not run a TP layout yet, and
+no TP step's buffers were measured.
 
 Memory:
 - DP and ZeRO rows: `ops/plan.memory_model`, the buffers train/step.py allocates (checked against
@@ -53,6 +54,9 @@ from mspretrain.errors import UserError
 
 GB = 1024**3
 TP_SIZES = (2, 4, 8)
+# Tabulated up to this many devices: each row builds the step's owner tables (train/layout.py), whose
+# cost grows with the world (about 5 s a row at 4,096 devices); a node to a few nodes is the question.
+MAX_DEVICES = 64
 
 
 def achieved_flops(m: ModelConfig, seq: int, tokens_per_s: float | None) -> tuple[float, str]:

@@ -467,7 +467,9 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         est["bus_source"] = "given" if bus_gbps else "assumed"
         est["rate_source"] = "given" if tokens_per_s_per_device else "MindSpore Transformers' llama2_7b reference"
         plan["overlap"] = est
-    if devices > 1:  # every layout of these devices, and the cheapest that fits (ops/layouts.py)
+    from mspretrain.ops.layouts import MAX_DEVICES
+
+    if 1 < devices <= MAX_DEVICES:  # every layout of these devices, and the cheapest that fits (ops/layouts.py)
         from mspretrain.ops.layouts import layout_table
 
         plan["layouts"] = layout_table(replace(cfg, model=m, train=replace(cfg.train, recompute=recompute)), m, devices=devices,
