@@ -32,6 +32,7 @@ import argparse
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -203,7 +204,10 @@ def worker(args: argparse.Namespace) -> int:
     result: dict = {"rank": rank, "world": trainer.world.size, "baseline_rss": probe.base}
     trainer.train()
     result["phases"] = probe.phases
-    result["params"] = sum(int(p.size) for p in trainer.model.trainable_params())
+    from mspretrain.train.zero3 import gathered  # zero3: a rank holds slices; count the whole model
+
+    whole = {name: int(math.prod(g.shape)) for name, g, _ in gathered(trainer.model)}
+    result["params"] = sum(whole.get(p.name, int(p.size)) for p in trainer.model.trainable_params())
     result["seconds"] = time.time() - t0
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(result))
     return 0
