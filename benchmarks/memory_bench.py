@@ -14,7 +14,8 @@ and later steps. MindSpore's memory statistics read 0 on CPU, so resident memory
 
 Modes: fp32 (replicated, world 1); fp16 + fp32 masters (`precision.dtype=fp16`,
 `precision.param_dtype=compute`, world 1); shard2 (2 msrun workers, `optim.shard_optimizer=true`,
-and `optim.shard_gradients=true` when `OptimConfig` has that key); accum (fp32, world 1, two
+and `optim.shard_gradients=true` when `OptimConfig` has that key); zero3 (2 msrun workers,
+`optim.shard_parameters=true`); accum (fp32, world 1, two
 micro-batches per step: accumulate() twice and apply() instead of the fused graph). Every run has
 device.target=cpu. The planner's number is `make_plan(cfg, devices=N)["memory_bytes"]["peak"]`
 (or `["total"]` when it has no peak), which on CPU includes its stated term for MindSpore's CPU
@@ -31,6 +32,7 @@ import argparse
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -53,6 +55,8 @@ MODES = {
     "fp32": (1, ["precision.dtype=fp32"]),
     "fp16": (1, ["precision.dtype=fp16", "precision.param_dtype=compute"]),
     "shard2": (2, ["precision.dtype=fp32", "optim.shard_optimizer=true"]),
+    # ZeRO-3 on 2 msrun workers: the weights themselves sliced, gathered in the model's graph
+    "zero3": (2, ["precision.dtype=fp32", "optim.shard_parameters=true"]),
     # fp32, world 1, gradient accumulation: 2 micro-batches per step (train.micro_batch = batch / 2),
     # so the step is accumulate() twice and apply() (fp32 accumulation buffers), not the fused graph
     "accum": (1, ["precision.dtype=fp32"]),
@@ -200,7 +204,10 @@ def worker(args: argparse.Namespace) -> int:
     result: dict = {"rank": rank, "world": trainer.world.size, "baseline_rss": probe.base}
     trainer.train()
     result["phases"] = probe.phases
-    result["params"] = sum(int(p.size) for p in trainer.model.trainable_params())
+    from mspretrain.train.zero3 import gathered  # zero3: a rank holds slices; count the whole model
+
+    whole = {name: int(math.prod(g.shape)) for name, g, _ in gathered(trainer.model)}
+    result["params"] = sum(whole.get(p.name, int(p.size)) for p in trainer.model.trainable_params())
     result["seconds"] = time.time() - t0
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(result))
     return 0

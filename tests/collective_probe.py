@@ -33,6 +33,8 @@ COLLECTIVES = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast")
 # followed by `      : (<Tensor[Float32], (32768)>) -> (<Tensor[Float32], (8192)>)`
 _NODE = re.compile(r"^\s*%\d+\([^)]*\) = (" + "|".join(COLLECTIVES) + r")\((.*)$")
 _GROUP = re.compile(r'group: "([^"]*)"')
+FAMILIES = {"llama": {}, "qwen2": {"family": "qwen2", "qkv_bias": True},
+            "qwen3": {"family": "qwen3", "qk_norm": True, "head_dim": 16}}
 _TYPES = re.compile(r"^\s*: \((.*)\) -> \((.*)\)\s*$")
 
 
@@ -65,6 +67,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--zero", type=int, choices=(1, 2, 3), required=True)
     ap.add_argument("--out", type=Path, required=True)
+    # ZeRO-3 with Qwen2's q/k/v bias or Qwen3's QK-norm: gathers anchored on another gather's result
+    ap.add_argument("--family", choices=tuple(FAMILIES), default="llama")
     args = ap.parse_args()
     os.environ.update({"GLOG_v": "3", "MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "backend_pass",
                        "MS_DEV_PRECOMPILE_ONLY": "1"})
@@ -75,10 +79,12 @@ def main() -> None:
     from mspretrain import config as cfgmod
     from mspretrain.model.llama import Llama, half_eligible
     from mspretrain.train.step import TrainStep
-    from mspretrain.train.zero3 import gathered_cells
+    from mspretrain.train.zero3 import gathered
 
     cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
-    m = cfgmod.resolve_model(cfg.model, 512)
+    from dataclasses import replace
+
+    m = cfgmod.resolve_model(replace(cfg.model, **FAMILIES[args.family]), 512)
     tokens = ms.Tensor(np.zeros((2, 33), np.int32))
     one = ms.Tensor(1.0, ms.float32)
     result: dict[str, dict] = {}
@@ -102,7 +108,7 @@ def main() -> None:
         reduce, gather = len(step._schedule), len(step._ag) + len(step._ag_single)
         traced = {"fused": reduce + 1 + sg + gather, "accumulate": reduce * sg, "apply": reduce * (1 - sg) + 1 + sg + gather}
         if step.zero3:  # in the model's graph: a gather per sharded weight forward, a reduce-scatter backward
-            weights = len(gathered_cells(model))
+            weights = len(gathered(model))
             traced = {"fused": 2 * weights + 2, "accumulate": 2 * weights, "apply": 2}
         result[str(rank)] = {"traced": traced}
         for name, compile_graph in graphs.items():

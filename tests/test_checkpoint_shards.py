@@ -21,7 +21,7 @@ def _publish_rank0(root, step, world, **kw):
 def test_shards_are_moved_in_hashed_by_their_rank_and_verified(tmp_path):
     root = tmp_path / "checkpoints"
     shards.write_shard(root, 3, 1, 2, {"opt_step": np.asarray(1), "exp_avg.v": np.full((3,), 2.0, np.float32)})
-    staged = json.loads((shards.staging_dir(root, 3, 1) / "shard.json").read_text())
+    staged = json.loads((shards.staging_dir(root, 3, 1) / "shard.json").read_text())["files"][0]  # one entry per file
     ckpt = _publish_rank0(root, 3, 2)
     assert store.verify(ckpt) is None
     manifest = json.loads((ckpt / "manifest.json").read_text())

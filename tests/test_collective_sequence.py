@@ -81,3 +81,30 @@ def test_the_ir_reader_finds_kind_group_and_types():
     assert collectives_in_ir(text) == [
         ["ReduceScatter", "hccl_world_group", "<Tensor[Float32], (32768)>", "<Tensor[Float32], (8192)>"],
         ["AllReduce", "g2", "<Tensor[BFloat16], (4)>", "<Tensor[BFloat16], (4)>"]]
+
+
+# ZeRO-3 with the families whose small weights are gathered after another gather's result (Qwen2's
+# q/k/v bias after its weight, Qwen3's k_norm after q_norm's output: train/zero3.py), at world 2.
+FAMILY_CASES = ["qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def compiled_family(tmp_path_factory) -> dict[str, dict[str, dict[str, list[list[str]]]]]:
+    class Cases(dict):
+        def __missing__(self, family: str) -> dict[str, dict[str, list[list[str]]]]:
+            folder = tmp_path_factory.mktemp(f"ir-w2-z3-{family}")
+            proc = subprocess.run([sys.executable, str(PROBE), "--world", "2", "--zero", "3", "--family", family, "--out", str(folder)],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            self[family] = json.loads(proc.stdout)
+            return self[family]
+    return Cases()
+
+
+@pytest.mark.parametrize("family", FAMILY_CASES)
+def test_zero3_families_compile_the_same_collectives_on_every_rank_and_keep_them_all(compiled_family, family):
+    ranks = compiled_family[family]
+    for graph in ("fused", "accumulate", "apply"):
+        assert ranks["0"][graph] == ranks["1"][graph], f"{family}, {graph} graph: rank 1 differs from rank 0"
+        for r, graphs in ranks.items():
+            assert len(graphs[graph]) == graphs["traced"][graph], f"{family}, rank {r}, {graph} graph"

@@ -2,6 +2,7 @@
 slicing of the model, and 2 msrun ranks against one process, resumed across layouts."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import mindspore as ms
@@ -11,7 +12,7 @@ from mindspore import Tensor, ops
 
 from mspretrain.errors import UserError
 from mspretrain.train.layout import slice_bounds
-from tests.conftest import FP16_MASTERS, assert_same_checkpoint, copy_run_at
+from tests.conftest import FP16_MASTERS, REFERENCE_ARGS, assert_close_rel, assert_same_checkpoint, copy_run_at
 from tests.test_distributed import FINAL, MSRUN, STEPS, _grad_norms, _metrics, _msrun, _step_dir
 from tests.test_zero2 import _assert_two_ranks_equal_one_process, _fp16_run_equals_one_process
 
@@ -76,7 +77,7 @@ def test_gather_and_its_bprop_on_the_cpu_form_with_a_loopback_peer(world_of, ran
 
 def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_whole_tensors(world_of):
     from mspretrain.model.llama import state_numpy
-    from mspretrain.train.zero3 import gathered_cells, load_full_state, shard_model
+    from mspretrain.train.zero3 import gathered, load_full_state, shard_model
 
     world_of(1, 2)
     whole = {k: v.copy() for k, v in state_numpy(_tiny()).items()}
@@ -87,7 +88,7 @@ def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_
     for p in model.trainable_params():
         a, b = slice_bounds(whole[p.name].size, 2, 1)
         assert p.shape == (b - a,) and np.array_equal(p.asnumpy(), whole[p.name].reshape(-1)[a:b])
-    assert [n for n, _ in gathered_cells(model)] == names
+    assert [n for n, _, _ in gathered(model)] == names
     # a checkpoint's whole tensors (any layout) come back as this rank's slices
     load_full_state(model, {k: v * 2 for k, v in whole.items()}, 2, 1)
     p = dict((q.name, q) for q in model.trainable_params())["lm_head.weight"]
@@ -96,13 +97,32 @@ def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_
         load_full_state(model, {**whole, "norm.weight": np.ones(65, np.float32)}, 2, 1)
 
 
-def test_shard_parameters_refuses_what_it_cannot_order_or_cut(world_of):
+@pytest.mark.parametrize("family", [{"family": "qwen2", "qkv_bias": True}, {"family": "qwen3", "qk_norm": True, "head_dim": 16}])
+def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of, family):
+    """Qwen2's q/k/v bias gets a gather of its own (`bias_gather`, after its weight's); Qwen3's q and
+    k norm weights one each (k_norm's anchored on q_norm's output): every trained parameter is a
+    slice, in the model's parameter order."""
+    from mspretrain.model.llama import state_numpy
+    from mspretrain.train.zero3 import gathered, shard_model, sharded_names
+
+    world_of(1, 2)
+    whole = {k: v.copy() for k, v in state_numpy(_tiny(**family)).items()}
+    model = _tiny(**family)
+    names = [p.name for p in model.trainable_params()]
+    shard_model(model, sharded_names(model, names, 2), 2, 1, "cpu")
+    assert [n for n, _, _ in gathered(model)] == names == [p.name for p in model.trainable_params()]
+    small = [n for n in names if "bias" in n or "q_norm" in n or "k_norm" in n]
+    assert len(small) == (2 if "qkv_bias" in family else 4)
+    for p in model.trainable_params():
+        a, b = slice_bounds(whole[p.name].size, 2, 1)
+        assert p.shape == (b - a,) and np.array_equal(p.asnumpy(), whole[p.name].reshape(-1)[a:b]), p.name
+    wqkv = model.layers[0].attn.wqkv
+    assert (wqkv.bias_gather is not None) == ("qkv_bias" in family)
+
+
+def test_shard_parameters_refuses_what_it_cannot_cut(world_of):
     from mspretrain.train.zero3 import sharded_names
 
-    world_of(0, 2)
-    model = _tiny(family="qwen3", qk_norm=True, head_dim=16)
-    with pytest.raises(UserError, match="qk_norm"):
-        sharded_names(model, [p.name for p in model.trainable_params()], 2)
     model = _tiny()
     with pytest.raises(UserError, match="fewer than world"):  # a 64-element norm over 9 ranks: an empty slice
         sharded_names(model, [p.name for p in model.trainable_params()], 9)
@@ -162,34 +182,72 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
 ZERO3 = ("optim.shard_parameters=true",)
 
 
+KILLED_AT = 6  # the save held open (MSPRETRAIN_FAULT_SAVE_DELAY) while the job is killed
+
+
 @pytest.fixture(scope="module")
-def zero3_run(tmp_path_factory, tiny_data) -> Path:
+def zero3_killed(tmp_path_factory, tiny_data) -> dict[str, Path]:
     """ZeRO-3 on 2 msrun workers, 2 micro-batches each (a gather per weight in every forward, a
-    reduce-scatter per weight in every backward), the reference run's config otherwise. Read-only."""
+    reduce-scatter per weight in every backward), the reference run's config otherwise: started,
+    SIGKILLed (the whole job: msrun and both workers) while rank 0 is writing the step-6 checkpoint
+    (its per-rank weight file in `step_000006.tmp/`, rank 1's files staged), then relaunched at the
+    same layout, which resumes from step 5 and runs to the end. `killed`: a copy of the run dir as
+    the kill left it; `run`: the relaunched run. Read-only."""
+    import time
+
+    from tests.test_distributed import _kill_tree, _start_launch
+
     tmp = tmp_path_factory.mktemp("zero3")
     run = tmp / "zero3"
+    args = (*REFERENCE_ARGS, *ZERO3, "train.micro_batch=1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MSPRETRAIN_FAULT_SAVE_DELAY", f"600@{KILLED_AT}")
+        proc = _start_launch(tmp, tiny_data, run, *args)
+    try:
+        held = run / "checkpoints" / f"step_{KILLED_AT:06d}.tmp"
+        deadline = time.time() + 600
+        while not (held / "model-00000-of-00002.safetensors").is_file():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(1)  # the other rank's staged files too, most likely: either way the save is unfinished
+    finally:
+        _kill_tree(proc)  # SIGKILL, msrun and every worker
+    killed = tmp / "killed"
+    shutil.copytree(run, killed)
     _msrun(tmp, tiny_data, run, *ZERO3, "train.micro_batch=1")
-    return run
+    assert f"resumed from step_{KILLED_AT - 1:06d}" in (run / "train.log").read_text()
+    return {"killed": killed, "run": run}
+
+
+@pytest.fixture(scope="module")
+def zero3_run(zero3_killed) -> Path:
+    """The ZeRO-3 run of `zero3_killed`, killed and resumed at the same layout: it must equal the
+    unbroken one-process run at every step. Read-only."""
+    return zero3_killed["run"]
 
 
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_sharded_parameters_match_one_process_and_resume_at_world_1(tmp_path, tiny_data, reference_run, zero3_run):
-    """Losses, grad norms, the final model and optimizer files and identical (gathered) replicas
-    against one process; every parameter's state is split into the two ranks' slices; one process
-    resumes the ZeRO-3 step-5 checkpoint and keeps the unbroken run's numbers."""
+    """Killed during a save and resumed at the same layout, the run has the unbroken one-process
+    run's losses, grad norms, final model and optimizer files and identical (gathered) replicas;
+    every parameter's weights and state are split into the two ranks' slices, each rank's in files
+    of its own; one process resumes the ZeRO-3 step-5 checkpoint and keeps the unbroken run's numbers."""
     from safetensors.numpy import load_file
 
     two = zero3_run
     assert "weights, optimizer state and gradients sharded over 2 ranks" in (two / "train.log").read_text()
-    shards = sorted(_step_dir(two, FINAL).glob("optimizer-*.safetensors"))
+    final = _step_dir(two, FINAL)
+    shards = sorted(final.glob("optimizer-*.safetensors"))
     keys = [set(load_file(str(s))) for s in shards]
-    assert len(shards) == 2
+    weights = [set(load_file(str(final / f"model-0000{r}-of-00002.safetensors"))) for r in (0, 1)]
+    assert len(shards) == 2 and not (final / "model.safetensors").exists()
     for name in ("embed.weight", "layers.0.attn_norm.weight", "lm_head.weight"):
         n = {"embed.weight": 32768, "layers.0.attn_norm.weight": 64, "lm_head.weight": 32768}[name]
         assert f"exp_avg.{name}@0:{n // 2}" in keys[0] and f"exp_avg.{name}@{n // 2}:{n}" in keys[1]
-    assert not {k for k in keys[0] & keys[1] if k != "opt_step"}
+        assert f"{name}@0:{n // 2}" in weights[0] and f"{name}@{n // 2}:{n}" in weights[1]
+    assert not {k for k in keys[0] & keys[1] if k != "opt_step"} and not weights[0] & weights[1]
     resumed = _assert_two_ranks_equal_one_process(two, reference_run, tiny_data, tmp_path)
     for step in range(6, FINAL + 1):
         assert_same_checkpoint(_step_dir(resumed, step), _step_dir(reference_run, step), 1e-5)
@@ -200,15 +258,20 @@ def test_sharded_parameters_match_one_process_and_resume_at_world_1(tmp_path, ti
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 @pytest.mark.parametrize("source, layout", [("zero3", ("optim.shard_gradients=true",)),
                                             ("one", (*ZERO3, "train.recompute=true"))])
-def test_resume_across_layouts(tmp_path, tiny_data, reference_run, zero3_run, source, layout):
-    """ZeRO-3 (2 ranks, step 5) resumed by ZeRO-2 on 2 ranks, and one process's step 5 resumed by
-    ZeRO-3 on 2 ranks without accumulation (the fused step) and with layer recompute (the backward
-    gathers each layer's weights again): the unbroken one-process run's losses, grad norms and
-    checkpoints to the end."""
-    src = zero3_run if source == "zero3" else reference_run
-    run = copy_run_at(src, tmp_path / f"from-{source}", 5)
+def test_resume_across_layouts(tmp_path, tiny_data, reference_run, zero3_killed, source, layout):
+    """The ZeRO-3 job as SIGKILL left it (2 ranks, step 5 the newest finished save, step 6's
+    unfinished) resumed by ZeRO-2 on 2 ranks, and one process's step 5 resumed by ZeRO-3 on 2 ranks
+    without accumulation (the fused step) and with layer recompute (the backward gathers each
+    layer's weights again): the unbroken one-process run's losses, grad norms and checkpoints to
+    the end."""
+    if source == "zero3":
+        run = tmp_path / "from-zero3"
+        shutil.copytree(zero3_killed["killed"], run)
+    else:
+        run = copy_run_at(reference_run, tmp_path / "from-one", 5)
     _msrun(tmp_path, tiny_data, run, *layout)
     assert "resumed from step_000005" in (run / "train.log").read_text()
+    assert not list((run / "checkpoints").glob("*.tmp"))  # the killed save's staging dirs were cleaned
     one, got = _metrics(reference_run), _metrics(run)
     one_gn, got_gn = _grad_norms(reference_run), _grad_norms(run)
     assert sorted(got) == STEPS
@@ -235,3 +298,58 @@ def test_sharded_parameters_with_fp16_matrices_and_fp32_master_slices(tmp_path, 
     keys = set().union(*(load_file(str(s)).keys() for s in _step_dir(two, FINAL).glob("optimizer-*.safetensors")))
     assert "master.layers.0.mlp.w13.weight@0:12288" in keys and "master.layers.0.mlp.w13.weight@12288:24576" in keys
     assert not any(k.startswith("master.lm_head") for k in keys)  # an fp32 slice is its own master
+
+
+# ---- Qwen2's q/k/v bias and Qwen3's QK-norm: 2 msrun ranks against one process (tests/zero3_worker.py)
+
+WORKER = Path(__file__).with_name("zero3_worker.py")
+
+
+@pytest.fixture(scope="module")
+def families_two(tmp_path_factory) -> Path:
+    """Both families' ZeRO-3 steps in one msrun job of 2 workers (one start-up for the two)."""
+    from mspretrain.ops.collectives_worker import run_workers
+
+    out = tmp_path_factory.mktemp("zero3-families")
+    run_workers(2, out, [str(out)], script=str(WORKER), timeout_s=600, what="the ZeRO-3 family steps")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, family):
+    """fp32, 3 steps at lr 1e-2: both ranks' losses and grad norms, and the gathered weights (the
+    bias and the QK-norm weights included, which moved from their zero / one initial values), equal
+    one process's within 1e-5 (the one process runs the ranks' halves of each batch as two
+    micro-batches: tests/zero3_worker.py says why)."""
+    import json
+
+    from tests.zero3_worker import run_steps
+
+    one = run_steps(family, 1, 0)
+    ranks = [json.loads((families_two / f"rank_{r}.json").read_text())[family] for r in (0, 1)]
+    for got in ranks:
+        for a, b in zip(got["losses"], one["losses"]):
+            assert abs(a - b) <= 1e-5, (got["losses"], one["losses"])
+        assert got["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    with np.load(families_two / f"{family}.npz") as z:
+        two = {k: z[k] for k in z.files}
+    assert sorted(two) == sorted(one["weights"])
+    small = [k for k in two if "bias" in k or "q_norm" in k or "k_norm" in k]
+    assert small
+    for k in small:  # trained away from their initial values (zeros, ones)
+        assert np.abs(one["weights"][k] - (0.0 if "bias" in k else 1.0)).max() > 1e-3, k
+    for k in sorted(two):
+        if k.endswith("wqkv.bias"):  # the q and v rows within 1e-5; the k rows, ill-conditioned, within 1e-3
+            q, kv = 4 * 16, 2 * 16  # n_heads x head_dim, n_kv_heads x head_dim (tests/zero3_worker.py)
+            # Measured in one process against itself, one micro-batch against two of the same rows:
+            # 1.1e-4 relative on layer 0's k bias, 1.2e-6 on its q and v bias, 1.7e-6 on the weight.
+            # The k bias's gradient nearly cancels (a shift common to a query's scores is lost in
+            # the softmax; RoPE leaves a small position-dependent remainder), so Adam's normalised
+            # step turns summation-order rounding into visible differences.
+            for rows, tol in (((0, q), 1e-5), ((q, q + kv), 1e-3), ((q + kv, q + 2 * kv), 1e-5)):
+                assert_close_rel(two[k][slice(*rows)], one["weights"][k][slice(*rows)], tol, f"{family} {k}{rows}")
+        else:
+            assert_close_rel(two[k], one["weights"][k], 1e-5, f"{family} {k}")

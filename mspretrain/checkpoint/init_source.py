@@ -48,7 +48,8 @@ def load_init(path: str | Path, log: Callable[[str], None] = lambda s: None) -> 
     check_weights(tensors, ref.dir)  # a checkpoint saved after a NaN step verifies, but cannot train
     model_cfg = resolved_config(ref, tensors).model  # the shape load_model and export give these weights
     manifest = read_json_file(ref.dir / store.MANIFEST, "checkpoint manifest")
-    files = {store.MODEL_FILE: manifest["files"][store.MODEL_FILE]["sha256"]}  # verified just now
+    # verified just now; the weights are one file, or one per rank of a ZeRO-3 run
+    files = {name: manifest["files"][name]["sha256"] for name in store.model_files(manifest["files"])}
     return InitWeights(path=p, kind="checkpoint", source_dir=ref.dir, config=model_cfg, tensors=tensors, files=files,
                        tokenizer_path=ref.tokenizer_path)
 

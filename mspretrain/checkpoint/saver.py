@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mspretrain.checkpoint import shards
+from mspretrain.checkpoint.model_shards import model_shard_name
 from mspretrain.checkpoint.store import optimizer_shard_name, prune, step_dir_name, write_checkpoint_dir
 from mspretrain.config import Config
 from mspretrain.paths import RunPaths
@@ -38,22 +39,29 @@ class Saver:
 
     def save(self, *, step: int, model: dict[str, np.ndarray], optimizer: dict[str, np.ndarray] | None,
              train_state: dict[str, Any], data_state: dict[str, Any] | None, config: Config,
-             tokenizer_path: Path | None, stall_started: float | None = None, world: int = 1) -> None:
+             tokenizer_path: Path | None, stall_started: float | None = None, world: int = 1,
+             model_metadata: dict[str, str] | None = None) -> None:
         """Hand a host copy of the state to the writer. Raises a previous write's error first.
 
         world > 1: `optimizer` is rank 0's shard of a sharded run; the other ranks' shards are
-        collected (see checkpoint/shards.py) before the manifest is written."""
+        collected (see checkpoint/shards.py) before the manifest is written. `model_metadata`
+        (ZeRO-3): `model` is rank 0's weight slices, written as its per-rank weight file."""
         kwargs: dict[str, Any] = dict(step=step, model=model, optimizer=optimizer, train_state=train_state,
                                       data_state=data_state, config=config, tokenizer_path=tokenizer_path)
+        if model_metadata is not None:
+            kwargs.update(model_file=model_shard_name(0, world), model_metadata=model_metadata)
         if world > 1:
             kwargs["optimizer_file"] = optimizer_shard_name(0, world)
             kwargs["collect"] = lambda tmp: shards.collect(self.root, step, world, tmp)
         self._start(self._write, kwargs, step, stall_started)
 
     def save_shard(self, *, step: int, rank: int, world: int, optimizer: dict[str, np.ndarray],
-                   stall_started: float | None = None) -> None:
-        """Rank R > 0 of a sharded run: write this rank's optimizer shard for rank 0 to publish."""
-        self._start(self._write_shard, dict(step=step, rank=rank, world=world, tensors=optimizer), step, stall_started)
+                   stall_started: float | None = None, model: dict[str, np.ndarray] | None = None,
+                   model_metadata: dict[str, str] | None = None) -> None:
+        """Rank R > 0 of a sharded run: write this rank's optimizer shard (and, ZeRO-3, its weight
+        slices) for rank 0 to publish."""
+        self._start(self._write_shard, dict(step=step, rank=rank, world=world, tensors=optimizer, model=model,
+                                            model_metadata=model_metadata), step, stall_started)
 
     def _start(self, target: Callable[..., None], kwargs: dict[str, Any], step: int, stall_started: float | None) -> None:
         t0 = stall_started if stall_started is not None else time.perf_counter()

@@ -1,9 +1,11 @@
-"""Optimizer shards of a sharded run: every rank writes its own, rank 0 publishes the checkpoint.
+"""Optimizer shards of a sharded run (and, under ZeRO-3, per-rank weight files): every rank writes
+its own, rank 0 publishes the checkpoint.
 
 Protocol (all ranks see the same filesystem: one node's disk, or the shared storage a multi-node
 job writes checkpoints to):
-  rank R > 0   writes `checkpoints/step_NNNNNN.rankR.tmp/optimizer-R-of-N.safetensors`, fsyncs it,
-               then writes `shard.json` (its SHA-256 and size) last; on failure `error.json`.
+  rank R > 0   writes `checkpoints/step_NNNNNN.rankR.tmp/optimizer-R-of-N.safetensors` (and under
+               ZeRO-3 `model-R-of-N.safetensors`, model_shards.py), fsyncs them, then writes
+               `shard.json` (each file's SHA-256 and size) last; on failure `error.json`.
   rank 0       writes the rest into `step_NNNNNN.tmp/`, waits for every `shard.json`, moves the
                shards in (a rename on the same filesystem), writes the manifest and renames the
                directory: the checkpoint appears whole or not at all, as unsharded ones do.
@@ -23,6 +25,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from mspretrain.checkpoint.model_shards import model_shard_name
 from mspretrain.checkpoint.store import SaveError, _sha256, optimizer_shard_name, step_dir_name
 from mspretrain.fsutil import atomic_write, chmod_like_open, fsync_path
 
@@ -35,19 +38,26 @@ def staging_dir(root: Path, step: int, rank: int) -> Path:
     return Path(root) / f"{step_dir_name(step)}.rank{rank}.tmp"
 
 
-def write_shard(root: Path, step: int, rank: int, world: int, tensors: dict[str, np.ndarray]) -> None:
-    """Rank R's part of a checkpoint; raises SaveError (after telling rank 0) when it cannot."""
+def write_shard(root: Path, step: int, rank: int, world: int, tensors: dict[str, np.ndarray],
+                model: dict[str, np.ndarray] | None = None, model_metadata: dict[str, str] | None = None) -> None:
+    """Rank R's part of a checkpoint: its optimizer shard, and (ZeRO-3, `model`) its weight slices;
+    raises SaveError (after telling rank 0) when it cannot."""
     d = staging_dir(root, step, rank)
-    name = optimizer_shard_name(rank, world)
+    plain = {"format": "mspretrain", "step": str(step)}
+    files = [(optimizer_shard_name(rank, world), tensors, plain)]
+    if model is not None:
+        files.append((model_shard_name(rank, world), model, model_metadata or plain))
     try:
         if d.exists():
             shutil.rmtree(d)
         d.mkdir(parents=True)
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / name),
-                  metadata={"format": "mspretrain", "step": str(step)})
-        chmod_like_open(d / name)
-        fsync_path(d / name)
-        _publish(d / "shard.json", {"file": name, "sha256": _sha256(d / name), "bytes": (d / name).stat().st_size})
+        entries = []
+        for name, part, meta in files:
+            save_file({k: np.ascontiguousarray(v) for k, v in part.items()}, str(d / name), metadata=meta)
+            chmod_like_open(d / name)
+            fsync_path(d / name)
+            entries.append({"file": name, "sha256": _sha256(d / name), "bytes": (d / name).stat().st_size})
+        _publish(d / "shard.json", {"files": entries})
     except Exception as exc:
         msg = str(exc).replace("Error while serializing: ", "")
         try:  # best effort: rank 0 stops waiting and reports this rank's reason
@@ -78,11 +88,11 @@ def collect(root: Path, step: int, world: int, into: Path, *, wait_s: float = WA
                 raise SaveError(f"rank {rank} did not deliver its optimizer shard for step {step} within {wait_s:.0f} s "
                                 "(with optim.shard_optimizer the run dir must be on storage every rank shares)")
             time.sleep(poll_s)
-        meta = json.loads((d / "shard.json").read_text(encoding="utf-8"))
-        src = d / meta["file"]
-        if src.stat().st_size != meta["bytes"]:
-            raise SaveError(f"rank {rank}'s optimizer shard has {src.stat().st_size} bytes, it reported {meta['bytes']}")
-        os.replace(src, into / meta["file"])
+        for meta in json.loads((d / "shard.json").read_text(encoding="utf-8"))["files"]:
+            src = d / meta["file"]
+            if src.stat().st_size != meta["bytes"]:
+                raise SaveError(f"rank {rank}'s {meta['file']} has {src.stat().st_size} bytes, it reported {meta['bytes']}")
+            os.replace(src, into / meta["file"])
+            entries[meta["file"]] = {"sha256": meta["sha256"], "bytes": meta["bytes"]}
         shutil.rmtree(d, ignore_errors=True)
-        entries[meta["file"]] = {"sha256": meta["sha256"], "bytes": meta["bytes"]}
     return entries

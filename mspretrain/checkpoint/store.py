@@ -2,6 +2,8 @@
 
 Layout of `RUN_DIR/checkpoints/step_NNNNNN/`:
     model.safetensors       parameters by our model's names
+      or model-RRRRR-of-NNNNN.safetensors, one per rank, under ZeRO-3 (`optim.shard_parameters`):
+      each rank's slices of the weights (checkpoint/model_shards.py); any layout reads them back
     optimizer.safetensors   AdamW moments and step counters (absent in weights-only checkpoints)
       or optimizer-RRRRR-of-NNNNN.safetensors, one per rank, when the optimizer state is
       sharded (`optim.shard_optimizer`): each holds the moments of the parameters that rank
@@ -39,6 +41,7 @@ from safetensors.numpy import load_file, save_file
 
 from mspretrain import __version__
 from mspretrain import config as cfgmod
+from mspretrain.checkpoint.model_shards import MODEL_FILE, model_files, model_files_problem, read_whole
 from mspretrain.config import Config
 from mspretrain.errors import UserError
 from mspretrain.fsutil import chmod_like_open, fsync_path, read_json_file
@@ -48,7 +51,6 @@ from mspretrain.paths import step_dir_name as step_dir_name  # kept as store.ste
 # The files of a checkpoint dir (a contract: docs/design.md "Files"); the run dir's are in paths.RunPaths.
 FORMAT_VERSION = 1
 STEP_RE = re.compile(r"^step_(\d{6,})$")
-MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 OPTIM_SHARD_RE = re.compile(r"^optimizer-(\d{5})-of-(\d{5})\.safetensors$")
 TRAIN_STATE = "train_state.json"
@@ -132,11 +134,14 @@ def write_checkpoint_dir(
     config: Config,
     tokenizer_path: Path | None = None,
     optimizer_file: str = OPTIM_FILE,
+    model_file: str = MODEL_FILE,
+    model_metadata: dict[str, str] | None = None,
     collect: Callable[[Path], dict[str, dict[str, Any]]] | None = None,
 ) -> Path:
     """Write a complete checkpoint to `final_dir` atomically (tmp dir, fsync, rename).
 
-    `collect(tmp)`: moves files written by other ranks (optimizer shards) into `tmp` before the
+    `model_file` / `model_metadata`: rank 0's per-rank weight file under ZeRO-3 (model_shards.py).
+    `collect(tmp)`: moves files written by other ranks (optimizer and weight shards) into `tmp` before the
     manifest is written, and returns their manifest entries (hashed by the rank that wrote them).
     On any error the temporary directory is removed and the error re-raised; nothing that
     existed before is touched.
@@ -147,8 +152,8 @@ def write_checkpoint_dir(
         shutil.rmtree(tmp)
     try:
         tmp.mkdir(parents=True)
-        save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, str(tmp / MODEL_FILE),
-                  metadata={"format": "mspretrain", "step": str(step)})
+        save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, str(tmp / model_file),
+                  metadata=model_metadata or {"format": "mspretrain", "step": str(step)})
         _fault_delay(step)
         if optimizer is not None:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / optimizer_file),
@@ -220,9 +225,12 @@ def manifest_files(ckpt_dir: Path) -> tuple[dict[str, dict[str, Any]] | None, st
     if problem:  # a malformed manifest is one more corrupt checkpoint: the fallback goes on
         return None, f"manifest.json is malformed ({problem})"
     files = manifest["files"]
-    for required in (MODEL_FILE, TRAIN_STATE, CONFIG_FILE):
+    for required in (TRAIN_STATE, CONFIG_FILE):
         if required not in files:
             return None, f"manifest lists no {required}"
+    weights = model_files_problem(files)  # model.safetensors, or every rank's model-R-of-N (ZeRO-3)
+    if weights:
+        return None, weights
     return files, None
 
 
@@ -429,8 +437,9 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda s: 
 
 
 def read_model_tensors(ref: CheckpointRef) -> dict[str, np.ndarray]:
-    """Weights by name as fp32 (runs with fp16 parameters store those as fp16)."""
-    return {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in load_file(str(ref.dir / MODEL_FILE)).items()}
+    """Weights by name as fp32 (runs with fp16 parameters store those as fp16), whole: from
+    model.safetensors or joined from the per-rank files of a ZeRO-3 run (model_shards.py)."""
+    return {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in read_whole(ref.dir).items()}
 
 
 def optimizer_keys(ckpt_dir: Path) -> set[str]:

@@ -269,6 +269,7 @@ class Linear(nn.Cell):
         self.dtype = dtype
         self.weight = _normal(rng, (out_dim, in_dim), std)
         self.gather = None  # ZeRO-3: a ShardedGather, `weight` then this rank's slice (train/zero3.py)
+        self.bias_gather = None  # ZeRO-3, the same for the bias
         self.has_bias = bias
         if bias:
             self.bias = Parameter(Tensor(np.zeros(out_dim, np.float32)), name="bias")
@@ -278,13 +279,18 @@ class Linear(nn.Cell):
         """The whole weight: the Parameter, or (ZeRO-3) gathered after `anchor`, the input it multiplies."""
         return self.weight if self.gather is None else self.gather(self.weight, anchor)
 
+    def full_bias(self, w: Tensor) -> Tensor:  # ZeRO-3: gathered after the whole weight `w` (one order)
+        b = self.bias if self.bias_gather is None else self.bias_gather(self.bias, w)
+        return b if self.dtype == ms.float32 else b.astype(self.dtype)
+
     def construct(self, x: Tensor) -> Tensor:
         w = self.full_weight(x)
+        b = self.full_bias(w) if self.has_bias else None
         w = w if self.dtype == ms.float32 else w.astype(self.dtype)
         lead = x.shape[:-1]
         y = self.matmul(x.reshape(-1, x.shape[-1]), w)  # (N, out)
         if self.has_bias:
-            y = y + (self.bias if self.dtype == ms.float32 else self.bias.astype(self.dtype))
+            y = y + b
         return y.reshape(lead + (self.out_dim,))
 
     def parts(self, x: Tensor, rows: tuple[int, ...]) -> tuple[Tensor, ...]:
@@ -292,11 +298,11 @@ class Linear(nn.Cell):
         output: on CPU, MindSpore's Split/Concat copy, and an (out, in) weight is far smaller than the
         (tokens, out) activation, so this beats one big MatMul followed by a split (see train.md)."""
         w = self.full_weight(x)
+        b = self.full_bias(w) if self.has_bias else None
         w = w if self.dtype == ms.float32 else w.astype(self.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         if self.has_bias:
-            b = self.bias if self.dtype == ms.float32 else self.bias.astype(self.dtype)
             return tuple((self.matmul(x2, wi) + bi).reshape(lead + (n,))
                          for wi, bi, n in zip(ops.split(w, rows, 0), ops.split(b, rows, 0), rows))
         return tuple(self.matmul(x2, wi).reshape(lead + (n,)) for wi, n in zip(ops.split(w, rows, 0), rows))
@@ -328,8 +334,8 @@ class RMSNorm(nn.Cell):
         self.fused = False
         self.gather = None  # ZeRO-3, as in Linear
 
-    def construct(self, x: Tensor) -> Tensor:
-        w = self.weight if self.gather is None else self.gather(self.weight, x)
+    def construct(self, x: Tensor, anchor: Tensor | None = None) -> Tensor:  # anchor: ZeRO-3's, if not x
+        w = self.weight if self.gather is None else self.gather(self.weight, x if anchor is None else anchor)
         if self.fused:
             y = ops.rms_norm(x.astype(ms.float32), w, self.fn.eps)[0]
             return y if self.fn.dtype == ms.float32 else y.astype(self.fn.dtype)
@@ -423,7 +429,8 @@ class Attention(nn.Cell):
         qk = qk.reshape(B, T, H + KV, hd)
         if self.qk_norm:  # before RoPE, as Qwen3Attention does
             q, k = ops.split(qk, (H, KV), 2)
-            qk = ops.concat((self.q_norm(q), self.k_norm(k)), 2)
+            q = self.q_norm(q)
+            qk = ops.concat((q, self.k_norm(k, q)), 2)  # k_norm's ZeRO-3 gather after q_norm's (RMSNorm)
         qk = apply_rope(qk, cos, sin)  # one RoPE call for q and k
         q, k = ops.split(qk.transpose(0, 2, 1, 3), (H, KV), 1)  # (B, H, T, hd), (B, KV, T, hd)
         return q, k, v.reshape(B, T, KV, hd).transpose(0, 2, 1, 3)  # v: (B, KV, T, hd)

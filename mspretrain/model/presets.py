@@ -65,6 +65,22 @@ def qwen3_8b() -> ModelConfig:
                        max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, family="qwen3", qk_norm=True)
 
 
+def qwen3_14b() -> ModelConfig:
+    """Qwen3-14B (14.77 B parameters): QK-norm, GQA 8, 151,936 vocabulary, untied lm_head (HF
+    Qwen/Qwen3-14B config.json: hidden 5120, 40 layers, 40 heads, intermediate 17408, rms eps 1e-6);
+    head_dim 128 = 5120 / 40, so 0 (automatic), as `convert` reads it."""
+    return ModelConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, head_dim=0, ffn_dim=17408, vocab_size=151936,
+                       max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, family="qwen3", qk_norm=True)
+
+
+def qwen25_32b() -> ModelConfig:
+    """Qwen2.5-32B (32.76 B parameters): q/k/v bias, GQA 8, 152,064-row embedding, untied lm_head (HF
+    Qwen/Qwen2.5-32B config.json: hidden 5120, 64 layers, 40 heads, intermediate 27648, rms eps 1e-5);
+    the 32,768 context of the 7B preset."""
+    return ModelConfig(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, ffn_dim=27648, vocab_size=152064,
+                       max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, family="qwen2", qkv_bias=True)
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny,
     "demo": demo,
@@ -75,6 +91,8 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "llama3-8b": llama3_8b,
     "qwen2.5-7b": qwen25_7b,
     "qwen3-8b": qwen3_8b,
+    "qwen3-14b": qwen3_14b,
+    "qwen2.5-32b": qwen25_32b,
 }
 
 

@@ -467,6 +467,14 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         est["bus_source"] = "given" if bus_gbps else "assumed"
         est["rate_source"] = "given" if tokens_per_s_per_device else "MindSpore Transformers' llama2_7b reference"
         plan["overlap"] = est
+    from mspretrain.ops.layouts import MAX_DEVICES
+
+    if 1 < devices <= MAX_DEVICES:  # every layout of these devices, and the cheapest that fits (ops/layouts.py)
+        from mspretrain.ops.layouts import layout_table
+
+        plan["layouts"] = layout_table(replace(cfg, model=m, train=replace(cfg.train, recompute=recompute)), m, devices=devices,
+                                       flash=flash, target=target, usable_gb=usable_gb, bus_gbps=bus_gbps or ASSUMED_BUS_GBPS,
+                                       tokens_per_s=tokens_per_s_per_device)
     if abs(P - LLAMA2_7B_PARAMS) / LLAMA2_7B_PARAMS < 0.01:
         ref: dict[str, Any] = dict(MINDFORMERS_LLAMA2_7B)
         if b.tokens:
@@ -561,6 +569,10 @@ def format_plan(plan: dict) -> str:
                      + (f" -> {r['hours_at_reference']:,.1f} h for this budget" if "hours_at_reference" in r else "")
                      + (f"; your figure is {r['ratio']:.2f}x of it" if "ratio" in r else ""))
         lines.append(f"           source: {r['source']}")
+    if "layouts" in plan:
+        from mspretrain.ops.layouts import format_layouts
+
+        lines += format_layouts(plan["layouts"])
     for w in plan["warnings"]:
         lines.append(f"WARNING: {w}")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from mspretrain.fsutil import LOG_CAP, atomic_write, jsonl_dicts, read_json_file
 from mspretrain.paths import RunPaths
 from mspretrain.train.loss_scale import LossScaler
 
-WEIGHT_FILES = (store.MODEL_FILE, store.CONFIG_FILE)  # plus the optimizer file(s)
+WEIGHT_FILES = (store.CONFIG_FILE,)  # plus the weight file(s) (ZeRO-3: one per rank) and the optimizer file(s)
 
 
 def _weights_intact(ckpt: Path) -> str | None:
@@ -32,7 +32,7 @@ def _weights_intact(ckpt: Path) -> str | None:
     optim = store.optimizer_files(files)
     if not optim:
         return "the manifest lists no optimizer state"
-    for name in WEIGHT_FILES + tuple(optim):
+    for name in WEIGHT_FILES + tuple(store.model_files(files)) + tuple(optim):
         if name not in files or not (ckpt / name).is_file():
             return f"{name} is missing"
         if store._sha256(ckpt / name) != files[name]["sha256"]:

@@ -9,9 +9,10 @@ Design choices:
 - The snapshot is a host *copy*: on CPU asnumpy() returns a view of the live parameter memory, and
   the next step would change the weights while the writer thread is still writing them.
 - Only rank 0 writes, except with a sharded optimizer where every rank writes its optimizer shard
-  and rank 0 publishes the checkpoint once all are there (checkpoint/shards.py). Under ZeRO-3 the
-  weights are gathered whole first (every rank takes part), so the model file is the same as any
-  other layout's and every layout resumes from it.
+  and rank 0 publishes the checkpoint once all are there (checkpoint/shards.py). Under ZeRO-3 each
+  rank also writes its weight slices to a file of its own (`model-R-of-N.safetensors`,
+  checkpoint/model_shards.py): no gather, no whole model on any host. Every layout reads either
+  form of the weights back: whole tensors, or (ZeRO-3, any world size) just this rank's ranges.
 - A rewind must reload the same checkpoint on every rank: "newest on disk" could differ between
   ranks while rank 0's writer is at work, so under msrun every rank takes the step of this run's
   newest save and waits until rank 0 has published it.
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mspretrain.checkpoint import store
+from mspretrain.checkpoint.model_shards import read_pieces
 from mspretrain.checkpoint.saver import Saver
 from mspretrain.config import Config
 from mspretrain.errors import UserError
@@ -53,18 +55,23 @@ class CheckpointManager:
         if self.rank != 0 and not sharded:
             return None
         t0 = time.perf_counter()
-        # ZeRO-3: the whole weights are gathered on every rank (a collective: all ranks call it), so
-        # the model file is the one any layout writes and any layout resumes from
-        whole = self.step_fn.full_weights() if getattr(self.step_fn, "zero3", False) else None
+        part, meta = None, None  # ZeRO-3: this rank's weight slices and their file's metadata
+        if getattr(self.step_fn, "zero3", False):
+            from mspretrain.checkpoint.model_shards import shard_metadata
+            from mspretrain.train.zero3 import slice_state
+
+            part, shapes = slice_state(self.model, self.world, self.rank)
+            meta = shard_metadata(step, shapes)
         optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
         try:
             if self.rank != 0:
-                self.saver.save_shard(step=step, rank=self.rank, world=self.world, optimizer=optim, stall_started=t0)
+                self.saver.save_shard(step=step, rank=self.rank, world=self.world, optimizer=optim, stall_started=t0,
+                                      model=part, model_metadata=meta)
                 return None
-            model = whole if whole is not None else {k: v.copy() for k, v in self.step_fn.full_weights().items()}
+            model = part if part is not None else {k: v.copy() for k, v in self.step_fn.full_weights().items()}
             self.saver.save(step=step, model=model, optimizer=optim, train_state=train_state,
                             data_state=self.loader.state(), config=self.cfg, tokenizer_path=self.tokenizer,
-                            stall_started=t0, world=self.world if sharded else 1)
+                            stall_started=t0, world=self.world if sharded else 1, model_metadata=meta)
         except store.SaveError as exc:
             self.failed(exc)
         return self.paths.step_dir(step)
@@ -79,7 +86,13 @@ class CheckpointManager:
         """Load a checkpoint's weights, this rank's optimizer state and (optionally) the loader
         position into the live objects; returns its train_state for the loop's own counters."""
         ts = store.read_json(ckpt / store.TRAIN_STATE)
-        self.step_fn.load_weights(store.load_file(str(ckpt / store.MODEL_FILE)))  # ZeRO-3: this rank's slices
+        # either form of the weights (model_shards.py); ZeRO-3 reads just this rank's ranges of them
+        wanted = {}
+        if getattr(self.step_fn, "zero3", False):
+            from mspretrain.train.zero3 import wanted_ranges
+
+            wanted = wanted_ranges(self.model, self.world, self.rank)
+        self.step_fn.load_weights(read_pieces(ckpt, wanted))
         available = store.optimizer_keys(ckpt)
         if not available:
             raise UserError(f"checkpoint {ckpt.name} has no optimizer state",

@@ -30,12 +30,28 @@ it: the bprop returns, as the anchor's gradient, zeros that depend on its reduce
 added into the gradient of the activation, from which every earlier weight's gradient is computed,
 so the reduce-scatters run in exactly the reverse order of the gathers on every rank. On Ascend
 the same anchors make the compiled order a function of the data flow, which tests/
-test_collective_sequence.py compares rank by rank.
+test_collective_sequence.py compares rank by rank. Two weights used side by side on one input
+would have no order between them, so each takes the other's output as its anchor instead: Qwen2's
+q/k/v bias is gathered after its own (gathered) weight (model/llama.py `Linear.full_bias`), Qwen3's
+k_norm weight after q_norm's output (`Attention.project`, `RMSNorm(x, anchor)`); their bprops
+then put the bias's reduce-scatter before the weight's, k_norm's before q_norm's.
 
-No prefetch: a gather anchored on its cell's input cannot start before the previous cell is done,
-so a layer's gather does not overlap the previous layer's compute. Overlap would need the gathers
-chained among themselves (gather k+1 after gather k, not after cell k's compute), which needs a
-token threaded through every cell's signature; not done.
+No prefetch, and why it is not done here. A gather anchored on its cell's input cannot start before
+the previous cell is done, so a layer's gather does not overlap the previous layer's compute, and
+on Ascend the compute waits for each gather (`plan` counts ZeRO-3's collectives as exposed). The
+overlap needs gather k+1 to be ordered after gather k (one order on every rank) and not after cell
+k's output: its anchor must be gather k's result, which lives in another cell. In graph mode a
+data dependence between cells is an argument or a result; handing a tensor over through a Python
+attribute set inside construct is not a dependence this code could rely on (not verified in
+MindSpore 2.10's parser, so not used). The anchor would have to travel through the signature of
+every cell on the way (Linear, RMSNorm, Attention, MLP, Block, Llama), or the Llama loop would
+gather each layer's weights and hand them to cells that take whole weights: either changes every
+cell's signature in model/llama.py, the file tensor parallel rewrites at the same time; left for
+after that merge.
+
+Checkpoints: no gather. Each rank writes its slices (`slice_state`) to a file of its own and a
+resume reads just its ranges (`wanted_ranges`) of whichever form the weights were written in
+(checkpoint/model_shards.py).
 
 Memory. The slices (weights, and the fp32 master, moments and gradient buffer of each) are 1/N of
 the model on every rank. A gathered weight is a graph intermediate: in MindSpore's graph mode its
@@ -59,7 +75,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mspretrain.errors import UserError
 from mspretrain.train.layout import slice_bounds
 
-__all__ = ["ShardedGather", "shard_model", "sharded_names", "full_state", "load_full_state"]
+__all__ = ["ShardedGather", "shard_model", "sharded_names", "gathered", "full_state", "load_full_state"]
 
 
 class ShardedGather(nn.Cell):
@@ -112,13 +128,8 @@ class ShardedGather(nn.Cell):
 
 
 def sharded_names(model: nn.Cell, names: list[str], world: int) -> list[str]:
-    """The parameters ZeRO-3 cuts: the trained ones (`names`). Refuses a model or world it cannot
-    serve, in one line: a slice must not be empty (n >= N² elements, as for split parameters), and
-    the Qwen3 QK-norm's two weights are used side by side on one input, so their gathers would have
-    no order between them (module docstring)."""
-    if getattr(getattr(model, "cfg", None), "qk_norm", False):
-        raise UserError("optim.shard_parameters does not support model.qk_norm yet (its q and k norms gather unordered)",
-                        "use optim.shard_gradients=true (ZeRO-2) for this model")
+    """The parameters ZeRO-3 cuts: the trained ones (`names`). Refuses a world it cannot serve, in
+    one line: a slice must not be empty (n >= N² elements, as for split parameters)."""
     sizes = {p.name: int(np.prod(p.shape)) for p in model.trainable_params()}
     small = [n for n in names if sizes[n] < world * world]
     if small:
@@ -127,45 +138,67 @@ def sharded_names(model: nn.Cell, names: list[str], world: int) -> list[str]:
     return list(names)
 
 
+def _slice_of(p: Parameter, world: int, rank: int, device: str) -> tuple[Parameter, ShardedGather]:
+    """This rank's 1-D slice of `p` (same name, dtype, requires_grad) and its gather."""
+    n = int(np.prod(p.shape))
+    a, b = slice_bounds(n, world, rank)
+    piece = Parameter(Tensor(p.asnumpy().reshape(-1)[a:b].copy()).astype(p.dtype), name=p.name, requires_grad=p.requires_grad)
+    return piece, ShardedGather(tuple(p.shape), world, rank, device)
+
+
 def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device: str) -> None:
     """Replace each named parameter of `model` by this rank's 1-D slice (same name) and give the
-    cell that holds it a `ShardedGather` (`cell.gather`), which the cell's construct calls. The
-    cells that hold weights: Linear, Embedding, RMSNorm (model/llama.py)."""
+    cell that holds it a `ShardedGather`, which the cell's construct calls: `cell.gather` for a
+    weight (Linear, Embedding, RMSNorm: model/llama.py), `cell.bias_gather` for Qwen2's q/k/v bias.
+
+    Every weight is sliced and gathered, the small ones too (Qwen2's q/k/v bias, Qwen3's QK-norm
+    weights, the RMSNorm weights): one rule for every parameter, so the optimizer state of each is
+    a slice and the checkpoint re-cuts as for any other; keeping the small ones replicated would
+    need an all-reduce of their gradients outside the model's graph, a second mechanism with its own
+    order to keep, for under 0.1 % of the parameters. Their gathers are ordered as the others:
+    the bias after its own weight (Linear.full_bias), k_norm after q_norm's output (Attention.project)."""
     want = set(names)
     for _, cell in model.cells_and_names():
         p = getattr(cell, "weight", None)
-        if not isinstance(p, Parameter) or p.name not in want:
-            continue
-        if getattr(cell, "has_bias", False) and cell.bias.name in want:  # Qwen2's q/k/v bias: not gathered yet
-            raise UserError("optim.shard_parameters does not support model.qkv_bias yet",
-                            "use optim.shard_gradients=true (ZeRO-2) for this model")
-        n = int(np.prod(p.shape))
-        a, b = slice_bounds(n, world, rank)
-        value = p.asnumpy().reshape(-1)[a:b].copy()
-        name, dtype, shape = p.name, p.dtype, tuple(p.shape)
-        cell.gather = ShardedGather(shape, world, rank, device)
-        cell.weight = Parameter(Tensor(value).astype(dtype), name=name, requires_grad=p.requires_grad)
-        cell.weight.name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
-        want.discard(name)
+        if isinstance(p, Parameter) and p.name in want:
+            name = p.name
+            cell.weight, cell.gather = _slice_of(p, world, rank, device)
+            cell.weight.name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
+            want.discard(name)
+        bias = getattr(cell, "bias", None) if getattr(cell, "has_bias", False) else None
+        if isinstance(bias, Parameter) and bias.name in want:
+            if cell.gather is None:  # its gather is anchored on the gathered weight (Linear.full_bias)
+                raise UserError(f"optim.shard_parameters cannot shard {bias.name} while its weight is frozen",
+                                "train the weight too (train.trainable), or use optim.shard_gradients=true (ZeRO-2)")
+            name = bias.name
+            cell.bias, cell.bias_gather = _slice_of(bias, world, rank, device)
+            cell.bias.name = name
+            want.discard(name)
     if want:
         raise UserError(f"optim.shard_parameters cannot shard {sorted(want)[0]} (no cell gathers it)",
                         "use optim.shard_gradients=true (ZeRO-2) for this model")
 
 
-def gathered_cells(model: nn.Cell) -> list[tuple[str, nn.Cell]]:
-    """(parameter name, cell) of every sharded weight, in the model's parameter order."""
-    return [(c.weight.name, c) for _, c in model.cells_and_names() if getattr(c, "gather", None) is not None]
+def gathered(model: nn.Cell) -> list[tuple[str, ShardedGather, Parameter]]:
+    """(parameter name, its gather, its slice) of every sharded parameter, in the model's parameter order."""
+    out = []
+    for _, c in model.cells_and_names():
+        if getattr(c, "gather", None) is not None:
+            out.append((c.weight.name, c.gather, c.weight))
+        if getattr(c, "bias_gather", None) is not None:
+            out.append((c.bias.name, c.bias_gather, c.bias))
+    return out
 
 
 def full_state(model: nn.Cell, jit: bool = True) -> Callable[[], dict[str, np.ndarray]]:
-    """A function returning every parameter whole by name (a checkpoint's model file; fp16 ones as
-    fp16, the rest fp32): the slices gathered in one compiled graph, one collective per parameter,
-    each after the previous one (the same order on every rank; every rank must call it). The whole
-    model is then on the host of each rank, transiently: what a checkpoint of whole weights costs
-    (docs/design.md, ZeRO-3)."""
-    cells = gathered_cells(model)
-    gathers = [c.gather for _, c in cells]
-    params = [c.weight for _, c in cells]
+    """A function returning every parameter whole by name (fp16 ones as fp16, the rest fp32): the
+    slices gathered in one compiled graph, one collective per parameter, each after the previous one
+    (the same order on every rank; every rank must call it). The whole model is then on the host of
+    each rank, transiently, so checkpoints do not use it (each rank writes its slices: `slice_state`);
+    the replicas' end-of-run hash and the tests do."""
+    cells = gathered(model)
+    gathers = [g for _, g, _ in cells]
+    params = [p for _, _, p in cells]
     token = Tensor(np.zeros((1,), np.float32))
 
     def gather_all(anchor):
@@ -179,7 +212,7 @@ def full_state(model: nn.Cell, jit: bool = True) -> Callable[[], dict[str, np.nd
     fn = ms.jit(gather_all) if jit else gather_all
 
     def run() -> dict[str, np.ndarray]:
-        whole = {name: w for (name, _), w in zip(cells, fn(token))}
+        whole = {name: w for (name, _, _), w in zip(cells, fn(token))}
         out = {}
         for p in model.get_parameters():
             value = whole.get(p.name, p)
@@ -189,22 +222,50 @@ def full_state(model: nn.Cell, jit: bool = True) -> Callable[[], dict[str, np.nd
     return run
 
 
+def slice_state(model: nn.Cell, world: int, rank: int) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, ...]]]:
+    """This rank's part of a checkpoint's weights, without any collective (checkpoint/model_shards.py):
+    each sharded parameter's slice as `NAME@START:STOP` (1-D; fp16 ones as fp16, the rest fp32),
+    and on rank 0 the parameters no rank slices (frozen ones) whole; plus the whole shapes of
+    every sharded parameter. Copies: the writer thread holds them while the next step runs."""
+    sharded = {name: g.shape for name, g, _ in gathered(model)}
+    out: dict[str, np.ndarray] = {}
+    for p in model.get_parameters():
+        value = (p.asnumpy() if p.dtype in (ms.float32, ms.float16) else p.astype(ms.float32).asnumpy()).copy()
+        if p.name in sharded:
+            a, b = slice_bounds(math.prod(sharded[p.name]), world, rank)
+            out[f"{p.name}@{a}:{b}"] = value.reshape(-1)
+        elif rank == 0:
+            out[p.name] = value
+    return out, sharded
+
+
+def wanted_ranges(model: nn.Cell, world: int, rank: int) -> dict[str, tuple[int, int]]:
+    """[start, stop) of this rank's slice of every sharded parameter: what a resume reads of the
+    checkpoint's weights (checkpoint/model_shards.py `read_pieces`); the others are read whole."""
+    return {name: slice_bounds(math.prod(g.shape), world, rank) for name, g, _ in gathered(model)}
+
+
 def load_full_state(model: nn.Cell, tensors: dict[str, np.ndarray], world: int, rank: int) -> None:
-    """Load whole tensors (a checkpoint's model file, any layout) into a sharded model: each sharded
-    parameter takes its slice, the others their whole value. Shapes are checked against the whole
-    shapes the gathers produce."""
+    """Load a checkpoint's weights (written by any layout) into a sharded model: a sharded
+    parameter takes its slice of a whole tensor, or the already cut 1-D slice (`wanted_ranges`,
+    as `read_pieces` returns it); the others their whole value. Whole shapes are checked against
+    the shapes the gathers produce, slices against this rank's length."""
     from mspretrain.model.llama import load_numpy
 
-    whole_shape = {name: c.gather.shape for name, c in gathered_cells(model)}
-    for name, shape in whole_shape.items():
-        if name in tensors and tuple(np.shape(tensors[name])) != shape:
-            raise UserError(f"tensor {name} has shape {tuple(np.shape(tensors[name]))}, the model expects {shape}",
-                            "the checkpoint was written for a different model config; use the config saved with it")
+    whole_shape = {name: g.shape for name, g, _ in gathered(model)}
     cut = {}
     for name, arr in tensors.items():
-        if name in whole_shape:
-            a, b = slice_bounds(math.prod(whole_shape[name]), world, rank)
-            cut[name] = np.asarray(arr).reshape(-1)[a:b]
-        else:
+        arr = np.asarray(arr)
+        if name not in whole_shape:
             cut[name] = arr
+            continue
+        shape = whole_shape[name]
+        a, b = slice_bounds(math.prod(shape), world, rank)
+        if tuple(arr.shape) == shape:
+            cut[name] = arr.reshape(-1)[a:b]
+        elif tuple(arr.shape) == (b - a,):  # this rank's slice, read as such
+            cut[name] = arr
+        else:
+            raise UserError(f"tensor {name} has shape {tuple(arr.shape)}, the model expects {shape}",
+                            "the checkpoint was written for a different model config; use the config saved with it")
     load_numpy(model, cut)

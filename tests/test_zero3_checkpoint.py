@@ -1,0 +1,129 @@
+"""ZeRO-3's per-rank weight files (checkpoint/model_shards.py): written by two ranks built in this
+process (the collective primitives told they are rank r of 2, as tests/test_zero3.py does), published
+with a manifest, read back whole and re-cut to another world size, and used by `checkpoints
+--verify`, `recover` and `export`. The msrun runs of tests/test_zero3.py resume from such files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mspretrain.train.layout import slice_bounds
+
+STEP = 2
+
+
+def _model(vocab: int):
+    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.model.llama import Llama
+
+    return Llama(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, family="qwen2", qkv_bias=True),
+                               vocab_size=vocab), seed=0)
+
+
+@pytest.fixture
+def zero3_checkpoint(tmp_path, monkeypatch, tiny_cfg, tiny_data) -> tuple[Path, dict[str, np.ndarray]]:
+    """RUN/checkpoints/step_000002 written as a 2-rank ZeRO-3 job writes it (rank 1's files staged
+    and collected by rank 0), the weights trained a little away from the initial ones (the q/k/v
+    bias is zero at init). Returns the run dir and the whole weights."""
+    from dataclasses import replace
+
+    from mindspore.ops.operations import comm_ops
+
+    from mspretrain.checkpoint import shards, store
+    from mspretrain.checkpoint.model_shards import model_shard_name, shard_metadata
+    from mspretrain.config import resolve_model
+    from mspretrain.model.llama import load_numpy, state_numpy
+    from mspretrain.paths import DataPaths
+    from mspretrain.train.zero3 import shard_model, slice_state
+
+    rng = np.random.default_rng(0)
+    base = _model(512)
+    whole = {k: (v + rng.normal(0, 0.01, v.shape)).astype(np.float32) for k, v in state_numpy(base).items()}
+    parts = []
+    for rank in (0, 1):
+        monkeypatch.setattr(comm_ops, "get_rank", lambda group=None, r=rank: r)
+        monkeypatch.setattr(comm_ops, "get_group_size", lambda group=None: 2)
+        model = _model(512)
+        load_numpy(model, whole)
+        shard_model(model, [p.name for p in model.trainable_params()], 2, rank, "cpu")
+        parts.append(slice_state(model, 2, rank))
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    root.mkdir(parents=True)
+    opt = lambda r: {"opt_step": np.array([STEP], np.int64), f"exp_avg.norm.weight@{32 * r}:{32 * r + 32}": np.zeros(32, np.float32)}
+    shards.write_shard(root, STEP, 1, 2, opt(1), model=parts[1][0], model_metadata=shard_metadata(STEP, parts[1][1]))
+    cfg = replace(tiny_cfg, model=resolve_model(base.cfg))
+    store.write_checkpoint_dir(root / store.step_dir_name(STEP), step=STEP, model=parts[0][0], optimizer=opt(0),
+                               train_state={"applied_steps": STEP}, data_state={"note": "unused here"}, config=cfg,
+                               tokenizer_path=DataPaths(tiny_data).tokenizer_model,
+                               optimizer_file=store.optimizer_shard_name(0, 2), model_file=model_shard_name(0, 2),
+                               model_metadata=shard_metadata(STEP, parts[0][1]),
+                               collect=lambda tmp: shards.collect(root, STEP, 2, tmp))
+    return run, whole
+
+
+def test_per_rank_weight_files_are_published_verified_and_read_back_at_any_world(zero3_checkpoint):
+    from safetensors.numpy import load_file
+
+    from mspretrain.checkpoint import store
+    from mspretrain.checkpoint.model_shards import read_pieces, read_whole, stored_shapes
+
+    run, whole = zero3_checkpoint
+    ckpt = run / "checkpoints" / "step_000002"
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert "model.safetensors" not in names
+    assert {"model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors"} <= set(names)
+    assert store.verify(ckpt) is None
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert {"model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors"} <= set(files)
+    # each file holds its rank's slices only, 1-D, named as the optimizer state's slices are
+    n = whole["layers.0.attn.wqkv.bias"].size
+    assert set(load_file(str(ckpt / "model-00001-of-00002.safetensors"))) >= {f"layers.0.attn.wqkv.bias@{n // 2}:{n}"}
+    assert stored_shapes(ckpt) == {k: v.shape for k, v in whole.items()}
+    got = read_whole(ckpt)
+    assert sorted(got) == sorted(whole)
+    for k in whole:
+        assert np.array_equal(got[k], whole[k]), k
+    # re-cut: rank 1 of 3 reads just its ranges; a whole-file checkpoint is cut the same way
+    wanted = {k: slice_bounds(v.size, 3, 1) for k, v in whole.items()}
+    pieces = read_pieces(ckpt, wanted)
+    for k, (a, b) in wanted.items():
+        assert np.array_equal(pieces[k], whole[k].reshape(-1)[a:b]), k
+    # a rank's file missing is a corrupt checkpoint
+    (ckpt / "model-00001-of-00002.safetensors").unlink()
+    assert store.verify(ckpt, deep=False) == "model-00001-of-00002.safetensors is missing"
+
+
+def test_a_manifest_without_every_ranks_weight_file_does_not_verify(zero3_checkpoint):
+    from mspretrain.checkpoint import store
+
+    run, _ = zero3_checkpoint
+    ckpt = run / "checkpoints" / "step_000002"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["files"]["model-00001-of-00002.safetensors"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert store.verify(ckpt) == "manifest lists no model-00001-of-00002.safetensors"
+
+
+def test_checkpoints_recover_and_export_work_on_per_rank_weight_files(zero3_checkpoint, tmp_path, capsys):
+    from mspretrain.cli import main
+    from mspretrain.model.hf import read_hf_dir
+
+    run, whole = zero3_checkpoint
+    ckpt = run / "checkpoints" / "step_000002"
+    assert main(["checkpoints", str(run), "--verify"]) == 0
+    assert "verified" in capsys.readouterr().out
+    (ckpt / "train_state.json").write_text("{broken")  # a state file lost: the weights are intact
+    assert main(["recover", str(run)]) == 0
+    assert "verifies again" in capsys.readouterr().out
+    assert main(["checkpoints", str(run), "--verify"]) == 0
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out), "--quiet"]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    _, exported, _ = read_hf_dir(out)
+    assert sorted(exported) == sorted(whole)
+    for k in whole:
+        assert np.array_equal(exported[k], whole[k]), k
