@@ -18,7 +18,7 @@ $(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c mspretrain/data/_m
 	@touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml
-	@echo "make: installing the test dependencies into $(VENV): pytest, pytest-xdist, hypothesis, torch (CPU, ~200 MB), transformers, ruff, ray"
+	@echo "make: installing the test dependencies into $(VENV): pytest, hypothesis, torch (CPU, ~200 MB), transformers, ruff, ray"
 	$(PIP) install -e '.[test]'
 	@touch $@
 
@@ -33,24 +33,20 @@ demo: $(VENV)/.base npm
 demo-quick: $(VENV)/.base npm
 	$(VENV)/bin/mspretrain demo --quick
 
-# Two pytest-xdist workers: much of the suite is single-threaded (graph compilation, Python, waits
-# on subprocesses), so two processes use two cores where one did not. tests/conftest.py makes each
-# test file one unit of work (its module fixtures are built once) and runs all msrun tests on one
-# worker, first, one after another. `make test XDIST=0` runs in one process (xdist off).
-XDIST  ?= 2
-PYTEST := $(PY) -m pytest $(if $(filter 0,$(XDIST)),-p no:xdist,-n $(XDIST) --dist loadfile)
-
+# Two lanes side by side, one pytest process per core (scripts/test_lanes.sh): lane 1 runs the
+# files listed in tests/lanes.txt (all msrun tests among them, one after another), lane 2 the
+# others; the run fails if either lane fails. One process instead: `.venv/bin/python -m pytest`.
 # Lint first ([tool.ruff] in pyproject.toml): it takes a second and names the line of a real bug
 # (an undefined name, an unused import) before the suite spends minutes compiling graphs.
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check .
-	$(PYTEST)
+	scripts/test_lanes.sh $(PY)
 
 # The inner loop while editing: everything but the end-to-end runs, msrun and the SIGKILL tests
 # (markers in pyproject.toml). CI and a change that is ready to land run `make test`.
 test-fast: $(VENV)/.test
 	$(VENV)/bin/ruff check .
-	$(PYTEST) -m "not slow and not msrun and not sigkill"
+	scripts/test_lanes.sh $(PY) "not slow and not msrun and not sigkill"
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/prepare_bench.py

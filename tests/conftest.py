@@ -129,12 +129,36 @@ def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
     log dirs and a resume on two nodes in tests/test_multinode.py) and with one AllReduce per
     parameter on one 2-worker msrun (tests/test_zero2.py). One job for the three: the two-node
     job and a 2-worker msrun of this config each trained the same 8 steps before. Read-only."""
-    from tests.test_multinode import two_nodes
+    from tests.helpers import two_nodes
 
     tmp = tmp_path_factory.mktemp("two-ranks")
     run = tmp / "two-fp32"
     two_nodes(tmp, tiny_data, run, *REFERENCE_ARGS, "precision.allreduce_dtype=fp32")
     return run
+
+
+@pytest.fixture(scope="session")
+def walkthrough(tmp_path_factory) -> tuple[Path, str]:
+    """scripts/walkthrough.sh (the quick start's sessions 1-6) run for real in a temp dir: its
+    workdir and what it printed. Five MindSpore processes, each compiling its graphs (~1 min on a
+    quiet 2-core box, ~2.5 min at load 5): tests/test_walkthrough.py checks it and
+    tests/test_docs.py compares it with the docs (both in one lane of tests/lanes.txt, so it runs
+    once). Read-only: test_docs runs its further commands in a copy."""
+    import subprocess
+    import sys
+
+    import torch  # noqa: F401  pinned test dependencies: missing must fail, not skip (pyproject [test])
+    import transformers  # noqa: F401
+
+    work = tmp_path_factory.mktemp("walkthrough")
+    env = dict(os.environ, GLOG_v="3")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv's mspretrain and python
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "walkthrough.sh"), str(work)], env=env, capture_output=True,
+                          text=True, timeout=1200)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"walkthrough failed (exit {proc.returncode}):\n{out[-4000:]}"
+    assert "Traceback" not in out, out[-4000:]
+    return work, out
 
 
 def copy_run_at(src: Path, dst: Path, step: int) -> Path:
@@ -234,89 +258,28 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
                 assert_close_rel(a[k].reshape(b[k].shape) if a[k].size == b[k].size else a[k], b[k], rtol, f"{got.name} {k}")
 
 
-# The files whose tests start msrun (2 workers + a scheduler each). Under pytest-xdist their msrun
-# tests are one unit of work, run first and one after another on one worker: two msrun jobs at once
-# would starve each other's heartbeats on 2 cores. The files' other tests (tables, one-process
-# steps, the CPU selftest) are units of their own, free for either worker. A new msrun test
-# elsewhere is refused at collection.
-MSRUN_FILES = ("tests/test_distributed.py", "tests/test_multinode.py", "tests/test_selftest.py", "tests/test_zero2.py",
-               "tests/test_zero3.py")
+# `make test` runs two pytest processes side by side (scripts/test_lanes.sh): lane 1 the files in
+# tests/lanes.txt, lane 2 the others. An msrun job (2 workers + a scheduler) beside another would
+# starve both jobs' heartbeats on 2 cores, so every file with msrun tests is in lane 1, where its
+# jobs run one after another; a test that starts msrun anywhere else is refused at collection.
+LANES = ROOT / "tests" / "lanes.txt"
+
+
+def lane_one() -> set[str]:
+    """The test files of lane 1, as `tests/test_x.py`."""
+    lines = (line.strip() for line in LANES.read_text(encoding="utf-8").splitlines())
+    return {line for line in lines if line and not line.startswith("#")}
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test skipped when msrun is missing starts msrun: mark it `msrun` even where the decorator was
-    forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers.
-
-    The order is the queue pytest-xdist hands out (`make test`: -n 2 --dist loadfile, see
-    `pytest_xdist_make_scheduler` below): the msrun tests first, then the files with `slow` tests,
-    then the rest, each file's tests in their own order (longest units first leave the least idle
-    tail). Only the order of files changes; a test never depends on another file having run."""
+    """A test skipped when msrun is missing starts msrun: mark it `msrun` even where the decorator
+    was forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers; and an msrun
+    test outside lane 1 is a usage error."""
+    lane1 = lane_one()
     for item in items:
         if any("msrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.msrun)
-    msrun_tests = _msrun_tests()
-    for item in items:
-        marked = item.get_closest_marker("msrun") is not None
-        if marked and _file(item.nodeid) not in MSRUN_FILES:
-            raise pytest.UsageError(f"{item.nodeid} starts msrun: add its file to MSRUN_FILES in tests/conftest.py "
-                                    "(pytest-xdist then never runs it beside another msrun test)")
-        if _file(item.nodeid) in MSRUN_FILES and marked != (_test_key(item.nodeid) in msrun_tests):
-            raise pytest.UsageError(f"{item.nodeid}: its msrun mark and what tests/conftest.py's _msrun_tests() reads "
-                                    "from the source disagree (mark the test with @pytest.mark.msrun or a module "
-                                    "pytestmark, as the other msrun tests are)")
-    slow_files = {_file(i.nodeid) for i in items if i.get_closest_marker("slow")}
-    items.sort(key=lambda i: 0 if i.get_closest_marker("msrun") else 1 if _file(i.nodeid) in slow_files else 2)
-
-
-def _file(nodeid: str) -> str:
-    return nodeid.split("::")[0]
-
-
-def _test_key(nodeid: str) -> str:
-    """`tests/test_x.py::test_name` of a node id (its parameters cut off)."""
-    return f"{_file(nodeid)}::{nodeid.split('::')[-1].split('[')[0]}"
-
-
-def _msrun_tests() -> frozenset:
-    """`_test_key`s of the tests in MSRUN_FILES that start msrun, read from their source: the
-    scheduler runs in pytest-xdist's controller, which collects nothing and sees node ids only.
-    A test counts when a decorator or the module's `pytestmark` names `mark.msrun` or a skipif for
-    a missing msrun; pytest_collection_modifyitems checks the result against the real marks."""
-    import ast
-
-    def says_msrun(node: ast.AST) -> bool:
-        text = ast.unparse(node)
-        return "mark.msrun" in text or ("skipif" in text and "msrun" in text)
-
-    keys = set()
-    for name in MSRUN_FILES:
-        tree = ast.parse((ROOT / name).read_text(encoding="utf-8"))
-        module_wide = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
-                          and says_msrun(n.value) for n in tree.body)
-        for n in ast.walk(tree):
-            if isinstance(n, ast.FunctionDef) and n.name.startswith("test"):
-                if module_wide or any(says_msrun(d) for d in n.decorator_list):
-                    keys.add(f"{name}::{n.name}")
-    return frozenset(keys)
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown (and unused) without it
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile`, with the msrun tests as one unit: each test file goes whole to one worker
-    (its module fixtures are built once), and the msrun tests of all MSRUN_FILES together to one
-    worker (their files' other tests are each file's own unit). The units are handed out in
-    collection order (above), not xdist's biggest-count-first. pytest-xdist's own `loadgroup`
-    would say this with marks, but on pytest 9.2 its group suffix on the node id no longer takes
-    effect (pytest-dev/pytest-xdist#1386), so the grouping is by node id here."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    msrun_tests = _msrun_tests()
-
-    class MsrunTestsTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "msrun" if _test_key(nodeid) in msrun_tests else _file(nodeid)
-
-    config.option.loadscopereorder = False
-    return MsrunTestsTogether(config, log)
+        path = item.nodeid.split("::")[0]
+        if item.get_closest_marker("msrun") is not None and path not in lane1:
+            raise pytest.UsageError(f"{item.nodeid} starts msrun: list {path} in tests/lanes.txt (lane 1 runs the msrun "
+                                    "tests one after another)")

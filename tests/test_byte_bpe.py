@@ -17,7 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from mspretrain.data.tokenizer import Tokenizer
 from tests.conftest import TINY, make_poems
-from tests.test_hf_bridge import cli, one_line_error
+from tests.helpers import assert_refusal, cli
 
 # Two training runs on a 66,001-token vocabulary (~60 s of CPU): `make test` runs them, `make test-fast` does not.
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ def test_tokenizer_extend_refuses_a_byte_level_bpe_in_one_line(big, capsys, tmp_
     corpus = tmp_path / "c.txt"
     corpus.write_text("春眠不觉晓\n", encoding="utf-8")
     rc, _, err = cli(capsys, "tokenizer", "extend", big["qwen"], "--train", corpus, "--add", "10", "--out", tmp_path / "o")
-    one_line_error(rc, err, "byte-level BPE")
+    assert_refusal(rc, err, "byte-level BPE")
     assert not (tmp_path / "o").exists()
 
 

@@ -27,8 +27,7 @@ import transformers
 
 from mspretrain.cli import main
 from tests.conftest import TINY
-from tests.test_hf_bridge import V, train_tokenizer
-from tests.test_init_from import hf_llama
+from tests.helpers import HF_VOCAB, tiny_hf_llama, train_tokenizer
 
 BASE_CHARS = [chr(c) for c in range(0x4E00, 0x4E00 + 40)]  # what the base tokenizer was trained on
 ADD = 16
@@ -56,9 +55,9 @@ def test_continue_from_a_published_llama(tmp_path):
 
     # a "published" model: HF folder with safetensors weights and its tokenizer.model
     hf_dir = tmp_path / "published"
-    published = hf_llama(seed=0)
+    published = tiny_hf_llama(seed=0)
     published.save_pretrained(hf_dir, safe_serialization=True)
-    base_tok = train_tokenizer(tmp_path / "base" / "tokenizer.model", V)
+    base_tok = train_tokenizer(tmp_path / "base" / "tokenizer.model", HF_VOCAB)
     shutil.copy(base_tok, hf_dir / "tokenizer.model")
     assert (hf_dir / "model.safetensors").is_file()
 
@@ -70,7 +69,7 @@ def test_continue_from_a_published_llama(tmp_path):
     _cli("prepare", corpus, "--out", data, "--tokenizer", ext / "tokenizer.model", "--config", TINY, "--quiet")
     base_sp, ext_sp = spm.SentencePieceProcessor(model_file=str(base_tok)), spm.SentencePieceProcessor(model_file=str(ext / "tokenizer.model"))
     vx = ext_sp.GetPieceSize()
-    assert vx == V + ADD and all(ext_sp.IdToPiece(i) == base_sp.IdToPiece(i) for i in range(V))
+    assert vx == HF_VOCAB + ADD and all(ext_sp.IdToPiece(i) == base_sp.IdToPiece(i) for i in range(HF_VOCAB))
 
     common = ["--config", TINY, "--data", data, "--quiet", "train.micro_batch=4", "train.log_every=1"]
     _cli("train", *common, "--run", s1, "--init-from", converted, "train.max_steps=3", "checkpoint.every=3",
@@ -79,20 +78,20 @@ def test_continue_from_a_published_llama(tmp_path):
     _cli("export", s2, "--format", "hf", "--out", out)
 
     meta = json.loads((s1 / "run_meta.json").read_text())["init_from"]
-    assert meta["kind"] == "checkpoint" and meta["resized"]["base_vocab"] == V and meta["resized"]["vocab"] == vx
+    assert meta["kind"] == "checkpoint" and meta["resized"]["base_vocab"] == HF_VOCAB and meta["resized"]["vocab"] == vx
     assert meta["resized"]["split_mean"] == ADD and meta["resized"]["overall_mean"] == 0
     from mspretrain.ops.report import build_report
 
     page = build_report(s1).read_text(encoding="utf-8")  # the report says where the weights came from
-    assert meta["files"]["model.safetensors"] in page and f"{V} -&gt; {vx}: {ADD} new rows" in page
+    assert meta["files"]["model.safetensors"] in page and f"{HF_VOCAB} -&gt; {vx}: {ADD} new rows" in page
 
     # Step 1's loss is the init model's: transformers' loss of the published model grown by the
     # independent reference rows, on the batch the loader gives step 1.
     sd = {k: v.numpy() for k, v in published.state_dict().items()}
-    ref = hf_llama(seed=0)
+    ref = tiny_hf_llama(seed=0)
     ref.resize_token_embeddings(vx)
     with torch.no_grad():
-        for i in range(V, vx):
+        for i in range(HF_VOCAB, vx):
             split = base_sp.EncodeAsIds(ext_sp.DecodeIds([i]))
             assert split, ext_sp.IdToPiece(i)
             for name, param in (("model.embed_tokens.weight", ref.model.embed_tokens.weight), ("lm_head.weight", ref.lm_head.weight)):
@@ -109,16 +108,16 @@ def test_continue_from_a_published_llama(tmp_path):
     for name, value in hf_names.items():
         if name not in ("embed.weight", "lm_head.weight"):
             assert np.array_equal(stage1[name], value), f"frozen {name} changed"
-    assert not np.array_equal(stage1["embed.weight"][:V], hf_names["embed.weight"])
+    assert not np.array_equal(stage1["embed.weight"][:HF_VOCAB], hf_names["embed.weight"])
     stage2 = load_file(str(s2 / "checkpoints" / "step_000002" / "model.safetensors"))
     assert not np.array_equal(stage2["layers.0.attn.wo.weight"], hf_names["layers.0.attn.wo.weight"])  # stage 2 trains all
 
     # transformers loads the export: the same logits as ours, and the extended tokenizer
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     ours = load_model(s2)
-    text = "".join(ext_sp.DecodeIds([i]) for i in range(V, V + 6)) + BASE_CHARS[0] + BASE_CHARS[5]
+    text = "".join(ext_sp.DecodeIds([i]) for i in range(HF_VOCAB, HF_VOCAB + 6)) + BASE_CHARS[0] + BASE_CHARS[5]
     ids = ours.tokenizer.encode(text)
-    assert any(i >= V for i in ids)
+    assert any(i >= HF_VOCAB for i in ids)
     at = transformers.AutoTokenizer.from_pretrained(out)
     assert at.encode(text, add_special_tokens=False) == ids
     import mindspore as ms

@@ -142,7 +142,7 @@ def test_process_state_sees_a_stopped_and_a_dead_process():
     import signal
     import subprocess
 
-    from mspretrain.ops.diagnose import process_state
+    from mspretrain.monitor.ranks import process_state
 
     p = subprocess.Popen(["sleep", "60"])
     try:

@@ -6,45 +6,15 @@ import numpy as np
 import pytest
 
 from mspretrain.data import dedup, diskdedup
-
-
-def _corpus(n: int, seed: int) -> list[str]:
-    """Random Chinese-ish documents with exact copies, one-character edits and edits of edits."""
-    rng = np.random.default_rng(seed)
-    alpha = [chr(0x4E00 + 7 * i) for i in range(400)]
-    docs: list[str] = []
-    for _ in range(n):
-        r = rng.random()
-        if docs and r < 0.1:
-            docs.append(docs[int(rng.integers(len(docs)))])
-        elif docs and r < 0.3:
-            src = docs[int(rng.integers(len(docs)))]
-            pos = int(rng.integers(len(src)))
-            docs.append(src[:pos] + alpha[int(rng.integers(400))] + src[pos + 1:])
-        else:
-            docs.append("".join(alpha[j] for j in rng.integers(0, 400, size=int(rng.integers(20, 120)))))
-    return docs
-
-
-def _reference(docs: list[str], threshold: float) -> tuple[np.ndarray, np.ndarray]:
-    exact, near = dedup.ExactDedup(), dedup.NearDedup(threshold, seed=3)
-    sigs = dedup.signatures(docs, seed=3)
-    e = np.zeros(len(docs), dtype=bool)
-    m = np.zeros(len(docs), dtype=bool)
-    for i, d in enumerate(docs):
-        if exact.seen(dedup.dedup_key(d)):
-            e[i] = True
-        elif near.seen(sigs[i]):
-            m[i] = True
-    return e, m
+from tests.helpers import dedup_corpus, dedup_reference
 
 
 @pytest.mark.parametrize("threshold", [0.5, 0.8])
 def test_disk_dedup_decides_like_the_in_memory_indexes(tmp_path, monkeypatch, threshold):
     monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)  # many partition files
     monkeypatch.setattr(diskdedup, "BUFFER_BYTES", 2048)  # many flushes
-    docs = _corpus(1500, seed=threshold == 0.8)
-    want_exact, want_near = _reference(docs, threshold)
+    docs = dedup_corpus(1500, seed=threshold == 0.8)
+    want_exact, want_near = dedup_reference(docs, threshold)
     assert want_exact.sum() > 50 and want_near.sum() > 50  # the corpus exercises both
     dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, threshold)
     assert dd.exact.parts > 8 and dd.near.parts > 8
@@ -70,8 +40,8 @@ def test_records_placed_by_workers_and_resolve_by_path_change_nothing(tmp_path, 
     main-process path (`add`), and so are the decisions."""
     monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)
     monkeypatch.setattr(diskdedup, "BUFFER_BYTES", 2048)
-    docs = _corpus(1500, seed=5)
-    want_exact, want_near = _reference(docs, 0.6)
+    docs = dedup_corpus(1500, seed=5)
+    want_exact, want_near = dedup_reference(docs, 0.6)
     assert want_exact.sum() > 50 and want_near.sum() > 50
     dds = {mode: diskdedup.DiskDedup(tmp_path / mode, 200_000, True, 0.6) for mode in ("main", "workers")}
     w = dds["workers"]
@@ -127,7 +97,7 @@ def test_band_keys_separate_bands_and_values():
 def test_c_minhash_equals_numpy(monkeypatch):
     if dedup._c_minhash() is None:
         pytest.skip("the optional C extension is not built")
-    docs = _corpus(300, seed=5) + ["短", "", "春风"]
+    docs = dedup_corpus(300, seed=5) + ["短", "", "春风"]
     fast = dedup.signatures(docs, seed=7)
     monkeypatch.setenv("MSPRETRAIN_MINHASH", "numpy")
     dedup._c_minhash.cache_clear()
@@ -159,8 +129,8 @@ def test_resolve_interrupted_sorts_again_only_the_undecided_partitions(tmp_path,
     its decisions are those of the reference."""
     monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)
     monkeypatch.setattr(diskdedup, "BUFFER_BYTES", 2048)
-    docs = _corpus(1500, seed=7)
-    want_exact, want_near = _reference(docs, 0.6)
+    docs = dedup_corpus(1500, seed=7)
+    want_exact, want_near = dedup_reference(docs, 0.6)
     assert want_exact.sum() > 50 and want_near.sum() > 50
     dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, 0.6)
     for lo in range(0, len(docs), 97):

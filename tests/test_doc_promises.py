@@ -11,16 +11,10 @@ import pytest
 import tomllib
 
 from mspretrain import config as cfgmod
-from mspretrain.cli import main
 from mspretrain.errors import UserError
+from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
-    code = main(argv)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # --------------------------------------------------------------------------- no model needed
@@ -35,7 +29,7 @@ def test_did_you_mean_is_deterministic_and_picks_the_closest_key():
 
 def test_a_config_key_spelled_as_an_option_gets_the_override_spelling(capsys):
     # item 14: `--max-steps 5` names train.max_steps
-    code, _, err = _run_cli(capsys, ["train", "--data", "d", "--run", "r", "--max-steps", "5"])
+    code, _, err = cli(capsys, "train", "--data", "d", "--run", "r", "--max-steps", "5")
     assert code == 2
     assert err.splitlines() == ["error: unrecognized arguments: --max-steps 5",
                                 "hint: config keys are overrides after the options, not --flags: did you mean train.max_steps=5?"]
@@ -46,7 +40,7 @@ def test_a_config_key_spelled_as_an_option_gets_the_override_spelling(capsys):
 def test_commands_that_read_a_run_refuse_overrides(capsys, tmp_path, argv):
     # item 2: they used to accept and silently ignore them
     argv = [str(tmp_path) if a == "RUN" else a for a in argv]
-    code, out, err = _run_cli(capsys, argv)
+    code, out, err = cli(capsys, *argv)
     assert code == 2 and out == ""
     lines = err.splitlines()
     assert len(lines) == 2 and lines[0].startswith(f"error: `mspretrain {argv[0]}` takes no config overrides")
@@ -55,10 +49,10 @@ def test_commands_that_read_a_run_refuse_overrides(capsys, tmp_path, argv):
 
 def test_eval_refuses_a_negative_token_limit_and_a_data_dir(capsys, tiny_data):
     # item 14
-    code, _, err = _run_cli(capsys, ["eval", str(tiny_data), "--max-tokens", "-5"])
+    code, _, err = cli(capsys, "eval", str(tiny_data), "--max-tokens", "-5")
     assert code == 2 and err.startswith("error: argument --max-tokens: -5 is outside [0, ")
     for command in (["eval", str(tiny_data)], ["generate", str(tiny_data), "--prompt", "春风"]):
-        code, _, err = _run_cli(capsys, command)
+        code, _, err = cli(capsys, *command)
         assert code == 2 and "is a data dir (the output of `mspretrain prepare`), not a run or checkpoint" in err, err
 
 
@@ -78,11 +72,11 @@ def test_doctor_takes_the_checkpoint_size_from_the_plan():
 def test_plan_with_a_preset_takes_the_vocabulary_from_the_data_dir(capsys, tiny_data):
     # item 9: `plan --model 125m --data DIR` assumed Llama's 32,000
     vocab = json.loads((tiny_data / "manifest.json").read_text())["vocab_size"]
-    code, out, _ = _run_cli(capsys, ["plan", "--model", "125m", "--data", str(tiny_data), "--json"])
+    code, out, _ = cli(capsys, "plan", "--model", "125m", "--data", str(tiny_data), "--json")
     assert code == 0
     plan = json.loads(out)
     assert plan["model"]["vocab_size"] == vocab and plan["model"]["dim"] == 768 and plan["model"]["n_layers"] == 12
-    code, out, _ = _run_cli(capsys, ["plan", "--model", "125m", "--data", str(tiny_data), "--json", "model.vocab_size=1000"])
+    code, out, _ = cli(capsys, "plan", "--model", "125m", "--data", str(tiny_data), "--json", "model.vocab_size=1000")
     assert json.loads(out)["model"]["vocab_size"] == 1000  # an explicit override still wins
 
 
@@ -171,12 +165,12 @@ def test_eval_prints_which_tokens_it_scored(capsys, run4):
     # item 11: the whole split vs the run's eval.max_tokens
     from mspretrain.commands.eval import scope_note
 
-    code, out, _ = _run_cli(capsys, ["eval", str(run4), "--quiet"])
+    code, out, _ = cli(capsys, "eval", str(run4), "--quiet")
     assert code == 0
     line = out.strip().splitlines()[-1]
     scored = int(re.search(r"over ([\d,]+) tokens", line).group(1).replace(",", ""))
     assert scored < 4096 and line.endswith(f"over {scored:,} tokens: the whole valid split")  # the run's evals (4,096) saw the same
-    code, out, _ = _run_cli(capsys, ["eval", str(run4), "--max-tokens", "64", "--quiet"])
+    code, out, _ = cli(capsys, "eval", str(run4), "--max-tokens", "64", "--quiet")
     assert out.strip().splitlines()[-1].endswith("over 64 tokens: the first 64 of the valid split (--max-tokens); "
                                                   "the run's own evals score up to the first 4,096 (eval.max_tokens)")
     # the demo's case: 84,000 valid tokens, the run's evals limited to the first 32,768

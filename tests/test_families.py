@@ -29,7 +29,9 @@ from mspretrain.model.llama import Llama, load_numpy, state_numpy
 from mspretrain.model.loss import token_nll
 from mspretrain.model.presets import param_count, preset
 from mspretrain.train.step import TrainStep, decay_mask
-from tests.test_hf_bridge import V, cli, one_line_error, train_tokenizer
+from tests.helpers import HF_VOCAB, assert_refusal, cli, train_tokenizer
+
+V = HF_VOCAB
 
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=3)
@@ -233,7 +235,7 @@ def test_list_valued_rope_type_is_one_line_from_the_cli(fam, capsys, tmp_path):
     cfg.pop("rope_parameters", None)
     (bad / "config.json").write_text(json.dumps(cfg))
     rc, _, err = cli(capsys, "convert", "--from-hf", bad, "--out", tmp_path / "out")
-    one_line_error(rc, err, "rope_scaling.type")
+    assert_refusal(rc, err, "rope_scaling.type")
     assert not (tmp_path / "out").exists()
 
 
@@ -316,7 +318,7 @@ def test_mfu_counts_the_family_matmuls(name):
 
 def _flash_kernels(attn, seen: list, out_dtype=np.float16) -> None:
     """Every FlashAttentionScore of `attn` replaced by the documented-semantics stand-in, recording."""
-    from tests.test_model import flash_reference
+    from tests.helpers import flash_reference
 
     for name in ("flash_causal", "flash_masked", "flash_band", "flash_band_masked"):
         if hasattr(attn, name):
@@ -327,13 +329,13 @@ def test_sliding_window_on_the_flash_path_matches_the_math_path(monkeypatch):
     """Mistral's window on Ascend: band mode (sparse_mode 4, pre_tokens = window - 1, next_tokens 0)
     with the one compressed 2048x2048 mask; with documents, the full (B, 1, T, T) mask in sparse_mode
     0 with the same band bounds. Checked on CPU against the documented kernel semantics
-    (tests/test_model.py kernel_discard; unverified on hardware, like every flash layout test), and
+    (tests/helpers.py kernel_discard; unverified on hardware, like every flash layout test), and
     the window really masks (a window of T gives other logits)."""
     from mspretrain.config import ModelConfig, resolve_model
     from mspretrain.model import llama as llama_mod
-    from tests.test_ascend_step import _rms_norm_reference
+    from tests.helpers import rms_norm_reference
 
-    monkeypatch.setattr(llama_mod.ops, "rms_norm", _rms_norm_reference)  # Ascend's fused norm has no CPU kernel
+    monkeypatch.setattr(llama_mod.ops, "rms_norm", rms_norm_reference)  # Ascend's fused norm has no CPU kernel
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
                                     family="mistral", sliding_window=4, init_std=0.2))
@@ -377,7 +379,7 @@ def test_banded_window_equals_plain_attention_on_every_edge(window, documents):
     window 1, 2, T-1, T, T+1, with and without documents. The masks are also compared exactly, and
     pre_tokens = window (one more) would fail: the edge is tested, not only the bulk."""
     from mspretrain.config import ModelConfig, resolve_model
-    from tests.test_model import kernel_discard
+    from tests.helpers import kernel_discard
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
                                     family="mistral", sliding_window=window))

@@ -2,13 +2,10 @@
 export back (transformers loads it cleanly, greedy generation agrees), round trip, bad inputs."""
 from __future__ import annotations
 
-import io
 import json
 import os
-import random
 import shutil
 from dataclasses import replace
-from pathlib import Path
 
 os.environ.setdefault("GLOG_v", "3")
 
@@ -18,34 +15,19 @@ import pytest
 
 # Plain imports, not importorskip: torch and transformers are pinned test dependencies
 # (pyproject [test]); a missing one must fail collection loudly, not skip every parity test.
-import sentencepiece as spm
 import torch
 import transformers
 
 from mspretrain.checkpoint.model import load_model
 from mspretrain.checkpoint.store import read_model_tensors, resolve_checkpoint, write_weights_only_checkpoint
-from mspretrain.cli import main
 from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.model.hf import read_safetensors
 from mspretrain.model.llama import Llama, state_numpy
 from mspretrain.model.loss import token_nll
+from tests.helpers import HF_VOCAB, assert_refusal, cli, train_tokenizer
 
-V = 320
-
-
-def train_tokenizer(path: Path, vocab: int) -> Path:
-    rng = random.Random(0)
-    chars = [chr(c) for c in range(0x4E00, 0x4E00 + 40)]
-    texts = ["".join(rng.choice(chars) for _ in range(rng.randint(4, 30))) + "，hello 12。" for _ in range(400)]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.Train(
-        sentence_iterator=iter(texts), model_writer=model, model_type="bpe", vocab_size=vocab, character_coverage=1.0,
-        byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=3, num_threads=1, minloglevel=2)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(model.getvalue())
-    return path
+V = HF_VOCAB
 
 
 def hf_llama(tied: bool, seed: int = 0, dtype=None):
@@ -56,21 +38,6 @@ def hf_llama(tied: bool, seed: int = 0, dtype=None):
         tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=3)
     model = transformers.LlamaForCausalLM(hc).eval()
     return model.to(dtype) if dtype is not None else model
-
-
-def cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(rc, err, needle):
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert lines[0].startswith("error:") and needle in lines[0], err
-    assert len(lines) <= 2 and "Traceback" not in err
-    assert len(lines) == 2 and lines[1].startswith("hint:"), err  # the contract: one error line, one hint line
 
 
 @pytest.fixture(scope="module")
@@ -193,26 +160,26 @@ def test_export_refuses_non_empty_out_and_unknown_format(our_ckpt, work, capsys)
     busy = root / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
-    one_line_error(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "did not write")
+    assert_refusal(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "did not write")
     assert (busy / "keep.txt").is_file()
     # --overwrite replaces only an earlier export: a user's file in --out is never deleted (issue 33)
-    one_line_error(*cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")[::2], "did not write")
+    assert_refusal(*cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")[::2], "did not write")
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
     (busy / "keep.txt").unlink()
     rc, _, err = cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")
     assert rc == 0, err
     assert (busy / "config.json").is_file()
-    one_line_error(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "earlier `export` output")
+    assert_refusal(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "earlier `export` output")
     rc, _, err = cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")
     assert rc == 0, err
-    one_line_error(*cli(capsys, "export", ck, "--format", "onnx", "--out", root / "x")[::2], "unknown export format")
-    one_line_error(*cli(capsys, "export", root / "busy", "--format", "hf", "--out", root / "y")[::2], "no verified checkpoint")
+    assert_refusal(*cli(capsys, "export", ck, "--format", "onnx", "--out", root / "x")[::2], "unknown export format")
+    assert_refusal(*cli(capsys, "export", root / "busy", "--format", "hf", "--out", root / "y")[::2], "no verified checkpoint")
     # a tokenizer of another size next to the weights: refused before anything is written
     odd = shutil.copytree(ck, root / "odd_tok")
     train_tokenizer(odd / "tokenizer.model", V + 20)
     odd_ck = write_weights_only_checkpoint(root / "odd_ck", read_model_tensors(resolve_checkpoint(ck)),
                                            resolve_checkpoint(ck).config, tokenizer_path=odd / "tokenizer.model")
-    one_line_error(*cli(capsys, "export", odd_ck, "--format", "hf", "--out", root / "z")[::2], "tokens but the model's vocab_size")
+    assert_refusal(*cli(capsys, "export", odd_ck, "--format", "hf", "--out", root / "z")[::2], "tokens but the model's vocab_size")
     assert not (root / "z").exists()
 
 
@@ -237,7 +204,7 @@ def test_bad_hf_inputs_are_one_line_errors(hf_dirs, work, capsys):
         return d
 
     def run(d, needle):
-        one_line_error(*cli(capsys, "convert", "--from-hf", d, "--out", root / f"out_{d.name}")[::2], needle)
+        assert_refusal(*cli(capsys, "convert", "--from-hf", d, "--out", root / f"out_{d.name}")[::2], needle)
         assert not (root / f"out_{d.name}").exists()
 
     run(variant("nocfg", drop=["config.json"]), "no config.json")

@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
-import transformers
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
 from mspretrain.checkpoint.init_source import load_init, plan_init
 from mspretrain.cli import main
 from mspretrain.config import ModelConfig
-from mspretrain.errors import UserError
 from mspretrain.model.groups import param_groups, trainable_mask
 from mspretrain.model.resize import resize_vocab
 from tests.conftest import TINY
-from tests.test_hf_bridge import V, train_tokenizer
+from tests.helpers import HF_VOCAB, assert_refusal, assert_user_error, cli, tiny_hf_llama, train_tokenizer
+
+V = HF_VOCAB
 
 CHARS = [chr(c) for c in range(0x4E00, 0x4E00 + 40)]  # the base tokenizer's characters (test_hf_bridge)
 NEW_PIECES = ["一丁", "万丈", "下丌", "下丌不"]  # pieces the base lacks (BPE: each a merge of two symbols)
@@ -36,16 +36,6 @@ def tiny_model() -> ModelConfig:
     from mspretrain import config as cfgmod
 
     return cfgmod.load(TINY).model
-
-
-def hf_llama(seed: int = 0, vocab: int = V, tied: bool = False):
-    """Matches configs/tiny.toml's model keys (dim 64, 2 layers, 4 heads, 2 KV heads, 128 positions)."""
-    torch.manual_seed(seed)
-    hc = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=3)
-    return transformers.LlamaForCausalLM(hc).eval()
 
 
 def extend_tokenizer(base: Path, out: Path, pieces: list[str], control: list[str] = ()) -> Path:
@@ -70,7 +60,7 @@ def src(tmp_path_factory):
     root = tmp_path_factory.mktemp("init_from")
     tok = train_tokenizer(root / "tok" / "tokenizer.model", V)
     hf_dir = root / "hf"
-    model = hf_llama()
+    model = tiny_hf_llama()
     model.save_pretrained(hf_dir)
     shutil.copy(tok, hf_dir / "tokenizer.model")
     ckpt = root / "converted"
@@ -145,15 +135,6 @@ def test_resize_tied_and_special_ids():
 
 # --------------------------------------------------------------------------- refusals
 
-def _refused(fn, *needles):
-    with pytest.raises(UserError) as exc:
-        fn()
-    e = exc.value
-    assert "\n" not in e.cause and "\n" not in e.fix and e.fix, str(e)
-    for needle in needles:
-        assert needle in e.cause, e.cause
-    return e
-
 
 def test_refusals_are_one_line(src):
     root = src["root"]
@@ -164,39 +145,39 @@ def test_refusals_are_one_line(src):
     small = root / "small" / "tokenizer.model"
     small.parent.mkdir()
     small.write_bytes(proto.SerializeToString())
-    _refused(lambda: plan_init(init, tiny_model(), small), "shrinking", str(V - 5), str(V))
+    assert_user_error(lambda: plan_init(init, tiny_model(), small), "shrinking", str(V - 5), str(V))
     reordered = extend_tokenizer(src["tok"], root / "reordered" / "tokenizer.model", NEW_PIECES)
     proto = sp_pb2.ModelProto()
     proto.ParseFromString(reordered.read_bytes())
     proto.pieces[300].piece, proto.pieces[301].piece = proto.pieces[301].piece, proto.pieces[300].piece
     reordered.write_bytes(proto.SerializeToString())
-    _refused(lambda: plan_init(init, tiny_model(), reordered), "does not extend the init model's tokenizer", "id 300")
-    _refused(lambda: plan_init(init, replace(tiny_model(), dim=128), src["tok"]), "model.dim = 128", "64")
-    _refused(lambda: plan_init(init, replace(tiny_model(), n_kv_heads=4), src["tok"]), "model.n_kv_heads = 4", "2")
-    _refused(lambda: load_init(root / "nowhere"), "does not exist")
+    assert_user_error(lambda: plan_init(init, tiny_model(), reordered), "does not extend the init model's tokenizer", "id 300")
+    assert_user_error(lambda: plan_init(init, replace(tiny_model(), dim=128), src["tok"]), "model.dim = 128", "64")
+    assert_user_error(lambda: plan_init(init, replace(tiny_model(), n_kv_heads=4), src["tok"]), "model.n_kv_heads = 4", "2")
+    assert_user_error(lambda: load_init(root / "nowhere"), "does not exist")
     nocfg = root / "nocfg"
     shutil.copytree(src["hf"], nocfg)
     (nocfg / "config.json").unlink()
-    _refused(lambda: load_init(nocfg), "no config.json")
+    assert_user_error(lambda: load_init(nocfg), "no config.json")
     bad = root / "bad_st"
     shutil.copytree(src["hf"], bad)
     raw = bytearray((bad / "model.safetensors").read_bytes())
     raw[8:16] = b"{{{{{{{{"  # a header that is not JSON
     (bad / "model.safetensors").write_bytes(bytes(raw))
-    _refused(lambda: load_init(bad), "not a valid safetensors file")
+    assert_user_error(lambda: load_init(bad), "not a valid safetensors file")
     corrupt = root / "corrupt_ckpt"
     shutil.copytree(src["ckpt"], corrupt)
     raw = bytearray((corrupt / "model.safetensors").read_bytes())
     raw[-1] ^= 0xFF  # same size, other bytes: only the SHA-256 sees it
     (corrupt / "model.safetensors").write_bytes(bytes(raw))
-    _refused(lambda: load_init(corrupt), "does not verify", "sha256 mismatch")
+    assert_user_error(lambda: load_init(corrupt), "does not verify", "sha256 mismatch")
     # no tokenizer with the init weights: new pieces cannot be split
     notok = root / "notok"
     shutil.copytree(src["hf"], notok)
     (notok / "tokenizer.model").unlink()
-    _refused(lambda: plan_init(load_init(notok), tiny_model(), src["ext"]), "without a tokenizer")
+    assert_user_error(lambda: plan_init(load_init(notok), tiny_model(), src["ext"]), "without a tokenizer")
     # ... and a data tokenizer of the same size: nothing shows it is the weights' own (issue 33)
-    _refused(lambda: plan_init(load_init(notok), tiny_model(), src["tok"]), "without a tokenizer", "same size")
+    assert_user_error(lambda: plan_init(load_init(notok), tiny_model(), src["tok"]), "without a tokenizer", "same size")
     # NaN / inf weights and integer tensors are refused naming the tensor (issue 33)
     from safetensors.numpy import load_file, save_file
 
@@ -209,18 +190,18 @@ def test_refusals_are_one_line(src):
         w[name] = w[name].copy()
         w[name][3, 5] = value
         save_file(w, str(damaged / "model.safetensors"), metadata={"format": "pt"})
-        _refused(lambda d=damaged: load_init(d), name, words)
+        assert_user_error(lambda d=damaged: load_init(d), name, words)
     for dtype in (np.int8, np.int32, np.bool_):
         damaged = root / f"damaged_{np.dtype(dtype).name}"
         shutil.copytree(src["hf"], damaged)
         save_file({**weights, name: weights[name].astype(dtype)}, str(damaged / "model.safetensors"), metadata={"format": "pt"})
-        _refused(lambda d=damaged: load_init(d), name, "not a floating-point weight")
+        assert_user_error(lambda d=damaged: load_init(d), name, "not a floating-point weight")
     # a FIFO named model.safetensors is refused at once (opening it would block forever)
     fifo = root / "fifo"
     shutil.copytree(src["hf"], fifo)
     (fifo / "model.safetensors").unlink()
     os.mkfifo(fifo / "model.safetensors")
-    _refused(lambda: load_init(fifo), "not a regular file")
+    assert_user_error(lambda: load_init(fifo), "not a regular file")
 
 
 # --------------------------------------------------------------------------- groups
@@ -243,7 +224,7 @@ def test_parameter_groups_cover_the_llama_names():
     assert {n for n, m in mask.items() if m} == {"embed.weight", "lm_head.weight"}
     # tied: the embedding is the lm_head, trained when either group is
     assert trainable_mask(["embed.weight", "norm.weight"], ["lm_head"], tied=True) == [True, False]
-    _refused(lambda: trainable_mask(["embed.weight", "norm.weight"], ["lm_head"], tied=False), "selects no parameter")
+    assert_user_error(lambda: trainable_mask(["embed.weight", "norm.weight"], ["lm_head"], tied=False), "selects no parameter")
     with pytest.raises(ValueError):
         param_groups("proj.weight")
 
@@ -300,7 +281,7 @@ def test_init_for_run_loads_the_hf_model_before_step_zero(src, tmp_path):
         ours = float(nll.asnumpy().mean())
         ref_model = hf
         if n_new:
-            ref_model = hf_llama()  # the same seed: HF's weights, then resized with our new rows
+            ref_model = tiny_hf_llama()  # the same seed: HF's weights, then resized with our new rows
             ref_model.resize_token_embeddings(V + n_new)
             with torch.no_grad():
                 ref_model.model.embed_tokens.weight[V:] = torch.tensor(weights["embed.weight"][V:])
@@ -321,7 +302,7 @@ def test_init_for_run_on_a_run_dir_with_checkpoints(src, tmp_path):
     shutil.copy(src["ckpt"] / "config.toml", run / "config.toml")
     cfg = cfgmod.load(TINY)
     data = _data_dir(tmp_path, src["tok"], "data")
-    _refused(lambda: init_for_run(src["hf"], cfg, data, run, log=lambda s: None), "already has checkpoints", "step_000005")
+    assert_user_error(lambda: init_for_run(src["hf"], cfg, data, run, log=lambda s: None), "already has checkpoints", "step_000005")
     logs: list[str] = []
     run_cfg, hook, meta = init_for_run(src["hf"], cfg, data, run, allow_config_change=True, log=logs.append)
     assert hook is None and meta is None and run_cfg.model == load_init(src["ckpt"]).config
@@ -333,7 +314,7 @@ def test_init_for_run_on_a_run_dir_with_checkpoints(src, tmp_path):
     (run / "run_meta.json").write_text(json.dumps({"data_dir": str(data), "init_from": record}))
     run_cfg, hook, meta = init_for_run(None, cfg, data, run, explicit={"dim", "n_layers"}, log=logs.append)
     assert run_cfg.model == load_init(src["ckpt"]).config and hook is None and meta == record
-    _refused(lambda: init_for_run(None, replace(cfg, model=replace(cfg.model, n_layers=3)), data, run, explicit={"n_layers"}),
+    assert_user_error(lambda: init_for_run(None, replace(cfg, model=replace(cfg.model, n_layers=3)), data, run, explicit={"n_layers"}),
              "model.n_layers = 3", f"the run in {run} has 2")
 
 
@@ -357,19 +338,6 @@ def ext_data(src):
     return out
 
 
-def _cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _one_line(rc, err, needle):
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 2 and lines[0].startswith("error:") and needle in lines[0] and lines[1].startswith("hint:"), err
-    assert "Traceback" not in err
-
-
 @pytest.mark.slow  # three training runs of its own (28 s of make test-fast, issue 32)
 def test_train_init_from_two_stages(src, ext_data, capsys):
     """Stage 1 from the HF folder (grown vocabulary, embeddings + lm_head only), resumed without
@@ -379,7 +347,7 @@ def test_train_init_from_two_stages(src, ext_data, capsys):
     root = src["root"]
     s1, s2 = root / "stage1", root / "stage2"
     base = ["--config", TINY, "--data", ext_data, "--quiet", "checkpoint.every=1", "checkpoint.keep_last=5"]
-    rc, _, err = _cli(capsys, "train", *base, "--run", s1, "--init-from", src["hf"], "train.max_steps=3",
+    rc, _, err = cli(capsys, "train", *base, "--run", s1, "--init-from", src["hf"], "train.max_steps=3",
                       'train.trainable=["embeddings", "lm_head"]')
     assert rc == 0, err
     meta = json.loads((s1 / "run_meta.json").read_text())["init_from"]
@@ -397,26 +365,26 @@ def test_train_init_from_two_stages(src, ext_data, capsys):
     assert set(optim) == {"opt_step"} | {f"{m}.{n}" for m in ("exp_avg", "exp_avg_sq") for n in ("embed.weight", "lm_head.weight")}
 
     # misuse: --init-from on a run dir with checkpoints; a missing source; a checkpoint that fails verification
-    _one_line(*_cli(capsys, "train", *base, "--run", s1, "--init-from", src["hf"], "train.max_steps=4")[::2], "already has checkpoints")
-    _one_line(*_cli(capsys, "train", *base, "--run", root / "new1", "--init-from", root / "nowhere")[::2], "does not exist")
+    assert_refusal(*cli(capsys, "train", *base, "--run", s1, "--init-from", src["hf"], "train.max_steps=4")[::2], "already has checkpoints")
+    assert_refusal(*cli(capsys, "train", *base, "--run", root / "new1", "--init-from", root / "nowhere")[::2], "does not exist")
     corrupt = root / "corrupt_stage1"
     shutil.copytree(last, corrupt)
     raw = bytearray((corrupt / "model.safetensors").read_bytes())
     raw[-1] ^= 0xFF
     (corrupt / "model.safetensors").write_bytes(bytes(raw))
-    _one_line(*_cli(capsys, "train", *base, "--run", root / "new2", "--init-from", corrupt)[::2], "does not verify")
-    _one_line(*_cli(capsys, "train", *base, "--run", root / "new3", "--init-from", src["hf"], "model.n_layers=3")[::2], "model.n_layers = 3")
+    assert_refusal(*cli(capsys, "train", *base, "--run", root / "new2", "--init-from", corrupt)[::2], "does not verify")
+    assert_refusal(*cli(capsys, "train", *base, "--run", root / "new3", "--init-from", src["hf"], "model.n_layers=3")[::2], "model.n_layers = 3")
     assert not (root / "new1").exists() and not (root / "new2").exists() and not (root / "new3").exists()
 
     # the same command without --init-from resumes stage 1 with its saved model config and record
-    rc, _, err = _cli(capsys, "train", *base, "--run", s1, "train.max_steps=4", 'train.trainable=["embeddings", "lm_head"]')
+    rc, _, err = cli(capsys, "train", *base, "--run", s1, "train.max_steps=4", 'train.trainable=["embeddings", "lm_head"]')
     assert rc == 0, err
     assert "resumed from step_000003" in (s1 / "train.log").read_text()
     assert json.loads((s1 / "run_meta.json").read_text())["init_from"] == meta
     assert np.array_equal(load_file(str(s1 / "checkpoints" / "step_000004" / "model.safetensors"))["norm.weight"], init["norm.weight"])
 
     # stage 2: a new run from the stage-1 run dir (its newest checkpoint), every group trained
-    rc, _, err = _cli(capsys, "train", *base, "--run", s2, "--init-from", s1, "train.max_steps=1", "schedule.warmup_steps=0")
+    rc, _, err = cli(capsys, "train", *base, "--run", s2, "--init-from", s1, "train.max_steps=1", "schedule.warmup_steps=0")
     assert rc == 0, err
     meta2 = json.loads((s2 / "run_meta.json").read_text())["init_from"]
     assert meta2["kind"] == "checkpoint" and meta2["dir"].endswith("step_000004") and meta2["resized"] is None

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mspretrain.errors import UserError
-from mspretrain.ops.diagnose import process_state
+from mspretrain.monitor.ranks import process_state
 
 
 def _beat(run: Path, rank: int, pid: int, age: float) -> None:
@@ -71,7 +71,7 @@ def test_node_rank_1_without_node_0_fails_in_bounded_time(capsys):
     from mspretrain.commands.launch import wait_for_master
 
     # A port bound here and never listened on: connecting is refused, and no other process (a
-    # Ray node, an msrun scheduler of the other xdist worker) can take it meanwhile, as it could
+    # Ray node, an msrun scheduler of the other test lane) can take it meanwhile, as it could
     # a port found free and then closed.
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))

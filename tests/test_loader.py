@@ -1,6 +1,6 @@
 """Loader: coverage per epoch (1, 2, 3 ranks), determinism, exact resume, mixing, EOS layout, errors.
 
-Data dirs are built here with ShardWriter + a hand-written manifest. Token values are unique
+Data dirs are built with ShardWriter + a hand-written manifest (tests/helpers.py `make_dir`). Token values are unique
 positions (token[i] = i + offset), so a window identifies itself by its first token, and the
 expected windows come from slicing the raw `.bin` file, independently of the loader's views.
 """
@@ -15,45 +15,8 @@ import pytest
 from mspretrain.data.loader import Batch, Loader, resolve_sources
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.mixing import consumed_after, mix_schedule, normalise
-from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.errors import UserError
-
-SEQ = 8
-EOS = 2
-
-
-def make_dir(root: Path, name: str, docs: list[np.ndarray], *, vocab: int = 65000, fingerprint: str | None = None,
-             extra: dict | None = None) -> Path:
-    d = root / name
-    d.mkdir()
-    w = ShardWriter(d / "train", token_dtype(vocab))
-    for doc in docs:
-        w.add(doc)
-    w.finalize()
-    manifest = {"fingerprint": fingerprint or f"fp-{name}", "tokens": {"train": int(sum(len(x) for x in docs))},
-                "vocab_size": vocab, "special_ids": {"bos": 1, "eos": EOS, "pad": 0, "unk": 3}, **(extra or {})}
-    (d / "manifest.json").write_text(json.dumps(manifest))
-    return d
-
-
-def counting_dir(root: Path, name: str, n_tokens: int, offset: int = 0) -> Path:
-    """Tokens offset, offset+1, ... split into uneven documents."""
-    toks = np.arange(offset, offset + n_tokens, dtype=np.int64)
-    cuts = np.arange(7, n_tokens, 13)
-    return make_dir(root, name, np.split(toks, cuts))
-
-
-def raw_windows(d: Path) -> np.ndarray:
-    """Independent reference: every window of the split, sliced from the raw `.bin` bytes."""
-    flat = np.fromfile(d / "train.bin", dtype=np.uint16).astype(np.int64)
-    n = (flat.size - 1) // SEQ
-    return np.stack([flat[i * SEQ : i * SEQ + SEQ + 1] for i in range(n)])
-
-
-def loader(d: Path | None, *, sources: list | None = None, **kw) -> Loader:
-    args = dict(split="train", seq_len=SEQ, batch_size=4, seed=7, log=lambda m: None)
-    args.update(kw)
-    return Loader(sources if sources is not None else [(d, 1.0)], **args)
+from tests.helpers import EOS, SEQ, counting_dir, loader, make_dir, raw_windows
 
 
 def take(ld: Loader, k: int) -> list[Batch]:

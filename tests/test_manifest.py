@@ -10,16 +10,13 @@ import pytest
 
 from mspretrain.data.manifest import check_data_dir, read_manifest
 from mspretrain.errors import UserError
+from tests.helpers import assert_user_error
 
 GOOD = {"fingerprint": "abc", "tokens": {"train": 10, "valid": 2}, "vocab_size": 512, "special_ids": {"eos": 2}}
 
 
 def _one_line_error(d: Path) -> UserError:
-    with pytest.raises(UserError) as ei:
-        read_manifest(d)
-    e = ei.value
-    assert e.cause and e.fix and "\n" not in e.cause and "\n" not in e.fix, str(e)
-    return e
+    return assert_user_error(lambda: read_manifest(d))
 
 
 def test_reads_a_valid_manifest(tmp_path):

@@ -6,64 +6,31 @@ run), through a resume and a spike rewind."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from mspretrain.train.distributed import free_local_port
-from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, REWIND_ARGS, TINY, assert_same_checkpoint, copy_run_at
-from tests.test_distributed import MSRUN, _grad_norms, _metrics, _replica_hashes, _step_dir
+from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, REWIND_ARGS, assert_same_checkpoint, copy_run_at
+from tests.helpers import MSRUN, grad_norms, losses, replica_hashes, step_dir, two_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")]
-
-
-def two_nodes(tmp_path: Path, data: Path, run: Path, *args: str, timeout: float = 900) -> None:
-    """Node 0 and node 1 as two launch processes, as two hosts would run them."""
-    logs, port = tmp_path / f"logs-{run.name}", str(free_local_port())
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "1", "--nodes", "2", "--node-rank", str(node),
-               "--master-addr", "127.0.0.1", "--master-port", port, "--log-dir", str(logs),
-               "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), "--quiet", *args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, "GLOG_v": "3"}))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        from mspretrain.ops.watchdog import kill_tree
-
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p.pid)
-                p.wait(timeout=30)
-    logs_text = "".join(f.read_text(errors="replace")[-1500:] for f in sorted(logs.rglob("*.log")))
-    for node, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"node {node}: {out[-2000:]}\n{logs_text}"
-    # one scheduler, each node its own log dir (two schedulers would fight over the port and scheduler.log)
-    assert (logs / "node_0" / "scheduler.log").is_file() and (logs / "node_0" / "worker_0.log").is_file()
-    assert (logs / "node_1" / "worker_1.log").is_file()
 
 
 def test_two_nodes_equal_one_process_and_resume(tmp_path, tiny_data, reference_run, two_ranks_fp32):
     """The session's `two_ranks_fp32` (conftest) is this two-node job: `two_nodes` checked its
     exit codes and per-node log dirs when it ran."""
     run = two_ranks_fp32
-    one, got = _metrics(reference_run), _metrics(run)
+    one, got = losses(reference_run), losses(run)
     steps = list(range(1, REFERENCE_STEPS + 1))
     assert sorted(got) == sorted(one) == steps
     for step in steps:
         assert abs(got[step] - one[step]) <= 1e-5, (step, one[step], got[step])
-    one_gn, got_gn = _grad_norms(reference_run), _grad_norms(run)
+    one_gn, got_gn = grad_norms(reference_run), grad_norms(run)
     for step in steps:
         assert got_gn[step] == pytest.approx(one_gn[step], rel=1e-5), (step, one_gn[step], got_gn[step])
     for step in (1, REFERENCE_STEPS):  # every step saved a checkpoint; the first and the last are compared
-        assert_same_checkpoint(_step_dir(run, step), _step_dir(reference_run, step), 1e-5)
-    hashes = _replica_hashes(run)
+        assert_same_checkpoint(step_dir(run, step), step_dir(reference_run, step), 1e-5)
+    hashes = replica_hashes(run)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
     beats = sorted((run / "heartbeat").glob("rank_*.json"))
     assert [json.loads(b.read_text())["phase"] for b in beats] == ["done", "done"]
@@ -73,10 +40,10 @@ def test_two_nodes_equal_one_process_and_resume(tmp_path, tiny_data, reference_r
     resumed = copy_run_at(run, tmp_path / "nodes-resumed", resume_at)
     two_nodes(tmp_path, tiny_data, resumed, *REFERENCE_ARGS, "precision.allreduce_dtype=fp32")
     assert f"resumed from step_{resume_at:06d}" in (resumed / "train.log").read_text()
-    after = _metrics(resumed)
+    after = losses(resumed)
     for step in range(resume_at + 1, REFERENCE_STEPS + 1):
         assert abs(after[step] - one[step]) <= 1e-5, (step, one[step], after[step])
-    assert_same_checkpoint(_step_dir(resumed, REFERENCE_STEPS), _step_dir(reference_run, REFERENCE_STEPS), 1e-5)
+    assert_same_checkpoint(step_dir(resumed, REFERENCE_STEPS), step_dir(reference_run, REFERENCE_STEPS), 1e-5)
 
 
 def test_two_nodes_spike_rewind_equals_one_process(tmp_path, tiny_data, rewind_one_process):
@@ -94,7 +61,7 @@ def test_two_nodes_spike_rewind_equals_one_process(tmp_path, tiny_data, rewind_o
     # high lr amplifies it (measured 1.6e-5 by step 19 with the counter-based initial weights)
     assert all(abs(x - y) <= 5e-5 for (_, x), (_, y) in zip(a, b))
     assert "rewound to step_" in (two / "train.log").read_text()
-    final = _step_dir(two, 14)
+    final = step_dir(two, 14)
     assert (final / "optimizer-00000-of-00002.safetensors").is_file() and (final / "optimizer-00001-of-00002.safetensors").is_file()
     # lr 0.01 (10x the reference run's) over 14 updates with rewinds amplifies the rounding of the
     # two-rank gradient sum. Measured 1.6e-5 at most on the box this test was written on; on an AMD
@@ -102,4 +69,4 @@ def test_two_nodes_spike_rewind_equals_one_process(tmp_path, tiny_data, rewind_o
     # same to the digit on this code and on the code before it (a924baa): MindSpore picks other CPU
     # kernels on other CPUs. The losses, rewinds included, are held to 5e-5 above.
     # lr 10x: relative error of the moments 1.02e-4 measured with the counter-based initial weights
-    assert_same_checkpoint(final, _step_dir(one, 14), 3e-4)
+    assert_same_checkpoint(final, step_dir(one, 14), 3e-4)

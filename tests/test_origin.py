@@ -113,9 +113,9 @@ def test_one_document_per_line_raw_blocks(tmp_path):
 def test_offsets_of_pieces_of_an_over_long_line(tmp_path, monkeypatch):
     """A line longer than MAX_DOC_CHARS is cut into documents; read as raw blocks, each piece
     points at its own first byte."""
-    from mspretrain.data import sources
+    from mspretrain.data import sources, textdocs
 
-    monkeypatch.setattr(sources, "MAX_DOC_CHARS", 50)
+    monkeypatch.setattr(textdocs, "MAX_DOC_CHARS", 50)
     text = "".join(p.replace("\n", "") for p in make_poems(6, seed=4))
     p = tmp_path / "long.txt"
     p.write_text("开头一行字\n" + text + "\n", encoding="utf-8")
@@ -239,10 +239,10 @@ def test_origin_api_shape(raw, tmp_path):
 
 def test_a_line_without_end_switches_reader_and_keeps_origins(tmp_path, monkeypatch):
     """A one-per-line file whose first read holds no newline is read by the decoding reader
-    (`_raw_line_blocks`' fallback): its pieces point at the start of their line."""
-    from mspretrain.data import sources
+    (`raw_line_blocks`' fallback): its pieces point at the start of their line."""
+    from mspretrain.data import sources, textdocs
 
-    monkeypatch.setattr(sources, "MAX_DOC_CHARS", 50)
+    monkeypatch.setattr(textdocs, "MAX_DOC_CHARS", 50)
     p = tmp_path / "one.txt"
     p.write_bytes(b"\xef\xbb\xbf" + ("春眠不觉晓处处闻啼鸟" * 30).encode())
     got = [b for b in sources.iter_file_batches(p, doc_per_line=True, stats=sources.SourceStats(), warn=lambda _: None, raw=True)]
@@ -267,7 +267,7 @@ def test_overwrite_never_replaces_a_foreign_origin_file(raw, tmp_path):
 def test_chunks_carry_the_origins_of_their_documents(raw, tmp_path, monkeypatch):
     """`chunks` cuts batches apart (here every 5 documents or 40 characters): each chunk's
     records are its own documents', in order, whatever the cut; then prepare end to end."""
-    from mspretrain.data import pipeline, pool, sources
+    from mspretrain.data import pipeline, pool, textdocs
 
     monkeypatch.setattr(pool, "CHUNK_DOCS", 5)
     monkeypatch.setattr(pool, "CHUNK_CHARS", 40)
@@ -276,7 +276,7 @@ def test_chunks_carry_the_origins_of_their_documents(raw, tmp_path, monkeypatch)
     for f in range(6):
         k = int(rng.integers(0, 12))
         docs = [f"文{f}-{n + i}" + "字" * int(rng.integers(1, 30)) for i in range(k)]
-        batches.append(sources._docs(docs, sources._records(f, np.arange(n, n + k) * 10)))
+        batches.append(textdocs.docs_of(docs, textdocs.origin_records(f, np.arange(n, n + k) * 10)))
         n += k
     got_docs, got_rec = [], []
     for chunk, rec in pipeline.chunks_with_origin(iter(batches)):

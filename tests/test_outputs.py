@@ -1,9 +1,11 @@
-"""Issue 33, classes 2, 3 and 7: no command deletes or overwrites what it did not write, a
-multi-file output is published as a set, and a full disk or a read-only dir is one line.
+"""Outputs: no command deletes or overwrites what it did not write, a multi-file output is
+published as a set, and a full disk or a read-only dir is one line.
 
 The helper (mspretrain/outputs.py) is tested on its own first, then through every command that
 writes with it: export, convert, tokenizer extend, selftest --out, report --out; and the trainer's
-batches.jsonl on a full disk."""
+batches.jsonl on a full disk. Last the edges: an output dir named `.`, the modes of written
+files, a restart killed between its moves, a run started again from step 0, prepare's work dir,
+and an earlier output changed since it was written."""
 from __future__ import annotations
 
 import errno
@@ -11,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +24,7 @@ from mspretrain.cli import main
 from mspretrain.errors import UserError
 from mspretrain.outputs import MARKER, SCRATCH_MARK, OutputDir, check_set, write_output_file
 from tests.conftest import ROOT, TINY, make_poems
-from tests.test_safety import refused
+from tests.helpers import refused, state
 
 
 def tree(d: Path) -> dict[str, str]:
@@ -404,3 +407,131 @@ def test_a_full_disk_writing_the_run_files_is_one_line(tiny_data, tmp_path, caps
     err = refused(capsys, "train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(tmp_path / "run"),
                   "--quiet", "train.max_steps=4")
     assert "No space left" in err and not (tmp_path / "run" / "config.toml").exists()
+
+
+# --------------------------------------------------------------------------- scratch names, modes, restarts, earlier outputs
+
+def test_output_dir_named_dot_publishes_and_leaves_no_scratch(tmp_path, monkeypatch):
+    """`export --out .` in an empty dir wrote the scratch marker into it and then failed to rename
+    the current dir: a refused command left a file. --out is made absolute first."""
+    from mspretrain.outputs import MARKER, OutputDir
+
+    cwd = tmp_path / "empty"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    with OutputDir(".", "export", overwrite=False) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in cwd.iterdir()) == sorted([MARKER, "config.json"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # no scratch or aside dir beside it
+
+
+def test_written_files_get_the_mode_open_would_give(tmp_path, monkeypatch):
+    """mkstemp (atomic writes), mkdtemp (output dirs) and the safetensors library create 0600/0700:
+    a data dir's tokenizer, an export and every checkpoint were unreadable to the user's group, and
+    an atomic rewrite changed a file's mode. Now: what `open()` gives under the umask, or the
+    mode of the file replaced."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from mspretrain.fsutil import atomic_write
+    from mspretrain.outputs import OutputDir
+
+    monkeypatch.setattr("mspretrain.fsutil._UMASK", 0o022)  # read once at import: the process's umask
+    umask = os.umask(0o022)
+    try:
+        new = tmp_path / "new.txt"
+        atomic_write(new, "x")
+        assert stat.S_IMODE(new.stat().st_mode) == 0o644
+        kept = tmp_path / "kept.txt"
+        kept.write_text("old")
+        os.chmod(kept, 0o640)
+        atomic_write(kept, "new")
+        assert stat.S_IMODE(kept.stat().st_mode) == 0o640
+        out = tmp_path / "export"
+        with OutputDir(out, "export", overwrite=False) as tmp:
+            save_file({"w": np.zeros(2, np.float32)}, str(tmp / "model.safetensors"))
+        assert stat.S_IMODE(out.stat().st_mode) == 0o755
+        assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
+    finally:
+        os.umask(umask)
+
+
+def test_restart_killed_between_its_moves_does_not_mix_old_metrics_into_the_new_run(tmp_path, monkeypatch):
+    """`train --restart` moves checkpoints/ aside and metrics.jsonl into it. Killed between the two
+    renames, the checkpoints were aside and the old metrics.jsonl still in the run: the next run
+    started at step 0 and appended to it. Now metrics.jsonl goes into checkpoints/ first and one
+    rename moves both; the rerun finishes the move."""
+    from mspretrain.checkpoint import store
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    real = os.replace
+    calls = []
+
+    def killed_after_one(a, b):
+        if calls:
+            raise KeyboardInterrupt("killed")
+        calls.append((a, b))
+        real(a, b)
+
+    monkeypatch.setattr(store.os, "replace", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        store.move_aside(run)
+    monkeypatch.setattr(store.os, "replace", real)
+    assert not (run / "metrics.jsonl").exists()  # the old code left it here for the new run to append to
+    assert store.list_checkpoints(run)  # still repairable in place (or moved by the rerun's --restart)
+    moved = store.move_aside(run)
+    assert sorted(p.name for p in moved[0].iterdir()) == ["metrics.jsonl", "step_000002"]
+    assert sorted(p.name for p in run.iterdir()) == [moved[0].name]
+
+
+@pytest.mark.slow
+def test_a_run_started_again_from_step_0_does_not_append_to_the_old_metrics(reference_run, tiny_data, tmp_path):
+    """A run killed before its first checkpoint (here: its checkpoints gone) starts again from step
+    0: its metrics.jsonl held the old steps 1..8 followed by the new 1..2. Like a resume, which cuts
+    metrics.jsonl back to the checkpoint's step, a start from 0 now cuts it to nothing."""
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    shutil.rmtree(run / "checkpoints")
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
+                 "train.max_steps=2", "schedule.warmup_steps=1"]) == 0
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+
+
+def test_prepare_never_deletes_a_dir_of_its_work_dirs_name_that_it_did_not_make(corpus_file, tmp_path, capsys):
+    """`prepare --out data` removed `.data.partial/` whatever it held when no journal was beside it
+    (the issue's `X.tmp` instance, for prepare's fixed work-dir name). It is deleted now only when
+    prepare's mark is in it (written right after prepare makes it) or it is empty."""
+    users = tmp_path / ".data.partial"
+    users.mkdir()
+    (users / "keep.txt").write_text("mine")
+    before = state(tmp_path)
+    err = refused(capsys, "prepare", corpus_file, "--out", tmp_path / "data", "--config", TINY, "--workers", "1")
+    assert "is not a work dir" in err
+    assert state(tmp_path) == before
+    (users / "keep.txt").unlink()  # an empty one (a kill right after the mkdir) is prepare's to reuse
+    assert main(["prepare", str(corpus_file), "--out", str(tmp_path / "data"), "--config", str(TINY), "--workers", "1",
+                 "--quiet"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_an_earlier_output_with_a_file_changed_since_is_not_replaced(tmp_path, overwrite):
+    """An earlier output whose listed file was changed after it was written (a user edited the
+    extend output's tokenizer.json, saved fine-tuned weights into an export) was "torn" and replaced
+    whole, the user's bytes deleted: `tokenizer extend` replaces its earlier output without a flag."""
+    from mspretrain.errors import UserError
+    from mspretrain.outputs import OutputDir
+
+    out = tmp_path / "out"
+    with OutputDir(out, "tokenizer extend", overwrite=True) as tmp:
+        (tmp / "tokenizer.json").write_text("{}")
+    (out / "tokenizer.json").write_text('{"edited": "by the user"}')
+    before = state(tmp_path)
+    with pytest.raises(UserError, match="changed it after it was written"):
+        OutputDir(out, "tokenizer extend", overwrite=overwrite)
+    assert state(tmp_path) == before
+
+

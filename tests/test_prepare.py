@@ -538,7 +538,7 @@ def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(pre
     through the main process (`--ray`'s) is the reference: the same bytes, the same manifest.
     Small blocks: many chunks, several files, near dedup on; or 5 documents, valid left empty,
     so that the last train document moves (`Sink.finish`, `ShardWriter.peek_last`)."""
-    from mspretrain.data import pipeline, pool, sources
+    from mspretrain.data import pipeline, pool, rawlines
 
     out, _ = prepared
     d = tmp_path / "in"
@@ -551,7 +551,7 @@ def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(pre
     else:
         (d / "p.txt").write_text("\n".join(poems[:5]) + "\n", encoding="utf-8")
         cfg = replace(CFG, doc_per_line=True, valid_fraction=0.001)
-    monkeypatch.setattr(sources, "RAW_READ_BYTES", 2048)
+    monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 2048)
     monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
     calls = []
     real = pipeline._replay_pieces
@@ -574,7 +574,7 @@ def test_per_chunk_path_with_a_trained_tokenizer_writes_what_the_main_process_pa
     same data dir byte for byte (tokenizer included), the same manifest. A 3,000-character
     sample budget, far below the corpus, makes documents leave the sample (the heap's pops), and
     the short documents mixed in fit the room a pop leaves."""
-    from mspretrain.data import pipeline, pool, sources
+    from mspretrain.data import pipeline, pool, rawlines
 
     d = tmp_path / "in"
     d.mkdir()
@@ -584,7 +584,7 @@ def test_per_chunk_path_with_a_trained_tokenizer_writes_what_the_main_process_pa
         lines = poems[k * 100: (k + 1) * 100] + poems[:5] + [f"{s}{k}{i}" for i, s in enumerate(short * 3)]
         (d / f"p{k}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     cfg = replace(CFG, doc_per_line=True, near_dedup=near, tokenizer_sample_chars=3000, vocab_size=400)
-    monkeypatch.setattr(sources, "RAW_READ_BYTES", 2048)
+    monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 2048)
     monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
     calls = []
     real = pipeline._replay_sample

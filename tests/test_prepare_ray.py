@@ -26,7 +26,7 @@ from mspretrain.data.raypool import RayCluster
 from mspretrain.errors import UserError
 from mspretrain.train.distributed import free_local_port
 from tests.conftest import make_poems
-from tests.test_diskdedup import _corpus, _reference
+from tests.helpers import dedup_corpus, dedup_reference, refused
 
 ROOT = Path(__file__).resolve().parents[1]
 START_SECONDS = 90  # a node's `ray start` on a busy 2-core box
@@ -161,10 +161,10 @@ def test_ray_run_is_byte_identical_to_the_local_run(cluster, corpus, tmp_path, n
 @pytest.mark.slow
 def test_dedup_partitions_on_ray_decide_as_here(cluster, tmp_path, monkeypatch):
     """Many partitions, each sorted by a Ray task on the worker node: the same decisions as the
-    in-memory reference (tests/test_diskdedup.py)."""
+    in-memory reference (tests/helpers.py `dedup_reference`, as in tests/test_diskdedup.py)."""
     monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)  # many partition files (the driver splits)
-    docs = _corpus(1500, seed=1)
-    want_exact, want_near = _reference(docs, 0.8)
+    docs = dedup_corpus(1500, seed=1)
+    want_exact, want_near = dedup_reference(docs, 0.8)
     dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, 0.8)
     assert dd.exact.parts > 8 and dd.near.parts > 8
     for lo in range(0, len(docs), 97):
@@ -191,24 +191,17 @@ def test_a_node_running_other_code_is_refused_before_anything_is_written(cluster
     assert refusal.value.fix == "install the same mspretrain and library versions on every node"
 
 
-def refused(args: list[str], capsys) -> str:
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
-
-
 def test_unreachable_address_is_refused_and_nothing_is_written(corpus, tmp_path, capsys):
     import ray  # noqa: F401
 
     out = tmp_path / "data"
-    err = refused(["prepare", str(corpus), "--out", str(out), "--ray", f"127.0.0.1:{free_local_port()}"], capsys)
+    err = refused(capsys, "prepare", str(corpus), "--out", str(out), "--ray", f"127.0.0.1:{free_local_port()}")
     assert err.startswith("error: cannot reach the Ray cluster at 127.0.0.1:") and "nothing was written" in err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_an_address_ray_would_not_take_is_refused(corpus, tmp_path, capsys):
-    err = refused(["prepare", str(corpus), "--out", str(tmp_path / "data"), "--ray", "head-node"], capsys)
+    err = refused(capsys, "prepare", str(corpus), "--out", str(tmp_path / "data"), "--ray", "head-node")
     assert err.splitlines()[0] == "error: --ray head-node: not an address Ray accepts"
     assert list(tmp_path.iterdir()) == []
 
@@ -216,12 +209,12 @@ def test_an_address_ray_would_not_take_is_refused(corpus, tmp_path, capsys):
 def test_without_ray_installed_the_hint_names_the_extra(corpus, tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
-    err = refused(["prepare", str(corpus), "--out", str(tmp_path / "data"), "--ray", "auto"], capsys)
+    err = refused(capsys, "prepare", str(corpus), "--out", str(tmp_path / "data"), "--ray", "auto")
     assert err.splitlines()[0] == "error: --ray needs the `ray` package, which is not installed"
     assert "pip install 'mspretrain[ray]'" in err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_workers_and_ray_exclude_each_other(corpus, tmp_path, capsys):
-    err = refused(["prepare", str(corpus), "--out", str(tmp_path / "d"), "--ray", "auto", "--workers", "2"], capsys)
+    err = refused(capsys, "prepare", str(corpus), "--out", str(tmp_path / "d"), "--ray", "auto", "--workers", "2")
     assert "--workers and --ray exclude each other" in err

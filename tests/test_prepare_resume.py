@@ -21,12 +21,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_poems
+from tests.helpers import PREPARE_ARGS, PREPARE_TEST_ENV, files_of
+from tests.helpers import prepare_subprocess as run
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--doc-per-line", "--valid-fraction", "0.1", "prepare.near_dedup=true"]
-TEST_ENV = ("MSPRETRAIN_PREPARE_TEST_POINTS", "MSPRETRAIN_PREPARE_TEST_KILL", "MSPRETRAIN_PREPARE_COMMIT_SECONDS",
-            "MSPRETRAIN_PREPARE_TEST_WORKER_KILL")
-
 
 
 def make_corpus(d: Path) -> Path:
@@ -42,36 +40,6 @@ def make_corpus(d: Path) -> Path:
     (d / "r.txt").write_bytes("一二三四五六七八九十\n".encode() + b"\xff\xfe\n" + "春眠不觉晓处处闻啼鸟\n".encode())
     (d / "s.txt").write_bytes(b"")
     return d
-
-
-# prepare with every chunk's documents through the main process (`--ray`'s path; the default
-# with local workers keeps them in per-chunk files): the same bytes
-THROUGH_MAIN = ("import sys\nfrom mspretrain.data import pipeline\nfrom mspretrain.cli import main\n"
-                "pipeline.LOCAL_PIECES = False\nsys.exit(main(sys.argv[1:]))\n")
-
-
-def run(raw: Path, out: Path, *extra: str, env: dict | None = None, workers: int = 2,
-        through_main: bool = False) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
-    e.update(PYTHONPATH=str(ROOT), GLOG_v="3", **(env or {}))
-    vocab = [] if "--tokenizer" in extra else ["--vocab-size", "500"]
-    head = ["-c", THROUGH_MAIN] if through_main else ["-m", "mspretrain.cli"]
-    cmd = [sys.executable, *head, "prepare", str(raw), "--out", str(out), "--workers", str(workers),
-           *ARGS, *vocab, *extra, "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        try:  # pool workers of a killed run: none should be left, but never leak one
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def files_of(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
 def killed_then_rerun(raw: Path, out: Path, at: str, *extra: str, **kw) -> list[str]:
@@ -133,12 +101,12 @@ def test_external_kill_during_cleaning_with_time_based_commits(reference, tmp_pa
     kill come too late, the run's own kill at its last unit boundary stands in for it."""
     raw, want, points = reference
     out = tmp_path / "data"
-    e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
+    e = {k: v for k, v in os.environ.items() if k not in PREPARE_TEST_ENV}
     # The whole run after "pass1 chunk 2" takes ~0.15 s here: a kill sent that late on a loaded
     # machine found it finished (exit 0). The run kills itself at its last unit boundary if the
     # kill from outside has not landed by then, so it never finishes; either kill must resume.
     e.update(PYTHONPATH=str(ROOT), GLOG_v="3", MSPRETRAIN_PREPARE_TEST_POINTS="1", MSPRETRAIN_PREPARE_TEST_KILL=points[-1])
-    cmd = [sys.executable, "-m", "mspretrain.cli", "prepare", str(raw), "--out", str(out), "--workers", "2", *ARGS,
+    cmd = [sys.executable, "-m", "mspretrain.cli", "prepare", str(raw), "--out", str(out), "--workers", "2", *PREPARE_ARGS,
            "--vocab-size", "500", "--quiet"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=e, start_new_session=True)
     try:
@@ -391,8 +359,8 @@ def test_kill_inside_a_file_by_file_publish_starts_over_and_keeps_your_files(ref
             "real, n = publish.os.replace, [0]\n"
             "def replace(a, b):\n    n[0] += Path(b).parent.name == 'data'\n    if n[0] == 3:\n        os._exit(9)\n    real(a, b)\n"
             "publish.os.replace = replace\nsys.exit(main(sys.argv[1:]))\n")
-    args = ["prepare", str(raw), "--out", str(out), "--workers", "2", *ARGS, "--vocab-size", "500", "--overwrite", "--quiet"]
-    e = {k: v for k, v in os.environ.items() if k not in TEST_ENV}
+    args = ["prepare", str(raw), "--out", str(out), "--workers", "2", *PREPARE_ARGS, "--vocab-size", "500", "--overwrite", "--quiet"]
+    e = {k: v for k, v in os.environ.items() if k not in PREPARE_TEST_ENV}
     e.update(PYTHONPATH=str(ROOT), GLOG_v="3")
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=e, timeout=300)
     assert r.returncode == 9, r.stderr

@@ -13,7 +13,7 @@ import pytest
 import zstandard
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import pipeline, pool, sources
+from mspretrain.data import pipeline, pool, rawlines, sources
 from mspretrain.data.prepare import prepare
 from tests.conftest import make_poems
 
@@ -67,7 +67,7 @@ def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_pat
     d = make_inputs(tmp_path / "in")
     # (only what changes no output is lowered here: workers may be spawned, without these values;
     # too long lines and cut documents are compared in tests/test_sources.py)
-    monkeypatch.setattr(sources, "RAW_READ_BYTES", 2048)  # many blocks and chunks
+    monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 2048)  # many blocks and chunks
     monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
     monkeypatch.setattr(pool, "UNIT_CHUNK_DOCS", 40)  # several chunks per compressed file
     kinds: list[str] = []
@@ -112,7 +112,8 @@ def test_kill_in_pass1_over_compressed_units_resumes_byte_identical(tokenizer, t
     """SIGKILL inside a compressed file's chunks (its first chunks spooled, not committed: the
     file is read again whole) and later (the finished files are skipped, their counts and
     warnings from the journal), commits after every work item: the same bytes as a run never killed."""
-    from tests.test_prepare_resume import files_of, run
+    from tests.helpers import files_of
+    from tests.helpers import prepare_subprocess as run
 
     raw = tmp_path / "raw"
     raw.mkdir()

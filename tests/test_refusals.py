@@ -1,10 +1,15 @@
-"""Issue 33, class 1: a refused command leaves every file as it was.
+"""A refused command leaves every file as it was.
 
 Every refusal path of `train` (a resume that changes the data, the trainable groups, the model,
 seq_len; --init-from on a run that resumes or with weights that do not fit), of `recover` and of
 `--init-from` runs against a copy of one finished tiny run, and the whole run dir (the list of
 files and every file's bytes) is checksummed before and after. The lock file is left out: taking
 the run-dir lock writes the holder's PID into it, and that is the lock's job (checkpoint/lock.py).
+
+Then every other writing command refused on a dir that is not its own (a data dir, an HF folder, a
+checkpoint, a user folder given as `--run`; replay, report, launch and demo refusals): there the
+whole tree around it is compared (`tests/helpers.py` `state`: names, bytes, modes and modification
+times, lock files included: a dir that is not a run must not even get a lock file).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import pytest
 
 from mspretrain.cli import main
 from tests.conftest import TINY, make_poems
-from tests.test_safety import refused
+from tests.helpers import refused, state
 
 LOCK = ".mspretrain.lock"
 
@@ -158,7 +163,7 @@ def test_a_refused_recover_leaves_the_run_dir_as_it_was(finished, tmp_path, caps
     assert checksum(run) == before
 
 
-# --------------------------------------------------------------------------- class 8: the demo
+# --------------------------------------------------------------------------- the demo
 
 @pytest.mark.slow  # the quick demo: prepare and train (39 s of make test-fast at load ~3, issue 32)
 def test_the_quick_demo_never_touches_the_full_demo_run(tmp_path, corpus_file, capsys):
@@ -188,3 +193,125 @@ def test_a_refused_new_run_leaves_no_run_dir(tiny_data, tmp_path, capsys):
     refused(capsys, "train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
             "model.max_seq_len=8192", "data.seq_len=4096", "train.max_steps=2")
     assert not run.exists()
+
+
+# --------------------------------------------------------------------------- run dirs that are not runs, refused writers
+
+
+def _not_runs(root: Path, tiny_data: Path) -> dict[str, Path]:
+    """Directories that are not run dirs, each with a file `train` would have replaced."""
+    data = root / "data"
+    shutil.copytree(tiny_data, data)
+    hf = root / "hf"  # an HF folder: its own tokenizer.model, which train replaced with the data's
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (hf / "tokenizer.model").write_bytes(b"someone else's tokenizer")
+    ckpt = root / "step_000004"  # a checkpoint dir (of another run) named as --run
+    ckpt.mkdir()
+    for name in ("manifest.json", "model.safetensors", "config.toml", "train_state.json"):
+        (ckpt / name).write_text("x")
+    mine = root / "mine"  # a user's folder with their own config.toml and notes
+    mine.mkdir()
+    (mine / "config.toml").write_text("# my notes on the config\n")
+    (mine / "notes.txt").write_text("mine")
+    checkpoints = root / "checkpoints"  # a run's checkpoints/ dir named as --run
+    (checkpoints / "step_000002").mkdir(parents=True)
+    (root / "data-link").symlink_to(data)
+    return {"data dir": data, "HF folder": hf, "checkpoint": ckpt, "user folder": mine, "checkpoints/": checkpoints,
+            "symlink to a data dir": root / "data-link"}
+
+
+@pytest.mark.parametrize("kind", ["data dir", "HF folder", "checkpoint", "user folder", "checkpoints/", "symlink to a data dir"])
+def test_train_refuses_a_run_dir_that_is_not_one(tiny_data, tmp_path, capsys, kind):
+    """`train --run X` on a dir of other files replaced its config.toml and tokenizer.model (an HF
+    folder's tokenizer by the data's, a user's config.toml) and added checkpoints: refused now,
+    before the lock file, so nothing in it changes."""
+    root = tmp_path / "w"
+    root.mkdir()
+    target = _not_runs(root, tiny_data)[kind]
+    before = state(root)
+    err = refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", target, "--quiet", "train.max_steps=2",
+                  "schedule.warmup_steps=1")
+    assert "is not a run dir" in err
+    assert state(root) == before
+
+
+@pytest.mark.parametrize("kind", ["data dir", "HF folder", "checkpoint"])
+def test_recover_on_a_dir_that_is_not_a_run_leaves_no_lock_file(tiny_data, tmp_path, capsys, kind):
+    root = tmp_path / "w"
+    root.mkdir()
+    target = _not_runs(root, tiny_data)[kind]
+    before = state(root)
+    refused(capsys, "recover", target)
+    assert state(root) == before
+
+
+def test_a_run_dir_with_files_of_the_users_still_resumes_and_a_dir_with_only_a_config_is_a_new_run(tmp_path):
+    """The refusal does not catch real runs: a run dir (run_meta.json) may hold the user's notes;
+    a dir holding only names `train` writes (a config placed there first) is a new run."""
+    from mspretrain.checkpoint.lock import foreign_entries
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run_meta.json").write_text("{}")
+    (run / "NOTES.md").write_text("mine")
+    assert foreign_entries(run) == []
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(TINY, fresh / "config.toml")
+    (fresh / "checkpoints.failed-20260101T000000Z").mkdir()
+    (fresh / "msrun_log").mkdir()  # `launch` run from the run dir makes its log dir first
+    (fresh / ".DS_Store").write_text("x")
+    assert foreign_entries(fresh) == []
+    (fresh / "model.safetensors").write_text("x")
+    assert foreign_entries(fresh) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("where", ["default", "new dirs"])
+def test_a_refused_report_creates_no_directory(tiny_data, tmp_path, capsys, where):
+    """`report DATA_DIR` (not a run) made DATA_DIR/report/, and `--out new/deep/x.html` made
+    new/deep/, before refusing: the report is now rendered in memory before anything is written."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    before = state(tmp_path)
+    extra = ["--out", tmp_path / "new" / "deep" / "r.html"] if where == "new dirs" else []
+    refused(capsys, "report", data, *extra)
+    assert state(tmp_path) == before
+
+
+@pytest.mark.parametrize("given", ["new", "empty"])
+def test_a_refused_replay_leaves_its_out_dir_as_it_was(reference_run, tmp_path, capsys, given):
+    """A refusal after replay had copied the starting checkpoint into --out (here: the run's data
+    dir is gone) left the copy there: --out is now as it was, absent or empty."""
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    meta = json.loads((run / "run_meta.json").read_text())
+    meta["data_dir"] = str(tmp_path / "gone")
+    (run / "run_meta.json").write_text(json.dumps(meta))
+    out = tmp_path / "deep" / "scratch" if given == "new" else tmp_path / "scratch"
+    if given == "empty":
+        out.mkdir()
+    before = state(tmp_path)
+    refused(capsys, "replay", run, "--from-step", "4", "--steps", "1", "--out", out)
+    assert state(tmp_path) == before
+
+
+@pytest.mark.parametrize("cmd", [["frobnicate"], ["train", "--frob", "1"], ["train", "--config", "c.toml"]])
+def test_launch_refuses_a_worker_command_that_cannot_parse_before_msrun_starts(tmp_path, monkeypatch, capsys, cmd):
+    """`launch -- frobnicate` started msrun, whose workers all failed with a traceback, and left
+    msrun_log/ behind (exit 1). The workers' command is parsed first now: exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, "launch", "--nproc", "2", "--", *cmd)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refused_demo_prepares_nothing_first(corpus_file, tmp_path, capsys):
+    """The demo checked its run dir's config only after preparing the data (minutes, and a new
+    data dir left behind by the refusal) when data/ was gone: now before."""
+    work = tmp_path / "wd"
+    (work / "run").mkdir(parents=True)
+    shutil.copy(TINY, work / "run" / "config.toml")  # a run with another config than the demo's
+    before = state(tmp_path)
+    err = refused(capsys, "demo", "--workdir", work, "--corpus", corpus_file, "--quiet", "prepare.vocab_size=512")
+    assert "another config than this demo's" in err
+    assert state(tmp_path) == before

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mspretrain.errors import UserError
+from tests.helpers import cli
 from tests.planted import SPIKE_STEP, STEPS, losses, planted_run
 
 
@@ -23,18 +24,10 @@ def _snapshot(run: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(run)): (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
 
 
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    from mspretrain.cli import main
-
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_unchanged_replay_of_20_steps_is_bit_exact(planted, capsys, tmp_path):
     run, _, _ = planted
     before = _snapshot(run)
-    code, out, err = _cli(capsys, "replay", str(run), "--from-step", "2", "--steps", "20", "--out", str(tmp_path / "s"))
+    code, out, err = cli(capsys, "replay", str(run), "--from-step", "2", "--steps", "20", "--out", str(tmp_path / "s"))
     assert code == 0, err
     assert "reproduced steps 3..22 bit for bit" in out
     # against the run's own log, read here independently of ops/replay: the scratch run's metrics
@@ -45,7 +38,7 @@ def test_unchanged_replay_of_20_steps_is_bit_exact(planted, capsys, tmp_path):
 
 def test_drop_docs_removes_the_spike(planted, capsys):
     run, _, bad = planted
-    code, out, err = _cli(capsys, "replay", str(run), "--from-step", str(SPIKE_STEP - 2), "--steps", "3",
+    code, out, err = cli(capsys, "replay", str(run), "--from-step", str(SPIKE_STEP - 2), "--steps", "3",
                           "--drop-docs", str(bad))
     assert code == 0, err
     rows = {int(line.split()[0]): line.split() for line in out.splitlines() if line.strip()[:1].isdigit()}
@@ -122,12 +115,12 @@ def test_refusals_are_one_line(planted, capsys, tmp_path):
         (["--from-step", "4", "--steps", "2", "--loss-scale", "inf"], "must be a positive finite number"),
     ]
     for args, words in cases:
-        code, out, err = _cli(capsys, "replay", str(run), *args)
+        code, out, err = cli(capsys, "replay", str(run), *args)
         assert code == 2 and words in err, (args, err)
         assert err.count("\n") == 2 and "Traceback" not in err  # error: ... / hint: ...
     assert (busy / "keep.txt").read_text() == "mine" and list(busy.iterdir()) == [busy / "keep.txt"]
     assert not (run / "scratch").exists()
-    code, _, err = _cli(capsys, "replay", str(tmp_path), "--from-step", "2", "--steps", "2")
+    code, _, err = cli(capsys, "replay", str(tmp_path), "--from-step", "2", "--steps", "2")
     assert code == 2 and "not a run dir" in err
 
 
@@ -146,11 +139,11 @@ def test_a_full_disk_for_the_scratch_dir_is_one_line(planted, capsys, tmp_path, 
 
     monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "cross-device link")))
     monkeypatch.setattr(shutil, "copy2", full)
-    code, _, err = _cli(capsys, "replay", str(run), "--from-step", "4", "--steps", "2", "--out", str(tmp_path / "s1"))
+    code, _, err = cli(capsys, "replay", str(run), "--from-step", "4", "--steps", "2", "--out", str(tmp_path / "s1"))
     assert code == 2 and "No space left on device" in err and "free disk space" in err, err
     assert err.count("\n") == 2 and "Traceback" not in err
     monkeypatch.setattr(Path, "mkdir", full)
-    code, _, err = _cli(capsys, "replay", str(run), "--from-step", "4", "--steps", "2", "--out", str(tmp_path / "s2"))
+    code, _, err = cli(capsys, "replay", str(run), "--from-step", "4", "--steps", "2", "--out", str(tmp_path / "s2"))
     assert code == 2 and "replay's scratch dir" in err and err.count("\n") == 2, err
     monkeypatch.undo()
     assert _snapshot(run) == before
@@ -181,7 +174,7 @@ def test_precision_lr_and_loss_scale_interventions(planted, capsys, tmp_path):
 
     run, _, _ = planted
     scratch = tmp_path / "s"
-    code, out, err = _cli(capsys, "replay", str(run), "--from-step", "12", "--steps", "2", "--dtype", "fp16",
+    code, out, err = cli(capsys, "replay", str(run), "--from-step", "12", "--steps", "2", "--dtype", "fp16",
                           "--loss-scale", "1024", "--lr-scale", "0.5", "--out", str(scratch))
     assert code == 0, err
     assert "interventions: precision.dtype = fp16; lr x 0.5; loss scale 1024" in out

@@ -14,7 +14,7 @@ import pytest
 from mspretrain import config as cfgmod
 from mspretrain.cli import main
 from mspretrain.model.llama import Llama
-from mspretrain.ops import selftest
+from mspretrain.ops import selftest, selftest_node, selftest_numerics, selftest_result
 from tests.conftest import TINY
 
 ASCEND_ONLY = {"devices", "device memory", "flash attention fp16", "flash attention bf16", "train step bf16", "collectives",
@@ -27,16 +27,16 @@ CPU_RUNS = {"versions", "doctor", "train step fp16", "checkpoint", "decoder laye
 
 def test_compare_outputs_tolerance_nan_and_shape():
     ref = np.random.default_rng(0).standard_normal((2, 4, 8, 16)).astype(np.float32)
-    assert selftest.compare_outputs(ref, ref, "fp16") == selftest.Comparison(0.0, 1e-2)
+    assert selftest_numerics.compare_outputs(ref, ref, "fp16") == selftest_numerics.Comparison(0.0, 1e-2)
     near = ref + 0.009
-    assert selftest.compare_outputs(near, ref, "fp16").passed
-    assert not selftest.compare_outputs(ref + 0.011, ref, "fp16").passed
-    assert selftest.compare_outputs(ref + 0.011, ref, "bf16").passed  # bf16 keeps 3 fewer mantissa bits
+    assert selftest_numerics.compare_outputs(near, ref, "fp16").passed
+    assert not selftest_numerics.compare_outputs(ref + 0.011, ref, "fp16").passed
+    assert selftest_numerics.compare_outputs(ref + 0.011, ref, "bf16").passed  # bf16 keeps 3 fewer mantissa bits
     nan = ref.copy()
     nan[0, 0, 0, 0] = np.nan
-    assert not selftest.compare_outputs(nan, ref, "fp16").passed
+    assert not selftest_numerics.compare_outputs(nan, ref, "fp16").passed
     with pytest.raises(ValueError, match="shapes differ"):
-        selftest.compare_outputs(ref[:1], ref, "fp16")
+        selftest_numerics.compare_outputs(ref[:1], ref, "fp16")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def gqa_models():
 def test_attention_comparison_with_the_math_path_on_both_sides(gqa_models):
     """fp16 math against fp32 math: the comparison a 910B runs with flash as the candidate."""
     half, full = gqa_models
-    res = selftest.compare_attention(half, full, "fp16", seq=48)
+    res = selftest_numerics.compare_attention(half, full, "fp16", seq=48)
     assert set(res) == {"causal", "documents"}
     for c in res.values():
         assert c.passed and 0 < c.max_abs_diff < 5e-3  # a real fp16 rounding difference, well inside the bound
@@ -58,7 +58,7 @@ def test_attention_comparison_catches_a_kernel_that_ignores_documents(gqa_models
     half, full = gqa_models
     causal_only = half._mask
     monkeypatch.setattr(half, "_mask", lambda segments, T: causal_only(None, T))  # documents ignored
-    res = selftest.compare_attention(half, full, "fp16", seq=48)
+    res = selftest_numerics.compare_attention(half, full, "fp16", seq=48)
     assert res["causal"].passed and not res["documents"].passed
 
 
@@ -80,8 +80,8 @@ def test_the_ascend_attention_check_with_a_stand_in_kernel(monkeypatch, override
     from mspretrain.model import llama
 
     monkeypatch.setattr(llama.Attention, "_flash", _math_in_place_of_flash)
-    ctx = selftest.Context(cfg=cfgmod.load(TINY, overrides), target="ascend", work=Path("unused"))
-    check = selftest.check_attention(ctx, "fp16")
+    ctx = selftest_result.Context(cfg=cfgmod.load(TINY, overrides), target="ascend", work=Path("unused"))
+    check = selftest_numerics.check_attention(ctx, "fp16")
     assert check.status == status, check.detail
     if status == "passed":
         assert 0 < check.data["documents"]["max_abs_diff"] <= 1e-2 and "max |diff|" in check.detail
@@ -93,14 +93,14 @@ def test_the_ascend_attention_check_with_a_stand_in_kernel(monkeypatch, override
 def test_feature_check_runs_the_cpu_path_and_sees_the_feature(name):
     """Each feature's check as the CPU selftest runs it (fp16 math against the fp32 CPU path), its
     numbers, and that the feature moves the logits far more than the tolerance."""
-    ctx = selftest.Context(cfg=cfgmod.load(TINY), target="cpu", work=Path("unused"))
-    check = selftest.check_feature(ctx, name)
+    ctx = selftest_result.Context(cfg=cfgmod.load(TINY), target="cpu", work=Path("unused"))
+    check = selftest_numerics.check_feature(ctx, name)
     assert check.status == "passed", check.detail
     fp16 = check.data["dtypes"]["fp16"]
     assert set(check.data["dtypes"]) == {"fp16"} and not fp16["flash_attention"]  # the math path on CPU
     for kind in ("causal", "documents"):
-        assert 0 < fp16[kind]["max_abs_diff"] <= fp16[kind]["tolerance"] == selftest.FEATURE_TOLERANCE["fp16"]
-    assert check.data["effect"] >= selftest.FEATURE_EFFECT_MARGIN * selftest.FEATURE_TOLERANCE["bf16"]  # bf16's bound too
+        assert 0 < fp16[kind]["max_abs_diff"] <= fp16[kind]["tolerance"] == selftest_numerics.FEATURE_TOLERANCE["fp16"]
+    assert check.data["effect"] >= selftest_numerics.FEATURE_EFFECT_MARGIN * selftest_numerics.FEATURE_TOLERANCE["bf16"]  # bf16's bound too
     assert check.data["seq_len"] == 64 and "needs Ascend" not in check.status
 
 
@@ -109,25 +109,25 @@ def test_feature_checks_draw_only_the_features_own_weights():
     from mspretrain.model.llama import Llama
 
     for name, want in (("qk norm", {"q_norm", "k_norm"}), ("qkv bias", {"wqkv"}), ("sliding window", set())):
-        feature = selftest.features(64)[name]
-        names = [p.name for p in Llama(selftest.feature_config(feature, 64)).get_parameters()]
+        feature = selftest_numerics.features(64)[name]
+        names = [p.name for p in Llama(selftest_numerics.feature_config(feature, 64)).get_parameters()]
         drawn = [n for n in names if n.endswith(feature.drawn)]
         assert {n.split(".")[-2] for n in drawn} == want and len(drawn) == 2 * len(want)  # 2 layers
 
 
 def test_the_sliding_window_is_shorter_than_the_sequence_on_both_devices():
     for target, seq in (("cpu", 64), ("ascend", 512)):
-        assert selftest.feature_seq(target) == seq
-        shape = selftest.feature_config(selftest.features(seq)["sliding window"], seq)
+        assert selftest_numerics.feature_seq(target) == seq
+        shape = selftest_numerics.feature_config(selftest_numerics.features(seq)["sliding window"], seq)
         assert 0 < shape.sliding_window < seq and shape.family == "mistral" and shape.head_size == 64  # a flash head size
 
 
 def test_the_910b_candidate_runs_flash_attention():
     """On a 910B each feature's model is built on the flash path (built here, not run: no NPU)."""
-    for feature in selftest.features(512).values():
-        shape = selftest.feature_config(feature, 512)
-        assert selftest.feature_candidate(shape, "bf16", "ascend").use_flash
-        assert not selftest.feature_candidate(shape, "fp16", "cpu").use_flash
+    for feature in selftest_numerics.features(512).values():
+        shape = selftest_numerics.feature_config(feature, 512)
+        assert selftest_numerics.feature_candidate(shape, "bf16", "ascend").use_flash
+        assert not selftest_numerics.feature_candidate(shape, "fp16", "cpu").use_flash
 
 
 @pytest.mark.parametrize("name", sorted(FEATURES))
@@ -136,7 +136,7 @@ def test_feature_check_fails_a_candidate_that_ignores_the_feature(monkeypatch, n
     its bias, attention without its QK-norm) is caught: its logits are the feature's effect away."""
     from dataclasses import replace
 
-    real = selftest.feature_candidate
+    real = selftest_numerics.feature_candidate
 
     def without(cfg_model, dtype, target):
         if name == "sliding window":
@@ -149,26 +149,25 @@ def test_feature_check_fails_a_candidate_that_ignores_the_feature(monkeypatch, n
                 layer.attn.qk_norm = False
         return model
 
-    monkeypatch.setattr(selftest, "feature_candidate", without)
-    ctx = selftest.Context(cfg=cfgmod.load(TINY), target="cpu", work=Path("unused"))
-    check = selftest.check_feature(ctx, name)
+    monkeypatch.setattr(selftest_numerics, "feature_candidate", without)
+    ctx = selftest_result.Context(cfg=cfgmod.load(TINY), target="cpu", work=Path("unused"))
+    check = selftest_numerics.check_feature(ctx, name)
     assert check.status == "failed" and "logits differ by" in check.detail, check.detail
 
 
 @pytest.mark.parametrize("band_ignored", [False, True])
 def test_the_window_check_as_a_910b_runs_it_with_the_documented_kernel(monkeypatch, band_ignored):
     """The sliding-window check with the 910B's candidate (flash attention, fused kernels), its kernels
-    replaced by their documented semantics (FlashAttentionScore: tests/test_model.py `flash_reference`;
-    RmsNorm: tests/test_ascend_step.py), at the CPU's sequence length: band mode passes, and a kernel
+    replaced by their documented semantics (FlashAttentionScore: tests/helpers.py `flash_reference`;
+    RmsNorm: tests/helpers.py `rms_norm_reference`), at the CPU's sequence length: band mode passes, and a kernel
     that computes the whole causal triangle instead of the band fails. Unverified on hardware like
     every stand-in: `selftest` on a 910B runs the same comparison against the real kernel."""
     from mindspore import ops
 
-    from tests.test_ascend_step import _rms_norm_reference
-    from tests.test_model import flash_reference
+    from tests.helpers import flash_reference, rms_norm_reference
 
-    monkeypatch.setattr(ops, "rms_norm", _rms_norm_reference)
-    real, seen = selftest.feature_candidate, []
+    monkeypatch.setattr(ops, "rms_norm", rms_norm_reference)
+    real, seen = selftest_numerics.feature_candidate, []
 
     def documented(cfg_model, dtype, target):
         model = real(cfg_model, dtype, target)
@@ -182,17 +181,17 @@ def test_the_window_check_as_a_910b_runs_it_with_the_documented_kernel(monkeypat
                 setattr(attn, name, flash_reference(prim, seen))
         return model
 
-    monkeypatch.setattr(selftest, "feature_candidate", documented)
-    seq = selftest.feature_seq("cpu")
-    res = selftest.compare_feature(selftest.features(seq)["sliding window"], "ascend", ("fp16",), seq)
+    monkeypatch.setattr(selftest_numerics, "feature_candidate", documented)
+    seq = selftest_numerics.feature_seq("cpu")
+    res = selftest_numerics.compare_feature(selftest_numerics.features(seq)["sliding window"], "ascend", ("fp16",), seq)
     fp16 = res["dtypes"]["fp16"]
     assert fp16["flash_attention"]
     modes = {(mode, pre) for mode, pre, _, _ in seen}
     if band_ignored:  # with documents the full mask still carries the window; without, nothing does
         assert not fp16["causal"]["max_abs_diff"] <= fp16["causal"]["tolerance"]
-        assert (4, selftest.window_for(seq) - 1) not in modes
+        assert (4, selftest_numerics.window_for(seq) - 1) not in modes
     else:
-        assert (4, selftest.window_for(seq) - 1) in modes and (0, selftest.window_for(seq) - 1) in modes
+        assert (4, selftest_numerics.window_for(seq) - 1) in modes and (0, selftest_numerics.window_for(seq) - 1) in modes
         for kind in ("causal", "documents"):
             assert fp16[kind]["max_abs_diff"] <= fp16[kind]["tolerance"], (kind, fp16[kind])
 
@@ -206,17 +205,17 @@ def test_zero2_comparison_passes_equal_ranks_and_names_what_differs():
     w = {"a": np.ones(4, np.float32)}
     ref = {"losses": [5.5, 5.4], "grad_norms": [0.8, 0.8], "finite": [True, True], "weights": w, "collectives": {}}
     good = {"devices": 2, "ranks": _zero2_records(), "weights": {"a": w["a"] + 1e-7}}
-    assert selftest.zero2_check(good, ref).status == "passed"
+    assert selftest_node.zero2_check(good, ref).status == "passed"
     stale = dict(good, ranks=_zero2_records()[:1] + [dict(_zero2_records()[1], digest="other")])
-    assert "ranks [1] hold other weights" in selftest.zero2_check(stale, ref).detail
+    assert "ranks [1] hold other weights" in selftest_node.zero2_check(stale, ref).detail
     off = dict(good, weights={"a": w["a"] + 1e-3})
-    assert "weights differ from one process by 0.001" in selftest.zero2_check(off, ref).detail
-    assert "1 of 2 ranks reported" in selftest.zero2_check(dict(good, ranks=_zero2_records()[:1]), ref).detail
+    assert "weights differ from one process by 0.001" in selftest_node.zero2_check(off, ref).detail
+    assert "1 of 2 ranks reported" in selftest_node.zero2_check(dict(good, ranks=_zero2_records()[:1]), ref).detail
     nan = dict(good, ranks=_zero2_records(losses=(float("nan"), 5.4)))
-    assert selftest.zero2_check(nan, ref).status == "failed"  # NaN never passes
-    cpu = selftest.Context(cfg=cfgmod.load(TINY), target="cpu", work=Path("unused"))
-    assert selftest.check_zero2(cpu, None).status == "needs Ascend"
-    assert selftest.check_zero2(cpu, selftest.Check("zero2 step", "skipped", "1 NPU")).status == "skipped"
+    assert selftest_node.zero2_check(nan, ref).status == "failed"  # NaN never passes
+    cpu = selftest_result.Context(cfg=cfgmod.load(TINY), target="cpu", work=Path("unused"))
+    assert selftest_node.check_zero2(cpu, None).status == "needs Ascend"
+    assert selftest_node.check_zero2(cpu, selftest_result.Check("zero2 step", "skipped", "1 NPU")).status == "skipped"
 
 
 def test_selftest_runs_the_zero2_ranks_before_binding_an_npu_and_its_reference_after(monkeypatch, tmp_path):
@@ -237,7 +236,7 @@ def test_selftest_runs_the_zero2_ranks_before_binding_an_npu_and_its_reference_a
     assert next(c for c in doc["checks"] if c["name"] == "zero2 step")["status"] == "passed"
     # collectives that fail make the ZeRO-2 ranks pointless: not run, said why
     order.clear()
-    monkeypatch.setattr(selftest, "check_collectives", lambda ctx: selftest.Check("collectives", "failed", "HCCL timeout"))
+    monkeypatch.setattr(selftest, "check_collectives", lambda ctx: selftest_result.Check("collectives", "failed", "HCCL timeout"))
     doc = selftest.run_selftest(cfgmod.load(TINY), tmp_path / "run", target="ascend", only=("collectives", "zero2 step"))
     z2 = next(c for c in doc["checks"] if c["name"] == "zero2 step")
     assert order == ["setup_mindspore"] and z2["status"] == "skipped" and "collectives check failed" in z2["detail"]
@@ -268,7 +267,7 @@ def test_cpu_selftest_end_to_end(cpu_selftest):
     assert code == 0, [c for c in doc["checks"] if c["status"] == "failed"]
     by_name = {c["name"]: c for c in doc["checks"]}
     assert set(by_name) == ASCEND_ONLY | CPU_RUNS
-    assert all(set(c) >= {"name", "status", "detail", "seconds"} and c["status"] in selftest.STATUSES for c in doc["checks"])
+    assert all(set(c) >= {"name", "status", "detail", "seconds"} and c["status"] in selftest_result.STATUSES for c in doc["checks"])
     for name in ASCEND_ONLY:  # never "passed" on CPU
         assert by_name[name]["status"] == "needs Ascend", by_name[name]
     for name in CPU_RUNS:
@@ -276,7 +275,7 @@ def test_cpu_selftest_end_to_end(cpu_selftest):
     step = by_name["train step fp16"]
     assert step["skipped"] == 1 and step["final_scale"] == 512.0 and len(step["losses"]) == 2
     # fp16 against the same steps in fp32, through the same comparison as flash vs math
-    assert 0 < max(abs(x - y) for x, y in zip(step["losses"], step["fp32_losses"])) <= selftest.LOSS_TOLERANCE["fp16"]
+    assert 0 < max(abs(x - y) for x, y in zip(step["losses"], step["fp32_losses"])) <= selftest_numerics.LOSS_TOLERANCE["fp16"]
     ck = by_name["checkpoint"]
     assert ck["write_gbps"] > 0 and ck["cold_read_gbps"] > 0 and ck["resume_7b_s"] > 0
     layer = by_name["decoder layer"]
@@ -349,10 +348,10 @@ def test_collectives_worker_on_two_cpu_processes(tmp_path):
     assert res["devices"] == 2 and set(res["ops"]) == {"AllReduce", "AllGather", "Broadcast"}
     for op in res["ops"].values():
         assert op["correct"] and op["bus_gbps"] > 0
-    check = selftest._collectives_check(res, 2, 4)
+    check = selftest_node._collectives_check(res, 2, 4)
     assert check.status == "passed" and "AllReduce" in check.detail
     res["ops"]["AllGather"]["correct"] = False
-    assert selftest._collectives_check(res, 2, 4).status == "failed"
+    assert selftest_node._collectives_check(res, 2, 4).status == "failed"
     assert collectives_worker.bus_factor("AllReduce", 8) == 2 * 7 / 8 and collectives_worker.bus_factor("Broadcast", 8) == 1.0
 
 
@@ -363,10 +362,10 @@ def test_zero2_step_on_two_cpu_processes_matches_one_process(tmp_path):
     on 2 CPU workers: the same compiled TrainStep with split, single and bucketed parameters."""
     from mspretrain.ops import zero2_worker
 
-    ctx = selftest.Context(cfg=cfgmod.load(TINY), target="cpu", work=tmp_path, results={"npus": 2})
+    ctx = selftest_result.Context(cfg=cfgmod.load(TINY), target="cpu", work=tmp_path, results={"npus": 2})
     ranks = selftest.zero2_ranks(ctx)
     assert isinstance(ranks, dict) and ranks["devices"] == 2, ranks
-    check = selftest.check_zero2(ctx, ranks)
+    check = selftest_node.check_zero2(ctx, ranks)
     assert check.status == "passed", check.detail
     diffs = check.data["max_abs_diff"]
     assert diffs["losses"] <= 1e-5 and diffs["weights"] <= 1e-5 and "replicas identical" in check.detail
@@ -374,4 +373,4 @@ def test_zero2_step_on_two_cpu_processes_matches_one_process(tmp_path):
     assert len(check.data["losses"]) == zero2_worker.STEPS
     # a rank whose slice the all-gather did not deliver
     ranks["weights"]["embed.weight"][0, 0] += 1e-3
-    assert selftest.check_zero2(ctx, ranks).status == "failed"
+    assert selftest_node.check_zero2(ctx, ranks).status == "failed"

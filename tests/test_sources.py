@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from mspretrain.data import sources
+from mspretrain.data import rawlines, sources, textdocs
 from mspretrain.data.sources import SourceStats, discover, iter_documents, iter_file
 from mspretrain.errors import UserError
 
@@ -124,7 +124,7 @@ def test_nul_bytes_do_not_make_a_text_file_binary(tmp_path):
 
 
 def test_long_line_is_cut_with_bounded_pieces(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "MAX_DOC_CHARS", 1000)
+    monkeypatch.setattr(textdocs, "MAX_DOC_CHARS", 1000)
     line = "".join(DOCS).replace("\n", "") * 60
     (tmp_path / "long.txt").write_text(line, encoding="utf-8")
     for per_line in (False, True):
@@ -173,9 +173,9 @@ def test_discovery(tmp_path):
 def _readline_docs(f, stats: sources.FileCounts) -> list[str]:
     """The previous one-document-per-line reader (a readline loop): the reference."""
     out = []
-    while line := f.readline(sources.MAX_DOC_CHARS):
+    while line := f.readline(textdocs.MAX_DOC_CHARS):
         if line.strip():
-            if not line.endswith("\n") and len(line) >= sources.MAX_DOC_CHARS:
+            if not line.endswith("\n") and len(line) >= textdocs.MAX_DOC_CHARS:
                 stats.split_long += 1
             out.append(line[:-1] if line.endswith("\n") else line)
     return out
@@ -188,8 +188,8 @@ def test_block_line_reader_equals_readline(monkeypatch, max_chars, read_chars):
     import io
     import random
 
-    monkeypatch.setattr(sources, "MAX_DOC_CHARS", max_chars)
-    monkeypatch.setattr(sources, "READ_CHARS", read_chars)
+    monkeypatch.setattr(textdocs, "MAX_DOC_CHARS", max_chars)
+    monkeypatch.setattr(textdocs, "READ_CHARS", read_chars)
     rng = random.Random(max_chars * 100 + read_chars)
     parts = ["春眠不觉晓", "a", " ", "\t", "\u3000", "\n", "\n", "\r\n", "\r", "x" * 6, "y" * 7, "z" * 8, "长" * 15]
     for _ in range(300):
@@ -197,7 +197,7 @@ def test_block_line_reader_equals_readline(monkeypatch, max_chars, read_chars):
         ref_stats, new_stats = sources.FileCounts("ref"), sources.FileCounts("new")
         want = _readline_docs(io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8", newline=None), ref_stats)
         f = io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8", newline=None)
-        got = [d for batch in sources._line_doc_batches(f, new_stats) for d in batch]
+        got = [d for batch in textdocs.line_doc_batches(f, new_stats) for d in batch]
         assert got == want, repr(text)
         assert new_stats.split_long == ref_stats.split_long, repr(text)
 
@@ -228,8 +228,8 @@ def test_raw_blocks_equal_the_decoding_reader(tmp_path, monkeypatch, encoding, m
     # lone \r, undecodable bytes, blank and over-long lines anywhere around the cuts.
     import random
 
-    monkeypatch.setattr(sources, "MAX_DOC_CHARS", max_chars)
-    monkeypatch.setattr(sources, "RAW_READ_BYTES", read_bytes)
+    monkeypatch.setattr(textdocs, "MAX_DOC_CHARS", max_chars)
+    monkeypatch.setattr(rawlines, "RAW_READ_BYTES", read_bytes)
     rng = random.Random(hash((encoding, max_chars, read_bytes)) & 0xFFFF)
     parts = ["春眠不觉晓", "a", " ", "\t", "\u3000", "\n", "\n", "\r\n", "\r", "x" * 6, "长" * 15, "𠮷"]
     bad = [b"\xff", b"\xe4\xb8", b"\x81"]  # invalid in UTF-8; \x81 alone is a truncated GB18030 lead byte
@@ -261,8 +261,8 @@ def test_raw_blocks_equal_the_decoding_reader(tmp_path, monkeypatch, encoding, m
 def test_raw_blocks_fall_back_on_a_line_without_end(tmp_path, monkeypatch):
     # A line longer than 4 * MAX_DOC_CHARS bytes switches the rest of the file to the decoding
     # reader, which cuts it into pieces (memory stays bounded).
-    monkeypatch.setattr(sources, "MAX_DOC_CHARS", 50)
-    monkeypatch.setattr(sources, "RAW_READ_BYTES", 32)
+    monkeypatch.setattr(textdocs, "MAX_DOC_CHARS", 50)
+    monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 32)
     text = "短行一\n" + "长" * 500 + "\n短行二\n\n短行三"
     path = tmp_path / "long.txt"
     path.write_text(text, encoding="utf-8")
@@ -277,7 +277,7 @@ def test_raw_blocks_fall_back_on_a_line_without_end(tmp_path, monkeypatch):
 def test_counts_are_per_file_and_named_as_the_user_named_them(tmp_path, monkeypatch):
     # dropped bytes land on the file that had them, even when another file's blocks are decoded
     # in this process between two reads of it (prepare with one worker does exactly that)
-    monkeypatch.setattr(sources, "RAW_READ_BYTES", 16)
+    monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 16)
     corpus = tmp_path / "corpus"
     (corpus / "sub").mkdir(parents=True)
     (corpus / "a.txt").write_bytes("春眠不觉晓\n处处闻啼鸟\n".encode() * 4 + b"\xff\xfe\n")
@@ -356,14 +356,14 @@ def _jsonl_bytes(rng, encoding: str) -> bytes:
 @pytest.mark.parametrize("max_chars,read_bytes", [(50, 16), (50, 300), (1000, 1 << 16)])
 def test_jsonl_blocks_by_reference_equal_the_decoding_reader(tmp_path, monkeypatch, encoding, max_chars, read_bytes):
     # An uncompressed .jsonl file is cut into blocks of whole lines by reference, parsed where
-    # they are decoded: the same documents, origins, counts and warnings as `_jsonl_docs`. Small
+    # they are decoded: the same documents, origins, counts and warnings as `jsonl_docs`. Small
     # MAX_DOC_CHARS: long texts are cut, and lines without an end within 4 * MAX_DOC_CHARS bytes
     # switch the rest of the file to the reader; small MAX_JSONL_LINE_CHARS: too long lines.
     import random
 
-    monkeypatch.setattr(sources, "MAX_DOC_CHARS", max_chars)
-    monkeypatch.setattr(sources, "MAX_JSONL_LINE_CHARS", 120)
-    monkeypatch.setattr(sources, "RAW_READ_BYTES", read_bytes)
+    monkeypatch.setattr(textdocs, "MAX_DOC_CHARS", max_chars)
+    monkeypatch.setattr(textdocs, "MAX_JSONL_LINE_CHARS", 120)
+    monkeypatch.setattr(rawlines, "RAW_READ_BYTES", read_bytes)
     rng = random.Random(hash((encoding, max_chars, read_bytes)) & 0xFFFF)
     fell_back = by_ref = 0
     for trial in range(40):

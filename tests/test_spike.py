@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import cli
 from tests.planted import SEED, SPIKE_STEP, planted_run
 
 
@@ -24,14 +25,6 @@ def analysis(planted):
     from mspretrain.ops.spike import analyse
 
     return analyse(planted[0], SPIKE_STEP)
-
-
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    from mspretrain.cli import main
-
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_the_planted_batch_is_where_the_plan_puts_it(planted):
@@ -117,7 +110,7 @@ def test_report_links_the_spike_record(planted, tmp_path):
 
 def test_spike_after_the_fact_and_refusals(planted, capsys, tmp_path):
     run, _, bad = planted
-    code, out, err = _cli(capsys, "spike", str(run), "--step", str(SPIKE_STEP), "--no-replay")
+    code, out, err = cli(capsys, "spike", str(run), "--step", str(SPIKE_STEP), "--no-replay")
     assert code == 0, err
     assert f"{bad}  " in out and "bad.txt:0" in out
     # without a replay the losses are the spike record's, as the step computed them
@@ -128,7 +121,7 @@ def test_spike_after_the_fact_and_refusals(planted, capsys, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
     (copy / "batches.jsonl").unlink()
-    code, out2, err = _cli(capsys, "spike", str(copy), "--step", str(SPIKE_STEP), "--no-replay")
+    code, out2, err = cli(capsys, "spike", str(copy), "--step", str(SPIKE_STEP), "--no-replay")
     assert code == 0 and out2.replace(str(copy), str(run)) == out, err
     for args, words in [
         ([str(copy), "--step", "3", "--no-replay"], "no batches.jsonl"),
@@ -137,7 +130,7 @@ def test_spike_after_the_fact_and_refusals(planted, capsys, tmp_path):
         ([str(run), "--step", "2"], "no verified checkpoint at or before step 1"),
         ([str(tmp_path), "--step", "2"], "not a run dir"),
     ]:
-        code, _, err = _cli(capsys, "spike", *args)
+        code, _, err = cli(capsys, "spike", *args)
         assert code == 2 and words in err and err.count("\n") == 2, (args, err)
 
 

@@ -1,38 +1,18 @@
-"""The quick start's newcomer path, run for real by scripts/walkthrough.sh in a temp dir: own text →
+"""The quick start's newcomer path, run for real by scripts/walkthrough.sh in a temp dir (the
+session's `walkthrough` fixture, tests/conftest.py, which tests/test_docs.py reads too): own text →
 prepare → train → Ctrl-C → resume → eval → generate → export → transformers. The checks are the
 promises the docs make about each step's output."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from mspretrain import config as cfgmod
 from mspretrain.model.presets import param_count
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "walkthrough.sh"
-# Five MindSpore processes, each compiling its graphs: ~1 min on a quiet 2-core box, ~2.5 min at load 5.
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def walkthrough(tmp_path_factory) -> tuple[Path, str]:
-    import torch  # noqa: F401  pinned test dependencies: missing must fail, not skip (pyproject [test])
-    import transformers  # noqa: F401
-    work = tmp_path_factory.mktemp("walkthrough")
-    env = dict(os.environ, GLOG_v="3")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv's mspretrain and python
-    proc = subprocess.run(["bash", str(SCRIPT), str(work)], env=env, capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"walkthrough failed (exit {proc.returncode}):\n{out[-4000:]}"
-    assert "Traceback" not in out, out[-4000:]
-    return work, out
 
 
 def test_prepare_wrote_a_data_dir(walkthrough):

@@ -143,7 +143,7 @@ def hccl_buffsize(args: argparse.Namespace, cfg: Any, nproc: int, nodes: int) ->
 def run(args: argparse.Namespace) -> int:
     from mspretrain.cli import COMMANDS
     from mspretrain.errors import UserError
-    from mspretrain.ops.diagnose import STALE_S
+    from mspretrain.monitor.ranks import STALE_S
     from mspretrain.ops.fits import LOCAL_RANKS_ENV
     from mspretrain.ops.watchdog import STOP_GRACE_S
     from mspretrain.train.distributed import NO_SCHEDULER, msrun_command

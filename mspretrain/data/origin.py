@@ -11,7 +11,7 @@ Layout of `SPLIT.origin` (next to `SPLIT.bin` / `SPLIT.idx`, all little-endian):
                         stream) of the document's first line (for .jsonl: of its record's line);
                 "row":  0-based line number, for files in an encoding where a byte offset cannot
                         be found without decoding (UTF-16/32)
-A document cut out of a line longer than `sources.MAX_DOC_CHARS` points at its own first byte
+A document cut out of a line longer than `textdocs.MAX_DOC_CHARS` points at its own first byte
 when the line was read as raw blocks (one document per line, UTF-8/GB18030), else at the start
 of its line.
 

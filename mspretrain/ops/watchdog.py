@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mspretrain.ops.diagnose import STALE_S, process_state, rank_states
+from mspretrain.monitor.ranks import STALE_S, process_state, rank_states
 
 STOP_GRACE_S = 5.0
 POLL_S = 0.5

@@ -1,37 +1,34 @@
-"""Issue 18: nothing the user has is ever lost, and no input crashes a command.
+"""Bad inputs: nothing the user has is ever lost, and no input crashes a command.
 
 Every refusal goes through `mspretrain.cli.main` and must be exactly one `error:` line plus one
 `hint:` line, exit code 2, no traceback, and must leave the user's files byte for byte as they
 were. (The run-dir lock and the all-checkpoints-corrupt refusal are in test_lock.py; the
-safetensors / config.json fuzzing is in test_fuzz_readers.py.)"""
+safetensors / config.json fuzzing is in test_fuzz_readers.py. Refusals that must leave a run dir or an
+output dir exactly as it was are in test_refusals.py and test_outputs.py.)
+
+The inputs: prepare --overwrite and report --out on what they did not write, config floats,
+the data dir's tokenizer and ids, crashes that become one line, resource bombs, messages that
+say what happened, numbers that cannot run, and run files that are special files."""
 from __future__ import annotations
 
 import json
+import os
+import resource
 import shutil
 from pathlib import Path
 
 import pytest
 
 from mspretrain.cli import main
-from tests.conftest import make_poems
-
-
-def refused(capsys, *args: object) -> str:
-    """Run the CLI, assert the one-line refusal contract, return stderr."""
-    rc = main([str(a) for a in args])
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
-    return err
+from tests.conftest import ROOT, TINY, make_poems
+from tests.helpers import cli, refused
 
 
 def tree(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-# --------------------------------------------------------------------------- item 2: prepare --overwrite
+# --------------------------------------------------------------------------- prepare --overwrite
 
 PREP = ["--vocab-size", "400", "--workers", "1", "--quiet", "prepare.valid_fraction=0.1", "prepare.min_chars=4"]
 
@@ -102,7 +99,7 @@ def test_prepare_overwrite_refuses_to_replace_a_file_it_did_not_write(prepared, 
     assert (tree(out) if out.is_dir() else {"": out.read_bytes()}) == before
 
 
-# --------------------------------------------------------------------------- item 3: report --out
+# --------------------------------------------------------------------------- report --out
 
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
@@ -140,7 +137,7 @@ def test_report_out_writes_new_files_and_replaces_earlier_reports(run_dir, tmp_p
     assert not [p for p in tmp_path.rglob(".*.tmp")]
 
 
-# --------------------------------------------------------------------------- item 5: config floats
+# --------------------------------------------------------------------------- config floats
 
 def _float_keys() -> list[str]:
     """Every float key of the schema, including keys added after this test was written."""
@@ -183,8 +180,6 @@ def test_float_keys_out_of_their_range(override):
 @pytest.mark.parametrize("override", ["optim.weight_decay=nan", "optim.z_loss=inf", "spike.threshold=nan",
                                       "model.rope_theta=inf", "optim.grad_clip=nan"])
 def test_train_refuses_nonfinite_config_before_touching_the_run(tiny_data, tmp_path, capsys, override):
-    from tests.conftest import TINY
-
     run = tmp_path / "run"
     refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "--quiet", override)
     assert not run.exists()
@@ -202,7 +197,7 @@ def test_nonfinite_data_source_weight(tmp_path):
             replace(cfg.data, sources=({"path": "a", "weight": w},))
 
 
-# --------------------------------------------------------------------------- item 6: the data dir's tokenizer and ids
+# --------------------------------------------------------------------------- the data dir's tokenizer and ids
 
 def _data_copy(tiny_data: Path, tmp_path: Path) -> Path:
     d = tmp_path / "data"
@@ -211,8 +206,6 @@ def _data_copy(tiny_data: Path, tmp_path: Path) -> Path:
 
 
 def _train_refused(capsys, data: Path, tmp_path: Path) -> str:
-    from tests.conftest import TINY
-
     run = tmp_path / "run"
     err = refused(capsys, "train", "--config", TINY, "--data", data, "--run", run, "--quiet", "train.max_steps=3")
     assert not run.exists()
@@ -260,14 +253,12 @@ def test_intact_data_dir_passes_the_check(tiny_data):
     check_data_dir(tiny_data, read_manifest(tiny_data))
 
 
-# --------------------------------------------------------------------------- item 8: crashes become one line
+# --------------------------------------------------------------------------- crashes become one line
 
 def test_prepare_file_too_large_is_one_line_and_publishes_nothing(poems_dir, tmp_path):
     """EFBIG for real: RLIMIT_FSIZE in a child process (SIGXFSZ ignored, so write() fails)."""
     import subprocess
     import sys
-
-    from tests.conftest import ROOT
 
     code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
@@ -384,8 +375,6 @@ def test_report_survives_a_malformed_run_meta(run_dir, tmp_path, capsys, meta):
 @pytest.mark.parametrize("overrides", [["model.max_seq_len=1000000000"], ["train.global_batch=10000000"],
                                        ["data.seq_len=200000", "model.max_seq_len=200000"], ["model.dim=65536", "model.n_heads=64"]])
 def test_train_refuses_what_cannot_fit_in_memory_before_compute(tiny_data, tmp_path, capsys, overrides):
-    from tests.conftest import TINY
-
     run = tmp_path / "run"
     err = refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "--quiet", "train.max_steps=3", *overrides)
     assert "GB of memory" in err and "plan" in err
@@ -431,8 +420,6 @@ def test_fits_counts_every_rank_on_this_host(tiny_cfg):
 
 @pytest.mark.parametrize("what", ["bin_file", "corpus_file"])
 def test_data_that_is_a_file_says_so(tiny_data, tmp_path, capsys, what):
-    from tests.conftest import TINY
-
     data = tiny_data / "train.bin" if what == "bin_file" else tmp_path / "corpus.txt"
     if what == "corpus_file":
         data.write_text("春眠不觉晓", encoding="utf-8")
@@ -440,7 +427,7 @@ def test_data_that_is_a_file_says_so(tiny_data, tmp_path, capsys, what):
     assert "is a file" in err and "does not exist" not in err
 
 
-# --------------------------------------------------------------------------- item 9: resource bombs
+# --------------------------------------------------------------------------- resource bombs
 
 def test_workers_are_capped_at_the_cores(poems_dir, tmp_path, capsys):
     import os
@@ -458,8 +445,6 @@ def test_workers_are_capped_at_the_cores(poems_dir, tmp_path, capsys):
 def test_recursive_glob_does_not_follow_symlink_loops(tmp_path):
     import subprocess
     import sys
-
-    from tests.conftest import ROOT
 
     d = tmp_path / "corpus" / "a"
     d.mkdir(parents=True)
@@ -498,7 +483,7 @@ def test_dashboard_port_out_of_range(tmp_path, capsys, port):
     refused(capsys, "dashboard", tmp_path, f"--port={port}")
 
 
-# --------------------------------------------------------------------------- item 10: messages that say what happened
+# --------------------------------------------------------------------------- messages that say what happened
 
 def _mixed_lines(n: int) -> list[tuple[str, str]]:
     utf = ["春眠不觉晓，处处闻啼鸟。", "夜来风雨声，花落知多少。", "白日依山尽，黄河入海流。"]
@@ -589,8 +574,6 @@ def test_prepare_workers_die_with_a_killed_parent_without_tracebacks(tmp_path):
     import sys
     import time
 
-    from tests.conftest import ROOT, make_poems
-
     def stat(pid: int) -> list[str]:
         """/proc/PID/stat after the command name, read once ([] once the process is reaped: an
         exists() then an open() raised FileNotFoundError for a worker reaped in between)."""
@@ -635,3 +618,98 @@ def test_prepare_workers_die_with_a_killed_parent_without_tracebacks(tmp_path):
     assert not left, left
     err = proc.stderr.read()
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+# --------------------------------------------------------------------------- numbers that cannot run or would allocate without bound
+# (refused in one line before anything runs; no model is built)
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", "--config", str(TINY), "optim.lr=1e308"], "optim.lr = 1e+308 is above the limit"),
+    (["plan", "--config", str(TINY), "optim.lr=nan"], "optim.lr"),
+    (["plan", "--config", str(TINY), "model.n_layers=1e8"], "model.n_layers"),
+    (["plan", "--config", str(TINY), "--tokens", "nan"], "--tokens nan"),
+    (["plan", "--config", str(TINY), "--tokens", "-1"], "--tokens -1"),
+    (["plan", "--config", str(TINY), "--tokens-per-s", "-5", "--tokens", "1e6"], "--tokens-per-s -5"),
+    (["plan", "--config", str(TINY), "--device-mem-gb", "inf"], "--device-mem-gb inf"),
+    (["eval", "no-such-run", "--batch-size", "100000000"], "--batch-size 100000000 must be between 1 and"),
+    (["eval", "no-such-run", "--choices", "x.csv", "--batch-size", "100000000"], "--batch-size 100000000 must be between 1 and"),
+])
+def test_numbers_that_cannot_run_are_one_line(capsys, argv, words):
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and words in err, err
+    assert err.startswith("error: ") and err.count("\n") == 2 and "Traceback" not in err
+
+
+def test_device_mem_gb_wins_for_an_ascend_config(capsys):
+    """--device-mem-gb was ignored for Ascend configs (the 910B's 58 GB was used): a 910B4 has 32."""
+    cfg = str(ROOT / "configs" / "llama2-7b-910b.toml")
+    code, out, _ = cli(capsys, "plan", "--config", cfg, "--devices", "8", "--device-mem-gb", "32", "--json")
+    assert code == 0 and json.loads(out)["device_mem_gb"] == 32.0
+    code, out, _ = cli(capsys, "plan", "--config", cfg, "--devices", "8", "--json")
+    assert code == 0 and json.loads(out)["device_mem_gb"] != 32.0
+
+
+# --------------------------------------------------------------------------- run files that are /dev/zero, a FIFO, or damaged
+# (every reader command ends at once with a result or one error: / hint: pair, never past its size cap or in a hang;
+# in-process against the session's `reference_run`, each case replacing one file of a copy)
+
+FILES = ["metrics.jsonl", "train.log", "run_meta.json", "batches.jsonl", "heartbeat/rank_00000.json",
+         "checkpoints/step_000003/train_state.json"]
+
+
+def _commands(run: Path, out: Path) -> list[list[str]]:
+    return [["report", str(run), "--out", str(out / "report")], ["diagnose", str(run)], ["audit", str(run)],
+            ["spike", str(run), "--step", "2", "--no-replay"], ["recover", str(run)]]
+
+
+def _max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("kind", ["devzero", "fifo"])
+def test_special_run_files_end_every_reader_in_one_line(reference_run, tmp_path, capsys, name, kind):
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run, symlinks=True)
+    target = run / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    if kind == "devzero":
+        target.symlink_to("/dev/zero")
+    else:
+        os.mkfifo(target)
+    before = _max_rss_mb()
+    for argv in _commands(run, tmp_path):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code in (0, 1, 2), (argv, code, err)
+        assert "Traceback" not in err, (argv, err)
+        if code == 2:
+            lines = err.strip().splitlines()
+            assert len(lines) == 2 and lines[0].startswith("error:") and lines[1].startswith("hint:"), (argv, err)
+    assert _max_rss_mb() - before < 1024, "a reader read far past its cap"
+
+
+def test_replay_refuses_a_special_metrics_file(reference_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run, symlinks=True)
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to("/dev/zero")
+    assert main(["replay", str(run), "--from-step", "1", "--steps", "1"]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["audit", "diagnose", "recover", "checkpoints"])
+def test_commands_that_read_no_config_refuse_overrides(reference_run, capsys, command):
+    """`mspretrain --help` used to promise overrides to every command; those that read no config
+    ignored them silently. Now they are refused in one line (issue 33, docs item)."""
+    assert main([command, str(reference_run), "train.max_steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert "takes no section.key=value overrides" in err and err.count("\n") == 2
+
+
+def test_quickstart_creates_my_text_with_the_walkthroughs_own_lines():
+    root = Path(__file__).resolve().parents[1]
+    quick = (root / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    block = quick.split("## 1. Your own text", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert block.startswith("mkdir -p my-text") and block in (root / "scripts" / "walkthrough.sh").read_text(encoding="utf-8")
