@@ -238,7 +238,7 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
 # steps, the CPU selftest) are units of their own, free for either worker. A new msrun test
 # elsewhere is refused at collection.
 MSRUN_FILES = ("tests/test_distributed.py", "tests/test_multinode.py", "tests/test_selftest.py", "tests/test_zero2.py",
-               "tests/test_zero3.py")
+               "tests/test_zero3.py", "tests/test_tp.py")
 
 
 def pytest_collection_modifyitems(config, items):

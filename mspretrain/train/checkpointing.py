@@ -50,13 +50,17 @@ class CheckpointManager:
         """Checkpoint the state after `step`; the copy to host blocks briefly, the write does not."""
         sharded = self.step_fn.sharded
         self.last_save_step = step
-        if self.rank != 0 and not sharded:
+        # ZeRO-3 and tensor parallel: the whole weights are gathered on every rank (a collective: all
+        # ranks call it), so the model file is the one any layout writes and any layout resumes from;
+        # under tensor parallel the optimizer state too (train/tp.py), written by tp rank 0 alone
+        gathers = getattr(self.step_fn, "zero3", False) or getattr(self.step_fn, "tp_size", 1) > 1
+        if self.rank != 0 and not sharded and not gathers:
             return None
         t0 = time.perf_counter()
-        # ZeRO-3: the whole weights are gathered on every rank (a collective: all ranks call it), so
-        # the model file is the one any layout writes and any layout resumes from
-        whole = self.step_fn.full_weights() if getattr(self.step_fn, "zero3", False) else None
+        whole = self.step_fn.full_weights() if gathers else None
         optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
+        if not getattr(self.step_fn, "writes", True) or (self.rank != 0 and not sharded):
+            return None
         try:
             if self.rank != 0:
                 self.saver.save_shard(step=step, rank=self.rank, world=self.world, optimizer=optim, stall_started=t0)
