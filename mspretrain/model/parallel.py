@@ -189,7 +189,7 @@ class VocabLookup(nn.Cell):
     def construct(self, w: Tensor, tokens: Tensor) -> Tensor:
         local = tokens - self.start
         inside = ops.logical_and(local >= 0, local < self.rows)
-        out = ops.gather(w, ops.where(inside, local, ops.zeros_like(local)), 0)
+        out = ops.gather(w, ops.clamp(local, 0, self.rows - 1), 0)
         return self.reduce(out * inside.astype(out.dtype).expand_dims(-1))
 
 
@@ -206,43 +206,49 @@ class VocabParallelNLL(nn.Cell):
 
     def __init__(self, start: int, columns: int, group: Group, plain_sum: bool = False) -> None:
         super().__init__()
-        self.start, self.columns, self.plain_sum = start, columns, plain_sum
+        self.start, self.columns = start, columns
+        self.core = _StackedNLL(columns, group, plain_sum)
+
+    def construct(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        local = targets.astype(ms.int32) - self.start
+        inside = ops.logical_and(local >= 0, local < self.columns).astype(ms.float32)  # the target is this rank's
+        out = self.core(logits.astype(ms.float32), ops.clamp(local, 0, self.columns - 1), inside)
+        return out[0], out[1]
+
+
+class _StackedNLL(nn.Cell):
+    """VocabParallelNLL's computation on the local column index of each target and whether it is
+    this rank's, with (nll, lse) stacked into one tensor. Two MindSpore 2.10 limits, measured in
+    graph mode, shape it: the gradient of a tuple taken apart after a cell with a bprop fails to
+    compile ("The func graph is empty ... zeros_like"), and so does a composite function such as
+    ops.clamp or ops.zeros_like called both in a cell's construct and in its bprop."""
+
+    def __init__(self, columns: int, group: Group, plain_sum: bool) -> None:
+        super().__init__()
+        self.columns, self.plain_sum = columns, plain_sum
         self.max = group.max()
         self.sum_exp = group.all_reduce()
         self.sum_target = group.all_reduce()
 
-    def _picked(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        local = targets.astype(ms.int32) - self.start
-        inside = ops.logical_and(local >= 0, local < self.columns)
-        idx = ops.where(inside, local, ops.zeros_like(local))
-        return ops.gather_d(logits, -1, idx.expand_dims(-1)).squeeze(-1), inside
-
-    def construct(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        logits = logits.astype(ms.float32)
+    def construct(self, logits: Tensor, idx: Tensor, inside: Tensor) -> Tensor:
         B, T, V = logits.shape
         peak = self.max(ops.stop_gradient(logits.max(axis=-1)))  # (B, T)
         e = ops.exp(logits - ops.broadcast_to(peak.expand_dims(-1), logits.shape)).reshape(B * T, V)
         rows = e.sum(-1) if self.plain_sum else ops.matmul(e, ops.ones((V, 1), ms.float32)).reshape(-1)
         total = self.sum_exp(rows).reshape(B, T)
-        picked, inside = self._picked(logits, targets)
-        picked = self.sum_target(ops.depend(picked * inside.astype(picked.dtype), total))
+        picked = ops.gather_d(logits, -1, idx.expand_dims(-1)).squeeze(-1) * inside
+        picked = self.sum_target(ops.depend(picked, total))
         shifted_lse = ops.log(total)
-        return shifted_lse - (picked - peak), shifted_lse + peak
+        return ops.stack((shifted_lse - (picked - peak), shifted_lse + peak))
 
-    def bprop(self, logits: Tensor, targets: Tensor, out: tuple[Tensor, Tensor],
-              dout: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        _, lse = out
-        d_nll, d_lse = dout
-        x = logits.astype(ms.float32)
-        soft = ops.exp(x - ops.broadcast_to(lse.expand_dims(-1), x.shape))
-        grad = soft * ops.broadcast_to((d_nll + d_lse).expand_dims(-1), x.shape)
-        local = targets.astype(ms.int32) - self.start
-        inside = ops.logical_and(local >= 0, local < self.columns)
-        hot = ops.one_hot(ops.where(inside, local, ops.zeros_like(local)), self.columns, ops.ones((), ms.float32),
-                          ops.zeros((), ms.float32))
-        weight = ops.where(inside, d_nll, ops.zeros_like(d_nll))  # the target's column is on this rank, or no column is
-        grad = grad - hot * ops.broadcast_to(weight.expand_dims(-1), x.shape)
-        return grad.astype(logits.dtype), ops.zeros_like(targets)
+    def bprop(self, logits: Tensor, idx: Tensor, inside: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        lse, d_nll, d_lse = out[1], dout[0], dout[1]
+        soft = ops.exp(logits - ops.broadcast_to(lse.expand_dims(-1), logits.shape))
+        grad = soft * ops.broadcast_to((d_nll + d_lse).expand_dims(-1), logits.shape)
+        hot = ops.one_hot(idx, self.columns, ops.ones((), ms.float32), ops.zeros((), ms.float32))
+        # the target's column is on this rank (inside 1), or no column is
+        grad = grad - hot * ops.broadcast_to((d_nll * inside).expand_dims(-1), logits.shape)
+        return grad, idx * 0, inside * 0
 
 
 # --------------------------------------------------------------------------- the split

@@ -95,7 +95,11 @@ class TPTrainStep(TrainStep):
 
         if self._host_sum is None:
             op = self.mesh.tp.all_reduce()
-            self._host_sum = ms.jit(lambda t: op(t)) if self._jit is not None else op
+
+            def tp_sum(x: Tensor) -> Tensor:
+                return op(x)
+
+            self._host_sum = ms.jit(tp_sum) if self._jit is not None else op
         return self._host_sum(Tensor(x)).asnumpy()
 
     def _whole(self, pieces: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
