@@ -18,7 +18,6 @@ from mindspore import Tensor
 from mspretrain.errors import UserError
 from tests.conftest import TINY, assert_same_checkpoint, copy_run_at
 from tests.test_distributed import ARGS, FINAL, MSRUN, STEPS, _grad_norms, _kill_tree, _metrics, _replica_hashes, _step_dir
-from tests.test_zero2 import _resume_on_one_process
 
 
 @pytest.fixture
@@ -336,13 +335,12 @@ def _assert_equals_one_process(run: Path, reference_run: Path, ranks: int = 0, s
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_tp2_matches_one_process_and_resumes_on_one_process(tmp_path, tiny_data, reference_run, tp2_run):
+def test_tp2_matches_one_process(tp2_run, reference_run):
     """Losses, grad norms, every checkpoint (whole tensors under the whole model's names) of TP 2
-    against one process; one process resumes its step 5 and keeps the unbroken run's numbers."""
+    against one process (measured: loss equal to the logged digits, grad norms 8.8e-8 relative,
+    weights 4.9e-6 absolute at most). A TP 2 run resumed by one process: the kill -9 test below."""
     assert "tensor parallel over 2 ranks x 1 data-parallel" in (tp2_run / "train.log").read_text()
     _assert_equals_one_process(tp2_run, reference_run, 2)
-    resumed = _resume_on_one_process(tp2_run, tiny_data, tmp_path, 5)
-    _assert_equals_one_process(resumed, reference_run, steps=list(range(6, FINAL + 1)))
 
 
 @pytest.mark.slow
