@@ -374,7 +374,9 @@ def test_a_zero1_tp_dp_checkpoint_resumes_at_tp2(tmp_path, tiny_data, reference_
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_a_killed_tp2_job_resumes_exactly_on_one_process(tmp_path, tiny_data):
     """TP 2 with rank 1 SIGKILLed after step 5: the job ends; one process resumes the oldest
-    verified checkpoint kept and redoes the steps the killed job logged after it, with its losses."""
+    verified checkpoint kept and redoes the steps the killed job logged after it, with its losses.
+    The model is Qwen3's family with tied embeddings (QK-norm gradients summed over tp, the head
+    on the vocabulary-parallel embedding's rows): the redone steps compare TP 2 with one process."""
     import signal
 
     from mspretrain.checkpoint import store
@@ -382,7 +384,8 @@ def test_a_killed_tp2_job_resumes_exactly_on_one_process(tmp_path, tiny_data):
     from tests.test_distributed import LONG, _ended_within, _start_launch, _wait_for_rank
 
     run = tmp_path / "killed"
-    proc = _start_launch(tmp_path, tiny_data, run, *LONG, *TP2)
+    qwen3 = ("model.family=qwen3", "model.qk_norm=true", "model.tie_embeddings=true")
+    proc = _start_launch(tmp_path, tiny_data, run, *LONG, *TP2, *qwen3)
     try:
         beat = _wait_for_rank(run, 1, 5, proc)
         os.kill(beat["pid"], signal.SIGKILL)
@@ -399,7 +402,7 @@ def test_a_killed_tp2_job_resumes_exactly_on_one_process(tmp_path, tiny_data):
     redo = [s for s in before if s > resume_at]
     assert redo, (resume_at, sorted(before))
     long = [a if not a.startswith("train.max_steps=") else f"train.max_steps={max(redo)}" for a in LONG]
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet", *long]) == 0
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet", *long, *qwen3]) == 0
     assert f"resumed from step_{resume_at:06d}" in (run / "train.log").read_text()
     after = _metrics(run)
     for step in redo:
