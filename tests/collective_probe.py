@@ -91,8 +91,8 @@ def main() -> None:
         # create_group (no HCCL here); a group's size is what the primitives read at construction.
         # Group names differ between groups (tp_0, tp_1), so the lists compare their kind (tp, dp).
         t, d = rank % tp, rank // tp
-        sizes = {f"tp_{d}": tp, f"dp_{t}": dp}
-        comm_ops.get_rank = lambda group=None, rank=rank: rank
+        sizes, mine = {f"tp_{d}": tp, f"dp_{t}": dp}, {f"tp_{d}": t, f"dp_{t}": d}  # a group's size, this rank's index in it
+        comm_ops.get_rank = lambda group=None, rank=rank, mine=mine: mine.get(group, rank)
         comm_ops.get_group_size = lambda group=None, sizes=sizes: sizes.get(group, args.world)
         # The shipped Qwen2.5 910B recipe's choices, small: bf16 with half-precision matrices (fp32
         # masters), the embedding frozen, ZeRO; tiny buckets and a low split threshold so that the
