@@ -358,14 +358,15 @@ def test_tp2_dp2_with_zero1_matches_one_process(tp2_dp2_zero1_run, reference_run
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_a_zero1_tp_dp_checkpoint_resumes_at_tp2(tmp_path, tiny_data, reference_run, tp2_dp2_zero1_run):
-    """Step 5 of the TP 2 x DP 2 ZeRO-1 run (two optimizer shards) resumed by TP 2 on 2 ranks:
-    the unbroken one-process run's losses, grad norms and checkpoints to the end."""
+def test_a_zero1_tp_dp_checkpoint_resumes_on_plain_tp_dp(tmp_path, tiny_data, reference_run, tp2_dp2_zero1_run):
+    """Step 5 of the TP 2 x DP 2 ZeRO-1 run (two optimizer shards) resumed by TP 2 x DP 2 without
+    ZeRO (the data-parallel gradients all-reduced whole): the unbroken one-process run's losses,
+    grad norms and checkpoints to the end."""
     run = copy_run_at(tp2_dp2_zero1_run, tmp_path / "from-zero1", 5)
-    shutil.rmtree(run / "ranks")  # the 4-rank job's hashes: this job writes 2
-    _launch(tmp_path, tiny_data, run, 2, *TP2)
+    shutil.rmtree(run / "ranks")  # the ZeRO-1 job's hashes: this job writes its own
+    _launch(tmp_path, tiny_data, run, 4, *TP2)
     assert "resumed from step_000005" in (run / "train.log").read_text()
-    _assert_equals_one_process(run, reference_run, 2, steps=list(range(6, FINAL + 1)))
+    _assert_equals_one_process(run, reference_run, 4, steps=list(range(6, FINAL + 1)))
 
 
 @pytest.mark.sigkill
