@@ -889,7 +889,8 @@ def check_parallel(cfg: Config) -> None:
         _fail("optim.shard_parameters", f"(ZeRO-3) does not compose with parallel.tp = {cfg.parallel.tp} yet",
               "use optim.shard_gradients=true (ZeRO-2) with tensor parallel, or parallel.tp=1 with ZeRO-3")
     if not isinstance(cfg.optim.split_mb, str) and cfg.optim.split_mb > 0:
-        _fail("optim.split_mb", f"= {cfg.optim.split_mb:g} does not apply with parallel.tp > 1 (each tensor-parallel piece is owned whole by one data-parallel rank)",
+        _fail("optim.split_mb", f"= {cfg.optim.split_mb:g} does not apply with parallel.tp > 1 "
+              "(each tensor-parallel piece is owned whole by one data-parallel rank)",
               'remove optim.split_mb (or set it to "auto" or 0)')
     if cfg.eval.choices_file:
         _fail("eval.choices_file", "is not scored with parallel.tp > 1 (the logits are split across the tp ranks)",

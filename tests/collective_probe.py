@@ -75,8 +75,8 @@ def main() -> None:
 
     from mspretrain import config as cfgmod
     from mspretrain.model.llama import Llama, half_eligible
-    from mspretrain.train.step import TrainStep
     from mspretrain.model.parallel import CopyToTP, Group, ReduceFromTP, split_model
+    from mspretrain.train.step import TrainStep
     from mspretrain.train.tp import Mesh, TPTrainStep
     from mspretrain.train.zero3 import gathered_cells
 
@@ -101,9 +101,9 @@ def main() -> None:
         common = dict(global_tokens=64, shard=True, shard_grads=args.zero >= 2, half_params=half_eligible(model), bucket_mb=0.01,
                       device="ascend", trainable=["attention", "mlp", "norms", "lm_head"])
         if tp > 1:
-            name = lambda kind, g: f"{kind}_{g}" if dp > 1 else None  # dp 1: the tp group is the world
-            mesh = Mesh(Group(tuple(d * tp + i for i in range(tp)), t, name=name("tp", d), device="ascend"),
-                        Group(tuple(j * tp + t for j in range(dp)), d, name=name("dp", t), device="ascend"))
+            named = dp > 1  # dp 1: the tp group is the world
+            mesh = Mesh(Group(tuple(d * tp + i for i in range(tp)), t, name=f"tp_{d}" if named else None, device="ascend"),
+                        Group(tuple(j * tp + t for j in range(dp)), d, name=f"dp_{t}" if named else None, device="ascend"))
             split_model(model, mesh.tp)
             step = TPTrainStep(model, cfg.optim, mesh=mesh, **common)
         else:

@@ -276,7 +276,8 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     for key, value in (("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)):
         if value % tp:
             raise UserError(f"parallel.tp = {tp} does not divide model.{key} = {value}",
-                            f"use a parallel.tp that divides model.{key}" + (" (pad the vocabulary: model.vocab_size may exceed the tokenizer's)" if key == "vocab_size" else ""))
+                            f"use a parallel.tp that divides model.{key}"
+                            + (" (pad the vocabulary: model.vocab_size may exceed the tokenizer's)" if key == "vocab_size" else ""))
 
 
 def tp_rows(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:

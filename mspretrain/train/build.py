@@ -219,6 +219,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.data.manifest import check_data_dir, read_manifest
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.parallel import check_tp, split_model
     from mspretrain.monitor.batch_log import BatchLog, plan_for
     from mspretrain.monitor.console import ConsoleLine
     from mspretrain.monitor.heartbeat import Heartbeat
@@ -235,7 +236,6 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.train.loss_scale import LossScaler
     from mspretrain.train.schedule import resume_notes
     from mspretrain.train.spike_policy import SpikePolicy
-    from mspretrain.model.parallel import check_tp, split_model
     from mspretrain.train.step import TrainStep
     from mspretrain.train.tp import TPTrainStep, make_mesh
 
