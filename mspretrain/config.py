@@ -406,6 +406,21 @@ class OptimConfig(_Section):
 
 
 @dataclass(frozen=True)
+class ParallelConfig(_Section):
+    SECTION = "parallel"
+
+    # Tensor parallel (Megatron-style, model/parallel.py): this many ranks split every layer's
+    # matrices, the embedding and the lm_head among them. The world (msrun's worker count) is
+    # tp x data-parallel ranks, tp ranks adjacent (ranks 0..tp-1 are the first tp group). 1 = off.
+    tp: int = 1
+
+    def check(self) -> None:
+        if self.tp < 1:
+            _fail("parallel.tp", f"= {self.tp} must be at least 1", "use 1 (off) or the ranks that split each layer, e.g. 2, 4 or 8")
+        _cap(self, {"tp": 1024}, "more tensor-parallel ranks than any model has heads")
+
+
+@dataclass(frozen=True)
 class ScheduleConfig(_Section):
     SECTION = "schedule"
 
@@ -694,6 +709,7 @@ class Config:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(Config))
@@ -895,6 +911,23 @@ def check_device(cfg: Config, device: str) -> None:
               "use precision.dtype=fp32 (or fp16) on CPU; bf16 is for Ascend")
 
 
+def check_parallel(cfg: Config) -> None:
+    """What tensor parallel (`parallel.tp` > 1) does not compose with (the model's own limits are
+    model/parallel.py `check_tp`, once its shape is resolved)."""
+    if cfg.parallel.tp == 1:
+        return
+    if cfg.optim.shard_parameters:
+        _fail("optim.shard_parameters", f"(ZeRO-3) does not compose with parallel.tp = {cfg.parallel.tp} yet",
+              "use optim.shard_gradients=true (ZeRO-2) with tensor parallel, or parallel.tp=1 with ZeRO-3")
+    if not isinstance(cfg.optim.split_mb, str) and cfg.optim.split_mb > 0:
+        _fail("optim.split_mb", f"= {cfg.optim.split_mb:g} does not apply with parallel.tp > 1 "
+              "(each tensor-parallel piece is owned whole by one data-parallel rank)",
+              'remove optim.split_mb (or set it to "auto" or 0)')
+    if cfg.eval.choices_file:
+        _fail("eval.choices_file", "is not scored with parallel.tp > 1 (the logits are split across the tp ranks)",
+              "score the checkpoints afterwards with `mspretrain eval RUN --choices FILE` on one process")
+
+
 def check_budget(t: TrainConfig) -> None:
     """A training run needs to know when to stop (plan and prepare do not)."""
     if t.max_steps == 0 and t.max_tokens == 0:
@@ -905,6 +938,7 @@ def validate(cfg: Config, *, device: str | None = None, budget: bool = True) -> 
     """The rules across sections a run needs. `device` is the resolved target, if known;
     `budget=False` for jobs that do not train (plan takes its budget from --tokens or --data)."""
     check_seq_len(cfg)
+    check_parallel(cfg)
     if device is not None:
         check_device(cfg, device)
     if budget:

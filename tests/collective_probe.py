@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     # ZeRO-3 with Qwen2's q/k/v bias or Qwen3's QK-norm: gathers anchored on another gather's result
     ap.add_argument("--family", choices=tuple(FAMILIES), default="llama")
+    ap.add_argument("--tp", type=int, default=1)  # tensor parallel (train/tp.py): world = tp x dp
     args = ap.parse_args()
     os.environ.update({"GLOG_v": "3", "MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "backend_pass",
                        "MS_DEV_PRECOMPILE_ONLY": "1"})
@@ -78,7 +79,9 @@ def main() -> None:
 
     from mspretrain import config as cfgmod
     from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.parallel import CopyToTP, Group, ReduceFromTP, split_model
     from mspretrain.train.step import TrainStep
+    from mspretrain.train.tp import Mesh, TPTrainStep
     from mspretrain.train.zero3 import gathered
 
     cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
@@ -89,15 +92,28 @@ def main() -> None:
     one = ms.Tensor(1.0, ms.float32)
     result: dict[str, dict] = {}
     for rank in range(args.world):
-        comm_ops.get_rank = lambda group=None, rank=rank: rank
-        comm_ops.get_group_size = lambda group=None: args.world
+        tp, dp = args.tp, args.world // args.tp
+        # Tensor parallel: the Ascend path's named groups (train/tp.py `make_mesh`), built without
+        # create_group (no HCCL here); a group's size is what the primitives read at construction.
+        # Group names differ between groups (tp_0, tp_1), so the lists compare their kind (tp, dp).
+        t, d = rank % tp, rank // tp
+        sizes, mine = {f"tp_{d}": tp, f"dp_{t}": dp}, {f"tp_{d}": t, f"dp_{t}": d}  # a group's size, this rank's index in it
+        comm_ops.get_rank = lambda group=None, rank=rank, mine=mine: mine.get(group, rank)
+        comm_ops.get_group_size = lambda group=None, sizes=sizes: sizes.get(group, args.world)
         # The shipped Qwen2.5 910B recipe's choices, small: bf16 with half-precision matrices (fp32
         # masters), the embedding frozen, ZeRO; tiny buckets and a low split threshold so that the
         # step has split parameters, several buckets of each kind and unbucketed singletons.
         model = Llama(m, dtype="bf16", attention="math", device="ascend", seed=0)
-        step = TrainStep(model, cfg.optim, global_tokens=64, world=args.world, rank=rank, shard=True,
-                         shard_grads=args.zero >= 2, shard_params=args.zero == 3, half_params=half_eligible(model), bucket_mb=0.01,
-                         split_mb=0.05, device="ascend", trainable=["attention", "mlp", "norms", "lm_head"])
+        common = dict(global_tokens=64, shard=True, shard_grads=args.zero >= 2, half_params=half_eligible(model), bucket_mb=0.01,
+                      device="ascend", trainable=["attention", "mlp", "norms", "lm_head"])
+        if tp > 1:
+            named = dp > 1  # dp 1: the tp group is the world
+            mesh = Mesh(Group(tuple(d * tp + i for i in range(tp)), t, name=f"tp_{d}" if named else None, device="ascend"),
+                        Group(tuple(j * tp + t for j in range(dp)), d, name=f"dp_{t}" if named else None, device="ascend"))
+            split_model(model, mesh.tp)
+            step = TPTrainStep(model, cfg.optim, mesh=mesh, **common)
+        else:
+            step = TrainStep(model, cfg.optim, world=args.world, rank=rank, shard_params=args.zero == 3, split_mb=0.05, **common)
         graphs = {"fused": lambda step=step: step._fused(tokens, None, None, one, one, one),
                   "accumulate": lambda step=step: step._accumulate(tokens, None, None, one, ms.Tensor(True)),
                   "apply": lambda step=step: step._apply(one, one)}
@@ -107,6 +123,12 @@ def main() -> None:
         sg = int(step.shard_grads)
         reduce, gather = len(step._schedule), len(step._ag) + len(step._ag_single)
         traced = {"fused": reduce + 1 + sg + gather, "accumulate": reduce * sg, "apply": reduce * (1 - sg) + 1 + sg + gather}
+        if tp > 1:  # the model's f and g (one collective each) and the loss's three, then the norm's tp sum
+            in_model = sum(isinstance(c, (CopyToTP, ReduceFromTP)) for _, c in model.cells_and_names()) + 3
+            if dp == 1:
+                traced = {"fused": 0, "accumulate": 0, "apply": 0}
+            traced = {"fused": traced["fused"] + in_model + 1, "accumulate": traced["accumulate"] + in_model,
+                      "apply": traced["apply"] + 1}
         if step.zero3:  # in the model's graph: a gather per sharded weight forward, a reduce-scatter backward
             weights = len(gathered(model))
             traced = {"fused": 2 * weights + 2, "accumulate": 2 * weights, "apply": 2}
@@ -117,7 +139,8 @@ def main() -> None:
             if name == "accumulate":
                 step._ensure_accum()
             compile_graph()
-            result[str(rank)][name] = collectives_in_ir(_final_ir(folder))
+            result[str(rank)][name] = [[kind, group.split("_")[0] if group[:3] in ("tp_", "dp_") else group, *types]
+                                       for kind, group, *types in collectives_in_ir(_final_ir(folder))]
     json.dump(result, sys.stdout)
 
 

@@ -23,24 +23,28 @@ import pytest
 
 from tests.collective_probe import collectives_in_ir
 
-pytestmark = pytest.mark.slow  # 24 rank compilations in subprocesses (about 4 minutes on 2 cores)
+pytestmark = pytest.mark.slow  # 34 rank compilations in subprocesses (24 without tensor parallel: about 4 minutes on 2 cores)
 
 PROBE = Path(__file__).with_name("collective_probe.py")
 ROOT = PROBE.parents[1]
 # ZeRO-2 (the shipped 910B configs) at every world; ZeRO-1 (whose replicated buckets an owner alone
 # reads after the reduction) at one; ZeRO-3 (gathers and reduce-scatters inside the model's graph,
 # ordered by the data flow alone on Ascend: train/zero3.py) at two.
-CASES = [(2, 2), (4, 2), (8, 2), (4, 1), (2, 3), (4, 3)]
+# Tensor parallel (train/tp.py): tp 2 alone (the tp group is the world), and tp 2 x dp 2 with ZeRO-1
+# and ZeRO-2 (named tp and dp groups, the tp all-reduces inside the model's graph).
+# (world, ZeRO stage, tp)
+CASES = [(2, 2, 1), (4, 2, 1), (8, 2, 1), (4, 1, 1), (2, 3, 1), (4, 3, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2)]
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> dict[tuple[int, int], dict[str, dict[str, list[list[str]]]]]:
+def compiled(tmp_path_factory) -> dict[tuple[int, int, int], dict[str, dict[str, list[list[str]]]]]:
     """Each case's compilations, run when a test first asks for them (so `-k` selects cases)."""
     class Cases(dict):
-        def __missing__(self, case: tuple[int, int]) -> dict[str, dict[str, list[list[str]]]]:
-            world, zero = case
-            folder = tmp_path_factory.mktemp(f"ir-w{world}-z{zero}")
-            proc = subprocess.run([sys.executable, str(PROBE), "--world", str(world), "--zero", str(zero), "--out", str(folder)],
+        def __missing__(self, case: tuple[int, int, int]) -> dict[str, dict[str, list[list[str]]]]:
+            world, zero, tp = case
+            folder = tmp_path_factory.mktemp(f"ir-w{world}-z{zero}-tp{tp}")
+            proc = subprocess.run([sys.executable, str(PROBE), "--world", str(world), "--zero", str(zero), "--tp", str(tp),
+                                   "--out", str(folder)],
                                   cwd=ROOT, capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0, proc.stderr[-3000:]
             self[case] = json.loads(proc.stdout)
@@ -48,10 +52,10 @@ def compiled(tmp_path_factory) -> dict[tuple[int, int], dict[str, dict[str, list
     return Cases()
 
 
-@pytest.mark.parametrize("world, zero", CASES)
+@pytest.mark.parametrize("world, zero, tp", CASES)
 @pytest.mark.parametrize("graph", ["fused", "accumulate", "apply"])
-def test_every_rank_compiles_the_same_collectives_in_the_same_order(compiled, world, zero, graph):
-    ranks = compiled[(world, zero)]
+def test_every_rank_compiles_the_same_collectives_in_the_same_order(compiled, world, zero, tp, graph):
+    ranks = compiled[(world, zero, tp)]
     assert sorted(ranks, key=int) == [str(r) for r in range(world)]
     reference = ranks["0"][graph]
     assert reference or (zero == 1 and graph == "accumulate"), f"no collective in rank 0's {graph} graph"
@@ -62,11 +66,11 @@ def test_every_rank_compiles_the_same_collectives_in_the_same_order(compiled, wo
         assert mine == reference, f"rank {r} issues its collectives in another order than rank 0 ({graph}, world {world})"
 
 
-@pytest.mark.parametrize("world, zero", CASES)
-def test_every_rank_keeps_every_collective_the_step_issues(compiled, world, zero):
+@pytest.mark.parametrize("world, zero, tp", CASES)
+def test_every_rank_keeps_every_collective_the_step_issues(compiled, world, zero, tp):
     """Identical lists, all pruned alike, would pass the comparison above: each graph must hold
     every collective the step's code issues (counted from its own tables by the probe)."""
-    for r, graphs in compiled[(world, zero)].items():
+    for r, graphs in compiled[(world, zero, tp)].items():
         for graph in ("fused", "accumulate", "apply"):
             kept = [c[0] for c in graphs[graph]]
             assert len(kept) == graphs["traced"][graph], f"rank {r}, {graph} graph, world {world}, ZeRO-{zero}: {kept}"

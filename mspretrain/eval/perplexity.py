@@ -32,7 +32,11 @@ def _nll_fn(model: Any, jit_level: str = "O0") -> Callable[[Any], Any]:
 
         from mspretrain.model.loss import token_nll
 
+        tp_loss = getattr(model, "tp_loss", None)  # tensor parallel: the logits are this rank's vocabulary columns
+
         def nll(tokens):
+            if tp_loss is not None:
+                return tp_loss(model(tokens[:, :-1]), tokens[:, 1:])[0]
             return token_nll(model(tokens[:, :-1]), tokens[:, 1:], plain_sum=getattr(model, "fused_kernels", False))[0]
 
         fn = ms.jit(nll, jit_level=jit_level)

@@ -270,6 +270,7 @@ class Linear(nn.Cell):
         self.weight = _normal(rng, (out_dim, in_dim), std)
         self.gather = None  # ZeRO-3: a ShardedGather, `weight` then this rank's slice (train/zero3.py)
         self.bias_gather = None  # ZeRO-3, the same for the bias
+        self.tp_out = None  # tensor parallel (model/parallel.py): the row-parallel layers' sum over tp ranks
         self.has_bias = bias
         if bias:
             self.bias = Parameter(Tensor(np.zeros(out_dim, np.float32)), name="bias")
@@ -291,7 +292,8 @@ class Linear(nn.Cell):
         y = self.matmul(x.reshape(-1, x.shape[-1]), w)  # (N, out)
         if self.has_bias:
             y = y + b
-        return y.reshape(lead + (self.out_dim,))
+        y = y.reshape(lead + (self.out_dim,))
+        return y if self.tp_out is None else self.tp_out(y)
 
     def parts(self, x: Tensor, rows: tuple[int, ...]) -> tuple[Tensor, ...]:
         """x @ W_i^T for consecutive row blocks W_i of a fused weight. The weight is split, not the
@@ -313,11 +315,14 @@ class Embedding(nn.Cell):
         super().__init__()
         self.weight = _normal(rng, (vocab, dim), std)
         self.gather = None  # ZeRO-3, as in Linear
+        self.tp = None  # tensor parallel: the vocabulary-parallel lookup of this rank's rows (model/parallel.py)
 
     def full_weight(self, anchor: Tensor) -> Tensor:
         return self.weight if self.gather is None else self.gather(self.weight, anchor)
 
     def construct(self, tokens: Tensor) -> Tensor:
+        if self.tp is not None:
+            return self.tp(self.full_weight(tokens), tokens)
         return ops.gather(self.full_weight(tokens), tokens, 0)  # (B, T) -> (B, T, D) fp32
 
 
@@ -333,13 +338,16 @@ class RMSNorm(nn.Cell):
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
         self.fused = False
         self.gather = None  # ZeRO-3, as in Linear
+        self.tp_out = None  # tensor parallel: Megatron's `f` before the column-parallel layer it feeds
 
     def construct(self, x: Tensor, anchor: Tensor | None = None) -> Tensor:  # anchor: ZeRO-3's, if not x
         w = self.weight if self.gather is None else self.gather(self.weight, x if anchor is None else anchor)
         if self.fused:
             y = ops.rms_norm(x.astype(ms.float32), w, self.fn.eps)[0]
-            return y if self.fn.dtype == ms.float32 else y.astype(self.fn.dtype)
-        return self.fn(x, w)
+            y = y if self.fn.dtype == ms.float32 else y.astype(self.fn.dtype)
+        else:
+            y = self.fn(x, w)
+        return y if self.tp_out is None else self.tp_out(y)
 
 
 class SoftmaxPlain(nn.Cell):
@@ -553,6 +561,7 @@ class Llama(nn.Cell):
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)  # constants, (S, hd) fp32
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.window = cfg.sliding_window  # 0 = full attention
+        self.local_heads = (cfg.n_heads, cfg.n_kv_heads)  # (q, kv) heads of this rank: fewer under tensor parallel
         self.fused_kernels = use_fused_kernels(device)
         if self.fused_kernels:  # one model definition: the norm and softmax cells switch kernel
             for _, cell in self.cells_and_names():
@@ -572,7 +581,7 @@ class Llama(nn.Cell):
             # Broadcast once per forward, used by every layer forward and backward in same-shape ops
             # (a broadcast operand makes MindSpore's CPU Mul/Add 2.5x slower; see spread()). The full
             # bias is one more (B, H, T, T) fp32 tensor per step, next to the L saved probabilities.
-            B, H, KV, hd = x.shape[0], self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_size
+            (B, hd), (H, KV) = (x.shape[0], self.cfg.head_size), self.local_heads
             cos = ops.broadcast_to(cos, (B, T, H + KV, hd))  # q and k heads get RoPE in one call
             sin = ops.broadcast_to(sin, (B, T, H + KV, hd))
             bias = ops.broadcast_to(bias, (B, H, T, T))

@@ -122,7 +122,7 @@ def memory_options(cfg: Config, step_fn: Any, world: Any, accum: int) -> str:
         what = "weights, optimizer state and gradients" if getattr(step_fn, "zero3", False) else \
             f"optimizer state{' and gradients' if step_fn.shard_grads else ''}"
         parts.append(f"{what} sharded over "
-                     f"{world.size} ranks (rank {world.rank} holds {mine / sum(sizes):.0%})")
+                     f"{step_fn.world} ranks (rank {step_fn.rank} holds {mine / sum(sizes):.0%})")
     if world.size > 1:
         c = step_fn.collectives(accum)
         parts.append(f"{c['calls']} collectives and {c['bytes'] / 2**20:,.1f} MB on the wire per step")
@@ -130,6 +130,8 @@ def memory_options(cfg: Config, step_fn: Any, world: Any, accum: int) -> str:
         parts.append(f"{cfg.precision.dtype} matrices with fp32 masters")
     if cfg.train.recompute:
         parts.append("layer recompute")
+    if cfg.parallel.tp > 1:
+        parts.append(f"tensor parallel over {cfg.parallel.tp} ranks x {world.size // cfg.parallel.tp} data-parallel")
     return "; " + ", ".join(parts) if parts else ""
 
 
@@ -217,6 +219,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.data.manifest import check_data_dir, read_manifest
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.parallel import check_tp, split_model
     from mspretrain.monitor.batch_log import BatchLog, plan_for
     from mspretrain.monitor.console import ConsoleLine
     from mspretrain.monitor.heartbeat import Heartbeat
@@ -234,6 +237,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.train.schedule import resume_notes
     from mspretrain.train.spike_policy import SpikePolicy
     from mspretrain.train.step import TrainStep
+    from mspretrain.train.tp import TPTrainStep, make_mesh
 
     device = plan_device(cfg)
     cfgmod.validate(cfg, device=device.target)
@@ -250,11 +254,15 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
                              jit_level=device.jit_level)
     # a process started from a rank table binds the NPU its entry names (msrun negotiates it otherwise)
     setup_mindspore(device, device_id=distributed.select_launch(device.target).device_id if device.target == "ascend" else None)
+    check_tp(cfg.model, cfg.parallel.tp)  # before the rendezvous: a model tp cannot cut is refused on every rank alike
     world = distributed.init(device.target)
     say.is_main = world.is_main
+    # tensor parallel: the data-parallel rank and size (loader, budget, checkpoint shards) are the mesh's
+    mesh = make_mesh(world.rank, world.size, cfg.parallel.tp, device.target) if cfg.parallel.tp > 1 else None
+    dp_rank, dp_size = (mesh.dp.rank, mesh.dp.size) if mesh is not None else (world.rank, world.size)
     if world.is_main:  # one writer per run dir; the other msrun ranks are the same job
         run_lock.acquire(paths.root, "train", log=say)
-    b = budget.derive(cfg, world=world.size, data_tokens=int(manifest["tokens"]["train"]))
+    b = budget.derive(cfg, world=dp_size, data_tokens=int(manifest["tokens"]["train"]))
     check_fits(cfg, world.size, device.target, log=say)  # before any allocation
     resume_from = find_resume(paths, is_main=world.is_main, restart=restart, log=say)
     resume_state: dict[str, Any] = {}
@@ -281,20 +289,23 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     if init_weights is not None and resume_from is None:
         init_weights(model)
     half = half_eligible(model) if cfg.precision.param_dtype == "compute" and cfg.precision.dtype != "fp32" else []
-    step_fn = TrainStep(model, cfg.optim, global_tokens=b.tokens_per_step, world=world.size, rank=world.rank,
+    if mesh is not None:
+        split_model(model, mesh.tp)  # whole weights (seeded or --init-from) cut to this rank's piece
+    step_type, where = (TrainStep, {"world": world.size, "rank": world.rank}) if mesh is None else (TPTrainStep, {"mesh": mesh})
+    step_fn = step_type(model, cfg.optim, global_tokens=b.tokens_per_step, **where,
                         jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16",
                         shard=cfg.optim.shard_optimizer, shard_grads=cfg.optim.shard_gradients,
                         shard_params=cfg.optim.shard_parameters,
                         bucket_mb=cfg.optim.bucket_mb, split_mb=cfg.optim.split_mb, device=device.target, accumulation=b.accumulation,
                         half_params=half, jit_level=cfg.device.jit_level, trainable=cfg.train.trainable)
     loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=b.micro_batch, seed=cfg.train.seed,
-                    rank=world.rank, world=world.size, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
+                    rank=dp_rank, world=dp_size, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
                     token_dtype=cfg.data.token_dtype, log=say)
     tokenizer = DataPaths(data_dir).tokenizer
     saver = Saver(paths.root, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
                   async_save=cfg.checkpoint.async_save, log=say)
-    checkpoints = CheckpointManager(paths, saver, cfg=cfg, model=model, step_fn=step_fn, loader=loader, rank=world.rank,
-                                    world=world.size, tokenizer=tokenizer, allow_data_change=allow_data_change, log=say)
+    checkpoints = CheckpointManager(paths, saver, cfg=cfg, model=model, step_fn=step_fn, loader=loader, rank=dp_rank,
+                                    world=dp_size, tokenizer=tokenizer, allow_data_change=allow_data_change, log=say)
     # the checks that can still refuse a resume (data dir changed, train.trainable changed, a model
     # shape that does not fit the weights) run here, before the first byte is written to the run dir
     loaded = checkpoints.load(resume_from, restore_data=True) if resume_from is not None else None
@@ -318,14 +329,14 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     scaler = LossScaler.from_config(cfg.precision)
     # which data each step trained on (RUN_DIR/batches.jsonl, for `audit` and `spike`)
     batches = BatchLog(paths.root, plan=plan_for(loader), global_batch=cfg.train.global_batch, enabled=world.is_main,
-                       loader=loader, world=world.size, rewind_skip=cfg.spike.rewind_skip,
+                       loader=loader, world=dp_size, rewind_skip=cfg.spike.rewind_skip,
                        resume_step=int(resume_state["step"]) if resume_from is not None else None,
                        skipped=int(resume_state.get("skipped_steps", 0)), total=b.steps, warmup=b.warmup,
                        schedule=b.schedule, precision=dataclasses.asdict(cfg.precision),
                        changes=tuple(name for name, on in (("data", allow_data_change and resume_from is not None),
                                                            ("config", allow_config_change and resume_from is not None),
                                                            ("restart", restart and resume_from is None)) if on))
-    ledger = SourceLedger(plan_for(loader), world=world.size, rank=world.rank, micro=b.micro_batch, accum=b.accumulation,
+    ledger = SourceLedger(plan_for(loader), world=dp_size, rank=dp_rank, micro=b.micro_batch, accum=b.accumulation,
                           seq_len=cfg.data.seq_len, every=cfg.train.log_every)  # loss and tokens per data source
     spike_record = SpikeRecord(paths.root, global_batch=cfg.train.global_batch, enabled=world.is_main,  # RUN/spikes/
                                # from step 0 (a run killed before its first checkpoint): its old lines are retrained

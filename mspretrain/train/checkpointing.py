@@ -52,7 +52,12 @@ class CheckpointManager:
         """Checkpoint the state after `step`; the copy to host blocks briefly, the write does not."""
         sharded = self.step_fn.sharded
         self.last_save_step = step
-        if self.rank != 0 and not sharded:
+        # tensor parallel: the whole weights are gathered over the tp group on every rank (a collective:
+        # all ranks call it), so the model file is the one any layout writes and any layout resumes
+        # from; the optimizer state too (train/tp.py), written by tp rank 0 alone. ZeRO-3 gathers
+        # nothing: each rank writes its own slices (checkpoint/model_shards.py)
+        gathers = getattr(self.step_fn, "tp_size", 1) > 1
+        if self.rank != 0 and not sharded and not gathers:
             return None
         t0 = time.perf_counter()
         part, meta = None, None  # ZeRO-3: this rank's weight slices and their file's metadata
@@ -62,13 +67,17 @@ class CheckpointManager:
 
             part, shapes = slice_state(self.model, self.world, self.rank)
             meta = shard_metadata(step, shapes)
+        whole = self.step_fn.full_weights() if gathers else None
         optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
+        if not getattr(self.step_fn, "writes", True) or (self.rank != 0 and not sharded):
+            return None
         try:
             if self.rank != 0:
                 self.saver.save_shard(step=step, rank=self.rank, world=self.world, optimizer=optim, stall_started=t0,
                                       model=part, model_metadata=meta)
                 return None
-            model = part if part is not None else {k: v.copy() for k, v in self.step_fn.full_weights().items()}
+            model = part if part is not None else whole if whole is not None else {
+                k: v.copy() for k, v in self.step_fn.full_weights().items()}
             self.saver.save(step=step, model=model, optimizer=optim, train_state=train_state,
                             data_state=self.loader.state(), config=self.cfg, tokenizer_path=self.tokenizer,
                             stall_started=t0, world=self.world if sharded else 1, model_metadata=meta)

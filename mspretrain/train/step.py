@@ -84,6 +84,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mspretrain.config import OptimConfig
 from mspretrain.model.groups import trainable_mask
 from mspretrain.model.llama import use_fused_kernels
+from mspretrain.model.parallel import Group, PartialSum
 from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness, split_elements_for, zero3_layout
 
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners"]
@@ -144,7 +145,7 @@ class TrainStep:
                  shard_grads: bool = False, half_params: list[str] | None = None,
                  bucket_mb: float | str = "auto", device: str = "cpu", accumulation: int | None = None,
                  jit_level: str = "O0", trainable: list[str] | tuple[str, ...] | None = None,
-                 split_mb: float | str = "auto", shard_params: bool = False) -> None:
+                 split_mb: float | str = "auto", shard_params: bool = False, comm: Any = None) -> None:
         """half_params: names of parameters to store in the model's compute dtype from now on;
         their fp32 values become master copies held with the optimizer state (by their owner).
         bucket_mb: cap of one collective's flat buffer (0 = one collective per parameter; "auto": by
@@ -155,7 +156,9 @@ class TrainStep:
         split_mb: with sharding, parameters of at least this many MB (4 bytes an element) are cut
         into a slice per rank ("auto": the bucket cap; 0: never; train/layout.py `split_elements_for`).
         shard_params: ZeRO-3 (implies shard_grads): the model's trained parameters become this rank's
-        slices, gathered where they are used and reduce-scattered in the backward (train/zero3.py)."""
+        slices, gathered where they are used and reduce-scattered in the backward (train/zero3.py).
+        comm: the data-parallel group (model/parallel.py `Group`) when it is not the world (tensor
+        parallel, train/tp.py); a model cut by model/parallel.py `split_model` carries its tp group."""
         from mspretrain.model.loss import token_nll
 
         self.model = model
@@ -254,6 +257,14 @@ class TrainStep:
         # The squared norm sums per-parameter terms in parameter order whatever the bucket order, so
         # the bucketing (and the world size) does not change its rounding.
         self._norm_order = sorted(range(len(self._order)), key=lambda k: self._order[k])
+        # Tensor parallel (model/parallel.py): the squared norm is summed over the tp group, where a
+        # replicated parameter (a norm weight, the same gradient on every tp rank) counts 1/tp times.
+        self.tp = getattr(model, "tp", None)
+        split = getattr(model, "tp_shapes", {})
+        self._sq_weight = [1.0 / self.tp.size if self.tp is not None and self.names[i] not in split else 1.0 for i in self._order]
+        self.tp_sum = self.tp.all_reduce() if self.tp is not None else None
+        partial = [i for i, n in enumerate(self.names) if n in getattr(model, "tp_partial", ())]
+        self._tp_partial = PartialSum(partial, [self.params[i].shape for i in partial], self.tp) if partial else None
         # Chaining every collective after the previous one: MindSpore's CPU runtime launches ready
         # kernels as they come (actor dataflow), so without it two ranks may issue independent
         # collectives in different orders, and mccl pairs one rank's bucket with another's (measured).
@@ -280,18 +291,19 @@ class TrainStep:
         self._order_shape = [(unit_len(i),) if self.shard_grads and self.layout.is_split(i) else self.params[i].shape
                              for i in self._order]
         self._order_pos = [self._order.index(i) if i in self._order else -1 for i in range(len(self.params))]
-        self.allreduce = ops.AllReduce(ops.ReduceOp.SUM) if world > 1 else None
+        c = comm if comm is not None else Group(tuple(range(world)), rank, device=device)  # the world: the plain primitives
+        self.allreduce = c.all_reduce() if world > 1 else None
         # MindSpore 2.10: ReduceScatter has HCCL (Ascend) and NCCL kernels, none for CPU (mccl).
         # (one instance per bucket, like the AllGathers below: shapes differ between buckets)
-        self._reduce_scatters = [ops.ReduceScatter(ops.ReduceOp.SUM) for _ in self._rs] if device == "ascend" else []
+        self._reduce_scatters = [c.reduce_scatter() for _ in self._rs] if device == "ascend" else []
         # AllGather on Ascend (HCCL), one per bucket. On CPU (mccl) a second AllGather in one graph
         # fails ("Memcpy error, dest size is 256, src size is 65536" in RingAllGather, measured with
         # one primitive per bucket too), so there each rank all-reduces the bucket with its own
         # segment in place and zeros elsewhere: the same numbers, selected by device.
-        self._allgathers = [ops.AllGather() for _ in self._ag] if device == "ascend" else []
+        self._allgathers = [c.all_gather() for _ in self._ag] if device == "ascend" else []
         # one Broadcast per unbucketed parameter, from its owner (a multi-tensor Broadcast mixes up
         # tensors of different shapes on CPU: wrong-rank assigns in graph mode, memcpy overlap errors eagerly)
-        self._bcast = [ops.Broadcast(self.owner[i]) for i in self._ag_single]
+        self._bcast = [c.broadcast(self.owner[i]) for i in self._ag_single]
         self._adamw = ops.AdamWeightDecay()
         self._jit = (lambda fn: ms.jit(fn, jit_level=jit_level)) if jit else None
 
@@ -299,11 +311,13 @@ class TrainStep:
         plain = self._plain_sums = use_fused_kernels(device)
         inv_tokens = 1.0 / self.global_tokens
         z = float(optim.z_loss)
+        tp_loss = getattr(model, "tp_loss", None)
 
         def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
             inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
             logits = model(inputs, positions, segments)  # (B, T, V) fp32
-            nll, lse = token_nll(logits, targets, plain_sum=plain)  # (B, T) fp32 each
+            # (B, T) fp32 each; tensor parallel: from the local vocabulary columns (model/parallel.py)
+            nll, lse = token_nll(logits, targets, plain_sum=plain) if tp_loss is None else tp_loss(logits, targets)
             nll_sum = nll.sum()
             obj = nll_sum
             if z > 0:
@@ -350,13 +364,17 @@ class TrainStep:
         result depends on every collective issued here (kept in every rank's graph, in one order)."""
         if in_order:  # replicated buffers already in bucket order: a permutation of all indices
             grads = [grads[self._order_pos[i]] for i in range(len(self.params))]
+        if self._tp_partial is not None:  # tensor parallel: the QK-norm gradients summed over tp first
+            grads = list(self._tp_partial(tuple(grads)))
         if self.world == 1:
             return [g.astype(ms.float32) for g in grads], None
         if self.zero3:  # reduce-scattered in the backward pass already (train/zero3.py, ShardedGather.bprop)
             out = [g.astype(ms.float32) for g in grads]
             return out, ops.depend(out[0], tuple(out))  # what follows (the loss AllReduce) waits for all of them
         out: list[Tensor] = []
-        prev: Tensor | None = None
+        # tensor parallel on CPU: the first reduction after the whole backward pass, whose tp
+        # all-reduces (model/parallel.py) every rank must issue before it, in one order
+        prev: Tensor | None = ops.depend(grads[0], tuple(grads)) if self._chain and self.tp is not None else None
         issued: list[Tensor] = []  # every collective's result, used here or not
         for kind, k in self._schedule:
             if kind == 0:  # replicated gradients: AllReduce
@@ -414,11 +432,14 @@ class TrainStep:
         # sum of squares in the scaled domain, as a dot product: no squared copy of the gradient
         # (on MindSpore's CPU backend every full-size graph intermediate stays resident)
         if self._plain_sums:  # Ascend: a reduction, not a (1, n) x (n, 1) matmul on the matrix unit
-            sq = ops.stack([ops.square(grads[k]).sum() for k in self._norm_order]).sum()
+            terms = [ops.square(grads[k]).sum() for k in self._norm_order]
         else:
-            sq = ops.stack([ops.matmul(grads[k].reshape(1, -1), grads[k].reshape(-1, 1)).reshape(()) for k in self._norm_order]).sum()
+            terms = [ops.matmul(grads[k].reshape(1, -1), grads[k].reshape(-1, 1)).reshape(()) for k in self._norm_order]
+        sq = ops.stack([s if self._sq_weight[k] == 1.0 else s * self._sq_weight[k] for s, k in zip(terms, self._norm_order)]).sum()
         if self.shard_grads and self.allreduce is not None:
             sq = self.allreduce(ops.depend(sq, loss_sum))  # the owners' partial sums: the same global norm on every rank
+        if self.tp is not None:  # tensor parallel: the pieces' sums over the tp group
+            sq = self.tp_sum(ops.depend(sq, loss_sum))
         finite = ops.isfinite(sq)
         norm = ops.sqrt(sq) * inv_scale
         # Branch-free skip: on overflow the kernel runs as an exact no-op (beta1 = beta2 = 1,
@@ -527,11 +548,12 @@ class TrainStep:
 
         def apply(lr, inv_scale):
             loss_sum = self.loss_accum * 1.0
-            if not self.shard_grads and self.world > 1:  # reduce the buffers in place, bucket by bucket
+            if not self.shard_grads and (self.world > 1 or self._tp_partial is not None):  # reduce the buffers in place
                 reduced, last = self._reduce(list(self.accum), in_order=True)
                 for acc, g in zip(self.accum, reduced):
                     ops.assign(acc, g)
-                loss_sum = self.allreduce(ops.depend(loss_sum, last))
+                if self.allreduce is not None:
+                    loss_sum = self.allreduce(ops.depend(loss_sum, last))
             grads = list(self.accum)
             if self.shard_grads:
                 loss_sum = self.allreduce(loss_sum)

@@ -1,0 +1,372 @@
+"""Tensor parallel (`parallel.tp`, Megatron-LM's): the Llama of model/llama.py cut across the tp
+ranks of a group, each rank holding 1/tp of every matrix and computing 1/tp of every layer.
+
+What is split, per layer (Megatron's column- and row-parallel linears, arXiv 1909.08053 §3):
+- column-parallel `wqkv` (rows): rank r holds the q rows of query heads [r·H/tp, (r+1)·H/tp), and
+  the k rows and v rows of kv heads [r·KV/tp, (r+1)·KV/tp), in that order (q | k | v, as the
+  whole weight is laid out), the Qwen2 q/k/v bias with its rows; `w13` (rows): the gate rows
+  [r·F/tp, (r+1)·F/tp) and the same up rows. Their input passes through `CopyToTP` (Megatron's
+  `f`: identity forward, a tp all-reduce of the input's gradient backward).
+- row-parallel `wo` and `w2` (columns: the input features of the local heads / the local ffn
+  units); their output passes through `ReduceFromTP` (Megatron's `g`: a tp all-reduce forward,
+  identity backward). One all-reduce of a (B, T, D) activation per attention and per MLP forward,
+  one per attention and per MLP backward.
+- vocabulary-parallel `embed` and `lm_head` (rows [r·V/tp, (r+1)·V/tp)): the embedding looks up
+  the tokens in its rows, zeros for the others, and all-reduces (B, T, D); the head computes the
+  local logits (B, T, V/tp) from the final norm's output (after `f`), and `VocabParallelNLL`
+  reduces the (B·T,) max, sum-exp and target logit across tp as Megatron's
+  `vocab_parallel_cross_entropy` does; its backward (softmax - one-hot on the local columns) is local.
+- replicated: every RMSNorm weight. Their input is the residual stream, identical on every tp rank
+  (the `g` all-reduces made it so), and the gradient reaching a norm's output is whole: the `f`
+  after the norm all-reduced it. So each rank computes the whole, identical norm-weight gradient and
+  no tp all-reduce is needed (Megatron needs one only with sequence parallelism, where each rank
+  sees a slice of the tokens). Qwen3's QK-norm weights are replicated too, but each is shared by
+  all heads and a rank sees its H/tp (KV/tp) heads only: its gradient is a partial sum, summed
+  over tp by the train step (`PartialSum`, `model.tp_partial`) before the data-parallel reduction.
+
+GQA: the kv heads are split across tp, so n_kv_heads % tp == 0 is required; fewer kv heads than
+tp (replicating a kv head over several ranks, whose k/v gradients would then need an all-reduce
+among those ranks) is refused, in one line naming the largest tp that divides n_kv_heads.
+
+Collectives (`Group`): a tp group (and a dp group) of this rank, made with
+`mindspore.communication.create_group` by the ranks in it, and the primitives with `group=`. By
+device: HCCL on Ascend. MindSpore 2.10's CPU backend (mccl) creates sub-groups and all-reduces in
+them (measured under msrun with 4 CPU ranks: tp and dp groups of 2, AllReduce in each and in the
+world in one graph), but has AllReduce(SUM) only (comm_ops.py, AllReduce: "On the CPU, only 'sum'
+is supported") and refuses Broadcast outside the world group ("Broadcast only support
+mccl_world_group on CPU", measured): so on CPU a max is a sum of one slot per group member
+followed by a max over the slots, and a broadcast in a group the group's sum of the root's value
+and the others' zeros (exact: a sum of disjoint pieces).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from mspretrain.config import ModelConfig
+from mspretrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class Group:
+    """One communication group of this rank and how its collectives are formed (module docstring).
+    `ranks`: its world ranks in group order; `rank`: this rank's index among them. `name`: a
+    created communication group, None when the group is the whole world."""
+    ranks: tuple[int, ...] = (0,)
+    rank: int = 0
+    name: str | None = None
+    device: str = "cpu"
+    _kw: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.name:
+            self._kw["group"] = self.name
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def all_reduce(self) -> Any:
+        return ops.AllReduce(ops.ReduceOp.SUM, **self._kw)
+
+    def max(self) -> nn.Cell:
+        return GroupMax(self)
+
+    def reduce_scatter(self) -> Any:  # Ascend only (mccl has no ReduceScatter kernel)
+        return ops.ReduceScatter(ops.ReduceOp.SUM, **self._kw)
+
+    def all_gather(self) -> Any:  # Ascend only (mccl fails on a second AllGather in one graph)
+        return ops.AllGather(**self._kw)
+
+    def broadcast(self, root: int) -> Any:
+        """From group member `root`; called with a 1-tuple and returning one, as `ops.Broadcast`."""
+        if self.device == "ascend" or self.name is None:  # Broadcast's root_rank is a world rank (comm_ops.py)
+            return ops.Broadcast(self.ranks[root], **self._kw)
+        return GroupBroadcast(self, root)
+
+
+class GroupMax(nn.Cell):
+    """The elementwise max of `x` over the group: AllReduce(MAX) with HCCL; on CPU (SUM only) every
+    member's value summed into its own slot of a (size, ...) buffer, then the max over the slots."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.native = group.device == "ascend"
+        self.size, self.slot = group.size, group.rank
+        self.op = ops.AllReduce(ops.ReduceOp.MAX if self.native else ops.ReduceOp.SUM, **group._kw)
+
+    def construct(self, x: Tensor) -> Tensor:
+        if self.native:
+            return self.op(x)
+        parts = [x.expand_dims(0)]
+        if self.slot:
+            parts = [ops.zeros((self.slot,) + x.shape, x.dtype)] + parts
+        if self.size - self.slot - 1:
+            parts = parts + [ops.zeros((self.size - self.slot - 1,) + x.shape, x.dtype)]
+        return self.op(ops.concat(parts, 0)).max(axis=0)
+
+
+class GroupBroadcast(nn.Cell):
+    """Broadcast from group member `root` in a sub-group on CPU (mccl broadcasts in the world group
+    only): the root contributes its value, the others zeros, and the group's sum is the root's value."""
+
+    def __init__(self, group: Group, root: int) -> None:
+        super().__init__()
+        self.mine = group.rank == root
+        self.sum = group.all_reduce()
+
+    def construct(self, xs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        x = xs[0]
+        return (self.sum(x if self.mine else ops.zeros_like(x)),)
+
+
+class CopyToTP(nn.Cell):
+    """Megatron's `f`: identity forward; backward, the gradient summed over the tp group (every
+    rank's column-parallel slice contributed a part of the input's gradient)."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.sum = group.all_reduce()
+
+    def construct(self, x: Tensor) -> Tensor:
+        return x
+
+    def bprop(self, x: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor]:
+        return (self.sum(dout),)
+
+
+class ReduceFromTP(nn.Cell):
+    """Megatron's `g`: the partial results of a row-parallel layer summed over the tp group;
+    backward, identity (the summed output is replicated, so each rank's gradient is the whole one).
+    MindSpore's own AllReduce bprop is an AllReduce (grad_comm_ops.py, get_bprop_all_reduce): hence
+    the hand-written one."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.sum = group.all_reduce()
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.sum(x)
+
+    def bprop(self, x: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor]:
+        return (dout,)
+
+
+class PartialSum(nn.Cell):
+    """The train step's sum over tp of the gradients that are partial on each rank (Qwen3's QK-norm
+    weights): one AllReduce of them flattened together, after every gradient exists (after the
+    whole backward and its tp collectives, so every rank issues it at the same place)."""
+
+    def __init__(self, indices: list[int], shapes: list[tuple[int, ...]], group: Group) -> None:
+        super().__init__()
+        self.indices, self.shapes = tuple(indices), tuple(tuple(s) for s in shapes)
+        self.sizes = tuple(int(np.prod(s)) for s in shapes)
+        self.sum = group.all_reduce()
+
+    def construct(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        flat = ops.concat([grads[i].reshape(-1).astype(ms.float32) for i in self.indices])
+        total = self.sum(ops.depend(flat, grads))
+        pieces = ops.split(total, self.sizes) if len(self.sizes) > 1 else (total,)
+        out = list(grads)
+        for i, shape, piece in zip(self.indices, self.shapes, pieces):
+            out[i] = piece.reshape(shape).astype(grads[i].dtype)
+        return tuple(out)
+
+
+class VocabLookup(nn.Cell):
+    """The vocabulary-parallel embedding's lookup (Embedding.tp): the tokens in this rank's rows
+    [start, start + rows) are looked up, the others give zeros, and the tp sum is every token's row."""
+
+    def __init__(self, start: int, rows: int, group: Group) -> None:
+        super().__init__()
+        self.start, self.rows = start, rows
+        self.reduce = ReduceFromTP(group)
+
+    def construct(self, w: Tensor, tokens: Tensor) -> Tensor:
+        local = tokens - self.start
+        inside = ops.logical_and(local >= 0, local < self.rows)
+        out = ops.gather(w, ops.clamp(local, 0, self.rows - 1), 0)
+        return self.reduce(out * inside.astype(out.dtype).expand_dims(-1))
+
+
+class VocabParallelNLL(nn.Cell):
+    """Token NLL and log-sum-exp from this rank's logits (B, T, V/tp) of the vocabulary columns
+    [start, start + V/tp): model/loss.py `token_nll`'s numbers, with the row max, the sum of
+    exp(logit - max) and the target's logit each reduced across tp, as Megatron-LM's
+    `_VocabParallelCrossEntropy` (tensor_parallel/cross_entropy.py) does. Backward without a
+    collective: d nll / d logits = softmax - one-hot, d lse / d logits = softmax, both on the local
+    columns, with softmax = exp(logit - lse) from the forward's output.
+
+    The three reductions are chained (the target logit's after the sum-exp's) so that every rank
+    issues them in one order (CPU's runtime launches whatever is ready)."""
+
+    def __init__(self, start: int, columns: int, group: Group, plain_sum: bool = False) -> None:
+        super().__init__()
+        self.start, self.columns = start, columns
+        self.core = _StackedNLL(columns, group, plain_sum)
+
+    def construct(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        local = targets.astype(ms.int32) - self.start
+        inside = ops.logical_and(local >= 0, local < self.columns).astype(ms.float32)  # the target is this rank's
+        out = self.core(logits.astype(ms.float32), ops.clamp(local, 0, self.columns - 1), inside)
+        return out[0], out[1]
+
+
+class _StackedNLL(nn.Cell):
+    """VocabParallelNLL's computation on the local column index of each target and whether it is
+    this rank's, with (nll, lse) stacked into one tensor. Two MindSpore 2.10 limits, measured in
+    graph mode, shape it: the gradient of a tuple taken apart after a cell with a bprop fails to
+    compile ("The func graph is empty ... zeros_like"), and so does a composite function such as
+    ops.clamp or ops.zeros_like called both in a cell's construct and in its bprop."""
+
+    def __init__(self, columns: int, group: Group, plain_sum: bool) -> None:
+        super().__init__()
+        self.columns, self.plain_sum = columns, plain_sum
+        self.max = group.max()
+        self.sum_exp = group.all_reduce()
+        self.sum_target = group.all_reduce()
+
+    def construct(self, logits: Tensor, idx: Tensor, inside: Tensor) -> Tensor:
+        B, T, V = logits.shape
+        peak = self.max(ops.stop_gradient(logits.max(axis=-1)))  # (B, T)
+        e = ops.exp(logits - ops.broadcast_to(peak.expand_dims(-1), logits.shape)).reshape(B * T, V)
+        rows = e.sum(-1) if self.plain_sum else ops.matmul(e, ops.ones((V, 1), ms.float32)).reshape(-1)
+        total = self.sum_exp(rows).reshape(B, T)
+        picked = ops.gather_d(logits, -1, idx.expand_dims(-1)).squeeze(-1) * inside
+        picked = self.sum_target(ops.depend(picked, total))
+        shifted_lse = ops.log(total)
+        return ops.stack((shifted_lse - (picked - peak), shifted_lse + peak))
+
+    def bprop(self, logits: Tensor, idx: Tensor, inside: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        lse, d_nll, d_lse = out[1], dout[0], dout[1]
+        soft = ops.exp(logits - ops.broadcast_to(lse.expand_dims(-1), logits.shape))
+        grad = soft * ops.broadcast_to((d_nll + d_lse).expand_dims(-1), logits.shape)
+        hot = ops.one_hot(idx, self.columns, ops.ones((), ms.float32), ops.zeros((), ms.float32))
+        # the target's column is on this rank (inside 1), or no column is
+        grad = grad - hot * ops.broadcast_to((d_nll * inside).expand_dims(-1), logits.shape)
+        return grad, idx * 0, inside * 0
+
+
+# --------------------------------------------------------------------------- the split
+
+def _flash_with_heads(old: Any, heads: int) -> Any:
+    """A FlashAttentionScore like `old` (model/llama.py Attention) with `heads` heads. 2.10's
+    generated primitive keeps its arguments as attributes (gen_ops_prim.py, FlashAttentionScore
+    __init__: `_set_prim_arg_with_handler`); input_layout is BNSD wherever llama.py builds one."""
+    from mindspore.ops.operations.nn_ops import FlashAttentionScore
+
+    return FlashAttentionScore(head_num=heads, scale_value=old.scale_value, pre_tokens=old.pre_tokens,
+                               next_tokens=old.next_tokens, input_layout="BNSD", sparse_mode=old.sparse_mode)
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Refuse, in one line each, a model that `parallel.tp` cannot cut (module docstring)."""
+    if tp == 1:
+        return
+    kv = cfg.n_kv_heads
+    if kv % tp:
+        best = max(d for d in range(1, kv + 1) if kv % d == 0 and d <= tp)
+        raise UserError(f"parallel.tp = {tp} does not divide model.n_kv_heads = {kv}: tensor parallel splits the kv heads "
+                        "across ranks and does not replicate them",
+                        f"use parallel.tp={best} (a divisor of n_kv_heads) and data parallel for the other ranks")
+    for key, value in (("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)):
+        if value % tp:
+            raise UserError(f"parallel.tp = {tp} does not divide model.{key} = {value}",
+                            f"use a parallel.tp that divides model.{key}"
+                            + (" (pad the vocabulary: model.vocab_size may exceed the tokenizer's)" if key == "vocab_size" else ""))
+
+
+def tp_rows(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """Where rank `rank`'s piece of the whole parameter `name` (of `shape`) lies: (axis, [start,
+    stop) ranges along it, concatenated in order), or None for a replicated one."""
+    if tp == 1:
+        return None
+    leaf = name.rsplit(".", 2)[-2:]  # ("wqkv", "weight"), ("embed", "weight"), ...
+    H, KV, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.ffn_dim
+    span = lambda n, offset=0: (offset + rank * n // tp, offset + (rank + 1) * n // tp)
+    if leaf[0] in ("embed", "lm_head"):
+        return 0, [span(shape[0])]
+    if leaf[0] == "wqkv":  # weight and bias: rows q | k | v
+        return 0, [span(H * hd), span(KV * hd, H * hd), span(KV * hd, (H + KV) * hd)]
+    if leaf[0] == "w13":
+        return 0, [span(F), span(F, F)]
+    if leaf[0] in ("wo", "w2"):
+        return 1, [span(shape[1])]
+    return None  # the norms
+
+
+def cut(whole: np.ndarray, where: tuple[int, list[tuple[int, int]]] | None) -> np.ndarray:
+    """This rank's piece of a whole tensor (a copy), `where` from `tp_rows`."""
+    if where is None:
+        return np.array(whole, copy=True)
+    axis, ranges = where
+    return np.ascontiguousarray(np.concatenate([np.take(whole, np.arange(a, b), axis) for a, b in ranges], axis))
+
+
+def place(piece: np.ndarray, where: tuple[int, list[tuple[int, int]]] | None, shape: tuple[int, ...]) -> np.ndarray:
+    """The whole tensor of `shape` holding `piece` at its place and zeros elsewhere (summed over
+    the tp ranks: the whole tensor). A replicated piece is placed by tp rank 0 alone (`None`
+    handled by the caller)."""
+    out = np.zeros(shape, piece.dtype)
+    axis, ranges = where
+    at = 0
+    for a, b in ranges:
+        index = [slice(None)] * len(shape)
+        index[axis] = slice(a, b)
+        src = [slice(None)] * len(shape)
+        src[axis] = slice(at, at + b - a)
+        out[tuple(index)] = piece[tuple(src)]
+        at += b - a
+    return out
+
+
+def split_model(model: Any, tp: Group) -> None:
+    """Cut a whole Llama (model/llama.py) into this rank's tensor-parallel piece, in place: every
+    split parameter becomes its piece (same name), the heads and ffn units become the local ones,
+    and the f/g collectives, the vocabulary-parallel lookup and `model.tp_loss` (the loss the
+    train step and eval use instead of `token_nll`) are set; `model.tp_shapes` holds the split
+    parameters' whole shapes. The model must be whole (a fresh Llama or one with whole weights
+    loaded); a tied embedding is cut once (the head uses the embedding's rows)."""
+    cfg = model.cfg
+    check_tp(cfg, tp.size)
+    n, r = tp.size, tp.rank
+    shapes: dict[str, tuple[int, ...]] = {}  # the split parameters' whole shapes, by name
+    for _, cell in model.cells_and_names():
+        for attr in ("weight", "bias"):
+            p = getattr(cell, attr, None)
+            if not isinstance(p, Parameter):
+                continue
+            where = tp_rows(p.name, tuple(p.shape), cfg, n, r)
+            if where is None:
+                continue
+            name, dtype, grad = p.name, p.dtype, p.requires_grad
+            shapes[name] = tuple(p.shape)
+            setattr(cell, attr, Parameter(Tensor(cut(p.asnumpy(), where)).astype(dtype), name=name, requires_grad=grad))
+            getattr(cell, attr).name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
+    H, KV, F, V = cfg.n_heads // n, cfg.n_kv_heads // n, cfg.ffn_dim // n, cfg.vocab_size // n
+    for layer in model.layers:
+        attn, mlp = layer.attn, layer.mlp
+        attn.n_heads, attn.n_kv = H, KV
+        attn.wqkv.out_dim = (H + 2 * KV) * attn.head_dim
+        if attn.use_flash:  # the kernels' head_num: the local heads (Ascend only, not run here)
+            for prim in ("flash_causal", "flash_masked", "flash_band", "flash_band_masked"):
+                if hasattr(attn, prim):
+                    setattr(attn, prim, _flash_with_heads(getattr(attn, prim), H))
+        attn.wo.tp_out = ReduceFromTP(tp)
+        mlp.ffn = F
+        mlp.w13.out_dim = 2 * F
+        mlp.w2.tp_out = ReduceFromTP(tp)
+        layer.attn_norm.tp_out = CopyToTP(tp)
+        layer.mlp_norm.tp_out = CopyToTP(tp)
+    model.local_heads = (H, KV)
+    model.norm.tp_out = CopyToTP(tp)  # the final norm feeds the vocabulary-parallel head only
+    model.embed.tp = VocabLookup(r * V, V, tp)
+    model.tp_loss = VocabParallelNLL(r * V, V, tp, plain_sum=getattr(model, "fused_kernels", False))
+    model.tp_shapes = shapes
+    # replicated weights whose gradient is partial on each rank (the QK-norms: see the module docstring)
+    model.tp_partial = {p.name for p in model.get_parameters() if ".q_norm." in p.name or ".k_norm." in p.name}
+    model.tp = tp

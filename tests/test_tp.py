@@ -1,0 +1,410 @@
+"""Tensor parallel (`parallel.tp`, model/parallel.py and train/tp.py): the vocabulary-parallel loss
+against the plain one with a loopback peer, the cut of every weight against its HF tensors, the
+mesh, the refusals; then msrun ranks against one process, and resumes across layouts."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from mspretrain.errors import UserError
+from tests.conftest import TINY, assert_same_checkpoint, copy_run_at
+from tests.test_distributed import ARGS, FINAL, MSRUN, STEPS, _grad_norms, _kill_tree, _metrics, _replica_hashes, _step_dir
+
+
+@pytest.fixture
+def world_of(monkeypatch):
+    """Collective primitives built as rank r of a world of n without `init()` (as tests/test_zero3.py does)."""
+    from mindspore.ops.operations import comm_ops
+
+    def set_world(rank: int, n: int) -> None:
+        monkeypatch.setattr(comm_ops, "get_rank", lambda group=None: rank)
+        monkeypatch.setattr(comm_ops, "get_group_size", lambda group=None: n)
+    return set_world
+
+
+def _cfg(**kw):
+    from mspretrain.config import ModelConfig, resolve_model
+
+    return resolve_model(ModelConfig(**{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, **kw}), vocab_size=96)
+
+
+# ---- the vocabulary-parallel loss
+
+def _plain(logits: np.ndarray, targets: np.ndarray, w_nll: np.ndarray, w_lse: np.ndarray):
+    from mspretrain.model.loss import token_nll
+
+    def f(x):
+        nll, lse = token_nll(x, Tensor(targets))
+        return (nll * Tensor(w_nll)).sum() + (lse * Tensor(w_lse)).sum(), nll, lse
+
+    (_, nll, lse), grad = ms.value_and_grad(f, has_aux=True)(Tensor(logits))
+    return nll.asnumpy(), lse.asnumpy(), grad.asnumpy()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_vocab_parallel_loss_equals_the_plain_one_with_a_loopback_peer(world_of, rank):
+    """Rank `rank` of tp 2 with its three tp sums replaced by loopbacks that add what the peer
+    holds (its slot's max, its sum of exp, its target logit: numpy from the peer's columns): the
+    NLL and log-sum-exp of every token are the plain loss's, and the gradient of the local logits
+    is the plain gradient's columns (loss and z-loss terms weighted)."""
+    from mspretrain.model.parallel import Group, VocabParallelNLL
+
+    world_of(rank, 2)
+    rng = np.random.default_rng(0)
+    B, T, V = 2, 5, 12
+    half = V // 2
+    logits = (rng.standard_normal((B, T, V)) * 3).astype(np.float32)
+    logits[0, 0, 7] = 40.0  # a large logit on rank 1's side: the max must be the global one
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    targets[0, :2] = (3, 9)
+    w_nll, w_lse = rng.random((B, T)).astype(np.float32), rng.random((B, T)).astype(np.float32)
+    want_nll, want_lse, want_grad = _plain(logits, targets, w_nll, w_lse)
+
+    peer = 1 - rank
+    mine, theirs = logits[..., rank * half:(rank + 1) * half], logits[..., peer * half:(peer + 1) * half]
+    gmax = logits.max(-1)
+    peer_max = np.zeros((2, B, T), np.float32)
+    peer_max[peer] = theirs.max(-1)
+    peer_sum = np.exp(theirs.astype(np.float64) - gmax[..., None]).sum(-1).astype(np.float32).reshape(-1)
+    local_t = targets - peer * half
+    inside = (local_t >= 0) & (local_t < half)
+    peer_picked = np.where(inside, np.take_along_axis(theirs, np.clip(local_t, 0, half - 1)[..., None], -1)[..., 0], 0)
+
+    cell = VocabParallelNLL(rank * half, half, Group((0, 1), rank))
+    cell.core.max.op = lambda x: x + Tensor(peer_max)
+    cell.core.sum_exp = lambda x: x + Tensor(peer_sum)
+    cell.core.sum_target = lambda x: x + Tensor(peer_picked.astype(np.float32))
+
+    def f(x):
+        nll, lse = cell(x, Tensor(targets))
+        return (nll * Tensor(w_nll)).sum() + (lse * Tensor(w_lse)).sum(), nll, lse
+
+    (_, nll, lse), grad = ms.value_and_grad(f, has_aux=True)(Tensor(np.ascontiguousarray(mine)))
+    np.testing.assert_allclose(nll.asnumpy(), want_nll, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse.asnumpy(), want_lse, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad.asnumpy(), want_grad[..., rank * half:(rank + 1) * half], rtol=1e-5, atol=1e-7)
+
+
+def test_group_max_and_broadcast_on_cpu_are_sums(world_of):
+    """mccl has AllReduce(SUM) only and broadcasts in the world group only: a group's max sums one
+    slot per member and takes the max over the slots; a broadcast in a sub-group is a sum to which
+    the members other than the root give zeros. Ascend uses AllReduce(MAX) and Broadcast."""
+    from mindspore import ops
+
+    from mspretrain.model.parallel import Group, GroupBroadcast
+
+    world_of(3, 4)
+    g = Group((1, 3), 1, name="dp_1")  # the dp group of tp rank 1 in tp 2 x dp 2: rank 3 is its member 1
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    m = g.max()
+    seen = []
+    peer = np.zeros((2, 2, 3), np.float32)  # member 0's 2.5 in slot 0
+    peer[0] = 2.5
+    m.op = lambda buf: (seen.append(buf.asnumpy()), buf + Tensor(peer))[1]
+    assert np.array_equal(m(Tensor(x)).asnumpy(), np.maximum(x, 2.5))
+    assert not seen[0][0].any() and np.array_equal(seen[0][1], x)  # this member wrote its own slot only
+    b = g.broadcast(0)
+    assert isinstance(b, GroupBroadcast)
+    b.sum = lambda v: v
+    assert not b((Tensor(x),))[0].asnumpy().any()  # member 1 is not the root: zeros go in
+    assert isinstance(g.broadcast(1).sum, ops.AllReduce)
+    npu = Group((1, 3), 1, name="dp_1", device="ascend")
+    assert isinstance(npu.broadcast(0), ops.Broadcast) and isinstance(npu.max().op, ops.AllReduce) and npu.max().native
+
+
+# ---- the cut of the weights
+
+def test_each_ranks_pieces_are_the_hf_tensors_rows_and_columns_and_join_back(world_of):
+    """Qwen2-style (q/k/v bias), untied: rank r's piece of every parameter is the HF tensors' rows
+    (q, k, v, gate, up, embedding, lm_head) or columns (o, down) of its heads / ffn units / vocabulary
+    block; placing every rank's pieces and summing gives the whole tensor back; norms replicated."""
+    from mspretrain.model.hf import hf_to_ours, ours_to_hf
+    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.parallel import cut, place, tp_rows
+
+    cfg = _cfg(family="qwen2", qkv_bias=True)
+    whole = {k: v.copy() for k, v in state_numpy(Llama(cfg, seed=0)).items()}
+    whole = {k: v + np.float32(0.5) if k.endswith("bias") else v for k, v in whole.items()}  # biases not all zeros
+    hf = ours_to_hf(whole, cfg)
+    H, KV, hd, F, V = cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.ffn_dim, cfg.vocab_size
+    joined = {k: np.zeros_like(v) for k, v in whole.items()}
+    for r in range(2):
+        for name, value in whole.items():
+            where = tp_rows(name, value.shape, cfg, 2, r)
+            piece = cut(value, where)
+            if where is None:
+                assert "norm" in name
+                joined[name] = value
+                continue
+            joined[name] += place(piece, where, value.shape)
+        q = lambda n, k: hf[f"model.layers.0.self_attn.{n}_proj.{k}"]
+        pieces = {name: cut(whole[name], tp_rows(name, whole[name].shape, cfg, 2, r)) for name in whole}
+        hq, hk = slice(r * H // 2 * hd, (r + 1) * H // 2 * hd), slice(r * KV // 2 * hd, (r + 1) * KV // 2 * hd)
+        for k in ("weight", "bias"):
+            assert np.array_equal(pieces[f"layers.0.attn.wqkv.{k}"], np.concatenate([q("q", k)[hq], q("k", k)[hk], q("v", k)[hk]]))
+        assert np.array_equal(pieces["layers.0.attn.wo.weight"], hf["model.layers.0.self_attn.o_proj.weight"][:, hq])
+        fs = slice(r * F // 2, (r + 1) * F // 2)
+        mlp = lambda n: hf[f"model.layers.0.mlp.{n}_proj.weight"]
+        assert np.array_equal(pieces["layers.0.mlp.w13.weight"], np.concatenate([mlp("gate")[fs], mlp("up")[fs]]))
+        assert np.array_equal(pieces["layers.0.mlp.w2.weight"], mlp("down")[:, fs])
+        vs = slice(r * V // 2, (r + 1) * V // 2)
+        assert np.array_equal(pieces["embed.weight"], hf["model.embed_tokens.weight"][vs])
+        assert np.array_equal(pieces["lm_head.weight"], hf["lm_head.weight"][vs])
+    for name in whole:
+        assert np.array_equal(joined[name], whole[name]), name
+    back = hf_to_ours(ours_to_hf(joined, cfg), cfg)
+    assert all(np.array_equal(back[k], whole[k]) for k in whole)
+
+
+def test_split_model_holds_the_pieces_under_the_whole_names(world_of):
+    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.parallel import Group, cut, split_model, tp_rows
+
+    world_of(1, 2)
+    cfg = _cfg(tie_embeddings=True)
+    whole = {k: v.copy() for k, v in state_numpy(Llama(cfg, seed=0)).items()}
+    model = Llama(cfg, seed=0)
+    names = [p.name for p in model.trainable_params()]
+    split_model(model, Group((0, 1), 1))
+    assert [p.name for p in model.trainable_params()] == names
+    for p in model.trainable_params():
+        assert np.array_equal(p.asnumpy(), cut(whole[p.name], tp_rows(p.name, whole[p.name].shape, cfg, 2, 1))), p.name
+    assert model.local_heads == (2, 1) and model.layers[0].mlp.ffn == cfg.ffn_dim // 2
+    assert set(model.tp_shapes) == {n for n in names if "norm" not in n}
+    assert "lm_head.weight" not in names  # tied: the head uses the embedding's rows
+
+
+def test_qwen3_qk_norms_stay_whole_and_their_partial_gradients_are_summed_over_tp(world_of):
+    """Each rank applies the shared QK-norm weights to its own heads only: the weights stay whole
+    (replicated) and are marked partial; the step's PartialSum adds their gradients over tp in one
+    collective and leaves every other gradient alone."""
+    from mspretrain.model.llama import Llama
+    from mspretrain.model.parallel import Group, PartialSum, split_model
+
+    world_of(0, 2)
+    model = Llama(_cfg(family="qwen3", qk_norm=True, head_dim=16), seed=0)
+    split_model(model, Group((0, 1), 0))
+    assert model.tp_partial == {f"layers.{i}.attn.{n}.weight" for i in range(2) for n in ("q_norm", "k_norm")}
+    assert all(p.shape == (16,) for p in model.get_parameters() if p.name in model.tp_partial)
+    s = PartialSum([1, 3], [(2,), (3,)], Group((0, 1), 0))
+    seen = []
+    s.sum = lambda x: (seen.append(x.shape), x * 2)[1]
+    grads = tuple(Tensor(np.full(shape, k + 1, np.float32)) for k, shape in enumerate([(4,), (2,), (1, 2), (3,)]))
+    out = [g.asnumpy() for g in s(grads)]
+    assert seen == [(5,)]
+    assert [o.tolist() for o in out] == [[1] * 4, [4] * 2, [[3, 3]], [8] * 3]
+
+
+def test_refusals_name_the_fix():
+    from mspretrain import config as cfgmod
+    from mspretrain.model.parallel import check_tp
+    from mspretrain.train.tp import make_mesh
+
+    with pytest.raises(UserError, match="does not divide model.n_kv_heads = 2.*not replicate") as e:
+        check_tp(_cfg(), 4)
+    assert "parallel.tp=2" in str(e.value)
+    with pytest.raises(UserError, match="vocab_size"):
+        check_tp(replace(_cfg(), vocab_size=97), 2)
+    with pytest.raises(UserError, match="does not divide the 3 ranks"):
+        make_mesh(0, 3, 2, "cpu")
+    base = cfgmod.load(TINY, ["parallel.tp=2"])
+    cfgmod.validate(base)
+    for override, key in (("optim.shard_parameters=true", "optim.shard_parameters"), ("optim.split_mb=64", "optim.split_mb")):
+        with pytest.raises(UserError, match=key):
+            cfgmod.validate(cfgmod.load(TINY, ["parallel.tp=2", override]))
+    with pytest.raises(UserError, match="parallel.tp"):
+        cfgmod.load(TINY, ["parallel.tp=0"])
+
+
+def test_mesh_puts_tp_ranks_side_by_side():
+    from mspretrain.train.tp import make_mesh
+
+    m = make_mesh(3, 4, 2, "cpu", create=False)  # tp group 1 = ranks (2, 3); dp group of tp rank 1 = ranks (1, 3)
+    assert (m.tp.ranks, m.tp.rank, m.tp.name) == ((2, 3), 1, "tp_1")
+    assert (m.dp.ranks, m.dp.rank, m.dp.name) == ((1, 3), 1, "dp_1")
+    m = make_mesh(1, 2, 2, "cpu")  # tp = world: plain world collectives, a single-rank dp group
+    assert (m.tp.ranks, m.tp.rank, m.tp.name, m.dp.size) == ((0, 1), 1, None, 1)
+
+
+def test_a_tp_step_cuts_its_state_from_whole_tensors_or_zero_slices(world_of, tiny_cfg):
+    """Rank 1 of tp 2 (one process: no collective runs) loads whole weights and an optimizer state
+    stored as a ZeRO run's slices (`exp_avg.NAME@START:STOP`, any cut) or whole: each tensor's
+    piece is its tensor-parallel cut; `keys_to_read` asks for every stored slice of what it owns."""
+    from mspretrain.config import resolve_model
+    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.parallel import Group, cut, split_model, tp_rows
+    from mspretrain.train.tp import Mesh, TPTrainStep
+
+    world_of(1, 2)
+    cfg = resolve_model(tiny_cfg.model, vocab_size=512)
+    model = Llama(cfg, seed=0)
+    whole = {k: v * 3 for k, v in state_numpy(model).items()}
+    mesh = Mesh(Group((0, 1), 1), Group((1,), 0))
+    split_model(model, mesh.tp)
+    step = TPTrainStep(model, tiny_cfg.optim, mesh=mesh, global_tokens=64, jit=False)
+    step.load_weights(whole)
+    rng = np.random.default_rng(1)
+    state = {"opt_step": np.array([5])}
+    for name, value in whole.items():
+        for kind in ("exp_avg", "exp_avg_sq"):
+            v = rng.standard_normal(value.shape).astype(np.float32)
+            state[f"{kind}.{name}"] = v
+    stored = {"opt_step": state["opt_step"]}
+    for key, v in state.items():
+        if key.endswith("embed.weight"):  # slices of a ZeRO-1 run at world 3 (uneven)
+            flat, n = v.reshape(-1), v.size
+            for a, b in ((0, 11000), (11000, 22000), (22000, n)):
+                stored[f"{key}@{a}:{b}"] = flat[a:b]
+        else:
+            stored[key] = v
+    assert step.keys_to_read(set(stored)) == set(stored)
+    step.load_optimizer_state(stored, available=set(stored))
+    where = lambda n: tp_rows(n, whole[n].shape, cfg, 2, 1)
+    for p in model.trainable_params():
+        assert np.array_equal(p.asnumpy(), cut(whole[p.name], where(p.name))), p.name
+    got = super(TPTrainStep, step).optimizer_state()  # the pieces, before the tp gather (a collective)
+    for key, v in got.items():
+        if key != "opt_step":
+            name = key.split(".", 1)[1]
+            assert np.array_equal(v, cut(state[key], where(name))), key
+    assert int(got["opt_step"]) == 5
+
+
+# ---- msrun ranks against one process
+
+def _launch(tmp_path: Path, data: Path, run: Path, nproc: int, *extra: str) -> None:
+    """`nproc` workers through `mspretrain launch` (test_distributed.py `_msrun`, any worker count)."""
+    from mspretrain.train.distributed import free_local_port
+
+    logs = tmp_path / f"logs-{run.name}"
+    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", str(nproc), "--master-port", str(free_local_port()),
+           "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), *ARGS, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
+    try:
+        proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    text = "".join(p.read_text() for p in sorted(logs.glob("worker_*.log")))
+    assert proc.returncode == 0, text[-3000:]
+
+
+TP2 = ("parallel.tp=2",)
+TP2_ZERO1 = ("parallel.tp=2", "optim.shard_optimizer=true")
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory, tiny_data) -> Path:
+    """TP 2 on 2 msrun workers (dp 1), the reference run's config otherwise. Read-only."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    _launch(tmp, tiny_data, tmp / "tp2", 2, *TP2)
+    return tmp / "tp2"
+
+
+@pytest.fixture(scope="module")
+def tp2_dp2_zero1_run(tmp_path_factory, tiny_data) -> Path:
+    """TP 2 x DP 2 with ZeRO-1 on 4 msrun workers. Read-only."""
+    tmp = tmp_path_factory.mktemp("tp2dp2")
+    _launch(tmp, tiny_data, tmp / "tp2dp2", 4, *TP2_ZERO1)
+    return tmp / "tp2dp2"
+
+
+def _assert_equals_one_process(run: Path, reference_run: Path, ranks: int = 0, steps: list[int] = STEPS) -> None:
+    """Losses, grad norms and the checkpoints of `steps` against one process; with `ranks`, every
+    rank's hash of the whole weights at the end the same."""
+    one, got = _metrics(reference_run), _metrics(run)
+    one_gn, got_gn = _grad_norms(reference_run), _grad_norms(run)
+    assert set(steps) <= set(got)
+    for step in steps:
+        assert abs(one[step] - got[step]) <= 1e-5, (step, one[step], got[step])
+        assert got_gn[step] == pytest.approx(one_gn[step], rel=1e-5), (step, one_gn[step], got_gn[step])
+        assert_same_checkpoint(_step_dir(run, step), _step_dir(reference_run, step), 1e-5)
+    hashes = _replica_hashes(run)
+    assert not ranks or len(hashes) == ranks and len(set(hashes)) == 1  # the whole weights gathered on every rank agree
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_tp2_matches_one_process(tp2_run, reference_run):
+    """Losses, grad norms, every checkpoint (whole tensors under the whole model's names) of TP 2
+    against one process (measured: loss equal to the logged digits, grad norms 8.8e-8 relative,
+    weights 4.9e-6 absolute at most). A TP 2 run resumed by one process: the kill -9 test below."""
+    assert "tensor parallel over 2 ranks x 1 data-parallel" in (tp2_run / "train.log").read_text()
+    _assert_equals_one_process(tp2_run, reference_run, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_tp2_dp2_with_zero1_matches_one_process(tp2_dp2_zero1_run, reference_run):
+    """TP 2 x DP 2 (4 ranks) with the optimizer state sharded over the 2 data-parallel ranks: the
+    one-process numbers; the checkpoint holds one optimizer shard per data-parallel rank."""
+    run = tp2_dp2_zero1_run
+    assert "tensor parallel over 2 ranks x 2 data-parallel" in (run / "train.log").read_text()
+    assert len(list(_step_dir(run, FINAL).glob("optimizer-*.safetensors"))) == 2
+    _assert_equals_one_process(run, reference_run, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_a_zero1_tp_dp_checkpoint_resumes_on_plain_tp_dp(tmp_path, tiny_data, reference_run, tp2_dp2_zero1_run):
+    """Step 5 of the TP 2 x DP 2 ZeRO-1 run (two optimizer shards) resumed by TP 2 x DP 2 without
+    ZeRO (the data-parallel gradients all-reduced whole): the unbroken one-process run's losses,
+    grad norms and checkpoints to the end."""
+    run = copy_run_at(tp2_dp2_zero1_run, tmp_path / "from-zero1", 5)
+    shutil.rmtree(run / "ranks")  # the ZeRO-1 job's hashes: this job writes its own
+    _launch(tmp_path, tiny_data, run, 4, *TP2)
+    assert "resumed from step_000005" in (run / "train.log").read_text()
+    _assert_equals_one_process(run, reference_run, 4, steps=list(range(6, FINAL + 1)))
+
+
+@pytest.mark.sigkill
+@pytest.mark.slow
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_a_killed_tp2_job_resumes_exactly_on_one_process(tmp_path, tiny_data):
+    """TP 2 with rank 1 SIGKILLed after step 5: the job ends; one process resumes the oldest
+    verified checkpoint kept and redoes the steps the killed job logged after it, with its losses.
+    The model is Qwen3's family with tied embeddings (QK-norm gradients summed over tp, the head
+    on the vocabulary-parallel embedding's rows): the redone steps compare TP 2 with one process."""
+    import signal
+
+    from mspretrain.checkpoint import store
+    from mspretrain.cli import main
+    from tests.test_distributed import LONG, _ended_within, _start_launch, _wait_for_rank
+
+    run = tmp_path / "killed"
+    qwen3 = ("model.family=qwen3", "model.qk_norm=true", "model.tie_embeddings=true")
+    proc = _start_launch(tmp_path, tiny_data, run, *LONG, *TP2, *qwen3)
+    try:
+        beat = _wait_for_rank(run, 1, 5, proc)
+        os.kill(beat["pid"], signal.SIGKILL)
+        _ended_within(proc, 0)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    assert proc.returncode != 0
+    before = _metrics(run)
+    kept = sorted(p for p in (run / "checkpoints").glob("step_*[0-9]") if store.verify(p) is None)
+    for p in kept[1:]:
+        shutil.rmtree(p)
+    resume_at = int(kept[0].name.split("_")[1])
+    redo = [s for s in before if s > resume_at]
+    assert redo, (resume_at, sorted(before))
+    long = [a if not a.startswith("train.max_steps=") else f"train.max_steps={max(redo)}" for a in LONG]
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet", *long, *qwen3]) == 0
+    assert f"resumed from step_{resume_at:06d}" in (run / "train.log").read_text()
+    after = _metrics(run)
+    for step in redo:
+        assert abs(after[step] - before[step]) <= 1e-5, (step, before[step], after[step])
