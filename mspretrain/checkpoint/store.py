@@ -37,11 +37,11 @@ from typing import Any, Callable
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from mspretrain import __version__
 from mspretrain import config as cfgmod
-from mspretrain.checkpoint.model_shards import MODEL_FILE, model_files, model_files_problem, read_whole
+from mspretrain.checkpoint.model_shards import MODEL_FILE, model_files_problem, read_whole
 from mspretrain.config import Config
 from mspretrain.errors import UserError
 from mspretrain.fsutil import chmod_like_open, fsync_path, read_json_file

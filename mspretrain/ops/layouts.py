@@ -45,7 +45,6 @@ is named beside it.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 from mspretrain import budget
@@ -61,9 +60,9 @@ MAX_DEVICES = 64
 
 def achieved_flops(m: ModelConfig, seq: int, tokens_per_s: float | None) -> tuple[float, str]:
     """FLOP/s one device achieves (see the module docstring) and where the figure comes from."""
+    from mspretrain.model.presets import llama2_7b
     from mspretrain.monitor.mfu import flops_per_token
     from mspretrain.ops.plan import MINDFORMERS_LLAMA2_7B
-    from mspretrain.model.presets import llama2_7b
 
     if tokens_per_s:
         return tokens_per_s * flops_per_token(m, seq), "the given tokens/s"
