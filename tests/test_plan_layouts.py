@@ -29,28 +29,28 @@ def test_qwen3_14b_on_8_910b_fits_52_gb_with_the_recommended_layout():
     table = plan["layouts"]
     best = next(r for r in table["rows"] if r["name"] == table["recommended"])
     assert best["fits"] and best["peak_bytes"] <= 52 * GB, (best["name"], best["peak_bytes"] / GB)
-    assert not best["planned_only"]  # a layout `train` runs today: ZeRO-3
+    assert not best["unmeasured"]  # a memory model checked against a measurement: ZeRO-3
     rows = {r["name"]: r for r in table["rows"] if "skipped" not in r}
     assert best["name"] == "ZeRO-3" and best["recompute"]
     # whole bf16 weights and gradients on every device: plain DP and ZeRO-1 cannot hold 14.8 B parameters
     assert not rows["DP"]["fits"] and not rows["ZeRO-1"]["fits"]
     assert rows["ZeRO-3"]["fits"]
-    assert all(r["planned_only"] == (r["tp"] > 1) for r in table["rows"])
+    assert all(r["unmeasured"] == (r["tp"] > 1) for r in table["rows"])
     assert {"TP2 x DP4", "TP2 x DP4 ZeRO-1", "TP4 x DP2", "TP4 x DP2 ZeRO-1", "TP8 x DP1"} <= set(rows)
     skipped = {r["name"]: r["skipped"] for r in table["rows"] if "skipped" in r}
     assert skipped == {"TP8 x DP1 ZeRO-1": "one data-parallel rank: nothing to shard"}
-    # the planned-only TP layouts that fit are named beside it when one of them is faster
-    faster = table["recommended_planned"]
-    assert faster is None or (rows[faster]["planned_only"] and rows[faster]["step_s"] < best["step_s"])
+    # a faster TP layout that fits is named beside it (its memory model not yet measured)
+    faster = table["recommended_unmeasured"]
+    assert faster is None or (rows[faster]["unmeasured"] and rows[faster]["step_s"] < best["step_s"])
 
 
-def test_the_layout_table_prints_and_marks_tp_as_planned_only(capsys):
+def test_the_layout_table_prints_and_marks_tp_as_unmeasured(capsys):
     from mspretrain.cli import main
 
     assert main(["plan", "--model", "qwen3-14b", "--devices", "8", *BIG]) == 0
     out = capsys.readouterr().out
     assert "layouts    per device" in out and "<- recommended" in out
-    assert "planned only: train runs no TP layout yet" in out
+    assert "TP: its memory not yet measured" in out and "faster, memory not yet measured: TP8 x DP1" in out
     assert "recommended: ZeRO-3 " in out
 
 

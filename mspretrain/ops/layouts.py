@@ -4,8 +4,9 @@ and step time, and the cheapest layout that fits.
 Layouts (for 2 to `MAX_DEVICES` devices): plain data parallel (DP), ZeRO-1, ZeRO-2 and ZeRO-3
 over all N devices (what `train` runs: optim.shard_optimizer / shard_gradients / shard_parameters);
 tensor parallel t x data parallel N/t for t = 2, 4, 8 (t dividing N), plain and with ZeRO-1 over
-the data-parallel group. The TP rows are planned only: `train` does not run a TP layout yet, and
-no TP step's buffers were measured.
+the data-parallel group (`train` runs them: parallel.tp, train/tp.py). The TP rows' memory is
+Megatron's accounting, not yet checked against a TP step's measured buffers, so the recommendation
+is taken among the measured layouts and a faster TP layout that fits is named beside it.
 
 Memory:
 - DP and ZeRO rows: `ops/plan.memory_model`, the buffers train/step.py allocates (checked against
@@ -39,8 +40,8 @@ else `ASSUMED_BUS_GBPS`); ring costs: AllReduce 2(n-1)/n x bytes, AllGather / Re
   N/t ranks, hidden behind the backward pass up to its length (max(0, comm - backward): cruder
   than the buckets' estimate), once per step with accumulation; ZeRO-1 adds its AllGather.
 A layout runs without recompute if that fits, else with it; the recommended layout is the shortest
-step of those that fit and `train` runs (then the least memory); a faster planned-only TP layout
-is named beside it.
+step of those that fit whose memory model was measured (then the least memory); a faster TP
+layout that fits is named beside it.
 """
 from __future__ import annotations
 
@@ -132,8 +133,8 @@ def _tp_possible(m: ModelConfig, tp: int) -> str | None:
     return None
 
 
-def _row(name: str, tp: int, dp: int, zero: int, planned_only: bool) -> dict[str, Any]:
-    return {"name": name, "tp": tp, "dp": dp, "zero": zero, "planned_only": planned_only}
+def _row(name: str, tp: int, dp: int, zero: int, unmeasured: bool) -> dict[str, Any]:
+    return {"name": name, "tp": tp, "dp": dp, "zero": zero, "unmeasured": unmeasured}
 
 
 def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, target: str, usable_gb: float,
@@ -198,9 +199,9 @@ def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, targ
                 break
     cheapest = lambda rs: min(rs, key=lambda r: (r["step_s"], r["peak_bytes"]))["name"] if rs else None
     fitting = [r for r in rows if r.get("fits")]
-    best = cheapest([r for r in fitting if not r["planned_only"]])  # what `train` can run today
+    best = cheapest([r for r in fitting if not r["unmeasured"]])  # a memory model checked against a measurement
     overall = cheapest(fitting)
-    return {"rows": rows, "recommended": best, "recommended_planned": overall if overall != best else None,
+    return {"rows": rows, "recommended": best, "recommended_unmeasured": overall if overall != best else None,
             "rate_source": rate_source, "bus_gbps": bus_gbps, "usable_gb": usable_gb}
 
 
@@ -216,11 +217,11 @@ def format_layouts(table: dict[str, Any]) -> list[str]:
         mark = " <- recommended" if r["name"] == table["recommended"] else ""
         lines.append(f"  {r['name']:<22} {'yes' if r['recompute'] else 'no':>9} {r['micro_batch']:>5} x {r['accumulation']:<3}"
                      f" {r['peak_bytes'] / GB:>8.1f} {r['compute_s']:>9.2f} {r['comm_s']:>8.2f} {r['step_s']:>8.2f}  "
-                     f"{'yes' if r['fits'] else 'NO'}{' (planned only: train runs no TP layout yet)' if r['planned_only'] else ''}{mark}")
+                     f"{'yes' if r['fits'] else 'NO'}{' (TP: its memory not yet measured)' if r['unmeasured'] else ''}{mark}")
     if table["recommended"] is None:
-        lines.append("  no layout `train` runs fits: more devices, a smaller micro-batch, or a smaller model")
+        lines.append("  no layout with a measured memory model fits: more devices, a smaller micro-batch, or a smaller model")
     else:
-        lines.append(f"  recommended: {table['recommended']} (the shortest step of those that fit and `train` runs)")
-    if table["recommended_planned"]:
-        lines.append(f"  faster once tensor parallel is in `train`: {table['recommended_planned']} (planned only)")
+        lines.append(f"  recommended: {table['recommended']} (the shortest step of those that fit, memory measured)")
+    if table["recommended_unmeasured"]:
+        lines.append(f"  faster, memory not yet measured: {table['recommended_unmeasured']} (tensor parallel, parallel.tp)")
     return lines
