@@ -283,3 +283,15 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("msrun") is not None and path not in lane1:
             raise pytest.UsageError(f"{item.nodeid} starts msrun: list {path} in tests/lanes.txt (lane 1 runs the msrun "
                                     "tests one after another)")
+
+
+@pytest.fixture
+def world_of(monkeypatch):
+    """Collective primitives built as rank r of a world of n without `init()` (as tests/collective_probe.py does);
+    test_zero3.py and test_tp.py build their gathers and groups with it."""
+    from mindspore.ops.operations import comm_ops
+
+    def set_world(rank: int, n: int) -> None:
+        monkeypatch.setattr(comm_ops, "get_rank", lambda group=None: rank)
+        monkeypatch.setattr(comm_ops, "get_group_size", lambda group=None: n)
+    return set_world

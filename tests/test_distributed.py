@@ -15,23 +15,10 @@ from mspretrain.errors import UserError
 from mspretrain.train import distributed
 from mspretrain.train.distributed import free_local_port
 from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, REWIND_ARGS, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
+from tests.helpers import grad_norms, losses, step_dir
 
-
-def _metrics(run: Path) -> dict[int, float]:
-    out = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "loss" in r:
-            out[r["step"]] = r["loss"]
-    return out
-
-
-def _grad_norms(run: Path) -> dict[int, float]:
-    return {r["step"]: r["grad_norm"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "grad_norm" in r}
-
-
-def _step_dir(run: Path, step: int) -> Path:
-    return run / "checkpoints" / f"step_{step:06d}"
+# the run readers live in tests/helpers.py; these names stay for the files that import them from here
+_metrics, _grad_norms, _step_dir = losses, grad_norms, step_dir
 
 
 def test_rank_detection():

@@ -52,6 +52,7 @@ def test_the_msrun_marker_covers_every_msrun_test(request):
 KNOWN_TEST_IMPORTS = frozenset({
     ("test_quality.py", "tests.test_prepare_ray"),
     ("test_quality.py", "tests.test_prepare_resume"),
+    ("test_tp.py", "tests.test_distributed"),
     ("test_zero2.py", "tests.test_distributed"),
     ("test_zero3.py", "tests.test_distributed"),
     ("test_zero3.py", "tests.test_zero2"),

@@ -20,17 +20,6 @@ from tests.conftest import TINY, assert_same_checkpoint, copy_run_at
 from tests.test_distributed import ARGS, FINAL, MSRUN, STEPS, _grad_norms, _kill_tree, _metrics, _replica_hashes, _step_dir
 
 
-@pytest.fixture
-def world_of(monkeypatch):
-    """Collective primitives built as rank r of a world of n without `init()` (as tests/test_zero3.py does)."""
-    from mindspore.ops.operations import comm_ops
-
-    def set_world(rank: int, n: int) -> None:
-        monkeypatch.setattr(comm_ops, "get_rank", lambda group=None: rank)
-        monkeypatch.setattr(comm_ops, "get_group_size", lambda group=None: n)
-    return set_world
-
-
 def _cfg(**kw):
     from mspretrain.config import ModelConfig, resolve_model
 

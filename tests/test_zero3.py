@@ -24,17 +24,6 @@ def _tiny(**kw):
     return Llama(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **kw), vocab_size=96), seed=0)
 
 
-@pytest.fixture
-def world_of(monkeypatch):
-    """Collective primitives built as rank r of a world of n without `init()` (as tests/collective_probe.py does)."""
-    from mindspore.ops.operations import comm_ops
-
-    def set_world(rank: int, n: int) -> None:
-        monkeypatch.setattr(comm_ops, "get_rank", lambda group=None: rank)
-        monkeypatch.setattr(comm_ops, "get_group_size", lambda group=None: n)
-    return set_world
-
-
 def test_the_gather_picks_its_collectives_by_device(world_of):
     """Ascend: HCCL's AllGather forward, ReduceScatter backward; CPU (mccl has neither a
     ReduceScatter nor a second AllGather per graph): AllReduce both ways."""

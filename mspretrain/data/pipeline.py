@@ -30,7 +30,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import time
 from collections import deque
 from dataclasses import replace
@@ -46,6 +45,7 @@ from mspretrain.data import clean, dedup, sources
 from mspretrain.data.diskdedup import ChunkSpool, DiskDedup, place_records
 from mspretrain.data.origin import OriginWriter, cut_to, origin_name, read_records
 from mspretrain.data.pool import batched, chunks, chunks_with_origin, ordered, start_pool
+from mspretrain.data.progress import progress_bar
 from mspretrain.data.publish import build_manifest
 from mspretrain.data.rescore import attach
 from mspretrain.data.resume import Journal, point, truncate
@@ -66,15 +66,6 @@ LOCAL_PIECES = True  # False: every chunk's documents pass through this process,
 UNITS: bool | None = None
 PIECES = "pass1.pieces"  # pass 1's per-chunk files written by the workers (`workers.spill_chunk`)
 REPLAY_PIECES = "replay.pieces"  # the replay's per-chunk shard and origin pieces (`workers.replay_chunk`)
-
-
-def progress_bar(enabled: bool, total: int, desc: str):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                dynamic_ncols=True, leave=False)
 
 
 def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,

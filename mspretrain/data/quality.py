@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from mspretrain.data.hash64 import _MULT, _mix
 from mspretrain.errors import UserError
 
 CLASSIFIER_KIND = "mspretrain-quality-classifier"
@@ -41,19 +42,6 @@ CLASSIFIER_BITS = 20  # 1 M hashed features: ~4 MB of float32 weights
 LM_BITS = 21  # per order: 2 M hashed counts
 LM_LAMBDAS = (0.6, 0.3, 0.095, 0.005)  # trigram, bigram, unigram, uniform (over LM_VOCAB)
 LM_VOCAB = 8000  # the uniform floor's vocabulary: a character never seen still has a probability
-
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio constant: spreads codepoints over 64 bits
-_M1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser constants
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix(h: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: the low bits of a hash then depend on all its input bits."""
-    with np.errstate(over="ignore"):
-        h = (h ^ (h >> np.uint64(30))) * _M1
-        h = (h ^ (h >> np.uint64(27))) * _M2
-    return h ^ (h >> np.uint64(31))
-
 
 def codepoints(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """(the texts' codepoints back to back as uint64, the start of each text; len(texts) + 1)."""

@@ -123,8 +123,8 @@ def scan(paths: list[Path], names: list[str], cfg: PrepareConfig, stage: Quality
     reading rules; its counts and warnings are pass 1's to give, so none here). Resumed after a
     kill from the journal's "scan": the work items done and the file's length at the last commit."""
     from mspretrain.data import clean
-    from mspretrain.data.pipeline import progress_bar  # (here: pipeline imports this module)
     from mspretrain.data.pool import chunks_with_origin, ordered, start_pool
+    from mspretrain.data.progress import progress_bar
     from mspretrain.data.workers import init_worker, score_chunk
 
     path = j.state_path(SCAN)

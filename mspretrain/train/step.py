@@ -81,6 +81,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from mspretrain.checkpoint.model_shards import parse_key  # the stored keys' one parser (weights and optimizer state)
 from mspretrain.config import OptimConfig
 from mspretrain.model.groups import trainable_mask
 from mspretrain.model.llama import use_fused_kernels
@@ -126,15 +127,6 @@ def slice_key(key: str, start: int, stop: int) -> str:
     [start, stop) of the flattened state `exp_avg.lm_head.weight` (1-D). Whole tensors keep
     their plain names, so a checkpoint without split parameters is written as before."""
     return f"{key}@{start}:{stop}"
-
-
-def parse_key(key: str) -> tuple[str, tuple[int, int] | None]:
-    """(logical name, [start, stop) or None for a whole tensor) of a stored optimizer key."""
-    name, sep, rng = key.rpartition("@")
-    if not sep:
-        return key, None
-    a, _, b = rng.partition(":")
-    return name, (int(a), int(b))
 
 
 class TrainStep:
