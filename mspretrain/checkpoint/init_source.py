@@ -22,6 +22,7 @@ import numpy as np
 
 from mspretrain.checkpoint import store
 from mspretrain.checkpoint.model import resolved_config
+from mspretrain.checkpoint.model_shards import model_files
 from mspretrain.config import Config, ModelConfig
 from mspretrain.errors import UserError
 from mspretrain.fsutil import read_json_file
@@ -49,7 +50,7 @@ def load_init(path: str | Path, log: Callable[[str], None] = lambda s: None) -> 
     model_cfg = resolved_config(ref, tensors).model  # the shape load_model and export give these weights
     manifest = read_json_file(ref.dir / store.MANIFEST, "checkpoint manifest")
     # verified just now; the weights are one file, or one per rank of a ZeRO-3 run
-    files = {name: manifest["files"][name]["sha256"] for name in store.model_files(manifest["files"])}
+    files = {name: manifest["files"][name]["sha256"] for name in model_files(manifest["files"])}
     return InitWeights(path=p, kind="checkpoint", source_dir=ref.dir, config=model_cfg, tensors=tensors, files=files,
                        tokenizer_path=ref.tokenizer_path)
 

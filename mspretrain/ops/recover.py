@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from mspretrain.checkpoint import store
+from mspretrain.checkpoint.model_shards import model_files
 from mspretrain.config import load as load_config
 from mspretrain.errors import UserError
 from mspretrain.fsutil import LOG_CAP, atomic_write, jsonl_dicts, read_json_file, read_regular_text
@@ -32,7 +33,7 @@ def _weights_intact(ckpt: Path) -> str | None:
     optim = store.optimizer_files(files)
     if not optim:
         return "the manifest lists no optimizer state"
-    for name in WEIGHT_FILES + tuple(store.model_files(files)) + tuple(optim):
+    for name in WEIGHT_FILES + tuple(model_files(files)) + tuple(optim):
         if name not in files or not (ckpt / name).is_file():
             return f"{name} is missing"
         if store._sha256(ckpt / name) != files[name]["sha256"]:
