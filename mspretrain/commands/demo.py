@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"run dir   {run_dir.resolve()}  ({minutes:.1f} minutes in all)")
     # (b) keeps the learning rate where the run ended: raising train.max_steps alone would
     # re-stretch the cosine and jump back up from its floor (the trainer says so at resume)
-    from mspretrain.train.schedule import continuation_overrides
+    from mspretrain.schedule import continuation_overrides
 
     tail = continuation_overrides(trainer.schedule(trainer.applied), cfg.optim.lr_scaling)
     print("\nnext:")

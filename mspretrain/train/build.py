@@ -38,6 +38,7 @@ from mspretrain.errors import UserError
 from mspretrain.paths import DataPaths, RunPaths
 from mspretrain.train.layout import bucket_mb_for
 from mspretrain.train.trainer import StepCallback, Trainer
+from mspretrain.world import detect, select_launch
 
 NUMERIC_KEYS = ("model", "data.seq_len", "data.reset_attention_at_eos", "train.global_batch", "train.seed")
 
@@ -71,11 +72,10 @@ def _scans_data() -> bool:
     rank 0 alone (known from msrun's or the rank table's variables before `init`), never msrun's
     scheduler process (MS_ROLE=MS_SCHED, which runs this script too), so 8 ranks and the scheduler
     do not each read 240 GB."""
-    from mspretrain.train import distributed
 
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         return False
-    world = distributed.detect()
+    world = detect()
     return world.is_main if world is not None else os.environ.get("RANK_ID", "0").strip() in ("", "0")
 
 
@@ -230,11 +230,11 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.monitor.source_ledger import SourceLedger
     from mspretrain.monitor.spike_record import SpikeRecord
     from mspretrain.ops.fits import check_fits
+    from mspretrain.schedule import resume_notes
     from mspretrain.train import distributed
     from mspretrain.train.checkpointing import CheckpointManager
     from mspretrain.train.eval_schedule import PeriodicEval
     from mspretrain.train.loss_scale import LossScaler
-    from mspretrain.train.schedule import resume_notes
     from mspretrain.train.spike_policy import SpikePolicy
     from mspretrain.train.step import TrainStep
     from mspretrain.train.tp import TPTrainStep, make_mesh
@@ -253,7 +253,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     evaluator = PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say,  # reads eval.choices_file now
                              jit_level=device.jit_level)
     # a process started from a rank table binds the NPU its entry names (msrun negotiates it otherwise)
-    setup_mindspore(device, device_id=distributed.select_launch(device.target).device_id if device.target == "ascend" else None)
+    setup_mindspore(device, device_id=select_launch(device.target).device_id if device.target == "ascend" else None)
     check_tp(cfg.model, cfg.parallel.tp)  # before the rendezvous: a model tp cannot cut is refused on every rank alike
     world = distributed.init(device.target)
     say.is_main = world.is_main
