@@ -73,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
                 loaded.tokenizer.save_to(tmp)
             meta = export_mindir(loaded.model, tmp, special_ids=ids)
     if fmt == "hf":
-        arch = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[model_cfg.family]
-        say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF {arch}, fp32 safetensors)")
+        from mspretrain.families import family
+
+        say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF {family(model_cfg.family).label}, fp32 safetensors)")
     else:
         print(f"MINDIR logits max abs diff vs model: {meta['verified_max_abs_diff']:.3g} (tolerance {meta['tolerance']:g})")
         say(args, f"exported step {ref.step} from {ref.dir} to {out / meta['file']} (+ export.json)")

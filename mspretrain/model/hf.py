@@ -35,6 +35,8 @@ import numpy as np
 
 from mspretrain.config import ModelConfig
 from mspretrain.errors import UserError
+from mspretrain.families import NAMES, described
+from mspretrain.families import family as family_of
 from mspretrain.fsutil import TEXT_CAP, read_json, read_regular_bytes_check
 
 _ST_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
@@ -74,17 +76,13 @@ def _dict_field(hf: dict[str, Any], key: str, source: str) -> dict[str, Any]:
     return v
 
 
-# The HF architectures we read and write: model_type -> (class name, family). Every family is a
-# Llama block plus switches (model/llama.py): what each switch means is transformers' modeling file.
-_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-             "mistral": "MistralForCausalLM"}
-# transformers' config-class defaults for keys a config.json may leave out (configuration_*.py)
-_MAX_POS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 4096 * 32}
+# The HF architectures we read and write, their switches and config.json defaults: one row each in
+# mspretrain/families.py (every family is our decoder block plus switches, model/llama.py).
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _refuse(source: str, what: str) -> None:
-    raise UserError(f"{source}: {what}", "only Llama-2/3, Qwen2/2.5, Qwen3 and Mistral (dense, full or sliding-window "
+    raise UserError(f"{source}: {what}", f"only {described()} (dense, full or sliding-window "
                     "attention, plain or llama3 RoPE) convert; see docs/design.md")
 
 
@@ -119,7 +117,7 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
 
 
 def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
-    """A resolved ModelConfig from an HF config dict (Llama, Qwen2, Qwen3, Mistral); anything not
+    """A resolved ModelConfig from an HF config dict of a family of mspretrain/families.py; anything not
     representable exactly is refused in one line naming the field."""
     if not isinstance(hf, dict):
         raise UserError(f"{source} is a JSON {type(hf).__name__}, not an object", "pass the config.json written by transformers for this model")
@@ -127,17 +125,18 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise UserError(f"{source}: architectures = {archs!r} is not a list of names", "pass the config.json written by transformers for this model")
     family = hf.get("model_type", "llama")
-    if not isinstance(family, str) or family not in _FAMILIES:
+    if not isinstance(family, str) or family not in NAMES:
         raise UserError(f"{source}: model_type {family!r} is not supported (MoE and other architectures are not)",
-                        "convert Llama, Qwen2/2.5, Qwen3 or Mistral checkpoints (model_type llama, qwen2, qwen3, mistral)")
-    if archs and _FAMILIES[family] not in archs:
-        raise UserError(f"{source}: architectures {archs[0]!r} is not {_FAMILIES[family]} (model_type {family!r})",
-                        "convert Llama, Qwen2/2.5, Qwen3 or Mistral causal-LM checkpoints")
+                        f"convert {described('or')} checkpoints (model_type {', '.join(NAMES)})")
+    fam = family_of(family)
+    if archs and fam.hf_class not in archs:
+        raise UserError(f"{source}: architectures {archs[0]!r} is not {fam.hf_class} (model_type {family!r})",
+                        f"convert {described('or')} causal-LM checkpoints")
     dim, layers, heads, ffn, vocab = (_int_field(hf, k, source) for k in
                                       ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"))
     kv = _int_field(hf, "num_key_value_heads", source, heads)
-    max_pos = _int_field(hf, "max_position_embeddings", source, _MAX_POS_DEFAULT[family])
-    head_dim = _int_field(hf, "head_dim", source, 128 if family == "qwen3" else (dim // heads if dim % heads == 0 else -1))
+    max_pos = _int_field(hf, "max_position_embeddings", source, fam.max_position_default)
+    head_dim = _int_field(hf, "head_dim", source, fam.head_dim_default or (dim // heads if dim % heads == 0 else -1))
     if head_dim % 2:
         raise UserError(f"{source}: head_dim {head_dim} (default hidden_size / num_attention_heads) is not a whole, even head size",
                         "pass the config.json written by transformers for this model")
@@ -148,15 +147,15 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
         _refuse(source, f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
     if hf.get("mlp_bias"):
         _refuse(source, "mlp_bias = true is not supported")
-    if family in ("llama", "qwen3") and hf.get("attention_bias"):  # these put a bias on o_proj too
+    if fam.attention_bias_key and hf.get("attention_bias"):  # these put a bias on o_proj too
         _refuse(source, f"attention_bias = true is not supported for {family} (a bias on o_proj)")
     window = 0
-    if family == "mistral":
-        sw = hf.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
+    if fam.sliding_window:
+        sw = hf.get("sliding_window", fam.sliding_window_default)  # the config class's default when the key is absent
         window = 0 if sw is None else _int_field({"sliding_window": sw}, "sliding_window", source)
         if window >= max_pos:
             window = 0  # never narrower than the sequence: full attention, exactly
-    elif family in ("qwen2", "qwen3"):
+    elif fam.per_layer_window:
         if hf.get("use_sliding_window"):
             _refuse(source, "use_sliding_window = true is not supported (Qwen's per-layer sliding window)")
         types = hf.get("layer_types")
@@ -180,15 +179,15 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
         return ModelConfig(
             dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, vocab_size=vocab, ffn_dim=ffn, max_seq_len=max_pos,
             rope_theta=theta, norm_eps=_float_field(hf, "rms_norm_eps", source, 1e-6), tie_embeddings=tie,
-            init_std=_float_field(hf, "initializer_range", source, 0.02), family=family,
-            head_dim=0 if head_dim * heads == dim else head_dim, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-            sliding_window=window, **extra)
+            init_std=_float_field(hf, "initializer_range", source, 0.02), head_dim=0 if head_dim * heads == dim else head_dim,
+            sliding_window=window, **fam.switches(), **extra)
     except UserError as exc:  # a value our config refuses: say which file it came from
         raise UserError(f"{source}: {exc.cause}", exc.fix) from None
 
 
 def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> dict[str, Any]:
     """config.json for transformers' class of the model's family (fp32 weights), readable by 4.x and 5.x."""
+    fam = family_of(m.family)
     ids = special_ids or {}
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling == "llama3":
@@ -196,7 +195,7 @@ def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> d
                 "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
                 "original_max_position_embeddings": m.rope_original_max_len}
     out: dict[str, Any] = {
-        "architectures": [_FAMILIES[m.family]], "model_type": m.family,
+        "architectures": [fam.hf_class], "model_type": m.family,
         "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_size,
         "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
@@ -206,15 +205,12 @@ def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> d
         "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
         "use_cache": True, "torch_dtype": "float32", "dtype": "float32",
     }
-    if m.family == "llama":
-        out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
-    elif m.family == "qwen3":
-        out.update({"attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layers})
-    elif m.family == "qwen2":
-        out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layers})
-        if not m.head_dim:  # Qwen2Config has no head_dim key; its attention reads one only when present
-            del out["head_dim"]
-    else:  # mistral
+    out.update(fam.export_keys)
+    if fam.per_layer_window:
+        out["max_window_layers"] = m.n_layers
+    if not fam.head_dim_written and not m.head_dim:  # e.g. Qwen2Config has no head_dim key; its attention reads one only when present
+        del out["head_dim"]
+    if fam.sliding_window:
         out["sliding_window"] = m.sliding_window or None
     for name in ("bos", "eos", "pad"):
         if ids.get(name, -1) >= 0:

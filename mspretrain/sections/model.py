@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mspretrain.families import NAMES, family, switch_hint
 from mspretrain.sections.base import Section, cap, fail, floor
 
 
@@ -25,7 +26,7 @@ class ModelConfig(Section):
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    family: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"  # the HF architecture read by `convert` and written by `export` (issue 31)
+    family: Literal[NAMES] = "llama"  # one of families.py: the HF architecture read by `convert` and written by `export` (issue 31)
     head_dim: int = 0  # 0 = dim / n_heads; Qwen3 gives it explicitly
     qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2/2.5), never on o
     qk_norm: bool = False  # RMSNorm per head on q and k before RoPE (Qwen3)
@@ -54,14 +55,13 @@ class ModelConfig(Section):
         if self.head_size % 2:
             fail("model.head_dim" if self.head_dim else "model.dim", f"gives an odd head size {self.head_size}",
                   "RoPE needs an even head size: change dim, n_heads or head_dim")
-        # Each family holds exactly what transformers' class of that name builds, so export can write it.
-        wants = {"llama": (False, False, False), "mistral": (False, False, None),
-                 "qwen2": (True, False, False), "qwen3": (False, True, False)}[self.family]
-        for key, have, want in (("qkv_bias", self.qkv_bias, wants[0]), ("qk_norm", self.qk_norm, wants[1]),
-                                ("sliding_window", bool(self.sliding_window), wants[2])):
+        # Each family holds exactly what transformers' class of that name builds, so export can write it
+        # (the switches of each: families.py).
+        fam = family(self.family)
+        for key, have, want in (("qkv_bias", self.qkv_bias, fam.qkv_bias), ("qk_norm", self.qk_norm, fam.qk_norm),
+                                ("sliding_window", bool(self.sliding_window), None if fam.sliding_window else False)):
             if want is not None and have != want:
-                fail(f"model.{key}", f"= {getattr(self, key)!r} is not what model.family = {self.family} has",
-                      "qwen2 has qkv_bias, qwen3 has qk_norm, only mistral has a sliding_window; llama has none of them")
+                fail(f"model.{key}", f"= {getattr(self, key)!r} is not what model.family = {self.family} has", switch_hint())
         if self.rope_scaling == "llama3":
             for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
                 if not getattr(self, name) > 0:
