@@ -1,4 +1,4 @@
-"""The whole pipeline on a Chinese poetry corpus: Tang and Song poems → shards → Llama-2 → perplexity → poems.
+"""The whole pipeline on a Chinese poetry corpus: Tang and Song poems → shards → the decoder → perplexity → poems.
 
 Fetches `chinese-poetry@2.0.1` (MIT) from the npm registry into a cache on first use, converts it
 to Simplified Chinese, prepares shards, trains the `demo` config, evaluates valid perplexity

@@ -1,4 +1,4 @@
-"""Export a checkpoint as an HF Llama folder (safetensors) or a verified MINDIR graph.
+"""Export a checkpoint as an HF model folder of its family (safetensors) or a verified MINDIR graph.
 
 Formats: `hf` writes config.json, model.safetensors, generation_config.json and the tokenizer, loadable
 with transformers' AutoModelForCausalLM/AutoTokenizer; `mindir` writes model.mindir (dynamic batch and
@@ -23,7 +23,7 @@ EXAMPLES = """examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="RUN_DIR|CKPT_DIR", help="a run dir (newest verified checkpoint) or one checkpoint dir")
     p.add_argument("--format", required=True, metavar="FORMAT",
-                   help="hf: HF Llama folder (config.json, model.safetensors, generation_config.json, tokenizer); "
+                   help="hf: HF model folder of the checkpoint's family (config.json, model.safetensors, generation_config.json, tokenizer); "
                         "mindir: MindSpore MINDIR graph with dynamic batch/sequence, verified against the model")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; must be empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (never files export did not write)")

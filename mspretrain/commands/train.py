@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the vocabulary comes from the data dir, model.* overrides still apply")
     p.add_argument("--init-from", metavar="CKPT_DIR|HF_DIR",
                    help="start a new run (step 0, fresh optimizer, schedule and loss scale) from these weights: an mspretrain "
-                        "checkpoint, a run dir (its newest verified checkpoint) or an HF Llama folder; the model config comes "
+                        "checkpoint, a run dir (its newest verified checkpoint) or an HF model folder; the model config comes "
                         "from them, and a data dir whose tokenizer extends theirs grows the embedding and lm_head")
     p.add_argument("--allow-config-change", action="store_true", help="resume even if the config changes numerics")
     p.add_argument("--allow-data-change", action="store_true", help="resume even if the data dir's fingerprint changed")

@@ -1,4 +1,5 @@
-"""Bridge to Hugging Face Llama folders: config.json and safetensors, both directions.
+"""Bridge to Hugging Face model folders of the families in mspretrain/families.py (Llama-2/3,
+Qwen2/2.5, Qwen3, Mistral): config.json and safetensors, both directions.
 
 Design choices:
 - Only safetensors are read, never pickle: `.bin`/`.pt` weights are refused in one line. The
@@ -13,8 +14,8 @@ Design choices:
   sizes must be positive and consistent, floats finite, `rope_scaling` null or plain.
 - Names map one to one except two fusions: q/k/v_proj rows concatenate into `attn.wqkv`,
   gate/up_proj into `mlp.w13`. Both sides use the rotate-half RoPE layout, so nothing is permuted.
-- Anything we cannot represent exactly (other activations, biases, RoPE scaling, a head_dim that
-  is not dim / n_heads) is refused rather than approximated: a silently different model is worse
+- Anything we cannot represent exactly (other activations, an MLP or o_proj bias, RoPE scaling
+  other than llama3's, per-layer sliding windows, mixtures of experts) is refused rather than approximated: a silently different model is worse
   than an error.
 - Export writes fp32 weights with the `{"format": "pt"}` metadata transformers expects, a
   `config.json` readable by transformers 4.x and 5.x (both `rope_theta` and `rope_parameters`)
@@ -264,7 +265,7 @@ def hf_to_ours(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.n
     extra = [k for k in tensors if k not in shapes and not k.endswith(_IGNORED_SUFFIXES)
              and not (m.tie_embeddings and k == "lm_head.weight")]  # some tied checkpoints store it twice
     if extra:
-        raise UserError(f"unexpected tensor {extra[0]} in the HF weights", "the weights do not belong to a plain Llama with this config.json")
+        raise UserError(f"unexpected tensor {extra[0]} in the HF weights", "the weights do not belong to a model of this config.json")
     for name, shape in shapes.items():
         if name not in tensors:
             raise UserError(f"HF weights have no tensor {name}", "the safetensors files are incomplete or belong to another config.json")
@@ -288,7 +289,7 @@ def hf_to_ours(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.n
 
 
 def our_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter names and shapes for a resolved config (what the Llama cell holds)."""
+    """Our parameter names and shapes for a resolved config (what the model cell holds)."""
     from mspretrain.model.presets import param_shapes  # the one list of our parameters
 
     return dict(param_shapes(m))
@@ -411,7 +412,7 @@ def weight_files(hf_dir: Path) -> list[Path]:
 
 def read_hf_dir(hf_dir: str | Path, check_tokenizer: Callable[[Path, ModelConfig], None] | None = None,
                 ) -> tuple[ModelConfig, dict[str, np.ndarray], Path | None]:
-    """(resolved ModelConfig, our tensors, tokenizer path or None) from an HF Llama folder.
+    """(resolved ModelConfig, our tensors, tokenizer path or None) from an HF model folder.
 
     The tokenizer is found, not read: `check_tokenizer(path, config)` is called before the
     weights are read, so a mismatch is refused in a second instead of after gigabytes."""
@@ -442,7 +443,7 @@ def read_hf_dir(hf_dir: str | Path, check_tokenizer: Callable[[Path, ModelConfig
 
 def write_hf_dir(out: str | Path, m: ModelConfig, tensors: dict[str, np.ndarray],
                  special_ids: dict[str, int] | None = None) -> Path:
-    """Write the weights and configs of an HF Llama folder that `AutoModelForCausalLM.from_pretrained(out)`
+    """Write the weights and configs of an HF model folder that `AutoModelForCausalLM.from_pretrained(out)`
     loads cleanly; `special_ids` (bos/eos/pad) go into config.json and generation_config.json."""
     from safetensors.numpy import save_file
 
