@@ -27,9 +27,6 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset()  # issue 17 removed the last o
 # them. Each needs a module moved that other work owned when this test landed: delete an entry
 # with the move that ends its loop (test_known_loops_are_exact fails on a stale one).
 KNOWN_LOOPS: frozenset[tuple[str, str]] = frozenset({
-    # ops <-> train: build_trainer checks the memory fit (ops/fits.check_fits) while ops/ plans and
-    # replays through train/; the fit check belongs below both (it is arithmetic on the config)
-    ("train.build", "ops.fits"),
     # ops.plan <-> ops.layouts: make_plan adds the layout table (layouts.py) while the table reads
     # plan's memory model and constants; the memory model (memory_model, overlap_estimate and their
     # constants) belongs in a module below both

@@ -134,10 +134,11 @@ def run(args: argparse.Namespace) -> int:
     del fresh
 
     # 3. train (resumes if a previous demo was interrupted; nothing to do if it finished)
+    from mspretrain.ops.fits import check_fits
     from mspretrain.train.build import build_trainer
 
     say(f"-- train: {cfg.train.max_steps} steps of {cfg.train.global_batch} x {cfg.data.seq_len} tokens -> {run_dir}")
-    trainer = build_trainer(cfg, data_dir, run_dir, log=say)
+    trainer = build_trainer(cfg, data_dir, run_dir, log=say, fits=check_fits)
     summary = trainer.train()
     after = evaluate_split(trainer.model, data_dir, **ev)
     say(f"-- valid perplexity after training: {after['ppl']:.1f}")

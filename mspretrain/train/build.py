@@ -40,6 +40,9 @@ from mspretrain.train.layout import bucket_mb_for
 from mspretrain.train.trainer import StepCallback, Trainer
 from mspretrain.world import detect, select_launch
 
+# the memory check build_trainer is given: (config, world size, device target, log=...) -> None or UserError
+FitCheck = Callable[..., None]
+
 NUMERIC_KEYS = ("model", "data.seq_len", "data.reset_attention_at_eos", "train.global_batch", "train.seed")
 
 
@@ -157,9 +160,12 @@ def resolved_notes(cfg: Config, b: budget.Budget, sampling: cfgmod.MetricsConfig
 def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, allow_config_change: bool = False,
                   allow_data_change: bool = False, restart: bool = False, log: Callable[[str], None] = print,
                   init_weights: Callable[[Any], None] | None = None, run_meta: dict[str, Any] | None = None,
-                  callbacks: Sequence[StepCallback] = ()) -> Trainer:
+                  callbacks: Sequence[StepCallback] = (), fits: FitCheck | None = None) -> Trainer:
     """The real trainer for `mspretrain train`, resumed from the run dir's newest verified checkpoint.
-    A refused run (any UserError) leaves the run dir as it was: every check runs before the first write."""
+    A refused run (any UserError) leaves the run dir as it was: every check runs before the first write.
+    `fits(cfg, world, device, log=...)`: the memory check run before any allocation (`ops/fits.check_fits`,
+    which the commands and replay pass; it is given, not imported, because it reads `ops/plan`'s
+    memory model and ops/ builds on train/); None: none (tests' tiny models)."""
     from mspretrain.monitor.console import RunLog
 
     for flag, path in (("--data", data_dir), ("--run", run_dir)):
@@ -175,7 +181,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     try:
         return _build(cfg, data_dir, paths, say, allow_config_change=allow_config_change,
                       allow_data_change=allow_data_change, restart=restart, init_weights=init_weights,
-                      run_meta=run_meta, callbacks=callbacks)
+                      run_meta=run_meta, callbacks=callbacks, fits=fits)
     except UserError:
         if created:
             _remove_if_only_lock(paths)
@@ -211,7 +217,7 @@ def _write_run_files(paths: RunPaths, cfg: Config, notes: dict[str, str], tokeni
 
 def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_config_change: bool,
            allow_data_change: bool, restart: bool, init_weights: Callable[[Any], None] | None,
-           run_meta: dict[str, Any] | None, callbacks: Sequence[StepCallback]) -> Trainer:
+           run_meta: dict[str, Any] | None, callbacks: Sequence[StepCallback], fits: FitCheck | None) -> Trainer:
     import mindspore as ms
 
     from mspretrain.checkpoint.saver import Saver
@@ -229,7 +235,6 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.monitor.profiler import StepProfiler
     from mspretrain.monitor.source_ledger import SourceLedger
     from mspretrain.monitor.spike_record import SpikeRecord
-    from mspretrain.ops.fits import check_fits
     from mspretrain.schedule import resume_notes
     from mspretrain.train import distributed
     from mspretrain.train.checkpointing import CheckpointManager
@@ -263,7 +268,8 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     if world.is_main:  # one writer per run dir; the other msrun ranks are the same job
         run_lock.acquire(paths.root, "train", log=say)
     b = budget.derive(cfg, world=dp_size, data_tokens=int(manifest["tokens"]["train"]))
-    check_fits(cfg, world.size, device.target, log=say)  # before any allocation
+    if fits is not None:
+        fits(cfg, world.size, device.target, log=say)  # before any allocation
     resume_from = find_resume(paths, is_main=world.is_main, restart=restart, log=say)
     resume_state: dict[str, Any] = {}
     if resume_from is not None:
