@@ -26,7 +26,7 @@ class ModelConfig(Section):
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    family: Literal[NAMES] = "llama"  # one of families.py: the HF architecture read by `convert` and written by `export` (issue 31)
+    family: Literal[NAMES] = "llama"  # the HF architecture read by `convert` and written by `export` (issue 31)
     head_dim: int = 0  # 0 = dim / n_heads; Qwen3 gives it explicitly
     qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2/2.5), never on o
     qk_norm: bool = False  # RMSNorm per head on q and k before RoPE (Qwen3)
