@@ -1,4 +1,5 @@
-"""The [model] section: architecture only (no batch size, no parallel layout, no paths)."""
+"""The [model] section: architecture only (no batch size, no parallel layout, no paths). The
+families (`model.family`'s choices) and the switches each has are the table in mspretrain/families.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
