@@ -434,7 +434,7 @@ class TrainStep:
             return
         # in `self._order`: the order `_reduce` produces and `_finish` reads
         self.accum = ms.ParameterTuple([Parameter(ops.zeros(shape, ms.float32), f"accum.{self.names[i]}", False)
-                                        for i, shape in zip(self._order, self._order_shape)])  # positional: see __init__
+                                        for i, shape in zip(self._order, self._order_shape)])  # positional: see train/state_codec.py
 
         # The first micro-batch of a step overwrites the buffers instead of adding to them, so
         # `apply` never zeroes them: a zeroing assign there is ordered before the reads of the same
