@@ -242,7 +242,7 @@ def setup_mindspore(info: DeviceInfo, *, device_id: int | None = None) -> None:
     """Point MindSpore at the device. Global mode stays PyNative; hot paths are `ms.jit`.
 
     device_id: the NPU to bind on Ascend; None = MindSpore's choice (msrun negotiates it). A process
-    started from a rank table passes its DEVICE_ID (train/distributed.select_launch)."""
+    started from a rank table passes its DEVICE_ID (world.select_launch)."""
     if info.target == "cpu":
         os.environ.setdefault(HOST_BLOCKING_ENV, "1")
     else:  # read by the Ascend runtime; plan_device has refused any other value

@@ -18,6 +18,7 @@ import pytest
 
 from mspretrain import config as cfgmod
 from mspretrain import device
+from mspretrain import world as world_mod
 from mspretrain.errors import UserError
 from mspretrain.model import llama
 from mspretrain.train import distributed
@@ -37,15 +38,15 @@ def _table_env(tmp_path, **over) -> dict[str, str]:
 
 def test_rank_table_launch_is_selected_with_its_device(tmp_path):
     env = _table_env(tmp_path)
-    launch = distributed.select_launch("ascend", env)
-    assert (launch.kind, launch.world, launch.device_id) == ("rank_table", distributed.World(rank=3, size=8), 3)
+    launch = world_mod.select_launch("ascend", env)
+    assert (launch.kind, launch.world, launch.device_id) == ("rank_table", world_mod.World(rank=3, size=8), 3)
     # msrun's variables win (msrun exports RANK_ID/RANK_SIZE too); no variables: one process
     msrun = {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": "1", "RANK_ID": "1"}
-    assert distributed.select_launch("ascend", {**env, **msrun}).kind == "msrun"
-    assert distributed.select_launch("ascend", {}) == distributed.Launch("single", distributed.World())
+    assert world_mod.select_launch("ascend", {**env, **msrun}).kind == "msrun"
+    assert world_mod.select_launch("ascend", {}) == world_mod.Launch("single", world_mod.World())
     # MindSpore's other name for the table
     other = {("MINDSPORE_HCCL_CONFIG_PATH" if k == "RANK_TABLE_FILE" else k): v for k, v in env.items()}
-    assert distributed.select_launch("ascend", other).device_id == 3
+    assert world_mod.select_launch("ascend", other).device_id == 3
 
 
 @pytest.mark.parametrize("change, message", [
@@ -54,12 +55,12 @@ def test_rank_table_launch_is_selected_with_its_device(tmp_path):
 def test_rank_table_launch_refuses_a_bad_environment(tmp_path, change, message):
     env = {k: v for k, v in {**_table_env(tmp_path), **change}.items() if v is not None}
     with pytest.raises(UserError, match=message):
-        distributed.select_launch("ascend", env)
+        world_mod.select_launch("ascend", env)
 
 
 def test_rank_table_on_cpu_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="RANK_TABLE_FILE is set"):
-        distributed.select_launch("cpu", _table_env(tmp_path))
+        world_mod.select_launch("cpu", _table_env(tmp_path))
 
 
 def test_rank_table_binds_device_id_then_initialises_hccl(tmp_path, monkeypatch):
@@ -78,11 +79,11 @@ def test_rank_table_binds_device_id_then_initialises_hccl(tmp_path, monkeypatch)
     monkeypatch.setattr(comm, "get_rank", lambda: 3)
     monkeypatch.setattr(comm, "get_group_size", lambda: 8)
     info = device.plan_device(cfgmod.load(None, ["precision.dtype=fp16"]), target="ascend")
-    device.setup_mindspore(info, device_id=distributed.select_launch("ascend").device_id)  # as build_trainer does
+    device.setup_mindspore(info, device_id=world_mod.select_launch("ascend").device_id)  # as build_trainer does
     world = distributed.init("ascend")
     assert ("set_device", "Ascend", 3) in calls
     assert ("init", "hccl") in calls
-    assert world == distributed.World(rank=3, size=8)
+    assert world == world_mod.World(rank=3, size=8)
     assert not [c for c in calls if c[0] == "set_auto_parallel_context"]
     # item 3: graph-kernel fusion is not switched on through the deprecated flag
     assert not [c for c in calls if c[0] == "set_context" and "enable_graph_kernel" in c[1]]

@@ -447,3 +447,47 @@ def test_sliding_window_kv_cache_greedy_equals_full_recompute():
         last = logits.asnumpy()[:, -1]
     assert np.array_equal(out, seq)
     assert np.abs(np.stack(cached_logits) - np.stack(full_logits)).max() <= 1e-4
+
+
+# --------------------------------------------------------------------------- the table (mspretrain/families.py)
+
+def test_family_table_is_what_transformers_says():
+    """Each row's facts against transformers' own classes: model_type, the architecture's class,
+    the config defaults convert fills in, and which config keys the class has."""
+    from mspretrain.families import FAMILIES
+
+    for f in FAMILIES:
+        hc = getattr(transformers, f"{f.label}Config")()
+        assert hc.model_type == f.name
+        assert hasattr(transformers, f.hf_class) and f.hf_class == f"{f.label}ForCausalLM"
+        assert hc.max_position_embeddings == f.max_position_default, f.name
+        assert (getattr(hc, "sliding_window", None) or 0) == f.sliding_window_default, f.name
+        assert hasattr(hc, "attention_bias") == f.attention_bias_key, f.name
+        assert hasattr(hc, "use_sliding_window") == f.per_layer_window, f.name
+        assert hasattr(hc, "head_dim") == f.head_dim_written, f.name
+        if f.head_dim_default is not None:
+            assert hc.head_dim == f.head_dim_default, f.name
+
+
+def test_family_table_drives_config_presets_and_shapes():
+    """model.family's choices are the table's names; a preset's switches and so its parameters
+    (a q/k/v bias, QK-norm weights) come from its family's row; a switch its family lacks is one line."""
+    from mspretrain.config import ModelConfig
+    from mspretrain.families import FAMILIES, NAMES, family
+    from mspretrain.model.presets import param_shapes
+    from mspretrain.sections.base import choices
+
+    assert choices(ModelConfig, "family") == NAMES == tuple(f.name for f in FAMILIES)
+    for name in ("qwen2.5-7b", "qwen3-8b", "llama3-8b"):
+        m = preset(name)
+        f = family(m.family)
+        assert (m.qkv_bias, m.qk_norm) == (f.qkv_bias, f.qk_norm)
+        names = [n for n, _ in param_shapes(m)]
+        assert any(n.endswith("wqkv.bias") for n in names) == f.qkv_bias
+        assert any(n.endswith("q_norm.weight") for n in names) == f.qk_norm
+    with pytest.raises(UserError) as e:
+        ModelConfig(family="qwen2")
+    assert e.value.cause == "model.qkv_bias = False is not what model.family = qwen2 has"
+    assert e.value.fix == "qwen2 has qkv_bias, qwen3 has qk_norm, only mistral has a sliding_window; llama has none of them"
+    with pytest.raises(UserError, match="not supported"):
+        family("gpt2")

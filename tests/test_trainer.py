@@ -20,10 +20,10 @@ from mspretrain.errors import UserError
 from mspretrain.monitor.console import ConsoleLine
 from mspretrain.monitor.meter import StepMeter
 from mspretrain.monitor.metrics import MetricsLogger
+from mspretrain.schedule import Schedule
 from mspretrain.train.build import build_trainer, sampling_for_run
 from mspretrain.train.distributed import World
 from mspretrain.train.loss_scale import LossScaler
-from mspretrain.train.schedule import Schedule
 from mspretrain.train.spike_policy import SpikePolicy
 from mspretrain.train.step import StepResult
 from mspretrain.train.trainer import Trainer

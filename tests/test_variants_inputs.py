@@ -14,6 +14,7 @@ import pytest
 
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
+from mspretrain.sections.base import hints
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -127,7 +128,7 @@ def _int_keys() -> list[str]:
     keys = []
     for section in cfgmod.SECTIONS:
         for f in dataclasses.fields(getattr(cfgmod.Config(), section)):
-            if cfgmod._hints(type(getattr(cfgmod.Config(), section)))[f.name] is int:
+            if hints(type(getattr(cfgmod.Config(), section)))[f.name] is int:
                 keys.append(f"{section}.{f.name}")
     return keys
 

@@ -60,7 +60,7 @@ def load_model(source: str | Path | CheckpointRef, *, dtype: str | None = None, 
     tokenizer = _tokenizer(ref, cfg.model.vocab_size, need_tokenizer)
     if device is None:
         from mspretrain.device import plan_device, setup_mindspore
-        from mspretrain.train.distributed import select_launch
+        from mspretrain.world import select_launch
 
         info = plan_device(cfg)
         setup_mindspore(info, device_id=select_launch(info.target).device_id if info.target == "ascend" else None)
