@@ -148,15 +148,16 @@ def _slice_of(p: Parameter, world: int, rank: int, device: str) -> tuple[Paramet
 
 def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device: str) -> None:
     """Replace each named parameter of `model` by this rank's 1-D slice (same name) and give the
-    cell that holds it a `ShardedGather`, which the cell's construct calls: `cell.gather` for a
-    weight (Linear, Embedding, RMSNorm: model/llama.py), `cell.bias_gather` for Qwen2's q/k/v bias.
+    cell that holds it a `ShardedGather`, which the cell's `pull` calls: `cell.gather` for a weight
+    (Linear, Embedding, RMSNorm: model/layers.py), `cell.bias_gather` for Qwen2's q/k/v bias; and
+    switch the model to its sharded forward (`model.sharded`, each block's `prefetch`).
 
     Every weight is sliced and gathered, the small ones too (Qwen2's q/k/v bias, Qwen3's QK-norm
     weights, the RMSNorm weights): one rule for every parameter, so the optimizer state of each is
     a slice and the checkpoint re-cuts as for any other; keeping the small ones replicated would
     need an all-reduce of their gradients outside the model's graph, a second mechanism with its own
-    order to keep, for under 0.1 % of the parameters. Their gathers are ordered as the others:
-    the bias after its own weight (Linear.full_bias), k_norm after q_norm's output (Attention.project)."""
+    order to keep, for under 0.1 % of the parameters. Their gathers are links of the block's chain
+    like the others (model/decoder.py `Block.pull`)."""
     want = set(names)
     for _, cell in model.cells_and_names():
         p = getattr(cell, "weight", None)
@@ -167,7 +168,7 @@ def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device:
             want.discard(name)
         bias = getattr(cell, "bias", None) if getattr(cell, "has_bias", False) else None
         if isinstance(bias, Parameter) and bias.name in want:
-            if cell.gather is None:  # its gather is anchored on the gathered weight (Linear.full_bias)
+            if cell.gather is None:  # its gather is chained after its gathered weight's (Linear.pull)
                 raise UserError(f"optim.shard_parameters cannot shard {bias.name} while its weight is frozen",
                                 "train the weight too (train.trainable), or use optim.shard_gradients=true (ZeRO-2)")
             name = bias.name
@@ -177,6 +178,17 @@ def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device:
     if want:
         raise UserError(f"optim.shard_parameters cannot shard {sorted(want)[0]} (no cell gathers it)",
                         "use optim.shard_gradients=true (ZeRO-2) for this model")
+    model.sharded = True  # Llama.construct runs the token chain (model/decoder.py)
+    for layer in getattr(model, "layers", ()):
+        layer.prefetch = prefetches(layer, device)
+
+
+def prefetches(block: nn.Cell, device: str) -> bool:
+    """Whether `block`'s gathers start from the previous block's token (the prefetch) rather than
+    from its own input: everywhere but the CPU with layer recompute (module docstring, "Prefetch
+    and recompute"). Recompute is read from the cell: `Cell.recompute()` sets
+    `_has_config_recompute` (MindSpore 2.10 nn/cell.py, `Cell._recompute`)."""
+    return device == "ascend" or not getattr(block, "_has_config_recompute", False)
 
 
 def gathered(model: nn.Cell) -> list[tuple[str, ShardedGather, Parameter]]:
