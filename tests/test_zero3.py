@@ -166,6 +166,81 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
         "calls": 2 * 15 * accumulation, "bytes": 2 * accumulation * sum(whole.values())}
 
 
+# ---- the prefetch, read from the compiled graph (tests/zero3_graph_probe.py: rank 0 of 2 on the Ascend path)
+
+PROBE = Path(__file__).with_name("zero3_graph_probe.py")
+PER_BLOCK = 6  # gathers of a Llama block: attn_norm, wqkv, wo, mlp_norm, w13, w2 (model/decoder.py Block.pull)
+
+
+@pytest.fixture(scope="module")
+def prefetch_graphs(tmp_path_factory) -> dict:
+    """The probe's three compilations (prefetch, no-prefetch, recompute) of the 2-layer model, in
+    one subprocess (it replaces the world in comm_ops and sets the IR dump switches)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("prefetch-ir")
+    proc = subprocess.run([sys.executable, str(PROBE), str(out)], cwd=out, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _units(graph: dict) -> dict[str, list[dict]]:
+    """The forward's gathers by unit, in the chain's order: embedding, block 0, block 1, head (norm, lm_head)."""
+    g = graph["gathers"]
+    return {"embed": g[:1], "block0": g[1:1 + PER_BLOCK], "block1": g[1 + PER_BLOCK:1 + 2 * PER_BLOCK],
+            "head": g[1 + 2 * PER_BLOCK:3 + 2 * PER_BLOCK]}
+
+
+@pytest.mark.slow  # three compilations in a subprocess: about a minute on 2 busy cores
+def test_prefetch_overlaps_the_next_blocks_gathers_with_compute_and_bounds_them(prefetch_graphs):
+    """From the compiled graph's dependencies: block 1's gathers wait for none of block 0's matmuls
+    (they run while block 0 computes), the head's gathers (the unit two after block 0) wait for
+    every matmul of block 0 and for none of block 1 (at most two units' gathered weights at once);
+    every gather waits for the one before it and the reduce-scatters run in one chain, so all the
+    collectives are in one order. Without the prefetch (the chain from the block's input) block 1's
+    gathers would wait for block 0's matmuls: what the first assertion tells apart."""
+    graph = prefetch_graphs["prefetch"]
+    units = _units(graph)
+    assert len(graph["gathers"]) == 3 + 2 * PER_BLOCK and graph["scatters"] == len(graph["gathers"])
+    assert all(g["after_gathers"] == list(range(i)) for i, g in enumerate(graph["gathers"]))  # one chain
+    assert graph["scatters_chained"] and graph["total_order"]
+    for unit in ("embed", "block0", "block1"):
+        assert all(not g["after_matmuls"] for g in units[unit]), unit
+    # block 0's matmuls: those whose latest gather is one of block 0's
+    block0 = {int(m) for m, after in graph["matmuls"].items() if after and 1 <= max(after) <= PER_BLOCK}
+    assert len(block0) == 8  # wqkv's two parts, q.k, p.v, wo, w13's two parts, w2
+    for g in units["head"]:
+        assert set(g["after_matmuls"]) == block0
+
+    off = _units(prefetch_graphs["no-prefetch"])
+    assert all(len(g["after_matmuls"]) == 8 for g in off["block1"])  # the chain from the block's input waits
+
+    rec = prefetch_graphs["recompute"]
+    assert len(rec["gathers"]) == 3 + 4 * PER_BLOCK  # layer recompute gathers each block's weights again
+    assert all(not g["after_matmuls"] for g in _units(rec)["block1"])  # and the forward still prefetches
+    assert rec["scatters_chained"]
+
+
+@pytest.mark.parametrize("device, recompute, prefetch", [("ascend", False, True), ("ascend", True, True),
+                                                          ("cpu", False, True), ("cpu", True, False)])
+def test_prefetch_everywhere_but_the_cpu_with_recompute(world_of, device, recompute, prefetch):
+    """On the CPU the runtime launches collectives as they become ready, and with layer recompute a
+    block's re-gathers would be unordered against the next block's reduce-scatters (measured in the
+    graph: 63 unordered pairs in the 2-layer model), so the chain starts from the block's input
+    there, as before the prefetch (2 unordered pairs, train/zero3.py)."""
+    from mspretrain.train.zero3 import shard_model
+
+    world_of(0, 2)
+    model = _tiny()
+    if recompute:
+        for layer in model.layers:
+            layer.recompute()
+    shard_model(model, [p.name for p in model.trainable_params()], 2, 0, device)
+    assert model.sharded and [layer.prefetch for layer in model.layers] == [prefetch] * 2
+
+
 # ---- 2 msrun ranks against one process
 
 ZERO3 = ("optim.shard_parameters=true",)
