@@ -36,10 +36,6 @@ KNOWN_LOOPS: frozenset[tuple[str, str]] = frozenset({
     # ops <-> train: build_trainer checks the memory fit (ops/fits.check_fits) while ops/ plans and
     # replays through train/; the fit check belongs below both (it is arithmetic on the config)
     ("train.build", "ops.fits"),
-    # ops.plan <-> ops.layouts: make_plan adds the layout table (layouts.py) while the table reads
-    # plan's memory model and constants; the memory model (memory_model, overlap_estimate and their
-    # constants) belongs in a module below both
-    ("ops.plan", "ops.layouts"),
 })
 
 

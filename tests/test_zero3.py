@@ -131,7 +131,8 @@ def test_shard_parameters_is_a_no_op_on_one_process(tiny_cfg):
 def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtype, param_dtype, accumulation, recompute):
     """`plan` with optim.shard_parameters at 2 devices: rank 0's weights, masters, moments and
     buffers are what its TrainStep allocates; the gathered weights are every trained weight whole,
-    or with recompute the largest layer's plus the lm_head's."""
+    or with recompute two units' (the prefetch gathers the next layer, or the head, while a layer
+    computes): the largest layer's plus the larger of it and the lm_head."""
     from dataclasses import replace
 
     from mspretrain.config import resolve_model
@@ -158,7 +159,7 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
         assert plan["memory_bytes"][kind] == have[kind], kind
     assert have["weights"] < 0.51 * sum(whole.values())  # about half of the whole model on each of 2 ranks
     layer0 = sum(b for n, b in whole.items() if n.startswith("layers.0."))
-    want = layer0 + whole["lm_head.weight"] if recompute else sum(whole.values())
+    want = layer0 + max(layer0, whole["lm_head.weight"]) if recompute else sum(whole.values())
     assert plan["memory_bytes"]["gathered_weights"] == want
     assert plan["shard_parameters"] and "ZeRO-3" in format_plan(plan)
     # a gather and a reduce-scatter per weight and micro-batch, each the whole weight in its storage dtype
@@ -199,7 +200,7 @@ def test_prefetch_overlaps_the_next_blocks_gathers_with_compute_and_bounds_them(
     (they run while block 0 computes), the head's gathers (the unit two after block 0) wait for
     every matmul of block 0 and for none of block 1 (at most two units' gathered weights at once);
     every gather waits for the one before it and the reduce-scatters run in one chain, so all the
-    collectives are in one order. Without the prefetch (the chain from the block's input) block 1's
+    collectives are in one order; no matmul waits for a reduce-scatter. Without the prefetch (the chain from the block's input) block 1's
     gathers would wait for block 0's matmuls: what the first assertion tells apart."""
     graph = prefetch_graphs["prefetch"]
     units = _units(graph)
@@ -213,9 +214,11 @@ def test_prefetch_overlaps_the_next_blocks_gathers_with_compute_and_bounds_them(
     assert len(block0) == 8  # wqkv's two parts, q.k, p.v, wo, w13's two parts, w2
     for g in units["head"]:
         assert set(g["after_matmuls"]) == block0
+    assert graph["matmuls_after_scatters"] == 0  # no compute waits for a reduce-scatter (plan's time model)
 
     off = _units(prefetch_graphs["no-prefetch"])
     assert all(len(g["after_matmuls"]) == 8 for g in off["block1"])  # the chain from the block's input waits
+    assert prefetch_graphs["no-prefetch"]["matmuls_after_scatters"] > 0  # and the backward waits for reduce-scatters
 
     rec = prefetch_graphs["recompute"]
     assert len(rec["gathers"]) == 3 + 4 * PER_BLOCK  # layer recompute gathers each block's weights again

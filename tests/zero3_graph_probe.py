@@ -66,6 +66,8 @@ def summary(text: str) -> dict:
         "matmuls": {str(m): sorted(index[a] for a in ancestors[m] if a in index) for m in matmuls},
         "scatters_chained": all(scatters[i] in ancestors[scatters[i + 1]] for i in range(len(scatters) - 1)),
         "scatters": len(scatters),
+        # matmuls that wait for a reduce-scatter: the backward's compute held up by the collectives
+        "matmuls_after_scatters": sum(1 for m in matmuls if ancestors[m] & set(scatters)),
         # every collective after the one listed before it: one total order
         "total_order": all(c[i] in ancestors[c[i + 1]] for c in [[n for n in sorted(kind) if kind[n] in COLLECTIVES]]
                            for i in range(len(c) - 1)),
