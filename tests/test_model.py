@@ -214,8 +214,10 @@ def test_fp16_keeps_fp32_islands(pair, monkeypatch):
         seen["softmax_out"].add(out.dtype)
         return out
 
-    monkeypatch.setattr(llama, "rms_statistic", rms)
-    monkeypatch.setattr(llama, "softmax_fp32", soft)
+    from mspretrain.model import layers  # where the norm and softmax cells look them up
+
+    monkeypatch.setattr(layers, "rms_statistic", rms)
+    monkeypatch.setattr(layers, "softmax_fp32", soft)
     model = ours_from_hf(hf, cfg, dtype="fp16")
     head = model.head_matmul
     model.head_matmul = lambda h, w: (seen["head_in"].add((h.dtype, w.dtype)), head(h, w))[1]

@@ -1,4 +1,8 @@
-"""Llama-2 in MindSpore, in one file.
+"""Llama-2 in MindSpore: the model (`Llama`), its seeded initialisation and its state as numpy.
+
+The parts live below it: model/layers.py (the numerics, Linear, Embedding, RMSNorm),
+model/attention.py (RoPE, Attention), model/decoder.py (MLP, Block, ZeRO-3's prefetch); this
+module re-exports their names, so `mspretrain.model.llama.X` keeps working.
 
 Design choices (and the trade-off taken):
 - HF tensor layout, fused: the query/key/value projections are one parameter `wqkv` (rows: the H
@@ -46,119 +50,37 @@ Design choices (and the trade-off taken):
 """
 from __future__ import annotations
 
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from mspretrain.config import ModelConfig
 from mspretrain.device import select_attention  # the kernel choice is the device's
 from mspretrain.errors import UserError
 
-COMPUTE_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
-NEG = -1e9  # additive mask value; the softmax runs in fp32, so exp(NEG - max) is exactly 0
-FLASH_MASK_SIZE = 2048  # FlashAttentionScore's compressed causal mask is always 2048 x 2048
-
-
-def llama3_inv_freq(inv_freq: np.ndarray, factor: float, low: float, high: float, old_len: int) -> np.ndarray:
-    """Llama-3.1's RoPE rescaling, line for line transformers' `_compute_llama3_parameters`
-    (modeling_rope_utils.py): long wavelengths divided by `factor`, short ones kept, a smooth
-    blend between. The attention factor of this rope type is 1, so cos/sin are not scaled."""
-    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    inv_l = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
-    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(medium, smoothed, inv_l)
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float,
-                llama3: tuple[float, float, float, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin of shape (max_seq_len, head_dim) in HF's rotate-half layout, float32. `llama3` =
-    (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) rescales."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (hd/2,)
-    if llama3 is not None:
-        inv_freq = llama3_inv_freq(inv_freq, *llama3)
-    angles = np.outer(np.arange(max_seq_len, dtype=np.float64), inv_freq)  # (S, hd/2)
-    angles = np.concatenate([angles, angles], axis=-1)  # (S, hd)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, T, N, hd); cos/sin broadcastable to it, e.g. (T, 1, hd) or (B, T, 1, hd)."""
-    x1, x2 = ops.split(x, x.shape[-1] // 2, -1)  # split, not slicing: its gradient is one Concat
-    rotated = ops.concat((-x2, x1), -1)  # rotate_half(x)
-    return x * cos + rotated * sin
-
-
-def row_sum(x: Tensor) -> Tensor:
-    """Sum over the last axis as a GEMM with a ones vector: (..., D) -> (..., 1) fp32. MindSpore's CPU
-    ReduceSum is several times slower than its MatMul kernel on these shapes (see loss.py)."""
-    D = x.shape[-1]
-    return ops.matmul(x.reshape(-1, D), ops.ones((D, 1), ms.float32)).reshape(x.shape[:-1] + (1,))
-
-
-def spread(col: Tensor, n: int) -> Tensor:
-    """(..., 1) -> (..., n), the column repeated, as an outer-product GEMM with a ones row. MindSpore's
-    CPU elementwise kernels take 2.5x longer when an operand is broadcast ((2048, 256) * (2048, 1):
-    0.85-0.97 ms vs 0.34-0.46 ms same-shape), so a column used by same-shape ops is spread first."""
-    return ops.matmul(col.reshape(-1, 1), ops.ones((1, n), col.dtype)).reshape(col.shape[:-1] + (n,))
-
-
-def rms_statistic(x: Tensor, eps: float) -> Tensor:
-    """1 / RMS over the last axis in fp32 (an fp32 island): x (..., D) -> (..., 1) float32."""
-    xf = x.astype(ms.float32)
-    return ops.rsqrt(row_sum(xf * xf) / x.shape[-1] + eps)
-
-
-def softmax_fp32(scores: Tensor) -> Tensor:
-    """Attention softmax in fp32 (an fp32 island), whatever the compute dtype."""
-    return ops.softmax(scores.astype(ms.float32), -1)
-
-
-class SoftmaxFP32(nn.Cell):
-    """softmax_fp32 with a hand-written backward, dx = p * (dp - rowsum(dp * p)), whose row sum is a
-    GEMM: MindSpore's generated softmax backward spends most of its time in ReduceSum."""
-
-    def construct(self, scores: Tensor) -> Tensor:
-        return softmax_fp32(scores)
-
-    def bprop(self, scores: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor]:
-        return ((out * (dout - spread(row_sum(dout * out), out.shape[-1]))).astype(scores.dtype),)
-
-
-class RMSNormFn(nn.Cell):
-    """y = x * rms_statistic(x) * w, with the statistics in fp32 and a hand-written backward (the
-    generated one is a chain of slow ReduceSum/Tile ops): with xh = x * r and g = dy * w,
-    dw = sum over tokens of dy * xh, dx = r * (g - xh * mean(g * xh))."""
-
-    def __init__(self, eps: float, dtype: ms.Type) -> None:
-        super().__init__()
-        self.eps = eps
-        self.dtype = dtype
-
-    def construct(self, x: Tensor, w: Tensor) -> Tensor:
-        y = x.astype(ms.float32) * spread(rms_statistic(x, self.eps), x.shape[-1])
-        if self.dtype == ms.float32:
-            return y * w
-        return y.astype(self.dtype) * w.astype(self.dtype)
-
-    def bprop(self, x: Tensor, w: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor, Tensor]:
-        D = x.shape[-1]
-        r_row = rms_statistic(x, self.eps)  # recomputed: (..., 1) fp32
-        r = spread(r_row, D)
-        xh = x.astype(ms.float32) * r  # (..., D)
-        dy = dout.astype(ms.float32)
-        dw = ops.matmul(ops.ones((1, dy.size // D), ms.float32), (dy * xh).reshape(-1, D)).reshape(D)  # column sum
-        g = dy * w
-        dx = r * g - spread(r_row * (row_sum(g * xh) / D), D) * xh
-        return dx.astype(x.dtype), dw
-
+# The parts, re-exported under this module's name (callers and tests use `llama.X`)
+from mspretrain.model.attention import Attention, apply_rope, llama3_inv_freq, rope_tables  # noqa: F401
+from mspretrain.model.decoder import MLP, Block  # noqa: F401
+from mspretrain.model.layers import (  # noqa: F401
+    COMPUTE_DTYPES,
+    FLASH_MASK_SIZE,
+    NEG,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RMSNormFn,
+    SoftmaxFP32,
+    SoftmaxPlain,
+    relay,
+    rms_statistic,
+    row_sum,
+    softmax_fp32,
+    spread,
+    use_fused_kernels,
+)
 
 # Where `_normal` puts each new weight while a Llama is being built: None (host memory, CPU), or a
 # MindSpore device name. On Ascend each weight goes into device memory as soon as it is drawn, so a
@@ -206,6 +128,10 @@ class InitStreams:
         self.seed = int(seed)
         self.threads = threads if threads is not None else init_threads()
         self.count = 0  # weights drawn so far: the next weight's index k
+
+    def parameter(self, shape: tuple[int, ...], std: float) -> Parameter:
+        """The next weight as a Parameter (`_normal`): what the cells of model/layers.py draw."""
+        return _normal(self, shape, std)
 
     def draw(self, shape: tuple[int, ...], std: float) -> np.ndarray:
         """The next weight: normal(0, std) float32 of `shape`, as specified in the class docstring."""
@@ -258,263 +184,6 @@ def _normal(streams: InitStreams, shape: tuple[int, ...], std: float) -> Paramet
     return Parameter(_draw(streams, shape, std), "weight")
 
 
-class Linear(nn.Cell):
-    """y = x @ W^T (+ b); W (out, in) fp32, cast to the compute dtype at use. The bias (Qwen2's q/k/v)
-    starts at zero, as transformers' `_init_weights` sets it."""
-
-    def __init__(self, in_dim: int, out_dim: int, std: float, rng: InitStreams, dtype: ms.Type,
-                 bias: bool = False) -> None:
-        super().__init__()
-        self.out_dim = out_dim
-        self.dtype = dtype
-        self.weight = _normal(rng, (out_dim, in_dim), std)
-        self.gather = None  # ZeRO-3: a ShardedGather, `weight` then this rank's slice (train/zero3.py)
-        self.bias_gather = None  # ZeRO-3, the same for the bias
-        self.tp_out = None  # tensor parallel (model/parallel.py): the row-parallel layers' sum over tp ranks
-        self.has_bias = bias
-        if bias:
-            self.bias = Parameter(Tensor(np.zeros(out_dim, np.float32)), name="bias")
-        self.matmul = ops.MatMul(transpose_b=True)
-
-    def full_weight(self, anchor: Tensor) -> Tensor:
-        """The whole weight: the Parameter, or (ZeRO-3) gathered after `anchor`, the input it multiplies."""
-        return self.weight if self.gather is None else self.gather(self.weight, anchor)
-
-    def full_bias(self, w: Tensor) -> Tensor:  # ZeRO-3: gathered after the whole weight `w` (one order)
-        b = self.bias if self.bias_gather is None else self.bias_gather(self.bias, w)
-        return b if self.dtype == ms.float32 else b.astype(self.dtype)
-
-    def construct(self, x: Tensor) -> Tensor:
-        w = self.full_weight(x)
-        b = self.full_bias(w) if self.has_bias else None
-        w = w if self.dtype == ms.float32 else w.astype(self.dtype)
-        lead = x.shape[:-1]
-        y = self.matmul(x.reshape(-1, x.shape[-1]), w)  # (N, out)
-        if self.has_bias:
-            y = y + b
-        y = y.reshape(lead + (self.out_dim,))
-        return y if self.tp_out is None else self.tp_out(y)
-
-    def parts(self, x: Tensor, rows: tuple[int, ...]) -> tuple[Tensor, ...]:
-        """x @ W_i^T for consecutive row blocks W_i of a fused weight. The weight is split, not the
-        output: on CPU, MindSpore's Split/Concat copy, and an (out, in) weight is far smaller than the
-        (tokens, out) activation, so this beats one big MatMul followed by a split (see train.md)."""
-        w = self.full_weight(x)
-        b = self.full_bias(w) if self.has_bias else None
-        w = w if self.dtype == ms.float32 else w.astype(self.dtype)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        if self.has_bias:
-            return tuple((self.matmul(x2, wi) + bi).reshape(lead + (n,))
-                         for wi, bi, n in zip(ops.split(w, rows, 0), ops.split(b, rows, 0), rows))
-        return tuple(self.matmul(x2, wi).reshape(lead + (n,)) for wi, n in zip(ops.split(w, rows, 0), rows))
-
-
-class Embedding(nn.Cell):
-    def __init__(self, vocab: int, dim: int, std: float, rng: InitStreams) -> None:
-        super().__init__()
-        self.weight = _normal(rng, (vocab, dim), std)
-        self.gather = None  # ZeRO-3, as in Linear
-        self.tp = None  # tensor parallel: the vocabulary-parallel lookup of this rank's rows (model/parallel.py)
-
-    def full_weight(self, anchor: Tensor) -> Tensor:
-        return self.weight if self.gather is None else self.gather(self.weight, anchor)
-
-    def construct(self, tokens: Tensor) -> Tensor:
-        if self.tp is not None:
-            return self.tp(self.full_weight(tokens), tokens)
-        return ops.gather(self.full_weight(tokens), tokens, 0)  # (B, T) -> (B, T, D) fp32
-
-
-class RMSNorm(nn.Cell):
-    """`fused` (set by Llama on Ascend, `use_fused_kernels`): MindSpore's RmsNorm kernel, statistics
-    and weight in fp32 as MindSpore Transformers' LlamaRMSNorm runs it (compute_type fp32), with
-    its generated RmsNormGrad; else the CPU form above (`RMSNormFn`). RmsNorm has no CPU kernel in
-    MindSpore 2.10 (ops/auto_generate/gen_ops_def.py, `rms_norm`: "Supported Platforms: Ascend")."""
-
-    def __init__(self, dim: int, eps: float, dtype: ms.Type) -> None:
-        super().__init__()
-        self.fn = RMSNormFn(eps, dtype)
-        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
-        self.fused = False
-        self.gather = None  # ZeRO-3, as in Linear
-        self.tp_out = None  # tensor parallel: Megatron's `f` before the column-parallel layer it feeds
-
-    def construct(self, x: Tensor, anchor: Tensor | None = None) -> Tensor:  # anchor: ZeRO-3's, if not x
-        w = self.weight if self.gather is None else self.gather(self.weight, x if anchor is None else anchor)
-        if self.fused:
-            y = ops.rms_norm(x.astype(ms.float32), w, self.fn.eps)[0]
-            y = y if self.fn.dtype == ms.float32 else y.astype(self.fn.dtype)
-        else:
-            y = self.fn(x, w)
-        return y if self.tp_out is None else self.tp_out(y)
-
-
-class SoftmaxPlain(nn.Cell):
-    """softmax_fp32 with MindSpore's generated backward: Ascend's SoftmaxGrad kernel, where the
-    row-sum GEMM of `SoftmaxFP32.bprop` would be a size-1 matmul on the matrix unit."""
-
-    def construct(self, scores: Tensor) -> Tensor:
-        return softmax_fp32(scores)
-
-
-def use_fused_kernels(device: str) -> bool:
-    """The kernels by device, like the attention kernel: Ascend runs MindSpore's fused RmsNorm and
-    plain reductions; the CPU keeps the GEMM forms (row_sum / spread) tuned for its backend."""
-    return device == "ascend"
-
-
-class Attention(nn.Cell):
-    def __init__(self, cfg: ModelConfig, rng: InitStreams, dtype: ms.Type, use_flash: bool) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
-        self.group = cfg.n_heads // cfg.n_kv_heads
-        self.head_dim = cfg.head_size
-        self.dtype = dtype
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim, cfg.init_std, rng, dtype,
-                           bias=cfg.qkv_bias)
-        self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim, out_std, rng, dtype)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:  # Qwen3: one RMSNorm weight over head_dim for all q heads, one for all k heads
-            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype)
-        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
-        self.bmm_pv = ops.BatchMatMul()
-        self.softmax = SoftmaxFP32()
-        self.use_flash = use_flash
-        self.window = cfg.sliding_window  # 0 = full attention; windowed only when T > window (static)
-        if use_flash:
-            # Causal without documents: leftUpCausal (sparse_mode 2) with the compressed 2048x2048
-            # mask; with documents: the full (B, 1, T, T) mask (sparse_mode 0). 1 = masked out.
-            self.flash_causal = FlashAttentionScore(
-                head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=2147483647, next_tokens=0,
-                input_layout="BNSD", sparse_mode=2)
-            self.flash_masked = FlashAttentionScore(
-                head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=2147483647, next_tokens=0,
-                input_layout="BNSD", sparse_mode=0)
-            if cfg.sliding_window:
-                # Mistral's window (key j visible from query i iff 0 <= i - j < window) is the
-                # kernel's band: it computes the keys i - pre_tokens <= j <= i + next_tokens
-                # (2.10's FlashAttentionScore docstring, gen_ops_prim.py: "the part between counting
-                # preTokens and nextTokens"; the bounds as Huawei's CPU golden of the kernel draws
-                # them: mindstudio-probe msprobe/pytorch/bench_functions/npu_fusion_attention.py,
-                # generate_atten_mask, masks triu(k=next+1) and tril(k=-pre-1)), so pre_tokens =
-                # window - 1 and next_tokens = 0. For S1 == S2 (self-attention) the band's left-up
-                # and right-down origins coincide.
-                # Without documents: band mode (sparse_mode 4) with the same compressed 2048x2048
-                # mask as sparse_mode 2 (the docstring: modes 2, 3, 4 take the "optimized" mask),
-                # so blocks outside the band are skipped and no (B, 1, T, T) mask exists.
-                self.flash_band = FlashAttentionScore(
-                    head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=cfg.sliding_window - 1,
-                    next_tokens=0, input_layout="BNSD", sparse_mode=4)
-                # With documents: band mode cannot carry them (its attn_mask must be the compressed
-                # 2048x2048 one, per sample masks are for modes 0/1/5), and the varlen layout (TND,
-                # actual_seq_qlen) allows only sparse_mode 2 or 3, no band. So the full (B, 1, T, T)
-                # mask (causal, window, documents) in sparse_mode 0, which the docstring says
-                # computes "the part between preTokens and nextTokens": the same band bounds let
-                # the kernel skip the blocks outside the window; the mask decides within it.
-                self.flash_band_masked = FlashAttentionScore(
-                    head_num=cfg.n_heads, scale_value=self.scale, pre_tokens=cfg.sliding_window - 1,
-                    next_tokens=0, input_layout="BNSD", sparse_mode=0)
-
-    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, discard: Tensor | None) -> Tensor:
-        q, k, v = self.project(x, cos, sin)
-        return self.output(self.core(q, k, v, bias, discard))
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, discard: Tensor | None) -> Tensor:
-        """The attention this layer runs (flash or math) on projected q (B, H, T, hd), k/v (B, KV, T, hd).
-
-        Public so that `mspretrain selftest` can compare the two kernels on the same inputs."""
-        return self._flash(q, k, v, discard) if self.use_flash else self.attend(q, k, v, bias)  # (B, H, T, hd)
-
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, D) -> q (B, H, T, hd), k and v (B, KV, T, hd), RoPE applied to q and k."""
-        B, T = x.shape[0], x.shape[1]
-        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
-        qk, v = self.wqkv.parts(x, ((H + KV) * hd, KV * hd))  # (B, T, (H+KV)*hd), (B, T, KV*hd)
-        qk = qk.reshape(B, T, H + KV, hd)
-        if self.qk_norm:  # before RoPE, as Qwen3Attention does
-            q, k = ops.split(qk, (H, KV), 2)
-            q = self.q_norm(q)
-            qk = ops.concat((q, self.k_norm(k, q)), 2)  # k_norm's ZeRO-3 gather after q_norm's (RMSNorm)
-        qk = apply_rope(qk, cos, sin)  # one RoPE call for q and k
-        q, k = ops.split(qk.transpose(0, 2, 1, 3), (H, KV), 1)  # (B, H, T, hd), (B, KV, T, hd)
-        return q, k, v.reshape(B, T, KV, hd).transpose(0, 2, 1, 3)  # v: (B, KV, T, hd)
-
-    def output(self, o: Tensor) -> Tensor:
-        B, H, T, hd = o.shape
-        return self.wo(o.transpose(0, 2, 1, 3).reshape(B, T, H * hd))  # (B, T, H*hd) -> (B, T, D)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-        """Math path. q (B, H, T, hd), k/v (B, KV, S, hd), bias (B|1, 1, T, S) or (B, H, T, S) -> (B, H, T, hd)."""
-        B, T, S = q.shape[0], q.shape[2], k.shape[2]
-        KV, G, hd = self.n_kv, self.group, self.head_dim
-        q = (q * self.scale).reshape(B, KV, G * T, hd)  # heads sharing a KV head: (B, KV, G*T, hd)
-        scores = self.bmm_qk(q, k)  # (B, KV, G*T, S)
-        scores = scores.reshape(B, KV * G, T, S).astype(ms.float32) + bias  # bias (B|1, 1, T, S) or (B, H, T, S)
-        probs = self.softmax(scores).astype(self.dtype).reshape(B, KV, G * T, S)  # (B, KV, G*T, S)
-        o = self.bmm_pv(probs, v)  # (B, KV, G*T, hd)
-        return o.reshape(B, KV * G, T, hd)  # head h = kv * G + g, as HF's repeat_kv: (B, H, T, hd)
-
-    def _flash(self, q: Tensor, k: Tensor, v: Tensor, discard: Tensor) -> Tensor:
-        """discard: the model's one compressed (2048, 2048) causal mask, or a (B, 1, T, T) document mask
-        (which holds the window too). The kernel is chosen at compile time from static shapes."""
-        windowed = bool(self.window) and q.shape[2] > self.window  # as Llama._mask decides it
-        if discard.ndim == 2:
-            if windowed:
-                out = self.flash_band(q, k, v, None, None, None, discard, None, None, None)
-            else:
-                out = self.flash_causal(q, k, v, None, None, None, discard, None, None, None)
-        elif windowed:
-            out = self.flash_band_masked(q, k, v, None, None, None, discard, None, None, None)
-        else:
-            out = self.flash_masked(q, k, v, None, None, None, discard, None, None, None)
-        return out[3]  # (softmax_max, softmax_sum, softmax_out, attention_out)
-
-
-class MLP(nn.Cell):
-    """SwiGLU: w2(silu(x w1^T) * (x w3^T)), with w1 and w3 fused into w13."""
-
-    def __init__(self, cfg: ModelConfig, rng: InitStreams, dtype: ms.Type) -> None:
-        super().__init__()
-        self.ffn = cfg.ffn_dim
-        self.w13 = Linear(cfg.dim, 2 * cfg.ffn_dim, cfg.init_std, rng, dtype)
-        self.w2 = Linear(cfg.ffn_dim, cfg.dim, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng, dtype)
-
-    def construct(self, x: Tensor) -> Tensor:
-        gate, up = self.w13.parts(x, (self.ffn, self.ffn))  # (B, T, F) each
-        return self.w2(ops.silu(gate) * up)
-
-
-class Block(nn.Cell):
-    def __init__(self, cfg: ModelConfig, rng: InitStreams, dtype: ms.Type, use_flash: bool) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype)
-        self.attn = Attention(cfg, rng, dtype, use_flash)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype)
-        self.mlp = MLP(cfg, rng, dtype)
-
-    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, discard: Tensor | None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, bias, discard)
-        return x + self.mlp(self.mlp_norm(x))
-
-    def cached(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, kc: Tensor, vc: Tensor,
-               slot: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """Decoding with a static-shape cache kc/vc (B, KV, S, hd). slot None: prefill from position 0
-        (the T new keys fill slots 0..T-1); else slot (1, 1, S, 1) is 1 at the one position written."""
-        q, k, v = self.attn.project(self.attn_norm(x), cos, sin)  # k, v: (B, KV, T, hd)
-        if slot is None:
-            pad = ops.zeros((k.shape[0], k.shape[1], kc.shape[2] - k.shape[2], k.shape[3]), kc.dtype)
-            kc, vc = ops.concat((k.astype(kc.dtype), pad), 2), ops.concat((v.astype(vc.dtype), pad), 2)
-        else:  # a blend, not a scatter: static shapes and exact (x*1 + y*0 == x)
-            kc = kc * (1 - slot) + k.astype(kc.dtype) * slot
-            vc = vc * (1 - slot) + v.astype(vc.dtype) * slot
-        x = x + self.attn.output(self.attn.attend(q, kc, vc, bias))
-        return x + self.mlp(self.mlp_norm(x)), kc, vc
-
-
 class Llama(nn.Cell):
     """Llama-2 decoder. construct(tokens (B,T) int32, positions=None, segments=None) -> logits (B,T,V) fp32.
 
@@ -563,6 +232,7 @@ class Llama(nn.Cell):
         self.window = cfg.sliding_window  # 0 = full attention
         self.local_heads = (cfg.n_heads, cfg.n_kv_heads)  # (q, kv) heads of this rank: fewer under tensor parallel
         self.fused_kernels = use_fused_kernels(device)
+        self.sharded = False  # ZeRO-3: the trained Parameters are this rank's slices (train/zero3.py shard_model)
         if self.fused_kernels:  # one model definition: the norm and softmax cells switch kernel
             for _, cell in self.cells_and_names():
                 if isinstance(cell, RMSNorm):
@@ -572,7 +242,13 @@ class Llama(nn.Cell):
 
     def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None) -> Tensor:
         T = tokens.shape[1]
-        x = self.embed(tokens)  # (B, T, D) fp32
+        token = None
+        if self.sharded:  # ZeRO-3 (train/zero3.py): the embedding gathered, the first block's gathers after it
+            e, token = self.embed.pull(tokens)
+            x = self.embed(tokens, e)
+            token = relay(token, tokens)
+        else:
+            x = self.embed(tokens)  # (B, T, D) fp32
         if self.dtype != ms.float32:
             x = x.astype(self.dtype)
         cos, sin = self._rope(positions, T)
@@ -585,14 +261,23 @@ class Llama(nn.Cell):
             cos = ops.broadcast_to(cos, (B, T, H + KV, hd))  # q and k heads get RoPE in one call
             sin = ops.broadcast_to(sin, (B, T, H + KV, hd))
             bias = ops.broadcast_to(bias, (B, H, T, T))
-        for layer in self.layers:
-            x = layer(x, cos, sin, bias, discard)
-        return self._head(x)
+        if token is None:
+            for layer in self.layers:
+                x = layer(x, cos, sin, bias, discard)
+            return self._head(x)
+        for layer in self.layers:  # ZeRO-3: each block's gathers start from the previous block's token
+            x, token = layer(x, cos, sin, bias, discard, token)
+        return self._head(x, token)
 
-    def _head(self, x: Tensor) -> Tensor:
+    def _head(self, x: Tensor, token: Tensor | None = None) -> Tensor:
         B, T = x.shape[0], x.shape[1]
-        h = self.norm(x).astype(ms.float32).reshape(B * T, -1)  # (B*T, D) fp32: lm_head is an fp32 island
-        w = self.embed.full_weight(h) if self.tied else self.lm_head.full_weight(h)
+        if token is None:
+            h = self.norm(x).astype(ms.float32).reshape(B * T, -1)  # (B*T, D) fp32: lm_head is an fp32 island
+            w = self.embed.weight if self.tied else self.lm_head.weight
+        else:  # ZeRO-3: the norm's and the head's gathers after the last block's (model/decoder.py)
+            wn, token = self.norm.pull(token if self.layers[0].prefetch else x)
+            h = self.norm(x, wn).astype(ms.float32).reshape(B * T, -1)
+            w = self.embed.pull(token)[0] if self.tied else self.lm_head.pull(token)[0]
         return self.head_matmul(h, w).reshape(B, T, -1)  # (B, T, V) fp32
 
     # ----------------------------------------------------------------- incremental decoding
