@@ -4,7 +4,7 @@ Design choices: `device.target = auto` picks Ascend when MindSpore was built for
 visible, else CPU. What actually runs is decided here and reported at start-up, so the rest of
 the code asks `DeviceInfo` instead of probing MindSpore itself, and the start-up line never
 claims an option that does not run:
-- attention: FlashAttentionScore only where `model.llama.select_attention` picks it (Ascend,
+- attention: FlashAttentionScore only where `model.attention` picks it (Ascend,
   fp16/bf16, a head size the kernel takes); the math path otherwise, fp32 on Ascend included.
 - graph-kernel fusion stays off (MindSpore Transformers' pretraining config
   configs/qwen3/pretrain_qwen3_32b_4k.yaml runs jit_level "O0"; some of its fine-tuning configs

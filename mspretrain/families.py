@@ -1,6 +1,6 @@
 """The model families in one table: what each HF architecture is as our decoder's switches.
 
-Every family is the same decoder block (model/llama.py) with named switches; a `Family` row says
+Every family is the same decoder block (model/decoder.py) with named switches; a `Family` row says
 which switches its transformers class has, the names it goes by in an HF folder, and the
 config.json defaults and keys that differ between the classes. The config's checks
 (sections/model.py), the HF bridge (model/hf.py: convert and export), the presets

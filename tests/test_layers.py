@@ -282,7 +282,7 @@ def test_the_checker_finds_what_it_should(tmp_path):
     table = layer_table()
     mods = modules()
     assert layer_of("model.presets", table, mods["model.presets"]) == 1  # exact name over model/*
-    assert layer_of("model.llama", table, mods["model.llama"]) == 2
+    assert layer_of("model.decoder", table, mods["model.decoder"]) == 2
     assert layer_of("commands.train", table, mods["commands.train"]) == 6
     assert layer_of("config", table, mods["config"]) == 0
     # a lazy import inside a function, a relative import and a from-package import are all seen

@@ -174,7 +174,7 @@ def test_persistent_nonfinite_loss_stops_the_run(tmp_path):
 @pytest.fixture(scope="module")
 def rewind_run(tmp_path_factory, tiny_data):
     """6 steps with a checkpoint every 2 and a loss spike forced at step 5: rewind to step 4."""
-    from mspretrain.model.llama import state_numpy
+    from mspretrain.model.decoder import state_numpy
 
     run = tmp_path_factory.mktemp("rw") / "run"
     t = make(tiny_data, run, "train.max_steps=6", "checkpoint.every=2", "spike.action=rewind",

@@ -19,9 +19,9 @@ from tests.test_zero2 import _assert_two_ranks_equal_one_process, _fp16_run_equa
 
 def _tiny(**kw):
     from mspretrain.config import ModelConfig, resolve_model
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
-    return Llama(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **kw), vocab_size=96), seed=0)
+    return Decoder(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **kw), vocab_size=96), seed=0)
 
 
 def test_the_gather_picks_its_collectives_by_device(world_of):
@@ -65,7 +65,7 @@ def test_gather_and_its_bprop_on_the_cpu_form_with_a_loopback_peer(world_of, ran
 
 
 def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_whole_tensors(world_of):
-    from mspretrain.model.llama import state_numpy
+    from mspretrain.model.decoder import state_numpy
     from mspretrain.train.zero3 import gathered, load_full_state, shard_model
 
     world_of(1, 2)
@@ -91,7 +91,7 @@ def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of
     """Qwen2's q/k/v bias gets a gather of its own (`bias_gather`, after its weight's); Qwen3's q and
     k norm weights one each (k_norm's anchored on q_norm's output): every trained parameter is a
     slice, in the model's parameter order."""
-    from mspretrain.model.llama import state_numpy
+    from mspretrain.model.decoder import state_numpy
     from mspretrain.train.zero3 import gathered, shard_model, sharded_names
 
     world_of(1, 2)
@@ -136,7 +136,7 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
     from dataclasses import replace
 
     from mspretrain.config import resolve_model
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.ops.plan import format_plan, make_plan
     from mspretrain.train.step import TrainStep
 
@@ -146,7 +146,7 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
     cfg = replace(tiny_cfg, model=model_cfg, precision=replace(tiny_cfg.precision, dtype=dtype, param_dtype=param_dtype),
                   optim=replace(tiny_cfg.optim, shard_parameters=True),
                   train=replace(tiny_cfg.train, micro_batch=gb // 2 // accumulation, recompute=recompute))
-    model = Llama(model_cfg, dtype=dtype, seed=0)
+    model = Decoder(model_cfg, dtype=dtype, seed=0)
     whole = {p.name: int(np.prod(p.shape)) * (2 if p.name in half_eligible(model) and param_dtype == "compute" else 4)
              for p in model.trainable_params()}
     half = half_eligible(model) if param_dtype == "compute" else []
@@ -170,7 +170,7 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
 # ---- the prefetch, read from the compiled graph (tests/zero3_graph_probe.py: rank 0 of 2 on the Ascend path)
 
 PROBE = Path(__file__).with_name("zero3_graph_probe.py")
-PER_BLOCK = 6  # gathers of a Llama block: attn_norm, wqkv, wo, mlp_norm, w13, w2 (model/decoder.py Block.pull)
+PER_BLOCK = 6  # gathers of a decoder block: attn_norm, wqkv, wo, mlp_norm, w13, w2 (model/block.py Block.pull)
 
 
 @pytest.fixture(scope="module")

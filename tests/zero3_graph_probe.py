@@ -90,7 +90,7 @@ def main(out: Path) -> None:
     from mindspore.ops.operations import comm_ops
 
     from mspretrain import config as cfgmod
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
     from mspretrain.train.zero3 import shard_model
 
     comm_ops.get_rank = lambda group=None: 0
@@ -98,7 +98,7 @@ def main(out: Path) -> None:
     cfg = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16))
     result = {}
     for variant in ("prefetch", "no-prefetch", "recompute"):
-        model = Llama(cfg, dtype="fp32", attention="math", device="ascend", seed=0)
+        model = Decoder(cfg, dtype="fp32", attention="math", device="ascend", seed=0)
         if variant == "recompute":
             for layer in model.layers:
                 layer.recompute()

@@ -174,7 +174,7 @@ def init_for_run(path: str | Path | None, cfg: Config, data_dir: str | Path, run
     box = {"tensors": plan.tensors}
 
     def init_weights(model: Any) -> None:
-        from mspretrain.model.llama import load_numpy
+        from mspretrain.model.decoder import load_numpy
 
         load_numpy(model, box.pop("tensors"))  # pop: the host copy is freed once the model holds it
 

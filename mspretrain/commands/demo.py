@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.eval.generate import SamplingParams, generate
     from mspretrain.eval.perplexity import evaluate_split
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
     resolved = replace(cfg, model=cfgmod.resolve_model(cfg.model, int(manifest["vocab_size"])))
     check_run_dir(run_dir, resolved)  # before minutes of evaluation and training
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     setup_mindspore(info)
     ev = dict(split="valid", seq_len=cfg.data.seq_len, batch_size=cfg.eval.batch_size, max_tokens=cfg.eval.max_tokens,
               chars_per_token=manifest.get("chars_per_token"))
-    fresh = Llama(resolved.model, dtype=cfg.precision.dtype, device=info.target, seed=cfg.train.seed)
+    fresh = Decoder(resolved.model, dtype=cfg.precision.dtype, device=info.target, seed=cfg.train.seed)
     before = evaluate_split(fresh, data_dir, **ev)
     say(f"-- valid perplexity before training: {before['ppl']:.1f}")
     del fresh

@@ -1,7 +1,7 @@
 """Attention of the Llama block: RoPE (HF's rotate-half layout, Llama-3.1's rescaling) and the
-grouped-query attention cell on the math path or Ascend's fused kernel (model/llama.py's docstring
+grouped-query attention cell on the math path or Ascend's fused kernel (model/decoder.py's docstring
 has the design). Its weights: its own Parameters, or the whole ones handed in (`ws`, ZeRO-3:
-model/decoder.py `Block.pull`)."""
+model/block.py `Block.pull`)."""
 from __future__ import annotations
 
 import math
@@ -161,7 +161,7 @@ class Attention(nn.Cell):
     def _flash(self, q: Tensor, k: Tensor, v: Tensor, discard: Tensor) -> Tensor:
         """discard: the model's one compressed (2048, 2048) causal mask, or a (B, 1, T, T) document mask
         (which holds the window too). The kernel is chosen at compile time from static shapes."""
-        windowed = bool(self.window) and q.shape[2] > self.window  # as Llama._mask decides it
+        windowed = bool(self.window) and q.shape[2] > self.window  # as Decoder._mask decides it
         if discard.ndim == 2:
             if windowed:
                 out = self.flash_band(q, k, v, None, None, None, discard, None, None, None)

@@ -78,7 +78,7 @@ def _dict_field(hf: dict[str, Any], key: str, source: str) -> dict[str, Any]:
 
 
 # The HF architectures we read and write, their switches and config.json defaults: one row each in
-# mspretrain/families.py (every family is our decoder block plus switches, model/llama.py).
+# mspretrain/families.py (every family is our decoder block plus switches, model/decoder.py).
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 

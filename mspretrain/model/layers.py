@@ -1,10 +1,10 @@
-"""The Llama's building blocks below attention (model/llama.py's docstring has the design): the
+"""The Llama's building blocks below attention (model/decoder.py's docstring has the design): the
 numerics (fp32 islands, the GEMM row sums), the weight-holding cells Linear, Embedding, RMSNorm.
 
 Whole weights as arguments. Each weight-holding cell computes with its own Parameter, or with a
 whole weight handed to it (`construct(x, w)`): under ZeRO-3 the cell's Parameter is this rank's
 slice and the decoder block gathers the weights of all its cells first, as one chain
-(model/decoder.py `Block.pull`, train/zero3.py). `pull(token)` is a cell's part of that chain:
+(model/block.py `Block.pull`, train/zero3.py). `pull(token)` is a cell's part of that chain:
 its weight (and bias) gathered after `token`, and the token the next gather waits for.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ FLASH_MASK_SIZE = 2048  # FlashAttentionScore's compressed causal mask is always
 
 
 class WeightSource(Protocol):
-    """Where a cell's initial weight comes from: model/llama.py `InitStreams` (the seeded draw)."""
+    """Where a cell's initial weight comes from: model/decoder.py `InitStreams` (the seeded draw)."""
 
     def parameter(self, shape: tuple[int, ...], std: float) -> Parameter: ...
 
@@ -182,7 +182,7 @@ class Embedding(nn.Cell):
 
 
 class RMSNorm(nn.Cell):
-    """`fused` (set by Llama on Ascend, `use_fused_kernels`): MindSpore's RmsNorm kernel, statistics
+    """`fused` (set by Decoder on Ascend, `use_fused_kernels`): MindSpore's RmsNorm kernel, statistics
     and weight in fp32 as MindSpore Transformers' LlamaRMSNorm runs it (compute_type fp32), with
     its generated RmsNormGrad; else the CPU form above (`RMSNormFn`). RmsNorm has no CPU kernel in
     MindSpore 2.10 (ops/auto_generate/gen_ops_def.py, `rms_norm`: "Supported Platforms: Ascend")."""

@@ -111,7 +111,7 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every trainable parameter, in the order `Llama.trainable_params()` gives
+    """(name, shape) of every trainable parameter, in the order `Decoder.trainable_params()` gives
     them: the planner lays out owners and buckets from this exactly as the train step does."""
     m = resolve_model(cfg)
     if m.vocab_size <= 0:
@@ -137,5 +137,5 @@ def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def is_half_eligible(name: str) -> bool:
-    """The decoder layers' matrices (see `model.llama.half_eligible`, which uses this rule)."""
+    """The decoder layers' matrices (see `model.decoder.half_eligible`, which uses this rule)."""
     return name.startswith("layers.") and "norm" not in name

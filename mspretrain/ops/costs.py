@@ -42,7 +42,7 @@ no MindSpore import.
                         fitted on the fp16 run (10m -> 120m each; the 60 M midpoint, 256 M and
                         the other modes, 2 workers sharded included, are checked out of sample)
 - ZeRO-3's communication time (`zero3_exposed_s`): which gathers and reduce-scatters the compute
-  hides, from the order the model's graph gives them (train/zero3.py, model/decoder.py).
+  hides, from the order the model's graph gives them (train/zero3.py, model/block.py).
 """
 from __future__ import annotations
 
@@ -214,7 +214,7 @@ def gathered_bytes(shapes: list, sizes: list[int], pbytes: list[int], trained: l
     """ZeRO-3: bytes of the gathered (whole) weights alive at once during a micro-batch (see
     `memory_model`): all trained ones without recompute (a gathered weight lives until its layer's
     backward). With recompute a layer's weights live during its forward and again during its
-    recomputation and backward; the prefetch (model/decoder.py) gathers the next unit (layer, or the
+    recomputation and backward; the prefetch (model/block.py) gathers the next unit (layer, or the
     head: lm_head or the tied embedding) while a layer computes, so two units at once: the largest
     layer's plus the larger of the largest layer's and the head's. Without the prefetch (the CPU
     with recompute, train/zero3.py) the largest layer's plus the head's, which the loss's backward holds."""
@@ -233,7 +233,7 @@ def gathered_bytes(shapes: list, sizes: list[int], pbytes: list[int], trained: l
 
 
 def zero3_units(shapes: list, pbytes: list[int], trained: list[bool], tied: bool) -> list[int]:
-    """ZeRO-3's gathers as the model chains them (model/llama.py, model/decoder.py), in bytes of the
+    """ZeRO-3's gathers as the model chains them (model/decoder.py, model/block.py), in bytes of the
     storage dtype: [embedding, layer 0, ..., layer L-1, head (final norm, lm_head or the tied
     embedding again)]; trained parameters only (the others are not sharded)."""
     embed, head, layers = 0, 0, {}

@@ -33,7 +33,7 @@ else `ASSUMED_BUS_GBPS`); ring costs: AllReduce 2(n-1)/n x bytes, AllGather / Re
   after the update (exposed).
 - ZeRO-3: per micro-batch an AllGather of every trained weight forward, a ReduceScatter of every
   gradient backward, and with recompute the recomputation's AllGather again; exposed as far as the
-  compute does not hide them (`ops/costs.zero3_exposed_s`): with the prefetch (model/decoder.py)
+  compute does not hide them (`ops/costs.zero3_exposed_s`): with the prefetch (model/block.py)
   the next layer's gathers run during a layer's forward and a layer's reduce-scatters during the
   previous layer's backward, so the first layer's gathers, the last reduce-scatters and the
   recomputation's gathers are what stays exposed (the CPU with recompute has no prefetch: all).

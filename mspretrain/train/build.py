@@ -224,7 +224,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.data.loader import Loader
     from mspretrain.data.manifest import check_data_dir, read_manifest
     from mspretrain.device import plan_device, setup_mindspore
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.model.parallel import check_tp, split_model
     from mspretrain.monitor.batch_log import BatchLog, plan_for
     from mspretrain.monitor.console import ConsoleLine
@@ -288,7 +288,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
 
     ms.set_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed % (2**32))
-    model = Llama(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=device.target, seed=cfg.train.seed)
+    model = Decoder(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=device.target, seed=cfg.train.seed)
     if cfg.train.recompute:
         for layer in model.layers:
             layer.recompute()

@@ -26,7 +26,7 @@ class OptimizerState:
         o = ownership
         # Every state Parameter below gets a temporary and positional arguments: MindSpore 2.10's
         # Parameter.__new__ wraps its input only at refcount 4 and otherwise rebuilds it from
-        # `asnumpy()` (model/llama.py `_normal` says why), which would bring each zeroed moment
+        # `asnumpy()` (model/decoder.py `_normal` says why), which would bring each zeroed moment
         # and accumulator of an NPU back through host memory (tests/test_startup.py).
         # Master weights: an fp32 copy for each owned parameter stored in half precision, taken
         # here, before the step rounds the parameter; fp32 parameters are their own masters,

@@ -85,8 +85,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.checkpoint.model_shards import parse_key
 from mspretrain.config import OptimConfig
+from mspretrain.model.decoder import use_fused_kernels
 from mspretrain.model.groups import trainable_mask
-from mspretrain.model.llama import use_fused_kernels
 from mspretrain.model.parallel import PartialSum
 from mspretrain.train.layout import assign_owners
 from mspretrain.train.state_codec import OptimizerState
@@ -227,7 +227,7 @@ class TrainStep:
         self._adamw = ops.AdamWeightDecay()
         self._jit = (lambda fn: ms.jit(fn, jit_level=jit_level)) if jit else None
 
-        # Ascend: plain reductions instead of the CPU's GEMM forms (model/llama.py `use_fused_kernels`)
+        # Ascend: plain reductions instead of the CPU's GEMM forms (model/decoder.py `use_fused_kernels`)
         plain = self._plain_sums = use_fused_kernels(device)
         inv_tokens = 1.0 / self.global_tokens
         z = float(optim.z_loss)
@@ -496,7 +496,7 @@ class TrainStep:
         """Every parameter whole by name (what a checkpoint's model file holds), fp16 ones as fp16,
         the rest fp32: the model's own under ZeRO-0/1/2; gathered under ZeRO-3, a collective that
         every rank must call (train/zero3.py `full_state`)."""
-        from mspretrain.model.llama import state_numpy
+        from mspretrain.model.decoder import state_numpy
 
         if not self.zero3:
             return state_numpy(self.model, keep_fp16=True)
@@ -509,7 +509,7 @@ class TrainStep:
     def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
         """Whole tensors (a checkpoint's model file, written by any layout) into the model: whole,
         or under ZeRO-3 this rank's slices of them."""
-        from mspretrain.model.llama import load_numpy
+        from mspretrain.model.decoder import load_numpy
 
         if not self.zero3:
             load_numpy(self.model, tensors)

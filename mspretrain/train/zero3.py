@@ -32,7 +32,7 @@ previous gathered weight, whose reduce-scatter therefore comes after, so the red
 exactly the reverse order of the gathers on every rank. On Ascend the same chain makes the compiled
 order a function of the data flow, which tests/test_collective_sequence.py compares rank by rank.
 
-Prefetch (model/decoder.py). A block's chain starts from the token the previous block hands on:
+Prefetch (model/block.py). A block's chain starts from the token the previous block hands on:
 one element of its last gathered weight, made to depend on that block's input x_k (`relay`). So
 block k+1's gathers run as soon as block k's are done and block k has started, while block k
 computes, and block k+2's wait for x_{k+1}, the end of block k: at most two blocks' gathered
@@ -166,7 +166,7 @@ def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device:
     a slice and the checkpoint re-cuts as for any other; keeping the small ones replicated would
     need an all-reduce of their gradients outside the model's graph, a second mechanism with its own
     order to keep, for under 0.1 % of the parameters. Their gathers are links of the block's chain
-    like the others (model/decoder.py `Block.pull`)."""
+    like the others (model/block.py `Block.pull`)."""
     want = set(names)
     for _, cell in model.cells_and_names():
         p = getattr(cell, "weight", None)
@@ -187,7 +187,7 @@ def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device:
     if want:
         raise UserError(f"optim.shard_parameters cannot shard {sorted(want)[0]} (no cell gathers it)",
                         "use optim.shard_gradients=true (ZeRO-2) for this model")
-    model.sharded = True  # Llama.construct runs the token chain (model/decoder.py)
+    model.sharded = True  # Decoder.construct runs the token chain (model/block.py)
     for layer in getattr(model, "layers", ()):
         layer.prefetch = prefetches(layer, device)
 
@@ -271,7 +271,7 @@ def load_full_state(model: nn.Cell, tensors: dict[str, np.ndarray], world: int, 
     parameter takes its slice of a whole tensor, or the already cut 1-D slice (`wanted_ranges`,
     as `read_pieces` returns it); the others their whole value. Whole shapes are checked against
     the shapes the gathers produce, slices against this rank's length."""
-    from mspretrain.model.llama import load_numpy
+    from mspretrain.model.decoder import load_numpy
 
     whole_shape = {name: g.shape for name, g, _ in gathered(model)}
     cut = {}
