@@ -165,7 +165,7 @@ def test_dedup_partitions_on_ray_decide_as_here(cluster, tmp_path, monkeypatch):
     monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)  # many partition files (the driver splits)
     docs = dedup_corpus(1500, seed=1)
     want_exact, want_near = dedup_reference(docs, 0.8)
-    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, 0.8)
+    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, dedup.LshSettings.make(0.8, 1234))
     assert dd.exact.parts > 8 and dd.near.parts > 8
     for lo in range(0, len(docs), 97):
         part = docs[lo: lo + 97]

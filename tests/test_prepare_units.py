@@ -171,13 +171,14 @@ def test_a_worker_reading_a_compressed_file_holds_one_chunk_at_a_time(tmp_path, 
 
     from mspretrain.data import workers
     from mspretrain.data.origin import RECORD
+    from mspretrain.data.results import ChunkResult
 
-    def noop(work) -> dict:  # what `clean_chunk` returns, without the work
+    def noop(work) -> ChunkResult:  # what `clean_chunk` returns, without the work
         docs, origin = work
         n = len(docs)
-        return {"docs_in": n, "keys": bytes(16 * n), "bands": None, "raw": None, "origin": np.asarray(origin, dtype=RECORD),
-                "tokens": np.ones(n, dtype=np.uint16), "lengths": np.ones(n, dtype=np.int32), "fallback": np.zeros(n, dtype=np.int64),
-                "chars": np.fromiter(map(len, docs), dtype=np.int64, count=n), "u": np.zeros((n, 2))}
+        return ChunkResult(docs_in=n, chars_in=0, changed={}, dropped={}, keys=bytes(16 * n), raw=None, origin=np.asarray(origin, dtype=RECORD),
+                           tokens=np.ones(n, dtype=np.uint16), lengths=np.ones(n, dtype=np.int32), fallback=np.zeros(n, dtype=np.int64),
+                           chars=np.fromiter(map(len, docs), dtype=np.int64, count=n), u=np.zeros((n, 2)))
 
     text = "".join(json.dumps({"text": f"第{i}段。" + "春眠不觉晓，处处闻啼鸟。" * 8}, ensure_ascii=False) + "\n" for i in range(40000))
     path = tmp_path / "big.jsonl.zst"
@@ -190,5 +191,5 @@ def test_a_worker_reading_a_compressed_file_holds_one_chunk_at_a_time(tmp_path, 
     out = workers.spill_unit(noop, (unit, str(tmp_path / "00000000"), 4, 0))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert len(out["chunks"]) == 20 and out["counts"]["documents"] == 40000 and sum(c["n"] for c in out["chunks"]) == 40000
+    assert len(out.chunks) == 20 and out.counts["documents"] == 40000 and sum(c.n for c in out.chunks) == 40000
     assert size > 10_000_000 and peak < size / 8, peak

@@ -48,6 +48,7 @@ from mspretrain.data.pool import batched, chunks, chunks_with_origin, ordered, s
 from mspretrain.data.progress import progress_bar
 from mspretrain.data.publish import build_manifest
 from mspretrain.data.rescore import attach
+from mspretrain.data.results import UnitResult
 from mspretrain.data.resume import Journal, point, truncate
 from mspretrain.data.scoring import SCORES, QualityStage, ScoreWriter
 from mspretrain.data.shards import ShardWriter, token_dtype
@@ -96,7 +97,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
         tok = replace(given, path=tok_path)  # the same model: no second parse (serial time before the workers start)
     dtype = token_dtype(given.vocab_size) if given is not None else token_dtype(cfg.vocab_size)
     # Dedup state on disk (`diskdedup`): ~24 bytes per document for exact keys, ~16 per LSH band.
-    dd = (DiskDedup(work / "dedup.tmp", total_bytes, cfg.near_dedup, cfg.near_dedup_threshold)
+    dd = (DiskDedup(work / "dedup.tmp", total_bytes, dedup.LshSettings.of(cfg))
           if j.stage in ("pass1", "dedup", "replay") else None)
     spool_path = work / "pass1.tmp"
     if j.stage == "pass1":
@@ -366,7 +367,7 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
 
     in_flight = 2 * workers + 1
     bar = progress_bar(progress, sum(p.stat().st_size for p in paths), "clean" if not tok_path else "clean+tokenize")
-    lsh = (dd.bands, dd.rows, *dedup._permutations(cfg.seed, dedup.NUM_PERM)) if cfg.near_dedup else None
+    lsh = dedup.LshSettings.of(cfg)
     if pieces and ray is not None:  # resumed with --ray after a local start: finish pass 1 locally
         ray, workers = None, min(workers, len(os.sched_getaffinity(0)))
     pool = start_pool(workers, init_worker, (cfg, tok_path or None, dtype.name, lsh, quality), warm_up=clean.warm_up, ray=ray)
@@ -384,21 +385,22 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
             work = ((w, str(pdir / f"{i:08d}"), *parts) for i, w in enumerate(work, skip))  # pieces named by item
             fn = partial(spill_item, clean_chunk)
         for item in ordered(pool, fn, work, in_flight):
-            if "chunks" in item:  # a compressed file, read by a worker (`workers.spill_unit`): its counts and warnings
-                _apply_counts(stats.per_file[item["file"]], item["counts"])
-                unit_counts[item["file"]] = (item["counts"], item["warnings"])
-                in_order.fill(item["file"], item["warnings"])
-            for result in item.get("chunks", [item]):
-                rec = result.pop("scores", None)
+            if isinstance(item, UnitResult):  # a compressed file, read by a worker (`workers.spill_unit`): its counts and warnings
+                _apply_counts(stats.per_file[item.file], item.counts)
+                unit_counts[item.file] = (item.counts, item.warnings)
+                in_order.fill(item.file, item.warnings)
+            for result in item.chunks if isinstance(item, UnitResult) else [item]:
+                rec, result.scores = result.scores, None
                 if scores is not None:
                     scores.add(rec)  # in input order, as the chunk's documents go to the spool
-                if result["raw"] is not None:
-                    sources.count_raw(stats, *result["raw"])
-                    f, *c = result["raw"]
+                if result.raw is not None:
+                    sources.count_raw(stats, *result.raw)
+                    f, *c = result.raw
                     raw[f] = [a + b for a, b in zip_longest(raw.get(f, ()), c, fillvalue=0)]
                 if pieces:  # a worker writes the chunk's dedup records where they go
-                    base, *places = dd.reserve(result["n"], result.pop("exact_counts"), result.pop("band_counts"))
-                    task = (str(pdir / f"{result['piece']}.dd"), base, places if dd.near is not None else places[:1])
+                    base, *places = dd.reserve(result.n, result.exact_counts, result.band_counts)
+                    result.exact_counts = result.band_counts = None
+                    task = (str(pdir / f"{result.piece}.dd"), base, places if dd.near is not None else places[:1])
                     if pool is None:
                         place_records(task)
                     else:
@@ -406,7 +408,8 @@ def _pass1(paths: list[Path], names: list[str], cfg: PrepareConfig, tok_path: st
                         while len(placing) > in_flight or (placing and placing[0].ready()):
                             placing.popleft().get()
                 else:
-                    dd.add(result["keys"], result.pop("bands"))
+                    dd.add(result.keys, result.bands)
+                    result.bands = None
                 spool.add(result)
                 point(f"pass1 chunk {spool.chunks}", lambda: (spool.flush(), dd.state(), scores and scores.flush()))
             items += 1
@@ -569,7 +572,7 @@ def _replay_take(spool: ChunkSpool, sink: Sink, dd: DiskDedup, outs: dict, origi
 
     try:
         for i, (result, end) in enumerate(spool.read_from(offset, skip), skip):
-            n = len(result["chars"])
+            n = len(result.chars)
             sink.take(result, *dd.dropped(docs, docs + n))
             docs += n
             point(f"replay {i + 1}", flush)
@@ -613,16 +616,16 @@ def _replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedu
     def items() -> Iterator[tuple]:
         done = 0
         for i, meta in enumerate(spool.read(remove=False)):
-            n = meta["n"]
+            n = meta.n
             exact, near = dd.dropped(done, done + n)
             done += n
             if i < skip:  # committed: only its documents' place in the dedup decisions is needed
                 continue
             if counting:
                 counted.append((meta, exact, near))
-            piece = meta.get("piece", f"{i:08d}")  # (named by work item since compressed files are items of several chunks)
-            yield (str(src / piece), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta["has_origin"], dtype,
-                   meta.get("text_piece", False))
+            piece = meta.piece or f"{i:08d}"  # (named by work item since compressed files are items of several chunks)
+            yield (str(src / piece), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta.has_origin, dtype,
+                   meta.text_piece)
 
     placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
 
@@ -728,12 +731,12 @@ def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSp
     # less than the same arrays pickled through a pool's pipes (measured: docs/benchmarks/prepare.md)
     done = 0
     for i, meta in enumerate(spool.read(remove=False)):
-        n = meta["n"]
+        n = meta.n
         exact, near = dd.dropped(done, done + n)
         done += n
         if i < skip:
             continue
-        a = read_small(str(src / meta.get("piece", f"{i:08d}")), 2)  # chars and u
+        a = read_small(str(src / meta.piece or f"{i:08d}"), 2)  # chars and u
         sink.count(meta, exact, near)
         kept = np.flatnonzero(~(exact | near)).astype(np.int64)
         in_valid = a["u"][kept, 0] < cfg.valid_fraction
@@ -756,7 +759,7 @@ def _piece_names(work: Path, j: Journal) -> list[str]:
     compressed file's chunks are `ITEM.NNNN`), from the chunk spool."""
     spool = ChunkSpool(work / "pass1.tmp", j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
     spool.close()
-    return [meta.get("piece", f"{i:08d}") for i, meta in enumerate(spool.read(remove=False))]
+    return [meta.piece or f"{i:08d}" for i, meta in enumerate(spool.read(remove=False))]
 
 
 def _gather_sample(work: Path, members: np.ndarray, names: list[str]) -> list[str]:
@@ -779,7 +782,7 @@ def _encode_pieces(work: Path, cfg: PrepareConfig, tok: Tokenizer, dtype: np.dty
     the trained tokenizer, and the split move `_replay_sample` planned. Resumed from its last
     commit (the journal's "encode"); pass 1's chunk files and spool stay until the stage's end."""
     at = j.data.get("encode")
-    dd = DiskDedup(work / "dedup.tmp", total_bytes, cfg.near_dedup, cfg.near_dedup_threshold)
+    dd = DiskDedup(work / "dedup.tmp", total_bytes, dedup.LshSettings.of(cfg))
     dd.load_decisions(j.state_path("decisions.npy"))
     shutil.rmtree(dd.root, ignore_errors=True)
     spool = ChunkSpool(work / "pass1.tmp", j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])

@@ -116,10 +116,10 @@ def dedup_info(cfg: PrepareConfig) -> dict:
     """How duplicates were found (`diskdedup`): near-duplicate candidates are LSH bucket
     collisions at the threshold, not re-checked with an exact Jaccard similarity."""
     near = None
-    if cfg.near_dedup:
-        bands, rows = dedup.lsh_params(cfg.near_dedup_threshold)
+    lsh = dedup.LshSettings.of(cfg)
+    if lsh is not None:
         near = {"method": "MinHash LSH over character 5-grams, first kept document in input order wins",
-                "threshold": cfg.near_dedup_threshold, "num_perm": dedup.NUM_PERM, "bands": bands, "rows": rows,
+                "threshold": lsh.threshold, "num_perm": lsh.num_perm, "bands": lsh.bands, "rows": lsh.rows,
                 "jaccard_verified": False}
     return {"exact": "blake2b-128 of the cleaned text, first occurrence in input order kept", "near": near}
 
