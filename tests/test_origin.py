@@ -267,7 +267,7 @@ def test_overwrite_never_replaces_a_foreign_origin_file(raw, tmp_path):
 def test_chunks_carry_the_origins_of_their_documents(raw, tmp_path, monkeypatch):
     """`chunks` cuts batches apart (here every 5 documents or 40 characters): each chunk's
     records are its own documents', in order, whatever the cut; then prepare end to end."""
-    from mspretrain.data import pipeline, pool, textdocs
+    from mspretrain.data import pool, textdocs
 
     monkeypatch.setattr(pool, "CHUNK_DOCS", 5)
     monkeypatch.setattr(pool, "CHUNK_CHARS", 40)
@@ -279,7 +279,7 @@ def test_chunks_carry_the_origins_of_their_documents(raw, tmp_path, monkeypatch)
         batches.append(textdocs.docs_of(docs, textdocs.origin_records(f, np.arange(n, n + k) * 10)))
         n += k
     got_docs, got_rec = [], []
-    for chunk, rec in pipeline.chunks_with_origin(iter(batches)):
+    for chunk, rec in pool.chunks_with_origin(iter(batches)):
         assert len(chunk) == rec.size
         got_docs += chunk
         got_rec.append(rec)

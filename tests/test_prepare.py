@@ -286,7 +286,7 @@ def test_crash_mid_write_leaves_nothing_finished_looking(raw, tmp_path, monkeypa
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(shards.ShardWriter, "add_flat", boom)
-    monkeypatch.setattr(shards.ShardWriter, "reserve", boom)  # the per-chunk path's writes (`_replay_pieces`)
+    monkeypatch.setattr(shards.ShardWriter, "reserve", boom)  # the per-chunk path's writes (`stage_replay.replay_pieces`)
     with pytest.raises(RuntimeError, match="disk on fire"):
         prepare([str(raw)], tmp_path / "data", CFG, workers=2, **QUIET)
     assert calls and list(tmp_path.iterdir()) == []  # no data dir, no .partial left behind
@@ -538,7 +538,7 @@ def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(pre
     through the main process (`--ray`'s) is the reference: the same bytes, the same manifest.
     Small blocks: many chunks, several files, near dedup on; or 5 documents, valid left empty,
     so that the last train document moves (`Sink.finish`, `ShardWriter.peek_last`)."""
-    from mspretrain.data import pipeline, pool, rawlines
+    from mspretrain.data import pool, rawlines, stage_replay
 
     out, _ = prepared
     d = tmp_path / "in"
@@ -554,8 +554,8 @@ def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(pre
     monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 2048)
     monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
     calls = []
-    real = pipeline._replay_pieces
-    monkeypatch.setattr(pipeline, "_replay_pieces", lambda *a: calls.append(1) or real(*a))
+    real = stage_replay.ReplayPieces.run
+    monkeypatch.setattr(stage_replay.ReplayPieces, "run", lambda *a: calls.append(1) or real(*a))
     m = _both_paths(monkeypatch, [str(d)], tmp_path, cfg, tokenizer=str(out / "tokenizer.model"), workers=2)
     assert calls == [1]  # the per-chunk path ran once, the other run went through the main process
     if case == "chunks":
@@ -574,7 +574,7 @@ def test_per_chunk_path_with_a_trained_tokenizer_writes_what_the_main_process_pa
     same data dir byte for byte (tokenizer included), the same manifest. A 3,000-character
     sample budget, far below the corpus, makes documents leave the sample (the heap's pops), and
     the short documents mixed in fit the room a pop leaves."""
-    from mspretrain.data import pipeline, pool, rawlines
+    from mspretrain.data import pool, rawlines, stage_replay
 
     d = tmp_path / "in"
     d.mkdir()
@@ -587,8 +587,8 @@ def test_per_chunk_path_with_a_trained_tokenizer_writes_what_the_main_process_pa
     monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 2048)
     monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
     calls = []
-    real = pipeline._replay_sample
-    monkeypatch.setattr(pipeline, "_replay_sample", lambda *a: calls.append(1) or real(*a))
+    real = stage_replay.ReplaySample.run
+    monkeypatch.setattr(stage_replay.ReplaySample, "run", lambda *a: calls.append(1) or real(*a))
     m = _both_paths(monkeypatch, [str(d)], tmp_path, cfg, workers=workers)
     assert calls == [1]  # the per-chunk path ran once, the other run went through the main process
     assert m["dropped"].get("exact_dup", 0) > 0 and m["documents"]["valid"] > 0

@@ -226,7 +226,7 @@ def test_a_killed_replay_of_a_trained_tokenizer_run_resumes_after_its_last_commi
                                                                                           through_main):
     """The replay of a trained-tokenizer run, which chooses the tokenizer sample: through the main
     process (documents through `Sink.take`, the sample's texts in its log) or from pass 1's chunk
-    files (`_replay_sample`: the sample as references, its heap saved per commit). Killed in its
+    files (`stage_replay.ReplaySample`: the sample as references, its heap saved per commit). Killed in its
     middle, the rerun takes only the chunks after the commit and trains the same tokenizer. A
     3,000-character sample makes documents leave the sample as others come; by default every
     document stays in it. Both paths give the uninterrupted run's bytes (the reference ran the

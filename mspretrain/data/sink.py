@@ -79,7 +79,7 @@ class Sink:
         # The latest document of each split is held back until the next one (see finish).
         self.held: dict = dict.fromkeys(SPLITS)
         # (from, to) of the split move when it is done on the shards after the replay (a trained
-        # tokenizer's run with pass 1's chunks in files: `pipeline._replay_sample`)
+        # tokenizer's run with pass 1's chunks in files: `stage_replay.ReplaySample`)
         self.moved: tuple[str, str] | None = None
         self.sample: list | RefSample = []  # bottom-k heap of (-u, order, text) for the tokenizer, or `RefSample`
         self.sample_chars, self.sample_budget, self.order = 0, sample_chars, 0
@@ -187,7 +187,7 @@ class Sink:
 class RefSample:
     """`Sink._sample` over documents whose texts stay on disk: the same bottom-k heap, fed each
     kept train document's (u, chars) and a reference (chunk, number in the chunk) instead of its
-    text, so that the main process never holds a document's bytes (`pipeline._replay_sample`).
+    text, so that the main process never holds a document's bytes (`stage_replay.ReplaySample`).
 
     The heap is order-dependent (a short document with a large u stays if it fits the room the
     budget leaves), so it is replayed exactly, but cheaply: a document changes nothing (it is
