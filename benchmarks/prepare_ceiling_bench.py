@@ -59,12 +59,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mspretrain.config import PrepareConfig  # noqa: E402
-from mspretrain.data import pipeline, sources  # noqa: E402
-from mspretrain.data import workers as worker_mod  # noqa: E402
 from mspretrain.data.origin import RECORD  # noqa: E402
-from mspretrain.data.prepare import prepare  # noqa: E402
-from mspretrain.data.results import ChunkResult  # noqa: E402
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece  # noqa: E402
+from mspretrain.prepare import pipeline, sources  # noqa: E402
+from mspretrain.prepare import workers as worker_mod  # noqa: E402
+from mspretrain.prepare.prepare import prepare  # noqa: E402
+from mspretrain.prepare.results import ChunkResult  # noqa: E402
 
 TOKENS_PER_DOC = 100
 _NEAR = {"on": False}

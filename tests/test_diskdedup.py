@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mspretrain.data import dedup, diskdedup
+from mspretrain.prepare import dedup, diskdedup
 from tests.helpers import dedup_corpus, dedup_reference
 
 

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from mspretrain.cli import main
-from mspretrain.data import dedup, diskdedup
-from mspretrain.data.raypool import RayCluster
 from mspretrain.errors import UserError
+from mspretrain.prepare import dedup, diskdedup
+from mspretrain.prepare.raypool import RayCluster
 from mspretrain.train.distributed import free_local_port
 from tests.conftest import make_poems
 from tests.helpers import dedup_corpus, dedup_reference, refused

@@ -13,8 +13,8 @@ import pytest
 import zstandard
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import pipeline, pool, rawlines, sources
-from mspretrain.data.prepare import prepare
+from mspretrain.prepare import pipeline, pool, rawlines, sources
+from mspretrain.prepare.prepare import prepare
 from tests.conftest import make_poems
 
 CFG = PrepareConfig(vocab_size=500, valid_fraction=0.1, min_chars=4, doc_per_line=True)
@@ -169,9 +169,9 @@ def test_a_worker_reading_a_compressed_file_holds_one_chunk_at_a_time(tmp_path, 
 
     import numpy as np
 
-    from mspretrain.data import workers
     from mspretrain.data.origin import RECORD
-    from mspretrain.data.results import ChunkResult
+    from mspretrain.prepare import workers
+    from mspretrain.prepare.results import ChunkResult
 
     def noop(work) -> ChunkResult:  # what `clean_chunk` returns, without the work
         docs, origin = work

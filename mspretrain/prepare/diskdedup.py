@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from mspretrain.data import dedup
 from mspretrain.fsutil import atomic_writer, cut_back
+from mspretrain.prepare import dedup
 
 PART_BYTES = 64 << 20  # target size of one partition file (sorted in memory, ~3x this at once)
 BUFFER_BYTES = 16 << 20  # records buffered in memory before they are spread over the files

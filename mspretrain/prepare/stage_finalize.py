@@ -5,12 +5,12 @@ from __future__ import annotations
 import shutil
 
 from mspretrain.data.origin import cut_to, origin_name
-from mspretrain.data.publish import build_manifest
-from mspretrain.data.resume import point
 from mspretrain.data.shards import ShardWriter
-from mspretrain.data.stage import PIECES, REPLAY_PIECES, Run, Stage
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.paths import SPLITS
+from mspretrain.prepare.publish import build_manifest
+from mspretrain.prepare.resume import point
+from mspretrain.prepare.stage import PIECES, REPLAY_PIECES, Run, Stage
 
 
 class Finalize(Stage):

@@ -16,10 +16,10 @@ from collections import Counter
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import sources
 from mspretrain.data.origin import OriginWriter
-from mspretrain.data.results import ChunkResult
 from mspretrain.paths import SPLITS
+from mspretrain.prepare import sources
+from mspretrain.prepare.results import ChunkResult
 
 
 class FileTally:

@@ -10,16 +10,16 @@ from functools import partial
 from itertools import zip_longest
 from typing import Callable, Iterator
 
-from mspretrain.data import clean, dedup, sources
-from mspretrain.data.diskdedup import ChunkSpool, place_records
-from mspretrain.data.pool import chunks_with_origin, ordered, start_pool
-from mspretrain.data.progress import progress_bar
-from mspretrain.data.rescore import attach
-from mspretrain.data.results import UnitResult
-from mspretrain.data.resume import point
-from mspretrain.data.scoring import SCORES, ScoreWriter
-from mspretrain.data.stage import PIECES, Run, Stage
-from mspretrain.data.workers import clean_chunk, init_worker, spill_item
+from mspretrain.prepare import clean, dedup, sources
+from mspretrain.prepare.diskdedup import ChunkSpool, place_records
+from mspretrain.prepare.pool import chunks_with_origin, ordered, start_pool
+from mspretrain.prepare.progress import progress_bar
+from mspretrain.prepare.rescore import attach
+from mspretrain.prepare.results import UnitResult
+from mspretrain.prepare.resume import point
+from mspretrain.prepare.scoring import SCORES, ScoreWriter
+from mspretrain.prepare.stage import PIECES, Run, Stage
+from mspretrain.prepare.workers import clean_chunk, init_worker, spill_item
 
 
 class ReadClean(Stage):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from mspretrain.data.pool import start_pool
-from mspretrain.data.resume import point
-from mspretrain.data.stage import Run, Stage
-from mspretrain.data.workers import init_worker
+from mspretrain.prepare.pool import start_pool
+from mspretrain.prepare.resume import point
+from mspretrain.prepare.stage import Run, Stage
+from mspretrain.prepare.workers import init_worker
 
 
 class Dedup(Stage):

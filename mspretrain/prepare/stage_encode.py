@@ -11,20 +11,20 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import clean, dedup, sources
-from mspretrain.data.diskdedup import ChunkSpool, DiskDedup
 from mspretrain.data.origin import OriginWriter, origin_name, read_records
-from mspretrain.data.pool import batched, chunks, ordered, start_pool
-from mspretrain.data.progress import progress_bar
-from mspretrain.data.resume import Journal, point
 from mspretrain.data.shards import ShardWriter, token_dtype
-from mspretrain.data.sink import RefSample, Sink
-from mspretrain.data.spool import read_spool
-from mspretrain.data.stage import PIECES, Run, Stage
-from mspretrain.data.stage_replay import replay_pieces
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
-from mspretrain.data.workers import init_worker, read_texts, tokenize_chunk
 from mspretrain.paths import SPLITS
+from mspretrain.prepare import clean, dedup, sources
+from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.pool import batched, chunks, ordered, start_pool
+from mspretrain.prepare.progress import progress_bar
+from mspretrain.prepare.resume import Journal, point
+from mspretrain.prepare.sink import RefSample, Sink
+from mspretrain.prepare.spool import read_spool
+from mspretrain.prepare.stage import PIECES, Run, Stage
+from mspretrain.prepare.stage_replay import replay_pieces
+from mspretrain.prepare.workers import init_worker, read_texts, tokenize_chunk
 
 
 class TrainTokenizer(Stage):

@@ -34,17 +34,17 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import sources
-from mspretrain.data.resume import Journal
-from mspretrain.data.scoring import QualityStage
 from mspretrain.data.shards import token_dtype
-from mspretrain.data.stage import Run, Stage
-from mspretrain.data.stage_dedup import Dedup
-from mspretrain.data.stage_encode import EncodePieces, EncodeSpools, TrainTokenizer
-from mspretrain.data.stage_finalize import Finalize
-from mspretrain.data.stage_read import ReadClean
-from mspretrain.data.stage_replay import ReplayPieces, ReplaySample, ReplayTake
 from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.prepare import sources
+from mspretrain.prepare.resume import Journal
+from mspretrain.prepare.scoring import QualityStage
+from mspretrain.prepare.stage import Run, Stage
+from mspretrain.prepare.stage_dedup import Dedup
+from mspretrain.prepare.stage_encode import EncodePieces, EncodeSpools, TrainTokenizer
+from mspretrain.prepare.stage_finalize import Finalize
+from mspretrain.prepare.stage_read import ReadClean
+from mspretrain.prepare.stage_replay import ReplayPieces, ReplaySample, ReplayTake
 
 LOCAL_PIECES = True  # False: every chunk's documents pass through this process, as with --ray (benchmarks compare)
 # Compressed files as whole-file units read by a worker (`sources.FileUnit`), on the per-chunk path:

@@ -22,19 +22,19 @@ import numpy as np
 
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
-from mspretrain.data import dedup
-from mspretrain.data.clean import Cleaner
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.origin import RECORD, origin_name, read_records
-from mspretrain.data.quality import REFERENCE_LM
-from mspretrain.data.scoring import SCORES
 from mspretrain.data.shards import DTYPE_CODES, HEADER_SIZE, MAGIC, data_fingerprint
-from mspretrain.data.sink import Sink
-from mspretrain.data.sources import SourceStats
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.fsutil import fsync_path
 from mspretrain.paths import SPLITS, DataPaths
+from mspretrain.prepare import dedup
+from mspretrain.prepare.clean import Cleaner
+from mspretrain.prepare.quality import REFERENCE_LM
+from mspretrain.prepare.scoring import SCORES
+from mspretrain.prepare.sink import Sink
+from mspretrain.prepare.sources import SourceStats
 
 OUR_FILES = frozenset(p.name for p in DataPaths(Path()).files())
 # Names prepare writes now that the fixed set of older prepares (`owned`'s fallback) lacks: an

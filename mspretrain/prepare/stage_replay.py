@@ -21,18 +21,18 @@ from typing import Callable, Iterator
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data.diskdedup import ChunkSpool, DiskDedup
 from mspretrain.data.origin import OriginWriter, origin_name
-from mspretrain.data.pool import ordered, start_pool
-from mspretrain.data.resume import Journal, point, truncate
 from mspretrain.data.shards import ShardWriter
-from mspretrain.data.sink import RefSample, Sink
-from mspretrain.data.spool import Spool
-from mspretrain.data.stage import PIECES, REPLAY_PIECES, Run, Stage
-from mspretrain.data.workers import init_worker, place_piece, read_small, replay_chunk
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
+from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.pool import ordered, start_pool
+from mspretrain.prepare.resume import Journal, point, truncate
+from mspretrain.prepare.sink import RefSample, Sink
+from mspretrain.prepare.spool import Spool
+from mspretrain.prepare.stage import PIECES, REPLAY_PIECES, Run, Stage
+from mspretrain.prepare.workers import init_worker, place_piece, read_small, replay_chunk
 
 
 class Replay(Stage):

@@ -19,13 +19,13 @@ from typing import Callable
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import dedup, sources
-from mspretrain.data.diskdedup import ChunkSpool, DiskDedup
-from mspretrain.data.resume import Journal
-from mspretrain.data.scoring import QualityStage
-from mspretrain.data.sink import Sink
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.fsutil import atomic_write
+from mspretrain.prepare import dedup, sources
+from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.resume import Journal
+from mspretrain.prepare.scoring import QualityStage
+from mspretrain.prepare.sink import Sink
 
 PIECES = "pass1.pieces"  # pass 1's per-chunk files written by the workers (`workers.spill_chunk`)
 REPLAY_PIECES = "replay.pieces"  # the replay's per-chunk shard and origin pieces (`workers.replay_chunk`)

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import dedup, scoring, sources
-from mspretrain.data.clean import Cleaner
-from mspretrain.data.dedup import LshSettings
-from mspretrain.data.results import ChunkResult, UnitResult
-from mspretrain.data.scoring import QualityStage
 from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.prepare import dedup, scoring, sources
+from mspretrain.prepare.clean import Cleaner
+from mspretrain.prepare.dedup import LshSettings
+from mspretrain.prepare.results import ChunkResult, UnitResult
+from mspretrain.prepare.scoring import QualityStage
 
 _W: dict = {}  # per-worker state, set by init_worker
 
@@ -190,7 +190,7 @@ def spill_chunk(fn, item: tuple) -> ChunkResult:
     tokenizer yet) written to `path`, its dedup records grouped by partition file
     (`diskdedup.chunk_records`) to `path`.dd; returns the rest (counts, the records per partition
     file), `n`, the number of cleaned documents, and `text_piece` (the piece holds texts)."""
-    from mspretrain.data.diskdedup import chunk_records
+    from mspretrain.prepare.diskdedup import chunk_records
 
     work, path, exact_parts, band_parts = item
     out = fn(work)
@@ -250,7 +250,7 @@ def spill_unit(fn, item: tuple) -> UnitResult:
     time, whatever the file's size."""
     from dataclasses import asdict
 
-    from mspretrain.data import pool
+    from mspretrain.prepare import pool
 
     unit, path, exact_parts, band_parts = item
     counts = sources.FileCounts(unit.path, Path(unit.path))
@@ -326,7 +326,7 @@ def replay_chunk(item: tuple) -> dict:
     lengths = a["lengths"]
     out: dict = {"splits": {}, "per_file": None}
     if has_origin:
-        from mspretrain.data.sink import FileTally
+        from mspretrain.prepare.sink import FileTally
 
         out["per_file"] = FileTally.sums_of(a["origin"]["file"][kept], characters=a["chars"][kept],
                                             tokens=lengths[kept].astype(np.int64) - 1, byte_fallback=a["fallback"][kept])
