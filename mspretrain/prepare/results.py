@@ -39,6 +39,27 @@ class ChunkResult:
 
 
 @dataclass
+class SplitPiece:
+    """One split's section of a replay piece file (`workers.replay_chunk`): [tokens | lengths
+    (int32) | origin records] from byte `at`, and what the sink counts for it."""
+    at: int  # its first byte in the piece file
+    sizes: tuple[int, int, int]  # bytes of the tokens, the lengths, the origin records
+    docs: int
+    chars: int
+    tokens: int
+    max_token: int  # -1: no token
+    last_chars: int  # characters of its last document (the split move's count, `Sink.count_move`)
+
+
+@dataclass
+class ReplayResult:
+    """A chunk cut by `workers.replay_chunk`: its sections per split (only splits with documents)
+    and the per-file sums of its kept documents (`sink.FileTally.sums_of`), or None."""
+    splits: dict[str, SplitPiece] = field(default_factory=dict)
+    per_file: dict | None = None
+
+
+@dataclass
 class UnitResult:
     """A compressed file read by one worker: its chunks' results in order, its `FileCounts`
     fields and what reading it warned."""

@@ -292,19 +292,19 @@ def replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup
         for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight), skip):
             if counting:
                 sink.count(*counted.popleft())  # in chunk order, as `Sink.take` counts, and only what is placed
-            if res["per_file"] is not None:
-                sink.per_file.merge(res["per_file"])
+            if res.per_file is not None:
+                sink.per_file.merge(res.per_file)
             copies = []
-            for split, p in res["splits"].items():
+            for split, p in res.splits.items():
                 if counting:
-                    sink.docs[split] += p["docs"]
-                    sink.chars[split] += p["chars"]
-                n_tok, n_len, n_org = p["sizes"]
-                at_bin, at_len = writers[split].reserve(n_tok, n_len, p["max_token"])
+                    sink.docs[split] += p.docs
+                    sink.chars[split] += p.chars
+                n_tok, n_len, n_org = p.sizes
+                at_bin, at_len = writers[split].reserve(n_tok, n_len, p.max_token)
                 w_bin, w_len = writers[split].files()
-                copies += [(str(w_bin), at_bin, p["at"], n_tok), (str(w_len), at_len, p["at"] + n_tok, n_len),
-                           (str(origins[split].path), origins[split].reserve(n_org), p["at"] + n_tok + n_len, n_org)]
-                last_chars[split] = p["last_chars"]
+                copies += [(str(w_bin), at_bin, p.at, n_tok), (str(w_len), at_len, p.at + n_tok, n_len),
+                           (str(origins[split].path), origins[split].reserve(n_org), p.at + n_tok + n_len, n_org)]
+                last_chars[split] = p.last_chars
             task = (str(dst / f"{i:08d}"), copies)
             if pool is None:
                 place_piece(task)

@@ -18,7 +18,7 @@ from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.prepare import dedup, scoring, sources
 from mspretrain.prepare.clean import Cleaner
 from mspretrain.prepare.dedup import LshSettings
-from mspretrain.prepare.results import ChunkResult, UnitResult
+from mspretrain.prepare.results import ChunkResult, ReplayResult, SplitPiece, UnitResult
 from mspretrain.prepare.scoring import QualityStage
 
 _W: dict = {}  # per-worker state, set by init_worker
@@ -302,7 +302,7 @@ def _origin_dtype() -> np.dtype:
     return RECORD
 
 
-def replay_chunk(item: tuple) -> dict:
+def replay_chunk(item: tuple) -> ReplayResult:
     """A spilled chunk (`spill_chunk`) with its dedup decisions: the kept documents of each split,
     in order, written to `dst` as [tokens | lengths (int32) | origin records] per split, and what
     `sink.Sink.take` counts for them. `drop`: bool per cleaned document (exact or near duplicate).
@@ -324,11 +324,11 @@ def replay_chunk(item: tuple) -> dict:
             a = {k: np.load(f) for k in SMALL + TOKEN_ARRAYS}
     in_valid = a["u"][kept, 0] < valid_fraction
     lengths = a["lengths"]
-    out: dict = {"splits": {}, "per_file": None}
+    out = ReplayResult()
     if has_origin:
         from mspretrain.prepare.sink import FileTally
 
-        out["per_file"] = FileTally.sums_of(a["origin"]["file"][kept], characters=a["chars"][kept],
+        out.per_file = FileTally.sums_of(a["origin"]["file"][kept], characters=a["chars"][kept],
                                             tokens=lengths[kept].astype(np.int64) - 1, byte_fallback=a["fallback"][kept])
     pos = 0
     with open(dst, "wb") as f:
@@ -342,11 +342,10 @@ def replay_chunk(item: tuple) -> dict:
             org = a["origin"][sel] if has_origin else a["origin"][:0]
             parts = [toks.tobytes(), lens.tobytes(), np.ascontiguousarray(org).tobytes()]
             f.write(b"".join(parts))
-            out["splits"][split] = {"at": pos, "sizes": [len(p) for p in parts], "docs": int(sel.size),
-                                    "chars": int(a["chars"][sel].sum()), "tokens": int(toks.size),
-                                    "max_token": int(toks.max()) if toks.size else -1,
-                                    "last_chars": int(a["chars"][sel[-1]])}
-            pos += sum(out["splits"][split]["sizes"])
+            out.splits[split] = piece = SplitPiece(at=pos, sizes=(len(parts[0]), len(parts[1]), len(parts[2])), docs=int(sel.size),
+                                                   chars=int(a["chars"][sel].sum()), tokens=int(toks.size),
+                                                   max_token=int(toks.max()) if toks.size else -1, last_chars=int(a["chars"][sel[-1]]))
+            pos += sum(piece.sizes)
     return out
 
 
