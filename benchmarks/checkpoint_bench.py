@@ -164,7 +164,7 @@ def bench_saves(name: str, model: dict, work: Path, repeats: int = 2) -> dict:
 
 def demo_step_and_resume(work: Path) -> dict:
     """Step time of the demo model, and wall time from `build_trainer` start to its first resumed step."""
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
     from mspretrain.train.build import build_trainer
     from tests.conftest import make_poems
 

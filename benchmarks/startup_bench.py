@@ -80,8 +80,8 @@ def _free_port() -> int:
 def make_data(work: Path, tokens: int) -> tuple[Path, Path]:
     """(data dir with max_token_id, the same without it): a prepared tiny dir, its train shard replaced."""
     from mspretrain import config as cfgmod
-    from mspretrain.data.prepare import prepare
     from mspretrain.data.shards import ShardWriter
+    from mspretrain.prepare.prepare import prepare
     from tests.conftest import TINY, make_poems
 
     corpus = work / "poems.txt"

@@ -326,7 +326,7 @@ def ext_data(src):
     import random
 
     from mspretrain import config as cfgmod
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
 
     rng = random.Random(3)
     words = CHARS + NEW_PIECES

@@ -273,7 +273,7 @@ def test_a_torn_extend_output_is_refused_by_readers(tok_inputs, tmp_path, capsys
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS])
 def test_extend_write_errors_are_one_line(tok_inputs, tmp_path, capsys, monkeypatch, err):
-    import mspretrain.data.tokenizer_extend as te
+    import mspretrain.prepare.tokenizer_extend as te
 
     base, corpus = tok_inputs
     out = tmp_path / "out"

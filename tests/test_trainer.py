@@ -268,7 +268,7 @@ def test_retention_keeps_last_and_every(tmp_path):
 
 
 def test_mixing_two_data_dirs_and_refusing_a_foreign_tokenizer(tmp_path, tiny_data, tiny_cfg):
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
     from tests.conftest import make_poems
 
     text = tmp_path / "more.txt"

@@ -86,7 +86,7 @@ def check_run_dir(run_dir: Path, cfg, *, vocab_of_run: bool = False) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mspretrain.data.corpus import poetry_corpus
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
 
     t_start = time.perf_counter()
     cfg = _config(args)

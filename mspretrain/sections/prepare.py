@@ -8,7 +8,7 @@ from mspretrain.sections.base import Section, cap, check_seed, fail
 
 
 def _check_fractions(c: "PrepareConfig") -> None:
-    """The quality filters that keep a fraction (`data/rescore.py`): in range, and not given
+    """The quality filters that keep a fraction (`prepare/rescore.py`): in range, and not given
     together with the fixed threshold they replace."""
     f = c.quality_top_fraction
     if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0 <= f <= 1):

@@ -43,9 +43,9 @@ from typing import Callable
 
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
-from mspretrain.data.publish import fsync_all
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write, cut_back
+from mspretrain.prepare.publish import fsync_all
 
 VERSION = 1
 COMMIT_SECONDS = 10.0  # at most this much time between commits (MSPRETRAIN_PREPARE_COMMIT_SECONDS overrides)

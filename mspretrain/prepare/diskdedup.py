@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from mspretrain.data import dedup
 from mspretrain.fsutil import atomic_writer, cut_back
+from mspretrain.prepare import dedup
 
 PART_BYTES = 64 << 20  # target size of one partition file (sorted in memory, ~3x this at once)
 BUFFER_BYTES = 16 << 20  # records buffered in memory before they are spread over the files
@@ -281,12 +281,14 @@ def shared_buckets_in(item: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
 class DiskDedup:
     """Collects keys in pass 1 (`add`), then decides (`resolve`); `dropped(lo, hi)` after that."""
 
-    def __init__(self, root: Path, expected_bytes: float, near: bool, threshold: float) -> None:
+    def __init__(self, root: Path, expected_bytes: float, lsh: dedup.LshSettings | None) -> None:
+        """`lsh`: near dedup's settings (`dedup.LshSettings.of`), None for exact dedup only."""
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.n = 0
         self.exact = Partitions(root, "exact", EXACT, part_count(expected_bytes))
-        self.bands, self.rows = dedup.lsh_params(threshold) if near else (0, 0)
+        self.bands, self.rows = (lsh.bands, lsh.rows) if lsh is not None else (0, 0)
+        near = lsh is not None
         self.near = Partitions(root, "band", BAND, part_count(expected_bytes * max(self.bands, 1) * 0.7)) if near else None
         self.exact_bits: Bits | None = None
         self.near_bits: Bits | None = None

@@ -8,10 +8,10 @@ import numpy as np
 
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.origin import MISSING_HINT, origin_path
-from mspretrain.data.scoring import NO_FILE, REASONS, SCORES, read_scores
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.paths import SPLITS, DataPaths
+from mspretrain.prepare.scoring import NO_FILE, REASONS, SCORES, read_scores
 
 
 def inspect(data_dir: str | Path, n_docs: int = 3, max_chars: int = 200) -> str:
@@ -122,7 +122,7 @@ def quality_lines(d: Path, m: dict, examples: int = 2, width: int = 60) -> list[
     Read in blocks (`rescore.blocks`), its percentiles exact by histogram (`rescore.order_stats`:
     the k-th value with k = max(1, ceil(q n)), q the percentile's share), so the memory is the
     same for 16 M documents as for 16; a few passes over the file per score."""
-    from mspretrain.data.rescore import blocks, order_stats
+    from mspretrain.prepare.rescore import blocks, order_stats
 
     path = d / SCORES
     r = read_scores(path)  # memory-mapped: the examples' records are read one by one
@@ -174,7 +174,7 @@ def quality_lines(d: Path, m: dict, examples: int = 2, width: int = 60) -> list[
 def _what_if(path: Path, key: str, thresholds: list[tuple[float, str]], n: int, text, examples: int, sign: int) -> list[str]:
     """Per threshold: how many documents it drops (`sign` 1: score below it, -1: above it), and the
     dropped documents nearest it (what a user loses by moving it), in one pass over the sidecar."""
-    from mspretrain.data.rescore import blocks
+    from mspretrain.prepare.rescore import blocks
 
     dropped = [0] * len(thresholds)
     nearest: list[list[tuple[float, int, float]]] = [[] for _ in thresholds]  # (distance key, index, value)

@@ -31,9 +31,9 @@ from typing import Sequence
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data.decontam import EvalNgrams
-from mspretrain.data.quality import CharLM, Classifier, LangID
 from mspretrain.errors import UserError
+from mspretrain.prepare.decontam import EvalNgrams
+from mspretrain.prepare.quality import CharLM, Classifier, LangID
 
 SCORES = "quality.scores"
 MAGIC = b"MSQSCORE"
@@ -313,7 +313,7 @@ def lookup(source: ScoreSource, origin: np.ndarray | None, key: np.ndarray, give
 
 def _triple(file: np.ndarray, offset: np.ndarray, key: np.ndarray) -> np.ndarray:
     """One 64-bit hash of (file, offset, key) per record, to match records with one sort."""
-    from mspretrain.data.hash64 import _mix
+    from mspretrain.prepare.hash64 import _mix
 
     with np.errstate(over="ignore"):
         h = _mix(file.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ offset.astype(np.uint64))

@@ -25,8 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mspretrain.data.quality import codepoints, ngram_hashes, sha256_file
 from mspretrain.errors import UserError
+from mspretrain.prepare.quality import codepoints, ngram_hashes, sha256_file
 
 _NOT_WORD = re.compile(r"[\W_]+")
 SUFFIXES = (".csv", ".jsonl", ".json", ".ndjson")

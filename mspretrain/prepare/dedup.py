@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -218,6 +219,36 @@ def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
         for j in range(rows):
             h = _splitmix64(h * _P + v[:, :, j])
     return h
+
+
+@dataclass(frozen=True, eq=False)
+class LshSettings:
+    """Near dedup's MinHash-LSH settings, built once (`of`) from the config and handed to
+    whatever needs them: the workers (signatures, band keys), the dedup partitions on disk
+    (`diskdedup.DiskDedup`: one band-key record per band) and the manifest (`publish.dedup_info`).
+    The permutations are drawn by the main process: datasketch (and the scipy it imports) stays
+    out of the workers (`_permutations`)."""
+
+    threshold: float
+    seed: int
+    bands: int
+    rows: int
+    a: np.ndarray  # datasketch's affine permutations (`_permutations`)
+    b: np.ndarray
+    num_perm: int = NUM_PERM
+
+    @classmethod
+    def of(cls, cfg) -> LshSettings | None:
+        """The settings of `cfg` (a `PrepareConfig`), or None without near dedup."""
+        return cls.make(cfg.near_dedup_threshold, cfg.seed) if cfg.near_dedup else None
+
+    @classmethod
+    def make(cls, threshold: float, seed: int) -> LshSettings:
+        return cls(threshold, seed, *lsh_params(threshold), *_permutations(seed, NUM_PERM))
+
+    def band_keys(self, texts: list[str]) -> np.ndarray:
+        """(n, bands) LSH band keys of the texts' MinHash signatures."""
+        return band_keys(signatures(texts, self.seed, self.num_perm, perms=(self.a, self.b)), self.bands, self.rows)
 
 
 class ExactDedup:

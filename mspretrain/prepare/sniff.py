@@ -17,7 +17,7 @@ import io
 import zlib
 from pathlib import Path
 
-from mspretrain.data.filecounts import FileCounts, counting, counting_into
+from mspretrain.prepare.filecounts import FileCounts, counting, counting_into
 
 SAMPLE_BYTES = 1 << 16
 _MAGIC = (  # file types people leave next to their text

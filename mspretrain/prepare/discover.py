@@ -9,8 +9,8 @@ import glob
 from pathlib import Path
 from typing import Sequence
 
-from mspretrain.data.filecounts import SourceStats
 from mspretrain.errors import UserError
+from mspretrain.prepare.filecounts import SourceStats
 
 TEXT_SUFFIXES = (".txt", ".text")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")

@@ -16,9 +16,10 @@ from collections import Counter
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import sources
 from mspretrain.data.origin import OriginWriter
 from mspretrain.paths import SPLITS
+from mspretrain.prepare import sources
+from mspretrain.prepare.results import ChunkResult
 
 
 class FileTally:
@@ -78,45 +79,45 @@ class Sink:
         # The latest document of each split is held back until the next one (see finish).
         self.held: dict = dict.fromkeys(SPLITS)
         # (from, to) of the split move when it is done on the shards after the replay (a trained
-        # tokenizer's run with pass 1's chunks in files: `pipeline._replay_sample`)
+        # tokenizer's run with pass 1's chunks in files: `stage_replay.ReplaySample`)
         self.moved: tuple[str, str] | None = None
         self.sample: list | RefSample = []  # bottom-k heap of (-u, order, text) for the tokenizer, or `RefSample`
         self.sample_chars, self.sample_budget, self.order = 0, sample_chars, 0
 
-    def count(self, r: dict, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
+    def count(self, r: ChunkResult, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
         """What a chunk read, what cleaning changed and dropped, and the duplicates dropped."""
-        self.docs_in += r["docs_in"]
-        self.chars_in += r["chars_in"]
-        self.changed.update(r["changed"])
-        self.dropped.update(r["dropped"])
+        self.docs_in += r.docs_in
+        self.chars_in += r.chars_in
+        self.changed.update(r.changed)
+        self.dropped.update(r.dropped)
         # (a Counter keeps zero entries, and the manifest would show them)
         if exact_dup.any():
             self.dropped["exact_dup"] += int(exact_dup.sum())
         if near_dup.any():
             self.dropped["near_dup"] += int(near_dup.sum())
 
-    def take(self, r: dict, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
+    def take(self, r: ChunkResult, exact_dup: np.ndarray, near_dup: np.ndarray) -> None:
         """One chunk's result (`workers.clean_chunk`), with the dedup decisions on its documents
         (`diskdedup.DiskDedup.dropped`: taken after pass 1, over the whole corpus)."""
         self.count(r, exact_dup, near_dup)
         kept = np.flatnonzero(~(exact_dup | near_dup)).astype(np.int64)
-        in_valid = r["u"][kept, 0] < self.cfg.valid_fraction
-        tokens = r.get("tokens")
-        origin = r.get("origin")
+        in_valid = r.u[kept, 0] < self.cfg.valid_fraction
+        tokens = r.tokens
+        origin = r.origin
         if tokens is not None:
-            starts = np.cumsum(r["lengths"], dtype=np.int64) - r["lengths"]
+            starts = np.cumsum(r.lengths, dtype=np.int64) - r.lengths
         if origin is not None:  # what each input file gave the shards (both splits)
-            more = {} if tokens is None else {"tokens": r["lengths"][kept].astype(np.int64) - 1,
-                                              "byte_fallback": r["fallback"][kept]}
-            self.per_file.add(origin["file"][kept], characters=r["chars"][kept], **more)
+            more = {} if tokens is None else {"tokens": r.lengths[kept].astype(np.int64) - 1,
+                                              "byte_fallback": r.fallback[kept]}
+            self.per_file.add(origin["file"][kept], characters=r.chars[kept], **more)
         for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
             if not sel.size:
                 continue
             self.docs[split] += int(sel.size)
-            self.chars[split] += int(r["chars"][sel].sum())
+            self.chars[split] += int(r.chars[sel].sum())
             if tokens is None and split == "train" and self.sample_budget:
                 for i in sel:
-                    self._sample(float(r["u"][i, 1]), r["texts"][i])
+                    self._sample(float(r.u[i, 1]), r.texts[i])
             # Each split holds back its latest document, which can still move (see finish).
             if self.held[split] is not None:
                 self.outs[split].add_many([self.held[split][0]])
@@ -127,15 +128,15 @@ class Sink:
                 self.origins[split].add(origin[body])
                 self.held_origin[split] = origin[last: last + 1]
             if tokens is None:
-                self.outs[split].add_many([r["texts"][i] for i in body])
-                self.held[split] = (r["texts"][last], int(r["chars"][last]))
+                self.outs[split].add_many([r.texts[i] for i in body])
+                self.held[split] = (r.texts[last], int(r.chars[last]))
             else:
                 # the tokens of the body documents, in order (`body` is ascending): a mask over
                 # documents repeated per token is cheaper than computing every token's position
-                in_body = np.zeros(len(r["lengths"]), dtype=bool)
+                in_body = np.zeros(len(r.lengths), dtype=bool)
                 in_body[body] = True
-                self.outs[split].add_flat(tokens[np.repeat(in_body, r["lengths"])], r["lengths"][body])
-                self.held[split] = (tokens[starts[last]: starts[last] + r["lengths"][last]].copy(), int(r["chars"][last]))
+                self.outs[split].add_flat(tokens[np.repeat(in_body, r.lengths)], r.lengths[body])
+                self.held[split] = (tokens[starts[last]: starts[last] + r.lengths[last]].copy(), int(r.chars[last]))
 
     def _sample(self, u: float, text: str) -> None:
         heapq.heappush(self.sample, (-u, self.order, text))
@@ -186,7 +187,7 @@ class Sink:
 class RefSample:
     """`Sink._sample` over documents whose texts stay on disk: the same bottom-k heap, fed each
     kept train document's (u, chars) and a reference (chunk, number in the chunk) instead of its
-    text, so that the main process never holds a document's bytes (`pipeline._replay_sample`).
+    text, so that the main process never holds a document's bytes (`stage_replay.ReplaySample`).
 
     The heap is order-dependent (a short document with a large u stays if it fits the room the
     budget leaves), so it is replayed exactly, but cheaply: a document changes nothing (it is

@@ -14,10 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import dedup, scoring, sources
-from mspretrain.data.clean import Cleaner
-from mspretrain.data.scoring import QualityStage
 from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.prepare import dedup, scoring, sources
+from mspretrain.prepare.clean import Cleaner
+from mspretrain.prepare.dedup import LshSettings
+from mspretrain.prepare.results import ChunkResult, ReplayResult, SplitPiece, UnitResult
+from mspretrain.prepare.scoring import QualityStage
 
 _W: dict = {}  # per-worker state, set by init_worker
 
@@ -49,10 +51,10 @@ def _die_with_parent() -> None:
         os._exit(0)  # the parent died before prctl took effect
 
 
-def init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | None, lsh: tuple | None = None,
+def init_worker(cfg: PrepareConfig, tokenizer_path: str | None, dtype: str | None, lsh: LshSettings | None = None,
                 quality: QualityStage | None = None) -> None:
-    """`lsh`: (bands, rows, a, b) of near dedup (`dedup.lsh_params`, `dedup._permutations`),
-    computed by the main process: datasketch (and the scipy it imports) stays out of the workers.
+    """`lsh`: near dedup's settings (`dedup.LshSettings.of`), built by the main process (None:
+    built here from `cfg` when first needed).
     `quality`: pass 1's quality stage (`scoring.QualityStage`, its models loaded by the main process)."""
     if mp.parent_process() is not None:
         _die_with_parent()
@@ -93,7 +95,7 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return tok.encode_flat(texts, tok.eos_id, np.dtype(_W["dtype"]))
 
 
-def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLines | scoring.Scored) -> dict:
+def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLines | scoring.Scored) -> ChunkResult:
     """Pass 1 over one chunk: the kept documents' texts (or tokens, when the tokenizer is given),
     their dedup keys and split numbers, their origins, and what the cleaner changed and dropped.
 
@@ -111,16 +113,14 @@ def clean_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLine
     scores = None
     if _W.get("quality") is not None:  # the model-based filters, after the rules, before dedup (`scoring.py`)
         texts, origin, scores, keys = scoring.apply(_W["quality"], texts, origin, dropped, keys, given)
-    out = {"docs_in": len(docs), "chars_in": sum(map(len, docs)), "changed": changed,
-           "dropped": dropped, "keys": keys, "scores": scores,
-           "chars": np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)),
-           "u": dedup.split_numbers(keys, cfg.seed),
-           "bands": _bands(texts, cfg) if cfg.near_dedup else None, "raw": raw, "origin": origin}
+    out = ChunkResult(docs_in=len(docs), chars_in=sum(map(len, docs)), changed=changed, dropped=dropped, raw=raw, origin=origin,
+                      keys=keys, scores=scores, chars=np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)),
+                      u=dedup.split_numbers(keys, cfg.seed), bands=_bands(texts, cfg) if cfg.near_dedup else None)
     if _W["tok"] is not None:
-        out["tokens"], out["lengths"] = _encode(texts)
-        out["fallback"] = byte_fallback_counts(out["tokens"], out["lengths"])
+        out.tokens, out.lengths = _encode(texts)
+        out.fallback = byte_fallback_counts(out.tokens, out.lengths)
     else:
-        out["texts"] = texts
+        out.texts = texts
     return out
 
 
@@ -156,9 +156,8 @@ def _bands(texts: list[str], cfg: PrepareConfig) -> np.ndarray:
     """LSH band keys (n, bands) of the texts' MinHash signatures: 8 bytes per band go to the main
     process instead of the 512-byte signature (`diskdedup`)."""
     if _W.get("lsh") is None:
-        _W["lsh"] = (*dedup.lsh_params(cfg.near_dedup_threshold), *dedup._permutations(cfg.seed, dedup.NUM_PERM))
-    bands, rows, a, b = _W["lsh"]
-    return dedup.band_keys(dedup.signatures(texts, cfg.seed, perms=(a, b)), bands, rows)
+        _W["lsh"] = LshSettings.of(cfg)
+    return _W["lsh"].band_keys(texts)
 
 
 def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -186,25 +185,26 @@ SMALL = ("chars", "u", "origin")
 TOKEN_ARRAYS = ("tokens", "lengths", "fallback")
 
 
-def spill_chunk(fn, item: tuple) -> dict:
+def spill_chunk(fn, item: tuple) -> ChunkResult:
     """`fn` (`clean_chunk`) over `work`: its per-document arrays (and its texts, when there is no
     tokenizer yet) written to `path`, its dedup records grouped by partition file
     (`diskdedup.chunk_records`) to `path`.dd; returns the rest (counts, the records per partition
     file), `n`, the number of cleaned documents, and `text_piece` (the piece holds texts)."""
-    from mspretrain.data.diskdedup import chunk_records
+    from mspretrain.prepare.diskdedup import chunk_records
 
     work, path, exact_parts, band_parts = item
     out = fn(work)
-    out["n"] = len(out["keys"]) // 16
-    exact, out["exact_counts"], bands, out["band_counts"] = chunk_records(out.pop("keys"), out.pop("bands"), exact_parts, band_parts)
-    has_origin = out["origin"] is not None
+    out.n = len(out.keys) // 16
+    exact, out.exact_counts, bands, out.band_counts = chunk_records(out.keys, out.bands, exact_parts, band_parts)
+    out.keys = out.bands = None
+    has_origin = out.origin is not None
     if not has_origin:
-        out["origin"] = np.zeros(0, dtype=_origin_dtype())
-    texts = out.pop("texts", None)
-    arrays = [out.pop(k) for k in SMALL]
+        out.origin = np.zeros(0, dtype=_origin_dtype())
+    texts, out.texts = out.texts, None
+    arrays = [_take(out, k) for k in SMALL]
     blob = b""
     if texts is None:
-        arrays += [out.pop(k) for k in TOKEN_ARRAYS]
+        arrays += [_take(out, k) for k in TOKEN_ARRAYS]
     else:
         encoded = [t.encode("utf-8") for t in texts]
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
@@ -218,13 +218,20 @@ def spill_chunk(fn, item: tuple) -> dict:
             f.write(tail)
             f.flush()
             os.fsync(f.fileno())  # durable before the main process commits its chunk (here, in parallel)
-    out["has_origin"] = has_origin
-    out["text_piece"] = texts is not None
-    out["piece"] = os.path.basename(path)  # the replay finds the chunk's file by this name
+    out.has_origin = has_origin
+    out.text_piece = texts is not None
+    out.piece = os.path.basename(path)  # the replay finds the chunk's file by this name
     return out
 
 
-def spill_item(fn, item: tuple) -> dict:
+def _take(r: ChunkResult, name: str) -> np.ndarray:
+    """A per-document array of `r`, now in the chunk's file: left out of what is sent back."""
+    a = getattr(r, name)
+    setattr(r, name, None)
+    return a
+
+
+def spill_item(fn, item: tuple) -> ChunkResult | UnitResult:
     """`spill_chunk`, or `spill_unit` for a compressed file (`sources.FileUnit`).
     Test-only hook (like `resume.point`'s): MSPRETRAIN_PREPARE_TEST_WORKER_KILL=N makes the worker
     given work item N SIGKILL itself, as the out-of-memory killer would."""
@@ -236,15 +243,14 @@ def spill_item(fn, item: tuple) -> dict:
     return spill_unit(fn, item) if isinstance(item[0], sources.FileUnit) else spill_chunk(fn, item)
 
 
-def spill_unit(fn, item: tuple) -> dict:
+def spill_unit(fn, item: tuple) -> UnitResult:
     """A compressed file, whole: decompressed here as a stream (what prepare's main process used
     to read), cut into chunks (`pool.chunks_with_origin`, of UNIT_CHUNK_* size), each through
-    `spill_chunk` to `path`.NNNN. Returns {"file": its index, "chunks": their results in order (each with `piece`,
-    its file's name), "counts": the file's `FileCounts` fields, "warnings": what reading it
-    warned}. Memory: one chunk at a time, whatever the file's size."""
+    `spill_chunk` to `path`.NNNN (each result's `piece` names its file). Memory: one chunk at a
+    time, whatever the file's size."""
     from dataclasses import asdict
 
-    from mspretrain.data import pool
+    from mspretrain.prepare import pool
 
     unit, path, exact_parts, band_parts = item
     counts = sources.FileCounts(unit.path, Path(unit.path))
@@ -254,14 +260,14 @@ def spill_unit(fn, item: tuple) -> dict:
     for k, work in enumerate(pool.chunks_with_origin(unit.batches(counts, warnings.append), **sizes)):
         piece = f"{path}.{k:04d}"
         res = spill_chunk(fn, (work, piece, exact_parts, band_parts))
-        if res["raw"] is not None:  # a block's counts: the file's, here (the main process takes `counts`)
-            sources.add_raw(counts, *res["raw"][1:])
-            res["raw"] = None
+        if res.raw is not None:  # a block's counts: the file's, here (the main process takes `counts`)
+            sources.add_raw(counts, *res.raw[1:])
+            res.raw = None
         results.append(res)
     if not counts.raw:  # what reading it lost, where the main process's reader would have warned (blocks: at the end)
         sources.warn_counts(counts, unit.text_field, warnings.append)
     fields = {k: v for k, v in asdict(counts).items() if k not in ("name", "path", "bytes_in", "encoding")}
-    return {"file": unit.file, "chunks": results, "counts": fields, "warnings": warnings}
+    return UnitResult(unit.file, results, fields, warnings)
 
 
 def read_small(path: str, n: int = len(SMALL)) -> dict[str, np.ndarray]:
@@ -296,7 +302,7 @@ def _origin_dtype() -> np.dtype:
     return RECORD
 
 
-def replay_chunk(item: tuple) -> dict:
+def replay_chunk(item: tuple) -> ReplayResult:
     """A spilled chunk (`spill_chunk`) with its dedup decisions: the kept documents of each split,
     in order, written to `dst` as [tokens | lengths (int32) | origin records] per split, and what
     `sink.Sink.take` counts for them. `drop`: bool per cleaned document (exact or near duplicate).
@@ -318,11 +324,11 @@ def replay_chunk(item: tuple) -> dict:
             a = {k: np.load(f) for k in SMALL + TOKEN_ARRAYS}
     in_valid = a["u"][kept, 0] < valid_fraction
     lengths = a["lengths"]
-    out: dict = {"splits": {}, "per_file": None}
+    out = ReplayResult()
     if has_origin:
-        from mspretrain.data.sink import FileTally
+        from mspretrain.prepare.sink import FileTally
 
-        out["per_file"] = FileTally.sums_of(a["origin"]["file"][kept], characters=a["chars"][kept],
+        out.per_file = FileTally.sums_of(a["origin"]["file"][kept], characters=a["chars"][kept],
                                             tokens=lengths[kept].astype(np.int64) - 1, byte_fallback=a["fallback"][kept])
     pos = 0
     with open(dst, "wb") as f:
@@ -336,11 +342,10 @@ def replay_chunk(item: tuple) -> dict:
             org = a["origin"][sel] if has_origin else a["origin"][:0]
             parts = [toks.tobytes(), lens.tobytes(), np.ascontiguousarray(org).tobytes()]
             f.write(b"".join(parts))
-            out["splits"][split] = {"at": pos, "sizes": [len(p) for p in parts], "docs": int(sel.size),
-                                    "chars": int(a["chars"][sel].sum()), "tokens": int(toks.size),
-                                    "max_token": int(toks.max()) if toks.size else -1,
-                                    "last_chars": int(a["chars"][sel[-1]])}
-            pos += sum(out["splits"][split]["sizes"])
+            out.splits[split] = piece = SplitPiece(at=pos, sizes=(len(parts[0]), len(parts[1]), len(parts[2])), docs=int(sel.size),
+                                                   chars=int(a["chars"][sel].sum()), tokens=int(toks.size),
+                                                   max_token=int(toks.max()) if toks.size else -1, last_chars=int(a["chars"][sel[-1]]))
+            pos += sum(piece.sizes)
     return out
 
 

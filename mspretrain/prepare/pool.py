@@ -16,9 +16,9 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from mspretrain.data import sources
 from mspretrain.data.origin import RECORD
 from mspretrain.errors import UserError
+from mspretrain.prepare import sources
 
 CHUNK_CHARS = 1 << 18  # characters per unit of work sent to a worker (~3,000 short documents)
 CHUNK_DOCS = 4096

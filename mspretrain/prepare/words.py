@@ -62,7 +62,7 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 def features(texts: Sequence[str], bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(feature index per word n-gram, its document, n-grams per document), as
     `quality.features` gives them for characters."""
-    from mspretrain.data.hash64 import _MULT, _mix
+    from mspretrain.prepare.hash64 import _MULT, _mix
 
     h, doc = word_hashes(texts)
     mask = np.uint64((1 << bits) - 1)

@@ -2,9 +2,10 @@
 
 The parts, in the order a run meets them:
 - `sources.py` finds the input files and reads them as documents, counting per file;
-- `pipeline.py` runs the passes: `pool.py` cuts the work into chunks and runs `workers.py` on
+- `pipeline.py` runs the chain of stages (`stage*.py`: read + clean, dedup, replay, [train the
+  tokenizer, encode,] finalize): `pool.py` cuts the work into chunks and runs `workers.py` on
   them in input order, `sink.py` dedups and splits, `spool.py` holds pass 1's documents while
-  the tokenizer is trained, `shards.py` writes the Megatron files;
+  the tokenizer is trained, `data/shards.py` writes the Megatron files;
 - `resume.py` keeps the progress journal: the same command, run again after a kill, resumes
   where the last commit was; another command against the half-done work is refused;
 - `publish.py` writes the manifest and puts the data dir in place (a crash never leaves one
@@ -22,13 +23,13 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import pipeline, rescore, resume, scoring, sources
-from mspretrain.data import quality as quality_models
-from mspretrain.data.pool import WorkerDied
-from mspretrain.data.publish import WRITE_ERRNOS, check_out, fsync_all, publish
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.paths import SPLITS, DataPaths
+from mspretrain.prepare import pipeline, rescore, resume, scoring, sources
+from mspretrain.prepare import quality as quality_models
+from mspretrain.prepare.pool import WorkerDied
+from mspretrain.prepare.publish import WRITE_ERRNOS, check_out, fsync_all, publish
 
 
 def check_names(names: list[str]) -> None:

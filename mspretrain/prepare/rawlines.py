@@ -4,7 +4,7 @@ For prepare's local workers, uncompressed one-document-per-line and .jsonl files
 references to blocks of whole lines (decoded and parsed where they are read: `decode_raw`), so
 prepare's main process only finds where blocks end. A compressed file is read here in blocks by
 whoever decompresses it; a damaged stream keeps the whole lines before the damage. A line with no
-end for too long switches the rest of its file to the decoding reader of `data/textdocs.py`.
+end for too long switches the rest of its file to the decoding reader of `prepare/textdocs.py`.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from typing import Iterator
 
 import numpy as np
 
-from mspretrain.data import textdocs
-from mspretrain.data.filecounts import FileCounts, SourceStats, counting_into
-from mspretrain.data.sniff import read_errors
-from mspretrain.data.textdocs import (
+from mspretrain.prepare import textdocs
+from mspretrain.prepare.filecounts import FileCounts, SourceStats, counting_into
+from mspretrain.prepare.sniff import read_errors
+from mspretrain.prepare.textdocs import (
     Docs,
     LineStarts,
     batched,

@@ -84,7 +84,7 @@ def read_base(path: str | Path, what: str = "base tokenizer"):
 
 def read_corpus(inputs: Sequence[str], warn: Callable[[str], None]) -> tuple[list[str], list[str]]:
     """(training documents, held-out documents): every HELD_OUT_EVERY-th document is held out."""
-    from mspretrain.data.sources import SourceStats, discover, iter_documents
+    from mspretrain.prepare.sources import SourceStats, discover, iter_documents
 
     stats = SourceStats()
     paths = discover(list(inputs), stats)

@@ -22,19 +22,19 @@ import numpy as np
 
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
-from mspretrain.data import dedup
-from mspretrain.data.clean import Cleaner
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.origin import RECORD, origin_name, read_records
-from mspretrain.data.quality import REFERENCE_LM
-from mspretrain.data.scoring import SCORES
 from mspretrain.data.shards import DTYPE_CODES, HEADER_SIZE, MAGIC, data_fingerprint
-from mspretrain.data.sink import Sink
-from mspretrain.data.sources import SourceStats
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.fsutil import fsync_path
 from mspretrain.paths import SPLITS, DataPaths
+from mspretrain.prepare import dedup
+from mspretrain.prepare.clean import Cleaner
+from mspretrain.prepare.quality import REFERENCE_LM
+from mspretrain.prepare.scoring import SCORES
+from mspretrain.prepare.sink import Sink
+from mspretrain.prepare.sources import SourceStats
 
 OUR_FILES = frozenset(p.name for p in DataPaths(Path()).files())
 # Names prepare writes now that the fixed set of older prepares (`owned`'s fallback) lacks: an
@@ -116,10 +116,10 @@ def dedup_info(cfg: PrepareConfig) -> dict:
     """How duplicates were found (`diskdedup`): near-duplicate candidates are LSH bucket
     collisions at the threshold, not re-checked with an exact Jaccard similarity."""
     near = None
-    if cfg.near_dedup:
-        bands, rows = dedup.lsh_params(cfg.near_dedup_threshold)
+    lsh = dedup.LshSettings.of(cfg)
+    if lsh is not None:
         near = {"method": "MinHash LSH over character 5-grams, first kept document in input order wins",
-                "threshold": cfg.near_dedup_threshold, "num_perm": dedup.NUM_PERM, "bands": bands, "rows": rows,
+                "threshold": lsh.threshold, "num_perm": lsh.num_perm, "bands": lsh.bands, "rows": lsh.rows,
                 "jaccard_verified": False}
     return {"exact": "blake2b-128 of the cleaned text, first occurrence in input order kept", "near": near}
 

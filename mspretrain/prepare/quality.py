@@ -31,8 +31,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mspretrain.data.hash64 import _MULT, _mix
 from mspretrain.errors import UserError
+from mspretrain.prepare.hash64 import _MULT, _mix
 
 CLASSIFIER_KIND = "mspretrain-quality-classifier"
 LM_KIND = "mspretrain-char-lm"
@@ -149,7 +149,7 @@ def features(texts: Sequence[str], bits: int = CLASSIFIER_BITS, kind: str = "cha
     """(feature index per n-gram, its document, n-grams per document) over ORDERS (characters),
     or over word 1-2-grams (`kind` "words")."""
     if kind == "words":
-        from mspretrain.data import words
+        from mspretrain.prepare import words
 
         return words.features(texts, bits)
     cp, starts = codepoints(texts)
@@ -190,7 +190,7 @@ class Classifier:
         if w.ndim != 1 or w.size & (w.size - 1) or kind not in FEATURES or kind == "chars" and tuple(meta.get("orders", ())) != ORDERS:
             raise UserError(f"quality model {path} has a feature layout this version does not read", "train it again with `mspretrain quality train`")
         if kind == "words":
-            from mspretrain.data.words import require
+            from mspretrain.prepare.words import require
 
             require()
         return Classifier(w, float(a["bias"]), digest, str(path), kind)
@@ -243,7 +243,7 @@ def save_classifier(path: Path, w: np.ndarray, b: float, report: dict, kind: str
 
 
 def words_orders() -> tuple[int, ...]:
-    from mspretrain.data.words import ORDERS as WORD_ORDERS
+    from mspretrain.prepare.words import ORDERS as WORD_ORDERS
 
     return WORD_ORDERS
 
@@ -346,8 +346,8 @@ def reference_lm(cfg) -> tuple[CharLM, bytes]:
 def read_cleaned(inputs: list[str], cfg) -> list[str]:
     """The documents of `inputs`, read as `prepare` reads them (`cfg.doc_per_line`,
     `cfg.text_field`) and cleaned by its rules (`cfg`: a PrepareConfig)."""
-    from mspretrain.data import sources
-    from mspretrain.data.clean import Cleaner
+    from mspretrain.prepare import sources
+    from mspretrain.prepare.clean import Cleaner
 
     stats = sources.SourceStats()
     paths = [p for p, _ in sources.discover_named(inputs, stats)]

@@ -8,7 +8,7 @@ Each batch of documents carries its origin (`Docs.origin`: input file, byte offs
 `data/origin.py`).
 
 The limits are read from this module when a reader runs (the raw-block readers of
-`data/rawlines.py` too), so a test that lowers one lowers it for every reader.
+`prepare/rawlines.py` too), so a test that lowers one lowers it for every reader.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from mspretrain.data.filecounts import FileCounts
 from mspretrain.data.origin import RECORD
-from mspretrain.data.sniff import read_errors
+from mspretrain.prepare.filecounts import FileCounts
+from mspretrain.prepare.sniff import read_errors
 
 MAX_DOC_CHARS = 1_000_000  # longer documents are cut into pieces of at most this many characters
 MAX_JSONL_LINE_CHARS = 16_000_000  # a longer .jsonl record is skipped (it cannot be parsed piecewise)

@@ -2,14 +2,14 @@
 (`iter_batches`, `iter_file_batches`, `FileUnit`) and the warnings about what a file lost.
 
 The parts, by what they read:
-- `data/discover.py`: which files (inputs are files, directories and globs; a typo is an error);
-- `data/sniff.py`: what a file is (compression, binary or text, its encoding, or UTF-8 and
+- `prepare/discover.py`: which files (inputs are files, directories and globs; a typo is an error);
+- `prepare/sniff.py`: what a file is (compression, binary or text, its encoding, or UTF-8 and
   GB18030 lines mixed);
-- `data/textdocs.py`: documents out of decoded text (blank-line separated, one per line, .jsonl
+- `prepare/textdocs.py`: documents out of decoded text (blank-line separated, one per line, .jsonl
   records), cut at `MAX_DOC_CHARS`, each with its origin (file, offset);
-- `data/rawlines.py`: one-document-per-line and .jsonl files as blocks of whole lines for the
+- `prepare/rawlines.py`: one-document-per-line and .jsonl files as blocks of whole lines for the
   workers (`RawLines`, decoded where they are read);
-- `data/filecounts.py`: what reading found, per file (`FileCounts`) and in total (`SourceStats`).
+- `prepare/filecounts.py`: what reading found, per file (`FileCounts`) and in total (`SourceStats`).
 
 Their public names are importable from here too (`sources.RawLines`, `sources.SourceStats`, ...):
 prepare's pipeline and workers use this module as the one door to its inputs. Everything streams
@@ -25,10 +25,10 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from mspretrain.data import textdocs
-from mspretrain.data.discover import discover, discover_named, is_compressed, is_jsonl
-from mspretrain.data.filecounts import FileCounts, SourceStats, counted
-from mspretrain.data.rawlines import (
+from mspretrain.prepare import textdocs
+from mspretrain.prepare.discover import discover, discover_named, is_compressed, is_jsonl
+from mspretrain.prepare.filecounts import FileCounts, SourceStats, counted
+from mspretrain.prepare.rawlines import (
     RAW_CODECS,
     Damaged,
     RawLines,
@@ -38,7 +38,7 @@ from mspretrain.data.rawlines import (
     raw_line_blocks,
     raw_line_refs,
 )
-from mspretrain.data.sniff import (
+from mspretrain.prepare.sniff import (
     MIXED_CODEC,
     MIXED_LABEL,
     binary_reason,
@@ -49,7 +49,7 @@ from mspretrain.data.sniff import (
     read_errors,
     read_head,
 )
-from mspretrain.data.textdocs import LineStarts, batched, cut_text, jsonl_docs, line_doc_batches, text_docs, with_origin
+from mspretrain.prepare.textdocs import LineStarts, batched, cut_text, jsonl_docs, line_doc_batches, text_docs, with_origin
 
 # what the rest of `prepare` reads through this module: its own entry points and, from the parts above,
 # the names prepare's pipeline and workers read as `sources.NAME`

@@ -143,7 +143,7 @@ class RayCluster:
     def map(self, fn: Callable, items: Iterable) -> Iterator:
         """fn over items as Ray tasks, results in order, at most DEDUP_IN_FLIGHT out at once: the
         dedup partitions (`diskdedup.DiskDedup.resolve`), ~PART_BYTES each, bytes in and decisions out."""
-        from mspretrain.data.pool import ordered
+        from mspretrain.prepare.pool import ordered
 
         pool = self.pool(_no_state, ())
         try:

@@ -44,10 +44,10 @@ import numpy as np
 
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
-from mspretrain.data import sources
-from mspretrain.data.resume import Journal, point
-from mspretrain.data.scoring import HEADER, RECORD, SCORES, QualityStage, Scored, ScoreSource, ScoreWriter, read_scores
 from mspretrain.errors import UserError
+from mspretrain.prepare import sources
+from mspretrain.prepare.resume import Journal, point
+from mspretrain.prepare.scoring import HEADER, RECORD, SCORES, QualityStage, Scored, ScoreSource, ScoreWriter, read_scores
 
 SCAN = "scan.scores"  # in the state dir: the scan's sidecar
 BLOCK = 1 << 18  # records read at once (9.7 MB)
@@ -60,7 +60,7 @@ def open_source(data_dir: str, stage: QualityStage | None, cfg: PrepareConfig, n
     every filter this run has on, made by the same models and this version of mspretrain, from
     the same input files cleaned by the same rules. (Each document is checked again when its
     scores are looked up, by origin and key: `scoring.lookup`.)"""
-    from mspretrain.data.clean import Cleaner
+    from mspretrain.prepare.clean import Cleaner
 
     d = Path(data_dir).expanduser()
     fix = "run prepare without --scores-from (it scores every document)"
@@ -122,10 +122,10 @@ def scan(paths: list[Path], names: list[str], cfg: PrepareConfig, stage: Quality
     """Read, clean and score every document into the state dir's `SCAN` (pass 1's chunks, its
     reading rules; its counts and warnings are pass 1's to give, so none here). Resumed after a
     kill from the journal's "scan": the work items done and the file's length at the last commit."""
-    from mspretrain.data import clean
-    from mspretrain.data.pool import chunks_with_origin, ordered, start_pool
-    from mspretrain.data.progress import progress_bar
-    from mspretrain.data.workers import init_worker, score_chunk
+    from mspretrain.prepare import clean
+    from mspretrain.prepare.pool import chunks_with_origin, ordered, start_pool
+    from mspretrain.prepare.progress import progress_bar
+    from mspretrain.prepare.workers import init_worker, score_chunk
 
     path = j.state_path(SCAN)
     at = j.data.get("scan")
