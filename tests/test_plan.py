@@ -142,6 +142,19 @@ def test_errors_are_user_errors(capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_plan_refuses_a_tp_that_train_would_refuse_and_says_what_its_figures_are(capsys):
+    """parallel.tp is checked as `train` checks it (devices = tp x dp, the kv heads split), before any
+    plan is printed; an accepted tp is named under the plan, whose headline figures are without it."""
+    base = ["plan", "--model", "qwen3-14b", "--tokens", "1e9", "train.global_batch=64", "train.micro_batch=1"]
+    assert main(base + ["--devices", "8", "parallel.tp=3"]) == 2
+    err = capsys.readouterr()
+    assert "parallel.tp = 3 does not divide --devices 8" in err.err and not err.out
+    assert main(base + ["--devices", "16", "parallel.tp=16"]) == 2  # Qwen3-14B has 8 kv heads
+    assert "does not divide model.n_kv_heads = 8" in capsys.readouterr().err
+    assert main(base + ["--devices", "8", "parallel.tp=2"]) == 0
+    assert "parallel.tp = 2: the memory and time above are without tensor parallel" in capsys.readouterr().out
+
+
 def test_plan_cli_with_preset(capsys):
     assert main(["plan", "--model", "llama2-7b", "--devices", "8", "--tokens", "1e9", "data.seq_len=4096",
                  "train.global_batch=64", "train.micro_batch=1", "precision.dtype=bf16", "model.n_layers=16"]) == 0

@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.config import validate
 
     validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)))
+    _check_tp(cfg, args.devices)
     # device.target = auto plans for this machine (CPU here, Ascend on a node with NPUs), unless
     # --devices asks for more than one device: a cluster plan, Ascend's
     from mspretrain.device import resolve_target
@@ -133,6 +134,26 @@ def run(args: argparse.Namespace) -> int:
                      data_dir=Path(args.data) if args.data else None, tokens_per_s_per_device=tps,
                      device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute, assumed=assumed,
                      bus_gbps=args.bus_gbps, target=here)
-    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    if args.json:
+        print(json.dumps(plan, indent=1))
+    else:
+        print(format_plan(plan))
+        if cfg.parallel.tp > 1:  # the headline figures are the data-parallel ones; TP's are rows of the table
+            print(f"parallel.tp = {cfg.parallel.tp}: the memory and time above are without tensor parallel; "
+                  f"this layout is the table's TP{cfg.parallel.tp} rows (their memory not yet measured)")
     return 0
+
+
+def _check_tp(cfg: Config, devices: int) -> None:
+    """What `train` would refuse of `parallel.tp` on --devices ranks (train/tp.py make_mesh,
+    model/parallel.py check_tp), refused here in the same words before any plan is printed."""
+    from mspretrain.config import resolve_model
+    from mspretrain.errors import UserError
+    from mspretrain.model.parallel import check_tp
+
+    tp = cfg.parallel.tp
+    if tp > 1 and devices % tp:
+        raise UserError(f"parallel.tp = {tp} does not divide --devices {devices}",
+                        f"plan a multiple of {tp} devices (devices = tp x data-parallel ranks), or change parallel.tp")
+    check_tp(resolve_model(cfg.model), tp)
 
