@@ -11,7 +11,7 @@ import pytest
 
 from mspretrain.errors import UserError
 from mspretrain.train import distributed
-from tests.conftest import REWIND_ARGS, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
+from tests.conftest import TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
 from tests.helpers import (
     ARGS,
     DEATH_BOUND_S,
@@ -214,17 +214,15 @@ def test_fp16_wire_overflow_skips_the_step_on_every_rank(tmp_path, tiny_data):
     assert len(hashes) == 2 and hashes[0] == hashes[1]  # both ranks skipped the same steps
 
 
-SPIKE_ARGS = ["train.max_steps=5", "checkpoint.every=0", "--quiet"]
-
-
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_spike_rewind_under_msrun_matches_one_process(tmp_path, tiny_data, rewind_one_process):
+def test_spike_rewind_under_msrun_matches_one_process(rewind_one_process, two_nodes_rewind):
     """Spike `rewind` on 2 sharded ranks: both reload the same checkpoint (the newest save of the
-    run, waited for until rank 0 has published it) and the run equals one process's, rewinds included."""
-    one, two = rewind_one_process, tmp_path / "two"
-    msrun(tmp_path, tiny_data, two, "optim.shard_optimizer=true", *REWIND_ARGS, args=SPIKE_ARGS)
+    run, waited for until rank 0 has published it) and the run equals one process's, rewinds included.
+    The 2 ranks are the session's `two_nodes_rewind` (conftest; tests/test_multinode.py checks its
+    shards and final state)."""
+    one, two = rewind_one_process, two_nodes_rewind
 
     def series(run):
         return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
