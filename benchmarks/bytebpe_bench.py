@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.prepare_bench import build_corpus  # noqa: E402
 from mspretrain.config import PrepareConfig  # noqa: E402
-from mspretrain.data.prepare import prepare  # noqa: E402
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece  # noqa: E402
+from mspretrain.prepare.prepare import prepare  # noqa: E402
 
 
 def byte_level_bpe(lines: list[str], vocab: int, out: Path) -> Path:

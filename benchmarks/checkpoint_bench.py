@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def model_state(cfg_model) -> dict[str, np.ndarray]:
     """Random tensors with the real parameter names and shapes (no MindSpore needed)."""
-    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.decoder import Decoder, state_numpy
 
-    return {k: v.copy() for k, v in state_numpy(Llama(cfg_model, seed=0)).items()}
+    return {k: v.copy() for k, v in state_numpy(Decoder(cfg_model, seed=0)).items()}
 
 
 # --------------------------------------------------------------------------- disk and hash
@@ -164,7 +164,7 @@ def bench_saves(name: str, model: dict, work: Path, repeats: int = 2) -> dict:
 
 def demo_step_and_resume(work: Path) -> dict:
     """Step time of the demo model, and wall time from `build_trainer` start to its first resumed step."""
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
     from mspretrain.train.build import build_trainer
     from tests.conftest import make_poems
 
@@ -200,9 +200,9 @@ SEVEN_B = "llama2-7b-910b.toml"
 def check_layout(model_cfg) -> None:
     """layout_7b's arithmetic against a real model: its half-precision bytes are those of
     half_eligible()'s parameters (the demo shape, built on CPU)."""
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
 
-    model = Llama(model_cfg, seed=0)
+    model = Decoder(model_cfg, seed=0)
     half = set(half_eligible(model))
     want = sum(int(np.prod(p.shape)) for p in model.get_parameters() if p.name in half)
     cfg = cfgmod.apply_overrides(cfgmod.Config(), ["precision.dtype=fp16", "precision.param_dtype=compute"])

@@ -184,7 +184,7 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.1f}")
 
     from mspretrain import config as cfgmod
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

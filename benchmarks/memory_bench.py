@@ -234,7 +234,7 @@ def planned(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, 
 def make_data(dest: Path) -> Path:
     """A small data dir (vocab 512) prepared from the tests' synthetic poem corpus."""
     from mspretrain import config as cfgmod
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
     from tests.conftest import make_poems
 
     if (dest / "manifest.json").is_file():

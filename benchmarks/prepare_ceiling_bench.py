@@ -59,11 +59,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mspretrain.config import PrepareConfig  # noqa: E402
-from mspretrain.data import pipeline, sources  # noqa: E402
-from mspretrain.data import workers as worker_mod  # noqa: E402
 from mspretrain.data.origin import RECORD  # noqa: E402
-from mspretrain.data.prepare import prepare  # noqa: E402
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece  # noqa: E402
+from mspretrain.prepare import pipeline, sources  # noqa: E402
+from mspretrain.prepare import workers as worker_mod  # noqa: E402
+from mspretrain.prepare.prepare import prepare  # noqa: E402
+from mspretrain.prepare.results import ChunkResult  # noqa: E402
 
 TOKENS_PER_DOC = 100
 _NEAR = {"on": False}
@@ -91,16 +92,16 @@ def noop_chunk(work) -> dict:
     n = sum(o.size for o in origins)
     rng = np.random.default_rng(work.offset)
     if _TEXTS["on"]:
-        return {"docs_in": n, "chars_in": sum(b.size or len(b.data) for b in blocks) // 3, "changed": {}, "dropped": {},
+        return ChunkResult(**{"docs_in": n, "chars_in": sum(b.size or len(b.data) for b in blocks) // 3, "changed": {}, "dropped": {},
                 "keys": b"".join(keys), "chars": np.fromiter(map(len, texts), dtype=np.int64, count=n), "u": rng.random((n, 2)),
                 "bands": rng.integers(0, 2**63, size=(n, 9), dtype=np.uint64) if _NEAR["on"] else None,
-                "raw": (work.file, n, 0, 0), "origin": np.concatenate(origins), "texts": texts}
-    return {"docs_in": n, "chars_in": sum(b.size or len(b.data) for b in blocks) // 3, "changed": {}, "dropped": {},
+                "raw": (work.file, n, 0, 0), "origin": np.concatenate(origins), "texts": texts})
+    return ChunkResult(**{"docs_in": n, "chars_in": sum(b.size or len(b.data) for b in blocks) // 3, "changed": {}, "dropped": {},
             "keys": b"".join(keys), "chars": np.concatenate(chars), "u": rng.random((n, 2)),
             "bands": rng.integers(0, 2**63, size=(n, 9), dtype=np.uint64) if _NEAR["on"] else None,
             "raw": (work.file, n, 0, 0), "origin": np.concatenate(origins),
             "tokens": np.ones(n * TOKENS_PER_DOC, dtype=np.uint16), "lengths": np.full(n, TOKENS_PER_DOC, dtype=np.int32),
-            "fallback": np.zeros(n, dtype=np.int64)}
+            "fallback": np.zeros(n, dtype=np.int64)})
 
 
 def _noop_docs(work) -> dict:
@@ -119,7 +120,7 @@ def _noop_docs(work) -> dict:
     else:
         out.update(tokens=np.ones(n * TOKENS_PER_DOC, dtype=np.uint16), lengths=np.full(n, TOKENS_PER_DOC, dtype=np.int32),
                    fallback=np.zeros(n, dtype=np.int64))
-    return out
+    return ChunkResult(**out)
 
 
 def as_input(src: Path, tmp: Path, fmt: str, compress: str) -> Path:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("import sys\nfrom mspretrain.data import pipeline\nfrom mspretrain.cli import main\n"
+CODE = ("import sys\nfrom mspretrain.prepare import pipeline\nfrom mspretrain.cli import main\n"
         "pipeline.LOCAL_PIECES = {}\nsys.exit(main(sys.argv[1:]))\n")
 
 

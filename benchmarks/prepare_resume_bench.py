@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.prepare_bench import build_corpus  # noqa: E402
 from mspretrain.config import PrepareConfig  # noqa: E402
-from mspretrain.data import diskdedup, pipeline, resume  # noqa: E402
-from mspretrain.data.prepare import prepare  # noqa: E402
+from mspretrain.prepare import diskdedup, resume, stage  # noqa: E402
+from mspretrain.prepare.prepare import prepare  # noqa: E402
 
 
 def main() -> None:
@@ -73,14 +73,14 @@ def main() -> None:
         k[1] += time.perf_counter() - t
 
     diskdedup.atomic_writer = timed_writer
-    save = pipeline._save_state
+    save = stage.Run.save_state
 
     def timed_save(*a, **kw):  # the per-stage state files: part of the journal's cost too
         t = time.perf_counter()
         save(*a, **kw)
         commits[1] += time.perf_counter() - t
 
-    pipeline._save_state = timed_save
+    stage.Run.save_state = timed_save
     settings = {"stages only": "1e9", f"every {resume.COMMIT_SECONDS:g} s (default)": str(resume.COMMIT_SECONDS),
                 "every 1 s": "1", "every unit": "0"}
     try:

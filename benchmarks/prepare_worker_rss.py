@@ -16,15 +16,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mspretrain.config import PrepareConfig  # noqa: E402
-from mspretrain.data import dedup, pool, sources, workers  # noqa: E402
+from mspretrain.prepare import dedup, pool, sources, workers  # noqa: E402
 
 
 def main() -> None:
     corpus, blocks = Path(sys.argv[1]), int(sys.argv[2])
     pool.RAW_GROUP_BY_REFERENCE = blocks
     cfg = replace(PrepareConfig(), doc_per_line=True, near_dedup=True)
-    bands, rows = dedup.lsh_params(cfg.near_dedup_threshold)
-    workers.init_worker(cfg, None, None, (bands, rows, *dedup._permutations(cfg.seed, dedup.NUM_PERM)))
+    workers.init_worker(cfg, None, None, dedup.LshSettings.of(cfg))
     stats = sources.SourceStats()
     it = sources.iter_batches([corpus], doc_per_line=True, stats=stats, warn=lambda m: None, raw=True, by_reference=True)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -73,8 +73,8 @@ def main() -> None:
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
     from mspretrain.config import PrepareConfig
-    from mspretrain.data.clean import Cleaner
-    from mspretrain.data.scoring import REASONS, QualityStage, read_scores
+    from mspretrain.prepare.clean import Cleaner
+    from mspretrain.prepare.scoring import REASONS, QualityStage, read_scores
 
     # training data: other poems of the corpus's seed (tests/junk.py `held_in`), junk of another seed
     poems, pos = held_in(args.poems, 102)
@@ -168,8 +168,8 @@ def features_and_rethreshold(args: argparse.Namespace, tmp: Path, corpus: Path, 
     model's precision and recall of "drop" at 0.5, its training time, its scoring rate and its
     prepare time); then re-thresholding from the sidecar (`--scores-from`, nothing scored)
     against a fresh prepare with the same thresholds, and keeping a fraction (a scan first)."""
-    from mspretrain.data.quality import Classifier
-    from mspretrain.data.scoring import read_scores
+    from mspretrain.prepare.quality import Classifier
+    from mspretrain.prepare.scoring import read_scores
 
     out: dict = {}
     t = time.perf_counter()

@@ -30,7 +30,7 @@ def write_sidecar(path: Path, n: int) -> None:
     """n records of made-up scores (some ties: classifier scores rounded to 1/4096), in blocks."""
     import numpy as np
 
-    from mspretrain.data.scoring import HEADER, RECORD
+    from mspretrain.prepare.scoring import HEADER, RECORD
 
     rng = np.random.default_rng(n)
     with open(path, "wb") as f:
@@ -58,22 +58,22 @@ def child(path: str, what: str) -> None:
     """In its own process: the work, then its peak RSS and time as JSON."""
     import numpy as np
 
-    import mspretrain.data.inspect  # noqa: F401  the imports before the baseline: the same for both sizes
-    import mspretrain.data.rescore  # noqa: F401
+    import mspretrain.prepare.inspect  # noqa: F401  the imports before the baseline: the same for both sizes
+    import mspretrain.prepare.rescore  # noqa: F401
 
     base = peak_kb()
     t = time.perf_counter()
     out: dict = {}
     if what == "resolve":
-        from mspretrain.data import rescore
-        from mspretrain.data.quality import Classifier
-        from mspretrain.data.scoring import QualityStage, ScoreSource
+        from mspretrain.prepare import rescore
+        from mspretrain.prepare.quality import Classifier
+        from mspretrain.prepare.scoring import QualityStage, ScoreSource
 
         stage = QualityStage(evals=None, langid=None, min_zh=0.0, lm=None, ppl_min=0.0, ppl_max=0.0,
                              classifier=Classifier(np.zeros(2, dtype=np.float32), 0.0), threshold=0.5, top_fraction=0.3)
         out["threshold"] = rescore.resolve(stage, ScoreSource(path)).threshold
     else:
-        from mspretrain.data.inspect import quality_lines
+        from mspretrain.prepare.inspect import quality_lines
 
         out["lines"] = len(quality_lines(Path(path).parent, {"quality": {}}))
     out["seconds"] = round(time.perf_counter() - t, 2)
@@ -99,7 +99,7 @@ def main() -> None:
 
     import numpy as np
 
-    from mspretrain.data.scoring import SCORES, read_scores
+    from mspretrain.prepare.scoring import SCORES, read_scores
 
     tmp = Path(tempfile.mkdtemp(prefix="quality_scale_"))
     result: dict = {}

@@ -52,7 +52,7 @@ def time_records(plan: SamplePlan, global_batch: int, steps: int, work: Path) ->
 def time_train_step(work: Path, steps: int) -> float:
     """Median seconds of a demo-model train step (dim 256, 4 layers, batch 16 x 128) on this box."""
     from mspretrain import config as cfgmod
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
     from mspretrain.train.build import build_trainer
     from tests.conftest import make_poems
 

@@ -20,7 +20,7 @@ how the scan shows which processes read the data).
 
 Model initialisation on CPU puts the weights in host memory because host memory is the device
 there: a rank's RSS at the end of initialisation is one fp32 model plus a constant process baseline.
-On Ascend each weight goes to HBM as it is drawn (model/llama.py `_normal`), which this CPU box
+On Ascend each weight goes to HBM as it is drawn (model/decoder.py `_normal`), which this CPU box
 cannot show: the 7B lines say what each design holds on the host, from the parameter sizes. The
 first step on CPU adds MindSpore's CPU backend's resident term (`mspretrain plan`: "CPU backend
 term", about 5.5 bytes per parameter), which is the step's device memory, not initialisation.
@@ -80,8 +80,8 @@ def _free_port() -> int:
 def make_data(work: Path, tokens: int) -> tuple[Path, Path]:
     """(data dir with max_token_id, the same without it): a prepared tiny dir, its train shard replaced."""
     from mspretrain import config as cfgmod
-    from mspretrain.data.prepare import prepare
     from mspretrain.data.shards import ShardWriter
+    from mspretrain.prepare.prepare import prepare
     from tests.conftest import TINY, make_poems
 
     corpus = work / "poems.txt"
@@ -245,7 +245,12 @@ import numpy as np
 from mindspore import Tensor
 from mindspore.common import parameter as P
 from mspretrain.config import ModelConfig, resolve_model
-from mspretrain.model import llama
+try:  # the model class is `Decoder` in model/decoder.py since issue 40; `Llama` in model/llama.py in older trees
+    from mspretrain.model import decoder as llama
+    Model = llama.Decoder
+except (ImportError, AttributeError):
+    from mspretrain.model import llama
+    Model = llama.Llama
 from mspretrain.model.presets import param_count
 
 dim, layers, vocab = (int(a) for a in sys.argv[1:4])
@@ -271,9 +276,9 @@ elif not draw:
     llama.np.random.default_rng = lambda seed: _Ones()  # numpy's module: this process only
 cfg = resolve_model(ModelConfig(dim=dim, n_layers=layers, n_heads=dim // 64), vocab_size=vocab)
 params = param_count(cfg)
-llama.Llama(resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=1), vocab_size=64), dtype="fp16", device="ascend")  # warm-up
+Model(resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=1), vocab_size=64), dtype="fp16", device="ascend")  # warm-up
 t = time.perf_counter()
-model = llama.Llama(cfg, dtype="fp16", device="ascend", seed=0)
+model = Model(cfg, dtype="fp16", device="ascend", seed=0)
 build = time.perf_counter() - t
 print(json.dumps({"params": params, "ns_per_param": build / params * 1e9, "host_copies": len(copies),
                   "copied_params": sum(copies),
@@ -290,16 +295,16 @@ def _bare_draw_ns() -> float:
 
 
 def _streams_draw_ns(threads: int) -> float | None:
-    """This tree's counter-based draw (model/llama.py InitStreams) of 2^25 values with `threads`
+    """This tree's counter-based draw (model/decoder.py InitStreams) of 2^25 values with `threads`
     threads, ns per value (a fresh array, as a weight's: its pages are touched too), or None
     when the tree has no InitStreams."""
-    from mspretrain.model import llama
+    from mspretrain.model import decoder
 
-    if not hasattr(llama, "InitStreams"):
+    if not hasattr(decoder, "InitStreams"):
         return None
     n = 1 << 25
     t = time.perf_counter()
-    llama.InitStreams(0, threads=threads).draw((n,), 0.02)
+    decoder.InitStreams(0, threads=threads).draw((n,), 0.02)
     return (time.perf_counter() - t) / n * 1e9
 
 
@@ -334,8 +339,11 @@ def init_bench(trees: dict[str, Path], dim: int, layers: int, vocab: int, repeat
     replaced by np.ones (what the tree costs on top of the draw)."""
     from mspretrain.model.presets import param_count, preset
 
-    parallel = {name: (tree / "mspretrain" / "model" / "llama.py").read_text().count("class InitStreams") > 0
-                for name, tree in trees.items()}
+    def model_file(tree: Path) -> Path:  # model/llama.py before issue 40's rename
+        new = tree / "mspretrain" / "model" / "decoder.py"
+        return new if new.exists() and "class Decoder" in new.read_text() else tree / "mspretrain" / "model" / "llama.py"
+
+    parallel = {name: model_file(tree).read_text().count("class InitStreams") > 0 for name, tree in trees.items()}
     runs = [(name, mode, t) for name in trees for mode, t in
             ([("draw", t) for t in threads] + [("ones", threads[0])] if parallel[name] else [("draw", 1), ("ones", 1)])]
     best: dict[tuple[str, str, int], dict] = {}

@@ -125,7 +125,7 @@ from mindspore import nn  # noqa: E402
 
 from mspretrain.config import ModelConfig, resolve_model  # noqa: E402
 from mspretrain.device import HOST_BLOCKING_ENV, DeviceInfo, setup_mindspore  # noqa: E402
-from mspretrain.model.llama import Llama  # noqa: E402
+from mspretrain.model.decoder import Decoder  # noqa: E402
 from mspretrain.model.loss import token_nll  # noqa: E402
 from mspretrain.model.presets import preset  # noqa: E402
 
@@ -158,7 +158,7 @@ def matmul_flops_per_token(cfg: ModelConfig, seq: int) -> float:
 def ours_step(cfg: ModelConfig, data: np.ndarray, minimal: bool = False):
     """Our step: the trainer's `TrainStep` (jit; clip 1.0, AdamW), or with `minimal` a bare
     value_and_grad + nn.AdamWeightDecay graph (no clipping, no accumulation buffers)."""
-    model = Llama(cfg, seed=0)
+    model = Decoder(cfg, seed=0)
     if not minimal:
         from mspretrain.config import OptimConfig
         from mspretrain.train.step import TrainStep

@@ -3,11 +3,11 @@
 `train`, `plan` and `report` all ask this module for: the optimizer steps of the run, the warm-up
 (with the automatic rule's cap), the learning rate after scaling, the micro-batch per rank and the
 accumulation steps, and the tokens of one step. Each of them used to rebuild some of these from
-the pieces in `train/schedule.py`, and `plan`/`report` missed the cap on the automatic warm-up,
+the pieces in `schedule.py`, and `plan`/`report` missed the cap on the automatic warm-up,
 so for a short budget they showed a warm-up the run did not use.
 
 Design choices:
-- Layer 1 (pure arithmetic): imports `config`, `errors` and `train/schedule` only, no MindSpore,
+- Layer 1 (pure arithmetic): imports `config`, `errors` and `schedule` only, no MindSpore,
   no file reads. The data dir's measured train tokens are passed in by the caller.
 - The budget of a run is `train.max_steps` or `train.max_tokens` in steps, whichever comes first.
   `plan` may ask "what if" with an explicit token budget (`tokens=`), and without any budget it
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from mspretrain.config import Config
 from mspretrain.errors import UserError
-from mspretrain.train.schedule import Schedule, auto_warmup_steps, scaled_lr
+from mspretrain.schedule import Schedule, auto_warmup_steps, scaled_lr
 
 
 def tokens_per_step(cfg: Config) -> int:

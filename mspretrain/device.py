@@ -4,7 +4,7 @@ Design choices: `device.target = auto` picks Ascend when MindSpore was built for
 visible, else CPU. What actually runs is decided here and reported at start-up, so the rest of
 the code asks `DeviceInfo` instead of probing MindSpore itself, and the start-up line never
 claims an option that does not run:
-- attention: FlashAttentionScore only where `model.llama.select_attention` picks it (Ascend,
+- attention: FlashAttentionScore only where `model.attention` picks it (Ascend,
   fp16/bf16, a head size the kernel takes); the math path otherwise, fp32 on Ascend included.
 - graph-kernel fusion stays off (MindSpore Transformers' pretraining config
   configs/qwen3/pretrain_qwen3_32b_4k.yaml runs jit_level "O0"; some of its fine-tuning configs
@@ -242,7 +242,7 @@ def setup_mindspore(info: DeviceInfo, *, device_id: int | None = None) -> None:
     """Point MindSpore at the device. Global mode stays PyNative; hot paths are `ms.jit`.
 
     device_id: the NPU to bind on Ascend; None = MindSpore's choice (msrun negotiates it). A process
-    started from a rank table passes its DEVICE_ID (train/distributed.select_launch)."""
+    started from a rank table passes its DEVICE_ID (world.select_launch)."""
     if info.target == "cpu":
         os.environ.setdefault(HOST_BLOCKING_ENV, "1")
     else:  # read by the Ascend runtime; plan_device has refused any other value

@@ -42,7 +42,7 @@ class Mutant:
     tests: tuple[str, ...]  # pytest arguments (files, node ids, -k expressions)
 
 
-STEP, LAYOUT, LLAMA = "mspretrain/train/step.py", "mspretrain/train/layout.py", "mspretrain/model/llama.py"
+STEP, LAYOUT, LLAMA = "mspretrain/train/step.py", "mspretrain/train/layout.py", "mspretrain/model/decoder.py"
 TRAIN_STEP = "tests/test_train_step.py"
 
 MUTANTS: list[Mutant] = [

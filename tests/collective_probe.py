@@ -78,7 +78,7 @@ def main() -> None:
     from mindspore.ops.operations import comm_ops
 
     from mspretrain import config as cfgmod
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.model.parallel import CopyToTP, Group, ReduceFromTP, split_model
     from mspretrain.train.step import TrainStep
     from mspretrain.train.tp import Mesh, TPTrainStep
@@ -103,7 +103,7 @@ def main() -> None:
         # The shipped Qwen2.5 910B recipe's choices, small: bf16 with half-precision matrices (fp32
         # masters), the embedding frozen, ZeRO; tiny buckets and a low split threshold so that the
         # step has split parameters, several buckets of each kind and unbucketed singletons.
-        model = Llama(m, dtype="bf16", attention="math", device="ascend", seed=0)
+        model = Decoder(m, dtype="bf16", attention="math", device="ascend", seed=0)
         common = dict(global_tokens=64, shard=True, shard_grads=args.zero >= 2, half_params=half_eligible(model), bucket_mb=0.01,
                       device="ascend", trainable=["attention", "mlp", "norms", "lm_head"])
         if tp > 1:

@@ -60,7 +60,7 @@ def tiny_cfg():
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory, corpus_file, tiny_cfg) -> Path:
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
 
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare([str(corpus_file)], out, tiny_cfg.prepare, workers=1, log=lambda s: None)

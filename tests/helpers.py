@@ -239,7 +239,7 @@ PREPARE_TEST_ENV = ("MSPRETRAIN_PREPARE_TEST_POINTS", "MSPRETRAIN_PREPARE_TEST_K
                     "MSPRETRAIN_PREPARE_TEST_WORKER_KILL")
 # prepare with every chunk's documents through the main process (`--ray`'s path; the default
 # with local workers keeps them in per-chunk files): the same bytes
-THROUGH_MAIN = ("import sys\nfrom mspretrain.data import pipeline\nfrom mspretrain.cli import main\n"
+THROUGH_MAIN = ("import sys\nfrom mspretrain.prepare import pipeline\nfrom mspretrain.cli import main\n"
                 "pipeline.LOCAL_PIECES = False\nsys.exit(main(sys.argv[1:]))\n")
 
 
@@ -314,7 +314,7 @@ def dedup_corpus(n: int, seed: int) -> list[str]:
 
 def dedup_reference(docs: list[str], threshold: float) -> tuple[np.ndarray, np.ndarray]:
     """(exact duplicates, near duplicates) by the in-memory indexes, greedily in input order."""
-    from mspretrain.data import dedup
+    from mspretrain.prepare import dedup
 
     exact, near = dedup.ExactDedup(), dedup.NearDedup(threshold, seed=3)
     sigs = dedup.signatures(docs, seed=3)

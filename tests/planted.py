@@ -29,7 +29,7 @@ ARGS = ("train.max_steps=24", f"train.seed={SEED}", "optim.lr=1e-2", "spike.wind
 
 def planted_data(root: Path, tiny_data: Path) -> Path:
     from mspretrain import config as cfgmod
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
 
     corpus = root / "corpus"
     corpus.mkdir(parents=True)

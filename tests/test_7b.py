@@ -1,7 +1,7 @@
 """The 7B-on-8x910B recipe (configs/llama2-7b-910b.toml), checked as far as a CPU box can:
 
 1. its model has Llama-2-7B's 6,738,415,616 parameters, by the closed form and by building our
-   real `Llama` module at full size with shape-only (not allocated) parameters;
+   real `Decoder` module at full size with shape-only (not allocated) parameters;
 2. `mspretrain plan` for it on 8 devices equals a hand computation, byte for byte;
 3. one real fp16 train step of the same config scaled down (2 layers, dim 64, seq 32, the data
    dir's vocabulary, one rank's share of the batch) runs on CPU with the field report's
@@ -46,18 +46,18 @@ def test_param_count_closed_form(cfg_7b):
 
 
 def test_full_size_module_built_shape_only(cfg_7b, monkeypatch):
-    """Our Llama class at 7B size with lazily initialised parameters: ~0.4 GB of RSS, not 27 GB."""
+    """Our Decoder class at 7B size with lazily initialised parameters: ~0.4 GB of RSS, not 27 GB."""
     import mindspore as ms
     from mindspore import Parameter
     from mindspore.common.initializer import Normal, initializer
 
-    import mspretrain.model.llama as llama
+    import mspretrain.model.decoder as decoder
 
     # The model draws its init from numpy; swap in MindSpore's lazy initializer so that
     # `no_init_parameters` keeps every large weight as shape + dtype only.
-    monkeypatch.setattr(llama, "_normal", lambda rng, shape, std: Parameter(initializer(Normal(std), shape, ms.float32), name="weight"))
+    monkeypatch.setattr(decoder, "_normal", lambda rng, shape, std: Parameter(initializer(Normal(std), shape, ms.float32), name="weight"))
     with ms.nn.utils.no_init_parameters():
-        model = llama.Llama(cfgmod.resolve_model(cfg_7b.model), dtype=cfg_7b.precision.dtype, device="cpu")
+        model = decoder.Decoder(cfgmod.resolve_model(cfg_7b.model), dtype=cfg_7b.precision.dtype, device="cpu")
     params = model.trainable_params()
     assert sum(math.prod(p.shape) for p in params) == P_7B
     assert len(params) == 1 + 32 * 6 + 1 + 1  # embed; per layer 2 norms, wqkv, wo, w13, w2; final norm; lm_head
@@ -187,12 +187,12 @@ def test_the_step_changed_the_weights_and_checkpointed_masters(one_step):
     # them (same seed). fp32 values: the master of an fp16 weight, the weight itself otherwise.
     import mindspore as ms
 
-    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.decoder import Decoder, state_numpy
 
     cfg = trainer.cfg
     ms.set_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed % (2**32))
-    initial = state_numpy(Llama(cfg.model, dtype=cfg.precision.dtype, seed=cfg.train.seed))
+    initial = state_numpy(Decoder(cfg.model, dtype=cfg.precision.dtype, seed=cfg.train.seed))
     assert set(initial) == set(weights)
     after = {k: optim[f"master.{k}"] if k in half else weights[k] for k in weights}
     for k in sorted(after):

@@ -18,8 +18,9 @@ import pytest
 
 from mspretrain import config as cfgmod
 from mspretrain import device
+from mspretrain import world as world_mod
 from mspretrain.errors import UserError
-from mspretrain.model import llama
+from mspretrain.model import decoder
 from mspretrain.train import distributed
 from tests.helpers import rms_norm_reference
 
@@ -37,15 +38,15 @@ def _table_env(tmp_path, **over) -> dict[str, str]:
 
 def test_rank_table_launch_is_selected_with_its_device(tmp_path):
     env = _table_env(tmp_path)
-    launch = distributed.select_launch("ascend", env)
-    assert (launch.kind, launch.world, launch.device_id) == ("rank_table", distributed.World(rank=3, size=8), 3)
+    launch = world_mod.select_launch("ascend", env)
+    assert (launch.kind, launch.world, launch.device_id) == ("rank_table", world_mod.World(rank=3, size=8), 3)
     # msrun's variables win (msrun exports RANK_ID/RANK_SIZE too); no variables: one process
     msrun = {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": "1", "RANK_ID": "1"}
-    assert distributed.select_launch("ascend", {**env, **msrun}).kind == "msrun"
-    assert distributed.select_launch("ascend", {}) == distributed.Launch("single", distributed.World())
+    assert world_mod.select_launch("ascend", {**env, **msrun}).kind == "msrun"
+    assert world_mod.select_launch("ascend", {}) == world_mod.Launch("single", world_mod.World())
     # MindSpore's other name for the table
     other = {("MINDSPORE_HCCL_CONFIG_PATH" if k == "RANK_TABLE_FILE" else k): v for k, v in env.items()}
-    assert distributed.select_launch("ascend", other).device_id == 3
+    assert world_mod.select_launch("ascend", other).device_id == 3
 
 
 @pytest.mark.parametrize("change, message", [
@@ -54,12 +55,12 @@ def test_rank_table_launch_is_selected_with_its_device(tmp_path):
 def test_rank_table_launch_refuses_a_bad_environment(tmp_path, change, message):
     env = {k: v for k, v in {**_table_env(tmp_path), **change}.items() if v is not None}
     with pytest.raises(UserError, match=message):
-        distributed.select_launch("ascend", env)
+        world_mod.select_launch("ascend", env)
 
 
 def test_rank_table_on_cpu_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="RANK_TABLE_FILE is set"):
-        distributed.select_launch("cpu", _table_env(tmp_path))
+        world_mod.select_launch("cpu", _table_env(tmp_path))
 
 
 def test_rank_table_binds_device_id_then_initialises_hccl(tmp_path, monkeypatch):
@@ -78,11 +79,11 @@ def test_rank_table_binds_device_id_then_initialises_hccl(tmp_path, monkeypatch)
     monkeypatch.setattr(comm, "get_rank", lambda: 3)
     monkeypatch.setattr(comm, "get_group_size", lambda: 8)
     info = device.plan_device(cfgmod.load(None, ["precision.dtype=fp16"]), target="ascend")
-    device.setup_mindspore(info, device_id=distributed.select_launch("ascend").device_id)  # as build_trainer does
+    device.setup_mindspore(info, device_id=world_mod.select_launch("ascend").device_id)  # as build_trainer does
     world = distributed.init("ascend")
     assert ("set_device", "Ascend", 3) in calls
     assert ("init", "hccl") in calls
-    assert world == distributed.World(rank=3, size=8)
+    assert world == world_mod.World(rank=3, size=8)
     assert not [c for c in calls if c[0] == "set_auto_parallel_context"]
     # item 3: graph-kernel fusion is not switched on through the deprecated flag
     assert not [c for c in calls if c[0] == "set_context" and "enable_graph_kernel" in c[1]]
@@ -128,23 +129,23 @@ def test_jit_level_and_deterministic_keys(monkeypatch):
 
 @pytest.mark.parametrize("head_dim, ok", [(16, True), (64, True), (128, True), (512, True), (24, False), (8, False), (528, False)])
 def test_flash_head_size_is_checked_in_the_selection(head_dim, ok):
-    assert llama.select_attention("auto", "ascend", "fp16", head_dim) is ok
+    assert decoder.select_attention("auto", "ascend", "fp16", head_dim) is ok
     if ok:
-        assert llama.select_attention("flash", "ascend", "bf16", head_dim)
+        assert decoder.select_attention("flash", "ascend", "bf16", head_dim)
     else:
         with pytest.raises(UserError, match=f"head size {head_dim} is not a multiple of 16 up to 512"):
-            llama.select_attention("flash", "ascend", "bf16", head_dim)
+            decoder.select_attention("flash", "ascend", "bf16", head_dim)
 
 
 # ------------------------------------------------------------------ one causal mask for all layers
 
 def test_one_flash_causal_mask_for_all_layers(tiny_cfg, monkeypatch):
-    monkeypatch.setattr(llama.ops, "rms_norm", rms_norm_reference)  # Ascend's fused norm has no CPU kernel
+    monkeypatch.setattr(decoder.ops, "rms_norm", rms_norm_reference)  # Ascend's fused norm has no CPU kernel
     m = cfgmod.resolve_model(replace(tiny_cfg.model, n_layers=3), 256)
-    model = llama.Llama(m, dtype="fp16", device="ascend")  # builds the flash path; nothing runs on CPU here
+    model = decoder.Decoder(m, dtype="fp16", device="ascend")  # builds the flash path; nothing runs on CPU here
     assert model.use_flash
     masks = [t for cell in model.cells_and_names() for t in vars(cell[1]).values()
-             if isinstance(t, ms.Tensor) and tuple(t.shape) == (llama.FLASH_MASK_SIZE,) * 2]
+             if isinstance(t, ms.Tensor) and tuple(t.shape) == (decoder.FLASH_MASK_SIZE,) * 2]
     assert len(masks) == 1
     seen = []
 
@@ -173,10 +174,10 @@ def test_startup_line_reports_what_runs():
 @pytest.mark.parametrize("overrides", [["precision.dtype=fp16"], ["precision.dtype=bf16"], [],
                                        ["precision.dtype=fp16", "model.dim=96", "model.n_heads=4"]])
 def test_startup_line_agrees_with_the_model_that_runs(overrides):
-    """What the line claims is what Llama builds from the same config (the trainer passes attention auto)."""
+    """What the line claims is what Decoder builds from the same config (the trainer passes attention auto)."""
     cfg = cfgmod.load(None, overrides)
     info = device.plan_device(cfg, target="ascend")
-    model = llama.Llama(cfgmod.resolve_model(replace(cfg.model, n_layers=1), 64), dtype=cfg.precision.dtype,
+    model = decoder.Decoder(cfgmod.resolve_model(replace(cfg.model, n_layers=1), 64), dtype=cfg.precision.dtype,
                         attention="auto", device="ascend")
     assert info.flash_attention is model.use_flash
 
@@ -368,12 +369,12 @@ def test_setup_reads_the_device_through_get_current_device(monkeypatch):
 
 def test_eval_compiles_at_the_devices_jit_level(monkeypatch, tiny_cfg):
     from mspretrain.eval import perplexity
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
     levels: list[str] = []
     real_jit = ms.jit
     monkeypatch.setattr(ms, "jit", lambda fn, **kw: levels.append(kw.get("jit_level")) or real_jit(fn, **kw))
-    model = Llama(cfgmod.resolve_model(tiny_cfg.model, 512), seed=0)
+    model = Decoder(cfgmod.resolve_model(tiny_cfg.model, 512), seed=0)
     perplexity._nll_fn(model, "O1")
     perplexity._nll_fn(model, "O1")  # cached
     perplexity._nll_fn(model)
@@ -389,16 +390,16 @@ def test_memory_docstring_says_reserved_minus_allocated():
 # ------------------------------------------------------------------ Ascend kernels, selected by device
 
 def test_ascend_kernels_are_selected_by_device(tiny_cfg):
-    from mspretrain.model import llama
+    from mspretrain.model import decoder
 
     m = cfgmod.resolve_model(tiny_cfg.model, 512)
-    asc = llama.Llama(m, dtype="fp16", device="ascend", seed=0)
-    cpu = llama.Llama(m, dtype="fp32", device="cpu", seed=0)
-    norms = lambda model: [c for _, c in model.cells_and_names() if isinstance(c, llama.RMSNorm)]
-    softmaxes = lambda model: [c.softmax for _, c in model.cells_and_names() if isinstance(c, llama.Attention)]
+    asc = decoder.Decoder(m, dtype="fp16", device="ascend", seed=0)
+    cpu = decoder.Decoder(m, dtype="fp32", device="cpu", seed=0)
+    norms = lambda model: [c for _, c in model.cells_and_names() if isinstance(c, decoder.RMSNorm)]
+    softmaxes = lambda model: [c.softmax for _, c in model.cells_and_names() if isinstance(c, decoder.Attention)]
     assert len(norms(asc)) == 2 * m.n_layers + 1 and all(n.fused for n in norms(asc))
-    assert all(isinstance(s, llama.SoftmaxPlain) for s in softmaxes(asc))
-    assert not any(n.fused for n in norms(cpu)) and all(isinstance(s, llama.SoftmaxFP32) for s in softmaxes(cpu))
+    assert all(isinstance(s, decoder.SoftmaxPlain) for s in softmaxes(asc))
+    assert not any(n.fused for n in norms(cpu)) and all(isinstance(s, decoder.SoftmaxFP32) for s in softmaxes(cpu))
     assert asc.fused_kernels and not cpu.fused_kernels
     # the same parameters either way: one model definition
     assert [p.name for p in asc.get_parameters()] == [p.name for p in cpu.get_parameters()]
@@ -411,7 +412,7 @@ def test_the_ascend_step_computes_what_the_cpu_step_computes(tiny_cfg, monkeypat
     import numpy as np
     from mindspore import ops
 
-    from mspretrain.model import llama
+    from mspretrain.model import decoder
     from mspretrain.train.step import TrainStep
 
     monkeypatch.setattr(ops, "rms_norm", rms_norm_reference)
@@ -419,11 +420,11 @@ def test_the_ascend_step_computes_what_the_cpu_step_computes(tiny_cfg, monkeypat
     tokens = np.random.default_rng(0).integers(0, 512, (2, 17)).astype(np.int32)
     results = {}
     for dev in ("cpu", "ascend"):
-        model = llama.Llama(m, dtype="fp32", device=dev, seed=0)
+        model = decoder.Decoder(m, dtype="fp32", device=dev, seed=0)
         step = TrainStep(model, tiny_cfg.optim, global_tokens=2 * 16, device=dev, jit=False)
         assert step._plain_sums is (dev == "ascend")
         r = step.run([(tokens, None, None)], 1e-3, 1.0)
-        results[dev] = (r.loss, r.grad_norm, {k: v.copy() for k, v in llama.state_numpy(model).items()})
+        results[dev] = (r.loss, r.grad_norm, {k: v.copy() for k, v in decoder.state_numpy(model).items()})
     (l_cpu, n_cpu, w_cpu), (l_asc, n_asc, w_asc) = results["cpu"], results["ascend"]
     assert l_asc == pytest.approx(l_cpu, rel=1e-6) and n_asc == pytest.approx(n_cpu, rel=1e-5)
     for k in w_cpu:

@@ -27,6 +27,7 @@ import pytest
 from mspretrain import config as cfgmod
 from mspretrain.cli import main
 from mspretrain.errors import UserError
+from mspretrain.sections.base import hints
 from tests.conftest import ROOT, TINY, make_poems
 from tests.helpers import cli, refused
 
@@ -288,7 +289,7 @@ def test_prepare_disk_errors_are_one_line(poems_dir, tmp_path, capsys, monkeypat
     import os
 
     from mspretrain.data.shards import ShardWriter
-    from mspretrain.data.sink import Sink
+    from mspretrain.prepare.sink import Sink
 
     code = getattr(errno, err)
     calls = []
@@ -458,7 +459,7 @@ def test_recursive_glob_does_not_follow_symlink_loops(tmp_path):
     (d / "x.txt").write_text("春眠不觉晓，处处闻啼鸟。", encoding="utf-8")
     (d / "up").symlink_to("..")          # a loop through the parent
     (d / "self").symlink_to(".")         # and one onto itself
-    code = ("import sys; from mspretrain.data.sources import discover; "
+    code = ("import sys; from mspretrain.prepare.sources import discover; "
             "print([str(p) for p in discover(sys.argv[1:])])")
     r = subprocess.run([sys.executable, "-c", code, f"{tmp_path}/corpus/**/*.txt", f"{tmp_path}/corpus/*/*.txt"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -500,7 +501,7 @@ def _mixed_lines(n: int) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("bad_lines", [0, 2])
 def test_a_file_mixing_gbk_and_utf8_lines_is_read_line_by_line(tmp_path, bad_lines):
-    from mspretrain.data import sources
+    from mspretrain.prepare import sources
 
     lines = _mixed_lines(300)
     raw = [t.encode(enc) for t, enc in lines]
@@ -548,7 +549,7 @@ def test_truncated_compressed_file_keeps_the_lines_before_the_damage(tmp_path, n
 
     import zstandard
 
-    from mspretrain.data import sources
+    from mspretrain.prepare import sources
 
     lines = [f"第{i}行，春眠不觉晓，处处闻啼鸟，夜来风雨声。" for i in range(n_lines)]
     raw = ("\n".join(lines) + "\n").encode()
@@ -825,7 +826,7 @@ def _int_keys() -> list[str]:
     keys = []
     for section in cfgmod.SECTIONS:
         for f in dataclasses.fields(getattr(cfgmod.Config(), section)):
-            if cfgmod._hints(type(getattr(cfgmod.Config(), section)))[f.name] is int:
+            if hints(type(getattr(cfgmod.Config(), section)))[f.name] is int:
                 keys.append(f"{section}.{f.name}")
     return keys
 

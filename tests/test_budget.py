@@ -13,8 +13,8 @@ from mspretrain import config as cfgmod
 from mspretrain.cli import main
 from mspretrain.errors import UserError
 from mspretrain.ops.report import summarize
+from mspretrain.schedule import auto_warmup_steps
 from mspretrain.train.build import build_trainer
-from mspretrain.train.schedule import auto_warmup_steps
 from tests.conftest import TINY
 
 AUTO = 'schedule.warmup_steps="auto"'

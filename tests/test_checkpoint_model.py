@@ -15,7 +15,7 @@ from mspretrain.checkpoint.store import resolve_checkpoint, write_weights_only_c
 from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
-from mspretrain.model.llama import Llama, state_numpy
+from mspretrain.model.decoder import Decoder, state_numpy
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def saved(tmp_path_factory, tiny_data):
     tok = tiny_data / "tokenizer.model"
     vocab = Tokenizer.load(tok).vocab_size
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab, ffn_dim=96, max_seq_len=64))
-    model = Llama(cfg, seed=5)
+    model = Decoder(cfg, seed=5)
     state = state_numpy(model)
     # vocab_size 0 (automatic) in the saved config: the loader must take it from the weights
     auto = replace(Config(), model=replace(cfg, vocab_size=0))

@@ -45,7 +45,7 @@ def _planted(rng: np.random.Generator, shuffle_labels: bool) -> list[dict]:
 def planted(tmp_path_factory):
     import sentencepiece as spm
 
-    from mspretrain.data.tokenizer_extend import _recipe
+    from mspretrain.prepare.tokenizer_extend import _recipe
 
     d = tmp_path_factory.mktemp("choices")
     (d / "tok").mkdir()

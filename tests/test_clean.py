@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import clean, dedup
-from mspretrain.data.clean import Cleaner
+from mspretrain.prepare import clean, dedup
+from mspretrain.prepare.clean import Cleaner
 
 ALL_OFF = PrepareConfig(strip_html=False, remove_urls=False, remove_emails=False, drop_control=False,
                         normalize_whitespace=False, nfkc=False, t2s=False, char_whitelist=False, min_chars=0,

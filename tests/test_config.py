@@ -10,6 +10,7 @@ import pytest
 from mspretrain import budget
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
+from mspretrain.sections.base import choices
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 
@@ -107,8 +108,8 @@ OLD_CHOICES = {
 
 def test_choices_are_the_literal_types():
     base = cfgmod.Config()
-    found = {f"{s}.{f.name}": cfgmod.choices(type(getattr(base, s)), f.name)
-             for s in cfgmod.SECTIONS for f in fields(getattr(base, s)) if cfgmod.choices(type(getattr(base, s)), f.name)}
+    found = {f"{s}.{f.name}": choices(type(getattr(base, s)), f.name)
+             for s in cfgmod.SECTIONS for f in fields(getattr(base, s)) if choices(type(getattr(base, s)), f.name)}
     assert found == OLD_CHOICES
     for key, allowed in OLD_CHOICES.items():
         value = '["bogus"]' if key == "train.trainable" else "bogus"

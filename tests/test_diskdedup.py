@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mspretrain.data import dedup, diskdedup
+from mspretrain.prepare import dedup, diskdedup
 from tests.helpers import dedup_corpus, dedup_reference
 
 
@@ -16,7 +16,7 @@ def test_disk_dedup_decides_like_the_in_memory_indexes(tmp_path, monkeypatch, th
     docs = dedup_corpus(1500, seed=threshold == 0.8)
     want_exact, want_near = dedup_reference(docs, threshold)
     assert want_exact.sum() > 50 and want_near.sum() > 50  # the corpus exercises both
-    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, threshold)
+    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, dedup.LshSettings.make(threshold, 1234))
     assert dd.exact.parts > 8 and dd.near.parts > 8
     bands, rows = dd.bands, dd.rows
     for lo in range(0, len(docs), 97):  # chunks in input order, as the workers hand them over
@@ -43,7 +43,7 @@ def test_records_placed_by_workers_and_resolve_by_path_change_nothing(tmp_path, 
     docs = dedup_corpus(1500, seed=5)
     want_exact, want_near = dedup_reference(docs, 0.6)
     assert want_exact.sum() > 50 and want_near.sum() > 50
-    dds = {mode: diskdedup.DiskDedup(tmp_path / mode, 200_000, True, 0.6) for mode in ("main", "workers")}
+    dds = {mode: diskdedup.DiskDedup(tmp_path / mode, 200_000, dedup.LshSettings.make(0.6, 1234)) for mode in ("main", "workers")}
     w = dds["workers"]
     tasks = []
     for i, lo in enumerate(range(0, len(docs), 97)):
@@ -76,7 +76,7 @@ def test_records_placed_by_workers_and_resolve_by_path_change_nothing(tmp_path, 
 
 def test_exact_only_keeps_first_occurrence(tmp_path):
     docs = ["甲乙丙", "丁戊", "甲乙丙", "己", "丁戊", "甲乙丙"]
-    dd = diskdedup.DiskDedup(tmp_path / "dd", 100, False, 0.8)
+    dd = diskdedup.DiskDedup(tmp_path / "dd", 100, None)
     dd.add(dedup.dedup_keys(docs[:4]), None)
     dd.add(dedup.dedup_keys(docs[4:]), None)
     dd.resolve()
@@ -132,7 +132,7 @@ def test_resolve_interrupted_sorts_again_only_the_undecided_partitions(tmp_path,
     docs = dedup_corpus(1500, seed=7)
     want_exact, want_near = dedup_reference(docs, 0.6)
     assert want_exact.sum() > 50 and want_near.sum() > 50
-    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, 0.6)
+    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, dedup.LshSettings.make(0.6, 1234))
     for lo in range(0, len(docs), 97):
         part = docs[lo: lo + 97]
         dd.add(dedup.dedup_keys(part), dedup.band_keys(dedup.signatures(part, seed=3), dd.bands, dd.rows))
@@ -152,7 +152,7 @@ def test_resolve_interrupted_sorts_again_only_the_undecided_partitions(tmp_path,
 
     with pytest.raises(Killed):
         dd.resolve(map, remove=False, by_path=True, decided=decided)
-    again = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, 0.6)
+    again = diskdedup.DiskDedup(tmp_path / "dd", 200_000, dedup.LshSettings.make(0.6, 1234))
     again.restore(state)
     assert again.decided_count() == (n_exact + 3, n_exact + n_band)
     sent: list = []

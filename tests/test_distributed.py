@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mspretrain import world as world_mod
 from mspretrain.errors import UserError
 from mspretrain.train import distributed
 from tests.conftest import TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
@@ -33,13 +34,13 @@ from tests.helpers import (
 
 
 def test_rank_detection():
-    assert distributed.detect({}) is None
+    assert world_mod.detect({}) is None
     env = {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": "8118", "RANK_ID": "1"}
-    assert distributed.detect(env) == distributed.World(rank=1, size=2)
+    assert world_mod.detect(env) == world_mod.World(rank=1, size=2)
     with pytest.raises(UserError, match="half set"):
-        distributed.detect({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2"})
+        world_mod.detect({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2"})
     with pytest.raises(UserError, match="outside"):
-        distributed.detect({**env, "RANK_ID": "5"})
+        world_mod.detect({**env, "RANK_ID": "5"})
     line = distributed.msrun_command(8, ["train", "--config", "c.toml"], nodes=2, node_rank=1, master_addr="10.0.0.1")
     assert "--worker_num=16" in line and "--local_worker_num=8" in line and "--node_rank=1" in line
 

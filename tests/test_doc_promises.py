@@ -93,7 +93,7 @@ def test_train_takes_a_preset():
 
 def test_schedule_notes_on_resume_say_what_changes_and_how_to_keep_the_lr():
     # item 8, the arithmetic: a finished 300-step cosine raised to 600 steps jumps back up
-    from mspretrain.train.schedule import Schedule, resume_notes
+    from mspretrain.schedule import Schedule, resume_notes
 
     old = Schedule(kind="cosine", lr=1e-3, warmup=10, total=300, min_lr=1e-4)
     new = Schedule(kind="cosine", lr=1e-3, warmup=10, total=600, min_lr=1e-4)

@@ -12,7 +12,7 @@ from mspretrain.data.shards import IndexedDataset
 from mspretrain.errors import UserError
 from mspretrain.eval.generate import SamplingParams, generate, sample_next
 from mspretrain.eval.perplexity import evaluate_tokens
-from mspretrain.model.llama import Llama
+from mspretrain.model.decoder import Decoder
 
 SEQ = 16
 
@@ -24,7 +24,7 @@ def model_and_tokens(tiny_data):
     vocab = read_manifest(tiny_data)["vocab_size"]
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64), vocab)
     tokens = np.asarray(IndexedDataset(tiny_data / "valid").tokens)[: 40 * SEQ + 1]
-    return Llama(cfg, seed=3), tokens
+    return Decoder(cfg, seed=3), tokens
 
 
 @pytest.mark.slow

@@ -24,8 +24,8 @@ from mspretrain.checkpoint.init_source import load_init
 from mspretrain.checkpoint.model import load_model
 from mspretrain.config import OptimConfig
 from mspretrain.errors import UserError
+from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.hf import config_from_hf, hf_to_ours
-from mspretrain.model.llama import Llama, load_numpy, state_numpy
 from mspretrain.model.loss import token_nll
 from mspretrain.model.presets import param_count, preset
 from mspretrain.train.step import TrainStep, decay_mask
@@ -111,7 +111,7 @@ def test_convert_matches_transformers(fam, family):
     # the family's own switch matters: the same weights without it are far off (the test can fail)
     plain = replace(m, family="mistral" if family == "mistral" else "llama", qkv_bias=False, qk_norm=False,
                     sliding_window=0, rope_scaling="none")
-    model = Llama(plain)
+    model = Decoder(plain)
     tensors = {k: v for k, v in state_numpy(loaded.model).items() if not k.endswith(("bias", "q_norm.weight", "k_norm.weight"))}
     load_numpy(model, tensors)
     assert np.abs(model(ms.Tensor(tok)).asnumpy() - ref.logits.numpy()).max() > 1e-3
@@ -149,7 +149,7 @@ def test_init_from_hf_folder_equals_converted(fam, family):
     tok = tokens(3)
     losses = []
     for src in (a, b):
-        model = Llama(src.config)
+        model = Decoder(src.config)
         load_numpy(model, src.tensors)
         nll, _ = token_nll(model(ms.Tensor(tok[:, :-1])), ms.Tensor(tok[:, 1:]))
         losses.append(float(nll.asnumpy().mean()))
@@ -332,15 +332,15 @@ def test_sliding_window_on_the_flash_path_matches_the_math_path(monkeypatch):
     (tests/helpers.py kernel_discard; unverified on hardware, like every flash layout test), and
     the window really masks (a window of T gives other logits)."""
     from mspretrain.config import ModelConfig, resolve_model
-    from mspretrain.model import llama as llama_mod
+    from mspretrain.model import decoder as decoder_mod
     from tests.helpers import rms_norm_reference
 
-    monkeypatch.setattr(llama_mod.ops, "rms_norm", rms_norm_reference)  # Ascend's fused norm has no CPU kernel
+    monkeypatch.setattr(decoder_mod.ops, "rms_norm", rms_norm_reference)  # Ascend's fused norm has no CPU kernel
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
                                     family="mistral", sliding_window=4, init_std=0.2))
-    math16 = Llama(cfg, dtype="fp16", device="cpu", seed=3)
-    flash16 = Llama(cfg, dtype="fp16", device="ascend", seed=3)
+    math16 = Decoder(cfg, dtype="fp16", device="cpu", seed=3)
+    flash16 = Decoder(cfg, dtype="fp16", device="ascend", seed=3)
     assert flash16.use_flash and not math16.use_flash
     seen: list = []
     for layer in flash16.layers:
@@ -359,7 +359,7 @@ def test_sliding_window_on_the_flash_path_matches_the_math_path(monkeypatch):
     a = flash16(ms.Tensor(tok), ms.Tensor(pos), ms.Tensor(seg)).asnumpy()
     assert rel(a, math16(ms.Tensor(tok), ms.Tensor(pos), ms.Tensor(seg)).asnumpy()) <= 5e-3
     assert [x[:3] for x in seen] == [(0, 3, 0)] * 2 and all(tuple(x[3].shape) == (2, 1, 12, 12) for x in seen)
-    full = Llama(replace(cfg, sliding_window=0), dtype="fp16", device="ascend", seed=3)
+    full = Decoder(replace(cfg, sliding_window=0), dtype="fp16", device="ascend", seed=3)
     seen.clear()
     for layer in full.layers:
         _flash_kernels(layer.attn, seen)
@@ -383,8 +383,8 @@ def test_banded_window_equals_plain_attention_on_every_edge(window, documents):
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
                                     family="mistral", sliding_window=window))
-    flash16 = Llama(cfg, dtype="fp16", device="ascend", seed=1)
-    plain32 = Llama(cfg, dtype="fp32", device="cpu", seed=1)
+    flash16 = Decoder(cfg, dtype="fp16", device="ascend", seed=1)
+    plain32 = Decoder(cfg, dtype="fp32", device="cpu", seed=1)
     B, T, hd = 2, T_EDGE, cfg.head_size
     rng = np.random.default_rng(window)
     # fp16-representable inputs: both sides see the same values (the kernel's inputs are fp16)
@@ -428,7 +428,7 @@ def test_sliding_window_kv_cache_greedy_equals_full_recompute():
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
                                     family="mistral", sliding_window=4, init_std=0.1))
-    model = Llama(cfg, seed=5)
+    model = Decoder(cfg, seed=5)
     prompt, n_new = tokens(11, (2, 6)), 8
     seq, full_logits = prompt.copy(), []
     for _ in range(n_new):
@@ -447,3 +447,47 @@ def test_sliding_window_kv_cache_greedy_equals_full_recompute():
         last = logits.asnumpy()[:, -1]
     assert np.array_equal(out, seq)
     assert np.abs(np.stack(cached_logits) - np.stack(full_logits)).max() <= 1e-4
+
+
+# --------------------------------------------------------------------------- the table (mspretrain/families.py)
+
+def test_family_table_is_what_transformers_says():
+    """Each row's facts against transformers' own classes: model_type, the architecture's class,
+    the config defaults convert fills in, and which config keys the class has."""
+    from mspretrain.families import FAMILIES
+
+    for f in FAMILIES:
+        hc = getattr(transformers, f"{f.label}Config")()
+        assert hc.model_type == f.name
+        assert hasattr(transformers, f.hf_class) and f.hf_class == f"{f.label}ForCausalLM"
+        assert hc.max_position_embeddings == f.max_position_default, f.name
+        assert (getattr(hc, "sliding_window", None) or 0) == f.sliding_window_default, f.name
+        assert hasattr(hc, "attention_bias") == f.attention_bias_key, f.name
+        assert hasattr(hc, "use_sliding_window") == f.per_layer_window, f.name
+        assert hasattr(hc, "head_dim") == f.head_dim_written, f.name
+        if f.head_dim_default is not None:
+            assert hc.head_dim == f.head_dim_default, f.name
+
+
+def test_family_table_drives_config_presets_and_shapes():
+    """model.family's choices are the table's names; a preset's switches and so its parameters
+    (a q/k/v bias, QK-norm weights) come from its family's row; a switch its family lacks is one line."""
+    from mspretrain.config import ModelConfig
+    from mspretrain.families import FAMILIES, NAMES, family
+    from mspretrain.model.presets import param_shapes
+    from mspretrain.sections.base import choices
+
+    assert choices(ModelConfig, "family") == NAMES == tuple(f.name for f in FAMILIES)
+    for name in ("qwen2.5-7b", "qwen3-8b", "llama3-8b"):
+        m = preset(name)
+        f = family(m.family)
+        assert (m.qkv_bias, m.qk_norm) == (f.qkv_bias, f.qk_norm)
+        names = [n for n, _ in param_shapes(m)]
+        assert any(n.endswith("wqkv.bias") for n in names) == f.qkv_bias
+        assert any(n.endswith("q_norm.weight") for n in names) == f.qk_norm
+    with pytest.raises(UserError) as e:
+        ModelConfig(family="qwen2")
+    assert e.value.cause == "model.qkv_bias = False is not what model.family = qwen2 has"
+    assert e.value.fix == "qwen2 has qkv_bias, qwen3 has qk_norm, only mistral has a sliding_window; llama has none of them"
+    with pytest.raises(UserError, match="not supported"):
+        family("gpt2")

@@ -22,8 +22,8 @@ from mspretrain.checkpoint.model import load_model
 from mspretrain.checkpoint.store import read_model_tensors, resolve_checkpoint, write_weights_only_checkpoint
 from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.model.decoder import Decoder, state_numpy
 from mspretrain.model.hf import read_safetensors
-from mspretrain.model.llama import Llama, state_numpy
 from mspretrain.model.loss import token_nll
 from tests.helpers import HF_VOCAB, assert_refusal, cli, train_tokenizer
 
@@ -111,12 +111,12 @@ def our_ckpt(work):
     root, tok = work
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96,
                                     max_seq_len=64, rope_theta=5000.0, init_std=0.1))
-    model = Llama(cfg, seed=11)
+    model = Decoder(cfg, seed=11)
     ck = write_weights_only_checkpoint(root / "ours", state_numpy(model), replace(Config(), model=cfg), tokenizer_path=tok)
     return ck, model, cfg
 
 
-def greedy_ours(model: Llama, prompt: list[int], n: int, eos: int) -> list[int]:
+def greedy_ours(model: Decoder, prompt: list[int], n: int, eos: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         nxt = int(model(ms.Tensor(np.array([seq], np.int32))).asnumpy()[0, -1].argmax())

@@ -255,7 +255,7 @@ def test_init_for_run_loads_the_hf_model_before_step_zero(src, tmp_path):
 
     from mspretrain import config as cfgmod
     from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
-    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.decoder import Decoder, state_numpy
     from mspretrain.model.loss import token_nll
 
     cfg = cfgmod.load(TINY)
@@ -270,7 +270,7 @@ def test_init_for_run_loads_the_hf_model_before_step_zero(src, tmp_path):
         run_cfg, hook, meta = init_for_run(src["hf"], cfg, data, tmp_path / f"run{n_new}", explicit=explicit_model_keys(TINY), log=logs.append)
         assert run_cfg.model.vocab_size == V + n_new and meta["files"] and (meta["resized"] is None) == (n_new == 0)
         assert run_cfg.train == cfg.train and run_cfg.optim == cfg.optim
-        model = Llama(run_cfg.model, seed=99)
+        model = Decoder(run_cfg.model, seed=99)
         hook(model)
         weights = state_numpy(model)
         assert np.array_equal(weights["layers.0.mlp.w13.weight"],
@@ -326,7 +326,7 @@ def ext_data(src):
     import random
 
     from mspretrain import config as cfgmod
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
 
     rng = random.Random(3)
     words = CHARS + NEW_PIECES

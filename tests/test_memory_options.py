@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mspretrain.config import ModelConfig, OptimConfig, resolve_model
-from mspretrain.model.llama import Llama, half_eligible, state_numpy
+from mspretrain.model.decoder import Decoder, half_eligible, state_numpy
 from mspretrain.train.step import TrainStep
 from tests.conftest import TINY, snapshot
 
@@ -26,7 +26,7 @@ def _batches() -> list[np.ndarray]:
 
 
 def _run(dtype: str, *, half: bool = False, recompute: bool = False) -> tuple[list[float], dict, TrainStep]:
-    model = Llama(CFG, dtype=dtype, seed=3)
+    model = Decoder(CFG, dtype=dtype, seed=3)
     if recompute:
         for layer in model.layers:
             layer.recompute()

@@ -17,7 +17,7 @@ from mspretrain.checkpoint.store import write_weights_only_checkpoint
 from mspretrain.cli import main
 from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.errors import UserError
-from mspretrain.model.llama import Llama, load_numpy, state_numpy
+from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.mindir import verify_mindir
 
 V = 256
@@ -27,7 +27,7 @@ V = 256
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("mindir")
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64))
-    model = Llama(cfg, seed=3)
+    model = Decoder(cfg, seed=3)
     ck = write_weights_only_checkpoint(root / "ck", state_numpy(model), replace(Config(), model=cfg))
     out = root / "nested" / "not" / "yet" / "there"
     rc = main(["export", str(ck), "--format", "mindir", "--out", str(out)])
@@ -56,7 +56,7 @@ def test_one_export_matches_training_logits_at_two_lengths(exported):
 
 def test_verification_catches_a_different_model(exported):
     _, _, out, model = exported
-    other = Llama(model.cfg, seed=4)
+    other = Decoder(model.cfg, seed=4)
     with pytest.raises(UserError, match="differ"):
         verify_mindir(other, out / "model.mindir")
     state = state_numpy(model)

@@ -1,4 +1,4 @@
-"""Llama model: parity with HF transformers, masks, RoPE constants, precision islands, flash layout,
+"""The decoder model: parity with HF transformers, masks, RoPE constants, precision islands, flash layout,
 initialisation, presets' parameter counts, and the sparse token NLL."""
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import transformers  # noqa: E402
 
 from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.errors import UserError
-from mspretrain.model import llama
+from mspretrain.model import decoder
+from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.hf import hf_to_ours, our_shapes
-from mspretrain.model.llama import Llama, load_numpy, state_numpy
 from mspretrain.model.loss import token_nll
 from mspretrain.model.presets import PRESETS, param_count, preset
 
@@ -41,8 +41,8 @@ def hf_model(cfg: ModelConfig, seed: int = 0):
     return transformers.LlamaForCausalLM(hc).eval()
 
 
-def ours_from_hf(hf, cfg: ModelConfig, **kw) -> Llama:
-    model = Llama(cfg, **kw)
+def ours_from_hf(hf, cfg: ModelConfig, **kw) -> Decoder:
+    model = Decoder(cfg, **kw)
     load_numpy(model, hf_to_ours({k: v.detach().numpy() for k, v in hf.state_dict().items()}, cfg))
     return model
 
@@ -166,7 +166,7 @@ def test_rope_tables_are_constants_not_parameters(pair):
 
 
 def test_rope_table_values():
-    cos, sin = llama.rope_tables(8, 5, 10000.0)
+    cos, sin = decoder.rope_tables(8, 5, 10000.0)
     inv = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)
     ang = 3 * np.concatenate([inv, inv])
     assert np.allclose(cos[3], np.cos(ang), atol=1e-7) and np.allclose(sin[3], np.sin(ang), atol=1e-7)
@@ -186,7 +186,7 @@ def test_load_numpy_is_strict(pair):
 
 def test_init_is_llama_and_seeded():
     cfg = tiny_cfg(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=256, init_std=0.02)
-    a, b, c = (state_numpy(Llama(cfg, seed=s)) for s in (7, 7, 8))
+    a, b, c = (state_numpy(Decoder(cfg, seed=s)) for s in (7, 7, 8))
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert not np.array_equal(a["embed.weight"], c["embed.weight"])
     scaled = 0.02 / np.sqrt(2 * cfg.n_layers)
@@ -202,7 +202,7 @@ def test_init_is_llama_and_seeded():
 def test_fp16_keeps_fp32_islands(pair, monkeypatch):
     cfg, hf, ref = pair
     seen = {"rms_in": set(), "rms_out": set(), "softmax_out": set(), "head_in": set()}
-    orig_rms, orig_soft = llama.rms_statistic, llama.softmax_fp32
+    orig_rms, orig_soft = decoder.rms_statistic, decoder.softmax_fp32
 
     def rms(x, eps):
         out = orig_rms(x, eps)
@@ -214,8 +214,10 @@ def test_fp16_keeps_fp32_islands(pair, monkeypatch):
         seen["softmax_out"].add(out.dtype)
         return out
 
-    monkeypatch.setattr(llama, "rms_statistic", rms)
-    monkeypatch.setattr(llama, "softmax_fp32", soft)
+    from mspretrain.model import layers  # where the norm and softmax cells look them up
+
+    monkeypatch.setattr(layers, "rms_statistic", rms)
+    monkeypatch.setattr(layers, "softmax_fp32", soft)
     model = ours_from_hf(hf, cfg, dtype="fp16")
     head = model.head_matmul
     model.head_matmul = lambda h, w: (seen["head_in"].add((h.dtype, w.dtype)), head(h, w))[1]
@@ -232,34 +234,34 @@ def test_fp16_keeps_fp32_islands(pair, monkeypatch):
 
 def test_bf16_refused_on_cpu_and_bad_names():
     with pytest.raises(UserError, match="bf16"):
-        Llama(tiny_cfg(), dtype="bf16", device="cpu")
+        Decoder(tiny_cfg(), dtype="bf16", device="cpu")
     with pytest.raises(UserError):
-        Llama(tiny_cfg(), dtype="fp8")
+        Decoder(tiny_cfg(), dtype="fp8")
     with pytest.raises(UserError):
-        Llama(tiny_cfg(), attention="sdpa")
+        Decoder(tiny_cfg(), attention="sdpa")
     with pytest.raises(UserError, match="resolve"):
-        Llama(ModelConfig(vocab_size=0))
+        Decoder(ModelConfig(vocab_size=0))
 
 
 # --------------------------------------------------------------------------- flash attention (Ascend) layout
 
 def test_attention_selection_by_device():
-    assert llama.select_attention("auto", "ascend", "fp16") and llama.select_attention("auto", "ascend", "bf16")
-    assert not llama.select_attention("auto", "cpu", "fp16")
-    assert not llama.select_attention("auto", "ascend", "fp32")  # the kernel has no fp32
-    assert not llama.select_attention("math", "ascend", "fp16")
+    assert decoder.select_attention("auto", "ascend", "fp16") and decoder.select_attention("auto", "ascend", "bf16")
+    assert not decoder.select_attention("auto", "cpu", "fp16")
+    assert not decoder.select_attention("auto", "ascend", "fp32")  # the kernel has no fp32
+    assert not decoder.select_attention("math", "ascend", "fp16")
     with pytest.raises(UserError):
-        llama.select_attention("flash", "cpu", "fp16")
+        decoder.select_attention("flash", "cpu", "fp16")
     with pytest.raises(UserError):
-        llama.select_attention("flash", "ascend", "fp32")
+        decoder.select_attention("flash", "ascend", "fp32")
 
 
 def test_flash_path_argument_layout(pair, monkeypatch):
     # Checked against our reading of the kernel's docs; unverified on hardware (see flash_reference).
-    from mspretrain.model import llama as llama_mod
+    from mspretrain.model import decoder as decoder_mod
     from tests.helpers import flash_reference, rms_norm_reference
 
-    monkeypatch.setattr(llama_mod.ops, "rms_norm", rms_norm_reference)  # Ascend's fused norm has no CPU kernel
+    monkeypatch.setattr(decoder_mod.ops, "rms_norm", rms_norm_reference)  # Ascend's fused norm has no CPU kernel
     cfg, hf, _ = pair
     math16 = ours_from_hf(hf, cfg, dtype="fp16", device="cpu")
     flash16 = ours_from_hf(hf, cfg, dtype="fp16", device="ascend")
@@ -302,7 +304,7 @@ def test_preset_param_count_equals_hf(name, tied):
 
 def test_param_count_equals_model_and_presets_errors():
     cfg = tiny_cfg(tie_embeddings=True)
-    assert param_count(cfg) == sum(int(np.prod(p.shape)) for p in Llama(cfg).get_parameters())
+    assert param_count(cfg) == sum(int(np.prod(p.shape)) for p in Decoder(cfg).get_parameters())
     with pytest.raises(UserError, match="vocab_size"):
         param_count(preset("tiny"))
     with pytest.raises(UserError, match="preset"):
@@ -332,7 +334,7 @@ def test_token_nll_matches_torch_values_and_grads():
 
 def test_kv_cache_greedy_equals_full_recompute():
     cfg = tiny_cfg(init_std=0.1)
-    model = Llama(cfg, seed=5)
+    model = Decoder(cfg, seed=5)
     prompt, n_new = tokens((2, 6), seed=11), 10
 
     seq = prompt.copy()

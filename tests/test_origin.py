@@ -1,6 +1,6 @@
 """The per-document origin index (`data/origin.py`) and the per-file token statistics of
 `prepare`'s manifest: every document of the shards is found again in its input file, by reading
-that file here at the recorded offset (not through `data/sources.py`)."""
+that file here at the recorded offset (not through `prepare/sources.py`)."""
 from __future__ import annotations
 
 import gzip
@@ -13,13 +13,13 @@ import pytest
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data import origin as origin_mod
-from mspretrain.data.clean import Cleaner
-from mspretrain.data.inspect import inspect
 from mspretrain.data.origin import docs_in_window, read_origin, require_origin
-from mspretrain.data.prepare import prepare
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
+from mspretrain.prepare.clean import Cleaner
+from mspretrain.prepare.inspect import inspect
+from mspretrain.prepare.prepare import prepare
 from tests.conftest import make_poems
 
 CFG = PrepareConfig(vocab_size=500, valid_fraction=0.2, min_chars=4)
@@ -113,7 +113,7 @@ def test_one_document_per_line_raw_blocks(tmp_path):
 def test_offsets_of_pieces_of_an_over_long_line(tmp_path, monkeypatch):
     """A line longer than MAX_DOC_CHARS is cut into documents; read as raw blocks, each piece
     points at its own first byte."""
-    from mspretrain.data import sources, textdocs
+    from mspretrain.prepare import sources, textdocs
 
     monkeypatch.setattr(textdocs, "MAX_DOC_CHARS", 50)
     text = "".join(p.replace("\n", "") for p in make_poems(6, seed=4))
@@ -240,7 +240,7 @@ def test_origin_api_shape(raw, tmp_path):
 def test_a_line_without_end_switches_reader_and_keeps_origins(tmp_path, monkeypatch):
     """A one-per-line file whose first read holds no newline is read by the decoding reader
     (`raw_line_blocks`' fallback): its pieces point at the start of their line."""
-    from mspretrain.data import sources, textdocs
+    from mspretrain.prepare import sources, textdocs
 
     monkeypatch.setattr(textdocs, "MAX_DOC_CHARS", 50)
     p = tmp_path / "one.txt"
@@ -267,7 +267,7 @@ def test_overwrite_never_replaces_a_foreign_origin_file(raw, tmp_path):
 def test_chunks_carry_the_origins_of_their_documents(raw, tmp_path, monkeypatch):
     """`chunks` cuts batches apart (here every 5 documents or 40 characters): each chunk's
     records are its own documents', in order, whatever the cut; then prepare end to end."""
-    from mspretrain.data import pipeline, pool, textdocs
+    from mspretrain.prepare import pool, textdocs
 
     monkeypatch.setattr(pool, "CHUNK_DOCS", 5)
     monkeypatch.setattr(pool, "CHUNK_CHARS", 40)
@@ -279,7 +279,7 @@ def test_chunks_carry_the_origins_of_their_documents(raw, tmp_path, monkeypatch)
         batches.append(textdocs.docs_of(docs, textdocs.origin_records(f, np.arange(n, n + k) * 10)))
         n += k
     got_docs, got_rec = [], []
-    for chunk, rec in pipeline.chunks_with_origin(iter(batches)):
+    for chunk, rec in pool.chunks_with_origin(iter(batches)):
         assert len(chunk) == rec.size
         got_docs += chunk
         got_rec.append(rec)

@@ -157,12 +157,12 @@ def ckpt(tmp_path_factory, tiny_data):
     from mspretrain.checkpoint.store import write_weights_only_checkpoint
     from mspretrain.config import Config
     from mspretrain.data.tokenizer import Tokenizer
-    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.decoder import Decoder, state_numpy
 
     root = tmp_path_factory.mktemp("outputs_ckpt")
     vocab = Tokenizer.load(tiny_data).vocab_size
     m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab, max_seq_len=64))
-    return write_weights_only_checkpoint(root / "ck", state_numpy(Llama(m, seed=1)), replace(Config(), model=m),
+    return write_weights_only_checkpoint(root / "ck", state_numpy(Decoder(m, seed=1)), replace(Config(), model=m),
                                          tokenizer_path=tiny_data / "tokenizer.model")
 
 
@@ -273,7 +273,7 @@ def test_a_torn_extend_output_is_refused_by_readers(tok_inputs, tmp_path, capsys
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS])
 def test_extend_write_errors_are_one_line(tok_inputs, tmp_path, capsys, monkeypatch, err):
-    import mspretrain.data.tokenizer_extend as te
+    import mspretrain.prepare.tokenizer_extend as te
 
     base, corpus = tok_inputs
     out = tmp_path / "out"

@@ -27,13 +27,13 @@ import mindspore as ms
 from mindspore import Tensor
 from mindspore.graph.api import _JitExecutor  # compile without running; ms.jit has no public compile-only call
 from mspretrain import config as cfgmod
-from mspretrain.model.llama import Llama
+from mspretrain.model.decoder import Decoder
 from mspretrain.train.step import TrainStep
 
 out, device = sys.argv[1], sys.argv[2]
 ms.set_context(save_graphs=1, save_graphs_path=out)
 cfg = cfgmod.load(sys.argv[3])
-model = Llama(cfgmod.resolve_model(cfg.model, 512), dtype="fp32", seed=0)
+model = Decoder(cfgmod.resolve_model(cfg.model, 512), dtype="fp32", seed=0)
 step = TrainStep(model, cfg.optim, global_tokens=64, world=2, rank=0, device=device, bucket_mb=0.05, jit=False)
 tokens = Tensor(np.zeros((2, 17), np.int32))
 one = Tensor(1.0, ms.float32)
@@ -73,10 +73,10 @@ def test_collectives_are_chained_on_cpu_only(tiny_cfg):
     """CPU (mccl) needs every rank to issue its collectives in one order, so they are chained there;
     Ascend runs them in the graph's execution order, unchained (train/step.py, `_chain`)."""
     from mspretrain.config import resolve_model
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
     from mspretrain.train.step import TrainStep
 
-    model = Llama(resolve_model(tiny_cfg.model, vocab_size=512), seed=0)
+    model = Decoder(resolve_model(tiny_cfg.model, vocab_size=512), seed=0)
     cpu = TrainStep(model, tiny_cfg.optim, global_tokens=64, world=2, rank=0, device="cpu", bucket_mb=0.05, jit=False)
     asc = TrainStep(model, tiny_cfg.optim, global_tokens=64, world=2, rank=0, device="ascend", bucket_mb=0.05, jit=False)
     assert cpu._chain and not asc._chain

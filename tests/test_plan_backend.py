@@ -37,12 +37,12 @@ def test_the_measured_constants_are_in_the_plan():
 @pytest.mark.parametrize("dtype,param_dtype,accumulation", [("fp32", "fp32", 1), ("fp32", "fp32", 2), ("fp16", "compute", 1),
                                                              ("fp16", "fp32", 2)])
 def test_cpu_backend_term_is_counted_from_the_steps_tables(tiny_cfg, dtype, param_dtype, accumulation, monkeypatch):
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.model.presets import is_half_eligible
     from mspretrain.train.step import TrainStep
 
     cfg = _cfg(tiny_cfg, dtype, param_dtype, accumulation)
-    model = Llama(cfg.model, dtype=dtype, seed=0)
+    model = Decoder(cfg.model, dtype=dtype, seed=0)
     half = half_eligible(model) if param_dtype == "compute" else []
     step = TrainStep(model, cfg.optim, global_tokens=cfg.train.global_batch * cfg.data.seq_len, half_params=half,
                      accumulation=accumulation)
@@ -58,8 +58,10 @@ def test_cpu_backend_term_is_counted_from_the_steps_tables(tiny_cfg, dtype, para
     have = step.buffer_bytes()
     assert (mem["gradients"], mem["adam_moments"]) == (have["gradients"], have["adam_moments"])
     # part of the peak and of the text
+    from mspretrain.ops import costs  # where the memory model reads its constants
+
     for name in ("CPU_RUNTIME_BYTES_PER_PARAM", "CPU_HALF_BYTES_PER_PARAM"):
-        monkeypatch.setattr(planmod, name, 0)
+        monkeypatch.setattr(costs, name, 0)
     other = planmod.make_plan(cfg, devices=1, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]
     assert other["cpu_backend"] == 0 and mem["peak"] == pytest.approx(other["peak"] + mem["cpu_backend"], rel=1e-12)
     assert mem["total"] == pytest.approx(other["total"] + mem["cpu_backend"], rel=1e-12)
@@ -121,17 +123,17 @@ def test_cpu_collective_term_is_the_measured_factor_times_the_steps_largest_buck
     """On CPU with 2 ranks the plan's collective buckets are CPU_BUCKET_FACTOR x the largest bucket
     of the layout a real TrainStep builds with the CPU default cap; Ascend keeps the flat copy and the
     ReduceScatter / AllGather results (x 1.5 with 2 ranks), and its own 256 MB cap."""
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
     from mspretrain.train import layout as layoutmod
     from mspretrain.train.step import TrainStep
 
     # a cap below the tiny model's size, so the CPU default and Ascend's give different buckets
     monkeypatch.setattr(layoutmod, "CPU_BUCKET_MB", 0.15)
     cfg = _sharded(tiny_cfg, "cpu")
-    step = TrainStep(Llama(cfg.model, dtype="fp32", seed=0), cfg.optim, global_tokens=128, world=2, rank=0, shard=True,
+    step = TrainStep(Decoder(cfg.model, dtype="fp32", seed=0), cfg.optim, global_tokens=128, world=2, rank=0, shard=True,
                      shard_grads=True, bucket_mb=layoutmod.bucket_mb_for("auto", "cpu"), device="cpu")
     largest = max(step.layout.largest_bucket_bytes())
-    red, gat = TrainStep(Llama(cfg.model, dtype="fp32", seed=1), cfg.optim, global_tokens=128, world=2, rank=0, shard=True,
+    red, gat = TrainStep(Decoder(cfg.model, dtype="fp32", seed=1), cfg.optim, global_tokens=128, world=2, rank=0, shard=True,
                          shard_grads=True, bucket_mb=256.0, device="cpu").layout.largest_bucket_bytes()
     assert largest < max(red, gat)  # the cap applies
     mem = planmod.make_plan(cfg, devices=2, tokens=10**6, data_dir=None, tokens_per_s_per_device=None)["memory_bytes"]

@@ -8,7 +8,7 @@ import multiprocessing.pool
 
 import pytest
 
-from mspretrain.data.pool import QuietPool, start_pool
+from mspretrain.prepare.pool import QuietPool, start_pool
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_a_killed_worker_ends_the_wait_for_its_task_and_terminate_returns():
     import threading
     import time
 
-    from mspretrain.data.pool import WorkerDied
+    from mspretrain.prepare.pool import WorkerDied
 
     pool = start_pool(2, int, ())
     try:

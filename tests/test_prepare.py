@@ -17,13 +17,14 @@ import pytest
 
 from mspretrain.cli import main
 from mspretrain.config import PrepareConfig
-from mspretrain.data import corpus, dedup
-from mspretrain.data.clean import Cleaner
-from mspretrain.data.inspect import inspect
-from mspretrain.data.prepare import prepare
+from mspretrain.data import corpus
 from mspretrain.data.shards import IndexedDataset, data_fingerprint
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
+from mspretrain.prepare import dedup
+from mspretrain.prepare.clean import Cleaner
+from mspretrain.prepare.inspect import inspect
+from mspretrain.prepare.prepare import prepare
 from tests.conftest import make_poems
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def _both_paths(monkeypatch, inputs: list[str], tmp_path: Path, cfg: PrepareConf
     """prepare on the per-chunk path and on the path through the main process
     (`pipeline.LOCAL_PIECES`, `--ray`'s): every file of the data dirs and the manifests equal.
     Returns the manifest."""
-    from mspretrain.data import pipeline
+    from mspretrain.prepare import pipeline
 
     manifests = {}
     for local in (True, False):
@@ -286,7 +287,7 @@ def test_crash_mid_write_leaves_nothing_finished_looking(raw, tmp_path, monkeypa
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(shards.ShardWriter, "add_flat", boom)
-    monkeypatch.setattr(shards.ShardWriter, "reserve", boom)  # the per-chunk path's writes (`_replay_pieces`)
+    monkeypatch.setattr(shards.ShardWriter, "reserve", boom)  # the per-chunk path's writes (`stage_replay.replay_pieces`)
     with pytest.raises(RuntimeError, match="disk on fire"):
         prepare([str(raw)], tmp_path / "data", CFG, workers=2, **QUIET)
     assert calls and list(tmp_path.iterdir()) == []  # no data dir, no .partial left behind
@@ -295,8 +296,8 @@ def test_crash_mid_write_leaves_nothing_finished_looking(raw, tmp_path, monkeypa
 def test_every_file_is_fsynced_before_the_data_dir_is_published(raw, tmp_path, monkeypatch):
     # The shard writers leave durability to prepare, which fsyncs all files at once: a file
     # missing from that batch could be lost by a power cut after the data dir looks finished.
-    from mspretrain.data import prepare as prep
-    from mspretrain.data import publish as pub
+    from mspretrain.prepare import prepare as prep
+    from mspretrain.prepare import publish as pub
 
     synced: list[Path] = []
     real_fsync, real_publish = pub.fsync_path, prep.publish
@@ -371,7 +372,7 @@ def test_overwrite_refuses_a_manifest_prepare_did_not_write(raw, tmp_path, capsy
 def test_a_publish_killed_halfway_is_repaired_by_the_same_command(raw, tmp_path, monkeypatch):
     # issue 33: the file-by-file publish (a user's file lives in the data dir) removes the old
     # manifest first; a kill after that left a dir that every rerun refused.
-    from mspretrain.data import publish as pub
+    from mspretrain.prepare import publish as pub
 
     cfg = replace(CFG, valid_fraction=0.2)
     ref = prepare([str(raw)], tmp_path / "ref", cfg, workers=1, **QUIET)
@@ -538,7 +539,7 @@ def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(pre
     through the main process (`--ray`'s) is the reference: the same bytes, the same manifest.
     Small blocks: many chunks, several files, near dedup on; or 5 documents, valid left empty,
     so that the last train document moves (`Sink.finish`, `ShardWriter.peek_last`)."""
-    from mspretrain.data import pipeline, pool, rawlines
+    from mspretrain.prepare import pool, rawlines, stage_replay
 
     out, _ = prepared
     d = tmp_path / "in"
@@ -554,8 +555,8 @@ def test_per_chunk_path_writes_what_the_path_through_the_main_process_writes(pre
     monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 2048)
     monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
     calls = []
-    real = pipeline._replay_pieces
-    monkeypatch.setattr(pipeline, "_replay_pieces", lambda *a: calls.append(1) or real(*a))
+    real = stage_replay.ReplayPieces.run
+    monkeypatch.setattr(stage_replay.ReplayPieces, "run", lambda *a: calls.append(1) or real(*a))
     m = _both_paths(monkeypatch, [str(d)], tmp_path, cfg, tokenizer=str(out / "tokenizer.model"), workers=2)
     assert calls == [1]  # the per-chunk path ran once, the other run went through the main process
     if case == "chunks":
@@ -574,7 +575,7 @@ def test_per_chunk_path_with_a_trained_tokenizer_writes_what_the_main_process_pa
     same data dir byte for byte (tokenizer included), the same manifest. A 3,000-character
     sample budget, far below the corpus, makes documents leave the sample (the heap's pops), and
     the short documents mixed in fit the room a pop leaves."""
-    from mspretrain.data import pipeline, pool, rawlines
+    from mspretrain.prepare import pool, rawlines, stage_replay
 
     d = tmp_path / "in"
     d.mkdir()
@@ -587,8 +588,8 @@ def test_per_chunk_path_with_a_trained_tokenizer_writes_what_the_main_process_pa
     monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 2048)
     monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
     calls = []
-    real = pipeline._replay_sample
-    monkeypatch.setattr(pipeline, "_replay_sample", lambda *a: calls.append(1) or real(*a))
+    real = stage_replay.ReplaySample.run
+    monkeypatch.setattr(stage_replay.ReplaySample, "run", lambda *a: calls.append(1) or real(*a))
     m = _both_paths(monkeypatch, [str(d)], tmp_path, cfg, workers=workers)
     assert calls == [1]  # the per-chunk path ran once, the other run went through the main process
     assert m["dropped"].get("exact_dup", 0) > 0 and m["documents"]["valid"] > 0
@@ -612,7 +613,7 @@ def test_ref_sample_keeps_the_members_sink_sample_keeps(seed, impl, monkeypatch)
     in u (the older entry leaves first), short documents that fit the room a pop leaves (some
     exactly), documents alone over the budget, empty ones; fed in random chunk sizes, saved and
     restored midway."""
-    from mspretrain.data.sink import RefSample, Sink, _c_sample
+    from mspretrain.prepare.sink import RefSample, Sink, _c_sample
 
     if impl == "python":
         monkeypatch.setenv("MSPRETRAIN_SAMPLE", "python")

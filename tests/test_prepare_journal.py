@@ -1,4 +1,4 @@
-"""`prepare`'s commit cadence and background commits (`data/resume.py`): a kill redoes about one
+"""`prepare`'s commit cadence and background commits (`prepare/resume.py`): a kill redoes about one
 chunk per worker, and a commit's fsyncs do not hold up pass 1."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import publish, resume
-from mspretrain.data.prepare import prepare
+from mspretrain.prepare import publish, resume
+from mspretrain.prepare.prepare import prepare
 from tests.conftest import make_poems
 
 
@@ -146,7 +146,7 @@ def test_every_commit_describes_bytes_already_in_the_files(tmp_path, monkeypatch
     """At each commit (one after every chunk here) the files hold at least what the journal's new
     fields say they hold, on every path: buffered bytes flushed first. (The replay through the
     sink committed origin records still in this process's buffer.)"""
-    from mspretrain.data import pipeline
+    from mspretrain.prepare import pipeline
 
     monkeypatch.setenv("MSPRETRAIN_PREPARE_COMMIT_SECONDS", "0")
     monkeypatch.setattr(pipeline, "LOCAL_PIECES", pieces)

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from mspretrain.cli import main
-from mspretrain.data import dedup, diskdedup
-from mspretrain.data.raypool import RayCluster
 from mspretrain.errors import UserError
+from mspretrain.prepare import dedup, diskdedup
+from mspretrain.prepare.raypool import RayCluster
 from mspretrain.train.distributed import free_local_port
 from tests.conftest import make_poems
 from tests.helpers import dedup_corpus, dedup_reference, refused
@@ -165,7 +165,7 @@ def test_dedup_partitions_on_ray_decide_as_here(cluster, tmp_path, monkeypatch):
     monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)  # many partition files (the driver splits)
     docs = dedup_corpus(1500, seed=1)
     want_exact, want_near = dedup_reference(docs, 0.8)
-    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, True, 0.8)
+    dd = diskdedup.DiskDedup(tmp_path / "dd", 200_000, dedup.LshSettings.make(0.8, 1234))
     assert dd.exact.parts > 8 and dd.near.parts > 8
     for lo in range(0, len(docs), 97):
         part = docs[lo: lo + 97]

@@ -226,7 +226,7 @@ def test_a_killed_replay_of_a_trained_tokenizer_run_resumes_after_its_last_commi
                                                                                           through_main):
     """The replay of a trained-tokenizer run, which chooses the tokenizer sample: through the main
     process (documents through `Sink.take`, the sample's texts in its log) or from pass 1's chunk
-    files (`_replay_sample`: the sample as references, its heap saved per commit). Killed in its
+    files (`stage_replay.ReplaySample`: the sample as references, its heap saved per commit). Killed in its
     middle, the rerun takes only the chunks after the commit and trains the same tokenizer. A
     3,000-character sample makes documents leave the sample as others come; by default every
     document stays in it. Both paths give the uninterrupted run's bytes (the reference ran the
@@ -326,7 +326,7 @@ def test_a_shard_writer_finishes_after_a_kill_inside_finalize(tmp_path, renamed)
 
 def test_the_refusal_names_the_first_difference(tmp_path):
     from mspretrain.config import PrepareConfig
-    from mspretrain.data.resume import difference, fingerprint
+    from mspretrain.prepare.resume import difference, fingerprint
 
     f = tmp_path / "a.txt"
     f.write_text("一二三\n", encoding="utf-8")
@@ -355,7 +355,7 @@ def test_kill_inside_a_file_by_file_publish_starts_over_and_keeps_your_files(ref
     out = tmp_path / "data"
     assert run(raw, out).returncode == 0
     (out / "notes.txt").write_text("mine", encoding="utf-8")
-    code = ("import os, sys\nfrom pathlib import Path\nfrom mspretrain.data import publish\nfrom mspretrain.cli import main\n"
+    code = ("import os, sys\nfrom pathlib import Path\nfrom mspretrain.prepare import publish\nfrom mspretrain.cli import main\n"
             "real, n = publish.os.replace, [0]\n"
             "def replace(a, b):\n    n[0] += Path(b).parent.name == 'data'\n    if n[0] == 3:\n        os._exit(9)\n    real(a, b)\n"
             "publish.os.replace = replace\nsys.exit(main(sys.argv[1:]))\n")

@@ -13,8 +13,8 @@ import pytest
 import zstandard
 
 from mspretrain.config import PrepareConfig
-from mspretrain.data import pipeline, pool, rawlines, sources
-from mspretrain.data.prepare import prepare
+from mspretrain.prepare import pipeline, pool, rawlines, sources
+from mspretrain.prepare.prepare import prepare
 from tests.conftest import make_poems
 
 CFG = PrepareConfig(vocab_size=500, valid_fraction=0.1, min_chars=4, doc_per_line=True)
@@ -169,15 +169,16 @@ def test_a_worker_reading_a_compressed_file_holds_one_chunk_at_a_time(tmp_path, 
 
     import numpy as np
 
-    from mspretrain.data import workers
     from mspretrain.data.origin import RECORD
+    from mspretrain.prepare import workers
+    from mspretrain.prepare.results import ChunkResult
 
-    def noop(work) -> dict:  # what `clean_chunk` returns, without the work
+    def noop(work) -> ChunkResult:  # what `clean_chunk` returns, without the work
         docs, origin = work
         n = len(docs)
-        return {"docs_in": n, "keys": bytes(16 * n), "bands": None, "raw": None, "origin": np.asarray(origin, dtype=RECORD),
-                "tokens": np.ones(n, dtype=np.uint16), "lengths": np.ones(n, dtype=np.int32), "fallback": np.zeros(n, dtype=np.int64),
-                "chars": np.fromiter(map(len, docs), dtype=np.int64, count=n), "u": np.zeros((n, 2))}
+        return ChunkResult(docs_in=n, chars_in=0, changed={}, dropped={}, keys=bytes(16 * n), raw=None, origin=np.asarray(origin, dtype=RECORD),
+                           tokens=np.ones(n, dtype=np.uint16), lengths=np.ones(n, dtype=np.int32), fallback=np.zeros(n, dtype=np.int64),
+                           chars=np.fromiter(map(len, docs), dtype=np.int64, count=n), u=np.zeros((n, 2)))
 
     text = "".join(json.dumps({"text": f"第{i}段。" + "春眠不觉晓，处处闻啼鸟。" * 8}, ensure_ascii=False) + "\n" for i in range(40000))
     path = tmp_path / "big.jsonl.zst"
@@ -190,5 +191,36 @@ def test_a_worker_reading_a_compressed_file_holds_one_chunk_at_a_time(tmp_path, 
     out = workers.spill_unit(noop, (unit, str(tmp_path / "00000000"), 4, 0))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert len(out["chunks"]) == 20 and out["counts"]["documents"] == 40000 and sum(c["n"] for c in out["chunks"]) == 40000
+    assert len(out.chunks) == 20 and out.counts["documents"] == 40000 and sum(c.n for c in out.chunks) == 40000
     assert size > 10_000_000 and peak < size / 8, peak
+
+
+def test_the_chain_of_stages_is_chosen_once_from_the_tokenizer_and_the_path():
+    """`pipeline.chain`: a plain list of stage objects; the journal's stage names in the order a
+    run commits them. With Ray (no pieces) the replay and encode go through the main process,
+    the algorithm (the other stages) is the same."""
+    from mspretrain.prepare.pipeline import chain
+
+    def of(given: bool, pieces: bool) -> list[tuple[str, str]]:
+        return [(s.name, repr(s)) for s in chain(given, pieces)]
+
+    assert of(False, True) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplaySample"), ("train", "TrainTokenizer"),
+                               ("encode", "EncodePieces"), ("finalize", "Finalize")]
+    assert of(False, False) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplayTake(tokens=False)"),
+                                ("train", "TrainTokenizer"), ("encode", "EncodeSpools"), ("finalize", "Finalize")]
+    assert of(True, True) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplayPieces"), ("finalize", "Finalize")]
+    assert of(True, False) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplayTake(tokens=True)"), ("finalize", "Finalize")]
+
+
+def test_one_lsh_settings_object_from_the_config():
+    from mspretrain.config import PrepareConfig
+    from mspretrain.prepare import dedup
+
+    assert dedup.LshSettings.of(PrepareConfig(near_dedup=False)) is None
+    lsh = dedup.LshSettings.of(PrepareConfig(near_dedup=True, near_dedup_threshold=0.7, seed=9))
+    assert (lsh.bands, lsh.rows) == dedup.lsh_params(0.7) and lsh.seed == 9 and lsh.num_perm == dedup.NUM_PERM
+    a, b = dedup._permutations(9, dedup.NUM_PERM)
+    assert (lsh.a == a).all() and (lsh.b == b).all()
+    texts = ["春眠不觉晓，处处闻啼鸟。夜来风雨声", "春眠不觉晓，处处闻啼鸟。夜来风雨声，花落知多少"]
+    want = dedup.band_keys(dedup.signatures(texts, 9, perms=(a, b)), lsh.bands, lsh.rows)
+    assert (lsh.band_keys(texts) == want).all()

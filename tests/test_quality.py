@@ -57,7 +57,7 @@ def line_starts(path: Path) -> np.ndarray:
 
 
 def test_classifier_drops_planted_junk_and_keeps_its_scores(models, tmp_path):
-    from mspretrain.data.scoring import REASONS, read_scores
+    from mspretrain.prepare.scoring import REASONS, read_scores
 
     docs, bad = mixed(held_in(800, 22)[0][:400], 25, 22)
     corpus = tmp_path / "corpus.txt"
@@ -78,7 +78,7 @@ def test_classifier_drops_planted_junk_and_keeps_its_scores(models, tmp_path):
     assert precision >= 0.9 and recall >= 0.9, (precision, recall)
     assert m["documents"]["train"] + m["documents"]["valid"] == int((~dropped).sum())
     # prepare --inspect shows the distribution and what other thresholds drop
-    from mspretrain.data.inspect import inspect
+    from mspretrain.prepare.inspect import inspect
 
     text = inspect(tmp_path / "out")
     assert "documents scored (quality.scores)" in text and "quality_threshold=0.9" in text and "e.g." in text
@@ -88,7 +88,7 @@ def test_language_and_perplexity_filters_drop_by_their_own_scores(models, tmp_pa
     """Each filter's drops are exactly its score against its threshold (the first reason that
     applies, in the order contaminated, language, perplexity, quality), the foreign kind goes to
     the language filter, and poems sit inside the perplexity band."""
-    from mspretrain.data.scoring import REASONS, read_scores
+    from mspretrain.prepare.scoring import REASONS, read_scores
 
     docs, _ = mixed(held_in(800, 22)[0][:300], 20, 24)
     corpus = tmp_path / "corpus.txt"
@@ -110,7 +110,7 @@ def test_language_and_perplexity_filters_drop_by_their_own_scores(models, tmp_pa
 
 
 def test_language_id_decides_mostly_han_text_by_script():
-    from mspretrain.data.quality import LangID
+    from mspretrain.prepare.quality import LangID
 
     texts = ["春风又绿江南岸，明月何时照我还。", "東京の春は桜がきれいです。", "서울의 봄은 아름답습니다", "The quick brown fox.",
              "第12首，水山花。"]
@@ -164,7 +164,7 @@ def test_decontaminated_prepare_leaves_no_eval_13gram_in_the_shards(tmp_path):
     assert shard_grams(tmp_path / "control")  # the planted copies are in an undecontaminated prepare
     assert shard_grams(tmp_path / "clean") == set()
     # the dropped documents are listed (sidecar, prepare --inspect)
-    from mspretrain.data.inspect import inspect
+    from mspretrain.prepare.inspect import inspect
 
     assert inspect(tmp_path / "clean").count("  dropped contaminated (") == len(planted)
 
@@ -216,7 +216,7 @@ def test_a_changed_model_is_not_resumed(models, raw, tmp_path):
     killed = run(raw, tmp_path / "data", *args, env={"MSPRETRAIN_PREPARE_TEST_KILL": "pass1 chunk 2", "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
     assert killed.returncode == -signal.SIGKILL
     # another model under the same name (retrained: its own .sha256 beside it)
-    from mspretrain.data import quality
+    from mspretrain.prepare import quality
 
     w = np.zeros(1 << quality.CLASSIFIER_BITS, dtype=np.float32)
     quality.save_classifier(clf, w, 1.0, {})
@@ -293,7 +293,7 @@ def test_a_compressed_file_read_by_a_worker_scores_as_the_plain_file(models, tmp
     shards as the same text uncompressed."""
     import gzip
 
-    from mspretrain.data import pipeline, pool
+    from mspretrain.prepare import pipeline, pool
 
     docs, _ = mixed(held_in(800, 22)[0][:400], 25, 25)
     (tmp_path / "a").mkdir()
@@ -314,8 +314,8 @@ def test_a_compressed_file_read_by_a_worker_scores_as_the_plain_file(models, tmp
 @pytest.fixture()
 def no_scoring(monkeypatch):
     """Every scorer raises: a prepare that still passes scored nothing."""
-    from mspretrain.data.decontam import EvalNgrams
-    from mspretrain.data.quality import CharLM, Classifier, LangID
+    from mspretrain.prepare.decontam import EvalNgrams
+    from mspretrain.prepare.quality import CharLM, Classifier, LangID
 
     def boom(*_a, **_k):
         raise AssertionError("a scorer was called")
@@ -357,7 +357,7 @@ def test_a_source_that_does_not_fit_is_refused_in_one_line(models, raw, scored, 
     base = ["prepare", str(raw), "--out", str(tmp_path / "out"), "--doc-per-line", "--workers", "1", "--scores-from", str(scored)]
     clf = [f"prepare.quality_model={models['clf']}"]
     other = tmp_path / "other.npz"
-    from mspretrain.data import quality
+    from mspretrain.prepare import quality
 
     quality.save_classifier(other, np.zeros(1 << quality.CLASSIFIER_BITS, dtype=np.float32), 0.0, {})
     assert "another model" in refused(base + [f"prepare.quality_model={other}"], capsys)
@@ -391,7 +391,7 @@ def test_keeping_a_fraction_follows_the_stated_rule_and_needs_no_second_scoring(
     left, ties kept. From another dir's scores: the bytes of the run that scored (a scan) itself."""
     import math
 
-    from mspretrain.data.scoring import REASONS, read_scores
+    from mspretrain.prepare.scoring import REASONS, read_scores
 
     args = [f"prepare.quality_model={models['clf']}", "prepare.quality_top_fraction=0.6", f"prepare.lm_model={models['lm']}",
             "prepare.ppl_quantiles=[0.1, 0.9]", "prepare.min_zh_prob=0.5"]
@@ -484,9 +484,9 @@ def test_word_features_train_score_and_drop_planted_junk(models, tmp_path):
     """`quality train --features words` (jieba word 1-2-grams): the model file says so, prepare
     scores with the model's own features, and it drops the planted junk (less precisely than
     character n-grams on this corpus)."""
-    from mspretrain.data.quality import Classifier
-    from mspretrain.data.scoring import read_scores
-    from mspretrain.data.words import word_hashes
+    from mspretrain.prepare.quality import Classifier
+    from mspretrain.prepare.scoring import read_scores
+    from mspretrain.prepare.words import word_hashes
 
     _, doc = word_hashes(["春风又绿江南岸", "明月何时照我还"])
     assert doc.tolist().count(0) >= 2  # cut into words, not one string per text
@@ -502,7 +502,7 @@ def test_word_features_train_score_and_drop_planted_junk(models, tmp_path):
     r = read_scores(tmp_path / "out" / "quality.scores")
     line = np.searchsorted(line_starts(corpus), r["offset"])
     from mspretrain.config import PrepareConfig
-    from mspretrain.data.clean import Cleaner
+    from mspretrain.prepare.clean import Cleaner
 
     cleaned = [t for t in Cleaner(PrepareConfig()).clean_many(docs) if t is not None]
     assert np.array_equal(r["quality"], clf.score(cleaned))  # the model's own scores of the cleaned documents

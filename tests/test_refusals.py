@@ -52,7 +52,7 @@ def finished(tmp_path_factory, tiny_data) -> Path:
 @pytest.fixture(scope="module")
 def other_data(tmp_path_factory, tiny_data, tiny_cfg) -> Path:
     """Another data dir with the same tokenizer (so only the data fingerprint differs)."""
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
 
     src = tmp_path_factory.mktemp("other_corpus") / "c.txt"
     src.write_text("\n\n".join(make_poems(400, seed=5)) + "\n", encoding="utf-8")

@@ -7,8 +7,8 @@ from mspretrain import config as cfgmod
 from mspretrain.budget import build_schedule, total_steps
 from mspretrain.config import PrecisionConfig
 from mspretrain.errors import UserError
+from mspretrain.schedule import Schedule, auto_warmup_steps, scaled_lr
 from mspretrain.train.loss_scale import LossScaler
-from mspretrain.train.schedule import Schedule, auto_warmup_steps, scaled_lr
 
 
 def test_cosine_closed_form():

@@ -13,7 +13,7 @@ import pytest
 
 from mspretrain import config as cfgmod
 from mspretrain.cli import main
-from mspretrain.model.llama import Llama
+from mspretrain.model.decoder import Decoder
 from mspretrain.ops import selftest, selftest_node, selftest_numerics, selftest_result
 from tests.conftest import TINY
 
@@ -42,7 +42,7 @@ def test_compare_outputs_tolerance_nan_and_shape():
 @pytest.fixture(scope="module")
 def gqa_models():
     m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64))
-    return Llama(m, dtype="fp16", device="cpu"), Llama(m, dtype="fp32", device="cpu")
+    return Decoder(m, dtype="fp16", device="cpu"), Decoder(m, dtype="fp32", device="cpu")
 
 
 def test_attention_comparison_with_the_math_path_on_both_sides(gqa_models):
@@ -77,9 +77,9 @@ def _math_in_place_of_flash(attn, q, k, v, discard):
     (["model.n_kv_heads=0"], "passed"), (["model.dim=96", "model.n_heads=4"], "skipped")])
 def test_the_ascend_attention_check_with_a_stand_in_kernel(monkeypatch, overrides, status):
     """check_attention as a 910B runs it, the kernel replaced by the math path fed the flash inputs."""
-    from mspretrain.model import llama
+    from mspretrain.model import decoder
 
-    monkeypatch.setattr(llama.Attention, "_flash", _math_in_place_of_flash)
+    monkeypatch.setattr(decoder.Attention, "_flash", _math_in_place_of_flash)
     ctx = selftest_result.Context(cfg=cfgmod.load(TINY, overrides), target="ascend", work=Path("unused"))
     check = selftest_numerics.check_attention(ctx, "fp16")
     assert check.status == status, check.detail
@@ -106,11 +106,11 @@ def test_feature_check_runs_the_cpu_path_and_sees_the_feature(name):
 
 def test_feature_checks_draw_only_the_features_own_weights():
     """The effect is the feature's alone: the qk-norm check draws q_norm / k_norm, not the block norms."""
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
     for name, want in (("qk norm", {"q_norm", "k_norm"}), ("qkv bias", {"wqkv"}), ("sliding window", set())):
         feature = selftest_numerics.features(64)[name]
-        names = [p.name for p in Llama(selftest_numerics.feature_config(feature, 64)).get_parameters()]
+        names = [p.name for p in Decoder(selftest_numerics.feature_config(feature, 64)).get_parameters()]
         drawn = [n for n in names if n.endswith(feature.drawn)]
         assert {n.split(".")[-2] for n in drawn} == want and len(drawn) == 2 * len(want)  # 2 layers
 

@@ -14,7 +14,7 @@ from tests.conftest import TINY
 
 @pytest.mark.slow
 def test_two_sources_each_get_their_loss_tokens_and_share(tmp_path, tiny_data, tiny_cfg):
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
 
     easy = tmp_path / "easy.txt"  # one character repeated per line: this source's loss drops fast
     lines = [c * n for c in "春夏秋冬风花雪月山水" for n in range(20, 60)]  # distinct, so dedup keeps them

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from mspretrain.data import rawlines, sources, textdocs
-from mspretrain.data.sources import SourceStats, discover, iter_documents, iter_file
 from mspretrain.errors import UserError
+from mspretrain.prepare import rawlines, sources, textdocs
+from mspretrain.prepare.sources import SourceStats, discover, iter_documents, iter_file
 
 DOCS = ["静夜思\n床前明月光，疑是地上霜。\n举头望明月，低头思故乡。",
         "今天天气很好，我们去公园散步。\n看到很多人在放风筝，孩子们笑得很开心。",

@@ -30,7 +30,7 @@ def _reference_draw(seed: int, k: int, shape: tuple[int, ...], std: float) -> np
 
 
 def _reference_weights(m, seed: int) -> dict[str, np.ndarray]:
-    """The initialisation as specified (model/llama.py docstring), drawn independently: normal(0,
+    """The initialisation as specified (model/decoder.py docstring), drawn independently: normal(0,
     init_std), weight k in creation order (embedding; per layer wqkv, wo, w13, w2; lm_head) from its
     own streams, the residual projections scaled by 1/sqrt(2 n_layers); norms at one."""
     count = iter(range(1 << 30))
@@ -57,11 +57,11 @@ def test_the_draw_is_the_documented_streams_whatever_the_thread_count(threads, m
     a thread pool; 1 and 3 threads give the reference's bits (the same for every thread count), a
     later weight gets other streams, and a zero-size weight draws nothing. The default thread count
     follows the process's cores (capped) unless MSPRETRAIN_INIT_THREADS says otherwise."""
-    from mspretrain.model import llama
+    from mspretrain.model import decoder
 
-    assert llama.INIT_BLOCK == BLOCK
+    assert decoder.INIT_BLOCK == BLOCK
     shape, std = (3, BLOCK + 12_345), 0.02  # 3.04 blocks' worth: 4 streams, the last one short
-    streams = llama.InitStreams(11, threads=threads)
+    streams = decoder.InitStreams(11, threads=threads)
     first = streams.draw((5, 7), 0.5)
     big = streams.draw(shape, std)
     empty = streams.draw((0, 4), std)
@@ -71,29 +71,29 @@ def test_the_draw_is_the_documented_streams_whatever_the_thread_count(threads, m
     assert empty.shape == (0, 4) and streams.count == 3
     assert not np.array_equal(big.reshape(-1)[:35], _reference_draw(11, 0, (35,), std))
     monkeypatch.setenv("MSPRETRAIN_INIT_THREADS", str(threads))
-    assert llama.InitStreams(0).threads == threads
+    assert decoder.InitStreams(0).threads == threads
     monkeypatch.delenv("MSPRETRAIN_INIT_THREADS")
-    monkeypatch.setattr(llama.os, "sched_getaffinity", lambda pid: set(range(192)))
-    assert llama.init_threads() == llama.INIT_THREADS_CAP == 32
-    monkeypatch.setattr(llama.os, "sched_getaffinity", lambda pid: {5})
-    assert llama.init_threads() == 1
+    monkeypatch.setattr(decoder.os, "sched_getaffinity", lambda pid: set(range(192)))
+    assert decoder.init_threads() == decoder.INIT_THREADS_CAP == 32
+    monkeypatch.setattr(decoder.os, "sched_getaffinity", lambda pid: {5})
+    assert decoder.init_threads() == 1
 
 
 def test_a_model_is_the_same_whatever_the_thread_count(tiny_cfg, monkeypatch):
     """The whole model, with blocks shrunk to 1,000 values so that every tiny weight has several:
     1 and 3 threads give the same bits (the block, not the threads, fixes the streams)."""
-    from mspretrain.model import llama
+    from mspretrain.model import decoder
 
     m = cfgmod.resolve_model(tiny_cfg.model, 512)
-    monkeypatch.setattr(llama, "INIT_BLOCK", 1000)
+    monkeypatch.setattr(decoder, "INIT_BLOCK", 1000)
     built = {}
     for threads in (1, 3):
         monkeypatch.setenv("MSPRETRAIN_INIT_THREADS", str(threads))
-        built[threads] = llama.state_numpy(llama.Llama(m, seed=3, device="cpu"))
+        built[threads] = decoder.state_numpy(decoder.Decoder(m, seed=3, device="cpu"))
     assert all(np.array_equal(built[1][k], built[3][k]) for k in built[1])
     monkeypatch.setenv("MSPRETRAIN_INIT_THREADS", "0")
     with pytest.raises(UserError, match="MSPRETRAIN_INIT_THREADS"):
-        llama.Llama(m, seed=3, device="cpu")
+        decoder.Decoder(m, seed=3, device="cpu")
 
 
 def test_weights_are_bit_identical_and_streamed_to_the_device_on_ascend(tiny_cfg, monkeypatch):
@@ -107,12 +107,12 @@ def test_weights_are_bit_identical_and_streamed_to_the_device_on_ascend(tiny_cfg
     another address."""
     import mindspore as ms
 
-    from mspretrain.model import llama
+    from mspretrain.model import decoder
 
     m = cfgmod.resolve_model(tiny_cfg.model, 512)
     want = _reference_weights(m, seed=7)
-    cpu_model = llama.Llama(m, seed=7, device="cpu")
-    cpu = llama.state_numpy(cpu_model)
+    cpu_model = decoder.Decoder(m, seed=7, device="cpu")
+    cpu = decoder.state_numpy(cpu_model)
     assert set(cpu) == set(want) and all(np.array_equal(cpu[k], want[k]) for k in want)
 
     moved: list[tuple[tuple[int, ...], str, int]] = []
@@ -125,11 +125,11 @@ def test_weights_are_bit_identical_and_streamed_to_the_device_on_ascend(tiny_cfg
     monkeypatch.setattr(ms.Tensor, "to", to)
     class _OnNPU:
         device_target = "Ascend"
-    llama.Llama(m, dtype="fp16", seed=7, device="ascend")  # built on a CPU process: stays on the host
+    decoder.Decoder(m, dtype="fp16", seed=7, device="ascend")  # built on a CPU process: stays on the host
     assert moved == []
     monkeypatch.setattr(ms, "get_current_device", lambda: _OnNPU())  # as in a process bound to an NPU
-    model = llama.Llama(m, dtype="fp16", seed=7, device="ascend")
-    asc = llama.state_numpy(model)
+    model = decoder.Decoder(m, dtype="fp16", seed=7, device="ascend")
+    asc = decoder.state_numpy(model)
     assert all(np.array_equal(asc[k], want[k]) for k in want)
     # every drawn weight went to the device as it was drawn, one at a time, in creation order ...
     drawn = [k for k in want if "norm" not in k]
@@ -138,8 +138,8 @@ def test_weights_are_bit_identical_and_streamed_to_the_device_on_ascend(tiny_cfg
     params = dict(model.parameters_and_names())
     held = [params[k]._data_ptr() for k in drawn]
     assert held == [ptr for _, _, ptr in moved], "a weight was rebuilt from a host copy"
-    assert llama._init_device == [None]  # nothing leaks into models built afterwards
-    llama.Llama(m, seed=7, device="cpu")
+    assert decoder._init_device == [None]  # nothing leaks into models built afterwards
+    decoder.Decoder(m, seed=7, device="cpu")
     assert len(moved) == len(drawn)
 
 
@@ -218,11 +218,11 @@ def test_optimizer_state_is_not_rebuilt_from_host_copies(tiny_cfg, monkeypatch):
     `asnumpy()` by MindSpore 2.10 (common/parameter.py l.377-394). Counted in that branch."""
     from mindspore.common import parameter as P
 
-    from mspretrain.model import llama
+    from mspretrain.model import decoder
     from mspretrain.train.step import TrainStep
 
     m = cfgmod.resolve_model(tiny_cfg.model, 512)
-    model = llama.Llama(m, dtype="fp16", seed=7, device="cpu")
+    model = decoder.Decoder(m, dtype="fp16", seed=7, device="cpu")
     new_args = P.Parameter._get_parameter_new_args
     rebuilt: list[tuple[tuple[int, ...], int]] = []
 
@@ -234,7 +234,7 @@ def test_optimizer_state_is_not_rebuilt_from_host_copies(tiny_cfg, monkeypatch):
         return new_args(data, rc, init_param)
 
     monkeypatch.setattr(P.Parameter, "_get_parameter_new_args", staticmethod(counted))
-    step = TrainStep(model, tiny_cfg.optim, global_tokens=2 * 16, jit=False, half_params=llama.half_eligible(model),
+    step = TrainStep(model, tiny_cfg.optim, global_tokens=2 * 16, jit=False, half_params=decoder.half_eligible(model),
                      accumulation=2)
     step._ensure_accum()
     assert len(step.exp_avg) == len(step.exp_avg_sq) > 0 and step.accum is not None and len(step.accum) > 0

@@ -128,12 +128,12 @@ def test_each_ranks_pieces_are_the_hf_tensors_rows_and_columns_and_join_back(wor
     """Qwen2-style (q/k/v bias), untied: rank r's piece of every parameter is the HF tensors' rows
     (q, k, v, gate, up, embedding, lm_head) or columns (o, down) of its heads / ffn units / vocabulary
     block; placing every rank's pieces and summing gives the whole tensor back; norms replicated."""
+    from mspretrain.model.decoder import Decoder, state_numpy
     from mspretrain.model.hf import hf_to_ours, ours_to_hf
-    from mspretrain.model.llama import Llama, state_numpy
     from mspretrain.model.parallel import cut, place, tp_rows
 
     cfg = _cfg(family="qwen2", qkv_bias=True)
-    whole = {k: v.copy() for k, v in state_numpy(Llama(cfg, seed=0)).items()}
+    whole = {k: v.copy() for k, v in state_numpy(Decoder(cfg, seed=0)).items()}
     whole = {k: v + np.float32(0.5) if k.endswith("bias") else v for k, v in whole.items()}  # biases not all zeros
     hf = ours_to_hf(whole, cfg)
     H, KV, hd, F, V = cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.ffn_dim, cfg.vocab_size
@@ -167,13 +167,13 @@ def test_each_ranks_pieces_are_the_hf_tensors_rows_and_columns_and_join_back(wor
 
 
 def test_split_model_holds_the_pieces_under_the_whole_names(world_of):
-    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.decoder import Decoder, state_numpy
     from mspretrain.model.parallel import Group, cut, split_model, tp_rows
 
     world_of(1, 2)
     cfg = _cfg(tie_embeddings=True)
-    whole = {k: v.copy() for k, v in state_numpy(Llama(cfg, seed=0)).items()}
-    model = Llama(cfg, seed=0)
+    whole = {k: v.copy() for k, v in state_numpy(Decoder(cfg, seed=0)).items()}
+    model = Decoder(cfg, seed=0)
     names = [p.name for p in model.trainable_params()]
     split_model(model, Group((0, 1), 1))
     assert [p.name for p in model.trainable_params()] == names
@@ -188,11 +188,11 @@ def test_qwen3_qk_norms_stay_whole_and_their_partial_gradients_are_summed_over_t
     """Each rank applies the shared QK-norm weights to its own heads only: the weights stay whole
     (replicated) and are marked partial; the step's PartialSum adds their gradients over tp in one
     collective and leaves every other gradient alone."""
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
     from mspretrain.model.parallel import Group, PartialSum, split_model
 
     world_of(0, 2)
-    model = Llama(_cfg(family="qwen3", qk_norm=True, head_dim=16), seed=0)
+    model = Decoder(_cfg(family="qwen3", qk_norm=True, head_dim=16), seed=0)
     split_model(model, Group((0, 1), 0))
     assert model.tp_partial == {f"layers.{i}.attn.{n}.weight" for i in range(2) for n in ("q_norm", "k_norm")}
     assert all(p.shape == (16,) for p in model.get_parameters() if p.name in model.tp_partial)
@@ -241,13 +241,13 @@ def test_a_tp_step_cuts_its_state_from_whole_tensors_or_zero_slices(world_of, ti
     stored as a ZeRO run's slices (`exp_avg.NAME@START:STOP`, any cut) or whole: each tensor's
     piece is its tensor-parallel cut; `keys_to_read` asks for every stored slice of what it owns."""
     from mspretrain.config import resolve_model
-    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.decoder import Decoder, state_numpy
     from mspretrain.model.parallel import Group, cut, split_model, tp_rows
     from mspretrain.train.tp import Mesh, TPTrainStep
 
     world_of(1, 2)
     cfg = resolve_model(tiny_cfg.model, vocab_size=512)
-    model = Llama(cfg, seed=0)
+    model = Decoder(cfg, seed=0)
     whole = {k: v * 3 for k, v in state_numpy(model).items()}
     mesh = Mesh(Group((0, 1), 1), Group((1,), 0))
     split_model(model, mesh.tp)

@@ -10,7 +10,7 @@ import pytest
 from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config import ModelConfig, OptimConfig, resolve_model
-from mspretrain.model.llama import Llama, state_numpy
+from mspretrain.model.decoder import Decoder, state_numpy
 from mspretrain.train.step import TrainStep, decay_mask
 from tests.conftest import assert_close_rel, assert_unchanged, assert_unshared, snapshot
 
@@ -92,7 +92,7 @@ def test_adamw_matches_torch(dtype, scale, clip):
 
 def _tiny(dtype="fp32"):
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64), vocab_size=128)
-    return Llama(cfg, dtype=dtype, seed=7)
+    return Decoder(cfg, dtype=dtype, seed=7)
 
 
 def test_accumulation_equals_one_big_batch():
@@ -126,7 +126,7 @@ def test_a_loss_scale_changes_nothing_but_the_backward_pass():
     """fp32, no overflow: a run at loss scale 1024 with clipping active, fused and accumulated over
     2 micro-batches, equals the run at scale 1 (losses, unscaled grad norms, weights, moments), so
     the scale is removed exactly once and before the norm is clipped, on both graphs. (The bigram
-    model: four compilations of the tiny Llama cost ~10x more and prove nothing more here.)"""
+    model: four compilations of the tiny model cost ~10x more and prove nothing more here.)"""
     rng = np.random.default_rng(4)
     emb = rng.normal(0, 0.5, (V, D)).astype(np.float32)
     w = rng.normal(0, 0.5, (D, V)).astype(np.float32)

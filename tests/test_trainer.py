@@ -20,10 +20,10 @@ from mspretrain.errors import UserError
 from mspretrain.monitor.console import ConsoleLine
 from mspretrain.monitor.meter import StepMeter
 from mspretrain.monitor.metrics import MetricsLogger
+from mspretrain.schedule import Schedule
 from mspretrain.train.build import build_trainer, sampling_for_run
 from mspretrain.train.distributed import World
 from mspretrain.train.loss_scale import LossScaler
-from mspretrain.train.schedule import Schedule
 from mspretrain.train.spike_policy import SpikePolicy
 from mspretrain.train.step import StepResult
 from mspretrain.train.trainer import Trainer
@@ -174,7 +174,7 @@ def test_persistent_nonfinite_loss_stops_the_run(tmp_path):
 @pytest.fixture(scope="module")
 def rewind_run(tmp_path_factory, tiny_data):
     """6 steps with a checkpoint every 2 and a loss spike forced at step 5: rewind to step 4."""
-    from mspretrain.model.llama import state_numpy
+    from mspretrain.model.decoder import state_numpy
 
     run = tmp_path_factory.mktemp("rw") / "run"
     t = make(tiny_data, run, "train.max_steps=6", "checkpoint.every=2", "spike.action=rewind",
@@ -268,7 +268,7 @@ def test_retention_keeps_last_and_every(tmp_path):
 
 
 def test_mixing_two_data_dirs_and_refusing_a_foreign_tokenizer(tmp_path, tiny_data, tiny_cfg):
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
     from tests.conftest import make_poems
 
     text = tmp_path / "more.txt"

@@ -77,12 +77,12 @@ def test_7b_owners_are_balanced_and_its_buckets_pad_little():
 
 def test_param_shapes_are_the_models():
     from mspretrain.config import ModelConfig, resolve_model
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.model.presets import is_half_eligible, param_count, param_shapes
 
     for tie in (False, True):
         cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, tie_embeddings=tie), vocab_size=96)
-        model = Llama(cfg, seed=0)
+        model = Decoder(cfg, seed=0)
         assert param_shapes(cfg) == [(p.name, tuple(p.shape)) for p in model.trainable_params()]
         assert sum(int(np.prod(s)) for _, s in param_shapes(cfg)) == param_count(cfg)
         assert [n for n, _ in param_shapes(cfg) if is_half_eligible(n)] == half_eligible(model)
@@ -97,7 +97,7 @@ def test_plan_bytes_are_the_buffers_the_step_allocates(tiny_cfg, dtype, param_dt
     from dataclasses import replace
 
     from mspretrain.config import resolve_model
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.ops.plan import make_plan
     from mspretrain.train.step import TrainStep
 
@@ -105,7 +105,7 @@ def test_plan_bytes_are_the_buffers_the_step_allocates(tiny_cfg, dtype, param_dt
     gb = tiny_cfg.train.global_batch
     cfg = replace(tiny_cfg, model=model_cfg, precision=replace(tiny_cfg.precision, dtype=dtype, param_dtype=param_dtype),
                   train=replace(tiny_cfg.train, micro_batch=gb // accumulation, trainable=trainable))
-    model = Llama(model_cfg, dtype=dtype, seed=0)
+    model = Decoder(model_cfg, dtype=dtype, seed=0)
     half = half_eligible(model) if param_dtype == "compute" else []
     step = TrainStep(model, cfg.optim, global_tokens=gb * cfg.data.seq_len, half_params=half, accumulation=accumulation,
                      trainable=trainable)
@@ -230,7 +230,7 @@ def _loopback(x):
 
 
 def _run_three_steps(tiny_cfg, *, world: int, bucket_mb: float, accumulation: int, wire16: bool):
-    from mspretrain.model.llama import state_numpy
+    from mspretrain.model.decoder import state_numpy
     from mspretrain.train.step import TrainStep
 
     model = _tiny_model(tiny_cfg)
@@ -290,9 +290,9 @@ def test_bucketed_collectives_equal_per_parameter_bit_for_bit_on_one_process(tin
 
 def _tiny_model(tiny_cfg):
     from mspretrain.config import resolve_model
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
-    return Llama(resolve_model(tiny_cfg.model, vocab_size=512), seed=0)
+    return Decoder(resolve_model(tiny_cfg.model, vocab_size=512), seed=0)
 
 
 def _tiny_shapes(tiny_cfg):
@@ -438,10 +438,10 @@ def test_qwen_lm_head_state_is_spread_over_8_ranks():
 def _state_step(tiny_cfg, world: int, rank: int, split_mb: float | str = 0.1, half: bool = False):
     """A TrainStep of rank `rank` of `world` (nothing compiled or communicated: its tables and state only)."""
     from mspretrain.config import resolve_model
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.train.step import TrainStep
 
-    model = Llama(resolve_model(tiny_cfg.model, vocab_size=512), dtype="fp16" if half else "fp32", seed=0)
+    model = Decoder(resolve_model(tiny_cfg.model, vocab_size=512), dtype="fp16" if half else "fp32", seed=0)
     return TrainStep(model, tiny_cfg.optim, global_tokens=128, world=world, rank=rank, shard=True, shard_grads=True,
                      split_mb=split_mb, half_params=half_eligible(model) if half else None)
 
@@ -568,7 +568,7 @@ def test_plan_bytes_are_the_buffers_of_the_heaviest_rank_with_split_parameters(t
     from dataclasses import replace
 
     from mspretrain.config import resolve_model
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.ops.plan import make_plan
     from mspretrain.train.step import TrainStep
 
@@ -582,7 +582,7 @@ def test_plan_bytes_are_the_buffers_of_the_heaviest_rank_with_split_parameters(t
     assert accum > 1
     layout_rank = None
     for rank in range(2):
-        model = Llama(model_cfg, dtype=dtype, seed=0)
+        model = Decoder(model_cfg, dtype=dtype, seed=0)
         half = half_eligible(model) if param_dtype == "compute" else []
         step = TrainStep(model, cfg.optim, global_tokens=gb * cfg.data.seq_len, world=2, rank=rank, shard=True, shard_grads=True,
                          split_mb=0.04, half_params=half, accumulation=accum, device="cpu")

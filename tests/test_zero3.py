@@ -24,9 +24,9 @@ from tests.helpers import step_dir as _step_dir
 
 def _tiny(**kw):
     from mspretrain.config import ModelConfig, resolve_model
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
-    return Llama(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **kw), vocab_size=96), seed=0)
+    return Decoder(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **kw), vocab_size=96), seed=0)
 
 
 def test_the_gather_picks_its_collectives_by_device(world_of):
@@ -70,7 +70,7 @@ def test_gather_and_its_bprop_on_the_cpu_form_with_a_loopback_peer(world_of, ran
 
 
 def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_whole_tensors(world_of):
-    from mspretrain.model.llama import state_numpy
+    from mspretrain.model.decoder import state_numpy
     from mspretrain.train.zero3 import gathered, load_full_state, shard_model
 
     world_of(1, 2)
@@ -96,7 +96,7 @@ def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of
     """Qwen2's q/k/v bias gets a gather of its own (`bias_gather`, after its weight's); Qwen3's q and
     k norm weights one each (k_norm's anchored on q_norm's output): every trained parameter is a
     slice, in the model's parameter order."""
-    from mspretrain.model.llama import state_numpy
+    from mspretrain.model.decoder import state_numpy
     from mspretrain.train.zero3 import gathered, shard_model, sharded_names
 
     world_of(1, 2)
@@ -136,11 +136,12 @@ def test_shard_parameters_is_a_no_op_on_one_process(tiny_cfg):
 def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtype, param_dtype, accumulation, recompute):
     """`plan` with optim.shard_parameters at 2 devices: rank 0's weights, masters, moments and
     buffers are what its TrainStep allocates; the gathered weights are every trained weight whole,
-    or with recompute the largest layer's plus the lm_head's."""
+    or with recompute two units' (the prefetch gathers the next layer, or the head, while a layer
+    computes): the largest layer's plus the larger of it and the lm_head."""
     from dataclasses import replace
 
     from mspretrain.config import resolve_model
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.ops.plan import format_plan, make_plan
     from mspretrain.train.step import TrainStep
 
@@ -150,7 +151,7 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
     cfg = replace(tiny_cfg, model=model_cfg, precision=replace(tiny_cfg.precision, dtype=dtype, param_dtype=param_dtype),
                   optim=replace(tiny_cfg.optim, shard_parameters=True),
                   train=replace(tiny_cfg.train, micro_batch=gb // 2 // accumulation, recompute=recompute))
-    model = Llama(model_cfg, dtype=dtype, seed=0)
+    model = Decoder(model_cfg, dtype=dtype, seed=0)
     whole = {p.name: int(np.prod(p.shape)) * (2 if p.name in half_eligible(model) and param_dtype == "compute" else 4)
              for p in model.trainable_params()}
     half = half_eligible(model) if param_dtype == "compute" else []
@@ -163,12 +164,89 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
         assert plan["memory_bytes"][kind] == have[kind], kind
     assert have["weights"] < 0.51 * sum(whole.values())  # about half of the whole model on each of 2 ranks
     layer0 = sum(b for n, b in whole.items() if n.startswith("layers.0."))
-    want = layer0 + whole["lm_head.weight"] if recompute else sum(whole.values())
+    want = layer0 + max(layer0, whole["lm_head.weight"]) if recompute else sum(whole.values())
     assert plan["memory_bytes"]["gathered_weights"] == want
     assert plan["shard_parameters"] and "ZeRO-3" in format_plan(plan)
     # a gather and a reduce-scatter per weight and micro-batch, each the whole weight in its storage dtype
     assert plan["collectives_per_step"] == step.collectives(accumulation) == {
         "calls": 2 * 15 * accumulation, "bytes": 2 * accumulation * sum(whole.values())}
+
+
+# ---- the prefetch, read from the compiled graph (tests/zero3_graph_probe.py: rank 0 of 2 on the Ascend path)
+
+PROBE = Path(__file__).with_name("zero3_graph_probe.py")
+PER_BLOCK = 6  # gathers of a decoder block: attn_norm, wqkv, wo, mlp_norm, w13, w2 (model/block.py Block.pull)
+
+
+@pytest.fixture(scope="module")
+def prefetch_graphs(tmp_path_factory) -> dict:
+    """The probe's three compilations (prefetch, no-prefetch, recompute) of the 2-layer model, in
+    one subprocess (it replaces the world in comm_ops and sets the IR dump switches)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("prefetch-ir")
+    proc = subprocess.run([sys.executable, str(PROBE), str(out)], cwd=out, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _units(graph: dict) -> dict[str, list[dict]]:
+    """The forward's gathers by unit, in the chain's order: embedding, block 0, block 1, head (norm, lm_head)."""
+    g = graph["gathers"]
+    return {"embed": g[:1], "block0": g[1:1 + PER_BLOCK], "block1": g[1 + PER_BLOCK:1 + 2 * PER_BLOCK],
+            "head": g[1 + 2 * PER_BLOCK:3 + 2 * PER_BLOCK]}
+
+
+@pytest.mark.slow  # three compilations in a subprocess: about a minute on 2 busy cores
+def test_prefetch_overlaps_the_next_blocks_gathers_with_compute_and_bounds_them(prefetch_graphs):
+    """From the compiled graph's dependencies: block 1's gathers wait for none of block 0's matmuls
+    (they run while block 0 computes), the head's gathers (the unit two after block 0) wait for
+    every matmul of block 0 and for none of block 1 (at most two units' gathered weights at once);
+    every gather waits for the one before it and the reduce-scatters run in one chain, so all the
+    collectives are in one order; no matmul waits for a reduce-scatter. Without the prefetch (the chain from the block's input) block 1's
+    gathers would wait for block 0's matmuls: what the first assertion tells apart."""
+    graph = prefetch_graphs["prefetch"]
+    units = _units(graph)
+    assert len(graph["gathers"]) == 3 + 2 * PER_BLOCK and graph["scatters"] == len(graph["gathers"])
+    assert all(g["after_gathers"] == list(range(i)) for i, g in enumerate(graph["gathers"]))  # one chain
+    assert graph["scatters_chained"] and graph["total_order"]
+    for unit in ("embed", "block0", "block1"):
+        assert all(not g["after_matmuls"] for g in units[unit]), unit
+    # block 0's matmuls: those whose latest gather is one of block 0's
+    block0 = {int(m) for m, after in graph["matmuls"].items() if after and 1 <= max(after) <= PER_BLOCK}
+    assert len(block0) == 8  # wqkv's two parts, q.k, p.v, wo, w13's two parts, w2
+    for g in units["head"]:
+        assert set(g["after_matmuls"]) == block0
+    assert graph["matmuls_after_scatters"] == 0  # no compute waits for a reduce-scatter (plan's time model)
+
+    off = _units(prefetch_graphs["no-prefetch"])
+    assert all(len(g["after_matmuls"]) == 8 for g in off["block1"])  # the chain from the block's input waits
+    assert prefetch_graphs["no-prefetch"]["matmuls_after_scatters"] > 0  # and the backward waits for reduce-scatters
+
+    rec = prefetch_graphs["recompute"]
+    assert len(rec["gathers"]) == 3 + 4 * PER_BLOCK  # layer recompute gathers each block's weights again
+    assert all(not g["after_matmuls"] for g in _units(rec)["block1"])  # and the forward still prefetches
+    assert rec["scatters_chained"]
+
+
+@pytest.mark.parametrize("device, recompute, prefetch", [("ascend", False, True), ("ascend", True, True),
+                                                          ("cpu", False, True), ("cpu", True, False)])
+def test_prefetch_everywhere_but_the_cpu_with_recompute(world_of, device, recompute, prefetch):
+    """On the CPU the runtime launches collectives as they become ready, and with layer recompute a
+    block's re-gathers would be unordered against the next block's reduce-scatters (measured in the
+    graph: 63 unordered pairs in the 2-layer model), so the chain starts from the block's input
+    there, as before the prefetch (2 unordered pairs, train/zero3.py)."""
+    from mspretrain.train.zero3 import shard_model
+
+    world_of(0, 2)
+    model = _tiny()
+    if recompute:
+        for layer in model.layers:
+            layer.recompute()
+    shard_model(model, [p.name for p in model.trainable_params()], 2, 0, device)
+    assert model.sharded and [layer.prefetch for layer in model.layers] == [prefetch] * 2
 
 
 # ---- 2 msrun ranks against one process

@@ -17,9 +17,9 @@ STEP = 2
 
 def _model(vocab: int):
     from mspretrain.config import ModelConfig, resolve_model
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
-    return Llama(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, family="qwen2", qkv_bias=True),
+    return Decoder(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, family="qwen2", qkv_bias=True),
                                vocab_size=vocab), seed=0)
 
 
@@ -35,7 +35,7 @@ def zero3_checkpoint(tmp_path, monkeypatch, tiny_cfg, tiny_data) -> tuple[Path, 
     from mspretrain.checkpoint import shards, store
     from mspretrain.checkpoint.model_shards import model_shard_name, shard_metadata
     from mspretrain.config import resolve_model
-    from mspretrain.model.llama import load_numpy, state_numpy
+    from mspretrain.model.decoder import load_numpy, state_numpy
     from mspretrain.paths import DataPaths
     from mspretrain.train.zero3 import shard_model, slice_state
 

@@ -34,11 +34,11 @@ def model_config(family: str):
 def run_steps(family: str, world: int, rank: int) -> dict[str, Any]:
     """STEPS fp32 steps on this rank's rows of each global batch (world 1 or 2); ZeRO-3 when world > 1."""
     from mspretrain import config as cfgmod
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
     from mspretrain.train.step import TrainStep
 
     tokens = np.random.default_rng(1).integers(0, VOCAB, (STEPS, ROWS, SEQ + 1)).astype(np.int32)
-    model = Llama(model_config(family), dtype="fp32", seed=0)
+    model = Decoder(model_config(family), dtype="fp32", seed=0)
     half = ROWS // 2
     step = TrainStep(model, cfgmod.OptimConfig(lr=LR), global_tokens=ROWS * SEQ, world=world, rank=rank,
                      shard_params=world > 1, device="cpu", accumulation=2 // world)

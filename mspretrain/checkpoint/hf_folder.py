@@ -1,4 +1,4 @@
-"""HF Llama folders with their tokenizer: what `convert --from-hf` reads and `export --format hf` writes.
+"""HF model folders (mspretrain/families.py) with their tokenizer: what `convert --from-hf` reads and `export --format hf` writes.
 
 model/hf.py converts config.json and the tensors; the tokenizer files need data/tokenizer. data
 and model are siblings in layer 2 and do not import each other, so the two halves meet here, in
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def read_hf_folder(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Path | None]:
-    """(resolved ModelConfig, our tensors, tokenizer path or None) of an HF Llama folder whose
+    """(resolved ModelConfig, our tensors, tokenizer path or None) of an HF model folder whose
     tokenizer, when it has one, matches config.json's vocab_size (checked before the weights are read)."""
     return read_hf_dir(hf_dir, check_tokenizer=_check_hf_tokenizer)
 
@@ -39,7 +39,7 @@ def _check_hf_tokenizer(tok_path: Path, m: ModelConfig) -> None:
 
 def write_hf_folder(out: str | Path, m: ModelConfig, tensors: dict[str, np.ndarray],
                     tokenizer_path: str | Path | None = None) -> Path:
-    """An HF Llama folder that `AutoModelForCausalLM` and (with a tokenizer) `AutoTokenizer` load."""
+    """An HF model folder that `AutoModelForCausalLM` and (with a tokenizer) `AutoTokenizer` load."""
     from mspretrain.data.tokenizer import Tokenizer
 
     out = Path(out)

@@ -3,7 +3,7 @@
 PATH is one of
 - an mspretrain checkpoint: a step dir, a run dir (its newest checkpoint that verifies), or what
   `convert --from-hf` writes; it must verify against its manifest (checkpoint/store.py);
-- an HF Llama folder (config.json + *.safetensors), converted in memory (model/init_from.py).
+- an HF model folder (config.json + *.safetensors), converted in memory (model/init_from.py).
 A folder with a manifest.json is a checkpoint; one without it that holds a config.json or weight
 files is an HF folder (and is refused in one line if one of the two is missing or bad).
 Only the weights are taken: optimizer state, schedule and loss scale start fresh.
@@ -35,7 +35,7 @@ def load_init(path: str | Path, log: Callable[[str], None] = lambda s: None) -> 
     """The weights, config and provenance of PATH; one-line UserError when it is missing or bad."""
     p = Path(path)
     if not p.exists():
-        raise UserError(f"--init-from {p} does not exist", "pass a checkpoint (run dir, step dir, `convert --from-hf` output) or an HF Llama folder")
+        raise UserError(f"--init-from {p} does not exist", "pass a checkpoint (run dir, step dir, `convert --from-hf` output) or an HF model folder")
     if not p.is_dir():
         raise UserError(f"--init-from {p} is a file, not a directory",
                         "pass the folder holding the weights (config.json + *.safetensors, or a checkpoint)")
@@ -174,7 +174,7 @@ def init_for_run(path: str | Path | None, cfg: Config, data_dir: str | Path, run
     box = {"tensors": plan.tensors}
 
     def init_weights(model: Any) -> None:
-        from mspretrain.model.llama import load_numpy
+        from mspretrain.model.decoder import load_numpy
 
         load_numpy(model, box.pop("tensors"))  # pop: the host copy is freed once the model holds it
 

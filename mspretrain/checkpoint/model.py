@@ -4,7 +4,7 @@ eval, generate, export (MINDIR), the bridges and the tests all load through `loa
 checkpoint is read, verified and checked the same way wherever it is used.
 
 Lives in checkpoint/ (layer 3) because it joins three layer-2 and lower pieces that must not
-import each other: the checkpoint files (checkpoint/store), the model (model/llama) and the
+import each other: the checkpoint files (checkpoint/store), the model (model/decoder) and the
 tokenizer (data/tokenizer).
 
 Design choices:
@@ -31,13 +31,13 @@ from mspretrain.errors import UserError
 
 if TYPE_CHECKING:
     from mspretrain.data.tokenizer import Tokenizer
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     ref: CheckpointRef
-    model: "Llama"  # in eval mode (set_train(False))
+    model: "Decoder"  # in eval mode (set_train(False))
     config: Config  # the checkpoint's config, model section resolved against the weights
     tokenizer: "Tokenizer | None"  # None only when not required and none was found
 
@@ -52,7 +52,7 @@ def load_model(source: str | Path | CheckpointRef, *, dtype: str | None = None, 
     need_tokenizer: refuse (one line) when no tokenizer can be found for the checkpoint.
     log: where the fallback past corrupt checkpoints of a run dir is reported.
     """
-    from mspretrain.model.llama import Llama, load_numpy
+    from mspretrain.model.decoder import Decoder, load_numpy
 
     ref = source if isinstance(source, CheckpointRef) else resolve_checkpoint(source, log=log)
     tensors = read_model_tensors(ref)
@@ -60,12 +60,12 @@ def load_model(source: str | Path | CheckpointRef, *, dtype: str | None = None, 
     tokenizer = _tokenizer(ref, cfg.model.vocab_size, need_tokenizer)
     if device is None:
         from mspretrain.device import plan_device, setup_mindspore
-        from mspretrain.train.distributed import select_launch
+        from mspretrain.world import select_launch
 
         info = plan_device(cfg)
         setup_mindspore(info, device_id=select_launch(info.target).device_id if info.target == "ascend" else None)
         device = info.target
-    model = Llama(cfg.model, dtype=dtype or cfg.precision.dtype, attention="auto", device=device)
+    model = Decoder(cfg.model, dtype=dtype or cfg.precision.dtype, attention="auto", device=device)
     load_numpy(model, tensors)
     model.set_train(False)
     return LoadedModel(ref=ref, model=model, config=cfg, tokenizer=tokenizer)

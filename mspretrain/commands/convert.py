@@ -1,4 +1,4 @@
-"""Import HF Llama weights (config.json + safetensors, sharded too) as an mspretrain checkpoint.
+"""Import HF weights of a family in mspretrain/families.py (config.json + safetensors, sharded too) as an mspretrain checkpoint.
 
 Only safetensors are read (pickled .bin files are refused). The result is a weights-only checkpoint
 directory (model.safetensors, config.toml, tokenizer, manifest.json) that eval, generate, export
@@ -18,7 +18,8 @@ EXAMPLES = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from-hf", required=True, metavar="HF_DIR", help="HF Llama folder: config.json, *.safetensors (+ index), tokenizer")
+    p.add_argument("--from-hf", required=True, metavar="HF_DIR", help="HF model folder (Llama, Qwen2/3, Mistral): "
+                        "config.json, *.safetensors (+ index), tokenizer")
     p.add_argument("--out", required=True, metavar="CKPT_DIR", help="checkpoint directory to create (must be empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier convert output in --out (never files convert did not write)")
     add_quiet_argument(p)

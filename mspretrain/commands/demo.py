@@ -1,4 +1,4 @@
-"""The whole pipeline on a Chinese poetry corpus: Tang and Song poems → shards → Llama-2 → perplexity → poems.
+"""The whole pipeline on a Chinese poetry corpus: Tang and Song poems → shards → the decoder → perplexity → poems.
 
 Fetches `chinese-poetry@2.0.1` (MIT) from the npm registry into a cache on first use, converts it
 to Simplified Chinese, prepares shards, trains the `demo` config, evaluates valid perplexity
@@ -86,7 +86,7 @@ def check_run_dir(run_dir: Path, cfg, *, vocab_of_run: bool = False) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mspretrain.data.corpus import poetry_corpus
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.prepare import prepare
 
     t_start = time.perf_counter()
     cfg = _config(args)
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.eval.generate import SamplingParams, generate
     from mspretrain.eval.perplexity import evaluate_split
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
     resolved = replace(cfg, model=cfgmod.resolve_model(cfg.model, int(manifest["vocab_size"])))
     check_run_dir(run_dir, resolved)  # before minutes of evaluation and training
@@ -128,16 +128,17 @@ def run(args: argparse.Namespace) -> int:
     setup_mindspore(info)
     ev = dict(split="valid", seq_len=cfg.data.seq_len, batch_size=cfg.eval.batch_size, max_tokens=cfg.eval.max_tokens,
               chars_per_token=manifest.get("chars_per_token"))
-    fresh = Llama(resolved.model, dtype=cfg.precision.dtype, device=info.target, seed=cfg.train.seed)
+    fresh = Decoder(resolved.model, dtype=cfg.precision.dtype, device=info.target, seed=cfg.train.seed)
     before = evaluate_split(fresh, data_dir, **ev)
     say(f"-- valid perplexity before training: {before['ppl']:.1f}")
     del fresh
 
     # 3. train (resumes if a previous demo was interrupted; nothing to do if it finished)
+    from mspretrain.ops.fits import check_fits
     from mspretrain.train.build import build_trainer
 
     say(f"-- train: {cfg.train.max_steps} steps of {cfg.train.global_batch} x {cfg.data.seq_len} tokens -> {run_dir}")
-    trainer = build_trainer(cfg, data_dir, run_dir, log=say)
+    trainer = build_trainer(cfg, data_dir, run_dir, log=say, fits=check_fits)
     summary = trainer.train()
     after = evaluate_split(trainer.model, data_dir, **ev)
     say(f"-- valid perplexity after training: {after['ppl']:.1f}")
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"run dir   {run_dir.resolve()}  ({minutes:.1f} minutes in all)")
     # (b) keeps the learning rate where the run ended: raising train.max_steps alone would
     # re-stretch the cosine and jump back up from its floor (the trainer says so at resume)
-    from mspretrain.train.schedule import continuation_overrides
+    from mspretrain.schedule import continuation_overrides
 
     tail = continuation_overrides(trainer.schedule(trainer.applied), cfg.optim.lr_scaling)
     print("\nnext:")

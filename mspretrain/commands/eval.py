@@ -6,16 +6,16 @@ import json
 from pathlib import Path
 
 from mspretrain.commands.common import add_quiet_argument, bounded, refuse_data_dir, refuse_overrides
-from mspretrain.config import EVAL_MAX_BATCH
 from mspretrain.errors import UserError
 from mspretrain.paths import DataPaths
+from mspretrain.sections.observe import EVAL_MAX_BATCH
 
 EXAMPLES = """examples:
   mspretrain eval runs/demo
   mspretrain eval runs/demo/checkpoints/step_000300 --data data/ --batch-size 3 --json"""
 
 
-MAX_BATCH = EVAL_MAX_BATCH  # sequences per forward pass, as eval.batch_size (config.py)
+MAX_BATCH = EVAL_MAX_BATCH  # sequences per forward pass, as eval.batch_size (sections/observe.py)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

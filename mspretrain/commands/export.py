@@ -1,4 +1,4 @@
-"""Export a checkpoint as an HF Llama folder (safetensors) or a verified MINDIR graph.
+"""Export a checkpoint as an HF model folder of its family (safetensors) or a verified MINDIR graph.
 
 Formats: `hf` writes config.json, model.safetensors, generation_config.json and the tokenizer, loadable
 with transformers' AutoModelForCausalLM/AutoTokenizer; `mindir` writes model.mindir (dynamic batch and
@@ -23,7 +23,7 @@ EXAMPLES = """examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="RUN_DIR|CKPT_DIR", help="a run dir (newest verified checkpoint) or one checkpoint dir")
     p.add_argument("--format", required=True, metavar="FORMAT",
-                   help="hf: HF Llama folder (config.json, model.safetensors, generation_config.json, tokenizer); "
+                   help="hf: HF model folder of the checkpoint's family (config.json, model.safetensors, generation_config.json, tokenizer); "
                         "mindir: MindSpore MINDIR graph with dynamic batch/sequence, verified against the model")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; must be empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (never files export did not write)")
@@ -73,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
                 loaded.tokenizer.save_to(tmp)
             meta = export_mindir(loaded.model, tmp, special_ids=ids)
     if fmt == "hf":
-        arch = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[model_cfg.family]
-        say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF {arch}, fp32 safetensors)")
+        from mspretrain.families import family
+
+        say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF {family(model_cfg.family).label}, fp32 safetensors)")
     else:
         print(f"MINDIR logits max abs diff vs model: {meta['verified_max_abs_diff']:.3g} (tolerance {meta['tolerance']:g})")
         say(args, f"exported step {ref.step} from {ref.dir} to {out / meta['file']} (+ export.json)")

@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mspretrain.data.inspect import inspect
-    from mspretrain.data.prepare import prepare
+    from mspretrain.prepare.inspect import inspect
+    from mspretrain.prepare.prepare import prepare
 
     if args.inspect:
         if args.inputs or args.out:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray is None:
         prepare(args.inputs, args.out, cfg.prepare, **options)
     else:
-        from mspretrain.data.raypool import RayCluster
+        from mspretrain.prepare.raypool import RayCluster
 
         with RayCluster(args.ray) as cluster:  # connected and checked before anything is written
             log(f"on Ray at {args.ray}: {cluster.describe()}")

@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from mspretrain.data import quality
-    from mspretrain.data.quality import read_cleaned
+    from mspretrain.prepare import quality
+    from mspretrain.prepare.quality import read_cleaned
 
     cfg = load_config(args).prepare
     flags = {"doc_per_line": args.doc_per_line, "text_field": args.text_field}

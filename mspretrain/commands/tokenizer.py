@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mspretrain.data.tokenizer_extend import extend_tokenizer
+    from mspretrain.prepare.tokenizer_extend import extend_tokenizer
 
     refuse_overrides(args, "tokenizer", "use the command's own options (see `mspretrain tokenizer extend --help`)")
     res = extend_tokenizer(args.base, args.out, add=args.add, train=args.train or (),

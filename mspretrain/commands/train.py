@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the vocabulary comes from the data dir, model.* overrides still apply")
     p.add_argument("--init-from", metavar="CKPT_DIR|HF_DIR",
                    help="start a new run (step 0, fresh optimizer, schedule and loss scale) from these weights: an mspretrain "
-                        "checkpoint, a run dir (its newest verified checkpoint) or an HF Llama folder; the model config comes "
+                        "checkpoint, a run dir (its newest verified checkpoint) or an HF model folder; the model config comes "
                         "from them, and a data dir whose tokenizer extends theirs grows the embedding and lm_head")
     p.add_argument("--allow-config-change", action="store_true", help="resume even if the config changes numerics")
     p.add_argument("--allow-data-change", action="store_true", help="resume even if the data dir's fingerprint changed")
@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
         apply_cpu_quota(cfg.device.cpu_quota, log=print)
     from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
+    from mspretrain.ops.fits import check_fits
     from mspretrain.train.build import build_trainer
 
     log = (lambda s: None) if args.quiet else print
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                                                   allow_config_change=args.allow_config_change, log=log)
     trainer = build_trainer(cfg, args.data, args.run, allow_config_change=args.allow_config_change,
                             allow_data_change=args.allow_data_change, log=log, restart=args.restart,
-                            init_weights=init_weights, run_meta={"init_from": init_record} if init_record else None)
+                            init_weights=init_weights, run_meta={"init_from": init_record} if init_record else None, fits=check_fits)
     summary = trainer.train()
     if not args.quiet:
         last = f"{summary.losses[-1]:.4f}" if summary.losses else "n/a"

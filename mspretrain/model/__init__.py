@@ -1,4 +1,4 @@
-"""The model: Llama-2 in MindSpore (`llama`), its loss (`loss`), presets and parameter counts
+"""The model: the decoder with per-family switches in MindSpore (`decoder`), its loss (`loss`), presets and parameter counts
 (`presets`), the Hugging Face bridge (`hf`) and MINDIR export (`mindir`).
 
 Nothing is imported here, so `presets` and `hf` stay usable without importing MindSpore.

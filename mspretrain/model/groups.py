@@ -1,7 +1,7 @@
 """Parameter groups for staged training (`train.trainable`): which of our parameter names belong
 to "embeddings", "attention", "mlp", "norms" or "lm_head".
 
-The mapping reads our names as model/llama.py makes them (`embed.weight`,
+The mapping reads our names as model/decoder.py makes them (`embed.weight`,
 `layers.{i}.attn.wqkv.weight`, `layers.{i}.mlp_norm.weight`, `norm.weight`, `lm_head.weight`...),
 by their structure, not by substrings that a future name could match by accident; an unknown name
 is an error rather than a silent "frozen" or "trained".

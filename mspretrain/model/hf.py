@@ -1,4 +1,5 @@
-"""Bridge to Hugging Face Llama folders: config.json and safetensors, both directions.
+"""Bridge to Hugging Face model folders of the families in mspretrain/families.py (Llama-2/3,
+Qwen2/2.5, Qwen3, Mistral): config.json and safetensors, both directions.
 
 Design choices:
 - Only safetensors are read, never pickle: `.bin`/`.pt` weights are refused in one line. The
@@ -13,8 +14,8 @@ Design choices:
   sizes must be positive and consistent, floats finite, `rope_scaling` null or plain.
 - Names map one to one except two fusions: q/k/v_proj rows concatenate into `attn.wqkv`,
   gate/up_proj into `mlp.w13`. Both sides use the rotate-half RoPE layout, so nothing is permuted.
-- Anything we cannot represent exactly (other activations, biases, RoPE scaling, a head_dim that
-  is not dim / n_heads) is refused rather than approximated: a silently different model is worse
+- Anything we cannot represent exactly (other activations, an MLP or o_proj bias, RoPE scaling
+  other than llama3's, per-layer sliding windows, mixtures of experts) is refused rather than approximated: a silently different model is worse
   than an error.
 - Export writes fp32 weights with the `{"format": "pt"}` metadata transformers expects, a
   `config.json` readable by transformers 4.x and 5.x (both `rope_theta` and `rope_parameters`)
@@ -35,6 +36,8 @@ import numpy as np
 
 from mspretrain.config import ModelConfig
 from mspretrain.errors import UserError
+from mspretrain.families import NAMES, described
+from mspretrain.families import family as family_of
 from mspretrain.fsutil import TEXT_CAP, read_json, read_regular_bytes_check
 
 _ST_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
@@ -74,17 +77,13 @@ def _dict_field(hf: dict[str, Any], key: str, source: str) -> dict[str, Any]:
     return v
 
 
-# The HF architectures we read and write: model_type -> (class name, family). Every family is a
-# Llama block plus switches (model/llama.py): what each switch means is transformers' modeling file.
-_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-             "mistral": "MistralForCausalLM"}
-# transformers' config-class defaults for keys a config.json may leave out (configuration_*.py)
-_MAX_POS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 4096 * 32}
+# The HF architectures we read and write, their switches and config.json defaults: one row each in
+# mspretrain/families.py (every family is our decoder block plus switches, model/decoder.py).
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _refuse(source: str, what: str) -> None:
-    raise UserError(f"{source}: {what}", "only Llama-2/3, Qwen2/2.5, Qwen3 and Mistral (dense, full or sliding-window "
+    raise UserError(f"{source}: {what}", f"only {described()} (dense, full or sliding-window "
                     "attention, plain or llama3 RoPE) convert; see docs/design.md")
 
 
@@ -119,7 +118,7 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
 
 
 def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
-    """A resolved ModelConfig from an HF config dict (Llama, Qwen2, Qwen3, Mistral); anything not
+    """A resolved ModelConfig from an HF config dict of a family of mspretrain/families.py; anything not
     representable exactly is refused in one line naming the field."""
     if not isinstance(hf, dict):
         raise UserError(f"{source} is a JSON {type(hf).__name__}, not an object", "pass the config.json written by transformers for this model")
@@ -127,17 +126,18 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise UserError(f"{source}: architectures = {archs!r} is not a list of names", "pass the config.json written by transformers for this model")
     family = hf.get("model_type", "llama")
-    if not isinstance(family, str) or family not in _FAMILIES:
+    if not isinstance(family, str) or family not in NAMES:
         raise UserError(f"{source}: model_type {family!r} is not supported (MoE and other architectures are not)",
-                        "convert Llama, Qwen2/2.5, Qwen3 or Mistral checkpoints (model_type llama, qwen2, qwen3, mistral)")
-    if archs and _FAMILIES[family] not in archs:
-        raise UserError(f"{source}: architectures {archs[0]!r} is not {_FAMILIES[family]} (model_type {family!r})",
-                        "convert Llama, Qwen2/2.5, Qwen3 or Mistral causal-LM checkpoints")
+                        f"convert {described('or')} checkpoints (model_type {', '.join(NAMES)})")
+    fam = family_of(family)
+    if archs and fam.hf_class not in archs:
+        raise UserError(f"{source}: architectures {archs[0]!r} is not {fam.hf_class} (model_type {family!r})",
+                        f"convert {described('or')} causal-LM checkpoints")
     dim, layers, heads, ffn, vocab = (_int_field(hf, k, source) for k in
                                       ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"))
     kv = _int_field(hf, "num_key_value_heads", source, heads)
-    max_pos = _int_field(hf, "max_position_embeddings", source, _MAX_POS_DEFAULT[family])
-    head_dim = _int_field(hf, "head_dim", source, 128 if family == "qwen3" else (dim // heads if dim % heads == 0 else -1))
+    max_pos = _int_field(hf, "max_position_embeddings", source, fam.max_position_default)
+    head_dim = _int_field(hf, "head_dim", source, fam.head_dim_default or (dim // heads if dim % heads == 0 else -1))
     if head_dim % 2:
         raise UserError(f"{source}: head_dim {head_dim} (default hidden_size / num_attention_heads) is not a whole, even head size",
                         "pass the config.json written by transformers for this model")
@@ -148,15 +148,15 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
         _refuse(source, f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
     if hf.get("mlp_bias"):
         _refuse(source, "mlp_bias = true is not supported")
-    if family in ("llama", "qwen3") and hf.get("attention_bias"):  # these put a bias on o_proj too
+    if fam.attention_bias_key and hf.get("attention_bias"):  # these put a bias on o_proj too
         _refuse(source, f"attention_bias = true is not supported for {family} (a bias on o_proj)")
     window = 0
-    if family == "mistral":
-        sw = hf.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
+    if fam.sliding_window:
+        sw = hf.get("sliding_window", fam.sliding_window_default)  # the config class's default when the key is absent
         window = 0 if sw is None else _int_field({"sliding_window": sw}, "sliding_window", source)
         if window >= max_pos:
             window = 0  # never narrower than the sequence: full attention, exactly
-    elif family in ("qwen2", "qwen3"):
+    elif fam.per_layer_window:
         if hf.get("use_sliding_window"):
             _refuse(source, "use_sliding_window = true is not supported (Qwen's per-layer sliding window)")
         types = hf.get("layer_types")
@@ -180,15 +180,15 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
         return ModelConfig(
             dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, vocab_size=vocab, ffn_dim=ffn, max_seq_len=max_pos,
             rope_theta=theta, norm_eps=_float_field(hf, "rms_norm_eps", source, 1e-6), tie_embeddings=tie,
-            init_std=_float_field(hf, "initializer_range", source, 0.02), family=family,
-            head_dim=0 if head_dim * heads == dim else head_dim, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-            sliding_window=window, **extra)
+            init_std=_float_field(hf, "initializer_range", source, 0.02), head_dim=0 if head_dim * heads == dim else head_dim,
+            sliding_window=window, **fam.switches(), **extra)
     except UserError as exc:  # a value our config refuses: say which file it came from
         raise UserError(f"{source}: {exc.cause}", exc.fix) from None
 
 
 def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> dict[str, Any]:
     """config.json for transformers' class of the model's family (fp32 weights), readable by 4.x and 5.x."""
+    fam = family_of(m.family)
     ids = special_ids or {}
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling == "llama3":
@@ -196,7 +196,7 @@ def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> d
                 "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
                 "original_max_position_embeddings": m.rope_original_max_len}
     out: dict[str, Any] = {
-        "architectures": [_FAMILIES[m.family]], "model_type": m.family,
+        "architectures": [fam.hf_class], "model_type": m.family,
         "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_size,
         "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
@@ -206,15 +206,12 @@ def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> d
         "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
         "use_cache": True, "torch_dtype": "float32", "dtype": "float32",
     }
-    if m.family == "llama":
-        out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
-    elif m.family == "qwen3":
-        out.update({"attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layers})
-    elif m.family == "qwen2":
-        out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layers})
-        if not m.head_dim:  # Qwen2Config has no head_dim key; its attention reads one only when present
-            del out["head_dim"]
-    else:  # mistral
+    out.update(fam.export_keys)
+    if fam.per_layer_window:
+        out["max_window_layers"] = m.n_layers
+    if not fam.head_dim_written and not m.head_dim:  # e.g. Qwen2Config has no head_dim key; its attention reads one only when present
+        del out["head_dim"]
+    if fam.sliding_window:
         out["sliding_window"] = m.sliding_window or None
     for name in ("bos", "eos", "pad"):
         if ids.get(name, -1) >= 0:
@@ -268,7 +265,7 @@ def hf_to_ours(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.n
     extra = [k for k in tensors if k not in shapes and not k.endswith(_IGNORED_SUFFIXES)
              and not (m.tie_embeddings and k == "lm_head.weight")]  # some tied checkpoints store it twice
     if extra:
-        raise UserError(f"unexpected tensor {extra[0]} in the HF weights", "the weights do not belong to a plain Llama with this config.json")
+        raise UserError(f"unexpected tensor {extra[0]} in the HF weights", "the weights do not belong to a model of this config.json")
     for name, shape in shapes.items():
         if name not in tensors:
             raise UserError(f"HF weights have no tensor {name}", "the safetensors files are incomplete or belong to another config.json")
@@ -292,7 +289,7 @@ def hf_to_ours(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.n
 
 
 def our_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter names and shapes for a resolved config (what the Llama cell holds)."""
+    """Our parameter names and shapes for a resolved config (what the model cell holds)."""
     from mspretrain.model.presets import param_shapes  # the one list of our parameters
 
     return dict(param_shapes(m))
@@ -415,7 +412,7 @@ def weight_files(hf_dir: Path) -> list[Path]:
 
 def read_hf_dir(hf_dir: str | Path, check_tokenizer: Callable[[Path, ModelConfig], None] | None = None,
                 ) -> tuple[ModelConfig, dict[str, np.ndarray], Path | None]:
-    """(resolved ModelConfig, our tensors, tokenizer path or None) from an HF Llama folder.
+    """(resolved ModelConfig, our tensors, tokenizer path or None) from an HF model folder.
 
     The tokenizer is found, not read: `check_tokenizer(path, config)` is called before the
     weights are read, so a mismatch is refused in a second instead of after gigabytes."""
@@ -446,7 +443,7 @@ def read_hf_dir(hf_dir: str | Path, check_tokenizer: Callable[[Path, ModelConfig
 
 def write_hf_dir(out: str | Path, m: ModelConfig, tensors: dict[str, np.ndarray],
                  special_ids: dict[str, int] | None = None) -> Path:
-    """Write the weights and configs of an HF Llama folder that `AutoModelForCausalLM.from_pretrained(out)`
+    """Write the weights and configs of an HF model folder that `AutoModelForCausalLM.from_pretrained(out)`
     loads cleanly; `special_ids` (bos/eos/pad) go into config.json and generation_config.json."""
     from safetensors.numpy import save_file
 

@@ -1,5 +1,5 @@
 """Weights to start a new run from (`train --init-from PATH`, issue 20 item 1): the model layer's
-part — what an init source is, how an HF Llama folder becomes one, and whether the training
+part — what an init source is, how an HF model folder becomes one, and whether the training
 config's own model keys agree with it.
 
 Reading an mspretrain checkpoint (a run dir or a step dir, verified against its manifest) needs
@@ -45,7 +45,7 @@ class InitWeights:
 
 
 def from_hf_dir(path: str | Path) -> InitWeights:
-    """An HF Llama folder (config.json + *.safetensors): converted in memory, as `convert --from-hf` does."""
+    """An HF model folder of a family in mspretrain/families.py (config.json + *.safetensors): converted in memory, as `convert --from-hf` does."""
     from mspretrain.model.hf import read_hf_dir, weight_files
 
     d = Path(path)

@@ -22,7 +22,7 @@ from mindspore import Tensor, ops
 
 def token_nll(logits: Tensor, targets: Tensor, plain_sum: bool = False) -> tuple[Tensor, Tensor]:
     """logits (B, T, V) fp32, targets (B, T) int -> (nll (B, T) fp32, lse (B, T) fp32).
-    plain_sum (Ascend, model/llama.py `use_fused_kernels`): the row sum is a ReduceSum, not a GEMM
+    plain_sum (Ascend, model/decoder.py `use_fused_kernels`): the row sum is a ReduceSum, not a GEMM
     with a ones vector (a size-1 dimension wastes the matrix unit)."""
     logits = logits.astype(ms.float32)
     B, T, V = logits.shape

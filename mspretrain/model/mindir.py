@@ -27,7 +27,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from mspretrain.errors import UserError
-from mspretrain.model.llama import Llama
+from mspretrain.model.decoder import Decoder
 
 FILE_STEM = "model"
 TOLERANCE = 1e-4  # fp32
@@ -44,7 +44,7 @@ def sample_shapes(max_seq_len: int) -> list[tuple[int, int]]:
     return [(2, max(1, min(16, max_seq_len))), (1, max(1, min(7, max_seq_len - 1)))]
 
 
-def verify_mindir(model: Llama, path: Path, *, seed: int = 0, tolerance: float | None = None) -> float:
+def verify_mindir(model: Decoder, path: Path, *, seed: int = 0, tolerance: float | None = None) -> float:
     """Max |logits(MINDIR) - logits(model)| over seeded samples; UserError above `tolerance`
     (default: the one for the model's compute dtype)."""
     if tolerance is None:
@@ -65,7 +65,7 @@ def verify_mindir(model: Llama, path: Path, *, seed: int = 0, tolerance: float |
     return worst
 
 
-def export_mindir(model: Llama, out_dir: str | Path, *, special_ids: dict[str, int] | None = None,
+def export_mindir(model: Decoder, out_dir: str | Path, *, special_ids: dict[str, int] | None = None,
                   tolerance: float | None = None) -> dict[str, Any]:
     """Write `out_dir/model.mindir` + `export.json`, verify the file; returns the export.json dict."""
     if tolerance is None:

@@ -1,4 +1,4 @@
-"""Tensor parallel (`parallel.tp`, Megatron-LM's): the Llama of model/llama.py cut across the tp
+"""Tensor parallel (`parallel.tp`, Megatron-LM's): the Decoder of model/decoder.py cut across the tp
 ranks of a group, each rank holding 1/tp of every matrix and computing 1/tp of every layer.
 
 What is split, per layer (Megatron's column- and row-parallel linears, arXiv 1909.08053 §3):
@@ -254,9 +254,9 @@ class _StackedNLL(nn.Cell):
 # --------------------------------------------------------------------------- the split
 
 def _flash_with_heads(old: Any, heads: int) -> Any:
-    """A FlashAttentionScore like `old` (model/llama.py Attention) with `heads` heads. 2.10's
+    """A FlashAttentionScore like `old` (model/decoder.py Attention) with `heads` heads. 2.10's
     generated primitive keeps its arguments as attributes (gen_ops_prim.py, FlashAttentionScore
-    __init__: `_set_prim_arg_with_handler`); input_layout is BNSD wherever llama.py builds one."""
+    __init__: `_set_prim_arg_with_handler`); input_layout is BNSD wherever model/attention.py builds one."""
     from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
     return FlashAttentionScore(head_num=heads, scale_value=old.scale_value, pre_tokens=old.pre_tokens,
@@ -325,11 +325,11 @@ def place(piece: np.ndarray, where: tuple[int, list[tuple[int, int]]] | None, sh
 
 
 def split_model(model: Any, tp: Group) -> None:
-    """Cut a whole Llama (model/llama.py) into this rank's tensor-parallel piece, in place: every
+    """Cut a whole Decoder (model/decoder.py) into this rank's tensor-parallel piece, in place: every
     split parameter becomes its piece (same name), the heads and ffn units become the local ones,
     and the f/g collectives, the vocabulary-parallel lookup and `model.tp_loss` (the loss the
     train step and eval use instead of `token_nll`) are set; `model.tp_shapes` holds the split
-    parameters' whole shapes. The model must be whole (a fresh Llama or one with whole weights
+    parameters' whole shapes. The model must be whole (a fresh Decoder or one with whole weights
     loaded); a tied embedding is cut once (the head uses the embedding's rows)."""
     cfg = model.cfg
     check_tp(cfg, tp.size)

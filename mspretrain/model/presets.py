@@ -13,6 +13,7 @@ from typing import Callable
 
 from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.errors import UserError
+from mspretrain.families import family
 
 
 def tiny() -> ModelConfig:
@@ -56,13 +57,13 @@ def llama3_8b() -> ModelConfig:
 def qwen25_7b() -> ModelConfig:
     """Qwen2.5-7B (7.62 B parameters): q/k/v bias, 152,064-row embedding and untied lm_head, GQA 4."""
     return ModelConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944, vocab_size=152064,
-                       max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-6, family="qwen2", qkv_bias=True)
+                       max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-6, **family("qwen2").switches())
 
 
 def qwen3_8b() -> ModelConfig:
     """Qwen3-8B (8.19 B parameters): QK-norm, 151,936 vocabulary, GQA 8; head_dim 128 = 4096 / 32, so 0 (automatic)."""
     return ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=0, ffn_dim=12288, vocab_size=151936,
-                       max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, family="qwen3", qk_norm=True)
+                       max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, **family("qwen3").switches())
 
 
 def qwen3_14b() -> ModelConfig:
@@ -70,7 +71,7 @@ def qwen3_14b() -> ModelConfig:
     Qwen/Qwen3-14B config.json: hidden 5120, 40 layers, 40 heads, intermediate 17408, rms eps 1e-6);
     head_dim 128 = 5120 / 40, so 0 (automatic), as `convert` reads it."""
     return ModelConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, head_dim=0, ffn_dim=17408, vocab_size=151936,
-                       max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, family="qwen3", qk_norm=True)
+                       max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, **family("qwen3").switches())
 
 
 def qwen25_32b() -> ModelConfig:
@@ -78,7 +79,7 @@ def qwen25_32b() -> ModelConfig:
     Qwen/Qwen2.5-32B config.json: hidden 5120, 64 layers, 40 heads, intermediate 27648, rms eps 1e-5);
     the 32,768 context of the 7B preset."""
     return ModelConfig(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, ffn_dim=27648, vocab_size=152064,
-                       max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, family="qwen2", qkv_bias=True)
+                       max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, **family("qwen2").switches())
 
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
@@ -110,7 +111,7 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every trainable parameter, in the order `Llama.trainable_params()` gives
+    """(name, shape) of every trainable parameter, in the order `Decoder.trainable_params()` gives
     them: the planner lays out owners and buckets from this exactly as the train step does."""
     m = resolve_model(cfg)
     if m.vocab_size <= 0:
@@ -136,5 +137,5 @@ def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def is_half_eligible(name: str) -> bool:
-    """The decoder layers' matrices (see `model.llama.half_eligible`, which uses this rule)."""
+    """The decoder layers' matrices (see `model.decoder.half_eligible`, which uses this rule)."""
     return name.startswith("layers.") and "norm" not in name

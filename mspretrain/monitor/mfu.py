@@ -33,6 +33,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Sequence
 
@@ -58,15 +59,18 @@ _cpu_peak_cache: dict[float, float] = {}
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that are matmul weights: q, k, v, o, w1, w2, w3 per layer, plus lm_head (counted once
-    whether tied or not: the embedding lookup is a gather, not a matmul). Qwen2's q/k/v biases and
-    Qwen3's QK-norm weights are elementwise, not matmul FLOPs (under 0.01 % of a 7B's), so not counted."""
+    whether tied or not: the embedding lookup is a gather, not a matmul). Read off the model's
+    parameter list (model/presets.py `param_shapes`, whose per-family tensors families.py
+    decides): every matrix but the input embedding. A family's extra tensors (Qwen2's q/k/v biases,
+    Qwen3's QK-norm weights) are vectors, elementwise, not matmul FLOPs (under 0.01 % of a 7B's)."""
+    from mspretrain.model.presets import param_shapes
+
     m = resolve_model(cfg)
     if not m.vocab_size:
         raise UserError("model.vocab_size is unknown, so FLOPs per token cannot be computed",
                         "set model.vocab_size or resolve the model against the data dir first")
-    q_dim, kv_dim = m.n_heads * m.head_size, m.n_kv_heads * m.head_size  # head_dim may not be dim / n_heads (Qwen3)
-    per_layer = 2 * m.dim * q_dim + 2 * m.dim * kv_dim + 3 * m.dim * m.ffn_dim
-    return m.n_layers * per_layer + m.dim * m.vocab_size
+    matrices = sum(math.prod(shape) for name, shape in param_shapes(m) if len(shape) == 2 and name != "embed.weight")
+    return matrices + (m.dim * m.vocab_size if m.tie_embeddings else 0)  # tied: the embedding is the output projection
 
 
 def trained_matmul_params(cfg: ModelConfig, trainable: Sequence[str] | None) -> int:

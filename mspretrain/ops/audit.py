@@ -112,7 +112,7 @@ class _Session:
 
 
 def _session_of(r: dict[str, Any], prev: _Session, cfg: cfgmod.Config) -> _Session:
-    from mspretrain.train.schedule import Schedule
+    from mspretrain.schedule import Schedule
 
     plan, schedule, g, precision = prev.plan, prev.schedule, prev.g, prev.precision
     if "plan" in r:

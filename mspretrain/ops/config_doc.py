@@ -9,7 +9,7 @@ Design choices:
   from `MEANINGS` below. A field with neither is an error (`undocumented()`), which the docs test
   turns into a failure naming the field — a new key cannot land undocumented.
 - Types, defaults and allowed values come from the live dataclasses (choices are their `Literal`
-  types, read through `config.choices`), so they are the values the code uses, rendered as TOML.
+  types, read through `sections.base.choices`), so they are the values the code uses, rendered as TOML.
 - Output is deterministic (no dates, no paths): regenerating gives the same bytes, which is what
   the up-to-date test compares.
 
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from mspretrain import config as cfgmod
+from mspretrain.sections.base import choices
 
 REGENERATE = "python -m mspretrain.ops.config_doc --out docs/config-reference.md"
 
@@ -124,27 +125,30 @@ def _comments(source: str) -> dict[int, str]:
 
 
 def field_comments() -> dict[str, str]:
-    """`section.key` -> the comment config.py keeps beside (or right above) the field."""
-    source = inspect.getsource(cfgmod)
-    lines = source.splitlines()
-    comments = _comments(source)
+    """`section.key` -> the comment the schema keeps beside (or right above) the field (the section
+    classes live in mspretrain/sections/, one module per subject, joined by config.py)."""
     section_of = {type(getattr(cfgmod.Config(), s)).__name__: s for s in cfgmod.SECTIONS}
+    modules = dict.fromkeys(inspect.getmodule(type(getattr(cfgmod.Config(), s))) for s in cfgmod.SECTIONS)
     out: dict[str, str] = {}
-    for node in ast.parse(source).body:
-        if not isinstance(node, ast.ClassDef) or node.name not in section_of:
-            continue
-        for stmt in node.body:
-            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+    for module in modules:
+        source = inspect.getsource(module)
+        lines = source.splitlines()
+        comments = _comments(source)
+        for node in ast.parse(source).body:
+            if not isinstance(node, ast.ClassDef) or node.name not in section_of:
                 continue
-            texts = []
-            above = stmt.lineno - 1  # a comment block right above the field, read upwards
-            while above >= 1 and lines[above - 1].strip().startswith("#"):
-                texts.insert(0, comments.get(above, ""))
-                above -= 1
-            if stmt.lineno in comments:
-                texts.append(comments[stmt.lineno])
-            if texts:
-                out[f"{section_of[node.name]}.{stmt.target.id}"] = " ".join(t for t in texts if t)
+            for stmt in node.body:
+                if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                    continue
+                texts = []
+                above = stmt.lineno - 1  # a comment block right above the field, read upwards
+                while above >= 1 and lines[above - 1].strip().startswith("#"):
+                    texts.insert(0, comments.get(above, ""))
+                    above -= 1
+                if stmt.lineno in comments:
+                    texts.append(comments[stmt.lineno])
+                if texts:
+                    out[f"{section_of[node.name]}.{stmt.target.id}"] = " ".join(t for t in texts if t)
     return out
 
 
@@ -201,7 +205,7 @@ def reference_rows() -> list[tuple[str, list[tuple[str, str, str, str]]]]:
             meaning = comments.get(key, "")
             if not meaning or _is_choice_list(meaning):
                 meaning = MEANINGS.get(key, "")
-            allowed = cfgmod.choices(type(obj), f.name)
+            allowed = choices(type(obj), f.name)
             if allowed and not all(f'"{c}"' in meaning for c in allowed):
                 meaning = f"{meaning}; one of: {', '.join(allowed)}" if meaning else f"one of: {', '.join(allowed)}"
             rows.append((f.name, _type_name(hints[f.name]), _toml_value(getattr(obj, f.name)), meaning))

@@ -13,7 +13,7 @@ Design choices:
   `mspretrain launch` exports that number (`LOCAL_RANKS_ENV`); under a bare msrun every rank of
   the world is taken to be local, which is how a CPU job runs (one host).
 - The RoPE tables are added to the plan's figure: they scale with `model.max_seq_len`, not with
-  `data.seq_len`, and are built on the host in float64 first (`model/llama.py: rope_tables`).
+  `data.seq_len`, and are built on the host in float64 first (`model/decoder.py: rope_tables`).
 """
 from __future__ import annotations
 

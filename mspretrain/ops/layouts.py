@@ -9,7 +9,7 @@ Megatron's accounting, not yet checked against a TP step's measured buffers, so 
 is taken among the measured layouts and a faster TP layout that fits is named beside it.
 
 Memory:
-- DP and ZeRO rows: `ops/plan.memory_model`, the buffers train/step.py allocates (checked against
+- DP and ZeRO rows: `ops/costs.memory_model`, the buffers train/step.py allocates (checked against
   real TrainSteps in tests/test_zero2.py and tests/test_zero3.py).
 - TP rows: Megatron's accounting (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for
   the activations), in `memory_model`'s terms and phases: column-parallel (wqkv, its q/k/v bias,
@@ -32,8 +32,11 @@ else `ASSUMED_BUS_GBPS`); ring costs: AllReduce 2(n-1)/n x bytes, AllGather / Re
   behind the backward pass as far as the buckets allow); ZeRO-1/2 also the parameter AllGather
   after the update (exposed).
 - ZeRO-3: per micro-batch an AllGather of every trained weight forward, a ReduceScatter of every
-  gradient backward, and with recompute the recomputation's AllGather again; all exposed (no
-  prefetch, train/zero3.py: a layer's gather waits for its input).
+  gradient backward, and with recompute the recomputation's AllGather again; exposed as far as the
+  compute does not hide them (`ops/costs.zero3_exposed_s`): with the prefetch (model/block.py)
+  the next layer's gathers run during a layer's forward and a layer's reduce-scatters during the
+  previous layer's backward, so the first layer's gathers, the last reduce-scatters and the
+  recomputation's gathers are what stays exposed (the CPU with recompute has no prefetch: all).
 - TP: per layer and micro-batch 2 AllReduces forward and 2 backward of b*s*h elements in the
   compute dtype over the t ranks (Megatron paper, section 3), 2 more with recompute, exposed (they
   sit between the matmuls); plus the data-parallel gradient AllReduce of 1/t of the gradients over
@@ -63,7 +66,7 @@ def achieved_flops(m: ModelConfig, seq: int, tokens_per_s: float | None) -> tupl
     """FLOP/s one device achieves (see the module docstring) and where the figure comes from."""
     from mspretrain.model.presets import llama2_7b
     from mspretrain.monitor.mfu import flops_per_token
-    from mspretrain.ops.plan import MINDFORMERS_LLAMA2_7B
+    from mspretrain.ops.costs import MINDFORMERS_LLAMA2_7B
 
     if tokens_per_s:
         return tokens_per_s * flops_per_token(m, seq), "the given tokens/s"
@@ -82,7 +85,7 @@ def tp_memory(m: ModelConfig, cfg: Config, *, tp: int, dp: int, zero1: bool, mic
     `memory_model`'s keys, with `peak`; and the trained elements one device holds (its gradients)."""
     from mspretrain.model.groups import trainable_mask
     from mspretrain.model.presets import is_half_eligible, param_shapes
-    from mspretrain.ops.plan import ASCEND_RESERVE_BYTES
+    from mspretrain.ops.costs import ASCEND_RESERVE_BYTES
     from mspretrain.train.layout import bucket_mb_for
 
     shapes = param_shapes(m)
@@ -140,7 +143,7 @@ def _row(name: str, tp: int, dp: int, zero: int, unmeasured: bool) -> dict[str, 
 def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, target: str, usable_gb: float,
                  bus_gbps: float, tokens_per_s: float | None) -> dict[str, Any]:
     """Every layout's row (memory, time, whether it fits) and the recommended one (its name or None)."""
-    from mspretrain.ops.plan import BACKWARD_SHARE, BACKWARD_SHARE_RECOMPUTE, memory_model, overlap_estimate
+    from mspretrain.ops.costs import BACKWARD_SHARE, BACKWARD_SHARE_RECOMPUTE, memory_model, overlap_estimate, zero3_exposed_s, zero3_units_of
 
     flops, rate_source = achieved_flops(m, cfg.data.seq_len, tokens_per_s)
     from mspretrain.monitor.mfu import flops_per_token
@@ -175,8 +178,10 @@ def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, targ
                 mem, layout = memory_model(m, cfg, devices=devices, micro=micro, accum=accum, zero=z >= 1, shard_grads=z >= 2,
                                            recompute=recompute, flash=flash, target=target, shard_params=z == 3)
                 pbytes = sum(n * (2 if layout.half[i] else 4) for i, n in enumerate(layout.sizes))
-                if z == 3:  # exposed: forward gathers, backward reduce-scatters, the recomputation's gathers
-                    comm = (3 if recompute else 2) * accum * _ring("AllGather", devices) * pbytes / bw
+                if z == 3:  # what the compute does not hide of the gathers and reduce-scatters (costs.py)
+                    comm = accum * zero3_exposed_s(zero3_units_of(m, cfg), devices=devices, bus_bytes_per_s=bw,
+                                                   forward_s=compute_s / accum - backward_s, backward_s=backward_s,
+                                                   recompute=recompute, prefetch=target != "cpu")
                 else:
                     est = overlap_estimate(layout, backward_s=backward_s, bus_bytes_per_s=bw)
                     comm = (est["comm_s"] if accum > 1 and not layout.shard_grads

@@ -280,6 +280,7 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
     from mspretrain.data.loader import resolve_sources
     from mspretrain.monitor.batch_log import plan_for, position
     from mspretrain.ops.drop_docs import DropDocsLoader
+    from mspretrain.ops.fits import check_fits
     from mspretrain.train.build import build_trainer
     from mspretrain.train.loss_scale import LossScaler
 
@@ -314,7 +315,7 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
                 observer(holder[0], step)
 
         trainer = build_trainer(cfg, data_dir, scratch, allow_config_change=changes.dtype is not None, log=log,
-                                callbacks=(on_step,))
+                                callbacks=(on_step,), fits=check_fits)
         holder.append(trainer)
         result.world = trainer.world.size
         if trainer.step != start:

@@ -286,7 +286,7 @@ def check_layer(ctx: Context) -> Check:
     import mindspore as ms
 
     from mspretrain.device import select_attention
-    from mspretrain.model import llama
+    from mspretrain.model import decoder
     from mspretrain.monitor.mfu import device_peak_tflops, flops_per_token
 
     m = ctx.cfg.model
@@ -296,15 +296,15 @@ def check_layer(ctx: Context) -> Check:
         seq = min(seq, 256)
     layer_cfg = cfgmod.resolve_model(replace(m, n_layers=1, max_seq_len=max(m.max_seq_len, seq), vocab_size=m.vocab_size or 1))
     use_flash = select_attention("auto", ctx.target, dtype, layer_cfg.head_size)
-    compute = llama.COMPUTE_DTYPES[dtype]
-    block = llama.Block(layer_cfg, llama.InitStreams(0), compute, use_flash)
+    compute = decoder.COMPUTE_DTYPES[dtype]
+    block = decoder.Block(layer_cfg, decoder.InitStreams(0), compute, use_flash)
     if ctx.cfg.train.recompute:
         block.recompute()
-    cos, sin = llama.rope_tables(layer_cfg.head_size, seq, layer_cfg.rope_theta)
-    cos_t, sin_t = (ms.Tensor(t[:, None, :]).astype(compute) for t in (cos, sin))  # (T, 1, hd), as Llama._rope
-    causal = np.triu(np.ones((seq, seq), np.float32), 1) * llama.NEG
+    cos, sin = decoder.rope_tables(layer_cfg.head_size, seq, layer_cfg.rope_theta)
+    cos_t, sin_t = (ms.Tensor(t[:, None, :]).astype(compute) for t in (cos, sin))  # (T, 1, hd), as the Attention applies it
+    causal = np.triu(np.ones((seq, seq), np.float32), 1) * decoder.NEG
     bias = ms.Tensor(causal[None, None])
-    discard = ms.Tensor(np.triu(np.ones((llama.FLASH_MASK_SIZE,) * 2, np.uint8), 1)) if use_flash else None
+    discard = ms.Tensor(np.triu(np.ones((decoder.FLASH_MASK_SIZE,) * 2, np.uint8), 1)) if use_flash else None
     x = ms.Tensor(np.random.default_rng(1).standard_normal((micro, seq, layer_cfg.dim)).astype(np.float32)).astype(compute)
     params = block.trainable_params()
 

@@ -76,7 +76,7 @@ def attention_output(model, inputs: dict[str, np.ndarray], *, documents: bool) -
 
 
 def compare_attention(candidate, reference, dtype: str, *, seq: int = 128, seed: int = 0) -> dict[str, Comparison]:
-    """Causal and document-masked attention of `candidate` against `reference` (two Llama models of
+    """Causal and document-masked attention of `candidate` against `reference` (two Decoder models of
     the same shape; GQA when the shape has fewer KV heads), on the same random inputs."""
     import mindspore as ms
 
@@ -96,7 +96,7 @@ def check_attention(ctx: Context, dtype: str) -> Check:
     if ctx.target != "ascend":
         return Check(name, NEEDS_ASCEND, "FlashAttentionScore runs only on Ascend (the comparison is tested on CPU with the math path)")
     from mspretrain.device import flash_head_dim_problem
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
     # the config's head size and GQA grouping, one layer, at most 8 heads: the kernel, not the model, is under test
     m = ctx.cfg.model
@@ -107,8 +107,8 @@ def check_attention(ctx: Context, dtype: str) -> Check:
     kv = max(1, heads // (m.n_heads // (m.n_kv_heads or m.n_heads)))  # n_kv_heads 0 = no grouping
     shape = cfgmod.resolve_model(replace(m, dim=hd * heads, n_heads=heads, n_kv_heads=kv, n_layers=1, ffn_dim=0,
                                          vocab_size=256, max_seq_len=max(m.max_seq_len, 256)))
-    flash = Llama(shape, dtype=dtype, attention="flash", device="ascend")
-    math32 = Llama(shape, dtype="fp32", attention="math", device="ascend")
+    flash = Decoder(shape, dtype=dtype, attention="flash", device="ascend")
+    math32 = Decoder(shape, dtype="fp32", attention="math", device="ascend")
     res = compare_attention(flash, math32, dtype, seq=256)
     ok = all(c.passed for c in res.values())
     detail = ", ".join(f"{k} max |diff| {c.max_abs_diff:.3g}" for k, c in res.items())
@@ -191,18 +191,18 @@ def feature_candidate(cfg_model, dtype: str, target: str):
     """The model as training builds it on `target`: flash attention and fused kernels on a 910B
     (asked for explicitly there, so that a model that could not take it fails instead of passing
     on the math path), the math path elsewhere."""
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
 
-    return Llama(cfg_model, dtype=dtype, attention="flash" if target == "ascend" else "auto", device=target, seed=0)
+    return Decoder(cfg_model, dtype=dtype, attention="flash" if target == "ascend" else "auto", device=target, seed=0)
 
 
 def compare_feature(feature: Feature, target: str, dtypes: tuple[str, ...], seq: int) -> dict[str, Any]:
     """Each dtype's candidate against the fp32 CPU path (math attention, the CPU kernels' graph),
     causal and with documents, on the same weights; and the feature's effect on that reference."""
-    from mspretrain.model.llama import Llama, load_numpy, state_numpy
+    from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 
     shape = feature_config(feature, seq)
-    reference = Llama(shape, dtype="fp32", attention="math", device="cpu", seed=0)
+    reference = Decoder(shape, dtype="fp32", attention="math", device="cpu", seed=0)
     init = {k: v.copy() for k, v in state_numpy(reference).items()}
     rng = np.random.default_rng(1)
     state = dict(init)
@@ -210,7 +210,7 @@ def compare_feature(feature: Feature, target: str, dtypes: tuple[str, ...], seq:
         # around the init (zeros for a bias, ones for a norm weight), at the scale of what it adds to
         state[name] = init[name] + 0.5 * rng.standard_normal(init[name].shape).astype(np.float32)
     load_numpy(reference, state)
-    baseline = Llama(cfgmod.resolve_model(replace(shape, **feature.off)), dtype="fp32", attention="math", device="cpu", seed=0)
+    baseline = Decoder(cfgmod.resolve_model(replace(shape, **feature.off)), dtype="fp32", attention="math", device="cpu", seed=0)
     load_numpy(baseline, init if feature.drawn else state)
     inputs = feature_inputs(seq)
     kinds = (("causal", False), ("documents", True))
@@ -259,12 +259,12 @@ def three_steps(dtype: str, target: str, *, jit: bool) -> tuple[list[float], lis
     """Three steps of a tiny model with dynamic loss scaling (1024) through the public TrainStep API;
     the second runs with an infinite scale (an overflow in any dtype). Returns the two finite
     steps' losses, the problems seen, and the LossScaler."""
-    from mspretrain.model.llama import Llama
+    from mspretrain.model.decoder import Decoder
     from mspretrain.train.loss_scale import LossScaler
     from mspretrain.train.step import TrainStep
 
     m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64))
-    model = Llama(m, dtype=dtype, device=target, seed=0)
+    model = Decoder(m, dtype=dtype, device=target, seed=0)
     batch, seq = 2, 32
     step = TrainStep(model, cfgmod.OptimConfig(lr=1e-3), global_tokens=batch * seq, jit=jit)
     scaler = LossScaler.from_config(cfgmod.PrecisionConfig(dtype=dtype, loss_scale="dynamic", init_scale=1024.0))

@@ -54,10 +54,10 @@ def run_steps(target: str, world: int, rank: int, batches: np.ndarray) -> dict[s
     """STEPS fp32 steps of the tiny model on this rank's share of `batches` (all of it at world 1,
     accumulated in the same micro-batch order). ZeRO-2 when world > 1, as train builds it."""
     from mspretrain import config as cfgmod
-    from mspretrain.model.llama import Llama, state_numpy
+    from mspretrain.model.decoder import Decoder, state_numpy
     from mspretrain.train.step import TrainStep
 
-    model = Llama(model_config(), dtype="fp32", device=target, seed=0)
+    model = Decoder(model_config(), dtype="fp32", device=target, seed=0)
     n_micro = batches.shape[1] // world
     step = TrainStep(model, cfgmod.OptimConfig(lr=LR), global_tokens=batches.shape[1] * ROWS * SEQ, world=world, rank=rank,
                      shard=world > 1, shard_grads=world > 1, bucket_mb=BUCKET_MB, split_mb=SPLIT_MB, device=target,

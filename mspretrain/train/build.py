@@ -38,6 +38,10 @@ from mspretrain.errors import UserError
 from mspretrain.paths import DataPaths, RunPaths
 from mspretrain.train.layout import bucket_mb_for
 from mspretrain.train.trainer import StepCallback, Trainer
+from mspretrain.world import detect, select_launch
+
+# the memory check build_trainer is given: (config, world size, device target, log=...) -> None or UserError
+FitCheck = Callable[..., None]
 
 NUMERIC_KEYS = ("model", "data.seq_len", "data.reset_attention_at_eos", "train.global_batch", "train.seed")
 
@@ -71,11 +75,10 @@ def _scans_data() -> bool:
     rank 0 alone (known from msrun's or the rank table's variables before `init`), never msrun's
     scheduler process (MS_ROLE=MS_SCHED, which runs this script too), so 8 ranks and the scheduler
     do not each read 240 GB."""
-    from mspretrain.train import distributed
 
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         return False
-    world = distributed.detect()
+    world = detect()
     return world.is_main if world is not None else os.environ.get("RANK_ID", "0").strip() in ("", "0")
 
 
@@ -157,9 +160,12 @@ def resolved_notes(cfg: Config, b: budget.Budget, sampling: cfgmod.MetricsConfig
 def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, allow_config_change: bool = False,
                   allow_data_change: bool = False, restart: bool = False, log: Callable[[str], None] = print,
                   init_weights: Callable[[Any], None] | None = None, run_meta: dict[str, Any] | None = None,
-                  callbacks: Sequence[StepCallback] = ()) -> Trainer:
+                  callbacks: Sequence[StepCallback] = (), fits: FitCheck | None = None) -> Trainer:
     """The real trainer for `mspretrain train`, resumed from the run dir's newest verified checkpoint.
-    A refused run (any UserError) leaves the run dir as it was: every check runs before the first write."""
+    A refused run (any UserError) leaves the run dir as it was: every check runs before the first write.
+    `fits(cfg, world, device, log=...)`: the memory check run before any allocation (`ops/fits.check_fits`,
+    which the commands and replay pass; it is given, not imported, because it reads `ops/plan`'s
+    memory model and ops/ builds on train/); None: none (tests' tiny models)."""
     from mspretrain.monitor.console import RunLog
 
     for flag, path in (("--data", data_dir), ("--run", run_dir)):
@@ -175,7 +181,7 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
     try:
         return _build(cfg, data_dir, paths, say, allow_config_change=allow_config_change,
                       allow_data_change=allow_data_change, restart=restart, init_weights=init_weights,
-                      run_meta=run_meta, callbacks=callbacks)
+                      run_meta=run_meta, callbacks=callbacks, fits=fits)
     except UserError:
         if created:
             _remove_if_only_lock(paths)
@@ -211,14 +217,14 @@ def _write_run_files(paths: RunPaths, cfg: Config, notes: dict[str, str], tokeni
 
 def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_config_change: bool,
            allow_data_change: bool, restart: bool, init_weights: Callable[[Any], None] | None,
-           run_meta: dict[str, Any] | None, callbacks: Sequence[StepCallback]) -> Trainer:
+           run_meta: dict[str, Any] | None, callbacks: Sequence[StepCallback], fits: FitCheck | None) -> Trainer:
     import mindspore as ms
 
     from mspretrain.checkpoint.saver import Saver
     from mspretrain.data.loader import Loader
     from mspretrain.data.manifest import check_data_dir, read_manifest
     from mspretrain.device import plan_device, setup_mindspore
-    from mspretrain.model.llama import Llama, half_eligible
+    from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.model.parallel import check_tp, split_model
     from mspretrain.monitor.batch_log import BatchLog, plan_for
     from mspretrain.monitor.console import ConsoleLine
@@ -229,12 +235,11 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.monitor.profiler import StepProfiler
     from mspretrain.monitor.source_ledger import SourceLedger
     from mspretrain.monitor.spike_record import SpikeRecord
-    from mspretrain.ops.fits import check_fits
+    from mspretrain.schedule import resume_notes
     from mspretrain.train import distributed
     from mspretrain.train.checkpointing import CheckpointManager
     from mspretrain.train.eval_schedule import PeriodicEval
     from mspretrain.train.loss_scale import LossScaler
-    from mspretrain.train.schedule import resume_notes
     from mspretrain.train.spike_policy import SpikePolicy
     from mspretrain.train.step import TrainStep
     from mspretrain.train.tp import TPTrainStep, make_mesh
@@ -253,7 +258,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     evaluator = PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say,  # reads eval.choices_file now
                              jit_level=device.jit_level)
     # a process started from a rank table binds the NPU its entry names (msrun negotiates it otherwise)
-    setup_mindspore(device, device_id=distributed.select_launch(device.target).device_id if device.target == "ascend" else None)
+    setup_mindspore(device, device_id=select_launch(device.target).device_id if device.target == "ascend" else None)
     check_tp(cfg.model, cfg.parallel.tp)  # before the rendezvous: a model tp cannot cut is refused on every rank alike
     world = distributed.init(device.target)
     say.is_main = world.is_main
@@ -263,7 +268,8 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     if world.is_main:  # one writer per run dir; the other msrun ranks are the same job
         run_lock.acquire(paths.root, "train", log=say)
     b = budget.derive(cfg, world=dp_size, data_tokens=int(manifest["tokens"]["train"]))
-    check_fits(cfg, world.size, device.target, log=say)  # before any allocation
+    if fits is not None:
+        fits(cfg, world.size, device.target, log=say)  # before any allocation
     resume_from = find_resume(paths, is_main=world.is_main, restart=restart, log=say)
     resume_state: dict[str, Any] = {}
     if resume_from is not None:
@@ -282,7 +288,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
 
     ms.set_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed % (2**32))
-    model = Llama(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=device.target, seed=cfg.train.seed)
+    model = Decoder(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=device.target, seed=cfg.train.seed)
     if cfg.train.recompute:
         for layer in model.layers:
             layer.recompute()

@@ -13,7 +13,7 @@ def record_weights_hash(run_dir: Path, *, rank: int, world: int, step: int, mode
     """`weights`: the whole weights where the model holds slices (ZeRO-3: a collective every rank calls)."""
     if world == 1:
         return
-    from mspretrain.model.llama import state_numpy
+    from mspretrain.model.decoder import state_numpy
 
     h = hashlib.sha256()
     for name, arr in sorted((weights() if weights is not None else state_numpy(model)).items()):

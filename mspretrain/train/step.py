@@ -1,5 +1,7 @@
 """The numerics of one optimizer step, compiled: forward, loss, accumulation, loss scale,
 reduction over ranks, clipping, AdamW. Nothing here knows about data files, logging or checkpoints.
+Who owns what and the collectives' tables are planned in `train/zero_setup.py`; the optimizer
+state (moments, masters, step counter) and its checkpoint names live in `train/state_codec.py`.
 
 Two ways through a step, chosen by the number of micro-batches a rank runs per step:
 - one micro-batch (no accumulation): ONE compiled graph `fused(tokens, positions, segments,
@@ -81,14 +83,17 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from mspretrain.checkpoint.model_shards import parse_key  # the stored keys' one parser (weights and optimizer state)
+from mspretrain.checkpoint.model_shards import parse_key
 from mspretrain.config import OptimConfig
+from mspretrain.model.decoder import use_fused_kernels
 from mspretrain.model.groups import trainable_mask
-from mspretrain.model.llama import use_fused_kernels
-from mspretrain.model.parallel import Group, PartialSum
-from mspretrain.train.layout import assign_owners, bucket_mb_for, cap_elements, plan_layout, readiness, split_elements_for, zero3_layout
+from mspretrain.model.parallel import PartialSum
+from mspretrain.train.layout import assign_owners
+from mspretrain.train.state_codec import OptimizerState
+from mspretrain.train.zero_setup import make_collectives, plan_zero, slice_key
 
-__all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners"]
+# assign_owners, parse_key and slice_key: the names tests and train/tp.py have imported from here
+__all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners", "parse_key", "slice_key"]
 
 
 def decay_mask(names: list[str], decay_embeddings: bool) -> list[bool]:
@@ -120,13 +125,6 @@ def _flat(parts: list[Tensor]) -> Tensor:
 
 def _pieces(flat: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
     return (flat,) if len(sizes) == 1 else ops.split(flat, list(sizes))
-
-
-def slice_key(key: str, start: int, stop: int) -> str:
-    """Checkpoint name of a slice's state: `exp_avg.lm_head.weight@0:68108288` holds elements
-    [start, stop) of the flattened state `exp_avg.lm_head.weight` (1-D). Whole tensors keep
-    their plain names, so a checkpoint without split parameters is written as before."""
-    return f"{key}@{start}:{stop}"
 
 
 class TrainStep:
@@ -174,81 +172,28 @@ class TrainStep:
         self.wd = [float(optim.weight_decay) if d else 0.0 for d in decay_mask(self.names, optim.decay_embeddings)]
         half = set(half_params or ())
         self.sizes = [full_size[n] for n in self.names]  # whole parameters' (ZeRO-3 holds slices of them)
-        # fp16 on the wire for every gradient but lm_head's (the field report's exemption)
-        cap = cap_elements(bucket_mb_for(bucket_mb, device))
-        wire16 = [allreduce_fp16 and "lm_head" not in n for n in self.names]
-        if self.zero3:  # every parameter split, no bucket: the gathers and reductions live in the model's graph
-            self.layout = zero3_layout(self.sizes, [n in half for n in self.names], wire16, world)
-        else:
-            self.layout = plan_layout(self.sizes, [n in half for n in self.names], wire16, world,
-                                      shard=shard, shard_grads=shard_grads, cap=cap, split=split_elements_for(split_mb, cap))
+        # ---- who owns what, and the collectives' tables (train/zero_setup.py); graph code reads
+        # plain lists, so the fields it uses are copied onto the step
+        z = self.zero_setup = plan_zero(self.params, self.sizes, half, model.dtype if half else None, world=world, rank=rank, device=device,
+                                        zero3=self.zero3, shard=shard, shard_grads=shard_grads, allreduce_fp16=allreduce_fp16,
+                                        bucket_mb=bucket_mb, split_mb=split_mb)
+        self.layout, self.owner, o = z.layout, z.owner, z.ownership
         self.shard_grads, self.sharded = self.layout.shard_grads, self.layout.sharded
-        self.owner = list(self.layout.owner) if self.sharded else [rank] * len(self.params)
-        # indices whose state (all of it, or a slice of a split parameter) lives here
-        self.own = self.layout.owned(rank) if self.sharded else list(range(len(self.params)))
-        self._own_split = [self.layout.is_split(i) for i in self.own]
-        self._own_bounds = [self.layout.unit(i, rank) for i in self.own]  # [start, stop) of the flattened parameter
-        # Master weights: an fp32 copy for each owned parameter stored in half precision, taken
-        # before the parameter is rounded; fp32 parameters are their own masters, unless split
-        # (a slice of a Parameter is not a Parameter the update kernel can write).
-        self._own_has_master = [self.names[i] in half for i in self.own]  # in the checkpoint (fp32 ones are the weights)
-        # a tensor of its own (ZeRO-3: an fp32 slice is its own master, the Parameter is the slice)
-        self._own_separate = [h or (c and not self.zero3) for h, c in zip(self._own_has_master, self._own_split)]
-        # Every state Parameter below gets a temporary and positional arguments: MindSpore 2.10's
-        # Parameter.__new__ wraps its input only at refcount 4 and otherwise rebuilds it from
-        # `asnumpy()` (model/llama.py `_normal` says why), which would bring each zeroed moment
-        # and accumulator of an NPU back through host memory (tests/test_startup.py).
-        self.own_masters = ms.ParameterTuple([
-            Parameter(Tensor(self._flat_value(k)), self._key(k, "master"), False) if sep else self.params[i]
-            for k, (i, sep) in enumerate(zip(self.own, self._own_separate))])
+        self.own, self._own_split, self._own_bounds = o.own, o.split, o.bounds
+        self._own_has_master, self._own_separate = o.has_master, o.separate
+        # ---- the optimizer state (train/state_codec.py): masters are taken before the rounding below
+        self.state = OptimizerState(self.params, self.frozen, o)
+        self.own_masters, self.exp_avg, self.exp_avg_sq = self.state.masters, self.state.exp_avg, self.state.exp_avg_sq
+        self.opt_step = self.state.opt_step
         for p in self.params + self.frozen:
             if p.name in half:
                 p.set_dtype(model.dtype)
-        # a slice's state is 1-D, a whole parameter's has its shape
-        shape = lambda k: (self._own_bounds[k][1] - self._own_bounds[k][0],) if self._own_split[k] else self.params[self.own[k]].shape
-        zeros = lambda k, prefix: Parameter(ops.zeros(shape(k), ms.float32), self._key(k, prefix), False)
-        self.exp_avg = ms.ParameterTuple([zeros(k, "exp_avg") for k in range(len(self.own))])
-        self.exp_avg_sq = ms.ParameterTuple([zeros(k, "exp_avg_sq") for k in range(len(self.own))])
-        self.opt_step = Parameter(Tensor(0, ms.int32), name="opt_step", requires_grad=False)
         self.loss_accum = Parameter(Tensor(0.0, ms.float32), name="loss_accum", requires_grad=False)
         self.accum: ms.ParameterTuple | None = None  # fp32, for the parameters whose gradients this rank sums
         self._full_state: Callable[[], dict[str, np.ndarray]] | None = None  # ZeRO-3: the compiled gather of the whole weights
-
-        # ---- collectives and their packing (pure tables: train/layout.py)
-        # As plain tuples of ints and dtypes: graph code reads no dataclasses, dicts or generators.
-        self.wire = [ms.float16 if w else ms.float32 for w in self.layout.wire16]
-        pdtype = [p.dtype if p.name not in half else model.dtype for p in self.params]
-        first = lambda b: next(seg for seg in b.segments if seg)[0]
-        used = lambda b: tuple(b.used(r) for r in range(world))
-        self._ar = [(b.indices, b.sizes, self.wire[b.indices[0]]) for b in self.layout.reduce_flat]
-        self._rs = [(b.segments, b.sizes, b.length, used(b), self.wire[first(b)], b.split) for b in self.layout.reduce_rank]
-        self._rs_single = list(self.layout.reduce_single)
-        # MindSpore 2.10's CPU AllGather (mccl) fails to launch on fp16 (measured): on CPU half
-        # parameters cross as fp32, which fp16 -> fp32 -> fp16 round-trips exactly; HCCL takes fp16.
-        gather_dtype = lambda dt: ms.float32 if device != "ascend" and dt in (ms.float16, ms.bfloat16) else dt
-        # a split bucket's last entry: the position of this rank's slice in `self.own` (-1: not split)
-        self._ag = [(b.segments, b.sizes, b.length, used(b), gather_dtype(pdtype[first(b)]), self.own.index(first(b)) if b.split else -1)
-                    for b in self.layout.gather_rank]
-        self._pdtype = pdtype
-        self._ag_single = list(self.layout.gather_single)
-        # `_reduce` returns the gradients it produces in this order (graph code cannot use dicts):
-        # every index (replicated) or the owned ones (sharded), bucket by bucket
-        # Every reduction collective in gradient-readiness order (train/layout.py `readiness`): the
-        # buckets come sorted, and a lopsided singleton takes its place among them. kind 0: an
-        # AllReduce bucket, 1: a ReduceScatter bucket, 2: one parameter's AllReduce.
-        sched = ([(readiness(b.indices), 0, k) for k, b in enumerate(self.layout.reduce_flat)]
-                 + [(readiness(i for seg in b.segments for i in seg), 1, k) for k, b in enumerate(self.layout.reduce_rank)]
-                 + [(i, 2, i) for i in self._rs_single])
-        self._schedule = [(kind, k) for _, kind, k in sorted(sched, key=lambda t: -t[0])]
-        if world == 1 or self.zero3:
-            self._order = list(range(len(self.params)))
-        else:
-            produced = {0: lambda k: list(self._ar[k][0]), 1: lambda k: list(self._rs[k][0][rank]),
-                        2: lambda i: [i] if self.owner[i] == rank else []}
-            self._order = [i for kind, k in self._schedule for i in produced[kind](k)]
-        # The squared norm sums per-parameter terms in parameter order whatever the bucket order, so
-        # the bucketing (and the world size) does not change its rounding.
-        self._norm_order = sorted(range(len(self._order)), key=lambda k: self._order[k])
+        self.wire, self._pdtype = z.wire, z.pdtype
+        self._ar, self._rs, self._rs_single, self._ag, self._ag_single = z.ar, z.rs, z.rs_single, z.ag, z.ag_single
+        self._schedule, self._order, self._norm_order = z.schedule, z.order, z.norm_order
         # Tensor parallel (model/parallel.py): the squared norm is summed over the tp group, where a
         # replicated parameter (a norm weight, the same gradient on every tp rank) counts 1/tp times.
         self.tp = getattr(model, "tp", None)
@@ -274,32 +219,15 @@ class TrainStep:
         # tests/test_collective_sequence.py compiles the Ascend path for each rank of worlds 2, 4
         # and 8 and compares their ordered collectives.
         self._chain = device != "ascend"
-        self._own_pos = [self._order.index(i) for i in self.own]
-        # where `_reduce` leaves a split parameter's gradient whole (replicated: ZeRO-1), the update
-        # cuts the owned slice from it; with ZeRO-2 it arrives as the slice
-        self._own_cut = [ab if cut and not self.shard_grads else None for ab, cut in zip(self._own_bounds, self._own_split)]
-        # shape of each gradient `_reduce` produces (the accumulation buffers): a slice is 1-D
-        unit_len = lambda i: (lambda a, b: b - a)(*self.layout.unit(i, rank))
-        self._order_shape = [(unit_len(i),) if self.shard_grads and self.layout.is_split(i) else self.params[i].shape
-                             for i in self._order]
-        self._order_pos = [self._order.index(i) if i in self._order else -1 for i in range(len(self.params))]
-        c = comm if comm is not None else Group(tuple(range(world)), rank, device=device)  # the world: the plain primitives
-        self.allreduce = c.all_reduce() if world > 1 else None
-        # MindSpore 2.10: ReduceScatter has HCCL (Ascend) and NCCL kernels, none for CPU (mccl).
-        # (one instance per bucket, like the AllGathers below: shapes differ between buckets)
-        self._reduce_scatters = [c.reduce_scatter() for _ in self._rs] if device == "ascend" else []
-        # AllGather on Ascend (HCCL), one per bucket. On CPU (mccl) a second AllGather in one graph
-        # fails ("Memcpy error, dest size is 256, src size is 65536" in RingAllGather, measured with
-        # one primitive per bucket too), so there each rank all-reduces the bucket with its own
-        # segment in place and zeros elsewhere: the same numbers, selected by device.
-        self._allgathers = [c.all_gather() for _ in self._ag] if device == "ascend" else []
-        # one Broadcast per unbucketed parameter, from its owner (a multi-tensor Broadcast mixes up
-        # tensors of different shapes on CPU: wrong-rank assigns in graph mode, memcpy overlap errors eagerly)
-        self._bcast = [c.broadcast(self.owner[i]) for i in self._ag_single]
+        self._own_pos, self._own_cut = z.own_pos, z.own_cut
+        self._order_shape, self._order_pos = z.order_shape, z.order_pos
+        comms = make_collectives(z, comm, world=world, rank=rank, device=device)
+        self.allreduce, self._reduce_scatters, self._allgathers, self._bcast = (
+            comms.allreduce, comms.reduce_scatters, comms.allgathers, comms.bcast)
         self._adamw = ops.AdamWeightDecay()
         self._jit = (lambda fn: ms.jit(fn, jit_level=jit_level)) if jit else None
 
-        # Ascend: plain reductions instead of the CPU's GEMM forms (model/llama.py `use_fused_kernels`)
+        # Ascend: plain reductions instead of the CPU's GEMM forms (model/decoder.py `use_fused_kernels`)
         plain = self._plain_sums = use_fused_kernels(device)
         inv_tokens = 1.0 / self.global_tokens
         z = float(optim.z_loss)
@@ -330,19 +258,6 @@ class TrainStep:
         self._apply: Callable[..., Any] | None = None
         if accumulation is not None and accumulation > 1:
             self._ensure_accum()
-
-    def _key(self, k: int, prefix: str) -> str:
-        """State key of owned unit k's `prefix` tensor: the plain name, or the slice's (`slice_key`)."""
-        key = f"{prefix}.{self.names[self.own[k]]}"
-        return slice_key(key, *self._own_bounds[k]) if self._own_split[k] else key
-
-    def _flat_value(self, k: int) -> np.ndarray:
-        """Owned unit k's current values in fp32, shaped like its state (a copy)."""
-        value = self.params[self.own[k]].asnumpy().astype(np.float32)
-        if not self._own_split[k] or self.zero3:  # whole, or (ZeRO-3) the Parameter is the slice
-            return value.copy()
-        a, b = self._own_bounds[k]
-        return value.reshape(-1)[a:b].copy()
 
     # ----------------------------------------------------------------- graph pieces
     def _reduce(self, grads: list[Tensor], in_order: bool = False) -> tuple[list[Tensor], Tensor | None]:
@@ -519,7 +434,7 @@ class TrainStep:
             return
         # in `self._order`: the order `_reduce` produces and `_finish` reads
         self.accum = ms.ParameterTuple([Parameter(ops.zeros(shape, ms.float32), f"accum.{self.names[i]}", False)
-                                        for i, shape in zip(self._order, self._order_shape)])  # positional: see __init__
+                                        for i, shape in zip(self._order, self._order_shape)])  # positional: see train/state_codec.py
 
         # The first micro-batch of a step overwrites the buffers instead of adding to them, so
         # `apply` never zeroes them: a zeroing assign there is ordered before the reads of the same
@@ -581,7 +496,7 @@ class TrainStep:
         """Every parameter whole by name (what a checkpoint's model file holds), fp16 ones as fp16,
         the rest fp32: the model's own under ZeRO-0/1/2; gathered under ZeRO-3, a collective that
         every rank must call (train/zero3.py `full_state`)."""
-        from mspretrain.model.llama import state_numpy
+        from mspretrain.model.decoder import state_numpy
 
         if not self.zero3:
             return state_numpy(self.model, keep_fp16=True)
@@ -594,7 +509,7 @@ class TrainStep:
     def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
         """Whole tensors (a checkpoint's model file, written by any layout) into the model: whole,
         or under ZeRO-3 this rank's slices of them."""
-        from mspretrain.model.llama import load_numpy
+        from mspretrain.model.decoder import load_numpy
 
         if not self.zero3:
             load_numpy(self.model, tensors)
@@ -621,96 +536,24 @@ class TrainStep:
         calls, nbytes = self.layout.traffic(accumulation)
         return {"calls": calls, "bytes": nbytes}
 
-    # ----------------------------------------------------------------- state
-    # A split parameter's state is stored per slice (`slice_key`); a rank reading it back (any world
-    # size: another one cuts other slices, or none) assembles its own part from whichever stored
-    # slices overlap it (`load_optimizer_state`). The logical keys (the names without `@...`) are
-    # those of an unsplit run, and the checks of a checkpoint against the model use them.
+    # ----------------------------------------------------------------- state (train/state_codec.py)
     def _kinds(self, i: int) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq", "master") if self.params[i].dtype != ms.float32 else ("exp_avg", "exp_avg_sq")
+        return self.state.kinds(i)
 
     def state_keys(self, owned_only: bool = False) -> set[str]:
         """Tensor names of the optimizer state: all of it (logical names), or the part this rank
         holds (as it writes them: a split parameter's slices by `slice_key`)."""
-        if owned_only:
-            return {"opt_step"} | {self._key(k, kind) for k, i in enumerate(self.own) for kind in self._kinds(i)}
-        return {"opt_step"} | {f"{kind}.{self.names[i]}" for i in range(len(self.names)) for kind in self._kinds(i)}
+        return self.state.keys(owned_only)
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         """This rank's part of the state (all of it unless sharded); views of live memory on CPU."""
-        out: dict[str, np.ndarray] = {"opt_step": np.asarray(self.opt_step.asnumpy(), dtype=np.int64)}
-        for k, (m, v, master, has_master) in enumerate(zip(self.exp_avg, self.exp_avg_sq, self.own_masters, self._own_has_master)):
-            out[self._key(k, "exp_avg")] = m.asnumpy()
-            out[self._key(k, "exp_avg_sq")] = v.asnumpy()
-            if has_master:
-                out[self._key(k, "master")] = master.asnumpy()
-        return out
+        return self.state.tensors()
 
     def keys_to_read(self, available: set[str]) -> set[str]:
-        """The stored keys this rank's part is assembled from: its own names, or any stored slice
-        (or whole tensor) overlapping one of its units."""
-        want: dict[str, tuple[int, int]] = {"opt_step": (0, 1)}
-        for k, i in enumerate(self.own):
-            for kind in self._kinds(i):
-                want[f"{kind}.{self.names[i]}"] = self._own_bounds[k]
-        out = set()
-        for key in available:
-            name, rng = parse_key(key)
-            if name in want and (rng is None or (rng[0] < want[name][1] and want[name][0] < rng[1])):
-                out.add(key)
-        return out
-
-    def _assemble(self, tensors: dict[str, np.ndarray], name: str, k: int) -> np.ndarray:
-        """Owned unit k's part of logical tensor `name`, from the stored whole tensor or the stored
-        slices in `tensors`, shaped like this rank's state tensor (1-D for a slice)."""
-        from mspretrain.errors import UserError
-
-        i, (a, b) = self.own[k], self._own_bounds[k]
-        if name in tensors:  # written whole (by an unsplit run)
-            flat = np.asarray(tensors[name], dtype=np.float32).reshape(-1)[a:b]
-        else:
-            flat, covered = np.empty(b - a, np.float32), 0
-            for key, value in tensors.items():
-                kname, rng = parse_key(key)
-                lo, hi = (max(a, rng[0]), min(b, rng[1])) if kname == name and rng is not None else (0, 0)
-                if lo < hi:
-                    flat[lo - a:hi - a] = np.asarray(value, dtype=np.float32).reshape(-1)[lo - rng[0]:hi - rng[0]]
-                    covered += hi - lo
-            if covered != b - a:  # the writers' slices tile each tensor: a gap is a missing or foreign shard
-                raise UserError(f"the checkpoint's slices of {name} cover {covered:,} of its elements [{a:,}, {b:,})",
-                                "resume from another checkpoint (`mspretrain checkpoints RUN` lists them)")
-        return flat.copy() if self._own_split[k] else flat.reshape(self.params[i].shape).copy()
+        """The stored keys this rank's part is assembled from (slices overlapping its own included)."""
+        return self.state.keys_to_read(available)
 
     def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
-        """Load this rank's part from `tensors` (stored keys: whole tensors and/or slices).
-        `available`: every key the checkpoint holds (all shards), checked against the whole model
-        so a checkpoint of another model is refused even when the part this rank reads happens to match."""
-        from mspretrain.errors import UserError
-
-        have = {parse_key(k)[0] for k in (set(tensors) if available is None else available)}
-        full = self.state_keys()
-        missing, unexpected = full - have, have - full
-        if missing or unexpected:
-            if all(k.startswith("master.") for k in missing | unexpected):
-                raise UserError("precision.param_dtype differs from the run that wrote the checkpoint (fp32 master copies "
-                                + ("missing)" if missing else "unexpected)"), "resume with the precision.param_dtype of the checkpoint's config.toml")
-            param_of = lambda keys: {k.split(".", 1)[1] for k in keys if "." in k}  # exp_avg.NAME -> NAME
-            lacking, extra = param_of(missing), param_of(unexpected)
-            if "opt_step" in have and lacking | extra and lacking | extra <= {p.name for p in self.params + self.frozen}:
-                # the same model with other parameters trained (train.trainable changed)
-                what = [f"no optimizer state for {len(lacking)} of the {len(self.names)} parameters trained now"] if lacking else []
-                what += [f"optimizer state for {len(extra)} parameters frozen now"] if extra else []
-                raise UserError(f"train.trainable differs from the run that wrote the checkpoint: it has {' and '.join(what)}",
-                                "resume with the train.trainable of the checkpoint's config.toml, "
-                                "or start a new run from its weights with --init-from")
-            raise UserError(f"optimizer state does not match the model (missing {sorted(missing)[:3]}, "
-                            f"unexpected {sorted(unexpected)[:3]})",
-                            "resume with the model config the checkpoint was written with")
-        self.opt_step.set_data(Tensor(int(np.asarray(tensors["opt_step"]).reshape(-1)[0]), ms.int32))
-        for k, (i, m, v, master) in enumerate(zip(self.own, self.exp_avg, self.exp_avg_sq, self.own_masters)):
-            m.set_data(Tensor(self._assemble(tensors, f"exp_avg.{self.names[i]}", k)))
-            v.set_data(Tensor(self._assemble(tensors, f"exp_avg_sq.{self.names[i]}", k)))
-            if self._own_has_master[k]:
-                master.set_data(Tensor(self._assemble(tensors, f"master.{self.names[i]}", k)))
-            elif self._own_separate[k]:  # an fp32 split parameter: its master is the slice of the weights just loaded
-                master.set_data(Tensor(self._flat_value(k)))
+        """Load this rank's part from `tensors` (stored keys: whole tensors and/or slices), checked
+        against the whole model's keys in `available`."""
+        self.state.load(tensors, available)

@@ -23,31 +23,39 @@ AllReduce and (b) order the backward's collectives (below). By device, as train/
 Order of the collectives. On CPU the runtime launches a ready kernel whenever it is ready, and
 every slice is ready at the start of the step, so unordered gathers would run in a different order
 on each rank and mccl would pair one rank's wqkv with another's w13. Each gather therefore takes an
-`anchor`, the input of the cell that uses the weight (the activation entering the Linear, the
-RMSNorm; the tokens for the embedding): a layer's gather starts once the previous weight has been
-used, a total order that is the forward's data flow, the same on every rank. The backward mirrors
-it: the bprop returns, as the anchor's gradient, zeros that depend on its reduce-scatter; they are
-added into the gradient of the activation, from which every earlier weight's gradient is computed,
-so the reduce-scatters run in exactly the reverse order of the gathers on every rank. On Ascend
-the same anchors make the compiled order a function of the data flow, which tests/
-test_collective_sequence.py compares rank by rank. Two weights used side by side on one input
-would have no order between them, so each takes the other's output as its anchor instead: Qwen2's
-q/k/v bias is gathered after its own (gathered) weight (model/llama.py `Linear.full_bias`), Qwen3's
-k_norm weight after q_norm's output (`Attention.project`, `RMSNorm(x, anchor)`); their bprops
-then put the bias's reduce-scatter before the weight's, k_norm's before q_norm's.
+`anchor` it waits for, and the gathers form one chain: the embedding's after the tokens, each
+block's weights after the previous gathered weight in the order the forward uses them (model/
+decoder.py `Block.pull`: attn_norm, wqkv, its bias, q_norm, k_norm, wo, mlp_norm, w13, w2), the
+final norm's and the lm_head's last. The backward mirrors it: the bprop returns, as the anchor's
+gradient, zeros that depend on its reduce-scatter; they are added into the gradient of the
+previous gathered weight, whose reduce-scatter therefore comes after, so the reduce-scatters run in
+exactly the reverse order of the gathers on every rank. On Ascend the same chain makes the compiled
+order a function of the data flow, which tests/test_collective_sequence.py compares rank by rank.
 
-No prefetch, and why it is not done here. A gather anchored on its cell's input cannot start before
-the previous cell is done, so a layer's gather does not overlap the previous layer's compute, and
-on Ascend the compute waits for each gather (`plan` counts ZeRO-3's collectives as exposed). The
-overlap needs gather k+1 to be ordered after gather k (one order on every rank) and not after cell
-k's output: its anchor must be gather k's result, which lives in another cell. In graph mode a
-data dependence between cells is an argument or a result; handing a tensor over through a Python
-attribute set inside construct is not a dependence this code could rely on (not verified in
-MindSpore 2.10's parser, so not used). The anchor would have to travel through the signature of
-every cell on the way (Linear, RMSNorm, Attention, MLP, Block, Llama), or the Llama loop would
-gather each layer's weights and hand them to cells that take whole weights: either changes every
-cell's signature in model/llama.py, the file tensor parallel rewrites at the same time; left for
-after that merge.
+Prefetch (model/block.py). A block's chain starts from the token the previous block hands on:
+one element of its last gathered weight, made to depend on that block's input x_k (`relay`). So
+block k+1's gathers run as soon as block k's are done and block k has started, while block k
+computes, and block k+2's wait for x_{k+1}, the end of block k: at most two blocks' gathered
+weights at once (the head's gathers likewise after the last block's input). Measured in the
+compiled graph (tests/test_zero3.py, tests/zero3_graph_probe.py): block 1's gathers wait for none
+of block 0's matmuls, the head's for all of block 0's and none of block 1's, and no matmul waits
+for a reduce-scatter (their order is carried by the weights' gradients, not the activations'), so
+the backward's reduce-scatters overlap the previous block's backward.
+
+Prefetch and recompute. The gathers are inside the block's cell, so `train.recompute` (Cell.
+recompute) recomputes them: the compiled graph holds each block's gathers twice (27 = 15 + 2 x 6
+in the 2-layer test model), which keeps the memory bound. The token is a block output, which
+recompute excludes from recomputation (Cell.recompute's docstring, MindSpore 2.10 nn/cell.py:
+"The outputs of cell are excluded from recomputation"): one element is kept per block. The
+recomputed gathers start from the kept token and are placed by MindSpore's recompute pass before
+their first backward user; nothing orders them against the next block's reduce-scatters (the
+graph of the 2-layer model has 63 unordered pairs of collectives). On Ascend the order is the
+compiled one, the same on every rank (test_collective_sequence.py); on the CPU the runtime's launch
+order would decide, so there, with recompute, a block's chain starts from its own input x
+instead (`prefetches`: no prefetch, the order the chain had before it, whose graph leaves 2 pairs
+unordered, a block's last re-gather and its first reduce-scatter, which the 2-rank msrun resume
+with recompute has always run through). Without recompute the CPU prefetches too: every
+collective is then in one order in the graph (the test checks it).
 
 Checkpoints: no gather. Each rank writes its slices (`slice_state`) to a file of its own and a
 resume reads just its ranges (`wanted_ranges`) of whichever form the weights were written in
@@ -60,8 +68,9 @@ layer's backward (dX = dY·W needs it), so without recompute the gathered weight
 alive from their forward to their backward: the forward keeps them like activations (the saving is
 in the gradients and the optimizer state, and in the weights between steps). With `train.recompute`
 the backward recomputes each layer's forward, the gather included, so a layer's gathered weights
-are alive during its forward and again during its recomputation and backward only: at most one
-layer's gathered weights (plus the embedding / lm_head) at a time.
+are alive during its forward and again during its recomputation and backward only; with the
+prefetch the next layer's (or the head's) are gathered while a layer computes: at most two units'
+gathered weights at once (ops/costs.py `gathered_bytes`), one layer's plus the lm_head's without it.
 """
 from __future__ import annotations
 
@@ -148,15 +157,16 @@ def _slice_of(p: Parameter, world: int, rank: int, device: str) -> tuple[Paramet
 
 def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device: str) -> None:
     """Replace each named parameter of `model` by this rank's 1-D slice (same name) and give the
-    cell that holds it a `ShardedGather`, which the cell's construct calls: `cell.gather` for a
-    weight (Linear, Embedding, RMSNorm: model/llama.py), `cell.bias_gather` for Qwen2's q/k/v bias.
+    cell that holds it a `ShardedGather`, which the cell's `pull` calls: `cell.gather` for a weight
+    (Linear, Embedding, RMSNorm: model/layers.py), `cell.bias_gather` for Qwen2's q/k/v bias; and
+    switch the model to its sharded forward (`model.sharded`, each block's `prefetch`).
 
     Every weight is sliced and gathered, the small ones too (Qwen2's q/k/v bias, Qwen3's QK-norm
     weights, the RMSNorm weights): one rule for every parameter, so the optimizer state of each is
     a slice and the checkpoint re-cuts as for any other; keeping the small ones replicated would
     need an all-reduce of their gradients outside the model's graph, a second mechanism with its own
-    order to keep, for under 0.1 % of the parameters. Their gathers are ordered as the others:
-    the bias after its own weight (Linear.full_bias), k_norm after q_norm's output (Attention.project)."""
+    order to keep, for under 0.1 % of the parameters. Their gathers are links of the block's chain
+    like the others (model/block.py `Block.pull`)."""
     want = set(names)
     for _, cell in model.cells_and_names():
         p = getattr(cell, "weight", None)
@@ -167,7 +177,7 @@ def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device:
             want.discard(name)
         bias = getattr(cell, "bias", None) if getattr(cell, "has_bias", False) else None
         if isinstance(bias, Parameter) and bias.name in want:
-            if cell.gather is None:  # its gather is anchored on the gathered weight (Linear.full_bias)
+            if cell.gather is None:  # its gather is chained after its gathered weight's (Linear.pull)
                 raise UserError(f"optim.shard_parameters cannot shard {bias.name} while its weight is frozen",
                                 "train the weight too (train.trainable), or use optim.shard_gradients=true (ZeRO-2)")
             name = bias.name
@@ -177,6 +187,17 @@ def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device:
     if want:
         raise UserError(f"optim.shard_parameters cannot shard {sorted(want)[0]} (no cell gathers it)",
                         "use optim.shard_gradients=true (ZeRO-2) for this model")
+    model.sharded = True  # Decoder.construct runs the token chain (model/block.py)
+    for layer in getattr(model, "layers", ()):
+        layer.prefetch = prefetches(layer, device)
+
+
+def prefetches(block: nn.Cell, device: str) -> bool:
+    """Whether `block`'s gathers start from the previous block's token (the prefetch) rather than
+    from its own input: everywhere but the CPU with layer recompute (module docstring, "Prefetch
+    and recompute"). Recompute is read from the cell: `Cell.recompute()` sets
+    `_has_config_recompute` (MindSpore 2.10 nn/cell.py, `Cell._recompute`)."""
+    return device == "ascend" or not getattr(block, "_has_config_recompute", False)
 
 
 def gathered(model: nn.Cell) -> list[tuple[str, ShardedGather, Parameter]]:
@@ -250,7 +271,7 @@ def load_full_state(model: nn.Cell, tensors: dict[str, np.ndarray], world: int, 
     parameter takes its slice of a whole tensor, or the already cut 1-D slice (`wanted_ranges`,
     as `read_pieces` returns it); the others their whole value. Whole shapes are checked against
     the shapes the gathers produce, slices against this rank's length."""
-    from mspretrain.model.llama import load_numpy
+    from mspretrain.model.decoder import load_numpy
 
     whole_shape = {name: g.shape for name, g, _ in gathered(model)}
     cut = {}

@@ -1,0 +1,227 @@
+"""The Llama's building blocks below attention (model/decoder.py's docstring has the design): the
+numerics (fp32 islands, the GEMM row sums), the weight-holding cells Linear, Embedding, RMSNorm.
+
+Whole weights as arguments. Each weight-holding cell computes with its own Parameter, or with a
+whole weight handed to it (`construct(x, w)`): under ZeRO-3 the cell's Parameter is this rank's
+slice and the decoder block gathers the weights of all its cells first, as one chain
+(model/block.py `Block.pull`, train/zero3.py). `pull(token)` is a cell's part of that chain:
+its weight (and bias) gathered after `token`, and the token the next gather waits for.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+COMPUTE_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
+NEG = -1e9  # additive mask value; the softmax runs in fp32, so exp(NEG - max) is exactly 0
+FLASH_MASK_SIZE = 2048  # FlashAttentionScore's compressed causal mask is always 2048 x 2048
+
+
+class WeightSource(Protocol):
+    """Where a cell's initial weight comes from: model/decoder.py `InitStreams` (the seeded draw)."""
+
+    def parameter(self, shape: tuple[int, ...], std: float) -> Parameter: ...
+
+
+def relay(last: Tensor, after: Tensor) -> Tensor:
+    """ZeRO-3's token out of a chain of gathers: one element of `last` (the chain's last gathered
+    weight), available once `after` is too. A later chain anchored on it starts after both; one
+    element, so that a cell returning it (Block) keeps no whole weight alive for it."""
+    return ops.depend(last.reshape(-1)[:1], after)
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """Sum over the last axis as a GEMM with a ones vector: (..., D) -> (..., 1) fp32. MindSpore's CPU
+    ReduceSum is several times slower than its MatMul kernel on these shapes (see loss.py)."""
+    D = x.shape[-1]
+    return ops.matmul(x.reshape(-1, D), ops.ones((D, 1), ms.float32)).reshape(x.shape[:-1] + (1,))
+
+
+def spread(col: Tensor, n: int) -> Tensor:
+    """(..., 1) -> (..., n), the column repeated, as an outer-product GEMM with a ones row. MindSpore's
+    CPU elementwise kernels take 2.5x longer when an operand is broadcast ((2048, 256) * (2048, 1):
+    0.85-0.97 ms vs 0.34-0.46 ms same-shape), so a column used by same-shape ops is spread first."""
+    return ops.matmul(col.reshape(-1, 1), ops.ones((1, n), col.dtype)).reshape(col.shape[:-1] + (n,))
+
+
+def rms_statistic(x: Tensor, eps: float) -> Tensor:
+    """1 / RMS over the last axis in fp32 (an fp32 island): x (..., D) -> (..., 1) float32."""
+    xf = x.astype(ms.float32)
+    return ops.rsqrt(row_sum(xf * xf) / x.shape[-1] + eps)
+
+
+def softmax_fp32(scores: Tensor) -> Tensor:
+    """Attention softmax in fp32 (an fp32 island), whatever the compute dtype."""
+    return ops.softmax(scores.astype(ms.float32), -1)
+
+
+class SoftmaxFP32(nn.Cell):
+    """softmax_fp32 with a hand-written backward, dx = p * (dp - rowsum(dp * p)), whose row sum is a
+    GEMM: MindSpore's generated softmax backward spends most of its time in ReduceSum."""
+
+    def construct(self, scores: Tensor) -> Tensor:
+        return softmax_fp32(scores)
+
+    def bprop(self, scores: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor]:
+        return ((out * (dout - spread(row_sum(dout * out), out.shape[-1]))).astype(scores.dtype),)
+
+
+class RMSNormFn(nn.Cell):
+    """y = x * rms_statistic(x) * w, with the statistics in fp32 and a hand-written backward (the
+    generated one is a chain of slow ReduceSum/Tile ops): with xh = x * r and g = dy * w,
+    dw = sum over tokens of dy * xh, dx = r * (g - xh * mean(g * xh))."""
+
+    def __init__(self, eps: float, dtype: ms.Type) -> None:
+        super().__init__()
+        self.eps = eps
+        self.dtype = dtype
+
+    def construct(self, x: Tensor, w: Tensor) -> Tensor:
+        y = x.astype(ms.float32) * spread(rms_statistic(x, self.eps), x.shape[-1])
+        if self.dtype == ms.float32:
+            return y * w
+        return y.astype(self.dtype) * w.astype(self.dtype)
+
+    def bprop(self, x: Tensor, w: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor, Tensor]:
+        D = x.shape[-1]
+        r_row = rms_statistic(x, self.eps)  # recomputed: (..., 1) fp32
+        r = spread(r_row, D)
+        xh = x.astype(ms.float32) * r  # (..., D)
+        dy = dout.astype(ms.float32)
+        dw = ops.matmul(ops.ones((1, dy.size // D), ms.float32), (dy * xh).reshape(-1, D)).reshape(D)  # column sum
+        g = dy * w
+        dx = r * g - spread(r_row * (row_sum(g * xh) / D), D) * xh
+        return dx.astype(x.dtype), dw
+
+
+class Linear(nn.Cell):
+    """y = x @ W^T (+ b); W (out, in) fp32, cast to the compute dtype at use. The bias (Qwen2's q/k/v)
+    starts at zero, as transformers' `_init_weights` sets it. `w`, `b`: the whole weight and bias
+    when the Parameters are ZeRO-3 slices (`pull`), else None (the Parameters)."""
+
+    def __init__(self, in_dim: int, out_dim: int, std: float, rng: WeightSource, dtype: ms.Type,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.out_dim = out_dim
+        self.dtype = dtype
+        self.weight = rng.parameter((out_dim, in_dim), std)
+        self.gather = None  # ZeRO-3: a ShardedGather, `weight` then this rank's slice (train/zero3.py)
+        self.bias_gather = None  # ZeRO-3, the same for the bias
+        self.tp_out = None  # tensor parallel (model/parallel.py): the row-parallel layers' sum over tp ranks
+        self.has_bias = bias
+        if bias:
+            self.bias = Parameter(Tensor(np.zeros(out_dim, np.float32)), name="bias")
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def pull(self, token: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+        """(weight, bias or None, token): each gathered after the token (the bias after its own
+        weight, so the two are ordered), the token then the last gathered one; a Parameter that
+        is not sharded (frozen) is itself and leaves the token as it is."""
+        if self.gather is None:
+            w = self.weight
+        else:
+            w = self.gather(self.weight, token)
+            token = w
+        if not self.has_bias:
+            return w, None, token
+        if self.bias_gather is None:
+            return w, self.bias, token
+        b = self.bias_gather(self.bias, token)
+        return w, b, b
+
+    def _weights(self, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        if w is None:
+            w, b = self.weight, (self.bias if self.has_bias else None)
+        if self.has_bias and self.dtype != ms.float32:
+            b = b.astype(self.dtype)
+        return (w if self.dtype == ms.float32 else w.astype(self.dtype)), b
+
+    def construct(self, x: Tensor, w: Tensor | None = None, b: Tensor | None = None) -> Tensor:
+        w, b = self._weights(w, b)
+        lead = x.shape[:-1]
+        y = self.matmul(x.reshape(-1, x.shape[-1]), w)  # (N, out)
+        if self.has_bias:
+            y = y + b
+        y = y.reshape(lead + (self.out_dim,))
+        return y if self.tp_out is None else self.tp_out(y)
+
+    def parts(self, x: Tensor, rows: tuple[int, ...], w: Tensor | None = None, b: Tensor | None = None) -> tuple[Tensor, ...]:
+        """x @ W_i^T for consecutive row blocks W_i of a fused weight. The weight is split, not the
+        output: on CPU, MindSpore's Split/Concat copy, and an (out, in) weight is far smaller than the
+        (tokens, out) activation, so this beats one big MatMul followed by a split (see train.md)."""
+        w, b = self._weights(w, b)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        if self.has_bias:
+            return tuple((self.matmul(x2, wi) + bi).reshape(lead + (n,))
+                         for wi, bi, n in zip(ops.split(w, rows, 0), ops.split(b, rows, 0), rows))
+        return tuple(self.matmul(x2, wi).reshape(lead + (n,)) for wi, n in zip(ops.split(w, rows, 0), rows))
+
+
+class Embedding(nn.Cell):
+    def __init__(self, vocab: int, dim: int, std: float, rng: WeightSource) -> None:
+        super().__init__()
+        self.weight = rng.parameter((vocab, dim), std)
+        self.gather = None  # ZeRO-3, as in Linear
+        self.tp = None  # tensor parallel: the vocabulary-parallel lookup of this rank's rows (model/parallel.py)
+
+    def pull(self, token: Tensor) -> tuple[Tensor, Tensor]:  # as Linear.pull
+        if self.gather is None:
+            return self.weight, token
+        w = self.gather(self.weight, token)
+        return w, w
+
+    def construct(self, tokens: Tensor, w: Tensor | None = None) -> Tensor:
+        w = self.weight if w is None else w
+        if self.tp is not None:
+            return self.tp(w, tokens)
+        return ops.gather(w, tokens, 0)  # (B, T) -> (B, T, D) fp32
+
+
+class RMSNorm(nn.Cell):
+    """`fused` (set by Decoder on Ascend, `use_fused_kernels`): MindSpore's RmsNorm kernel, statistics
+    and weight in fp32 as MindSpore Transformers' LlamaRMSNorm runs it (compute_type fp32), with
+    its generated RmsNormGrad; else the CPU form above (`RMSNormFn`). RmsNorm has no CPU kernel in
+    MindSpore 2.10 (ops/auto_generate/gen_ops_def.py, `rms_norm`: "Supported Platforms: Ascend")."""
+
+    def __init__(self, dim: int, eps: float, dtype: ms.Type) -> None:
+        super().__init__()
+        self.fn = RMSNormFn(eps, dtype)
+        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+        self.fused = False
+        self.gather = None  # ZeRO-3, as in Linear
+        self.tp_out = None  # tensor parallel: Megatron's `f` before the column-parallel layer it feeds
+
+    def pull(self, token: Tensor) -> tuple[Tensor, Tensor]:  # as Linear.pull
+        if self.gather is None:
+            return self.weight, token
+        w = self.gather(self.weight, token)
+        return w, w
+
+    def construct(self, x: Tensor, w: Tensor | None = None) -> Tensor:  # w: the whole weight (ZeRO-3)
+        w = self.weight if w is None else w
+        if self.fused:
+            y = ops.rms_norm(x.astype(ms.float32), w, self.fn.eps)[0]
+            y = y if self.fn.dtype == ms.float32 else y.astype(self.fn.dtype)
+        else:
+            y = self.fn(x, w)
+        return y if self.tp_out is None else self.tp_out(y)
+
+
+class SoftmaxPlain(nn.Cell):
+    """softmax_fp32 with MindSpore's generated backward: Ascend's SoftmaxGrad kernel, where the
+    row-sum GEMM of `SoftmaxFP32.bprop` would be a size-1 matmul on the matrix unit."""
+
+    def construct(self, scores: Tensor) -> Tensor:
+        return softmax_fp32(scores)
+
+
+def use_fused_kernels(device: str) -> bool:
+    """The kernels by device, like the attention kernel: Ascend runs MindSpore's fused RmsNorm and
+    plain reductions; the CPU keeps the GEMM forms (row_sum / spread) tuned for its backend."""
+    return device == "ascend"
+
+

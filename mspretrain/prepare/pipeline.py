@@ -1,0 +1,106 @@
+"""`prepare`'s pipeline: input files in, shards and a tokenizer in a work dir out.
+
+Read (main process, streaming) -> clean + hash [+ MinHash] [+ tokenize] (worker processes,
+chunks of ~256 K characters, `workers.py`) -> dedup + split + write (main process, input order,
+`sink.py`). One-document-per-line files in UTF-8 / GB18030 reach the workers as undecoded blocks
+of whole lines (`sources.RawLines`): the main process then only reads bytes, dedups and writes,
+and stays off the critical path (it used to decode, split and pickle every document).
+
+With local workers, the main process does per-chunk work only (its serial ceiling,
+docs/benchmarks/prepare.md): the workers read their blocks of uncompressed files themselves
+(`RawLines` by reference; of .jsonl files too, parsed there), decompress a compressed file whole
+(`sources.FileUnit`, `workers.spill_unit`: its chunks are the next chunks here), keep each
+chunk's documents in a file (`PIECES`, named by work item: tokens with a given tokenizer, else the
+cleaned texts), write its dedup records where the main process reserved their place
+(`diskdedup.place_records`), sort the dedup partitions, and cut and copy each chunk's shard and
+origin pieces into the outputs at reserved offsets (`workers.replay_chunk`, `workers.place_piece`):
+in the replay with a given tokenizer, else in the encode stage, after the replay drew the tokenizer
+sample by reference (`stage_replay.ReplaySample`, `sink.RefSample`) and the tokenizer was trained on the
+sample's texts read from the chunk files. `--ray` (whose nodes may not share this disk) takes the
+path through the main process; both paths write the same bytes.
+
+Work is cut into chunks in input order and the results are consumed in that order (`pool.py`),
+so the output is byte-identical whatever the number of workers.
+
+The stages are objects (`stage.Stage`), one module each (`stage_read`, `stage_dedup`,
+`stage_replay`, `stage_encode`, `stage_finalize`); `chain` picks them once per run, and `run`
+starts the chain at the stage the journal names (`resume.py`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from mspretrain.config import PrepareConfig
+from mspretrain.data.shards import token_dtype
+from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.prepare import sources
+from mspretrain.prepare.resume import Journal
+from mspretrain.prepare.scoring import QualityStage
+from mspretrain.prepare.stage import Run, Stage
+from mspretrain.prepare.stage_dedup import Dedup
+from mspretrain.prepare.stage_encode import EncodePieces, EncodeSpools, TrainTokenizer
+from mspretrain.prepare.stage_finalize import Finalize
+from mspretrain.prepare.stage_read import ReadClean
+from mspretrain.prepare.stage_replay import ReplayPieces, ReplaySample, ReplayTake
+
+LOCAL_PIECES = True  # False: every chunk's documents pass through this process, as with --ray (benchmarks compare)
+# Compressed files as whole-file units read by a worker (`sources.FileUnit`), on the per-chunk path:
+# None = when there are at least as many compressed files as workers (fewer would leave workers
+# idle: one worker per file, while this process can feed them all); True / False: always / never.
+UNITS: bool | None = None
+
+
+def chain(given: bool, pieces: bool) -> list[Stage]:
+    """The stages of a run, in order. `given`: a tokenizer was given (no training, the replay
+    writes the shards); `pieces`: pass 1's chunks in files written by local workers, else every
+    chunk through this process (Ray's nodes may not share this disk). Both paths write the same
+    bytes; the journal names the stage a run is in, so a resumed run takes the same chain."""
+    if given:
+        return [ReadClean(), Dedup(), ReplayPieces() if pieces else ReplayTake(tokens=True), Finalize()]
+    return [ReadClean(), Dedup(), ReplaySample() if pieces else ReplayTake(tokens=False), TrainTokenizer(),
+            EncodePieces() if pieces else EncodeSpools(), Finalize()]
+
+
+def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,
+        log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, journal: Journal,
+        ray=None, quality: QualityStage | None = None) -> dict:
+    """Read, clean, dedup, split, [train the tokenizer,] tokenize and write the shards into
+    `work`; returns the manifest (without the keys that depend on prepare's arguments).
+
+    With a given tokenizer, one pass: workers clean and tokenize. Otherwise pass 1 cleans, the
+    replay keeps a bounded, uniform sample to train the tokenizer on, and the encode stage
+    tokenizes the kept documents: from pass 1's chunk files (local workers), or from the spools
+    the replay wrote (Ray). `ray`: a `raypool.RayCluster` that runs the chunks instead of
+    local worker processes (`workers` is then its CPU count). `quality`: the model-based filters
+    (`scoring.py`), run in pass 1's workers after cleaning; their scores go to `scoring.SCORES`.
+
+    Each stage is resumed after a kill from the journal (`resume.py`): "pass1" (from its last
+    commit), "dedup" (the partitions without a saved result), "replay" (from its last commit),
+    "train" (redone whole), "encode" (from its last commit), "finalize" (redone).
+    `journal.stage` says where this call starts.
+    """
+    j = journal
+    j.units_per_commit = workers  # a commit once each worker finished about one chunk (`Journal.due`)
+    tok = None
+    if given is not None:
+        tok = replace(given, path=given.save_to(work))  # the same model: no second parse (serial time before the workers start)
+    done = j.data.get("pass1")
+    # fixed by the run that started pass 1: its spool holds one kind of record or the other
+    pieces = ray is None and LOCAL_PIECES if done is None else bool(done.get("pieces"))
+    r = Run(paths=paths, names=names, work=work, cfg=cfg, given=given, tok=tok,
+            dtype=token_dtype(given.vocab_size) if given is not None else token_dtype(cfg.vocab_size), workers=workers,
+            progress=progress, log=log, warn=warn, stats=stats, journal=j, ray=ray, quality=quality, pieces=pieces, units=UNITS,
+            t0=time.time(), total_bytes=sum(p.stat().st_size for p in paths))
+    stages = chain(given is not None, pieces)
+    start = [s.name for s in stages].index(j.stage)
+    if start:
+        log(f"resuming the interrupted prepare at its stage '{j.stage}'")
+        saved = r.load_state(j.data["state"])
+        stats.per_file[:], stats.ignored = saved["stats"].per_file, saved["stats"].ignored
+        j.warnings[:] = saved["warnings"]
+    for k in range(start, len(stages)):
+        stages[k].run(r, stages[k + 1].name if k + 1 < len(stages) else None)
+    return r.manifest

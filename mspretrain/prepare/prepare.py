@@ -1,0 +1,223 @@
+"""`prepare`: raw text in, a verified data dir out (tokenizer, Megatron shards, manifest).
+
+The parts, in the order a run meets them:
+- `sources.py` finds the input files and reads them as documents, counting per file;
+- `pipeline.py` runs the chain of stages (`stage*.py`: read + clean, dedup, replay, [train the
+  tokenizer, encode,] finalize): `pool.py` cuts the work into chunks and runs `workers.py` on
+  them in input order, `sink.py` dedups and splits, `spool.py` holds pass 1's documents while
+  the tokenizer is trained, `data/shards.py` writes the Megatron files;
+- `resume.py` keeps the progress journal: the same command, run again after a kill, resumes
+  where the last commit was; another command against the half-done work is refused;
+- `publish.py` writes the manifest and puts the data dir in place (a crash never leaves one
+  that looks finished, and `--overwrite` replaces only what an earlier prepare wrote);
+- `inspect.py` summarises a data dir (`prepare --inspect`).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from mspretrain.config import PrepareConfig
+from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.errors import UserError
+from mspretrain.paths import SPLITS, DataPaths
+from mspretrain.prepare import pipeline, rescore, resume, scoring, sources
+from mspretrain.prepare import quality as quality_models
+from mspretrain.prepare.pool import WorkerDied
+from mspretrain.prepare.publish import WRITE_ERRNOS, check_out, fsync_all, publish
+
+
+def check_names(names: list[str]) -> None:
+    """Refuse, before any work, a path whose name is not valid UTF-8 (Python keeps its bytes as
+    lone surrogates): the manifest, which is UTF-8 JSON and names every input, could not hold it,
+    and prepare used to crash only after all its work."""
+    for name in names:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise UserError(f"the file name '{shown}' is not valid UTF-8, so the manifest cannot record it",
+                            "rename it to UTF-8 (e.g. `convmv -f gbk -t utf-8 --notest FILE`), or move it out of the inputs") from None
+
+
+def _tokenizer_id(given: Tokenizer | None) -> tuple[str, str] | None:
+    return None if given is None else (str(given.path), given.sha256())
+
+
+def _quality_id(cfg: PrepareConfig, scores_from: str | None = None) -> dict | None:
+    """The quality models' identity for the fingerprint; None when a model cannot be loaded (then
+    the run is not the one that was published, and `prepare` refuses the model in one line)."""
+    try:
+        stage = scoring.QualityStage.load(cfg, quality_models.reference_lm(cfg)[0] if cfg.lm_reference else None)
+        return _identity(stage, scores_from)
+    except (UserError, OSError):
+        return None
+
+
+def _identity(stage: scoring.QualityStage | None, scores_from: str | None) -> dict | None:
+    """The fingerprint's `quality`: the models, and the sidecar `--scores-from` takes scores from
+    (a rerun with another one must not resume; the output does not depend on it)."""
+    if stage is None:
+        return None
+    return {**stage.identity(), **({"scores_from": rescore.source_identity(scores_from)} if scores_from else {})}
+
+
+def _discard(journal: resume.Journal) -> None:
+    """A run that failed cleanly (an error, not a kill) leaves nothing behind."""
+    try:
+        journal.wait()  # a background commit must not write the journal after it was removed
+    except BaseException:  # noqa: BLE001 (its error is not the one being reported)
+        pass
+    shutil.rmtree(journal.work, ignore_errors=True)
+    journal.remove()
+
+
+def _complete(work: Path) -> bool:
+    """The work dir still holds every output its manifest lists (nothing was published yet)."""
+    try:
+        listed = json.loads(DataPaths(work).manifest.read_text(encoding="utf-8"))["outputs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all((work / n).exists() for n in listed)
+
+
+def _already_published(journal: resume.Journal, out: Path, inputs: list[str], named: list, cfg: PrepareConfig,
+                       tokenizer: str | None, seq_len: int | None, log: Callable[[str], None], scores_from: str | None = None) -> dict | None:
+    """The manifest of `out` when the same command was killed after publishing it but before it
+    removed its journal: the data dir is finished, there is nothing left to do."""
+    old = journal.read()
+    if old is None or old.get("stage") != "publish" or journal.work.exists() or not DataPaths(out).manifest.is_file():
+        return None
+    given = Tokenizer.load(tokenizer) if tokenizer else None
+    fp = resume.fingerprint(inputs, [p for p, _ in named], [n for _, n in named], cfg, _tokenizer_id(given), seq_len,
+                            _quality_id(cfg, scores_from))
+    if resume.difference(old["fingerprint"], fp) is not None:
+        return None
+    journal.remove()
+    log(f"{out} was already published by the interrupted prepare of the same command")
+    return json.loads(DataPaths(out).manifest.read_text(encoding="utf-8"))
+
+
+def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, tokenizer: str | None = None,
+            overwrite: bool = False, workers: int | None = None, progress: bool = False,
+            log: Callable[[str], None] = print, seq_len: int | None = None, ray=None, scores_from: str | None = None) -> dict:
+    """Clean, dedup, tokenize `inputs` into the data dir `out_dir`; returns the manifest.
+
+    `tokenizer`: an existing `tokenizer.model` / `tokenizer.json` (or a dir holding one);
+    otherwise a SentencePiece BPE of `cfg.vocab_size` is trained on a sample. `seq_len` is only
+    used to warn when a split is shorter than one training window. `ray`: a connected
+    `raypool.RayCluster` (the caller's, which closes it) to run the chunks on; `workers` is then
+    its CPU count. `scores_from`: a data dir prepared with the same quality models from the
+    same inputs, whose `quality.scores` gives every document's scores (`rescore.py`): only the
+    thresholds are applied again.
+    """
+    t0 = time.time()  # `cfg` checked itself when it was built (config.PrepareConfig.check)
+    cores = len(os.sched_getaffinity(0))
+    workers = max(1, int(workers if workers is not None else cores)) if ray is None else ray.cpus
+    if workers > cores and ray is None:  # more processes than cores only adds memory and switching: never a fork bomb
+        log(f"warning: --workers {workers} is more than the {cores} cores this process may use; using {cores}")
+        workers = cores
+    out = Path(out_dir).expanduser()
+    stats = sources.SourceStats()
+    named = sources.discover_named(inputs, stats)
+    paths = [p for p, _ in named]
+    check_names([*inputs, *(str(p) for p in paths), *(n for _, n in named), str(out)])
+    journal = resume.Journal(out)
+    done = _already_published(journal, out, inputs, named, cfg, tokenizer, seq_len, log, scores_from)
+    if done is not None:
+        return done
+    check_out(out, overwrite, paths)
+    given = Tokenizer.load(tokenizer) if tokenizer else None
+    if given is not None and given.eos_id < 0:
+        raise UserError(f"tokenizer {tokenizer} has no end-of-sequence token", "use a tokenizer with an EOS token such as </s>")
+    warnings = journal.warnings
+
+    def warn(msg: str) -> None:
+        if len(warnings) < 100:
+            warnings.append(msg)
+        log(f"warning: {msg}")
+
+    work = journal.work
+    # the quality models, loaded (and a missing or corrupt one refused) before anything is written
+    # (prepare.lm_reference: the perplexity model counted here, from the files named; written to the data dir)
+    reference = quality_models.reference_lm(cfg) if cfg.lm_reference else None
+    quality = scoring.QualityStage.load(cfg, reference[0] if reference else None)
+    source = rescore.open_source(scores_from, quality, cfg, [n for _, n in named]) if scores_from else None
+    fp = resume.fingerprint(inputs, paths, [n for _, n in named], cfg, _tokenizer_id(given), seq_len, _identity(quality, scores_from))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # a work dir left by a killed run of this command is resumed; of another, refused
+        journal.open(fp)
+    except OSError as exc:
+        raise UserError(f"cannot create {work}: {exc.strerror}", "choose an --out in a directory you can write to") from None
+    if journal.stage == "publish" and not _complete(work):
+        # a publish into a shared dir, killed after it had moved some files: build it anew
+        log("the interrupted prepare was killed while publishing file by file: starting over")
+        _discard(journal)  # its journal says the work dir is prepare's
+        journal.open(fp)
+    try:
+        if journal.stage == "publish":
+            log(f"resuming the interrupted prepare: publishing {out}")
+            manifest = json.loads(DataPaths(work).manifest.read_text(encoding="utf-8"))
+        else:
+            if quality is not None and (source is not None or quality.by_fraction):
+                # scores first (a scan, or another data dir's), then the thresholds from them (on a
+                # resume after pass 1 too: the manifest names the thresholds the fractions resolved to)
+                if source is None:
+                    source = rescore.scan(paths, [n for _, n in named], cfg, quality, workers, journal, log, ray, progress)
+                quality = rescore.resolve(quality, source)
+            manifest = pipeline.run(paths, [n for _, n in named], work, cfg, given, workers, progress, log, warn, stats, journal,
+                                        ray=ray, quality=quality)
+            if quality is not None:
+                manifest["quality"] = quality.describe()
+            if reference is not None:
+                quality_models.write_model(work / quality_models.REFERENCE_LM, reference[1])
+            manifest["inputs"] = [str(i) for i in inputs]
+            manifest["warnings"] = warnings
+            if seq_len:
+                manifest["seq_len"] = seq_len
+                for split in SPLITS:
+                    if manifest["tokens"][split] < seq_len + 1 and (split == "train" or cfg.valid_fraction > 0):
+                        warn(f"the {split} split has {manifest['tokens'][split]} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+            # what this prepare wrote: the only files a later `--overwrite` may remove or replace
+            path = DataPaths(work).manifest
+            manifest["outputs"] = sorted([p.name for p in work.iterdir() if p.name != resume.STATE_DIR] + [path.name])
+            path.write_text(json.dumps(manifest, ensure_ascii=False, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            # Files and their directory at once: nothing in `work` is visible before `publish`, so
+            # only "all durable before the rename" matters, not the order among them.
+            fsync_all([*sorted(p for p in work.iterdir() if p.is_file()), work])
+            journal.commit(stage="publish")
+        journal.drop_state()  # (again after a kill: it may have been half removed)
+        resume.point("publish")
+        publish(work, out)
+        journal.remove()
+    except OSError as exc:
+        _discard(journal)
+        if exc.errno in WRITE_ERRNOS:  # disk full, file too large, quota, read-only, permission
+            where = exc.filename or work
+            fix = (f"free disk space where {out} goes (or choose another --out), then run the same command"
+                   if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else
+                   f"fix the permissions of {where} (or choose another --out)")
+            raise UserError(f"prepare stopped: {exc.strerror} ({where}); nothing was published", fix) from None
+        raise
+    except WorkerDied:
+        # as after a kill -9 of the whole command: the work dir and its journal stay (the last
+        # commit's background fsyncs finished first), and the same command resumes from them
+        try:
+            journal.wait()
+        except BaseException:  # noqa: BLE001 (a failed last commit leaves the one before it: still a resume)
+            pass
+        raise
+    except BaseException:
+        _discard(journal)
+        raise
+    tok = manifest["tokens"]
+    log(f"wrote {out}: {manifest['documents']['train']:,} + {manifest['documents']['valid']:,} documents, "
+        f"{tok['train']:,} train + {tok['valid']:,} valid tokens, {manifest['chars_per_token']:.2f} chars/token "
+        f"({time.time() - t0:.1f} s)")
+    return manifest

@@ -1,0 +1,129 @@
+"""What every stage of prepare's pipeline shares: the `Stage` interface and the `Run` it works on.
+
+A stage is one step of the journal (`resume.Journal.stage` names it): it reads what the stages
+before it left (files in the work dir, the state file of the journal's `state`), does its work,
+resumable from its own last commit, and ends with a commit that names the next stage. The runner
+(`pipeline.run`) holds the chain, a plain list of stage objects chosen once per run, and starts
+at the stage the journal names: a run killed anywhere resumes at the stage it was in.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from mspretrain.config import PrepareConfig
+from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.fsutil import atomic_write
+from mspretrain.prepare import dedup, sources
+from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.resume import Journal
+from mspretrain.prepare.scoring import QualityStage
+from mspretrain.prepare.sink import Sink
+
+PIECES = "pass1.pieces"  # pass 1's per-chunk files written by the workers (`workers.spill_chunk`)
+REPLAY_PIECES = "replay.pieces"  # the replay's per-chunk shard and origin pieces (`workers.replay_chunk`)
+
+
+@dataclass
+class Run:
+    """One prepare run, as its stages see it: the inputs and settings, and what one stage hands
+    the next within a process (the rest goes through the work dir and the journal)."""
+    paths: list[Path]
+    names: list[str]
+    work: Path
+    cfg: PrepareConfig
+    given: Tokenizer | None  # a given tokenizer (saved into the work dir), or None: one is trained
+    tok: Tokenizer | None  # the tokenizer of the shards: the given one, or the trained one from the encode stage on
+    dtype: np.dtype
+    workers: int
+    progress: bool
+    log: Callable[[str], None]
+    warn: Callable[[str], None]
+    stats: sources.SourceStats
+    journal: Journal
+    ray: object | None  # a `raypool.RayCluster`, or None: local worker processes
+    quality: QualityStage | None
+    pieces: bool  # pass 1's chunks in files written by local workers (else through this process, as with Ray)
+    units: bool | None  # `pipeline.UNITS`: compressed files as whole-file work items
+    t0: float
+    total_bytes: int
+    removing: list = field(default_factory=list)  # background removals of scratch dirs (`remove_later`)
+    manifest: dict | None = None  # the finalize stage's result
+    _dd: DiskDedup | None = None
+
+    @property
+    def spool_path(self) -> Path:
+        return self.work / "pass1.tmp"
+
+    def dedup(self) -> DiskDedup:
+        """The dedup state on disk (`diskdedup`: ~24 bytes per document for exact keys, ~16 per
+        LSH band), one object from pass 1 to the replay."""
+        if self._dd is None:
+            self._dd = DiskDedup(self.work / "dedup.tmp", self.total_bytes, dedup.LshSettings.of(self.cfg))
+        return self._dd
+
+    def chunk_spool(self) -> ChunkSpool:
+        """Pass 1's chunk results, as its last commit left them (read-only from then on)."""
+        p1 = self.journal.data["pass1"]
+        spool = ChunkSpool(self.spool_path, p1["spool_bytes"], p1["chunks"])
+        spool.close()
+        return spool
+
+    def local_workers(self) -> int:
+        """The workers of a stage that runs only here (the pieces are on this disk)."""
+        return min(self.workers, len(os.sched_getaffinity(0)))
+
+    def save_state(self, name: str, *, sink: Sink | None = None, tok_info: dict | None = None) -> None:
+        """What the stage `name` starts from, beyond the journal: the source counts, the warnings
+        so far, the sink (its writers left out). One file per stage, so that a kill between this
+        write and the journal's commit leaves the previous stage's file as it was."""
+        outs = origins = None
+        if sink is not None:
+            outs, origins, sink.outs, sink.origins = sink.outs, sink.origins, None, None
+        try:
+            data = pickle.dumps({"stats": self.stats, "warnings": list(self.journal.warnings), "sink": sink, "tok_info": tok_info},
+                                protocol=5)
+        finally:
+            if sink is not None:
+                sink.outs, sink.origins = outs, origins
+        atomic_write(self.journal.state_path(f"state-{name}.pkl"), data)
+
+    def load_state(self, name: str) -> dict:
+        return pickle.loads(self.journal.state_path(f"state-{name}.pkl").read_bytes())
+
+    def remove_later(self, path: Path) -> None:
+        """Remove a scratch directory (pass 1's chunk files, the dedup partitions) in a child
+        process (`rm -rf`), while prepare goes on: freeing their pages costs the kernel ~0.4 ms
+        per chunk, serial time this process no longer spends. Renamed first, so that a kill
+        leaves a name `finalize` removes. The finalize stage waits for them."""
+        if not path.exists():
+            return
+        trash = path.with_name(path.name + ".trash")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(path, trash)
+        try:
+            self.removing.append(subprocess.Popen(["rm", "-rf", "--", str(trash)], stdin=subprocess.DEVNULL))
+        except OSError:  # no `rm` here
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+class Stage:
+    """One step of the chain. `name` is the journal's name of the stage (`Journal.stage`);
+    `run` does the stage's work, resumed from its own last commit, and ends with the commit whose
+    `stage` is `then`, the next stage's name (None: the last stage, whose result is
+    `Run.manifest`)."""
+
+    name: str = ""
+
+    def run(self, r: Run, then: str | None) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return type(self).__name__

@@ -1,0 +1,415 @@
+"""The replay of prepare (`Replay`): pass 1's results again, now that the dedup decisions are
+known, to the splits and the outputs; resumed after a kill from its last commit.
+
+Three ways, one chosen per run (`pipeline.chain`): `ReplayTake`, every chunk's documents through
+this process (`sink.Sink.take`: with Ray, whose nodes may not share this disk); `ReplayPieces`, a
+given tokenizer's run with pass 1's chunks in files, which workers cut into pieces of the outputs;
+`ReplaySample`, a trained tokenizer's run with the chunks in files: only the counts and the
+tokenizer sample here, the outputs waiting for the encode stage. The same bytes whichever way.
+"""
+from __future__ import annotations
+
+import heapq
+import io
+import pickle
+import shutil
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from mspretrain.config import PrepareConfig
+from mspretrain.data.origin import OriginWriter, origin_name
+from mspretrain.data.shards import ShardWriter
+from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_write
+from mspretrain.paths import SPLITS
+from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.pool import ordered, start_pool
+from mspretrain.prepare.resume import Journal, point, truncate
+from mspretrain.prepare.sink import RefSample, Sink
+from mspretrain.prepare.spool import Spool
+from mspretrain.prepare.stage import PIECES, REPLAY_PIECES, Run, Stage
+from mspretrain.prepare.workers import init_worker, place_piece, read_small, replay_chunk
+
+
+class Replay(Stage):
+    """Pass 1's results again, with their fate known, to the sink; resumed after a kill from
+    the last commit. `tokens`: a given tokenizer's run, whose replay writes the shards (its next
+    stage is finalize); else the tokenizer is trained next, on the sample the sink kept."""
+
+    name = "replay"
+    tokens = False
+
+    def run(self, r: Run, then: str | None) -> None:
+        j = r.journal
+        dd = r.dedup()
+        dd.load_decisions(j.state_path("decisions.npy"))
+        shutil.rmtree(dd.root, ignore_errors=True)
+        spool = r.chunk_spool()
+        at = j.data.get("replay")  # resumed: the output files are cut back to the last commit
+        writers, spools, origins = self.outputs(r, at)
+        sink = Sink(r.cfg, writers if self.tokens else spools, 0 if self.tokens else r.cfg.tokenizer_sample_chars, origins)
+        if at is not None:
+            r.log(f"resuming the replay after chunk {at['chunks']:,} of {spool.chunks:,}")
+        for w in self.replay(r, dd, spool, sink, writers, spools, origins):
+            r.warn(w)
+        for o in origins.values():
+            o.close()
+        for s in (spools or {}).values():
+            s.close()
+        _check_kept(r, sink)
+        self.commit(r, then, sink, writers, origins)
+        j.state_path("replay.log").unlink(missing_ok=True)  # `_replay_take`'s, not needed after the stage's commit
+        self.cleanup(r)
+
+    def cleanup(self, r: Run) -> None:
+        """Pass 1's chunk spool and chunk files, not needed after the stage's commit."""
+        r.spool_path.unlink(missing_ok=True)
+        r.remove_later(r.work / PIECES)
+
+    def outputs(self, r: Run, at: dict | None) -> tuple[dict, dict | None, dict]:
+        """(shard writers, spools, origin writers) the replay writes, reopened at `at`'s lengths."""
+        writers = {s: ShardWriter(r.work / s, r.dtype, at and at["writers"][s]) for s in SPLITS} if self.tokens else {}
+        spools = None if self.tokens else {s: Spool(r.work / f"{s}.spool", at and at["writers"][s]) for s in SPLITS}
+        return writers, spools, {s: OriginWriter(r.work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
+
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
+               origins: dict) -> list[str]:
+        """Every chunk to the sink; the notes of the split move (`Sink.finish`)."""
+        raise NotImplementedError
+
+    def commit(self, r: Run, then: str | None, sink: Sink, writers: dict, origins: dict) -> None:
+        j, work = r.journal, r.work
+        if self.tokens:
+            r.save_state(then, sink=sink, tok_info={"trained": False, "source": str(r.given.path)})
+            j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(work / origin_name(s) for s in SPLITS), j.state_dir],
+                     stage=then, state=then, writers={s: w.state() for s, w in writers.items()},
+                     origin_records={s: o.records for s, o in origins.items()})
+            for w in writers.values():
+                w.close()
+        else:
+            r.save_state(then, sink=sink)
+            j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
+                     stage=then, state=then, origin_records={s: o.records for s, o in origins.items()})
+
+
+class ReplayTake(Replay):
+    """Every chunk's documents through this process (`Sink.take`): the chunk spool holds whole
+    results. `tokens`: to the shards (a given tokenizer), else to the spools the encode stage reads."""
+
+    def __init__(self, tokens: bool) -> None:
+        self.tokens = tokens
+
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
+               origins: dict) -> list[str]:
+        return _replay_take(spool, sink, dd, writers if self.tokens else spools, origins, r.journal)
+
+    def __repr__(self) -> str:
+        return f"ReplayTake(tokens={self.tokens})"
+
+
+class ReplayPieces(Replay):
+    """A given tokenizer's run with pass 1's chunks in files: workers cut them into the outputs."""
+
+    tokens = True
+
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
+               origins: dict) -> list[str]:
+        return replay_pieces(r.work, r.cfg, r.dtype, dd, spool, sink, writers, origins, r.local_workers(), r.journal)
+
+
+class ReplaySample(Replay):
+    """A trained tokenizer's run with pass 1's chunks in files (their texts stay there until the
+    encode stage): the counts, the split move and the tokenizer sample by reference."""
+
+    def outputs(self, r: Run, at: dict | None) -> tuple[dict, dict | None, dict]:
+        return {}, None, {}
+
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
+               origins: dict) -> list[str]:
+        notes, sink.moved, sink.sample = _replay_sample(r.work, r.cfg, dd, spool, sink, r.journal)
+        return notes
+
+    def commit(self, r: Run, then: str | None, sink: Sink, writers: dict, origins: dict) -> None:
+        r.save_state(then, sink=sink)  # pass 1's chunk files and spool stay for the encode stage
+        r.journal.commit(fsync=[r.journal.state_dir], stage=then, state=then, moved=list(sink.moved) if sink.moved else None)
+
+    def cleanup(self, r: Run) -> None:
+        pass  # pass 1's chunk files and spool stay: the encode stage reads the texts from them
+
+
+def _check_kept(r: Run, sink: Sink) -> None:
+    """Refuse a run that kept no document, saying why; else log what it kept."""
+    if sink.docs["train"] + sink.docs["valid"] == 0 and r.stats.files == 0:
+        # nothing was read at all: the reason is in the skips, not in the fields or the filters
+        why = ", ".join(f"{v} {k}" for k, v in sorted(r.stats.skipped.items()))
+        raise UserError(f"no documents left: all {len(r.paths)} input file{'s' * (len(r.paths) != 1)} were skipped ({why})",
+                        "the warnings above say why for each file; prepare reads UTF-8 / GB18030 text (.txt, .jsonl, optionally .gz / .zst)")
+    if sink.docs["train"] + sink.docs["valid"] == 0:
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(sink.dropped.items())) or "none"
+        raise UserError(f"no documents left: {sink.docs_in} read, all dropped (dropped: {dropped})",
+                        "check the inputs (--text-field for .jsonl, --doc-per-line for .txt), or relax prepare.min_chars and the filters")
+    kept = sink.docs["train"] + sink.docs["valid"]
+    r.log(f"kept {kept:,} of {sink.docs_in:,} documents ({sink.chars['train'] + sink.chars['valid']:,} characters, "
+          f"{time.time() - r.t0:.1f} s)")
+
+
+def _replay_take(spool: ChunkSpool, sink: Sink, dd: DiskDedup, outs: dict, origins: dict[str, OriginWriter], j: Journal) -> list[str]:
+    """The replay through `Sink.take` (the chunk spool holds whole results: a trained tokenizer,
+    or Ray), resumable per chunk. Every `commit_seconds()` the journal's "replay" names the chunks
+    taken, where the next starts in the spool, the outputs' lengths and the sink's counters. What
+    the sink holds beyond counters, the held-back document of each split and the tokenizer
+    sample (up to `prepare.tokenizer_sample_chars`, 20 M characters), goes to an append-only log
+    in the state dir instead, so that a commit writes only what changed since the last one: the
+    sample's new members (texts), the numbers of those that left, and the held documents."""
+    at = j.data.get("replay")
+    path = j.state_path("replay.log")
+    live: set[int] = set()  # the sample members (their `order`) the log holds as of the last commit
+    if at is None:
+        skip, docs, offset = 0, 0, 0
+        open(path, "wb").close()
+    else:
+        skip, docs, offset = at["chunks"], at["docs"], at["spool_bytes"]
+        _restore_counts(sink, at["sink"])
+        sink.sample_chars, sink.order = at["sample_chars"], at["order"]
+        truncate(path, at["log_bytes"])  # a torn record after the commit
+        members: dict[int, tuple] = {}
+        with open(path, "rb") as f:
+            while f.tell() < at["log_bytes"]:
+                kind, *rec = pickle.load(f)
+                if kind == "add":
+                    members[rec[1]] = tuple(rec)
+                elif kind == "del":
+                    members.pop(rec[0])
+                else:
+                    sink.held, sink.held_origin = rec
+        sink.sample = list(members.values())
+        heapq.heapify(sink.sample)  # (-u, order) are unique: the same pops as the uninterrupted heap
+        live.update(members)
+    f_log = open(path, "ab")
+
+    def flush() -> None:  # every buffered byte to the files: before a commit (and a test's kill: the uncommitted tail)
+        for o in outs.values():
+            o.state()
+        for o in origins.values():
+            o.seek_end()
+
+    def commit(chunks: int, end: int) -> None:
+        now = {e[1]: e for e in sink.sample}
+        for o in sorted(live - now.keys()):
+            pickle.dump(("del", o), f_log, protocol=5)
+        for o in sorted(now.keys() - live):
+            pickle.dump(("add", *now[o]), f_log, protocol=5)
+        live.clear()
+        live.update(now)
+        pickle.dump(("held", sink.held, sink.held_origin), f_log, protocol=5)
+        f_log.flush()
+        flush()  # the origin records too: buffered in this process, they were lost to a kill after the commit
+        j.commit(fsync=[path, *(f for o in outs.values() for f in o.files()), *(o.path for o in origins.values())], background=True,
+                 replay={"chunks": chunks, "docs": docs, "spool_bytes": end, "log_bytes": f_log.tell(),
+                         "writers": {s: o.state() for s, o in outs.items()}, "origins": {s: o.records for s, o in origins.items()},
+                         "sink": _counts(sink), "sample_chars": sink.sample_chars, "order": sink.order})
+
+    try:
+        for i, (result, end) in enumerate(spool.read_from(offset, skip), skip):
+            n = len(result.chars)
+            sink.take(result, *dd.dropped(docs, docs + n))
+            docs += n
+            point(f"replay {i + 1}", flush)
+            if j.due():
+                commit(i + 1, end)
+    finally:
+        f_log.close()
+    return sink.finish()
+
+
+def replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool, sink: Sink,
+                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int, j: Journal,
+                   stage: str = "replay", tok_path: str | None = None, moved: tuple[str, str] | None | bool = False,
+                   done_chunk: Callable[[int], object] | None = None) -> list[str]:
+    """The replay when pass 1's chunks are in files: workers cut each chunk into its kept
+    documents' shard and origin pieces (`workers.replay_chunk`); here, per chunk, only the counts
+    and each piece's place in the outputs, in order, where a worker copies it (`workers.place_piece`,
+    in the kernel). Same bytes as `Sink.take`:
+    each split's documents in input order, and at the end the move of `Sink.finish`.
+
+    Resumable: every `commit_seconds()` the journal's "replay" names the chunks done, the writers'
+    lengths and the sink's counters (a few hundred bytes: the pieces path holds no documents and
+    no tokenizer sample); `_replay` cut the outputs back to them, and the chunks after the commit
+    are cut and placed again (pass 1's chunk files stay until the replay's last commit).
+
+    `stage` "encode" (a trained tokenizer's run, its pieces hold texts): the same after training,
+    with the workers encoding (`tok_path`); the sink's counts and the `moved` document were
+    settled by `_replay_sample` already, so only the per-file tallies are added here."""
+    src, dst = work / PIECES, work / REPLAY_PIECES
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir()
+    counting = stage == "replay"
+    at = j.data.get(stage)
+    skip = at["chunks"] if at is not None else 0
+    last_chars: dict[str, int] = {}
+    if at is not None:
+        _restore_counts(sink, at["sink"])
+        last_chars.update(at["last_chars"])
+    counted: deque = deque()  # per chunk sent out: what `Sink.count` adds when its result is in
+
+    def items() -> Iterator[tuple]:
+        done = 0
+        for i, meta in enumerate(spool.read(remove=False)):
+            n = meta.n
+            exact, near = dd.dropped(done, done + n)
+            done += n
+            if i < skip:  # committed: only its documents' place in the dedup decisions is needed
+                continue
+            if counting:
+                counted.append((meta, exact, near))
+            piece = meta.piece or f"{i:08d}"  # (named by work item since compressed files are items of several chunks)
+            yield (str(src / piece), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta.has_origin, dtype,
+                   meta.text_piece)
+
+    placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
+
+    def drain() -> None:
+        while placing:
+            placing.popleft().get()
+
+    def commit(chunks: int) -> None:
+        drain()  # every piece up to `chunks` in its place before the files are fsynced
+        j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(o.path for o in origins.values())], background=True,
+                 **{stage: {"chunks": chunks, "writers": {s: w.state() for s, w in writers.items()},
+                         "origins": {s: o.records for s, o in origins.items()}, "last_chars": dict(last_chars),
+                         "sink": _counts(sink)}})
+
+    in_flight = 2 * workers + 1
+    for o in origins.values():
+        o.seek_end()  # the header on disk before the workers write after it
+    todo = spool.chunks - skip
+    pool = start_pool(workers if todo > 1 else 1, init_worker, (cfg, tok_path, dtype.name))  # one chunk: no pool to start
+    try:
+        for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight), skip):
+            if counting:
+                sink.count(*counted.popleft())  # in chunk order, as `Sink.take` counts, and only what is placed
+            if res.per_file is not None:
+                sink.per_file.merge(res.per_file)
+            copies = []
+            for split, p in res.splits.items():
+                if counting:
+                    sink.docs[split] += p.docs
+                    sink.chars[split] += p.chars
+                n_tok, n_len, n_org = p.sizes
+                at_bin, at_len = writers[split].reserve(n_tok, n_len, p.max_token)
+                w_bin, w_len = writers[split].files()
+                copies += [(str(w_bin), at_bin, p.at, n_tok), (str(w_len), at_len, p.at + n_tok, n_len),
+                           (str(origins[split].path), origins[split].reserve(n_org), p.at + n_tok + n_len, n_org)]
+                last_chars[split] = p.last_chars
+            task = (str(dst / f"{i:08d}"), copies)
+            if pool is None:
+                place_piece(task)
+            else:
+                placing.append(pool.apply_async(place_piece, (task,)))
+                while len(placing) > in_flight or (placing and placing[0].ready()):
+                    placing.popleft().get()
+            if done_chunk is not None:
+                done_chunk(i)
+            point(f"{stage} {i + 1}", drain)
+            if j.due():
+                commit(i + 1)
+        drain()
+    finally:
+        if pool is not None:
+            pool.terminate()
+    for w in (*writers.values(), *origins.values()):
+        w.seek_end()
+    if counting:
+        moved = sink.planned_move()
+    if moved:
+        # `peek_last` leaves the source's bytes until `finalize` cuts them to the counts of the
+        # commit after this, so a kill before that commit resumes from the last one
+        a, b = moved
+        last = writers[a].peek_last()
+        writers[b].add_flat(last, np.array([last.size], dtype=np.int32))
+        if origins[a].records:
+            origins[b].add(origins[a].peek_last())
+        point(f"{stage} moved", lambda: (writers[b].state(), origins[b].seek_end()))  # flushed: the tail a kill leaves
+    shutil.rmtree(dst, ignore_errors=True)
+    return sink.count_move(moved, last_chars[moved[0]] if moved else 0) if counting else []
+
+
+def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSpool, sink: Sink, j: Journal
+                   ) -> tuple[list[str], tuple[str, str] | None, RefSample]:
+    """The replay of a trained tokenizer's run when pass 1's chunks are in files (their texts
+    stay there until the encode stage): per chunk, the dedup decisions and the split of its
+    documents from their per-document arrays (`workers.read_small`: characters and split numbers,
+    24 bytes a document), the sink's counts, and the tokenizer sample as references
+    (`sink.RefSample`: the same members as `Sink._sample`). Returns the notes of the split move
+    (`Sink.finish`'s), the move (done on the shards in the encode stage), and the sample.
+
+    Resumable: every `commit_seconds()` the journal's "replay" names the chunks done, the sink's
+    counters and the sample's state, saved to a file of the state dir named by the commit."""
+    src = work / PIECES
+    at = j.data.get("replay")
+    skip = at["chunks"] if at is not None else 0
+    last_chars: dict[str, int] = {}
+    sample = RefSample(cfg.tokenizer_sample_chars)
+    if at is not None:
+        _restore_counts(sink, at["sink"])
+        last_chars.update(at["last_chars"])
+        sample.restore(np.load(j.state_path(at["sample_file"])), at["sample_chars"], at["order"])
+
+    def commit(chunks: int) -> None:
+        name = f"sample-{chunks:08d}.npy"
+        buf = io.BytesIO()
+        np.save(buf, sample.state())
+        atomic_write(j.state_path(name), buf.getvalue())  # a new file per commit: the journal names the one it holds
+        old = (j.data.get("replay") or {}).get("sample_file")
+        j.commit(replay={"chunks": chunks, "sink": _counts(sink), "last_chars": dict(last_chars), "sample_file": name,
+                         "sample_chars": sample.chars, "order": sample.order})
+        if old and old != name:
+            j.state_path(old).unlink(missing_ok=True)
+
+    # here, not in workers: reading 24 bytes a document from the page cache costs this process
+    # less than the same arrays pickled through a pool's pipes (measured: docs/benchmarks/prepare.md)
+    done = 0
+    for i, meta in enumerate(spool.read(remove=False)):
+        n = meta.n
+        exact, near = dd.dropped(done, done + n)
+        done += n
+        if i < skip:
+            continue
+        a = read_small(str(src / meta.piece or f"{i:08d}"), 2)  # chars and u
+        sink.count(meta, exact, near)
+        kept = np.flatnonzero(~(exact | near)).astype(np.int64)
+        in_valid = a["u"][kept, 0] < cfg.valid_fraction
+        for split, sel in (("train", kept[~in_valid]), ("valid", kept[in_valid])):
+            if sel.size:
+                sink.docs[split] += int(sel.size)
+                sink.chars[split] += int(a["chars"][sel].sum())
+                last_chars[split] = int(a["chars"][sel[-1]])
+                if split == "train" and sample.budget:
+                    sample.feed(a["u"][sel, 1], a["chars"][sel], i, sel)
+        point(f"replay {i + 1}")
+        if j.due():
+            commit(i + 1)
+    moved = sink.planned_move()
+    return sink.count_move(moved, last_chars[moved[0]] if moved else 0), moved, sample
+
+
+def _counts(sink: Sink) -> dict:
+    """The counters of a sink on the pieces path, for the journal (JSON; Counters keep their order)."""
+    return {"docs_in": sink.docs_in, "chars_in": sink.chars_in, "changed": list(sink.changed.items()),
+            "dropped": list(sink.dropped.items()), "docs": dict(sink.docs), "chars": dict(sink.chars),
+            "per_file": {k: v.tolist() for k, v in sink.per_file.sums.items()}}
+
+
+def _restore_counts(sink: Sink, c: dict) -> None:
+    sink.docs_in, sink.chars_in = c["docs_in"], c["chars_in"]
+    sink.changed.clear()
+    sink.changed.update(dict(c["changed"]))
+    sink.dropped.clear()
+    sink.dropped.update(dict(c["dropped"]))
+    sink.docs.update(c["docs"])
+    sink.chars.update(c["chars"])
+    sink.per_file.sums = {k: np.asarray(v, dtype=np.int64) for k, v in c["per_file"].items()}
