@@ -17,9 +17,12 @@ $(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c mspretrain/data/_m
 	$(PIP) install -e .
 	@touch $@
 
+# --no-compile: pip would byte-compile all ~12,000 modules of torch, transformers, ray, sympy, ...;
+# the tests import about a fifth of them, compiled at their first import (docs/benchmarks.md,
+# "The test suite": ~24 s of the 29 s of CPU pip spent on transformers + sympy + networkx alone).
 $(VENV)/.test: $(VENV)/.base pyproject.toml
 	@echo "make: installing the test dependencies into $(VENV): pytest, hypothesis, torch (CPU, ~200 MB), transformers, ruff, ray"
-	$(PIP) install -e '.[test]'
+	$(PIP) install --no-compile -e '.[test]'
 	@touch $@
 
 # The demo fetches its corpus with `npm pack` (npm registry only); install npm if it is missing.

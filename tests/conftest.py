@@ -122,6 +122,21 @@ def rewind_one_process(tmp_path_factory, tiny_data) -> Path:
 
 
 @pytest.fixture(scope="session")
+def two_nodes_rewind(tmp_path_factory, tiny_data) -> Path:
+    """`rewind_one_process`'s config on 2 ranks with the optimizer state sharded (ZeRO-1), launched
+    as two "nodes" of one worker each (tests/helpers.py `two_nodes`): what the msrun spike-rewind
+    tests of tests/test_distributed.py and tests/test_multinode.py compare with one process. One
+    job for the two: each launched the same run of its own before (a 2-worker msrun and a two-node
+    job; the rewind's code is the same on either launch). Read-only."""
+    from tests.helpers import two_nodes
+
+    tmp = tmp_path_factory.mktemp("two-rewind")
+    run = tmp / "two"
+    two_nodes(tmp, tiny_data, run, "optim.shard_optimizer=true", *REWIND_ARGS)
+    return run
+
+
+@pytest.fixture(scope="session")
 def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
     """`reference_run`'s config on 2 ranks, fp32 wire, one AllReduce bucket (the default), launched
     as two "nodes" of one worker each (two `mspretrain launch --nodes 2` processes, see

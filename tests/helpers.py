@@ -11,7 +11,12 @@ that need them, so a test of pure Python does not pay for them.
 - data dirs written by hand for the loader: `SEQ`, `make_dir`, `counting_dir`, `raw_windows`, `loader`;
 - `prepare` in a subprocess (`prepare_subprocess`, `files_of`) and a dedup corpus with its
   in-memory reference (`dedup_corpus`, `dedup_reference`);
-- msrun runs: `MSRUN`, `losses`, `grad_norms`, `step_dir`, `replica_hashes`, `two_nodes`.
+- msrun runs: `MSRUN`, `ARGS`/`STEPS`/`FINAL` (the reference run's), `msrun`, `losses`, `grad_norms`,
+  `step_dir`, `replica_hashes`, `two_nodes`, `resume_on_one_process`, `assert_two_ranks_equal_one_process`,
+  `fp16_run_equals_one_process`; a job killed or stopped mid-run: `LONG`, `start_launch`, `wait_for_rank`,
+  `wait_for_beat_after`, `ended_within`, `kill_tree`;
+- a two-node Ray cluster for `prepare --ray`: `ray_env`, `ray_cluster` (a module fixture), `run_local`,
+  `run_prepare`, `same_files`; prepare killed and rerun: `killed_then_rerun`, `points_of`, `chosen`.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from typing import Callable
 
 import numpy as np
 import pytest
+
+from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -259,6 +266,29 @@ def prepare_subprocess(raw: Path, out: Path, *extra: str, env: dict | None = Non
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def points_of(p: subprocess.CompletedProcess) -> list[str]:
+    """The unit boundaries a prepare run passed (`prepare-point:` lines, MSPRETRAIN_PREPARE_TEST_POINTS)."""
+    return [ln.split(": ", 1)[1] for ln in p.stderr.splitlines() if ln.startswith("prepare-point: ")]
+
+
+def chosen(points: list[str], stage: str) -> str:
+    """The point of `stage` a test kills at: the middle one of its kind."""
+    mine = [p for p in points if p.startswith(stage)]
+    assert mine, f"no progress line of {stage} in {points}"
+    return mine[len(mine) // 2]
+
+
+def killed_then_rerun(raw: Path, out: Path, at: str, *extra: str, **kw) -> list[str]:
+    """Kill -9 at the point `at` (a commit after every unit), rerun the same command with one
+    worker; the rerun's progress points."""
+    killed = prepare_subprocess(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"},
+                                **kw)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = prepare_subprocess(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"}, **kw)
+    assert again.returncode == 0, again.stderr
+    return points_of(again)
+
+
 def files_of(d: Path) -> dict[str, bytes]:
     """The files of a dir (not recursive), name -> bytes: two data dirs compare byte for byte."""
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
@@ -302,6 +332,40 @@ def dedup_reference(docs: list[str], threshold: float) -> tuple[np.ndarray, np.n
 
 # msrun ships with MindSpore next to this interpreter; CI runs the venv's python without the venv on PATH.
 MSRUN = shutil.which("msrun", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+
+# The msrun runs use the config of the session's single-process `reference_run` (tests/conftest.py):
+# 8 steps, a checkpoint after each, every grad norm logged.
+ARGS = [*REFERENCE_ARGS, "--quiet"]
+STEPS = list(range(1, REFERENCE_STEPS + 1))
+FINAL = REFERENCE_STEPS
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch and everything under it (msrun and its workers are in their own groups)."""
+    from mspretrain.ops.watchdog import kill_tree as kill
+
+    kill(proc.pid)
+    proc.wait(timeout=30)
+
+
+def msrun(tmp_path: Path, data: Path, run: Path, *extra: str, args: list[str] = ARGS, nproc: int = 2,
+          timeout: float = 600) -> None:
+    """`nproc` workers through `mspretrain launch` (which must find msrun and itself next to the
+    interpreter: CI runs the venv's python without the venv on PATH, as here); the tiny config,
+    `args` (the reference run's) and `extra`. Asserts exit 0, with the workers' logs."""
+    from mspretrain.train.distributed import free_local_port
+
+    logs = tmp_path / f"logs-{run.name}"
+    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", str(nproc), "--master-port", str(free_local_port()),
+           "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), *args, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
+    try:
+        proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:  # a timeout: msrun and its workers (own process groups) go too,
+            kill_tree(proc)      # not left training beside the rest of the suite
+    text = "".join(p.read_text() for p in sorted(logs.glob("worker_*.log")))
+    assert proc.returncode == 0, text[-3000:]
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -359,6 +423,133 @@ def two_nodes(tmp_path: Path, data: Path, run: Path, *args: str, timeout: float 
     assert (logs / "node_1" / "worker_1.log").is_file()
 
 
+def resume_on_one_process(run: Path, data: Path, tmp_path: Path, at: int, *extra: str) -> Path:
+    """A copy of `run` as it was after the save of step `at`, resumed to the end by one process
+    (the tiny config, `ARGS`, `extra`)."""
+    from mspretrain.cli import main
+
+    resumed = tmp_path / f"resumed-{run.name}"
+    shutil.copytree(run, resumed)
+    for step in range(at + 1, FINAL + 1):
+        shutil.rmtree(step_dir(resumed, step))
+    (resumed / "metrics.jsonl").write_text("".join(l + "\n" for l in (resumed / "metrics.jsonl").read_text().splitlines()
+                                                   if json.loads(l).get("step", 0) <= at))
+    assert main(["train", "--config", str(TINY), "--data", str(data), "--run", str(resumed), *ARGS, *extra]) == 0
+    assert f"resumed from step_{at:06d}" in (resumed / "train.log").read_text()
+    return resumed
+
+
+def assert_two_ranks_equal_one_process(two: Path, reference_run: Path, data: Path, tmp_path: Path) -> Path:
+    """A 2-rank run against the one-process reference: losses (1e-5), grad norms (rel 1e-5), the
+    final checkpoint, identical replicas; then resumed from its step 5 on one process, the same
+    losses and grad norms to the end. Returns the resumed run dir."""
+    from tests.conftest import assert_same_checkpoint
+
+    one, got = losses(reference_run), losses(two)
+    assert sorted(got) == STEPS
+    for step in one:
+        assert abs(one[step] - got[step]) <= 1e-5, (step, one[step], got[step])
+    one_gn, got_gn = grad_norms(reference_run), grad_norms(two)
+    for step in one_gn:
+        assert got_gn[step] == pytest.approx(one_gn[step], rel=1e-5), (step, one_gn[step], got_gn[step])
+    hashes = replica_hashes(two)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    assert_same_checkpoint(step_dir(two, FINAL), step_dir(reference_run, FINAL), 1e-5)
+
+    resumed = resume_on_one_process(two, data, tmp_path, 5)
+    after, after_gn = losses(resumed), grad_norms(resumed)
+    for step in range(6, FINAL + 1):
+        assert abs(after[step] - one[step]) <= 1e-5, (step, one[step], after[step])
+        assert after_gn[step] == pytest.approx(one_gn[step], rel=1e-5)
+    return resumed
+
+
+def fp16_run_equals_one_process(two: Path, one: Path) -> tuple[dict, dict]:
+    """A 2-worker fp16 run against the same config on one process: losses, identical replicas,
+    the final checkpoint. Returns both runs' losses by step."""
+    from tests.conftest import assert_same_checkpoint
+
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == STEPS
+    # The two ranks sum the gradients in another order, and fp16 weights can round the other way
+    # from there (one fp16 ulp of a weight is ~1e-3 relative): measured 1.7e-5 at step 7 of 8 with
+    # the initial weights before issue 38, and 1.2e-5 at step 3 (ZeRO-2, bucket_mb 0) with the
+    # counter-based draw; a loss of ~6.2, so 3e-5 is 5e-6 relative.
+    for step in a:
+        assert abs(a[step] - b[step]) <= (3e-5 if step <= 5 else 1e-4), (step, a[step], b[step])
+    hashes = replica_hashes(two)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    # fp16 weights: one ulp is ~1e-3 relative, and summation order flips some roundings (measured
+    # 1.6e-4 and 7.7e-4 in two runs), as in the fp16-wire test of test_distributed.py
+    assert_same_checkpoint(step_dir(two, FINAL), step_dir(one, FINAL), 5e-3)
+    return a, b
+
+
+# --------------------------------------------------------------------------- a job killed or stopped mid-run
+
+DEATH_BOUND_S = 60  # the job must end this long after a worker is killed or stopped, at most
+# a constant lr: a relaunch that lowers max_steps would re-stretch a cosine schedule
+LONG = ["train.max_steps=400", "checkpoint.every=2", "checkpoint.keep_last=3", "train.log_every=1", "schedule.kind=constant"]
+
+
+def start_launch(tmp_path: Path, data: Path, run: Path, *extra: str, launch: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A 2-worker `mspretrain launch` of the tiny config, left running (the caller ends it)."""
+    from mspretrain.train.distributed import free_local_port
+
+    logs = tmp_path / f"logs-{run.name}"
+    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(free_local_port()), "--log-dir", str(logs),
+           *launch, "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), "--quiet", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
+
+
+def wait_for_rank(run: Path, rank: int, step: int, proc: subprocess.Popen, timeout: float = 600, not_pid: int = 0) -> dict:
+    """Rank `rank`'s heartbeat once it has finished `step` steps (and a checkpoint exists); after a
+    relaunch, `not_pid` (the old rank's) skips the heartbeat the killed job left behind."""
+    import time
+
+    path = run / "heartbeat" / f"rank_{rank:05d}.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            beat = {}
+        if beat.get("step", 0) >= step and beat.get("pid") != not_pid and list((run / "checkpoints").glob("step_*[0-9]")):
+            return beat
+        time.sleep(0.5)
+    raise AssertionError(f"rank {rank} did not reach step {step} in {timeout} s")
+
+
+def wait_for_beat_after(run: Path, rank: int, t0: float, proc: subprocess.Popen, timeout: float = 15) -> None:
+    """Until rank `rank` has written a heartbeat after time `t0`."""
+    import time
+
+    path = run / "heartbeat" / f"rank_{rank:05d}.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if json.loads(path.read_text()).get("time", 0) > t0:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} wrote no heartbeat in the {timeout} s after the stop")
+
+
+def ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
+    """The job's stderr once it has ended, and the seconds since `t0` (at most DEATH_BOUND_S + 30)."""
+    import time
+
+    try:
+        _, err = proc.communicate(timeout=DEATH_BOUND_S + 30)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise AssertionError(f"the job still ran {DEATH_BOUND_S + 30} s after the signal") from None
+    return err, time.time() - t0
+
+
 # --------------------------------------------------------------------------- trees of files
 
 def state(d: Path) -> dict[str, tuple]:
@@ -379,3 +570,110 @@ def state(d: Path) -> dict[str, tuple]:
                 what = "dir"
             out[str(p.relative_to(d))] = (st.st_mode, st.st_size if p.is_file() else 0, st.st_mtime_ns, what)
     return out
+
+
+# --------------------------------------------------------------------------- a two-node Ray cluster
+
+RAY_START_SECONDS = 90  # a node's `ray start` on a busy 2-core box
+
+
+def ray_env() -> dict:
+    # the nodes' worker processes import this tree's mspretrain, as the driver does
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # Ray 2.60 turns token authentication on at the head when ~/.ray/auth_token exists
+            # (left by any earlier `ray get-auth-token --generate`), while a node started without
+            # RAY_AUTH_MODE=token does not send it and cannot join: one mode for every process here
+            "RAY_AUTH_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """HOST:PORT of a Ray head (0 CPUs) with one worker node (1 CPU), both killed at the end.
+    A module fixture: a test module takes it with `from tests.helpers import ray_cluster`."""
+    import tempfile
+    import time
+
+    import ray  # noqa: F401  a pinned test dependency (pyproject [test]): missing must fail, not skip
+
+    from mspretrain.train.distributed import free_local_port
+
+    ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+    tmp = tempfile.mkdtemp(prefix="msr-", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    port = free_local_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--block", "--node-ip-address=127.0.0.1", "--object-store-memory=80000000", "--disable-usage-stats"]
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], name: str) -> None:
+        log = open(Path(tmp) / f"{name}.log", "wb")
+        procs.append(subprocess.Popen([ray_bin, "start", *args, *common], stdout=log, stderr=subprocess.STDOUT,
+                                      env=ray_env(), start_new_session=True))  # its own group: killed whole below
+
+    def started(name: str) -> bool:  # `ray start` prints this once its node has joined
+        return "Ray runtime started" in (Path(tmp) / f"{name}.log").read_text(errors="replace")
+
+    def nodes_up() -> bool:
+        try:  # a `ray status` slow on a loaded box is "not yet": RAY_START_SECONDS bounds the wait
+            out = subprocess.run([ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=ray_env(),
+                                 timeout=max(1.0, min(30.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            return False
+        return out.stdout.count(" node_") >= 2
+
+    try:
+        # both at once: the worker node waits for the head's GCS by itself
+        start(["--head", f"--port={port}", "--num-cpus=0", f"--temp-dir={tmp}/t", "--include-dashboard=false"], "head")
+        start([f"--address={address}", "--num-cpus=1"], "worker")
+        deadline = time.time() + RAY_START_SECONDS
+        while not (started("head") and started("worker") and nodes_up()):
+            if time.time() > deadline or any(p.poll() is not None for p in procs):
+                logs = "\n".join((Path(tmp) / f"{n}.log").read_text(errors="replace")[-2000:] for n in ("head", "worker"))
+                raise AssertionError(f"the Ray cluster did not come up with 2 nodes in {RAY_START_SECONDS} s:\n{logs}")
+            time.sleep(0.5)
+        yield address
+    finally:
+        for p in reversed(procs):  # SIGTERM lets `ray start --block` stop its node; SIGKILL whatever is left
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 3
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_local(corpus: Path, out: Path, *extra: str) -> None:
+    """`prepare` without --ray, in this process (no Ray in it)."""
+    from mspretrain.cli import main
+
+    assert main(["prepare", str(corpus), "--out", str(out), *extra, "--workers", "2", "--quiet",
+                 "prepare.min_chars=4", "prepare.valid_fraction=0.1"]) == 0
+
+
+def run_prepare(corpus: Path, out: Path, *extra: str) -> str:
+    """The CLI in a process of its own, as a user runs it (ray.init's state stays out of pytest); its stdout."""
+    cmd = [sys.executable, "-m", "mspretrain.cli", "prepare", str(corpus), "--out", str(out), *extra,
+           "prepare.min_chars=4", "prepare.valid_fraction=0.1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ray_env(), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stderr == ""  # Ray's own log lines stay out of prepare's output
+    return r.stdout
+
+
+def same_files(a: Path, b: Path) -> None:
+    """Two data dirs hold the same file names, byte for byte."""
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    assert "train.bin" in names and "manifest.json" in names
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name

@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +12,25 @@ import pytest
 from mspretrain import world as world_mod
 from mspretrain.errors import UserError
 from mspretrain.train import distributed
-from mspretrain.train.distributed import free_local_port
-from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, REWIND_ARGS, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
-from tests.helpers import grad_norms, losses, step_dir
-
-# the run readers live in tests/helpers.py; these names stay for the files that import them from here
-_metrics, _grad_norms, _step_dir = losses, grad_norms, step_dir
+from tests.conftest import TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
+from tests.helpers import (
+    ARGS,
+    DEATH_BOUND_S,
+    FINAL,
+    LONG,
+    MSRUN,
+    STEPS,
+    ended_within,
+    grad_norms,
+    kill_tree,
+    losses,
+    msrun,
+    replica_hashes,
+    start_launch,
+    step_dir,
+    wait_for_beat_after,
+    wait_for_rank,
+)
 
 
 def test_rank_detection():
@@ -48,37 +59,6 @@ def test_launch_builds_the_msrun_line_and_refuses_bad_input(capsys):
     assert "do not describe a cluster" in capsys.readouterr().err
 
 
-# The msrun runs use the config of the session's single-process `reference_run` (conftest):
-# 8 steps, a checkpoint after each, every grad norm logged.
-ARGS = [*REFERENCE_ARGS, "--quiet"]
-STEPS = list(range(1, REFERENCE_STEPS + 1))
-FINAL = REFERENCE_STEPS
-
-
-def _msrun(tmp_path: Path, data: Path, run: Path, *extra: str, args: list[str] = ARGS) -> None:
-    """2 workers through `mspretrain launch` (which must find msrun and itself next to the
-    interpreter: CI runs the venv's python without the venv on PATH, as here)."""
-    logs = tmp_path / f"logs-{run.name}"
-    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(free_local_port()),
-           "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), *args, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
-    try:
-        proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:  # a timeout: msrun and its workers (own process groups) go too,
-            _kill_tree(proc)     # not left training beside the rest of the suite
-    text = "".join(p.read_text() for p in sorted(logs.glob("worker_*.log")))
-    assert proc.returncode == 0, text[-3000:]
-
-
-def _replica_hashes(run: Path) -> list[str]:
-    return [json.loads(p.read_text())["weights_sha256"] for p in sorted((run / "ranks").glob("rank_*.json"))]
-
-
-# msrun ships with MindSpore next to this interpreter; CI runs the venv's python without the venv on PATH.
-MSRUN = shutil.which("msrun", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-
-
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
@@ -92,23 +72,23 @@ def test_two_ranks_match_one_process(tmp_path, tiny_data, reference_run, wire, r
         two = request.getfixturevalue("two_ranks_fp32")
     else:  # fp16 on the wire needs loss scaling (config.validate); a static power-of-two scale is exact in fp32
         two = tmp_path / f"two-{wire}"
-        _msrun(tmp_path, tiny_data, two, f"precision.allreduce_dtype={wire}", "precision.loss_scale=static")
-    one, got = _metrics(reference_run), _metrics(two)
+        msrun(tmp_path, tiny_data, two, f"precision.allreduce_dtype={wire}", "precision.loss_scale=static")
+    one, got = losses(reference_run), losses(two)
     assert sorted(one) == sorted(got) == STEPS
     tol = 1e-5 if wire == "fp32" else 1e-3  # fp16 on the wire rounds each gradient to 11 bits
     for step in one:
         assert abs(one[step] - got[step]) <= tol, (step, one[step], got[step])
     # measured: fp32 wire <= 1e-7 (grad norms), 1.1e-6 (weights and moments); fp16 wire 1.1e-5, 6.6e-4
     norm_tol, state_tol = (1e-5, 1e-5) if wire == "fp32" else (1e-4, 5e-3)
-    one_gn, got_gn = _grad_norms(reference_run), _grad_norms(two)
+    one_gn, got_gn = grad_norms(reference_run), grad_norms(two)
     assert sorted(one_gn) == sorted(got_gn) == STEPS
     for step in one_gn:
         assert got_gn[step] == pytest.approx(one_gn[step], rel=norm_tol), (step, one_gn[step], got_gn[step])
-    assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(reference_run, FINAL), state_tol)
-    hashes = _replica_hashes(two)
+    assert_same_checkpoint(step_dir(two, FINAL), step_dir(reference_run, FINAL), state_tol)
+    hashes = replica_hashes(two)
     assert len(hashes) == 2 and hashes[0] == hashes[1]  # replicas stayed identical
     if wire == "fp16":
-        _lm_head_crossed_in_fp32(_step_dir(two, 1), _step_dir(reference_run, 1))
+        _lm_head_crossed_in_fp32(step_dir(two, 1), step_dir(reference_run, 1))
 
 
 def _lm_head_crossed_in_fp32(two: Path, one: Path) -> None:
@@ -163,19 +143,19 @@ def test_sharded_optimizer_matches_one_process_and_resumes_anywhere(tmp_path, ti
     from mspretrain.cli import main
 
     two = tmp_path / "two-sharded"
-    _msrun(tmp_path, tiny_data, two, "optim.shard_optimizer=true")
-    one, got = _metrics(reference_run), _metrics(two)
+    msrun(tmp_path, tiny_data, two, "optim.shard_optimizer=true")
+    one, got = losses(reference_run), losses(two)
     assert sorted(got) == STEPS
     for step in one:
         assert abs(one[step] - got[step]) <= 1e-5, (step, one[step], got[step])
-    one_gn, got_gn = _grad_norms(reference_run), _grad_norms(two)
+    one_gn, got_gn = grad_norms(reference_run), grad_norms(two)
     assert sorted(got_gn) == STEPS
     for step in one_gn:
         assert got_gn[step] == pytest.approx(one_gn[step], rel=1e-5), (step, one_gn[step], got_gn[step])
-    hashes = _replica_hashes(two)
+    hashes = replica_hashes(two)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
 
-    final = _step_dir(two, FINAL)
+    final = step_dir(two, FINAL)
     assert store.verify(final) is None
     names = sorted(p.name for p in final.iterdir())
     assert "optimizer-00000-of-00002.safetensors" in names and "optimizer-00001-of-00002.safetensors" in names
@@ -184,13 +164,13 @@ def test_sharded_optimizer_matches_one_process_and_resumes_anywhere(tmp_path, ti
     moments = lambda d: {k for k in d if k != "opt_step"}
     assert moments(shard0) and moments(shard1) and not moments(shard0) & moments(shard1)
     union = {**shard0, **shard1}
-    ref = load_file(str(_step_dir(reference_run, FINAL) / "optimizer.safetensors"))
+    ref = load_file(str(step_dir(reference_run, FINAL) / "optimizer.safetensors"))
     assert set(union) == set(ref)
     for k, v in ref.items():
         assert abs(union[k].astype("float64") - v).max() <= 1e-6, k
         if k != "opt_step":  # most exp_avg_sq values are below 1e-6: the line above cannot see them
             assert_close_rel(union[k], v, 1e-5, k)  # measured <= 7e-7
-    assert_same_checkpoint(final, _step_dir(reference_run, FINAL), 1e-5)
+    assert_same_checkpoint(final, step_dir(reference_run, FINAL), 1e-5)
 
     # One unsharded process resumes the 2-rank sharded checkpoint of step 5 and takes 3 more
     # updates. Step 6's loss is a forward pass on step-5 weights and cannot see the resumed
@@ -199,12 +179,12 @@ def test_sharded_optimizer_matches_one_process_and_resumes_anywhere(tmp_path, ti
     resumed = copy_run_at(two, tmp_path / "resumed", resume_at)
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(resumed), *ARGS]) == 0
     assert f"resumed from step_{resume_at:06d}" in (resumed / "train.log").read_text()
-    after, after_gn = _metrics(resumed), _grad_norms(resumed)
+    after, after_gn = losses(resumed), grad_norms(resumed)
     for step in range(resume_at + 1, FINAL + 1):
         assert abs(after[step] - one[step]) <= 1e-5, (step, one[step], after[step])
         assert after_gn[step] == pytest.approx(one_gn[step], rel=1e-5), (step, one_gn[step], after_gn[step])
     for step in range(resume_at + 1, FINAL + 1):  # after the first resumed update, and after the last
-        assert_same_checkpoint(_step_dir(resumed, step), _step_dir(reference_run, step), 1e-5)
+        assert_same_checkpoint(step_dir(resumed, step), step_dir(reference_run, step), 1e-5)
     # the audit follows the history across the change of world size: exact, and it says so
     from mspretrain.ops.audit import audit_run
 
@@ -221,31 +201,29 @@ def test_fp16_wire_overflow_skips_the_step_on_every_rank(tmp_path, tiny_data):
     rank sees the same inf after the all-reduce, so all skip the update and halve the scale
     together, and the replicas stay equal. (One process has no wire: it would not skip.)"""
     run = tmp_path / "overflow"
-    _msrun(tmp_path, tiny_data, run, "precision.allreduce_dtype=fp16", "precision.loss_scale=dynamic",
+    msrun(tmp_path, tiny_data, run, "precision.allreduce_dtype=fp16", "precision.loss_scale=dynamic",
            f"precision.init_scale={2.0 ** 24}", "metrics.loss_scale_every=1",
            args=["train.max_steps=6", "checkpoint.every=0", "--quiet"])
     recs = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert recs[0]["skipped"] == 1, recs[0]  # 2^24 x a gradient of ~0.004 is past fp16's range
     assert 0 < recs[-1]["skipped"] < 6, recs[-1]  # the scale came down until steps applied again
-    state = json.loads((_step_dir(run, 6) / "train_state.json").read_text())
+    state = json.loads((step_dir(run, 6) / "train_state.json").read_text())
     assert state["skipped_steps"] == recs[-1]["skipped"] and state["applied_steps"] == 6 - recs[-1]["skipped"]
     assert state["loss_scale"]["scale"] < 2.0 ** 24
-    hashes = _replica_hashes(run)
+    hashes = replica_hashes(run)
     assert len(hashes) == 2 and hashes[0] == hashes[1]  # both ranks skipped the same steps
-
-
-SPIKE_ARGS = ["train.max_steps=5", "checkpoint.every=0", "--quiet"]
 
 
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-def test_spike_rewind_under_msrun_matches_one_process(tmp_path, tiny_data, rewind_one_process):
+def test_spike_rewind_under_msrun_matches_one_process(rewind_one_process, two_nodes_rewind):
     """Spike `rewind` on 2 sharded ranks: both reload the same checkpoint (the newest save of the
-    run, waited for until rank 0 has published it) and the run equals one process's, rewinds included."""
-    one, two = rewind_one_process, tmp_path / "two"
-    _msrun(tmp_path, tiny_data, two, "optim.shard_optimizer=true", *REWIND_ARGS, args=SPIKE_ARGS)
+    run, waited for until rank 0 has published it) and the run equals one process's, rewinds included.
+    The 2 ranks are the session's `two_nodes_rewind` (conftest; tests/test_multinode.py checks its
+    shards and final state)."""
+    one, two = rewind_one_process, two_nodes_rewind
 
     def series(run):
         return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
@@ -261,78 +239,11 @@ def test_spike_rewind_under_msrun_matches_one_process(tmp_path, tiny_data, rewin
     for run in (one, two):  # rewinds repeat steps by design: the audit follows them and finds nothing
         audit = audit_run(run)
         assert audit.exact and audit.rewinds, (run.name, audit.findings)
-    hashes = _replica_hashes(two)
+    hashes = replica_hashes(two)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
 
 
 # ---------------------------------------------------------------- a rank dies or stops (issue 21 item 4)
-DEATH_BOUND_S = 60  # the job must end this long after a worker is killed or stopped, at most
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    from mspretrain.ops.watchdog import kill_tree
-
-    kill_tree(proc.pid)
-    proc.wait(timeout=30)
-
-
-def _start_launch(tmp_path: Path, data: Path, run: Path, *extra: str, launch: tuple[str, ...] = ()) -> subprocess.Popen:
-    logs = tmp_path / f"logs-{run.name}"
-    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(free_local_port()), "--log-dir", str(logs),
-           *launch, "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), "--quiet", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
-
-
-def _wait_for_rank(run: Path, rank: int, step: int, proc: subprocess.Popen, timeout: float = 600, not_pid: int = 0) -> dict:
-    """Rank `rank`'s heartbeat once it has finished `step` steps (and a checkpoint exists); after a
-    relaunch, `not_pid` (the old rank's) skips the heartbeat the killed job left behind."""
-    import time
-
-    path = run / "heartbeat" / f"rank_{rank:05d}.json"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            beat = json.loads(path.read_text())
-        except (OSError, ValueError):
-            beat = {}
-        if beat.get("step", 0) >= step and beat.get("pid") != not_pid and list((run / "checkpoints").glob("step_*[0-9]")):
-            return beat
-        time.sleep(0.5)
-    raise AssertionError(f"rank {rank} did not reach step {step} in {timeout} s")
-
-
-def _wait_for_beat_after(run: Path, rank: int, t0: float, proc: subprocess.Popen, timeout: float = 15) -> None:
-    """Until rank `rank` has written a heartbeat after time `t0` (well inside STOP_GRACE)."""
-    import time
-
-    path = run / "heartbeat" / f"rank_{rank:05d}.json"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            if json.loads(path.read_text()).get("time", 0) > t0:
-                return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"rank {rank} wrote no heartbeat in the {timeout} s after the stop")
-
-
-def _ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
-    import time
-
-    try:
-        _, err = proc.communicate(timeout=DEATH_BOUND_S + 30)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        raise AssertionError(f"the job still ran {DEATH_BOUND_S + 30} s after the signal") from None
-    return err, time.time() - t0
-
-
-# a constant lr: the relaunch below lowers max_steps, which would re-stretch a cosine schedule
-LONG = ["train.max_steps=400", "checkpoint.every=2", "checkpoint.keep_last=3", "train.log_every=1", "schedule.kind=constant"]
-
 
 STOP_GRACE = 25  # long enough to run `diagnose --hang` on the live hang first
 
@@ -353,17 +264,17 @@ def killed_then_stopped(tmp_path_factory, tiny_data) -> dict:
 
     tmp = tmp_path_factory.mktemp("death")
     run, out = tmp / "killed", {}
-    proc = _start_launch(tmp, tiny_data, run, *LONG)
+    proc = start_launch(tmp, tiny_data, run, *LONG)
     try:
-        beat = _wait_for_rank(run, 1, 5, proc)
+        beat = wait_for_rank(run, 1, 5, proc)
         t0 = time.time()
         os.kill(beat["pid"], signal.SIGKILL)
-        err, took = _ended_within(proc, t0)
+        err, took = ended_within(proc, t0)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc)
+            kill_tree(proc)
     killed_pid = beat["pid"]
-    out["killed"] = {"rc": proc.returncode, "err": err, "took": took, "before": _metrics(run)}
+    out["killed"] = {"rc": proc.returncode, "err": err, "took": took, "before": losses(run)}
     # The relaunch resumes from the newest verified checkpoint, and the steps it redoes must give the
     # losses the killed job logged for them. The kill may land just after a save, leaving nothing
     # to redo: the newer checkpoints are set aside so that it starts from the oldest one kept.
@@ -375,25 +286,25 @@ def killed_then_stopped(tmp_path_factory, tiny_data) -> dict:
     out["relaunch"] = {"resume_at": resume_at, "redo": redo}
     if not redo:
         return out
-    proc = _start_launch(tmp, tiny_data, run, *LONG, launch=("--stop-grace", str(STOP_GRACE)))
+    proc = start_launch(tmp, tiny_data, run, *LONG, launch=("--stop-grace", str(STOP_GRACE)))
     try:
-        beat = _wait_for_rank(run, 1, max(redo) + 1, proc, not_pid=killed_pid)  # past every redone step
+        beat = wait_for_rank(run, 1, max(redo) + 1, proc, not_pid=killed_pid)  # past every redone step
         t0 = time.time()
         os.kill(beat["pid"], signal.SIGSTOP)
         time.sleep(3)  # rank 0 runs into the next step's collective and waits there
         # and its heartbeat is one written since the stop (its thread beats every 2 s, later on a
         # loaded box): an older one can be steps behind rank 1's last, and diagnose then names
         # rank 0 "behind" as well
-        _wait_for_beat_after(run, 0, t0, proc)
+        wait_for_beat_after(run, 0, t0, proc)
         with contextlib.redirect_stdout(io.StringIO()) as live:
             live_rc = main(["diagnose", str(run), "--hang"])
-        err, took = _ended_within(proc, t0)
+        err, took = ended_within(proc, t0)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc)
+            kill_tree(proc)
     with contextlib.redirect_stdout(io.StringIO()) as after:
         after_rc = main(["diagnose", str(run), "--hang"])
-    out["relaunch"].update(log=(run / "train.log").read_text(), after=_metrics(run))
+    out["relaunch"].update(log=(run / "train.log").read_text(), after=losses(run))
     out["stopped"] = {"rc": proc.returncode, "err": err, "took": took, "live_rc": live_rc, "live": live.getvalue(),
                       "after_rc": after_rc, "after": after.getvalue()}
     return out

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, REWIND_ARGS, assert_same_checkpoint, copy_run_at
+from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS, assert_same_checkpoint, copy_run_at
 from tests.helpers import MSRUN, grad_norms, losses, replica_hashes, step_dir, two_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")]
@@ -46,11 +46,11 @@ def test_two_nodes_equal_one_process_and_resume(tmp_path, tiny_data, reference_r
     assert_same_checkpoint(step_dir(resumed, REFERENCE_STEPS), step_dir(reference_run, REFERENCE_STEPS), 1e-5)
 
 
-def test_two_nodes_spike_rewind_equals_one_process(tmp_path, tiny_data, rewind_one_process):
+def test_two_nodes_spike_rewind_equals_one_process(rewind_one_process, two_nodes_rewind):
     """Checkpoints every 4 steps, a spike rewind reloading one of them, ZeRO-1 optimizer shards
-    written by the two nodes' ranks: the same losses as one process, rewinds included."""
-    one, two = rewind_one_process, tmp_path / "two"
-    two_nodes(tmp_path, tiny_data, two, "optim.shard_optimizer=true", *REWIND_ARGS)
+    written by the two nodes' ranks: the same losses as one process, rewinds included. The run is
+    the session's `two_nodes_rewind` (conftest; tests/test_distributed.py audits it)."""
+    one, two = rewind_one_process, two_nodes_rewind
 
     def series(run: Path) -> list[tuple[int, float]]:
         return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]

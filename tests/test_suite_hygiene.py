@@ -47,16 +47,7 @@ def test_the_msrun_marker_covers_every_msrun_test(request):
 
 
 # A test module imports what it shares from tests/helpers.py (or tests/conftest.py), never from
-# another test module: importing one runs its module-level code and couples two subjects. The
-# imports still to move (files other work owned when this rule landed): empty it as they move.
-KNOWN_TEST_IMPORTS = frozenset({
-    ("test_quality.py", "tests.test_prepare_ray"),
-    ("test_quality.py", "tests.test_prepare_resume"),
-    ("test_tp.py", "tests.test_distributed"),
-    ("test_zero2.py", "tests.test_distributed"),
-    ("test_zero3.py", "tests.test_distributed"),
-    ("test_zero3.py", "tests.test_zero2"),
-})
+# another test module: importing one runs its module-level code and couples two subjects.
 
 
 def modules_imported_across(tests: Path = TESTS) -> set[tuple[str, str]]:
@@ -79,11 +70,8 @@ def modules_imported_across(tests: Path = TESTS) -> set[tuple[str, str]]:
 
 
 def test_no_test_module_imports_another():
-    found = modules_imported_across()
-    bad = sorted(found - KNOWN_TEST_IMPORTS)
+    bad = sorted(modules_imported_across())
     assert not bad, "move what they share to tests/helpers.py:\n" + "\n".join(f"{a} imports {b}" for a, b in bad)
-    stale = sorted(KNOWN_TEST_IMPORTS - found)
-    assert not stale, f"remove from KNOWN_TEST_IMPORTS in tests/test_suite_hygiene.py: {stale}"
 
 
 def test_the_lanes_name_files_that_exist():

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +15,21 @@ from mindspore import Tensor
 
 from mspretrain.errors import UserError
 from tests.conftest import TINY, assert_same_checkpoint, copy_run_at
-from tests.test_distributed import ARGS, FINAL, MSRUN, STEPS, _grad_norms, _kill_tree, _metrics, _replica_hashes, _step_dir
+from tests.helpers import (
+    FINAL,
+    LONG,
+    MSRUN,
+    STEPS,
+    ended_within,
+    grad_norms,
+    kill_tree,
+    losses,
+    msrun,
+    replica_hashes,
+    start_launch,
+    step_dir,
+    wait_for_rank,
+)
 
 
 def _cfg(**kw):
@@ -270,23 +282,6 @@ def test_a_tp_step_cuts_its_state_from_whole_tensors_or_zero_slices(world_of, ti
 
 # ---- msrun ranks against one process
 
-def _launch(tmp_path: Path, data: Path, run: Path, nproc: int, *extra: str) -> None:
-    """`nproc` workers through `mspretrain launch` (test_distributed.py `_msrun`, any worker count)."""
-    from mspretrain.train.distributed import free_local_port
-
-    logs = tmp_path / f"logs-{run.name}"
-    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", str(nproc), "--master-port", str(free_local_port()),
-           "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(data), "--run", str(run), *ARGS, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
-    try:
-        proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            _kill_tree(proc)
-    text = "".join(p.read_text() for p in sorted(logs.glob("worker_*.log")))
-    assert proc.returncode == 0, text[-3000:]
-
-
 TP2 = ("parallel.tp=2",)
 TP2_ZERO1 = ("parallel.tp=2", "optim.shard_optimizer=true")
 
@@ -295,7 +290,7 @@ TP2_ZERO1 = ("parallel.tp=2", "optim.shard_optimizer=true")
 def tp2_run(tmp_path_factory, tiny_data) -> Path:
     """TP 2 on 2 msrun workers (dp 1), the reference run's config otherwise. Read-only."""
     tmp = tmp_path_factory.mktemp("tp2")
-    _launch(tmp, tiny_data, tmp / "tp2", 2, *TP2)
+    msrun(tmp, tiny_data, tmp / "tp2", *TP2, timeout=900)
     return tmp / "tp2"
 
 
@@ -303,21 +298,21 @@ def tp2_run(tmp_path_factory, tiny_data) -> Path:
 def tp2_dp2_zero1_run(tmp_path_factory, tiny_data) -> Path:
     """TP 2 x DP 2 with ZeRO-1 on 4 msrun workers. Read-only."""
     tmp = tmp_path_factory.mktemp("tp2dp2")
-    _launch(tmp, tiny_data, tmp / "tp2dp2", 4, *TP2_ZERO1)
+    msrun(tmp, tiny_data, tmp / "tp2dp2", *TP2_ZERO1, nproc=4, timeout=900)
     return tmp / "tp2dp2"
 
 
 def _assert_equals_one_process(run: Path, reference_run: Path, ranks: int = 0, steps: list[int] = STEPS) -> None:
     """Losses, grad norms and the checkpoints of `steps` against one process; with `ranks`, every
     rank's hash of the whole weights at the end the same."""
-    one, got = _metrics(reference_run), _metrics(run)
-    one_gn, got_gn = _grad_norms(reference_run), _grad_norms(run)
+    one, got = losses(reference_run), losses(run)
+    one_gn, got_gn = grad_norms(reference_run), grad_norms(run)
     assert set(steps) <= set(got)
     for step in steps:
         assert abs(one[step] - got[step]) <= 1e-5, (step, one[step], got[step])
         assert got_gn[step] == pytest.approx(one_gn[step], rel=1e-5), (step, one_gn[step], got_gn[step])
-        assert_same_checkpoint(_step_dir(run, step), _step_dir(reference_run, step), 1e-5)
-    hashes = _replica_hashes(run)
+        assert_same_checkpoint(step_dir(run, step), step_dir(reference_run, step), 1e-5)
+    hashes = replica_hashes(run)
     assert not ranks or len(hashes) == ranks and len(set(hashes)) == 1  # the whole weights gathered on every rank agree
 
 
@@ -340,7 +335,7 @@ def test_tp2_dp2_with_zero1_matches_one_process(tp2_dp2_zero1_run, reference_run
     one-process numbers; the checkpoint holds one optimizer shard per data-parallel rank."""
     run = tp2_dp2_zero1_run
     assert "tensor parallel over 2 ranks x 2 data-parallel" in (run / "train.log").read_text()
-    assert len(list(_step_dir(run, FINAL).glob("optimizer-*.safetensors"))) == 2
+    assert len(list(step_dir(run, FINAL).glob("optimizer-*.safetensors"))) == 2
     _assert_equals_one_process(run, reference_run, 4)
 
 
@@ -353,7 +348,7 @@ def test_a_zero1_tp_dp_checkpoint_resumes_on_plain_tp_dp(tmp_path, tiny_data, re
     grad norms and checkpoints to the end."""
     run = copy_run_at(tp2_dp2_zero1_run, tmp_path / "from-zero1", 5)
     shutil.rmtree(run / "ranks")  # the ZeRO-1 job's hashes: this job writes its own
-    _launch(tmp_path, tiny_data, run, 4, *TP2)
+    msrun(tmp_path, tiny_data, run, *TP2, nproc=4, timeout=900)
     assert "resumed from step_000005" in (run / "train.log").read_text()
     _assert_equals_one_process(run, reference_run, 4, steps=list(range(6, FINAL + 1)))
 
@@ -371,20 +366,19 @@ def test_a_killed_tp2_job_resumes_exactly_on_one_process(tmp_path, tiny_data):
 
     from mspretrain.checkpoint import store
     from mspretrain.cli import main
-    from tests.test_distributed import LONG, _ended_within, _start_launch, _wait_for_rank
 
     run = tmp_path / "killed"
     qwen3 = ("model.family=qwen3", "model.qk_norm=true", "model.tie_embeddings=true")
-    proc = _start_launch(tmp_path, tiny_data, run, *LONG, *TP2, *qwen3)
+    proc = start_launch(tmp_path, tiny_data, run, *LONG, *TP2, *qwen3)
     try:
-        beat = _wait_for_rank(run, 1, 5, proc)
+        beat = wait_for_rank(run, 1, 5, proc)
         os.kill(beat["pid"], signal.SIGKILL)
-        _ended_within(proc, 0)
+        ended_within(proc, 0)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc)
+            kill_tree(proc)
     assert proc.returncode != 0
-    before = _metrics(run)
+    before = losses(run)
     kept = sorted(p for p in (run / "checkpoints").glob("step_*[0-9]") if store.verify(p) is None)
     for p in kept[1:]:
         shutil.rmtree(p)
@@ -394,6 +388,6 @@ def test_a_killed_tp2_job_resumes_exactly_on_one_process(tmp_path, tiny_data):
     long = [a if not a.startswith("train.max_steps=") else f"train.max_steps={max(redo)}" for a in LONG]
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet", *long, *qwen3]) == 0
     assert f"resumed from step_{resume_at:06d}" in (run / "train.log").read_text()
-    after = _metrics(run)
+    after = losses(run)
     for step in redo:
         assert abs(after[step] - before[step]) <= 1e-5, (step, before[step], after[step])

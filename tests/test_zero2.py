@@ -1,9 +1,7 @@
 """Sharded gradients (ZeRO-2), bucketed collectives and their tables, against one process."""
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +9,18 @@ import pytest
 
 from mspretrain.train.layout import assign_owners_grouped, cap_elements, flat_buckets, rank_buckets
 from tests.conftest import FP16_MASTERS, TINY, assert_same_checkpoint, snapshot
-from tests.test_distributed import ARGS, FINAL, MSRUN, STEPS, _grad_norms, _metrics, _msrun, _replica_hashes, _step_dir
+from tests.helpers import (
+    FINAL,
+    MSRUN,
+    assert_two_ranks_equal_one_process,
+    fp16_run_equals_one_process,
+    grad_norms,
+    losses,
+    msrun,
+    replica_hashes,
+    resume_on_one_process,
+    step_dir,
+)
 
 # a 7B-shaped table: embedding, 32 x (norm, wqkv, wo, norm, w13, w2), norm, lm_head
 SIZES_7B = [131072000] + [4096, 50331648, 16777216, 4096, 90177536, 45088768] * 32 + [4096, 131072000]
@@ -111,20 +120,6 @@ def test_plan_bytes_are_the_buffers_the_step_allocates(tiny_cfg, dtype, param_dt
         assert 0 < trained < plan["params"] and plan["memory_bytes"]["adam_moments"] == 8 * trained
 
 
-def _resume_on_one_process(run, tiny_data, tmp_path, at: int, *extra: str):
-    from mspretrain.cli import main
-
-    resumed = tmp_path / f"resumed-{run.name}"
-    shutil.copytree(run, resumed)
-    for step in range(at + 1, FINAL + 1):
-        shutil.rmtree(_step_dir(resumed, step))
-    (resumed / "metrics.jsonl").write_text("".join(l + "\n" for l in (resumed / "metrics.jsonl").read_text().splitlines()
-                                                   if json.loads(l).get("step", 0) <= at))
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(resumed), *ARGS, *extra]) == 0
-    assert f"resumed from step_{at:06d}" in (resumed / "train.log").read_text()
-    return resumed
-
-
 # ZeRO-2 with 2 micro-batches and `optim.split_mb = 0.1` (26,214 elements): the tiny embedding and
 # lm_head (512 x 64 = 32,768 each) are cut into a slice per rank, the other 13 parameters stay whole,
 # so one job runs both paths (a split test and a whole-tensor test each launched the same job before).
@@ -138,31 +133,8 @@ def zero2_accum_run(tmp_path_factory, tiny_data) -> Path:
     against it, one launch. Read-only."""
     tmp = tmp_path_factory.mktemp("zero2")
     two = tmp / "zero2"
-    _msrun(tmp, tiny_data, two, *ZERO2_ACCUM)
+    msrun(tmp, tiny_data, two, *ZERO2_ACCUM)
     return two
-
-
-def _assert_two_ranks_equal_one_process(two: Path, reference_run: Path, tiny_data: Path, tmp_path: Path) -> Path:
-    """A 2-rank run against the one-process reference: losses (1e-5), grad norms (rel 1e-5), the
-    final checkpoint, identical replicas; then resumed from its step 5 on one process, the same
-    losses and grad norms to the end. Returns the resumed run dir."""
-    one, got = _metrics(reference_run), _metrics(two)
-    assert sorted(got) == STEPS
-    for step in one:
-        assert abs(one[step] - got[step]) <= 1e-5, (step, one[step], got[step])
-    one_gn, got_gn = _grad_norms(reference_run), _grad_norms(two)
-    for step in one_gn:
-        assert got_gn[step] == pytest.approx(one_gn[step], rel=1e-5), (step, one_gn[step], got_gn[step])
-    hashes = _replica_hashes(two)
-    assert len(hashes) == 2 and hashes[0] == hashes[1]
-    assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(reference_run, FINAL), 1e-5)
-
-    resumed = _resume_on_one_process(two, tiny_data, tmp_path, 5)
-    after, after_gn = _metrics(resumed), _grad_norms(resumed)
-    for step in range(6, FINAL + 1):
-        assert abs(after[step] - one[step]) <= 1e-5, (step, one[step], after[step])
-        assert after_gn[step] == pytest.approx(one_gn[step], rel=1e-5)
-    return resumed
 
 
 @pytest.mark.slow
@@ -182,7 +154,7 @@ def test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_wor
 
     two = zero2_accum_run
     assert "optimizer state and gradients sharded over 2 ranks" in (two / "train.log").read_text()
-    shards = sorted(_step_dir(two, FINAL).glob("optimizer-*.safetensors"))
+    shards = sorted(step_dir(two, FINAL).glob("optimizer-*.safetensors"))
     keys = [set(load_file(str(s))) for s in shards]
     assert len(shards) == 2
     for name in ("embed.weight", "lm_head.weight"):
@@ -191,28 +163,9 @@ def test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_wor
     # the other 13 parameters stay whole: each in exactly one rank's shard, under its plain name
     whole = {k for k in keys[0] | keys[1] if k.startswith("exp_avg.") and "@" not in k}
     assert len(whole) == 13 and not whole & keys[0] & keys[1]
-    resumed = _assert_two_ranks_equal_one_process(two, reference_run, tiny_data, tmp_path)
+    resumed = assert_two_ranks_equal_one_process(two, reference_run, tiny_data, tmp_path)
     for step in range(6, FINAL + 1):
-        assert_same_checkpoint(_step_dir(resumed, step), _step_dir(reference_run, step), 1e-5)
-
-
-def _fp16_run_equals_one_process(two: Path, one: Path) -> tuple[dict, dict]:
-    """A 2-worker fp16 run against the same config on one process: losses, identical replicas,
-    the final checkpoint. Returns both runs' losses by step."""
-    a, b = _metrics(one), _metrics(two)
-    assert sorted(a) == sorted(b) == STEPS
-    # The two ranks sum the gradients in another order, and fp16 weights can round the other way
-    # from there (one fp16 ulp of a weight is ~1e-3 relative): measured 1.7e-5 at step 7 of 8 with
-    # the initial weights before issue 38, and 1.2e-5 at step 3 (ZeRO-2, bucket_mb 0) with the
-    # counter-based draw; a loss of ~6.2, so 3e-5 is 5e-6 relative.
-    for step in a:
-        assert abs(a[step] - b[step]) <= (3e-5 if step <= 5 else 1e-4), (step, a[step], b[step])
-    hashes = _replica_hashes(two)
-    assert len(hashes) == 2 and hashes[0] == hashes[1]
-    # fp16 weights: one ulp is ~1e-3 relative, and summation order flips some roundings (measured
-    # 1.6e-4 and 7.7e-4 in two runs), as in the fp16-wire test of test_distributed.py
-    assert_same_checkpoint(_step_dir(two, FINAL), _step_dir(one, FINAL), 5e-3)
-    return a, b
+        assert_same_checkpoint(step_dir(resumed, step), step_dir(reference_run, step), 1e-5)
 
 
 @pytest.mark.slow
@@ -224,16 +177,16 @@ def test_sharded_gradients_fp16_masters_one_collective_per_parameter(tmp_path, t
     from its step 5 on one process."""
     fp16, one = FP16_MASTERS, one_fp16
     two = tmp_path / "zero2-fp16"
-    _msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_gradients=true", "optim.bucket_mb=0")
-    a, b = _fp16_run_equals_one_process(two, one)
+    msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_gradients=true", "optim.bucket_mb=0")
+    a, b = fp16_run_equals_one_process(two, one)
 
     # resumed at another world size: the 2 workers' step-5 checkpoint (fp16 weights, fp32 masters
     # sharded over 2 files) continued by one process keeps the unbroken runs' losses
-    resumed = _resume_on_one_process(two, tiny_data, tmp_path, 5, "train.log_every=1", *fp16)
-    after = _metrics(resumed)
+    resumed = resume_on_one_process(two, tiny_data, tmp_path, 5, "train.log_every=1", *fp16)
+    after = losses(resumed)
     for step in range(6, FINAL + 1):
         assert abs(after[step] - a[step]) <= 1e-4 and abs(after[step] - b[step]) <= 1e-4, (step, a[step], b[step], after[step])
-    assert_same_checkpoint(_step_dir(resumed, FINAL), _step_dir(one, FINAL), 5e-3)
+    assert_same_checkpoint(step_dir(resumed, FINAL), step_dir(one, FINAL), 5e-3)
 
 
 @pytest.mark.slow
@@ -253,18 +206,18 @@ def test_sharded_gradients_with_frozen_groups_match_one_process(tmp_path, tiny_d
     one = tmp_path / "one-frozen"
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *args]) == 0
     two = tmp_path / "zero2-frozen"
-    _msrun(tmp_path, tiny_data, two, "optim.shard_gradients=true", "train.micro_batch=1", args=args)
-    a, b = _metrics(one), _metrics(two)
+    msrun(tmp_path, tiny_data, two, "optim.shard_gradients=true", "train.micro_batch=1", args=args)
+    a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])
-    hashes = _replica_hashes(two)
+    hashes = replica_hashes(two)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
-    assert_same_checkpoint(_step_dir(two, steps), _step_dir(one, steps), 1e-5)
-    wa, wb = (load_file(str(_step_dir(r, steps) / "model.safetensors")) for r in (one, two))
+    assert_same_checkpoint(step_dir(two, steps), step_dir(one, steps), 1e-5)
+    wa, wb = (load_file(str(step_dir(r, steps) / "model.safetensors")) for r in (one, two))
     frozen = [k for k in wa if k not in ("embed.weight", "lm_head.weight")]
     assert frozen and all(np.array_equal(wa[k], wb[k]) for k in frozen)
-    shards = sorted(_step_dir(two, steps).glob("optimizer-*.safetensors"))
+    shards = sorted(step_dir(two, steps).glob("optimizer-*.safetensors"))
     keys = set().union(*(load_file(str(s)).keys() for s in shards))
     assert len(shards) == 2 and keys == {"opt_step"} | {f"{m}.{n}" for m in ("exp_avg", "exp_avg_sq") for n in ("embed.weight", "lm_head.weight")}
 
@@ -355,16 +308,16 @@ def _collectives(run: Path) -> int:
 
 
 def _assert_runs_equal(a: Path, b: Path, steps: int, tol: float) -> None:
-    la, lb = _metrics(a), _metrics(b)
-    ga, gb = _grad_norms(a), _grad_norms(b)
+    la, lb = losses(a), losses(b)
+    ga, gb = grad_norms(a), grad_norms(b)
     assert sorted(la) == sorted(lb) == sorted(ga) == sorted(gb) == list(range(1, steps + 1))
     for step in la:
         assert abs(la[step] - lb[step]) <= tol, (step, la[step], lb[step])
         assert abs(ga[step] - gb[step]) <= tol * max(1.0, abs(ga[step])), (step, ga[step], gb[step])
     for run in (a, b):
-        hashes = _replica_hashes(run)
+        hashes = replica_hashes(run)
         assert len(hashes) == 2 and hashes[0] == hashes[1]
-    assert_same_checkpoint(_step_dir(b, steps), _step_dir(a, steps), tol)
+    assert_same_checkpoint(step_dir(b, steps), step_dir(a, steps), tol)
 
 
 @pytest.mark.slow
@@ -380,7 +333,7 @@ def test_bucketed_zero2_equals_one_collective_per_parameter_on_2_workers(tmp_pat
     for bit (2026-12-01). The bound is not 0: the owned gradients come in another order, so the
     owners' partial sums of squares (the norm) are added in another order and may round apart."""
     per_param = tmp_path / "zero2-per-parameter"
-    _msrun(tmp_path, tiny_data, per_param, *ZERO2_ACCUM, "optim.bucket_mb=0")
+    msrun(tmp_path, tiny_data, per_param, *ZERO2_ACCUM, "optim.bucket_mb=0")
     assert _collectives(zero2_accum_run) < _collectives(per_param)
     _assert_runs_equal(zero2_accum_run, per_param, FINAL, 1e-6)
 
@@ -395,7 +348,7 @@ def test_bucketed_allreduce_equals_one_collective_per_parameter_on_2_workers(tmp
     sum over 2 ranks is the same addition either way). The bucketed run is the session's
     `two_ranks_fp32` (conftest; test_distributed.py compares it with one process)."""
     per_param = tmp_path / "replicated-per-parameter"
-    _msrun(tmp_path, tiny_data, per_param, "precision.allreduce_dtype=fp32", "optim.bucket_mb=0")
+    msrun(tmp_path, tiny_data, per_param, "precision.allreduce_dtype=fp32", "optim.bucket_mb=0")
     assert _collectives(two_ranks_fp32) == 1 and _collectives(per_param) == 15
     _assert_runs_equal(two_ranks_fp32, per_param, FINAL, 1e-6)
 
@@ -598,13 +551,13 @@ def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_pa
 
     fp16, one = FP16_MASTERS, one_fp16
     two = tmp_path / "zero1-split-fp16"
-    _msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_optimizer=true", "optim.split_mb=0.04", "train.log_every=1")
+    msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_optimizer=true", "optim.split_mb=0.04", "train.log_every=1")
     assert "optimizer state sharded over 2 ranks" in (two / "train.log").read_text()
-    keys = set().union(*(load_file(str(s)) for s in _step_dir(two, FINAL).glob("optimizer-*.safetensors")))
+    keys = set().union(*(load_file(str(s)) for s in step_dir(two, FINAL).glob("optimizer-*.safetensors")))
     assert {"master.layers.1.mlp.w13.weight@0:12288", "master.layers.1.mlp.w13.weight@12288:24576",
             "exp_avg.lm_head.weight@16384:32768"} <= keys
     assert not any(k.startswith("master.lm_head") for k in keys)  # fp32: its master is the weights
-    _fp16_run_equals_one_process(two, one)
+    fp16_run_equals_one_process(two, one)
 
 
 @pytest.mark.parametrize("dtype,param_dtype", [("fp32", "fp32"), ("fp16", "compute")])

@@ -13,8 +13,13 @@ from mindspore import Tensor, ops
 from mspretrain.errors import UserError
 from mspretrain.train.layout import slice_bounds
 from tests.conftest import FP16_MASTERS, REFERENCE_ARGS, assert_close_rel, assert_same_checkpoint, copy_run_at
-from tests.test_distributed import FINAL, MSRUN, STEPS, _grad_norms, _metrics, _msrun, _step_dir
-from tests.test_zero2 import _assert_two_ranks_equal_one_process, _fp16_run_equals_one_process
+from tests.helpers import FINAL, MSRUN, STEPS
+from tests.helpers import assert_two_ranks_equal_one_process as _assert_two_ranks_equal_one_process
+from tests.helpers import fp16_run_equals_one_process as _fp16_run_equals_one_process
+from tests.helpers import grad_norms as _grad_norms
+from tests.helpers import losses as _metrics
+from tests.helpers import msrun as _msrun
+from tests.helpers import step_dir as _step_dir
 
 
 def _tiny(**kw):
@@ -262,7 +267,8 @@ def zero3_killed(tmp_path_factory, tiny_data) -> dict[str, Path]:
     the kill left it; `run`: the relaunched run. Read-only."""
     import time
 
-    from tests.test_distributed import _kill_tree, _start_launch
+    from tests.helpers import kill_tree as _kill_tree
+    from tests.helpers import start_launch as _start_launch
 
     tmp = tmp_path_factory.mktemp("zero3")
     run = tmp / "zero3"

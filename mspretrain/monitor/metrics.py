@@ -118,6 +118,23 @@ def _scalar(v: Any) -> float | int | None:
         return None
 
 
+def _summary_writer():
+    """tensorboardX's SummaryWriter without the `import torch` tensorboardX makes when torch is
+    installed (only to type-hint torch tensors; we log floats): ~2 s of CPU at every start of a
+    rank 0 where torch is installed (the test extra), for nothing. Torch stays importable after."""
+    import sys
+
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]  `import torch` raises ImportError: tensorboardX's fallback
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsLogger:
     """Samples metrics at their intervals and writes them off the training thread."""
 
@@ -143,7 +160,7 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if cfg.tensorboard:
-            from tensorboardX import SummaryWriter  # imported here: rank != 0 never pays for it
+            SummaryWriter = _summary_writer()  # imported here: rank != 0 never pays for it
 
             # purge_step makes TensorBoard hide events >= it from earlier files of this run.
             self._tb = SummaryWriter(logdir=str(RunPaths(self.run_dir).tb), flush_secs=30,
