@@ -20,7 +20,7 @@ from mspretrain import config as cfgmod
 from mspretrain import device
 from mspretrain import world as world_mod
 from mspretrain.errors import UserError
-from mspretrain.model import decoder
+from mspretrain.model import attention, decoder, layers
 from mspretrain.train import distributed
 from tests.helpers import rms_norm_reference
 
@@ -129,12 +129,12 @@ def test_jit_level_and_deterministic_keys(monkeypatch):
 
 @pytest.mark.parametrize("head_dim, ok", [(16, True), (64, True), (128, True), (512, True), (24, False), (8, False), (528, False)])
 def test_flash_head_size_is_checked_in_the_selection(head_dim, ok):
-    assert decoder.select_attention("auto", "ascend", "fp16", head_dim) is ok
+    assert device.select_attention("auto", "ascend", "fp16", head_dim) is ok
     if ok:
-        assert decoder.select_attention("flash", "ascend", "bf16", head_dim)
+        assert device.select_attention("flash", "ascend", "bf16", head_dim)
     else:
         with pytest.raises(UserError, match=f"head size {head_dim} is not a multiple of 16 up to 512"):
-            decoder.select_attention("flash", "ascend", "bf16", head_dim)
+            device.select_attention("flash", "ascend", "bf16", head_dim)
 
 
 # ------------------------------------------------------------------ one causal mask for all layers
@@ -145,7 +145,7 @@ def test_one_flash_causal_mask_for_all_layers(tiny_cfg, monkeypatch):
     model = decoder.Decoder(m, dtype="fp16", device="ascend")  # builds the flash path; nothing runs on CPU here
     assert model.use_flash
     masks = [t for cell in model.cells_and_names() for t in vars(cell[1]).values()
-             if isinstance(t, ms.Tensor) and tuple(t.shape) == (decoder.FLASH_MASK_SIZE,) * 2]
+             if isinstance(t, ms.Tensor) and tuple(t.shape) == (layers.FLASH_MASK_SIZE,) * 2]
     assert len(masks) == 1
     seen = []
 
@@ -395,11 +395,11 @@ def test_ascend_kernels_are_selected_by_device(tiny_cfg):
     m = cfgmod.resolve_model(tiny_cfg.model, 512)
     asc = decoder.Decoder(m, dtype="fp16", device="ascend", seed=0)
     cpu = decoder.Decoder(m, dtype="fp32", device="cpu", seed=0)
-    norms = lambda model: [c for _, c in model.cells_and_names() if isinstance(c, decoder.RMSNorm)]
-    softmaxes = lambda model: [c.softmax for _, c in model.cells_and_names() if isinstance(c, decoder.Attention)]
+    norms = lambda model: [c for _, c in model.cells_and_names() if isinstance(c, layers.RMSNorm)]
+    softmaxes = lambda model: [c.softmax for _, c in model.cells_and_names() if isinstance(c, attention.Attention)]
     assert len(norms(asc)) == 2 * m.n_layers + 1 and all(n.fused for n in norms(asc))
-    assert all(isinstance(s, decoder.SoftmaxPlain) for s in softmaxes(asc))
-    assert not any(n.fused for n in norms(cpu)) and all(isinstance(s, decoder.SoftmaxFP32) for s in softmaxes(cpu))
+    assert all(isinstance(s, layers.SoftmaxPlain) for s in softmaxes(asc))
+    assert not any(n.fused for n in norms(cpu)) and all(isinstance(s, layers.SoftmaxFP32) for s in softmaxes(cpu))
     assert asc.fused_kernels and not cpu.fused_kernels
     # the same parameters either way: one model definition
     assert [p.name for p in asc.get_parameters()] == [p.name for p in cpu.get_parameters()]

@@ -15,9 +15,10 @@ import pytest
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from mspretrain import device as device_mod
 from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.errors import UserError
-from mspretrain.model import decoder
+from mspretrain.model import attention, layers
 from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.hf import hf_to_ours, our_shapes
 from mspretrain.model.loss import token_nll
@@ -166,7 +167,7 @@ def test_rope_tables_are_constants_not_parameters(pair):
 
 
 def test_rope_table_values():
-    cos, sin = decoder.rope_tables(8, 5, 10000.0)
+    cos, sin = attention.rope_tables(8, 5, 10000.0)
     inv = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)
     ang = 3 * np.concatenate([inv, inv])
     assert np.allclose(cos[3], np.cos(ang), atol=1e-7) and np.allclose(sin[3], np.sin(ang), atol=1e-7)
@@ -202,7 +203,7 @@ def test_init_is_llama_and_seeded():
 def test_fp16_keeps_fp32_islands(pair, monkeypatch):
     cfg, hf, ref = pair
     seen = {"rms_in": set(), "rms_out": set(), "softmax_out": set(), "head_in": set()}
-    orig_rms, orig_soft = decoder.rms_statistic, decoder.softmax_fp32
+    orig_rms, orig_soft = layers.rms_statistic, layers.softmax_fp32
 
     def rms(x, eps):
         out = orig_rms(x, eps)
@@ -214,9 +215,8 @@ def test_fp16_keeps_fp32_islands(pair, monkeypatch):
         seen["softmax_out"].add(out.dtype)
         return out
 
-    from mspretrain.model import layers  # where the norm and softmax cells look them up
 
-    monkeypatch.setattr(layers, "rms_statistic", rms)
+    monkeypatch.setattr(layers, "rms_statistic", rms)  # where the norm and softmax cells look them up
     monkeypatch.setattr(layers, "softmax_fp32", soft)
     model = ours_from_hf(hf, cfg, dtype="fp16")
     head = model.head_matmul
@@ -246,14 +246,14 @@ def test_bf16_refused_on_cpu_and_bad_names():
 # --------------------------------------------------------------------------- flash attention (Ascend) layout
 
 def test_attention_selection_by_device():
-    assert decoder.select_attention("auto", "ascend", "fp16") and decoder.select_attention("auto", "ascend", "bf16")
-    assert not decoder.select_attention("auto", "cpu", "fp16")
-    assert not decoder.select_attention("auto", "ascend", "fp32")  # the kernel has no fp32
-    assert not decoder.select_attention("math", "ascend", "fp16")
+    assert device_mod.select_attention("auto", "ascend", "fp16") and device_mod.select_attention("auto", "ascend", "bf16")
+    assert not device_mod.select_attention("auto", "cpu", "fp16")
+    assert not device_mod.select_attention("auto", "ascend", "fp32")  # the kernel has no fp32
+    assert not device_mod.select_attention("math", "ascend", "fp16")
     with pytest.raises(UserError):
-        decoder.select_attention("flash", "cpu", "fp16")
+        device_mod.select_attention("flash", "cpu", "fp16")
     with pytest.raises(UserError):
-        decoder.select_attention("flash", "ascend", "fp32")
+        device_mod.select_attention("flash", "ascend", "fp32")
 
 
 def test_flash_path_argument_layout(pair, monkeypatch):

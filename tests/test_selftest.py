@@ -77,9 +77,9 @@ def _math_in_place_of_flash(attn, q, k, v, discard):
     (["model.n_kv_heads=0"], "passed"), (["model.dim=96", "model.n_heads=4"], "skipped")])
 def test_the_ascend_attention_check_with_a_stand_in_kernel(monkeypatch, overrides, status):
     """check_attention as a 910B runs it, the kernel replaced by the math path fed the flash inputs."""
-    from mspretrain.model import decoder
+    from mspretrain.model import attention
 
-    monkeypatch.setattr(decoder.Attention, "_flash", _math_in_place_of_flash)
+    monkeypatch.setattr(attention.Attention, "_flash", _math_in_place_of_flash)
     ctx = selftest_result.Context(cfg=cfgmod.load(TINY, overrides), target="ascend", work=Path("unused"))
     check = selftest_numerics.check_attention(ctx, "fp16")
     assert check.status == status, check.detail

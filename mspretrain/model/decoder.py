@@ -3,8 +3,7 @@ of families.py name (Llama-2/3, Qwen2/2.5, Qwen3, Mistral), its seeded initialis
 state as numpy.
 
 The parts live below it: model/layers.py (the numerics, Linear, Embedding, RMSNorm),
-model/attention.py (RoPE, Attention), model/block.py (MLP, Block, ZeRO-3's prefetch); this
-module re-exports their names, so `mspretrain.model.decoder.X` keeps working.
+model/attention.py (RoPE, Attention), model/block.py (MLP, Block, ZeRO-3's prefetch).
 
 Design choices (and the trade-off taken):
 - HF tensor layout, fused: the query/key/value projections are one parameter `wqkv` (rows: the H
@@ -62,25 +61,17 @@ from mindspore import Parameter, Tensor, nn, ops
 from mspretrain.config import ModelConfig
 from mspretrain.device import select_attention  # the kernel choice is the device's
 from mspretrain.errors import UserError
-
-# The parts, re-exported under this module's name (callers and tests use `llama.X`)
-from mspretrain.model.attention import Attention, apply_rope, llama3_inv_freq, rope_tables  # noqa: F401
-from mspretrain.model.block import MLP, Block  # noqa: F401
-from mspretrain.model.layers import (  # noqa: F401
+from mspretrain.model.attention import Attention, rope_tables
+from mspretrain.model.block import Block
+from mspretrain.model.layers import (
     COMPUTE_DTYPES,
     FLASH_MASK_SIZE,
     NEG,
     Embedding,
     Linear,
     RMSNorm,
-    RMSNormFn,
-    SoftmaxFP32,
     SoftmaxPlain,
     relay,
-    rms_statistic,
-    row_sum,
-    softmax_fp32,
-    spread,
     use_fused_kernels,
 )
 

@@ -286,7 +286,10 @@ def check_layer(ctx: Context) -> Check:
     import mindspore as ms
 
     from mspretrain.device import select_attention
-    from mspretrain.model import decoder
+    from mspretrain.model.attention import rope_tables
+    from mspretrain.model.block import Block
+    from mspretrain.model.decoder import InitStreams
+    from mspretrain.model.layers import COMPUTE_DTYPES, FLASH_MASK_SIZE, NEG
     from mspretrain.monitor.mfu import device_peak_tflops, flops_per_token
 
     m = ctx.cfg.model
@@ -296,15 +299,15 @@ def check_layer(ctx: Context) -> Check:
         seq = min(seq, 256)
     layer_cfg = cfgmod.resolve_model(replace(m, n_layers=1, max_seq_len=max(m.max_seq_len, seq), vocab_size=m.vocab_size or 1))
     use_flash = select_attention("auto", ctx.target, dtype, layer_cfg.head_size)
-    compute = decoder.COMPUTE_DTYPES[dtype]
-    block = decoder.Block(layer_cfg, decoder.InitStreams(0), compute, use_flash)
+    compute = COMPUTE_DTYPES[dtype]
+    block = Block(layer_cfg, InitStreams(0), compute, use_flash)
     if ctx.cfg.train.recompute:
         block.recompute()
-    cos, sin = decoder.rope_tables(layer_cfg.head_size, seq, layer_cfg.rope_theta)
+    cos, sin = rope_tables(layer_cfg.head_size, seq, layer_cfg.rope_theta)
     cos_t, sin_t = (ms.Tensor(t[:, None, :]).astype(compute) for t in (cos, sin))  # (T, 1, hd), as the Attention applies it
-    causal = np.triu(np.ones((seq, seq), np.float32), 1) * decoder.NEG
+    causal = np.triu(np.ones((seq, seq), np.float32), 1) * NEG
     bias = ms.Tensor(causal[None, None])
-    discard = ms.Tensor(np.triu(np.ones((decoder.FLASH_MASK_SIZE,) * 2, np.uint8), 1)) if use_flash else None
+    discard = ms.Tensor(np.triu(np.ones((FLASH_MASK_SIZE,) * 2, np.uint8), 1)) if use_flash else None
     x = ms.Tensor(np.random.default_rng(1).standard_normal((micro, seq, layer_cfg.dim)).astype(np.float32)).astype(compute)
     params = block.trainable_params()
 

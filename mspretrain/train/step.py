@@ -85,8 +85,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.checkpoint.model_shards import parse_key
 from mspretrain.config import OptimConfig
-from mspretrain.model.decoder import use_fused_kernels
 from mspretrain.model.groups import trainable_mask
+from mspretrain.model.layers import use_fused_kernels
 from mspretrain.model.parallel import PartialSum
 from mspretrain.train.layout import assign_owners
 from mspretrain.train.state_codec import OptimizerState
