@@ -11,11 +11,12 @@ overflows on it), which must come back not finite, change no weight, and halve t
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from mspretrain import config as cfgmod
+from mspretrain.families import FAMILIES, Family
 from mspretrain.ops.selftest_result import FAILED, NEEDS_ASCEND, PASSED, SKIPPED, Check, Context
 
 # max |flash - fp32 math| accepted per dtype on attention outputs of N(0, 1) inputs: the output's
@@ -148,12 +149,19 @@ def window_for(seq: int) -> int:
     return max(2, seq // 5)
 
 
+def _family_with(has: Callable[[Family], bool]) -> str:
+    """The first family of the table (families.py) that `has` holds for: the one each check builds."""
+    return next(f.name for f in FAMILIES if has(f))
+
+
 def features(seq: int) -> dict[str, Feature]:
+    plain = _family_with(lambda f: not (f.qkv_bias or f.qk_norm or f.sliding_window))
     return {
-        "sliding window": Feature("sliding window", "mistral", {"sliding_window": window_for(seq)}, (),
-                                  {"sliding_window": 0, "family": "llama"}),
-        "qkv bias": Feature("qkv bias", "qwen2", {"qkv_bias": True}, ("attn.wqkv.bias",), {}),
-        "qk norm": Feature("qk norm", "qwen3", {"qk_norm": True}, ("attn.q_norm.weight", "attn.k_norm.weight"), {}),
+        "sliding window": Feature("sliding window", _family_with(lambda f: f.sliding_window), {"sliding_window": window_for(seq)}, (),
+                                  {"sliding_window": 0, "family": plain}),
+        "qkv bias": Feature("qkv bias", _family_with(lambda f: f.qkv_bias), {"qkv_bias": True}, ("attn.wqkv.bias",), {}),
+        "qk norm": Feature("qk norm", _family_with(lambda f: f.qk_norm), {"qk_norm": True},
+                           ("attn.q_norm.weight", "attn.k_norm.weight"), {}),
     }
 
 
