@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_poems
-from tests.helpers import PREPARE_ARGS, PREPARE_TEST_ENV, files_of
+from tests.helpers import PREPARE_ARGS, PREPARE_TEST_ENV, chosen, files_of, killed_then_rerun, points_of
 from tests.helpers import prepare_subprocess as run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,14 +42,6 @@ def make_corpus(d: Path) -> Path:
     return d
 
 
-def killed_then_rerun(raw: Path, out: Path, at: str, *extra: str, **kw) -> list[str]:
-    """Kill -9 at the point `at` (a commit after every unit), rerun the same command with one
-    worker; the rerun's progress points."""
-    killed = run(raw, out, *extra, env={"MSPRETRAIN_PREPARE_TEST_KILL": at, "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"}, **kw)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    again = run(raw, out, *extra, workers=1, env={"MSPRETRAIN_PREPARE_TEST_POINTS": "1"}, **kw)
-    assert again.returncode == 0, again.stderr
-    return points_of(again)
 
 
 def digest(d: Path) -> dict[str, str]:
@@ -67,11 +59,6 @@ def reference(tmp_path_factory) -> tuple[Path, dict[str, bytes], list[str]]:
     return raw, files_of(root / "ref"), points
 
 
-def chosen(points: list[str], stage: str) -> str:
-    """The point of `stage` the test kills at: the middle one of its kind."""
-    mine = [p for p in points if p.startswith(stage)]
-    assert mine, f"no progress line of {stage} in {points}"
-    return mine[len(mine) // 2]
 
 
 # cleaning, dedup (resolve, then the replay: counts and the tokenizer sample), tokenizer training,
@@ -190,8 +177,6 @@ def test_kill_with_a_given_tokenizer_is_byte_identical(reference, tmp_path, stag
     assert files_of(out) == files_of(tmp_path / "ref")
 
 
-def points_of(p: subprocess.CompletedProcess) -> list[str]:
-    return [ln.split(": ", 1)[1] for ln in p.stderr.splitlines() if ln.startswith("prepare-point: ")]
 
 
 @pytest.mark.sigkill
