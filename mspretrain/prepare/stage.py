@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import subprocess
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -114,7 +115,7 @@ class Run:
             shutil.rmtree(trash, ignore_errors=True)
 
 
-class Stage:
+class Stage(ABC):
     """One step of the chain. `name` is the journal's name of the stage (`Journal.stage`);
     `run` does the stage's work, resumed from its own last commit, and ends with the commit whose
     `stage` is `then`, the next stage's name (None: the last stage, whose result is
@@ -122,8 +123,9 @@ class Stage:
 
     name: str = ""
 
+    @abstractmethod
     def run(self, r: Run, then: str | None) -> None:
-        raise NotImplementedError
+        """Each stage's own work (its subclass)."""
 
     def __repr__(self) -> str:
         return type(self).__name__

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from abc import abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -76,9 +77,9 @@ class Encode(Stage):
         for s in SPLITS:
             (work / f"{s}.spool").unlink(missing_ok=True)
 
+    @abstractmethod
     def encode(self, r: Run, sink: Sink) -> tuple[dict[str, ShardWriter], list[Path], dict]:
-        """(the shard writers, more files to fsync, more fields of the stage's commit)."""
-        raise NotImplementedError
+        """(the shard writers, more files to fsync, more fields of the stage's commit): EncodePieces, EncodeSpools."""
 
     def cleanup(self, r: Run) -> None:
         pass

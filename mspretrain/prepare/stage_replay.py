@@ -14,6 +14,7 @@ import io
 import pickle
 import shutil
 import time
+from abc import abstractmethod
 from collections import deque
 from pathlib import Path
 from typing import Callable, Iterator
@@ -76,10 +77,10 @@ class Replay(Stage):
         spools = None if self.tokens else {s: Spool(r.work / f"{s}.spool", at and at["writers"][s]) for s in SPLITS}
         return writers, spools, {s: OriginWriter(r.work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
 
+    @abstractmethod
     def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
                origins: dict) -> list[str]:
-        """Every chunk to the sink; the notes of the split move (`Sink.finish`)."""
-        raise NotImplementedError
+        """Every chunk to the sink; the notes of the split move (`Sink.finish`): ReplayTake, ReplayPieces, ReplaySample."""
 
     def commit(self, r: Run, then: str | None, sink: Sink, writers: dict, origins: dict) -> None:
         j, work = r.journal, r.work
