@@ -20,6 +20,13 @@ py=${1:?usage: scripts/test_lanes.sh PYTHON [MARK_EXPRESSION] [PYTEST_ARGS...]}
 marks=${2:-}
 shift $(( $# < 2 ? $# : 2 ))
 
+# Every test starts Python processes (msrun workers, CLI runs, Ray workers): let them cache the
+# bytecode they compile. Where PYTHONDONTWRITEBYTECODE is set (this project's CI machines set it), a
+# process compiles every module it imports from source, every time: ~9 s of CPU more for
+# `import torch, transformers` in each lane, ~1.3 s for `import ray` in each Ray worker, and all of
+# mspretrain in every subprocess, since `pip install -e` byte-compiles none of it (docs/benchmarks.md,
+# "The suite's time, third round").
+unset PYTHONDONTWRITEBYTECODE
 mapfile -t lane1 < <(grep -v '^\s*\(#\|$\)' tests/lanes.txt)
 ignore=()
 for f in "${lane1[@]}"; do

@@ -73,6 +73,12 @@ def tiny_data(tmp_path_factory, corpus_file, tiny_cfg) -> Path:
 REFERENCE_STEPS = 8
 # grad_norm_every=1: the grad norm of every step is compared (a gradient scale error that clipping
 # and Adam hide from the weights shows there); it does not change the numerics.
+# The final evaluation off, in the runs of other processes that no test reads it from: its graph
+# compiles in ~40 % of the train step's time, in every worker (~3.5 s of CPU a worker of an msrun
+# job). `reference_run` keeps it, and so do the 2-rank runs that compare their eval with it
+# (test_distributed.py `two_ranks_fp32`, test_tp.py `tp2_run`: `EVAL_AT_END`, the later override wins).
+NO_EVAL = "eval.at_end=false"
+EVAL_AT_END = "eval.at_end=true"
 REFERENCE_ARGS = (f"train.max_steps={REFERENCE_STEPS}", "checkpoint.every=1", f"checkpoint.keep_last={REFERENCE_STEPS}",
                   "metrics.grad_norm_every=1")
 
@@ -100,7 +106,7 @@ def one_fp16(tmp_path_factory, tiny_data) -> Path:
 
     one = tmp_path_factory.mktemp("one-fp16") / "one-fp16"
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *REFERENCE_ARGS, "--quiet",
-                 "train.log_every=1", *FP16_MASTERS]) == 0
+                 "train.log_every=1", NO_EVAL, *FP16_MASTERS]) == 0
     return one
 
 
@@ -108,7 +114,7 @@ def one_fp16(tmp_path_factory, tiny_data) -> Path:
 # spikes come): what the 2-rank msrun rewind run (tests/test_distributed.py) and the two-node one
 # (tests/test_multinode.py) must equal. Both used to train this same run of their own.
 REWIND_ARGS = ("train.max_steps=14", "checkpoint.every=4", "spike.action=rewind", "spike.threshold=0.02", "spike.window=3",
-               "schedule.warmup_steps=1", "optim.lr=0.01")
+               "schedule.warmup_steps=1", "optim.lr=0.01", NO_EVAL)
 
 
 @pytest.fixture(scope="session")

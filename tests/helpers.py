@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from tests.conftest import REFERENCE_ARGS, REFERENCE_STEPS
+from tests.conftest import NO_EVAL, REFERENCE_ARGS, REFERENCE_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -334,8 +334,8 @@ def dedup_reference(docs: list[str], threshold: float) -> tuple[np.ndarray, np.n
 MSRUN = shutil.which("msrun", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
 
 # The msrun runs use the config of the session's single-process `reference_run` (tests/conftest.py):
-# 8 steps, a checkpoint after each, every grad norm logged.
-ARGS = [*REFERENCE_ARGS, "--quiet"]
+# 8 steps, a checkpoint after each, every grad norm logged; without its final evaluation (`NO_EVAL`).
+ARGS = [*REFERENCE_ARGS, "--quiet", NO_EVAL]
 STEPS = list(range(1, REFERENCE_STEPS + 1))
 FINAL = REFERENCE_STEPS
 
@@ -376,6 +376,13 @@ def losses(run: Path) -> dict[int, float]:
         if "loss" in r:
             out[r["step"]] = r["loss"]
     return out
+
+
+def final_nll(run: Path) -> float:
+    """The valid NLL a run's final evaluation logged (its last metrics record)."""
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "eval/nll" in last, f"{run.name}: no evaluation at its last step: {sorted(last)}"
+    return last["eval/nll"]
 
 
 def grad_norms(run: Path) -> dict[int, float]:
@@ -489,7 +496,7 @@ def fp16_run_equals_one_process(two: Path, one: Path) -> tuple[dict, dict]:
 
 DEATH_BOUND_S = 60  # the job must end this long after a worker is killed or stopped, at most
 # a constant lr: a relaunch that lowers max_steps would re-stretch a cosine schedule
-LONG = ["train.max_steps=400", "checkpoint.every=2", "checkpoint.keep_last=3", "train.log_every=1", "schedule.kind=constant"]
+LONG = ["train.max_steps=400", "checkpoint.every=2", "checkpoint.keep_last=3", "train.log_every=1", "schedule.kind=constant", NO_EVAL]
 
 
 def start_launch(tmp_path: Path, data: Path, run: Path, *extra: str, launch: tuple[str, ...] = ()) -> subprocess.Popen:

@@ -12,7 +12,7 @@ import pytest
 from mspretrain import world as world_mod
 from mspretrain.errors import UserError
 from mspretrain.train import distributed
-from tests.conftest import TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
+from tests.conftest import NO_EVAL, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
 from tests.helpers import (
     ARGS,
     DEATH_BOUND_S,
@@ -21,6 +21,7 @@ from tests.helpers import (
     MSRUN,
     STEPS,
     ended_within,
+    final_nll,
     grad_norms,
     kill_tree,
     losses,
@@ -89,6 +90,9 @@ def test_two_ranks_match_one_process(tmp_path, tiny_data, reference_run, wire, r
     assert len(hashes) == 2 and hashes[0] == hashes[1]  # replicas stayed identical
     if wire == "fp16":
         _lm_head_crossed_in_fp32(step_dir(two, 1), step_dir(reference_run, 1))
+        assert "eval/nll" not in json.loads((two / "metrics.jsonl").read_text().splitlines()[-1])  # eval.at_end=false
+    else:  # the final evaluation on 2 ranks (each scores the whole valid split) equals one process's (measured 1.3e-9)
+        assert final_nll(two) == pytest.approx(final_nll(reference_run), rel=1e-6)
 
 
 def _lm_head_crossed_in_fp32(two: Path, one: Path) -> None:
@@ -203,7 +207,7 @@ def test_fp16_wire_overflow_skips_the_step_on_every_rank(tmp_path, tiny_data):
     run = tmp_path / "overflow"
     msrun(tmp_path, tiny_data, run, "precision.allreduce_dtype=fp16", "precision.loss_scale=dynamic",
            f"precision.init_scale={2.0 ** 24}", "metrics.loss_scale_every=1",
-           args=["train.max_steps=6", "checkpoint.every=0", "--quiet"])
+           args=["train.max_steps=6", "checkpoint.every=0", "--quiet", NO_EVAL])
     recs = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert recs[0]["skipped"] == 1, recs[0]  # 2^24 x a gradient of ~0.004 is past fp16's range

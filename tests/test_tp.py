@@ -14,13 +14,14 @@ import pytest
 from mindspore import Tensor
 
 from mspretrain.errors import UserError
-from tests.conftest import TINY, assert_same_checkpoint, copy_run_at
+from tests.conftest import EVAL_AT_END, TINY, assert_same_checkpoint, copy_run_at
 from tests.helpers import (
     FINAL,
     LONG,
     MSRUN,
     STEPS,
     ended_within,
+    final_nll,
     grad_norms,
     kill_tree,
     losses,
@@ -290,7 +291,7 @@ TP2_ZERO1 = ("parallel.tp=2", "optim.shard_optimizer=true")
 def tp2_run(tmp_path_factory, tiny_data) -> Path:
     """TP 2 on 2 msrun workers (dp 1), the reference run's config otherwise. Read-only."""
     tmp = tmp_path_factory.mktemp("tp2")
-    msrun(tmp, tiny_data, tmp / "tp2", *TP2, timeout=900)
+    msrun(tmp, tiny_data, tmp / "tp2", *TP2, EVAL_AT_END, timeout=900)  # the eval's vocabulary-parallel loss too
     return tmp / "tp2"
 
 
@@ -325,6 +326,8 @@ def test_tp2_matches_one_process(tp2_run, reference_run):
     weights 4.9e-6 absolute at most). A TP 2 run resumed by one process: the kill -9 test below."""
     assert "tensor parallel over 2 ranks x 1 data-parallel" in (tp2_run / "train.log").read_text()
     _assert_equals_one_process(tp2_run, reference_run, 2)
+    # the final evaluation: the loss over the vocabulary's two halves (`tp_loss`) equals one process's (measured 6e-10)
+    assert final_nll(tp2_run) == pytest.approx(final_nll(reference_run), rel=1e-6)
 
 
 @pytest.mark.slow

@@ -240,6 +240,18 @@ def test_periodic_eval_writes_eval_ppl(tmp_path, tiny_data):
     assert [r["step"] for r in evals] == [2, 4] and all(np.isfinite(r["eval/ppl"]) for r in evals)
 
 
+def test_eval_at_end_false_drops_only_the_last_steps_eval(tmp_path):
+    from mspretrain.config import EvalConfig
+    from mspretrain.train.eval_schedule import PeriodicEval
+
+    def steps(**kw) -> list[int]:
+        ev = PeriodicEval(EvalConfig(**kw), data_dir=tmp_path, seq_len=8, log=print)
+        return [s for s in range(1, 8) if ev.due(s, 7)]
+
+    assert steps() == [7] and steps(at_end=False) == []
+    assert steps(every=3) == [3, 6, 7] and steps(every=3, at_end=False) == [3, 6]
+
+
 def test_pynative_matches_jit(tmp_path, tiny_data):
     from mspretrain.cli import main
 

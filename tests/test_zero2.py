@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mspretrain.train.layout import assign_owners_grouped, cap_elements, flat_buckets, rank_buckets
-from tests.conftest import FP16_MASTERS, TINY, assert_same_checkpoint, snapshot
+from tests.conftest import FP16_MASTERS, NO_EVAL, TINY, assert_same_checkpoint, snapshot
 from tests.helpers import (
     FINAL,
     MSRUN,
@@ -201,7 +201,7 @@ def test_sharded_gradients_with_frozen_groups_match_one_process(tmp_path, tiny_d
     from mspretrain.cli import main
 
     steps = 3
-    args = [f"train.max_steps={steps}", f"checkpoint.every={steps}", "train.log_every=1", "--quiet",
+    args = [f"train.max_steps={steps}", f"checkpoint.every={steps}", "train.log_every=1", "--quiet", NO_EVAL,
             'train.trainable=["embeddings", "lm_head"]']
     one = tmp_path / "one-frozen"
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(one), *args]) == 0

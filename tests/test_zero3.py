@@ -12,7 +12,7 @@ from mindspore import Tensor, ops
 
 from mspretrain.errors import UserError
 from mspretrain.train.layout import slice_bounds
-from tests.conftest import FP16_MASTERS, REFERENCE_ARGS, assert_close_rel, assert_same_checkpoint, copy_run_at
+from tests.conftest import FP16_MASTERS, NO_EVAL, REFERENCE_ARGS, assert_close_rel, assert_same_checkpoint, copy_run_at
 from tests.helpers import FINAL, MSRUN, STEPS
 from tests.helpers import assert_two_ranks_equal_one_process as _assert_two_ranks_equal_one_process
 from tests.helpers import fp16_run_equals_one_process as _fp16_run_equals_one_process
@@ -272,7 +272,7 @@ def zero3_killed(tmp_path_factory, tiny_data) -> dict[str, Path]:
 
     tmp = tmp_path_factory.mktemp("zero3")
     run = tmp / "zero3"
-    args = (*REFERENCE_ARGS, *ZERO3, "train.micro_batch=1")
+    args = (*REFERENCE_ARGS, NO_EVAL, *ZERO3, "train.micro_batch=1")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MSPRETRAIN_FAULT_SAVE_DELAY", f"600@{KILLED_AT}")
         proc = _start_launch(tmp, tiny_data, run, *args)

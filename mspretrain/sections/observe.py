@@ -15,7 +15,11 @@ EVAL_MAX_BATCH = 4096  # sequences per evaluation forward pass: far above any de
 class EvalConfig(Section):
     SECTION = "eval"
 
-    every: int = 0  # 0 = only at the end
+    every: int = 0  # steps between evaluations; 0 = only at the end (eval.at_end)
+    # false: no evaluation at the last step, only every `every` steps (a separate `mspretrain eval`
+    # of the checkpoints, or short runs whose perplexity nobody reads: compiling the eval graph
+    # takes ~40 % of the train step's compile time, measured on the tiny config on CPU)
+    at_end: bool = True
     max_tokens: int = 200_000
     batch_size: int = 8
     # Multiple-choice JSONL file (one question with its choices and answer per line) scored during

@@ -1,5 +1,6 @@
 """When the loop evaluates, and what it records: valid perplexity every `eval.every` steps and
-always at the last step of the run (eval.every = 0 means only then), in that step's metrics;
+at the last step of the run (eval.every = 0 means only then; eval.at_end = false: not then), in
+that step's metrics;
 with `eval.choices_file`, multiple-choice accuracy (eval/choices.py) at the same steps.
 
 The choices files are read and checked at construction, so a bad file or shot count fails in
@@ -30,7 +31,7 @@ class PeriodicEval:
             self.tokenizer = Tokenizer.load(data_dir)  # the pieces the model is trained on
 
     def due(self, step: int, total: int) -> bool:
-        return bool(self.cfg.every and step % self.cfg.every == 0) or step == total
+        return bool(self.cfg.every and step % self.cfg.every == 0) or (self.cfg.at_end and step == total)
 
     def __call__(self, model: Any, step: int) -> dict[str, float]:
         """Valid perplexity (and multiple-choice accuracy) of `model` after `step`, as metrics

@@ -144,7 +144,7 @@ class Trainer:
                     self.console(self.step, values)
                     if not self.world.is_main:  # per-rank timing in the msrun worker logs, for straggler diagnosis
                         print(f"rank={self.world.rank} step={self.step} step_time={(time.perf_counter() - t_step):.3f}s", flush=True)
-                if self.evaluator.due(self.step, self.total_steps):  # every run ends with an eval
+                if self.evaluator.due(self.step, self.total_steps):  # a run ends with an eval unless eval.at_end=false
                     self.heartbeat.phase("eval", self.step)
                     values.update(self.evaluator(self.model, self.step))
                 values["_row_nll"] = res.row_nll
