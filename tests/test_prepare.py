@@ -296,11 +296,10 @@ def test_crash_mid_write_leaves_nothing_finished_looking(raw, tmp_path, monkeypa
 def test_every_file_is_fsynced_before_the_data_dir_is_published(raw, tmp_path, monkeypatch):
     # The shard writers leave durability to prepare, which fsyncs all files at once: a file
     # missing from that batch could be lost by a power cut after the data dir looks finished.
-    from mspretrain.prepare import prepare as prep
     from mspretrain.prepare import publish as pub
 
     synced: list[Path] = []
-    real_fsync, real_publish = pub.fsync_path, prep.publish
+    real_fsync, real_publish = pub.fsync_path, pub.publish
     monkeypatch.setattr(pub, "fsync_path", lambda p: (synced.append(Path(p)), real_fsync(p)))
 
     def publish(work: Path, out: Path) -> None:
@@ -308,7 +307,7 @@ def test_every_file_is_fsynced_before_the_data_dir_is_published(raw, tmp_path, m
         assert files and files <= set(synced) and work in synced  # files and directory, before the rename
         real_publish(work, out)
 
-    monkeypatch.setattr(prep, "publish", publish)
+    monkeypatch.setattr(pub, "publish", publish)  # (the publish stage's call, `stage_publish.Publish`)
     prepare([str(raw)], tmp_path / "data", CFG, workers=1, **QUIET)
     assert (tmp_path / "data" / "manifest.json").is_file()
 

@@ -195,21 +195,29 @@ def test_a_worker_reading_a_compressed_file_holds_one_chunk_at_a_time(tmp_path, 
     assert size > 10_000_000 and peak < size / 8, peak
 
 
-def test_the_chain_of_stages_is_chosen_once_from_the_tokenizer_and_the_path():
+def test_the_chain_of_stages_is_chosen_once_from_the_tokenizer_the_path_and_the_scan():
     """`pipeline.chain`: a plain list of stage objects; the journal's stage names in the order a
     run commits them. With Ray (no pieces) the replay and encode go through the main process,
-    the algorithm (the other stages) is the same."""
+    the algorithm (the other stages) is the same. A filter keeping a fraction (and no
+    `--scores-from`) scores every document first; every chain ends by publishing."""
+    from itertools import product
+
     from mspretrain.prepare.pipeline import chain
 
-    def of(given: bool, pieces: bool) -> list[tuple[str, str]]:
-        return [(s.name, repr(s)) for s in chain(given, pieces)]
+    def of(given: bool, pieces: bool, scan: bool = False) -> list[tuple[str, str]]:
+        return [(s.name, repr(s)) for s in chain(given, pieces, scan)]
 
+    end = [("finalize", "Finalize"), ("publish", "Publish")]
     assert of(False, True) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplaySample"), ("train", "TrainTokenizer"),
-                               ("encode", "EncodePieces"), ("finalize", "Finalize")]
+                               ("encode", "EncodePieces"), *end]
     assert of(False, False) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplayTake(tokens=False)"),
-                                ("train", "TrainTokenizer"), ("encode", "EncodeSpools"), ("finalize", "Finalize")]
-    assert of(True, True) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplayPieces"), ("finalize", "Finalize")]
-    assert of(True, False) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplayTake(tokens=True)"), ("finalize", "Finalize")]
+                                ("train", "TrainTokenizer"), ("encode", "EncodeSpools"), *end]
+    assert of(True, True) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplayPieces"), *end]
+    assert of(True, False) == [("pass1", "ReadClean"), ("dedup", "Dedup"), ("replay", "ReplayTake(tokens=True)"), *end]
+    for given, pieces in product((False, True), repeat=2):
+        assert of(given, pieces, scan=True) == [("scan", "ScoreScan"), *of(given, pieces)]
+        names = [n for n, _ in of(given, pieces, scan=True)]
+        assert len(set(names)) == len(names)  # the journal's stage names a stage of the chain, one
 
 
 def test_one_lsh_settings_object_from_the_config():

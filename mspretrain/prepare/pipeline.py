@@ -22,9 +22,9 @@ path through the main process; both paths write the same bytes.
 Work is cut into chunks in input order and the results are consumed in that order (`pool.py`),
 so the output is byte-identical whatever the number of workers.
 
-The stages are objects (`stage.Stage`), one module each (`stage_read`, `stage_dedup`,
-`stage_replay`, `stage_encode`, `stage_finalize`); `chain` picks them once per run, and `run`
-starts the chain at the stage the journal names (`resume.py`).
+The stages are objects (`stage.Stage`), one module each (`stage_scan`, `stage_read`,
+`stage_dedup`, `stage_replay`, `stage_encode`, `stage_finalize`, `stage_publish`); `chain` picks
+them once per run, and `run` starts the chain at the stage the journal names (`resume.py`).
 """
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ from mspretrain.prepare.stage import Run, Stage
 from mspretrain.prepare.stage_dedup import Dedup
 from mspretrain.prepare.stage_encode import EncodePieces, EncodeSpools, TrainTokenizer
 from mspretrain.prepare.stage_finalize import Finalize
+from mspretrain.prepare.stage_publish import Publish
 from mspretrain.prepare.stage_read import ReadClean
 from mspretrain.prepare.stage_replay import ReplayPieces, ReplaySample, ReplayTake
+from mspretrain.prepare.stage_scan import ScoreScan
 
 LOCAL_PIECES = True  # False: every chunk's documents pass through this process, as with --ray (benchmarks compare)
 # Compressed files as whole-file units read by a worker (`sources.FileUnit`), on the per-chunk path:
@@ -53,22 +55,26 @@ LOCAL_PIECES = True  # False: every chunk's documents pass through this process,
 UNITS: bool | None = None
 
 
-def chain(given: bool, pieces: bool) -> list[Stage]:
+def chain(given: bool, pieces: bool, scan: bool = False) -> list[Stage]:
     """The stages of a run, in order. `given`: a tokenizer was given (no training, the replay
     writes the shards); `pieces`: pass 1's chunks in files written by local workers, else every
-    chunk through this process (Ray's nodes may not share this disk). Both paths write the same
-    bytes; the journal names the stage a run is in, so a resumed run takes the same chain."""
+    chunk through this process (Ray's nodes may not share this disk); `scan`: a quality filter
+    keeps a fraction and no other data dir gives the scores, so every document is scored first.
+    Both paths write the same bytes; the journal names the stage a run is in, so a resumed run
+    takes the same chain."""
+    first = [ScoreScan()] if scan else []
     if given:
-        return [ReadClean(), Dedup(), ReplayPieces() if pieces else ReplayTake(tokens=True), Finalize()]
-    return [ReadClean(), Dedup(), ReplaySample() if pieces else ReplayTake(tokens=False), TrainTokenizer(),
-            EncodePieces() if pieces else EncodeSpools(), Finalize()]
+        return [*first, ReadClean(), Dedup(), ReplayPieces() if pieces else ReplayTake(tokens=True), Finalize(), Publish()]
+    return [*first, ReadClean(), Dedup(), ReplaySample() if pieces else ReplayTake(tokens=False), TrainTokenizer(),
+            EncodePieces() if pieces else EncodeSpools(), Finalize(), Publish()]
 
 
 def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, given: Tokenizer | None, workers: int, progress: bool,
         log: Callable[[str], None], warn: Callable[[str], None], stats: sources.SourceStats, journal: Journal,
-        ray=None, quality: QualityStage | None = None) -> dict:
-    """Read, clean, dedup, split, [train the tokenizer,] tokenize and write the shards into
-    `work`; returns the manifest (without the keys that depend on prepare's arguments).
+        ray=None, quality: QualityStage | None = None, *, out: Path, inputs: list[str], seq_len: int | None = None,
+        reference: bytes | None = None) -> dict:
+    """[Score every document,] read, clean, dedup, split, [train the tokenizer,] tokenize and
+    write the shards and the manifest into `work`, then publish it as `out`; returns the manifest.
 
     With a given tokenizer, one pass: workers clean and tokenize. Otherwise pass 1 cleans, the
     replay keeps a bounded, uniform sample to train the tokenizer on, and the encode stage
@@ -76,31 +82,40 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     the replay wrote (Ray). `ray`: a `raypool.RayCluster` that runs the chunks instead of
     local worker processes (`workers` is then its CPU count). `quality`: the model-based filters
     (`scoring.py`), run in pass 1's workers after cleaning; their scores go to `scoring.SCORES`.
+    A quality stage that keeps a fraction and has no source yet (`rescore.resolve` gives it one)
+    gets the scan first. `inputs`, `seq_len` and `reference` (the bytes of the perplexity model
+    of `prepare.lm_reference`) go to the data dir too.
 
-    Each stage is resumed after a kill from the journal (`resume.py`): "pass1" (from its last
-    commit), "dedup" (the partitions without a saved result), "replay" (from its last commit),
-    "train" (redone whole), "encode" (from its last commit), "finalize" (redone).
-    `journal.stage` says where this call starts.
+    Each stage is resumed after a kill from the journal (`resume.py`): "scan" (from its last
+    commit), "pass1" (from its last commit), "dedup" (the partitions without a saved result),
+    "replay" (from its last commit), "train" (redone whole), "encode" (from its last commit),
+    "finalize" (redone), "publish" (the finished work dir moved into place). `journal.stage`
+    says where this call starts.
     """
     j = journal
     j.units_per_commit = workers  # a commit once each worker finished about one chunk (`Journal.due`)
-    tok = None
-    if given is not None:
-        tok = replace(given, path=given.save_to(work))  # the same model: no second parse (serial time before the workers start)
     done = j.data.get("pass1")
     # fixed by the run that started pass 1: its spool holds one kind of record or the other
     pieces = ray is None and LOCAL_PIECES if done is None else bool(done.get("pieces"))
+    stages = chain(given is not None, pieces, scan=quality is not None and quality.by_fraction and quality.source is None)
+    order = [s.name for s in stages]
+    if j.stage is None:  # a fresh journal: it names the first stage before that stage's work starts
+        j.commit(stage=order[0])
+    start = order.index(j.stage)
+    finished = start == len(stages) - 1  # publish: the work dir is the finished data dir, nothing more goes into it
+    tok = None
+    if given is not None and not finished:
+        tok = replace(given, path=given.save_to(work))  # the same model: no second parse (serial time before the workers start)
     r = Run(paths=paths, names=names, work=work, cfg=cfg, given=given, tok=tok,
             dtype=token_dtype(given.vocab_size) if given is not None else token_dtype(cfg.vocab_size), workers=workers,
             progress=progress, log=log, warn=warn, stats=stats, journal=j, ray=ray, quality=quality, pieces=pieces, units=UNITS,
-            t0=time.time(), total_bytes=sum(p.stat().st_size for p in paths))
-    stages = chain(given is not None, pieces)
-    start = [s.name for s in stages].index(j.stage)
+            t0=time.time(), total_bytes=sum(p.stat().st_size for p in paths), out=out, inputs=inputs, seq_len=seq_len,
+            reference=reference)
     if start:
-        log(f"resuming the interrupted prepare at its stage '{j.stage}'")
-        saved = r.load_state(j.data["state"])
-        stats.per_file[:], stats.ignored = saved["stats"].per_file, saved["stats"].ignored
-        j.warnings[:] = saved["warnings"]
+        if not finished:
+            for s in stages[:start]:
+                s.resumed_past(r)
+        stages[start].resume(r)
     for k in range(start, len(stages)):
-        stages[k].run(r, stages[k + 1].name if k + 1 < len(stages) else None)
+        stages[k].run(r, order[k + 1] if k + 1 < len(stages) else None)
     return r.manifest

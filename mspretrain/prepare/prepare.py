@@ -2,20 +2,19 @@
 
 The parts, in the order a run meets them:
 - `sources.py` finds the input files and reads them as documents, counting per file;
-- `pipeline.py` runs the chain of stages (`stage*.py`: read + clean, dedup, replay, [train the
-  tokenizer, encode,] finalize): `pool.py` cuts the work into chunks and runs `workers.py` on
-  them in input order, `sink.py` dedups and splits, `spool.py` holds pass 1's documents while
-  the tokenizer is trained, `data/shards.py` writes the Megatron files;
+- `pipeline.py` runs the chain of stages (`stage*.py`: [the score scan,] read + clean, dedup,
+  replay, [train the tokenizer, encode,] finalize, publish): `pool.py` cuts the work into chunks
+  and runs `workers.py` on them in input order, `sink.py` dedups and splits, `spool.py` holds
+  pass 1's documents while the tokenizer is trained, `data/shards.py` writes the Megatron files;
 - `resume.py` keeps the progress journal: the same command, run again after a kill, resumes
   where the last commit was; another command against the half-done work is refused;
-- `publish.py` writes the manifest and puts the data dir in place (a crash never leaves one
+- `publish.py` builds the manifest and puts the data dir in place (a crash never leaves one
   that looks finished, and `--overwrite` replaces only what an earlier prepare wrote);
 - `inspect.py` summarises a data dir (`prepare --inspect`).
 """
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import time
@@ -25,11 +24,10 @@ from typing import Callable
 from mspretrain.config import PrepareConfig
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
-from mspretrain.paths import SPLITS, DataPaths
-from mspretrain.prepare import pipeline, rescore, resume, scoring, sources
+from mspretrain.prepare import pipeline, rescore, resume, scoring, sources, stage_publish
 from mspretrain.prepare import quality as quality_models
 from mspretrain.prepare.pool import WorkerDied
-from mspretrain.prepare.publish import WRITE_ERRNOS, check_out, fsync_all, publish
+from mspretrain.prepare.publish import WRITE_ERRNOS, check_out
 
 
 def check_names(names: list[str]) -> None:
@@ -77,32 +75,6 @@ def _discard(journal: resume.Journal) -> None:
     journal.remove()
 
 
-def _complete(work: Path) -> bool:
-    """The work dir still holds every output its manifest lists (nothing was published yet)."""
-    try:
-        listed = json.loads(DataPaths(work).manifest.read_text(encoding="utf-8"))["outputs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return all((work / n).exists() for n in listed)
-
-
-def _already_published(journal: resume.Journal, out: Path, inputs: list[str], named: list, cfg: PrepareConfig,
-                       tokenizer: str | None, seq_len: int | None, log: Callable[[str], None], scores_from: str | None = None) -> dict | None:
-    """The manifest of `out` when the same command was killed after publishing it but before it
-    removed its journal: the data dir is finished, there is nothing left to do."""
-    old = journal.read()
-    if old is None or old.get("stage") != "publish" or journal.work.exists() or not DataPaths(out).manifest.is_file():
-        return None
-    given = Tokenizer.load(tokenizer) if tokenizer else None
-    fp = resume.fingerprint(inputs, [p for p, _ in named], [n for _, n in named], cfg, _tokenizer_id(given), seq_len,
-                            _quality_id(cfg, scores_from))
-    if resume.difference(old["fingerprint"], fp) is not None:
-        return None
-    journal.remove()
-    log(f"{out} was already published by the interrupted prepare of the same command")
-    return json.loads(DataPaths(out).manifest.read_text(encoding="utf-8"))
-
-
 def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, tokenizer: str | None = None,
             overwrite: bool = False, workers: int | None = None, progress: bool = False,
             log: Callable[[str], None] = print, seq_len: int | None = None, ray=None, scores_from: str | None = None) -> dict:
@@ -128,7 +100,13 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     paths = [p for p, _ in named]
     check_names([*inputs, *(str(p) for p in paths), *(n for _, n in named), str(out)])
     journal = resume.Journal(out)
-    done = _already_published(journal, out, inputs, named, cfg, tokenizer, seq_len, log, scores_from)
+    names = [n for _, n in named]
+
+    def fingerprint(given: Tokenizer | None, quality: dict | None) -> dict:
+        return resume.fingerprint(inputs, paths, names, cfg, _tokenizer_id(given), seq_len, quality)
+
+    done = stage_publish.already_published(
+        journal, out, lambda: fingerprint(Tokenizer.load(tokenizer) if tokenizer else None, _quality_id(cfg, scores_from)), log)
     if done is not None:
         return done
     check_out(out, overwrite, paths)
@@ -147,55 +125,23 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     # (prepare.lm_reference: the perplexity model counted here, from the files named; written to the data dir)
     reference = quality_models.reference_lm(cfg) if cfg.lm_reference else None
     quality = scoring.QualityStage.load(cfg, reference[0] if reference else None)
-    source = rescore.open_source(scores_from, quality, cfg, [n for _, n in named]) if scores_from else None
-    fp = resume.fingerprint(inputs, paths, [n for _, n in named], cfg, _tokenizer_id(given), seq_len, _identity(quality, scores_from))
+    source = rescore.open_source(scores_from, quality, cfg, names) if scores_from else None
+    fp = fingerprint(given, _identity(quality, scores_from))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         # a work dir left by a killed run of this command is resumed; of another, refused
         journal.open(fp)
     except OSError as exc:
         raise UserError(f"cannot create {work}: {exc.strerror}", "choose an --out in a directory you can write to") from None
-    if journal.stage == "publish" and not _complete(work):
-        # a publish into a shared dir, killed after it had moved some files: build it anew
+    if stage_publish.torn(journal):
         log("the interrupted prepare was killed while publishing file by file: starting over")
         _discard(journal)  # its journal says the work dir is prepare's
         journal.open(fp)
     try:
-        if journal.stage == "publish":
-            log(f"resuming the interrupted prepare: publishing {out}")
-            manifest = json.loads(DataPaths(work).manifest.read_text(encoding="utf-8"))
-        else:
-            if quality is not None and (source is not None or quality.by_fraction):
-                # scores first (a scan, or another data dir's), then the thresholds from them (on a
-                # resume after pass 1 too: the manifest names the thresholds the fractions resolved to)
-                if source is None:
-                    source = rescore.scan(paths, [n for _, n in named], cfg, quality, workers, journal, log, ray, progress)
-                quality = rescore.resolve(quality, source)
-            manifest = pipeline.run(paths, [n for _, n in named], work, cfg, given, workers, progress, log, warn, stats, journal,
-                                        ray=ray, quality=quality)
-            if quality is not None:
-                manifest["quality"] = quality.describe()
-            if reference is not None:
-                quality_models.write_model(work / quality_models.REFERENCE_LM, reference[1])
-            manifest["inputs"] = [str(i) for i in inputs]
-            manifest["warnings"] = warnings
-            if seq_len:
-                manifest["seq_len"] = seq_len
-                for split in SPLITS:
-                    if manifest["tokens"][split] < seq_len + 1 and (split == "train" or cfg.valid_fraction > 0):
-                        warn(f"the {split} split has {manifest['tokens'][split]} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
-            # what this prepare wrote: the only files a later `--overwrite` may remove or replace
-            path = DataPaths(work).manifest
-            manifest["outputs"] = sorted([p.name for p in work.iterdir() if p.name != resume.STATE_DIR] + [path.name])
-            path.write_text(json.dumps(manifest, ensure_ascii=False, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-            # Files and their directory at once: nothing in `work` is visible before `publish`, so
-            # only "all durable before the rename" matters, not the order among them.
-            fsync_all([*sorted(p for p in work.iterdir() if p.is_file()), work])
-            journal.commit(stage="publish")
-        journal.drop_state()  # (again after a kill: it may have been half removed)
-        resume.point("publish")
-        publish(work, out)
-        journal.remove()
+        if source is not None:  # another data dir's scores: the fractions' thresholds from them, and no scan
+            quality = rescore.resolve(quality, source)
+        manifest = pipeline.run(paths, names, work, cfg, given, workers, progress, log, warn, stats, journal, ray=ray,
+                                quality=quality, out=out, inputs=inputs, seq_len=seq_len, reference=reference[1] if reference else None)
     except OSError as exc:
         _discard(journal)
         if exc.errno in WRITE_ERRNOS:  # disk full, file too large, quota, read-only, permission

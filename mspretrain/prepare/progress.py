@@ -1,4 +1,4 @@
-"""The byte progress bar prepare's stages share (pipeline.py, rescore.py): tqdm on stderr, or None."""
+"""The byte progress bar prepare's stages share (`stage_scan`, `stage_read`, `stage_encode`): tqdm on stderr, or None."""
 from __future__ import annotations
 
 import sys

@@ -11,8 +11,9 @@ every later step sees the same kept documents.
 
 Keeping a fraction needs every score before the first decision: a threshold that keeps the top
 fraction of 16 M documents is known only when the last one is scored. Two passes:
-1. the scan (`scan`): read, clean and score every document, the records to a sidecar in the
-   state dir (`SCAN`; with `--scores-from`, that data dir's sidecar instead, and no scan);
+1. the scan (`stage_scan.ScoreScan`, the first stage of the chain): read, clean and score every
+   document, the records to a sidecar in the state dir (with `--scores-from`, that data dir's
+   sidecar instead, and no scan);
 2. the thresholds from it (`resolve`, exact: `kth`), then pass 1 as always, its scores looked up.
 Cleaning runs twice (once per pass), scoring once. The scan is resumable like pass 1 (journal
 key "scan": work items done and the sidecar's length) and its chunks are pass 1's.
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -46,10 +46,8 @@ from mspretrain import __version__
 from mspretrain.config import PrepareConfig
 from mspretrain.errors import UserError
 from mspretrain.prepare import sources
-from mspretrain.prepare.resume import Journal, point
-from mspretrain.prepare.scoring import HEADER, RECORD, SCORES, QualityStage, Scored, ScoreSource, ScoreWriter, read_scores
+from mspretrain.prepare.scoring import HEADER, RECORD, SCORES, QualityStage, Scored, ScoreSource, read_scores
 
-SCAN = "scan.scores"  # in the state dir: the scan's sidecar
 BLOCK = 1 << 18  # records read at once (9.7 MB)
 
 
@@ -113,63 +111,6 @@ def source_identity(data_dir: str) -> dict:
     p = Path(data_dir).expanduser() / SCORES
     st = p.stat()
     return {"path": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-# ----------------------------------------------------------------------------- the scan
-
-def scan(paths: list[Path], names: list[str], cfg: PrepareConfig, stage: QualityStage, workers: int, j: Journal,
-         log: Callable[[str], None], ray=None, progress: bool = False) -> ScoreSource:
-    """Read, clean and score every document into the state dir's `SCAN` (pass 1's chunks, its
-    reading rules; its counts and warnings are pass 1's to give, so none here). Resumed after a
-    kill from the journal's "scan": the work items done and the file's length at the last commit."""
-    from mspretrain.prepare import clean
-    from mspretrain.prepare.pool import chunks_with_origin, ordered, start_pool
-    from mspretrain.prepare.progress import progress_bar
-    from mspretrain.prepare.workers import init_worker, score_chunk
-
-    path = j.state_path(SCAN)
-    at = j.data.get("scan")
-    if at is not None and at.get("done"):
-        return ScoreSource(str(path))
-    # the work items follow from where the blocks are read: fixed by the run that started the scan
-    by_reference = (ray is None) if at is None else at["by_reference"]
-    if by_reference and ray is not None:  # resumed with --ray after a local start: finish locally
-        ray, workers = None, min(workers, len(os.sched_getaffinity(0)))
-    skip = 0 if at is None else at["items"]
-    writer = ScoreWriter(path, None if at is None else at["bytes"])
-    log("scoring every document first (a quality filter keeps a fraction)" + (f", resuming after item {skip:,}" if skip else ""))
-    bar = progress_bar(progress, sum(p.stat().st_size for p in paths), "score")
-    docs = sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field, stats=sources.SourceStats(),
-                                warn=lambda m: None, progress=bar.update if bar else None, raw=True, names=names,
-                                by_reference=by_reference)
-
-    def todo(work: Iterator) -> Iterator:
-        for _ in range(skip):
-            if next(work, None) is None:
-                break
-        yield from work
-
-    def commit(items: int, done: bool = False) -> None:
-        j.commit(fsync=[path], background=not done, scan={"items": items, "bytes": writer.flush(), "by_reference": by_reference,
-                                                          "done": done})
-
-    pool = start_pool(workers, init_worker, (cfg, None, None, None, stage.scoring_only()), warm_up=clean.warm_up, ray=ray)
-    items = skip
-    try:
-        for rec in ordered(pool, score_chunk, todo(chunks_with_origin(docs)), 2 * workers + 1):
-            writer.add(rec)
-            items += 1
-            point(f"scan {items}", writer.flush)
-            if j.due():
-                commit(items)
-    finally:
-        if pool is not None:
-            pool.terminate()
-        if bar is not None:
-            bar.close()
-    commit(items, done=True)
-    writer.close()
-    return ScoreSource(str(path))
 
 
 # ----------------------------------------------------------------------------- thresholds by fraction

@@ -169,7 +169,7 @@ class Journal:
         self.work.mkdir()
         self.state_dir.mkdir()
         (self.state_dir / WORK_MARK).write_text("prepare\n", encoding="utf-8")  # what makes a journal-less work dir ours
-        self.data = {"version": VERSION, "fingerprint": fp, "stage": "pass1"}
+        self.data = {"version": VERSION, "fingerprint": fp}  # no stage yet: the runner names the chain's first (`pipeline.run`)
         self.commit()
         return "fresh"
 
@@ -183,8 +183,9 @@ class Journal:
             return False
 
     @property
-    def stage(self) -> str:
-        return self.data.get("stage", "pass1")
+    def stage(self) -> str | None:
+        """The stage a resumed run starts at (`pipeline.chain`'s names); None: nothing was done yet."""
+        return self.data.get("stage")
 
     # ---------------------------------------------------------------- commits
     def due(self) -> bool:

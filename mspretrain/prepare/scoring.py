@@ -61,7 +61,7 @@ class ScoresMissing(UserError):
 @dataclass(frozen=True)
 class ScoreSource:
     """A sidecar holding the scores of every document of this run: another data dir's
-    (`--scores-from`), or the scan's (`rescore.scan`). Looked up by each document's origin and key."""
+    (`--scores-from`), or the scan's (`stage_scan.ScoreScan`). Looked up by each document's origin and key."""
 
     path: str
 

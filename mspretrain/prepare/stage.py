@@ -55,8 +55,12 @@ class Run:
     units: bool | None  # `pipeline.UNITS`: compressed files as whole-file work items
     t0: float
     total_bytes: int
+    out: Path  # the data dir `--out` names, where the publish stage puts the work dir
+    inputs: list[str]  # the inputs as given (the manifest's `inputs`)
+    seq_len: int | None  # `--seq-len`: only to warn when a split is shorter than one window
+    reference: bytes | None  # the perplexity model of `prepare.lm_reference`, written to the data dir
     removing: list = field(default_factory=list)  # background removals of scratch dirs (`remove_later`)
-    manifest: dict | None = None  # the finalize stage's result
+    manifest: dict | None = None  # the finalize stage's result, the data dir's manifest
     _dd: DiskDedup | None = None
 
     @property
@@ -118,14 +122,26 @@ class Run:
 class Stage(ABC):
     """One step of the chain. `name` is the journal's name of the stage (`Journal.stage`);
     `run` does the stage's work, resumed from its own last commit, and ends with the commit whose
-    `stage` is `then`, the next stage's name (None: the last stage, whose result is
-    `Run.manifest`)."""
+    `stage` is `then`, the next stage's name (None: the last stage, publish, which removes the
+    journal)."""
 
     name: str = ""
 
     @abstractmethod
     def run(self, r: Run, then: str | None) -> None:
         """Each stage's own work (its subclass)."""
+
+    def resume(self, r: Run) -> None:
+        """The chain starts at this stage after a kill: the source counts and the warnings so far,
+        from the state file the stage before saved (`Run.save_state`)."""
+        r.log(f"resuming the interrupted prepare at its stage '{self.name}'")
+        saved = r.load_state(r.journal.data["state"])
+        r.stats.per_file[:], r.stats.ignored = saved["stats"].per_file, saved["stats"].ignored
+        r.journal.warnings[:] = saved["warnings"]
+
+    def resumed_past(self, r: Run) -> None:  # noqa: B027 (a hook, not abstract: most stages need nothing here)
+        """The chain resumes after this stage: put back in `r` what the stage hands on in memory.
+        Most hand on through the work dir and the journal alone, so nothing here."""
 
     def __repr__(self) -> str:
         return type(self).__name__

@@ -1,15 +1,17 @@
-"""The last stage of prepare's pipeline (`Finalize`): the scratch files gone, the shards' index
-files written, the manifest built. Redone whole after a kill: it is short."""
+"""The stage before publish (`Finalize`): the scratch files gone, the shards' index files
+written, the manifest built and written, every file durable. Redone whole after a kill: it is short."""
 from __future__ import annotations
 
+import json
 import shutil
 
 from mspretrain.data.origin import cut_to, origin_name
 from mspretrain.data.shards import ShardWriter
 from mspretrain.data.tokenizer import Tokenizer
-from mspretrain.paths import SPLITS
-from mspretrain.prepare.publish import build_manifest
-from mspretrain.prepare.resume import point
+from mspretrain.paths import SPLITS, DataPaths
+from mspretrain.prepare.publish import build_manifest, fsync_all
+from mspretrain.prepare.quality import REFERENCE_LM, write_model
+from mspretrain.prepare.resume import STATE_DIR, point
 from mspretrain.prepare.stage import PIECES, REPLAY_PIECES, Run, Stage
 
 
@@ -35,4 +37,23 @@ class Finalize(Stage):
         # the largest id per shard, counted while writing: `train` checks it against the vocabulary
         # instead of reading every shard (data/manifest.py, check_data_dir)
         manifest["max_token_id"] = {s: j.data["writers"][s]["max_token"] for s in SPLITS}
+        if r.quality is not None:
+            manifest["quality"] = r.quality.describe()
+        if r.reference is not None:
+            write_model(work / REFERENCE_LM, r.reference)
+        manifest["inputs"] = [str(i) for i in r.inputs]
+        manifest["warnings"] = j.warnings  # (the list the warnings below still go to)
+        if r.seq_len:
+            manifest["seq_len"] = r.seq_len
+            for split in SPLITS:
+                if manifest["tokens"][split] < r.seq_len + 1 and (split == "train" or r.cfg.valid_fraction > 0):
+                    r.warn(f"the {split} split has {manifest['tokens'][split]} tokens, fewer than one window of seq_len + 1 = {r.seq_len + 1}")
+        # what this prepare wrote: the only files a later `--overwrite` may remove or replace
+        path = DataPaths(work).manifest
+        manifest["outputs"] = sorted([p.name for p in work.iterdir() if p.name != STATE_DIR] + [path.name])
+        path.write_text(json.dumps(manifest, ensure_ascii=False, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        # Files and their directory at once: nothing in `work` is visible before the publish stage,
+        # so only "all durable before the rename" matters, not the order among them.
+        fsync_all([*sorted(p for p in work.iterdir() if p.is_file()), work])
+        j.commit(stage=then)
         r.manifest = manifest

@@ -36,6 +36,10 @@ class ReadClean(Stage):
               f"worker{'s' * (r.workers != 1)}" + (f", resuming after chunk {j.data['pass1']['chunks']:,}" if "pass1" in j.data else ""))
         _pass1(r, then)
 
+    def resume(self, r: Run) -> None:
+        """After the scan: pass 1 starts from nothing a stage saved (its counts are in its own
+        journal entry, and `run` says where it resumes)."""
+
 
 def _pass1(r: Run, then: str | None) -> None:
     """Read, clean, hash; every result to the chunk spool and the dedup records on disk. After a

@@ -146,7 +146,7 @@ def _clean(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLines) ->
 
 
 def score_chunk(work: list[str] | tuple[list[str], np.ndarray] | sources.RawLines) -> np.ndarray:
-    """The quality scan (`rescore.scan`): one chunk cleaned as pass 1 cleans it, and the sidecar
+    """The quality scan (`stage_scan.ScoreScan`): one chunk cleaned as pass 1 cleans it, and the sidecar
     records (`scoring.RECORD`) of its cleaned documents, every score computed by the models."""
     _, texts, origin, _, _, dropped = _clean(work)
     return scoring.apply(_W["quality"], texts, origin, dropped, dedup.dedup_keys(texts))[2]
