@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 from mspretrain.config import PrepareConfig  # noqa: E402
 from mspretrain.data.origin import RECORD  # noqa: E402
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece  # noqa: E402
-from mspretrain.prepare import pipeline, sources  # noqa: E402
+from mspretrain.prepare import pipeline, sources, stage_encode, stage_read  # noqa: E402
 from mspretrain.prepare import workers as worker_mod  # noqa: E402
 from mspretrain.prepare.prepare import prepare  # noqa: E402
 from mspretrain.prepare.results import ChunkResult  # noqa: E402
@@ -175,13 +175,14 @@ def timed(corpus: Path, tok: Path | None, out: Path, cfg: PrepareConfig, workers
 def noop_run(corpus: Path, tok: Path | None, out: Path, cfg: PrepareConfig, workers: int, pieces: bool, repeat: int) -> tuple[float, int]:
     """(least main-process CPU s of `repeat` runs, documents read) with no-op workers (and no-op
     encoding after a trained tokenizer: the workers inherit the patched modules when they fork)."""
-    real = pipeline.clean_chunk, pipeline.LOCAL_PIECES, pipeline.tokenize_chunk, worker_mod._encode
-    pipeline.clean_chunk, pipeline.LOCAL_PIECES, pipeline.tokenize_chunk, worker_mod._encode = (
+    # the stage modules hold the names they call (stage_read: pass 1, stage_encode: pass 2)
+    real = stage_read.clean_chunk, pipeline.LOCAL_PIECES, stage_encode.tokenize_chunk, worker_mod._encode
+    stage_read.clean_chunk, pipeline.LOCAL_PIECES, stage_encode.tokenize_chunk, worker_mod._encode = (
         noop_chunk, pieces, noop_tokenize_chunk, noop_encode)
     try:
         runs = [timed(corpus, tok, out, cfg, workers) for _ in range(repeat)]
     finally:
-        pipeline.clean_chunk, pipeline.LOCAL_PIECES, pipeline.tokenize_chunk, worker_mod._encode = real
+        stage_read.clean_chunk, pipeline.LOCAL_PIECES, stage_encode.tokenize_chunk, worker_mod._encode = real
     return min(cpu for _, cpu, _ in runs), runs[0][2]["documents_in"]
 
 

@@ -19,14 +19,14 @@ from safetensors.numpy import load_file
 
 from mspretrain.checkpoint import store
 from mspretrain.cli import main
-from tests.conftest import REFERENCE_STEPS, TINY
+from tests.conftest import NO_EVAL, REFERENCE_STEPS, TINY
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json", "data_state.json", "config.toml", "manifest.json")
 
 
 def _train_cmd(data: Path, run: Path, *over: str) -> list[str]:
     return [sys.executable, "-m", "mspretrain.cli", "train", "--config", str(TINY), "--data", str(data),
-            "--run", str(run), "train.log_every=1", *over]
+            "--run", str(run), "train.log_every=1", NO_EVAL, *over]
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -172,7 +172,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, tiny_data, reference_run,
 def test_recover_rebuilds_deleted_train_state(tmp_path, tiny_data, capsys):
     run = tmp_path / "run"
     base = ["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
-            "precision.dtype=fp16", "precision.init_scale=1024", "precision.growth_interval=2", "checkpoint.every=2"]
+            "precision.dtype=fp16", "precision.init_scale=1024", "precision.growth_interval=2", "checkpoint.every=2", NO_EVAL]
     assert main(base + ["train.max_steps=4"]) == 0
     ckpt = run / "checkpoints" / "step_000004"
     saved = json.loads((ckpt / "train_state.json").read_text())
