@@ -216,8 +216,9 @@ class TrainStep:
         # world 4: 13 AllReduces traced, 5 kept on rank 0), and the ranks' sequences no longer pair
         # up (an HCCL hang, or the wrong sums where sizes match). `_reduce` therefore returns a
         # result that depends on every collective it issued, in schedule order, whichever it uses:
-        # tests/test_collective_sequence.py compiles the Ascend path for each rank of worlds 2, 4
-        # and 8 and compares their ordered collectives.
+        # tests/test_collective_sequence.py compiles the Ascend path for each rank (ZeRO-2 at worlds
+        # 2 and 8, ZeRO-1 at 4, ZeRO-3 at 2 and 4, tensor parallel at 2 and 4) and compares their
+        # ordered collectives.
         self._chain = device != "ascend"
         self._own_pos, self._own_cut = z.own_pos, z.own_cut
         self._order_shape, self._order_pos = z.order_shape, z.order_pos
