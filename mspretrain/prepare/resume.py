@@ -47,7 +47,11 @@ from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write, cut_back
 from mspretrain.prepare.publish import fsync_all
 
-VERSION = 1
+# The journal's format. 2: the chain's first stage may be the score scan ("scan"), and a fresh
+# journal names no stage until the runner commits the first (issue 40). A work dir whose journal has
+# another version is not resumed but started over (`read` returns None): resuming a version-1 scan
+# at pass 1 would take thresholds from a half-written score file.
+VERSION = 2
 COMMIT_SECONDS = 10.0  # at most this much time between commits (MSPRETRAIN_PREPARE_COMMIT_SECONDS overrides)
 MIN_COMMIT_SECONDS = 1.0  # at least this much: bounds the commits' cost (a few fsyncs each) to a few % of the stage
 STATE_DIR = ".resume"  # in the work dir; never published
