@@ -25,7 +25,7 @@ shift $(( $# < 2 ? $# : 2 ))
 # process compiles every module it imports from source, every time: ~9 s of CPU more for
 # `import torch, transformers` in each lane, ~1.3 s for `import ray` in each Ray worker, and all of
 # mspretrain in every subprocess, since `pip install -e` byte-compiles none of it (docs/benchmarks.md,
-# "The suite's time, third round").
+# "The suite's time: bytecode, the final eval, one probe process").
 unset PYTHONDONTWRITEBYTECODE
 mapfile -t lane1 < <(grep -v '^\s*\(#\|$\)' tests/lanes.txt)
 ignore=()
