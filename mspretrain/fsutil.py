@@ -110,6 +110,13 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def default_cache_dir() -> Path:
+    """Where mspretrain keeps what it can rebuild (the demo corpus, prepare's character table, the
+    measured CPU peak): `$MSPRETRAIN_CACHE`, else `~/.cache/mspretrain`."""
+    env = os.environ.get("MSPRETRAIN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mspretrain"
+
+
 def atomic_write(path: str | Path, data: bytes | str, *, fsync: bool = True) -> None:
     """Replace `path` with `data` atomically (see `atomic_writer`); `str` is written as UTF-8."""
     with atomic_writer(path, fsync=fsync) as f:

@@ -193,6 +193,37 @@ def test_peaks_and_throughput_figures():
     assert "mfu" not in mfu.throughput_metrics(tokens=1, samples=1, seconds=1, flops_per_token=1, peak_tflops=0, devices=1)
 
 
+def test_the_cpu_peak_is_measured_once_per_host_and_cores(tmp_path, monkeypatch):
+    """Measured on a miss and kept in the cache dir; read back without measuring; another CPU or
+    core count measures again beside it; a damaged or unwritable cache still gives a peak."""
+    import json
+    import os
+
+    calls = []
+    monkeypatch.setattr(mfu, "measure_cpu_peak_tflops", lambda seconds=1.0: calls.append(1) or 0.125)
+    cache = tmp_path / "cache"
+    assert mfu.cpu_peak_tflops(cache) == 0.125 and len(calls) == 1
+    stored = json.loads((cache / "cpu_peak_tflops.json").read_text())
+    assert stored == {mfu._host_key(): 0.125}
+    assert mfu.cpu_peak_tflops(cache) == 0.125 and len(calls) == 1  # read, not measured
+    monkeypatch.setenv("MSPRETRAIN_CACHE", str(cache))
+    assert mfu.device_peak_tflops("cpu", "fp32") == 0.125 and len(calls) == 1  # what training asks for
+    monkeypatch.setattr(mfu, "_host_key", lambda: "another cpu x 64")
+    assert mfu.cpu_peak_tflops(cache) == 0.125 and len(calls) == 2
+    assert set(json.loads((cache / "cpu_peak_tflops.json").read_text())) == {"another cpu x 64", *stored}
+    for damaged in ("{not json", '{"another cpu x 64": "x"}', '{"another cpu x 64": -1}', "[1, 2]"):
+        (cache / "cpu_peak_tflops.json").write_text(damaged)
+        assert mfu.cpu_peak_tflops(cache) == 0.125
+    assert len(calls) == 6
+    assert json.loads((cache / "cpu_peak_tflops.json").read_text()) == {"another cpu x 64": 0.125}  # rewritten whole
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert mfu.cpu_peak_tflops(locked) == 0.125
+    (tmp_path / "a-file").write_text("")
+    assert mfu.cpu_peak_tflops(tmp_path / "a-file" / "below") == 0.125  # no dir can be made there: measured anyway
+
+
 def test_config_defaults_match_field_report_intervals():
     m = Config().metrics
     assert (m.loss_every, m.lr_every, m.grad_norm_every, m.memory_every, m.throughput_every) == (1, 1, 50, 200, 10)

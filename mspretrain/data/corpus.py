@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain.errors import UserError
-from mspretrain.fsutil import atomic_writer
+from mspretrain.fsutil import atomic_writer, default_cache_dir
 
 PACKAGE = "chinese-poetry"
 VERSION = "2.0.1"
@@ -39,12 +39,6 @@ _WANTED = re.compile(r"^package/dist/(?:quantangshi/poet\.(tang|song)\.(\d+)|son
 _SKIPPED_DIRS = ("/rank/", "/strains/", "/quantangshi/error/", "/yudingquantangshi/")
 _BODY_KEYS = ("paragraphs", "content", "para")
 _NO_NPM_FIX = "install Node.js (which brings npm), or prepare your own text instead: mspretrain prepare YOUR_TEXT --out DATA_DIR"
-
-
-def default_cache_dir() -> Path:
-    """`$MSPRETRAIN_CACHE`, else `~/.cache/mspretrain`."""
-    env = os.environ.get("MSPRETRAIN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mspretrain"
 
 
 def poetry_corpus(cache_dir: Path | None = None, *, max_docs: int | None = None,

@@ -27,14 +27,21 @@ Design choices:
   numpy (BLAS) sgemm, which is what a well-tuned fp32 matmul reaches on this host — a practical
   ceiling rather than a datasheet number. The measurement takes the best of repeated 1024 x 1024
   sgemms over one second, so one quiet moment suffices; on a shared, busy host it can still come
-  out below what the training step later reaches. MFU never exceeds 100 %: a rate above the peak
+  out below what the training step later reaches. It is taken once per host and set of usable
+  cores and kept in the cache dir (`cpu_peak_tflops.json` in `$MSPRETRAIN_CACHE` or
+  ~/.cache/mspretrain; delete it to measure again): a second of CPU at the start of every
+  process cost every rank of every run that second again, for the same number (~1 s of each
+  test suite subprocess's ~15). MFU never exceeds 100 %: a rate above the peak
   raises the peak to that rate (`observed_peak`; the meter keeps the raised peak for the rest of
   the run and logs it as `peak_tflops`). Pin `device.peak_tflops` when comparing runs.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
+from pathlib import Path
 from typing import Sequence
 
 from mspretrain.config import ModelConfig, resolve_model
@@ -125,13 +132,51 @@ def measure_cpu_peak_tflops(seconds: float = 1.0) -> float:
     return _cpu_peak_cache[seconds]
 
 
+def _host_key() -> str:
+    """What the measured peak depends on: the CPU model and the cores this process may use."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    return f"{model or 'unknown cpu'} x {cores}"
+
+
+def cpu_peak_tflops(cache_dir: Path | None = None) -> float:
+    """`measure_cpu_peak_tflops()` once per host and set of usable cores, kept in
+    `cache_dir/cpu_peak_tflops.json` (default: the cache dir). An unreadable or damaged cache
+    means measuring; an unwritable one, measuring every time: MFU never stops a run."""
+    from mspretrain.fsutil import atomic_write, default_cache_dir
+
+    path = (cache_dir or default_cache_dir()) / "cpu_peak_tflops.json"
+    key = _host_key()
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+        value = float(known[key]) if isinstance(known, dict) and key in known else 0.0
+    except (OSError, ValueError, TypeError):
+        known, value = {}, 0.0
+    if math.isfinite(value) and value > 0:
+        return value
+    value = measure_cpu_peak_tflops()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = {**(known if isinstance(known, dict) else {}), key: value}
+        atomic_write(path, json.dumps(table, indent=1, sort_keys=True) + "\n", fsync=False)  # a cache: rebuilt if lost
+    except OSError:
+        pass
+    return value
+
+
 def device_peak_tflops(target: str, dtype: str, override: float = 0.0) -> float:
-    """Per-device peak for MFU: the override if set, a measurement on CPU, else the table (0 = unknown)."""
+    """Per-device peak for MFU: the override if set, a measurement on CPU (once per host,
+    `cpu_peak_tflops`), else the table (0 = unknown)."""
     if override > 0:
         return float(override)
     key = target.lower()
     if key == "cpu":
-        return measure_cpu_peak_tflops()
+        return cpu_peak_tflops()
     key = _TARGET_ALIASES.get(key, key)
     value = PEAK_TFLOPS.get(key, {}).get(dtype)
     return float(value) if value else 0.0

@@ -38,7 +38,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.fsutil import atomic_write
+from mspretrain.fsutil import atomic_write, default_cache_dir
 
 MODIFY_RULES = ("drop_control", "strip_html", "remove_urls", "remove_emails", "nfkc", "t2s",
                 "char_whitelist", "normalize_whitespace")
@@ -95,8 +95,6 @@ def _cached_table(build: Callable[[], np.ndarray]) -> np.ndarray:
         return build()
     key = hashlib.sha256("\0".join([source, unicodedata.unidata_version, _CONTROL_CLASS, "".join(_PROTECT_CHARS),
                                      repr((NFKC, MARKUP, ODD_SPACE, WORD, SPACE))]).encode()).hexdigest()[:16]
-    from mspretrain.data.corpus import default_cache_dir
-
     path = default_cache_dir() / f"char_table-{key}.bin"
     try:
         blob = path.read_bytes()
