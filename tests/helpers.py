@@ -4,7 +4,8 @@ tests/conftest.py, the fixtures and the tiny corpus), never from another test mo
 Light to import: MindSpore, torch, transformers and sentencepiece are imported inside the helpers
 that need them, so a test of pure Python does not pay for them.
 
-- the command line in this process: `cli`, `refused`, `assert_refusal`, `assert_user_error`;
+- the command line in this process: `cli`, `refused`, `assert_refusal`, `assert_user_error`; what a
+  command may not change: `checksum`, `state`;
 - independent references of kernels only Ascend has: `rms_norm_reference`, `kernel_discard`,
   `flash_reference`;
 - HF material made here (no download): `HF_VOCAB`, `train_tokenizer`, `tiny_hf_llama`;
@@ -558,6 +559,25 @@ def ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
 
 
 # --------------------------------------------------------------------------- trees of files
+
+LOCK = ".mspretrain.lock"  # the run-dir lock (checkpoint/lock.py): taking it writes the holder's PID
+
+
+def checksum(d: Path) -> dict[str, str]:
+    """Every file and directory under `d` (a missing `d` is {}), files with their sha256; the lock
+    file left out (a refused command may take the lock before it refuses: that is the lock's job).
+    `state` is the stricter form: modes, mtimes and lock files too."""
+    import hashlib
+
+    if not d.exists():
+        return {}
+    out = {}
+    for p in sorted(d.rglob("*")):
+        if p.name == LOCK:
+            continue
+        out[str(p.relative_to(d))] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return out
+
 
 def state(d: Path) -> dict[str, tuple]:
     """Every entry under `d`: mode, size, mtime and (files) sha256; symlinks by their target. Equal

@@ -173,15 +173,52 @@ def test_signal_writes_checkpoint_and_exits_zero(tmp_path, tiny_data, sig):
     assert ckpts[0][0] == max(r["step"] for r in metrics(run))
 
 
-@pytest.mark.slow  # prepare, two evaluations and a training run of its own (19 s of make test-fast, issue 32)
-def test_demo_runs_end_to_end_on_a_local_corpus(tmp_path, corpus_file, capsys):
+@pytest.fixture(scope="module")
+def demo_workdir(tmp_path_factory, corpus_file) -> dict:
+    """`make demo`, then the documented `demo --quick --workdir mspretrain-demo`, as a user runs
+    them: the full demo (10 steps, quiet) and the quick one (12 steps) in one workdir, the quick
+    one's printout, and the full run's files before and after it. Two tests read it (one demo
+    pair instead of a quick demo each); neither writes where the other reads: the orchestration
+    test reruns the quick demo (data-quick/, run-quick/), the refusal test continues the full run."""
+    import contextlib
+    import io
+
+    from tests.helpers import checksum
+
+    work = tmp_path_factory.mktemp("demo") / "mspretrain-demo"
+    common = ["--workdir", str(work), "--corpus", str(corpus_file), "--config", str(TINY), "prepare.vocab_size=512",
+              "checkpoint.every=0", "schedule.warmup_steps=2"]
+    assert main(["demo", *common, "--quiet", "train.max_steps=10"]) == 0
+    full = checksum(work / "run")
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["demo", "--quick", *common, "train.max_steps=12"]) == 0
+    return {"work": work, "common": common, "quick_out": out.getvalue(), "full_before": full,
+            "full_after": checksum(work / "run")}
+
+
+@pytest.mark.slow  # the full and the quick demo: prepare, evaluations and training twice (issue 32, issue 40)
+def test_demo_runs_end_to_end_on_a_local_corpus(demo_workdir, capsys):
     """The demo's orchestration (prepare → ppl before → train → ppl after → poems → next steps) without npm."""
-    args = ["demo", "--quick", "--workdir", str(tmp_path / "demo"), "--corpus", str(corpus_file), "--config", str(TINY),
-            "prepare.vocab_size=512", "train.max_steps=12", "checkpoint.every=0", "schedule.warmup_steps=2"]
-    assert main(args) == 0
-    out = capsys.readouterr().out
+    out = demo_workdir["quick_out"]
     before, after = [float(x) for x in re.search(r"valid ppl ([\d.]+) before -> ([\d.]+) after", out).groups()]
     assert after < before
     assert out.count("sample    ") == 3 and "mspretrain export" in out and "mspretrain report" in out
-    assert main(args) == 0  # a second run reuses the data and the finished run
+    capsys.readouterr()
+    assert main(["demo", "--quick", *demo_workdir["common"], "train.max_steps=12"]) == 0  # reuses the data and the finished run
     assert "reusing" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_quick_demo_never_touches_the_full_demo_run(demo_workdir, capsys):
+    """The quick demo has its own data-quick/ and run-quick/: the full run is as it was; a full-demo
+    run continued with `train` (the printed next step (b)) is then refused by the demo, untouched."""
+    from tests.helpers import checksum, refused
+
+    work, common = demo_workdir["work"], demo_workdir["common"]
+    assert demo_workdir["full_after"] == demo_workdir["full_before"] and (work / "run-quick" / "config.toml").is_file()
+    assert "max_steps = 12" in (work / "run-quick" / "config.toml").read_text(encoding="utf-8")
+    assert main(["train", "--config", str(work / "run" / "config.toml"), "--data", str(work / "data"), "--run", str(work / "run"),
+                 "--quiet", "train.max_steps=12"]) == 0
+    continued = checksum(work / "run")
+    err = refused(capsys, "demo", *common, "--quiet", "train.max_steps=10")
+    assert "another config" in err and checksum(work / "run") == continued

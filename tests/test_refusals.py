@@ -13,7 +13,6 @@ times, lock files included: a dir that is not a run must not even get a lock fil
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -22,22 +21,7 @@ import pytest
 
 from mspretrain.cli import main
 from tests.conftest import TINY, make_poems
-from tests.helpers import refused, state
-
-LOCK = ".mspretrain.lock"
-
-
-def checksum(d: Path) -> dict[str, str]:
-    """Every file and directory under `d` (a missing `d` is {}), files with their sha256."""
-    if not d.exists():
-        return {}
-    out = {}
-    for p in sorted(d.rglob("*")):
-        rel = str(p.relative_to(d))
-        if p.name == LOCK:
-            continue
-        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-    return out
+from tests.helpers import checksum, refused, state
 
 
 @pytest.fixture(scope="module")
@@ -163,27 +147,9 @@ def test_a_refused_recover_leaves_the_run_dir_as_it_was(finished, tmp_path, caps
     assert checksum(run) == before
 
 
-# --------------------------------------------------------------------------- the demo
-
-@pytest.mark.slow  # the quick demo: prepare and train (39 s of make test-fast at load ~3, issue 32)
-def test_the_quick_demo_never_touches_the_full_demo_run(tmp_path, corpus_file, capsys):
-    """`make demo`, then the documented `demo --quick --workdir mspretrain-demo`: the quick demo has
-    its own data-quick/ and run-quick/; a full-demo run continued with `train` is refused, untouched."""
-    work = tmp_path / "mspretrain-demo"
-    common = ["--workdir", str(work), "--corpus", str(corpus_file), "--config", str(TINY), "--quiet",
-              "prepare.vocab_size=512", "checkpoint.every=0", "schedule.warmup_steps=2"]
-    assert main(["demo", *common, "train.max_steps=10"]) == 0
-    full = checksum(work / "run")
-    assert main(["demo", "--quick", *common, "train.max_steps=6"]) == 0
-    assert checksum(work / "run") == full and (work / "run-quick" / "config.toml").is_file()
-    assert "max_steps = 6" in (work / "run-quick" / "config.toml").read_text(encoding="utf-8")
-    capsys.readouterr()
-    # the printed next step (b): continue the full run with `train`; the demo then leaves it alone
-    assert main(["train", "--config", str(work / "run" / "config.toml"), "--data", str(work / "data"), "--run", str(work / "run"),
-                 "--quiet", "train.max_steps=12"]) == 0
-    continued = checksum(work / "run")
-    err = refused(capsys, "demo", *common, "train.max_steps=10")
-    assert "another config" in err and checksum(work / "run") == continued
+# The quick demo beside a full one, and the full one continued then refused by the demo:
+# test_pipeline.py `test_the_quick_demo_never_touches_the_full_demo_run` (it shares the demo runs
+# of its `demo_workdir` with the demo's orchestration test there).
 
 
 def test_a_refused_new_run_leaves_no_run_dir(tiny_data, tmp_path, capsys):
