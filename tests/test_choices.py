@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mspretrain.cli import main
-from tests.conftest import CHARS, TINY
+from tests.conftest import CHARS, NO_EVAL, TINY
 
 ALPHABET = list(dict.fromkeys(CHARS))[:12]  # few characters: the pairs are learned in a few dozen steps
 ITEMS = 48
@@ -59,7 +59,7 @@ def planted(tmp_path_factory):
                  "--config", str(TINY), "--quiet"]) == 0
     run = d / "run"
     assert main(["train", "--config", str(TINY), "--data", str(d / "data"), "--run", str(run), "--quiet",
-                 "train.max_steps=80", "optim.lr=1e-2", "checkpoint.every=80"]) == 0
+                 "train.max_steps=80", "optim.lr=1e-2", "checkpoint.every=80", NO_EVAL]) == 0
     for name, shuffled in (("planted.jsonl", False), ("shuffled.jsonl", True)):
         rows = _planted(np.random.default_rng(1), shuffled)
         (d / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")

@@ -8,8 +8,8 @@ in spite of the primitive's `no_eliminate` attribute. Measured here before the f
 8: the fused graph traced 30 collectives and kept 21 on ranks 0-5, 22 on ranks 6-7 (accumulate:
 14 traced, 5 or 6 kept); at world 2 every rank kept all of them, in another order. The CPU path
 chains every collective, so no run on CPU could see it: here the real step is compiled for each
-rank of every case in CASES (world, ZeRO stage, tensor parallel, model family; worlds 2, 4 and 8)
-with the Ascend path's choices (tests/collective_probe.py, one process for all the cases the
+rank of every case in CASES (world, ZeRO stage, tensor parallel, model family; worlds 2, 4 and 8;
+one layer: tests/collective_probe.py says why) with the Ascend path's choices (tests/collective_probe.py, one process for all the cases the
 session selected), and each rank's ordered list of collectives — kind, group, input and output
 types and shapes — is compared, for the fused graph and for the accumulate / apply pair, and
 counted against what the step's code issues.
@@ -25,7 +25,7 @@ import pytest
 
 from tests.collective_probe import case_key, collectives_in_ir
 
-pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each) in one subprocess; 38 before issue 40 (see CASES)
+pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each, 1 layer) in one subprocess; 38 of 2 layers before issue 40
 
 PROBE = Path(__file__).with_name("collective_probe.py")
 ROOT = PROBE.parents[1]

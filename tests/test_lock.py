@@ -19,7 +19,7 @@ import pytest
 
 from mspretrain.checkpoint import lock
 from mspretrain.cli import main
-from tests.conftest import ROOT, TINY
+from tests.conftest import NO_EVAL, ROOT, TINY
 
 
 def _one_error(capsys) -> str:
@@ -72,7 +72,7 @@ def test_second_trainer_and_recover_refused_until_the_holder_is_killed(tmp_path,
     # the stale lock file is still there, with the dead PID in it, and blocks nothing
     assert json.loads((run / lock.LOCK_NAME).read_text())["pid"] == holder.pid
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
-                 "train.max_steps=2", "schedule.warmup_steps=1", "checkpoint.every=0"]) == 0
+                 "train.max_steps=2", "schedule.warmup_steps=1", "checkpoint.every=0", NO_EVAL]) == 0
     assert json.loads((run / lock.LOCK_NAME).read_text())["pid"] == os.getpid()
 
 
