@@ -55,7 +55,7 @@ def test_a_rank_that_cannot_write_tells_rank_0(tmp_path, monkeypatch):
     def disk_full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(shards, "save_file", disk_full)
+    monkeypatch.setattr(shards, "save_tensors", disk_full)
     with pytest.raises(SaveError, match="rank 1: .*No space left"):
         shards.write_shard(root, 9, 1, 2, {"opt_step": np.asarray(1)})
     assert "No space left" in json.loads((shards.staging_dir(root, 9, 1) / "error.json").read_text())["error"]

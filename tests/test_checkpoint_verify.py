@@ -137,3 +137,68 @@ def test_prune_keeps_the_newest_verified_checkpoint_when_newer_ones_are_damaged(
     assert [p.name for p in removed] == ["step_000002"]
     assert [s for s, _ in store.list_checkpoints(tmp_path)] == [4, 6]
     assert store.latest_verified(tmp_path, log=lambda s: None).name == "step_000004"
+
+
+def test_the_same_tensors_are_written_as_the_same_bytes(tmp_path):
+    """safetensors writes the metadata from a Rust hash map whose order changes from one write to the
+    next (of 12 writes of one file, both orders appear): checkpoint/tensor_file.py sorts it, so the
+    same checkpoint hashes alike whenever it is written. The files still load, metadata included."""
+    import hashlib
+    import json
+    import struct
+
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from mspretrain.checkpoint.tensor_file import save_tensors, sort_metadata
+
+    rng = np.random.default_rng(0)
+    tensors = {"w": rng.standard_normal((8, 4)).astype(np.float32), "b": np.arange(3, dtype=np.int64), "é": np.ones(2, np.float16)}
+    meta = {"format": "mspretrain", "step": "12", "a": "x"}
+
+    def header_order(p: Path) -> tuple:
+        raw = p.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        return tuple(json.loads(raw[8:8 + n])["__metadata__"])
+
+    plain = set()
+    for i in range(12):  # the library alone: the order varies (3 keys: 6 orders)
+        save_file(tensors, str(tmp_path / f"plain{i}.safetensors"), metadata=meta)
+        plain.add(header_order(tmp_path / f"plain{i}.safetensors"))
+    assert len(plain) > 1, plain
+    digests = set()
+    for i in range(12):
+        p = tmp_path / f"ours{i}.safetensors"
+        save_tensors(tensors, p, meta)
+        digests.add(hashlib.sha256(p.read_bytes()).hexdigest())
+        assert header_order(p) == ("a", "format", "step")
+    assert len(digests) == 1
+    got = load_file(str(tmp_path / "ours0.safetensors"))
+    assert set(got) == set(tensors) and all(np.array_equal(got[k], tensors[k]) for k in tensors)
+    with safe_open(str(tmp_path / "ours0.safetensors"), "np") as f:
+        assert f.metadata() == meta
+    # sorting a sorted file changes nothing; a header written with other spacing is left alone
+    assert not sort_metadata(tmp_path / "ours0.safetensors")
+    spaced = tmp_path / "spaced.safetensors"
+    header = b'{"__metadata__": {"step": "1", "format": "x"}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    header += b" " * (-len(header) % 8)
+    spaced.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    before = spaced.read_bytes()
+    assert not sort_metadata(spaced) and spaced.read_bytes() == before
+
+
+def test_two_writes_of_one_checkpoint_hash_alike(tmp_path, ckpt):
+    """The same step written twice (a re-save after a rewind writes it again): every file but the
+    manifest (which records the time) has the same sha256."""
+    import json
+
+    rng = np.random.default_rng(0)
+    model = {"w": rng.standard_normal((64, 32)).astype(np.float32), "b": np.zeros(32, np.float32)}
+    optim = {f"{k}.{n}": np.ones_like(v) for n, v in model.items() for k in ("exp_avg", "exp_avg_sq")}
+    files = []
+    for i in range(6):
+        d = store.write_checkpoint_dir(tmp_path / f"again{i}" / "step_000002", step=2, model=model, optimizer=optim,
+                                       train_state={"tokens": 10}, data_state={"pos": 3}, config=cfgmod.Config())
+        files.append(json.loads((d / "manifest.json").read_text())["files"])
+    files.append(json.loads((ckpt / "manifest.json").read_text())["files"])
+    assert all(f == files[0] for f in files[1:])

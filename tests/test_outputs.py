@@ -209,10 +209,10 @@ def test_a_full_disk_is_one_line_and_leaves_no_output(command, ckpt, hf_folder, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(safetensors.numpy, "save_file", full)
-    import mspretrain.checkpoint.store as store
+    import mspretrain.checkpoint.tensor_file as tensor_file
     import mspretrain.model.hf as hf
 
-    monkeypatch.setattr(store, "save_file", full, raising=False)
+    monkeypatch.setattr(tensor_file, "save_file", full)  # checkpoints (store.py, shards.py)
     monkeypatch.setattr(hf, "save_file", full, raising=False)
     argv = (["export", str(ckpt), "--format", "hf"] if command == "export" else ["convert", "--from-hf", str(hf_folder)])
     err = refused(capsys, *argv, "--out", str(tmp_path / "out"))

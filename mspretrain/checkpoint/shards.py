@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from mspretrain.checkpoint.model_shards import model_shard_name
 from mspretrain.checkpoint.store import SaveError, _sha256, optimizer_shard_name, step_dir_name
+from mspretrain.checkpoint.tensor_file import save_tensors
 from mspretrain.fsutil import atomic_write, chmod_like_open, fsync_path
 
 # How long rank 0 waits for another rank's shard after writing its own files. Generous: a 7B
@@ -53,7 +53,7 @@ def write_shard(root: Path, step: int, rank: int, world: int, tensors: dict[str,
         d.mkdir(parents=True)
         entries = []
         for name, part, meta in files:
-            save_file({k: np.ascontiguousarray(v) for k, v in part.items()}, str(d / name), metadata=meta)
+            save_tensors(part, d / name, meta)
             chmod_like_open(d / name)
             fsync_path(d / name)
             entries.append({"file": name, "sha256": _sha256(d / name), "bytes": (d / name).stat().st_size})

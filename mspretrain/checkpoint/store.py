@@ -37,11 +37,11 @@ from typing import Any, Callable
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from mspretrain import __version__
 from mspretrain import config as cfgmod
 from mspretrain.checkpoint.model_shards import MODEL_FILE, model_files_problem, read_whole
+from mspretrain.checkpoint.tensor_file import save_tensors
 from mspretrain.config import Config
 from mspretrain.errors import UserError
 from mspretrain.fsutil import chmod_like_open, fsync_path, read_json_file
@@ -152,12 +152,10 @@ def write_checkpoint_dir(
         shutil.rmtree(tmp)
     try:
         tmp.mkdir(parents=True)
-        save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, str(tmp / model_file),
-                  metadata=model_metadata or {"format": "mspretrain", "step": str(step)})
+        save_tensors(model, tmp / model_file, model_metadata or {"format": "mspretrain", "step": str(step)})
         _fault_delay(step)
         if optimizer is not None:
-            save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / optimizer_file),
-                      metadata={"format": "mspretrain", "step": str(step)})
+            save_tensors(optimizer, tmp / optimizer_file, {"format": "mspretrain", "step": str(step)})
         _write_json(tmp / TRAIN_STATE, dict(train_state, step=step))
         if data_state is not None:
             _write_json(tmp / DATA_STATE, data_state)
