@@ -17,14 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.conftest import TINY, make_poems
+from tests.conftest import NO_EVAL, TINY, make_poems
 
 BAD_CHAR, BAD_CHARS = "龘", 300
 SEED, SPIKE_STEP, STEPS = 360, 14, 24
 # lr 1e-2 so that the poems' loss falls well below the byte tokens' by step 14; spike.window 10 so
 # the detector is armed from step 11; a checkpoint every 2 steps, all kept (replay starts anywhere)
 ARGS = ("train.max_steps=24", f"train.seed={SEED}", "optim.lr=1e-2", "spike.window=10", "checkpoint.every=2",
-        "checkpoint.keep_last=12", "train.log_every=1", "metrics.grad_norm_every=1")
+        "checkpoint.keep_last=12", "train.log_every=1", "metrics.grad_norm_every=1", NO_EVAL)  # no test reads its eval
 
 
 def planted_data(root: Path, tiny_data: Path) -> Path:

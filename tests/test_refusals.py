@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from mspretrain.cli import main
-from tests.conftest import TINY, make_poems
+from tests.conftest import NO_EVAL, TINY, make_poems
 from tests.helpers import checksum, refused, state
 
 
@@ -29,7 +29,7 @@ def finished(tmp_path_factory, tiny_data) -> Path:
     """A finished 4-step run (checkpoints at 2 and 4); read-only: tests copy it."""
     run = tmp_path_factory.mktemp("finished") / "run"
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
-                 "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=2"]) == 0
+                 "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=2", NO_EVAL]) == 0
     return run
 
 
