@@ -81,3 +81,31 @@ def test_a_killed_worker_ends_the_wait_for_its_task_and_terminate_returns():
         done.start()
         done.join(60)
     assert not done.is_alive(), "terminate waited for a dead worker's lock"
+
+
+def test_terminate_returns_when_cpythons_clean_up_does_not(monkeypatch):
+    """CPython's clean-up can wait forever for a lock a stopped worker held (a result in flight):
+    `terminate` gives it TERMINATE_WAIT_S, then kills the workers and returns. (Here the clean-up
+    is held back until the test ends, then runs.)"""
+    import threading
+    import time
+
+    from mspretrain.prepare import pool as pool_mod
+
+    release = threading.Event()
+    real = mp.pool.Pool.terminate
+    monkeypatch.setattr(mp.pool.Pool, "terminate", lambda self: (release.wait(), real(self)))
+    monkeypatch.setattr(pool_mod, "TERMINATE_WAIT_S", 0.5)
+    pool = start_pool(2, int, ())
+    try:
+        _results(pool, 4)
+        workers = list(pool._pool)
+        t0 = time.monotonic()
+        pool.terminate()
+        assert time.monotonic() - t0 < 15
+        deadline = time.monotonic() + 10
+        while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(p.is_alive() for p in workers)  # killed, not left running
+    finally:
+        release.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.pool
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -201,7 +202,21 @@ class QuietPool(mp.pool.Pool):
             self._abandon()
             return
         dict.pop(self._cache, self._AWAKE, None)  # (dict's own pop: no wake-up notice)
-        super().terminate()
+        # CPython's clean-up (`Pool._terminate_pool`) SIGTERMs the workers, then joins the task
+        # handler, whose last act puts a sentinel on the result queue: a worker stopped while it
+        # was putting a result holds that queue's lock for good, and the join never returns (seen
+        # in CI: a prepare refused in pass 1 with results in flight, test_quality.py, hung at
+        # `task_handler.join()`). So the clean-up runs in a thread of its own, and past
+        # TERMINATE_WAIT_S the workers are killed and the stuck handler threads (daemons) left.
+        stopper = threading.Thread(target=mp.pool.Pool.terminate, args=(self,), daemon=True, name="pool-terminate")
+        stopper.start()
+        stopper.join(TERMINATE_WAIT_S)
+        if stopper.is_alive():
+            self._worker_handler._state = mp.pool.TERMINATE  # (already, from the clean-up): no replacements
+            for p in list(self._pool):
+                if p.exitcode is None:
+                    p.kill()
+                    p.join(5)
 
     def _abandon(self) -> None:
         """Stop without `Pool.terminate`, which takes the task queue's lock: a worker killed while
@@ -218,6 +233,7 @@ class QuietPool(mp.pool.Pool):
 
 
 WATCH_SECONDS = 1.0  # how often a wait for a result looks whether a worker died
+TERMINATE_WAIT_S = 20.0  # QuietPool.terminate: CPython's clean-up takes well under a second when it can finish
 
 
 class WorkerDied(UserError):
