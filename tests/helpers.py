@@ -560,20 +560,19 @@ def ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
 
 # --------------------------------------------------------------------------- trees of files
 
-LOCK = ".mspretrain.lock"  # the run-dir lock (checkpoint/lock.py): taking it writes the holder's PID
-
-
 def checksum(d: Path) -> dict[str, str]:
     """Every file and directory under `d` (a missing `d` is {}), files with their sha256; the lock
     file left out (a refused command may take the lock before it refuses: that is the lock's job).
     `state` is the stricter form: modes, mtimes and lock files too."""
     import hashlib
 
+    from mspretrain.checkpoint.lock import LOCK_NAME
+
     if not d.exists():
         return {}
     out = {}
     for p in sorted(d.rglob("*")):
-        if p.name == LOCK:
+        if p.name == LOCK_NAME:
             continue
         out[str(p.relative_to(d))] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
     return out

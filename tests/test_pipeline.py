@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 from mspretrain.checkpoint import store
 from mspretrain.cli import main
 from tests.conftest import NO_EVAL, TINY
+from tests.helpers import checksum, refused
 
 
 def metrics(run: Path) -> list[dict]:
@@ -183,8 +184,6 @@ def demo_workdir(tmp_path_factory, corpus_file) -> dict:
     import contextlib
     import io
 
-    from tests.helpers import checksum
-
     work = tmp_path_factory.mktemp("demo") / "mspretrain-demo"
     common = ["--workdir", str(work), "--corpus", str(corpus_file), "--config", str(TINY), "prepare.vocab_size=512",
               "checkpoint.every=0", "schedule.warmup_steps=2"]
@@ -212,8 +211,6 @@ def test_demo_runs_end_to_end_on_a_local_corpus(demo_workdir, capsys):
 def test_the_quick_demo_never_touches_the_full_demo_run(demo_workdir, capsys):
     """The quick demo has its own data-quick/ and run-quick/: the full run is as it was; a full-demo
     run continued with `train` (the printed next step (b)) is then refused by the demo, untouched."""
-    from tests.helpers import checksum, refused
-
     work, common = demo_workdir["work"], demo_workdir["common"]
     assert demo_workdir["full_after"] == demo_workdir["full_before"] and (work / "run-quick" / "config.toml").is_file()
     assert "max_steps = 12" in (work / "run-quick" / "config.toml").read_text(encoding="utf-8")

@@ -46,6 +46,7 @@ from typing import Sequence
 
 from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_write, default_cache_dir
 
 # Dense peak TFLOPS per device and compute dtype. None = no reliable published figure.
 # Ascend 910B: vendor and cloud listings give 280-376 TFLOPS fp16 depending on the SKU
@@ -148,8 +149,6 @@ def cpu_peak_tflops(cache_dir: Path | None = None) -> float:
     """`measure_cpu_peak_tflops()` once per host and set of usable cores, kept in
     `cache_dir/cpu_peak_tflops.json` (default: the cache dir). An unreadable or damaged cache
     means measuring; an unwritable one, measuring every time: MFU never stops a run."""
-    from mspretrain.fsutil import atomic_write, default_cache_dir
-
     path = (cache_dir or default_cache_dir()) / "cpu_peak_tflops.json"
     key = _host_key()
     try:

@@ -212,11 +212,7 @@ class QuietPool(mp.pool.Pool):
         stopper.start()
         stopper.join(TERMINATE_WAIT_S)
         if stopper.is_alive():
-            self._worker_handler._state = mp.pool.TERMINATE  # (already, from the clean-up): no replacements
-            for p in list(self._pool):
-                if p.exitcode is None:
-                    p.kill()
-                    p.join(5)
+            self._kill_workers()
 
     def _abandon(self) -> None:
         """Stop without `Pool.terminate`, which takes the task queue's lock: a worker killed while
@@ -224,8 +220,13 @@ class QuietPool(mp.pool.Pool):
         own clean-up would wait for it forever. The workers are killed, the handler told to stop
         replacing them; its threads are daemons and end with this process."""
         self._terminate.cancel()  # nor at exit
-        self._worker_handler._state = mp.pool.TERMINATE
+        self._worker_handler._state = mp.pool.TERMINATE  # before the wake-up below: it must see it
         self._change_notifier.put(None)
+        self._kill_workers()
+
+    def _kill_workers(self) -> None:
+        """The handler told to stop replacing workers, then every live worker killed."""
+        self._worker_handler._state = mp.pool.TERMINATE
         for p in list(self._pool):
             if p.exitcode is None:
                 p.kill()
