@@ -129,6 +129,29 @@ def test_sigterm_to_launch_ends_msrun_and_its_workers(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is not None  # the handler was restored
 
 
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux >= 5.3)")
+def test_launch_returns_only_once_every_worker_has_exited_and_released_the_run_dir(tmp_path):
+    """msrun ends a failed job by SIGKILLing the other workers without waiting for them; a worker
+    still exiting when launch returned held the run dir's lock, and the relaunch was refused (seen
+    in a TP 2 kill test). A stand-in msrun starts a worker that takes the run dir's lock, in its
+    own session as msrun's are, and exits 1 leaving it running: when supervise returns the worker
+    has exited and the lock is free."""
+    from mspretrain.checkpoint import lock
+    from mspretrain.commands.launch import supervise
+
+    run, pidfile = tmp_path / "run", tmp_path / "worker.pid"
+    worker = (f"import os, time; from mspretrain.checkpoint.lock import acquire; acquire({str(run)!r}, 'train'); "
+              f"open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    fake = (f"import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True)\n"
+            f"while not os.path.getsize({str(pidfile)!r}) if os.path.exists({str(pidfile)!r}) else True: time.sleep(0.05)\n"
+            f"time.sleep(1.5); sys.exit(1)")  # polled by supervise meanwhile (every 0.5 s)
+    code, verdict = supervise([sys.executable, "-c", fake], dict(os.environ), None, 20.0, 5.0)
+    assert code == 1 and verdict is None
+    assert process_state(int(pidfile.read_text())) in ("dead", "zombie")
+    lock.acquire(run, "train", log=pytest.fail)
+    lock.release(run)
+
+
 def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tmp_path, monkeypatch, capsys):
     """Issue 38: on a 32 GB 910B4 every rank would set the 58 GB pool and fail at its first large
     allocation; launch reads the HBM (npu-smi, monkeypatched here) first and refuses in one line."""

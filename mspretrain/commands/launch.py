@@ -275,6 +275,7 @@ def train_run_dir(cmd: list[str]) -> Path | None:
 
 
 TERM_GRACE_S = 60.0  # a worker's SIGTERM handler writes a checkpoint before it stops
+JOB_END_WAIT_S = 30.0  # for the job's processes to exit once SIGKILLed
 
 
 class _Terminated(Exception):
@@ -286,11 +287,13 @@ class _Terminated(Exception):
 def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_s: float, stop_grace_s: float):
     """Run msrun; with a run dir, watch the ranks and end the job when one dies or stops.
     Returns (msrun's exit code, the watchdog's verdict or None)."""
-    from mspretrain.ops.watchdog import POLL_S, Watchdog, descendants, kill_tree, record_verdict
+    from mspretrain.ops.watchdog import POLL_S, JobProcesses, Watchdog, descendants, kill_tree, record_verdict
 
     since = time.time()
     proc = subprocess.Popen(argv, env=env)
     dog = Watchdog(run_dir, since=since, stale_s=stale_s, stop_grace_s=stop_grace_s) if run_dir is not None else None
+    job = JobProcesses(proc.pid)
+    grace_until = 0.0  # after a SIGTERM: until when the workers may still save before they are killed
 
     def on_term(signum: int, _frame: object) -> None:
         raise _Terminated(signum)
@@ -299,6 +302,7 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_
     old = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
+            job.note()
             if dog is None:
                 try:
                     return proc.wait(timeout=POLL_S), None
@@ -321,6 +325,8 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_
         # which save and stop as on a Ctrl-C; whatever is still alive after the grace period is killed
         name = signal.Signals(t.signum).name
         print(f"launch got {name}: sending it to msrun and its workers", file=sys.stderr, flush=True)
+        job.note()  # msrun still alive: its workers are still below it
+        grace_until = time.monotonic() + TERM_GRACE_S
         for pid in [*descendants(proc.pid), proc.pid]:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -331,9 +337,7 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
             proc.wait(timeout=10)
-        for pid in descendants(proc.pid):  # workers msrun left behind
-            kill_tree(pid)
-        return 128 + t.signum, None
+        return 128 + t.signum, None  # the workers msrun left behind: `job.end` below
     except KeyboardInterrupt:  # msrun got the Ctrl-C too and stops its workers; give it a moment
         try:
             proc.wait(timeout=30)
@@ -345,3 +349,10 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_
             signal.signal(s, h)
         if dog is not None:
             dog.close()
+        # Whatever path ended msrun, launch returns only once every process of the job has exited
+        # (ops/watchdog.py JobProcesses: msrun does not wait for the workers it kills), so the
+        # next command on the run dir never meets a rank still holding its lock.
+        left = job.end(grace_s=max(0.0, grace_until - time.monotonic()), wait_s=JOB_END_WAIT_S)
+        if left:
+            print(f"warning: process(es) {', '.join(map(str, left))} of the job still exist {JOB_END_WAIT_S:g} s after "
+                  f"SIGKILL (stuck in the kernel?); check them before relaunching", file=sys.stderr, flush=True)

@@ -195,3 +195,59 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+class JobProcesses:
+    """Every process below msrun, each held by a pidfd from the poll that first saw it, so that
+    the job's end can wait until all of them have exited.
+
+    Why: msrun ends a job whose worker died by SIGKILLing the other workers' groups without
+    waiting for them (`kill_worker_processes` in parallel/cluster/process_entity/_api.py), and
+    the watchdog's `kill_tree` does not wait either; a worker in the kernel (a checkpoint's
+    write) exits a moment after the signal. Until it has, it holds the run dir's lock, and a
+    relaunch right after launch returned was refused with "run dir ... is in use by PID"
+    (measured: a TP 2 job whose rank 1 was killed during a save). A pidfd names one process,
+    not a PID number, so a PID reused meanwhile is never signalled."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+
+    def note(self) -> None:
+        """Take a pidfd of each process below `root` not seen before (cheap: one walk of /proc)."""
+        if not hasattr(os, "pidfd_open"):
+            return
+        for pid in descendants(self.root):
+            if pid not in self._fds:
+                try:
+                    self._fds[pid] = os.pidfd_open(pid)
+                except OSError:  # exited between the walk and here
+                    pass
+
+    def end(self, grace_s: float, wait_s: float) -> list[int]:
+        """Let them exit on their own for up to `grace_s` (after a SIGTERM a worker saves first),
+        SIGKILL those still alive, wait up to `wait_s` until every one has exited (its files, the
+        run dir's lock among them, closed) and close the pidfds; returns the PIDs still alive."""
+        live = {fd: pid for pid, fd in self._fds.items()}
+        _wait_exits(live, grace_s)
+        for fd in live:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
+        _wait_exits(live, wait_s)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        return sorted(live.values())
+
+
+def _wait_exits(live: dict[int, int], wait_s: float) -> None:
+    """Drop from `live` (pidfd -> pid) each process that exits within `wait_s` (0: those gone now)."""
+    deadline = time.monotonic() + wait_s
+    while live:
+        ready, _, _ = select.select(list(live), [], [], max(0.0, deadline - time.monotonic()))
+        for fd in ready:
+            live.pop(fd)
+        if time.monotonic() >= deadline:
+            return
