@@ -79,8 +79,14 @@ REFERENCE_STEPS = 8
 # (test_distributed.py `two_ranks_fp32`, test_tp.py `tp2_run`: `EVAL_AT_END`, the later override wins).
 NO_EVAL = "eval.at_end=false"
 EVAL_AT_END = "eval.at_end=true"
+# One layer (`ONE_LAYER`): what these runs compare (ranks against one process, a resume against an
+# uninterrupted run, checkpoints) is per parameter; a second layer repeats the first's nodes at
+# ~2.5 s of CPU per compilation in every worker. The stacking of layers is checked at 2 layers
+# against transformers (test_model.py, test_families.py), by the 2-layer ZeRO-3 families job
+# (tests/zero3_worker.py) and by the loopback ZeRO-3 and TP tests.
+ONE_LAYER = "model.n_layers=1"
 REFERENCE_ARGS = (f"train.max_steps={REFERENCE_STEPS}", "checkpoint.every=1", f"checkpoint.keep_last={REFERENCE_STEPS}",
-                  "metrics.grad_norm_every=1")
+                  "metrics.grad_norm_every=1", ONE_LAYER)
 
 
 @pytest.fixture(scope="session")

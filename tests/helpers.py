@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from tests.conftest import NO_EVAL, REFERENCE_ARGS, REFERENCE_STEPS
+from tests.conftest import NO_EVAL, ONE_LAYER, REFERENCE_ARGS, REFERENCE_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -497,7 +497,8 @@ def fp16_run_equals_one_process(two: Path, one: Path) -> tuple[dict, dict]:
 
 DEATH_BOUND_S = 60  # the job must end this long after a worker is killed or stopped, at most
 # a constant lr: a relaunch that lowers max_steps would re-stretch a cosine schedule
-LONG = ["train.max_steps=400", "checkpoint.every=2", "checkpoint.keep_last=3", "train.log_every=1", "schedule.kind=constant", NO_EVAL]
+LONG = ["train.max_steps=400", "checkpoint.every=2", "checkpoint.keep_last=3", "train.log_every=1", "schedule.kind=constant", NO_EVAL,
+        ONE_LAYER]
 
 
 def start_launch(tmp_path: Path, data: Path, run: Path, *extra: str, launch: tuple[str, ...] = ()) -> subprocess.Popen:

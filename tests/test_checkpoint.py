@@ -19,14 +19,15 @@ from safetensors.numpy import load_file
 
 from mspretrain.checkpoint import store
 from mspretrain.cli import main
-from tests.conftest import NO_EVAL, REFERENCE_STEPS, TINY
+from tests.conftest import NO_EVAL, ONE_LAYER, REFERENCE_STEPS, TINY
 
 FILES = ("model.safetensors", "optimizer.safetensors", "train_state.json", "data_state.json", "config.toml", "manifest.json")
 
 
 def _train_cmd(data: Path, run: Path, *over: str) -> list[str]:
+    """The reference run's model (one layer) and `over`: these runs resume it or are compared with it."""
     return [sys.executable, "-m", "mspretrain.cli", "train", "--config", str(TINY), "--data", str(data),
-            "--run", str(run), "train.log_every=1", NO_EVAL, *over]
+            "--run", str(run), "train.log_every=1", NO_EVAL, ONE_LAYER, *over]
 
 
 def _losses(run: Path) -> dict[int, float]:

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from mspretrain.checkpoint import store
 from mspretrain.cli import main
-from tests.conftest import NO_EVAL, TINY
+from tests.conftest import NO_EVAL, ONE_LAYER, TINY
 from tests.helpers import checksum, refused
 
 
@@ -111,7 +111,7 @@ def _trainer(cfg_overrides, data, run):
 
 @pytest.mark.slow  # three training runs of its own (16 s of make test-fast, issue 32)
 def test_interrupted_run_resumes_bit_identical(tmp_path, tiny_data):
-    over = ["train.max_steps=6", "checkpoint.every=0", "metrics.grad_norm_every=1"]
+    over = ["train.max_steps=6", "checkpoint.every=0", "metrics.grad_norm_every=1", ONE_LAYER, NO_EVAL]
     full = tmp_path / "full"
     _trainer(over, tiny_data, full).train()
 
@@ -143,7 +143,7 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, tiny_data):
 def test_signal_writes_checkpoint_and_exits_zero(tmp_path, tiny_data, sig):
     run = tmp_path / "sig"
     cmd = [sys.executable, "-m", "mspretrain.cli", "train", "--config", str(TINY), "--data", str(tiny_data),
-           "--run", str(run), "train.max_steps=100000", "checkpoint.every=0", "train.log_every=1"]
+           "--run", str(run), "train.max_steps=100000", "checkpoint.every=0", "train.log_every=1", ONE_LAYER]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "GLOG_v": "3"})
 

@@ -90,8 +90,11 @@ def test_adamw_matches_torch(dtype, scale, clip):
             assert_close_rel(opt_state[f"{key}.{ours_key}"], opt.state[torch_p][key].numpy(), 1e-2 if half else 1e-5, f"{key}.{ours_key}")
 
 
-def _tiny(dtype="fp32"):
-    cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64), vocab_size=128)
+def _tiny(dtype="fp32", n_layers=1):
+    """One layer for the compiled-step tests: what they check (accumulation, frozen groups, an
+    overflow) is per parameter, and a second layer only repeats the first's nodes at ~2.5 s of
+    CPU per compilation (docs/benchmarks.md); tests/test_model.py checks the layers' stacking."""
+    cfg = resolve_model(ModelConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, max_seq_len=64), vocab_size=128)
     return Decoder(cfg, dtype=dtype, seed=7)
 
 
@@ -217,7 +220,7 @@ def test_frozen_groups_stay_bit_identical_and_hold_no_optimizer_state():
 def test_resuming_with_other_trainable_groups_is_one_line():
     from mspretrain.errors import UserError
 
-    model = _tiny()
+    model = _tiny(n_layers=2)
     stage1 = TrainStep(model, OptimConfig(), global_tokens=64, trainable=["embeddings", "lm_head"], jit=False)
     state = stage1.optimizer_state()
     everything = TrainStep(model, OptimConfig(), global_tokens=64, jit=False)

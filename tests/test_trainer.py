@@ -27,11 +27,13 @@ from mspretrain.train.loss_scale import LossScaler
 from mspretrain.train.spike_policy import SpikePolicy
 from mspretrain.train.step import StepResult
 from mspretrain.train.trainer import Trainer
-from tests.conftest import NO_EVAL, TINY, snapshot
+from tests.conftest import NO_EVAL, ONE_LAYER, TINY, snapshot
 
 
 def make(data: Path, run: Path, *over: str) -> Trainer:
-    return build_trainer(cfgmod.load(TINY, list(over)), data, run, log=lambda s: None)
+    """A trainer of the tiny config with one layer (conftest `ONE_LAYER`: what these tests check is
+    the loop's, not the model's) and `over`."""
+    return build_trainer(cfgmod.load(TINY, [ONE_LAYER, *over]), data, run, log=lambda s: None)
 
 
 # --------------------------------------------------------------------------- stand-in parts
@@ -178,7 +180,7 @@ def rewind_run(tmp_path_factory, tiny_data):
 
     run = tmp_path_factory.mktemp("rw") / "run"
     t = make(tiny_data, run, "train.max_steps=6", "checkpoint.every=2", "spike.action=rewind",
-             "checkpoint.async_save=false", "metrics.tensorboard=false")
+             "checkpoint.async_save=false", "metrics.tensorboard=false", NO_EVAL)
     at_rewind: dict = {}
     t.callbacks.append(lambda st, data, v: at_rewind.update(step=st, data=data, weights=snapshot(state_numpy(t.model)),
                                                            samples=t.loader.state()["samples"]) if "rewind" in v else None)
@@ -257,7 +259,7 @@ def test_pynative_matches_jit(tmp_path, tiny_data):
 
     for mode in ("jit", "pynative"):
         assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(tmp_path / mode), "--quiet",
-                     "train.max_steps=3", "checkpoint.every=0", f"train.mode={mode}", NO_EVAL]) == 0
+                     "train.max_steps=3", "checkpoint.every=0", f"train.mode={mode}", NO_EVAL, ONE_LAYER]) == 0
     a = load_file(str(tmp_path / "jit" / "checkpoints" / "step_000003" / "model.safetensors"))
     b = load_file(str(tmp_path / "pynative" / "checkpoints" / "step_000003" / "model.safetensors"))
     for k in a:  # Adam's g/sqrt(v) amplifies last-bit differences of near-zero gradients: 1e-5, not 1e-6
@@ -289,7 +291,7 @@ def test_mixing_two_data_dirs_and_refusing_a_foreign_tokenizer(tmp_path, tiny_da
     prepare([str(text)], same, tiny_cfg.prepare, tokenizer=str(tiny_data / "tokenizer.model"), workers=1, log=lambda s: None)
     sources = f'data.sources=[{{path="{tiny_data}", weight=0.7}}, {{path="{same}", weight=0.3}}]'
     run = tmp_path / "mix"
-    s = make(tiny_data, run, sources, "train.max_steps=3", "checkpoint.every=0").train()
+    s = make(tiny_data, run, sources, "train.max_steps=3", "checkpoint.every=0", NO_EVAL).train()
     assert s.step == 3
     state = json.loads((run / "checkpoints" / "step_000003" / "data_state.json").read_text())
     consumed = [src["consumed"] for src in state["sources"]]

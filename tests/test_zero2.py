@@ -121,8 +121,9 @@ def test_plan_bytes_are_the_buffers_the_step_allocates(tiny_cfg, dtype, param_dt
 
 
 # ZeRO-2 with 2 micro-batches and `optim.split_mb = 0.1` (26,214 elements): the tiny embedding and
-# lm_head (512 x 64 = 32,768 each) are cut into a slice per rank, the other 13 parameters stay whole,
-# so one job runs both paths (a split test and a whole-tensor test each launched the same job before).
+# lm_head (512 x 64 = 32,768 each) are cut into a slice per rank, the other 7 parameters (one layer:
+# conftest `ONE_LAYER`) stay whole, so one job runs both paths (a split test and a whole-tensor
+# test each launched the same job before).
 ZERO2_ACCUM = ("optim.shard_gradients=true", "train.micro_batch=1", "optim.split_mb=0.1")
 
 
@@ -160,9 +161,10 @@ def test_sharded_gradients_with_accumulation_match_one_process_and_resume_at_wor
     for name in ("embed.weight", "lm_head.weight"):
         assert f"exp_avg.{name}@0:16384" in keys[0] and f"exp_avg.{name}@16384:32768" in keys[1]
         assert not any(k.startswith(f"exp_avg.{name}") for k in keys[0] & keys[1])
-    # the other 13 parameters stay whole: each in exactly one rank's shard, under its plain name
+    # the other 7 parameters (the layer's 6 and the final norm) stay whole: each in exactly one
+    # rank's shard, under its plain name
     whole = {k for k in keys[0] | keys[1] if k.startswith("exp_avg.") and "@" not in k}
-    assert len(whole) == 13 and not whole & keys[0] & keys[1]
+    assert len(whole) == 7 and not whole & keys[0] & keys[1]
     resumed = assert_two_ranks_equal_one_process(two, reference_run, tiny_data, tmp_path)
     for step in range(6, FINAL + 1):
         assert_same_checkpoint(step_dir(resumed, step), step_dir(reference_run, step), 1e-5)
@@ -334,8 +336,8 @@ def test_bucketed_zero2_equals_one_collective_per_parameter_on_2_workers(tmp_pat
     """ZeRO-2 with 2 micro-batches on 2 msrun workers, fp32, embedding and lm_head split
     (`ZERO2_ACCUM`): the default buckets (1 reduce bucket per micro-batch, 1 gather bucket, and a
     reduce-scatter and a gather per split parameter) against `bucket_mb = 0` (a rank bucket per
-    k-th owned parameter, AllReduce + Broadcast for the rest): 9 against 42 collectives per step
-    at vocabulary 512 (3 against 33 with nothing split: `TrainStep.collectives`). Losses and
+    k-th owned parameter, AllReduce + Broadcast for the rest): fewer collectives per step (9
+    against 42 for 2 layers at vocabulary 512, 3 against 33 with nothing split: `TrainStep.collectives`). Losses and
     grad norms of all 8 steps and the final model and optimizer files within 1e-6; measured bit
     for bit (2026-12-01). The bound is not 0: the owned gradients come in another order, so the
     owners' partial sums of squares (the norm) are added in another order and may round apart."""
@@ -356,7 +358,7 @@ def test_bucketed_allreduce_equals_one_collective_per_parameter_on_2_workers(tmp
     `two_ranks_fp32` (conftest; test_distributed.py compares it with one process)."""
     per_param = tmp_path / "replicated-per-parameter"
     msrun(tmp_path, tiny_data, per_param, "precision.allreduce_dtype=fp32", "optim.bucket_mb=0")
-    assert _collectives(two_ranks_fp32) == 1 and _collectives(per_param) == 15
+    assert _collectives(two_ranks_fp32) == 1 and _collectives(per_param) == 9  # one layer: 3 + its 6 parameters
     _assert_runs_equal(two_ranks_fp32, per_param, FINAL, 1e-6)
 
 
@@ -552,7 +554,7 @@ def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_pa
     """The other paths of a split parameter: ZeRO-1 (gradients all-reduced whole, each rank cuts
     its slice for the update) in the fused step (no accumulation), fp16 matrices whose fp32
     masters are slices, and `optim.split_mb = 0.04` (10,485 elements: the fp32 embedding and
-    lm_head and the fp16 w13 and w2 of both layers). Against the same config on one process, with
+    lm_head and the fp16 w13 and w2 of the layer). Against the same config on one process, with
     the fp16-masters test's tolerances."""
     from safetensors.numpy import load_file
 
@@ -561,7 +563,7 @@ def test_split_parameters_under_zero1_with_fp16_masters_match_one_process(tmp_pa
     msrun(tmp_path, tiny_data, two, *fp16, "optim.shard_optimizer=true", "optim.split_mb=0.04", "train.log_every=1")
     assert "optimizer state sharded over 2 ranks" in (two / "train.log").read_text()
     keys = set().union(*(load_file(str(s)) for s in step_dir(two, FINAL).glob("optimizer-*.safetensors")))
-    assert {"master.layers.1.mlp.w13.weight@0:12288", "master.layers.1.mlp.w13.weight@12288:24576",
+    assert {"master.layers.0.mlp.w13.weight@0:12288", "master.layers.0.mlp.w13.weight@12288:24576",
             "exp_avg.lm_head.weight@16384:32768"} <= keys
     assert not any(k.startswith("master.lm_head") for k in keys)  # fp32: its master is the weights
     fp16_run_equals_one_process(two, one)
