@@ -18,7 +18,7 @@ from mspretrain.cli import main
 from mspretrain.data.order import SamplePlan, batch_hash
 from mspretrain.monitor.batch_log import BatchLog, truncate
 from mspretrain.ops.audit import audit_run
-from tests.conftest import NO_EVAL, TINY, copy_run_at
+from tests.conftest import NO_EVAL, ONE_LAYER, TINY, copy_run_at
 from tests.planted import planted_data
 
 
@@ -54,7 +54,7 @@ def test_truncate_keeps_the_history_of_the_saved_weights(tmp_path):
 
 
 # ---------------------------------------------------------------- real runs
-ARGS = ["--quiet", "checkpoint.every=1", "checkpoint.keep_last=20", NO_EVAL]
+ARGS = ["--quiet", "checkpoint.every=1", "checkpoint.keep_last=20", NO_EVAL, ONE_LAYER]  # the audit reads records, not layers
 
 
 def _train(data: Path, run: Path, steps: int, *extra: str) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from mspretrain.checkpoint import lock
 from mspretrain.cli import main
-from tests.conftest import NO_EVAL, ROOT, TINY
+from tests.conftest import NO_EVAL, ONE_LAYER, ROOT, TINY
 
 
 def _one_error(capsys) -> str:
@@ -140,7 +140,7 @@ def test_every_checkpoint_unverifiable_refuses_then_restart_moves_them_aside(tmp
     snapshot = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name not in (lock.LOCK_NAME, "train.log")}
     log_before = (run / "train.log").read_bytes()
     args = ["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet", "train.max_steps=2",
-            "schedule.warmup_steps=1", "checkpoint.every=0"]
+            "schedule.warmup_steps=1", "checkpoint.every=0", ONE_LAYER]  # the reference run's model
     assert main(args) == 2
     err = _one_error(capsys)
     assert f"mspretrain recover {run}" in err and "--restart" in err

@@ -23,7 +23,7 @@ import pytest
 from mspretrain.cli import main
 from mspretrain.errors import UserError
 from mspretrain.outputs import MARKER, SCRATCH_MARK, OutputDir, check_set, write_output_file
-from tests.conftest import NO_EVAL, ROOT, TINY, make_poems
+from tests.conftest import NO_EVAL, ONE_LAYER, ROOT, TINY, make_poems
 from tests.helpers import refused, state
 
 
@@ -363,7 +363,7 @@ def test_a_full_disk_in_batches_jsonl_stops_after_checkpointing(tiny_data, tmp_p
 
     monkeypatch.setattr(batch_log.BatchLog, "retry", flaky)
     argv = ["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
-            "train.max_steps=5", "checkpoint.every=10", NO_EVAL]
+            "train.max_steps=5", "checkpoint.every=10", NO_EVAL, ONE_LAYER]
     err = refused(capsys, *argv)
     assert "No space left" in err and "step 3" in err and "step_000003 saved" in err
     steps = [json.loads(line).get("step") for line in (run / "batches.jsonl").read_text().splitlines()]
@@ -495,7 +495,7 @@ def test_a_run_started_again_from_step_0_does_not_append_to_the_old_metrics(refe
     shutil.copytree(reference_run, run)
     shutil.rmtree(run / "checkpoints")
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
-                 "train.max_steps=2", "schedule.warmup_steps=1", NO_EVAL]) == 0
+                 "train.max_steps=2", "schedule.warmup_steps=1", NO_EVAL, ONE_LAYER]) == 0  # the reference run's model
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
 
