@@ -203,11 +203,12 @@ class JobProcesses:
 
     Why: msrun ends a job whose worker died by SIGKILLing the other workers' groups without
     waiting for them (`kill_worker_processes` in parallel/cluster/process_entity/_api.py), and
-    the watchdog's `kill_tree` does not wait either; a worker in the kernel (a checkpoint's
-    write) exits a moment after the signal. Until it has, it holds the run dir's lock, and a
-    relaunch right after launch returned was refused with "run dir ... is in use by PID"
-    (measured: a TP 2 job whose rank 1 was killed during a save). A pidfd names one process,
-    not a PID number, so a PID reused meanwhile is never signalled."""
+    the watchdog's `kill_tree` does not wait either: a process exits some time after SIGKILL
+    (when it leaves the kernel), and one no longer below msrun (msrun gone first) was not
+    killed at all. Until it has exited it holds the run dir's lock: seen in make test, where the
+    one-process resume right after a TP 2 job whose rank 1 was SIGKILLed was refused with "run
+    dir ... is in use by PID" (rank 0's). A pidfd names one process, not a PID number, so a PID
+    reused meanwhile is never signalled."""
 
     def __init__(self, root: int) -> None:
         self.root = root
