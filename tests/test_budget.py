@@ -39,7 +39,7 @@ def test_trainer_plan_and_report_agree(case, tiny_data, data_tokens, tmp_path, c
     cfg = cfgmod.load(TINY, over)
     run = tmp_path / "run"
     t = build_trainer(cfg, tiny_data, run, log=lambda s: None)  # built, not trained: config.toml and run_meta.json
-    t.metrics.close()
+    t.close()
     ran = (t.total_steps, t.schedule.warmup, t.schedule.lr, t.loader.batch_size, t.accum_steps)
 
     assert main(["plan", "--config", str(TINY), "--data", str(tiny_data), "--json", *over]) == 0

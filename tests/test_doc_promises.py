@@ -192,7 +192,7 @@ def test_resume_with_a_raised_budget_prints_the_schedule_change_and_the_tail_kee
     shutil.copytree(run4, run)
     base = ["train.max_steps=8", "eval.every=0", "checkpoint.every=0"]
     lines: list[str] = []
-    Trainer(cfgmod.load(ROOT / "configs" / "tiny.toml", base), tiny_data, run, log=lines.append)  # no training
+    Trainer(cfgmod.load(ROOT / "configs" / "tiny.toml", base), tiny_data, run, log=lines.append).close()  # no training
     assert lines[0].startswith("schedule changes on resume: was cosine with warm-up 2, 4 steps in all; now cosine")
     assert "jumps from 0.0001 to" in lines[1]
     overrides = lines[2].split("add: ")[1].split()

@@ -66,7 +66,7 @@ def _until_exited(pid: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_node_rank_1_without_node_0_fails_in_bounded_time(capsys):
+def test_node_rank_1_without_node_0_fails_in_bounded_time(tiny_data, capsys):
     from mspretrain.cli import main
     from mspretrain.commands.launch import wait_for_master
 
@@ -81,7 +81,7 @@ def test_node_rank_1_without_node_0_fails_in_bounded_time(capsys):
         wait_for_master("127.0.0.1", port, 1.0, log=lambda *a, **k: None)
     assert time.monotonic() - t0 < 10
     code = main(["launch", "--nproc", "1", "--nodes", "2", "--node-rank", "1", "--master-port", str(port),
-                 "--master-wait", "0.5", "--", "train", "--data", "d", "--run", "r"])
+                 "--master-wait", "0.5", "--", "train", "--data", str(tiny_data), "--run", "r"])
     err = capsys.readouterr().err
     if "msrun is not installed" not in err:
         assert code == 2 and f"127.0.0.1:{port}" in err and err.count("\n") == 2, err
@@ -152,7 +152,7 @@ def test_launch_returns_only_once_every_worker_has_exited_and_released_the_run_d
     lock.release(run)
 
 
-def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tmp_path, monkeypatch, capsys):
+def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tiny_data, tmp_path, monkeypatch, capsys):
     """Issue 38: on a 32 GB 910B4 every rank would set the 58 GB pool and fail at its first large
     allocation; launch reads the HBM (npu-smi, monkeypatched here) first and refuses in one line."""
     from mspretrain import device
@@ -164,7 +164,7 @@ def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tmp_path
     monkeypatch.setattr(shutil, "which", lambda name, **kw: f"/opt/venv/bin/{name}")  # msrun is never run here
     monkeypatch.setattr(launch, "supervise", lambda *a, **kw: pytest.fail("msrun started"))
     logs = tmp_path / "logs"
-    argv = ["launch", "--nproc", "8", "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(tmp_path),
+    argv = ["launch", "--nproc", "8", "--log-dir", str(logs), "--", "train", "--config", str(TINY), "--data", str(tiny_data),
             "--run", str(tmp_path / "run")]
     assert main([*argv, "device.target=ascend"]) == 2
     err = capsys.readouterr().err
@@ -178,7 +178,7 @@ def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tmp_path
 
 
 @pytest.mark.parametrize("user", [None, "300"])
-def test_launch_exports_the_plans_hccl_buffsize_on_ascend(tmp_path, monkeypatch, capsys, user):
+def test_launch_exports_the_plans_hccl_buffsize_on_ascend(tiny_data, tmp_path, monkeypatch, capsys, user):
     """Issue 38: a collective larger than HCCL_BUFFSIZE (200 MB by default) may run slower (CANN);
     launch exports the plan's size for a train on Ascend, and keeps a value the user exported."""
     from mspretrain import config as cfgmod
@@ -200,7 +200,7 @@ def test_launch_exports_the_plans_hccl_buffsize_on_ascend(tmp_path, monkeypatch,
     big = ["device.target=ascend", "model.vocab_size=32000", "model.dim=4096", "model.n_heads=32", "model.n_layers=1",
            "optim.shard_optimizer=true", "optim.shard_gradients=true"]
     argv = ["launch", "--nproc", "2", "--nodes", "2", "--node-rank", "0", "--log-dir", str(tmp_path / "logs"), "--", "train",
-            "--config", str(TINY), "--data", str(tmp_path), "--run", str(tmp_path / "run"), *big]
+            "--config", str(TINY), "--data", str(tiny_data), "--run", str(tmp_path / "run"), *big]
     assert main(argv) == 0
     out = capsys.readouterr().out
     plan = make_plan(cfgmod.load(TINY, big + ["train.max_steps=0"]), devices=4, tokens=None, data_dir=None,

@@ -271,6 +271,21 @@ def test_launch_refuses_a_worker_command_that_cannot_parse_before_msrun_starts(t
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("missing", ["--data", "data.sources"])
+def test_launch_refuses_a_train_whose_data_dir_is_missing_before_msrun_starts(tiny_data, tmp_path, monkeypatch, capsys, missing):
+    """`launch -- train --data MISSING` started msrun, whose workers each printed a traceback
+    (launch exit 1). launch reads the data dirs' manifests first now: exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    gone = tmp_path / "gone"
+    if missing == "--data":
+        cmd = ["--data", gone]
+    else:
+        cmd = ["--data", tiny_data, f'data.sources=[{{path="{tiny_data}", weight=1}}, {{path="{gone}", weight=1}}]']
+    err = refused(capsys, "launch", "--nproc", "2", "--", "train", "--config", TINY, "--run", tmp_path / "run", *cmd)
+    assert f"{gone} does not exist" in err or f"{gone} is not" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refused_demo_prepares_nothing_first(corpus_file, tmp_path, capsys):
     """The demo checked its run dir's config only after preparing the data (minutes, and a new
     data dir left behind by the refusal) when data/ was gone: now before."""

@@ -232,7 +232,9 @@ def test_auto_warmup_uses_the_manifest_tokens_and_the_cap(tmp_path, tiny_data):
     expected = math.ceil(0.02 * manifest["tokens"]["train"] / (4 * 32))
     t = make(tiny_data, tmp_path / "r", 'schedule.warmup_steps="auto"', "train.max_steps=100000")
     assert t.schedule.warmup == expected and t.spikes.detector.warmup_steps == expected
-    t.metrics.close()
+    assert t.heartbeat._thread.is_alive()  # from build_trainer on, for launch's watchdog
+    t.close()  # a trainer that will not train ends its heartbeat's thread (it wrote into pytest's tmp dirs)
+    assert not t.heartbeat._thread.is_alive()
 
 
 def test_periodic_eval_writes_eval_ppl(tmp_path, tiny_data):

@@ -99,6 +99,21 @@ def worker_config(cmd: list[str]) -> tuple[argparse.Namespace, Any] | None:
     return args, load_config(args)
 
 
+def check_worker_data(args: argparse.Namespace, cfg: Any) -> None:
+    """A `train`'s data dirs (--data and data.sources) exist and hold a manifest, checked before
+    msrun starts: a missing one failed in every worker after msrun had started them (a traceback per
+    rank in msrun_log/, launch exit 1). The deep checks (tokenizer, shard sizes) stay the ranks'."""
+    from mspretrain.commands.common import existing_path
+    from mspretrain.data.loader import resolve_sources
+    from mspretrain.data.manifest import read_manifest
+
+    if args.command != "train":
+        return
+    existing_path(args.data, "data dir", "run `mspretrain prepare INPUT --out DATA_DIR` first")
+    for path, _ in resolve_sources(args.data, cfg.data.sources):
+        read_manifest(path)
+
+
 def check_device_pool(cfg: Any) -> None:
     """The worker config's Ascend memory pool (device.max_device_memory, 58 GB by default) against
     this node's NPUs, read with npu-smi (device.py `pool_checked`) before msrun starts a rank: on a
@@ -178,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     check_worker_command(cmd)  # after --dry-run, which only prints; before anything is written
     worker = worker_config(cmd)
     if worker is not None:
+        check_worker_data(*worker)
         check_device_pool(worker[1])
     env = {**os.environ, "PATH": search}
     hccl = hccl_buffsize(*worker, args.nproc, args.nodes) if worker is not None else None

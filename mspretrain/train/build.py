@@ -361,6 +361,10 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
         heartbeat=Heartbeat(paths.root, world.rank, world.size,
                             collectives_per_step=step_fn.collectives(b.accumulation)["calls"] if world.size > 1 else 0))
     if resume_from is not None and loaded is not None:
-        trainer.restore(loaded, resume_from.name)
+        try:
+            trainer.restore(loaded, resume_from.name)
+        except BaseException:  # the heartbeat's thread runs from here on: a refused resume must not leave it behind
+            trainer.heartbeat.close("failed", 0)
+            raise
         checkpoints.last_save_step = trainer.step
     return trainer

@@ -110,6 +110,13 @@ class Trainer:
         self.heartbeat.phase("save", self.step)
         return self.checkpoints.save(self.step, self.train_state())
 
+    def close(self) -> None:
+        """End a trainer that will not train (or has nothing to do): its files, and the heartbeat's
+        thread, which runs from build_trainer on."""
+        self.checkpoints.close()
+        self.metrics.close()
+        self.heartbeat.close("done", self.step)
+
     # ----------------------------------------------------------------- loop
     def train(self) -> Summary:
         start = self.step
@@ -118,9 +125,7 @@ class Trainer:
             self.log(line)
         if start >= self.total_steps:
             self.log(f"nothing to do: the run is at step {start} and the budget is {self.total_steps} steps")
-            self.checkpoints.close()
-            self.metrics.close()
-            self.heartbeat.close("done", start)
+            self.close()
             return summary
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.meter.begin()
