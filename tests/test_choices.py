@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mspretrain.cli import main
-from tests.conftest import CHARS, NO_EVAL, TINY
+from tests.conftest import CHARS, NO_EVAL, ONE_LAYER, TINY
 
 ALPHABET = list(dict.fromkeys(CHARS))[:12]  # few characters: the pairs are learned in a few dozen steps
 ITEMS = 48
@@ -175,7 +175,7 @@ def test_choices_file_during_training_writes_eval_acc(planted, tmp_path, capsys)
     dir is written."""
     run = tmp_path / "run"
     common = ["train", "--config", str(TINY), "--data", str(planted / "data"), "--quiet", "train.max_steps=4", "eval.every=2",
-              "eval.max_tokens=256", "checkpoint.every=4", "eval.batch_size=4"]
+              "eval.max_tokens=256", "checkpoint.every=4", "eval.batch_size=4", ONE_LAYER]
     assert main([*common, "--run", str(run), f"eval.choices_file={planted / 'planted.jsonl'}"]) == 0
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     acc = {r["step"]: (r["eval/acc"], r["eval/acc_norm"]) for r in recs if "eval/acc" in r}

@@ -12,6 +12,7 @@ import tomllib
 
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
+from tests.conftest import ONE_LAYER
 from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ def run4(tmp_path_factory, tiny_data):
     from mspretrain.train.build import build_trainer as Trainer
 
     run = tmp_path_factory.mktemp("promises") / "run"
-    cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", ["train.max_steps=4", "eval.every=0", "checkpoint.every=0"])
+    cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", ["train.max_steps=4", "eval.every=0", "checkpoint.every=0", ONE_LAYER])
     summary = Trainer(cfg, tiny_data, run, log=lambda s: None).train()
     assert summary.step == 4
     return run
@@ -190,7 +191,7 @@ def test_resume_with_a_raised_budget_prints_the_schedule_change_and_the_tail_kee
 
     run = tmp_path / "run"
     shutil.copytree(run4, run)
-    base = ["train.max_steps=8", "eval.every=0", "checkpoint.every=0"]
+    base = ["train.max_steps=8", "eval.every=0", "checkpoint.every=0", ONE_LAYER]
     lines: list[str] = []
     Trainer(cfgmod.load(ROOT / "configs" / "tiny.toml", base), tiny_data, run, log=lines.append).close()  # no training
     assert lines[0].startswith("schedule changes on resume: was cosine with warm-up 2, 4 steps in all; now cosine")

@@ -37,7 +37,7 @@ def short_run(tmp_path_factory, tiny_data) -> Path:
     """4 steps, then the same command with a higher budget: it must continue from step 4."""
     run = tmp_path_factory.mktemp("runs") / "short"
     args = ["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
-            "checkpoint.every=2", NO_EVAL, "train.max_steps=4"]  # the eval command is test_eval_and_generate's
+            "checkpoint.every=2", NO_EVAL, ONE_LAYER, "train.max_steps=4"]  # the eval command is test_eval_and_generate's
     assert main(args) == 0
     assert [s for s, _ in store.list_checkpoints(run)] == [2, 4]
     assert main(args[:-1] + ["train.max_steps=6"]) == 0

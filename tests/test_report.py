@@ -19,6 +19,7 @@ from PIL import Image
 from mspretrain import config as cfgmod
 from mspretrain.cli import main
 from mspretrain.ops.report import build_report, read_metrics, summarize
+from tests.conftest import ONE_LAYER
 
 PANELS = ("loss", "eval_ppl", "lr", "grad_norm", "loss_scale", "throughput", "memory")
 
@@ -196,7 +197,7 @@ def real_run(tmp_path_factory):
         "special_ids": {"bos": 1, "eos": 2, "pad": 0, "unk": 3}}))
     cfg = cfgmod.load(Path(__file__).parent.parent / "configs" / "tiny.toml", [
         "train.max_steps=12", "metrics.grad_norm_every=2", "metrics.memory_every=3", "metrics.throughput_every=2",
-        "eval.every=6", "eval.max_tokens=256", "checkpoint.every=0", "cost.price_per_device_hour=2.0"])
+        "eval.every=6", "eval.max_tokens=256", "checkpoint.every=0", "cost.price_per_device_hour=2.0", ONE_LAYER])
     Trainer(cfg, data, root / "run", log=lambda s: None).train()
     return root / "run"
 

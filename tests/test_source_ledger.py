@@ -9,7 +9,7 @@ import pytest
 
 from mspretrain.cli import main
 from mspretrain.data.order import SamplePlan
-from tests.conftest import TINY
+from tests.conftest import ONE_LAYER, TINY
 
 
 @pytest.mark.slow
@@ -25,7 +25,7 @@ def test_two_sources_each_get_their_loss_tokens_and_share(tmp_path, tiny_data, t
     run = tmp_path / "run"
     sources = f'data.sources=[{{path="{tiny_data}", weight=0.75}}, {{path="{other}", weight=0.25}}]'
     assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet", sources,
-                 "train.max_steps=12", "train.log_every=4", "checkpoint.every=0", "optim.lr=0.01"]) == 0
+                 "train.max_steps=12", "train.log_every=4", "checkpoint.every=0", "optim.lr=0.01", ONE_LAYER]) == 0
     recs = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     meta = json.loads((run / "run_meta.json").read_text())
     assert [s["weight"] for s in meta["sources"]] == [0.75, 0.25]
