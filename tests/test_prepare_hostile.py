@@ -786,3 +786,26 @@ def test_a_same_size_input_rewritten_with_a_new_mtime_is_not_resumed(corpus, tmp
     assert resume.difference(fp, fp2) == "input file a.txt changed (modification time)"
     with pytest.raises(UserError, match="modification time"):
         resume.Journal(tmp_path / "data").open(fp2)
+
+
+@pytest.mark.sigkill
+def test_a_special_file_planted_in_a_killed_runs_work_dir_is_refused(tmp_path):
+    """The journal's class, one level down: a FIFO (or a link to /dev/zero) in place of a work
+    file of a killed run would hang the resume or read without end; refused in one line, nothing
+    touched."""
+    from tests.helpers import prepare_subprocess
+    from tests.test_prepare_resume import make_corpus
+
+    raw = make_corpus(tmp_path / "raw")
+    out = tmp_path / "data"
+    killed = prepare_subprocess(raw, out, env={"MSPRETRAIN_PREPARE_TEST_KILL": "pass1 chunk 2", "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    spool = tmp_path / ".data.partial" / "pass1.tmp"
+    assert spool.is_file()
+    spool.unlink()
+    os.mkfifo(spool)
+    (tmp_path / ".data.lock").unlink()  # the kill left its lock file (held by no one: taken over by the next run)
+    before = tree(tmp_path)
+    again = prepare_subprocess(raw, out)
+    assert_refusal(again.returncode, again.stderr, "FIFO")
+    assert tree(tmp_path) == before

@@ -180,6 +180,7 @@ class Journal:
             if why is not None:
                 raise UserError(f"{self.work} holds an interrupted prepare of other inputs or another command: {why}",
                                 f"rerun the original command to resume it, or delete {self.work} and {self.path} to start over")
+            _regular_only(self.work, self.path)
             self.data = old
             return "resume"
         if self.work.is_symlink() or (self.work.exists() and not self._ours()):
@@ -259,6 +260,21 @@ class Journal:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _regular_only(work: Path, journal: Path) -> None:
+    """A work dir to resume holds only what prepare writes there: directories and regular files.
+    A FIFO, a device or a symbolic link in it (a damaged or tampered work dir) would hang a resume
+    or read without end; it is refused in one line before anything is read."""
+    for root, dirs, files in os.walk(work):
+        for name in dirs + files:
+            p = Path(root) / name
+            if p.is_symlink() or not (p.is_dir() or p.is_file()):
+                from mspretrain.fsutil import file_kind
+
+                raise UserError(f"{p} is {'a symbolic link' if p.is_symlink() else file_kind(p)}, which prepare never writes into "
+                                "its work dir: the interrupted prepare's work dir was changed after the kill",
+                                f"delete {work} and {journal} to start over")
 
 
 def _check(data: dict) -> str:
