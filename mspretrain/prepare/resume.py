@@ -187,19 +187,27 @@ class Journal:
             raise UserError(f"{self.work} exists and is not a work dir `mspretrain prepare` left (no {STATE_DIR}/{WORK_MARK}); "
                             "prepare does not delete it", "move it away (or delete it if it is yours to lose), or choose another --out")
         shutil.rmtree(self.work, ignore_errors=True)  # left over by a crashed run that had not started its journal
-        self.work.mkdir()
-        self.state_dir.mkdir()
-        (self.state_dir / WORK_MARK).write_text("prepare\n", encoding="utf-8")  # what makes a journal-less work dir ours
+        # made under a name of its own with the mark inside, then renamed: a `.NAME.partial` without
+        # the mark (an empty one too) is never prepare's, so a user's dir of that name is never removed
+        import tempfile
+
+        from mspretrain.fsutil import new_file_mode
+
+        tmp = Path(tempfile.mkdtemp(prefix=f"{self.work.name}.", suffix=".new", dir=self.work.parent))
+        os.chmod(tmp, new_file_mode(self.work, directory=True))
+        (tmp / STATE_DIR).mkdir()
+        (tmp / STATE_DIR / WORK_MARK).write_text("prepare\n", encoding="utf-8")  # what makes a journal-less work dir ours
+        os.rename(tmp, self.work)
         self.data = {"version": VERSION, "fingerprint": fp}  # no stage yet: the runner names the chain's first (`pipeline.run`)
         self.commit()
         return "fresh"
 
     def _ours(self) -> bool:
         """A work dir without a journal may be deleted only if prepare made it: it holds the mark
-        (written right after the mkdir) or nothing (killed in between). `.NAME.partial` was removed
-        whatever it held, a user's dir of that name included."""
+        (`open` makes the dir under another name and renames it with the mark inside).
+        `.NAME.partial` was once removed whatever it held, a user's dir of that name included."""
         try:
-            return self.work.is_dir() and ((self.state_dir / WORK_MARK).is_file() or not any(self.work.iterdir()))
+            return self.work.is_dir() and not self.work.is_symlink() and (self.state_dir / WORK_MARK).is_file()
         except OSError:
             return False
 
