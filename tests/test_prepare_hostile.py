@@ -809,3 +809,33 @@ def test_a_special_file_planted_in_a_killed_runs_work_dir_is_refused(tmp_path):
     again = prepare_subprocess(raw, out)
     assert_refusal(again.returncode, again.stderr, "FIFO")
     assert tree(tmp_path) == before
+
+
+def test_a_users_empty_dot_partial_dir_is_never_removed(corpus, tmp_path, capsys):
+    """`.NAME.partial` is prepare's only with its mark inside (it is made under another name and
+    renamed with it): a user's dir of that name, even empty, is refused and kept."""
+    (tmp_path / ".data.partial").mkdir()
+    before = tree(tmp_path)
+    refused(capsys, "prepare", corpus, "--out", tmp_path / "data", *PREP, needle=".data.partial")
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.sigkill
+def test_a_state_file_changed_after_the_kill_is_never_unpickled(tmp_path):
+    """A stage's state (a pickle in the work dir) is unpickled only when its SHA-256 is the one the
+    journal's commit recorded: one changed after the kill is refused in one line."""
+    from tests.helpers import prepare_subprocess
+    from tests.test_prepare_resume import make_corpus
+
+    raw = make_corpus(tmp_path / "raw")
+    out = tmp_path / "data"
+    killed = prepare_subprocess(raw, out, env={"MSPRETRAIN_PREPARE_TEST_KILL": "trained", "MSPRETRAIN_PREPARE_COMMIT_SECONDS": "0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    state = tmp_path / ".data.partial" / ".resume" / "state-train.pkl"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 1
+    state.write_bytes(bytes(data))
+    (tmp_path / ".data.lock").unlink()
+    again = prepare_subprocess(raw, out)
+    assert_refusal(again.returncode, again.stderr, "SHA-256")
+    assert not out.exists()
