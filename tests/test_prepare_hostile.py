@@ -839,3 +839,19 @@ def test_a_state_file_changed_after_the_kill_is_never_unpickled(tmp_path):
     again = prepare_subprocess(raw, out)
     assert_refusal(again.returncode, again.stderr, "SHA-256")
     assert not out.exists()
+
+
+def test_a_corpus_jsonl_line_nested_past_the_stack_is_a_broken_record(tmp_path, capsys):
+    """Deep JSON in a corpus .jsonl (not only in the journal, a manifest or an eval set) was a
+    RecursionError traceback from a worker, in prepare and in quality lm: it is a broken record,
+    counted, and the rest is read."""
+    f = tmp_path / "deep.jsonl"
+    poems = make_poems(40, seed=14)
+    f.write_text("\n".join([json.dumps({"text": p}, ensure_ascii=False) for p in poems[:20]] + ["[" * 200_000 + "]" * 200_000]
+                           + [json.dumps({"text": p}, ensure_ascii=False) for p in poems[20:]]) + "\n", encoding="utf-8")
+    code, _, err = cli(capsys, "prepare", f, "--out", tmp_path / "d", "--vocab-size", "600", "--workers", "1", "--quiet")
+    assert code == 0, err
+    m = json.loads((tmp_path / "d" / "manifest.json").read_text(encoding="utf-8"))
+    assert m["input_files"][0]["jsonl_broken"] == 1 and m["documents_in"] == 40
+    code, _, err = cli(capsys, "quality", "lm", f, "--out", tmp_path / "lm.npz", "--quiet")
+    assert code == 0, err
