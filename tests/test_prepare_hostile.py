@@ -855,3 +855,16 @@ def test_a_corpus_jsonl_line_nested_past_the_stack_is_a_broken_record(tmp_path, 
     assert m["input_files"][0]["jsonl_broken"] == 1 and m["documents_in"] == 40
     code, _, err = cli(capsys, "quality", "lm", f, "--out", tmp_path / "lm.npz", "--quiet")
     assert code == 0, err
+
+
+def test_filters_that_drop_every_document_are_named_as_the_cause(tmp_path, capsys):
+    """Issue 54 item 15: a model that dropped everything ended the run with "check the inputs";
+    the refusal now names the filter and the setting to relax."""
+    rng = np.random.default_rng(5)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "runs", "far", "away"]
+    f = tmp_path / "en.txt"
+    f.write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(60)) + "\n", encoding="utf-8")
+    before = tree(tmp_path)
+    err = refused(capsys, "prepare", f, "--out", tmp_path / "d", *PREP, "prepare.min_zh_prob=0.9", needle="language filter")
+    assert "prepare.min_zh_prob" in err and "check the inputs" not in err
+    assert tree(tmp_path) == before
