@@ -868,3 +868,19 @@ def test_filters_that_drop_every_document_are_named_as_the_cause(tmp_path, capsy
     err = refused(capsys, "prepare", f, "--out", tmp_path / "d", *PREP, "prepare.min_zh_prob=0.9", needle="language filter")
     assert "prepare.min_zh_prob" in err and "check the inputs" not in err
     assert tree(tmp_path) == before
+
+
+def test_a_leftover_old_dir_is_not_put_back_over_a_data_dir_the_user_removed(published, corpus, tmp_path, capsys):
+    """`.data.old` of ours (marked) left by a kill after the swap, and `data` removed by the user:
+    no journal says a swap was under way, so the old dir is not resurrected; the new prepare
+    publishes and removes it."""
+    import shutil
+
+    from mspretrain.prepare.publish import OLD_MARK
+
+    shutil.copytree(published, tmp_path / ".data.old")
+    (tmp_path / ".data.old" / OLD_MARK).write_bytes(b"")
+    code, _, err = cli(capsys, "prepare", corpus, "--out", tmp_path / "data", *PREP, "prepare.valid_fraction=0.2")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    assert json.loads((tmp_path / "data" / "manifest.json").read_text())["split"]["valid_fraction"] == 0.2

@@ -126,7 +126,9 @@ def _prepare(inputs: list[str], out: Path, cfg: PrepareConfig, *, named: list, s
     """`prepare` under the lock of its --out."""
     paths = [p for p, _ in named]
     journal = resume.Journal(out)
-    if publish.restore_old(out):  # killed between the whole-dir swap's two renames: as before that publish
+    interrupted = journal.read()  # (a journal of that name that is not prepare's is refused here, in one line)
+    if interrupted is not None and interrupted.get("stage") == stage_publish.Publish.name and journal.work.is_dir() \
+            and publish.restore_old(out):  # killed between the whole-dir swap's two renames: as before that publish
         log(f"the interrupted prepare was killed while replacing {out}: its previous data dir is back, publishing again")
     names = [n for _, n in named]
 

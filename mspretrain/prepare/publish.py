@@ -263,6 +263,8 @@ def publish(work: Path, out: Path) -> None:
     removed or replaced; anything else in `out` stays (`check_out` refused name clashes)."""
     if not out.is_dir():
         os.replace(work, out)
+        if _is_our_old(old_dir(out)):  # a swap's old dir left by a kill after its second rename: ours to remove
+            _remove_old(old_dir(out))
         return
     ours = owned(out)
     if {p.name for p in out.iterdir()} <= ours:  # all ours: swap the whole dir at once
