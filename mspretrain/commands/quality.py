@@ -139,10 +139,10 @@ def run(args: argparse.Namespace) -> int:
     if not pos or not neg:
         raise UserError(f"the {'positive' if not pos else 'negative'} label set is empty (no document left after cleaning)",
                         "name files with documents for both --positive and --negative")
-    shared = len(set(pos) & set(neg))
-    if 2 * shared >= min(len(set(pos)), len(set(neg))):
-        raise UserError(f"{shared:,} of the {len(set(pos)):,} distinct positive documents are also negative ones: the labels "
-                        "contradict each other, and a model of them would mean nothing",
+    shared, smaller = len(set(pos) & set(neg)), min(len(set(pos)), len(set(neg)))
+    if 2 * shared >= smaller:  # at least half of one set is labelled both ways
+        raise UserError(f"{shared:,} documents are both --positive and --negative ({shared:,} of the {smaller:,} distinct documents of "
+                        "the smaller set): the labels contradict each other, and a model of them would mean nothing",
                         "name different documents for --positive and --negative")
     rng = np.random.default_rng(cfg.seed)  # the held-out draw: from prepare.seed, like every random choice of prepare
 
