@@ -884,3 +884,24 @@ def test_a_leftover_old_dir_is_not_put_back_over_a_data_dir_the_user_removed(pub
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     assert json.loads((tmp_path / "data" / "manifest.json").read_text())["split"]["valid_fraction"] == 0.2
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_the_cache_dirs_character_table_is_read_with_the_guards(tmp_path, monkeypatch, kind):
+    """Issue 54 item 11 (prepare's part): the character table cached under $MSPRETRAIN_CACHE was
+    read without the special-file and size guards: a FIFO there hung prepare, a link to /dev/zero
+    grew without end. Now it is built instead, and the entry is left as it is."""
+    from mspretrain.prepare import clean
+
+    monkeypatch.setenv("MSPRETRAIN_CACHE", str(tmp_path))
+    want = clean._cached_table(clean.build_char_table)  # writes the cache file
+    (cached,) = tmp_path.glob("char_table-*.bin")
+    cached.unlink()
+    if kind == "fifo":
+        os.mkfifo(cached)
+    else:
+        cached.symlink_to("/dev/zero")
+    t0 = time.monotonic()
+    assert np.array_equal(clean._cached_table(clean.build_char_table), want)
+    assert time.monotonic() - t0 < 30
+    assert cached.is_fifo() if kind == "fifo" else os.readlink(cached) == "/dev/zero"
