@@ -299,3 +299,87 @@ def cut_back(f: IO[bytes] | str | Path, size: int) -> None:
                         "recorded for it: the interrupted prepare's work dir was damaged after the kill, and cannot be resumed",
                         "run the same command again: prepare removed the damaged work dir, and starts over")
     f.truncate(size)
+
+
+# ----------------------------------------------------------------------------- a lock beside an output
+
+LOCK_KEYS = ("pid", "host", "command", "since")  # what `checkpoint/lock.py` writes into a run dir's lock too
+
+
+def _lock_holder(text: str) -> str | None:
+    """'PID 1 on host h (cmd, since t)' of a lock file's text; "" for an empty one (a kill between
+    its creation and its first write); None when the text is not a lock file mspretrain wrote."""
+    if not text.strip():
+        return ""
+    try:
+        info = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(info, dict) or set(info) != set(LOCK_KEYS) or not isinstance(info.get("pid"), int):
+        return None
+    return f"PID {info['pid']} on host {info['host']} ({info['command']}, since {info['since']})"
+
+
+@contextmanager
+def locked_beside(path: str | Path, command: str, what: str, log: Any = print) -> Iterator[None]:
+    """Hold an exclusive `flock` on the lock file `path` (beside an output that has no dir of its
+    own yet: `prepare --out NAME` locks `.NAME.lock`) for the block, then remove it. As
+    `checkpoint/lock.py` locks a run dir: the kernel drops the lock when the process dies (even by
+    SIGKILL), so a stale file never blocks; the PID and host inside are for the message. A file of
+    that name that is not such a lock (a user's) is refused, never replaced; a second holder is
+    refused in one line naming the first."""
+    import errno
+    import fcntl
+    import socket
+    import time
+
+    path = Path(path)
+    fix = f"move {path} away (it is not a lock file mspretrain wrote), or choose another {what}"
+    while True:
+        if os.path.lexists(path):
+            if os.path.islink(path) or not path.is_file():
+                raise UserError(f"{path} is {file_kind(path) if not os.path.islink(path) else 'a symbolic link'}, not the lock "
+                                f"file mspretrain keeps beside {what}", fix)
+            if _lock_holder(read_regular_text(path, 1 << 16, "lock file", fix, errors="replace")) is None:
+                raise UserError(f"{path} is not a lock file mspretrain wrote; it is left as it is", fix)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot create the lock file {path}: {exc.strerror}", f"choose a {what} in a directory you can write to") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                try:
+                    who = _lock_holder(read_regular_text(path, 1 << 16, "lock file", fix, errors="replace")) or "another process"
+                except UserError:
+                    who = "another process"
+                raise UserError(f"{what} is in use by {who}", "wait for it to finish (or stop it), or choose another output") from None
+            log(f"warning: cannot lock {path} ({exc.strerror}); make sure no other process writes {what}")
+            yield
+            return
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except OSError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder removed the file as we opened it: lock the new one
+    try:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+    except OSError as exc:
+        Path(path).unlink(missing_ok=True)
+        os.close(fd)
+        raise UserError(f"cannot write the lock file {path}: {exc.strerror}", "free disk space, or choose another output") from None
+    try:
+        yield
+    finally:
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                os.unlink(path)  # while still held: whoever opens it next finds another inode and tries again
+        except OSError:
+            pass
+        os.close(fd)

@@ -30,6 +30,7 @@ import functools
 import hashlib
 import html
 import inspect
+import os
 import re
 import unicodedata
 from collections import Counter
@@ -38,7 +39,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.fsutil import atomic_write, default_cache_dir
+from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_write, default_cache_dir, read_regular_bytes
 
 MODIFY_RULES = ("drop_control", "strip_html", "remove_urls", "remove_emails", "nfkc", "t2s",
                 "char_whitelist", "normalize_whitespace")
@@ -96,14 +98,16 @@ def _cached_table(build: Callable[[], np.ndarray]) -> np.ndarray:
     key = hashlib.sha256("\0".join([source, unicodedata.unidata_version, _CONTROL_CLASS, "".join(_PROTECT_CHARS),
                                      repr((NFKC, MARKUP, ODD_SPACE, WORD, SPACE))]).encode()).hexdigest()[:16]
     path = default_cache_dir() / f"char_table-{key}.bin"
-    try:
-        blob = path.read_bytes()
+    try:  # with the guards of every reader: a FIFO of that name would hang, a link to /dev/zero grow
+        blob = read_regular_bytes(path, 0x110000 + 32, "cached character table")
         body, digest = blob[:0x110000], blob[0x110000:]
         if len(body) == 0x110000 and hashlib.sha256(body).digest() == digest:
             return np.frombuffer(body, dtype=np.uint8).copy()
-    except OSError:
+    except UserError:
         pass
     table = build()
+    if os.path.lexists(path) and (os.path.islink(path) or not path.is_file()):
+        return table  # not a file this cache wrote (a FIFO, a link): left as it is, the table built each time
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # a cache: atomic for concurrent readers, not worth an fsync (a bad copy fails its digest and is rebuilt)

@@ -204,13 +204,45 @@ def _doc_text(d: Path, files: list, kinds: list, f: int, offset: int, width: int
     path = Path(files[f])
     if kind != "byte" or path.suffix in (".gz", ".zst") or not path.is_file():
         return where
+    jsonl = path.suffix == ".jsonl"
     try:
-        with open(path, "rb") as fh:
+        with open(path, "rb") as fh:  # a regular file (checked above): a read of bounded size
             fh.seek(offset)
-            raw = fh.read(4 * width + 4)
+            raw = fh.readline(JSONL_PEEK if jsonl else 4 * width + 4)
     except OSError:
         return where
     t = raw.decode("utf-8", errors="ignore").split("\n", 1)[0]
-    if path.suffix == ".jsonl":  # the record's text field would need the whole line: show the line's start
-        t = t.replace("\\n", " ")
-    return f"{where} {t[:width]!r}"
+    if jsonl:  # the record's text, not its JSON bytes
+        t = jsonl_text(t)
+    return f"{where} {' '.join(t.split())[:width]}"
+
+
+JSONL_PEEK = 1 << 16  # bytes of a .jsonl record read to show its text
+
+
+def jsonl_text(line: str) -> str:
+    """The text of a JSON-lines record for a person to read: its `text` field (else its longest
+    string field), escapes decoded. A record longer than what was read is cut: the start of its
+    `text` string is decoded as far as it goes."""
+    import json
+    import re
+
+    try:
+        rec = json.loads(line)
+    except (ValueError, RecursionError):
+        rec = None
+    if isinstance(rec, dict):
+        if isinstance(rec.get("text"), str):
+            return rec["text"]
+        strings = [v for v in rec.values() if isinstance(v, str)]
+        return max(strings, key=len) if strings else line
+    m = re.search(r'"text"\s*:\s*"', line)
+    if m is None:
+        return line
+    body = line[m.end():]
+    for cut in range(len(body), max(len(body) - 8, -1), -1):  # drop a cut escape (a \u12 of \u1234) at the end
+        try:
+            return json.loads('"' + body[:cut].rstrip("\\") + '"')
+        except ValueError:
+            continue
+    return body

@@ -36,6 +36,7 @@ from typing import Callable
 from mspretrain.config import PrepareConfig
 from mspretrain.data.shards import token_dtype
 from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.errors import UserError
 from mspretrain.prepare import sources
 from mspretrain.prepare.resume import Journal
 from mspretrain.prepare.scoring import QualityStage
@@ -101,6 +102,9 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     order = [s.name for s in stages]
     if j.stage is None:  # a fresh journal: it names the first stage before that stage's work starts
         j.commit(stage=order[0])
+    if j.stage not in order:  # (the journal's check sum makes this a version mismatch, never an edit)
+        raise UserError(f"{j.path} names the stage {str(j.stage)[:40]!r}, which this run's chain ({', '.join(order)}) does not have",
+                        f"delete {j.work} and {j.path} to start over")
     start = order.index(j.stage)
     finished = start == len(stages) - 1  # publish: the work dir is the finished data dir, nothing more goes into it
     tok = None

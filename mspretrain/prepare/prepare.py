@@ -24,7 +24,8 @@ from typing import Callable
 from mspretrain.config import PrepareConfig
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
-from mspretrain.prepare import pipeline, rescore, resume, scoring, sources, stage_publish
+from mspretrain.fsutil import locked_beside
+from mspretrain.prepare import pipeline, publish, rescore, resume, scoring, sources, stage_publish
 from mspretrain.prepare import quality as quality_models
 from mspretrain.prepare.pool import WorkerDied
 from mspretrain.prepare.publish import WRITE_ERRNOS, check_out
@@ -99,7 +100,36 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     named = sources.discover_named(inputs, stats)
     paths = [p for p, _ in named]
     check_names([*inputs, *(str(p) for p in paths), *(n for _, n in named), str(out)])
+    made = [d for d in reversed(out.parents) if not d.exists()]  # parents this call creates (taken away again on a refusal)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create {out.parent}: {exc.strerror or exc}", "choose an --out in a directory you can write to") from None
+    try:
+        # one prepare per --out at a time (as `train` locks a run dir): a second one would resume the
+        # first's live work dir; the lock file `.NAME.lock` beside it goes when this run ends
+        with locked_beside(out.with_name(f".{out.name}.lock"), "prepare", f"--out {out}", log):
+            return _prepare(inputs, out, cfg, named=named, stats=stats, tokenizer=tokenizer, overwrite=overwrite, workers=workers,
+                            progress=progress, log=log, seq_len=seq_len, ray=ray, scores_from=scores_from, t0=t0)
+    except UserError:
+        for d in reversed(made):  # a refused prepare leaves no new directory behind
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _prepare(inputs: list[str], out: Path, cfg: PrepareConfig, *, named: list, stats: sources.SourceStats, tokenizer: str | None,
+             overwrite: bool, workers: int, progress: bool, log: Callable[[str], None], seq_len: int | None, ray,
+             scores_from: str | None, t0: float) -> dict:
+    """`prepare` under the lock of its --out."""
+    paths = [p for p, _ in named]
     journal = resume.Journal(out)
+    interrupted = journal.read()  # (a journal of that name that is not prepare's is refused here, in one line)
+    if interrupted is not None and interrupted.get("stage") == stage_publish.Publish.name and journal.work.is_dir() \
+            and publish.restore_old(out):  # killed between the whole-dir swap's two renames: as before that publish
+        log(f"the interrupted prepare was killed while replacing {out}: its previous data dir is back, publishing again")
     names = [n for _, n in named]
 
     def fingerprint(given: Tokenizer | None, quality: dict | None) -> dict:
@@ -125,7 +155,7 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     # (prepare.lm_reference: the perplexity model counted here, from the files named; written to the data dir)
     reference = quality_models.reference_lm(cfg) if cfg.lm_reference else None
     quality = scoring.QualityStage.load(cfg, reference[0] if reference else None)
-    source = rescore.open_source(scores_from, quality, cfg, names) if scores_from else None
+    source = rescore.open_source(scores_from, quality, cfg, names, paths) if scores_from else None
     fp = fingerprint(given, _identity(quality, scores_from))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -166,4 +196,29 @@ def prepare(inputs: list[str], out_dir: str | Path, cfg: PrepareConfig, *, token
     log(f"wrote {out}: {manifest['documents']['train']:,} + {manifest['documents']['valid']:,} documents, "
         f"{tok['train']:,} train + {tok['valid']:,} valid tokens, {manifest['chars_per_token']:.2f} chars/token "
         f"({time.time() - t0:.1f} s)")
+    line = quality_summary(manifest)
+    if line:
+        log(line)
     return manifest
+
+
+def quality_summary(manifest: dict) -> str | None:
+    """The summary's line on what the quality filters dropped (None when none was on), with each
+    threshold a fraction resolved to: prepare's own output says it, not only `--inspect`."""
+    q = manifest.get("quality")
+    if not isinstance(q, dict):
+        return None
+    dropped = manifest.get("dropped") if isinstance(manifest.get("dropped"), dict) else {}
+    parts = []
+    for reason, key, what in (("contaminated", "decontam", "decontamination"), ("language", "language", "language"),
+                              ("perplexity", "perplexity", "perplexity"), ("quality", "classifier", "classifier")):
+        if key in q:
+            parts.append(f"{what} {int(dropped.get(reason, 0)):,}")
+    extra = []
+    if isinstance(q.get("classifier"), dict) and q["classifier"].get("top_fraction"):
+        extra.append(f"quality_top_fraction {q['classifier']['top_fraction']} -> threshold {q['classifier'].get('threshold'):.4g}")
+    if isinstance(q.get("perplexity"), dict) and q["perplexity"].get("quantiles"):
+        extra.append(f"ppl_quantiles -> [{q['perplexity'].get('min'):.4g}, {q['perplexity'].get('max'):.4g}]")
+    return (f"quality filters dropped {sum(int(dropped.get(r, 0)) for r in ('contaminated', 'language', 'perplexity', 'quality')):,} "
+            f"of {manifest.get('documents_in', 0):,} documents read ({', '.join(parts)})" + (f"; {'; '.join(extra)}" if extra else "")
+            + "; see them with prepare --inspect")

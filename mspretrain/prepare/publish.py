@@ -27,7 +27,7 @@ from mspretrain.data.origin import RECORD, origin_name, read_records
 from mspretrain.data.shards import DTYPE_CODES, HEADER_SIZE, MAGIC, data_fingerprint
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
-from mspretrain.fsutil import fsync_path
+from mspretrain.fsutil import atomic_write, file_kind, fsync_path, read_json_file
 from mspretrain.paths import SPLITS, DataPaths
 from mspretrain.prepare import dedup
 from mspretrain.prepare.clean import Cleaner
@@ -141,6 +141,34 @@ FORMAT = "mspretrain-data/1"  # every prepare has written it: what tells its man
 # Written into `out` before a file-by-file publish starts, removed after it ends: the names the
 # old and the new data dir own. A kill in between leaves it, and the rerun knows what it may replace.
 JOURNAL = ".mspretrain-prepare-publish.json"
+JOURNAL_FORMAT = "mspretrain-prepare-publish/1"  # inside JOURNAL: a file of that name without it is not ours
+# Written into the old data dir just before the whole-dir swap moves it to `.NAME.old` (`publish`):
+# a `.NAME.old` without it is not a data dir prepare moved aside, and is never removed.
+OLD_MARK = ".mspretrain-prepare-old"
+
+
+def old_dir(out: Path) -> Path:
+    """Where the whole-dir swap moves the previous data dir while the new one takes its name."""
+    return out.with_name(f".{out.name}.old")
+
+
+def _is_our_old(old: Path) -> bool:
+    """`.NAME.old` is the previous data dir a swap moved aside (it holds OLD_MARK), or what is left
+    of one a kill interrupted the removal of (`_remove_old` removes the mark last)."""
+    return old.is_dir() and not old.is_symlink() and (old / OLD_MARK).is_file()
+
+
+def _remove_old(old: Path) -> None:
+    """Remove a `.NAME.old` of ours: every entry but the mark, then the mark, then the dir, so a
+    kill at any moment leaves either nothing or a dir that still says it is ours."""
+    for p in old.iterdir():
+        if p.name != OLD_MARK:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    (old / OLD_MARK).unlink(missing_ok=True)
+    old.rmdir()
 
 
 def _names(listed: object) -> set[str] | None:
@@ -156,10 +184,15 @@ def is_ours(manifest: object) -> bool:
 
 
 def _journal(out: Path) -> set[str] | None:
-    try:
-        return _names(json.loads((out / JOURNAL).read_text(encoding="utf-8")).get("owned"))
-    except (OSError, ValueError, AttributeError):
+    """The names a killed file-by-file publish recorded (None: no journal of ours there). Read with
+    the guards of every state file (a FIFO or /dev/zero of that name is refused in one line)."""
+    p = out / JOURNAL
+    if not os.path.lexists(p):
         return None
+    d = read_json_file(p, "publish journal", f"move {p} away: prepare did not write it")
+    if not isinstance(d, dict) or d.get("format") != JOURNAL_FORMAT:
+        return None
+    return _names(d.get("owned"))
 
 
 def owned(out: Path) -> set[str]:
@@ -169,6 +202,8 @@ def owned(out: Path) -> set[str]:
     names = set(_journal(out) or ())
     if names:
         names.add(JOURNAL)
+    if (out / OLD_MARK).is_file():  # a kill between writing it and the swap
+        names.add(OLD_MARK)
     try:
         m = read_manifest(out, required={})
     except UserError:
@@ -181,7 +216,11 @@ def owned(out: Path) -> set[str]:
 def check_out(out: Path, overwrite: bool, inputs: list[Path]) -> None:
     """Before any work: `out` may become the data dir (see the module's design choices)."""
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file", "give a directory path for the data dir")
+        raise UserError(f"--out {out} is {file_kind(out)}, not a directory", "give a directory path for the data dir")
+    old = old_dir(out)
+    if os.path.lexists(old) and not _is_our_old(old):
+        raise UserError(f"{old} exists and is not a data dir prepare moved aside (no {OLD_MARK} in it); prepare would "
+                        "need its name to replace --out, and leaves it alone", f"move {old} away, or choose another --out")
     root = out.resolve()
     for p in inputs:  # `--overwrite` must never delete or replace what it is reading
         if p == root or root in p.parents:
@@ -206,8 +245,8 @@ def check_out(out: Path, overwrite: bool, inputs: list[Path]) -> None:
 
 def _read_json_or_none(path: Path) -> object:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_file(path, "manifest")
+    except UserError:
         return None
 
 
@@ -224,15 +263,27 @@ def publish(work: Path, out: Path) -> None:
     removed or replaced; anything else in `out` stays (`check_out` refused name clashes)."""
     if not out.is_dir():
         os.replace(work, out)
+        if _is_our_old(old_dir(out)):  # a swap's old dir left by a kill after its second rename: ours to remove
+            _remove_old(old_dir(out))
         return
     ours = owned(out)
     if {p.name for p in out.iterdir()} <= ours:  # all ours: swap the whole dir at once
-        old = out.with_name(f".{out.name}.old")
-        if old.exists():
-            shutil.rmtree(old)
+        old = old_dir(out)
+        if os.path.lexists(old):
+            if not _is_our_old(old):  # (check_out refused it; made since)
+                raise UserError(f"{old} appeared while prepare ran and is not ours; nothing was published",
+                                f"move {old} away and run the same command again")
+            _remove_old(old)
+        (out / OLD_MARK).write_bytes(b"")  # what makes `.NAME.old` ours (`_is_our_old`)
+        fsync_path(out)
         os.replace(out, old)
-        os.replace(work, out)
-        shutil.rmtree(old, ignore_errors=True)
+        fsync_path(out.parent)
+        os.replace(work, out)  # a kill between the two renames: `restore_old` puts the old dir back
+        fsync_path(out.parent)
+        try:
+            _remove_old(old)
+        except OSError:
+            pass
         return
     # Others' files live here too: replace ours file by file. The old manifest goes first and
     # the new one comes last, so a crash in between leaves a dir that is not a data dir (the
@@ -241,10 +292,7 @@ def publish(work: Path, out: Path) -> None:
     manifest = DataPaths(out).manifest.name
     new = {p.name for p in work.iterdir()}
     journal = out / JOURNAL
-    tmp = out / (JOURNAL + ".tmp")
-    tmp.write_text(json.dumps({"owned": sorted(ours | new)}) + "\n", encoding="utf-8")
-    fsync_path(tmp)
-    os.replace(tmp, journal)
+    atomic_write(journal, json.dumps({"format": JOURNAL_FORMAT, "owned": sorted(ours | new)}) + "\n")
     (out / manifest).unlink(missing_ok=True)
     fsync_path(out)
     for name in sorted(ours - new - {JOURNAL}):
@@ -258,3 +306,17 @@ def publish(work: Path, out: Path) -> None:
     journal.unlink()
     fsync_path(out)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def restore_old(out: Path) -> bool:
+    """After a kill between the whole-dir swap's two renames (`publish`), `out` is gone and the
+    previous data dir waits as `.NAME.old`: put it back, so the same command finds everything
+    as it was before its publish began (a `--scores-from` of its own `--out` too) and publishes
+    again. True when it did."""
+    old = old_dir(out)
+    if os.path.lexists(out) or not _is_our_old(old):
+        return False
+    os.replace(old, out)
+    (out / OLD_MARK).unlink(missing_ok=True)
+    fsync_path(out.parent)
+    return True

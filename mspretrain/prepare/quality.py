@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -114,23 +115,74 @@ def _save(path: Path, kind: str, meta: dict, arrays: dict[str, np.ndarray]) -> s
     return write_model(path, _bytes(kind, meta, arrays))
 
 
+MODEL_CAP = 64 << 20  # a model file's bytes, and its members' inflated bytes (the LM's counts: 25 MB)
+META_CAP = 1 << 20  # the JSON head of a model file
+MEMBERS = {CLASSIFIER_KIND: ("meta", "weights", "bias"), LM_KIND: ("meta", "counts", "total")}
+
+
+def _members(data: bytes, what: str, p: Path, hint: str) -> None:
+    """Check a model file's zip before numpy inflates any of it: only the members its kind has,
+    each a plain numeric .npy whose header's shape fits, all of them at most MODEL_CAP bytes
+    inflated (a zip bomb of 2 MB declaring 1.5 GB is refused before a byte is inflated)."""
+    import io
+
+    from numpy.lib import format as npformat
+
+    bad = f"{what} {p} is corrupt or not a model file"
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            infos = z.infolist()
+            names = sorted(i.filename for i in infos)
+            if names not in (sorted(m + ".npy" for m in ms) for ms in MEMBERS.values()):
+                raise UserError(f"{bad} (its members are not a quality model's)", hint)
+            total = 0
+            for i in infos:
+                total += i.file_size
+                if total > MODEL_CAP or i.file_size > (META_CAP if i.filename == "meta.npy" else MODEL_CAP):
+                    raise UserError(f"{what} {p} inflates to more than the {MODEL_CAP:,} bytes a model file holds", hint)
+                with z.open(i) as f:
+                    version = npformat.read_magic(f)
+                    if version not in ((1, 0), (2, 0)):
+                        raise UserError(bad, hint)
+                    read = npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0
+                    shape, _, dtype = read(f, max_header_size=1 << 12)
+                    count = 1
+                    for d in shape:
+                        count *= int(d)
+                    if dtype.kind not in "fiu" or dtype.hasobject or count * dtype.itemsize > i.file_size:
+                        raise UserError(f"{bad} (member {i.filename})", hint)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError, RuntimeError, TypeError, OverflowError):
+        raise UserError(bad, hint) from None
+
+
 def _load(path: str | Path, kind: str, what: str, names: tuple[str, ...]) -> tuple[dict, dict[str, np.ndarray], str]:
-    """(meta, arrays, sha256) of a model file; one-line UserError when it is missing or not one."""
+    """(meta, arrays, sha256) of a model file; one-line UserError when it is missing or not one.
+    Read with the guards of every input (a regular file, at most MODEL_CAP bytes: a directory, a
+    FIFO or /dev/zero is named as what it is), and its zip checked before numpy inflates it."""
+    import io
+
+    from mspretrain.fsutil import file_kind, loads_json, read_regular_bytes, read_regular_text, why_not
+
     p = Path(path).expanduser()
     hint = f"train it with `mspretrain quality {'train' if kind == CLASSIFIER_KIND else 'lm'}`, or fix the path in the config"
-    if not p.is_file():
-        raise UserError(f"{what} {p} does not exist", hint)
-    digest = sha256_file(p)
+    if file_kind(p) != "a file":
+        raise UserError(f"{what} {p} {why_not(p)}", hint)
+    data = read_regular_bytes(p, MODEL_CAP, what, hint)
+    digest = hashlib.sha256(data).hexdigest()
     side = p.with_name(p.name + ".sha256")
-    if side.is_file():
-        want = side.read_text(encoding="utf-8", errors="replace").split()[:1]
+    if os.path.lexists(side):
+        want = read_regular_text(side, 1 << 12, "checksum file", hint, errors="replace").split()[:1]
         if want != [digest]:
             raise UserError(f"{what} {p} is corrupt: its SHA-256 is not the one in {side.name}", hint)
+    _members(data, what, p, hint)
     try:
-        with np.load(p, allow_pickle=False) as z:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-        meta = json.loads(arrays.pop("meta").tobytes().decode())
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError):
+        head = arrays.pop("meta")
+        if head.dtype != np.uint8 or head.ndim != 1:
+            raise ValueError
+        meta = loads_json(head.tobytes().decode(), f"{what} {p}'s head", hint)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError, TypeError):
         raise UserError(f"{what} {p} is corrupt or not a model file", hint) from None
     if not isinstance(meta, dict) or meta.get("kind") != kind or meta.get("format") != FORMAT or set(names) - set(arrays):
         raise UserError(f"{what} {p} is not a {kind} file (format {FORMAT})", hint)
@@ -138,6 +190,18 @@ def _load(path: str | Path, kind: str, what: str, names: tuple[str, ...]) -> tup
         if not np.all(np.isfinite(arrays[k])):
             raise UserError(f"{what} {p} is corrupt: {k} holds non-finite numbers", hint)
     return meta, arrays, digest
+
+
+def model_kind(path: Path) -> str | None:
+    """CLASSIFIER_KIND or LM_KIND when `path` is a model file `quality` wrote (whole and checked);
+    None for anything else (what `quality --out` must not replace)."""
+    for kind, loader in ((CLASSIFIER_KIND, Classifier.load), (LM_KIND, CharLM.load)):
+        try:
+            loader(path)
+            return kind
+        except UserError:
+            continue
+    return None
 
 
 # ----------------------------------------------------------------------------- the classifier
@@ -187,13 +251,15 @@ class Classifier:
         meta, a, digest = _load(path, CLASSIFIER_KIND, "quality model", ("weights", "bias"))
         w = a["weights"].astype(np.float32)
         kind = meta.get("features", "chars")
-        if w.ndim != 1 or w.size & (w.size - 1) or kind not in FEATURES or kind == "chars" and tuple(meta.get("orders", ())) != ORDERS:
+        orders = meta.get("orders", [])
+        if (w.ndim != 1 or not w.size or w.size & (w.size - 1) or a["bias"].size != 1 or not isinstance(kind, str)
+                or kind not in FEATURES or kind == "chars" and (not isinstance(orders, list) or tuple(orders) != ORDERS)):
             raise UserError(f"quality model {path} has a feature layout this version does not read", "train it again with `mspretrain quality train`")
         if kind == "words":
             from mspretrain.prepare.words import require
 
             require()
-        return Classifier(w, float(a["bias"]), digest, str(path), kind)
+        return Classifier(w, float(a["bias"].reshape(())), digest, str(path), kind)
 
 
 def train_classifier(pos: Sequence[str], neg: Sequence[str], l2: float = 1e-6, bits: int = CLASSIFIER_BITS,
@@ -290,9 +356,9 @@ class CharLM:
     def load(path: str | Path) -> "CharLM":
         meta, a, digest = _load(path, LM_KIND, "perplexity model", ("counts", "total"))
         c = a["counts"].astype(np.float32)
-        if c.ndim != 2 or c.shape[0] != 3 or c.shape[1] & (c.shape[1] - 1):
+        if c.ndim != 2 or c.shape[0] != 3 or not c.shape[1] or c.shape[1] & (c.shape[1] - 1) or a["total"].size != 1:
             raise UserError(f"perplexity model {path} has a layout this version does not read", "train it again with `mspretrain quality lm`")
-        return CharLM(c, float(a["total"]), digest, str(path))
+        return CharLM(c, float(a["total"].reshape(())), digest, str(path))
 
 
 def _ctx_hash(cp: np.ndarray, starts: np.ndarray, n: int, end_at: np.ndarray) -> np.ndarray:
@@ -306,19 +372,45 @@ def _ctx_hash(cp: np.ndarray, starts: np.ndarray, n: int, end_at: np.ndarray) ->
     return _mix(h)
 
 
-def train_lm(texts: Sequence[str], bits: int = LM_BITS) -> tuple[np.ndarray, float]:
-    """Hashed 1-, 2-, 3-gram counts of the reference texts (float32 tables) and their characters."""
-    if not texts:
-        raise UserError("the reference set is empty (no document left after cleaning)", "name files of reference text for `mspretrain quality lm`")
+LM_SEGMENT = 1 << 18  # characters counted at once: ~72 bytes each in flight (the arrays of `ngram_hashes`), ~19 MB
+
+
+def train_lm(texts: Iterable[str], bits: int = LM_BITS) -> tuple[np.ndarray, float, int]:
+    """Hashed 1-, 2-, 3-gram counts of the reference texts (float32 tables), their characters, and
+    how many texts there were. Streaming, in bounded memory whatever the reference's size: texts
+    are taken `LM_SEGMENT` characters at a time, a long one cut into segments that overlap by the
+    two characters a trigram reaches past a cut; the overlap's own 1- and 2-grams, which both
+    segments count, are counted once back (`sub`), so the counts are exactly the whole texts'."""
     counts = np.zeros((3, 1 << bits), dtype=np.float64)
     mask = np.uint64((1 << bits) - 1)
-    for i in range(0, len(texts), 4096):  # bounded memory: a few thousand documents at a time
-        cp, starts = codepoints(texts[i: i + 4096])
+    add: list[str] = []
+    sub: list[str] = []
+    size = docs = 0
+
+    def count(group: list[str], sign: float) -> None:
+        cp, starts = codepoints(group)
         room, doc = layout(starts)
         for k in (1, 2, 3):
             h, _ = ngram_hashes(cp, starts, k, room, doc)
-            counts[k - 1] += np.bincount((h & mask).astype(np.int64), minlength=1 << bits)
-    return counts.astype(np.float32), float(counts[0].sum())
+            if h.size:
+                counts[k - 1] += sign * np.bincount((h & mask).astype(np.int64), minlength=1 << bits)
+
+    for t in texts:
+        docs += 1
+        for at in range(0, len(t), LM_SEGMENT):
+            add.append(t[at: at + LM_SEGMENT + 2])
+            size += len(add[-1])
+            if at + LM_SEGMENT < len(t):
+                sub.append(t[at + LM_SEGMENT: at + LM_SEGMENT + 2])  # the next segment's start, counted there too
+            if size >= LM_SEGMENT:
+                count(add, 1.0)
+                count(sub, -1.0)
+                add, sub, size = [], [], 0
+    count(add, 1.0)
+    count(sub, -1.0)
+    if not docs:
+        raise UserError("the reference set is empty (no document left after cleaning)", "name files of reference text for `mspretrain quality lm`")
+    return counts.astype(np.float32), float(counts[0].sum()), docs
 
 
 def lm_bytes(counts: np.ndarray, total: float, report: dict) -> bytes:
@@ -337,26 +429,35 @@ def reference_lm(cfg) -> tuple[CharLM, bytes]:
     """The character LM of `prepare.lm_reference` (`cfg`: a PrepareConfig), counted here as
     `quality lm` counts it (the same bytes for the same files and rules), and its file's bytes,
     which prepare writes to the data dir as REFERENCE_LM."""
-    texts = read_cleaned(list(cfg.lm_reference), cfg)
-    counts, total = train_lm(texts)
-    data = lm_bytes(counts, total, {"documents": len(texts), "characters": int(total)})
+    counts, total, docs = train_lm(iter_cleaned(list(cfg.lm_reference), cfg))
+    data = lm_bytes(counts, total, {"documents": docs, "characters": int(total)})
     return CharLM(counts, total, hashlib.sha256(data).hexdigest(), REFERENCE_LM), data
 
 
-def read_cleaned(inputs: list[str], cfg) -> list[str]:
+def input_paths(inputs: list[str]) -> list[Path]:
+    """The files `inputs` name (files, dirs, globs), as `prepare` finds them."""
+    from mspretrain.prepare import sources
+
+    return [p for p, _ in sources.discover_named(inputs, sources.SourceStats())]
+
+
+def iter_cleaned(inputs: list[str], cfg) -> Iterator[str]:
     """The documents of `inputs`, read as `prepare` reads them (`cfg.doc_per_line`,
-    `cfg.text_field`) and cleaned by its rules (`cfg`: a PrepareConfig)."""
+    `cfg.text_field`) and cleaned by its rules (`cfg`: a PrepareConfig), a batch at a time."""
     from mspretrain.prepare import sources
     from mspretrain.prepare.clean import Cleaner
 
     stats = sources.SourceStats()
     paths = [p for p, _ in sources.discover_named(inputs, stats)]
     cleaner = Cleaner(cfg)
-    out: list[str] = []
     for batch in sources.iter_batches(paths, doc_per_line=cfg.doc_per_line, text_field=cfg.text_field, stats=stats,
                                       warn=lambda m: None):
-        out += [t for t in cleaner.clean_many(batch) if t is not None]
-    return out
+        yield from (t for t in cleaner.clean_many(batch) if t is not None)
+
+
+def read_cleaned(inputs: list[str], cfg) -> list[str]:
+    """`iter_cleaned` as a list (the classifier trains on all of its documents at once)."""
+    return list(iter_cleaned(inputs, cfg))
 
 
 # ----------------------------------------------------------------------------- language identification

@@ -34,7 +34,6 @@ with the corpus. `prepare --inspect` takes its percentiles the same way.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
 from mspretrain.errors import UserError
+from mspretrain.fsutil import read_json_file
 from mspretrain.prepare import sources
 from mspretrain.prepare.scoring import HEADER, RECORD, SCORES, QualityStage, Scored, ScoreSource, read_scores
 
@@ -53,7 +53,8 @@ BLOCK = 1 << 18  # records read at once (9.7 MB)
 
 # ----------------------------------------------------------------------------- --scores-from
 
-def open_source(data_dir: str, stage: QualityStage | None, cfg: PrepareConfig, names: list[str]) -> ScoreSource:
+def open_source(data_dir: str, stage: QualityStage | None, cfg: PrepareConfig, names: list[str],
+                paths: list[Path] | None = None) -> ScoreSource:
     """`--scores-from DATA_DIR`: its sidecar, refused in one line unless it holds the scores of
     every filter this run has on, made by the same models and this version of mspretrain, from
     the same input files cleaned by the same rules. (Each document is checked again when its
@@ -67,13 +68,10 @@ def open_source(data_dir: str, stage: QualityStage | None, cfg: PrepareConfig, n
     side, man = d / SCORES, d / "manifest.json"
     if not side.is_file() or not man.is_file():
         raise UserError(f"--scores-from {d}: no {SCORES} and manifest.json there (not a data dir prepared with a quality filter)", fix)
-    try:
-        m = json.loads(man.read_text(encoding="utf-8"))
-        old = m["quality"]
-        if not isinstance(old, dict):
-            raise TypeError
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"--scores-from {d}: its manifest.json names no quality models", fix) from None
+    m = read_json_file(man, "manifest", fix)  # a regular file, bounded, not nested past the stack
+    old = m.get("quality") if isinstance(m, dict) else None
+    if not isinstance(old, dict):
+        raise UserError(f"--scores-from {d}: its manifest.json names no quality models", fix)
     r = read_scores(side)
     if r.dtype != RECORD:
         raise UserError(f"--scores-from {d}: its {SCORES} predates the per-document keys (version 1)", fix)
@@ -103,6 +101,19 @@ def open_source(data_dir: str, stage: QualityStage | None, cfg: PrepareConfig, n
     files = m.get("input_files") if isinstance(m.get("input_files"), list) else []
     if len(files) != len(names):
         raise UserError(f"--scores-from {d} was prepared from {len(files)} input files, these are {len(names)}", fix)
+    if stage.by_fraction and paths is not None:
+        # A fraction's threshold is taken over every record of the sidecar: the source's inputs must
+        # be these, whole. (A prefix of them passed every per-document check, and the threshold
+        # counted documents this run does not have.) Another size is refused here; the same size
+        # with other documents, by the per-document lookup.
+        for i, (p, f) in enumerate(zip(paths, files)):
+            had = f.get("bytes") if isinstance(f, dict) else None
+            size = p.stat().st_size
+            if had != size:
+                raise UserError(f"--scores-from {d} read {had if isinstance(had, int) else '?'} bytes of input file #{i + 1} "
+                                f"({f.get('name') if isinstance(f, dict) else '?'}), this run's {p} has {size:,}: the thresholds "
+                                "prepare.quality_top_fraction / ppl_quantiles resolve to would count documents this run does not have",
+                                "run prepare without --scores-from (it scores these inputs), or with the same inputs as that prepare")
     return ScoreSource(str(side.resolve()))
 
 

@@ -44,7 +44,7 @@ from typing import Callable
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
 from mspretrain.errors import UserError
-from mspretrain.fsutil import atomic_write, cut_back
+from mspretrain.fsutil import atomic_write, cut_back, read_json_file
 from mspretrain.prepare.publish import fsync_all
 
 # The journal's format. 2: the chain's first stage may be the score scan ("scan"), and a fresh
@@ -56,6 +56,10 @@ COMMIT_SECONDS = 10.0  # at most this much time between commits (MSPRETRAIN_PREP
 MIN_COMMIT_SECONDS = 1.0  # at least this much: bounds the commits' cost (a few fsyncs each) to a few % of the stage
 STATE_DIR = ".resume"  # in the work dir; never published
 WORK_MARK = "prepare-work"  # in STATE_DIR: the work dir is prepare's own (see Journal._ours)
+# The journal's own keys: what makes a file of its name prepare's (`Journal.read`). `check` is the
+# SHA-256 of the rest, so a journal edited by hand or damaged (a negative offset, a stage no chain
+# has, a list where a count was) is never resumed from: every value a resume reads is one a commit wrote.
+FORMAT = "mspretrain-prepare-progress"
 
 
 _background: threading.Thread | None = None  # the latest background commit (for `point`'s test kill only)
@@ -149,11 +153,23 @@ class Journal:
 
     # ---------------------------------------------------------------- start
     def read(self) -> dict | None:
-        try:
-            d = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        """The journal's data; None when there is none. A file of its name that prepare did not
+        write as it is now (a user's, one edited by hand or damaged, a FIFO, a link to /dev/zero)
+        is refused in one line and left as it is: read with the guards of every state file
+        (a regular file, bounded, not nested past the stack)."""
+        if not os.path.lexists(self.path):
             return None
-        return d if isinstance(d, dict) and d.get("version") == VERSION and isinstance(d.get("fingerprint"), dict) else None
+        fix = (f"move {self.path} away (prepare never replaces a file it did not write); if it was prepare's, "
+               f"delete it and {self.work} to start over")
+        d = read_json_file(self.path, "progress journal", fix)
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise UserError(f"{self.path} is not a progress journal prepare wrote (no \"format\": \"{FORMAT}\")", fix)
+        body = {k: v for k, v in d.items() if k != "check"}
+        if d.get("check") != _check(body):
+            raise UserError(f"progress journal {self.path} was changed after prepare wrote it (its check sum does not match)", fix)
+        if d.get("version") != VERSION or not isinstance(d.get("fingerprint"), dict):
+            return None  # another version's: not resumed (the fingerprint names the version)
+        return body
 
     def open(self, fp: dict) -> str:
         """Before any work: "fresh" (a new work dir), "resume" (the journal's stage is in `data`),
@@ -164,25 +180,34 @@ class Journal:
             if why is not None:
                 raise UserError(f"{self.work} holds an interrupted prepare of other inputs or another command: {why}",
                                 f"rerun the original command to resume it, or delete {self.work} and {self.path} to start over")
+            _regular_only(self.work, self.path)
             self.data = old
             return "resume"
         if self.work.is_symlink() or (self.work.exists() and not self._ours()):
             raise UserError(f"{self.work} exists and is not a work dir `mspretrain prepare` left (no {STATE_DIR}/{WORK_MARK}); "
                             "prepare does not delete it", "move it away (or delete it if it is yours to lose), or choose another --out")
         shutil.rmtree(self.work, ignore_errors=True)  # left over by a crashed run that had not started its journal
-        self.work.mkdir()
-        self.state_dir.mkdir()
-        (self.state_dir / WORK_MARK).write_text("prepare\n", encoding="utf-8")  # what makes a journal-less work dir ours
+        # made under a name of its own with the mark inside, then renamed: a `.NAME.partial` without
+        # the mark (an empty one too) is never prepare's, so a user's dir of that name is never removed
+        import tempfile
+
+        from mspretrain.fsutil import new_file_mode
+
+        tmp = Path(tempfile.mkdtemp(prefix=f"{self.work.name}.", suffix=".new", dir=self.work.parent))
+        os.chmod(tmp, new_file_mode(self.work, directory=True))
+        (tmp / STATE_DIR).mkdir()
+        (tmp / STATE_DIR / WORK_MARK).write_text("prepare\n", encoding="utf-8")  # what makes a journal-less work dir ours
+        os.rename(tmp, self.work)
         self.data = {"version": VERSION, "fingerprint": fp}  # no stage yet: the runner names the chain's first (`pipeline.run`)
         self.commit()
         return "fresh"
 
     def _ours(self) -> bool:
         """A work dir without a journal may be deleted only if prepare made it: it holds the mark
-        (written right after the mkdir) or nothing (killed in between). `.NAME.partial` was removed
-        whatever it held, a user's dir of that name included."""
+        (`open` makes the dir under another name and renames it with the mark inside).
+        `.NAME.partial` was once removed whatever it held, a user's dir of that name included."""
         try:
-            return self.work.is_dir() and ((self.state_dir / WORK_MARK).is_file() or not any(self.work.iterdir()))
+            return self.work.is_dir() and not self.work.is_symlink() and (self.state_dir / WORK_MARK).is_file()
         except OSError:
             return False
 
@@ -208,7 +233,8 @@ class Journal:
         for first, so journals land in order."""
         self.wait()
         self.data.update(fields)
-        text = json.dumps(self.data, ensure_ascii=False) + "\n"
+        self.data["format"] = FORMAT
+        text = json.dumps({**self.data, "check": _check(self.data)}, ensure_ascii=False) + "\n"
         self._last, self._units = time.monotonic(), 0
         if not background:
             _durable(list(fsync), self.path, text)
@@ -242,6 +268,28 @@ class Journal:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _regular_only(work: Path, journal: Path) -> None:
+    """A work dir to resume holds only what prepare writes there: directories and regular files.
+    A FIFO, a device or a symbolic link in it (a damaged or tampered work dir) would hang a resume
+    or read without end; it is refused in one line before anything is read."""
+    for root, dirs, files in os.walk(work):
+        for name in dirs + files:
+            p = Path(root) / name
+            if p.is_symlink() or not (p.is_dir() or p.is_file()):
+                from mspretrain.fsutil import file_kind
+
+                raise UserError(f"{p} is {'a symbolic link' if p.is_symlink() else file_kind(p)}, which prepare never writes into "
+                                "its work dir: the interrupted prepare's work dir was changed after the kill",
+                                f"delete {work} and {journal} to start over")
+
+
+def _check(data: dict) -> str:
+    """The journal's check sum: SHA-256 of its canonical JSON (without `check`)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(data, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
 
 
 def _durable(fsync: list[Path], path: Path, text: str) -> None:

@@ -222,6 +222,7 @@ class QualityStage:
         out: dict = {"scores": SCORES, "reasons": list(REASONS)}
         if self.evals is not None:
             out["decontam"] = {"ngram": self.evals.n, "ngrams": int(self.evals.hashes.size),
+                               **({"whole_items": self.evals.size - int(self.evals.hashes.size)} if self.evals.whole else {}),
                                "sets": [{"path": p, "sha256": h} for p, h in self.evals.files]}
         if self.langid is not None:
             out["language"] = {"model": "py3langid " + _version("py3langid"), "min_zh_prob": self.min_zh}

@@ -8,6 +8,7 @@ at the stage the journal names: a run killed anywhere resumes at the stage it wa
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -21,7 +22,8 @@ import numpy as np
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data.tokenizer import Tokenizer
-from mspretrain.fsutil import atomic_write
+from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_write, read_regular_bytes
 from mspretrain.prepare import dedup, sources
 from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
 from mspretrain.prepare.resume import Journal
@@ -99,9 +101,21 @@ class Run:
             if sink is not None:
                 sink.outs, sink.origins = outs, origins
         atomic_write(self.journal.state_path(f"state-{name}.pkl"), data)
+        # its SHA-256 goes into the journal with the commit that names it (the caller's next commit)
+        self.journal.data.setdefault("state_sha256", {})[name] = hashlib.sha256(data).hexdigest()
 
     def load_state(self, name: str) -> dict:
-        return pickle.loads(self.journal.state_path(f"state-{name}.pkl").read_bytes())
+        """A stage's state, unpickled only when its bytes are the ones the journal's commit
+        recorded (the journal itself is check-summed): a state file changed after the kill (a
+        damaged disk, a hand) is refused in one line, never unpickled."""
+        path = self.journal.state_path(f"state-{name}.pkl")
+        fix = f"delete {self.journal.work} and {self.journal.path} to start over"
+        data = read_regular_bytes(path, 1 << 40, "prepare state file", fix)
+        want = (self.journal.data.get("state_sha256") or {}).get(name)
+        if want != hashlib.sha256(data).hexdigest():
+            raise UserError(f"{path} is not the state file the interrupted prepare's last commit recorded (its SHA-256): "
+                            "the work dir was changed after the kill", fix)
+        return pickle.loads(data)
 
     def remove_later(self, path: Path) -> None:
         """Remove a scratch directory (pass 1's chunk files, the dedup partitions) in a child

@@ -5,10 +5,11 @@ a kill from then on resumes here, or finds the data dir already in place (`alrea
 or, killed while publishing file by file, starts over (`torn`)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
+from mspretrain.errors import UserError
+from mspretrain.fsutil import read_json_file
 from mspretrain.paths import DataPaths
 from mspretrain.prepare import publish
 from mspretrain.prepare.resume import Journal, difference, point
@@ -28,7 +29,7 @@ class Publish(Stage):
     def resume(self, r: Run) -> None:
         """The work dir is the finished data dir: its manifest is the run's result."""
         r.log(f"resuming the interrupted prepare: publishing {r.out}")
-        r.manifest = json.loads(DataPaths(r.work).manifest.read_text(encoding="utf-8"))
+        r.manifest = read_json_file(DataPaths(r.work).manifest, "manifest")
 
 
 def torn(journal: Journal) -> bool:
@@ -40,10 +41,10 @@ def torn(journal: Journal) -> bool:
 def _complete(work: Path) -> bool:
     """The work dir still holds every output its manifest lists (nothing was published yet)."""
     try:
-        listed = json.loads(DataPaths(work).manifest.read_text(encoding="utf-8"))["outputs"]
-    except (OSError, ValueError, KeyError, TypeError):
+        listed = read_json_file(DataPaths(work).manifest, "manifest")["outputs"]
+    except (UserError, KeyError, TypeError):
         return False
-    return all((work / n).exists() for n in listed)
+    return isinstance(listed, list) and all(isinstance(n, str) and (work / n).exists() for n in listed)
 
 
 def already_published(journal: Journal, out: Path, fingerprint: Callable[[], dict], log: Callable[[str], None]) -> dict | None:
@@ -55,6 +56,10 @@ def already_published(journal: Journal, out: Path, fingerprint: Callable[[], dic
         return None
     if difference(old["fingerprint"], fingerprint()) is not None:
         return None
+    manifest = read_json_file(DataPaths(out).manifest, "manifest")
     journal.remove()
+    old = publish.old_dir(out)
+    if publish._is_our_old(old):  # killed before the swap's old dir was removed
+        publish._remove_old(old)
     log(f"{out} was already published by the interrupted prepare of the same command")
-    return json.loads(DataPaths(out).manifest.read_text(encoding="utf-8"))
+    return manifest

@@ -142,6 +142,13 @@ class ReplaySample(Replay):
         pass  # pass 1's chunk files and spool stay: the encode stage reads the texts from them
 
 
+# the quality stage's drop reasons (`scoring.REASONS`): the filter, and the settings that decide it
+FILTER_KEYS = {"contaminated": ("decontamination", "prepare.decontam / prepare.decontam_ngram"),
+               "language": ("language filter", "prepare.min_zh_prob"),
+               "perplexity": ("perplexity band", "prepare.ppl_min / ppl_max / ppl_quantiles"),
+               "quality": ("quality classifier", "prepare.quality_threshold / quality_top_fraction")}
+
+
 def _check_kept(r: Run, sink: Sink) -> None:
     """Refuse a run that kept no document, saying why; else log what it kept."""
     if sink.docs["train"] + sink.docs["valid"] == 0 and r.stats.files == 0:
@@ -151,6 +158,14 @@ def _check_kept(r: Run, sink: Sink) -> None:
                         "the warnings above say why for each file; prepare reads UTF-8 / GB18030 text (.txt, .jsonl, optionally .gz / .zst)")
     if sink.docs["train"] + sink.docs["valid"] == 0:
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(sink.dropped.items())) or "none"
+        by_filter = {k: v for k, v in sink.dropped.items() if k in FILTER_KEYS and v}
+        if by_filter and 2 * sum(by_filter.values()) >= sum(sink.dropped.values()):
+            # the quality filters dropped (most of) them: name them, not the inputs
+            worst = max(by_filter, key=lambda k: by_filter[k])
+            raise UserError(f"no documents left: {sink.docs_in} read, all dropped, {sum(by_filter.values()):,} of them by the quality "
+                            f"filters (dropped: {dropped}); the {FILTER_KEYS[worst][0]} dropped the most",
+                            f"relax {FILTER_KEYS[worst][1]} (see what each threshold keeps with prepare --inspect on a run that "
+                            "keeps some), or check the model against these inputs")
         raise UserError(f"no documents left: {sink.docs_in} read, all dropped (dropped: {dropped})",
                         "check the inputs (--text-field for .jsonl, --doc-per-line for .txt), or relax prepare.min_chars and the filters")
     kept = sink.docs["train"] + sink.docs["valid"]

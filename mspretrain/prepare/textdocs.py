@@ -302,7 +302,7 @@ def jsonl_record(line: str, text_field: str, counts: FileCounts) -> list[str]:
         return []
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the stack: `[[[[...` of 100 K brackets is no record either)
         counts.jsonl_broken += 1
         return []
     text = record.get(text_field) if isinstance(record, dict) else None

@@ -66,7 +66,9 @@ class PrepareConfig(Section):
     ppl_max: float = 0.0  # drop documents whose perplexity is above this (0 = no upper bound)
     ppl_quantiles: tuple = ()  # instead: [lo, hi], keep the perplexity band between these quantiles (e.g. [0, 0.6])
     min_zh_prob: float = 0.0  # drop documents whose P(Chinese) by py3langid is below this (0 = off)
-    decontam: tuple = ()  # eval sets (C-Eval/CMMLU .csv / .jsonl files or dirs): drop documents sharing an n-gram with them
+    # eval sets (C-Eval/CMMLU .csv / .jsonl files or dirs): drop documents sharing an n-gram with an item (its
+    # question with labelled options, its options in order) or holding whole one shorter than n (operators.md §14)
+    decontam: tuple = ()
     decontam_ngram: int = 13  # n of the character n-grams decontamination matches (after normalising)
 
     def check(self) -> None:
