@@ -80,6 +80,9 @@ class FakeCheckpoints:
     def close(self) -> None:
         self.closed = True
 
+    def after_update(self) -> None:  # the EMA hook (train.ema_decay): none kept here
+        pass
+
     def latest_name(self) -> str:
         return "scratch"
 
