@@ -155,7 +155,7 @@ def _nothing_written(run: Path, tmp_path: Path) -> None:
     assert not list(tmp_path.glob("out*"))
 
 
-@pytest.mark.parametrize("case", ["shape", "names", "family", "missing", "corrupt", "too_few"])
+@pytest.mark.parametrize("case", ["shape", "names", "family", "missing", "corrupt", "too_few", "into_checkpoints"])
 def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, case):
     run = tmp_path / "run"
     _write_whole(run, 1, _tensors(1))
@@ -180,11 +180,16 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, case):
         (d / "model.safetensors").write_bytes(bytes(blob))
         argv = ["average", run, "--steps", "1,2,3", "--out", tmp_path / "out"]
         needle = "step_000003 does not verify"
+    elif case == "into_checkpoints":
+        argv = ["average", run, "--last", "2", "--out", run / "checkpoints" / "step_000003"]
+        needle = "would be taken for a training checkpoint"
     else:
         needle = "--last asks for 3"
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
     code, _, err = cli(capsys, *argv)
     assert_refusal(code, err, needle)
     _nothing_written(run, tmp_path)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
 def test_peak_memory_is_about_one_tensor_not_the_model(tmp_path):

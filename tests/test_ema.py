@@ -78,11 +78,16 @@ def test_average_from_ema_makes_the_ema_a_checkpoint(ema_run, tmp_path, capsys):
     assert all(np.array_equal(got[k], want[k]) for k in want)
     state = json.loads((out / "train_state.json").read_text())
     assert state["averaged"]["from_ema"] and list(state["averaged"]["sources"][0]["sha256"]) == ["ema.safetensors"]
-    # a run without an EMA: refused in one line, nothing written
-    code, _, err = cli(capsys, "average", ema_run, "--last", "1", "--out", tmp_path / "plain")
-    assert code == 0, err
-    code, _, err = cli(capsys, "average", tmp_path / "plain", "--last", "1", "--from-ema")  # not a run dir: no checkpoints
-    assert code == 2
+    # a checkpoint without an EMA: refused in one line, nothing written
+    from mspretrain import config as cfgmod
+    from mspretrain.checkpoint import store
+
+    plain = tmp_path / "plain"
+    store.write_checkpoint_dir(plain / "checkpoints" / "step_000001", step=1, model={"w": np.zeros(4, np.float32)}, optimizer=None,
+                               train_state={}, data_state=None, config=cfgmod.load(TINY))
+    code, _, err = cli(capsys, "average", plain, "--last", "1", "--from-ema")
+    assert_refusal(code, err, "holds no EMA")
+    assert not (plain / "averaged").exists()
 
 
 def test_bad_decays_and_unsupported_layouts_are_refused_in_one_line(capsys, tiny_data, tmp_path):

@@ -208,6 +208,9 @@ def average(sources: list[Source], weights: list[float], out_dir: Path, *, metho
         if p.exists() or p.is_symlink():
             raise UserError(f"{p} already exists", "choose another --out (average never overwrites; "
                             "a .tmp dir is left by an interrupted average: remove it)")
+    if out_dir.parent.name == "checkpoints" and store.STEP_RE.match(out_dir.name):
+        raise UserError(f"{out_dir} would be taken for a training checkpoint of that run (resume, pruning)",
+                        "write the average outside checkpoints/ (the default is RUN_DIR/averaged/)")
     newest = store.resolve_checkpoint(sources[-1].dir)  # its config and tokenizer go with the average
     configs = [cfgmod.load(s.dir / store.CONFIG_FILE) for s in sources[:-1]] + [newest.config]
     with _views(sources, from_ema) as dirs:
@@ -232,6 +235,8 @@ def average(sources: list[Source], weights: list[float], out_dir: Path, *, metho
                                               data_state=None, config=newest.config, tokenizer_path=newest.tokenizer_path,
                                               collect=stream)
         except store.SaveError as exc:
+            if isinstance(exc.__cause__, UserError):  # a source that could not be read (model_shards' reader)
+                raise exc.__cause__ from None
             raise UserError(f"cannot write {out_dir}: {exc}", "free disk space (or fix permissions) and run the same command") from None
 
 
