@@ -5,9 +5,10 @@ On the demo corpus (chinese-poetry from npm, the quick demo's 12,000 poems) a sm
 constant learning rate, a checkpoint every `--every` steps. For each seed it scores three models of the same training budget (`--steps`):
   last     the last checkpoint of the constant-lr run;
   avg-N    `mspretrain average RUN --last N` of that run (uniform);
-  decay    the run's checkpoint at steps - decay_steps resumed with a linear decay to 0 over the
-           last `--decay-steps` steps (schedule.kind=wsd: before the decay it is the constant run,
-           bit for bit), i.e. the same steps and tokens as `last`.
+  decay    the run's newest checkpoint at or before steps - decay_steps, resumed with a linear
+           decay to 0 over the last `--decay-steps` steps (schedule.kind=wsd: before the decay its
+           lr is the constant run's, so those steps are the constant run's, bit for bit on CPU),
+           i.e. the same steps and tokens as `last`.
 Each is scored by valid perplexity (`mspretrain eval --json`, the whole valid split) and by
 `eval --choices` accuracy on a poetry cloze from held-out poems of the corpus (`cloze_file`):
 title and first half-line as context, the true second half against three of the same length.
