@@ -155,7 +155,7 @@ def _nothing_written(run: Path, tmp_path: Path) -> None:
     assert not list(tmp_path.glob("out*"))
 
 
-@pytest.mark.parametrize("case", ["shape", "names", "family", "missing", "corrupt", "too_few", "into_checkpoints"])
+@pytest.mark.parametrize("case", ["shape", "names", "family", "missing", "corrupt", "too_few", "into_checkpoints", "decay"])
 def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, case):
     run = tmp_path / "run"
     _write_whole(run, 1, _tensors(1))
@@ -180,6 +180,9 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, case):
         (d / "model.safetensors").write_bytes(bytes(blob))
         argv = ["average", run, "--steps", "1,2,3", "--out", tmp_path / "out"]
         needle = "step_000003 does not verify"
+    elif case == "decay":
+        argv = ["average", run, "--last", "2", "--ema", "1", "--out", tmp_path / "out"]
+        needle = "--ema 1.0 is not a decay in (0, 1)"
     elif case == "into_checkpoints":
         argv = ["average", run, "--last", "2", "--out", run / "checkpoints" / "step_000003"]
         needle = "would be taken for a training checkpoint"

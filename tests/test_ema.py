@@ -167,3 +167,31 @@ def test_zero3_ranks_keep_and_save_their_slices_which_read_back_at_any_world(tmp
     for k, v in zip(one.keys, one.values):
         assert np.array_equal(v, want[k].reshape(-1)), k
     assert math.isfinite(float(sum(v.sum() for v in one.values)))
+
+
+def test_a_checkpoint_without_an_ema_starts_one_afresh_and_says_so(tmp_path):
+    """train.ema_decay turned on for a run whose checkpoints have none (or all steps skipped so
+    far): the resume logs it, and the next applied step starts the average at its weights."""
+    from mspretrain import config as cfgmod
+    from mspretrain.checkpoint import store
+    from mspretrain.train.ema import WeightEMA
+
+    class P:
+        def __init__(self, x):
+            self.x, self.shape, self.name = x, x.shape, "w"
+
+        def asnumpy(self):
+            return self.x
+
+    p = P(np.arange(6, dtype=np.float32).reshape(2, 3))
+    ema = WeightEMA(DECAY, [p], keys=["w"], file_name="ema.safetensors", shapes=None, wanted={})
+    assert ema.files(1) == {}  # nothing to save before the first update
+    ema.update()
+    ckpt = store.write_checkpoint_dir(tmp_path / "step_000001", step=1, model={"w": p.x}, optimizer=None, train_state={},
+                                      data_state=None, config=cfgmod.load(TINY))
+    said = []
+    ema.load(ckpt, said.append)
+    assert ema.values is None and "holds no EMA" in said[0]
+    p.x = p.x + 1
+    ema.update()
+    assert np.array_equal(ema.files(2)["ema.safetensors"][0]["w"], p.x)
