@@ -245,3 +245,23 @@ def test_the_average_of_a_real_run_is_taken_by_eval_generate_export_and_init_fro
                        "--quiet", "train.max_steps=1", "model.n_layers=1", "eval.at_end=false", "schedule.warmup_steps=0")
     assert code == 0, err
     assert (tmp_path / "run2" / "checkpoints" / "step_000001" / "manifest.json").is_file()
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    """A full disk while the mean is streamed: one line, no output dir, no .tmp, no new parent dir."""
+    import errno
+
+    from mspretrain.checkpoint import average as avg
+
+    run = tmp_path / "run"
+    _write_whole(run, 1, _tensors(1))
+    _write_whole(run, 2, _tensors(2))
+
+    def full(path, *a, **k):
+        Path(path).write_bytes(b"x")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(avg, "weighted_mean_file", full)
+    code, _, err = cli(capsys, "average", run, "--last", "2")
+    assert_refusal(code, err, "No space left on device")
+    assert not (run / "averaged").exists()

@@ -229,12 +229,18 @@ def average(sources: list[Source], weights: list[float], out_dir: Path, *, metho
             return {MODEL_FILE: {"sha256": store._sha256(target), "bytes": target.stat().st_size}}
 
         log(f"averaging {len(sources)} checkpoint(s) into {out_dir}")
+        made = [p for p in reversed(out_dir.parents) if not p.exists()]  # removed again if the write fails
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
             return store.write_checkpoint_dir(out_dir, step=sources[-1].step, model={}, optimizer=None, train_state=record,
                                               data_state=None, config=newest.config, tokenizer_path=newest.tokenizer_path,
                                               collect=stream)
         except store.SaveError as exc:
+            for p in reversed(made):
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
             if isinstance(exc.__cause__, UserError):  # a source that could not be read (model_shards' reader)
                 raise exc.__cause__ from None
             raise UserError(f"cannot write {out_dir}: {exc}", "free disk space (or fix permissions) and run the same command") from None
