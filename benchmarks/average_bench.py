@@ -1,10 +1,13 @@
 """Checkpoint averaging against the last checkpoint and a short linear decay (issue 53, item 5).
 
 On the demo corpus (chinese-poetry from npm, the quick demo's 12,000 poems) a small model
-(configs/tiny.toml's shape: dim 64, 2 layers; vocab 7,100 as the quick demo) trains with a warm-up and then a
-constant learning rate, a checkpoint every `--every` steps. For each seed it scores three models of the same training budget (`--steps`):
+(configs/tiny.toml's shape: dim 64, 2 layers; vocab 7,100 as the quick demo) trains with a
+warm-up and then a constant learning rate, a checkpoint every `--every` steps. For each seed it
+scores four models of the same training budget (`--steps`):
   last     the last checkpoint of the constant-lr run;
   avg-N    `mspretrain average RUN --last N` of that run (uniform);
+  ema      the EMA of the weights that run kept (train.ema_decay, `--ema-decay`), at its last step
+           (`mspretrain average RUN --last 1 --from-ema`);
   decay    the run's newest checkpoint at or before steps - decay_steps, resumed with a linear
            decay to 0 over the last `--decay-steps` steps (schedule.kind=wsd: before the decay its
            lr is the constant run's, so those steps are the constant run's, bit for bit on CPU),
@@ -16,7 +19,7 @@ title and first half-line as context, the true second half against three of the 
 Also `--ema-cost`: the host-side cost of train.ema_decay's update (train/ema.py, numpy, float32)
 per element, against a plain copy of the same bytes, extrapolated to a 7B model.
 
-    python benchmarks/average_bench.py --out /tmp/avg-bench            # two seeds
+    python benchmarks/average_bench.py --out /tmp/avg-bench            # two seeds, ~6 min of CPU
     python benchmarks/average_bench.py --ema-cost
 """
 from __future__ import annotations
@@ -87,11 +90,13 @@ def one_seed(work: Path, data: Path, choices: Path, seed: int, a: argparse.Names
               f"schedule.warmup_steps={a.warmup}", f"optim.lr={a.lr}", f"train.global_batch={a.batch}", "data.seq_len=64",
               "eval.at_end=false", "eval.every=0", f"checkpoint.every={a.every}", "checkpoint.keep_last=1000", "prepare.vocab_size=7100"]
     t0 = time.perf_counter()
-    cli("train", *common, "--run", run, "schedule.kind=constant")
+    cli("train", *common, "--run", run, "schedule.kind=constant", f"train.ema_decay={a.ema_decay}")
     t_train = time.perf_counter() - t0
     last = run / "checkpoints" / f"step_{a.steps:06d}"
     avg = work / f"avg{a.last}-s{seed}"
     cli("average", run, "--last", a.last, "--out", avg, "--quiet")
+    ema = work / f"ema-s{seed}"
+    cli("average", run, "--last", 1, "--from-ema", "--out", ema, "--quiet")  # the run's own EMA at the last step
     # the decay branch: the constant run as it was at steps - decay_steps, resumed with WSD's linear decay
     start = a.steps - a.decay_steps
     branch = work / f"decay-s{seed}"
@@ -101,7 +106,7 @@ def one_seed(work: Path, data: Path, choices: Path, seed: int, a: argparse.Names
         "schedule.min_lr_ratio=0", "--allow-config-change")
     decay = branch / "checkpoints" / f"step_{a.steps:06d}"
     out = {"seed": seed, "train_s": round(t_train, 1)}
-    for name, ck in (("last", last), (f"avg{a.last}", avg), ("decay", decay)):
+    for name, ck in (("last", last), (f"avg{a.last}", avg), ("ema", ema), ("decay", decay)):
         out[name] = score(ck, data, choices)
         print(f"seed {seed} {name:>6}: {out[name]}", flush=True)
     return out
@@ -144,12 +149,13 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/average-bench")
     ap.add_argument("--poems", type=int, default=12_000, help="poems of the demo corpus to train on (the quick demo's)")
     ap.add_argument("--seeds", default="1,2")
-    ap.add_argument("--steps", type=int, default=240)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--last", type=int, default=4)
-    ap.add_argument("--decay-steps", type=int, default=48)
+    ap.add_argument("--decay-steps", type=int, default=120)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--ema-decay", type=float, default=0.99, help="train.ema_decay of the constant-lr run")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--items", type=int, default=200)
     ap.add_argument("--ema-cost", action="store_true")
@@ -175,11 +181,12 @@ def main() -> None:
     print(f"\n{a.steps} steps (warm-up {a.warmup}, constant lr {a.lr}), checkpoint every {a.every}, "
           f"avg of the last {a.last}, decay over the last {a.decay_steps}; {time.perf_counter() - t0:.0f} s wall")
     print(f"{'model':>8} " + " ".join(f"{'seed ' + str(r['seed']) + ' ppl':>12} {'acc':>6} {'acc_n':>6}" for r in results))
-    for name in ("last", f"avg{a.last}", "decay"):
+    for name in ("last", f"avg{a.last}", "ema", "decay"):
         print(f"{name:>8} " + " ".join(f"{r[name]['ppl']:>12.3f} {r[name]['acc']:>6.3f} {r[name]['acc_norm']:>6.3f}" for r in results))
     base = {r["seed"]: r["last"]["ppl"] for r in results}
     print("perplexity ratio to `last`: " + "; ".join(
-        f"seed {r['seed']}: avg {r[f'avg{a.last}']['ppl'] / base[r['seed']]:.4f}, decay {r['decay']['ppl'] / base[r['seed']]:.4f}"
+        f"seed {r['seed']}: avg {r[f'avg{a.last}']['ppl'] / base[r['seed']]:.4f}, ema {r['ema']['ppl'] / base[r['seed']]:.4f}, "
+        f"decay {r['decay']['ppl'] / base[r['seed']]:.4f}"
         for r in results))
     (work / "results.json").write_text(json.dumps(results, indent=1))
 

@@ -23,11 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _step_of(d: Path) -> int:
     """An average's step (its newest source's), from its manifest; -1 when that is unreadable."""
-    files, _ = store.manifest_files(d)
-    try:
-        return int(store.read_json(d / store.MANIFEST).get("step", -1)) if files is not None else -1
-    except Exception:  # noqa: BLE001 - a listing shows the dir as corrupt below, whatever its manifest holds
-        return -1
+    files, _ = store.manifest_files(d)  # a manifest this accepts has a checked integer step
+    return int(store.read_json(d / store.MANIFEST).get("step", -1)) if files is not None else -1
 
 
 def _size(d: Path) -> int:
