@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quality": ("mspretrain.commands.quality", "train the quality classifier or the perplexity model prepare filters with"),
     "tokenizer": ("mspretrain.commands.tokenizer", "extend a SentencePiece tokenizer with new pieces, base ids unchanged"),
     "checkpoints": ("mspretrain.commands.checkpoints", "list (and verify) the checkpoints of a run"),
+    "average": ("mspretrain.commands.average", "average the weights of a run's checkpoints (uniform or EMA) into a new checkpoint"),
     "recover": ("mspretrain.commands.recover", "rebuild a lost train/data state from weights and metrics"),
     "report": ("mspretrain.commands.report", "one self-contained HTML report of a run"),
     "dashboard": ("mspretrain.commands.dashboard", "start TensorBoard on a run dir (127.0.0.1)"),

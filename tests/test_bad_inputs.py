@@ -746,6 +746,7 @@ SKELETON = {
     "generate": ["generate", "no-such-run", "--prompt", "a"],
     "tokenizer": ["tokenizer", "extend", "no-such.model", "--train", "no-such-corpus", "--out", "no-such-out"],
     "recover": ["recover", "no-such-run"],
+    "average": ["average", "no-such-run", "--steps", "1"],
     "plan": ["plan", "--config", str(TINY)],
     "launch": ["launch", "--nproc", "1", "--dry-run"],
     "diagnose": ["diagnose", "no-such-run"],

@@ -68,7 +68,7 @@ class FakeCheckpoints:
     stall_s: list[float] = []
 
     def __init__(self, every: int) -> None:
-        self.every, self.saved, self.closed = every, [], False
+        self.every, self.saved, self.closed, self.updates = every, [], False, 0
 
     def due(self, step: int, total: int) -> bool:
         return step % self.every == 0 and step < total
@@ -79,6 +79,9 @@ class FakeCheckpoints:
 
     def close(self) -> None:
         self.closed = True
+
+    def after_update(self) -> None:  # the EMA hook (train.ema_decay): counted, none kept here
+        self.updates += 1
 
     def latest_name(self) -> str:
         return "scratch"
@@ -123,6 +126,7 @@ def test_overflow_is_counted_and_does_not_advance_the_schedule(tmp_path):
     t, lines = fake_trainer(tmp_path, step, "precision.dtype=fp16", "precision.init_scale=1024")
     s = t.train()
     assert (s.step, t.applied, s.skipped) == (3, 2, 1)
+    assert t.checkpoints.updates == 2  # the EMA takes applied steps only (an overflowed one changed no weight)
     assert [c[1] for c in step.calls] == [1024, 1024, 512]  # halved after the overflow
     assert step.calls[1][0] == step.calls[2][0] == t.schedule(1)  # the skipped step did not advance the lr schedule
     assert all(c[2] == 2 for c in step.calls)  # accum_steps micro-batches per step

@@ -19,8 +19,10 @@ import numpy as np
 
 from mspretrain.checkpoint import shards
 from mspretrain.checkpoint.model_shards import model_shard_name
-from mspretrain.checkpoint.store import optimizer_shard_name, prune, step_dir_name, write_checkpoint_dir
+from mspretrain.checkpoint.store import _sha256, optimizer_shard_name, prune, step_dir_name, write_checkpoint_dir
+from mspretrain.checkpoint.tensor_file import save_tensors
 from mspretrain.config import Config
+from mspretrain.fsutil import chmod_like_open, fsync_path
 from mspretrain.paths import RunPaths
 
 
@@ -40,28 +42,33 @@ class Saver:
     def save(self, *, step: int, model: dict[str, np.ndarray], optimizer: dict[str, np.ndarray] | None,
              train_state: dict[str, Any], data_state: dict[str, Any] | None, config: Config,
              tokenizer_path: Path | None, stall_started: float | None = None, world: int = 1,
-             model_metadata: dict[str, str] | None = None) -> None:
+             model_metadata: dict[str, str] | None = None,
+             extra: dict[str, tuple[dict[str, np.ndarray], dict[str, str]]] | None = None) -> None:
         """Hand a host copy of the state to the writer. Raises a previous write's error first.
 
         world > 1: `optimizer` is rank 0's shard of a sharded run; the other ranks' shards are
         collected (see checkpoint/shards.py) before the manifest is written. `model_metadata`
-        (ZeRO-3): `model` is rank 0's weight slices, written as its per-rank weight file."""
+        (ZeRO-3): `model` is rank 0's weight slices, written as its per-rank weight file. `extra`:
+        more files {name: (tensors, metadata)} for the checkpoint dir (the EMA, train/ema.py)."""
         kwargs: dict[str, Any] = dict(step=step, model=model, optimizer=optimizer, train_state=train_state,
                                       data_state=data_state, config=config, tokenizer_path=tokenizer_path)
         if model_metadata is not None:
             kwargs.update(model_file=model_shard_name(0, world), model_metadata=model_metadata)
         if world > 1:
             kwargs["optimizer_file"] = optimizer_shard_name(0, world)
-            kwargs["collect"] = lambda tmp: shards.collect(self.root, step, world, tmp)
+        if world > 1 or extra:
+            kwargs["collect"] = lambda tmp: dict(_write_extra(tmp, extra or {}),
+                                                 **(shards.collect(self.root, step, world, tmp) if world > 1 else {}))
         self._start(self._write, kwargs, step, stall_started)
 
     def save_shard(self, *, step: int, rank: int, world: int, optimizer: dict[str, np.ndarray],
                    stall_started: float | None = None, model: dict[str, np.ndarray] | None = None,
-                   model_metadata: dict[str, str] | None = None) -> None:
+                   model_metadata: dict[str, str] | None = None,
+                   extra: dict[str, tuple[dict[str, np.ndarray], dict[str, str]]] | None = None) -> None:
         """Rank R > 0 of a sharded run: write this rank's optimizer shard (and, ZeRO-3, its weight
-        slices) for rank 0 to publish."""
+        slices and its EMA file) for rank 0 to publish."""
         self._start(self._write_shard, dict(step=step, rank=rank, world=world, tensors=optimizer, model=model,
-                                            model_metadata=model_metadata), step, stall_started)
+                                            model_metadata=model_metadata, extra=extra), step, stall_started)
 
     def _start(self, target: Callable[..., None], kwargs: dict[str, Any], step: int, stall_started: float | None) -> None:
         t0 = stall_started if stall_started is not None else time.perf_counter()
@@ -110,3 +117,14 @@ class Saver:
 
     def close(self) -> None:
         self.wait()
+
+
+def _write_extra(tmp: Path, extra: dict[str, tuple[dict[str, np.ndarray], dict[str, str]]]) -> dict[str, dict[str, Any]]:
+    """Rank 0's extra files written into the checkpoint's tmp dir: their manifest entries."""
+    entries = {}
+    for name, (tensors, meta) in sorted(extra.items()):
+        save_tensors(tensors, tmp / name, meta)
+        chmod_like_open(tmp / name)
+        fsync_path(tmp / name)
+        entries[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+    return entries

@@ -39,14 +39,17 @@ def staging_dir(root: Path, step: int, rank: int) -> Path:
 
 
 def write_shard(root: Path, step: int, rank: int, world: int, tensors: dict[str, np.ndarray],
-                model: dict[str, np.ndarray] | None = None, model_metadata: dict[str, str] | None = None) -> None:
-    """Rank R's part of a checkpoint: its optimizer shard, and (ZeRO-3, `model`) its weight slices;
-    raises SaveError (after telling rank 0) when it cannot."""
+                model: dict[str, np.ndarray] | None = None, model_metadata: dict[str, str] | None = None,
+                extra: dict[str, tuple[dict[str, np.ndarray], dict[str, str]]] | None = None) -> None:
+    """Rank R's part of a checkpoint: its optimizer shard, and (ZeRO-3, `model`) its weight slices,
+    and `extra` files {name: (tensors, metadata)} (the EMA's per-rank file, train/ema.py); raises
+    SaveError (after telling rank 0) when it cannot."""
     d = staging_dir(root, step, rank)
     plain = {"format": "mspretrain", "step": str(step)}
     files = [(optimizer_shard_name(rank, world), tensors, plain)]
     if model is not None:
         files.append((model_shard_name(rank, world), model, model_metadata or plain))
+    files += [(name, part, meta) for name, (part, meta) in sorted((extra or {}).items())]
     try:
         if d.exists():
             shutil.rmtree(d)

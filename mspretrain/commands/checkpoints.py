@@ -1,4 +1,6 @@
-"""List the checkpoints of a run: step, size, age, and (with --verify) whether they verify."""
+"""List the checkpoints of a run: step, size, age, and (with --verify) whether they verify.
+
+The averages `mspretrain average` wrote into the run (RUN_DIR/averaged/*) are listed after them."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true", help="re-hash every file against its manifest (slower)")
 
 
+def _step_of(d: Path) -> int:
+    """An average's step (its newest source's), from its manifest; -1 when that is unreadable."""
+    files, _ = store.manifest_files(d)  # a manifest this accepts has a checked integer step
+    return int(store.read_json(d / store.MANIFEST).get("step", -1)) if files is not None else -1
+
+
 def _size(d: Path) -> int:
     return sum(p.stat().st_size for p in d.iterdir() if p.is_file())
 
@@ -34,6 +42,9 @@ def _age(seconds: float) -> str:
 def run(args: argparse.Namespace) -> int:
     run_dir = existing_path(args.run_dir, "run dir", "pass the --run dir of `mspretrain train`")
     ckpts = store.list_checkpoints(run_dir)
+    averaged = run_dir / "averaged"  # commands/average.py's default place; never resumed from
+    ckpts += sorted((_step_of(d), d) for d in averaged.iterdir() if d.is_dir() and not d.name.endswith(".tmp")) \
+        if averaged.is_dir() else []
     root = RunPaths(run_dir).checkpoints
     tmp = sorted(root.glob("*.tmp")) if root.is_dir() else []
     if not ckpts and not tmp:
@@ -46,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         reason = store.verify(d, deep=args.verify)
         status = ("verified" if args.verify else "complete") if reason is None else f"CORRUPT: {reason}"
         bad += reason is not None
-        print(f"{d.name:<14} {step:>8} {_size(d) / 2**20:>8.1f}MB {_age(now - d.stat().st_mtime):>6}  {status}")
+        name = d.name if d.parent.name != "averaged" else f"averaged/{d.name}"
+        print(f"{name:<14} {step:>8} {_size(d) / 2**20:>8.1f}MB {_age(now - d.stat().st_mtime):>6}  {status}")
     for d in tmp:
         print(f"{d.name:<14} {'':>8} {'':>10} {'':>6}  unfinished (ignored; removed at the next train)")
     return 1 if bad and args.verify else 0

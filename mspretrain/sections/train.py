@@ -141,6 +141,11 @@ class TrainConfig(Section):
     # parameter; else any of "embeddings", "attention", "mlp", "norms", "lm_head", e.g.
     # ["embeddings", "lm_head"] for the first stage of continued pretraining on a new vocabulary.
     trainable: tuple[ParamGroup, ...] = ("all",)
+    # Keep an exponential moving average of the fp32 weights, updated after every applied step
+    # (e_1 = w_1, e_t = d e_{t-1} + (1 - d) w_t) and saved beside each checkpoint (ema.safetensors,
+    # per rank under ZeRO-3); `mspretrain average RUN --last 1 --from-ema` makes it a checkpoint.
+    # 0 = off; e.g. 0.999 (train/ema.py).
+    ema_decay: float = 0.0
 
     def check(self) -> None:
         if self.max_steps < 0 or self.max_tokens < 0:
@@ -157,6 +162,8 @@ class TrainConfig(Section):
         cap(self, {"global_batch": 1 << 24, "micro_batch": 1 << 20}, "batch buffers no host holds")
         cap(self, {"max_steps": 10**12, "max_tokens": 10**16}, "a budget no run reaches: 1e16 tokens is 100x any released model's")
         check_seed(self, "seed")
+        if not 0 <= self.ema_decay < 1:
+            fail("train.ema_decay", f"= {self.ema_decay} is outside [0, 1)", "use 0 (off) or a decay such as 0.999")
         groups = list(self.trainable)
         if not groups:
             fail("train.trainable", "is empty: nothing would train", 'use train.trainable=["all"], or name parameter groups')

@@ -42,6 +42,16 @@ class CheckpointManager:
         self.rank, self.world, self.tokenizer = rank, world, tokenizer
         self.allow_data_change = allow_data_change
         self.last_save_step: int | None = None  # every rank knows which step the newest save is for
+        # train.ema_decay: the EMA of this rank's weights, saved with and restored from each checkpoint
+        # (train/ema.py: None when off, and on ranks whose weights rank 0's EMA already covers)
+        from mspretrain.train.ema import for_run
+
+        self.ema = for_run(cfg, model, step_fn, rank=rank, world=world)
+
+    def after_update(self) -> None:
+        """An optimizer step was applied: the EMA of the weights (if kept) takes them."""
+        if self.ema is not None:
+            self.ema.update()
 
     def due(self, step: int, total: int) -> bool:
         """A periodic save after `step` (the last step's save is the loop's final one)."""
@@ -71,16 +81,17 @@ class CheckpointManager:
         optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
         if not getattr(self.step_fn, "writes", True) or (self.rank != 0 and not sharded):
             return None
+        extra = self.ema.files(step) if self.ema is not None else None
         try:
             if self.rank != 0:
                 self.saver.save_shard(step=step, rank=self.rank, world=self.world, optimizer=optim, stall_started=t0,
-                                      model=part, model_metadata=meta)
+                                      model=part, model_metadata=meta, extra=extra)
                 return None
             model = part if part is not None else whole if whole is not None else {
                 k: v.copy() for k, v in self.step_fn.full_weights().items()}
             self.saver.save(step=step, model=model, optimizer=optim, train_state=train_state,
                             data_state=self.loader.state(), config=self.cfg, tokenizer_path=self.tokenizer,
-                            stall_started=t0, world=self.world if sharded else 1, model_metadata=meta)
+                            stall_started=t0, world=self.world if sharded else 1, model_metadata=meta, extra=extra)
         except store.SaveError as exc:
             self.failed(exc)
         return self.paths.step_dir(step)
@@ -111,6 +122,8 @@ class CheckpointManager:
         # (a split parameter's slices are re-cut to this world's slices: TrainStep.keys_to_read)
         opt = store.read_optimizer_tensors(ckpt, keys=self.step_fn.keys_to_read(available))
         self.step_fn.load_optimizer_state(opt, available=available)
+        if self.ema is not None:
+            self.ema.load(ckpt, self.log)
         if restore_data:
             self.loader.load_state(store.read_json(ckpt / store.DATA_STATE), allow_data_change=self.allow_data_change)
         return ts

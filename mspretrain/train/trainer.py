@@ -235,6 +235,7 @@ class Trainer:
         self.tokens_seen += self.tokens_per_step
         if res.finite:
             self.applied += 1
+            self.checkpoints.after_update()  # the EMA of the weights, when train.ema_decay keeps one
         else:
             self.skipped += 1
             self.log(f"step {self.step}: gradient overflow at loss scale {scale:g} — update skipped, scale now {self.scaler.scale:g}")

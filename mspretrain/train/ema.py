@@ -1,0 +1,126 @@
+"""An exponential moving average of the weights during training (`train.ema_decay`).
+
+After each applied optimizer step (an overflowed, skipped step changes no weight and is not
+counted) the EMA takes the step's weights w_t:
+    e_1 = w_1,   e_t = e_{t-1} - (1 - d) * (e_{t-1} - w_t)   (= d * e_{t-1} + (1 - d) * w_t)
+in float32 on the host, with numpy, one parameter at a time through one scratch buffer (no
+temporary the size of the model). It is saved beside each checkpoint and restored on resume and
+rewind, so a killed and resumed run's EMA is the unbroken run's, bit for bit on CPU.
+
+What it averages: the fp32 weights, which are the optimizer's masters when
+`precision.param_dtype = fp32` (with "compute" the masters live in the optimizer state, which this
+module does not read: refused in one line). Where they are:
+- one process, ZeRO-1/2: every rank holds every weight whole; rank 0 alone keeps the EMA and
+  writes `ema.safetensors` (whole tensors, the model file's names);
+- ZeRO-3 (`optim.shard_parameters`): each rank keeps the EMA of its own slices and writes
+  `ema-RRRRR-of-NNNNN.safetensors`, the format of its per-rank weight file (checkpoint/model_shards.py:
+  `NAME@START:STOP` slices, the whole shapes in the metadata), so any world size reads it back;
+- tensor parallel: not supported yet (refused in one line).
+The files are listed in the manifest like every other file. `mspretrain average RUN --last 1
+--from-ema` turns a checkpoint's EMA into a checkpoint of its own (checkpoint/average.py reads
+the files through model_shards' reader).
+
+Cost: one pass over this rank's weights per step on the host (a view of the live memory on CPU; a
+device-to-host copy on Ascend, which this module does not hide). benchmarks/average_bench.py
+`--ema-cost` measures the numpy update and extrapolates it to a 7B model.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mspretrain.checkpoint.average import EMA_FILE, Source, ema_files, ema_shard_name, weight_view
+from mspretrain.checkpoint.model_shards import read_pieces, shard_metadata
+from mspretrain.errors import UserError
+
+
+class WeightEMA:
+    def __init__(self, decay: float, params: list[Any], *, keys: list[str], file_name: str,
+                 shapes: dict[str, tuple[int, ...]] | None, wanted: dict[str, tuple[int, int]]) -> None:
+        """`params`: the live parameters whose EMA this rank keeps; `keys`: each one's stored name
+        (`NAME` or ZeRO-3's `NAME@START:STOP`); `shapes`: the whole shapes of sliced ones (ZeRO-3's
+        file metadata) or None; `wanted`: what this rank reads back of a stored EMA (read_pieces)."""
+        self.decay, self.params, self.keys = float(decay), params, keys
+        self.file_name, self.shapes, self.wanted = file_name, shapes, wanted
+        self.values: list[np.ndarray] | None = None
+        self._scratch = np.empty(max((math.prod(p.shape) for p in params), default=0), np.float32)
+
+    def update(self) -> None:
+        """Take the weights of the step just applied (the first call starts the average at them)."""
+        if self.values is None:
+            self.values = [_host(p).astype(np.float32, copy=True).reshape(-1) for p in self.params]
+            return
+        a = np.float32(1.0 - self.decay)
+        for e, p in zip(self.values, self.params):
+            s = self._scratch[:e.size]
+            np.subtract(e, _host(p).reshape(-1), out=s)
+            s *= a
+            e -= s
+
+    def files(self, step: int) -> dict[str, tuple[dict[str, np.ndarray], dict[str, str]]]:
+        """{file name: (tensors, safetensors metadata)} to save beside the checkpoint of `step`:
+        copies, as the writer thread holds them while the next step runs. Empty before any update."""
+        if self.values is None:
+            return {}
+        # a ZeRO-3 slice is stored 1-D (`NAME@START:STOP`), a whole tensor in its own shape
+        tensors = {k: (e.copy() if "@" in k else e.reshape(p.shape).copy()) for k, e, p in zip(self.keys, self.values, self.params)}
+        meta = shard_metadata(step, self.shapes) if self.shapes is not None else {"format": "mspretrain", "step": str(step)}
+        return {self.file_name: (tensors, meta)}
+
+    def load(self, ckpt: Path, log: Callable[[str], None]) -> None:
+        """This rank's part of the EMA saved with `ckpt`; a checkpoint without one starts it afresh."""
+        if not ema_files(p.name for p in Path(ckpt).iterdir()):
+            self.values = None
+            log(f"{Path(ckpt).name} holds no EMA of the weights: train.ema_decay starts one from the next step")
+            return
+        with weight_view(Source(0, Path(ckpt)), from_ema=True) as view:
+            stored = read_pieces(view, self.wanted)
+        values = []
+        for k, p in zip(self.keys, self.params):
+            name = k.partition("@")[0]
+            if name not in stored or stored[name].size != math.prod(p.shape):
+                raise UserError(f"the EMA saved with {Path(ckpt).name} does not match the model's {name}",
+                                "resume with the model config the checkpoint was written with")
+            values.append(np.asarray(stored[name], np.float32).reshape(-1).copy())
+        self.values = values
+
+
+def _host(p: Any) -> np.ndarray:
+    return p.asnumpy()  # CPU: a view of the live memory (read before the next step changes it)
+
+
+def for_run(cfg: Any, model: Any, step_fn: Any, *, rank: int, world: int) -> WeightEMA | None:
+    """The EMA a run keeps (None when train.ema_decay is 0, and on ranks that keep none)."""
+    decay = cfg.train.ema_decay
+    if not decay:
+        return None
+    if cfg.parallel.tp > 1:
+        raise UserError(f"train.ema_decay is not supported with parallel.tp = {cfg.parallel.tp} yet",
+                        "train without it (train.ema_decay=0) and average checkpoints afterwards with `mspretrain average`")
+    if cfg.precision.param_dtype == "compute":
+        raise UserError("train.ema_decay needs precision.param_dtype = fp32 (with \"compute\" the fp32 masters are in the "
+                        "optimizer state, which the EMA does not read yet)",
+                        "use precision.param_dtype=fp32, or average checkpoints afterwards with `mspretrain average`")
+    params = list(model.get_parameters())
+    if getattr(step_fn, "zero3", False):
+        from mspretrain.train.layout import slice_bounds
+        from mspretrain.train.zero3 import gathered, wanted_ranges
+
+        shapes = {name: tuple(g.shape) for name, g, _ in gathered(model)}
+        keep, keys = [], []
+        for p in params:  # train/zero3.py slice_state's cut and names: a sharded weight's slice, frozen ones on rank 0
+            if p.name in shapes:
+                a, b = slice_bounds(math.prod(shapes[p.name]), world, rank)
+                keep.append(p)
+                keys.append(f"{p.name}@{a}:{b}")
+            elif rank == 0:
+                keep.append(p)
+                keys.append(p.name)
+        return WeightEMA(decay, keep, keys=keys, file_name=ema_shard_name(rank, world), shapes=shapes,
+                         wanted=wanted_ranges(model, world, rank))
+    if rank != 0:  # the weights are whole on every rank: rank 0's EMA is the run's
+        return None
+    return WeightEMA(decay, params, keys=[p.name for p in params], file_name=EMA_FILE, shapes=None, wanted={})
