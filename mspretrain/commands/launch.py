@@ -114,6 +114,43 @@ def check_worker_data(args: argparse.Namespace, cfg: Any) -> None:
         read_manifest(path)
 
 
+def check_worker_train(args: argparse.Namespace, cfg: Any, world: int) -> None:
+    """A `train`'s own config checks, made here before msrun starts as train makes them before its
+    rendezvous (train/build.py `build_trainer`): the rules across sections (config.py `validate`:
+    tensor parallel with ZeRO-3 or eval.choices_file, ...), the model tensor parallel must cut
+    (model/parallel.py `check_tp`: kv heads, heads, ffn, vocabulary) and a world that parallel.tp
+    divides. Each failed in every worker after msrun had started them (a traceback per rank, exit 1).
+    With --init-from the model comes from weights this check does not read: the rank checks it."""
+
+    from mspretrain import config as cfgmod
+    from mspretrain.errors import UserError
+
+    if args.command != "train":
+        return
+    if getattr(args, "model", None):
+        from mspretrain.commands.train import with_preset
+
+        cfg = with_preset(cfg, args.model, args.overrides)
+    from mspretrain.device import plan_device
+
+    cfgmod.validate(cfg, device=plan_device(cfg).target)
+    tp = cfg.parallel.tp
+    if tp > 1 and world % tp:  # the words of train/tp.py `make_mesh`
+        raise UserError(f"parallel.tp = {tp} does not divide the {world} ranks of this job",
+                        f"launch a multiple of {tp} ranks (world = tp x data-parallel ranks), or change parallel.tp")
+    if tp == 1 or getattr(args, "init_from", None):
+        return
+    from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
+    from mspretrain.data.manifest import read_manifest
+    from mspretrain.model.parallel import check_tp
+
+    # the model the ranks would build: a resumed run's saved one (no weights are read without --init-from)
+    explicit = explicit_model_keys(args.config, args.overrides, preset=bool(getattr(args, "model", None)))
+    cfg, _, _ = init_for_run(None, cfg, args.data, args.run, explicit=explicit, log=lambda s: None)
+    vocab = int(read_manifest(args.data)["vocab_size"])
+    check_tp(cfgmod.resolve_model(cfg.model, vocab), tp)
+
+
 def check_device_pool(cfg: Any) -> None:
     """The worker config's Ascend memory pool (device.max_device_memory, 58 GB by default) against
     this node's NPUs, read with npu-smi (device.py `pool_checked`) before msrun starts a rank: on a
@@ -194,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     worker = worker_config(cmd)
     if worker is not None:
         check_worker_data(*worker)
+        check_worker_train(*worker, args.nproc * args.nodes)
         check_device_pool(worker[1])
     env = {**os.environ, "PATH": search}
     hccl = hccl_buffsize(*worker, args.nproc, args.nodes) if worker is not None else None
