@@ -30,6 +30,7 @@ import functools
 import hashlib
 import html
 import inspect
+import os
 import re
 import unicodedata
 from collections import Counter
@@ -38,7 +39,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from mspretrain.config import PrepareConfig
-from mspretrain.fsutil import atomic_write, default_cache_dir
+from mspretrain.errors import UserError
+from mspretrain.fsutil import atomic_write, default_cache_dir, read_regular_bytes
 
 MODIFY_RULES = ("drop_control", "strip_html", "remove_urls", "remove_emails", "nfkc", "t2s",
                 "char_whitelist", "normalize_whitespace")
@@ -96,12 +98,12 @@ def _cached_table(build: Callable[[], np.ndarray]) -> np.ndarray:
     key = hashlib.sha256("\0".join([source, unicodedata.unidata_version, _CONTROL_CLASS, "".join(_PROTECT_CHARS),
                                      repr((NFKC, MARKUP, ODD_SPACE, WORD, SPACE))]).encode()).hexdigest()[:16]
     path = default_cache_dir() / f"char_table-{key}.bin"
-    try:
-        blob = path.read_bytes()
+    try:  # a regular file of the table's size only: a FIFO there hung prepare, a link to /dev/zero filled memory
+        blob = read_regular_bytes(path, 0x110000 + 32, "cached character table") if os.path.lexists(path) else b""
         body, digest = blob[:0x110000], blob[0x110000:]
         if len(body) == 0x110000 and hashlib.sha256(body).digest() == digest:
             return np.frombuffer(body, dtype=np.uint8).copy()
-    except OSError:
+    except UserError:
         pass
     table = build()
     try:
