@@ -565,3 +565,14 @@ def test_rope_parameters_and_legacy_rope_scaling_must_agree(rope_parameters, rop
     with pytest.raises(UserError) as e:
         config_from_hf(hf)
     assert ("disagree" in e.value.cause or "rope_theta has 2 values" in e.value.cause) and "\n" not in str(e.value)
+
+
+def test_train_help_lists_every_preset(capsys):
+    """`train --help` listed 6 presets and hid the family ones (issue 54): it names the table's."""
+    from mspretrain.model.presets import PRESETS
+
+    rc, out, _ = cli(capsys, "train", "--help")
+    assert rc == 0
+    text = " ".join(out.split())
+    for name in PRESETS:
+        assert f"{name}," in text or f"{name})" in text, name
