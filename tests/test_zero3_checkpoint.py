@@ -262,3 +262,36 @@ def test_from_pytorch_md_reads_per_rank_slices_and_whole_files(zero3_checkpoint,
         assert sorted(got) == sorted(whole)
         for k in whole:
             assert got[k].shape == whole[k].shape and np.array_equal(got[k], whole[k]), (ckpt.name, k)
+
+
+def test_export_and_eval_refuse_per_rank_files_that_overlap_and_leave_a_gap(zero3_checkpoint, tmp_path, capsys):
+    """Rank 1's file rewritten (its manifest entry too, as a hostile or buggy writer would) so
+    that its first slice of the bias starts 2 elements early and ends 2 early: the lengths still
+    sum to the whole, which the old reader accepted (export exit 0, 2 elements never written).
+    Now `export` and `eval` refuse in one line, exit 2, writing nothing."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from tests.helpers import assert_refusal, cli
+
+    run, whole = zero3_checkpoint
+    ckpt = run / "checkpoints" / "step_000002"
+    f1 = ckpt / "model-00001-of-00002.safetensors"
+    with safe_open(str(f1), framework="numpy") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    n = whole["layers.0.attn.wqkv.bias"].size
+    key = f"layers.0.attn.wqkv.bias@{n // 2}:{n}"
+    flat = whole["layers.0.attn.wqkv.bias"].reshape(-1)
+    tensors[f"layers.0.attn.wqkv.bias@{n // 2 - 2}:{n - 2}"] = flat[n // 2 - 2:n - 2].copy()
+    del tensors[key]
+    save_file(tensors, str(f1), meta)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][f1.name] = {"sha256": hashlib.sha256(f1.read_bytes()).hexdigest(), "bytes": f1.stat().st_size}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    rc, _, err = cli(capsys, "export", run, "--format", "hf", "--out", tmp_path / "hf", "--quiet")
+    assert_refusal(rc, err, "overlap at elements")
+    assert not (tmp_path / "hf").exists()
+    rc, _, err = cli(capsys, "eval", run)
+    assert rc == 2 and "overlap at elements" in err and "Traceback" not in err
