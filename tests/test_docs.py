@@ -377,10 +377,12 @@ def walkthrough_transcript(walkthrough, tmp_path_factory) -> dict[str, list[str]
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     ran = transcript(text)
     steps = [(doc, *step) for doc in ("quickstart.md", "from-pytorch.md") for step in quickstart_steps((DOCS / doc).read_text(encoding="utf-8"))]
-    for doc, kind, body in steps:
+    for _doc, kind, body in steps:  # the scripts the pages give (load_qwen.py), written before anything runs
         if kind == "file":
             first, _, rest = body.partition("\n")
             (work / first[2:].strip()).write_text(rest + "\n", encoding="utf-8")
+    for doc, kind, body in steps:
+        if kind == "file":
             continue
         if kind == "cmd" and (body in ran or _how_run(doc, body) != "walkthrough"):
             continue  # run by walkthrough.sh, or not run here (plans: compared directly; the demo: excluded)
