@@ -306,6 +306,23 @@ def test_launch_refuses_a_tensor_parallel_train_that_train_refuses_before_msrun_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_launch_refuses_tp_on_an_init_from_model_it_cannot_cut(tiny_data, tmp_path, monkeypatch, capsys):
+    """--init-from an HF folder whose config.json has one KV head, with parallel.tp=2: the model
+    comes from the folder, so the folder's config.json is what launch checks before msrun."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 96, "vocab_size": 512}))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    err = refused(capsys, "launch", "--nproc", "2", "--", "train", "--data", tiny_data, "--run", work / "run",
+                  "--init-from", hf, "parallel.tp=2", "train.max_steps=5")
+    assert "does not divide model.n_kv_heads = 1" in err
+    assert list(work.iterdir()) == []
+
+
 def test_a_refused_demo_prepares_nothing_first(corpus_file, tmp_path, capsys):
     """The demo checked its run dir's config only after preparing the data (minutes, and a new
     data dir left behind by the refusal) when data/ was gone: now before."""

@@ -120,7 +120,7 @@ def check_worker_train(args: argparse.Namespace, cfg: Any, world: int) -> None:
     tensor parallel with ZeRO-3 or eval.choices_file, ...), the model tensor parallel must cut
     (model/parallel.py `check_tp`: kv heads, heads, ffn, vocabulary) and a world that parallel.tp
     divides. Each failed in every worker after msrun had started them (a traceback per rank, exit 1).
-    With --init-from the model comes from weights this check does not read: the rank checks it."""
+    With --init-from an HF folder the model is its config.json's; a checkpoint's is the ranks' to check."""
 
     from mspretrain import config as cfgmod
     from mspretrain.errors import UserError
@@ -138,16 +138,30 @@ def check_worker_train(args: argparse.Namespace, cfg: Any, world: int) -> None:
     if tp > 1 and world % tp:  # the words of train/tp.py `make_mesh`
         raise UserError(f"parallel.tp = {tp} does not divide the {world} ranks of this job",
                         f"launch a multiple of {tp} ranks (world = tp x data-parallel ranks), or change parallel.tp")
-    if tp == 1 or getattr(args, "init_from", None):
+    if tp == 1:
         return
-    from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
     from mspretrain.data.manifest import read_manifest
     from mspretrain.model.parallel import check_tp
+
+    vocab = int(read_manifest(args.data)["vocab_size"])
+    init = Path(args.init_from) if getattr(args, "init_from", None) else None
+    if init is not None:
+        # an HF folder's model is its config.json (read, not its weights); the vocabulary grows to
+        # the data dir's when its tokenizer extends the model's. A checkpoint's is checked by the ranks.
+        if (init / "config.json").is_file() and not (init / "manifest.json").exists():
+            from dataclasses import replace
+
+            from mspretrain.fsutil import read_json
+            from mspretrain.model.hf import config_from_hf
+
+            m = config_from_hf(read_json(init / "config.json", "re-save the model config"), str(init / "config.json"))
+            check_tp(replace(m, vocab_size=max(m.vocab_size, vocab)), tp)
+        return
+    from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
 
     # the model the ranks would build: a resumed run's saved one (no weights are read without --init-from)
     explicit = explicit_model_keys(args.config, args.overrides, preset=bool(getattr(args, "model", None)))
     cfg, _, _ = init_for_run(None, cfg, args.data, args.run, explicit=explicit, log=lambda s: None)
-    vocab = int(read_manifest(args.data)["vocab_size"])
     check_tp(cfgmod.resolve_model(cfg.model, vocab), tp)
 
 
