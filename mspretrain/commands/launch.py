@@ -131,9 +131,12 @@ def check_worker_train(args: argparse.Namespace, cfg: Any, world: int) -> None:
         from mspretrain.commands.train import with_preset
 
         cfg = with_preset(cfg, args.model, args.overrides)
-    from mspretrain.device import plan_device
-
-    cfgmod.validate(cfg, device=plan_device(cfg).target)
+    # the device the ranks resolve (device.py `resolve_target`), without its NPU-visibility check:
+    # that one is the ranks' (and doctor's) to make
+    target = cfg.device.target
+    if target == "auto":
+        target = "ascend" if any(os.path.exists(p) for p in ("/dev/davinci0", "/dev/davinci_manager")) else "cpu"
+    cfgmod.validate(cfg, device=target)
     tp = cfg.parallel.tp
     if tp > 1 and world % tp:  # the words of train/tp.py `make_mesh`
         raise UserError(f"parallel.tp = {tp} does not divide the {world} ranks of this job",
