@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shlex
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import cli
-from tests.test_docs import DOCS, shell_blocks
 
 GOOD = ("春风明月江南山水花落日夜秋云天地人心来去长空白雪青松流年故乡归路远清香红叶梦中千里万家门前桥边"
         "柳色鸟声寒烟孤舟独坐高楼望断相思无限时光何处见君知我不同一生西东北上下古今朝暮雨晴暖冬夏新旧老少")
 BAD = "点击这里免费下载最新版本立即注册会员优惠活动链接广告联系客服"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 QUESTION = "下列哪一个城市是中华人民共和国的首都所在地请选择正确答案"
 
 
@@ -47,7 +48,7 @@ def _inputs(root: Path) -> None:
 def _section_14_commands() -> list[str]:
     text = (DOCS / "operators.md").read_text(encoding="utf-8")
     section = text.split("## 14. ", 1)[1].split("\n## ", 1)[0]
-    (block,) = [b for b in shell_blocks(section) if "mspretrain quality train" in b]
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "mspretrain quality train" in b]
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith("mspretrain ")]
 
 
