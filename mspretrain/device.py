@@ -96,6 +96,8 @@ ASCEND_910B_USABLE_GB = 58.0
 HBM_RESERVE_GB = 6.0
 GIB = 2**30
 NPU_SMI = "npu-smi"
+NPU_SMI_CAP = 1 << 20  # bytes of npu-smi output read at most: its usage table is a few KB
+HBM_PLAUSIBLE = (4 * GIB, 1024 * GIB)  # an NPU's HBM outside these bounds is a misread (npu_hbm_bytes)
 
 
 def npu_hbm_bytes(npu: int = 0, *, timeout_s: float = 20.0) -> int | None:
@@ -106,17 +108,18 @@ def npu_hbm_bytes(npu: int = 0, *, timeout_s: float = 20.0) -> int | None:
     or prints no such line (unverified on hardware: the field name is what public npu-smi parsers read)."""
     import re
     import shutil
-    import subprocess
+
+    from mspretrain.fsutil import command_output
 
     exe = shutil.which(NPU_SMI)
     if exe is None:
         return None
-    try:
-        out = subprocess.run([exe, "info", "-t", "usages", "-i", str(npu)], capture_output=True, text=True,
-                             timeout=timeout_s).stdout
-    except (OSError, subprocess.SubprocessError):
+    # bounded: 1 MB and the timeout (a wedged or endless npu-smi would otherwise grow without limit),
+    # bytes that are not UTF-8 replaced (one was a UnicodeDecodeError traceback)
+    out = command_output([exe, "info", "-t", "usages", "-i", str(npu)], cap=NPU_SMI_CAP, timeout_s=timeout_s)
+    if out is None:
         return None
-    sizes = [int(m) for m in re.findall(r"HBM Capacity\(MB\)\s*:\s*(\d+)", out)]
+    sizes = [int(m) for m in re.findall(r"HBM Capacity\(MB\)\s*:\s*(\d{1,9})\b", out)]
     return min(sizes) * 2**20 if sizes else None  # one line per chip; the smallest bounds the pool
 
 
@@ -147,6 +150,12 @@ def pool_checked(cfg: Config, *, hbm: int | None = None) -> tuple[str, str, str]
             return "skip", "no NPU here (device.target = auto runs on CPU): no pool to check", ""
         return ("warn", f"could not read the NPUs' HBM ({NPU_SMI} info -t usages -i 0): the {pool:g} GB pool cap is unchecked",
                 f"run `{NPU_SMI} info -t usages -i 0`; on a 32 GB 910B4 set device.max_device_memory=26")
+    if not HBM_PLAUSIBLE[0] <= hbm <= HBM_PLAUSIBLE[1]:
+        # a figure no NPU has is a misread (another tool's output, a damaged driver), not a fact to
+        # plan with: doctor printed 10^12 MB as ok. 910B NPUs have 32 or 64 GB; the bounds leave room.
+        return ("warn", f"{NPU_SMI} reports {hbm / GIB:,.1f} GB of HBM per NPU, which no NPU has "
+                        f"(expected {HBM_PLAUSIBLE[0] // GIB}-{HBM_PLAUSIBLE[1] // GIB} GB): the {pool:g} GB pool cap is unchecked",
+                f"run `{NPU_SMI} info -t usages -i 0` and check the driver; on a 32 GB 910B4 set device.max_device_memory=26")
     problem = pool_problem(hbm, pool)
     if problem:
         return "fail", problem, pool_fix(hbm)

@@ -38,6 +38,9 @@ class Family:
     head_dim_written: bool  # False: the config class has no head_dim key; written only when explicit
     export_keys: tuple[tuple[str, Any], ...]  # fixed keys export adds to config.json, in this order
     sliding_window_default: int = 0  # the config class's sliding_window when config.json has no such key
+    # the config class's num_key_value_heads when config.json has no such key; None: num_attention_heads
+    # (LlamaConfig's None; Qwen2Config and Qwen3Config default to 32, MistralConfig to 8, in 4.x and 5.x)
+    kv_heads_default: int | None = None
 
     def switches(self) -> dict[str, Any]:
         """The ModelConfig fields this family fixes (a preset or `convert` passes them on)."""
@@ -50,13 +53,14 @@ FAMILIES: tuple[Family, ...] = (
            head_dim_written=True, export_keys=(("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1))),
     Family("qwen2", "Qwen2", "Qwen2ForCausalLM", "Qwen2/2.5", qkv_bias=True, qk_norm=False, sliding_window=False,
            max_position_default=32768, head_dim_default=None, attention_bias_key=False, per_layer_window=True,
-           head_dim_written=False, export_keys=(("use_sliding_window", False), ("sliding_window", None))),
+           head_dim_written=False, export_keys=(("use_sliding_window", False), ("sliding_window", None)), kv_heads_default=32),
     Family("qwen3", "Qwen3", "Qwen3ForCausalLM", "Qwen3", qkv_bias=False, qk_norm=True, sliding_window=False,
            max_position_default=32768, head_dim_default=128, attention_bias_key=True, per_layer_window=True,
-           head_dim_written=True, export_keys=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None))),
+           head_dim_written=True, export_keys=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
+           kv_heads_default=32),
     Family("mistral", "Mistral", "MistralForCausalLM", "Mistral", qkv_bias=False, qk_norm=False, sliding_window=True,
            max_position_default=4096 * 32, head_dim_default=None, attention_bias_key=False, per_layer_window=False,
-           head_dim_written=True, export_keys=(), sliding_window_default=4096),
+           head_dim_written=True, export_keys=(), sliding_window_default=4096, kv_heads_default=8),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 

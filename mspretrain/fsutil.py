@@ -383,3 +383,45 @@ def locked_beside(path: str | Path, command: str, what: str, log: Any = print) -
         except OSError:
             pass
         os.close(fd)
+
+
+def command_output(argv: list[str], *, cap: int = 1 << 20, timeout_s: float = 20.0) -> str | None:
+    """The standard output of `argv` as text (bytes that are not UTF-8 replaced), or None when it
+    cannot start, exits non-zero, prints more than `cap` bytes or runs past `timeout_s`: then it is
+    killed. For tools whose output is parsed (npu-smi): `subprocess.run(capture_output=True)`
+    held all of an endless output in memory, and `text=True` raised on a non-UTF-8 byte."""
+    import selectors
+    import subprocess
+    import time
+
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    except (OSError, ValueError):
+        return None
+    deadline = time.monotonic() + timeout_s
+    chunks, total, ok = [], 0, True
+    assert proc.stdout is not None
+    with proc, selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(timeout=left):
+                ok = False  # ran past the timeout
+                break
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > cap:
+                ok = False
+                break
+        if not ok:
+            proc.kill()
+        try:
+            code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # closed its output but has not exited
+            proc.kill()
+            proc.wait()
+            return None
+    return b"".join(chunks).decode("utf-8", errors="replace") if ok and code == 0 else None

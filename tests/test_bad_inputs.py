@@ -423,7 +423,9 @@ def test_fits_counts_every_rank_on_this_host(tiny_cfg):
     check_fits(cfg, 2, "cpu", memory=(2 * one - 1, None), local=1)  # the other rank is on another node
     assert local_ranks(2, {}) == 2  # a bare msrun on CPU: every rank is here
     assert local_ranks(8, {LOCAL_RANKS_ENV: "4"}) == 4  # launch --nproc 4 --nodes 2
-    assert local_ranks(2, {LOCAL_RANKS_ENV: "x"}) == 2 and local_ranks(2, {LOCAL_RANKS_ENV: "9"}) == 2
+    assert local_ranks(2, {LOCAL_RANKS_ENV: "9"}) == 2
+    with pytest.raises(UserError, match=LOCAL_RANKS_ENV):  # a bad value is one line (issue 54), not silently the world
+        local_ranks(2, {LOCAL_RANKS_ENV: "x"})
 
 
 @pytest.mark.parametrize("what", ["bin_file", "corpus_file"])

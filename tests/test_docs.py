@@ -244,11 +244,6 @@ def transcript(text: str) -> dict[str, list[str]]:
 
 
 # Sessions not run here, and why. Keys are (doc, command prefix).
-_CONTINUE_WHY = ("two more training runs after the walkthrough; tests/test_continue.py runs the same pipeline (convert, "
-                 "tokenizer extend, prepare, train --init-from in two stages, export) and checks it against transformers")
-_FAMILIES_WHY = ("a training run on a transformers-built Qwen2 after the walkthrough; tests/test_families.py runs convert, "
-                 "--init-from and export per family against transformers, tests/test_byte_bpe.py prepare and train "
-                 "with a byte-level BPE tokenizer.json")
 EXCLUDED: dict[tuple[str, str], str] = {
     ("quickstart.md", "mspretrain demo"): "downloads the corpus (85 MB) and trains for minutes; the demo's numbers are "
                                           "measured by the demo itself and recorded in docs/benchmarks.md",
@@ -261,19 +256,6 @@ EXCLUDED: dict[tuple[str, str], str] = {
     ("operators.md", "cat runs/dp/ranks/"): "the run dir of the msrun rehearsal (excluded above)",
     ("operators.md", "mspretrain train"): "--cpu-quota and profiling runs; tests/test_isolate.py and tests/test_profiler.py run them",
     ("operators.md", "mspretrain report"): "the quick start's report, compared there",
-    # quickstart.md, "Continue from a published model": its run dirs come from the walkthrough's export
-    ("quickstart.md", "mspretrain tokenizer extend"): _CONTINUE_WHY,
-    ("quickstart.md", "mspretrain prepare my-text/ --out data-zh"): _CONTINUE_WHY,
-    ("quickstart.md", "mspretrain train --config configs/tiny.toml --data data-zh"): _CONTINUE_WHY,
-    ("quickstart.md", "mspretrain eval runs/stage"): _CONTINUE_WHY,
-    ("quickstart.md", "mspretrain export runs/stage"): _CONTINUE_WHY,
-    # quickstart.md, "Continue from Qwen2.5 / Llama-3": a transformers-built folder after the walkthrough
-    ("quickstart.md", "python scripts/tiny_hf_model.py"): _FAMILIES_WHY,
-    ("quickstart.md", "mspretrain convert --from-hf tiny-qwen"): _FAMILIES_WHY,
-    ("quickstart.md", "mspretrain prepare my-text/ --out data-qwen"): _FAMILIES_WHY,
-    ("quickstart.md", "mspretrain train --config configs/tiny.toml --data data-qwen"): _FAMILIES_WHY,
-    ("quickstart.md", "mspretrain export runs/qwen"): _FAMILIES_WHY,
-    ("quickstart.md", "python load_qwen.py"): _FAMILIES_WHY,
     ("operators.md", "mspretrain doctor --config"): "shows the Ascend failure of a CPU box in part (`...`); the disk check is "
                                                     "tests/test_doc_promises.py::test_doctor_takes_the_checkpoint_size_from_the_plan",
 }
@@ -283,15 +265,16 @@ def _excluded(doc: str, command: str) -> str | None:
     return next((why for (d, prefix), why in EXCLUDED.items() if d == doc and command.startswith(prefix)), None)
 
 
-# Run here: the quick start (scripts/walkthrough.sh is its sessions 1-6; then the commands of
-# AFTER_WALKTHROUGH in its workdir) with from-pytorch.md's round trip, the doctor's list of checks
-# and the plans (pure arithmetic, deterministic to the digit).
-RUN_BY_WALKTHROUGH = ("ls ", "head ", "mspretrain prepare", "mspretrain train", "mspretrain checkpoints", "mspretrain eval",
-                      "mspretrain generate", "mspretrain export", "python load_hf.py", "mspretrain report", "mspretrain convert")
-AFTER_WALKTHROUGH = ("mspretrain prepare --inspect data", "mspretrain report runs/mine",
-                     "mspretrain convert --from-hf hf --out ckpt/from-hf", "mspretrain eval ckpt/from-hf --data data")
-# quickstart.md §4's "train longer": run in a copy of the workdir, so runs/mine stays at step 40
-CONTINUE = "mspretrain train --config configs/tiny.toml --data data --run runs/mine train.max_steps=60"
+# Run here: the quick start (scripts/walkthrough.sh is its sessions 1-6; then, in doc order, every
+# other session of quickstart.md it runs, with the ```bash blocks of its two "Continue from" sections,
+# in one copy of its workdir) with from-pytorch.md's round trip, the doctor's list of checks and the
+# plans (pure arithmetic, deterministic to the digit).
+RUN_BY_WALKTHROUGH = ("ls ", "head ", "cp ", "mspretrain prepare", "mspretrain train", "mspretrain checkpoints", "mspretrain eval",
+                      "mspretrain generate", "mspretrain export", "python load_hf.py", "mspretrain report", "mspretrain convert",
+                      "mspretrain tokenizer extend", "python scripts/tiny_hf_model.py", "python load_qwen.py")
+# The sections whose ```bash blocks run too (in order with their sessions): a model made with
+# transformers, then the commands on it
+BASH_SECTIONS = ("## Continue from a published model", "## Continue from Qwen2.5 / Llama-3")
 
 
 def _how_run(doc: str, command: str) -> str | None:
@@ -338,10 +321,46 @@ def test_direct_sessions_print_what_the_docs_show(doc, command, expected, capsys
     assert not missing, "lines the docs show that the command did not print:\n" + "\n".join(missing) + "\n--- actual:\n" + actual
 
 
+def quickstart_steps(text: str) -> list[tuple[str, str]]:
+    """("cmd", command) for each console session and ("bash", body) for each ```bash block of
+    BASH_SECTIONS, in the order of the page; ("file", python) for a ```python block whose first
+    line names the file the page runs (`# load_qwen.py`)."""
+    steps: list[tuple[str, str]] = []
+    body, lang, section = None, "", ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            section = line.strip()
+        if line.startswith("```"):
+            if body is None:
+                body, lang = [], line[3:].strip()
+                continue
+            if lang == "bash" and section in BASH_SECTIONS:
+                steps.append(("bash", "\n".join(body)))
+            elif lang == "python" and body and re.fullmatch(r"# \w+\.py", body[0].strip()):
+                steps.append(("file", "\n".join(body)))
+            body = None
+            continue
+        if body is not None:
+            body.append(line)
+            if lang == "console" and line.startswith("$ "):
+                steps.append(("cmd", line[2:].strip()))
+    return steps
+
+
+def test_quickstart_steps_reads_sessions_bash_blocks_and_named_files():
+    text = ("## 1\n```bash\nmake\n```\n```console\n$ a\nout\n```\n## Continue from a published model\n"
+            "```bash\nx=1\n```\n```python\n# l.py\nprint(1)\n```\n```python\nprint(2)\n```\n```console\n$ python l.py\n```\n")
+    assert quickstart_steps(text) == [("cmd", "a"), ("bash", "x=1"), ("file", "# l.py\nprint(1)"), ("cmd", "python l.py")]
+
+
 @pytest.fixture(scope="module")
-def walkthrough_transcript(walkthrough, tmp_path_factory) -> dict[str, str]:
+def walkthrough_transcript(walkthrough, tmp_path_factory) -> dict[str, list[str]]:
     """The session's run of scripts/walkthrough.sh (the quick start, sessions 1-6, conftest
-    `walkthrough`), then AFTER_WALKTHROUGH in a copy of its workdir."""
+    `walkthrough`), then in a copy of its workdir, in the page's order, every other session of
+    quickstart.md that is run here (the runs/longer copy of section 4, the inspect and report of
+    section 7, both "Continue from" sections with their ```bash blocks and load_qwen.py), then
+    from-pytorch.md's round trip: the pages followed literally, each command on what the ones
+    before it left."""
     import os
     import shutil
     import subprocess
@@ -350,16 +369,29 @@ def walkthrough_transcript(walkthrough, tmp_path_factory) -> dict[str, str]:
     done, text = walkthrough
     work = tmp_path_factory.mktemp("docs-walkthrough") / "work"
     shutil.copytree(done, work, symlinks=True)
+    # the page runs from the repo root: the two repo paths it names
+    (work / "scripts").symlink_to(ROOT / "scripts")
+    (work / "mspretrain" / "eval").mkdir(parents=True)
+    (work / "mspretrain" / "eval" / "data").symlink_to(ROOT / "mspretrain" / "eval" / "data")
     env = dict(os.environ, GLOG_v="3")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    for command in AFTER_WALKTHROUGH:
-        more = subprocess.run(shlex.split(command), cwd=work, env=env, capture_output=True, text=True, timeout=300)
-        text += f"\n$ {command}\n" + more.stdout + more.stderr
     ran = transcript(text)
-    copy = work.parent / "docs-walkthrough-continued"
-    shutil.copytree(work, copy, ignore=shutil.ignore_patterns("hf", "ckpt"))
-    more = subprocess.run(shlex.split(CONTINUE), cwd=copy, env=env, capture_output=True, text=True, timeout=600)
-    ran[CONTINUE] = [more.stdout + more.stderr]
+    steps = [(doc, *step) for doc in ("quickstart.md", "from-pytorch.md") for step in quickstart_steps((DOCS / doc).read_text(encoding="utf-8"))]
+    for _doc, kind, body in steps:  # the scripts the pages give (load_qwen.py), written before anything runs
+        if kind == "file":
+            first, _, rest = body.partition("\n")
+            (work / first[2:].strip()).write_text(rest + "\n", encoding="utf-8")
+    for doc, kind, body in steps:
+        if kind == "file":
+            continue
+        if kind == "cmd" and (body in ran or _how_run(doc, body) != "walkthrough"):
+            continue  # run by walkthrough.sh, or not run here (plans: compared directly; the demo: excluded)
+        argv = ["bash", "-euo", "pipefail", "-c", body] if kind == "bash" else shlex.split(body)
+        more = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        out = more.stdout + more.stderr
+        assert more.returncode == 0 and "Traceback" not in out, f"{doc}: `{body[:200]}` failed:\n{out[-3000:]}"
+        if kind == "cmd":
+            ran.setdefault(body, []).append(out)
     return ran
 
 

@@ -110,25 +110,60 @@ def test_doctor_runs_the_device_memory_check(tmp_path, monkeypatch):
     assert f.status == "fail" and "910B4" in f.detail
 
 
-def test_npu_smi_hbm_is_parsed_per_chip(monkeypatch):
-    """`npu-smi info -t usages -i 0` as the driver prints it: one "HBM Capacity(MB)" line per chip."""
-    import subprocess
-    from types import SimpleNamespace
+def _fake_npu_smi(tmp_path, monkeypatch, body: str, out: bytes = b"") -> None:
+    """An `npu-smi` that runs `body` (a shell script; $OUT is a file holding `out`), found by `shutil.which`."""
+    (tmp_path / "out").write_bytes(out)
+    body = body.replace("$OUT", str(tmp_path / "out"))
+    exe = tmp_path / "npu-smi"
+    exe.write_text("#!/bin/sh\n" + body + "\n")
+    exe.chmod(0o755)
+    monkeypatch.setattr("shutil.which", lambda name, **kw: str(exe))
+
+
+CHIP = "        NPU ID                         : 0\n        HBM Capacity(MB)               : {mb}\n        HBM Usage Rate(%)              : 3\n"
+
+
+def test_npu_smi_hbm_is_parsed_per_chip(tmp_path, monkeypatch):
+    """`npu-smi info -t usages -i 0` as the driver prints it: one "HBM Capacity(MB)" line per chip,
+    the smallest bounds the pool; the arguments are the ones the docstring names."""
+    from mspretrain import device
+
+    _fake_npu_smi(tmp_path, monkeypatch, f'echo "$@" > {tmp_path}/argv\ncat $OUT', (CHIP.format(mb=65536) + CHIP.format(mb=32768)).encode())
+    assert device.npu_hbm_bytes() == 32 * GiB and (tmp_path / "argv").read_text().split() == ["info", "-t", "usages", "-i", "0"]
+    _fake_npu_smi(tmp_path, monkeypatch, "echo no such field")
+    assert device.npu_hbm_bytes() is None
+    _fake_npu_smi(tmp_path, monkeypatch, "cat $OUT; exit 3", CHIP.format(mb=32768).encode())
+    assert device.npu_hbm_bytes() is None  # npu-smi failed: its output is not trusted
+    monkeypatch.setattr("shutil.which", lambda name, **kw: None)
+    assert device.npu_hbm_bytes() is None  # no npu-smi: a CPU box
+
+
+@pytest.mark.parametrize("body, out, want", [
+    ("cat $OUT", b"\xff\xfe bad bytes\n" + CHIP.format(mb=32768).encode() + b"\x80\n", 32 * GiB),  # not UTF-8: read, not a traceback
+    ("exec cat /dev/zero", b"", None),  # endless output: killed at the cap, not gigabytes
+    ("exec yes 'HBM Capacity(MB) : 32768'", b"", None),  # endless lines that match
+    ("exec sleep 30", b"", None),  # a wedged driver: killed at the timeout
+    ("cat $OUT; exec sleep 30", CHIP.format(mb=32768).encode(), None),  # printed, then wedged
+    ("cat $OUT", b"HBM Capacity(MB) : 99999999999999999999\n", None),  # digits past any size: no match
+])
+def test_npu_smi_output_is_read_bounded_in_memory_and_time(tmp_path, monkeypatch, body, out, want):
+    import resource
+    import time
 
     from mspretrain import device
 
-    seen = []
-    out = ("        NPU ID                         : 0\n        Chip Count                     : 1\n\n"
-           "        HBM Capacity(MB)               : 32768\n        HBM Usage Rate(%)              : 3\n")
+    _fake_npu_smi(tmp_path, monkeypatch, body, out)
+    t0, rss0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert device.npu_hbm_bytes(timeout_s=2.0) == want
+    assert time.monotonic() - t0 < 10  # the 2 s timeout, plus the kill
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 64 * 1024  # KB: far from gigabytes
 
-    def run(argv, **kw):
-        seen.append(argv[1:])
-        return SimpleNamespace(stdout=out, returncode=0)
 
-    monkeypatch.setattr("shutil.which", lambda name, **kw: "/usr/local/bin/npu-smi")
-    monkeypatch.setattr(subprocess, "run", run)
-    assert device.npu_hbm_bytes() == 32 * GiB and seen == [["info", "-t", "usages", "-i", "0"]]
-    out = "no such field"
-    assert device.npu_hbm_bytes() is None
-    monkeypatch.setattr("shutil.which", lambda name, **kw: None)
-    assert device.npu_hbm_bytes() is None  # no npu-smi: a CPU box
+@pytest.mark.parametrize("mb", [0, 1, 3000, 5_000_000, 999_999_999])
+def test_doctor_and_launch_do_not_call_an_absurd_hbm_ok(tmp_path, monkeypatch, mb):
+    """npu-smi reporting 0 MB or 10^9 MB of HBM: a warning naming the figure (the pool cap is
+    unchecked), never ok and never a "does not fit" failure that blocks launch."""
+    _fake_npu_smi(tmp_path, monkeypatch, "cat $OUT", CHIP.format(mb=mb).encode())
+    for cfg in (cfgmod.load(None, ["device.target=ascend"]), cfgmod.load(None, ["device.target=ascend", "device.max_device_memory=26"])):
+        f = by_name(doctor.check_device_memory(cfg))["device memory"]
+        assert f.status == "warn" and "which no NPU has" in f.detail, f

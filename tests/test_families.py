@@ -467,6 +467,7 @@ def test_family_table_is_what_transformers_says():
         assert hasattr(hc, "head_dim") == f.head_dim_written, f.name
         if f.head_dim_default is not None:
             assert hc.head_dim == f.head_dim_default, f.name
+        assert hc.num_key_value_heads == (f.kv_heads_default or hc.num_attention_heads), f.name
 
 
 def test_family_table_drives_config_presets_and_shapes():
@@ -491,3 +492,87 @@ def test_family_table_drives_config_presets_and_shapes():
     assert e.value.fix == "qwen2 has qkv_bias, qwen3 has qk_norm, only mistral has a sliding_window; llama has none of them"
     with pytest.raises(UserError, match="not supported"):
         family("gpt2")
+
+
+# --------------------------------------------------------------------------- as transformers loads a folder (issue 54)
+
+def _resave(src: Path, dst: Path, edit) -> Path:
+    """A copy of the HF folder `src` whose weights went through `edit(dict of torch tensors)`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    edit(sd)
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("case", ["own_lm_head", "only_lm_head", "equal_lm_head"])
+def test_a_tied_folder_is_read_as_transformers_loads_it(fam, capsys, tmp_path, case):
+    """config.json ties the embeddings (Qwen2 here) and the folder holds lm_head.weight: transformers
+    keeps a different one untied, ties to an lm_head that is the only copy, and ties an equal one;
+    convert's logits are transformers' in each case (dropping the own lm_head was off by ~40)."""
+    d, _, _ = fam["qwen2"]
+    gen = torch.Generator().manual_seed(5)
+
+    def edit(sd):
+        emb = sd["model.embed_tokens.weight"]
+        if case == "own_lm_head":
+            sd["lm_head.weight"] = torch.randn(emb.shape, generator=gen)
+        elif case == "only_lm_head":
+            sd["lm_head.weight"] = sd.pop("model.embed_tokens.weight")
+        else:
+            sd["lm_head.weight"] = emb.clone()
+    src = _resave(d, tmp_path / "hf", edit)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
+    assert ref.config.tie_word_embeddings
+    rc, out, err = cli(capsys, "convert", "--from-hf", src, "--out", tmp_path / "ck", "--quiet")
+    assert rc == 0, err
+    loaded = load_model(tmp_path / "ck")
+    assert loaded.ref.config.model.tie_embeddings == (case != "own_lm_head")
+    tok = tokens(7)
+    assert np.abs(loaded.model(ms.Tensor(tok)).asnumpy() - hf_forward(ref, tok).logits.numpy()).max() <= 1e-5
+
+
+@pytest.mark.parametrize("rope_parameters,rope_scaling,top_theta,ok", [
+    ({"rope_type": "default", "rope_theta": 1e6}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}, None, False),
+    ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16},
+     {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16}, None, False),
+    ({"rope_type": "default", "rope_theta": 1e6}, {"type": "default", "rope_theta": 1e4}, None, False),
+    ({"rope_type": "default", "rope_theta": 1e6}, None, 1e4, False),
+    ({"rope_type": "default", "rope_theta": 1e6}, {"type": "default"}, 1e6, True),
+    ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16}, {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 16}, 5e5, True),
+])
+def test_rope_parameters_and_legacy_rope_scaling_must_agree(rope_parameters, rope_scaling, top_theta, ok):
+    """transformers 4.x reads rope_scaling and the top-level rope_theta, 5.x rope_parameters: a
+    folder whose readings differ has no one model; one whose readings agree is read as both read it."""
+    hf = {k: v for k, v in _hf_dict("llama3").items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    hf["rope_parameters"] = dict(rope_parameters)
+    if rope_scaling is not None:
+        hf["rope_scaling"] = dict(rope_scaling)
+    if top_theta is not None:
+        hf["rope_theta"] = top_theta
+    if ok:
+        m = config_from_hf(hf)
+        assert m.rope_theta == rope_parameters["rope_theta"]
+        assert m.rope_scaling == rope_parameters["rope_type"].replace("default", "none")
+        return
+    with pytest.raises(UserError) as e:
+        config_from_hf(hf)
+    assert ("disagree" in e.value.cause or "rope_theta has 2 values" in e.value.cause) and "\n" not in str(e.value)
+
+
+def test_train_help_lists_every_preset(capsys):
+    """`train --help` listed 6 presets and hid the family ones (issue 54): it names the table's."""
+    from mspretrain.model.presets import PRESETS
+
+    rc, out, _ = cli(capsys, "train", "--help")
+    assert rc == 0
+    text = " ".join(out.split())
+    for name in PRESETS:
+        assert f"{name}," in text or f"{name})" in text, name

@@ -81,7 +81,7 @@ def test_node_rank_1_without_node_0_fails_in_bounded_time(tiny_data, capsys):
         wait_for_master("127.0.0.1", port, 1.0, log=lambda *a, **k: None)
     assert time.monotonic() - t0 < 10
     code = main(["launch", "--nproc", "1", "--nodes", "2", "--node-rank", "1", "--master-port", str(port),
-                 "--master-wait", "0.5", "--", "train", "--data", str(tiny_data), "--run", "r"])
+                 "--master-wait", "0.5", "--", "train", "--data", str(tiny_data), "--run", "r", "train.max_steps=5"])
     err = capsys.readouterr().err
     if "msrun is not installed" not in err:
         assert code == 2 and f"127.0.0.1:{port}" in err and err.count("\n") == 2, err

@@ -21,42 +21,78 @@ import pytest
 
 from mspretrain.errors import UserError
 
-REQUIRED_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "intermediate_size": 160, "vocab_size": 300}
+REQUIRED_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+               "num_attention_heads": 32, "intermediate_size": 160, "vocab_size": 300}
 # every optional key at a value that is NOT transformers' default, so dropping it changes the model
 OPTIONAL_HF = {"num_key_value_heads": 2, "max_position_embeddings": 96, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
                "initializer_range": 0.01, "rope_theta": 500000.0, "hidden_act": "silu", "attention_bias": False,
                "mlp_bias": False, "head_dim": 16, "rope_scaling": None}
+# each family's own optional keys on top (a sliding window only Mistral has); every family's reader
+# is checked against its own transformers config class (families.py: Qwen3's head_dim 128, the
+# key/value heads' 32 of Qwen2/3 and 8 of Mistral)
+FAMILY_HF = {"llama": ("LlamaConfig", {}), "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
+             "qwen3": ("Qwen3Config", {"use_sliding_window": False}), "mistral": ("MistralConfig", {"sliding_window": 8})}
 
 
-def _transformers_view(hf: dict) -> dict:
+def _family_hf(family: str) -> tuple[dict, dict]:
+    from mspretrain.families import family as row
+
+    required = {**REQUIRED_HF, "architectures": [row(family).hf_class], "model_type": family}
+    return required, {**OPTIONAL_HF, **FAMILY_HF[family][1]}
+
+
+def _transformers_view(hf: dict, family: str = "llama") -> dict:
     """What transformers builds from `hf`, in our field names."""
-    from transformers import LlamaConfig
+    import transformers
 
-    c = LlamaConfig.from_dict(dict(hf))
+    c = getattr(transformers, FAMILY_HF[family][0]).from_dict(dict(hf))
     rope = getattr(c, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(c, "rope_theta", None))
+    window = getattr(c, "sliding_window", None) or 0
     return {"n_kv_heads": c.num_key_value_heads, "max_seq_len": c.max_position_embeddings, "norm_eps": c.rms_norm_eps,
             "tie_embeddings": c.tie_word_embeddings, "init_std": c.initializer_range, "rope_theta": float(theta),
             "dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
-            "ffn_dim": c.intermediate_size, "vocab_size": c.vocab_size}
+            "ffn_dim": c.intermediate_size, "vocab_size": c.vocab_size,
+            # the attention's own reading (modeling_*.py: `getattr(config, "head_dim", None) or hidden // heads`)
+            "head_size": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            # Mistral's window; one at least the context is full attention (ours says 0)
+            "sliding_window": 0 if family != "mistral" or window >= c.max_position_embeddings else window}
 
 
-@pytest.mark.parametrize("drop", ["(none)", *OPTIONAL_HF, "(all)", "architectures", "model_type"])
-def test_hf_config_defaults_are_transformers_defaults(drop):
+@pytest.mark.parametrize("family", list(FAMILY_HF))
+@pytest.mark.parametrize("drop", ["(none)", *OPTIONAL_HF, "sliding_window", "(all)", "architectures", "model_type"])
+def test_hf_config_defaults_are_transformers_defaults(family, drop):
     from mspretrain.model.hf import config_from_hf
 
-    hf = {**REQUIRED_HF, **OPTIONAL_HF}
+    required, optional = _family_hf(family)
+    hf = {**required, **optional}
     if drop == "(all)":
-        hf = dict(REQUIRED_HF)
+        hf = dict(required)
+    elif drop == "model_type" and family != "llama":
+        pytest.skip("a config.json without model_type is read as llama, as transformers' AutoConfig cannot read it at all")
     elif drop != "(none)":
-        del hf[drop]
+        hf.pop(drop, None)
     ours = config_from_hf(hf)
-    want = _transformers_view(hf)
+    want = _transformers_view(hf, family)
     got = {k: getattr(ours, k) for k in want}
-    assert got == pytest.approx(want), drop
+    assert got == pytest.approx(want), (family, drop)
     if drop == "(all)":  # the defaults really were exercised: transformers' values, not the file's
-        assert (got["n_kv_heads"], got["max_seq_len"], got["tie_embeddings"]) == (4, 2048, False)
+        kv, ctx, head = {"llama": (32, 2048, 8), "qwen2": (32, 32768, 8), "qwen3": (32, 32768, 128), "mistral": (8, 131072, 8)}[family]
+        assert (got["n_kv_heads"], got["max_seq_len"], got["head_size"], got["tie_embeddings"]) == (kv, ctx, head, False)
+        assert got["sliding_window"] == (4096 if family == "mistral" else 0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_a_kv_head_default_that_does_not_divide_the_heads_is_refused(family):
+    """transformers fills an absent num_key_value_heads with its class default (32 or 8), not the
+    head count: with 4 heads that is no model, so it is one line naming the default."""
+    from mspretrain.model.hf import config_from_hf
+
+    required, _ = _family_hf(family)
+    with pytest.raises(UserError) as e:
+        config_from_hf({**required, "num_attention_heads": 4, "hidden_size": 64})
+    assert "Config's default) does not divide num_attention_heads 4" in e.value.cause
+    assert config_from_hf({**required, "num_attention_heads": 4, "hidden_size": 64, "num_key_value_heads": None}).n_kv_heads == 4
 
 
 def test_hf_config_rope_theta_of_transformers_5_wins_over_a_missing_top_level_key():

@@ -286,6 +286,43 @@ def test_launch_refuses_a_train_whose_data_dir_is_missing_before_msrun_starts(ti
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("nproc, overrides, needle", [
+    (2, ["parallel.tp=2", "optim.shard_parameters=true"], "optim.shard_parameters"),  # ZeRO-3 with tp
+    (2, ["parallel.tp=2", "model.n_kv_heads=1"], "does not divide model.n_kv_heads = 1"),
+    (2, ["parallel.tp=3", "model.n_heads=3", "model.n_kv_heads=3", "model.dim=48"], "does not divide the 2 ranks"),
+    (2, ["parallel.tp=2", "eval.choices_file=x.csv"], "eval.choices_file"),
+    (2, ["parallel.tp=2", "optim.split_mb=8"], "optim.split_mb"),  # other variants of the class
+    (4, ["parallel.tp=4", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_dim=170"], "model.ffn_dim = 170"),
+    (2, ["parallel.tp=2", "model.vocab_size=513"], "model.vocab_size = 513"),
+])
+def test_launch_refuses_a_tensor_parallel_train_that_train_refuses_before_msrun_starts(tiny_data, tmp_path, monkeypatch, capsys,
+                                                                                        nproc, overrides, needle):
+    """`launch -- train` with a tensor-parallel config train refuses started msrun and ended in
+    every worker's traceback (exit 1): train's config checks run before msrun now, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    err = refused(capsys, "launch", "--nproc", nproc, "--", "train", "--config", TINY, "--data", tiny_data,
+                  "--run", tmp_path / "run", *overrides)
+    assert needle in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_launch_refuses_tp_on_an_init_from_model_it_cannot_cut(tiny_data, tmp_path, monkeypatch, capsys):
+    """--init-from an HF folder whose config.json has one KV head, with parallel.tp=2: the model
+    comes from the folder, so the folder's config.json is what launch checks before msrun."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 96, "vocab_size": 512}))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    err = refused(capsys, "launch", "--nproc", "2", "--", "train", "--data", tiny_data, "--run", work / "run",
+                  "--init-from", hf, "parallel.tp=2", "train.max_steps=5")
+    assert "does not divide model.n_kv_heads = 1" in err
+    assert list(work.iterdir()) == []
+
+
 def test_a_refused_demo_prepares_nothing_first(corpus_file, tmp_path, capsys):
     """The demo checked its run dir's config only after preparing the data (minutes, and a new
     data dir left behind by the refusal) when data/ was gone: now before."""

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from mspretrain.errors import UserError
+from mspretrain.fsutil import loads_json
 
 MODEL_FILE = "model.safetensors"
 MODEL_SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
@@ -69,13 +70,42 @@ def shard_metadata(step: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, s
     return {"format": "mspretrain", "step": str(step), "shapes": json.dumps({k: list(v) for k, v in sorted(shapes.items())})}
 
 
+_RANGE_RE = re.compile(r"^([0-9]{1,19}):([0-9]{1,19})$")
+
+
 def parse_key(key: str) -> tuple[str, tuple[int, int] | None]:
-    """(parameter name, [start, stop) or None for a whole tensor) of a stored key."""
+    """(parameter name, [start, stop) or None for a whole tensor) of a stored key; a range that is
+    not two whole numbers start <= stop is a one-line error (a hostile or damaged file)."""
     name, sep, rng = key.rpartition("@")
     if not sep:
         return key, None
-    a, _, b = rng.partition(":")
-    return name, (int(a), int(b))
+    m = _RANGE_RE.match(rng)
+    if not m or int(m.group(1)) > int(m.group(2)):
+        raise UserError(f"the checkpoint's tensor {key[:120]!r} names no element range START:STOP of whole numbers", _REREAD)
+    return name, (int(m.group(1)), int(m.group(2)))
+
+
+def check_tiling(name: str, ranges: Iterable[tuple[int, int]], lo: int, hi: int, fix: str = _REREAD) -> None:
+    """The stored pieces' [a, b) ranges of `name` cover [lo, hi) exactly once, or a one-line error:
+    the writers' slices tile each tensor, so a gap is a missing or foreign file and an overlap a
+    piece that is not this checkpoint's (summing the covered lengths let an overlap hide a gap)."""
+    at = lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in ranges if max(a, lo) < min(b, hi)):
+        if a < at:
+            raise UserError(f"the checkpoint's pieces of {name} overlap at elements [{a:,}, {min(at, b):,}): "
+                            "two files hold the same part of it", fix)
+        if a > at:
+            raise UserError(f"the checkpoint's pieces of {name} leave its elements [{at:,}, {a:,}) unwritten", fix)
+        at = b
+    if at < hi:
+        raise UserError(f"the checkpoint's pieces of {name} leave its elements [{at:,}, {hi:,}) unwritten", fix)
+
+
+def _whole_shape(file: str, pname: str, dims: object) -> tuple[int, ...]:
+    """A whole shape from a file's `shapes` metadata: a list of whole numbers >= 0."""
+    if not isinstance(dims, list) or len(dims) > 8 or not all(type(d) is int and 0 <= d < 1 << 62 for d in dims):
+        raise UserError(f"{file}'s shape metadata for {pname[:120]} is not a list of whole numbers", _REREAD)
+    return tuple(dims)
 
 
 class _Index:
@@ -89,21 +119,39 @@ class _Index:
         self.shape: dict[str, tuple[int, ...]] = {}
         self.pieces: dict[str, list[tuple[str, str, tuple[int, int] | None]]] = {}
         for name in files:
-            with safe_open(str(self.ckpt / name), framework="numpy") as f:
-                meta = f.metadata() or {}
-                try:
-                    shapes = json.loads(meta.get("shapes", "{}"))
-                except ValueError:
-                    raise UserError(f"{name} in {self.ckpt} has unreadable shape metadata", _REREAD) from None
-                for key in f.keys():
-                    pname, rng = parse_key(key)
-                    if rng is None:
-                        self.shape[pname] = tuple(f.get_slice(key).get_shape())
-                    elif pname in shapes:
-                        self.shape[pname] = tuple(int(d) for d in shapes[pname])
-                    else:
-                        raise UserError(f"{name} holds a slice of {pname} but no shape for it", _REREAD)
-                    self.pieces.setdefault(pname, []).append((name, key, rng))
+            try:
+                self._add_file(name)
+            except (SafetensorError, OSError) as e:
+                raise UserError(f"cannot read {name} in {self.ckpt} ({' '.join(str(e).split())[:200]})", _REREAD) from None
+        # every parameter's pieces must tile it exactly once, checked here, before a byte is
+        # allocated for it: a hostile whole shape (10^12 elements) is a gap, not a MemoryError
+        for pname, pieces in self.pieces.items():
+            n = math.prod(self.shape[pname])
+            check_tiling(pname, [rng if rng is not None else (0, n) for _, _, rng in pieces], 0, n)
+
+    def _add_file(self, name: str) -> None:
+        with safe_open(str(self.ckpt / name), framework="numpy") as f:
+            meta = f.metadata() or {}
+            shapes = loads_json(meta.get("shapes", "{}"), f"{name}'s shape metadata in {self.ckpt}", _REREAD)
+            if not isinstance(shapes, dict):
+                raise UserError(f"{name}'s shape metadata in {self.ckpt} is not a table of shapes", _REREAD)
+            for key in f.keys():
+                pname, rng = parse_key(key)
+                stored = tuple(f.get_slice(key).get_shape())
+                if rng is None:
+                    shape = stored
+                elif pname in shapes:
+                    shape = _whole_shape(name, pname, shapes[pname])
+                    if stored != (rng[1] - rng[0],):
+                        raise UserError(f"{name}'s {key[:120]} holds {stored} elements, not the {rng[1] - rng[0]:,} its name says", _REREAD)
+                    if rng[1] > math.prod(shape):
+                        raise UserError(f"{name}'s {key[:120]} lies past the {math.prod(shape):,} elements of {pname}", _REREAD)
+                else:
+                    raise UserError(f"{name} holds a slice of {pname[:120]} but no shape for it", _REREAD)
+                if self.shape.setdefault(pname, shape) != shape:
+                    raise UserError(f"the checkpoint's files disagree on the shape of {pname[:120]} "
+                                    f"({self.shape[pname]} and {shape})", _REREAD)
+                self.pieces.setdefault(pname, []).append((name, key, rng))
 
     def read(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Elements [lo, hi) of the flattened parameter `name`, from whichever pieces hold them."""
@@ -111,7 +159,8 @@ class _Index:
         n = math.prod(shape)
         if not 0 <= lo <= hi <= n:
             raise UserError(f"the checkpoint's {name} has {n:,} elements, not [{lo:,}, {hi:,})", _REREAD)
-        out, covered, dtype = None, 0, None
+        # the pieces tile [0, n) exactly once (checked in __init__), so every element is written once
+        out, dtype = None, None
         for file, key, rng in self.pieces[name]:
             a, b = rng if rng is not None else (0, n)
             x, y = max(lo, a), min(hi, b)
@@ -129,10 +178,11 @@ class _Index:
                 dtype = part.dtype
                 out = np.empty(hi - lo, dtype)
             out[x - lo:y - lo] = part.astype(dtype, copy=False)
-            covered += y - x
-        if covered != hi - lo:  # the writers' slices tile each tensor: a gap is a missing or foreign file
-            raise UserError(f"the checkpoint's pieces of {name} cover {covered:,} of its elements [{lo:,}, {hi:,})", _REREAD)
-        return out if out is not None else np.empty(0, np.float32)
+        if out is None:  # an empty range (a rank of a world larger than the tensor): still the stored dtype
+            file, key, _ = self.pieces[name][0]
+            with safe_open(str(self.ckpt / file), framework="numpy") as f:
+                out = np.asarray(f.get_slice(key)[0:0]).reshape(-1)
+        return out
 
 
 def stored_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:

@@ -43,7 +43,7 @@ from mspretrain import config as cfgmod
 from mspretrain.checkpoint.model_shards import MODEL_FILE, model_files_problem, read_whole
 from mspretrain.checkpoint.tensor_file import save_tensors
 from mspretrain.config import Config
-from mspretrain.errors import UserError
+from mspretrain.errors import UserError, env_number
 from mspretrain.fsutil import chmod_like_open, fsync_path, read_json_file
 from mspretrain.paths import DataPaths, RunPaths
 from mspretrain.paths import step_dir_name as step_dir_name  # kept as store.step_dir_name for its callers
@@ -195,8 +195,9 @@ def _fault_delay(step: int) -> None:
     delay = os.environ.get("MSPRETRAIN_FAULT_SAVE_DELAY")
     if delay:
         seconds, _, only = delay.partition("@")
-        if not only or int(only) == step:
-            time.sleep(float(seconds))
+        wait = env_number("MSPRETRAIN_FAULT_SAVE_DELAY", 0.0, value=seconds or "x")
+        if not only or env_number("MSPRETRAIN_FAULT_SAVE_DELAY", 0, kind=int, value=only) == step:
+            time.sleep(wait)
 
 
 def write_weights_only_checkpoint(out_dir: str | Path, tensors: dict[str, np.ndarray], config: Config,

@@ -114,6 +114,60 @@ def check_worker_data(args: argparse.Namespace, cfg: Any) -> None:
         read_manifest(path)
 
 
+def check_worker_train(args: argparse.Namespace, cfg: Any, world: int) -> None:
+    """A `train`'s own config checks, made here before msrun starts as train makes them before its
+    rendezvous (train/build.py `build_trainer`): the rules across sections (config.py `validate`:
+    tensor parallel with ZeRO-3 or eval.choices_file, ...), the model tensor parallel must cut
+    (model/parallel.py `check_tp`: kv heads, heads, ffn, vocabulary) and a world that parallel.tp
+    divides. Each failed in every worker after msrun had started them (a traceback per rank, exit 1).
+    With --init-from an HF folder the model is its config.json's; a checkpoint's is the ranks' to check."""
+
+    from mspretrain import config as cfgmod
+    from mspretrain.errors import UserError
+
+    if args.command != "train":
+        return
+    if getattr(args, "model", None):
+        from mspretrain.commands.train import with_preset
+
+        cfg = with_preset(cfg, args.model, args.overrides)
+    # the device the ranks resolve (device.py `resolve_target`), without its NPU-visibility check:
+    # that one is the ranks' (and doctor's) to make
+    target = cfg.device.target
+    if target == "auto":
+        target = "ascend" if any(os.path.exists(p) for p in ("/dev/davinci0", "/dev/davinci_manager")) else "cpu"
+    cfgmod.validate(cfg, device=target)
+    tp = cfg.parallel.tp
+    if tp > 1 and world % tp:  # the words of train/tp.py `make_mesh`
+        raise UserError(f"parallel.tp = {tp} does not divide the {world} ranks of this job",
+                        f"launch a multiple of {tp} ranks (world = tp x data-parallel ranks), or change parallel.tp")
+    if tp == 1:
+        return
+    from mspretrain.data.manifest import read_manifest
+    from mspretrain.model.parallel import check_tp
+
+    vocab = int(read_manifest(args.data)["vocab_size"])
+    init = Path(args.init_from) if getattr(args, "init_from", None) else None
+    if init is not None:
+        # an HF folder's model is its config.json (read, not its weights); the vocabulary grows to
+        # the data dir's when its tokenizer extends the model's. A checkpoint's is checked by the ranks.
+        if (init / "config.json").is_file() and not (init / "manifest.json").exists():
+            from dataclasses import replace
+
+            from mspretrain.fsutil import read_json
+            from mspretrain.model.hf import config_from_hf
+
+            m = config_from_hf(read_json(init / "config.json", "re-save the model config"), str(init / "config.json"))
+            check_tp(replace(m, vocab_size=max(m.vocab_size, vocab)), tp)
+        return
+    from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
+
+    # the model the ranks would build: a resumed run's saved one (no weights are read without --init-from)
+    explicit = explicit_model_keys(args.config, args.overrides, preset=bool(getattr(args, "model", None)))
+    cfg, _, _ = init_for_run(None, cfg, args.data, args.run, explicit=explicit, log=lambda s: None)
+    check_tp(cfgmod.resolve_model(cfg.model, vocab), tp)
+
+
 def check_device_pool(cfg: Any) -> None:
     """The worker config's Ascend memory pool (device.max_device_memory, 58 GB by default) against
     this node's NPUs, read with npu-smi (device.py `pool_checked`) before msrun starts a rank: on a
@@ -194,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
     worker = worker_config(cmd)
     if worker is not None:
         check_worker_data(*worker)
+        check_worker_train(*worker, args.nproc * args.nodes)
         check_device_pool(worker[1])
     env = {**os.environ, "PATH": search}
     hccl = hccl_buffsize(*worker, args.nproc, args.nodes) if worker is not None else None

@@ -20,8 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_argument(p)
     p.add_argument("--data", required=True, metavar="DATA_DIR", help="output of `mspretrain prepare`")
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="where metrics, logs and checkpoints go")
+    from mspretrain.model.presets import PRESETS  # the help lists the table itself: a new preset is never hidden
+
     p.add_argument("--model", metavar="PRESET",
-                   help="a model preset (125m, 350m, 1b, llama2-7b, demo, tiny) instead of the config's [model]; "
+                   help=f"a model preset ({', '.join(PRESETS)}) instead of the config's [model]; "
                         "the vocabulary comes from the data dir, model.* overrides still apply")
     p.add_argument("--init-from", metavar="CKPT_DIR|HF_DIR",
                    help="start a new run (step 0, fresh optimizer, schedule and loss scale) from these weights: an mspretrain "

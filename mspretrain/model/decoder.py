@@ -60,7 +60,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config import ModelConfig
 from mspretrain.device import select_attention  # the kernel choice is the device's
-from mspretrain.errors import UserError
+from mspretrain.errors import UserError, env_number
 from mspretrain.model.attention import Attention, rope_tables
 from mspretrain.model.block import Block
 from mspretrain.model.layers import (
@@ -95,12 +95,8 @@ def init_threads() -> int:
     may run on (`os.sched_getaffinity`: a rank that msrun or taskset binds to its share of the host
     gets that share; an unbound rank sees every core, so 8 unbound ranks run up to 8 x 32 threads
     at once), at most INIT_THREADS_CAP. Only the speed depends on it, never a value."""
-    env = os.environ.get("MSPRETRAIN_INIT_THREADS", "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise UserError(f"MSPRETRAIN_INIT_THREADS={env!r} is not a positive integer",
-                            "unset it (the process's cores, at most 32, are used) or set e.g. MSPRETRAIN_INIT_THREADS=8")
-        return int(env)
+    if os.environ.get("MSPRETRAIN_INIT_THREADS", "").strip():
+        return int(env_number("MSPRETRAIN_INIT_THREADS", 0, kind=int, minimum=1))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, INIT_THREADS_CAP))
 

@@ -63,6 +63,8 @@ def _float_field(hf: dict[str, Any], key: str, source: str, default: float) -> f
     v = hf.get(key, default)
     if v is None:
         v = default
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 1 << 1000:
+        v = math.inf  # an integer past float's range (float() would raise OverflowError)
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
         raise UserError(f"{source}: {key} = {v!r} is not a positive finite number", "pass the config.json written by transformers for this model")
     return float(v)
@@ -105,6 +107,17 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
                 found = d
         if d and not any(d.get(n) is not None for n in ("rope_type", "type")) and set(d) - {"rope_theta"}:
             _refuse(source, f"{key} = {d!r} names no rope_type")  # scaling of an unknown kind is not plain RoPE
+    if rope and scaling and _rope_meaning(rope) != _rope_meaning(scaling):
+        # transformers 4.x reads rope_scaling (and the top-level rope_theta); 5.x lets a non-empty
+        # rope_scaling replace rope_parameters in some paths and reads rope_parameters in others
+        # (modeling_rope_utils.py `convert_rope_params_to_dict`, configuration_utils.py's
+        # `rope_scaling` property): a folder whose two disagree has no one reading, so it is refused
+        _refuse(source, f"rope_parameters {_rope_meaning(rope)} and rope_scaling {_rope_meaning(scaling)} "
+                        "disagree (transformers versions read different ones)")
+    thetas = {_float_field(d, "rope_theta", source, 1.0) for d in (hf, rope, scaling) if d.get("rope_theta") is not None}
+    if len(thetas) > 1:
+        _refuse(source, f"rope_theta has {len(thetas)} values ({', '.join(f'{t:g}' for t in sorted(thetas))}) at the top level, "
+                        "in rope_parameters and in rope_scaling (transformers 4.x reads the top-level one, 5.x rope_parameters')")
     theta = _float_field(rope, "rope_theta", source, _float_field(hf, "rope_theta", source, 10000.0))
     if found:
         for name in _LLAMA3_KEYS:
@@ -115,6 +128,13 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
         _float_field(found, "high_freq_factor", source, 1.0)
         _int_field(found, "original_max_position_embeddings", source)
     return theta, found
+
+
+def _rope_meaning(d: dict[str, Any]) -> tuple[Any, ...]:
+    """What a RoPE dict says, for comparing rope_parameters with rope_scaling: its type and, for
+    llama3, the scaling numbers (rope_theta is compared apart: a 4.x rope_scaling has none)."""
+    kind = d.get("rope_type") or d.get("type") or "default"
+    return (kind, *(d.get(k) for k in _LLAMA3_KEYS)) if kind == "llama3" else (kind,)
 
 
 def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
@@ -135,14 +155,17 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
                         f"convert {described('or')} causal-LM checkpoints")
     dim, layers, heads, ffn, vocab = (_int_field(hf, k, source) for k in
                                       ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"))
-    kv = _int_field(hf, "num_key_value_heads", source, heads)
+    # an absent key is the config class's default (Qwen2/3: 32, Mistral: 8), not the head count;
+    # an explicit null is the head count in every class
+    kv = _int_field(hf, "num_key_value_heads", source, heads if "num_key_value_heads" in hf else fam.kv_heads_default or heads)
     max_pos = _int_field(hf, "max_position_embeddings", source, fam.max_position_default)
     head_dim = _int_field(hf, "head_dim", source, fam.head_dim_default or (dim // heads if dim % heads == 0 else -1))
     if head_dim % 2:
         raise UserError(f"{source}: head_dim {head_dim} (default hidden_size / num_attention_heads) is not a whole, even head size",
                         "pass the config.json written by transformers for this model")
     if heads % kv:
-        raise UserError(f"{source}: num_key_value_heads {kv} does not divide num_attention_heads {heads}",
+        raise UserError(f"{source}: num_key_value_heads {kv}" + ("" if "num_key_value_heads" in hf else f" ({fam.hf_class[:-11]}Config's default)")
+                        + f" does not divide num_attention_heads {heads}",
                         "pass the config.json written by transformers for this model")
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(source, f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
@@ -436,7 +459,28 @@ def read_hf_dir(hf_dir: str | Path, check_tokenizer: Callable[[Path, ModelConfig
         part = read_safetensors(f)
         check_weights(part, f.name)
         tensors.update(part)
+    m = tied_as_transformers(m, tensors)
     return m, hf_to_ours(tensors, m), tok_path
+
+
+def tied_as_transformers(m: ModelConfig, tensors: dict[str, np.ndarray]) -> ModelConfig:
+    """The config as transformers loads a folder whose config.json ties the embeddings
+    (transformers 5.x modeling_utils.py `PreTrainedModel.tie_weights` during from_pretrained):
+    a folder holding both embed_tokens and its own, different lm_head.weight is loaded untied
+    with both kept (dropping the lm_head changed every logit); one holding only lm_head.weight
+    ties the embedding to it (`tensors` is renamed in place)."""
+    if not m.tie_embeddings or "lm_head.weight" not in tensors:
+        return m
+    from dataclasses import replace
+
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
+        return m
+    head = tensors["lm_head.weight"]
+    if head.shape == embed.shape and np.array_equal(head, embed):
+        return m
+    return replace(m, tie_embeddings=False)
 
 
 # --------------------------------------------------------------------------- writing

@@ -46,7 +46,7 @@ from typing import Sequence
 
 from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.errors import UserError
-from mspretrain.fsutil import atomic_write, default_cache_dir
+from mspretrain.fsutil import atomic_write, default_cache_dir, read_json_file
 
 # Dense peak TFLOPS per device and compute dtype. None = no reliable published figure.
 # Ascend 910B: vendor and cloud listings give 280-376 TFLOPS fp16 depending on the SKU
@@ -151,10 +151,10 @@ def cpu_peak_tflops(cache_dir: Path | None = None) -> float:
     means measuring; an unwritable one, measuring every time: MFU never stops a run."""
     path = (cache_dir or default_cache_dir()) / "cpu_peak_tflops.json"
     key = _host_key()
-    try:
-        known = json.loads(path.read_text(encoding="utf-8"))
+    try:  # a regular file of at most 1 MB (a FIFO there hung every run's start, a link to /dev/zero filled memory)
+        known = read_json_file(path, "cached CPU peak", cap=1 << 20) if os.path.lexists(path) else {}
         value = float(known[key]) if isinstance(known, dict) and key in known else 0.0
-    except (OSError, ValueError, TypeError):
+    except (UserError, ValueError, TypeError, OverflowError):
         known, value = {}, 0.0
     if math.isfinite(value) and value > 0:
         return value

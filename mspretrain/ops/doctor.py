@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mspretrain.config import Config
+from mspretrain.errors import UserError
+from mspretrain.fsutil import read_regular_text
 from mspretrain.monitor.metrics import MOUNTINFO, _nearest_existing, is_network_fs, mount_of
 
 ASCEND_HOME = Path("/usr/local/Ascend")
@@ -35,13 +37,14 @@ class Finding:
 
 def _version_of(path: Path, key: str = "version") -> str | None:
     """`key=value` (or `key: value`) from an Ascend version file."""
-    try:
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            m = re.match(rf"\s*{key}\s*[=:]\s*(\S+)", line, re.IGNORECASE)
-            if m:
-                return m.group(1).strip("\"'")
-    except OSError:
+    try:  # a few lines: a regular file of at most 1 MB (a FIFO or /dev/zero there hung doctor)
+        text = read_regular_text(path, 1 << 20, "Ascend version file", errors="replace")
+    except UserError:
         return None
+    for line in text.splitlines():
+        m = re.match(rf"\s*{key}\s*[=:]\s*(\S+)", line, re.IGNORECASE)
+        if m:
+            return m.group(1).strip("\"'")
     return None
 
 

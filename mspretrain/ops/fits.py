@@ -21,7 +21,7 @@ import os
 from typing import Callable
 
 from mspretrain.config import Config
-from mspretrain.errors import UserError
+from mspretrain.errors import UserError, env_number
 
 GB = 1 << 30
 LOCAL_RANKS_ENV = "MSPRETRAIN_LOCAL_RANKS"  # set by `mspretrain launch` for its msrun workers
@@ -30,11 +30,8 @@ LOCAL_RANKS_ENV = "MSPRETRAIN_LOCAL_RANKS"  # set by `mspretrain launch` for its
 def local_ranks(world: int, env: dict[str, str] | None = None) -> int:
     """Training processes on this host: what `launch` exported, else the whole world."""
     env = os.environ if env is None else env
-    try:
-        n = int(env.get(LOCAL_RANKS_ENV, world))
-    except ValueError:
-        n = world
-    return min(max(n, 1), max(world, 1))
+    n = env_number(LOCAL_RANKS_ENV, world, kind=int, minimum=1, value=env.get(LOCAL_RANKS_ENV, ""))
+    return min(max(int(n), 1), max(world, 1))
 
 
 def host_memory() -> tuple[int, int | None]:

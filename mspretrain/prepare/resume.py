@@ -43,7 +43,7 @@ from typing import Callable
 
 from mspretrain import __version__
 from mspretrain.config import PrepareConfig
-from mspretrain.errors import UserError
+from mspretrain.errors import UserError, env_number
 from mspretrain.fsutil import atomic_write, cut_back, read_json_file
 from mspretrain.prepare.publish import fsync_all
 
@@ -67,7 +67,7 @@ _background: threading.Thread | None = None  # the latest background commit (for
 
 def commit_seconds() -> float:
     """Seconds between commits. The environment variable is for tests (0: after every unit)."""
-    return float(os.environ.get("MSPRETRAIN_PREPARE_COMMIT_SECONDS", COMMIT_SECONDS))
+    return env_number("MSPRETRAIN_PREPARE_COMMIT_SECONDS", COMMIT_SECONDS)  # a bad value: one line, not a ValueError
 
 
 def point(name: str, written: Callable[[], object] | None = None) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from mspretrain.config import PrepareConfig
 from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.errors import env_number
 from mspretrain.prepare import dedup, scoring, sources
 from mspretrain.prepare.clean import Cleaner
 from mspretrain.prepare.dedup import LshSettings
@@ -236,7 +237,7 @@ def spill_item(fn, item: tuple) -> ChunkResult | UnitResult:
     Test-only hook (like `resume.point`'s): MSPRETRAIN_PREPARE_TEST_WORKER_KILL=N makes the worker
     given work item N SIGKILL itself, as the out-of-memory killer would."""
     kill = os.environ.get("MSPRETRAIN_PREPARE_TEST_WORKER_KILL")
-    if kill is not None and int(Path(item[1]).name) == int(kill):
+    if kill is not None and int(Path(item[1]).name) == env_number("MSPRETRAIN_PREPARE_TEST_WORKER_KILL", -1, kind=int, value=kill or "x"):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)

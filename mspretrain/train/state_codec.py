@@ -13,7 +13,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
-from mspretrain.checkpoint.model_shards import parse_key  # the stored keys' one parser (weights and optimizer state)
+from mspretrain.checkpoint.model_shards import check_tiling, parse_key  # the stored keys' one parser (weights and optimizer state)
 from mspretrain.errors import UserError
 from mspretrain.train.zero_setup import Ownership
 
@@ -83,18 +83,28 @@ class OptimizerState:
         slices in `tensors`, shaped like this rank's state tensor (1-D for a slice)."""
         i, (a, b) = self.o.own[k], self.o.bounds[k]
         if name in tensors:  # written whole (by an unsplit run)
-            flat = np.asarray(tensors[name], dtype=np.float32).reshape(-1)[a:b]
+            flat = np.asarray(tensors[name], dtype=np.float32).reshape(-1)
+            if flat.size < b:
+                raise UserError(f"the checkpoint's {name} holds {flat.size:,} elements, fewer than the model's {b:,}",
+                                "resume with the model config the checkpoint was written with")
+            flat = flat[a:b]
         else:
-            flat, covered = np.empty(b - a, np.float32), 0
-            for key, value in tensors.items():
-                kname, rng = parse_key(key)
-                lo, hi = (max(a, rng[0]), min(b, rng[1])) if kname == name and rng is not None else (0, 0)
+            slices = [(key, rng) for key, rng in ((key, parse_key(key)) for key in tensors)
+                      if rng[0] == name and rng[1] is not None]
+            # the stored slices must cover this rank's part exactly once: a gap is a missing or
+            # foreign shard, an overlap a slice that is not this checkpoint's (a sum of covered
+            # lengths let one hide the other)
+            check_tiling(name, [rng for _, (_, rng) in slices], a, b,
+                         "resume from another checkpoint (`mspretrain checkpoints RUN` lists them)")
+            flat = np.empty(b - a, np.float32)
+            for key, (_, (ra, rb)) in slices:
+                lo, hi = max(a, ra), min(b, rb)
+                value = np.asarray(tensors[key]).reshape(-1)
+                if value.size != rb - ra:
+                    raise UserError(f"the checkpoint's {key[:120]} holds {value.size:,} elements, not the {rb - ra:,} its name says",
+                                    "resume from another checkpoint (`mspretrain checkpoints RUN` lists them)")
                 if lo < hi:
-                    flat[lo - a:hi - a] = np.asarray(value, dtype=np.float32).reshape(-1)[lo - rng[0]:hi - rng[0]]
-                    covered += hi - lo
-            if covered != b - a:  # the writers' slices tile each tensor: a gap is a missing or foreign shard
-                raise UserError(f"the checkpoint's slices of {name} cover {covered:,} of its elements [{a:,}, {b:,})",
-                                "resume from another checkpoint (`mspretrain checkpoints RUN` lists them)")
+                    flat[lo - a:hi - a] = value[lo - ra:hi - ra].astype(np.float32, copy=False)
         return flat.copy() if self.o.split[k] else flat.reshape(self.params[i].shape).copy()
 
     def load(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
