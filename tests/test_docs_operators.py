@@ -12,8 +12,6 @@ import re
 import shlex
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import cli
 
 GOOD = ("春风明月江南山水花落日夜秋云天地人心来去长空白雪青松流年故乡归路远清香红叶梦中千里万家门前桥边"
@@ -52,10 +50,6 @@ def _section_14_commands() -> list[str]:
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith("mspretrain ")]
 
 
-# strict: the day `quality ... --out models/x.npz` creates models/ (issue 54 item 16, another branch),
-# this XPASS fails the suite: remove the marker then. Every later command passes with models/ made first.
-@pytest.mark.xfail(reason="issue 54 item 16: `quality train|lm --out models/...` does not create models/ yet",
-                   strict=True)
 def test_operators_section_14_runs_as_written(tmp_path, monkeypatch, capsys):
     commands = _section_14_commands()
     assert [c.split()[1:3] for c in commands] == [["quality", "train"], ["quality", "lm"], ["prepare", "web/"],
