@@ -311,3 +311,97 @@ def __getattr__(name: str) -> Any:
             _CLASS = make_lm_class()
         return _CLASS
     raise AttributeError(name)
+
+
+# ----------------------------------------------------------------------------- tasks and runs
+
+SHIPPED_TASKS = Path(__file__).resolve().parent / "harness_tasks"  # mspretrain_zh_choices, _gen, _rolling
+_FETCH_HINT = ("fetch the data and point a local task YAML's dataset_kwargs.data_files at it, then pass its dir "
+               "with --include-path (docs/evaluation.md shows C-Eval, CMMLU and MMLU)")
+
+
+def _local_files(cfg: dict | None) -> list[str]:
+    """The local files a task's YAML names in dataset_kwargs.data_files / data_dir (not URLs or globs)."""
+    kwargs = (cfg or {}).get("dataset_kwargs") or {}
+    files: list[str] = []
+    data_files = kwargs.get("data_files")
+    for v in (data_files.values() if isinstance(data_files, dict) else [data_files]):
+        files += [v] if isinstance(v, str) else [x for x in (v or []) if isinstance(x, str)]
+    if isinstance(kwargs.get("data_dir"), str) and Path(str((cfg or {}).get("dataset_path", ""))).is_dir():
+        files.append(str(Path(cfg["dataset_path"]) / kwargs["data_dir"]))
+    return [f for f in files if "://" not in f and not any(c in f for c in "*?[")]
+
+
+def resolve_tasks(names: Sequence[str], include_path: str | Path | None = None) -> tuple[Any, list[Any]]:
+    """(lm-eval TaskManager, built Task/Group objects) for task names, offline; an unknown name or
+    a task whose data cannot be read locally is refused in one line (UserError), naming the file."""
+    _lm_eval()
+    from lm_eval.api.group import Group
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager
+
+    names = [n.strip() for n in names if n.strip()]
+    if not names:
+        raise UserError("--tasks names no task", "e.g. --tasks ceval-valid,cmmlu (with their local data) or mspretrain_zh_choices")
+    paths = [str(SHIPPED_TASKS)]
+    if include_path:
+        for p in str(include_path).split(":") if isinstance(include_path, str) else [include_path]:
+            if not Path(p).is_dir():
+                raise UserError(f"--include-path {p} is not a directory", "pass the directory holding your task YAML files")
+            paths.append(str(p))
+    # lm-eval's ~14,000 own task configs take ~10 s to index: only when a name is not one of ours or the user's
+    tm = TaskManager(include_path=paths, include_defaults=False)
+    if any(not tm.match_tasks([n]) for n in names):
+        tm = TaskManager(include_path=paths)
+    unknown = [n for n in names if not tm.match_tasks([n])]
+    if unknown:
+        raise UserError(f"unknown task {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
+                        "`lm-eval ls tasks` lists lm-eval's tasks; a task of your own needs --include-path DIR with its YAML")
+    built: list[Any] = []
+    for name in tm.match_tasks(names):
+        entry = tm.task_index.get(name)
+        for f in _local_files(getattr(entry, "cfg", None)):
+            if not Path(f).exists():
+                raise UserError(f"task {name}: its data file {f} does not exist", _FETCH_HINT)
+        try:
+            obj = tm._load_spec(name)  # reads the data (lm-eval 0.4.13's loader, pinned)
+        except UserError:
+            raise
+        except Exception as exc:  # datasets: FileNotFoundError, ConnectionError in offline mode, ...
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise UserError(f"task {name}: its data cannot be read offline ({type(exc).__name__}: {first})", _FETCH_HINT) from None
+        built += obj if isinstance(obj, list) else [obj]
+    assert all(isinstance(o, (Task, Group)) for o in built)
+    return tm, built
+
+
+def evaluate(lm: Any, names: Sequence[str], *, include_path: str | Path | None = None, num_fewshot: int | None = None,
+             limit: float | None = None, log_samples: bool = False, tracker: Any = None,
+             resolved: tuple[Any, list[Any]] | None = None, bootstrap_iters: int = 100000,
+             model_args: dict | None = None) -> dict:
+    """lm-eval's own evaluator (`simple_evaluate`) with our model on these tasks: its results dict
+    (bootstrap_iters=0: no standard errors, which the loop does not need and which cost seconds).
+    model_args: only recorded, e.g. {"pretrained": RUN_DIR}, which names lm-eval's output sub-directory."""
+    import logging
+
+    from lm_eval import simple_evaluate
+
+    tm, built = resolved or resolve_tasks(names, include_path)
+    for name in ("lm-eval", "lm_eval"):  # lm-eval's INFO lines are for its own CLI; warnings stay
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return simple_evaluate(model=lm, tasks=built, task_manager=tm, num_fewshot=num_fewshot, limit=limit,
+                           log_samples=log_samples, evaluation_tracker=tracker, bootstrap_iters=bootstrap_iters,
+                           model_args=model_args)
+
+
+def task_scores(results: dict) -> dict[str, float]:
+    """{"harness/TASK/METRIC": value} of an lm-eval results dict (groups included; stderr left out)."""
+    out: dict[str, float] = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, v in metrics.items():
+            metric, _, filt = key.partition(",")
+            if "stderr" in metric or not isinstance(v, (int, float)) or isinstance(v, bool) or metric == "alias":
+                continue
+            out[f"harness/{task}/{metric}" + (f"_{filt}" if filt and filt != "none" else "")] = float(v)
+    return out
+

@@ -1,0 +1,181 @@
+"""lm-evaluation-harness on our model (mspretrain/eval/harness.py): the same checkpoint through our
+lm-eval model and through lm-eval's `hf` model on its `export --format hf` folder gives every
+request's log-likelihood within 1e-4, the same is_greedy flags and accuracy, and identical greedy
+generations; a request's score does not depend on its batch; `eval --tasks` runs with the network
+off and refuses unknown tasks and missing local data in one line."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from dataclasses import replace
+
+os.environ.setdefault("GLOG_v", "3")
+
+import numpy as np
+import pytest
+
+from mspretrain.checkpoint.store import write_weights_only_checkpoint
+from mspretrain.config import Config, ModelConfig, resolve_model
+from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.model.decoder import Decoder, state_numpy
+from tests.helpers import HF_VOCAB, assert_refusal, cli, train_tokenizer
+
+harness = pytest.importorskip("mspretrain.eval.harness")  # needs the eval extra (pinned in [test])
+lm_eval = pytest.importorskip("lm_eval")
+
+V = HF_VOCAB
+TASKS = "mspretrain_zh_choices,mspretrain_zh_gen,mspretrain_zh_rolling"  # held back: never trained on here
+
+
+def random_checkpoint(root, tok_path, *, seed: int = 11, **model):
+    """A random tiny model whose head never prefers a byte-fallback piece: with HF's tokenizer a
+    run of byte pieces that is not valid UTF-8 decodes to other replacement characters than
+    SentencePiece gives, which would compare the decoders, not the models."""
+    cfg = resolve_model(ModelConfig(**{**dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96,
+                                              max_seq_len=64, rope_theta=5000.0, init_std=0.1), **model}))
+    tok = Tokenizer.load(tok_path)
+    weights = state_numpy(Decoder(cfg, seed=seed))
+    head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+    dead = [i for i in range(tok.vocab_size) if tok._sp.IsByte(i) or tok._sp.IsUnknown(i) or i == tok.pad_id]
+    weights[head][dead] = 0.0
+    weights[head] *= 3.0
+    ck = root / f"ckpt_{cfg.family}"
+    write_weights_only_checkpoint(ck, weights, replace(Config(), model=cfg), tokenizer_path=tok_path)
+    return ck
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(checkpoint, our lm-eval model, lm-eval's hf model on the checkpoint's HF export): built once."""
+    from lm_eval.models.huggingface import HFLM
+
+    from mspretrain.cli import main
+
+    root = tmp_path_factory.mktemp("harness")
+    tok = train_tokenizer(root / "tok" / "tokenizer.model", V)
+    ck = random_checkpoint(root, tok)
+    assert main(["export", str(ck), "--format", "hf", "--out", str(root / "hf"), "--quiet"]) == 0
+    ours = harness.MindSporeLM.from_path(ck, batch_size=4)
+    # prefix_token_id: our empty contexts start from EOS (what every document follows in training)
+    theirs = HFLM(pretrained=str(root / "hf"), batch_size=1, prefix_token_id=2, device="cpu")
+    return root, ck, ours, theirs
+
+
+def _run(lm, tasks: str, limit=None) -> dict:
+    return harness.evaluate(lm, tasks.split(","), limit=limit, log_samples=True, bootstrap_iters=0)
+
+
+def test_same_scores_and_generations_as_lm_evals_hf_model(pair):
+    _, _, ours, theirs = pair
+    a, b = _run(ours, TASKS, limit=12), _run(theirs, TASKS, limit=12)
+    ll = [(x, y) for task in ("mspretrain_zh_choices",) for sa, sb in zip(a["samples"][task], b["samples"][task])
+          for x, y in zip(sa["resps"], sb["resps"])]
+    assert len(ll) == 12 * 4
+    assert max(abs(x[0][0] - y[0][0]) for x, y in ll) < 1e-4
+    assert [x[0][1] for x, y in ll] == [y[0][1] for x, y in ll]
+    for metric in ("acc,none", "acc_norm,none"):
+        assert a["results"]["mspretrain_zh_choices"][metric] == b["results"]["mspretrain_zh_choices"][metric]
+    rolling = [(sa["resps"][0][0], sb["resps"][0][0]) for sa, sb in zip(a["samples"]["mspretrain_zh_rolling"],
+                                                                         b["samples"]["mspretrain_zh_rolling"])]
+    assert len(rolling) == 12 and max(abs(x - y) for x, y in rolling) < 1e-4
+    gen_a = [s["resps"][0][0] for s in a["samples"]["mspretrain_zh_gen"]]
+    gen_b = [s["resps"][0][0] for s in b["samples"]["mspretrain_zh_gen"]]
+    assert gen_a == gen_b and len(gen_a) == 12 and any(gen_a)
+
+
+def test_a_requests_score_does_not_depend_on_its_batch(pair):
+    _, _, ours, _ = pair
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(4, V, size=n).tolist(), k) for n, k in ((20, 3), (9, 2), (33, 5), (25, 1), (14, 4), (60, 7))]
+    together = ours.score_rows(rows)
+    for i, row in enumerate(rows):
+        assert ours.score_rows([row]) == [together[i]]  # bitwise: same graph, rows do not mix
+    assert ours.score_rows(rows[::-1]) == together[::-1]
+
+
+def test_sampled_generation_is_seeded_and_order_free(pair):
+    from lm_eval.api.instance import Instance
+
+    _, _, ours, _ = pair
+    kw = {"until": ["。"], "max_gen_toks": 10, "do_sample": True, "temperature": 1.0}
+    reqs = [Instance("generate_until", {}, (c, dict(kw)), i) for i, c in enumerate(["中国的首都是", "一年有几个季节？"])]
+    first = ours.generate_until(reqs)
+    assert ours.generate_until(reqs[::-1]) == first[::-1]
+    greedy = ours.generate_until([Instance("generate_until", {}, (reqs[0].args[0], {"until": ["。"], "max_gen_toks": 10}), 0)])
+    other_seed = harness.MindSporeLM(ours.model, ours.tokenizer, seed=ours.seed + 1).generate_until(reqs)
+    assert first != other_seed or first[0] != greedy[0]  # sampling draws from the run's seed
+
+
+@pytest.mark.parametrize("family,switches", [("qwen2", dict(qkv_bias=True, tie_embeddings=True)),
+                                             ("qwen3", dict(qk_norm=True, head_dim=32)),
+                                             ("mistral", dict(sliding_window=8))])
+def test_every_family_matches_hf(pair, family, switches):
+    """The families' own switches (qkv bias, q/k norm, a sliding window shorter than the prompt, with
+    the KV cache's padded prefill) through the adapter, against the hf model on their export."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from mspretrain.cli import main
+
+    root = pair[0]
+    ck = random_checkpoint(root, root / "tok" / "tokenizer.model", seed=5, family=family, **switches)
+    assert main(["export", str(ck), "--format", "hf", "--out", str(root / f"hf_{family}"), "--quiet"]) == 0
+    ours = harness.MindSporeLM.from_path(ck, batch_size=2)
+    # the llama export's tokenizer: transformers 5 loads a qwen2/qwen3 folder's SentencePiece
+    # tokenizer.model as Qwen2Tokenizer, which encodes CJK text to nothing (an export matter)
+    theirs = HFLM(pretrained=str(root / f"hf_{family}"), tokenizer=str(root / "hf"), batch_size=1, prefix_token_id=2, device="cpu")
+    ll = [Instance("loglikelihood", {}, pair_, i) for i, pair_ in enumerate([("一丁七丈三上下", "不与丐丑"), ("", "hello 12。")])]
+    for (x, gx), (y, gy) in zip(ours.loglikelihood(ll), theirs.loglikelihood(ll)):
+        assert abs(x - y) < 1e-4 and gx == gy
+    gen = [Instance("generate_until", {}, ("一丁七丈三上下不与丐丑专且丕世", {"until": ["。"], "max_gen_toks": 12}), 0)]
+    assert ours.generate_until(gen) == theirs.generate_until(gen)
+
+
+# ----------------------------------------------------------------------------- the command
+
+def test_eval_tasks_runs_offline_and_writes_lm_evals_files(pair, tmp_path, capsys, monkeypatch):
+    _, ck, _, _ = pair
+
+    def no_network(*a, **k):
+        raise OSError("network is off in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    out = tmp_path / "evals"
+    rc, stdout, err = cli(capsys, "eval", ck, "--tasks", "mspretrain_zh_choices", "--limit", "5", "--log-samples",
+                          "--output_path", out, "--num-fewshot", "1")
+    assert rc == 0, err
+    (model_dir,) = out.iterdir()
+    results = json.loads(next(model_dir.glob("results_*.json")).read_text(encoding="utf-8"))
+    assert results["results"]["mspretrain_zh_choices"]["acc,none"] >= 0 and results["n-shot"]["mspretrain_zh_choices"] == 1
+    samples = [json.loads(x) for x in next(model_dir.glob("samples_mspretrain_zh_choices_*.jsonl")).read_text().splitlines()]
+    assert len(samples) == 5 and "mspretrain_zh_choices" in stdout
+    rc, stdout, err = cli(capsys, "eval", ck, "--tasks", "mspretrain_zh_choices", "--limit", "3", "--json")
+    assert rc == 0, err
+    assert "harness/mspretrain_zh_choices/acc" in json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_missing_local_data_and_unknown_tasks_are_one_line(pair, tmp_path, capsys):
+    _, ck, _, _ = pair
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    gone = tmp_path / "ceval" / "val.jsonl"
+    (tasks / "local.yaml").write_text(
+        "task: my_local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {gone}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n', encoding="utf-8")
+    out = tmp_path / "evals"
+    rc, _, err = cli(capsys, "eval", ck, "--tasks", "my_local_mc", "--include-path", tasks, "--output-path", out)
+    assert_refusal(rc, err, str(gone))
+    assert not out.exists()
+    # the file there, the task runs (dataset_kwargs.data_files: how C-Eval runs from a local copy)
+    gone.parent.mkdir()
+    shutil.copy(harness.SHIPPED_TASKS.parent / "data" / "zh_generic.jsonl", gone)
+    rc, _, err = cli(capsys, "eval", ck, "--tasks", "my_local_mc", "--include-path", tasks, "--limit", "2")
+    assert rc == 0, err
+    rc, _, err = cli(capsys, "eval", ck, "--tasks", "no_such_task_anywhere", "--include-path", tasks)
+    assert_refusal(rc, err, "unknown task 'no_such_task_anywhere'")
+    rc, _, err = cli(capsys, "eval", ck, "--limit", "3")
+    assert_refusal(rc, err, "go with --tasks")
