@@ -179,3 +179,48 @@ def test_missing_local_data_and_unknown_tasks_are_one_line(pair, tmp_path, capsy
     assert_refusal(rc, err, "unknown task 'no_such_task_anywhere'")
     rc, _, err = cli(capsys, "eval", ck, "--limit", "3")
     assert_refusal(rc, err, "go with --tasks")
+
+
+# ----------------------------------------------------------------------------- in the loop
+
+def test_harness_tasks_in_the_loop_resume_continues_one_curve(tiny_data, tmp_path):
+    """eval.harness_tasks: lm-eval scores at every eval step in metrics.jsonl and the report's curve
+    against tokens; a run killed after step 3 (its last save at 2) and resumed gives the same curve,
+    each step once."""
+    from mspretrain.cli import main
+    from mspretrain.ops.report import harness_curves, read_metrics, render_report
+    from tests.conftest import ONE_LAYER, TINY
+
+    args = ["--config", str(TINY), "--data", str(tiny_data), "--quiet", "train.max_steps=4", "eval.every=2", "eval.max_tokens=256",
+            "checkpoint.every=2", "checkpoint.keep_last=3", "eval.batch_size=4", ONE_LAYER,
+            "eval.harness_tasks=mspretrain_zh_choices", "eval.harness_limit=4"]
+    run = tmp_path / "run"
+    assert main(["train", "--run", str(run), *args]) == 0
+    whole = harness_curves(read_metrics(run / "metrics.jsonl")[0])
+    xs, ys = whole["mspretrain_zh_choices/acc"]
+    assert len(xs) == 2 and xs[0] < xs[1] and all(0 <= y <= 1 for y in ys)
+    assert "lm-eval mspretrain_zh_choices/acc" in (run / "train.log").read_text()
+
+    killed = tmp_path / "killed"
+    shutil.copytree(run, killed)
+    shutil.rmtree(killed / "checkpoints" / "step_000004")
+    lines = (killed / "metrics.jsonl").read_text().splitlines()
+    (killed / "metrics.jsonl").write_text("".join(x + "\n" for x in lines if json.loads(x).get("step", 0) <= 3))
+    assert main(["train", "--run", str(killed), *args]) == 0
+    recs = [json.loads(x) for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in recs if "harness/mspretrain_zh_choices/acc" in r]
+    assert steps == [2, 4]
+    assert harness_curves(read_metrics(killed / "metrics.jsonl")[0]) == whole
+    _, pngs = render_report(killed)
+    assert "harness" in pngs
+
+
+def test_bad_harness_settings_fail_before_the_run_dir(tiny_data, tmp_path, capsys):
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    rc, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "eval.harness_tasks=no_such_task_x")
+    assert_refusal(rc, err, "unknown task 'no_such_task_x'")
+    assert not run.exists()
+    rc, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "eval.harness_limit=-1")
+    assert_refusal(rc, err, "eval.harness_limit")

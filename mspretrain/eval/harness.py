@@ -395,12 +395,13 @@ def evaluate(lm: Any, names: Sequence[str], *, include_path: str | Path | None =
 
 
 def task_scores(results: dict) -> dict[str, float]:
-    """{"harness/TASK/METRIC": value} of an lm-eval results dict (groups included; stderr left out)."""
+    """{"harness/TASK/METRIC": value} of an lm-eval results dict (groups included; stderr and the
+    sample count left out)."""
     out: dict[str, float] = {}
     for task, metrics in results.get("results", {}).items():
         for key, v in metrics.items():
             metric, _, filt = key.partition(",")
-            if "stderr" in metric or not isinstance(v, (int, float)) or isinstance(v, bool) or metric == "alias":
+            if "stderr" in metric or not isinstance(v, (int, float)) or isinstance(v, bool) or metric in ("alias", "sample_len"):
                 continue
             out[f"harness/{task}/{metric}" + (f"_{filt}" if filt and filt != "none" else "")] = float(v)
     return out
