@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 from dataclasses import replace
+from pathlib import Path
 
 os.environ.setdefault("GLOG_v", "3")
 
@@ -26,6 +28,7 @@ harness = pytest.importorskip("mspretrain.eval.harness")  # needs the eval extra
 lm_eval = pytest.importorskip("lm_eval")
 
 V = HF_VOCAB
+ROOT = Path(__file__).resolve().parents[1]
 TASKS = "mspretrain_zh_choices,mspretrain_zh_gen,mspretrain_zh_rolling"  # held back: never trained on here
 
 
@@ -157,28 +160,48 @@ def test_eval_tasks_runs_offline_and_writes_lm_evals_files(pair, tmp_path, capsy
     assert "harness/mspretrain_zh_choices/acc" in json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_missing_local_data_and_unknown_tasks_are_one_line(pair, tmp_path, capsys):
+def docs_task_yamls(data: Path) -> dict[str, str]:
+    """The C-Eval task YAMLs docs/evaluation.md shows, their /data/ceval paths moved to `data`."""
+    text = (ROOT / "docs" / "evaluation.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```yaml\n# my_tasks/(\S+)\n(.*?)```", text, flags=re.S)
+    assert {name for name, _ in blocks} == {"ceval_computer_network.yaml", "ceval_local.yaml"}
+    return {name: body.replace("/data/ceval", str(data)).replace(", ceval-local-operating_system", "") for name, body in blocks}
+
+
+def test_the_documented_local_ceval_task_runs_and_missing_data_is_one_line(pair, tmp_path, capsys):
+    """docs/evaluation.md's C-Eval YAMLs over C-Eval-layout files (ours: eval/data/zh_ceval_*.csv):
+    refused in one line naming the file while it is missing, scored once it is there."""
     _, ck, _, _ = pair
-    tasks = tmp_path / "tasks"
+    tasks, data = tmp_path / "tasks", tmp_path / "ceval"
     tasks.mkdir()
-    gone = tmp_path / "ceval" / "val.jsonl"
-    (tasks / "local.yaml").write_text(
-        "task: my_local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {gone}\ntest_split: test\noutput_type: multiple_choice\n"
-        'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n', encoding="utf-8")
+    for name, body in docs_task_yamls(data).items():
+        (tasks / name).write_text(body, encoding="utf-8")
     out = tmp_path / "evals"
-    rc, _, err = cli(capsys, "eval", ck, "--tasks", "my_local_mc", "--include-path", tasks, "--output-path", out)
-    assert_refusal(rc, err, str(gone))
+    rc, _, err = cli(capsys, "eval", ck, "--tasks", "ceval-local-computer_network", "--include-path", tasks, "--output-path", out)
+    assert_refusal(rc, err, str(data / "val" / "computer_network_val.csv"))
+    rc, _, err = cli(capsys, "eval", ck, "--tasks", "ceval-local", "--include-path", tasks, "--output-path", out)
+    assert_refusal(rc, err, "computer_network_val.csv")  # through the group: datasets' own message, one line
     assert not out.exists()
-    # the file there, the task runs (dataset_kwargs.data_files: how C-Eval runs from a local copy)
-    gone.parent.mkdir()
-    shutil.copy(harness.SHIPPED_TASKS.parent / "data" / "zh_generic.jsonl", gone)
-    rc, _, err = cli(capsys, "eval", ck, "--tasks", "my_local_mc", "--include-path", tasks, "--limit", "2")
+    shipped = harness.SHIPPED_TASKS.parent / "data"
+    for split in ("val", "dev"):
+        (data / split).mkdir(parents=True)
+        shutil.copy(shipped / f"zh_ceval_{split}.csv", data / split / f"computer_network_{split}.csv")
+    rc, stdout, err = cli(capsys, "eval", ck, "--tasks", "ceval-local", "--include-path", tasks, "--num-fewshot", "2", "--json")
     assert rc == 0, err
-    rc, _, err = cli(capsys, "eval", ck, "--tasks", "no_such_task_anywhere", "--include-path", tasks)
+    scores = json.loads(stdout.strip().splitlines()[-1])
+    assert 0 <= scores["harness/ceval-local/acc"] <= 1 and "harness/ceval-local-computer_network/acc" in scores
+
+
+def test_unknown_tasks_and_stray_options_are_one_line(pair, capsys):
+    _, ck, _, _ = pair
+    rc, _, err = cli(capsys, "eval", ck, "--tasks", "no_such_task_anywhere")
     assert_refusal(rc, err, "unknown task 'no_such_task_anywhere'")
     rc, _, err = cli(capsys, "eval", ck, "--limit", "3")
     assert_refusal(rc, err, "go with --tasks")
+    rc, _, err = cli(capsys, "eval", ck, "--tasks", "mspretrain_zh_choices", "--choices", "x.jsonl")
+    assert_refusal(rc, err, "--choices does not go with --tasks")
+    rc, _, err = cli(capsys, "eval", ck, "--tasks", "mspretrain_zh_choices", "--limit", "2.5")
+    assert_refusal(rc, err, "--limit 2.5")
 
 
 # ----------------------------------------------------------------------------- in the loop
@@ -219,8 +242,13 @@ def test_bad_harness_settings_fail_before_the_run_dir(tiny_data, tmp_path, capsy
     from tests.conftest import TINY
 
     run = tmp_path / "run"
-    rc, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "eval.harness_tasks=no_such_task_x")
-    assert_refusal(rc, err, "unknown task 'no_such_task_x'")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, body in docs_task_yamls(tmp_path / "nowhere").items():
+        (tasks / name).write_text(body, encoding="utf-8")
+    rc, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "eval.harness_tasks=ceval-local-computer_network",
+                     f"eval.harness_include_path={tasks}")
+    assert_refusal(rc, err, "computer_network_val.csv does not exist")
     assert not run.exists()
     rc, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "eval.harness_limit=-1")
     assert_refusal(rc, err, "eval.harness_limit")

@@ -74,6 +74,10 @@ def _lm_eval() -> Any:
         from lm_eval.api.model import TemplateLM
     except ImportError:
         raise UserError("lm-evaluation-harness is not installed", 'pip install "mspretrain[eval]" (lm-eval 0.4.13)') from None
+    import datasets
+
+    datasets.disable_progress_bars()  # "Generating test split" bars on every load, in train.log's stderr too
+    go_offline()  # datasets is imported now: its module constants too
     return TemplateLM
 
 
