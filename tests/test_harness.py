@@ -10,6 +10,8 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from mspretrain.checkpoint.store import write_weights_only_checkpoint
 from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.model.decoder import Decoder, state_numpy
-from tests.helpers import HF_VOCAB, assert_refusal, cli, train_tokenizer
+from tests.helpers import HF_VOCAB, MSRUN, assert_refusal, cli, kill_tree, train_tokenizer
 
 harness = pytest.importorskip("mspretrain.eval.harness")  # needs the eval extra (pinned in [test])
 lm_eval = pytest.importorskip("lm_eval")
@@ -252,3 +254,39 @@ def test_bad_harness_settings_fail_before_the_run_dir(tiny_data, tmp_path, capsy
     assert not run.exists()
     rc, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "eval.harness_limit=-1")
     assert_refusal(rc, err, "eval.harness_limit")
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+@pytest.mark.msrun
+@pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
+def test_two_msrun_ranks_give_one_process_results(pair, tmp_path):
+    """`launch --nproc 2 -- eval CK --tasks ...`: lm-eval splits the documents over the ranks and
+    gathers them to rank 0 (our gather_object / all_gather / barrier); every sample's response is
+    the one process's, bit for bit (a request's score does not depend on its batch)."""
+    from mspretrain.train.distributed import free_local_port
+
+    _, ck, ours, _ = pair
+    one = _run(ours, "mspretrain_zh_choices", limit=6)  # in this process, its graphs compiled already
+    tasks = ["--tasks", "mspretrain_zh_choices", "--limit", "6", "--log-samples"]
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(free_local_port()),
+           "--log-dir", str(logs), "--", "eval", str(ck), *tasks, "--output-path", str(tmp_path / "two")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "GLOG_v": "3"})
+    try:
+        proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 0, "".join(p.read_text() for p in sorted(logs.glob("worker_*.log")))[-3000:]
+
+    (model_dir,) = (tmp_path / "two").iterdir()
+    two = json.loads(next(model_dir.glob("results_*.json")).read_text(encoding="utf-8"))
+    samples = [json.loads(x) for x in next(model_dir.glob("samples_mspretrain_zh_choices_*.jsonl")).read_text(encoding="utf-8").splitlines()]
+    # lm-eval writes the responses as strings: the same digits as the float's repr
+    resps = {s["doc_id"]: [[[float(ll), g == "True"] for ll, g in r] for r in s["resps"]] for s in samples}
+    assert sorted(resps) == list(range(6))  # each document once, from both ranks
+    want = {s["doc_id"]: [[[float(ll), bool(g)] for ll, g in r] for r in s["resps"]] for s in one["samples"]["mspretrain_zh_choices"]}
+    assert resps == want
+    for metric in ("acc,none", "acc_norm,none"):
+        assert two["results"]["mspretrain_zh_choices"][metric] == one["results"]["mspretrain_zh_choices"][metric]

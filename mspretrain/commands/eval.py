@@ -173,13 +173,15 @@ def run_harness(args: argparse.Namespace) -> int:
     resolved = harness.resolve_tasks(args.tasks.split(","), args.include_path)  # unknown names, missing data: before the model loads
     lm = harness.MindSporeLM.from_path(args.path, batch_size=args.batch_size, log=(lambda s: None) if args.json else print)
     tracker = None
-    if out is not None:
+    if out is not None and lm.rank == 0:
         from lm_eval.loggers import EvaluationTracker
 
         tracker = EvaluationTracker(output_path=str(out))
     results = harness.evaluate(lm, args.tasks.split(","), num_fewshot=args.num_fewshot, limit=limit,
                                log_samples=args.log_samples, tracker=tracker, resolved=resolved,
                                model_args={"pretrained": str(args.path)})
+    if results is None:  # a rank > 0 under msrun: rank 0 has every rank's results, and writes them
+        return 0
     samples = results.pop("samples", None)
     if tracker is not None:  # as lm-eval's CLI saves them: results_<date>.json and samples_<task>_<date>.jsonl
         tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)

@@ -32,7 +32,14 @@ Design choices:
   run's seed and the request's text, so a sample does not depend on order or batching. Stops at
   EOS, at `max_gen_toks`, or when a stop string appears; the text is cut at the first stop
   string as lm-eval's backends do.
-- Data parallel over msrun ranks is not implemented: the model runs on one process.
+- Data parallel over msrun ranks (`mspretrain launch --nproc N -- eval RUN --tasks ...`): every
+  rank loads the whole model; lm-eval gives each rank its share of the documents
+  (`rank`/`world_size`) and gathers the per-document results to rank 0 through `gather_object` /
+  `all_gather` / `barrier`, which are eager `AllReduce(SUM)` calls here (each rank writes its bytes
+  into its own row of a zero buffer; the CPU backend reduces float32 only, which holds a byte and
+  any count below 2^24 exactly). Only rank 0 writes and prints. lm-eval's own code for this path
+  imports torch. During training every rank scores every request instead: a ZeRO-3 or tensor-
+  parallel forward has collectives inside, so the ranks must run the same batches.
 """
 from __future__ import annotations
 
@@ -124,8 +131,10 @@ def make_lm_class() -> type:
         backend = "causal"
 
         def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 8, seed: int = 0,
-                     max_length: int | None = None, max_gen_toks: int = 256) -> None:
+                     max_length: int | None = None, max_gen_toks: int = 256, world: Any = None) -> None:
             super().__init__()
+            if world is not None and world.size > 1:  # lm-eval shards the documents by these
+                self._rank, self._world_size = int(world.rank), int(world.size)
             if not 0 < int(batch_size) <= 4096:
                 raise UserError(f"batch size {batch_size} must be between 1 and 4096", "use e.g. --batch-size 8")
             self.model, self.tokenizer = model, tokenizer
@@ -140,12 +149,53 @@ def make_lm_class() -> type:
         def from_path(cls, path: str | Path, *, dtype: str | None = None, log: Callable[[str], None] = lambda s: None,
                       **kw: Any) -> "MindSporeLM":
             """From a RUN_DIR (its newest verified checkpoint) or a CKPT_DIR, loaded as `eval` loads it;
-            the seed defaults to the run's train.seed."""
+            the seed defaults to the run's train.seed. Under msrun the ranks share the documents."""
             from mspretrain.checkpoint.model import load_model
+            from mspretrain.device import plan_device
+            from mspretrain.train.distributed import init
 
-            loaded = load_model(path, dtype=dtype, log=log)
+            loaded = load_model(path, dtype=dtype, log=log)  # sets MindSpore up for the checkpoint's device
             kw.setdefault("seed", loaded.config.train.seed)
+            kw.setdefault("world", init(plan_device(loaded.config).target))
             return cls(loaded.model, loaded.tokenizer, **kw)
+
+        # ------------------------------------------------------------- data parallel (lm-eval's hooks)
+        @property
+        def device(self) -> str:
+            return "cpu"  # where lm-eval puts the torch tensors it hands to all_gather
+
+        def _allsum(self, x: np.ndarray) -> np.ndarray:
+            import mindspore as ms
+            from mindspore import ops
+
+            op = self.__dict__.setdefault("_allreduce", ops.AllReduce(ops.ReduceOp.SUM))
+            return op(ms.Tensor(np.ascontiguousarray(x, dtype=np.float32))).asnumpy()
+
+        def gather_object(self, obj: Any, dst: int = 0) -> list:
+            """Every rank's `obj`, in rank order (on every rank; lm-eval reads it on rank 0)."""
+            import pickle
+
+            if self._world_size == 1:
+                return [obj]
+            data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+            lengths = np.zeros((self._world_size, 3), dtype=np.float32)  # base-4096 digits: exact in float32
+            lengths[self._rank] = (len(data) >> 24, (len(data) >> 12) & 4095, len(data) & 4095)
+            lengths = self._allsum(lengths).astype(np.int64)
+            sizes = [int(a << 24 | b << 12 | c) for a, b, c in lengths]
+            buf = np.zeros((self._world_size, max(sizes)), dtype=np.float32)
+            buf[self._rank, : len(data)] = data
+            buf = self._allsum(buf)
+            return [pickle.loads(buf[r, : sizes[r]].astype(np.uint8).tobytes()) for r in range(self._world_size)]  # noqa: S301 (our own ranks)
+
+        def all_gather(self, tensor: Any) -> Any:
+            import torch  # lm-eval's data-parallel path hands torch tensors (its code imports torch there)
+
+            parts = self.gather_object(tensor.detach().cpu().numpy().reshape(-1))
+            return torch.as_tensor(np.concatenate(parts))
+
+        def barrier(self) -> None:
+            if self._world_size > 1:
+                self._allsum(np.zeros(1, dtype=np.float32))
 
         @classmethod
         def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "MindSporeLM":
