@@ -171,7 +171,13 @@ def run_harness(args: argparse.Namespace) -> int:
     from mspretrain.eval import harness
 
     resolved = harness.resolve_tasks(args.tasks.split(","), args.include_path)  # unknown names, missing data: before the model loads
-    lm = harness.MindSporeLM.from_path(args.path, batch_size=args.batch_size, log=(lambda s: None) if args.json else print)
+    from mspretrain.checkpoint.model import load_model
+    from mspretrain.device import plan_device
+    from mspretrain.train.distributed import init
+
+    loaded = load_model(args.path, log=(lambda s: None) if args.json else print)  # sets MindSpore up first
+    world = init(plan_device(loaded.config).target)  # under msrun (`launch --nproc N -- eval`): the ranks share the documents
+    lm = harness.MindSporeLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size, seed=loaded.config.train.seed, world=world)
     tracker = None
     if out is not None and lm.rank == 0:
         from lm_eval.loggers import EvaluationTracker

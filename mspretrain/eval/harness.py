@@ -149,14 +149,12 @@ def make_lm_class() -> type:
         def from_path(cls, path: str | Path, *, dtype: str | None = None, log: Callable[[str], None] = lambda s: None,
                       **kw: Any) -> "MindSporeLM":
             """From a RUN_DIR (its newest verified checkpoint) or a CKPT_DIR, loaded as `eval` loads it;
-            the seed defaults to the run's train.seed. Under msrun the ranks share the documents."""
+            the seed defaults to the run's train.seed. `world` (mspretrain.world.World, from
+            train.distributed.init after this load under msrun): the ranks share the documents."""
             from mspretrain.checkpoint.model import load_model
-            from mspretrain.device import plan_device
-            from mspretrain.train.distributed import init
 
             loaded = load_model(path, dtype=dtype, log=log)  # sets MindSpore up for the checkpoint's device
             kw.setdefault("seed", loaded.config.train.seed)
-            kw.setdefault("world", init(plan_device(loaded.config).target))
             return cls(loaded.model, loaded.tokenizer, **kw)
 
         # ------------------------------------------------------------- data parallel (lm-eval's hooks)
