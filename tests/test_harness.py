@@ -254,6 +254,10 @@ def test_bad_harness_settings_fail_before_the_run_dir(tiny_data, tmp_path, capsy
     assert not run.exists()
     rc, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "eval.harness_limit=-1")
     assert_refusal(rc, err, "eval.harness_limit")
+    rc, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", run, "eval.harness_tasks=mspretrain_zh_choices",
+                     "optim.shard_parameters=true")
+    assert_refusal(rc, err, "eval.harness_tasks is not run during training with parallel.tp > 1 or optim.shard_parameters")
+    assert not run.exists()
 
 
 # ----------------------------------------------------------------------------- data parallel

@@ -333,7 +333,7 @@ def make_lm_class() -> type:
             row = logits.asnumpy()[0, n - 1]
             new: list[int] = []
             for i in range(min(max_gen, S - n)):
-                nxt = sample_next(row, new if params.repetition_penalty != 1.0 else [], params, rng)
+                nxt = sample_next(row, ids + new if params.repetition_penalty != 1.0 else [], params, rng)
                 if nxt == self.eot_token_id:
                     break
                 new.append(nxt)
