@@ -262,6 +262,11 @@ def check_device(cfg: Config, device: str) -> None:
 def check_parallel(cfg: Config) -> None:
     """What tensor parallel (`parallel.tp` > 1) does not compose with (the model's own limits are
     model/parallel.py `check_tp`, once its shape is resolved)."""
+    if cfg.eval.harness_tasks and (cfg.parallel.tp > 1 or cfg.optim.shard_parameters):
+        # the harness model scores whole-vocabulary logits and decodes with the KV cache (prefill/decode_step),
+        # which a tensor-parallel model (split logits) and a ZeRO-3 one (sharded embedding) do not offer
+        fail("eval.harness_tasks", "is not run during training with parallel.tp > 1 or optim.shard_parameters (ZeRO-3) yet",
+             "score the checkpoints afterwards with `mspretrain eval RUN --tasks ...` (it runs data parallel under `launch`)")
     if cfg.parallel.tp == 1:
         return
     if cfg.optim.shard_parameters:

@@ -30,10 +30,11 @@ from mspretrain.paths import DataPaths, RunPaths
 
 _PANELS = (  # (file stem, title)
     ("loss", "Training loss (spikes marked)"), ("eval_ppl", "Eval perplexity"),
-    ("eval_acc", "Multiple-choice accuracy (eval.choices_file)"), ("lr", "Learning rate"),
+    ("eval_acc", "Multiple-choice accuracy (eval.choices_file)"),
+    ("harness", "lm-eval task scores against tokens (eval.harness_tasks)"), ("lr", "Learning rate"),
     ("grad_norm", "Gradient norm"), ("loss_scale", "Loss scale and skipped steps"),
     ("throughput", "Throughput (right axis: MFU)"), ("memory", "Peak memory (host RSS; device on Ascend)"))
-_OPTIONAL_PANELS = frozenset({"eval_acc"})  # left out, not shown empty, when the run has no data for them
+_OPTIONAL_PANELS = frozenset({"eval_acc", "harness"})  # left out, not shown empty, when the run has no data for them
 
 
 def read_metrics(path: Path) -> tuple[list[dict], int]:
@@ -357,6 +358,8 @@ def _plot(stem: str, title: str, s: dict) -> Any | None:
         ax.set_ylabel("accuracy %")
         ax.legend(fontsize=8)
         return fig
+    if stem == "harness":
+        return _harness_plot(title, recs)
     if stem == "memory":
         # host RSS and (Ascend) device memory are separate metrics: one line each, never summed
         named = [(k, label) for k, label in (("mem_mb", "host RSS (peak)"), ("device_mem_mb", "device allocated (peak)"),
@@ -388,6 +391,37 @@ def _plot(stem: str, title: str, s: dict) -> Any | None:
     if stem == "grad_norm":
         for e in (e for e in s["events"] if e["kind"] == "grad_norm"):
             ax.scatter([e["step"]], [e["value"]], color="red", marker="x", s=40, zorder=3)
+    return fig
+
+
+HARNESS_METRICS = ("acc", "acc_norm", "exact_match")  # scores on a 0-1 scale: one axis in %
+
+
+def harness_curves(recs: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """{"TASK/METRIC": (tokens seen, score)} of the lm-eval scores in the metrics (`harness/TASK/METRIC`
+    keys at the evaluation steps), the x axis the `tokens` logged in the same record."""
+    curves: dict[str, tuple[list[float], list[float]]] = {}
+    for r in recs:
+        for k, v in r.items():
+            if k.startswith("harness/") and k.rsplit("/", 1)[-1] in HARNESS_METRICS and _is_number(v) \
+                    and math.isfinite(v) and _is_number(r.get("tokens")):
+                xs, ys = curves.setdefault(k.removeprefix("harness/"), ([], []))
+                xs.append(float(r["tokens"]))
+                ys.append(float(v))
+    return curves
+
+
+def _harness_plot(title: str, recs: list[dict]) -> Any | None:
+    curves = harness_curves(recs)
+    if not curves:
+        return None
+    fig, ax = _figure(title)
+    for name, (xs, ys) in sorted(curves.items()):
+        ax.plot(xs, [100 * y for y in ys], lw=1, marker="o" if len(xs) < 30 else None, ms=3, label=name)
+    ax.set_xlabel("tokens seen")
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("score %")
+    ax.legend(fontsize=8)
     return fig
 
 

@@ -27,15 +27,24 @@ class EvalConfig(Section):
     choices_file: str = ""
     choices_dev_file: str = ""  # JSONL of solved examples the few-shot prompts are drawn from; "" = none
     choices_shots: int = 0  # solved examples from choices_dev_file put before each question (0 = zero-shot)
+    # lm-evaluation-harness tasks scored at the same steps (comma-separated lm-eval task/group names,
+    # e.g. "ceval-valid" with its data local; "" = none): mspretrain/eval/harness.py, the `eval` extra
+    harness_tasks: str = ""
+    harness_limit: int = 0  # at most this many examples per task at each evaluation (0 = all)
+    harness_include_path: str = ""  # directory of your own task YAML files (lm-eval's --include_path)
+    harness_num_fewshot: int = -1  # few-shot examples per question (-1 = the task's own default)
 
     def check(self) -> None:
         if self.every < 0 or self.max_tokens < 0 or self.batch_size <= 0:
             fail("eval.batch_size", "must be positive (and every/max_tokens not negative)", "use e.g. eval.batch_size=8")
+        if self.harness_limit < 0 or self.harness_num_fewshot < -1:
+            fail("eval.harness_limit", "must not be negative (harness_num_fewshot: -1 = the task's default, or >= 0)",
+                 "use eval.harness_limit=0 for every example, or e.g. 100")
         if self.choices_shots < 0:
             fail("eval.choices_shots", f"= {self.choices_shots} must not be negative", "use 0 (zero-shot) or e.g. 5")
         # the batch's logits are allocated whole (eval.batch_size=1e8 asked numpy for 24.6 GiB of
         # tokens alone): the same ceiling as `mspretrain eval --batch-size`
-        cap(self, {"batch_size": EVAL_MAX_BATCH, "choices_shots": 1000}, "buffers no host holds")
+        cap(self, {"batch_size": EVAL_MAX_BATCH, "choices_shots": 1000, "harness_num_fewshot": 1000}, "buffers no host holds")
 
 
 @dataclass(frozen=True)

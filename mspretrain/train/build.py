@@ -256,7 +256,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     cfg = replace(cfg, model=cfgmod.resolve_model(cfg.model, vocab))
     sources = check_sources(cfg, data_dir, manifest)
     evaluator = PeriodicEval(cfg.eval, data_dir=data_dir, seq_len=cfg.data.seq_len, log=say,  # reads eval.choices_file now
-                             jit_level=device.jit_level)
+                             jit_level=device.jit_level, seed=cfg.train.seed)
     # a process started from a rank table binds the NPU its entry names (msrun negotiates it otherwise)
     setup_mindspore(device, device_id=select_launch(device.target).device_id if device.target == "ascend" else None)
     check_tp(cfg.model, cfg.parallel.tp)  # before the rendezvous: a model tp cannot cut is refused on every rank alike

@@ -1,9 +1,11 @@
 """When the loop evaluates, and what it records: valid perplexity every `eval.every` steps and
 at the last step of the run (eval.every = 0 means only then; eval.at_end = false: not then), in
 that step's metrics;
-with `eval.choices_file`, multiple-choice accuracy (eval/choices.py) at the same steps.
+with `eval.choices_file`, multiple-choice accuracy (eval/choices.py) at the same steps; with
+`eval.harness_tasks`, lm-evaluation-harness tasks run by lm-eval's own evaluator on the model being
+trained (eval/harness.py), their scores as `harness/TASK/METRIC` (e.g. `harness/ceval-valid/acc`).
 
-The choices files are read and checked at construction, so a bad file or shot count fails in
+The choices files and the harness tasks (names, data, lm-eval installed) are read and checked at construction, so a bad file or shot count fails in
 one line before the first step rather than at the first evaluation hours later."""
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from mspretrain.config import EvalConfig
 
 class PeriodicEval:
     def __init__(self, cfg: EvalConfig, *, data_dir: Path, seq_len: int, log: Callable[[str], None],
-                 jit_level: str = "O0") -> None:
+                 jit_level: str = "O0", seed: int = 0) -> None:
         self.cfg, self.data_dir, self.seq_len, self.log = cfg, data_dir, seq_len, log
         self.jit_level = jit_level  # device.jit_level: the eval graph compiles at the step's level
         self.items: list[Any] = []
@@ -29,6 +31,15 @@ class PeriodicEval:
             self.dev = read_choices(cfg.choices_dev_file) if cfg.choices_dev_file else []
             check_shots(self.dev, cfg.choices_shots, shots_name="eval.choices_shots", dev_name="eval.choices_dev_file")
             self.tokenizer = Tokenizer.load(data_dir)  # the pieces the model is trained on
+        self.seed = seed  # train.seed: sampled generations of harness tasks draw from it
+        self.harness: tuple[Any, list[Any]] | None = None
+        if cfg.harness_tasks:
+            from mspretrain.data.tokenizer import Tokenizer
+            from mspretrain.eval.harness import resolve_tasks
+
+            # the tasks' data is read now (offline): a missing file fails before the first step
+            self.harness = resolve_tasks(cfg.harness_tasks.split(","), cfg.harness_include_path or None)
+            self.tokenizer = self.tokenizer or Tokenizer.load(data_dir)
 
     def due(self, step: int, total: int) -> bool:
         return bool(self.cfg.every and step % self.cfg.every == 0) or (self.cfg.at_end and step == total)
@@ -51,4 +62,17 @@ class PeriodicEval:
                      f"(length-normalised {acc['acc_norm']:.1%}) over {acc['count']} questions"
                      + (f", {self.cfg.choices_shots}-shot" if self.cfg.choices_shots else ""))
             values.update({"eval/acc": acc["acc"], "eval/acc_norm": acc["acc_norm"]})
+        if self.harness is not None:
+            values.update(self.harness_scores(model, step))
         return values
+
+    def harness_scores(self, model: Any, step: int) -> dict[str, float]:
+        from mspretrain.eval.harness import MindSporeLM, evaluate, task_scores
+
+        cfg = self.cfg
+        lm = MindSporeLM(model, self.tokenizer, batch_size=cfg.batch_size, seed=self.seed)
+        results = evaluate(lm, cfg.harness_tasks.split(","), limit=cfg.harness_limit or None, resolved=self.harness,
+                           num_fewshot=None if cfg.harness_num_fewshot < 0 else cfg.harness_num_fewshot, bootstrap_iters=0)
+        scores = task_scores(results)
+        self.log(f"step {step}: lm-eval " + ", ".join(f"{k.removeprefix('harness/')} {v:.4g}" for k, v in scores.items()))
+        return scores
