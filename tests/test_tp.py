@@ -121,6 +121,8 @@ def test_group_max_and_broadcast_on_cpu_are_sums(world_of):
     assert isinstance(g.broadcast(1).sum, ops.AllReduce)
     npu = Group((1, 3), 1, name="dp_1", device="ascend")
     assert isinstance(npu.broadcast(0), ops.Broadcast) and isinstance(npu.max().op, ops.AllReduce) and npu.max().native
+    # HCCL reads Broadcast's root as the rank inside the group (issue 51): member 1, not world rank 3
+    assert npu.broadcast(1).attrs["root_rank"] == 1 and npu.broadcast(1).attrs["group"] == "dp_1"
 
 
 # ---- the cut of the weights

@@ -83,9 +83,21 @@ class Group:
         return ops.AllGather(**self._kw)
 
     def broadcast(self, root: int) -> Any:
-        """From group member `root`; called with a 1-tuple and returning one, as `ops.Broadcast`."""
-        if self.device == "ascend" or self.name is None:  # Broadcast's root_rank is a world rank (comm_ops.py)
-            return ops.Broadcast(self.ranks[root], **self._kw)
+        """From group member `root` (its index in `ranks`, not its world rank); called with a 1-tuple
+        and returning one, as `ops.Broadcast`.
+
+        Broadcast's `root_rank` is the root's rank inside `group`: comm_ops.py's docstring says
+        "global rank", but HCCL's HcclBroadcast takes the root's index in the communicator, and
+        MindSpore 2.10's own callers convert before they reach the kernel
+        (mint/distributed/distributed.py and ops/function/comm_func.py, `broadcast`:
+        `src_rank = get_group_rank_from_world_rank(src, group)`; boost/adasum.py builds
+        `P.Broadcast(b_rank, group=...)` with b_rank in range(len(group))). A world rank past the
+        group's size fails with HCCL_E_PARA at the first step, one inside it broadcasts from the wrong
+        member (issue 51). In the world group (name None) both are the same number. Only a 910B
+        confirms what HCCL does with it; tests/test_collective_sequence.py checks the compiled
+        root on every rank of the tp x dp layouts."""
+        if self.device == "ascend" or self.name is None:
+            return ops.Broadcast(root, **self._kw)
         return GroupBroadcast(self, root)
 
 
