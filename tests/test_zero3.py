@@ -166,6 +166,15 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
     layer0 = sum(b for n, b in whole.items() if n.startswith("layers.0."))
     want = layer0 + max(layer0, whole["lm_head.weight"]) if recompute else sum(whole.values())
     assert plan["memory_bytes"]["gathered_weights"] == want
+    # the peak holds the gathered weights beside the micro-batch's activations and gradients (issue
+    # 54.32: a peak computed without them passed every assertion above)
+    mem = plan["memory_bytes"]
+    persistent = sum(mem[k] for k in ("weights", "half_weights", "master_weights", "gradients", "adam_moments"))
+    assert mem["peak"] >= persistent + mem["activations"] + mem["micro_gradients"] + want + mem["cpu_backend"]
+    # on Ascend the largest collective is the largest whole weight (the lm_head), not 0 (issue 51.6)
+    npu = make_plan(replace(cfg, device=replace(cfg.device, target="ascend")), devices=2, tokens=10**6, data_dir=None,
+                    tokens_per_s_per_device=None)
+    assert npu["hccl"]["largest_collective_bytes"] == max(whole.values()) == whole["lm_head.weight"]
     assert plan["shard_parameters"] and "ZeRO-3" in format_plan(plan)
     # a gather and a reduce-scatter per weight and micro-batch, each the whole weight in its storage dtype
     assert plan["collectives_per_step"] == step.collectives(accumulation) == {

@@ -277,19 +277,11 @@ def _flash_with_heads(old: Any, heads: int) -> Any:
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Refuse, in one line each, a model that `parallel.tp` cannot cut (module docstring)."""
-    if tp == 1:
-        return
-    kv = cfg.n_kv_heads
-    if kv % tp:
-        best = max(d for d in range(1, kv + 1) if kv % d == 0 and d <= tp)
-        raise UserError(f"parallel.tp = {tp} does not divide model.n_kv_heads = {kv}: tensor parallel splits the kv heads "
-                        "across ranks and does not replicate them",
-                        f"use parallel.tp={best} (a divisor of n_kv_heads) and data parallel for the other ranks")
-    for key, value in (("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)):
-        if value % tp:
-            raise UserError(f"parallel.tp = {tp} does not divide model.{key} = {value}",
-                            f"use a parallel.tp that divides model.{key}"
-                            + (" (pad the vocabulary: model.vocab_size may exceed the tokenizer's)" if key == "vocab_size" else ""))
+    from mspretrain.train.layout import tp_refusal
+
+    refused = tp_refusal(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size, tp)  # plan's layout table asks the same
+    if refused:
+        raise UserError(*refused)
 
 
 def tp_rows(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:

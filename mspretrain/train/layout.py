@@ -301,9 +301,15 @@ class Layout:
         return red_calls * times + gather_calls, red_bytes * times + gather_bytes
 
     def largest_bucket_bytes(self) -> tuple[int, int]:
-        """(largest reduction payload, largest gather payload) in bytes: the transient copies."""
+        """(largest reduction payload, largest gather payload) in bytes: the transient copies.
+        ZeRO-3 (no bucket): one gather and one reduce-scatter per parameter, both of the whole
+        parameter in its storage dtype (train/zero3.py: the gradient of a bf16 weight is bf16),
+        the largest being the lm_head's or the embedding's."""
         wb = lambda i: 2 if self.wire16[i] else 4
         pb = lambda i: 2 if self.half[i] else 4
+        if self.zero3:
+            whole = max((n * pb(i) for i, n in enumerate(self.sizes)), default=0)
+            return whole, whole
         first = lambda b: next(s for s in b.segments if s)[0]
         red = [sum(n * wb(i) for i, n in zip(b.indices, b.sizes)) for b in self.reduce_flat]
         red += [b.numel * wb(first(b)) for b in self.reduce_rank] + [self.sizes[i] * wb(i) for i in self.reduce_single]
@@ -355,3 +361,34 @@ def zero3_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: 
 
 def _bucket_indices(b: RankBucket) -> Iterable[int]:
     return (i for s in b.segments for i in s)
+
+
+# ------------------------------------------------------------------ what `train` refuses of a layout
+# Pure checks shared by `train` (model/parallel.py `check_tp`, train/zero3.py `sharded_names`) and
+# `plan`'s layout table (ops/layouts.py), so the table never recommends a layout `train` refuses.
+
+def tp_refusal(n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int, tp: int) -> tuple[str, str] | None:
+    """(cause, fix) when tensor parallel `tp` cannot cut a model of this shape, else None."""
+    if tp == 1:
+        return None
+    if n_kv_heads % tp:
+        best = max(d for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0 and d <= tp)
+        return (f"parallel.tp = {tp} does not divide model.n_kv_heads = {n_kv_heads}: tensor parallel splits the kv heads "
+                "across ranks and does not replicate them",
+                f"use parallel.tp={best} (a divisor of n_kv_heads) and data parallel for the other ranks")
+    for key, value in (("n_heads", n_heads), ("ffn_dim", ffn_dim), ("vocab_size", vocab_size)):
+        if value % tp:
+            return (f"parallel.tp = {tp} does not divide model.{key} = {value}",
+                    f"use a parallel.tp that divides model.{key}"
+                    + (" (pad the vocabulary: model.vocab_size may exceed the tokenizer's)" if key == "vocab_size" else ""))
+    return None
+
+
+def zero3_refusal(sizes: dict[str, int], world: int) -> tuple[str, str] | None:
+    """(cause, fix) when ZeRO-3 cannot cut the trained parameters `sizes` (name -> elements) over
+    `world` ranks: every slice must hold elements (n >= world², as for split parameters)."""
+    small = [n for n, k in sizes.items() if k < world * world]
+    if not small:
+        return None
+    return (f"optim.shard_parameters: {small[0]} has {sizes[small[0]]} elements, fewer than world² = {world * world}",
+            "use fewer ranks or optim.shard_gradients=true (ZeRO-2)")

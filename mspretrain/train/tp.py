@@ -57,9 +57,31 @@ def make_mesh(rank: int, world: int, tp: int, device: str, create: bool = True) 
 
         # every rank creates the two groups it belongs to, and only those (the members of a group
         # create it: mindspore/communication/management.py, create_group; measured on mccl too)
-        create_group(f"tp_{d}", list(tp_ranks))
-        create_group(f"dp_{t}", list(dp_ranks))
+        create_group(f"tp_{d}", list(tp_ranks), group_options("tp", device))
+        create_group(f"dp_{t}", list(dp_ranks), group_options("dp", device))
     return Mesh(Group(tp_ranks, t, name=f"tp_{d}", device=device), Group(dp_ranks, d, name=f"dp_{t}", device=device))
+
+
+def group_options(kind: str, device: str, env: dict[str, str] | None = None) -> Any:
+    """`create_group`'s options for the `kind` ("tp" / "dp") group: on Ascend the HCCL buffer
+    `launch` planned for it (train/hccl.py `communicators`: each communicator takes 2 x its buffer of
+    HBM outside the pool, so each is sized for its own largest collective), None otherwise (CPU,
+    or no plan: the group takes HCCL_BUFFSIZE). MindSpore 2.10 communication/management.py,
+    `create_group(group, rank_ids, options)`: "for the HCCL backend, hccl_config can be specified
+    ... hccl_buffer_size (uint32): Specifies the size of the HCCL communication buffer", a
+    `mindspore._c_expression.GroupOptions` (its example). Only a 910B shows HCCL honouring it."""
+    import os
+
+    from mspretrain.train.hccl import group_buffsize
+
+    mb = group_buffsize(kind, dict(os.environ) if env is None else env) if device == "ascend" else None
+    if mb is None:
+        return None
+    from mindspore._c_expression import GroupOptions
+
+    options = GroupOptions()
+    options.hccl_config = {"hccl_buffer_size": mb}
+    return options
 
 
 class TPTrainStep(TrainStep):

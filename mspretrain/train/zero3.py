@@ -139,11 +139,12 @@ class ShardedGather(nn.Cell):
 def sharded_names(model: nn.Cell, names: list[str], world: int) -> list[str]:
     """The parameters ZeRO-3 cuts: the trained ones (`names`). Refuses a world it cannot serve, in
     one line: a slice must not be empty (n >= N² elements, as for split parameters)."""
+    from mspretrain.train.layout import zero3_refusal
+
     sizes = {p.name: int(np.prod(p.shape)) for p in model.trainable_params()}
-    small = [n for n in names if sizes[n] < world * world]
-    if small:
-        raise UserError(f"optim.shard_parameters: {small[0]} has {sizes[small[0]]} elements, fewer than world² = {world * world}",
-                        "use fewer ranks or optim.shard_gradients=true (ZeRO-2)")
+    refused = zero3_refusal({n: sizes[n] for n in names}, world)  # plan's layout table asks the same
+    if refused:
+        raise UserError(*refused)
     return list(names)
 
 
