@@ -222,6 +222,11 @@ def test_plan_of_a_preset_alone_is_a_shape_its_table_fits_and_names_it(capsys):
     assert main(["plan", "--model", "qwen3-14b", "--devices", "16"]) == 0
     out = capsys.readouterr().out
     assert "host memory per node (8 ranks):" in out and "on 2 servers" in out
+    # the quickstart's `plan --model 125m --data data` on this machine (one device, its RAM): the
+    # preset's 2,048-token window in fp32 said WILL NOT FIT beside a train command that fits
+    assert main(["plan", "--model", "125m", "model.vocab_size=8000", "device.target=cpu", "--device-mem-gb", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "WILL NOT FIT" not in out and "data.seq_len 1024 (the preset's max_seq_len 2,048 halved: the longest that fits)" in out
 
 
 def test_fits_under_tensor_parallel_splits_the_batch_over_the_data_parallel_ranks():
