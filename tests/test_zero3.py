@@ -69,6 +69,48 @@ def test_gather_and_its_bprop_on_the_cpu_form_with_a_loopback_peer(world_of, ran
     assert np.array_equal(grads[1].asnumpy(), np.zeros((2, 4), np.float32))
 
 
+@pytest.mark.parametrize("rank", [0, 2])
+def test_gather_and_its_bprop_on_the_ascend_form_with_a_loopback_peer(world_of, rank):
+    """The Ascend form (AllGather forward, ReduceScatter backward), its collectives replaced by
+    loopbacks: the gather returns every rank's padded slice in rank order (the peers' known
+    values), the reduce-scatter this rank's c elements of the padded gradient summed with the
+    peers' (each a gradient of ones). Forward: the whole tensor; backward: exactly this rank's slice
+    of the summed gradient, once (issue 54.27: a bprop scaling it twice, or cutting another rank's
+    chunk, passed every test before), and the anchor a zero gradient."""
+    from mspretrain.train.zero3 import ShardedGather
+
+    world_of(rank, 3)
+    shape, n, world = (5, 4), 20, 3  # c = 7: slices 7, 7, 6 (the last padded by one)
+    g = ShardedGather(shape, world, rank, "ascend")
+    c = g.c
+    whole = np.arange(n, dtype=np.float32) + 1
+    a, b = slice_bounds(n, world, rank)
+    seen = {}
+
+    def gather(flat):  # every rank's c elements in rank order: this rank's own, the peers' from `whole`
+        padded = np.concatenate([whole, np.zeros(world * c - n, np.float32)])
+        mine = flat.asnumpy()
+        seen["gathered_input"] = mine
+        padded[rank * c:(rank + 1) * c] = mine
+        return Tensor(padded)
+
+    def reduce_scatter(grad):
+        summed = grad.asnumpy() + (world - 1) * np.ones(world * c, np.float32)  # the peers' gradients of ones
+        return Tensor(summed[rank * c:(rank + 1) * c])
+
+    g.all_gather, g.reduce_scatter = gather, reduce_scatter
+    piece = Tensor(whole[a:b].copy())
+    anchor = Tensor(np.ones((1,), np.float32))
+    full = g(piece, anchor).asnumpy()
+    assert full.shape == shape and np.array_equal(full.reshape(-1), whole)
+    assert seen["gathered_input"].shape == (c,)  # every rank hands c elements (zero-padded)
+    weights = Tensor(np.arange(n, dtype=np.float32).reshape(shape) * 0.5)
+    grads = ms.grad(lambda p, x: (g(p, x) * weights).sum(), grad_position=(0, 1))(piece, anchor)
+    want = weights.asnumpy().reshape(-1)[a:b] + (world - 1)  # this rank's dW summed with the peers' ones, once
+    assert np.array_equal(grads[0].asnumpy(), want)
+    assert np.array_equal(grads[1].asnumpy(), np.zeros((1,), np.float32))
+
+
 def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_whole_tensors(world_of):
     from mspretrain.model.decoder import state_numpy
     from mspretrain.train.zero3 import gathered, load_full_state, shard_model
@@ -238,6 +280,19 @@ def test_prefetch_overlaps_the_next_blocks_gathers_with_compute_and_bounds_them(
     assert len(rec["gathers"]) == 3 + 4 * PER_BLOCK  # layer recompute gathers each block's weights again
     assert all(not g["after_matmuls"] for g in _units(rec)["block1"])  # and the forward still prefetches
     assert rec["scatters_chained"]
+
+
+@pytest.mark.slow  # shares the probe's compilations above
+def test_no_ordering_token_is_a_constant_of_a_whole_weight(prefetch_graphs):
+    """Issue 51.3: the bprop of a gather returns, as its anchor's gradient, zeros that wait for its
+    reduce-scatter; anchored on the previous whole gathered weight (or a block's input), the
+    frontend folded each into a constant of that full shape (three a layer, ~18 GiB for Qwen3-14B
+    in bf16, not in `plan`). Anchored on one element (model/layers.py `one`), the compiled forward
+    and backward hold no constant larger than one element but the attention's causal mask (T, T)
+    and the positions (T,) (T = 16 here); in every variant (the no-prefetch one anchors on x)."""
+    for variant, graph in prefetch_graphs.items():
+        others = [c for c in graph["constants"] if c[0] not in ([16, 16], [16])]
+        assert not others, f"{variant}: constants {others}"
 
 
 @pytest.mark.parametrize("device, recompute, prefetch", [("ascend", False, True), ("ascend", True, True),

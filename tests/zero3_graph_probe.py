@@ -47,6 +47,23 @@ def graph_of(text: str) -> tuple[dict[int, str], dict[int, list[int]]]:
     return kind, args
 
 
+_CONST = re.compile(r"Tensor\(shape=\[([0-9, ]*)\], dtype=(\w+)")
+
+
+def constants(text: str) -> list[list]:
+    """[shape, dtype] of every tensor constant of more than one element in an IR dump (a constant
+    is printed where it is used, `Tensor(shape=[64, 64], dtype=Float32, value=...)`)."""
+    out = []
+    for m in _CONST.finditer(text):
+        shape = [int(d) for d in m.group(1).replace(" ", "").split(",") if d]
+        n = 1
+        for d in shape:
+            n *= d
+        if n > 1:
+            out.append([shape, m.group(2)])
+    return out
+
+
 def summary(text: str) -> dict:
     kind, args = graph_of(text)
     ancestors: dict[int, set[int]] = {}
@@ -72,6 +89,7 @@ def summary(text: str) -> dict:
         "total_order": all(c[i] in ancestors[c[i + 1]] for c in [[n for n in sorted(kind) if kind[n] in COLLECTIVES]]
                            for i in range(len(c) - 1)),
         "order": [kind[n] for n in sorted(kind) if kind[n] in COLLECTIVES],
+        "constants": constants(text),
     }
 
 

@@ -71,6 +71,7 @@ from mspretrain.model.layers import (
     Linear,
     RMSNorm,
     SoftmaxPlain,
+    one,
     relay,
     use_fused_kernels,
 )
@@ -237,7 +238,7 @@ class Decoder(nn.Cell):
         T = tokens.shape[1]
         token = None
         if self.sharded:  # ZeRO-3 (train/zero3.py): the embedding gathered, the first block's gathers after it
-            e, token = self.embed.pull(tokens)
+            e, token = self.embed.pull(one(tokens))
             x = self.embed(tokens, e)
             token = relay(token, tokens)
         else:
@@ -268,7 +269,7 @@ class Decoder(nn.Cell):
             h = self.norm(x).astype(ms.float32).reshape(B * T, -1)  # (B*T, D) fp32: lm_head is an fp32 island
             w = self.embed.weight if self.tied else self.lm_head.weight
         else:  # ZeRO-3: the norm's and the head's gathers after the last block's (model/block.py)
-            wn, token = self.norm.pull(token if self.layers[0].prefetch else x)
+            wn, token = self.norm.pull(token if self.layers[0].prefetch else one(x))
             h = self.norm(x, wn).astype(ms.float32).reshape(B * T, -1)
             w = self.embed.pull(token)[0] if self.tied else self.lm_head.pull(token)[0]
         return self.head_matmul(h, w).reshape(B, T, -1)  # (B, T, V) fp32
