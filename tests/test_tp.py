@@ -283,6 +283,32 @@ def test_a_tp_step_cuts_its_state_from_whole_tensors_or_zero_slices(world_of, ti
     assert int(got["opt_step"]) == 5
 
 
+def test_the_tp_replica_hash_sums_one_parameter_at_a_time(world_of, tiny_cfg):
+    """Issue 51.4: the end-of-run hash summed every piece into the whole model at once on every
+    rank's host (`full_weights`); `weights_digest` sums one parameter at a time over the tp group,
+    with the bytes `full_weights` gives (rank 1 of tp 2, the tp sum a loopback)."""
+    import hashlib
+
+    from mspretrain.config import resolve_model
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.model.parallel import Group, split_model
+    from mspretrain.train.tp import Mesh, TPTrainStep
+
+    world_of(1, 2)
+    model = Decoder(resolve_model(tiny_cfg.model, vocab_size=512), seed=0)
+    mesh = Mesh(Group((0, 1), 1), Group((1,), 0))
+    split_model(model, mesh.tp)
+    step = TPTrainStep(model, tiny_cfg.optim, mesh=mesh, global_tokens=64, jit=False)
+    step._sum_chunk = lambda x: x  # the peer contributes zeros
+    whole = step.full_weights()
+    sizes = []
+    real = step._whole
+    step._whole = lambda pieces: (sizes.append(len(pieces)), real(pieces))[1]
+    want = hashlib.sha256(b"".join(n.encode() + a.tobytes() for n, a in sorted(whole.items()))).hexdigest()
+    assert step.weights_digest() == want
+    assert set(sizes) == {1} and len(sizes) == len(whole)  # one parameter summed at a time
+
+
 # ---- msrun ranks against one process
 
 TP2 = ("parallel.tp=2",)

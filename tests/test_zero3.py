@@ -156,6 +156,43 @@ def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of
     assert (wqkv.bias_gather is not None) == ("qkv_bias" in family)
 
 
+@pytest.mark.parametrize("device", ["cpu", "ascend"])
+def test_the_replica_hash_reads_one_gathered_weight_at_a_time(world_of, tiny_cfg, device):
+    """Issue 51.4: the end-of-run hash gathered every weight whole at once (`full_state`). It now
+    reads them one at a time (`one_at_a_time`: one collective, then the next), with the same bytes
+    in the same order as `full_state`, so the digest is the one the whole model gives. Rank 0 of 2,
+    the collectives replaced by loopbacks (the peer contributes zeros), in both forms."""
+    import hashlib
+
+    from mspretrain.train.zero3 import full_state, gathered, one_at_a_time, shard_model
+
+    world_of(0, 2)
+    model = _tiny()
+    names = [p.name for p in model.trainable_params()]
+    shard_model(model, names, 2, 0, device)
+    for _, g, _ in gathered(model):  # the whole-model reading's loopbacks, as the digest's below
+        if device == "cpu":
+            g.all_reduce = lambda x: x
+        else:
+            g.all_gather = lambda x: ops.concat([x, ops.zeros_like(x)])
+    calls = []
+
+    def loopback(buf):
+        calls.append(buf.shape)
+        return buf if device == "cpu" else ops.concat([buf, ops.zeros_like(buf)])
+
+    whole = full_state(model, jit=False)()
+    items = one_at_a_time(model, 2, 0, device, jit=False, collective=loopback)()
+    first = next(items)
+    assert len(calls) == (1 if first[0] in set(names) else 0)  # lazy: one parameter gathered, not all
+    got = dict([first, *items])
+    assert list(got) == sorted(whole) and len(calls) == len(names)
+    for name in whole:
+        assert got[name].dtype == whole[name].dtype and np.array_equal(got[name], whole[name]), name
+    digest = lambda pairs: hashlib.sha256(b"".join(n.encode() + a.tobytes() for n, a in pairs)).hexdigest()
+    assert digest(got.items()) == digest(sorted(whole.items()))
+
+
 def test_shard_parameters_refuses_what_it_cannot_cut(world_of):
     from mspretrain.train.zero3 import sharded_names
 

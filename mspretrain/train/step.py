@@ -507,6 +507,24 @@ class TrainStep:
             self._full_state = full_state(self.model, jit=self._jit is not None)
         return {k: v.copy() for k, v in self._full_state().items()}
 
+    def weights_digest(self) -> str:
+        """sha256 of every parameter whole, by name in name order (the bytes `full_weights` gives),
+        read one parameter at a time: under ZeRO-3 each gathered alone (train/zero3.py
+        `one_at_a_time`), never the whole model at once. A collective under ZeRO-3: every rank calls it."""
+        import hashlib
+
+        if self.zero3:
+            from mspretrain.train.zero3 import one_at_a_time
+
+            items = one_at_a_time(self.model, self.world, self.rank, self.device, jit=self._jit is not None)()
+        else:
+            items = iter(sorted(self.full_weights().items()))
+        h = hashlib.sha256()
+        for name, arr in items:
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(arr).tobytes())
+        return h.hexdigest()
+
     def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
         """Whole tensors (a checkpoint's model file, written by any layout) into the model: whole,
         or under ZeRO-3 this rank's slices of them."""

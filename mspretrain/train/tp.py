@@ -156,6 +156,22 @@ class TPTrainStep(TrainStep):
     def optimizer_state(self) -> dict[str, np.ndarray]:
         return self._whole({k: v.copy() for k, v in super().optimizer_state().items()})
 
+    def weights_digest(self) -> str:
+        """TrainStep.weights_digest over the whole tensors, each summed over the tp group alone
+        (`_whole` of one parameter), never the whole model on the host (issue 51.4). A collective:
+        every rank calls it."""
+        import hashlib
+
+        from mspretrain.model.decoder import state_numpy
+
+        h = hashlib.sha256()
+        pieces = state_numpy(self.model, keep_fp16=True)  # views of this rank's pieces (no copy)
+        for name in sorted(pieces):
+            arr = self._whole({name: pieces[name]})[name]
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(arr).tobytes())
+        return h.hexdigest()
+
     # ----------------------------------------------------------------- whole tensors in
     def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
         for name, shape in self.whole_shapes.items():
