@@ -187,6 +187,37 @@ def test_split_model_holds_the_pieces_under_the_whole_names(world_of):
     assert "lm_head.weight" not in names  # tied: the head uses the embedding's rows
 
 
+def test_the_vocabulary_parallel_lookup_and_every_row_parallel_sum_on_one_process(world_of):
+    """Issue 54.29, without msrun: (a) each tp rank's embedding looks up the rows of its vocabulary
+    block [r·V/tp, (r+1)·V/tp) and zeros for the others, so the two ranks' partial lookups (their
+    sum a loopback) add up to the whole lookup (a wrong offset gives other rows); (b) a forward
+    passes every row-parallel layer's output (wo, w2 of each layer) and the embedding through its
+    tp sum (ReduceFromTP), no other: a layer left without its all-reduce is missing here."""
+    from mspretrain.model.decoder import Decoder, state_numpy
+    from mspretrain.model.parallel import Group, ReduceFromTP, split_model
+
+    cfg = _cfg()
+    whole = state_numpy(Decoder(cfg, seed=0))["embed.weight"]
+    tokens = Tensor(np.array([[0, 5, cfg.vocab_size // 2 - 1, cfg.vocab_size // 2, cfg.vocab_size - 1, 7]], np.int32))
+    partial = []
+    for rank in (0, 1):
+        world_of(rank, 2)
+        model = Decoder(cfg, seed=0)
+        split_model(model, Group((0, 1), rank))
+        assert (model.embed.tp.start, model.embed.tp.rows) == (rank * cfg.vocab_size // 2, cfg.vocab_size // 2)
+        called = []
+        for name, cell in model.cells_and_names():
+            if isinstance(cell, ReduceFromTP):
+                cell.sum = (lambda n, seen: lambda x: (seen.append(n), x)[1])(name, called)  # the peer contributes zeros
+        partial.append(model.embed(tokens, model.embed.weight).asnumpy())
+        called.clear()
+        model(tokens)
+        row_parallel = {f"layers.{i}.{m}.tp_out" for i in range(cfg.n_layers) for m in ("attn.wo", "mlp.w2")}
+        assert sorted(called) == sorted(row_parallel | {"embed.tp.reduce"}), called
+    assert np.array_equal(partial[0] + partial[1], whole[tokens.asnumpy()])
+    assert not partial[0][0, 3:5].any() and not partial[1][0, [0, 1, 2, 5]].any()  # the other block's tokens: zeros
+
+
 def test_qwen3_qk_norms_stay_whole_and_their_partial_gradients_are_summed_over_tp(world_of):
     """Each rank applies the shared QK-norm weights to its own heads only: the weights stay whole
     (replicated) and are marked partial; the step's PartialSum adds their gradients over tp in one
