@@ -340,6 +340,34 @@ def test_the_tp_replica_hash_sums_one_parameter_at_a_time(world_of, tiny_cfg):
     assert set(sizes) == {1} and len(sizes) == len(whole)  # one parameter summed at a time
 
 
+def test_a_tp_steps_collectives_count_tensor_parallels_own(world_of, tiny_cfg):
+    """Issue 54.15/21: the start-up line of a tp run with one data-parallel rank said "0 collectives
+    and 0.0 MB on the wire". Per micro-batch: the embedding's and each layer's wo and w2 all-reduce
+    forward (2L + 1), each norm feeding a column-parallel layer and the final norm backward (2L + 1),
+    the loss's three; per step the gradient norm's tp sum. Activations of one micro-batch (tokens x
+    dim, fp32 here), the loss's fp32 per token (the CPU max: a slot per member)."""
+    from mspretrain.config import resolve_model
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.model.parallel import Group, split_model
+    from mspretrain.train.build import memory_options
+    from mspretrain.train.tp import Mesh, TPTrainStep
+
+    world_of(1, 2)
+    cfg = resolve_model(tiny_cfg.model, vocab_size=512)
+    model = Decoder(cfg, seed=0)
+    mesh = Mesh(Group((0, 1), 1), Group((1,), 0))
+    split_model(model, mesh.tp)
+    step = TPTrainStep(model, tiny_cfg.optim, mesh=mesh, global_tokens=64, jit=False)
+    L, D = cfg.n_layers, cfg.dim
+    for accum in (1, 2):
+        tokens = 64 // accum
+        want_calls = accum * ((2 * L + 1) * 2 + 3) + 1
+        want_bytes = accum * ((2 * L + 1) * 2 * tokens * D * 4 + tokens * 4 * (2 + 2)) + 4
+        assert step.collectives(accum) == {"calls": want_calls, "bytes": want_bytes}
+    line = memory_options(replace(tiny_cfg, parallel=replace(tiny_cfg.parallel, tp=2)), step, type("W", (), {"size": 2})(), 1)
+    assert f"{(2 * L + 1) * 2 + 3 + 1} collectives and" in line and " 0 collectives" not in line
+
+
 # ---- msrun ranks against one process
 
 TP2 = ("parallel.tp=2",)

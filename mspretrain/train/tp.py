@@ -156,6 +156,42 @@ class TPTrainStep(TrainStep):
     def optimizer_state(self) -> dict[str, np.ndarray]:
         return self._whole({k: v.copy() for k, v in super().optimizer_state().items()})
 
+    def collectives(self, accumulation: int = 1) -> dict[str, int]:
+        """The data-parallel reduction's calls and bytes (TrainStep.collectives) plus tensor
+        parallel's own per step: per micro-batch, the forward all-reduce of every ReduceFromTP (the
+        embedding's lookup, each layer's wo and w2) and, again, of the recomputed layers' under
+        layer recompute; the backward all-reduce of every CopyToTP (each norm before a
+        column-parallel layer, the final norm's); the vocabulary-parallel loss's three (max,
+        sum-exp, target logit, fp32 over the micro-batch's tokens); per step the gradient norm's tp
+        sum and, with Qwen3's QK-norms, their partial gradients' sum (model/parallel.py). An
+        activation is (tokens, dim) in the model's compute dtype. The start-up line said "0
+        collectives" for a tp run with one data-parallel rank (issue 54.15)."""
+        import mindspore as ms
+
+        from mspretrain.model.parallel import CopyToTP, ReduceFromTP
+
+        base = super().collectives(accumulation) if self.mesh.dp.size > 1 else {"calls": 0, "bytes": 0}
+        model = self.model
+        e = 2 if model.dtype in (ms.float16, ms.bfloat16) else 4
+        tokens = int(self.global_tokens) // max(1, self.mesh.dp.size * accumulation)  # one rank's micro-batch
+        act = tokens * model.cfg.dim * e
+        cells = [c for _, c in model.cells_and_names()]
+        forward = sum(isinstance(c, ReduceFromTP) for c in cells)
+        recomputed = sum(2 for layer in model.layers if getattr(layer, "_has_config_recompute", False))
+        backward = sum(isinstance(c, CopyToTP) for c in cells)
+        group = self.mesh.tp.size
+        loss = [tokens * 4 * group, tokens * 4, tokens * 4]  # the max's slots on CPU (one per member); on Ascend one
+        if model.tp_loss.core.max.native:
+            loss[0] = tokens * 4
+        per_micro_calls = forward + recomputed + backward + len(loss)  # the norm's tp sum: once a step (+ 1)
+        per_micro_bytes = (forward + recomputed + backward) * act + sum(loss)
+        # the QK-norms' partial sum runs with each reduction: per micro-batch with sharded gradients
+        partial = [p for p in model.trainable_params() if p.name in model.tp_partial]
+        sums = (accumulation if self.shard_grads else 1) if partial else 0
+        return {"calls": base["calls"] + accumulation * per_micro_calls + 1 + sums,
+                "bytes": base["bytes"] + accumulation * per_micro_bytes + 4
+                + sums * 4 * sum(int(np.prod(p.shape)) for p in partial)}
+
     def weights_digest(self) -> str:
         """TrainStep.weights_digest over the whole tensors, each summed over the tp group alone
         (`_whole` of one parameter), never the whole model on the host (issue 51.4). A collective:
