@@ -482,3 +482,54 @@ def test_visible_npus_and_the_reduction_bandwidth(tmp_path):
     assert selftest_node.visible_npus({"ASCEND_RT_VISIBLE_DEVICES": "0,1"}, tmp_path) == 2
     ops = {"AllReduce": {"bus_gbps": 90.0}, "ReduceScatter": {"bus_gbps": 70.0}, "Broadcast": {"bus_gbps": 10.0}}
     assert selftest_node._reduction_bus_gbps(ops) == 70.0
+
+
+def test_a_cut_model_sends_only_this_ranks_pieces_to_the_device(monkeypatch, world_of):
+    """Issue 51.2: ZeRO-3 and tensor parallel built every fp32 weight whole in HBM, then cut it
+    (Qwen2.5-32B: 122 GiB against the 58 GiB pool), each cut a device->host copy of the whole
+    weight. A CPU build with the Ascend path's choices (a process bound to an NPU, `Tensor.to`
+    counting the bytes it is asked to move): drawn on the host (`host_weights`, what train/build.py
+    chooses for these layouts), nothing goes to the device until the cut, and then each rank's
+    pieces alone: per rank, exactly its ZeRO-3 slices (about half of the trained bytes at world 2)
+    or its tp pieces and nothing whole; the default build streams every drawn weight whole."""
+    from mspretrain.model.parallel import Group, split_model
+    from mspretrain.train.build import builds_on_host
+    from mspretrain.train.layout import slice_bounds
+    from mspretrain.train.zero3 import shard_model
+
+    moved: list[int] = []
+    real_to = ms.Tensor.to
+
+    def to(self, where, *args, **kw):
+        if where != "Ascend":  # a dtype: astype's own call
+            return real_to(self, where, *args, **kw)
+        moved.append(int(np.prod(self.shape)) * self.itemsize)
+        return ms.Tensor(self.asnumpy())
+
+    class _OnNPU:
+        device_target = "Ascend"
+
+    monkeypatch.setattr(ms.Tensor, "to", to)
+    monkeypatch.setattr(ms, "get_current_device", lambda: _OnNPU())
+    m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2), 96)
+    whole = sum(int(np.prod(p.shape)) * 4 for p in decoder.Decoder(m, seed=0, device="ascend", dtype="fp16").get_parameters()
+                if "norm" not in p.name)
+    assert sum(moved) == whole  # the default build: every drawn weight to the device, whole
+    for rank in (0, 1):
+        world_of(rank, 2)
+        moved.clear()
+        model = decoder.Decoder(m, seed=0, device="ascend", dtype="fp16", host_weights=True)
+        assert moved == []  # drawn on the host
+        trained = {p.name: int(np.prod(p.shape)) for p in model.trainable_params()}
+        shard_model(model, list(trained), 2, rank, "ascend")
+        want = sum((lambda a, b: b - a)(*slice_bounds(n, 2, rank)) * 4 for n in trained.values())
+        assert sum(moved) == want and max(moved) <= max(trained.values()) * 4 // 2 + 4
+        moved.clear()
+        model = decoder.Decoder(m, seed=0, device="ascend", dtype="fp16", host_weights=True)
+        split_model(model, Group((0, 1), rank, device="ascend"))
+        assert sum(moved) == sum(int(np.prod(p.shape)) * 4 for n, p in model.parameters_and_names()
+                                 if p.name in model.tp_shapes)  # the pieces, once each
+        assert sum(moved) < 0.55 * whole
+    on = lambda *o: builds_on_host(cfgmod.load(None, list(o)), 8)
+    assert on("optim.shard_parameters=true") and on("parallel.tp=2") and not on("optim.shard_gradients=true")
+    assert not builds_on_host(cfgmod.load(None, ["optim.shard_parameters=true"]), 1)

@@ -187,7 +187,7 @@ class Decoder(nn.Cell):
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype: str = "fp32", attention: str = "auto", device: str = "cpu",
-                 seed: int = 0) -> None:
+                 seed: int = 0, host_weights: bool = False) -> None:
         super().__init__()
         if dtype not in COMPUTE_DTYPES:
             raise UserError(f"precision dtype {dtype!r} is not one of fp32, fp16, bf16", "set precision.dtype=fp32 (CPU) or fp16/bf16 (Ascend)")
@@ -208,7 +208,9 @@ class Decoder(nn.Cell):
         # see `_normal`; only where this process runs on an NPU (a model built for Ascend on a CPU box,
         # as the tests and `selftest` do, stays in host memory)
         on_npu = use_fused_kernels(device) and ms.get_current_device().device_target == "Ascend"
-        _init_device[0] = "Ascend" if on_npu else None
+        # host_weights: drawn into host memory even on an NPU, for a model that will be cut (ZeRO-3,
+        # tensor parallel: only each rank's pieces go to the device, model/parallel.py `piece_tensor`)
+        _init_device[0] = "Ascend" if on_npu and not host_weights else None
         try:
             self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
             self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])

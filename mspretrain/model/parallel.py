@@ -328,6 +328,20 @@ def place(piece: np.ndarray, where: tuple[int, list[tuple[int, int]]] | None, sh
     return out
 
 
+def piece_tensor(arr: np.ndarray, dtype: Any, device: str) -> Tensor:
+    """A rank's piece (a tp cut, a ZeRO-3 slice: host memory) as the Tensor its Parameter wraps:
+    on an NPU sent to the device now, the piece alone (issue 51.2: the whole fp32 model was built
+    in HBM and then cut, 122 GiB for Qwen2.5-32B against a 58 GiB pool; the model is now drawn on
+    the host for these layouts, `Decoder(host_weights=True)`, train/build.py); elsewhere it stays
+    on the host. `Tensor.to("Ascend")` as model/decoder.py `_draw` (MindSpore 2.10
+    common/tensor.py). Pass the result straight to `Parameter(..., name, grad)`, positionally and
+    unnamed (decoder.py `_normal` says why: another reference makes MindSpore copy it back)."""
+    t = Tensor(arr).astype(dtype)
+    if device == "ascend" and ms.get_current_device().device_target == "Ascend":
+        return t.to("Ascend")
+    return t
+
+
 def split_model(model: Any, tp: Group) -> None:
     """Cut a whole Decoder (model/decoder.py) into this rank's tensor-parallel piece, in place: every
     split parameter becomes its piece (same name), the heads and ffn units become the local ones,
@@ -349,7 +363,7 @@ def split_model(model: Any, tp: Group) -> None:
                 continue
             name, dtype, grad = p.name, p.dtype, p.requires_grad
             shapes[name] = tuple(p.shape)
-            setattr(cell, attr, Parameter(Tensor(cut(p.asnumpy(), where)).astype(dtype), name=name, requires_grad=grad))
+            setattr(cell, attr, Parameter(piece_tensor(cut(p.asnumpy(), where), dtype, tp.device), name, grad))
             getattr(cell, attr).name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
     H, KV, F, V = cfg.n_heads // n, cfg.n_kv_heads // n, cfg.ffn_dim // n, cfg.vocab_size // n
     for layer in model.layers:

@@ -27,7 +27,7 @@ from mspretrain import budget
 from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.device import ASCEND_910B_USABLE_GB
 from mspretrain.errors import UserError
-from mspretrain.model.presets import param_count, preset
+from mspretrain.model.presets import param_count, param_shapes, preset
 from mspretrain.ops.costs import (  # noqa: F401  (re-exported: the plan's callers and tests read them here)
     ASCEND_RESERVE_BYTES,
     ASSUMED_BUS_GBPS,
@@ -64,8 +64,11 @@ def preset_model(name: str) -> ModelConfig:
 PROCESS_BASELINE_BYTES = 0.92 * GB
 
 
-def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, target: str, tokens: int | None) -> dict[str, float]:
-    """Host bytes per node by kind (see the module docstring); `devices` ranks on the node."""
+def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, target: str, tokens: int | None,
+                cut: bool = False) -> dict[str, float]:
+    """Host bytes per node by kind (see the module docstring); `devices` ranks on the node. `cut`:
+    the model is drawn whole on each rank's host and cut there (ZeRO-3, tensor parallel: train/build.py
+    `builds_on_host`), so model initialisation holds the whole fp32 model per rank."""
     from mspretrain.model.presets import is_half_eligible, param_shapes
 
     shapes = param_shapes(m)
@@ -76,7 +79,8 @@ def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, targe
     masters = sum(n for (name, _), n in zip(shapes, sizes) if half and is_half_eligible(name))
     out: dict[str, float] = {
         # Ascend: one fp32 parameter per rank on its way to HBM; CPU: the weights are the device's
-        "model_init": devices * 4 * max(sizes) if target == "ascend" else 0,
+        # (cut: the whole fp32 model per rank, drawn on the host, only its pieces sent to the device)
+        "model_init": devices * 4 * (total if cut else max(sizes)) if target == "ascend" else 0,
         # the saver's host copy: fp32 weights (rank 0) + every rank's moments and masters (fp32)
         "checkpoint_snapshot": (4 * total + 8 * trained + 4 * masters) if cfg.checkpoint.async_save else 0,
         # one int64 per train window per rank (the epoch permutation)
@@ -225,7 +229,18 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
                         "hbm_bytes": sum(2 * c["buffsize_mb"] * 2**20 for c in hc)}
     # host memory of one node: its ranks (8 a server on Ascend; all of them on CPU, one host)
     plan["host_ranks"] = per_node
-    plan["host_bytes"] = host_memory(m, cfg, layout, devices=per_node, target=target, tokens=b.tokens)
+    cut = devices > 1 and (shard_params or tp > 1)
+    plan["host_bytes"] = host_memory(m, cfg, layout, devices=per_node, target=target, tokens=b.tokens, cut=cut)
+    if target == "ascend":
+        # start-up on the device: the weights as built there, before any step. A cut model sends only
+        # this rank's pieces (train/build.py `builds_on_host`); otherwise each weight is streamed
+        # to the device whole as it is drawn (fp32), the whole model per rank
+        largest = max(math.prod(s) for _, s in param_shapes(m))
+        plan["build_bytes"] = {"device": mem["weights"] if cut else 4 * P, "host_per_rank": 4 * (P if cut else largest), "cut": cut}
+        if plan["build_bytes"]["device"] / GB > usable_gb:
+            plan["warnings"].append(f"start-up: the fp32 weights ({plan['build_bytes']['device'] / GB:.1f} GB) are built whole on "
+                                    f"each device before any cut, more than {usable_gb:g} GB: use optim.shard_parameters=true "
+                                    "or parallel.tp, whose ranks receive only their pieces")
     if target == "cpu":  # the host is the device: the whole process
         h = plan["host_bytes"]
         mem["process_peak"] = (mem["peak"] + h["process_baseline"] + h["checkpoint_snapshot"] + h["loader_maps"]) / devices
@@ -344,6 +359,10 @@ def format_plan(plan: dict) -> str:
             if h[key]:
                 lines.append(f"  {label:<28} {_gb(h[key]):>12}")
         lines.append(f"  {'total':<28} {_gb(h['total']):>12}")
+    if "build_bytes" in plan:
+        bb = plan["build_bytes"]
+        lines.append(f"start-up   {_gb(bb['device'])} of weights on each device before the first step"
+                     + (" (this rank's pieces: drawn on the host, whole, then cut)" if bb["cut"] else " (each weight streamed whole, fp32)"))
     c = plan["collectives_per_step"]
     if plan["devices"] > 1:
         lines.append(f"collectives {c['calls']:,} per step, {c['bytes'] / GB:,.2f} GB handed to them per step per device")

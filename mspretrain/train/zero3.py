@@ -152,7 +152,10 @@ def _slice_of(p: Parameter, world: int, rank: int, device: str) -> tuple[Paramet
     """This rank's 1-D slice of `p` (same name, dtype, requires_grad) and its gather."""
     n = int(np.prod(p.shape))
     a, b = slice_bounds(n, world, rank)
-    piece = Parameter(Tensor(p.asnumpy().reshape(-1)[a:b].copy()).astype(p.dtype), name=p.name, requires_grad=p.requires_grad)
+    from mspretrain.model.parallel import piece_tensor
+
+    # only the slice goes to the device (piece_tensor); the model was drawn on the host (train/build.py)
+    piece = Parameter(piece_tensor(p.asnumpy().reshape(-1)[a:b].copy(), p.dtype, device), p.name, p.requires_grad)
     return piece, ShardedGather(tuple(p.shape), world, rank, device)
 
 
