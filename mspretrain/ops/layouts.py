@@ -169,7 +169,8 @@ def train_refusal(cfg: Config, m: ModelConfig, row: dict[str, Any]) -> str | Non
     from mspretrain.config import check_parallel
     from mspretrain.model.groups import trainable_mask
     from mspretrain.model.presets import param_shapes
-    from mspretrain.train.layout import tp_refusal, zero3_refusal
+    from mspretrain.model.tp_rules import tp_refusal
+    from mspretrain.train.layout import zero3_refusal
 
     c = layout_config(cfg, row)
     try:
