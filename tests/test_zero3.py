@@ -320,6 +320,20 @@ def test_prefetch_overlaps_the_next_blocks_gathers_with_compute_and_bounds_them(
 
 
 @pytest.mark.slow  # shares the probe's compilations above
+def test_reduce_scatters_can_run_during_the_backward(prefetch_graphs):
+    """Issue 51.5: in a readiness order of the compiled graph's dependencies (what ms_backend's
+    default exec_order "bfs" follows; the backend's own order needs an NPU), 12 of the 15
+    reduce-scatters of the 2-layer model come before the last backward matmul, in every variant:
+    only the three whose gradients the last backward matmuls produce (the embedding's, block 0's
+    attn_norm and wqkv) wait for it; the chain that orders them (each after the next one's) costs
+    nothing here. Reductions issued after the whole backward would put all 15 after it. (The IR's
+    own listing, a depth-first order from the outputs, puts 0 of 15 before it: it is not the
+    kernel order; whether HCCL then overlaps them with the compute only a 910B shows.)"""
+    for variant, graph in prefetch_graphs.items():
+        assert graph["scatters_before_last_matmul"] == graph["scatters"] - 3 == 12, variant
+
+
+@pytest.mark.slow  # shares the probe's compilations above
 def test_no_ordering_token_is_a_constant_of_a_whole_weight(prefetch_graphs):
     """Issue 51.3: the bprop of a gather returns, as its anchor's gradient, zeros that wait for its
     reduce-scatter; anchored on the previous whole gathered weight (or a block's input), the
