@@ -67,8 +67,9 @@ PROCESS_BASELINE_BYTES = 0.92 * GB
 def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, target: str, tokens: int | None,
                 cut: bool = False) -> dict[str, float]:
     """Host bytes per node by kind (see the module docstring); `devices` ranks on the node. `cut`:
-    the model is drawn whole on each rank's host and cut there (ZeRO-3, tensor parallel: train/build.py
-    `builds_on_host`), so model initialisation holds the whole fp32 model per rank."""
+    the model is cut on each rank's host (ZeRO-3, tensor parallel: train/build.py `builds_on_host`),
+    each weight drawn when the cut reads it (model/decoder.py LazyDraw): one whole fp32 weight per
+    rank at a time, as the streamed build."""
     from mspretrain.model.presets import is_half_eligible, param_shapes
 
     shapes = param_shapes(m)
@@ -79,8 +80,8 @@ def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, targe
     masters = sum(n for (name, _), n in zip(shapes, sizes) if half and is_half_eligible(name))
     out: dict[str, float] = {
         # Ascend: one fp32 parameter per rank on its way to HBM; CPU: the weights are the device's
-        # (cut: the whole fp32 model per rank, drawn on the host, only its pieces sent to the device)
-        "model_init": devices * 4 * (total if cut else max(sizes)) if target == "ascend" else 0,
+        # (cut: each weight drawn when the cut reads it, its piece sent on, the whole dropped: the same)
+        "model_init": devices * 4 * max(sizes) if target == "ascend" else 0,
         # the saver's host copy: fp32 weights (rank 0) + every rank's moments and masters (fp32)
         "checkpoint_snapshot": (4 * total + 8 * trained + 4 * masters) if cfg.checkpoint.async_save else 0,
         # one int64 per train window per rank (the epoch permutation)
@@ -236,7 +237,7 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         # this rank's pieces (train/build.py `builds_on_host`); otherwise each weight is streamed
         # to the device whole as it is drawn (fp32), the whole model per rank
         largest = max(math.prod(s) for _, s in param_shapes(m))
-        plan["build_bytes"] = {"device": mem["weights"] if cut else 4 * P, "host_per_rank": 4 * (P if cut else largest), "cut": cut}
+        plan["build_bytes"] = {"device": mem["weights"] if cut else 4 * P, "host_per_rank": 4 * largest, "cut": cut}
         if plan["build_bytes"]["device"] / GB > usable_gb:
             plan["warnings"].append(f"start-up: the fp32 weights ({plan['build_bytes']['device'] / GB:.1f} GB) are built whole on "
                                     f"each device before any cut, more than {usable_gb:g} GB: use optim.shard_parameters=true "
@@ -362,7 +363,8 @@ def format_plan(plan: dict) -> str:
     if "build_bytes" in plan:
         bb = plan["build_bytes"]
         lines.append(f"start-up   {_gb(bb['device'])} of weights on each device before the first step"
-                     + (" (this rank's pieces: drawn on the host, whole, then cut)" if bb["cut"] else " (each weight streamed whole, fp32)"))
+                     + (" (this rank's pieces: each weight drawn on the host, cut, its piece sent)" if bb["cut"]
+                        else " (each weight streamed whole, fp32)"))
     c = plan["collectives_per_step"]
     if plan["devices"] > 1:
         lines.append(f"collectives {c['calls']:,} per step, {c['bytes'] / GB:,.2f} GB handed to them per step per device")

@@ -160,7 +160,14 @@ class TrainStep:
         if self.zero3:
             from mspretrain.train.zero3 import shard_model, sharded_names
 
-            shard_model(model, sharded_names(model, [p.name for p, k in zip(every, keep) if k], world), world, rank, device)
+            names = [p.name for p, k in zip(every, keep) if k]
+            # no reference to the whole weights while they are cut: drawn lazily on an NPU
+            # (model/decoder.py LazyDraw), each is then read, cut and dropped, one at a time
+            every = ()
+            shard_model(model, sharded_names(model, names, world), world, rank, device)
+            for p in model.get_parameters():  # frozen weights the cut did not read: drawn now, whole
+                if p.has_init:
+                    p.init_data()
             every = tuple(model.trainable_params())
         self.params = tuple(p for p, k in zip(every, keep) if k)  # the trained ones: all tables below index these
         self.frozen = tuple(p for p, k in zip(every, keep) if not k)
