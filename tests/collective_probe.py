@@ -45,15 +45,17 @@ COLLECTIVES = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast")
 # followed by `      : (<Tensor[Float32], (32768)>) -> (<Tensor[Float32], (8192)>)`
 _NODE = re.compile(r"^\s*%\d+\([^)]*\) = (" + "|".join(COLLECTIVES) + r")\((.*)$")
 _GROUP = re.compile(r'group: "([^"]*)"')
+_ROOT = re.compile(r"root_rank: I64\((-?\d+)\)")
 FAMILIES = {"llama": {}, "qwen2": {"family": "qwen2", "qkv_bias": True},
             "qwen3": {"family": "qwen3", "qk_norm": True, "head_dim": 16}}
 _TYPES = re.compile(r"^\s*: \((.*)\) -> \((.*)\)\s*$")
 
 
 def collectives_in_ir(text: str) -> list[list[str]]:
-    """[kind, group, input types, output types] of every collective node, in the IR's order (the
-    order of the graph's node list, which the backend's execution order follows for nodes with no
-    data dependency forcing another)."""
+    """[kind, group, input types, output types, root] of every collective node, in the IR's order
+    (the order of the graph's node list, which the backend's execution order follows for nodes with
+    no data dependency forcing another). `root`: a Broadcast's `root_rank` attribute, which HCCL
+    reads as the root's rank inside the group (model/parallel.py `Group.broadcast`); "" for the others."""
     out: list[list[str]] = []
     lines = text.splitlines()
     for n, line in enumerate(lines):
@@ -62,8 +64,9 @@ def collectives_in_ir(text: str) -> list[list[str]]:
             continue
         group = _GROUP.search(m.group(2))
         types = _TYPES.match(lines[n + 1]) if n + 1 < len(lines) else None
+        root = _ROOT.search(m.group(2))
         out.append([m.group(1), group.group(1) if group else "", types.group(1) if types else "?",
-                    types.group(2) if types else "?"])
+                    types.group(2) if types else "?", root.group(1) if root else ""])
     return out
 
 
@@ -180,14 +183,22 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
         weights = len(gathered(model))
         traced = {"fused": 2 * weights + 2, "accumulate": 2 * weights, "apply": 2}
     result: dict = {"traced": traced}
+    # the world ranks of every group this rank's collectives may name (the world group's and the
+    # named tp / dp groups), so the test can check what HCCL reads: that the rank is a member of the
+    # group a collective names and that a Broadcast's root is a rank inside that group
+    members = {"hccl_world_group": list(range(world)), f"tp_{d}": [d * tp + i for i in range(tp)],
+               f"dp_{t}": [j * tp + t for j in range(dp)]}
     for name, compile_graph in graphs.items():
         folder = out / name
         os.environ["MS_DEV_SAVE_GRAPHS_PATH"] = str(folder)
         if name == "accumulate":
             step._ensure_accum()
         compile_graph()
-        result[name] = [[kind, group.split("_")[0] if group[:3] in ("tp_", "dp_") else group, *types]
-                        for kind, group, *types in collectives_in_ir(_final_ir(folder))]
+        # each collective: [kind, group kind (tp / dp: the names differ between groups), input and
+        # output types, root inside the group, the group's world ranks]
+        result[name] = [[kind, group.split("_")[0] if group[:3] in ("tp_", "dp_") else group, t_in, t_out, root,
+                         members.get(group or "hccl_world_group")]
+                        for kind, group, t_in, t_out, root in collectives_in_ir(_final_ir(folder))]
     return result  # every object of this rank is a local here: released on return, cycles by the caller's gc
 
 

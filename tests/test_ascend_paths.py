@@ -482,3 +482,110 @@ def test_visible_npus_and_the_reduction_bandwidth(tmp_path):
     assert selftest_node.visible_npus({"ASCEND_RT_VISIBLE_DEVICES": "0,1"}, tmp_path) == 2
     ops = {"AllReduce": {"bus_gbps": 90.0}, "ReduceScatter": {"bus_gbps": 70.0}, "Broadcast": {"bus_gbps": 10.0}}
     assert selftest_node._reduction_bus_gbps(ops) == 70.0
+
+
+def test_a_cut_model_sends_only_this_ranks_pieces_to_the_device(monkeypatch, world_of):
+    """Issue 51.2: ZeRO-3 and tensor parallel built every fp32 weight whole in HBM, then cut it
+    (Qwen2.5-32B: 122 GiB against the 58 GiB pool), each cut a device->host copy of the whole
+    weight. A CPU build with the Ascend path's choices (a process bound to an NPU, `Tensor.to`
+    counting the bytes it is asked to move): drawn on the host (`host_weights`, what train/build.py
+    chooses for these layouts), nothing goes to the device until the cut, and then each rank's
+    pieces alone: per rank, exactly its ZeRO-3 slices (about half of the trained bytes at world 2)
+    or its tp pieces and nothing whole; the default build streams every drawn weight whole."""
+    from mspretrain.model.parallel import Group, split_model
+    from mspretrain.train.build import builds_on_host
+    from mspretrain.train.layout import slice_bounds
+    from mspretrain.train.zero3 import shard_model
+
+    moved: list[int] = []
+    real_to = ms.Tensor.to
+
+    def to(self, where, *args, **kw):
+        if where != "Ascend":  # a dtype: astype's own call
+            return real_to(self, where, *args, **kw)
+        moved.append(int(np.prod(self.shape)) * self.itemsize)
+        return ms.Tensor(self.asnumpy())
+
+    class _OnNPU:
+        device_target = "Ascend"
+
+    monkeypatch.setattr(ms.Tensor, "to", to)
+    monkeypatch.setattr(ms, "get_current_device", lambda: _OnNPU())
+    m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2), 96)
+    whole = sum(int(np.prod(p.shape)) * 4 for p in decoder.Decoder(m, seed=0, device="ascend", dtype="fp16").get_parameters()
+                if "norm" not in p.name)
+    assert sum(moved) == whole  # the default build: every drawn weight to the device, whole
+    for rank in (0, 1):
+        world_of(rank, 2)
+        moved.clear()
+        model = decoder.Decoder(m, seed=0, device="ascend", dtype="fp16", host_weights=True)
+        assert moved == []  # drawn on the host
+        trained = {p.name: int(np.prod(p.shape)) for p in model.trainable_params()}
+        shard_model(model, list(trained), 2, rank, "ascend")
+        want = sum((lambda a, b: b - a)(*slice_bounds(n, 2, rank)) * 4 for n in trained.values())
+        assert sum(moved) == want and max(moved) <= max(trained.values()) * 4 // 2 + 4
+        moved.clear()
+        model = decoder.Decoder(m, seed=0, device="ascend", dtype="fp16", host_weights=True)
+        split_model(model, Group((0, 1), rank, device="ascend"))
+        assert sum(moved) == sum(int(np.prod(p.shape)) * 4 for n, p in model.parameters_and_names()
+                                 if p.name in model.tp_shapes)  # the pieces, once each
+        assert sum(moved) < 0.55 * whole
+    on = lambda *o: builds_on_host(cfgmod.load(None, list(o)), 8)
+    assert on("optim.shard_parameters=true") and on("parallel.tp=2") and not on("optim.shard_gradients=true")
+    assert not builds_on_host(cfgmod.load(None, ["optim.shard_parameters=true"]), 1)
+
+
+def test_a_cut_model_holds_one_whole_weight_at_a_time_on_the_host(monkeypatch, world_of, tiny_cfg):
+    """Issue 51.2, the host side: on an NPU a model built for a cut (`host_weights`) draws each weight
+    when it is first read (model/decoder.py LazyDraw, MindSpore's lazy initialisation), so ZeRO-3's
+    slicing (through TrainStep, as train builds it) and tp's cut read, cut and drop one whole weight
+    at a time instead of holding the whole fp32 model; the pieces are those of the eager build."""
+    import gc
+    import weakref
+
+    from mspretrain.model.parallel import Group, cut, split_model, tp_rows
+    from mspretrain.train.layout import slice_bounds
+    from mspretrain.train.step import TrainStep
+
+    class _OnNPU:
+        device_target = "Ascend"
+
+    m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2), 96)
+    whole = decoder.state_numpy(decoder.Decoder(m, seed=3, device="ascend", dtype="fp16"))  # eager, on the host
+    real_to = ms.Tensor.to
+    monkeypatch.setattr(ms.Tensor, "to", lambda self, where, *a, **k: self if where == "Ascend" else real_to(self, where, *a, **k))
+    monkeypatch.setattr(ms, "get_current_device", lambda: _OnNPU())
+    alive: list = []
+    most = [0]
+    real_init = decoder.LazyDraw._initialize
+
+    def init(self, arr):
+        gc.collect()
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+        real_init(self, arr)
+        alive.append(weakref.ref(arr))
+
+    monkeypatch.setattr(decoder.LazyDraw, "_initialize", init)
+    world_of(1, 2)
+    model = decoder.Decoder(m, seed=3, device="ascend", dtype="fp16", host_weights=True)
+    drawn = [p for p in model.get_parameters() if "norm" not in p.name]
+    assert all(p.has_init for p in drawn) and not alive  # nothing drawn yet
+    del drawn
+    step = TrainStep(model, tiny_cfg.optim, global_tokens=64, world=2, rank=1, shard_params=True, jit=False, device="ascend")
+    assert step.zero3 and len(alive) == sum("norm" not in n for n in whole) and most[0] <= 1
+    for p in model.trainable_params():
+        a, b = slice_bounds(whole[p.name].size, 2, 1)
+        assert np.array_equal(p.asnumpy(), whole[p.name].reshape(-1)[a:b]), p.name
+    # a frozen weight (not sharded, not read by the cut) is drawn whole when the step is built
+    model = decoder.Decoder(m, seed=3, device="ascend", dtype="fp16", host_weights=True)
+    TrainStep(model, tiny_cfg.optim, global_tokens=64, world=2, rank=1, shard_params=True, jit=False, device="ascend",
+              trainable=["attention", "mlp", "norms", "lm_head"])
+    assert not any(p.has_init for p in model.get_parameters())
+    assert np.array_equal(dict(model.parameters_and_names())["embed.weight"].asnumpy(), whole["embed.weight"])
+    alive.clear()
+    most[0] = 0
+    model = decoder.Decoder(m, seed=3, device="ascend", dtype="fp16", host_weights=True)
+    split_model(model, Group((0, 1), 1, device="ascend"))
+    assert most[0] <= 1 and len(alive) == sum("norm" not in n for n in whole)
+    for p in model.trainable_params():
+        assert np.array_equal(p.asnumpy(), cut(whole[p.name], tp_rows(p.name, whole[p.name].shape, m, 2, 1))), p.name

@@ -103,7 +103,8 @@ def test_no_budget_still_plans_memory(capsys):
     assert main(["plan", "--model", "llama2-7b", "--devices", "8"]) == 0
     out = capsys.readouterr().out
     assert "layout     8 devices, global batch 8 = micro 1 x accum 1 x 8, seq 4096" in out
-    assert "assumed    data.seq_len 4096 (the preset's max_seq_len), train.global_batch 8 (the default)" in out
+    assert ("assumed    precision.dtype bf16 (Ascend's), train.global_batch 8 (the default), "
+            "data.seq_len 4096 (the preset's max_seq_len)") in out
     assert "time       — (needs a token budget" in out and "reference  MindSpore Transformers" in out
 
 
@@ -152,7 +153,10 @@ def test_plan_refuses_a_tp_that_train_would_refuse_and_says_what_its_figures_are
     assert main(base + ["--devices", "16", "parallel.tp=16"]) == 2  # Qwen3-14B has 8 kv heads
     assert "does not divide model.n_kv_heads = 8" in capsys.readouterr().err
     assert main(base + ["--devices", "8", "parallel.tp=2"]) == 0
-    assert "parallel.tp = 2: the memory and time above are without tensor parallel" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "parallel.tp = 2: the memory above is the table's TP2 accounting" in out
+    # the batch is split over the 4 data-parallel ranks, not the 8 devices (issue 54.10)
+    assert "global batch 64 = micro 1 x accum 16 x 4 data-parallel (tensor parallel 2)" in out
 
 
 def test_plan_cli_with_preset(capsys):

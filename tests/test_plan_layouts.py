@@ -3,6 +3,7 @@ cheapest that fits; the TP accounting against Megatron's by hand; Qwen3-14B on 8
 issue's 52 GB with the recommended layout; the two new presets' counts against transformers'."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -123,3 +124,140 @@ def test_the_table_stops_at_64_devices():
 
     assert MAX_DEVICES == 64
     assert "layouts" in _plan("qwen3-14b", devices=64) and "layouts" not in _plan("qwen3-14b", devices=128)
+
+
+# ---- issue 51.6 / 54.10: no layout the table recommends is one `train` refuses
+
+class _Param:
+    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
+        self.name, self.shape = name, shape
+
+
+class _Model:  # what train/zero3.py `sharded_names` reads of a model
+    def __init__(self, params: list[_Param]) -> None:
+        self.params = params
+
+    def trainable_params(self) -> list[_Param]:
+        return self.params
+
+
+def _train_checks(cfg, m, row) -> None:
+    """`train`'s own checks of a layout (train/build.py's order): the config's cross-section rules,
+    the model tp cuts, the mesh over the world, the batch over the data-parallel ranks, ZeRO-3's
+    slices; each raises UserError on a refusal."""
+    from mspretrain import budget
+    from mspretrain.model.groups import trainable_mask
+    from mspretrain.model.parallel import check_tp
+    from mspretrain.model.presets import param_shapes
+    from mspretrain.ops.layouts import layout_config
+    from mspretrain.train.tp import make_mesh
+    from mspretrain.train.zero3 import sharded_names
+
+    c = layout_config(replace(cfg, model=m), row)
+    cfgmod.validate(c, device="ascend")
+    world = row["tp"] * row["dp"]
+    check_tp(m, row["tp"])
+    if row["tp"] > 1:
+        make_mesh(0, world, row["tp"], "ascend", create=False)
+    budget.derive(c, world=row["dp"])
+    if row["zero"] == 3:
+        shapes = param_shapes(m)
+        trained = trainable_mask([n for n, _ in shapes], c.train.trainable, tied=m.tie_embeddings)
+        params = [_Param(n, s) for (n, s), k in zip(shapes, trained) if k]
+        sharded_names(_Model(params), [p.name for p in params], world)
+
+
+@pytest.mark.parametrize("devices", [8, 16, 32])
+def test_every_recommended_layout_is_one_train_accepts(devices):
+    """Every preset at 8, 16 and 32 devices (the 910B shape, global batch 256): the layout the table
+    recommends, and the faster unmeasured one it names, pass `train`'s own checks (issue 51: it
+    recommended ZeRO-3 for Qwen3 on 16 devices, whose 128-element QK-norm weights are fewer than
+    16² and which `train` refuses); a row `train` refuses is listed as not possible, with its words."""
+    from mspretrain.model.presets import PRESETS
+    from mspretrain.ops.plan import make_plan
+
+    cfg = cfgmod.load(None, BIG)
+    seen = 0
+    for name in PRESETS:
+        m = cfgmod.resolve_model(preset(name), 32000)
+        c = replace(cfg, data=replace(cfg.data, seq_len=min(4096, m.max_seq_len)))
+        table = make_plan(replace(c, model=m), devices=devices, tokens=None, data_dir=None,
+                          tokens_per_s_per_device=None)["layouts"]
+        for pick in (table["recommended"], table["recommended_unmeasured"]):
+            if pick:
+                row = next(r for r in table["rows"] if r["name"] == pick)
+                _train_checks(c, m, row)
+                seen += 1
+        for row in table["rows"]:
+            if "skipped" not in row:
+                _train_checks(c, m, row)  # every row shown is one `train` runs
+    assert seen >= len(PRESETS)
+    if devices == 16:  # the case of the issue: ZeRO-3 of Qwen3 is refused by `train`, so not possible here
+        m = preset("qwen3-14b")
+        rows = make_plan(replace(cfg, model=m), devices=16, tokens=None, data_dir=None, tokens_per_s_per_device=None)["layouts"]["rows"]
+        zero3 = next(r for r in rows if r["name"] == "ZeRO-3")
+        assert "fewer than world² = 256" in zero3["skipped"]
+
+
+def test_plan_of_a_preset_alone_is_a_shape_its_table_fits_and_names_it(capsys):
+    """Issue 54.10: `plan --model PRESET` alone plans bf16 on Ascend, a global batch the data-parallel
+    ranks divide (the default 8 was refused on 16), and a window that fits (Qwen3-14B's 40,960-token
+    context gave 10,891 GB); the warning names the layout its own table recommends; `--devices 16`
+    plans host memory for the 8 ranks of a server (its HCCL line says 2 servers)."""
+    from mspretrain.cli import main
+
+    for name in ("qwen2.5-32b", "qwen3-14b"):
+        assert main(["plan", "--model", name, "--devices", "16", "--json"]) == 0, name
+        plan = json.loads(capsys.readouterr().out)
+        table = plan["layouts"]
+        best = table["recommended"] or table["recommended_unmeasured"]
+        assert best, f"{name}: no layout fits the planned shape"
+        assert plan["dtype"] == "bf16" and plan["global_batch"] % 16 == 0 and plan["seq_len"] <= 4096
+        for w in plan["warnings"]:
+            if w.startswith("WILL NOT FIT"):
+                assert f"recommended {best} fits" in w or f"(memory not yet measured) {best} fits" in w, w
+        assert plan["host_ranks"] == 8 and plan["hccl"]["nodes"] == 2
+        per_rank = plan["host_bytes"]["process_baseline"] / 8
+        assert plan["host_bytes"]["process_baseline"] == pytest.approx(8 * per_rank)
+    assert main(["plan", "--model", "qwen3-14b", "--devices", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "host memory per node (8 ranks):" in out and "on 2 servers" in out
+    # the quickstart's `plan --model 125m --data data` on this machine (one device, its RAM): the
+    # preset's 2,048-token window in fp32 said WILL NOT FIT beside a train command that fits
+    assert main(["plan", "--model", "125m", "model.vocab_size=8000", "device.target=cpu", "--device-mem-gb", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "WILL NOT FIT" not in out and "data.seq_len 1024 (the preset's max_seq_len 2,048 halved: the longest that fits)" in out
+
+
+def test_fits_under_tensor_parallel_splits_the_batch_over_the_data_parallel_ranks():
+    """Issue 54.10: a valid `global_batch=3, tp=2` run on 6 ranks (3 data-parallel) was refused
+    because `fits` split the batch over all 6."""
+    from mspretrain.ops.fits import estimate_bytes
+
+    cfg = cfgmod.load(None, ["model.vocab_size=256", "train.global_batch=3", "parallel.tp=2", "model.n_kv_heads=2",
+                             "model.n_heads=2", "train.max_steps=1"])
+    assert estimate_bytes(cfg, 6) > 0
+    from mspretrain.ops.plan import make_plan
+
+    plan = make_plan(cfg, devices=6, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    assert (plan["dp"], plan["micro_batch"], plan["accumulation"]) == (3, 1, 1)
+
+
+def test_qwen25_32b_on_16_devices_starts_with_its_slices_only():
+    """Issue 51.2: ZeRO-3 built the whole fp32 model on each device before slicing it (122 GiB for
+    Qwen2.5-32B against 58): the plan recommended a layout that could not start. The model is now
+    drawn on the host, one weight at a time as the cut reads it, and each device receives its slices:
+    the plan's start-up figure is the slices (within the pool), the host's one whole fp32 weight per
+    rank at a time (model initialisation, 8 ranks a server). A layout that is not cut streams the
+    whole fp32 model to each device, and the plan warns when that does not fit."""
+    plan = _plan("qwen2.5-32b", "optim.shard_parameters=true", "train.recompute=true", devices=16)
+    P = plan["params"]
+    bb = plan["build_bytes"]
+    assert bb["cut"] and bb["device"] == plan["memory_bytes"]["weights"] and bb["device"] < 0.1 * 4 * P
+    largest = 152_064 * 5_120  # the embedding (and the untied lm_head)
+    assert bb["device"] / GB <= plan["device_mem_gb"] and bb["host_per_rank"] == 4 * largest
+    assert plan["host_bytes"]["model_init"] == 8 * 4 * largest
+    assert not any(w.startswith("start-up") for w in plan["warnings"])
+    whole = _plan("qwen2.5-32b", "optim.shard_gradients=true", devices=16)
+    assert not whole["build_bytes"]["cut"] and whole["build_bytes"]["device"] == 4 * P
+    assert any(w.startswith("start-up: the fp32 weights") for w in whole["warnings"])

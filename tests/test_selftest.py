@@ -374,3 +374,44 @@ def test_zero2_step_on_two_cpu_processes_matches_one_process(tmp_path):
     # a rank whose slice the all-gather did not deliver
     ranks["weights"]["embed.weight"][0, 0] += 1e-3
     assert selftest_node.check_zero2(ctx, ranks).status == "failed"
+
+
+# --------------------------------------------------------------------------- MindSpore's runtime order check (issue 51.7)
+
+_ORDER_HEADER = ("index,group,comm_rank,primitive,src_rank,dest_rank,root_rank,input_shape,input_type,output_shape,"
+                 "output_type,input_size,output_size\n")
+
+
+def _order_files(root: Path, ranks: dict[int, list[tuple[str, str, str]]]) -> None:
+    """rank_R/execute_order/comm_execute_order.csv as MindSpore writes them: (primitive, group, root) rows."""
+    for rank, rows in ranks.items():
+        d = root / f"rank_{rank}" / "execute_order"
+        d.mkdir(parents=True)
+        lines = [f"{i},{group},0 1,{prim},,,{r},[8],Float32,[8],Float32,32,32\n" for i, (prim, group, r) in enumerate(rows)]
+        (d / "comm_execute_order.csv").write_text(_ORDER_HEADER + "".join(lines), encoding="utf-8")
+
+
+def test_the_runtime_order_check_is_selected_by_device_and_reads_mindspores_verdict(tmp_path, monkeypatch):
+    """`selftest`'s ZeRO-2 workers run MindSpore's `comm_exec_order_check` around their steps on
+    Ascend only (its documented platform), and the selftest runs `runtime_execution_order_check`
+    on the ranks' files: MindSpore's own checker, fed here with hand-written files of two ranks
+    (the same collectives: passed; another root on one rank: failed; no files: no verdict)."""
+    import mindspore.utils
+
+    from mspretrain.ops import exec_order
+
+    calls = []
+    monkeypatch.setattr(mindspore.utils, "comm_exec_order_check", calls.append)
+    exec_order.collect("cpu", "start")
+    assert calls == [] and not exec_order.wanted("cpu") and exec_order.wanted("ascend")
+    exec_order.collect("ascend", "start")
+    exec_order.collect("ascend", "end")
+    assert calls == ["start", "end"]
+    same = [("AllReduce", "hccl_world_group", ""), ("Broadcast", "hccl_world_group", "1")]
+    _order_files(tmp_path / "good", {0: same, 1: same})
+    ok, said = exec_order.verdict(exec_order.rank_folders([tmp_path / "good"]))
+    assert ok is True and "2 ranks" in said, said
+    _order_files(tmp_path / "bad", {0: same, 1: [same[0], ("Broadcast", "hccl_world_group", "0")]})
+    ok, said = exec_order.verdict(exec_order.rank_folders([tmp_path / "bad"]))
+    assert ok is False, said
+    assert exec_order.verdict(exec_order.rank_folders([tmp_path / "none"]))[0] is None

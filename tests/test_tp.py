@@ -121,6 +121,8 @@ def test_group_max_and_broadcast_on_cpu_are_sums(world_of):
     assert isinstance(g.broadcast(1).sum, ops.AllReduce)
     npu = Group((1, 3), 1, name="dp_1", device="ascend")
     assert isinstance(npu.broadcast(0), ops.Broadcast) and isinstance(npu.max().op, ops.AllReduce) and npu.max().native
+    # HCCL reads Broadcast's root as the rank inside the group (issue 51): member 1, not world rank 3
+    assert npu.broadcast(1).attrs["root_rank"] == 1 and npu.broadcast(1).attrs["group"] == "dp_1"
 
 
 # ---- the cut of the weights
@@ -183,6 +185,37 @@ def test_split_model_holds_the_pieces_under_the_whole_names(world_of):
     assert model.local_heads == (2, 1) and model.layers[0].mlp.ffn == cfg.ffn_dim // 2
     assert set(model.tp_shapes) == {n for n in names if "norm" not in n}
     assert "lm_head.weight" not in names  # tied: the head uses the embedding's rows
+
+
+def test_the_vocabulary_parallel_lookup_and_every_row_parallel_sum_on_one_process(world_of):
+    """Issue 54.29, without msrun: (a) each tp rank's embedding looks up the rows of its vocabulary
+    block [r·V/tp, (r+1)·V/tp) and zeros for the others, so the two ranks' partial lookups (their
+    sum a loopback) add up to the whole lookup (a wrong offset gives other rows); (b) a forward
+    passes every row-parallel layer's output (wo, w2 of each layer) and the embedding through its
+    tp sum (ReduceFromTP), no other: a layer left without its all-reduce is missing here."""
+    from mspretrain.model.decoder import Decoder, state_numpy
+    from mspretrain.model.parallel import Group, ReduceFromTP, split_model
+
+    cfg = _cfg()
+    whole = state_numpy(Decoder(cfg, seed=0))["embed.weight"]
+    tokens = Tensor(np.array([[0, 5, cfg.vocab_size // 2 - 1, cfg.vocab_size // 2, cfg.vocab_size - 1, 7]], np.int32))
+    partial = []
+    for rank in (0, 1):
+        world_of(rank, 2)
+        model = Decoder(cfg, seed=0)
+        split_model(model, Group((0, 1), rank))
+        assert (model.embed.tp.start, model.embed.tp.rows) == (rank * cfg.vocab_size // 2, cfg.vocab_size // 2)
+        called = []
+        for name, cell in model.cells_and_names():
+            if isinstance(cell, ReduceFromTP):
+                cell.sum = (lambda n, seen: lambda x: (seen.append(n), x)[1])(name, called)  # the peer contributes zeros
+        partial.append(model.embed(tokens, model.embed.weight).asnumpy())
+        called.clear()
+        model(tokens)
+        row_parallel = {f"layers.{i}.{m}.tp_out" for i in range(cfg.n_layers) for m in ("attn.wo", "mlp.w2")}
+        assert sorted(called) == sorted(row_parallel | {"embed.tp.reduce"}), called
+    assert np.array_equal(partial[0] + partial[1], whole[tokens.asnumpy()])
+    assert not partial[0][0, 3:5].any() and not partial[1][0, [0, 1, 2, 5]].any()  # the other block's tokens: zeros
 
 
 def test_qwen3_qk_norms_stay_whole_and_their_partial_gradients_are_summed_over_tp(world_of):
@@ -279,6 +312,60 @@ def test_a_tp_step_cuts_its_state_from_whole_tensors_or_zero_slices(world_of, ti
             name = key.split(".", 1)[1]
             assert np.array_equal(v, cut(state[key], where(name))), key
     assert int(got["opt_step"]) == 5
+
+
+def test_the_tp_replica_hash_sums_one_parameter_at_a_time(world_of, tiny_cfg):
+    """Issue 51.4: the end-of-run hash summed every piece into the whole model at once on every
+    rank's host (`full_weights`); `weights_digest` sums one parameter at a time over the tp group,
+    with the bytes `full_weights` gives (rank 1 of tp 2, the tp sum a loopback)."""
+    import hashlib
+
+    from mspretrain.config import resolve_model
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.model.parallel import Group, split_model
+    from mspretrain.train.tp import Mesh, TPTrainStep
+
+    world_of(1, 2)
+    model = Decoder(resolve_model(tiny_cfg.model, vocab_size=512), seed=0)
+    mesh = Mesh(Group((0, 1), 1), Group((1,), 0))
+    split_model(model, mesh.tp)
+    step = TPTrainStep(model, tiny_cfg.optim, mesh=mesh, global_tokens=64, jit=False)
+    step._sum_chunk = lambda x: x  # the peer contributes zeros
+    whole = step.full_weights()
+    sizes = []
+    real = step._whole
+    step._whole = lambda pieces: (sizes.append(len(pieces)), real(pieces))[1]
+    want = hashlib.sha256(b"".join(n.encode() + a.tobytes() for n, a in sorted(whole.items()))).hexdigest()
+    assert step.weights_digest() == want
+    assert set(sizes) == {1} and len(sizes) == len(whole)  # one parameter summed at a time
+
+
+def test_a_tp_steps_collectives_count_tensor_parallels_own(world_of, tiny_cfg):
+    """Issue 54.15/21: the start-up line of a tp run with one data-parallel rank said "0 collectives
+    and 0.0 MB on the wire". Per micro-batch: the embedding's and each layer's wo and w2 all-reduce
+    forward (2L + 1), each norm feeding a column-parallel layer and the final norm backward (2L + 1),
+    the loss's three; per step the gradient norm's tp sum. Activations of one micro-batch (tokens x
+    dim, fp32 here), the loss's fp32 per token (the CPU max: a slot per member)."""
+    from mspretrain.config import resolve_model
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.model.parallel import Group, split_model
+    from mspretrain.train.build import memory_options
+    from mspretrain.train.tp import Mesh, TPTrainStep
+
+    world_of(1, 2)
+    cfg = resolve_model(tiny_cfg.model, vocab_size=512)
+    model = Decoder(cfg, seed=0)
+    mesh = Mesh(Group((0, 1), 1), Group((1,), 0))
+    split_model(model, mesh.tp)
+    step = TPTrainStep(model, tiny_cfg.optim, mesh=mesh, global_tokens=64, jit=False)
+    L, D = cfg.n_layers, cfg.dim
+    for accum in (1, 2):
+        tokens = 64 // accum
+        want_calls = accum * ((2 * L + 1) * 2 + 3) + 1
+        want_bytes = accum * ((2 * L + 1) * 2 * tokens * D * 4 + tokens * 4 * (2 + 2)) + 4
+        assert step.collectives(accum) == {"calls": want_calls, "bytes": want_bytes}
+    line = memory_options(replace(tiny_cfg, parallel=replace(tiny_cfg.parallel, tp=2)), step, type("W", (), {"size": 2})(), 1)
+    assert f"{(2 * L + 1) * 2 + 3 + 1} collectives and" in line and " 0 collectives" not in line
 
 
 # ---- msrun ranks against one process

@@ -69,6 +69,48 @@ def test_gather_and_its_bprop_on_the_cpu_form_with_a_loopback_peer(world_of, ran
     assert np.array_equal(grads[1].asnumpy(), np.zeros((2, 4), np.float32))
 
 
+@pytest.mark.parametrize("rank", [0, 2])
+def test_gather_and_its_bprop_on_the_ascend_form_with_a_loopback_peer(world_of, rank):
+    """The Ascend form (AllGather forward, ReduceScatter backward), its collectives replaced by
+    loopbacks: the gather returns every rank's padded slice in rank order (the peers' known
+    values), the reduce-scatter this rank's c elements of the padded gradient summed with the
+    peers' (each a gradient of ones). Forward: the whole tensor; backward: exactly this rank's slice
+    of the summed gradient, once (issue 54.27: a bprop scaling it twice, or cutting another rank's
+    chunk, passed every test before), and the anchor a zero gradient."""
+    from mspretrain.train.zero3 import ShardedGather
+
+    world_of(rank, 3)
+    shape, n, world = (5, 4), 20, 3  # c = 7: slices 7, 7, 6 (the last padded by one)
+    g = ShardedGather(shape, world, rank, "ascend")
+    c = g.c
+    whole = np.arange(n, dtype=np.float32) + 1
+    a, b = slice_bounds(n, world, rank)
+    seen = {}
+
+    def gather(flat):  # every rank's c elements in rank order: this rank's own, the peers' from `whole`
+        padded = np.concatenate([whole, np.zeros(world * c - n, np.float32)])
+        mine = flat.asnumpy()
+        seen["gathered_input"] = mine
+        padded[rank * c:(rank + 1) * c] = mine
+        return Tensor(padded)
+
+    def reduce_scatter(grad):
+        summed = grad.asnumpy() + (world - 1) * np.ones(world * c, np.float32)  # the peers' gradients of ones
+        return Tensor(summed[rank * c:(rank + 1) * c])
+
+    g.all_gather, g.reduce_scatter = gather, reduce_scatter
+    piece = Tensor(whole[a:b].copy())
+    anchor = Tensor(np.ones((1,), np.float32))
+    full = g(piece, anchor).asnumpy()
+    assert full.shape == shape and np.array_equal(full.reshape(-1), whole)
+    assert seen["gathered_input"].shape == (c,)  # every rank hands c elements (zero-padded)
+    weights = Tensor(np.arange(n, dtype=np.float32).reshape(shape) * 0.5)
+    grads = ms.grad(lambda p, x: (g(p, x) * weights).sum(), grad_position=(0, 1))(piece, anchor)
+    want = weights.asnumpy().reshape(-1)[a:b] + (world - 1)  # this rank's dW summed with the peers' ones, once
+    assert np.array_equal(grads[0].asnumpy(), want)
+    assert np.array_equal(grads[1].asnumpy(), np.zeros((1,), np.float32))
+
+
 def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_whole_tensors(world_of):
     from mspretrain.model.decoder import state_numpy
     from mspretrain.train.zero3 import gathered, load_full_state, shard_model
@@ -112,6 +154,43 @@ def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of
         assert p.shape == (b - a,) and np.array_equal(p.asnumpy(), whole[p.name].reshape(-1)[a:b]), p.name
     wqkv = model.layers[0].attn.wqkv
     assert (wqkv.bias_gather is not None) == ("qkv_bias" in family)
+
+
+@pytest.mark.parametrize("device", ["cpu", "ascend"])
+def test_the_replica_hash_reads_one_gathered_weight_at_a_time(world_of, tiny_cfg, device):
+    """Issue 51.4: the end-of-run hash gathered every weight whole at once (`full_state`). It now
+    reads them one at a time (`one_at_a_time`: one collective, then the next), with the same bytes
+    in the same order as `full_state`, so the digest is the one the whole model gives. Rank 0 of 2,
+    the collectives replaced by loopbacks (the peer contributes zeros), in both forms."""
+    import hashlib
+
+    from mspretrain.train.zero3 import full_state, gathered, one_at_a_time, shard_model
+
+    world_of(0, 2)
+    model = _tiny()
+    names = [p.name for p in model.trainable_params()]
+    shard_model(model, names, 2, 0, device)
+    for _, g, _ in gathered(model):  # the whole-model reading's loopbacks, as the digest's below
+        if device == "cpu":
+            g.all_reduce = lambda x: x
+        else:
+            g.all_gather = lambda x: ops.concat([x, ops.zeros_like(x)])
+    calls = []
+
+    def loopback(buf):
+        calls.append(buf.shape)
+        return buf if device == "cpu" else ops.concat([buf, ops.zeros_like(buf)])
+
+    whole = full_state(model, jit=False)()
+    items = one_at_a_time(model, 2, 0, device, jit=False, collective=loopback)()
+    first = next(items)
+    assert len(calls) == (1 if first[0] in set(names) else 0)  # lazy: one parameter gathered, not all
+    got = dict([first, *items])
+    assert list(got) == sorted(whole) and len(calls) == len(names)
+    for name in whole:
+        assert got[name].dtype == whole[name].dtype and np.array_equal(got[name], whole[name]), name
+    digest = lambda pairs: hashlib.sha256(b"".join(n.encode() + a.tobytes() for n, a in pairs)).hexdigest()
+    assert digest(got.items()) == digest(sorted(whole.items()))
 
 
 def test_shard_parameters_refuses_what_it_cannot_cut(world_of):
@@ -166,6 +245,15 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
     layer0 = sum(b for n, b in whole.items() if n.startswith("layers.0."))
     want = layer0 + max(layer0, whole["lm_head.weight"]) if recompute else sum(whole.values())
     assert plan["memory_bytes"]["gathered_weights"] == want
+    # the peak holds the gathered weights beside the micro-batch's activations and gradients (issue
+    # 54.32: a peak computed without them passed every assertion above)
+    mem = plan["memory_bytes"]
+    persistent = sum(mem[k] for k in ("weights", "half_weights", "master_weights", "gradients", "adam_moments"))
+    assert mem["peak"] >= persistent + mem["activations"] + mem["micro_gradients"] + want + mem["cpu_backend"]
+    # on Ascend the largest collective is the largest whole weight (the lm_head), not 0 (issue 51.6)
+    npu = make_plan(replace(cfg, device=replace(cfg.device, target="ascend")), devices=2, tokens=10**6, data_dir=None,
+                    tokens_per_s_per_device=None)
+    assert npu["hccl"]["largest_collective_bytes"] == max(whole.values()) == whole["lm_head.weight"]
     assert plan["shard_parameters"] and "ZeRO-3" in format_plan(plan)
     # a gather and a reduce-scatter per weight and micro-batch, each the whole weight in its storage dtype
     assert plan["collectives_per_step"] == step.collectives(accumulation) == {
@@ -229,6 +317,33 @@ def test_prefetch_overlaps_the_next_blocks_gathers_with_compute_and_bounds_them(
     assert len(rec["gathers"]) == 3 + 4 * PER_BLOCK  # layer recompute gathers each block's weights again
     assert all(not g["after_matmuls"] for g in _units(rec)["block1"])  # and the forward still prefetches
     assert rec["scatters_chained"]
+
+
+@pytest.mark.slow  # shares the probe's compilations above
+def test_reduce_scatters_can_run_during_the_backward(prefetch_graphs):
+    """Issue 51.5: in a readiness order of the compiled graph's dependencies (what ms_backend's
+    default exec_order "bfs" follows; the backend's own order needs an NPU), 12 of the 15
+    reduce-scatters of the 2-layer model come before the last backward matmul, in every variant:
+    only the three whose gradients the last backward matmuls produce (the embedding's, block 0's
+    attn_norm and wqkv) wait for it; the chain that orders them (each after the next one's) costs
+    nothing here. Reductions issued after the whole backward would put all 15 after it. (The IR's
+    own listing, a depth-first order from the outputs, puts 0 of 15 before it: it is not the
+    kernel order; whether HCCL then overlaps them with the compute only a 910B shows.)"""
+    for variant, graph in prefetch_graphs.items():
+        assert graph["scatters_before_last_matmul"] == graph["scatters"] - 3 == 12, variant
+
+
+@pytest.mark.slow  # shares the probe's compilations above
+def test_no_ordering_token_is_a_constant_of_a_whole_weight(prefetch_graphs):
+    """Issue 51.3: the bprop of a gather returns, as its anchor's gradient, zeros that wait for its
+    reduce-scatter; anchored on the previous whole gathered weight (or a block's input), the
+    frontend folded each into a constant of that full shape (three a layer, ~18 GiB for Qwen3-14B
+    in bf16, not in `plan`). Anchored on one element (model/layers.py `one`), the compiled forward
+    and backward hold no constant larger than one element but the attention's causal mask (T, T)
+    and the positions (T,) (T = 16 here); in every variant (the no-prefetch one anchors on x)."""
+    for variant, graph in prefetch_graphs.items():
+        others = [c for c in graph["constants"] if c[0] not in ([16, 16], [16])]
+        assert not others, f"{variant}: constants {others}"
 
 
 @pytest.mark.parametrize("device, recompute, prefetch", [("ascend", False, True), ("ascend", True, True),

@@ -47,6 +47,49 @@ def graph_of(text: str) -> tuple[dict[int, str], dict[int, list[int]]]:
     return kind, args
 
 
+_CONST = re.compile(r"Tensor\(shape=\[([0-9, ]*)\], dtype=(\w+)")
+
+
+def constants(text: str) -> list[list]:
+    """[shape, dtype] of every tensor constant of more than one element in an IR dump (a constant
+    is printed where it is used, `Tensor(shape=[64, 64], dtype=Float32, value=...)`)."""
+    out = []
+    for m in _CONST.finditer(text):
+        shape = [int(d) for d in m.group(1).replace(" ", "").split(",") if d]
+        n = 1
+        for d in shape:
+            n *= d
+        if n > 1:
+            out.append([shape, m.group(2)])
+    return out
+
+
+def readiness_order(kind: dict[int, str], args: dict[int, list[int]]) -> list[int]:
+    """The nodes in a readiness (breadth-first topological) order: a node as soon as every operand
+    has run, ties by the IR's numbering. A reconstruction of ms_backend's default kernel order on
+    Ascend (`jit` option exec_order, default "bfs": mindspore/graph/api.py), not the backend's own
+    (which needs an NPU to build): it shows what the graph's dependencies allow."""
+    import collections
+
+    users: dict[int, list[int]] = collections.defaultdict(list)
+    waiting = {}
+    for n in kind:
+        ops_ = [a for a in args[n] if a in kind]
+        waiting[n] = len(ops_)
+        for a in ops_:
+            users[a].append(n)
+    ready = collections.deque(sorted(n for n, k in waiting.items() if k == 0))
+    order = []
+    while ready:
+        n = ready.popleft()
+        order.append(n)
+        for u in sorted(users[n]):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                ready.append(u)
+    return order
+
+
 def summary(text: str) -> dict:
     kind, args = graph_of(text)
     ancestors: dict[int, set[int]] = {}
@@ -72,6 +115,10 @@ def summary(text: str) -> dict:
         "total_order": all(c[i] in ancestors[c[i + 1]] for c in [[n for n in sorted(kind) if kind[n] in COLLECTIVES]]
                            for i in range(len(c) - 1)),
         "order": [kind[n] for n in sorted(kind) if kind[n] in COLLECTIVES],
+        "constants": constants(text),
+        # reduce-scatters placed before the last matmul in a readiness order (`readiness_order`)
+        "scatters_before_last_matmul": (lambda o: sum(1 for n in o if kind[n] == "ReduceScatter"
+                                                      and o.index(n) < max(o.index(m) for m in matmuls)))(readiness_order(kind, args)),
     }
 
 

@@ -181,10 +181,11 @@ def check_device_pool(cfg: Any) -> None:
         raise UserError(f"{detail}: every rank would fail at its first large allocation", fix)
 
 
-def hccl_buffsize(args: argparse.Namespace, cfg: Any, nproc: int, nodes: int) -> tuple[int, int] | None:
-    """(HCCL_BUFFSIZE in MB, the largest collective in bytes) for a `train` on Ascend, from the plan
-    of its config at this world size (ops/plan.py, train/hccl.py `buffsize_mb`); None when the run
-    is not one (CPU, another command) or its plan cannot be made here (the train says why itself)."""
+def hccl_buffsize(args: argparse.Namespace, cfg: Any, nproc: int, nodes: int) -> tuple[int, int, str] | None:
+    """(HCCL_BUFFSIZE in MB, the largest collective in bytes, the tp and dp groups' buffers as
+    `GROUP_BUFFSIZE_ENV` reads them) for a `train` on Ascend, from the plan of its config at this
+    world size (ops/plan.py, train/hccl.py `communicators`); None when the run is not one (CPU,
+    another command) or its plan cannot be made here (the train says why itself)."""
     from dataclasses import replace
 
     from mspretrain.errors import UserError
@@ -206,7 +207,9 @@ def hccl_buffsize(args: argparse.Namespace, cfg: Any, nproc: int, nodes: int) ->
     except (UserError, OSError, ValueError):
         return None
     hc = plan.get("hccl")
-    return (hc["buffsize_mb"], hc["largest_collective_bytes"]) if hc else None
+    from mspretrain.train.hccl import group_buffsize_env
+
+    return (hc["buffsize_mb"], hc["largest_collective_bytes"], group_buffsize_env(hc["communicators"])) if hc else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -253,13 +256,16 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "PATH": search}
     hccl = hccl_buffsize(*worker, args.nproc, args.nodes) if worker is not None else None
     if hccl is not None:  # the user's own value wins; docs/operators.md section 5 says why it is set
-        from mspretrain.train.hccl import HCCL_BUFFSIZE_ENV
+        from mspretrain.train.hccl import GROUP_BUFFSIZE_ENV, HCCL_BUFFSIZE_ENV
 
-        mb, largest = hccl
+        mb, largest, groups = hccl
         given = env.get(HCCL_BUFFSIZE_ENV)
         env.setdefault(HCCL_BUFFSIZE_ENV, str(mb))
+        if groups and not given:  # the tp and dp groups' own buffers (train/tp.py group_options); yours applies to all
+            env.setdefault(GROUP_BUFFSIZE_ENV, groups)
         print(f"{HCCL_BUFFSIZE_ENV}={env[HCCL_BUFFSIZE_ENV]} ({'yours; ' if given else ''}the plan's: {mb} MB for a largest "
-              f"collective of {largest / 2**20:,.0f} MB)", flush=True)
+              f"collective of {largest / 2**20:,.0f} MB)" + (f"; groups {env[GROUP_BUFFSIZE_ENV]} MB" if env.get(GROUP_BUFFSIZE_ENV) else ""),
+              flush=True)
     env.setdefault("GLOG_v", "3")  # MindSpore's native logs: warnings and errors only
     env[LOCAL_RANKS_ENV] = str(args.nproc)  # train's memory check counts every rank on this host
     if args.node_rank > 0:

@@ -6,6 +6,7 @@ import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from mspretrain.commands.common import add_config_argument, load_config
 from mspretrain.config import Config
@@ -60,20 +61,55 @@ def _reapply_model_overrides(cfg: Config, args: argparse.Namespace) -> Config:
     return apply_overrides(cfg, [o for o in getattr(args, "overrides", ()) if o.startswith("model.")])
 
 
-def _preset_shape(cfg: Config, args: argparse.Namespace) -> tuple[Config, list[str]]:
-    """`--model` without `--config`: the batch shape would be the defaults' (seq 64, batch 8), sized
-    for the tiny model. Take the preset's context (max_seq_len) as seq_len unless given, and say
-    what was assumed, so a 7B memory plan is not silently one of 64-token sequences."""
+# the longest training window a preset alone is planned with: its context when shorter (a 40,960-token
+# window is a long-context phase, not the pretraining shape the question is about)
+PRESET_SEQ_CAP = 4096
+
+
+def _preset_shape(cfg: Config, args: argparse.Namespace, fits: Callable[[Config], bool], *, ascend: bool) -> tuple[Config, list[str]]:
+    """`--model` without `--config`: the defaults' batch shape (seq 64, batch 8, fp32) is the tiny
+    model's. Plan a shape a run of the preset would use, and say what was assumed: bf16 when the plan
+    is for Ascend; a global batch the data-parallel ranks divide (the default 8 is refused on 16);
+    the longest window up to PRESET_SEQ_CAP within the preset's context that `fits` (the plan's
+    headline or a layout of its table fits), halving it down to 128, else the shortest."""
     given = {o.split("=", 1)[0] for o in getattr(args, "overrides", ()) or ()}
     assumed = []
-    if "data.seq_len" not in given:
-        cfg = replace(cfg, data=replace(cfg.data, seq_len=cfg.model.max_seq_len))
-        assumed.append(f"data.seq_len {cfg.data.seq_len} (the preset's max_seq_len)")
+    if ascend and "precision.dtype" not in given and cfg.precision.dtype == "fp32":
+        cfg = replace(cfg, precision=replace(cfg.precision, dtype="bf16"))
+        assumed.append("precision.dtype bf16 (Ascend's)")
+    dp = max(1, args.devices // cfg.parallel.tp)
+    gb = cfg.train.global_batch
     if "train.global_batch" not in given:
-        assumed.append(f"train.global_batch {cfg.train.global_batch} (the default)")
+        if gb % dp:
+            gb = dp * -(-gb // dp)
+            cfg = replace(cfg, train=replace(cfg.train, global_batch=gb))
+            assumed.append(f"train.global_batch {gb} (a multiple of the {dp} data-parallel ranks)")
+        else:
+            assumed.append(f"train.global_batch {gb} (the default)")
+    if "data.seq_len" not in given:
+        top = min(cfg.model.max_seq_len, PRESET_SEQ_CAP)
+        seqs = [top] + [s for s in (2048, 1024, 512, 256, 128) if s < top]
+        for seq in seqs:
+            trial = replace(cfg, data=replace(cfg.data, seq_len=seq))
+            ok = fits(trial)
+            if ok:
+                break
+        cfg = trial
+        context = cfg.model.max_seq_len
+        why = ("the preset's max_seq_len" if seq == context else f"the preset's max_seq_len {context:,} halved"
+               if top == context else f"up to {PRESET_SEQ_CAP:,} of the preset's max_seq_len {context:,}")
+        why += "" if seq == top else ": the longest that fits" if ok else ": none fits"
+        assumed.append(f"data.seq_len {seq} ({why})")
     if assumed:
         assumed[-1] += "; set them with data.seq_len=N train.global_batch=N or use --config"
     return cfg, assumed
+
+
+def _fits(plan: dict) -> bool:
+    """The plan's own configuration fits, or a layout of its table does."""
+    table = plan.get("layouts") or {}
+    return not any(w.startswith("WILL NOT FIT") for w in plan["warnings"]) or bool(
+        table.get("recommended") or table.get("recommended_unmeasured"))
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -105,8 +141,19 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, model=model)
         cfg = _reapply_model_overrides(cfg, args)
     assumed: list[str] = []
+    _check_tp(cfg, args.devices)
+    # device.target = auto plans for this machine (CPU here, Ascend on a node with NPUs), unless
+    # --devices asks for more than one device: a cluster plan, Ascend's
+    from mspretrain.device import resolve_target
+
+    here = resolve_target("auto") if cfg.device.target == "auto" and args.devices == 1 else None
+    plan_args = dict(devices=args.devices, tokens=int(args.tokens) if args.tokens is not None else None,
+                     data_dir=Path(args.data) if args.data else None, device_mem_gb=args.device_mem_gb, zero=args.zero,
+                     recompute=args.recompute, bus_gbps=args.bus_gbps, target=here)
     if args.model and not args.config:
-        cfg, assumed = _preset_shape(cfg, args)
+        ascend = cfg.device.target == "ascend" or (cfg.device.target == "auto" and (here or "ascend") == "ascend")
+        cfg, assumed = _preset_shape(cfg, args, lambda c: _fits(make_plan(c, tokens_per_s_per_device=None, **plan_args)),
+                                     ascend=ascend)
     tps = args.tokens_per_s
     if tps is None and args.from_selftest:
         from mspretrain.ops.selftest import measured_tokens_per_s, read_selftest
@@ -124,23 +171,14 @@ def run(args: argparse.Namespace) -> int:
     from mspretrain.config import validate
 
     validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)))
-    _check_tp(cfg, args.devices)
-    # device.target = auto plans for this machine (CPU here, Ascend on a node with NPUs), unless
-    # --devices asks for more than one device: a cluster plan, Ascend's
-    from mspretrain.device import resolve_target
-
-    here = resolve_target("auto") if cfg.device.target == "auto" and args.devices == 1 else None
-    plan = make_plan(cfg, devices=args.devices, tokens=int(args.tokens) if args.tokens is not None else None,
-                     data_dir=Path(args.data) if args.data else None, tokens_per_s_per_device=tps,
-                     device_mem_gb=args.device_mem_gb, zero=args.zero, recompute=args.recompute, assumed=assumed,
-                     bus_gbps=args.bus_gbps, target=here)
+    plan = make_plan(cfg, tokens_per_s_per_device=tps, assumed=assumed, **plan_args)
     if args.json:
         print(json.dumps(plan, indent=1))
     else:
         print(format_plan(plan))
-        if cfg.parallel.tp > 1:  # the headline figures are the data-parallel ones; TP's are rows of the table
-            print(f"parallel.tp = {cfg.parallel.tp}: the memory and time above are without tensor parallel; "
-                  f"this layout is the table's TP{cfg.parallel.tp} rows (their memory not yet measured)")
+        if cfg.parallel.tp > 1:  # the headline memory is tensor parallel's (Megatron's accounting, ops/layouts.py)
+            print(f"parallel.tp = {cfg.parallel.tp}: the memory above is the table's TP{cfg.parallel.tp} accounting "
+                  "(not yet measured on a TP step); the batch is split over the data-parallel ranks")
     return 0
 
 

@@ -18,7 +18,7 @@ from mindspore import Tensor, nn, ops
 
 from mspretrain.config import ModelConfig
 from mspretrain.model.attention import Attention
-from mspretrain.model.layers import Linear, RMSNorm, WeightSource, relay
+from mspretrain.model.layers import Linear, RMSNorm, WeightSource, one, relay
 
 
 class MLP(nn.Cell):
@@ -60,7 +60,7 @@ class Block(nn.Cell):
         if token is None:  # whole Parameters (no ZeRO-3): the graph it always was
             x = x + self.attn(self.attn_norm(x), cos, sin, bias, discard)
             return x + self.mlp(self.mlp_norm(x))
-        (n1, attn, n2, mlp), last = self.pull(token if self.prefetch else x)
+        (n1, attn, n2, mlp), last = self.pull(token if self.prefetch else one(x))
         h = x + self.attn(self.attn_norm(x, n1), cos, sin, bias, discard, attn)
         return h + self.mlp(self.mlp_norm(h, n2), mlp), relay(last, x)
 

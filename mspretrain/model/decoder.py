@@ -57,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Initializer
 
 from mspretrain.config import ModelConfig
 from mspretrain.device import select_attention  # the kernel choice is the device's
@@ -71,6 +72,7 @@ from mspretrain.model.layers import (
     Linear,
     RMSNorm,
     SoftmaxPlain,
+    one,
     relay,
     use_fused_kernels,
 )
@@ -126,6 +128,12 @@ class InitStreams:
         """The next weight: normal(0, std) float32 of `shape`, as specified in the class docstring."""
         k, self.count = self.count, self.count + 1
         x = np.empty(shape, np.float32)
+        self.fill(k, x, std)
+        return x
+
+    def fill(self, k: int, x: np.ndarray, std: float) -> None:
+        """Weight k's values into `x` (float32, C-contiguous, its shape): `draw`'s numbers, at any
+        time after the weight's index was taken (`LazyDraw`)."""
         flat = x.reshape(-1)  # a view: C-contiguous, so every block is a contiguous slice
         scale = np.float32(std)
 
@@ -142,13 +150,34 @@ class InitStreams:
         else:
             with ThreadPoolExecutor(min(self.threads, len(blocks))) as pool:
                 list(pool.map(block, blocks))  # list(): re-raises a block's exception here
-        return x
+
+
+class LazyDraw(Initializer):
+    """Weight k of `streams`, drawn only when its Parameter's data is first read (MindSpore 2.10's
+    lazy initialisation: a Tensor built with `init=` is filled by `Tensor.init_data`, which
+    `asnumpy` calls, common/tensor.py). For a model that will be cut on the host (ZeRO-3, tensor
+    parallel on an NPU: `Decoder(host_weights=True)`): the cut reads one weight, keeps its piece and
+    drops the whole, so a rank's host holds one whole weight at a time, not the whole fp32 model
+    (issue 51.2). The numbers are `InitStreams.draw`'s: the index k is taken at creation."""
+
+    def __init__(self, streams: InitStreams, k: int, std: float) -> None:
+        super().__init__()
+        self.streams, self.k, self.std = streams, k, std
+
+    def _initialize(self, arr: np.ndarray) -> None:
+        x = np.ascontiguousarray(arr) if not arr.flags["C_CONTIGUOUS"] else arr
+        self.streams.fill(self.k, x, self.std)
+        if x is not arr:
+            arr[...] = x
 
 
 def _draw(streams: InitStreams, shape: tuple[int, ...], std: float) -> Tensor:
     """normal(0, std) float32 of `shape`, the next weight of `streams` (InitStreams: the streams of
     the run seed, drawn in parallel, docs/operators.md start-up), as a Tensor on `_init_device[0]`
-    (host memory if None)."""
+    (host memory if None; "lazy": drawn when first read, `LazyDraw`)."""
+    if _init_device[0] == "lazy":
+        k, streams.count = streams.count, streams.count + 1
+        return Tensor(shape=shape, dtype=ms.float32, init=LazyDraw(streams, k, std))
     x = streams.draw(shape, std)
     if _init_device[0] is None:
         return Tensor(x)
@@ -170,6 +199,15 @@ def _normal(streams: InitStreams, shape: tuple[int, ...], std: float) -> Paramet
     # `t = ...; Parameter(t, name="weight")` gave 6 (the probe's number), and so does any caller
     # that keeps a reference. The count is the interpreter's, not an API:
     # tests/test_startup.py checks the Parameter holds the very buffer `Tensor.to` returned.
+    if _init_device[0] == "lazy":
+        # left uninitialised: Parameter.__new__ fills a lazy tensor at once unless the class's
+        # `init_param` is False (common/parameter.py `_get_parameter_new_args`; what 2.10's
+        # deprecated `nn.utils.no_init_parameters` sets), and reading it draws it (LazyDraw)
+        Parameter.init_param = False
+        try:
+            return Parameter(_draw(streams, shape, std), "weight")
+        finally:
+            Parameter.init_param = True
     return Parameter(_draw(streams, shape, std), "weight")
 
 
@@ -182,7 +220,7 @@ class Decoder(nn.Cell):
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype: str = "fp32", attention: str = "auto", device: str = "cpu",
-                 seed: int = 0) -> None:
+                 seed: int = 0, host_weights: bool = False) -> None:
         super().__init__()
         if dtype not in COMPUTE_DTYPES:
             raise UserError(f"precision dtype {dtype!r} is not one of fp32, fp16, bf16", "set precision.dtype=fp32 (CPU) or fp16/bf16 (Ascend)")
@@ -203,7 +241,10 @@ class Decoder(nn.Cell):
         # see `_normal`; only where this process runs on an NPU (a model built for Ascend on a CPU box,
         # as the tests and `selftest` do, stays in host memory)
         on_npu = use_fused_kernels(device) and ms.get_current_device().device_target == "Ascend"
-        _init_device[0] = "Ascend" if on_npu else None
+        # host_weights: drawn into host memory even on an NPU, for a model that will be cut (ZeRO-3,
+        # tensor parallel: only each rank's pieces go to the device, model/parallel.py `piece_tensor`)
+        # (on an NPU drawn when first read, "lazy": the cut then holds one whole weight at a time)
+        _init_device[0] = ("lazy" if host_weights else "Ascend") if on_npu else None
         try:
             self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
             self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])
@@ -233,7 +274,7 @@ class Decoder(nn.Cell):
         T = tokens.shape[1]
         token = None
         if self.sharded:  # ZeRO-3 (train/zero3.py): the embedding gathered, the first block's gathers after it
-            e, token = self.embed.pull(tokens)
+            e, token = self.embed.pull(one(tokens))
             x = self.embed(tokens, e)
             token = relay(token, tokens)
         else:
@@ -264,7 +305,7 @@ class Decoder(nn.Cell):
             h = self.norm(x).astype(ms.float32).reshape(B * T, -1)  # (B*T, D) fp32: lm_head is an fp32 island
             w = self.embed.weight if self.tied else self.lm_head.weight
         else:  # ZeRO-3: the norm's and the head's gathers after the last block's (model/block.py)
-            wn, token = self.norm.pull(token if self.layers[0].prefetch else x)
+            wn, token = self.norm.pull(token if self.layers[0].prefetch else one(x))
             h = self.norm(x, wn).astype(ms.float32).reshape(B * T, -1)
             w = self.embed.pull(token)[0] if self.tied else self.lm_head.pull(token)[0]
         return self.head_matmul(h, w).reshape(B, T, -1)  # (B, T, V) fp32

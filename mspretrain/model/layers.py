@@ -26,6 +26,15 @@ class WeightSource(Protocol):
     def parameter(self, shape: tuple[int, ...], std: float) -> Parameter: ...
 
 
+def one(x: Tensor) -> Tensor:
+    """ZeRO-3's ordering token of `x`: its first element. A gather anchored on it waits for x as it
+    would on x itself, and the anchor's gradient its bprop returns (train/zero3.py `ShardedGather`,
+    zeros that wait for the reduce-scatter) is one element: anchored on the whole tensor, the
+    frontend folded each into a constant of the whole weight's (or activation's) shape, three a
+    layer held for the graph's life (issue 51)."""
+    return x.reshape(-1)[:1]
+
+
 def relay(last: Tensor, after: Tensor) -> Tensor:
     """ZeRO-3's token out of a chain of gathers: one element of `last` (the chain's last gathered
     weight), available once `after` is too. A later chain anchored on it starts after both; one
@@ -124,13 +133,13 @@ class Linear(nn.Cell):
             w = self.weight
         else:
             w = self.gather(self.weight, token)
-            token = w
+            token = one(w)
         if not self.has_bias:
             return w, None, token
         if self.bias_gather is None:
             return w, self.bias, token
         b = self.bias_gather(self.bias, token)
-        return w, b, b
+        return w, b, one(b)
 
     def _weights(self, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor | None]:
         if w is None:
@@ -172,7 +181,7 @@ class Embedding(nn.Cell):
         if self.gather is None:
             return self.weight, token
         w = self.gather(self.weight, token)
-        return w, w
+        return w, one(w)
 
     def construct(self, tokens: Tensor, w: Tensor | None = None) -> Tensor:
         w = self.weight if w is None else w
@@ -199,7 +208,7 @@ class RMSNorm(nn.Cell):
         if self.gather is None:
             return self.weight, token
         w = self.gather(self.weight, token)
-        return w, w
+        return w, one(w)
 
     def construct(self, x: Tensor, w: Tensor | None = None) -> Tensor:  # w: the whole weight (ZeRO-3)
         w = self.weight if w is None else w

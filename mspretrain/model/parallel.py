@@ -83,9 +83,21 @@ class Group:
         return ops.AllGather(**self._kw)
 
     def broadcast(self, root: int) -> Any:
-        """From group member `root`; called with a 1-tuple and returning one, as `ops.Broadcast`."""
-        if self.device == "ascend" or self.name is None:  # Broadcast's root_rank is a world rank (comm_ops.py)
-            return ops.Broadcast(self.ranks[root], **self._kw)
+        """From group member `root` (its index in `ranks`, not its world rank); called with a 1-tuple
+        and returning one, as `ops.Broadcast`.
+
+        Broadcast's `root_rank` is the root's rank inside `group`: comm_ops.py's docstring says
+        "global rank", but HCCL's HcclBroadcast takes the root's index in the communicator, and
+        MindSpore 2.10's own callers convert before they reach the kernel
+        (mint/distributed/distributed.py and ops/function/comm_func.py, `broadcast`:
+        `src_rank = get_group_rank_from_world_rank(src, group)`; boost/adasum.py builds
+        `P.Broadcast(b_rank, group=...)` with b_rank in range(len(group))). A world rank past the
+        group's size fails with HCCL_E_PARA at the first step, one inside it broadcasts from the wrong
+        member (issue 51). In the world group (name None) both are the same number. Only a 910B
+        confirms what HCCL does with it; tests/test_collective_sequence.py checks the compiled
+        root on every rank of the tp x dp layouts."""
+        if self.device == "ascend" or self.name is None:
+            return ops.Broadcast(root, **self._kw)
         return GroupBroadcast(self, root)
 
 
@@ -265,19 +277,11 @@ def _flash_with_heads(old: Any, heads: int) -> Any:
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Refuse, in one line each, a model that `parallel.tp` cannot cut (module docstring)."""
-    if tp == 1:
-        return
-    kv = cfg.n_kv_heads
-    if kv % tp:
-        best = max(d for d in range(1, kv + 1) if kv % d == 0 and d <= tp)
-        raise UserError(f"parallel.tp = {tp} does not divide model.n_kv_heads = {kv}: tensor parallel splits the kv heads "
-                        "across ranks and does not replicate them",
-                        f"use parallel.tp={best} (a divisor of n_kv_heads) and data parallel for the other ranks")
-    for key, value in (("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)):
-        if value % tp:
-            raise UserError(f"parallel.tp = {tp} does not divide model.{key} = {value}",
-                            f"use a parallel.tp that divides model.{key}"
-                            + (" (pad the vocabulary: model.vocab_size may exceed the tokenizer's)" if key == "vocab_size" else ""))
+    from mspretrain.model.tp_rules import tp_refusal
+
+    refused = tp_refusal(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size, tp)  # plan's layout table asks the same
+    if refused:
+        raise UserError(*refused)
 
 
 def tp_rows(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:
@@ -324,6 +328,20 @@ def place(piece: np.ndarray, where: tuple[int, list[tuple[int, int]]] | None, sh
     return out
 
 
+def piece_tensor(arr: np.ndarray, dtype: Any, device: str) -> Tensor:
+    """A rank's piece (a tp cut, a ZeRO-3 slice: host memory) as the Tensor its Parameter wraps:
+    on an NPU sent to the device now, the piece alone (issue 51.2: the whole fp32 model was built
+    in HBM and then cut, 122 GiB for Qwen2.5-32B against a 58 GiB pool; the model is now drawn on
+    the host for these layouts, `Decoder(host_weights=True)`, train/build.py); elsewhere it stays
+    on the host. `Tensor.to("Ascend")` as model/decoder.py `_draw` (MindSpore 2.10
+    common/tensor.py). Pass the result straight to `Parameter(..., name, grad)`, positionally and
+    unnamed (decoder.py `_normal` says why: another reference makes MindSpore copy it back)."""
+    t = Tensor(arr).astype(dtype)
+    if device == "ascend" and ms.get_current_device().device_target == "Ascend":
+        return t.to("Ascend")
+    return t
+
+
 def split_model(model: Any, tp: Group) -> None:
     """Cut a whole Decoder (model/decoder.py) into this rank's tensor-parallel piece, in place: every
     split parameter becomes its piece (same name), the heads and ffn units become the local ones,
@@ -345,7 +363,7 @@ def split_model(model: Any, tp: Group) -> None:
                 continue
             name, dtype, grad = p.name, p.dtype, p.requires_grad
             shapes[name] = tuple(p.shape)
-            setattr(cell, attr, Parameter(Tensor(cut(p.asnumpy(), where)).astype(dtype), name=name, requires_grad=grad))
+            setattr(cell, attr, Parameter(piece_tensor(cut(p.asnumpy(), where), dtype, tp.device), name, grad))
             getattr(cell, attr).name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
     H, KV, F, V = cfg.n_heads // n, cfg.n_kv_heads // n, cfg.ffn_dim // n, cfg.vocab_size // n
     for layer in model.layers:

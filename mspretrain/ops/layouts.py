@@ -49,6 +49,7 @@ layout that fits is named beside it.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from mspretrain import budget
@@ -129,11 +130,61 @@ def tp_memory(m: ModelConfig, cfg: Config, *, tp: int, dp: int, zero1: bool, mic
     return mem, sum(n for _, n in tr)
 
 
-def _tp_possible(m: ModelConfig, tp: int) -> str | None:
-    for what, n in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("vocab_size", m.vocab_size)):
-        if n % tp:
-            return f"{what} {n} is not divisible by {tp}"
-    return None
+def tp_layout_bytes(m: ModelConfig, cfg: Config, micro: int) -> int:
+    """The largest collective of a tp group: the all-reduce of one (micro, seq, dim) activation in
+    the compute dtype (model/parallel.py ReduceFromTP / CopyToTP); the loss's are (micro, seq) fp32."""
+    e = 2 if cfg.precision.dtype in ("fp16", "bf16") else 4
+    return e * micro * cfg.data.seq_len * m.dim
+
+
+def tp_local_model(m: ModelConfig, tp: int) -> ModelConfig:
+    """The shape of one tp rank's piece (model/parallel.py `split_model`): its parameters are the
+    pieces of the whole model's (the heads, ffn units and vocabulary over tp; the norms whole)."""
+    if tp == 1:
+        return m
+    return replace(m, n_heads=m.n_heads // tp, n_kv_heads=m.n_kv_heads // tp, ffn_dim=m.ffn_dim // tp,
+                   vocab_size=m.vocab_size // tp, head_dim=m.head_size)
+
+
+def layout_settings(row: dict[str, Any]) -> list[str]:
+    """The config overrides that make `train` run the layout of a table row."""
+    out = [f"parallel.tp={row['tp']}"] if row["tp"] > 1 else []
+    out += [key + "=true" for key, z in (("optim.shard_optimizer", 1), ("optim.shard_gradients", 2),
+                                         ("optim.shard_parameters", 3)) if row["zero"] >= z]
+    return out + (["train.recompute=true"] if row.get("recompute") else [])
+
+
+def layout_config(cfg: Config, row: dict[str, Any]) -> Config:
+    """`cfg` set to run the layout of a table row (what `layout_settings` says)."""
+    z = row["zero"]
+    return replace(cfg, parallel=replace(cfg.parallel, tp=row["tp"]),
+                   optim=replace(cfg.optim, shard_optimizer=z >= 1, shard_gradients=z >= 2, shard_parameters=z == 3),
+                   train=replace(cfg.train, recompute=bool(row.get("recompute", cfg.train.recompute))))
+
+
+def train_refusal(cfg: Config, m: ModelConfig, row: dict[str, Any]) -> str | None:
+    """Why `train` would refuse the layout of `row` for `cfg` (its own checks: config.check_parallel,
+    model/parallel.py `check_tp`, the batch split over the data-parallel ranks, train/zero3.py
+    `sharded_names`), or None. A layout it refuses is never in the table."""
+    from mspretrain.config import check_parallel
+    from mspretrain.model.groups import trainable_mask
+    from mspretrain.model.presets import param_shapes
+    from mspretrain.model.tp_rules import tp_refusal
+    from mspretrain.train.layout import zero3_refusal
+
+    c = layout_config(cfg, row)
+    try:
+        check_parallel(c)
+        budget.micro_batches(c, row["dp"])
+    except UserError as exc:
+        return exc.cause
+    refused = tp_refusal(m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, row["tp"])
+    world = row["tp"] * row["dp"]
+    if refused is None and row["zero"] == 3 and world > 1:
+        shapes = param_shapes(m)
+        trained = trainable_mask([n for n, _ in shapes], cfg.train.trainable, tied=m.tie_embeddings)
+        refused = zero3_refusal({n: math.prod(s) for (n, s), k in zip(shapes, trained) if k}, world)
+    return refused[0] if refused else None
 
 
 def _row(name: str, tp: int, dp: int, zero: int, unmeasured: bool) -> dict[str, Any]:
@@ -159,17 +210,13 @@ def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, targ
                            _row(f"TP{t} x DP{devices // t} ZeRO-1", t, devices // t, 1, True)]
     rows = []
     for row in candidates:
-        if row["tp"] > 1 and (why := _tp_possible(m, row["tp"])):
-            rows.append({**row, "skipped": why})
-            continue
         if row["zero"] == 1 and row["dp"] == 1:
             rows.append({**row, "skipped": "one data-parallel rank: nothing to shard"})
             continue
-        try:
-            micro, accum = budget.micro_batches(cfg, row["dp"])
-        except UserError as exc:
-            rows.append({**row, "skipped": exc.cause})
+        if why := train_refusal(cfg, m, row):  # `train` would refuse it: never recommended
+            rows.append({**row, "skipped": why})
             continue
+        micro, accum = budget.micro_batches(cfg, row["dp"])
         for recompute in ((False, True) if not cfg.train.recompute else (True,)):
             compute_s = step_flops / (devices * flops) * (4 / 3 if recompute else 1)
             backward_s = compute_s * (BACKWARD_SHARE_RECOMPUTE if recompute else BACKWARD_SHARE) / accum

@@ -27,7 +27,7 @@ from mspretrain import budget
 from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.device import ASCEND_910B_USABLE_GB
 from mspretrain.errors import UserError
-from mspretrain.model.presets import param_count, preset
+from mspretrain.model.presets import param_count, param_shapes, preset
 from mspretrain.ops.costs import (  # noqa: F401  (re-exported: the plan's callers and tests read them here)
     ASCEND_RESERVE_BYTES,
     ASSUMED_BUS_GBPS,
@@ -64,8 +64,12 @@ def preset_model(name: str) -> ModelConfig:
 PROCESS_BASELINE_BYTES = 0.92 * GB
 
 
-def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, target: str, tokens: int | None) -> dict[str, float]:
-    """Host bytes per node by kind (see the module docstring); `devices` ranks on the node."""
+def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, target: str, tokens: int | None,
+                cut: bool = False) -> dict[str, float]:
+    """Host bytes per node by kind (see the module docstring); `devices` ranks on the node. `cut`:
+    the model is cut on each rank's host (ZeRO-3, tensor parallel: train/build.py `builds_on_host`),
+    each weight drawn when the cut reads it (model/decoder.py LazyDraw): one whole fp32 weight per
+    rank at a time, as the streamed build."""
     from mspretrain.model.presets import is_half_eligible, param_shapes
 
     shapes = param_shapes(m)
@@ -76,6 +80,7 @@ def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, targe
     masters = sum(n for (name, _), n in zip(shapes, sizes) if half and is_half_eligible(name))
     out: dict[str, float] = {
         # Ascend: one fp32 parameter per rank on its way to HBM; CPU: the weights are the device's
+        # (cut: each weight drawn when the cut reads it, its piece sent on, the whole dropped: the same)
         "model_init": devices * 4 * max(sizes) if target == "ascend" else 0,
         # the saver's host copy: fp32 weights (rank 0) + every rank's moments and masters (fp32)
         "checkpoint_snapshot": (4 * total + 8 * trained + 4 * masters) if cfg.checkpoint.async_save else 0,
@@ -152,8 +157,13 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         raise UserError("model.vocab_size is 0 (taken from the data dir at train time)", "pass --data DIR or set model.vocab_size=N")
     m = resolve_model(m)
     seq, gb = cfg.data.seq_len, cfg.train.global_batch
+    tp = cfg.parallel.tp
+    if devices % tp:
+        raise UserError(f"parallel.tp = {tp} does not divide --devices {devices}",
+                        f"plan a multiple of {tp} devices (devices = tp x data-parallel ranks), or change parallel.tp")
+    dp = devices // tp  # the batch is split over the data-parallel ranks (train/build.py: dp_size)
     # steps, warm-up, lr and the batch split exactly as `train` derives them (memory needs no budget)
-    b = budget.derive(cfg, world=devices, data_tokens=manifest_tokens, tokens=tokens)
+    b = budget.derive(cfg, world=dp, data_tokens=manifest_tokens, tokens=tokens)
     micro, accum = b.micro_batch, b.accumulation
 
     P = _param_count(m)
@@ -166,8 +176,15 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     shard_params = cfg.optim.shard_parameters
     shard_grads = cfg.optim.shard_gradients or shard_params
     target = "ascend" if (planned_for == "ascend" or flash) else planned_for
-    mem, layout = memory_model(m, cfg, devices=devices, micro=micro, accum=accum, zero=zero, shard_grads=shard_grads,
-                               recompute=recompute, flash=flash, target=target, shard_params=shard_params)
+    from mspretrain.ops.layouts import tp_layout_bytes, tp_local_model, tp_memory
+
+    # under tensor parallel the data-parallel layout is that of one tp rank's pieces over dp ranks
+    # (its buckets, traffic and HCCL buffer); the memory is the TP rows' (ops/layouts.py)
+    mem, layout = memory_model(tp_local_model(m, tp), cfg, devices=dp, micro=micro, accum=accum, zero=zero,
+                               shard_grads=shard_grads, recompute=recompute, flash=flash, target=target, shard_params=shard_params)
+    if tp > 1:
+        mem, _ = tp_memory(m, cfg, tp=tp, dp=dp, zero1=zero or shard_grads, micro=micro, accum=accum,
+                           recompute=recompute, flash=flash, target=target)
     # a device size given on the command line wins (it used to be ignored for Ascend configs)
     usable_gb = device_mem_gb or cfg.device.max_device_memory or (
         ASCEND_910B_USABLE_GB if target == "ascend" else round(host_ram_gb() / devices, 1) if target == "cpu" else 64.0)
@@ -177,7 +194,7 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     plan: dict[str, Any] = {
         "model": {"dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
                   "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
-        "params": P, "devices": devices, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
+        "params": P, "devices": devices, "tp": tp, "dp": dp, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
         "seq_len": seq, "dtype": cfg.precision.dtype, "zero": zero or shard_grads, "shard_gradients": shard_grads and devices > 1,
         "shard_parameters": shard_params and devices > 1,
         "recompute": recompute, "flash_attention": flash,
@@ -190,28 +207,44 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         "target": target, "target_source": ("device.target" if cfg.device.target != "auto"
                                             else "this machine (device.target = auto)" if target_given(here, cfg) else "assumed"),
     }
-    if target == "ascend" and devices > 1:  # what `launch` exports as HCCL_BUFFSIZE (train/hccl.py says why)
-        from mspretrain.train.hccl import NPUS_PER_SERVER, buffsize_mb
+    from mspretrain.train.hccl import NPUS_PER_SERVER
 
-        largest = max(layout.largest_bucket_bytes())
-        per_node = min(devices, nodes_ranks or NPUS_PER_SERVER)
-        node_count = -(-devices // per_node)
-        plan["hccl"] = {"largest_collective_bytes": largest, "nodes": node_count,
-                        "buffsize_mb": buffsize_mb(largest, per_node, node_count)}
-    plan["host_bytes"] = host_memory(m, cfg, layout, devices=devices, target=target, tokens=b.tokens)
+    per_node = min(devices, nodes_ranks or NPUS_PER_SERVER) if target == "ascend" else devices
+    node_count = -(-devices // per_node)
+    if target == "ascend" and devices > 1:  # what `launch` exports as HCCL_BUFFSIZE (train/hccl.py says why)
+        from mspretrain.train.hccl import communicators
+
+        # every communicator the run creates, with its largest collective: the world's (ZeRO / DP,
+        # or the tp group when it is the world), and under tp x dp the tp and the dp groups
+        dp_largest = max(layout.largest_bucket_bytes())
+        if tp == 1:
+            comms = [("world", dp_largest, per_node, node_count)]
+        else:
+            tp_largest = tp_layout_bytes(m, cfg, micro)
+            comms = [("world", tp_largest if dp == 1 else 0, per_node, node_count)]
+            if dp > 1:  # tp groups are consecutive ranks (train/tp.py make_mesh): inside a server
+                comms += [("tp", tp_largest, min(tp, per_node), 1), ("dp", dp_largest, max(1, per_node // tp), node_count)]
+        hc = communicators(comms)
+        plan["hccl"] = {"largest_collective_bytes": max(c["largest_bytes"] for c in hc), "nodes": node_count,
+                        "buffsize_mb": hc[0]["buffsize_mb"], "communicators": hc,
+                        "hbm_bytes": sum(2 * c["buffsize_mb"] * 2**20 for c in hc)}
+    # host memory of one node: its ranks (8 a server on Ascend; all of them on CPU, one host)
+    plan["host_ranks"] = per_node
+    cut = devices > 1 and (shard_params or tp > 1)
+    plan["host_bytes"] = host_memory(m, cfg, layout, devices=per_node, target=target, tokens=b.tokens, cut=cut)
+    if target == "ascend":
+        # start-up on the device: the weights as built there, before any step. A cut model sends only
+        # this rank's pieces (train/build.py `builds_on_host`); otherwise each weight is streamed
+        # to the device whole as it is drawn (fp32), the whole model per rank
+        largest = max(math.prod(s) for _, s in param_shapes(m))
+        plan["build_bytes"] = {"device": mem["weights"] if cut else 4 * P, "host_per_rank": 4 * largest, "cut": cut}
+        if plan["build_bytes"]["device"] / GB > usable_gb:
+            plan["warnings"].append(f"start-up: the fp32 weights ({plan['build_bytes']['device'] / GB:.1f} GB) are built whole on "
+                                    f"each device before any cut, more than {usable_gb:g} GB: use optim.shard_parameters=true "
+                                    "or parallel.tp, whose ranks receive only their pieces")
     if target == "cpu":  # the host is the device: the whole process
         h = plan["host_bytes"]
         mem["process_peak"] = (mem["peak"] + h["process_baseline"] + h["checkpoint_snapshot"] + h["loader_maps"]) / devices
-    peak_gb = mem["peak"] / GB
-    if peak_gb > usable_gb:
-        fixes = [f for f, ok in (("--recompute", not recompute), ("optim.shard_gradients=true", not shard_grads and devices > 1 and accum > 1),
-                                 ("--zero", not zero and devices > 1),
-                                 ("precision.param_dtype=compute", half and not half_params),
-                                 ("a smaller train.micro_batch", micro > 1)) if ok]
-        plan["warnings"].append(f"WILL NOT FIT: peak {peak_gb:.1f} GB per device > {usable_gb:g} GB usable"
-                                + (f"; try {', '.join(fixes)}" if fixes else "; use more devices with model parallelism or a smaller model"))
-    elif peak_gb > 0.9 * usable_gb:
-        plan["warnings"].append(f"tight: peak {peak_gb:.1f} GB of {usable_gb:g} GB usable per device; fragmentation is not in this estimate")
     if tokens_per_s_per_device and b.tokens:
         hours = b.tokens / (tokens_per_s_per_device * devices) / 3600
         plan["time"] = {"tokens_per_s_per_device": tokens_per_s_per_device, "hours": hours, "device_hours": hours * devices}
@@ -239,6 +272,28 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         plan["layouts"] = layout_table(replace(cfg, model=m, train=replace(cfg.train, recompute=recompute)), m, devices=devices,
                                        flash=flash, target=target, usable_gb=usable_gb, bus_gbps=bus_gbps or ASSUMED_BUS_GBPS,
                                        tokens_per_s=tokens_per_s_per_device)
+    peak_gb = mem["peak"] / GB
+    if peak_gb > usable_gb:
+        fixes = [f for f, ok in (("--recompute", not recompute), ("optim.shard_gradients=true", not shard_grads and devices > 1 and accum > 1),
+                                 ("--zero", not zero and devices > 1),
+                                 ("precision.param_dtype=compute", half and not half_params),
+                                 ("a smaller train.micro_batch", micro > 1)) if ok]
+        table = plan.get("layouts") or {}
+        best = table.get("recommended") or table.get("recommended_unmeasured")
+        if best:  # the layout its own table recommends, with the settings that select it
+            from mspretrain.ops.layouts import layout_settings
+
+            row = next(r for r in table["rows"] if r["name"] == best)
+            which = "recommended" if best == table.get("recommended") else "fastest (memory not yet measured)"
+            advice = (f"; the layout table's {which} {best} fits ({row['peak_bytes'] / GB:.1f} GB): "
+                      + (" ".join(layout_settings(row)) or "as listed"))
+        elif fixes:
+            advice = f"; try {', '.join(fixes)} (no layout of the table fits as it stands)" if table else f"; try {', '.join(fixes)}"
+        else:
+            advice = "; use more devices with model parallelism or a smaller model"
+        plan["warnings"].append(f"WILL NOT FIT: peak {peak_gb:.1f} GB per device > {usable_gb:g} GB usable" + advice)
+    elif peak_gb > 0.9 * usable_gb:
+        plan["warnings"].append(f"tight: peak {peak_gb:.1f} GB of {usable_gb:g} GB usable per device; fragmentation is not in this estimate")
     if abs(P - LLAMA2_7B_PARAMS) / LLAMA2_7B_PARAMS < 0.01:
         ref: dict[str, Any] = dict(MINDFORMERS_LLAMA2_7B)
         if b.tokens:
@@ -263,7 +318,9 @@ def format_plan(plan: dict) -> str:
         + (f", {plan['trained_params']:,} trained (train.trainable; the rest frozen: weights only)"
            if plan.get("trained_params", plan["params"]) < plan["params"] else ""),
         f"layout     {plan['devices']} devices, global batch {plan['global_batch']} = micro {plan['micro_batch']} "
-        f"x accum {plan['accumulation']} x {plan['devices']}, seq {plan['seq_len']}, {plan['dtype']}"
+        f"x accum {plan['accumulation']} x {plan.get('dp', plan['devices'])}"
+        + (f" data-parallel (tensor parallel {plan['tp']})" if plan.get("tp", 1) > 1 else "")
+        + f", seq {plan['seq_len']}, {plan['dtype']}"
         + (_sharding(plan) if plan["zero"] else "")
         + (", recompute" if plan["recompute"] else "")
         + (", flash attention" if plan["flash_attention"] else ""),
@@ -296,12 +353,18 @@ def format_plan(plan: dict) -> str:
                      "the checkpoint snapshot and the loader maps")
     if "host_bytes" in plan:
         h = plan["host_bytes"]
-        lines.append(f"host memory per node ({plan['devices']} rank{'s' if plan['devices'] > 1 else ''}):")
+        ranks = plan.get("host_ranks", plan["devices"])
+        lines.append(f"host memory per node ({ranks} rank{'s' if ranks > 1 else ''}):")
         for key, label in (("model_init", "model initialisation"), ("checkpoint_snapshot", "async checkpoint snapshot"),
                            ("loader_maps", "loader index maps"), ("process_baseline", "process baseline")):
             if h[key]:
                 lines.append(f"  {label:<28} {_gb(h[key]):>12}")
         lines.append(f"  {'total':<28} {_gb(h['total']):>12}")
+    if "build_bytes" in plan:
+        bb = plan["build_bytes"]
+        lines.append(f"start-up   {_gb(bb['device'])} of weights on each device before the first step"
+                     + (" (this rank's pieces: each weight drawn on the host, cut, its piece sent)" if bb["cut"]
+                        else " (each weight streamed whole, fp32)"))
     c = plan["collectives_per_step"]
     if plan["devices"] > 1:
         lines.append(f"collectives {c['calls']:,} per step, {c['bytes'] / GB:,.2f} GB handed to them per step per device")
@@ -309,6 +372,11 @@ def format_plan(plan: dict) -> str:
         hc = plan["hccl"]
         lines.append(f"HCCL_BUFFSIZE {hc['buffsize_mb']} MB: largest collective {hc['largest_collective_bytes'] / 2**20:,.0f} MB "
                      f"on {hc['nodes']} server{'s' if hc['nodes'] > 1 else ''} (`launch` exports it; export it for a raw msrun)")
+        comms = hc.get("communicators", [])
+        if len(comms) > 1:
+            lines.append("  communicators " + ", ".join(f"{c['name']} {c['buffsize_mb']} MB (largest {c['largest_bytes'] / 2**20:,.0f} MB)"
+                                                       for c in comms)
+                         + f": {hc['hbm_bytes'] / GB:,.2f} GB of HBM outside the pool (2 x the buffer each)")
     if "overlap" in plan:
         o = plan["overlap"]
         per = f" per micro-batch (x{o['per_step']} a step)" if o["per_step"] > 1 else " per step"

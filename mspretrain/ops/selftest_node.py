@@ -122,7 +122,16 @@ def check_zero2(ctx: Context, ranks: dict[str, Any] | Check | None) -> Check:
     from mspretrain.ops import zero2_worker
 
     ref = zero2_worker.run_steps(ctx.target, 1, 0, zero2_worker.global_batches(ranks["devices"]))
-    return zero2_check(ranks, ref)
+    check = zero2_check(ranks, ref)
+    from mspretrain.ops import exec_order
+
+    if exec_order.wanted(ctx.target):  # the workers' runtime order, checked by MindSpore (ops/exec_order.py)
+        ok, said = exec_order.verdict(exec_order.rank_folders([Path.cwd(), ctx.work]))
+        check.data["exec_order"] = {"passed": ok, "detail": said}
+        check.detail += f"; runtime order: {said}"
+        if ok is False:
+            check.status = FAILED
+    return check
 
 
 def zero2_check(ranks: dict[str, Any], ref: dict[str, Any]) -> Check:

@@ -93,7 +93,11 @@ def main(argv: list[str]) -> int:
 
     setup_mindspore(DeviceInfo(target=target, threads=max(1, (os.cpu_count() or 2) // 2), flash_attention=False))
     world = distributed.init(target)
+    from mspretrain.ops import exec_order
+
+    exec_order.collect(target, "start")  # MindSpore's runtime order of the collectives (Ascend: ops/exec_order.py)
     res = run_steps(target, world.size, world.rank, global_batches(world.size))
+    exec_order.collect(target, "end")
     weights = res.pop("weights")
     record = {"rank": world.rank, **res}
     atomic_write(out / f"rank_{world.rank}.json", json.dumps(record))

@@ -116,6 +116,12 @@ def find_resume(paths: RunPaths, *, is_main: bool, restart: bool, log: Callable[
     return found
 
 
+def builds_on_host(cfg: Config, world_size: int) -> bool:
+    """Whether the model is drawn in host memory and only this rank's pieces go to the device:
+    when it will be cut (ZeRO-3 over more than one rank, tensor parallel)."""
+    return world_size > 1 and (cfg.optim.shard_parameters or cfg.parallel.tp > 1)
+
+
 def memory_options(cfg: Config, step_fn: Any, world: Any, accum: int) -> str:
     """The memory options in effect, for the start-up line (rank 0's share of the state)."""
     parts = []
@@ -288,7 +294,11 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
 
     ms.set_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed % (2**32))
-    model = Decoder(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=device.target, seed=cfg.train.seed)
+    # a model cut for ZeRO-3 or tensor parallel is drawn on the host and only this rank's pieces go to
+    # the device (model/parallel.py `piece_tensor`): built whole in HBM it did not fit above ~15.6 B
+    # parameters (issue 51.2); the host holds the whole fp32 model meanwhile (`plan`: model initialisation)
+    model = Decoder(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=device.target, seed=cfg.train.seed,
+                    host_weights=builds_on_host(cfg, world.size))
     if cfg.train.recompute:
         for layer in model.layers:
             layer.recompute()

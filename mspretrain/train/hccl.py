@@ -98,13 +98,45 @@ HCCL_BUFFSIZE_DEFAULT_MB = 200
 # 64 GB) leaves beside the driver's 4 GB (device.py HBM_RESERVE_GB). Larger collectives still run,
 # in several passes through the buffer.
 HCCL_BUFFSIZE_MAX_MB = 1024
+# The HBM outside the pool that HCCL's buffers share: 64 GB less the 58 GB pool and the driver's 4 GB.
+HCCL_ROOM_MB = 2 * HCCL_BUFFSIZE_MAX_MB
 NPUS_PER_SERVER = 8  # Atlas 800T A2: a plan of more devices crosses servers (RDMA)
 
 
-def buffsize_mb(largest_bytes: int, ranks_per_node: int, nodes: int) -> int:
+def buffsize_mb(largest_bytes: int, ranks_per_node: int, nodes: int, cap_mb: int = HCCL_BUFFSIZE_MAX_MB) -> int:
     """HCCL_BUFFSIZE (MB = 2^20 bytes) for a step whose largest collective moves `largest_bytes`:
     that divided by the ranks of a server within one server, whole across servers; never below
-    HCCL's default, never above HCCL_BUFFSIZE_MAX_MB."""
+    HCCL's default, never above `cap_mb`."""
     per = largest_bytes if nodes > 1 else largest_bytes / max(1, ranks_per_node)
     need = -(-int(per) // 2**20)  # ceil
-    return min(max(need, HCCL_BUFFSIZE_DEFAULT_MB), HCCL_BUFFSIZE_MAX_MB)
+    return min(max(need, HCCL_BUFFSIZE_DEFAULT_MB), max(cap_mb, HCCL_BUFFSIZE_DEFAULT_MB))
+
+
+def communicators(comms: list[tuple[str, int, int, int]]) -> list[dict]:
+    """Each communicator's buffer, from (name, largest collective in bytes, its ranks in one server,
+    the servers it spans), the world's first. Every communicator takes 2 x its buffer of HBM
+    outside the pool (CANN, HCCL_BUFFSIZE), so the room (HCCL_ROOM_MB) is shared: each is capped
+    at HCCL_ROOM_MB / (2 x the communicators), never below HCCL's default. The world's is what
+    `launch` exports as HCCL_BUFFSIZE (the default of every communicator); the tp and dp groups'
+    go to `create_group` (train/tp.py make_mesh, `GROUP_BUFFSIZE_ENV`)."""
+    cap = HCCL_ROOM_MB // (2 * max(1, len(comms)))
+    return [{"name": name, "largest_bytes": int(largest), "buffsize_mb": buffsize_mb(largest, per_node, nodes, cap)}
+            for name, largest, per_node, nodes in comms]
+
+
+# `launch` passes the tp and dp groups' buffers to the workers: "tp=MB,dp=MB"
+GROUP_BUFFSIZE_ENV = "MSPRETRAIN_HCCL_GROUP_MB"
+
+
+def group_buffsize_env(comms: list[dict]) -> str:
+    return ",".join(f"{c['name']}={c['buffsize_mb']}" for c in comms if c["name"] != "world")
+
+
+def group_buffsize(kind: str, env: dict[str, str]) -> int | None:
+    """The buffer (MB) `launch` planned for the `kind` ("tp" / "dp") group, or None (not set, or
+    unreadable: the group then takes HCCL_BUFFSIZE, HCCL's default for every communicator)."""
+    for part in env.get(GROUP_BUFFSIZE_ENV, "").split(","):
+        name, _, value = part.partition("=")
+        if name.strip() == kind and value.strip().isdigit() and 0 < int(value) <= HCCL_ROOM_MB:
+            return int(value)
+    return None

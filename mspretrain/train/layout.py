@@ -301,9 +301,15 @@ class Layout:
         return red_calls * times + gather_calls, red_bytes * times + gather_bytes
 
     def largest_bucket_bytes(self) -> tuple[int, int]:
-        """(largest reduction payload, largest gather payload) in bytes: the transient copies."""
+        """(largest reduction payload, largest gather payload) in bytes: the transient copies.
+        ZeRO-3 (no bucket): one gather and one reduce-scatter per parameter, both of the whole
+        parameter in its storage dtype (train/zero3.py: the gradient of a bf16 weight is bf16),
+        the largest being the lm_head's or the embedding's."""
         wb = lambda i: 2 if self.wire16[i] else 4
         pb = lambda i: 2 if self.half[i] else 4
+        if self.zero3:
+            whole = max((n * pb(i) for i, n in enumerate(self.sizes)), default=0)
+            return whole, whole
         first = lambda b: next(s for s in b.segments if s)[0]
         red = [sum(n * wb(i) for i, n in zip(b.indices, b.sizes)) for b in self.reduce_flat]
         red += [b.numel * wb(first(b)) for b in self.reduce_rank] + [self.sizes[i] * wb(i) for i in self.reduce_single]
@@ -355,3 +361,18 @@ def zero3_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: 
 
 def _bucket_indices(b: RankBucket) -> Iterable[int]:
     return (i for s in b.segments for i in s)
+
+
+# ------------------------------------------------------------------ what `train` refuses of a layout
+# A pure check shared by `train` (train/zero3.py `sharded_names`) and `plan`'s layout table
+# (ops/layouts.py), so the table never recommends a layout `train` refuses (tensor parallel's:
+# model/tp_rules.py).
+
+def zero3_refusal(sizes: dict[str, int], world: int) -> tuple[str, str] | None:
+    """(cause, fix) when ZeRO-3 cannot cut the trained parameters `sizes` (name -> elements) over
+    `world` ranks: every slice must hold elements (n >= world², as for split parameters)."""
+    small = [n for n, k in sizes.items() if k < world * world]
+    if not small:
+        return None
+    return (f"optim.shard_parameters: {small[0]} has {sizes[small[0]]} elements, fewer than world² = {world * world}",
+            "use fewer ranks or optim.shard_gradients=true (ZeRO-2)")

@@ -160,7 +160,14 @@ class TrainStep:
         if self.zero3:
             from mspretrain.train.zero3 import shard_model, sharded_names
 
-            shard_model(model, sharded_names(model, [p.name for p, k in zip(every, keep) if k], world), world, rank, device)
+            names = [p.name for p, k in zip(every, keep) if k]
+            # no reference to the whole weights while they are cut: drawn lazily on an NPU
+            # (model/decoder.py LazyDraw), each is then read, cut and dropped, one at a time
+            every = ()
+            shard_model(model, sharded_names(model, names, world), world, rank, device)
+            for p in model.get_parameters():  # frozen weights the cut did not read: drawn now, whole
+                if p.has_init:
+                    p.init_data()
             every = tuple(model.trainable_params())
         self.params = tuple(p for p, k in zip(every, keep) if k)  # the trained ones: all tables below index these
         self.frozen = tuple(p for p, k in zip(every, keep) if not k)
@@ -506,6 +513,24 @@ class TrainStep:
         if self._full_state is None:
             self._full_state = full_state(self.model, jit=self._jit is not None)
         return {k: v.copy() for k, v in self._full_state().items()}
+
+    def weights_digest(self) -> str:
+        """sha256 of every parameter whole, by name in name order (the bytes `full_weights` gives),
+        read one parameter at a time: under ZeRO-3 each gathered alone (train/zero3.py
+        `one_at_a_time`), never the whole model at once. A collective under ZeRO-3: every rank calls it."""
+        import hashlib
+
+        if self.zero3:
+            from mspretrain.train.zero3 import one_at_a_time
+
+            items = one_at_a_time(self.model, self.world, self.rank, self.device, jit=self._jit is not None)()
+        else:
+            items = iter(sorted(self.full_weights().items()))
+        h = hashlib.sha256()
+        for name, arr in items:
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(arr).tobytes())
+        return h.hexdigest()
 
     def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
         """Whole tensors (a checkpoint's model file, written by any layout) into the model: whole,

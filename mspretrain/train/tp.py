@@ -57,9 +57,31 @@ def make_mesh(rank: int, world: int, tp: int, device: str, create: bool = True) 
 
         # every rank creates the two groups it belongs to, and only those (the members of a group
         # create it: mindspore/communication/management.py, create_group; measured on mccl too)
-        create_group(f"tp_{d}", list(tp_ranks))
-        create_group(f"dp_{t}", list(dp_ranks))
+        create_group(f"tp_{d}", list(tp_ranks), group_options("tp", device))
+        create_group(f"dp_{t}", list(dp_ranks), group_options("dp", device))
     return Mesh(Group(tp_ranks, t, name=f"tp_{d}", device=device), Group(dp_ranks, d, name=f"dp_{t}", device=device))
+
+
+def group_options(kind: str, device: str, env: dict[str, str] | None = None) -> Any:
+    """`create_group`'s options for the `kind` ("tp" / "dp") group: on Ascend the HCCL buffer
+    `launch` planned for it (train/hccl.py `communicators`: each communicator takes 2 x its buffer of
+    HBM outside the pool, so each is sized for its own largest collective), None otherwise (CPU,
+    or no plan: the group takes HCCL_BUFFSIZE). MindSpore 2.10 communication/management.py,
+    `create_group(group, rank_ids, options)`: "for the HCCL backend, hccl_config can be specified
+    ... hccl_buffer_size (uint32): Specifies the size of the HCCL communication buffer", a
+    `mindspore._c_expression.GroupOptions` (its example). Only a 910B shows HCCL honouring it."""
+    import os
+
+    from mspretrain.train.hccl import group_buffsize
+
+    mb = group_buffsize(kind, dict(os.environ) if env is None else env) if device == "ascend" else None
+    if mb is None:
+        return None
+    from mindspore._c_expression import GroupOptions
+
+    options = GroupOptions()
+    options.hccl_config = {"hccl_buffer_size": mb}
+    return options
 
 
 class TPTrainStep(TrainStep):
@@ -133,6 +155,58 @@ class TPTrainStep(TrainStep):
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         return self._whole({k: v.copy() for k, v in super().optimizer_state().items()})
+
+    def collectives(self, accumulation: int = 1) -> dict[str, int]:
+        """The data-parallel reduction's calls and bytes (TrainStep.collectives) plus tensor
+        parallel's own per step: per micro-batch, the forward all-reduce of every ReduceFromTP (the
+        embedding's lookup, each layer's wo and w2) and, again, of the recomputed layers' under
+        layer recompute; the backward all-reduce of every CopyToTP (each norm before a
+        column-parallel layer, the final norm's); the vocabulary-parallel loss's three (max,
+        sum-exp, target logit, fp32 over the micro-batch's tokens); per step the gradient norm's tp
+        sum and, with Qwen3's QK-norms, their partial gradients' sum (model/parallel.py). An
+        activation is (tokens, dim) in the model's compute dtype. The start-up line said "0
+        collectives" for a tp run with one data-parallel rank (issue 54.15)."""
+        import mindspore as ms
+
+        from mspretrain.model.parallel import CopyToTP, ReduceFromTP
+
+        base = super().collectives(accumulation) if self.mesh.dp.size > 1 else {"calls": 0, "bytes": 0}
+        model = self.model
+        e = 2 if model.dtype in (ms.float16, ms.bfloat16) else 4
+        tokens = int(self.global_tokens) // max(1, self.mesh.dp.size * accumulation)  # one rank's micro-batch
+        act = tokens * model.cfg.dim * e
+        cells = [c for _, c in model.cells_and_names()]
+        forward = sum(isinstance(c, ReduceFromTP) for c in cells)
+        recomputed = sum(2 for layer in model.layers if getattr(layer, "_has_config_recompute", False))
+        backward = sum(isinstance(c, CopyToTP) for c in cells)
+        group = self.mesh.tp.size
+        loss = [tokens * 4 * group, tokens * 4, tokens * 4]  # the max's slots on CPU (one per member); on Ascend one
+        if model.tp_loss.core.max.native:
+            loss[0] = tokens * 4
+        per_micro_calls = forward + recomputed + backward + len(loss)  # the norm's tp sum: once a step (+ 1)
+        per_micro_bytes = (forward + recomputed + backward) * act + sum(loss)
+        # the QK-norms' partial sum runs with each reduction: per micro-batch with sharded gradients
+        partial = [p for p in model.trainable_params() if p.name in model.tp_partial]
+        sums = (accumulation if self.shard_grads else 1) if partial else 0
+        return {"calls": base["calls"] + accumulation * per_micro_calls + 1 + sums,
+                "bytes": base["bytes"] + accumulation * per_micro_bytes + 4
+                + sums * 4 * sum(int(np.prod(p.shape)) for p in partial)}
+
+    def weights_digest(self) -> str:
+        """TrainStep.weights_digest over the whole tensors, each summed over the tp group alone
+        (`_whole` of one parameter), never the whole model on the host (issue 51.4). A collective:
+        every rank calls it."""
+        import hashlib
+
+        from mspretrain.model.decoder import state_numpy
+
+        h = hashlib.sha256()
+        pieces = state_numpy(self.model, keep_fp16=True)  # views of this rank's pieces (no copy)
+        for name in sorted(pieces):
+            arr = self._whole({name: pieces[name]})[name]
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(arr).tobytes())
+        return h.hexdigest()
 
     # ----------------------------------------------------------------- whole tensors in
     def load_weights(self, tensors: dict[str, np.ndarray]) -> None:

@@ -75,7 +75,7 @@ gathered weights at once (ops/costs.py `gathered_bytes`), one layer's plus the l
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import mindspore as ms
 import numpy as np
@@ -139,11 +139,12 @@ class ShardedGather(nn.Cell):
 def sharded_names(model: nn.Cell, names: list[str], world: int) -> list[str]:
     """The parameters ZeRO-3 cuts: the trained ones (`names`). Refuses a world it cannot serve, in
     one line: a slice must not be empty (n >= N² elements, as for split parameters)."""
+    from mspretrain.train.layout import zero3_refusal
+
     sizes = {p.name: int(np.prod(p.shape)) for p in model.trainable_params()}
-    small = [n for n in names if sizes[n] < world * world]
-    if small:
-        raise UserError(f"optim.shard_parameters: {small[0]} has {sizes[small[0]]} elements, fewer than world² = {world * world}",
-                        "use fewer ranks or optim.shard_gradients=true (ZeRO-2)")
+    refused = zero3_refusal({n: sizes[n] for n in names}, world)  # plan's layout table asks the same
+    if refused:
+        raise UserError(*refused)
     return list(names)
 
 
@@ -151,7 +152,10 @@ def _slice_of(p: Parameter, world: int, rank: int, device: str) -> tuple[Paramet
     """This rank's 1-D slice of `p` (same name, dtype, requires_grad) and its gather."""
     n = int(np.prod(p.shape))
     a, b = slice_bounds(n, world, rank)
-    piece = Parameter(Tensor(p.asnumpy().reshape(-1)[a:b].copy()).astype(p.dtype), name=p.name, requires_grad=p.requires_grad)
+    from mspretrain.model.parallel import piece_tensor
+
+    # only the slice goes to the device (piece_tensor); the model was drawn on the host (train/build.py)
+    piece = Parameter(piece_tensor(p.asnumpy().reshape(-1)[a:b].copy(), p.dtype, device), p.name, p.requires_grad)
     return piece, ShardedGather(tuple(p.shape), world, rank, device)
 
 
@@ -264,6 +268,43 @@ def wanted_ranges(model: nn.Cell, world: int, rank: int) -> dict[str, tuple[int,
     """[start, stop) of this rank's slice of every sharded parameter: what a resume reads of the
     checkpoint's weights (checkpoint/model_shards.py `read_pieces`); the others are read whole."""
     return {name: slice_bounds(math.prod(g.shape), world, rank) for name, g, _ in gathered(model)}
+
+
+def one_at_a_time(model: nn.Cell, world: int, rank: int, device: str, jit: bool = True,
+                  collective: Callable[[Tensor], Tensor] | None = None) -> Callable[[], Iterator[tuple[str, np.ndarray]]]:
+    """A function yielding every parameter whole by name, in name order, one at a time (as
+    `full_state` gives them: fp16 ones as fp16, the rest fp32), each gathered when it is asked for
+    and dropped before the next: the end-of-run replica hash reads the model this way, where
+    `full_state` held every gathered weight at once (61 GiB for Qwen3-14B: the job died after its
+    final checkpoint, issue 51.4). Every rank must iterate it to the end, in step: one collective
+    per sharded parameter, in name order. The collective is a compiled graph of its own per buffer
+    size (a handful for a decoder: its layers repeat the shapes): AllGather of the zero-padded
+    slice on Ascend, the CPU form's AllReduce of a whole-size buffer holding this rank's slice at
+    its place (as `ShardedGather`)."""
+    sharded = {name: (g, p) for name, g, p in gathered(model)}
+    ascend = device == "ascend"
+    op = ops.AllGather() if ascend else ops.AllReduce(ops.ReduceOp.SUM)
+
+    def collect(buf: Tensor) -> Tensor:
+        return op(buf)
+
+    run_collective = collective or (ms.jit(collect) if jit else collect)  # `collective`: a test's loopback
+
+    def whole(g: ShardedGather, p: Parameter) -> Tensor:  # p: this rank's 1-D slice of the weight of g.shape
+        n, c = g.n, g.c
+        a, b = slice_bounds(n, world, rank)
+        flat = p.reshape(-1)
+        before, after = (0, c - (b - a)) if ascend else (rank * c, world * c - rank * c - (b - a))
+        parts = ([ops.zeros((before,), p.dtype)] if before else []) + [flat] + ([ops.zeros((after,), p.dtype)] if after else [])
+        buf = parts[0] if len(parts) == 1 else ops.concat(parts)
+        return run_collective(buf)[:n].reshape(g.shape)
+
+    def run() -> Iterator[tuple[str, np.ndarray]]:
+        for p in sorted(model.get_parameters(), key=lambda q: q.name):
+            value = whole(*sharded[p.name]) if p.name in sharded else p
+            yield p.name, (value.asnumpy() if value.dtype in (ms.float32, ms.float16) else value.astype(ms.float32).asnumpy())
+
+    return run
 
 
 def load_full_state(model: nn.Cell, tensors: dict[str, np.ndarray], world: int, rank: int) -> None:
