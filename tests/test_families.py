@@ -23,6 +23,7 @@ import transformers
 from mspretrain.checkpoint.init_source import load_init
 from mspretrain.checkpoint.model import load_model
 from mspretrain.config import OptimConfig
+from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.hf import config_from_hf, hf_to_ours
@@ -121,8 +122,14 @@ def test_convert_matches_transformers(fam, family):
 def test_export_reloads_in_transformers(fam, family, capsys):
     d, hf, ck = fam[family]
     out = d.parent / f"{family}_export"
-    rc, _, err = cli(capsys, "export", ck, "--format", "hf", "--out", out)
+    rc, stdout, err = cli(capsys, "export", ck, "--format", "hf", "--out", out)
     assert rc == 0, err
+    # the tokenizer reads back with our ids; a qwen2 folder's only through the class the export names
+    # (transformers 5 forces its byte-level Qwen2Tokenizer there: CJK text became no tokens at all)
+    text = "春风明月 江南"
+    theirs = (transformers.LlamaTokenizer if family == "qwen2" else transformers.AutoTokenizer).from_pretrained(out)
+    assert theirs(text)["input_ids"] == Tokenizer.load(out / "tokenizer.model").encode(text)
+    assert ("LlamaTokenizer.from_pretrained" in stdout) == (family == "qwen2")
     back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(back) is type(hf)
     for key in ("tie_word_embeddings", "sliding_window", "rope_parameters", "rms_norm_eps", "num_key_value_heads"):

@@ -54,6 +54,23 @@ def write_hf_folder(out: str | Path, m: ModelConfig, tensors: dict[str, np.ndarr
     return write_hf_dir(out, m, tensors, special_ids=ids)
 
 
+# transformers 5 loads the tokenizer of a folder whose config.json says model_type "qwen2" as its own
+# Qwen2Tokenizer (byte-level BPE from vocab.json + merges.txt), whatever tokenizer_config.json names:
+# qwen2 is in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS (models/auto/tokenization_auto.py,
+# transformers 5.25). A SentencePiece tokenizer.model then encodes Chinese text to no tokens at all.
+# Nothing in the folder can change that choice short of remote code, so `export` says how to load it.
+_FORCED_BYTE_LEVEL = frozenset({"qwen2"})
+
+
+def tokenizer_load_note(m: ModelConfig, tokenizer_path: str | Path | None) -> str | None:
+    """A one-line note for `export` when transformers' AutoTokenizer would misread the folder's
+    SentencePiece tokenizer (see _FORCED_BYTE_LEVEL); None when AutoTokenizer reads it as written."""
+    if tokenizer_path is None or m.family not in _FORCED_BYTE_LEVEL or Path(tokenizer_path).suffix != ".model":
+        return None
+    return ("note: transformers 5 loads a qwen2 folder's tokenizer as Qwen2Tokenizer, which cannot read a SentencePiece "
+            "tokenizer.model: load it with transformers.LlamaTokenizer.from_pretrained(DIR) (the model loads with AutoModelForCausalLM)")
+
+
 def _sp_add_dummy_prefix(path: Path) -> bool:
     """Whether a SentencePiece model prepends '▁' (decides HF's add_prefix_space)."""
     try:

@@ -55,12 +55,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     with output_dir(out, args.overwrite, ref.dir) as tmp:
         if fmt == "hf":
-            from mspretrain.checkpoint.hf_folder import write_hf_folder
+            from mspretrain.checkpoint.hf_folder import tokenizer_load_note, write_hf_folder
             from mspretrain.checkpoint.model import resolved_config
 
             tensors = read_model_tensors(ref)
             model_cfg = resolved_config(ref, tensors).model
             write_hf_folder(tmp, model_cfg, tensors, ref.tokenizer_path)
+            note = tokenizer_load_note(model_cfg, ref.tokenizer_path)
         else:
             from mspretrain.checkpoint.model import load_model
             from mspretrain.model.mindir import export_mindir
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         from mspretrain.families import family
 
         say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF {family(model_cfg.family).label}, fp32 safetensors)")
+        if note:
+            print(note)
     else:
         print(f"MINDIR logits max abs diff vs model: {meta['verified_max_abs_diff']:.3g} (tolerance {meta['tolerance']:g})")
         say(args, f"exported step {ref.step} from {ref.dir} to {out / meta['file']} (+ export.json)")
