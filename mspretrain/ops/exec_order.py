@@ -21,11 +21,20 @@ import logging
 from pathlib import Path
 
 COMM_FILE = Path("execute_order") / "comm_execute_order.csv"
+# The steps the selftest's workers run inside the collection, in this order (ops/selftest_order.py):
+# a ZeRO-2, a tensor-parallel and a ZeRO-3 step, each layout's collectives on its own groups.
+STEPS = ("zero2", "tp", "zero3")
 
 
 def wanted(target: str) -> bool:
     """Collect the runtime order: on Ascend only (MindSpore's check supports Ascend only)."""
     return target == "ascend"
+
+
+def steps(target: str) -> list[str]:
+    """The steps the workers run: all of STEPS where the order is collected; elsewhere only the
+    ZeRO-2 step, which the selftest compares with one process (the others exist for the order)."""
+    return list(STEPS) if wanted(target) else ["zero2"]
 
 
 def collect(target: str, action: str) -> None:
