@@ -359,14 +359,20 @@ def test_collectives_worker_on_two_cpu_processes(tmp_path):
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_zero2_step_on_two_cpu_processes_matches_one_process(tmp_path):
     """The ZeRO-2 check as a 910B runs it (ranks through msrun, the single-process reference here),
-    on 2 CPU workers: the same compiled TrainStep with split, single and bucketed parameters."""
-    from mspretrain.ops import zero2_worker
+    on 2 CPU workers: the same compiled TrainStep with split, single and bucketed parameters. The
+    workers also run the tp and ZeRO-3 steps a 910B runs for the runtime order (issue 51.7; on CPU
+    the selftest itself runs only the ZeRO-2 step, and MindSpore's collection is off)."""
+    from mspretrain.ops import exec_order, zero2_worker
 
     ctx = selftest_result.Context(cfg=cfgmod.load(TINY), target="cpu", work=tmp_path, results={"npus": 2})
-    ranks = selftest.zero2_ranks(ctx)
+    ranks = selftest.zero2_ranks(ctx, steps=list(exec_order.STEPS))
     assert isinstance(ranks, dict) and ranks["devices"] == 2, ranks
     check = selftest_node.check_zero2(ctx, ranks)
     assert check.status == "passed", check.detail
+    assert "exec_order" not in check.data and "tp step: loss" in check.detail and "zero3 step: loss" in check.detail
+    for r in ranks["ranks"]:  # the tp (tp 2 x dp 1) and ZeRO-3 steps ran on both ranks, finite, same loss
+        assert [r["order_steps"][k]["ran"] and r["order_steps"][k]["finite"] for k in ("tp", "zero3")] == [True, True], r
+    assert len({round(r["order_steps"]["zero3"]["loss"], 6) for r in ranks["ranks"]}) == 1
     diffs = check.data["max_abs_diff"]
     assert diffs["losses"] <= 1e-5 and diffs["weights"] <= 1e-5 and "replicas identical" in check.detail
     assert check.data["collectives"]["calls"] > check.data["reference_collectives"]["calls"] == 0  # one process: none
@@ -452,12 +458,14 @@ def test_the_selftest_wraps_a_zero2_a_tp_and_a_zero3_step_on_ascend_and_fails_on
     monkeypatch.setattr(mindspore.utils, "comm_exec_order_check", events.append)
     builders = {name: (lambda name=name: events.append(name) or {"ran": True, "loss": 1.0, "finite": True})
                 for name in exec_order.STEPS}
-    done = selftest_order.run("ascend", 4, 0, np.zeros((1, 8, 2, 3)), exec_order.steps("ascend"), builders)
+    done = selftest_order.run(exec_order.steps("ascend"), "ascend", builders)
     assert events == ["start", "zero2", "tp", "zero3", "end"] and list(done) == ["zero2", "tp", "zero3"]
     events.clear()
-    selftest_order.run("cpu", 4, 0, np.zeros((1, 8, 2, 3)), exec_order.steps("cpu"), builders)
+    selftest_order.run(exec_order.steps("cpu"), "cpu", builders)
     assert events == ["zero2"]  # no tp / ZeRO-3 step, no Ascend-only collection on CPU
-    assert selftest_order.tp_step("cpu", 3, 0, np.zeros((1, 6, 2, 3)))["ran"] is False  # no tp 2 layout at world 3
+    assert selftest_order.tp_step("cpu", 3, 0, np.zeros((1, 6, 2, 3)), None)["ran"] is False  # no tp 2 layout at world 3
+    wired = selftest_order.builders_for("cpu", 2, 0, np.zeros((1, 4, 2, 3)), None, lambda: "zero2")
+    assert list(wired) == list(exec_order.STEPS) and wired["zero2"]() == "zero2"
 
     # the selftest's side: the ranks' records (ZeRO-2's comparison stands in: it is tested through msrun)
     cwd, work = tmp_path / "cwd", tmp_path / "work"

@@ -14,6 +14,11 @@ files are found, which a CPU test feeds with hand-written files. Where the C++ s
 files (`execute_order_tracker.cc`: "execute_order/comm_execute_order.csv" under a dump path it
 does not document) is a guess here: a `rank_R` folder in the worker's working directory, where
 MindSpore puts its other per-rank files (`rank_R/om/analyze_fail.ir`). Only a 910B confirms it.
+The checker reads a record's `root_rank` as a world rank (`parse_and_validate` expects the record
+on every rank named in its first two brackets, commRank and rootRank); whether the tracker writes a
+sub-group Broadcast's root as the world rank or as the rank inside the group (what HCCL reads,
+issue 51.1) only a 910B shows: in the latter case MindSpore's check would report a correct
+broadcast on `dp_1` as unpaired.
 """
 from __future__ import annotations
 

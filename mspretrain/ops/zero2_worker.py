@@ -97,7 +97,10 @@ def main(argv: list[str]) -> int:
     from mspretrain.ops import selftest_order
 
     # the ZeRO-2 step, and on Ascend a tp and a ZeRO-3 step, inside MindSpore's runtime-order collection
-    done = selftest_order.run(target, world.size, world.rank, global_batches(world.size), argv[2].split(","))
+    batches = global_batches(world.size)
+    tiny = selftest_order.Tiny(model_config(), LR, BUCKET_MB, batches.shape[1] * ROWS * SEQ)
+    done = selftest_order.run(argv[2].split(","), target, selftest_order.builders_for(
+        target, world.size, world.rank, batches, tiny, lambda: run_steps(target, world.size, world.rank, batches)))
     res = done.pop("zero2")
     weights = res.pop("weights")
     record = {"rank": world.rank, **res, "order_steps": done}
