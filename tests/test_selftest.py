@@ -445,10 +445,12 @@ def test_the_selftest_wraps_a_zero2_a_tp_and_a_zero3_step_on_ascend_and_fails_on
     """Issue 51.7. Which steps the workers run inside MindSpore's collection is chosen by device:
     on Ascend the ZeRO-2, tp and ZeRO-3 steps, in that order, between one `comm_exec_order_check`
     "start" and its "end"; on CPU the ZeRO-2 step alone and no collection. The selftest then reads
-    the rank_R/execute_order/comm_execute_order.csv under the workers' working directory and its
-    work dir, and MindSpore's `runtime_execution_order_check` on 4 ranks' hand-written files of
-    the three steps passes them, and fails the check when one rank's records of any one step
-    differ (that step's last collective missing on rank 3: HCCL would wait for it forever)."""
+    the rank_R/execute_order/comm_execute_order.csv under the workers' working directory, their
+    output dir and its work dir (read before that is removed), and MindSpore's
+    `runtime_execution_order_check` on 4 ranks' hand-written files of the three steps passes them,
+    and fails the check when one rank's records of any one step differ (that step's last collective
+    missing on rank 3: HCCL would wait for it forever).
+    """
     import mindspore.utils
 
     from mspretrain.ops import exec_order, selftest_order, zero2_worker
@@ -472,7 +474,7 @@ def test_the_selftest_wraps_a_zero2_a_tp_and_a_zero3_step_on_ascend_and_fails_on
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     ctx = selftest_result.Context(cfg=cfgmod.load(TINY), target="ascend", work=work, results={"npus": 4})
-    assert selftest_node.order_roots(ctx) == [cwd, work]
+    assert selftest_node.order_roots(ctx) == [cwd, work / "zero2", work]
     monkeypatch.setattr(zero2_worker, "run_steps", lambda *a: {})
     monkeypatch.setattr(selftest_node, "zero2_check", lambda ranks, ref: selftest_result.Check("zero2 step", "passed", "compared"))
     files = {}
@@ -482,7 +484,7 @@ def test_the_selftest_wraps_a_zero2_a_tp_and_a_zero3_step_on_ascend_and_fails_on
             rows[broken] = rows[broken][:-1]  # one collective fewer: HCCL would wait for it forever
         files[rank] = [row for name in exec_order.STEPS for row in rows[name]]
     _order_files(cwd, {0: files[0], 1: files[1]})  # where each rank's file lands is unverified: both places are read
-    _order_files(work, {2: files[2], 3: files[3]})
+    _order_files(work / "zero2", {2: files[2], 3: files[3]})
     record = {name: {"ran": True, "loss": 5.5, "finite": True} for name in ("tp", "zero3")}
     ranks = {"devices": 4, "steps": exec_order.steps("ascend"), "ranks": [{"rank": r, "order_steps": record} for r in range(4)]}
     check = selftest_node.check_zero2(ctx, ranks)
@@ -492,6 +494,8 @@ def test_the_selftest_wraps_a_zero2_a_tp_and_a_zero3_step_on_ascend_and_fails_on
         assert "tp step: loss 5.5000" in check.detail and "zero2 + tp + zero3" in check.detail
     else:
         assert check.status == "failed" and check.data["exec_order"]["passed"] is False, check.detail
+    # the verdict zero2_ranks read while the workers' dirs existed is the one reported
+    assert selftest_node.check_zero2(ctx, {**ranks, "exec_order": (False, "read earlier")}).detail.endswith("read earlier")
     # a rank whose tp or ZeRO-3 step overflowed, or that did not report it, fails the check too
     ranks["ranks"][2] = {"rank": 2, "order_steps": {"tp": {"ran": True, "loss": float("nan"), "finite": False}}}
     bad = selftest_node.check_zero2(ctx, ranks)

@@ -112,6 +112,8 @@ def zero2_ranks(ctx: Context, steps: list[str] | None = None) -> dict[str, Any] 
         return Check(ZERO2, FAILED, f"{exc.cause} ({exc.fix})" if getattr(exc, "fix", None) else str(exc),
                      seconds=time.perf_counter() - t0)
     res["seconds"], res["steps"] = time.perf_counter() - t0, steps
+    if exec_order.wanted(ctx.target):  # read now: the selftest removes this work dir before check_zero2
+        res["exec_order"] = exec_order.verdict(exec_order.rank_folders(order_roots(ctx)))
     return res
 
 
@@ -140,7 +142,7 @@ def check_zero2(ctx: Context, ranks: dict[str, Any] | Check | None) -> Check:
             for name in steps if name != "zero2")
     check.data["order_steps"] = steps
     if exec_order.wanted(ctx.target):  # the workers' runtime order over all their steps, checked by MindSpore (ops/exec_order.py)
-        ok, said = exec_order.verdict(exec_order.rank_folders(order_roots(ctx)))
+        ok, said = ranks.get("exec_order") or exec_order.verdict(exec_order.rank_folders(order_roots(ctx)))
         check.data["exec_order"] = {"passed": ok, "detail": said, "steps": steps}
         check.detail += f"; runtime order of the {' + '.join(steps)} steps: {said}"
         if ok is False:
@@ -150,9 +152,9 @@ def check_zero2(ctx: Context, ranks: dict[str, Any] | Check | None) -> Check:
 
 def order_roots(ctx: Context) -> list[Path]:
     """Where the workers' rank_R/execute_order/comm_execute_order.csv are looked for: their working
-    directory (the selftest's: msrun's workers inherit it) and the selftest's work dir (unverified:
-    ops/exec_order.py)."""
-    return [Path.cwd(), ctx.work]
+    directory (the selftest's: msrun's workers inherit it), their output dir and the selftest's work
+    dir (where 2.10 writes them is unverified: ops/exec_order.py)."""
+    return [Path.cwd(), ctx.work / "zero2", ctx.work]
 
 
 def zero2_check(ranks: dict[str, Any], ref: dict[str, Any]) -> Check:
