@@ -359,14 +359,20 @@ def test_collectives_worker_on_two_cpu_processes(tmp_path):
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_zero2_step_on_two_cpu_processes_matches_one_process(tmp_path):
     """The ZeRO-2 check as a 910B runs it (ranks through msrun, the single-process reference here),
-    on 2 CPU workers: the same compiled TrainStep with split, single and bucketed parameters."""
-    from mspretrain.ops import zero2_worker
+    on 2 CPU workers: the same compiled TrainStep with split, single and bucketed parameters. The
+    workers also run the tp and ZeRO-3 steps a 910B runs for the runtime order (issue 51.7; on CPU
+    the selftest itself runs only the ZeRO-2 step, and MindSpore's collection is off)."""
+    from mspretrain.ops import exec_order, zero2_worker
 
     ctx = selftest_result.Context(cfg=cfgmod.load(TINY), target="cpu", work=tmp_path, results={"npus": 2})
-    ranks = selftest.zero2_ranks(ctx)
+    ranks = selftest.zero2_ranks(ctx, steps=list(exec_order.STEPS))
     assert isinstance(ranks, dict) and ranks["devices"] == 2, ranks
     check = selftest_node.check_zero2(ctx, ranks)
     assert check.status == "passed", check.detail
+    assert "exec_order" not in check.data and "tp step: loss" in check.detail and "zero3 step: loss" in check.detail
+    for r in ranks["ranks"]:  # the tp (tp 2 x dp 1) and ZeRO-3 steps ran on both ranks, finite, same loss
+        assert [r["order_steps"][k]["ran"] and r["order_steps"][k]["finite"] for k in ("tp", "zero3")] == [True, True], r
+    assert len({round(r["order_steps"]["zero3"]["loss"], 6) for r in ranks["ranks"]}) == 1
     diffs = check.data["max_abs_diff"]
     assert diffs["losses"] <= 1e-5 and diffs["weights"] <= 1e-5 and "replicas identical" in check.detail
     assert check.data["collectives"]["calls"] > check.data["reference_collectives"]["calls"] == 0  # one process: none
@@ -382,12 +388,14 @@ _ORDER_HEADER = ("index,group,comm_rank,primitive,src_rank,dest_rank,root_rank,i
                  "output_type,input_size,output_size\n")
 
 
-def _order_files(root: Path, ranks: dict[int, list[tuple[str, str, str]]]) -> None:
-    """rank_R/execute_order/comm_execute_order.csv as MindSpore writes them: (primitive, group, root) rows."""
+def _order_files(root: Path, ranks: dict[int, list[tuple[str, ...]]]) -> None:
+    """rank_R/execute_order/comm_execute_order.csv as MindSpore writes them: (primitive, group, root[,
+    the group's ranks, default "0 1"]) rows."""
     for rank, rows in ranks.items():
         d = root / f"rank_{rank}" / "execute_order"
         d.mkdir(parents=True)
-        lines = [f"{i},{group},0 1,{prim},,,{r},[8],Float32,[8],Float32,32,32\n" for i, (prim, group, r) in enumerate(rows)]
+        lines = [f"{i},{row[1]},{row[3] if len(row) > 3 else '0 1'},{row[0]},,,{row[2]},[8],Float32,[8],Float32,32,32\n"
+                 for i, row in enumerate(rows)]
         (d / "comm_execute_order.csv").write_text(_ORDER_HEADER + "".join(lines), encoding="utf-8")
 
 
@@ -415,3 +423,80 @@ def test_the_runtime_order_check_is_selected_by_device_and_reads_mindspores_verd
     ok, said = exec_order.verdict(exec_order.rank_folders([tmp_path / "bad"]))
     assert ok is False, said
     assert exec_order.verdict(exec_order.rank_folders([tmp_path / "none"]))[0] is None
+
+
+def _steps_rows(rank: int) -> dict[str, list[tuple[str, ...]]]:
+    """Each step's collectives on a rank of 4 as the workers' steps issue them: ZeRO-2 over the world,
+    tp 2 x dp 2 (rank r in tp_{r // 2} and dp_{r % 2}, a ZeRO-2 broadcast from the dp group's first
+    member: MindSpore's checker reads root_rank as a world rank, `parse_and_validate` pairing each
+    record with the ranks in its first two brackets, commRank and rootRank),
+    ZeRO-3's gathers and backward reduce-scatters."""
+    w, t, d = "hccl_world_group", f"tp_{rank // 2}", f"dp_{rank % 2}"
+    tp_ranks, dp_ranks = f"{rank // 2 * 2} {rank // 2 * 2 + 1}", f"{rank % 2} {rank % 2 + 2}"
+    every = "0 1 2 3"
+    return {"zero2": [("ReduceScatter", w, "", every), ("AllReduce", w, "", every), ("AllGather", w, "", every)],
+            "tp": [("AllReduce", t, "", tp_ranks), ("ReduceScatter", d, "", dp_ranks), ("AllReduce", t, "", tp_ranks),
+                   ("Broadcast", d, str(rank % 2), dp_ranks)],
+            "zero3": [("AllGather", w, "", every), ("AllGather", w, "", every), ("ReduceScatter", w, "", every)]}
+
+
+@pytest.mark.parametrize("broken", [None, "zero2", "tp", "zero3"])
+def test_the_selftest_wraps_a_zero2_a_tp_and_a_zero3_step_on_ascend_and_fails_on_any_steps_order(tmp_path, monkeypatch, broken):
+    """Issue 51.7. Which steps the workers run inside MindSpore's collection is chosen by device:
+    on Ascend the ZeRO-2, tp and ZeRO-3 steps, in that order, between one `comm_exec_order_check`
+    "start" and its "end"; on CPU the ZeRO-2 step alone and no collection. The selftest then reads
+    the rank_R/execute_order/comm_execute_order.csv under the workers' working directory, their
+    output dir and its work dir (read before that is removed), and MindSpore's
+    `runtime_execution_order_check` on 4 ranks' hand-written files of the three steps passes them,
+    and fails the check when one rank's records of any one step differ (that step's last collective
+    missing on rank 3: HCCL would wait for it forever).
+    """
+    import mindspore.utils
+
+    from mspretrain.ops import exec_order, selftest_order, zero2_worker
+
+    assert exec_order.steps("ascend") == ["zero2", "tp", "zero3"] and exec_order.steps("cpu") == ["zero2"]
+    events: list[str] = []
+    monkeypatch.setattr(mindspore.utils, "comm_exec_order_check", events.append)
+    builders = {name: (lambda name=name: events.append(name) or {"ran": True, "loss": 1.0, "finite": True})
+                for name in exec_order.STEPS}
+    done = selftest_order.run(exec_order.steps("ascend"), "ascend", builders)
+    assert events == ["start", "zero2", "tp", "zero3", "end"] and list(done) == ["zero2", "tp", "zero3"]
+    events.clear()
+    selftest_order.run(exec_order.steps("cpu"), "cpu", builders)
+    assert events == ["zero2"]  # no tp / ZeRO-3 step, no Ascend-only collection on CPU
+    assert selftest_order.tp_step("cpu", 3, 0, np.zeros((1, 6, 2, 3)), None)["ran"] is False  # no tp 2 layout at world 3
+    wired = selftest_order.builders_for("cpu", 2, 0, np.zeros((1, 4, 2, 3)), None, lambda: "zero2")
+    assert list(wired) == list(exec_order.STEPS) and wired["zero2"]() == "zero2"
+
+    # the selftest's side: the ranks' records (ZeRO-2's comparison stands in: it is tested through msrun)
+    cwd, work = tmp_path / "cwd", tmp_path / "work"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    ctx = selftest_result.Context(cfg=cfgmod.load(TINY), target="ascend", work=work, results={"npus": 4})
+    assert selftest_node.order_roots(ctx) == [cwd, work / "zero2", work]
+    monkeypatch.setattr(zero2_worker, "run_steps", lambda *a: {})
+    monkeypatch.setattr(selftest_node, "zero2_check", lambda ranks, ref: selftest_result.Check("zero2 step", "passed", "compared"))
+    files = {}
+    for rank in range(4):
+        rows = _steps_rows(rank)
+        if broken and rank == 3:
+            rows[broken] = rows[broken][:-1]  # one collective fewer: HCCL would wait for it forever
+        files[rank] = [row for name in exec_order.STEPS for row in rows[name]]
+    _order_files(cwd, {0: files[0], 1: files[1]})  # where each rank's file lands is unverified: both places are read
+    _order_files(work / "zero2", {2: files[2], 3: files[3]})
+    record = {name: {"ran": True, "loss": 5.5, "finite": True} for name in ("tp", "zero3")}
+    ranks = {"devices": 4, "steps": exec_order.steps("ascend"), "ranks": [{"rank": r, "order_steps": record} for r in range(4)]}
+    check = selftest_node.check_zero2(ctx, ranks)
+    assert check.data["exec_order"]["steps"] == ["zero2", "tp", "zero3"]
+    if broken is None:
+        assert check.status == "passed" and "4 ranks" in check.data["exec_order"]["detail"], check.detail
+        assert "tp step: loss 5.5000" in check.detail and "zero2 + tp + zero3" in check.detail
+    else:
+        assert check.status == "failed" and check.data["exec_order"]["passed"] is False, check.detail
+    # the verdict zero2_ranks read while the workers' dirs existed is the one reported
+    assert selftest_node.check_zero2(ctx, {**ranks, "exec_order": (False, "read earlier")}).detail.endswith("read earlier")
+    # a rank whose tp or ZeRO-3 step overflowed, or that did not report it, fails the check too
+    ranks["ranks"][2] = {"rank": 2, "order_steps": {"tp": {"ran": True, "loss": float("nan"), "finite": False}}}
+    bad = selftest_node.check_zero2(ctx, ranks)
+    assert bad.status == "failed" and "tp step overflowed on ranks [2]" in bad.detail and "zero3 step: 1 of 4" in bad.detail

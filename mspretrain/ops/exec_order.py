@@ -14,6 +14,11 @@ files are found, which a CPU test feeds with hand-written files. Where the C++ s
 files (`execute_order_tracker.cc`: "execute_order/comm_execute_order.csv" under a dump path it
 does not document) is a guess here: a `rank_R` folder in the worker's working directory, where
 MindSpore puts its other per-rank files (`rank_R/om/analyze_fail.ir`). Only a 910B confirms it.
+The checker reads a record's `root_rank` as a world rank (`parse_and_validate` expects the record
+on every rank named in its first two brackets, commRank and rootRank); whether the tracker writes a
+sub-group Broadcast's root as the world rank or as the rank inside the group (what HCCL reads,
+issue 51.1) only a 910B shows: in the latter case MindSpore's check would report a correct
+broadcast on `dp_1` as unpaired.
 """
 from __future__ import annotations
 
@@ -21,11 +26,20 @@ import logging
 from pathlib import Path
 
 COMM_FILE = Path("execute_order") / "comm_execute_order.csv"
+# The steps the selftest's workers run inside the collection, in this order (ops/selftest_order.py):
+# a ZeRO-2, a tensor-parallel and a ZeRO-3 step, each layout's collectives on its own groups.
+STEPS = ("zero2", "tp", "zero3")
 
 
 def wanted(target: str) -> bool:
     """Collect the runtime order: on Ascend only (MindSpore's check supports Ascend only)."""
     return target == "ascend"
+
+
+def steps(target: str) -> list[str]:
+    """The steps the workers run: all of STEPS where the order is collected; elsewhere only the
+    ZeRO-2 step, which the selftest compares with one process (the others exist for the order)."""
+    return list(STEPS) if wanted(target) else ["zero2"]
 
 
 def collect(target: str, action: str) -> None:

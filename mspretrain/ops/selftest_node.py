@@ -92,10 +92,13 @@ ZERO2 = "zero2 step"
 ZERO2_TOLERANCE = {"losses": 1e-5, "grad_norms": 1e-4, "weights": 1e-5}
 
 
-def zero2_ranks(ctx: Context) -> dict[str, Any] | Check:
+def zero2_ranks(ctx: Context, steps: list[str] | None = None) -> dict[str, Any] | Check:
     """The ZeRO-2 step on every NPU of the node (msrun workers), run before this process binds one
-    (as the collectives); a Check when it could not run."""
-    from mspretrain.ops import zero2_worker
+    (as the collectives), and on Ascend a tp and a ZeRO-3 step after it for the runtime order
+    (`steps`, default ops/exec_order.py `steps(target)`); a Check when it could not run."""
+    from mspretrain.ops import exec_order, zero2_worker
+
+    steps = exec_order.steps(ctx.target) if steps is None else steps
 
     n = ctx.results.get("npus", 0) or visible_npus()
     if n < 2:
@@ -104,11 +107,13 @@ def zero2_ranks(ctx: Context) -> dict[str, Any] | Check:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        res = zero2_worker.launch(n, out, target=ctx.target)
+        res = zero2_worker.launch(n, out, target=ctx.target, steps=steps)
     except UserError as exc:
         return Check(ZERO2, FAILED, f"{exc.cause} ({exc.fix})" if getattr(exc, "fix", None) else str(exc),
                      seconds=time.perf_counter() - t0)
-    res["seconds"] = time.perf_counter() - t0
+    res["seconds"], res["steps"] = time.perf_counter() - t0, steps
+    if exec_order.wanted(ctx.target):  # read now: the selftest removes this work dir before check_zero2
+        res["exec_order"] = exec_order.verdict(exec_order.rank_folders(order_roots(ctx)))
     return res
 
 
@@ -123,15 +128,33 @@ def check_zero2(ctx: Context, ranks: dict[str, Any] | Check | None) -> Check:
 
     ref = zero2_worker.run_steps(ctx.target, 1, 0, zero2_worker.global_batches(ranks["devices"]))
     check = zero2_check(ranks, ref)
-    from mspretrain.ops import exec_order
+    from mspretrain.ops import exec_order, selftest_order
 
-    if exec_order.wanted(ctx.target):  # the workers' runtime order, checked by MindSpore (ops/exec_order.py)
-        ok, said = exec_order.verdict(exec_order.rank_folders([Path.cwd(), ctx.work]))
-        check.data["exec_order"] = {"passed": ok, "detail": said}
-        check.detail += f"; runtime order: {said}"
+    steps = ranks.get("steps", ["zero2"])
+    others = selftest_order.problems(ranks["ranks"], steps)  # the tp and ZeRO-3 steps ran, finite
+    if others:
+        check.status = FAILED
+        check.detail += "; " + "; ".join(others)
+    elif len(steps) > 1 and ranks["ranks"]:
+        recs = [r["order_steps"] for r in ranks["ranks"]]
+        check.detail += "; " + ", ".join(
+            f"{name} step: " + (f"loss {recs[0][name]['loss']:.4f}" if recs[0][name]["ran"] else f"not run ({recs[0][name]['why']})")
+            for name in steps if name != "zero2")
+    check.data["order_steps"] = steps
+    if exec_order.wanted(ctx.target):  # the workers' runtime order over all their steps, checked by MindSpore (ops/exec_order.py)
+        ok, said = ranks.get("exec_order") or exec_order.verdict(exec_order.rank_folders(order_roots(ctx)))
+        check.data["exec_order"] = {"passed": ok, "detail": said, "steps": steps}
+        check.detail += f"; runtime order of the {' + '.join(steps)} steps: {said}"
         if ok is False:
             check.status = FAILED
     return check
+
+
+def order_roots(ctx: Context) -> list[Path]:
+    """Where the workers' rank_R/execute_order/comm_execute_order.csv are looked for: their working
+    directory (the selftest's: msrun's workers inherit it), their output dir and the selftest's work
+    dir (where 2.10 writes them is unverified: ops/exec_order.py)."""
+    return [Path.cwd(), ctx.work / "zero2", ctx.work]
 
 
 def zero2_check(ranks: dict[str, Any], ref: dict[str, Any]) -> Check:

@@ -3,7 +3,7 @@ sharded optimizer state and gradients (`optim.shard_optimizer` + `optim.shard_gr
 trainer's TrainStep), and the selftest compares the result with one process that ran the whole
 global batch (`run_steps(world=1)`, computed by the selftest itself).
 
-`launch()` runs this file under msrun (`python zero2_worker.py OUT TARGET` in each worker), as the
+`launch()` runs this file under msrun (`python zero2_worker.py OUT TARGET STEPS` in each worker), as the
 collectives worker is run; each rank writes OUT/rank_R.json (its losses, grad norms and a digest of
 its weights: the AllGathers must leave identical replicas), rank 0 also its weights (OUT/weights.npz)
 and OUT/result.json. The tables are chosen so that one step crosses ranks in every way the trainer
@@ -74,11 +74,12 @@ def run_steps(target: str, world: int, rank: int, batches: np.ndarray) -> dict[s
             "collectives": step.collectives(n_micro)}
 
 
-def launch(n: int, out: Path, *, target: str, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run the step on `n` msrun workers; every rank's record, and rank 0's weights."""
+def launch(n: int, out: Path, *, target: str, steps: list[str] | None = None, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run the steps (ops/selftest_order.py; default by device) on `n` msrun workers; every rank's record, and rank 0's weights."""
+    from mspretrain.ops import exec_order
     from mspretrain.ops.collectives_worker import run_workers
 
-    run_workers(n, out, [str(out), target], script=__file__, timeout_s=timeout_s, what="the ZeRO-2 step")
+    run_workers(n, out, [str(out), target, ",".join(steps or exec_order.steps(target))], script=__file__, timeout_s=timeout_s, what="the ZeRO-2 step")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"), key=lambda p: int(p.stem.split("_")[1]))]
     with np.load(out / "weights.npz") as z:
         weights = {k: z[k] for k in z.files}
@@ -93,13 +94,16 @@ def main(argv: list[str]) -> int:
 
     setup_mindspore(DeviceInfo(target=target, threads=max(1, (os.cpu_count() or 2) // 2), flash_attention=False))
     world = distributed.init(target)
-    from mspretrain.ops import exec_order
+    from mspretrain.ops import selftest_order
 
-    exec_order.collect(target, "start")  # MindSpore's runtime order of the collectives (Ascend: ops/exec_order.py)
-    res = run_steps(target, world.size, world.rank, global_batches(world.size))
-    exec_order.collect(target, "end")
+    # the ZeRO-2 step, and on Ascend a tp and a ZeRO-3 step, inside MindSpore's runtime-order collection
+    batches = global_batches(world.size)
+    tiny = selftest_order.Tiny(model_config(), LR, BUCKET_MB, batches.shape[1] * ROWS * SEQ)
+    done = selftest_order.run(argv[2].split(","), target, selftest_order.builders_for(
+        target, world.size, world.rank, batches, tiny, lambda: run_steps(target, world.size, world.rank, batches)))
+    res = done.pop("zero2")
     weights = res.pop("weights")
-    record = {"rank": world.rank, **res}
+    record = {"rank": world.rank, **res, "order_steps": done}
     atomic_write(out / f"rank_{world.rank}.json", json.dumps(record))
     if world.rank == 0:
         tmp = out / "weights.tmp.npz"
