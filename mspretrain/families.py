@@ -38,6 +38,7 @@ class Family:
     head_dim_written: bool  # False: the config class has no head_dim key; written only when explicit
     export_keys: tuple[tuple[str, Any], ...]  # fixed keys export adds to config.json, in this order
     sliding_window_default: int = 0  # the config class's sliding_window when config.json has no such key
+    moe: bool = False  # a mixture of experts (model/moe.py): model.num_experts > 0, router + experts per MoE layer
 
     def switches(self) -> dict[str, Any]:
         """The ModelConfig fields this family fixes (a preset or `convert` passes them on)."""
@@ -57,6 +58,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral", "Mistral", "MistralForCausalLM", "Mistral", qkv_bias=False, qk_norm=False, sliding_window=True,
            max_position_default=4096 * 32, head_dim_default=None, attention_bias_key=False, per_layer_window=False,
            head_dim_written=True, export_keys=(), sliding_window_default=4096),
+    # transformers 5.x models/qwen3_moe: Qwen3's attention (QK-norm, no bias) with a sparse MoE block
+    Family("qwen3_moe", "Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3-MoE", qkv_bias=False, qk_norm=True, sliding_window=False,
+           max_position_default=32768, head_dim_default=128, attention_bias_key=True, per_layer_window=True,
+           head_dim_written=True, export_keys=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
+           moe=True),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 

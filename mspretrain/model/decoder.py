@@ -210,7 +210,8 @@ class Decoder(nn.Cell):
         _init_device[0] = "Ascend" if on_npu else None
         try:
             self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
-            self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])
+            self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash, cfg.is_moe_layer(i))
+                                         for i in range(cfg.n_layers)])
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.dtype)
             self.tied = cfg.tie_embeddings
             if not self.tied:
@@ -225,6 +226,9 @@ class Decoder(nn.Cell):
         self.window = cfg.sliding_window  # 0 = full attention
         self.local_heads = (cfg.n_heads, cfg.n_kv_heads)  # (q, kv) heads of this rank: fewer under tensor parallel
         self.fused_kernels = use_fused_kernels(device)
+        # MoE (model/moe.py): True makes construct return (logits, routing stats summed over the MoE
+        # layers) for the load-balancing loss (the train step sets it when router_aux_loss_coef > 0)
+        self.router_stats = False
         self.sharded = False  # ZeRO-3: the trained Parameters are this rank's slices (train/zero3.py shard_model)
         if self.fused_kernels:  # one model definition: the norm and softmax cells switch kernel
             for _, cell in self.cells_and_names():
@@ -255,8 +259,14 @@ class Decoder(nn.Cell):
             sin = ops.broadcast_to(sin, (B, T, H + KV, hd))
             bias = ops.broadcast_to(bias, (B, H, T, T))
         if token is None:
+            stats = None
             for layer in self.layers:
                 x = layer(x, cos, sin, bias, discard)
+                if layer.sparse:  # MoE: (x, routing stats)
+                    x, s = x
+                    stats = s if stats is None else stats + s
+            if self.router_stats:
+                return self._head(x), stats
             return self._head(x)
         for layer in self.layers:  # ZeRO-3: each block's gathers start from the previous block's token
             x, token = layer(x, cos, sin, bias, discard, token)
