@@ -226,9 +226,6 @@ class Decoder(nn.Cell):
         self.window = cfg.sliding_window  # 0 = full attention
         self.local_heads = (cfg.n_heads, cfg.n_kv_heads)  # (q, kv) heads of this rank: fewer under tensor parallel
         self.fused_kernels = use_fused_kernels(device)
-        # MoE (model/moe.py): True makes construct return (logits, routing stats summed over the MoE
-        # layers) for the load-balancing loss (the train step sets it when router_aux_loss_coef > 0)
-        self.router_stats = False
         self.sharded = False  # ZeRO-3: the trained Parameters are this rank's slices (train/zero3.py shard_model)
         if self.fused_kernels:  # one model definition: the norm and softmax cells switch kernel
             for _, cell in self.cells_and_names():
@@ -237,7 +234,10 @@ class Decoder(nn.Cell):
                 elif isinstance(cell, Attention):
                     cell.softmax = SoftmaxPlain()
 
-    def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None) -> Tensor:
+    def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None,
+                  routing: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """`routing` (MoE, model/moe.py; a constant): (logits, routing stats (2, E) summed over the MoE
+        layers) for the load-balancing loss of the train step."""
         T = tokens.shape[1]
         token = None
         if self.sharded:  # ZeRO-3 (train/zero3.py): the embedding gathered, the first block's gathers after it
@@ -265,7 +265,7 @@ class Decoder(nn.Cell):
                 if layer.sparse:  # MoE: (x, routing stats)
                     x, s = x
                     stats = s if stats is None else stats + s
-            if self.router_stats:
+            if routing:
                 return self._head(x), stats
             return self._head(x)
         for layer in self.layers:  # ZeRO-3: each block's gathers start from the previous block's token
