@@ -59,7 +59,7 @@ FAMILIES: tuple[Family, ...] = (
            max_position_default=4096 * 32, head_dim_default=None, attention_bias_key=False, per_layer_window=False,
            head_dim_written=True, export_keys=(), sliding_window_default=4096),
     # transformers 5.x models/qwen3_moe: Qwen3's attention (QK-norm, no bias) with a sparse MoE block
-    Family("qwen3_moe", "Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3-MoE", qkv_bias=False, qk_norm=True, sliding_window=False,
+    Family("qwen3_moe", "Qwen3Moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", qkv_bias=False, qk_norm=True, sliding_window=False,
            max_position_default=32768, head_dim_default=128, attention_bias_key=True, per_layer_window=True,
            head_dim_written=True, export_keys=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
            moe=True),

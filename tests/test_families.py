@@ -488,6 +488,7 @@ def test_family_table_drives_config_presets_and_shapes():
     with pytest.raises(UserError) as e:
         ModelConfig(family="qwen2")
     assert e.value.cause == "model.qkv_bias = False is not what model.family = qwen2 has"
-    assert e.value.fix == "qwen2 has qkv_bias, qwen3 has qk_norm, only mistral has a sliding_window; llama has none of them"
+    assert e.value.fix == ("qwen2 has qkv_bias, qwen3 has qk_norm, qwen3_moe has qk_norm, only mistral has a sliding_window; "
+                           "llama has none of them")
     with pytest.raises(UserError, match="not supported"):
         family("gpt2")

@@ -72,3 +72,27 @@ def test_moe_refuses_zero_and_tp(tmp_path, tiny_data, capsys):
         err = refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", tmp_path / "r", *ARGS, key)
         assert "mixture-of-experts" in err
         assert not (tmp_path / "r").exists()
+
+
+def test_train_upcycle_from_dense_checkpoint(tmp_path, tiny_data, capsys):
+    """`train --init-from DENSE --upcycle`: the MoE run's first loss (before any update) is the dense
+    checkpoint's loss on the same batch, which a dense `--init-from` run of it logs too."""
+    import json
+
+    qwen3 = ("model.family=qwen3", "model.qk_norm=true", "model.n_layers=1", "eval.at_end=false", "train.log_every=1",
+             "schedule.warmup_steps=0")
+    dense = tmp_path / "dense"
+    code, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", dense, "--quiet", "train.max_steps=2", *qwen3)
+    assert code == 0, err
+    one = ("train.max_steps=1", "--quiet", "--init-from", dense)
+    code, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", tmp_path / "d2", *one, *qwen3)
+    assert code == 0, err
+    up = tmp_path / "up"
+    code, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", up, *one, "--upcycle", *qwen3,
+                       "model.family=qwen3_moe", "model.num_experts=4", "model.experts_per_token=2")
+    assert code == 0, err
+    assert losses(up)[1] == pytest.approx(losses(tmp_path / "d2")[1], rel=1e-6)
+    meta = json.loads((up / "run_meta.json").read_text())
+    assert meta["init_from"]["upcycled"] == {"num_experts": 4, "experts_per_token": 2}
+    err = refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", tmp_path / "x", "--upcycle", *qwen3)
+    assert "--init-from" in err

@@ -24,6 +24,27 @@ from mspretrain.errors import UserError
 DENSE_OF = {"qwen3_moe": "qwen3"}  # MoE family -> the dense family whose checkpoints it upcycles
 
 
+MOE_KEYS = ("num_experts", "experts_per_token", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+            "router_aux_loss_coef")  # the model keys an MoE config adds to its dense sibling's
+
+
+def as_dense(moe: ModelConfig) -> ModelConfig:
+    """The dense sibling of an MoE config (what `train --init-from DENSE --upcycle` checks the dense
+    checkpoint against): the same keys, the dense family, no experts."""
+    if moe.family not in DENSE_OF:
+        raise UserError(f"--upcycle needs a mixture-of-experts model config; model.family = {moe.family} is dense",
+                        "set model.family=qwen3_moe and model.num_experts (e.g. 8) for the run to upcycle into")
+    return replace(moe, family=DENSE_OF[moe.family], **{k: ModelConfig.__dataclass_fields__[k].default for k in MOE_KEYS})
+
+
+def with_experts(dense: ModelConfig, moe: ModelConfig) -> ModelConfig:
+    """The dense checkpoint's resolved config with `moe`'s family and MoE keys (expert width: the
+    dense ffn_dim unless moe_ffn_dim is given)."""
+    keys = {k: getattr(moe, k) for k in MOE_KEYS}
+    keys["moe_ffn_dim"] = moe.moe_ffn_dim or dense.ffn_dim
+    return replace(dense, family=moe.family, **keys)
+
+
 def check_upcycle(dense: ModelConfig, moe: ModelConfig) -> None:
     """The MoE config upcycles the dense one: the same model but for the MLPs, expert width = dense width."""
     if DENSE_OF.get(moe.family) != dense.family:
