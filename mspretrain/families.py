@@ -59,9 +59,10 @@ FAMILIES: tuple[Family, ...] = (
            max_position_default=4096 * 32, head_dim_default=None, attention_bias_key=False, per_layer_window=False,
            head_dim_written=True, export_keys=(), sliding_window_default=4096),
     # transformers 5.x models/qwen3_moe: Qwen3's attention (QK-norm, no bias) with a sparse MoE block
+    # (its config class has no head_dim key: hidden_size / num_attention_heads unless config.json gives one)
     Family("qwen3_moe", "Qwen3Moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", qkv_bias=False, qk_norm=True, sliding_window=False,
-           max_position_default=32768, head_dim_default=128, attention_bias_key=True, per_layer_window=True,
-           head_dim_written=True, export_keys=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
+           max_position_default=32768, head_dim_default=None, attention_bias_key=True, per_layer_window=True,
+           head_dim_written=False, export_keys=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
            moe=True),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
