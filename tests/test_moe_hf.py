@@ -128,3 +128,16 @@ def test_moe_config_refusals():
     assert_user_error(lambda: ModelConfig(num_experts=4), "num_experts")
     assert_user_error(lambda: ModelConfig(family="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=5), "experts_per_token")
     assert_user_error(lambda: ModelConfig(family="qwen3_moe", qk_norm=True, num_experts=4, mlp_only_layers=(7,)), "mlp_only_layers")
+
+
+def test_preset_is_qwen3_30b_a3b_as_transformers_counts_it():
+    from mspretrain.model.presets import param_count, preset
+
+    m = preset("qwen3-30b-a3b")
+    hc = transformers.Qwen3MoeConfig(vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim,
+                                     moe_intermediate_size=m.moe_ffn_dim, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                                     num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, num_experts=m.num_experts,
+                                     num_experts_per_tok=m.experts_per_token, tie_word_embeddings=False)
+    with torch.device("meta"):  # shapes only, no memory
+        hf = transformers.Qwen3MoeForCausalLM(hc)
+    assert param_count(m) == hf.num_parameters() == 30_532_122_624
