@@ -39,6 +39,7 @@ class Family:
     export_keys: tuple[tuple[str, Any], ...]  # fixed keys export adds to config.json, in this order
     sliding_window_default: int = 0  # the config class's sliding_window when config.json has no such key
     moe: bool = False  # a mixture of experts (model/moe.py): model.num_experts > 0, router + experts per MoE layer
+    shared_expert: bool = False  # MoE layers add a shared expert behind a sigmoid gate (model.shared_expert_ffn_dim > 0)
 
     def switches(self) -> dict[str, Any]:
         """The ModelConfig fields this family fixes (a preset or `convert` passes them on)."""
@@ -64,6 +65,11 @@ FAMILIES: tuple[Family, ...] = (
            max_position_default=32768, head_dim_default=None, attention_bias_key=True, per_layer_window=True,
            head_dim_written=False, export_keys=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
            moe=True),
+    # transformers 5.x models/qwen2_moe: Qwen2's attention (q/k/v bias: its config's qkv_bias) and a shared expert
+    Family("qwen2_moe", "Qwen2Moe", "Qwen2MoeForCausalLM", "Qwen2-MoE", qkv_bias=True, qk_norm=False, sliding_window=False,
+           max_position_default=32768, head_dim_default=None, attention_bias_key=False, per_layer_window=True,
+           head_dim_written=False, export_keys=(("use_sliding_window", False), ("sliding_window", None), ("qkv_bias", True)),
+           moe=True, shared_expert=True),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 

@@ -1,4 +1,4 @@
-"""Qwen3-MoE (issue 52): the MoE MLP against a float64 reference in graph mode, and the HF bridge
+"""Qwen3-MoE and Qwen2-MoE (issue 52): the MoE MLP against a float64 reference in graph mode, and the HF bridge
 both ways against transformers' Qwen3MoeForCausalLM (logits within 1e-5 in fp32, the same top-k
 experts for every token at every MoE layer; the export loads in transformers with the same logits)."""
 from __future__ import annotations
@@ -22,20 +22,24 @@ from tests.helpers import assert_user_error
 V = 256
 
 
-@pytest.fixture(scope="module")
-def hf_moe(tmp_path_factory):
-    """A tiny random Qwen3MoeForCausalLM: 3 layers, layer 1 dense (mlp_only_layers), 8 experts, top-2."""
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def hf_moe(request, tmp_path_factory):
+    """A tiny random Qwen3MoeForCausalLM (norm_topk_prob) or Qwen2MoeForCausalLM (not normalised, a
+    shared expert): 3 layers, layer 1 dense (mlp_only_layers), 8 experts, top-2."""
     torch.manual_seed(0)
-    hc = transformers.Qwen3MoeConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=64, norm_topk_prob=True, mlp_only_layers=[1], rope_theta=10000.0)
-    model = transformers.Qwen3MoeForCausalLM(hc).eval()
-    with torch.no_grad():  # transformers 5 may start the router at zero: every token would tie
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.weight.normal_(0, 0.5)
-    d = tmp_path_factory.mktemp("moe") / "hf"
+    shape = dict(vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                 max_position_embeddings=64, mlp_only_layers=[1], rope_theta=10000.0)
+    if request.param == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, **shape))
+    else:
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(shared_expert_intermediate_size=48, **shape))
+    model = model.eval()
+    with torch.no_grad():  # transformers 5 may start the router at zero (every token would tie), biases at zero
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "proj.bias", "shared_expert_gate.weight")):
+                p.normal_(0, 0.5)
+    d = tmp_path_factory.mktemp("moe") / request.param
     model.save_pretrained(d)
     return d, model
 
@@ -62,7 +66,8 @@ def hf_run(model) -> tuple[np.ndarray, list[np.ndarray]]:
 
 def test_config_read(ours):
     cfg, _ = ours
-    assert (cfg.family, cfg.num_experts, cfg.experts_per_token, cfg.moe_ffn_dim, cfg.mlp_only_layers) == ("qwen3_moe", 8, 2, 32, (1,))
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_ffn_dim, cfg.mlp_only_layers) == (8, 2, 32, (1,))
+    assert (cfg.norm_topk_prob, cfg.shared_expert_ffn_dim) == ((True, 0) if cfg.family == "qwen3_moe" else (False, 48))
     assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True]
 
 
@@ -78,7 +83,13 @@ def test_moe_mlp_matches_reference_in_graph_mode(ours):
         return moe(a)
 
     y, stats = run(ms.Tensor(x))
-    ref = reference_moe(x.reshape(-1, 64).astype(np.float64), *(st[f"layers.0.mlp.{n}.weight"] for n in ("router", "w13", "w2")), 2, True)
+    x2 = x.reshape(-1, 64).astype(np.float64)
+    ref = reference_moe(x2, *(st[f"layers.0.mlp.{n}.weight"] for n in ("router", "w13", "w2")), 2, cfg.norm_topk_prob)
+    if cfg.shared_expert_ffn_dim:  # Qwen2-MoE: + sigmoid(x Wg^T) * the shared SwiGLU
+        S, w13 = cfg.shared_expert_ffn_dim, st["layers.0.mlp.shared_w13.weight"]
+        g, u = x2 @ w13[:S].T, x2 @ w13[S:].T
+        gate = 1 / (1 + np.exp(-(x2 @ st["layers.0.mlp.shared_gate.weight"].T)))
+        ref += gate * ((g / (1 + np.exp(-g)) * u) @ st["layers.0.mlp.shared_w2.weight"].T)
     np.testing.assert_allclose(y.asnumpy().reshape(-1, 64), ref, atol=1e-5, rtol=1e-5)
     assert stats.asnumpy()[1].sum() == 2 * 48  # every token routed to exactly K experts
 
@@ -113,7 +124,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, hf_moe, ours):
     cfg, model = ours
     out = write_hf_dir(tmp_path / "export", cfg, state_numpy(model))
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    assert type(back).__name__ == type(hf).__name__
     got, _ = hf_run(back)
     want, _ = hf_run(hf)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)

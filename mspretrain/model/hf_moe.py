@@ -21,6 +21,7 @@ import numpy as np
 
 from mspretrain.config import ModelConfig
 from mspretrain.errors import UserError
+from mspretrain.families import family as family_of
 
 _FIX = "pass the config.json written by transformers for this model"
 
@@ -43,14 +44,20 @@ def config_from_hf(hf: dict[str, Any], source: str, int_field: Callable[..., int
     coef = hf.get("router_aux_loss_coef", 0.001)
     if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not 0 <= coef < 1e3:
         raise UserError(f"{source}: router_aux_loss_coef = {coef!r} is not a non-negative number", _FIX)
-    return {"num_experts": experts, "experts_per_token": k, "moe_ffn_dim": int_field(hf, "moe_intermediate_size", source, 768),
+    shared = {}
+    if family_of(hf.get("model_type")).shared_expert:  # Qwen2-MoE
+        shared["shared_expert_ffn_dim"] = int_field(hf, "shared_expert_intermediate_size", source, 5632)
+        if hf.get("qkv_bias", True) is not True:  # Qwen2MoeConfig's switch of the q/k/v bias
+            raise UserError(f"{source}: qkv_bias = {hf['qkv_bias']!r}: Qwen2-MoE without the q/k/v bias is not supported", _FIX)
+    return {**shared, "num_experts": experts, "experts_per_token": k, "moe_ffn_dim": int_field(hf, "moe_intermediate_size", source, 768),
             "norm_topk_prob": norm, "decoder_sparse_step": step, "mlp_only_layers": tuple(sorted(set(dense))),
             "router_aux_loss_coef": float(coef)}
 
 
 def config_to_hf(m: ModelConfig) -> dict[str, Any]:
     """config.json's MoE keys (both spellings of the expert count, for transformers 4.x and 5.x)."""
-    return {"num_experts": m.num_experts, "num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+    shared = {"shared_expert_intermediate_size": m.shared_expert_ffn_dim} if m.shared_expert_ffn_dim else {}
+    return {**shared, "num_experts": m.num_experts, "num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
             "moe_intermediate_size": m.expert_ffn, "norm_topk_prob": m.norm_topk_prob,
             "decoder_sparse_step": m.decoder_sparse_step, "mlp_only_layers": list(m.mlp_only_layers),
             "router_aux_loss_coef": m.router_aux_loss_coef, "output_router_logits": False}
@@ -63,6 +70,10 @@ def hf_shapes(m: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     for e in range(m.num_experts):
         out.update({p + f"experts.{e}.gate_proj.weight": (F, D), p + f"experts.{e}.up_proj.weight": (F, D),
                     p + f"experts.{e}.down_proj.weight": (D, F)})
+    if m.shared_expert_ffn_dim:  # Qwen2-MoE
+        S = m.shared_expert_ffn_dim
+        out.update({p + "shared_expert.gate_proj.weight": (S, D), p + "shared_expert.up_proj.weight": (S, D),
+                    p + "shared_expert.down_proj.weight": (D, S), p + "shared_expert_gate.weight": (1, D)})
     return out
 
 
@@ -72,8 +83,14 @@ def hf_to_ours(f32: Callable[[str], np.ndarray], m: ModelConfig, i: int) -> dict
     w13 = np.stack([np.concatenate([f32(p + f"experts.{e}.gate_proj.weight"), f32(p + f"experts.{e}.up_proj.weight")])
                     for e in range(E)])
     w2 = np.stack([f32(p + f"experts.{e}.down_proj.weight") for e in range(E)])
-    return {f"layers.{i}.mlp.router.weight": f32(p + "gate.weight"), f"layers.{i}.mlp.w13.weight": w13,
-            f"layers.{i}.mlp.w2.weight": w2}
+    out = {f"layers.{i}.mlp.router.weight": f32(p + "gate.weight"), f"layers.{i}.mlp.w13.weight": w13,
+           f"layers.{i}.mlp.w2.weight": w2}
+    if m.shared_expert_ffn_dim:
+        q = f"layers.{i}.mlp."
+        out.update({q + "shared_w13.weight": np.concatenate([f32(p + "shared_expert.gate_proj.weight"), f32(p + "shared_expert.up_proj.weight")]),
+                    q + "shared_w2.weight": f32(p + "shared_expert.down_proj.weight"),
+                    q + "shared_gate.weight": f32(p + "shared_expert_gate.weight")})
+    return out
 
 
 def ours_to_hf(tensors: dict[str, np.ndarray], m: ModelConfig, i: int) -> dict[str, np.ndarray]:
@@ -84,4 +101,10 @@ def ours_to_hf(tensors: dict[str, np.ndarray], m: ModelConfig, i: int) -> dict[s
     for e in range(m.num_experts):
         out.update({p + f"experts.{e}.gate_proj.weight": w13[e, :F], p + f"experts.{e}.up_proj.weight": w13[e, F:],
                     p + f"experts.{e}.down_proj.weight": w2[e]})
+    if m.shared_expert_ffn_dim:
+        q, S = f"layers.{i}.mlp.", m.shared_expert_ffn_dim
+        out.update({p + "shared_expert.gate_proj.weight": tensors[q + "shared_w13.weight"][:S],
+                    p + "shared_expert.up_proj.weight": tensors[q + "shared_w13.weight"][S:],
+                    p + "shared_expert.down_proj.weight": tensors[q + "shared_w2.weight"],
+                    p + "shared_expert_gate.weight": tensors[q + "shared_gate.weight"]})
     return out

@@ -67,6 +67,13 @@ class MoE(nn.Cell):
         self.w13 = Stacked(cfg.num_experts, 2 * self.ffn, cfg.dim, cfg.init_std, rng)
         self.w2 = Stacked(cfg.num_experts, cfg.dim, self.ffn, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng)
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
+        # Qwen2-MoE: a shared expert every token goes through, scaled by sigmoid(x Wg^T) (Qwen2MoeSparseMoeBlock)
+        self.shared_ffn = cfg.shared_expert_ffn_dim
+        if self.shared_ffn:
+            S = self.shared_ffn
+            self.shared_w13 = Linear(cfg.dim, 2 * S, cfg.init_std, rng, dtype)
+            self.shared_w2 = Linear(S, cfg.dim, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng, dtype)
+            self.shared_gate = Linear(cfg.dim, 1, cfg.init_std, rng, dtype)
 
     def route(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x2 (N, D) -> (probs (N, E) fp32, top-k weights (N, K) compute dtype, top-k experts (N, K) int32)."""
@@ -109,7 +116,11 @@ class MoE(nn.Cell):
         up = self.bmm_t(xb, w13[:, F:])
         yb = self.bmm_t(ops.silu(gate) * up, w2).reshape(R, D)
         ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)  # (A, D), weighted
-        y = ya.reshape(N, K, D).sum(1).reshape(B, T, D)
+        y = ya.reshape(N, K, D).sum(1)
+        if self.shared_ffn:
+            g, u = self.shared_w13.parts(x2, (self.shared_ffn, self.shared_ffn))
+            y = y + ops.sigmoid(self.shared_gate(x2)) * self.shared_w2(ops.silu(g) * u)
+        y = y.reshape(B, T, D)
         stats = ops.stack((probs.sum(0), ops.stop_gradient(counts.astype(ms.float32))))
         return y, stats
 

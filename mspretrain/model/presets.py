@@ -143,6 +143,10 @@ def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             E, F = m.num_experts, m.expert_ffn
             out += [(f"layers.{i}.mlp.router.weight", (E, m.dim)), (f"layers.{i}.mlp.w13.weight", (E, 2 * F, m.dim)),
                     (f"layers.{i}.mlp.w2.weight", (E, m.dim, F))]
+            if m.shared_expert_ffn_dim:  # Qwen2-MoE
+                S = m.shared_expert_ffn_dim
+                out += [(f"layers.{i}.mlp.shared_w13.weight", (2 * S, m.dim)), (f"layers.{i}.mlp.shared_w2.weight", (m.dim, S)),
+                        (f"layers.{i}.mlp.shared_gate.weight", (1, m.dim))]
         else:
             out += [(f"layers.{i}.mlp.w13.weight", (2 * m.ffn_dim, m.dim)), (f"layers.{i}.mlp.w2.weight", (m.dim, m.ffn_dim))]
     out.append(("norm.weight", (m.dim,)))

@@ -25,7 +25,7 @@ DENSE_OF = {"qwen3_moe": "qwen3"}  # MoE family -> the dense family whose checkp
 
 
 MOE_KEYS = ("num_experts", "experts_per_token", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-            "router_aux_loss_coef")  # the model keys an MoE config adds to its dense sibling's
+            "router_aux_loss_coef", "shared_expert_ffn_dim")  # the model keys an MoE config adds to its dense sibling's
 
 
 def as_dense(moe: ModelConfig) -> ModelConfig:

@@ -45,6 +45,7 @@ class ModelConfig(Section):
     decoder_sparse_step: int = 1  # layer i is MoE iff (i + 1) % step == 0 and i not in mlp_only_layers
     mlp_only_layers: tuple[int, ...] = ()  # layers kept dense (SwiGLU of ffn_dim)
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss; 0 = off
+    shared_expert_ffn_dim: int = 0  # qwen2_moe: the shared expert's SwiGLU width (HF shared_expert_intermediate_size)
 
     @property
     def head_size(self) -> int:
@@ -95,6 +96,10 @@ class ModelConfig(Section):
             if bad:
                 fail("model.mlp_only_layers", f"holds {bad[0]}, not a layer index below model.n_layers = {self.n_layers}",
                      "list dense layers by index, 0-based")
+            if fam.shared_expert != (self.shared_expert_ffn_dim > 0):
+                fail("model.shared_expert_ffn_dim", f"= {self.shared_expert_ffn_dim}: model.family = {self.family} "
+                     + ("has a shared expert (give its width)" if fam.shared_expert else "has no shared expert"),
+                     "qwen2_moe: shared_expert_intermediate_size of its config.json; qwen3_moe: 0")
             if self.router_aux_loss_coef < 0:
                 fail("model.router_aux_loss_coef", f"= {self.router_aux_loss_coef} is negative", "use Qwen3's 0.001, or 0 for no balancing loss")
         if self.rope_scaling == "llama3":
@@ -119,6 +124,6 @@ class ModelConfig(Section):
                     "ffn_dim": 1 << 18, "multiple_of": 1 << 16, "rope_theta": 1e12, "head_dim": 1 << 12,
                     "max_seq_len": 1 << 30, "rope_original_max_len": 1 << 30, "sliding_window": 1 << 30,
                     "rope_factor": 1e4, "num_experts": 1 << 12, "moe_ffn_dim": 1 << 18,
-                    "router_aux_loss_coef": 1e3, "rope_low_freq_factor": 1e4, "rope_high_freq_factor": 1e4,
+                    "router_aux_loss_coef": 1e3, "shared_expert_ffn_dim": 1 << 18, "rope_low_freq_factor": 1e4, "rope_high_freq_factor": 1e4,
                     "norm_eps": 1.0, "init_std": 10.0}, "a model shape no device holds")
         floor(self, {"norm_eps": 1e-12, "init_std": 1e-8}, "float32 rounds it to 0, or to weights of 0")
