@@ -85,7 +85,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def _refuse(source: str, what: str) -> None:
-    raise UserError(f"{source}: {what}", f"only {described()} (dense, full or sliding-window "
+    raise UserError(f"{source}: {what}", f"only {described()} (full or sliding-window "
                     "attention, plain or llama3 RoPE) convert; see docs/design.md")
 
 
