@@ -281,6 +281,18 @@ def check_parallel(cfg: Config) -> None:
               "score the checkpoints afterwards with `mspretrain eval RUN --choices FILE` on one process")
 
 
+def check_moe(cfg: Config) -> None:
+    """A mixture of experts (model.num_experts > 0) trains on whole replicas only for now: expert
+    parallel, ZeRO and tensor parallel over experts are issue 52's later items."""
+    if cfg.model.num_experts <= 0:
+        return
+    for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("optim.shard_optimizer", cfg.optim.shard_optimizer),
+                    ("optim.shard_gradients", cfg.optim.shard_gradients), ("optim.shard_parameters", cfg.optim.shard_parameters)):
+        if on:
+            fail(key, f"is not supported with a mixture-of-experts model (model.num_experts = {cfg.model.num_experts}) yet",
+                 f"unset {key}: MoE models train with plain data parallel (whole replicas) for now")
+
+
 def check_budget(t: TrainConfig) -> None:
     """A training run needs to know when to stop (plan and prepare do not)."""
     if t.max_steps == 0 and t.max_tokens == 0:
@@ -292,6 +304,7 @@ def validate(cfg: Config, *, device: str | None = None, budget: bool = True) -> 
     `budget=False` for jobs that do not train (plan takes its budget from --tokens or --data)."""
     check_seq_len(cfg)
     check_parallel(cfg)
+    check_moe(cfg)
     if device is not None:
         check_device(cfg, device)
     if budget:

@@ -41,6 +41,8 @@ class Family:
     # the config class's num_key_value_heads when config.json has no such key; None: num_attention_heads
     # (LlamaConfig's None; Qwen2Config and Qwen3Config default to 32, MistralConfig to 8, in 4.x and 5.x)
     kv_heads_default: int | None = None
+    moe: bool = False  # a mixture of experts (model/moe.py): model.num_experts > 0, router + experts per MoE layer
+    shared_expert: bool = False  # MoE layers add a shared expert behind a sigmoid gate (model.shared_expert_ffn_dim > 0)
 
     def switches(self) -> dict[str, Any]:
         """The ModelConfig fields this family fixes (a preset or `convert` passes them on)."""
@@ -61,6 +63,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral", "Mistral", "MistralForCausalLM", "Mistral", qkv_bias=False, qk_norm=False, sliding_window=True,
            max_position_default=4096 * 32, head_dim_default=None, attention_bias_key=False, per_layer_window=False,
            head_dim_written=True, export_keys=(), sliding_window_default=4096, kv_heads_default=8),
+    # transformers 5.x models/qwen3_moe: Qwen3's attention (QK-norm, no bias) with a sparse MoE block
+    # (its config class has no head_dim key: hidden_size / num_attention_heads unless config.json gives one)
+    Family("qwen3_moe", "Qwen3Moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", qkv_bias=False, qk_norm=True, sliding_window=False,
+           max_position_default=32768, head_dim_default=None, attention_bias_key=True, per_layer_window=True,
+           head_dim_written=False, export_keys=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
+           moe=True, kv_heads_default=4),
+    # transformers 5.x models/qwen2_moe: Qwen2's attention (q/k/v bias: its config's qkv_bias) and a shared expert
+    Family("qwen2_moe", "Qwen2Moe", "Qwen2MoeForCausalLM", "Qwen2-MoE", qkv_bias=True, qk_norm=False, sliding_window=False,
+           max_position_default=32768, head_dim_default=None, attention_bias_key=False, per_layer_window=True,
+           head_dim_written=False, export_keys=(("use_sliding_window", False), ("sliding_window", None), ("qkv_bias", True)),
+           moe=True, shared_expert=True, kv_heads_default=16),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 

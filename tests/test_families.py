@@ -218,7 +218,7 @@ def _hf_dict(family: str) -> dict:
     ("llama3", "attention_bias", True, "attention_bias"),
     ("qwen3", "attention_bias", True, "attention_bias"),
     ("qwen2", "use_sliding_window", True, "use_sliding_window"),
-    ("qwen2", "model_type", "qwen2_moe", "model_type"),
+    ("qwen2", "model_type", "deepseek_v3", "model_type"),  # qwen2_moe and qwen3_moe convert (issue 52)
     ("mistral", "model_type", "mixtral", "model_type"),
     ("qwen2", "num_experts", 8, "num_experts"),
     ("qwen2", "hidden_act", "gelu", "hidden_act"),
@@ -496,7 +496,8 @@ def test_family_table_drives_config_presets_and_shapes():
     with pytest.raises(UserError) as e:
         ModelConfig(family="qwen2")
     assert e.value.cause == "model.qkv_bias = False is not what model.family = qwen2 has"
-    assert e.value.fix == "qwen2 has qkv_bias, qwen3 has qk_norm, only mistral has a sliding_window; llama has none of them"
+    assert e.value.fix == ("qwen2 has qkv_bias, qwen2_moe has qkv_bias, qwen3 has qk_norm, qwen3_moe has qk_norm, "
+                           "only mistral has a sliding_window; llama has none of them")
     with pytest.raises(UserError, match="not supported"):
         family("gpt2")
 

@@ -110,6 +110,30 @@ def plan_init(init: InitWeights, own: ModelConfig, data_tokenizer: Path, explici
     return InitPlan(model=model, tensors=tensors, meta=meta)
 
 
+def _upcycled(init: InitWeights, cfg: Config, tok: Path, explicit: set[str] | None,
+              log: Callable[[str], None]) -> tuple[Config, Callable[[Any], None], dict[str, Any]]:
+    """`train --init-from DENSE --upcycle`: the dense checkpoint is checked against the config's model
+    seen as dense (its MoE keys aside), then becomes the MoE model: experts copied from each dense
+    MLP, routers the run's seeded ones (model/upcycle.py)."""
+    from mspretrain.model.upcycle import MOE_KEYS, as_dense, check_upcycle, upcycle, with_experts
+
+    plan = plan_init(init, as_dense(cfg.model), tok, None if explicit is None else explicit - set(MOE_KEYS) - {"family"})
+    moe = with_experts(plan.model, cfg.model)
+    check_upcycle(plan.model, moe)
+    box = {"tensors": plan.tensors}
+
+    def init_weights(model: Any) -> None:
+        from mspretrain.model.decoder import load_numpy, state_numpy
+
+        routers = {k: v.copy() for k, v in state_numpy(model).items() if k.endswith(".mlp.router.weight")}
+        load_numpy(model, upcycle(box.pop("tensors"), plan.model, moe, routers))
+
+    log(f"upcycling {init.kind} {init.source_dir} into {moe.num_experts} experts, {moe.experts_per_token} per token "
+        f"(experts copied from the dense MLPs, routers from the run seed)")
+    return replace(cfg, model=moe), init_weights, dict(plan.meta, upcycled={"num_experts": moe.num_experts,
+                                                                             "experts_per_token": moe.experts_per_token})
+
+
 def explicit_model_keys(config_path: str | Path | None, overrides: Sequence[str] = (), preset: bool = False) -> set[str]:
     """The model keys the user wrote: the config file's [model] table and `model.*` overrides (every
     key with --model PRESET). Only these are compared with the init weights; the rest come from them."""
@@ -131,7 +155,8 @@ def explicit_model_keys(config_path: str | Path | None, overrides: Sequence[str]
 
 def init_for_run(path: str | Path | None, cfg: Config, data_dir: str | Path, run_dir: str | Path, *,
                  explicit: set[str] | None = None, allow_config_change: bool = False,
-                 log: Callable[[str], None] = print) -> tuple[Config, Callable[[Any], None] | None, dict[str, Any] | None]:
+                 log: Callable[[str], None] = print, upcycle: bool = False,
+                 ) -> tuple[Config, Callable[[Any], None] | None, dict[str, Any] | None]:
     """What `train [--init-from PATH]` settles before the trainer is built: (the config to train
     with, the `init_weights(model)` hook that loads the weights before step 0, the record for
     run_meta.json's "init_from").
@@ -170,6 +195,8 @@ def init_for_run(path: str | Path | None, cfg: Config, data_dir: str | Path, run
     if tok is None:
         raise UserError(f"data dir {data_dir} has no tokenizer.model or tokenizer.json", "pass the output of `mspretrain prepare` as --data")
     init = load_init(path, log=log)
+    if upcycle:  # a dense checkpoint into the config's MoE model (model/upcycle.py)
+        return _upcycled(init, cfg, tok, explicit, log)
     plan = plan_init(init, cfg.model, tok, explicit)
     box = {"tensors": plan.tensors}
 

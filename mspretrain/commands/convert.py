@@ -18,7 +18,7 @@ EXAMPLES = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from-hf", required=True, metavar="HF_DIR", help="HF model folder (Llama, Qwen2/3, Mistral): "
+    p.add_argument("--from-hf", required=True, metavar="HF_DIR", help="HF model folder (Llama, Qwen2/3, Mistral, Qwen2/3-MoE): "
                         "config.json, *.safetensors (+ index), tokenizer")
     p.add_argument("--out", required=True, metavar="CKPT_DIR", help="checkpoint directory to create (must be empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier convert output in --out (never files convert did not write)")

@@ -6,6 +6,7 @@ from typing import Sequence
 
 from mspretrain.commands.common import add_config_argument, add_quiet_argument, bounded, existing_path, load_config
 from mspretrain.config import Config
+from mspretrain.errors import UserError
 
 EXAMPLES = """examples:
   mspretrain train --config configs/tiny.toml --data data/ --run runs/tiny train.max_steps=50
@@ -29,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start a new run (step 0, fresh optimizer, schedule and loss scale) from these weights: an mspretrain "
                         "checkpoint, a run dir (its newest verified checkpoint) or an HF model folder; the model config comes "
                         "from them, and a data dir whose tokenizer extends theirs grows the embedding and lm_head")
+    p.add_argument("--upcycle", action="store_true",
+                   help="with --init-from a dense checkpoint and a mixture-of-experts model config (model.family=qwen3_moe, "
+                        "model.num_experts): start the MoE model from it, each expert a copy of the dense MLP")
     p.add_argument("--allow-config-change", action="store_true", help="resume even if the config changes numerics")
     p.add_argument("--allow-data-change", action="store_true", help="resume even if the data dir's fingerprint changed")
     p.add_argument("--restart", action="store_true",
@@ -69,9 +73,12 @@ def run(args: argparse.Namespace) -> int:
 
     log = (lambda s: None) if args.quiet else print
     # --init-from, and the resume of a run that began from init weights: the model config comes from the weights
+    if args.upcycle and args.init_from is None:
+        raise UserError("--upcycle needs --init-from DENSE_CKPT (the dense checkpoint the MoE model starts from)",
+                        "add --init-from; a run that was upcycled resumes without either flag")
     explicit = explicit_model_keys(args.config, getattr(args, "overrides", ()), preset=bool(args.model))
     cfg, init_weights, init_record = init_for_run(args.init_from, cfg, args.data, args.run, explicit=explicit,
-                                                  allow_config_change=args.allow_config_change, log=log)
+                                                  allow_config_change=args.allow_config_change, log=log, upcycle=args.upcycle)
     trainer = build_trainer(cfg, args.data, args.run, allow_config_change=args.allow_config_change,
                             allow_data_change=args.allow_data_change, log=log, restart=args.restart,
                             init_weights=init_weights, run_meta={"init_from": init_record} if init_record else None, fits=check_fits)

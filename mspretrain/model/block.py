@@ -19,6 +19,7 @@ from mindspore import Tensor, nn, ops
 from mspretrain.config import ModelConfig
 from mspretrain.model.attention import Attention
 from mspretrain.model.layers import Linear, RMSNorm, WeightSource, one, relay
+from mspretrain.model.moe import MoE
 
 
 class MLP(nn.Cell):
@@ -47,18 +48,23 @@ class Block(nn.Cell):
     block's weights gathered first (module docstring); `prefetch` False anchors the chain on x
     instead of the token (no overlap: the CPU with layer recompute, see train/zero3.py)."""
 
-    def __init__(self, cfg: ModelConfig, rng: WeightSource, dtype: ms.Type, use_flash: bool) -> None:
+    def __init__(self, cfg: ModelConfig, rng: WeightSource, dtype: ms.Type, use_flash: bool, sparse: bool = False) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype)
         self.attn = Attention(cfg, rng, dtype, use_flash)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype)
-        self.mlp = MLP(cfg, rng, dtype)
+        # sparse: a mixture of experts (model/moe.py); construct then returns (x, routing stats)
+        self.sparse = sparse
+        self.mlp = MoE(cfg, rng, dtype) if sparse else MLP(cfg, rng, dtype)
         self.prefetch = True
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor, discard: Tensor | None,
                   token: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if token is None:  # whole Parameters (no ZeRO-3): the graph it always was
             x = x + self.attn(self.attn_norm(x), cos, sin, bias, discard)
+            if self.sparse:
+                y, stats = self.mlp(self.mlp_norm(x))
+                return x + y, stats
             return x + self.mlp(self.mlp_norm(x))
         (n1, attn, n2, mlp), last = self.pull(token if self.prefetch else one(x))
         h = x + self.attn(self.attn_norm(x, n1), cos, sin, bias, discard, attn)
@@ -87,4 +93,6 @@ class Block(nn.Cell):
             kc = kc * (1 - slot) + k.astype(kc.dtype) * slot
             vc = vc * (1 - slot) + v.astype(vc.dtype) * slot
         x = x + self.attn.output(self.attn.attend(q, kc, vc, bias))
+        if self.sparse:
+            return x + self.mlp(self.mlp_norm(x))[0], kc, vc
         return x + self.mlp(self.mlp_norm(x)), kc, vc

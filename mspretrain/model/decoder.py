@@ -247,7 +247,8 @@ class Decoder(nn.Cell):
         _init_device[0] = ("lazy" if host_weights else "Ascend") if on_npu else None
         try:
             self.embed = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, rng)
-            self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash) for _ in range(cfg.n_layers)])
+            self.layers = nn.CellList([Block(cfg, rng, self.dtype, self.use_flash, cfg.is_moe_layer(i))
+                                         for i in range(cfg.n_layers)])
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.dtype)
             self.tied = cfg.tie_embeddings
             if not self.tied:
@@ -270,7 +271,10 @@ class Decoder(nn.Cell):
                 elif isinstance(cell, Attention):
                     cell.softmax = SoftmaxPlain()
 
-    def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None) -> Tensor:
+    def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None,
+                  routing: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """`routing` (MoE, model/moe.py; a constant): (logits, routing stats (2, E) summed over the MoE
+        layers) for the load-balancing loss of the train step."""
         T = tokens.shape[1]
         token = None
         if self.sharded:  # ZeRO-3 (train/zero3.py): the embedding gathered, the first block's gathers after it
@@ -292,8 +296,14 @@ class Decoder(nn.Cell):
             sin = ops.broadcast_to(sin, (B, T, H + KV, hd))
             bias = ops.broadcast_to(bias, (B, H, T, T))
         if token is None:
+            stats = None
             for layer in self.layers:
                 x = layer(x, cos, sin, bias, discard)
+                if layer.sparse:  # MoE: (x, routing stats)
+                    x, s = x
+                    stats = s if stats is None else stats + s
+            if routing:
+                return self._head(x), stats
             return self._head(x)
         for layer in self.layers:  # ZeRO-3: each block's gathers start from the previous block's token
             x, token = layer(x, cos, sin, bias, discard, token)

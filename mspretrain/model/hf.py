@@ -15,7 +15,8 @@ Design choices:
 - Names map one to one except two fusions: q/k/v_proj rows concatenate into `attn.wqkv`,
   gate/up_proj into `mlp.w13`. Both sides use the rotate-half RoPE layout, so nothing is permuted.
 - Anything we cannot represent exactly (other activations, an MLP or o_proj bias, RoPE scaling
-  other than llama3's, per-layer sliding windows, mixtures of experts) is refused rather than approximated: a silently different model is worse
+  other than llama3's, per-layer sliding windows, mixtures of experts other than Qwen3-MoE) is refused rather than
+  approximated: a silently different model is worse
   than an error.
 - Export writes fp32 weights with the `{"format": "pt"}` metadata transformers expects, a
   `config.json` readable by transformers 4.x and 5.x (both `rope_theta` and `rope_parameters`)
@@ -39,6 +40,7 @@ from mspretrain.errors import UserError
 from mspretrain.families import NAMES, described
 from mspretrain.families import family as family_of
 from mspretrain.fsutil import TEXT_CAP, read_json, read_regular_bytes_check
+from mspretrain.model import hf_moe
 
 _ST_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # read as fp32
@@ -85,7 +87,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def _refuse(source: str, what: str) -> None:
-    raise UserError(f"{source}: {what}", f"only {described()} (dense, full or sliding-window "
+    raise UserError(f"{source}: {what}", f"only {described()} (full or sliding-window "
                     "attention, plain or llama3 RoPE) convert; see docs/design.md")
 
 
@@ -185,7 +187,7 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
         types = hf.get("layer_types")
         if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
             _refuse(source, f"layer_types = {types!r}: only full_attention layers are supported")
-    for key in ("num_experts", "num_local_experts", "moe_intermediate_size"):
+    for key in () if fam.moe else ("num_experts", "num_local_experts", "moe_intermediate_size"):
         if hf.get(key):
             _refuse(source, f"{key} = {hf[key]!r}: mixture-of-experts models are not supported")
     theta, llama3 = _rope(hf, source)
@@ -199,6 +201,8 @@ def config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
                  "rope_low_freq_factor": float(llama3["low_freq_factor"]),
                  "rope_high_freq_factor": float(llama3["high_freq_factor"]),
                  "rope_original_max_len": int(llama3["original_max_position_embeddings"])}
+    if fam.moe:  # router and experts: model/hf_moe.py
+        extra.update(hf_moe.config_from_hf(hf, source, _int_field))
     try:
         return ModelConfig(
             dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, vocab_size=vocab, ffn_dim=ffn, max_seq_len=max_pos,
@@ -230,6 +234,8 @@ def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> d
         "use_cache": True, "torch_dtype": "float32", "dtype": "float32",
     }
     out.update(fam.export_keys)
+    if fam.moe:
+        out.update(hf_moe.config_to_hf(m))
     if fam.per_layer_window:
         out["max_window_layers"] = m.n_layers
     if not fam.head_dim_written and not m.head_dim:  # e.g. Qwen2Config has no head_dim key; its attention reads one only when present
@@ -249,8 +255,9 @@ def _layer_names(i: int, m: ModelConfig) -> dict[str, str]:
     p = f"model.layers.{i}."
     names = {f"layers.{i}.attn_norm.weight": p + "input_layernorm.weight",
              f"layers.{i}.attn.wo.weight": p + "self_attn.o_proj.weight",
-             f"layers.{i}.mlp_norm.weight": p + "post_attention_layernorm.weight",
-             f"layers.{i}.mlp.w2.weight": p + "mlp.down_proj.weight"}
+             f"layers.{i}.mlp_norm.weight": p + "post_attention_layernorm.weight"}
+    if not m.is_moe_layer(i):  # an MoE layer's MLP: model/hf_moe.py
+        names[f"layers.{i}.mlp.w2.weight"] = p + "mlp.down_proj.weight"
     if m.qk_norm:
         names.update({f"layers.{i}.attn.q_norm.weight": p + "self_attn.q_norm.weight",
                       f"layers.{i}.attn.k_norm.weight": p + "self_attn.k_norm.weight"})
@@ -269,8 +276,9 @@ def expected_hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.k_proj.weight": (m.n_kv_heads * hd, m.dim),
                        p + "self_attn.v_proj.weight": (m.n_kv_heads * hd, m.dim),
                        p + "self_attn.o_proj.weight": (m.dim, m.n_heads * hd),
-                       p + "mlp.gate_proj.weight": (m.ffn_dim, m.dim), p + "mlp.up_proj.weight": (m.ffn_dim, m.dim),
-                       p + "mlp.down_proj.weight": (m.dim, m.ffn_dim)})
+                       **(hf_moe.hf_shapes(m, i) if m.is_moe_layer(i) else
+                          {p + "mlp.gate_proj.weight": (m.ffn_dim, m.dim), p + "mlp.up_proj.weight": (m.ffn_dim, m.dim),
+                           p + "mlp.down_proj.weight": (m.dim, m.ffn_dim)})})
         if m.qkv_bias:  # Qwen2
             shapes.update({p + "self_attn.q_proj.bias": (m.n_heads * hd,), p + "self_attn.k_proj.bias": (m.n_kv_heads * hd,),
                            p + "self_attn.v_proj.bias": (m.n_kv_heads * hd,)})
@@ -307,7 +315,10 @@ def hf_to_ours(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.n
         if m.qkv_bias:
             out[f"layers.{i}.attn.wqkv.bias"] = np.concatenate(
                 [f32(p + "self_attn.q_proj.bias"), f32(p + "self_attn.k_proj.bias"), f32(p + "self_attn.v_proj.bias")])
-        out[f"layers.{i}.mlp.w13.weight"] = np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")])
+        if m.is_moe_layer(i):
+            out.update(hf_moe.hf_to_ours(f32, m, i))
+        else:
+            out[f"layers.{i}.mlp.w13.weight"] = np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")])
     return out
 
 
@@ -339,6 +350,9 @@ def ours_to_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.n
             out[p + f"self_attn.q_proj.{kind}"] = wqkv[:q_rows]
             out[p + f"self_attn.k_proj.{kind}"] = wqkv[q_rows:q_rows + kv_rows]
             out[p + f"self_attn.v_proj.{kind}"] = wqkv[q_rows + kv_rows:]
+        if m.is_moe_layer(i):
+            out.update(hf_moe.ours_to_hf(tensors, m, i))
+            continue
         w13 = tensors[f"layers.{i}.mlp.w13.weight"]  # rows: 2F (gate, then up)
         out[p + "mlp.gate_proj.weight"] = w13[:m.ffn_dim]
         out[p + "mlp.up_proj.weight"] = w13[m.ffn_dim:]

@@ -82,6 +82,16 @@ def qwen25_32b() -> ModelConfig:
                        max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, **family("qwen2").switches())
 
 
+def qwen3_30b_a3b() -> ModelConfig:
+    """Qwen3-30B-A3B (30.5 B parameters, 3.3 B active): 48 layers, hidden 2048, 32 heads, 4 KV heads,
+    head_dim 128, 128 experts of width 768, 8 routed per token, QK-norm, 151,936 vocabulary, untied
+    lm_head (HF Qwen/Qwen3-30B-A3B config.json: intermediate_size 6144 for dense layers, none here;
+    rms eps 1e-6, rope theta 1e6, norm_topk_prob true, router_aux_loss_coef 0.001)."""
+    return ModelConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, vocab_size=151936,
+                       max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, num_experts=128, experts_per_token=8,
+                       moe_ffn_dim=768, **family("qwen3_moe").switches())
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny,
     "demo": demo,
@@ -94,6 +104,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "qwen3-8b": qwen3_8b,
     "qwen3-14b": qwen3_14b,
     "qwen2.5-32b": qwen25_32b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
 }
 
 
@@ -127,9 +138,17 @@ def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         out.append((f"layers.{i}.attn.wo.weight", (m.dim, m.n_heads * hd)))
         if m.qk_norm:
             out += [(f"layers.{i}.attn.q_norm.weight", (hd,)), (f"layers.{i}.attn.k_norm.weight", (hd,))]
-        out += [(f"layers.{i}.mlp_norm.weight", (m.dim,)),
-                (f"layers.{i}.mlp.w13.weight", (2 * m.ffn_dim, m.dim)),
-                (f"layers.{i}.mlp.w2.weight", (m.dim, m.ffn_dim))]
+        out.append((f"layers.{i}.mlp_norm.weight", (m.dim,)))
+        if m.is_moe_layer(i):  # model/moe.py: router, then all experts' fused gate/up and down
+            E, F = m.num_experts, m.expert_ffn
+            out += [(f"layers.{i}.mlp.router.weight", (E, m.dim)), (f"layers.{i}.mlp.w13.weight", (E, 2 * F, m.dim)),
+                    (f"layers.{i}.mlp.w2.weight", (E, m.dim, F))]
+            if m.shared_expert_ffn_dim:  # Qwen2-MoE
+                S = m.shared_expert_ffn_dim
+                out += [(f"layers.{i}.mlp.shared_w13.weight", (2 * S, m.dim)), (f"layers.{i}.mlp.shared_w2.weight", (m.dim, S)),
+                        (f"layers.{i}.mlp.shared_gate.weight", (1, m.dim))]
+        else:
+            out += [(f"layers.{i}.mlp.w13.weight", (2 * m.ffn_dim, m.dim)), (f"layers.{i}.mlp.w2.weight", (m.dim, m.ffn_dim))]
     out.append(("norm.weight", (m.dim,)))
     if not m.tie_embeddings:
         out.append(("lm_head.weight", (m.vocab_size, m.dim)))

@@ -37,11 +37,29 @@ class ModelConfig(Section):
     rope_low_freq_factor: float = 1.0  # llama3 scaling: low_freq_factor
     rope_high_freq_factor: float = 4.0  # llama3 scaling: high_freq_factor
     rope_original_max_len: int = 8192  # llama3 scaling: original_max_position_embeddings
+    # Mixture of experts (issue 52; model/moe.py): only the MoE families (qwen3_moe) have experts
+    num_experts: int = 0  # experts per MoE layer (HF num_experts); 0 = a dense model
+    experts_per_token: int = 2  # top-k experts each token is routed to (HF num_experts_per_tok)
+    moe_ffn_dim: int = 0  # one expert's SwiGLU width (HF moe_intermediate_size); 0 = ffn_dim
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1 (HF norm_topk_prob)
+    decoder_sparse_step: int = 1  # layer i is MoE iff (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()  # layers kept dense (SwiGLU of ffn_dim)
+    router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss; 0 = off
+    shared_expert_ffn_dim: int = 0  # qwen2_moe: the shared expert's SwiGLU width (HF shared_expert_intermediate_size)
 
     @property
     def head_size(self) -> int:
         """The attention head size: `head_dim`, or dim / n_heads when it is 0."""
         return self.head_dim or self.dim // self.n_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i holds experts (transformers' Qwen3MoeDecoderLayer rule), else the dense SwiGLU."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """One expert's SwiGLU width: moe_ffn_dim, or ffn_dim when it is 0."""
+        return self.moe_ffn_dim or self.ffn_dim
 
     def check(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of", "rope_original_max_len"):
@@ -63,6 +81,27 @@ class ModelConfig(Section):
                                 ("sliding_window", bool(self.sliding_window), None if fam.sliding_window else False)):
             if want is not None and have != want:
                 fail(f"model.{key}", f"= {getattr(self, key)!r} is not what model.family = {self.family} has", switch_hint())
+        if fam.moe != (self.num_experts > 0):
+            fail("model.num_experts", f"= {self.num_experts}: model.family = {self.family} is "
+                 + ("a mixture of experts and needs num_experts > 0" if fam.moe else "dense and has no experts"),
+                 "set model.num_experts (e.g. 8) with family qwen3_moe, or 0 with a dense family")
+        if fam.moe:
+            if not 0 < self.experts_per_token <= self.num_experts:
+                fail("model.experts_per_token", f"= {self.experts_per_token} is not between 1 and model.num_experts = {self.num_experts}",
+                     "route each token to a few experts, e.g. 2 (Qwen3-30B-A3B: 8 of 128)")
+            if self.moe_ffn_dim < 0 or self.decoder_sparse_step <= 0:
+                fail("model.moe_ffn_dim" if self.moe_ffn_dim < 0 else "model.decoder_sparse_step", "must be positive (moe_ffn_dim: 0 = ffn_dim)",
+                     "use HF's values: moe_intermediate_size and decoder_sparse_step = 1")
+            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+            if bad:
+                fail("model.mlp_only_layers", f"holds {bad[0]}, not a layer index below model.n_layers = {self.n_layers}",
+                     "list dense layers by index, 0-based")
+            if fam.shared_expert != (self.shared_expert_ffn_dim > 0):
+                fail("model.shared_expert_ffn_dim", f"= {self.shared_expert_ffn_dim}: model.family = {self.family} "
+                     + ("has a shared expert (give its width)" if fam.shared_expert else "has no shared expert"),
+                     "qwen2_moe: shared_expert_intermediate_size of its config.json; qwen3_moe: 0")
+            if self.router_aux_loss_coef < 0:
+                fail("model.router_aux_loss_coef", f"= {self.router_aux_loss_coef} is negative", "use Qwen3's 0.001, or 0 for no balancing loss")
         if self.rope_scaling == "llama3":
             for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
                 if not getattr(self, name) > 0:
@@ -84,6 +123,7 @@ class ModelConfig(Section):
         cap(self, {"dim": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024, "vocab_size": 1 << 22,
                     "ffn_dim": 1 << 18, "multiple_of": 1 << 16, "rope_theta": 1e12, "head_dim": 1 << 12,
                     "max_seq_len": 1 << 30, "rope_original_max_len": 1 << 30, "sliding_window": 1 << 30,
-                    "rope_factor": 1e4, "rope_low_freq_factor": 1e4, "rope_high_freq_factor": 1e4,
+                    "rope_factor": 1e4, "num_experts": 1 << 12, "moe_ffn_dim": 1 << 18,
+                    "router_aux_loss_coef": 1e3, "shared_expert_ffn_dim": 1 << 18, "rope_low_freq_factor": 1e4, "rope_high_freq_factor": 1e4,
                     "norm_eps": 1.0, "init_std": 10.0}, "a model shape no device holds")
         floor(self, {"norm_eps": 1e-12, "init_std": 1e-8}, "float32 rounds it to 0, or to weights of 0")

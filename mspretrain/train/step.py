@@ -150,6 +150,7 @@ class TrainStep:
         comm: the data-parallel group (model/parallel.py `Group`) when it is not the world (tensor
         parallel, train/tp.py); a model cut by model/parallel.py `split_model` carries its tp group."""
         from mspretrain.model.loss import token_nll
+        from mspretrain.model.moe import balance_loss
 
         self.model = model
         every = tuple(model.trainable_params())
@@ -240,16 +241,26 @@ class TrainStep:
         inv_tokens = 1.0 / self.global_tokens
         z = float(optim.z_loss)
         tp_loss = getattr(model, "tp_loss", None)
+        # MoE (model/moe.py): transformers' load-balancing loss, weighted by router_aux_loss_coef
+        mcfg = getattr(model, "cfg", None)
+        balance = float(mcfg.router_aux_loss_coef) if getattr(mcfg, "num_experts", 0) else 0.0
+        sparse_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers)) if balance > 0 else 0
 
         def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
             inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
-            logits = model(inputs, positions, segments)  # (B, T, V) fp32
+            if balance > 0:  # MoE: and the routing stats of the load-balancing loss
+                logits, routed = model(inputs, positions, segments, True)
+            else:
+                logits, routed = model(inputs, positions, segments), None  # (B, T, V) fp32
             # (B, T) fp32 each; tensor parallel: from the local vocabulary columns (model/parallel.py)
             nll, lse = token_nll(logits, targets, plain_sum=plain) if tp_loss is None else tp_loss(logits, targets)
             nll_sum = nll.sum()
             obj = nll_sum
             if z > 0:
                 obj = obj + z * (lse * lse).sum()
+            if balance > 0:  # per micro-batch, weighted by its share of the tokens (docs/design.md, MoE)
+                n = inputs.shape[0] * inputs.shape[1]
+                obj = obj + balance_loss(routed, n * sparse_layers, mcfg.num_experts) * (balance * n)
             return obj * (scale * inv_tokens), nll_sum, nll.sum(-1)
 
         self._grad_fn = ms.value_and_grad(objective, None, self.params, has_aux=True)
