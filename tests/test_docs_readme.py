@@ -133,6 +133,7 @@ CHECKS: dict[str, Callable[[str, str, Path], None]] = {
     "mspretrain audit": lambda out, err, work: "exact:" in out or pytest.fail(out),
     "mspretrain spike": _spike,
     "mspretrain replay": _replay,
+    "mspretrain plan --config": lambda out, err, work: "recommended:" in out or pytest.fail(out),
     "mspretrain tokenizer extend": lambda out, err, work: "100 new pieces appended" in out or pytest.fail(out),
     "mspretrain train --init-from hf/": lambda out, err, work: "vocab 512 -> 612" in out + err or pytest.fail(out + err),
     "mspretrain eval runs/c --choices": lambda out, err, work: "accuracy" in out or pytest.fail(out),
