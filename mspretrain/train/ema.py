@@ -39,24 +39,36 @@ from mspretrain.errors import UserError
 
 class WeightEMA:
     def __init__(self, decay: float, params: list[Any], *, keys: list[str], file_name: str,
-                 shapes: dict[str, tuple[int, ...]] | None, wanted: dict[str, tuple[int, int]]) -> None:
+                 shapes: dict[str, tuple[int, ...]] | None, wanted: dict[str, tuple[int, int] | None],
+                 cuts: list[tuple[int, int] | None] | None = None) -> None:
         """`params`: the live parameters whose EMA this rank keeps; `keys`: each one's stored name
-        (`NAME` or ZeRO-3's `NAME@START:STOP`); `shapes`: the whole shapes of sliced ones (ZeRO-3's
-        file metadata) or None; `wanted`: what this rank reads back of a stored EMA (read_pieces)."""
+        (`NAME` or a slice's `NAME@START:STOP`); `cuts`: for each, the [start, stop) of the flattened
+        parameter this rank averages (a ZeRO-1/2 split parameter's owned slice) or None (all of it:
+        a whole one, or a ZeRO-3 slice Parameter); `shapes`: the whole shapes of sliced parameters
+        (the per-rank file's metadata) or None (the whole file); `wanted`: what this rank reads back
+        of a stored EMA (read_pieces)."""
         self.decay, self.params, self.keys = float(decay), params, keys
+        self.cuts = cuts if cuts is not None else [None] * len(params)
         self.file_name, self.shapes, self.wanted = file_name, shapes, wanted
         self.values: list[np.ndarray] | None = None
-        self._scratch = np.empty(max((math.prod(p.shape) for p in params), default=0), np.float32)
+        self.sizes = [c[1] - c[0] if c is not None else math.prod(p.shape) for p, c in zip(params, self.cuts)]
+        self._scratch = np.empty(max(self.sizes, default=0), np.float32)
+
+    def _flat(self, j: int) -> np.ndarray:
+        """Unit j's live values, flat (its owned slice when cut): a view on CPU."""
+        x = _host(self.params[j]).reshape(-1)
+        c = self.cuts[j]
+        return x if c is None else x[c[0]:c[1]]
 
     def update(self) -> None:
         """Take the weights of the step just applied (the first call starts the average at them)."""
         if self.values is None:
-            self.values = [_host(p).astype(np.float32, copy=True).reshape(-1) for p in self.params]
+            self.values = [self._flat(j).astype(np.float32, copy=True) for j in range(len(self.params))]
             return
         a = np.float32(1.0 - self.decay)
-        for e, p in zip(self.values, self.params):
+        for j, e in enumerate(self.values):
             s = self._scratch[:e.size]
-            np.subtract(e, _host(p).reshape(-1), out=s)
+            np.subtract(e, self._flat(j), out=s)
             s *= a
             e -= s
 
@@ -65,13 +77,14 @@ class WeightEMA:
         copies, as the writer thread holds them while the next step runs. Empty before any update."""
         if self.values is None:
             return {}
-        # a ZeRO-3 slice is stored 1-D (`NAME@START:STOP`), a whole tensor in its own shape
+        # a slice is stored 1-D (`NAME@START:STOP`), a whole tensor in its own shape
         tensors = {k: (e.copy() if "@" in k else e.reshape(p.shape).copy()) for k, e, p in zip(self.keys, self.values, self.params)}
         meta = shard_metadata(step, self.shapes) if self.shapes is not None else {"format": "mspretrain", "step": str(step)}
         return {self.file_name: (tensors, meta)}
 
     def load(self, ckpt: Path, log: Callable[[str], None]) -> None:
-        """This rank's part of the EMA saved with `ckpt`; a checkpoint without one starts it afresh."""
+        """This rank's part of the EMA saved with `ckpt` (by any layout and world size: the reader
+        cuts this rank's ranges from whichever files hold them); a checkpoint without one starts it afresh."""
         if not ema_files(p.name for p in Path(ckpt).iterdir()):
             self.values = None
             log(f"{Path(ckpt).name} holds no EMA of the weights: train.ema_decay starts one from the next step")
@@ -79,9 +92,9 @@ class WeightEMA:
         with weight_view(Source(0, Path(ckpt)), from_ema=True) as view:
             stored = read_pieces(view, self.wanted)
         values = []
-        for k, p in zip(self.keys, self.params):
+        for k, n in zip(self.keys, self.sizes):
             name = k.partition("@")[0]
-            if name not in stored or stored[name].size != math.prod(p.shape):
+            if name not in stored or stored[name].size != n:
                 raise UserError(f"the EMA saved with {Path(ckpt).name} does not match the model's {name}",
                                 "resume with the model config the checkpoint was written with")
             values.append(np.asarray(stored[name], np.float32).reshape(-1).copy())
@@ -121,6 +134,40 @@ def for_run(cfg: Any, model: Any, step_fn: Any, *, rank: int, world: int) -> Wei
                 keys.append(p.name)
         return WeightEMA(decay, keep, keys=keys, file_name=ema_shard_name(rank, world), shapes=shapes,
                          wanted=wanted_ranges(model, world, rank))
-    if rank != 0:  # the weights are whole on every rank: rank 0's EMA is the run's
+    z = getattr(step_fn, "zero_setup", None)
+    if world > 1 and getattr(step_fn, "sharded", False) and z is not None:
+        return _zero12(decay, params, z, rank=rank, world=world)
+    if rank != 0:  # the weights are whole on every rank and no rank owns a part: rank 0's EMA is the run's
         return None
     return WeightEMA(decay, params, keys=[p.name for p in params], file_name=EMA_FILE, shapes=None, wanted={})
+
+
+def _zero12(decay: float, params: list[Any], z: Any, *, rank: int, world: int) -> WeightEMA:
+    """ZeRO-1/2: the EMA of exactly the units whose fp32 masters this rank owns (the step's own
+    ownership, train/zero_setup.py `plan_zero`: whole parameters, and this rank's slice of each
+    split one), and of the untrained parameters on rank 0, as ZeRO-3 keeps them."""
+    from mspretrain.train.zero_setup import slice_key
+
+    o = z.ownership
+    owned = {o.names[i]: k for k, i in enumerate(o.own)}  # at most one unit of a parameter per rank
+    trained = set(o.names)
+    keep, keys, cuts = [], [], []
+    # every parameter is whole on every rank: a rank reads back only its units' ranges, (0, 0) of the rest
+    wanted: dict[str, tuple[int, int] | None] = {}
+    for p in params:
+        k = owned.get(p.name)
+        if k is not None and o.split[k]:
+            keep.append(p)
+            keys.append(slice_key(p.name, *o.bounds[k]))
+            cuts.append(o.bounds[k])
+            wanted[p.name] = o.bounds[k]
+        elif k is not None or (p.name not in trained and rank == 0):
+            keep.append(p)
+            keys.append(p.name)
+            cuts.append(None)
+            wanted[p.name] = None
+        else:
+            wanted[p.name] = (0, 0)
+    split = {n for i, n in enumerate(o.names) if z.layout.is_split(i)}
+    shapes = {p.name: tuple(p.shape) for p in params if p.name in split}  # every rank knows every split one
+    return WeightEMA(decay, keep, keys=keys, file_name=ema_shard_name(rank, world), shapes=shapes, wanted=wanted, cuts=cuts)
