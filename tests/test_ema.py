@@ -200,17 +200,32 @@ def test_a_checkpoint_without_an_ema_starts_one_afresh_and_says_so(tmp_path):
 def _zero2(cfg, world: int, rank: int):
     """Rank `rank` of a ZeRO-2 run at `world` emulated in this process: the model (weights whole on
     every rank under ZeRO-1/2) and a step stand-in carrying the real ownership (train/zero_setup.py
-    `plan_zero`, what TrainStep plans), with split_mb small enough that the embedding and lm_head
+    `plan_zero`, what TrainStep plans) and masters (train/state_codec.py), with split_mb small enough that the embedding and lm_head
     are cut into a slice per rank and the other parameters go whole to one owner each; the final
     norm is left untrained (as train.trainable leaves parameters out), so rank 0 keeps its EMA whole."""
     from mspretrain.model.decoder import Decoder
+    from mspretrain.train.state_codec import OptimizerState
     from mspretrain.train.zero_setup import plan_zero
 
     model = Decoder(cfg.model, seed=0)
     params = tuple(p for p in model.trainable_params() if p.name != "norm.weight")
     z = plan_zero(params, [math.prod(p.shape) for p in params], set(), None, world=world, rank=rank, device="cpu",
                   zero3=False, shard=True, shard_grads=True, allreduce_fp16=False, bucket_mb=0.05, split_mb=0.05)
-    return model, SimpleNamespace(zero3=False, sharded=True, zero_setup=z)
+    masters = OptimizerState(params, (), z.ownership).masters
+    return model, SimpleNamespace(zero3=False, sharded=True, zero_setup=z, own_masters=masters)
+
+
+def _apply(model, step_fn, w: dict[str, np.ndarray]) -> None:
+    """A ZeRO-1/2 step's end state: `w` in every rank's weights and in this rank's master slices."""
+    import mindspore as ms
+
+    for p in model.get_parameters():
+        p.set_data(ms.Tensor(w[p.name]))
+    o = step_fn.zero_setup.ownership
+    for k, i in enumerate(o.own):
+        if o.split[k]:
+            a, b = o.bounds[k]
+            step_fn.own_masters[k].set_data(ms.Tensor(w[o.names[i]].reshape(-1)[a:b].copy()))
 
 
 def test_zero2_ranks_keep_save_and_resume_the_ema_of_what_they_own(tmp_path, tiny_cfg, capsys):
@@ -218,8 +233,6 @@ def test_zero2_ranks_keep_save_and_resume_the_ema_of_what_they_own(tmp_path, tin
     it owns and writes `ema-R-of-2` (ZeRO-3's per-rank format) through the real Saver; the union of
     the files is the one-process EMA, bit for bit; a resume reads each rank's part back, at world 2,
     at world 3 (other owners, other slices) and whole on one process; average --from-ema reads it."""
-    import mindspore as ms
-
     from mspretrain.checkpoint.model_shards import parse_key
     from mspretrain.checkpoint.saver import Saver
     from mspretrain.config import ModelConfig, resolve_model
@@ -239,12 +252,13 @@ def test_zero2_ranks_keep_save_and_resume_the_ema_of_what_they_own(tmp_path, tin
         o = step_fn.zero_setup.ownership
         assert any(o.split) and not all(o.split)  # both kinds of unit on every rank
         ema = emas[rank] = for_run(cfg, model, step_fn, rank=rank, world=2)
-        for w in steps:  # each "step": the weights, whole on every rank after the gather
-            for p in model.get_parameters():
-                p.set_data(ms.Tensor(w[p.name]))
+        for w in steps:
+            _apply(model, step_fn, w)
             ema.update()
         files = ema.files(3)
         assert list(files) == [f"ema-0000{rank}-of-00002.safetensors"]
+        # a split parameter's EMA follows its 1-D master slice, not the whole weight
+        assert all(len(p.shape) == 1 for k, p in zip(ema.keys, ema.params) if "@" in k)
         opt = {"opt_step": np.array([3], np.int64)}
         if rank == 1:
             saver.save_shard(step=3, rank=1, world=2, optimizer=opt, extra=files)
@@ -283,9 +297,10 @@ def test_zero2_ranks_keep_save_and_resume_the_ema_of_what_they_own(tmp_path, tin
             if world == 2:
                 assert again.keys == emas[rank].keys
                 assert all(np.array_equal(a, b) for a, b in zip(again.values, emas[rank].values))
-            for key, value, cut in zip(again.keys, again.values, again.cuts):
-                a, b = cut or (0, value.size)
-                assert np.array_equal(value, want[key.partition("@")[0]].reshape(-1)[a:b]), (world, rank, key)
+            for key, value in zip(again.keys, again.values):
+                name, rng = parse_key(key)
+                a, b = rng or (0, value.size)
+                assert np.array_equal(value, want[name].reshape(-1)[a:b]), (world, rank, key)
     one = for_run(cfg, Decoder(cfg.model, seed=0), SimpleNamespace(zero3=False), rank=0, world=1)
     one.load(ckpt, log=lambda s: None)
     assert all(np.array_equal(v, want[k].reshape(-1)) for k, v in zip(one.keys, one.values))
