@@ -1,5 +1,5 @@
 """`train.ema_decay` (train/ema.py): the run's EMA of the fp32 weights, updated after every applied
-step, saved beside each checkpoint (whole on one process, per rank under ZeRO-3), restored on
+step, saved beside each checkpoint (whole on one process, per rank under ZeRO-1/2/3), restored on
 resume so that a killed and resumed run's EMA is the unbroken run's, and made a checkpoint of its
 own by `mspretrain average --from-ema`."""
 from __future__ import annotations

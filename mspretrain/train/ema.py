@@ -17,22 +17,22 @@ module does not read: refused in one line). Where they are:
   of exactly the units whose fp32 masters it owns, as the step decides them (train/zero_setup.py
   `plan_zero`, train/layout.py `assign_owners`: a parameter whole to one owner, or a split one's
   slice on every rank, read from that slice's 1-D master), plus rank 0 the untrained parameters
-  whole; it writes
-  `ema-RRRRR-of-NNNNN.safetensors`, ZeRO-3's per-rank format below (a slice `NAME@START:STOP`, 1-D;
-  a whole parameter under its plain name and shape);
+  whole; it writes `ema-RRRRR-of-NNNNN.safetensors`, ZeRO-3's per-rank format below (a slice
+  `NAME@START:STOP`, 1-D; a whole parameter under its plain name and shape);
 - ZeRO-3 (`optim.shard_parameters`): each rank keeps the EMA of its own slices and writes
   `ema-RRRRR-of-NNNNN.safetensors`, the format of its per-rank weight file (checkpoint/model_shards.py:
   `NAME@START:STOP` slices, the whole shapes in the metadata);
 - tensor parallel: not supported yet (refused in one line).
-A resume reads this rank's part back by range (model_shards' `read_pieces`: its owned slices, and
-nothing of the parameters it does not own), so any layout and world size resumes any EMA files.
+A resume reads this rank's part back by range (model_shards' `read_pieces`: its slices; under
+ZeRO-1/2 nothing of the parameters it does not own), so any layout and world size resumes any EMA
+files (tests/test_ema.py: ZeRO-2 files read back at world 2, at world 3 and on one process).
 The files are listed in the manifest like every other file. `mspretrain average RUN --last 1
 --from-ema` turns a checkpoint's EMA into a checkpoint of its own (checkpoint/average.py reads
 the files through model_shards' reader).
 
-Cost: one pass over this rank's owned weights per step on the host (about 1/N of the model on each
-of N ZeRO-1/2/3 ranks) (a view of the live memory on CPU; a
-device-to-host copy on Ascend, which this module does not hide). benchmarks/average_bench.py
+Cost: one pass over this rank's owned weights per step on the host, about 1/N of the model on each
+of N ZeRO-1/2/3 ranks (a view of the live memory on CPU; a device-to-host copy on Ascend, which
+this module does not hide). benchmarks/average_bench.py
 `--ema-cost` measures the numpy update and extrapolates it to a 7B model.
 """
 from __future__ import annotations
