@@ -1,5 +1,5 @@
 """`train.ema_decay` (train/ema.py): the run's EMA of the fp32 weights, updated after every applied
-step, saved beside each checkpoint (whole on one process, per rank under ZeRO-3), restored on
+step, saved beside each checkpoint (whole on one process, per rank under ZeRO-1/2/3), restored on
 resume so that a killed and resumed run's EMA is the unbroken run's, and made a checkpoint of its
 own by `mspretrain average --from-ema`."""
 from __future__ import annotations
@@ -195,3 +195,112 @@ def test_a_checkpoint_without_an_ema_starts_one_afresh_and_says_so(tmp_path):
     p.x = p.x + 1
     ema.update()
     assert np.array_equal(ema.files(2)["ema.safetensors"][0]["w"], p.x)
+
+
+def _zero2(cfg, world: int, rank: int):
+    """Rank `rank` of a ZeRO-2 run at `world` emulated in this process: the model (weights whole on
+    every rank under ZeRO-1/2) and a step stand-in carrying the real ownership (train/zero_setup.py
+    `plan_zero`, what TrainStep plans) and masters (train/state_codec.py), with split_mb small enough that the embedding and lm_head
+    are cut into a slice per rank and the other parameters go whole to one owner each; the final
+    norm is left untrained (as train.trainable leaves parameters out), so rank 0 keeps its EMA whole."""
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.train.state_codec import OptimizerState
+    from mspretrain.train.zero_setup import plan_zero
+
+    model = Decoder(cfg.model, seed=0)
+    params = tuple(p for p in model.trainable_params() if p.name != "norm.weight")
+    z = plan_zero(params, [math.prod(p.shape) for p in params], set(), None, world=world, rank=rank, device="cpu",
+                  zero3=False, shard=True, shard_grads=True, allreduce_fp16=False, bucket_mb=0.05, split_mb=0.05)
+    masters = OptimizerState(params, (), z.ownership).masters
+    return model, SimpleNamespace(zero3=False, sharded=True, zero_setup=z, own_masters=masters)
+
+
+def _apply(model, step_fn, w: dict[str, np.ndarray]) -> None:
+    """A ZeRO-1/2 step's end state: `w` in every rank's weights and in this rank's master slices."""
+    import mindspore as ms
+
+    for p in model.get_parameters():
+        p.set_data(ms.Tensor(w[p.name]))
+    o = step_fn.zero_setup.ownership
+    for k, i in enumerate(o.own):
+        if o.split[k]:
+            a, b = o.bounds[k]
+            step_fn.own_masters[k].set_data(ms.Tensor(w[o.names[i]].reshape(-1)[a:b].copy()))
+
+
+def test_zero2_ranks_keep_save_and_resume_the_ema_of_what_they_own(tmp_path, tiny_cfg, capsys):
+    """ZeRO-2 at world 2: each rank keeps the EMA of exactly the parameters / slices whose masters
+    it owns and writes `ema-R-of-2` (ZeRO-3's per-rank format) through the real Saver; the union of
+    the files is the one-process EMA, bit for bit; a resume reads each rank's part back, at world 2,
+    at world 3 (other owners, other slices) and whole on one process; average --from-ema reads it."""
+    from mspretrain.checkpoint.model_shards import parse_key
+    from mspretrain.checkpoint.saver import Saver
+    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.model.decoder import Decoder, state_numpy
+    from mspretrain.train.ema import for_run
+
+    cfg = replace(tiny_cfg, train=replace(tiny_cfg.train, ema_decay=DECAY),
+                  model=resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2), vocab_size=256))
+    rng = np.random.default_rng(1)
+    base = state_numpy(Decoder(cfg.model, seed=0))
+    steps = [{k: (v + rng.normal(0, 0.1, v.shape)).astype(np.float32) for k, v in base.items()} for _ in range(3)]
+    want = _recursion(steps)
+    saver = Saver(tmp_path / "run", keep_last=3, keep_every=0, async_save=False, log=lambda s: None)
+    emas = {}
+    for rank in (1, 0):  # rank 1 stages its files first; rank 0 waits for them and publishes
+        model, step_fn = _zero2(cfg, 2, rank)
+        o = step_fn.zero_setup.ownership
+        assert any(o.split) and not all(o.split)  # both kinds of unit on every rank
+        ema = emas[rank] = for_run(cfg, model, step_fn, rank=rank, world=2)
+        for w in steps:
+            _apply(model, step_fn, w)
+            ema.update()
+        files = ema.files(3)
+        assert list(files) == [f"ema-0000{rank}-of-00002.safetensors"]
+        # a split parameter's EMA follows its 1-D master slice, not the whole weight
+        assert all(len(p.shape) == 1 for k, p in zip(ema.keys, ema.params) if "@" in k)
+        opt = {"opt_step": np.array([3], np.int64)}
+        if rank == 1:
+            saver.save_shard(step=3, rank=1, world=2, optimizer=opt, extra=files)
+        else:
+            saver.save(step=3, model=steps[-1], optimizer=opt, train_state={"applied_steps": 3}, data_state={}, config=cfg,
+                       tokenizer_path=None, world=2, extra=files)
+    saver.close()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
+    # no rank's file holds what it does not own; together they cover every parameter exactly once
+    layout, names = step_fn.zero_setup.layout, step_fn.zero_setup.ownership.names
+    for rank in (0, 1):
+        stored = load_file(str(ckpt / f"ema-0000{rank}-of-00002.safetensors"))
+        for key, value in stored.items():
+            name, rng = parse_key(key)
+            if name not in names:  # untrained: rank 0's, whole
+                assert rank == 0 and rng is None and name == "norm.weight", key
+                assert np.array_equal(value, want[name]), key
+                continue
+            i = names.index(name)
+            assert i in layout.owned(rank), key
+            assert (rng or (0, value.size)) == layout.unit(i, rank), key
+            a, b = layout.unit(i, rank)
+            assert np.array_equal(value.reshape(-1), want[name].reshape(-1)[a:b]), key
+    code, _, err = cli(capsys, "checkpoints", tmp_path / "run", "--verify")
+    assert code == 0, err
+    code, _, err = cli(capsys, "average", tmp_path / "run", "--last", "1", "--from-ema", "--out", tmp_path / "avg")
+    assert code == 0, err
+    got = load_file(str(tmp_path / "avg" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    # resume: each rank of world 2 reads back its own part; world 3 re-cuts it; one process reads it whole
+    for world in (2, 3):
+        for rank in range(world):
+            model, step_fn = _zero2(cfg, world, rank)
+            again = for_run(cfg, model, step_fn, rank=rank, world=world)
+            again.load(ckpt, log=lambda s: None)
+            if world == 2:
+                assert again.keys == emas[rank].keys
+                assert all(np.array_equal(a, b) for a, b in zip(again.values, emas[rank].values))
+            for key, value in zip(again.keys, again.values):
+                name, rng = parse_key(key)
+                a, b = rng or (0, value.size)
+                assert np.array_equal(value, want[name].reshape(-1)[a:b]), (world, rank, key)
+    one = for_run(cfg, Decoder(cfg.model, seed=0), SimpleNamespace(zero3=False), rank=0, world=1)
+    one.load(ckpt, log=lambda s: None)
+    assert all(np.array_equal(v, want[k].reshape(-1)) for k, v in zip(one.keys, one.values))

@@ -49,11 +49,11 @@ from mspretrain.fsutil import fsync_path
 
 CHUNK = 1 << 24  # elements per read (64 MB of fp32): bounds memory at any model size
 EMA_FILE = "ema.safetensors"  # the run's EMA of the weights (train.ema_decay), whole
-EMA_SHARD_RE = re.compile(r"^ema-(\d{5})-of-(\d{5})\.safetensors$")  # ... or one file per rank (ZeRO-3)
+EMA_SHARD_RE = re.compile(r"^ema-(\d{5})-of-(\d{5})\.safetensors$")  # ... or one file per rank (ZeRO-1/2/3)
 
 
 def ema_shard_name(rank: int, world: int) -> str:
-    """Rank R's EMA file under ZeRO-3: the format of its weight file (model_shards.py), another name."""
+    """Rank R's EMA file under ZeRO-1/2/3: the per-rank weight file's format (model_shards.py), another name."""
     return "ema" + model_shard_name(rank, world)[len("model"):]
 
 
@@ -109,7 +109,7 @@ def select(run_dir: Path, *, last: int | None = None, steps: list[int] | None = 
 def weight_view(src: Source, from_ema: bool) -> Iterator[Path]:
     """A dir model_shards' reader can read the chosen weights from: the checkpoint itself, or
     (from_ema) a temporary dir whose model files are links to the checkpoint's EMA files, which
-    have the weight files' format (whole, or ZeRO-3's per-rank slices)."""
+    have the weight files' format (whole, or per rank: ZeRO-1/2/3's parameters and slices)."""
     if not from_ema:
         yield src.dir
         return

@@ -142,8 +142,9 @@ class TrainConfig(Section):
     # ["embeddings", "lm_head"] for the first stage of continued pretraining on a new vocabulary.
     trainable: tuple[ParamGroup, ...] = ("all",)
     # Keep an exponential moving average of the fp32 weights, updated after every applied step
-    # (e_1 = w_1, e_t = d e_{t-1} + (1 - d) w_t) and saved beside each checkpoint (ema.safetensors,
-    # per rank under ZeRO-3); `mspretrain average RUN --last 1 --from-ema` makes it a checkpoint.
+    # (e_1 = w_1, e_t = d e_{t-1} + (1 - d) w_t) and saved beside each checkpoint (ema.safetensors;
+    # under ZeRO-1/2/3 ema-R-of-N per rank, each rank the part whose masters it owns);
+    # `mspretrain average RUN --last 1 --from-ema` makes it a checkpoint.
     # 0 = off; e.g. 0.999 (train/ema.py).
     ema_decay: float = 0.0
 
