@@ -66,7 +66,7 @@ class Saver:
                    model_metadata: dict[str, str] | None = None,
                    extra: dict[str, tuple[dict[str, np.ndarray], dict[str, str]]] | None = None) -> None:
         """Rank R > 0 of a sharded run: write this rank's optimizer shard (and, ZeRO-3, its weight
-        slices and its EMA file) for rank 0 to publish."""
+        slices; with train.ema_decay under ZeRO, its EMA file) for rank 0 to publish."""
         self._start(self._write_shard, dict(step=step, rank=rank, world=world, tensors=optimizer, model=model,
                                             model_metadata=model_metadata, extra=extra), step, stall_started)
 
