@@ -38,8 +38,10 @@ Design choices:
   `all_gather` / `barrier`, which are eager `AllReduce(SUM)` calls here (each rank writes its bytes
   into its own row of a zero buffer; the CPU backend reduces float32 only, which holds a byte and
   any count below 2^24 exactly). Only rank 0 writes and prints. lm-eval's own code for this path
-  imports torch. During training every rank scores every request instead: a ZeRO-3 or tensor-
-  parallel forward has collectives inside, so the ranks must run the same batches.
+  imports torch. During training (`eval.harness_tasks`, data parallel and ZeRO-1/2) every rank
+  scores every request instead, on the whole weights it holds; under ZeRO-3 or tensor parallel the
+  forward has collectives inside and the KV-cache decode has no such path, so config.py refuses
+  the harness in the loop there.
 """
 from __future__ import annotations
 
