@@ -2,6 +2,10 @@
 parameters, the trainer logs per-layer expert load, diagnose finds a router collapse."""
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
+from mspretrain.model.moe import load_metrics
 from mspretrain.model.presets import param_count, preset
 from mspretrain.monitor.mfu import flops_per_token, matmul_params, trained_matmul_params
 
@@ -23,3 +27,39 @@ def test_qwen3_30b_a3b_flops_count_active_parameters():
     # frozen groups: only the trained groups' active matrices get a weight gradient
     assert trained_matmul_params(m, ["mlp"]) == L * active_mlp
     assert trained_matmul_params(m, ["attention", "lm_head"]) == L * attn + D * V
+
+
+def test_step_returns_each_layers_expert_load_over_micro_batches():
+    """The accumulation path (2 micro-batches, 2 MoE layers): the step's metrics are `load_metrics`
+    of each layer's routing stats summed over the micro-batches, as the decoder's forward gives them."""
+    import mindspore as ms
+
+    from mspretrain.config import ModelConfig, OptimConfig, resolve_model
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.model.moe import load_metrics
+    from mspretrain.train.step import TrainStep
+
+    cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, family="qwen3_moe",
+                                    qk_norm=True, num_experts=8, experts_per_token=2, moe_ffn_dim=32, router_aux_loss_coef=0.01))
+    model = Decoder(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 64, (2, 17)).astype(np.int32) for _ in range(2)]
+    per = sum(model(ms.Tensor(b[:, :-1]), None, None, True, True)[1].asnumpy().astype(np.float64) for b in batches)
+    assert per.shape == (2, 2, 8)
+    want = load_metrics(per, [0, 1], 2)
+    step = TrainStep(model, OptimConfig(), global_tokens=2 * 2 * 16, accumulation=2)
+    res = step.run([(b, None, None) for b in batches], lr=1e-3, scale=1.0)
+    assert res.moe is not None and set(res.moe) == set(want)
+    for key, value in want.items():
+        assert res.moe[key] == pytest.approx(value, rel=1e-5), key
+    assert res.moe["moe/layer_1/max_over_mean"] >= 1.0 and res.moe["moe/dropped_tokens"] == 0.0
+    assert per[:, 1].sum() == 2 * 2 * 2 * 16 * 2  # layers x micro-batches x tokens x K assignments
+
+
+def test_load_metrics_arithmetic():
+    # one layer, 4 experts, K=2, 4 tokens: counts (4, 2, 2, 0) of 8 assignments, probabilities summing to 4
+    per = np.array([[[2.0, 1.0, 0.5, 0.5], [4.0, 2.0, 2.0, 0.0]]])
+    got = load_metrics(per, [3], 2)
+    assert got["moe/layer_3/max_over_mean"] == 4 / 2
+    assert got["moe/layer_3/top_share"] == 1.0  # every token chose expert 0
+    assert got["moe/balance_loss"] == pytest.approx(4 * (4 * 2 + 2 * 1 + 2 * 0.5) / 16)
