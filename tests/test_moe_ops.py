@@ -63,3 +63,38 @@ def test_load_metrics_arithmetic():
     assert got["moe/layer_3/max_over_mean"] == 4 / 2
     assert got["moe/layer_3/top_share"] == 1.0  # every token chose expert 0
     assert got["moe/balance_loss"] == pytest.approx(4 * (4 * 2 + 2 * 1 + 2 * 0.5) / 16)
+
+
+def _plant(run, shares: dict[int, list[float]], ratio_of=lambda s: s * 4):
+    import json
+
+    run.mkdir()
+    lines = []
+    for step in range(1, 11):
+        rec = {"step": step, "loss": 3.0}
+        for layer, values in shares.items():
+            rec[f"moe/layer_{layer}/top_share"] = values[step - 1]
+            rec[f"moe/layer_{layer}/max_over_mean"] = ratio_of(values[step - 1])
+        lines.append(json.dumps(rec))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_diagnose_finds_a_router_collapse(tmp_path, capsys):
+    from mspretrain.cli import main
+    from mspretrain.ops.diagnose import diagnose
+
+    # layer 1: one expert chosen by 90 % of the tokens at steps 4-8 (5 logged steps); layer 3: 2 steps only
+    calm = [0.1] * 10
+    _plant(tmp_path / "run", {0: calm, 1: [0.1] * 3 + [0.9] * 5 + [0.1] * 2, 3: [0.1, 0.8, 0.8] + [0.1] * 7})
+    found = [f for f in diagnose(tmp_path / "run") if f.kind == "router_collapse"]
+    assert len(found) == 1 and found[0].count == 5 and found[0].line == 4, found
+    assert "MoE layer 1" in found[0].evidence and "from step 4" in found[0].evidence
+    assert "router_aux_loss_coef" in found[0].advice
+    assert main(["diagnose", str(tmp_path / "run")]) == 1
+    assert "[router_collapse] metrics.jsonl:4" in capsys.readouterr().out
+    # two collapsed steps are not a collapse; a tiny model's balanced load (4 experts, 2 per token:
+    # every expert's share 1/2, max/mean 1) is not either
+    _plant(tmp_path / "short", {1: [0.1, 0.9, 0.9] + [0.1] * 7})
+    _plant(tmp_path / "tiny", {0: [0.5] * 10}, ratio_of=lambda s: 1.0)
+    for run in ("short", "tiny"):
+        assert not [f for f in diagnose(tmp_path / run) if f.kind == "router_collapse"], run
