@@ -13,6 +13,9 @@ Design choices:
   backward) for a sequence of T tokens, d = n_heads * head_dim; like PaLM it is not halved for the
   causal mask, so MFU stays comparable with published numbers. Recomputation is *not* counted:
   this is model FLOPs utilisation, not hardware FLOPs utilisation.
+- Mixture of experts: N counts the parameters a token goes through (`active_matrices`): an MoE
+  layer's router and K of its E experts (of width `moe_ffn_dim`, plus a Qwen2-MoE shared
+  expert), not all E and not a dense `ffn_dim` MLP; so MFU and plan use active parameters.
 - Frozen parameters (`train.trainable`, e.g. stage 1 of continued pretraining): a frozen matrix
   needs no gradient of its own, so its 2 FLOPs per multiply-add of the weight gradient go:
 
