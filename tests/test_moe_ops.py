@@ -98,3 +98,14 @@ def test_diagnose_finds_a_router_collapse(tmp_path, capsys):
     _plant(tmp_path / "tiny", {0: [0.5] * 10}, ratio_of=lambda s: 1.0)
     for run in ("short", "tiny"):
         assert not [f for f in diagnose(tmp_path / run) if f.kind == "router_collapse"], run
+
+
+def test_report_plots_expert_load_only_for_moe_runs(tmp_path):
+    from mspretrain.ops.report import render_report
+
+    _plant(tmp_path / "moe", {0: [0.3] * 10, 2: [0.5] * 10})
+    _, pngs = render_report(tmp_path / "moe")
+    assert pngs["moe"].startswith(b"\x89PNG") and len(pngs["moe"]) > 5000
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    assert "moe" not in render_report(tmp_path / "dense")[1]  # an optional panel: left out, not empty
