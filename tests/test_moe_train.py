@@ -96,3 +96,20 @@ def test_train_upcycle_from_dense_checkpoint(tmp_path, tiny_data, capsys):
     assert meta["init_from"]["upcycled"] == {"num_experts": 4, "experts_per_token": 2}
     err = refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", tmp_path / "x", "--upcycle", *qwen3)
     assert "--init-from" in err
+
+
+def test_moe_expert_load_in_metrics_and_tensorboard(moe_run):
+    """issue 52.6: every logged step carries the step's expert-load metrics (docs/operators.md)."""
+    import json
+
+    from tests.test_metrics import read_tb_scalars
+
+    records = [json.loads(ln) for ln in (moe_run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == STEPS
+    for r in steps:
+        assert r["moe/layer_0/max_over_mean"] >= 1.0, r
+        assert 2 / 4 <= r["moe/layer_0/top_share"] <= 1.0, r  # K/E balanced .. 1
+        assert r["moe/balance_loss"] > 0 and r["moe/dropped_tokens"] == 0, r
+    tags = read_tb_scalars(next(p.parent for p in moe_run.rglob("events.out.tfevents.*")))
+    assert tags["moe/layer_0/max_over_mean"] == list(range(1, STEPS + 1))

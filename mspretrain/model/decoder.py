@@ -272,9 +272,10 @@ class Decoder(nn.Cell):
                     cell.softmax = SoftmaxPlain()
 
     def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None,
-                  routing: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                  routing: bool = False, per_layer: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """`routing` (MoE, model/moe.py; a constant): (logits, routing stats (2, E) summed over the MoE
-        layers) for the load-balancing loss of the train step."""
+        layers) for the load-balancing loss of the train step; with `per_layer` (a constant) the
+        stats of each MoE layer, (L_moe, 2, E), for the expert-load metrics (issue 52.6)."""
         T = tokens.shape[1]
         token = None
         if self.sharded:  # ZeRO-3 (train/zero3.py): the embedding gathered, the first block's gathers after it
@@ -297,11 +298,15 @@ class Decoder(nn.Cell):
             bias = ops.broadcast_to(bias, (B, H, T, T))
         if token is None:
             stats = None
+            each = []
             for layer in self.layers:
                 x = layer(x, cos, sin, bias, discard)
                 if layer.sparse:  # MoE: (x, routing stats)
                     x, s = x
                     stats = s if stats is None else stats + s
+                    each.append(s)
+            if routing and per_layer:
+                return self._head(x), ops.stack(each)
             if routing:
                 return self._head(x), stats
             return self._head(x)

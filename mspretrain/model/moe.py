@@ -132,6 +132,34 @@ def balance_loss(stats: Tensor, rows: int, experts: int) -> Tensor:
     return (stats[0] * stats[1]).sum() * (experts / float(rows) / float(rows))
 
 
+def load_metrics(per: np.ndarray, layers: list[int], top_k: int) -> dict[str, float]:
+    """The expert-load metrics of one step (issue 52.6; names in docs/operators.md) from each MoE
+    layer's routing stats summed over the step's micro-batches, per (L_moe, 2, E): router
+    probability sums and top-k assignment counts over this rank's tokens.
+
+    - `moe/layer_{i}/max_over_mean`: the busiest expert's assignments over the mean (1 = balanced,
+      E/K at most: every token sends one of its K choices to that expert);
+    - `moe/layer_{i}/top_share`: the share of the layer's tokens that chose the busiest expert (K/E
+      balanced, 1 = every token; a router collapse, ops/diagnose.py);
+    - `moe/balance_loss`: transformers' load-balancing loss over the step's tokens of all MoE
+      layers together (`balance_loss`'s formula; the objective's is per micro-batch, so with
+      accumulation the two differ), whether or not `router_aux_loss_coef` weights it in;
+    - `moe/dropped_tokens`: 0, routing is dropless (no capacity factor yet)."""
+    per = np.asarray(per, dtype=np.float64)
+    probs, counts = per[:, 0], per[:, 1]
+    experts = per.shape[-1]
+    out: dict[str, float] = {}
+    for i, c, p in zip(layers, counts, probs):
+        tokens = p.sum()  # each token's probabilities sum to 1
+        mean = c.sum() / experts
+        out[f"moe/layer_{i}/max_over_mean"] = float(c.max() / mean) if mean > 0 else 0.0
+        out[f"moe/layer_{i}/top_share"] = float(c.max() / tokens) if tokens > 0 else 0.0
+    rows = probs.sum()
+    out["moe/balance_loss"] = float((counts.sum(0) * probs.sum(0)).sum() * experts / rows / rows) if rows > 0 else 0.0
+    out["moe/dropped_tokens"] = 0.0
+    return out
+
+
 def moe_layers(cfg: ModelConfig) -> list[int]:
     """The indices of the layers that hold experts."""
     return [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]

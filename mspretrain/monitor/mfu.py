@@ -13,6 +13,9 @@ Design choices:
   backward) for a sequence of T tokens, d = n_heads * head_dim; like PaLM it is not halved for the
   causal mask, so MFU stays comparable with published numbers. Recomputation is *not* counted:
   this is model FLOPs utilisation, not hardware FLOPs utilisation.
+- Mixture of experts: N counts the parameters a token goes through (`active_matrices`): an MoE
+  layer's router and K of its E experts (of width `moe_ffn_dim`, plus a Qwen2-MoE shared
+  expert), not all E and not a dense `ffn_dim` MLP; so MFU and plan use active parameters.
 - Frozen parameters (`train.trainable`, e.g. stage 1 of continued pretraining): a frozen matrix
   needs no gradient of its own, so its 2 FLOPs per multiply-add of the weight gradient go:
 
@@ -65,36 +68,54 @@ _TARGET_ALIASES = {"ascend": "ascend910b", "910b": "ascend910b", "npu": "ascend9
 _cpu_peak_cache: dict[float, float] = {}
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that are matmul weights: q, k, v, o, w1, w2, w3 per layer, plus lm_head (counted once
-    whether tied or not: the embedding lookup is a gather, not a matmul). Read off the model's
-    parameter list (model/presets.py `param_shapes`, whose per-family tensors families.py
-    decides): every matrix but the input embedding. A family's extra tensors (Qwen2's q/k/v biases,
-    Qwen3's QK-norm weights) are vectors, elementwise, not matmul FLOPs (under 0.01 % of a 7B's)."""
+def active_matrices(cfg: ModelConfig) -> list[tuple[str, float]]:
+    """(name, parameters a token multiplies by) for every matmul weight but the input embedding.
+
+    A dense matrix counts whole. A mixture-of-experts layer's stacked experts (model/moe.py,
+    `mlp.w13.weight` (E, 2F, D) and `mlp.w2.weight` (E, D, F): the only 3-D weights) count K/E of
+    their size, the K routed experts of width `moe_ffn_dim` a token goes through, not all E; its
+    router (E, D) and a Qwen2-MoE shared expert and gate every token runs count whole. So MFU and
+    plan count active parameters (Qwen3-30B-A3B: ~3.3 B of 30.5 B, tests/test_moe_ops.py)."""
     from mspretrain.model.presets import param_shapes
 
     m = resolve_model(cfg)
     if not m.vocab_size:
         raise UserError("model.vocab_size is unknown, so FLOPs per token cannot be computed",
                         "set model.vocab_size or resolve the model against the data dir first")
-    matrices = sum(math.prod(shape) for name, shape in param_shapes(m) if len(shape) == 2 and name != "embed.weight")
-    return matrices + (m.dim * m.vocab_size if m.tie_embeddings else 0)  # tied: the embedding is the output projection
+    out: list[tuple[str, float]] = []
+    for name, shape in param_shapes(m):
+        if name == "embed.weight" or len(shape) < 2:
+            continue
+        size = float(math.prod(shape))
+        if len(shape) == 3:  # stacked experts: K of E active per token
+            size = math.prod(shape[1:]) * float(m.experts_per_token)
+        out.append((name, size))
+    if m.tie_embeddings:  # tied: the embedding is the output projection
+        out.append(("embed.weight", float(m.dim * m.vocab_size)))  # in both groups (model/groups.py)
+    return out
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that are matmul weights a token goes through: q, k, v, o and the MLP's (for an MoE
+    layer the router and K experts', `active_matrices`) per layer, plus lm_head (counted once
+    whether tied or not: the embedding lookup is a gather, not a matmul). Read off the model's
+    parameter list (model/presets.py `param_shapes`, whose per-family tensors families.py
+    decides): every matrix but the input embedding. A family's extra tensors (Qwen2's q/k/v biases,
+    Qwen3's QK-norm weights) are vectors, elementwise, not matmul FLOPs (under 0.01 % of a 7B's)."""
+    return int(round(sum(size for _, size in active_matrices(cfg))))
 
 
 def trained_matmul_params(cfg: ModelConfig, trainable: Sequence[str] | None) -> int:
     """The part of `matmul_params` that is trained under `train.trainable` (None or ["all"]: all)."""
-    from mspretrain.model.groups import ALL, check_trainable
+    from mspretrain.model.groups import ALL, check_trainable, param_groups
 
     if trainable is None or list(trainable) == [ALL]:
         return matmul_params(cfg)
     check_trainable(trainable)
     m = resolve_model(cfg)
-    q_dim, kv_dim = m.n_heads * m.head_size, m.n_kv_heads * m.head_size
     # a tied embedding is the lm_head's matrix and is trained when either group is (model/groups.py)
-    head_groups = {"lm_head", "embeddings"} if m.tie_embeddings else {"lm_head"}
-    return (m.n_layers * (2 * m.dim * q_dim + 2 * m.dim * kv_dim) * ("attention" in trainable)
-            + m.n_layers * 3 * m.dim * m.ffn_dim * ("mlp" in trainable)
-            + m.dim * m.vocab_size * bool(head_groups & set(trainable)))
+    return int(round(sum(size for name, size in active_matrices(cfg)
+                         if param_groups(name, bool(m.tie_embeddings)) & set(trainable))))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, trainable: Sequence[str] | None = None) -> float:

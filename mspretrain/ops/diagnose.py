@@ -9,6 +9,11 @@ Design choices:
   reported once per file with its first evidence line (file:line) and a count.
 - Metric problems reuse `monitor.spikes.scan_metrics` (loss spikes, grad-norm spikes, non-finite
   runs) so the report, the live trainer and diagnose agree on what a spike is.
+- Router collapse (mixture of experts, issue 52.6): from the per-layer expert load the trainer
+  logs (model/moe.py `load_metrics`): a layer whose busiest expert was chosen by at least
+  COLLAPSE_SHARE of its tokens and holds at least COLLAPSE_RATIO times the mean assignments, for
+  COLLAPSE_RUN logged steps in a row. Both, so that a tiny model's balanced load (4 experts, 2
+  per token: every expert's share is 1/2) is not a collapse, nor a 128-expert layer at 2x mean.
 - Stragglers: per-rank step times parsed from worker logs (`step_time=`, MindSpore's `per step
   time: X ms`, or our `N tok/s`); a rank whose median is > 1.5x the median of the other ranks is named.
 """
@@ -46,6 +51,9 @@ ADVICE = {
     "loss_spike": "loss spike: if isolated and it recovers, ignore it; if it repeats, lower lr, inspect the data at that "
                   "step (a bad shard), or set spike.action=rewind",
     "grad_norm": "gradient-norm spike: often precedes a loss spike; check lr and optim.grad_clip, and the data at that step",
+    "router_collapse": "router collapse: one expert takes most of an MoE layer's tokens, so the others stop learning: "
+                       "raise model.router_aux_loss_coef (Qwen3 uses 0.001) or lower optim.lr, and resume from a checkpoint "
+                       "before the collapse; after --upcycle, check that the experts were copies and the routers fresh",
     "straggler": "one rank is far slower than the others, so every step waits for it: check that host (other jobs, "
                  "thermal throttling, `npu-smi info`), its data loading (CPU share, disk) and its network link",
     "exception": "the process stopped on this error; the lines above it in the file show where",
@@ -79,6 +87,10 @@ STEP_TIME = [
 STRAGGLER_FACTOR = 1.5
 NONFINITE_RUN = 3
 OVERFLOW_RUN = 5
+COLLAPSE_SHARE = 0.5  # the busiest expert chosen by at least half the layer's tokens ...
+COLLAPSE_RATIO = 2.0  # ... and at least twice the mean assignments ...
+COLLAPSE_RUN = 3  # ... for this many logged steps in a row
+_SHARE = re.compile(r"^moe/layer_(\d+)/top_share$")
 
 
 @dataclass
@@ -191,7 +203,11 @@ def scan_metrics_file(path: Path, root: Path, spike_cfg: cfgmod.SpikeConfig) -> 
             step = int(rec["step"])
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
             continue
-        records.append({k: rec[k] for k in ("loss", "grad_norm", "skipped") if k in rec} | {"step": step})
+        kept = {k: rec[k] for k in ("loss", "grad_norm", "skipped") if k in rec} | {"step": step}
+        collapsed = _collapsed_layers(rec)
+        if collapsed is not None:  # an MoE step: the layers whose load looks collapsed
+            kept["collapsed"] = collapsed
+        records.append(kept)
         line_of[step] = no
 
     def line_at(step: int) -> tuple[int, str]:  # at most three calls, only when something was found
@@ -234,7 +250,45 @@ def scan_metrics_file(path: Path, root: Path, spike_cfg: cfgmod.SpikeConfig) -> 
     if skip_best[1] >= OVERFLOW_RUN:
         no, text = line_at(skip_best[0])
         out.append(Finding("overflow", rel, no, f"{skip_best[1]} skipped steps in a row from step {skip_best[0]}: {text}", count=skip_best[1]))
+    collapse = _longest_collapse([r for r in records if "collapsed" in r])
+    if collapse is not None:
+        layer, start, length, share = collapse
+        no, _ = line_at(start)
+        out.append(Finding("router_collapse", rel, no,
+                           f"MoE layer {layer}: its busiest expert was chosen by {share:.0%} of the tokens for {length} logged "
+                           f"steps in a row from step {start} (moe/layer_{layer}/top_share >= {COLLAPSE_SHARE:g}, "
+                           f"max_over_mean >= {COLLAPSE_RATIO:g})", count=length))
     return out
+
+
+def _collapsed_layers(rec: dict) -> tuple[tuple[int, float], ...] | None:
+    """(layer, top share) of each MoE layer of one metrics record that looks collapsed; None when
+    the record has no expert-load metrics (a dense model's, or a step not logged)."""
+    found, moe = [], False
+    for key, share in rec.items():
+        m = _SHARE.match(key)
+        if m is None:
+            continue
+        moe = True
+        ratio = rec.get(f"moe/layer_{m.group(1)}/max_over_mean")
+        if (isinstance(share, (int, float)) and isinstance(ratio, (int, float))
+                and share >= COLLAPSE_SHARE and ratio >= COLLAPSE_RATIO):
+            found.append((int(m.group(1)), float(share)))
+    return tuple(found) if moe else None
+
+
+def _longest_collapse(records: list[dict]) -> tuple[int, int, int, float] | None:
+    """(layer, first step, logged steps, last share) of the longest run of collapsed logged steps
+    of one layer, when it reaches COLLAPSE_RUN; runs are over the records that carry the metrics."""
+    runs: dict[int, tuple[int, int]] = {}  # layer -> (start step, length) of its current run
+    best: tuple[int, int, int, float] | None = None
+    for rec in sorted(records, key=lambda r: r["step"]):
+        now = dict(rec["collapsed"])
+        runs = {layer: (runs[layer][0], runs[layer][1] + 1) if layer in runs else (rec["step"], 1) for layer in now}
+        for layer, (start, length) in runs.items():
+            if length >= COLLAPSE_RUN and (best is None or length > best[2]):
+                best = (layer, start, length, now[layer])
+    return best
 
 
 def find_stragglers(times_by_file: dict[str, StepTimes]) -> list[Finding]:
@@ -324,7 +378,7 @@ def _device_memory_note(metrics_path: Path) -> str:
 
 def format_findings(findings: list[Finding]) -> str:
     if not findings:
-        return "no problems found (checked: OOM, killed, disk full, comm timeouts, non-finite storms, spikes, stragglers)"
+        return "no problems found (checked: OOM, killed, disk full, comm timeouts, non-finite storms, spikes, router collapse, stragglers)"
     lines = []
     for f in findings:
         lines.append(f"[{f.kind}] {f.where()}" + (f"  ({f.count} lines)" if f.count > 1 else ""))

@@ -18,6 +18,7 @@ import io
 import json
 import math
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,9 @@ _PANELS = (  # (file stem, title)
     ("eval_acc", "Multiple-choice accuracy (eval.choices_file)"),
     ("harness", "lm-eval task scores against tokens (eval.harness_tasks)"), ("lr", "Learning rate"),
     ("grad_norm", "Gradient norm"), ("loss_scale", "Loss scale and skipped steps"),
-    ("throughput", "Throughput (right axis: MFU)"), ("memory", "Peak memory (host RSS; device on Ascend)"))
-_OPTIONAL_PANELS = frozenset({"eval_acc", "harness"})  # left out, not shown empty, when the run has no data for them
+    ("throughput", "Throughput (right axis: MFU)"), ("memory", "Peak memory (host RSS; device on Ascend)"),
+    ("moe", "Expert load: busiest expert / mean per MoE layer (right axis: balance loss)"))
+_OPTIONAL_PANELS = frozenset({"eval_acc", "harness", "moe"})  # left out, not shown empty, when the run has no data for them
 
 
 def read_metrics(path: Path) -> tuple[list[dict], int]:
@@ -360,6 +362,8 @@ def _plot(stem: str, title: str, s: dict) -> Any | None:
         return fig
     if stem == "harness":
         return _harness_plot(title, recs)
+    if stem == "moe":
+        return _moe_plot(title, recs)
     if stem == "memory":
         # host RSS and (Ascend) device memory are separate metrics: one line each, never summed
         named = [(k, label) for k, label in (("mem_mb", "host RSS (peak)"), ("device_mem_mb", "device allocated (peak)"),
@@ -395,6 +399,48 @@ def _plot(stem: str, title: str, s: dict) -> Any | None:
 
 
 HARNESS_METRICS = ("acc", "acc_norm", "exact_match")  # scores on a 0-1 scale: one axis in %
+
+
+def expert_load_curves(recs: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
+    """{MoE layer: (steps, busiest expert's assignments / mean)} from `moe/layer_L/max_over_mean`
+    (model/moe.py `load_metrics`)."""
+    curves: dict[int, tuple[list[int], list[float]]] = {}
+    for r in recs:
+        for k, v in r.items():
+            if k.startswith("moe/layer_") and k.endswith("/max_over_mean") and _is_number(v) and math.isfinite(v):
+                layer = k[len("moe/layer_"):-len("/max_over_mean")]
+                if layer.isdigit():
+                    xs, ys = curves.setdefault(int(layer), ([], []))
+                    xs.append(r["step"])
+                    ys.append(float(v))
+    return curves
+
+
+def _moe_plot(title: str, recs: list[dict]) -> Any | None:
+    curves = expert_load_curves(recs)
+    if not curves:
+        return None
+    fig, ax = _figure(title)
+    if len(curves) <= 8:
+        for layer, (xs, ys) in sorted(curves.items()):
+            ax.plot(xs, ys, lw=1, label=f"layer {layer}")
+    else:  # many layers: the worst and the median layer at each step
+        by_step: dict[int, list[float]] = {}
+        for xs, ys in curves.values():
+            for x, y in zip(xs, ys):
+                by_step.setdefault(x, []).append(y)
+        steps = sorted(by_step)
+        ax.plot(steps, [max(by_step[x]) for x in steps], lw=1, label=f"worst of {len(curves)} layers")
+        ax.plot(steps, [statistics.median(by_step[x]) for x in steps], lw=1, label="median layer")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="balanced")
+    ax.set_ylabel("max / mean")
+    bx, by = series(recs, "moe/balance_loss")
+    if bx:
+        ax2 = ax.twinx()
+        ax2.plot(bx, by, lw=1, color="tab:red", alpha=0.6)
+        ax2.set_ylabel("balance loss", color="tab:red")
+    ax.legend(fontsize=8)
+    return fig
 
 
 def harness_curves(recs: list[dict]) -> dict[str, tuple[list[float], list[float]]]:

@@ -117,6 +117,8 @@ class StepResult:
     # this rank's rows, in micro-batch order: summed token NLL of each sample (per-source loss,
     # spike forensics); a (B,) vector per micro-batch, read back with the loss
     row_nll: np.ndarray | None = None
+    # MoE (issue 52.6): expert-load metrics of this rank's tokens of the step (model/moe.py `load_metrics`)
+    moe: dict[str, float] | None = None
 
 
 def _flat(parts: list[Tensor]) -> Tensor:
@@ -150,7 +152,7 @@ class TrainStep:
         comm: the data-parallel group (model/parallel.py `Group`) when it is not the world (tensor
         parallel, train/tp.py); a model cut by model/parallel.py `split_model` carries its tp group."""
         from mspretrain.model.loss import token_nll
-        from mspretrain.model.moe import balance_loss
+        from mspretrain.model.moe import balance_loss, moe_layers
 
         self.model = model
         every = tuple(model.trainable_params())
@@ -245,11 +247,20 @@ class TrainStep:
         mcfg = getattr(model, "cfg", None)
         balance = float(mcfg.router_aux_loss_coef) if getattr(mcfg, "num_experts", 0) else 0.0
         sparse_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers)) if balance > 0 else 0
+        # MoE: every step also returns each MoE layer's routing stats (L_moe, 2, E), read back with
+        # the rows, for the expert-load metrics; a dense model's graphs are unchanged
+        layers_moe = moe_layers(mcfg) if getattr(mcfg, "num_experts", 0) else []
+        self.moe_layers, self.moe_k = layers_moe, (int(mcfg.experts_per_token) if layers_moe else 0)
+        moe_stats = bool(layers_moe)
 
         def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
             inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
-            if balance > 0:  # MoE: and the routing stats of the load-balancing loss
-                logits, routed = model(inputs, positions, segments, True)
+            per = None
+            if moe_stats:  # MoE: each layer's routing stats; their sum feeds the load-balancing loss
+                logits, per = model(inputs, positions, segments, True, True)
+                routed = per[0]
+                for i in range(1, len(layers_moe)):  # in layer order, as the decoder's own sum
+                    routed = routed + per[i]
             else:
                 logits, routed = model(inputs, positions, segments), None  # (B, T, V) fp32
             # (B, T) fp32 each; tensor parallel: from the local vocabulary columns (model/parallel.py)
@@ -261,6 +272,8 @@ class TrainStep:
             if balance > 0:  # per micro-batch, weighted by its share of the tokens (docs/design.md, MoE)
                 n = inputs.shape[0] * inputs.shape[1]
                 obj = obj + balance_loss(routed, n * sparse_layers, mcfg.num_experts) * (balance * n)
+            if moe_stats:
+                return obj * (scale * inv_tokens), nll_sum, nll.sum(-1), ops.stop_gradient(per)
             return obj * (scale * inv_tokens), nll_sum, nll.sum(-1)
 
         self._grad_fn = ms.value_and_grad(objective, None, self.params, has_aux=True)
@@ -272,9 +285,19 @@ class TrainStep:
             loss_sum, finite, norm = self._finish(reduced, loss_sum, lr, inv_scale)
             return loss_sum, finite, norm, rows
 
+        def fused_moe(tokens, positions, segments, scale, lr, inv_scale):  # `fused` and the routing stats
+            (_, nll_sum, rows, per), grads = self._grad_fn(tokens, positions, segments, scale)
+            reduced, last = self._reduce(list(grads))
+            loss_sum = nll_sum if self.allreduce is None else self.allreduce(ops.depend(nll_sum, last))
+            loss_sum, finite, norm = self._finish(reduced, loss_sum, lr, inv_scale)
+            return loss_sum, finite, norm, (rows, per)
+
+        if moe_stats:
+            fused = fused_moe
         self._fused: Callable[..., Any] = self._jit(fused) if self._jit else fused
         self._accumulate: Callable[..., Any] | None = None
         self._apply: Callable[..., Any] | None = None
+        self._moe_stats = moe_stats
         if accumulation is not None and accumulation > 1:
             self._ensure_accum()
 
@@ -459,8 +482,9 @@ class TrainStep:
         # `apply` never zeroes them: a zeroing assign there is ordered before the reads of the same
         # buffers (measured: grad norm 0), and copying them first is the full-size transient this
         # step avoids. `where`, not a multiply by 0: an overflowed step leaves inf in the buffers.
-        def accumulate(tokens, positions, segments, scale, first):
-            (_, nll_sum, rows), grads = self._grad_fn(tokens, positions, segments, scale)
+        moe_stats = self._moe_stats
+
+        def add(grads, nll_sum, first):  # one micro-batch's gradients and NLL into the buffers
             if self.shard_grads:  # reduce every micro-batch; keep only the owned sums
                 grads, last = self._reduce(list(grads))
                 nll_sum = ops.depend(nll_sum, last)  # keeps every collective in every rank's graph
@@ -470,7 +494,18 @@ class TrainStep:
                 # a full-size condition: Select with a 0-d operand holds 24 B per element (see _finish)
                 ops.assign(acc, ops.where(ops.broadcast_to(first, acc.shape), g, acc + g))
             ops.assign(self.loss_accum, ops.where(first, nll_sum, self.loss_accum + nll_sum))
-            return nll_sum, rows
+            return nll_sum
+
+        def accumulate(tokens, positions, segments, scale, first):
+            (_, nll_sum, rows), grads = self._grad_fn(tokens, positions, segments, scale)
+            return add(grads, nll_sum, first), rows
+
+        def accumulate_moe(tokens, positions, segments, scale, first):  # and the routing stats
+            (_, nll_sum, rows, per), grads = self._grad_fn(tokens, positions, segments, scale)
+            return add(grads, nll_sum, first), (rows, per)
+
+        if moe_stats:
+            accumulate = accumulate_moe
 
         def apply(lr, inv_scale):
             loss_sum = self.loss_accum * 1.0
@@ -506,9 +541,16 @@ class TrainStep:
                 _, rows = self._accumulate(Tensor(tokens), as_t(positions), as_t(segments), scale_t, Tensor(k == 0))
                 row_parts.append(rows)
             loss_sum, finite, norm = self._apply(lr_t, inv_t)
+        moe = None
+        if self._moe_stats:  # (rows, per-layer routing stats) per micro-batch, read back with the rows
+            from mspretrain.model.moe import load_metrics
+
+            per = sum(p.asnumpy().astype(np.float64) for _, p in row_parts)
+            row_parts = [r for r, _ in row_parts]
+            moe = load_metrics(per, self.moe_layers, self.moe_k)
         return StepResult(loss=float(loss_sum.asnumpy()) / self.global_tokens,
                           grad_norm=float(norm.asnumpy()), finite=bool(finite.asnumpy()),
-                          row_nll=np.concatenate([r.asnumpy() for r in row_parts]))
+                          row_nll=np.concatenate([r.asnumpy() for r in row_parts]), moe=moe)
 
     # ----------------------------------------------------------------- weights
     def full_weights(self) -> dict[str, np.ndarray]:

@@ -142,6 +142,7 @@ class Trainer:
                                             "skipped": self.skipped, "tokens": self.tokens_seen,
                                             "elapsed_s": round(time.perf_counter() - t_begin, 3)}
                 values.update(self.meter.sample(self.step, first=self.step == start + 1))
+                values.update(res.moe or {})  # MoE: the step's expert-load metrics (model/moe.py load_metrics)
                 summary.tokens_per_s = values.get("tokens_per_s", summary.tokens_per_s)
                 summary.losses.append(res.loss)
                 rewound = self._after_spike_check(self.spikes.observe(self.step, res.loss, res.grad_norm, values), values)
