@@ -296,7 +296,9 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     np.random.seed(cfg.train.seed % (2**32))
     # a model cut for ZeRO-3 or tensor parallel is drawn on the host and only this rank's pieces go to
     # the device (model/parallel.py `piece_tensor`): built whole in HBM it did not fit above ~15.6 B
-    # parameters (issue 51.2); the host holds the whole fp32 model meanwhile (`plan`: model initialisation)
+    # parameters (issue 51.2). On an NPU each weight is drawn when the cut first reads it
+    # (model/decoder.py `LazyDraw`), so the host holds one whole fp32 weight at a time (`plan`:
+    # model initialisation); on the CPU the host is the device and the weights are drawn at once
     model = Decoder(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=device.target, seed=cfg.train.seed,
                     host_weights=builds_on_host(cfg, world.size))
     if cfg.train.recompute:
