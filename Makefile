@@ -21,7 +21,7 @@ $(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c mspretrain/data/_m
 # the tests import about a fifth of them, compiled at their first import (docs/benchmarks.md,
 # "The test suite": ~24 s of the 29 s of CPU pip spent on transformers + sympy + networkx alone).
 $(VENV)/.test: $(VENV)/.base pyproject.toml
-	@echo "make: installing the test dependencies into $(VENV): pytest, hypothesis, torch (CPU, ~200 MB), transformers, ruff, ray"
+	@echo "make: installing the test dependencies into $(VENV): pytest, hypothesis, torch (CPU, ~200 MB), transformers, ruff, ray, lm-eval"
 	$(PIP) install --no-compile -e '.[test]'
 	@touch $@
 
