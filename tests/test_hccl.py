@@ -59,7 +59,9 @@ def test_every_communicator_is_counted_and_shares_the_room_outside_the_pool():
     env = {GROUP_BUFFSIZE_ENV: group_buffsize_env(three)}
     assert env[GROUP_BUFFSIZE_ENV] == "tp=341,dp=341"
     assert group_buffsize("dp", env) == 341 and group_buffsize("tp", {}) is None
-    assert group_buffsize("tp", {GROUP_BUFFSIZE_ENV: "tp=abc"}) is None
+    for bad in ("tp=abc", "tp=0", "tp=99999", "tp", "mp=200", "tp=200,", "tp=²"):  # set by hand: one line, not ignored
+        with pytest.raises(UserError, match=GROUP_BUFFSIZE_ENV):
+            group_buffsize("tp", {GROUP_BUFFSIZE_ENV: bad})
     assert group_options("tp", "cpu", env) is None  # CPU: no HCCL, no options
     assert group_options("tp", "ascend", env).hccl_config == {"hccl_buffer_size": 341}
     assert group_options("dp", "ascend", {}) is None  # no plan: HCCL_BUFFSIZE applies

@@ -133,10 +133,17 @@ def group_buffsize_env(comms: list[dict]) -> str:
 
 
 def group_buffsize(kind: str, env: dict[str, str]) -> int | None:
-    """The buffer (MB) `launch` planned for the `kind` ("tp" / "dp") group, or None (not set, or
-    unreadable: the group then takes HCCL_BUFFSIZE, HCCL's default for every communicator)."""
-    for part in env.get(GROUP_BUFFSIZE_ENV, "").split(","):
-        name, _, value = part.partition("=")
-        if name.strip() == kind and value.strip().isdigit() and 0 < int(value) <= HCCL_ROOM_MB:
-            return int(value)
-    return None
+    """The buffer (MB) `launch` planned for the `kind` ("tp" / "dp") group, or None when it is not
+    set (the group then takes HCCL_BUFFSIZE, HCCL's default for every communicator). A value that
+    is not `launch`'s "tp=MB,dp=MB" (set by hand) is one line naming the variable, as every other
+    MSPRETRAIN_* hook (errors.env_number), not a silent fallback to another buffer."""
+    text = env.get(GROUP_BUFFSIZE_ENV, "").strip()
+    found: int | None = None
+    for part in text.split(",") if text else []:
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if not (eq and name in ("tp", "dp") and value.isascii() and value.isdigit() and 0 < int(value) <= HCCL_ROOM_MB):
+            raise UserError(f"{GROUP_BUFFSIZE_ENV}={text!r}: {part.strip()!r} is not tp=MB or dp=MB with MB in 1..{HCCL_ROOM_MB}",
+                            f"unset {GROUP_BUFFSIZE_ENV} (`mspretrain launch` sets it from the plan) or give e.g. tp=200,dp=200")
+        if name == kind:
+            found = int(value)
+    return found
