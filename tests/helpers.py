@@ -704,3 +704,49 @@ def same_files(a: Path, b: Path) -> None:
     assert "train.bin" in names and "manifest.json" in names
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def read_tb_scalars(tb_dir: Path) -> dict[str, list[int]]:
+    """tag -> steps, from TensorBoard event files: TensorBoard's own reader when it is installed,
+    else the TFRecord framing (u64 length, u32 crc, payload, u32 crc) parsed with the Event proto."""
+    import struct
+
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        EventAccumulator = None
+    if EventAccumulator is not None:
+        acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+        acc.Reload()
+        return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[int]] = {}
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            payload = data[pos + 12:pos + 12 + length]
+            pos += 12 + length + 4
+            ev = Event.FromString(payload)
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append(ev.step)
+    return out
+
+
+def make_corpus(d: Path) -> Path:
+    """Several small one-document-per-line files (a chunk each), exact duplicates across them,
+    a .jsonl first (read by reference and parsed in the workers), an empty file and undecodable
+    bytes (warnings and per-file counts that a resume must restore)."""
+    from tests.conftest import make_poems
+
+    d.mkdir()
+    poems = [p.replace("\n", "，") for p in make_poems(500, seed=5)]
+    for k in range(5):
+        (d / f"p{k}.txt").write_text("\n".join(poems[k * 100: (k + 1) * 100] + poems[:4]) + "\n", encoding="utf-8")
+    # read first: the chunks a resume skips include .jsonl blocks
+    (d / "a.jsonl").write_text("\n".join(json.dumps({"text": p}, ensure_ascii=False) for p in poems[:60]) + "\n", encoding="utf-8")
+    (d / "r.txt").write_bytes("一二三四五六七八九十\n".encode() + b"\xff\xfe\n" + "春眠不觉晓处处闻啼鸟\n".encode())
+    (d / "s.txt").write_bytes(b"")
+    return d

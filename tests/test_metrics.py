@@ -3,48 +3,20 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import threading
-from pathlib import Path
 
 import pytest
 
 from mspretrain.config import Config, MetricsConfig, ModelConfig, resolve_model
 from mspretrain.monitor import mfu
 from mspretrain.monitor.metrics import MetricsLogger, is_network_fs, mount_of, truncate_metrics
+from tests.helpers import read_tb_scalars
 
 CFG = MetricsConfig(loss_every=1, lr_every=2, loss_scale_every=3, grad_norm_every=5, memory_every=7,
                     throughput_every=4)
 EVERY = {"loss": 1, "lr": 2, "loss_scale": 3, "grad_norm": 5, "mem_mb": 7, "tokens_per_s": 4, "samples_per_s": 4,
          "mfu": 4, "real_token_share": 4, "tokens_per_device_hour": 4, "cost_per_btok": 4, "skipped": 1}
 STEPS = range(1, 31)
-
-
-def read_tb_scalars(tb_dir: Path) -> dict[str, list[int]]:
-    """tag -> steps, from TensorBoard event files: TensorBoard's own reader when it is installed,
-    else the TFRecord framing (u64 length, u32 crc, payload, u32 crc) parsed with the Event proto."""
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError:
-        EventAccumulator = None
-    if EventAccumulator is not None:
-        acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
-        acc.Reload()
-        return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    from tensorboardX.proto.event_pb2 import Event
-
-    out: dict[str, list[int]] = {}
-    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        pos = 0
-        while pos + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            payload = data[pos + 12:pos + 12 + length]
-            pos += 12 + length + 4
-            ev = Event.FromString(payload)
-            for v in ev.summary.value:
-                out.setdefault(v.tag, []).append(ev.step)
-    return out
 
 
 def full_values(step: int) -> dict[str, float]:

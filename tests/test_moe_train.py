@@ -102,7 +102,7 @@ def test_moe_expert_load_in_metrics_and_tensorboard(moe_run):
     """issue 52.6: every logged step carries the step's expert-load metrics (docs/operators.md)."""
     import json
 
-    from tests.test_metrics import read_tb_scalars
+    from tests.helpers import read_tb_scalars
 
     records = [json.loads(ln) for ln in (moe_run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]

@@ -503,15 +503,18 @@ def test_a_run_started_again_from_step_0_does_not_append_to_the_old_metrics(refe
 def test_prepare_never_deletes_a_dir_of_its_work_dirs_name_that_it_did_not_make(corpus_file, tmp_path, capsys):
     """`prepare --out data` removed `.data.partial/` whatever it held when no journal was beside it
     (the issue's `X.tmp` instance, for prepare's fixed work-dir name). It is deleted now only when
-    prepare's mark is in it (written right after prepare makes it) or it is empty."""
+    prepare's mark is in it: prepare makes the dir under a temporary name with the mark inside and
+    renames it, so even an empty dir of that name is a user's, refused and kept (issue 54 item 2)."""
     users = tmp_path / ".data.partial"
     users.mkdir()
     (users / "keep.txt").write_text("mine")
-    before = state(tmp_path)
-    err = refused(capsys, "prepare", corpus_file, "--out", tmp_path / "data", "--config", TINY, "--workers", "1")
-    assert "is not a work dir" in err
-    assert state(tmp_path) == before
-    (users / "keep.txt").unlink()  # an empty one (a kill right after the mkdir) is prepare's to reuse
+    for _ in range(2):  # holding a file, then empty
+        before = state(tmp_path)
+        err = refused(capsys, "prepare", corpus_file, "--out", tmp_path / "data", "--config", TINY, "--workers", "1")
+        assert "is not a work dir" in err
+        assert state(tmp_path) == before
+        (users / "keep.txt").unlink(missing_ok=True)
+    users.rmdir()  # moved away: the same command goes through and leaves only its output
     assert main(["prepare", str(corpus_file), "--out", str(tmp_path / "data"), "--config", str(TINY), "--workers", "1",
                  "--quiet"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]

@@ -20,28 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_poems
-from tests.helpers import PREPARE_ARGS, PREPARE_TEST_ENV, chosen, files_of, killed_then_rerun, points_of
+from tests.helpers import PREPARE_ARGS, PREPARE_TEST_ENV, chosen, files_of, killed_then_rerun, make_corpus, points_of
 from tests.helpers import prepare_subprocess as run
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def make_corpus(d: Path) -> Path:
-    """Several small one-document-per-line files (a chunk each), exact duplicates across them,
-    a .jsonl first (read by reference and parsed in the workers), an empty file and undecodable
-    bytes (warnings and per-file counts that a resume must restore)."""
-    d.mkdir()
-    poems = [p.replace("\n", "，") for p in make_poems(500, seed=5)]
-    for k in range(5):
-        (d / f"p{k}.txt").write_text("\n".join(poems[k * 100: (k + 1) * 100] + poems[:4]) + "\n", encoding="utf-8")
-    # read first: the chunks a resume skips include .jsonl blocks
-    (d / "a.jsonl").write_text("\n".join(json.dumps({"text": p}, ensure_ascii=False) for p in poems[:60]) + "\n", encoding="utf-8")
-    (d / "r.txt").write_bytes("一二三四五六七八九十\n".encode() + b"\xff\xfe\n" + "春眠不觉晓处处闻啼鸟\n".encode())
-    (d / "s.txt").write_bytes(b"")
-    return d
-
-
 
 
 def digest(d: Path) -> dict[str, str]:

@@ -165,8 +165,11 @@ def layout_config(cfg: Config, row: dict[str, Any]) -> Config:
 def train_refusal(cfg: Config, m: ModelConfig, row: dict[str, Any]) -> str | None:
     """Why `train` would refuse the layout of `row` for `cfg` (its own checks: config.check_parallel,
     model/parallel.py `check_tp`, the batch split over the data-parallel ranks, train/zero3.py
-    `sharded_names`), or None. A layout it refuses is never in the table."""
-    from mspretrain.config import check_parallel
+    `sharded_names`, config.check_moe: an MoE model on whole replicas only, for now), or None. A
+    layout it refuses is never in the table."""
+    from dataclasses import replace
+
+    from mspretrain.config import check_moe, check_parallel
     from mspretrain.model.groups import trainable_mask
     from mspretrain.model.presets import param_shapes
     from mspretrain.model.tp_rules import tp_refusal
@@ -175,6 +178,7 @@ def train_refusal(cfg: Config, m: ModelConfig, row: dict[str, Any]) -> str | Non
     c = layout_config(cfg, row)
     try:
         check_parallel(c)
+        check_moe(replace(c, model=m))
         budget.micro_batches(c, row["dp"])
     except UserError as exc:
         return exc.cause
