@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 .PHONY: demo demo-quick test test-fast bench clean npm
 
 # pip runs quietly (-q): each step says first what it installs and why it takes a while.
-$(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c mspretrain/data/_minhash.c mspretrain/data/_sample.c
+$(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c mspretrain/prepare/_minhash.c mspretrain/prepare/_sample.c
 	@test -x $(PY) || { echo "make: creating the virtual environment $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "make: upgrading pip in $(VENV)"
 	$(PIP) install --upgrade pip

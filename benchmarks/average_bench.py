@@ -168,7 +168,7 @@ def main() -> None:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    from mspretrain.data.corpus import poetry_corpus
+    from mspretrain.demo.corpus import poetry_corpus
 
     corpus = poetry_corpus(max_docs=a.poems, log=lambda s: print(s, flush=True))
     full = poetry_corpus(log=lambda s: None)

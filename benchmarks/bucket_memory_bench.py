@@ -13,7 +13,7 @@ Cases, all with the same parameters:
   parameter: `_reduce` and `_gather` then move each parameter alone, rank buckets of one).
 
 Printed per case: the first call's growth, its excess over the world-1 reference, the largest
-bucket's bytes (train/layout.py), and excess / bucket: the factor `ops/plan.py` uses on CPU
+bucket's bytes (parallel/layout.py), and excess / bucket: the factor `preflight/plan.py` uses on CPU
 (CPU_BUCKET_FACTOR). The world-2 ranks hold half the Adam moments and half the update's
 temporaries of world 1, which the excess does not correct for (it makes the factor smaller, not
 larger).
@@ -50,11 +50,11 @@ def worker(args: argparse.Namespace) -> int:
     import numpy as np
     from mindspore import Parameter, Tensor, nn, ops
 
-    from mspretrain import config as cfgmod
-    from mspretrain.config import OptimConfig
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.config.schema import OptimConfig
     from mspretrain.device import plan_device, setup_mindspore
-    from mspretrain.train import distributed
-    from mspretrain.train.step import TrainStep
+    from mspretrain.parallel import distributed
+    from mspretrain.step.step import TrainStep
 
     cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", ["device.target=cpu"])
     setup_mindspore(plan_device(cfg))

@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from mspretrain import config as cfgmod  # noqa: E402
 from mspretrain.checkpoint import store  # noqa: E402
 from mspretrain.checkpoint.diskspeed import CHUNK, drop_cache, layout_7b, read_cold, verify_time  # noqa: E402
 from mspretrain.checkpoint.saver import Saver  # noqa: E402
+from mspretrain.config import schema as cfgmod  # noqa: E402
 from mspretrain.errors import UserError  # noqa: E402
 from mspretrain.model.presets import param_count, preset  # noqa: E402
 

@@ -80,7 +80,7 @@ def main() -> None:
 
     from mspretrain.checkpoint.store import write_weights_only_checkpoint
     from mspretrain.cli import main as cli
-    from mspretrain.config import Config, DeviceConfig, ModelConfig, resolve_model
+    from mspretrain.config.schema import Config, DeviceConfig, ModelConfig, resolve_model
     from mspretrain.eval import harness
     from mspretrain.model.decoder import Decoder, state_numpy
 

@@ -114,7 +114,7 @@ def instrument(trainer: Any, clock: Clock) -> None:
 
 
 def measure(name: str, cfg_path: Path, data: Path, work: Path, steps: int, overrides: list[str]) -> dict[str, Any]:
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.train.build import build_trainer
 
     cfg = cfgmod.load(cfg_path, [f"train.max_steps={steps}", "checkpoint.every=0", "eval.every=0", *overrides])
@@ -183,7 +183,7 @@ def main() -> int:
     print(f"MS_DEV_HOST_BLOCKING_RUN={os.environ.get('MS_DEV_HOST_BLOCKING_RUN', '(unset: setup_mindspore sets 1 on CPU)')}, "
           f"load average {os.getloadavg()[0]:.1f}")
 
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.prepare.prepare import prepare
 
     results = []
@@ -199,7 +199,7 @@ def main() -> int:
             results.append(measure("tiny (configs/tiny.toml)", tiny, work / "data-tiny", work, args.tiny_steps, []))
             report(results[-1])
         if args.only in (None, "demo"):
-            from mspretrain.data.corpus import poetry_corpus
+            from mspretrain.demo.corpus import poetry_corpus
 
             demo = ROOT / "configs" / "demo.toml"
             quick = ["prepare.vocab_size=7100", "eval.max_tokens=8192"]  # `mspretrain demo --quick`

@@ -173,7 +173,7 @@ def matmul_flops(seconds: float = 1.0) -> float:
 
 def demo_params() -> tuple[int, int, str, int]:
     """(parameters, seq_len, note, global batch) of configs/demo.toml, vocab from prepare.vocab_size."""
-    from mspretrain import config
+    from mspretrain.config import schema as config
 
     cfg = config.load(ROOT / "configs/demo.toml")
     m = config.resolve_model(cfg.model, cfg.prepare.vocab_size)

@@ -82,7 +82,7 @@ def parse_size(s: str) -> tuple[int, int]:
 
 
 def has_shard_gradients() -> bool:
-    from mspretrain.config import OptimConfig
+    from mspretrain.config.schema import OptimConfig
 
     return "shard_gradients" in {f.name for f in dataclasses.fields(OptimConfig)}
 
@@ -130,8 +130,8 @@ class Probe:
 def worker(args: argparse.Namespace) -> int:
     import mindspore as ms
 
-    from mspretrain import config as cfgmod
-    from mspretrain.train import step as stepmod
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.step import step as stepmod
     from mspretrain.train.build import build_trainer
     from mspretrain.train.trainer import Trainer
 
@@ -204,7 +204,7 @@ def worker(args: argparse.Namespace) -> int:
     result: dict = {"rank": rank, "world": trainer.world.size, "baseline_rss": probe.base}
     trainer.train()
     result["phases"] = probe.phases
-    from mspretrain.train.zero3 import gathered  # zero3: a rank holds slices; count the whole model
+    from mspretrain.step.zero3 import gathered  # zero3: a rank holds slices; count the whole model
 
     whole = {name: int(math.prod(g.shape)) for name, g, _ in gathered(trainer.model)}
     result["params"] = sum(whole.get(p.name, int(p.size)) for p in trainer.model.trainable_params())
@@ -217,8 +217,8 @@ def worker(args: argparse.Namespace) -> int:
 
 def planned(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, vocab: int, micro: int = 0,
             extra: list[str] | tuple[str, ...] = ()) -> dict:
-    from mspretrain import config as cfgmod
-    from mspretrain.ops.plan import make_plan
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.preflight.plan import make_plan
 
     world = MODES[mode][0]
     cfg = cfgmod.load(ROOT / "configs" / "tiny.toml", overrides(size, mode, seq, batch, steps, micro) + list(extra) + [f"model.vocab_size={vocab}"])
@@ -233,7 +233,7 @@ def planned(size: tuple[int, int], mode: str, seq: int, batch: int, steps: int, 
 
 def make_data(dest: Path) -> Path:
     """A small data dir (vocab 512) prepared from the tests' synthetic poem corpus."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.prepare.prepare import prepare
     from tests.conftest import make_poems
 
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.micro < 0 or (args.micro and (args.batch // 2) % args.micro):
             raise BadArgs("--micro must divide --batch / 2 (the per-rank batch of the 2-worker mode)")
         if args.set:  # a bad override is one line here, not a traceback in every worker
-            from mspretrain import config as cfgmod
+            from mspretrain.config import schema as cfgmod
             from mspretrain.errors import UserError
 
             try:

@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mspretrain.config import PrepareConfig  # noqa: E402
-from mspretrain.data.corpus import poetry_corpus  # noqa: E402
+from mspretrain.config.schema import PrepareConfig  # noqa: E402
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece  # noqa: E402
+from mspretrain.demo.corpus import poetry_corpus  # noqa: E402
 from mspretrain.prepare.prepare import prepare  # noqa: E402
 
 SEQ = 2048

@@ -58,7 +58,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mspretrain.config import PrepareConfig  # noqa: E402
+from mspretrain.config.schema import PrepareConfig  # noqa: E402
 from mspretrain.data.origin import RECORD  # noqa: E402
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece  # noqa: E402
 from mspretrain.prepare import pipeline, sources, stage_encode, stage_read  # noqa: E402

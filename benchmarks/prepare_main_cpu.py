@@ -19,7 +19,7 @@ sys.path[:0] = [str(root / "benchmarks"), str(root)]
 
 import prepare_ceiling_bench as bench  # noqa: E402
 
-from mspretrain.config import PrepareConfig  # noqa: E402
+from mspretrain.config.schema import PrepareConfig  # noqa: E402
 from mspretrain.prepare import pool  # noqa: E402
 
 

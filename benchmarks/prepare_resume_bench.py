@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.prepare_bench import build_corpus  # noqa: E402
-from mspretrain.config import PrepareConfig  # noqa: E402
+from mspretrain.config.schema import PrepareConfig  # noqa: E402
 from mspretrain.prepare import diskdedup, resume, stage  # noqa: E402
 from mspretrain.prepare.prepare import prepare  # noqa: E402
 

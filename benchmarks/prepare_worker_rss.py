@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mspretrain.config import PrepareConfig  # noqa: E402
+from mspretrain.config.schema import PrepareConfig  # noqa: E402
 from mspretrain.prepare import dedup, pool, sources, workers  # noqa: E402
 
 

@@ -72,7 +72,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
-    from mspretrain.config import PrepareConfig
+    from mspretrain.config.schema import PrepareConfig
     from mspretrain.prepare.clean import Cleaner
     from mspretrain.prepare.scoring import REASONS, QualityStage, read_scores
 

@@ -51,7 +51,7 @@ def time_records(plan: SamplePlan, global_batch: int, steps: int, work: Path) ->
 
 def time_train_step(work: Path, steps: int) -> float:
     """Median seconds of a demo-model train step (dim 256, 4 layers, batch 16 x 128) on this box."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.prepare.prepare import prepare
     from mspretrain.train.build import build_trainer
     from tests.conftest import make_poems

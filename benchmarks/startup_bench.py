@@ -79,7 +79,7 @@ def _free_port() -> int:
 
 def make_data(work: Path, tokens: int) -> tuple[Path, Path]:
     """(data dir with max_token_id, the same without it): a prepared tiny dir, its train shard replaced."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.data.shards import ShardWriter
     from mspretrain.prepare.prepare import prepare
     from tests.conftest import TINY, make_poems
@@ -244,7 +244,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 from mindspore.common import parameter as P
-from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.config.schema import ModelConfig, resolve_model
 try:  # the model class is `Decoder` in model/decoder.py since issue 40; `Llama` in model/llama.py in older trees
     from mspretrain.model import decoder as llama
     Model = llama.Decoder
@@ -429,7 +429,7 @@ def main() -> None:
                    [int(t) for t in args.threads.split(",")], args.cores_per_rank)
         return
     MIN_AVAILABLE[0] = int(args.min_available_gib * GiB)
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
     from mspretrain.model.presets import param_count, param_shapes, preset
 
     model_args = [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.dim // 64}",

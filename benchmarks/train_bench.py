@@ -20,7 +20,7 @@ is missing (`--mindformers-venv`, `--peer-dir`, or $MINDFORMERS_VENV / $MINDFORM
 
 The train step is the same on both sides: forward, mean token NLL (fp32), backward, global-norm
 clipping at 1.0, AdamW (beta 0.9/0.95, eps 1e-8, weight decay 0.1, none on norms). Ours is the
-trainer's own `mspretrain.train.step.TrainStep` (two jit graphs: accumulate, apply); `--minimal`
+trainer's own `mspretrain.step.step.TrainStep` (two jit graphs: accumulate, apply); `--minimal`
 swaps in a bare value_and_grad + `nn.AdamWeightDecay` graph (and drops clipping on both sides).
 Theirs: HF's default attention (sdpa), `F.cross_entropy` on fp32 logits, `clip_grad_norm_`,
 `torch.optim.AdamW` (foreach).
@@ -123,7 +123,7 @@ import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
 from mindspore import nn  # noqa: E402
 
-from mspretrain.config import ModelConfig, resolve_model  # noqa: E402
+from mspretrain.config.schema import ModelConfig, resolve_model  # noqa: E402
 from mspretrain.device import HOST_BLOCKING_ENV, DeviceInfo, setup_mindspore  # noqa: E402
 from mspretrain.model.decoder import Decoder  # noqa: E402
 from mspretrain.model.loss import token_nll  # noqa: E402
@@ -132,7 +132,7 @@ from mspretrain.model.presets import preset  # noqa: E402
 
 def bench_configs() -> dict[str, tuple[ModelConfig, int, int]]:
     """name -> (resolved model config, seq_len, batch). `demo` is configs/demo.toml as shipped."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     # ffn 768: the reference shape of issue 16 (MindSpore Transformers' rule rounds to a multiple of 256)
     tiny = resolve_model(ModelConfig(dim=256, n_layers=4, n_heads=4, vocab_size=8000, max_seq_len=256, ffn_dim=768))
@@ -160,8 +160,8 @@ def ours_step(cfg: ModelConfig, data: np.ndarray, minimal: bool = False):
     value_and_grad + nn.AdamWeightDecay graph (no clipping, no accumulation buffers)."""
     model = Decoder(cfg, seed=0)
     if not minimal:
-        from mspretrain.config import OptimConfig
-        from mspretrain.train.step import TrainStep
+        from mspretrain.config.schema import OptimConfig
+        from mspretrain.step.step import TrainStep
 
         step = TrainStep(model, OptimConfig(lr=1e-4), global_tokens=data.shape[0] * (data.shape[1] - 1), jit=True)
         return lambda: step.run([(data, None, None)], lr=1e-4, scale=1.0).loss

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mspretrain.config import Config
+from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
 from mspretrain.schedule import Schedule, auto_warmup_steps, scaled_lr
 

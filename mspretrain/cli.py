@@ -96,7 +96,7 @@ def _override_hint(words: list[str]) -> str | None:
     """`--max-steps 5` names a config key: point at the override spelling (`train.max_steps=5`)."""
     from dataclasses import fields
 
-    from mspretrain.config import Config
+    from mspretrain.config.schema import Config
 
     base = Config()
     for i, word in enumerate(words):

@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mspretrain.config import Config
+from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
 
 

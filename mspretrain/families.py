@@ -3,7 +3,7 @@
 Every family is the same decoder block (model/decoder.py) with named switches; a `Family` row says
 which switches its transformers class has, the names it goes by in an HF folder, and the
 config.json defaults and keys that differ between the classes. The config's checks
-(sections/model.py), the HF bridge (model/hf.py: convert and export), the presets
+(config/sections/model.py), the HF bridge (model/hf.py: convert and export), the presets
 (model/presets.py, and through their switches the parameter shapes and FLOPs) and export's
 message read this table: a new family is one row here plus its transformers facts.
 

@@ -1,6 +1,6 @@
 """The world of ranks this process belongs to, and how it was launched, read from the environment alone.
 
-Split out of `train/distributed.py` so that `checkpoint/model.py` (loading a model on Ascend needs the
+Split out of `parallel/distributed.py` so that `checkpoint/model.py` (loading a model on Ascend needs the
 rank table's DEVICE_ID) and `train/` can both decide the launch without checkpoint importing train.
 
 Design choices: msrun is detected from the variables it exports to each worker (`MS_ROLE`,
@@ -81,7 +81,7 @@ def _rank_table(env: dict[str, str]) -> Launch:
         raise UserError(f"DEVICE_ID = {device_id} is negative", "set DEVICE_ID to this process's NPU (0-7 on an 8-NPU server)")
     if not os.path.isfile(table):
         raise UserError(f"RANK_TABLE_FILE {table} does not exist",
-                        "point it at the rank table (`mspretrain` writes one with train/hccl.py's write_topology)")
+                        "point it at the rank table (`mspretrain` writes one with parallel/hccl.py's write_topology)")
     return Launch("rank_table", World(rank=rank, size=size), device_id)
 
 

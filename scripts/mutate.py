@@ -42,7 +42,7 @@ class Mutant:
     tests: tuple[str, ...]  # pytest arguments (files, node ids, -k expressions)
 
 
-STEP, LAYOUT, LLAMA = "mspretrain/train/step.py", "mspretrain/train/layout.py", "mspretrain/model/decoder.py"
+STEP, LAYOUT, LLAMA = "mspretrain/step/step.py", "mspretrain/parallel/layout.py", "mspretrain/model/decoder.py"
 TRAIN_STEP = "tests/test_train_step.py"
 
 MUTANTS: list[Mutant] = [
@@ -112,11 +112,11 @@ MUTANTS: list[Mutant] = [
     Mutant("checkpoint/prune_may_drop_newest_verified", "mspretrain/checkpoint/store.py", "if step in keep or d == newest_ok:",
            "if step in keep:", ("tests/test_checkpoint_verify.py",)),
     # ---- audit
-    Mutant("audit/missing_steps_off_by_one", "mspretrain/ops/audit.py", "elif step > state.step + 1:", "elif step > state.step + 2:",
+    Mutant("audit/missing_steps_off_by_one", "mspretrain/forensics/audit.py", "elif step > state.step + 1:", "elif step > state.step + 2:",
            ("tests/test_audit.py", "-m", "not slow")),
-    Mutant("audit/repeated_metrics_line", "mspretrain/ops/audit.py", "        if step <= last:\n", "        if step < last:\n",
+    Mutant("audit/repeated_metrics_line", "mspretrain/forensics/audit.py", "        if step <= last:\n", "        if step < last:\n",
            ("tests/test_audit.py", "-m", "not slow")),
-    Mutant("audit/replayed_vs_skipped", "mspretrain/ops/audit.py", 'samples replayed" if have < want else',
+    Mutant("audit/replayed_vs_skipped", "mspretrain/forensics/audit.py", 'samples replayed" if have < want else',
            'samples replayed" if have > want else', ("tests/test_audit.py",)),
     # ---- eval
     Mutant("eval/acc_norm_not_normalised", "mspretrain/eval/choices.py",

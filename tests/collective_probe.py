@@ -17,7 +17,7 @@ compiler:
   backend is handed: every frontend pruning (`jit_opt_a` removes a node whose result nothing uses,
   despite the primitive's `no_eliminate` attribute) has already happened.
 The device is "ascend" for the step and the model (ReduceScatter and AllGather instead of the CPU's
-AllReduce forms, no chaining of collectives: train/step.py `_chain`), attention is the math path
+AllReduce forms, no chaining of collectives: step/step.py `_chain`), attention is the math path
 (the flash kernel's infer needs no NPU, but nothing here is about attention).
 
 Several cases in one process: nothing the step builds is kept per world outside the objects of one
@@ -94,7 +94,7 @@ def case_key(world: int, zero: int, tp: int, family: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    # (world, ZeRO stage, tensor parallel (train/tp.py: world = tp x dp), model family); family
+    # (world, ZeRO stage, tensor parallel (step/tp.py: world = tp x dp), model family); family
     # qwen2 / qwen3 for ZeRO-3's gathers anchored on another gather's result (q/k/v bias, QK-norm)
     ap.add_argument("--case", type=parse_case, action="append", required=True, help="W,Z,TP[,FAMILY]")
     ap.add_argument("--out", type=Path, required=True)
@@ -123,12 +123,12 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
     import numpy as np
     from mindspore.ops.operations import comm_ops
 
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.model.parallel import CopyToTP, Group, ReduceFromTP, split_model
-    from mspretrain.train.step import TrainStep
-    from mspretrain.train.tp import Mesh, TPTrainStep
-    from mspretrain.train.zero3 import gathered
+    from mspretrain.step.step import TrainStep
+    from mspretrain.step.tp import Mesh, TPTrainStep
+    from mspretrain.step.zero3 import gathered
 
     cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
     from dataclasses import replace
@@ -142,7 +142,7 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
     tokens = ms.Tensor(np.zeros((2, 33), np.int32))
     one = ms.Tensor(1.0, ms.float32)
     dp = world // tp
-    # Tensor parallel: the Ascend path's named groups (train/tp.py `make_mesh`), built without
+    # Tensor parallel: the Ascend path's named groups (step/tp.py `make_mesh`), built without
     # create_group (no HCCL here); a group's size is what the primitives read at construction.
     # Group names differ between groups (tp_0, tp_1), so the lists compare their kind (tp, dp).
     t, d = rank % tp, rank // tp

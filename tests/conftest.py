@@ -53,7 +53,7 @@ def corpus_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     return cfgmod.load(TINY)
 
@@ -254,7 +254,7 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
     from safetensors.numpy import load_file
 
     def optimizer(d: Path) -> dict:
-        from mspretrain.train.step import parse_key
+        from mspretrain.step.step import parse_key
 
         out: dict = {}
         slices: dict = {}  # a split parameter's state, per slice (`NAME@start:stop`): joined into NAME, flat

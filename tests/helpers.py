@@ -343,7 +343,7 @@ FINAL = REFERENCE_STEPS
 
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a launch and everything under it (msrun and its workers are in their own groups)."""
-    from mspretrain.ops.watchdog import kill_tree as kill
+    from mspretrain.launcher.watchdog import kill_tree as kill
 
     kill(proc.pid)
     proc.wait(timeout=30)
@@ -354,7 +354,7 @@ def msrun(tmp_path: Path, data: Path, run: Path, *extra: str, args: list[str] = 
     """`nproc` workers through `mspretrain launch` (which must find msrun and itself next to the
     interpreter: CI runs the venv's python without the venv on PATH, as here); the tiny config,
     `args` (the reference run's) and `extra`. Asserts exit 0, with the workers' logs."""
-    from mspretrain.train.distributed import free_local_port
+    from mspretrain.parallel.distributed import free_local_port
 
     logs = tmp_path / f"logs-{run.name}"
     cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", str(nproc), "--master-port", str(free_local_port()),
@@ -402,7 +402,7 @@ def replica_hashes(run: Path) -> list[str]:
 def two_nodes(tmp_path: Path, data: Path, run: Path, *args: str, timeout: float = 900) -> None:
     """Node 0 and node 1 as two `mspretrain launch --nodes 2` processes of one worker each, as two
     hosts would run them: both exit 0, one scheduler, each node its own log dir."""
-    from mspretrain.train.distributed import free_local_port
+    from mspretrain.parallel.distributed import free_local_port
 
     logs, port = tmp_path / f"logs-{run.name}", str(free_local_port())
     procs = []
@@ -417,7 +417,7 @@ def two_nodes(tmp_path: Path, data: Path, run: Path, *args: str, timeout: float 
         for p in procs:
             outs.append(p.communicate(timeout=timeout)[0])
     finally:
-        from mspretrain.ops.watchdog import kill_tree
+        from mspretrain.launcher.watchdog import kill_tree
 
         for p in procs:
             if p.poll() is None:
@@ -503,7 +503,7 @@ LONG = ["train.max_steps=400", "checkpoint.every=2", "checkpoint.keep_last=3", "
 
 def start_launch(tmp_path: Path, data: Path, run: Path, *extra: str, launch: tuple[str, ...] = ()) -> subprocess.Popen:
     """A 2-worker `mspretrain launch` of the tiny config, left running (the caller ends it)."""
-    from mspretrain.train.distributed import free_local_port
+    from mspretrain.parallel.distributed import free_local_port
 
     logs = tmp_path / f"logs-{run.name}"
     cmd = [sys.executable, "-m", "mspretrain.cli", "launch", "--nproc", "2", "--master-port", str(free_local_port()), "--log-dir", str(logs),
@@ -623,7 +623,7 @@ def ray_cluster():
 
     import ray  # noqa: F401  a pinned test dependency (pyproject [test]): missing must fail, not skip
 
-    from mspretrain.train.distributed import free_local_port
+    from mspretrain.parallel.distributed import free_local_port
 
     ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
     tmp = tempfile.mkdtemp(prefix="msr-", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes

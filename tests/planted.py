@@ -28,7 +28,7 @@ ARGS = ("train.max_steps=24", f"train.seed={SEED}", "optim.lr=1e-2", "spike.wind
 
 
 def planted_data(root: Path, tiny_data: Path) -> Path:
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.prepare.prepare import prepare
 
     corpus = root / "corpus"
@@ -56,7 +56,7 @@ def planted_run(tmp_path_factory, tiny_data: Path) -> tuple[Path, Path]:
     run, done = root / "run", root / "DONE"
     if done.is_file():
         return run, root / "data"
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.train.build import build_trainer
 
     data = planted_data(root, tiny_data)

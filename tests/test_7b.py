@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mspretrain import config as cfgmod
+from mspretrain.config import schema as cfgmod
 from mspretrain.model.presets import param_count
-from mspretrain.ops.plan import make_plan
+from mspretrain.preflight.plan import make_plan
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama2-7b-910b.toml"
 P_7B = 6_738_415_616  # HF meta-llama/Llama-2-7b-hf num_parameters()

@@ -16,12 +16,12 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from mspretrain import config as cfgmod
 from mspretrain import device
 from mspretrain import world as world_mod
+from mspretrain.config import schema as cfgmod
 from mspretrain.errors import UserError
 from mspretrain.model import attention, decoder, layers
-from mspretrain.train import distributed
+from mspretrain.parallel import distributed
 from tests.helpers import rms_norm_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,7 +296,7 @@ def test_ascend_setup_selects_infnan_mode_unless_the_user_set_it(monkeypatch):
 
 
 def test_doctor_checks_the_overflow_mode():
-    from mspretrain.ops.doctor import check_overflow_mode
+    from mspretrain.preflight.doctor import check_overflow_mode
 
     bad = {device.OVERFLOW_MODE_ENV: "SATURATION_MODE"}
     assert check_overflow_mode("ascend", bad)[0].status == "fail"
@@ -413,7 +413,7 @@ def test_the_ascend_step_computes_what_the_cpu_step_computes(tiny_cfg, monkeypat
     from mindspore import ops
 
     from mspretrain.model import decoder
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     monkeypatch.setattr(ops, "rms_norm", rms_norm_reference)
     m = cfgmod.resolve_model(tiny_cfg.model, 512)
@@ -450,7 +450,7 @@ def test_plain_row_sums_in_the_loss_match_the_gemm_form():
 
 def test_selftest_runs_the_collectives_before_binding_an_npu(monkeypatch, tmp_path):
     """On Ascend the collectives check (msrun children) runs before the parent's setup_mindspore."""
-    from mspretrain.ops import selftest, selftest_result
+    from mspretrain.preflight import selftest, selftest_result
 
     order: list[str] = []
     stand_in = selftest_result.Check("collectives", selftest_result.PASSED, "stand-in", data={"bus_gbps": 42.0})
@@ -463,7 +463,7 @@ def test_selftest_runs_the_collectives_before_binding_an_npu(monkeypatch, tmp_pa
 
 
 def test_hbm_is_compared_with_max_device_memory():
-    from mspretrain.ops import selftest_node, selftest_result
+    from mspretrain.preflight import selftest_node, selftest_result
 
     assert selftest_node.check_hbm(64 * 2**30, 58.0).status == selftest_result.PASSED  # a 910B with 64 GB: the templates' 58 fit
     small = selftest_node.check_hbm(32 * 2**30, 58.0)  # a 910B4
@@ -473,7 +473,7 @@ def test_hbm_is_compared_with_max_device_memory():
 
 
 def test_visible_npus_and_the_reduction_bandwidth(tmp_path):
-    from mspretrain.ops import selftest_node
+    from mspretrain.preflight import selftest_node
 
     for i in range(3):
         (tmp_path / f"davinci{i}").touch()
@@ -493,9 +493,9 @@ def test_a_cut_model_sends_only_this_ranks_pieces_to_the_device(monkeypatch, wor
     pieces alone: per rank, exactly its ZeRO-3 slices (about half of the trained bytes at world 2)
     or its tp pieces and nothing whole; the default build streams every drawn weight whole."""
     from mspretrain.model.parallel import Group, split_model
+    from mspretrain.parallel.layout import slice_bounds
+    from mspretrain.step.zero3 import shard_model
     from mspretrain.train.build import builds_on_host
-    from mspretrain.train.layout import slice_bounds
-    from mspretrain.train.zero3 import shard_model
 
     moved: list[int] = []
     real_to = ms.Tensor.to
@@ -544,8 +544,8 @@ def test_a_cut_model_holds_one_whole_weight_at_a_time_on_the_host(monkeypatch, w
     import weakref
 
     from mspretrain.model.parallel import Group, cut, split_model, tp_rows
-    from mspretrain.train.layout import slice_bounds
-    from mspretrain.train.step import TrainStep
+    from mspretrain.parallel.layout import slice_bounds
+    from mspretrain.step.step import TrainStep
 
     class _OnNPU:
         device_target = "Ascend"

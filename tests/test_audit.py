@@ -16,8 +16,8 @@ import pytest
 
 from mspretrain.cli import main
 from mspretrain.data.order import SamplePlan, batch_hash
+from mspretrain.forensics.audit import audit_run
 from mspretrain.monitor.batch_log import BatchLog, truncate
-from mspretrain.ops.audit import audit_run
 from tests.conftest import NO_EVAL, ONE_LAYER, TINY, copy_run_at
 from tests.planted import planted_data
 
@@ -242,7 +242,7 @@ def _resign(run: Path, seed: int) -> None:
 
 
 def _audit(run: Path):
-    from mspretrain.ops.audit import audit_run
+    from mspretrain.forensics.audit import audit_run
 
     return audit_run(run)
 

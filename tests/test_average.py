@@ -27,7 +27,7 @@ def _tensors(seed: int, shapes=SHAPES) -> dict[str, np.ndarray]:
 
 
 def _cfg(family: str = "llama"):
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     cfg = cfgmod.load(TINY)
     return replace(cfg, model=replace(cfg.model, family=family, qkv_bias=family == "qwen2"))
@@ -43,10 +43,10 @@ def _write_whole(run: Path, step: int, tensors: dict[str, np.ndarray], family: s
 
 def _write_zero3(run: Path, step: int, tensors: dict[str, np.ndarray], world: int = 2) -> Path:
     """The per-rank files a `world`-rank ZeRO-3 job writes: rank r's 1-D slice `NAME@a:b` of every
-    parameter (train/zero3.py slice_state's cut), rank 1.. staged and collected by rank 0."""
+    parameter (step/zero3.py slice_state's cut), rank 1.. staged and collected by rank 0."""
     from mspretrain.checkpoint import shards, store
     from mspretrain.checkpoint.model_shards import model_shard_name, shard_metadata
-    from mspretrain.train.layout import slice_bounds
+    from mspretrain.parallel.layout import slice_bounds
 
     root = run / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)

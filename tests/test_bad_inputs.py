@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mspretrain import config as cfgmod
 from mspretrain.cli import main
+from mspretrain.config import schema as cfgmod
+from mspretrain.config.sections.base import hints
 from mspretrain.errors import UserError
-from mspretrain.sections.base import hints
 from tests.conftest import ROOT, TINY, make_poems
 from tests.helpers import cli, refused
 
@@ -151,7 +151,7 @@ def _float_keys() -> list[str]:
     """Every float key of the schema, including keys added after this test was written."""
     from dataclasses import fields
 
-    from mspretrain.config import Config
+    from mspretrain.config.schema import Config
 
     base = Config()
     return [f"{s.name}.{f.name}" for s in fields(Config) for f in fields(getattr(base, s.name))
@@ -159,7 +159,7 @@ def _float_keys() -> list[str]:
 
 
 def test_every_float_key_refuses_nan_and_inf():
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.errors import UserError
 
     keys = _float_keys()
@@ -177,7 +177,7 @@ def test_every_float_key_refuses_nan_and_inf():
                                       "device.peak_tflops=-312", "precision.scale_warmup_to=-1", "precision.init_scale=0",
                                       "cost.price_per_device_hour=-2"])
 def test_float_keys_out_of_their_range(override):
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.errors import UserError
 
     with pytest.raises(UserError) as exc:
@@ -196,7 +196,7 @@ def test_train_refuses_nonfinite_config_before_touching_the_run(tiny_data, tmp_p
 def test_nonfinite_data_source_weight(tmp_path):
     from dataclasses import replace
 
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.errors import UserError
 
     for w in (float("nan"), float("inf"), -1.0, 0.0, True):
@@ -391,9 +391,9 @@ def test_train_refuses_what_cannot_fit_in_memory_before_compute(tiny_data, tmp_p
 def test_fits_refuses_above_physical_and_warns_above_available(tiny_cfg):
     from dataclasses import replace
 
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.errors import UserError
-    from mspretrain.ops.fits import GB, check_fits, estimate_bytes
+    from mspretrain.preflight.fits import GB, check_fits, estimate_bytes
 
     cfg = replace(tiny_cfg, model=resolve_model(tiny_cfg.model, 512))
     need = estimate_bytes(cfg, 1)
@@ -411,9 +411,9 @@ def test_fits_counts_every_rank_on_this_host(tiny_cfg):
     """Two msrun ranks on one CPU host each build the model: the host needs twice one process."""
     from dataclasses import replace
 
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.errors import UserError
-    from mspretrain.ops.fits import LOCAL_RANKS_ENV, check_fits, estimate_bytes, local_ranks
+    from mspretrain.preflight.fits import LOCAL_RANKS_ENV, check_fits, estimate_bytes, local_ranks
 
     cfg = replace(tiny_cfg, model=resolve_model(tiny_cfg.model, 512))
     one = estimate_bytes(cfg, 2)
@@ -472,7 +472,7 @@ def test_recursive_glob_does_not_follow_symlink_loops(tmp_path):
 def test_diagnose_streams_a_long_log_in_bounded_memory(tmp_path):
     import tracemalloc
 
-    from mspretrain.ops.diagnose import diagnose
+    from mspretrain.forensics.diagnose import diagnose
 
     log = tmp_path / "worker_0.log"
     with open(log, "w", encoding="utf-8") as f:
@@ -1135,7 +1135,7 @@ def test_report_out_on_a_read_only_filesystem_is_one_line(tmp_path, capsys, monk
     import errno
     import os
 
-    import mspretrain.ops.report as report_ops
+    import mspretrain.forensics.report as report_ops
 
     def read_only(*a, **k):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "ro" / ".r.html.tmp"))
@@ -1157,7 +1157,7 @@ def test_report_out_on_a_read_only_filesystem_is_one_line(tmp_path, capsys, monk
 
 def test_doctor_fails_a_run_path_under_a_file(tmp_path):
     """`doctor --run FILE/sub` said every check was ok; train then refused at its start."""
-    from mspretrain.ops.doctor import check_run_dir
+    from mspretrain.preflight.doctor import check_run_dir
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

@@ -9,10 +9,10 @@ import math
 import pytest
 
 from mspretrain import budget
-from mspretrain import config as cfgmod
 from mspretrain.cli import main
+from mspretrain.config import schema as cfgmod
 from mspretrain.errors import UserError
-from mspretrain.ops.report import summarize
+from mspretrain.forensics.report import summarize
 from mspretrain.schedule import auto_warmup_steps
 from mspretrain.train.build import build_trainer
 from tests.conftest import TINY

@@ -134,7 +134,7 @@ def test_padded_qwen_embedding_converts_trains_from_init_and_exports(big, capsys
                        "train.max_steps=3", "checkpoint.every=3", "eval.every=0")
     assert rc == 0, err
     assert f"vocab {rows}" in out and "->" not in out.split("initialising", 1)[1].splitlines()[0]  # no resize
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     assert cfgmod.load(root / "run" / "config.toml").model.vocab_size == rows
     rc, out, err = cli(capsys, "export", root / "run", "--format", "hf", "--out", root / "export")

@@ -67,7 +67,7 @@ def test_the_cached_character_table_is_a_miss_not_a_hang(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("kind", ["fifo", "zero", "huge"])
 def test_an_ascend_version_file_that_is_not_a_file_is_unknown(tmp_path, kind):
-    from mspretrain.ops.doctor import _version_of
+    from mspretrain.preflight.doctor import _version_of
 
     _hostile(tmp_path / "version.info", kind)
     assert _bounded(lambda: _version_of(tmp_path / "version.info")) is None

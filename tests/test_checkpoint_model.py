@@ -12,7 +12,7 @@ import pytest
 
 from mspretrain.checkpoint.model import load_model
 from mspretrain.checkpoint.store import resolve_checkpoint, write_weights_only_checkpoint
-from mspretrain.config import Config, ModelConfig, resolve_model
+from mspretrain.config.schema import Config, ModelConfig, resolve_model
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.model.decoder import Decoder, state_numpy

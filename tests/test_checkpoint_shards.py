@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mspretrain import config as cfgmod
 from mspretrain.checkpoint import shards, store
 from mspretrain.checkpoint.store import SaveError
+from mspretrain.config import schema as cfgmod
 
 
 def _publish_rank0(root, step, world, **kw):

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mspretrain import config as cfgmod
 from mspretrain.checkpoint import store
+from mspretrain.config import schema as cfgmod
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_recover_reads_the_manifest_as_verify_does(ckpt, tmp_path):
     import json
 
     from mspretrain.errors import UserError
-    from mspretrain.ops.recover import recover
+    from mspretrain.forensics.recover import recover
 
     mpath = ckpt / store.MANIFEST
     manifest = json.loads(mpath.read_text(encoding="utf-8"))

@@ -2,7 +2,7 @@
 
 HCCL pairs the n-th collective of one rank with the n-th of every other: a rank whose graph lacks
 one hangs the job, or sums the wrong tensors where the sizes happen to match. On the Ascend path the
-reductions are not chained (train/step.py `_chain`), and MindSpore's frontend pass `jit_opt_a`
+reductions are not chained (step/step.py `_chain`), and MindSpore's frontend pass `jit_opt_a`
 removed a collective whose result this rank does not use (a bucket or parameter another rank owns)
 in spite of the primitive's `no_eliminate` attribute. Measured here before the fix, ZeRO-2 at world
 8: the fused graph traced 30 collectives and kept 21 on ranks 0-5, 22 on ranks 6-7 (accumulate:
@@ -37,12 +37,12 @@ ROOT = PROBE.parents[1]
 #   owners between those two; no kind of node or of ordering that worlds 2 and 8 lack.
 # - ZeRO-1 at world 4: replicated buckets, which an owner alone reads after the reduction.
 # - ZeRO-3 (gathers and reduce-scatters inside the model's graph, ordered by the data flow alone on
-#   Ascend: train/zero3.py): Qwen2 at world 2, whose q/k/v bias is gathered after its weight (a
+#   Ascend: step/zero3.py): Qwen2 at world 2, whose q/k/v bias is gathered after its weight (a
 #   gather anchored on another gather's result: llama's graph plus those links, so llama at world
 #   2 is dropped), and Qwen3 at world 4, whose k_norm is gathered after q_norm's output, with a
 #   head_dim of its own (QK-norm at llama's other world: llama at world 4 is dropped, its graph
 #   less the QK-norm links, and Qwen3 at world 2, the same graph on fewer ranks).
-# - Tensor parallel (train/tp.py): tp 2 alone (the tp group is the world), and tp 2 x dp 2 with
+# - Tensor parallel (step/tp.py): tp 2 alone (the tp group is the world), and tp 2 x dp 2 with
 #   ZeRO-1 and ZeRO-2 (named tp and dp groups, the tp all-reduces inside the model's graph).
 CASES = [(2, 2, 1, "llama"), (8, 2, 1, "llama"), (4, 1, 1, "llama"), (2, 3, 1, "qwen2"), (4, 3, 1, "qwen3"),
          (2, 1, 2, "llama"), (4, 1, 2, "llama"), (4, 2, 2, "llama")]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from mspretrain import budget
-from mspretrain import config as cfgmod
+from mspretrain.config import schema as cfgmod
+from mspretrain.config.sections.base import choices
 from mspretrain.errors import UserError
-from mspretrain.sections.base import choices
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 
@@ -199,7 +199,7 @@ class _Block:
             raise ModuleNotFoundError("No module named 'tomllib'", name="tomllib")
         return None
 sys.meta_path.insert(0, _Block())
-from mspretrain import config
+from mspretrain.config import schema as config
 assert "tomllib" not in sys.modules and config.tomllib.__name__ == "tomli", config.tomllib
 cfg = config.load(sys.argv[1], ["optim.lr=1e-3", "precision.dtype=fp16"])
 assert (cfg.train.max_steps, cfg.optim.lr, cfg.precision.dtype) == (7, 1e-3, "fp16"), cfg

@@ -80,7 +80,7 @@ def test_continue_from_a_published_llama(tmp_path):
     meta = json.loads((s1 / "run_meta.json").read_text())["init_from"]
     assert meta["kind"] == "checkpoint" and meta["resized"]["base_vocab"] == HF_VOCAB and meta["resized"]["vocab"] == vx
     assert meta["resized"]["split_mean"] == ADD and meta["resized"]["overall_mean"] == 0
-    from mspretrain.ops.report import build_report
+    from mspretrain.forensics.report import build_report
 
     page = build_report(s1).read_text(encoding="utf-8")  # the report says where the weights came from
     assert meta["files"]["model.safetensors"] in page and f"{HF_VOCAB} -&gt; {vx}: {ADD} new rows" in page

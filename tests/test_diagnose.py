@@ -10,7 +10,7 @@ import pytest
 
 from mspretrain.cli import main
 from mspretrain.errors import UserError
-from mspretrain.ops.diagnose import diagnose
+from mspretrain.forensics.diagnose import diagnose
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 BAD, CLEAN = LOGS / "run_bad", LOGS / "run_clean"
@@ -91,7 +91,7 @@ def _beats(run: Path, now: float, ranks: list[dict]) -> None:
 
 
 def test_hang_names_the_lagging_rank_and_its_phase(tmp_path):
-    from mspretrain.ops.diagnose import hang_report
+    from mspretrain.forensics.diagnose import hang_report
 
     now = 10_000.0
     running = lambda pid: "running"
@@ -159,7 +159,7 @@ def test_process_state_sees_a_stopped_and_a_dead_process():
 
 
 def test_watchdog_names_the_first_rank_gone_and_waits_out_a_stop(tmp_path):
-    from mspretrain.ops.watchdog import Watchdog, read_verdict, record_verdict
+    from mspretrain.launcher.watchdog import Watchdog, read_verdict, record_verdict
 
     now = 10_000.0
     _beats(tmp_path, now, [{"rank": 0, "step": 9, "phase": "step"}, {"rank": 1, "step": 9, "phase": "data"}])

@@ -11,7 +11,7 @@ import pytest
 
 from mspretrain import world as world_mod
 from mspretrain.errors import UserError
-from mspretrain.train import distributed
+from mspretrain.parallel import distributed
 from tests.conftest import NO_EVAL, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
 from tests.helpers import (
     ARGS,
@@ -120,7 +120,7 @@ def _lm_head_crossed_in_fp32(two: Path, one: Path) -> None:
 
 
 def test_owner_table_is_balanced_and_deterministic():
-    from mspretrain.train.step import assign_owners
+    from mspretrain.step.step import assign_owners
 
     sizes = [4096, 64, 4096, 64, 2048, 2048, 64]
     owners = assign_owners(sizes, 2)
@@ -190,7 +190,7 @@ def test_sharded_optimizer_matches_one_process_and_resumes_anywhere(tmp_path, ti
     for step in range(resume_at + 1, FINAL + 1):  # after the first resumed update, and after the last
         assert_same_checkpoint(step_dir(resumed, step), step_dir(reference_run, step), 1e-5)
     # the audit follows the history across the change of world size: exact, and it says so
-    from mspretrain.ops.audit import audit_run
+    from mspretrain.forensics.audit import audit_run
 
     audit = audit_run(resumed)
     assert audit.exact, audit.findings
@@ -238,7 +238,7 @@ def test_spike_rewind_under_msrun_matches_one_process(rewind_one_process, two_no
     # high lr amplifies it (measured 1.6e-5 by step 19 with the counter-based initial weights)
     assert all(abs(x - y) <= 5e-5 for (_, x), (_, y) in zip(a, b))
     assert "rewound to step_000012" in (two / "train.log").read_text()
-    from mspretrain.ops.audit import audit_run
+    from mspretrain.forensics.audit import audit_run
 
     for run in (one, two):  # rewinds repeat steps by design: the audit follows them and finds nothing
         audit = audit_run(run)

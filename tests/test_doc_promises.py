@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from mspretrain import config as cfgmod
+from mspretrain.config import schema as cfgmod
 from mspretrain.errors import UserError
 from tests.conftest import ONE_LAYER
 from tests.helpers import cli
@@ -60,8 +60,8 @@ def test_eval_refuses_a_negative_token_limit_and_a_data_dir(capsys, tiny_data):
 def test_doctor_takes_the_checkpoint_size_from_the_plan():
     # item 6: doctor used 12 bytes per parameter where the plan (fp16 weights + fp32 masters) uses 14
     from mspretrain.model.presets import param_count
-    from mspretrain.ops.doctor import check_run_dir
-    from mspretrain.ops.plan import make_plan
+    from mspretrain.preflight.doctor import check_run_dir
+    from mspretrain.preflight.plan import make_plan
 
     cfg = cfgmod.load(ROOT / "configs" / "llama2-7b-910b.toml")
     disk = next(f for f in check_run_dir(ROOT, cfg) if f.name == "disk")

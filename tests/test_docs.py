@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from mspretrain import budget
-from mspretrain import config as cfgmod
 from mspretrain.cli import COMMANDS, build_parser, main
-from mspretrain.ops import config_doc
+from mspretrain.config import doc as config_doc
+from mspretrain.config import schema as cfgmod
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -24,12 +24,12 @@ def test_config_reference_is_up_to_date():
     path = DOCS / "config-reference.md"
     assert path.is_file(), f"docs/config-reference.md is missing; generate it with: {config_doc.REGENERATE}"
     assert path.read_text(encoding="utf-8") == config_doc.render(), (
-        f"docs/config-reference.md is out of date with mspretrain/config.py; regenerate it with: {config_doc.REGENERATE}")
+        f"docs/config-reference.md is out of date with mspretrain/config/schema.py; regenerate it with: {config_doc.REGENERATE}")
 
 
 def test_every_config_field_is_documented():
     assert config_doc.undocumented() == [], (
-        "add a # comment beside the field in config.py or an entry to MEANINGS in mspretrain/ops/config_doc.py")
+        "add a # comment beside the field in config/schema.py or an entry to MEANINGS in mspretrain/config/doc.py")
 
 
 def test_reference_lists_every_field_with_its_default():
@@ -460,7 +460,7 @@ def test_msrun_lines_reads_blocks_and_continuations():
 def test_every_documented_msrun_line_carries_launchs_cluster_timeout():
     """A raw msrun line without --cluster_time_out waits on msrun's own default for a missing rank;
     `launch` passes CLUSTER_TIMEOUT_S. Every line in the docs and the README must agree with it."""
-    from mspretrain.train.distributed import CLUSTER_TIMEOUT_S, msrun_command
+    from mspretrain.parallel.distributed import CLUSTER_TIMEOUT_S, msrun_command
 
     flag = f"--cluster_time_out={CLUSTER_TIMEOUT_S}"
     assert flag in shlex.split(msrun_command(8, ["train"]))  # launch's own line

@@ -5,9 +5,9 @@ import collections
 
 import pytest
 
-from mspretrain import config as cfgmod
 from mspretrain.cli import main
-from mspretrain.ops import doctor
+from mspretrain.config import schema as cfgmod
+from mspretrain.preflight import doctor
 
 
 def by_name(findings):

@@ -79,8 +79,8 @@ def test_average_from_ema_makes_the_ema_a_checkpoint(ema_run, tmp_path, capsys):
     state = json.loads((out / "train_state.json").read_text())
     assert state["averaged"]["from_ema"] and list(state["averaged"]["sources"][0]["sha256"]) == ["ema.safetensors"]
     # a checkpoint without an EMA: refused in one line, nothing written
-    from mspretrain import config as cfgmod
     from mspretrain.checkpoint import store
+    from mspretrain.config import schema as cfgmod
 
     plain = tmp_path / "plain"
     store.write_checkpoint_dir(plain / "checkpoints" / "step_000001", step=1, model={"w": np.zeros(4, np.float32)}, optimizer=None,
@@ -95,7 +95,7 @@ def test_bad_decays_and_unsupported_layouts_are_refused_in_one_line(capsys, tiny
         code, _, err = cli(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", tmp_path / "r", f"train.ema_decay={value}")
         assert_refusal(code, err, "train.ema_decay")
     assert not (tmp_path / "r").exists()
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.errors import UserError
     from mspretrain.train.ema import for_run
 
@@ -114,11 +114,11 @@ def test_zero3_ranks_keep_and_save_their_slices_which_read_back_at_any_world(tmp
 
     from mspretrain.checkpoint.model_shards import shard_metadata
     from mspretrain.checkpoint.saver import Saver
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
     from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
+    from mspretrain.parallel.layout import slice_bounds
+    from mspretrain.step.zero3 import gathered, shard_model, slice_state
     from mspretrain.train.ema import for_run
-    from mspretrain.train.layout import slice_bounds
-    from mspretrain.train.zero3 import gathered, shard_model, slice_state
 
     cfg = replace(tiny_cfg, train=replace(tiny_cfg.train, ema_decay=DECAY),
                   model=resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2), vocab_size=256))
@@ -137,7 +137,7 @@ def test_zero3_ranks_keep_and_save_their_slices_which_read_back_at_any_world(tmp
         for w in steps:  # each "step": this rank's slices take the step's weights
             for p in model.get_parameters():
                 flat = w[p.name].reshape(-1)
-                if p.name in sharded:  # rank r's slice, cut as train/zero3.py slice_state cuts it
+                if p.name in sharded:  # rank r's slice, cut as step/zero3.py slice_state cuts it
                     a, b = slice_bounds(flat.size, 2, rank)
                     flat = flat[a:b]
                 p.set_data(ms.Tensor(flat.reshape(p.shape)))
@@ -172,8 +172,8 @@ def test_zero3_ranks_keep_and_save_their_slices_which_read_back_at_any_world(tmp
 def test_a_checkpoint_without_an_ema_starts_one_afresh_and_says_so(tmp_path):
     """train.ema_decay turned on for a run whose checkpoints have none (or all steps skipped so
     far): the resume logs it, and the next applied step starts the average at its weights."""
-    from mspretrain import config as cfgmod
     from mspretrain.checkpoint import store
+    from mspretrain.config import schema as cfgmod
     from mspretrain.train.ema import WeightEMA
 
     class P:
@@ -199,13 +199,13 @@ def test_a_checkpoint_without_an_ema_starts_one_afresh_and_says_so(tmp_path):
 
 def _zero2(cfg, world: int, rank: int):
     """Rank `rank` of a ZeRO-2 run at `world` emulated in this process: the model (weights whole on
-    every rank under ZeRO-1/2) and a step stand-in carrying the real ownership (train/zero_setup.py
-    `plan_zero`, what TrainStep plans) and masters (train/state_codec.py), with split_mb small enough that the embedding and lm_head
+    every rank under ZeRO-1/2) and a step stand-in carrying the real ownership (step/zero_setup.py
+    `plan_zero`, what TrainStep plans) and masters (step/state_codec.py), with split_mb small enough that the embedding and lm_head
     are cut into a slice per rank and the other parameters go whole to one owner each; the final
     norm is left untrained (as train.trainable leaves parameters out), so rank 0 keeps its EMA whole."""
     from mspretrain.model.decoder import Decoder
-    from mspretrain.train.state_codec import OptimizerState
-    from mspretrain.train.zero_setup import plan_zero
+    from mspretrain.step.state_codec import OptimizerState
+    from mspretrain.step.zero_setup import plan_zero
 
     model = Decoder(cfg.model, seed=0)
     params = tuple(p for p in model.trainable_params() if p.name != "norm.weight")
@@ -235,7 +235,7 @@ def test_zero2_ranks_keep_save_and_resume_the_ema_of_what_they_own(tmp_path, tin
     at world 3 (other owners, other slices) and whole on one process; average --from-ema reads it."""
     from mspretrain.checkpoint.model_shards import parse_key
     from mspretrain.checkpoint.saver import Saver
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
     from mspretrain.model.decoder import Decoder, state_numpy
     from mspretrain.train.ema import for_run
 

@@ -16,7 +16,7 @@ NUMERIC = {"MSPRETRAIN_INIT_THREADS", "MSPRETRAIN_FAULT_SAVE_DELAY", "MSPRETRAIN
 # hooks that name a choice or a path, not a number (each checked where it is read, or an on/off flag)
 OTHER = {"MSPRETRAIN_CACHE", "MSPRETRAIN_BPE", "MSPRETRAIN_SAMPLE", "MSPRETRAIN_MINHASH", "MSPRETRAIN_NO_SCHEDULER",
          "MSPRETRAIN_PREPARE_TEST_POINTS", "MSPRETRAIN_PREPARE_TEST_KILL", "MSPRETRAIN_TEST_KILL_BETWEEN_WRITES",
-         "MSPRETRAIN_HCCL_GROUP_MB"}  # launch's "tp=MB,dp=MB": parsed, and refused in one line, in train/hccl.py (tests/test_hccl.py)
+         "MSPRETRAIN_HCCL_GROUP_MB"}  # launch's "tp=MB,dp=MB": parsed, and refused in one line, in parallel/hccl.py (tests/test_hccl.py)
 BAD = ["abc", "1e999", "nan", "-1", "²", "1_000", "9" * 40, "inf", "0x10"]
 
 
@@ -37,7 +37,7 @@ def _call(name: str) -> object:
         from mspretrain.prepare.resume import commit_seconds
         return commit_seconds()
     if name == "MSPRETRAIN_LOCAL_RANKS":
-        from mspretrain.ops.fits import local_ranks
+        from mspretrain.preflight.fits import local_ranks
         return local_ranks(8)
     if name == "MSPRETRAIN_PREPARE_TEST_WORKER_KILL":
         from mspretrain.prepare.workers import spill_item

@@ -7,7 +7,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.config.schema import ModelConfig, resolve_model
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.errors import UserError
 from mspretrain.eval.generate import SamplingParams, generate, sample_next

@@ -22,14 +22,14 @@ import transformers
 
 from mspretrain.checkpoint.init_source import load_init
 from mspretrain.checkpoint.model import load_model
-from mspretrain.config import OptimConfig
+from mspretrain.config.schema import OptimConfig
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.hf import config_from_hf, hf_to_ours
 from mspretrain.model.loss import token_nll
 from mspretrain.model.presets import param_count, preset
-from mspretrain.train.step import TrainStep, decay_mask
+from mspretrain.step.step import TrainStep, decay_mask
 from tests.helpers import HF_VOCAB, assert_refusal, cli, train_tokenizer
 
 V = HF_VOCAB
@@ -271,8 +271,8 @@ def test_family_presets_count_what_transformers_counts(name, cls):
 def test_qwen25_910b_recipe_plans_within_52_gb():
     """configs/qwen2.5-7b-zh-continue-910b.toml: Qwen2.5-7B's real shape (= the preset, 7,615,616,512
     parameters with the 152,064 x 3584 embedding and lm_head) plans <= 52 GB per device on 8 x 910B."""
-    from mspretrain import config as cfgmod
-    from mspretrain.ops.plan import make_plan
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.preflight.plan import make_plan
 
     path = Path(__file__).resolve().parents[1] / "configs" / "qwen2.5-7b-zh-continue-910b.toml"
     cfg = cfgmod.load(path)
@@ -338,7 +338,7 @@ def test_sliding_window_on_the_flash_path_matches_the_math_path(monkeypatch):
     0 with the same band bounds. Checked on CPU against the documented kernel semantics
     (tests/helpers.py kernel_discard; unverified on hardware, like every flash layout test), and
     the window really masks (a window of T gives other logits)."""
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
     from mspretrain.model import decoder as decoder_mod
     from tests.helpers import rms_norm_reference
 
@@ -385,7 +385,7 @@ def test_banded_window_equals_plain_attention_on_every_edge(window, documents):
     model's plain fp32 attention, equal the model's own sliding-window attention within 1e-5, at
     window 1, 2, T-1, T, T+1, with and without documents. The masks are also compared exactly, and
     pre_tokens = window (one more) would fail: the edge is tested, not only the bulk."""
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
     from tests.helpers import kernel_discard
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
@@ -431,7 +431,7 @@ def test_banded_window_equals_plain_attention_on_every_edge(window, documents):
 def test_sliding_window_kv_cache_greedy_equals_full_recompute():
     """Mistral's window in prefill and decode_step (what `generate` runs) equals recomputing the
     whole sequence with the windowed mask, past the window."""
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
                                     family="mistral", sliding_window=4, init_std=0.1))
@@ -480,10 +480,10 @@ def test_family_table_is_what_transformers_says():
 def test_family_table_drives_config_presets_and_shapes():
     """model.family's choices are the table's names; a preset's switches and so its parameters
     (a q/k/v bias, QK-norm weights) come from its family's row; a switch its family lacks is one line."""
-    from mspretrain.config import ModelConfig
+    from mspretrain.config.schema import ModelConfig
+    from mspretrain.config.sections.base import choices
     from mspretrain.families import FAMILIES, NAMES, family
     from mspretrain.model.presets import param_shapes
-    from mspretrain.sections.base import choices
 
     assert choices(ModelConfig, "family") == NAMES == tuple(f.name for f in FAMILIES)
     for name in ("qwen2.5-7b", "qwen3-8b", "llama3-8b"):

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mspretrain.config import Config, ModelConfig, validate
+from mspretrain.config.schema import Config, ModelConfig, validate
 from mspretrain.errors import UserError
 from mspretrain.model.hf import config_from_hf, config_to_hf, read_safetensors
 
@@ -262,10 +262,10 @@ def test_convert_refuses_hostile_hf_folders_in_one_line(tmp_path, capsys, case):
 def batch_run(tmp_path_factory, tiny_data):
     """A run dir that audit can read (config, run_meta, the data dir's plan) with a valid history
     of 6 steps written by BatchLog itself; no training needed."""
-    from mspretrain import config as cfgmod
     from mspretrain.budget import derive
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.forensics.audit import plan_of_run
     from mspretrain.monitor.batch_log import BatchLog
-    from mspretrain.ops.audit import plan_of_run
     from tests.conftest import TINY
 
     run = tmp_path_factory.mktemp("batches") / "run"
@@ -286,9 +286,9 @@ def batch_run(tmp_path_factory, tiny_data):
 
 
 def _readers_hold(run: Path) -> None:
+    from mspretrain.forensics.audit import audit_run, format_audit
+    from mspretrain.forensics.spike import step_record
     from mspretrain.monitor.batch_log import records, truncate
-    from mspretrain.ops.audit import audit_run, format_audit
-    from mspretrain.ops.spike import step_record
 
     def one_line(fn):
         try:
@@ -371,7 +371,7 @@ def test_named_damage_of_batches_jsonl(batch_run, tmp_path):
 
 
 def test_a_clean_history_is_exact_and_damage_is_never_exact(batch_run, tmp_path):
-    from mspretrain.ops.audit import audit_run
+    from mspretrain.forensics.audit import audit_run
 
     assert audit_run(batch_run).exact
     lines = (batch_run / "batches.jsonl").read_text().splitlines()
@@ -428,13 +428,13 @@ def test_fuzz_batches_jsonl(batch_run, tmp_path, edits):
 def test_deeply_nested_json_is_one_line_in_every_reader(tmp_path, reader):
     """`[[[[...` of 100k brackets makes json.loads raise RecursionError: each reader of a user
     file turns it into a one-line error or skips the line, as for any other damaged JSON."""
-    from mspretrain.config import SpikeConfig
+    from mspretrain.config.schema import SpikeConfig
     from mspretrain.eval.choices import read_choices
+    from mspretrain.forensics.diagnose import scan_metrics_file
+    from mspretrain.forensics.report import read_metrics
     from mspretrain.fsutil import read_json
     from mspretrain.monitor.heartbeat import read_heartbeats
     from mspretrain.monitor.metrics import truncate_metrics
-    from mspretrain.ops.diagnose import scan_metrics_file
-    from mspretrain.ops.report import read_metrics
 
     deep = "[" * 100_000 + "]" * 100_000
     ok = '{"step": 1, "loss": 2.0}'

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from mspretrain.checkpoint.store import write_weights_only_checkpoint
-from mspretrain.config import Config, ModelConfig, resolve_model
+from mspretrain.config.schema import Config, ModelConfig, resolve_model
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.model.decoder import Decoder, state_numpy
 from tests.helpers import HF_VOCAB, MSRUN, assert_refusal, cli, kill_tree, train_tokenizer
@@ -213,7 +213,7 @@ def test_harness_tasks_in_the_loop_resume_continues_one_curve(tiny_data, tmp_pat
     against tokens; a run killed after step 3 (its last save at 2) and resumed gives the same curve,
     each step once."""
     from mspretrain.cli import main
-    from mspretrain.ops.report import harness_curves, read_metrics, render_report
+    from mspretrain.forensics.report import harness_curves, read_metrics, render_report
     from tests.conftest import ONE_LAYER, TINY
 
     args = ["--config", str(TINY), "--data", str(tiny_data), "--quiet", "train.max_steps=4", "eval.every=2", "eval.max_tokens=256",
@@ -268,7 +268,7 @@ def test_two_msrun_ranks_give_one_process_results(pair, tmp_path):
     """`launch --nproc 2 -- eval CK --tasks ...`: lm-eval splits the documents over the ranks and
     gathers them to rank 0 (our gather_object / all_gather / barrier); every sample's response is
     the one process's, bit for bit (a request's score does not depend on its batch)."""
-    from mspretrain.train.distributed import free_local_port
+    from mspretrain.parallel.distributed import free_local_port
 
     _, ck, ours, _ = pair
     one = _run(ours, "mspretrain_zh_choices", limit=6)  # in this process, its graphs compiled already

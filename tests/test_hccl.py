@@ -4,7 +4,7 @@ import json
 import pytest
 
 from mspretrain.errors import UserError
-from mspretrain.train import hccl
+from mspretrain.parallel import hccl
 
 
 def test_rank_table_and_chip_groups(tmp_path):
@@ -32,8 +32,8 @@ def test_bad_topology_inputs():
 
 def test_hccl_buffsize_holds_the_largest_collective_within_its_bounds():
     """Within a server a collective crosses the buffer in slices of data / ranks, across servers
-    whole (train/hccl.py); HCCL's default 200 MB is the floor, 1 GB (2 GB a communicator) the cap."""
-    from mspretrain.train.hccl import HCCL_BUFFSIZE_DEFAULT_MB, HCCL_BUFFSIZE_MAX_MB, buffsize_mb
+    whole (parallel/hccl.py); HCCL's default 200 MB is the floor, 1 GB (2 GB a communicator) the cap."""
+    from mspretrain.parallel.hccl import HCCL_BUFFSIZE_DEFAULT_MB, HCCL_BUFFSIZE_MAX_MB, buffsize_mb
 
     MB = 2**20
     assert (HCCL_BUFFSIZE_DEFAULT_MB, HCCL_BUFFSIZE_MAX_MB) == (200, 1024)
@@ -48,8 +48,8 @@ def test_every_communicator_is_counted_and_shares_the_room_outside_the_pool():
     """Issue 51.6: each communicator takes 2 x its buffer of HBM outside the pool; under tp x dp a
     rank has three (the world's, its tp group's, its dp group's), each capped at a third of the
     room; the groups' sizes reach `create_group` (GroupOptions, Ascend only)."""
-    from mspretrain.train.hccl import GROUP_BUFFSIZE_ENV, communicators, group_buffsize, group_buffsize_env
-    from mspretrain.train.tp import group_options
+    from mspretrain.parallel.hccl import GROUP_BUFFSIZE_ENV, communicators, group_buffsize, group_buffsize_env
+    from mspretrain.step.tp import group_options
 
     MB = 2**20
     one = communicators([("world", 1536 * MB, 8, 2)])
@@ -70,8 +70,8 @@ def test_every_communicator_is_counted_and_shares_the_room_outside_the_pool():
 def _ascend_plan(config: str, *overrides: str, devices: int) -> dict:
     from pathlib import Path
 
-    from mspretrain import config as cfgmod
-    from mspretrain.ops.plan import make_plan
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.preflight.plan import make_plan
 
     cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / config, list(overrides))
     return make_plan(cfg, devices=devices, tokens=10**9, data_dir=None, tokens_per_s_per_device=None)
@@ -84,7 +84,7 @@ def test_the_plans_largest_collective_is_the_gather_when_it_is_larger_than_the_r
     alone is half of it."""
     plan = _ascend_plan("llama2-7b-910b.toml", "precision.dtype=fp16", "precision.loss_scale=dynamic",
                         "precision.allreduce_dtype=fp16", "precision.param_dtype=fp32", devices=16)
-    from mspretrain.ops.costs import memory_model  # noqa: F401  (the plan's layout is memory_model's)
+    from mspretrain.preflight.costs import memory_model  # noqa: F401  (the plan's layout is memory_model's)
 
     hc = plan["hccl"]
     red, gat = _layout_of(plan)
@@ -96,8 +96,8 @@ def _layout_of(plan: dict) -> tuple[int, int]:
     """(largest reduction, largest gather) of the plan's config, from the step's own tables."""
     from pathlib import Path
 
-    from mspretrain import config as cfgmod
-    from mspretrain.ops.costs import memory_model
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.preflight.costs import memory_model
 
     cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / "llama2-7b-910b.toml",
                       ["precision.dtype=fp16", "precision.loss_scale=dynamic", "precision.allreduce_dtype=fp16",

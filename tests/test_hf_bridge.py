@@ -20,7 +20,7 @@ import transformers
 
 from mspretrain.checkpoint.model import load_model
 from mspretrain.checkpoint.store import read_model_tensors, resolve_checkpoint, write_weights_only_checkpoint
-from mspretrain.config import Config, ModelConfig, resolve_model
+from mspretrain.config.schema import Config, ModelConfig, resolve_model
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.model.decoder import Decoder, state_numpy
 from mspretrain.model.hf import read_safetensors

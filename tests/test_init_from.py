@@ -19,7 +19,7 @@ from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
 from mspretrain.checkpoint.init_source import load_init, plan_init
 from mspretrain.cli import main
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.model.groups import param_groups, trainable_mask
 from mspretrain.model.resize import resize_vocab
 from tests.conftest import TINY
@@ -33,7 +33,7 @@ CONTROL_PIECE = "<ctl_new>"  # decodes to "": its rows fall back to the overall 
 
 
 def tiny_model() -> ModelConfig:
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     return cfgmod.load(TINY).model
 
@@ -253,8 +253,8 @@ def test_init_for_run_loads_the_hf_model_before_step_zero(src, tmp_path):
     to HF's own model resized with the same new rows."""
     import mindspore as ms
 
-    from mspretrain import config as cfgmod
     from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
+    from mspretrain.config import schema as cfgmod
     from mspretrain.model.decoder import Decoder, state_numpy
     from mspretrain.model.loss import token_nll
 
@@ -294,8 +294,8 @@ def test_init_for_run_loads_the_hf_model_before_step_zero(src, tmp_path):
 
 
 def test_init_for_run_on_a_run_dir_with_checkpoints(src, tmp_path):
-    from mspretrain import config as cfgmod
     from mspretrain.checkpoint.init_source import init_for_run
+    from mspretrain.config import schema as cfgmod
 
     run = tmp_path / "run"
     shutil.copytree(src["ckpt"], run / "checkpoints" / "step_000005")
@@ -325,7 +325,7 @@ def ext_data(src):
     """A data dir prepared with the extended tokenizer (text of the base characters and the new pieces)."""
     import random
 
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.prepare.prepare import prepare
 
     rng = random.Random(3)

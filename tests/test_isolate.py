@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mspretrain.errors import UserError
-from mspretrain.ops.isolate import PERIOD_US, apply_cpu_quota, cgroup_v2_writable
+from mspretrain.preflight.isolate import PERIOD_US, apply_cpu_quota, cgroup_v2_writable
 
 ROOT = Path(__file__).resolve().parent.parent
 NCPU = os.cpu_count() or 1
@@ -54,7 +54,7 @@ def run_child(code: str) -> dict:
 CHILD = """
 import json, os
 from pathlib import Path
-from mspretrain.ops.isolate import apply_cpu_quota
+from mspretrain.preflight.isolate import apply_cpu_quota
 before = os.getpriority(os.PRIO_PROCESS, 0)
 res = apply_cpu_quota({pct}, lambda s: None{kw})
 res["affinity_now"] = sorted(os.sched_getaffinity(0))

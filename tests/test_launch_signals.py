@@ -33,7 +33,7 @@ def _beat(run: Path, rank: int, pid: int, age: float) -> None:
 def test_watchdog_names_the_rank_that_exited_first_whatever_the_poll_order(tmp_path):
     """Rank 1 is killed during a save, rank 0 (whose last heartbeat is OLDER) a moment later, both
     before the watchdog's next poll: the heartbeat ages point at rank 0; the exit order names 1."""
-    from mspretrain.ops.watchdog import Watchdog
+    from mspretrain.launcher.watchdog import Watchdog
 
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
@@ -181,11 +181,11 @@ def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tiny_dat
 def test_launch_exports_the_plans_hccl_buffsize_on_ascend(tiny_data, tmp_path, monkeypatch, capsys, user):
     """Issue 38: a collective larger than HCCL_BUFFSIZE (200 MB by default) may run slower (CANN);
     launch exports the plan's size for a train on Ascend, and keeps a value the user exported."""
-    from mspretrain import config as cfgmod
     from mspretrain import device
     from mspretrain.cli import main
     from mspretrain.commands import launch
-    from mspretrain.ops.plan import make_plan
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.preflight.plan import make_plan
     from tests.conftest import TINY
 
     monkeypatch.setattr(device, "npu_hbm_bytes", lambda npu=0, **kw: 64 * 2**30)

@@ -3,7 +3,7 @@
 The table there is the single source: this test parses it (layer number -> module names or globs
 such as `data/*`), reads every module's imports with `ast` (lazy imports inside functions too)
 and fails naming the importer, the imported module and both layers when a module reaches up.
-An exact name wins over a glob (`model/presets` is layer 1 although `model/*` is layer 2). A
+An exact name wins over a glob (a module can be given a layer other than its folder's). A
 package's `__init__` counts as layer 0: importing any submodule runs it, so it must import
 nothing of the project. Sentences of the form "`A` and `B` are siblings" in that section forbid
 imports between the two groups although they share a layer.
@@ -37,7 +37,7 @@ def _layers_section(design: Path = DESIGN) -> str:
 
 
 def layer_table(design: Path = DESIGN) -> dict[str, int]:
-    """`data/*` or `train/layout` -> layer number, from the table rows `| 3 name | `a`, `b/*` | ... |`."""
+    """`data/*` or `parallel/layout` -> layer number, from the table rows `| 3 name | `a`, `b/*` | ... |`."""
     table: dict[str, int] = {}
     for line in _layers_section(design).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -56,7 +56,7 @@ def sibling_rules(design: Path = DESIGN) -> list[tuple[str, str]]:
 
 
 def modules(pkg: Path = PKG) -> dict[str, Path]:
-    """Dotted name under mspretrain (`train.step`, `data`, `` for the root package) -> file."""
+    """Dotted name under mspretrain (`step.step`, `data`, `` for the root package) -> file."""
     out = {}
     for path in sorted(pkg.rglob("*.py")):
         parts = path.relative_to(pkg).with_suffix("").parts
@@ -98,7 +98,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
                 stem = ".".join(["mspretrain", *base] + ([node.module] if node.module else []))
             else:
                 stem = node.module or ""
-            for alias in node.names:  # `from mspretrain.train import step` imports the module train.step
+            for alias in node.names:  # `from mspretrain.step import step` imports the module step.step
                 add(f"{stem}.{alias.name}" if f"{stem}.{alias.name}"[len("mspretrain."):] in known else stem)
     found.discard(module)
     return found
@@ -135,7 +135,7 @@ def sibling_violations(pkg: Path = PKG, design: Path = DESIGN, allowed: frozense
 
 
 def package_of(module: str) -> str:
-    """`train.step` -> `train`; a top-level module is a package of its own (`config`, `budget`)."""
+    """`step.step` -> `step`; a top-level module is a package of its own (`budget`)."""
     return module.split(".")[0]
 
 
@@ -199,7 +199,7 @@ def import_loops(pkg: Path = PKG, known: frozenset = frozenset()) -> list[str]:
 
 
 def test_no_import_loops():
-    """No module imports itself through others, and no package does: `ops` -> `train` -> `ops`
+    """No module imports itself through others, and no package does: `forensics` -> `train` -> `forensics`
     is a loop even when no single module closes it. KNOWN_LOOPS lists the imports still to move."""
     bad = import_loops(known=KNOWN_LOOPS)
     assert not bad, "import loops (move the shared part into a module both can import):\n" + "\n".join(bad)
@@ -281,16 +281,19 @@ def test_the_checker_finds_what_it_should(tmp_path):
     """The parser and the walker on known cases, so a silent parser cannot pass the tests above."""
     table = layer_table()
     mods = modules()
-    assert layer_of("model.presets", table, mods["model.presets"]) == 1  # exact name over model/*
+    assert layer_of("parallel.layout", table, mods["parallel.layout"]) == 1
+    assert layer_of("step.step", table, mods["step.step"]) == 3
+    assert layer_of("prepare.raypool", table, mods["prepare.raypool"]) == 2
+    assert layer_of("b.c", {"b/*": 1, "b/c": 0}, Path("c.py")) == 0  # an exact name over its folder's glob
     assert layer_of("model.decoder", table, mods["model.decoder"]) == 2
     assert layer_of("commands.train", table, mods["commands.train"]) == 6
-    assert layer_of("config", table, mods["config"]) == 0
+    assert layer_of("config.schema", table, mods["config.schema"]) == 0
     # a lazy import inside a function, a relative import and a from-package import are all seen
     fake = tmp_path / "fake.py"
-    fake.write_text("from mspretrain import config\n"
-                    "def f():\n    from mspretrain.train import step\n    import mspretrain.data.loader as ld\n"
+    fake.write_text("from mspretrain.config import schema\n"
+                    "def f():\n    from mspretrain.step import step\n    import mspretrain.data.loader as ld\n"
                     "from .layout import x\n", encoding="utf-8")
-    assert imports_of("train.fake", fake, set(mods)) == {"config", "train.step", "data.loader", "train.layout"}
+    assert imports_of("parallel.fake", fake, set(mods)) == {"config.schema", "step.step", "data.loader", "parallel.layout"}
 
 
 def test_a_violation_is_named(tmp_path):

@@ -6,9 +6,9 @@ import json
 
 import mindspore as ms
 
+from mspretrain.forensics.diagnose import diagnose
 from mspretrain.monitor import memory
 from mspretrain.monitor.metrics import INTERVAL_FIELD
-from mspretrain.ops.diagnose import diagnose
 
 GB = 1024**3
 
@@ -32,7 +32,7 @@ def test_oom_advice_quotes_the_device_memory(tmp_path):
 
 
 def test_report_draws_device_memory_as_its_own_line(tmp_path):
-    from mspretrain.ops import report
+    from mspretrain.forensics import report
 
     recs = [{"step": s, "mem_mb": 900.0 + s, "device_mem_mb": 30000.0 + s, "device_mem_reserved_mb": 32000.0} for s in (1, 2, 3)]
     fig = report._plot("memory", "Memory", {"records": recs, "events": []})

@@ -10,9 +10,9 @@ import json
 import numpy as np
 import pytest
 
-from mspretrain.config import ModelConfig, OptimConfig, resolve_model
+from mspretrain.config.schema import ModelConfig, OptimConfig, resolve_model
 from mspretrain.model.decoder import Decoder, half_eligible, state_numpy
-from mspretrain.train.step import TrainStep
+from mspretrain.step.step import TrainStep
 from tests.conftest import NO_EVAL, ONE_LAYER, TINY, snapshot
 
 # one layer: recompute and half parameters are per layer and per parameter; a second layer would

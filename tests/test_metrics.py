@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from mspretrain.config import Config, MetricsConfig, ModelConfig, resolve_model
+from mspretrain.config.schema import Config, MetricsConfig, ModelConfig, resolve_model
 from mspretrain.monitor import mfu
 from mspretrain.monitor.metrics import MetricsLogger, is_network_fs, mount_of, truncate_metrics
 from tests.helpers import read_tb_scalars

@@ -15,7 +15,7 @@ from mindspore import nn
 
 from mspretrain.checkpoint.store import write_weights_only_checkpoint
 from mspretrain.cli import main
-from mspretrain.config import Config, ModelConfig, resolve_model
+from mspretrain.config.schema import Config, ModelConfig, resolve_model
 from mspretrain.errors import UserError
 from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.mindir import verify_mindir

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from mspretrain import device as device_mod
-from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.config.schema import ModelConfig, resolve_model
 from mspretrain.errors import UserError
 from mspretrain.model import attention, layers
 from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
@@ -273,7 +273,7 @@ def test_flash_path_argument_layout(pair, monkeypatch):
     seg = np.array([[0] * 5 + [1] * 7, [0] * 12], np.int32)
     pos = np.array([list(range(5)) + list(range(7)), list(range(12))], np.int32)
     # the selftest's comparison (fp16 tolerance 1e-2), which a 910B runs against the real kernel
-    from mspretrain.ops.selftest_numerics import compare_outputs
+    from mspretrain.preflight.selftest_numerics import compare_outputs
 
     a = flash16(ms.Tensor(tok)).asnumpy()
     b = math16(ms.Tensor(tok)).asnumpy()

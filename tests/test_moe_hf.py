@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.hf import read_hf_dir, write_hf_dir
 from mspretrain.model.moe import reference_moe

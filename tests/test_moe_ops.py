@@ -34,10 +34,10 @@ def test_step_returns_each_layers_expert_load_over_micro_batches():
     of each layer's routing stats summed over the micro-batches, as the decoder's forward gives them."""
     import mindspore as ms
 
-    from mspretrain.config import ModelConfig, OptimConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, OptimConfig, resolve_model
     from mspretrain.model.decoder import Decoder
     from mspretrain.model.moe import load_metrics
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, family="qwen3_moe",
                                     qk_norm=True, num_experts=8, experts_per_token=2, moe_ffn_dim=32, router_aux_loss_coef=0.01))
@@ -81,7 +81,7 @@ def _plant(run, shares: dict[int, list[float]], ratio_of=lambda s: s * 4):
 
 def test_diagnose_finds_a_router_collapse(tmp_path, capsys):
     from mspretrain.cli import main
-    from mspretrain.ops.diagnose import diagnose
+    from mspretrain.forensics.diagnose import diagnose
 
     # layer 1: one expert chosen by 90 % of the tokens at steps 4-8 (5 logged steps); layer 3: 2 steps only
     calm = [0.1] * 10
@@ -101,7 +101,7 @@ def test_diagnose_finds_a_router_collapse(tmp_path, capsys):
 
 
 def test_report_plots_expert_load_only_for_moe_runs(tmp_path):
-    from mspretrain.ops.report import render_report
+    from mspretrain.forensics.report import render_report
 
     _plant(tmp_path / "moe", {0: [0.3] * 10, 2: [0.5] * 10})
     _, pngs = render_report(tmp_path / "moe")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.config.schema import ModelConfig, resolve_model
 from mspretrain.model.decoder import Decoder, state_numpy
 from mspretrain.model.moe import balance_loss
 from tests.conftest import TINY, assert_same_checkpoint, copy_run_at

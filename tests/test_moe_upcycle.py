@@ -11,7 +11,7 @@ from dataclasses import replace
 import mindspore as ms
 import numpy as np
 
-from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.config.schema import ModelConfig, resolve_model
 from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.upcycle import upcycle
 from tests.helpers import assert_user_error

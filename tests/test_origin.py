@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data import origin as origin_mod
 from mspretrain.data.origin import docs_in_window, read_origin, require_origin
 from mspretrain.data.shards import IndexedDataset

@@ -153,9 +153,9 @@ def ckpt(tmp_path_factory, tiny_data):
     """A tiny weights-only checkpoint with the data dir's tokenizer."""
     from dataclasses import replace
 
-    from mspretrain import config as cfgmod
     from mspretrain.checkpoint.store import write_weights_only_checkpoint
-    from mspretrain.config import Config
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.config.schema import Config
     from mspretrain.data.tokenizer import Tokenizer
     from mspretrain.model.decoder import Decoder, state_numpy
 

@@ -28,9 +28,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 from mindspore.graph.api import _JitExecutor  # compile without running; ms.jit has no public compile-only call
-from mspretrain import config as cfgmod
+from mspretrain.config import schema as cfgmod
 from mspretrain.model.decoder import Decoder
-from mspretrain.train.step import TrainStep
+from mspretrain.step.step import TrainStep
 
 out, device = sys.argv[1], sys.argv[2]
 ms.set_context(save_graphs=1, save_graphs_path=out)
@@ -73,10 +73,10 @@ def test_first_gradient_collective_is_issued_before_the_last_backward_op(tmp_pat
 
 def test_collectives_are_chained_on_cpu_only(tiny_cfg):
     """CPU (mccl) needs every rank to issue its collectives in one order, so they are chained there;
-    Ascend runs them in the graph's execution order, unchained (train/step.py, `_chain`)."""
-    from mspretrain.config import resolve_model
+    Ascend runs them in the graph's execution order, unchained (step/step.py, `_chain`)."""
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import Decoder
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     model = Decoder(resolve_model(tiny_cfg.model, vocab_size=512), seed=0)
     cpu = TrainStep(model, tiny_cfg.optim, global_tokens=64, world=2, rank=0, device="cpu", bucket_mb=0.05, jit=False)
@@ -94,8 +94,8 @@ def test_plan_reports_the_expected_overlap():
     """`plan` shows each bucket's collective time at the stated bus bandwidth against the backward
     compute that can hide it; with the buckets in readiness order only the last bucket's collective
     (and what queues behind it) is exposed."""
-    from mspretrain.ops.plan import overlap_estimate
-    from mspretrain.train.layout import plan_layout
+    from mspretrain.parallel.layout import plan_layout
+    from mspretrain.preflight.plan import overlap_estimate
 
     sizes = [100] * 10
     layout = plan_layout(sizes, [False] * 10, [False] * 10, 2, shard=False, shard_grads=False, cap=300)

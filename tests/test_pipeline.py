@@ -102,7 +102,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_data, short_run, capsys)
 
 
 def _trainer(cfg_overrides, data, run):
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.train.build import build_trainer as Trainer
 
     cfg = cfgmod.load(TINY, cfg_overrides)

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from mspretrain import config as cfgmod
 from mspretrain.cli import main
-from mspretrain.config import ModelConfig
+from mspretrain.config import schema as cfgmod
+from mspretrain.config.schema import ModelConfig
 from mspretrain.errors import UserError
-from mspretrain.ops.plan import LLAMA2_7B_PARAMS, _param_count, checkpoint_bytes, format_plan, make_plan
+from mspretrain.preflight.plan import LLAMA2_7B_PARAMS, _param_count, checkpoint_bytes, format_plan, make_plan
 
 LLAMA2_7B = ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, ffn_dim=11008, max_seq_len=4096)
 # Small config by hand: dim 64, 2 layers, 4 heads, vocab 1000, ffn = 32 * ceil(int(2*256/3) / 32) = 192.

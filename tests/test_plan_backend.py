@@ -15,11 +15,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from mspretrain.ops import plan as planmod
+from mspretrain.preflight import plan as planmod
 
 
 def _cfg(tiny_cfg, dtype: str, param_dtype: str, accumulation: int, target: str = "cpu"):
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
 
     gb = tiny_cfg.train.global_batch
     return replace(tiny_cfg, model=resolve_model(tiny_cfg.model, vocab_size=512),
@@ -39,7 +39,7 @@ def test_the_measured_constants_are_in_the_plan():
 def test_cpu_backend_term_is_counted_from_the_steps_tables(tiny_cfg, dtype, param_dtype, accumulation, monkeypatch):
     from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.model.presets import is_half_eligible
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     cfg = _cfg(tiny_cfg, dtype, param_dtype, accumulation)
     model = Decoder(cfg.model, dtype=dtype, seed=0)
@@ -58,7 +58,7 @@ def test_cpu_backend_term_is_counted_from_the_steps_tables(tiny_cfg, dtype, para
     have = step.buffer_bytes()
     assert (mem["gradients"], mem["adam_moments"]) == (have["gradients"], have["adam_moments"])
     # part of the peak and of the text
-    from mspretrain.ops import costs  # where the memory model reads its constants
+    from mspretrain.preflight import costs  # where the memory model reads its constants
 
     for name in ("CPU_RUNTIME_BYTES_PER_PARAM", "CPU_HALF_BYTES_PER_PARAM"):
         monkeypatch.setattr(costs, name, 0)
@@ -74,7 +74,7 @@ def test_the_step_has_no_0d_where_over_a_full_tensor():
     life (run 3: the overflow mask of `_finish` and the overwrite of `accumulate` cost 24 B/param
     each). The step masks with a scaled multiply and a full-size condition instead, and the plan has
     no term for it: a `where(finite, grads[...]` or `where(first, g, ...)` coming back must fail here."""
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     finish = inspect.getsource(TrainStep._finish)
     accumulate = inspect.getsource(TrainStep._ensure_accum)
@@ -92,8 +92,8 @@ def test_ascend_plans_have_no_cpu_term(tiny_cfg):
 
 
 def test_buckets_are_32_mb_on_cpu_and_256_on_ascend_unless_given():
-    from mspretrain.config import OptimConfig
-    from mspretrain.train.layout import ASCEND_BUCKET_MB, CPU_BUCKET_MB, bucket_mb_for
+    from mspretrain.config.schema import OptimConfig
+    from mspretrain.parallel.layout import ASCEND_BUCKET_MB, CPU_BUCKET_MB, bucket_mb_for
 
     assert OptimConfig().bucket_mb == "auto"
     assert (bucket_mb_for("auto", "cpu"), bucket_mb_for("auto", "ascend"), bucket_mb_for("auto", "auto")) == (32.0, 256.0, 256.0)
@@ -103,7 +103,7 @@ def test_buckets_are_32_mb_on_cpu_and_256_on_ascend_unless_given():
 
 @pytest.mark.parametrize("value", ['"big"', "-1", "nan"])
 def test_a_bad_bucket_mb_is_one_line_naming_the_key(value):
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.errors import UserError
 
     with pytest.raises(UserError, match=r"optim\.bucket_mb") as err:
@@ -124,8 +124,8 @@ def test_cpu_collective_term_is_the_measured_factor_times_the_steps_largest_buck
     of the layout a real TrainStep builds with the CPU default cap; Ascend keeps the flat copy and the
     ReduceScatter / AllGather results (x 1.5 with 2 ranks), and its own 256 MB cap."""
     from mspretrain.model.decoder import Decoder
-    from mspretrain.train import layout as layoutmod
-    from mspretrain.train.step import TrainStep
+    from mspretrain.parallel import layout as layoutmod
+    from mspretrain.step.step import TrainStep
 
     # a cap below the tiny model's size, so the CPU default and Ascend's give different buckets
     monkeypatch.setattr(layoutmod, "CPU_BUCKET_MB", 0.15)
@@ -154,7 +154,7 @@ def test_cpu_collective_term_is_the_measured_factor_times_the_steps_largest_buck
 def test_run_config_notes_the_bucket_cap_that_ran(tiny_cfg):
     """RUN_DIR/config.toml keeps "auto" (so it resumes on either device) and says what ran."""
     from mspretrain import budget
-    from mspretrain.config import MetricsConfig
+    from mspretrain.config.schema import MetricsConfig
     from mspretrain.train.build import resolved_notes
 
     cfg = replace(tiny_cfg, train=replace(tiny_cfg.train, micro_batch=0))
@@ -177,8 +177,8 @@ def test_plan_sizes_hccl_buffsize_from_the_largest_collective(config, devices, l
     256 MB bucket cap; buckets sized to HCCL's 200 MB buffer would not change these."""
     from pathlib import Path
 
-    from mspretrain import config as cfgmod
-    from mspretrain.train.layout import bucket_mb_for
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.parallel.layout import bucket_mb_for
 
     cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / config)
     plan = planmod.make_plan(cfg, devices=devices, tokens=10**9, data_dir=None, tokens_per_s_per_device=None)

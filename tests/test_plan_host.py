@@ -32,7 +32,7 @@ def test_on_cpu_each_rank_is_compared_with_its_share_of_this_machines_ram(capsys
     import os
 
     from mspretrain.cli import main
-    from mspretrain.ops.plan import GB
+    from mspretrain.preflight.plan import GB
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     for devices in (1, 2):
@@ -48,9 +48,9 @@ def test_on_cpu_each_rank_is_compared_with_its_share_of_this_machines_ram(capsys
 
 
 def test_host_section_of_the_7b_node():
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.model.presets import is_half_eligible, param_shapes
-    from mspretrain.ops.plan import GB, PROCESS_BASELINE_BYTES, make_plan
+    from mspretrain.preflight.plan import GB, PROCESS_BASELINE_BYTES, make_plan
 
     cfg = cfgmod.load(ROOT / "configs" / "llama2-7b-910b.toml")
     plan = make_plan(cfg, devices=8, tokens=120_000_000_000, data_dir=None, tokens_per_s_per_device=None)

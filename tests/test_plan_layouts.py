@@ -1,4 +1,4 @@
-"""`plan`'s layout table (ops/layouts.py): every DP / ZeRO / TP layout's memory and step time, the
+"""`plan`'s layout table (preflight/layouts.py): every DP / ZeRO / TP layout's memory and step time, the
 cheapest that fits; the TP accounting against Megatron's by hand; Qwen3-14B on 8 x 910B within the
 issue's 52 GB with the recommended layout; the two new presets' counts against transformers'."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from mspretrain import config as cfgmod
+from mspretrain.config import schema as cfgmod
 from mspretrain.model.presets import param_count, preset
 
 GB = 2**30
@@ -19,7 +19,7 @@ BIG = ["data.seq_len=4096", "train.global_batch=256", "train.micro_batch=1", "pr
 
 
 def _plan(name: str, *overrides: str, devices: int = 8) -> dict:
-    from mspretrain.ops.plan import make_plan
+    from mspretrain.preflight.plan import make_plan
 
     cfg = replace(cfgmod.load(None, [*BIG, *overrides]), model=preset(name))
     return make_plan(cfg, devices=devices, tokens=None, data_dir=None, tokens_per_s_per_device=None)
@@ -59,8 +59,8 @@ def test_tp_memory_is_megatrons_split_of_the_dp_terms():
     """At t = 1 the TP accounting is the DP step's (memory_model); at t = 2 the split terms halve
     and the replicated ones (norms, the residual stream's activations) stay, by hand."""
     from mspretrain.model.presets import param_shapes
-    from mspretrain.ops.layouts import tp_memory
-    from mspretrain.ops.plan import memory_model
+    from mspretrain.preflight.layouts import tp_memory
+    from mspretrain.preflight.plan import memory_model
 
     cfg = cfgmod.load(None, ["model.vocab_size=1000", "train.max_steps=10", "device.target=ascend"])
     m = cfgmod.resolve_model(cfg.model)
@@ -120,7 +120,7 @@ def test_the_new_presets_count_what_transformers_counts(name, count):
 def test_the_table_stops_at_64_devices():
     """Each row builds the step's owner tables, whose cost grows with the world: no table beyond
     MAX_DEVICES (one to a few nodes is the question it answers)."""
-    from mspretrain.ops.layouts import MAX_DEVICES
+    from mspretrain.preflight.layouts import MAX_DEVICES
 
     assert MAX_DEVICES == 64
     assert "layouts" in _plan("qwen3-14b", devices=64) and "layouts" not in _plan("qwen3-14b", devices=128)
@@ -133,7 +133,7 @@ class _Param:
         self.name, self.shape = name, shape
 
 
-class _Model:  # what train/zero3.py `sharded_names` reads of a model
+class _Model:  # what step/zero3.py `sharded_names` reads of a model
     def __init__(self, params: list[_Param]) -> None:
         self.params = params
 
@@ -149,9 +149,9 @@ def _train_checks(cfg, m, row) -> None:
     from mspretrain.model.groups import trainable_mask
     from mspretrain.model.parallel import check_tp
     from mspretrain.model.presets import param_shapes
-    from mspretrain.ops.layouts import layout_config
-    from mspretrain.train.tp import make_mesh
-    from mspretrain.train.zero3 import sharded_names
+    from mspretrain.preflight.layouts import layout_config
+    from mspretrain.step.tp import make_mesh
+    from mspretrain.step.zero3 import sharded_names
 
     c = layout_config(replace(cfg, model=m), row)
     cfgmod.validate(c, device="ascend")
@@ -174,7 +174,7 @@ def test_every_recommended_layout_is_one_train_accepts(devices):
     recommended ZeRO-3 for Qwen3 on 16 devices, whose 128-element QK-norm weights are fewer than
     16² and which `train` refuses); a row `train` refuses is listed as not possible, with its words."""
     from mspretrain.model.presets import PRESETS
-    from mspretrain.ops.plan import make_plan
+    from mspretrain.preflight.plan import make_plan
 
     cfg = cfgmod.load(None, BIG)
     seen = 0
@@ -232,12 +232,12 @@ def test_plan_of_a_preset_alone_is_a_shape_its_table_fits_and_names_it(capsys):
 def test_fits_under_tensor_parallel_splits_the_batch_over_the_data_parallel_ranks():
     """Issue 54.10: a valid `global_batch=3, tp=2` run on 6 ranks (3 data-parallel) was refused
     because `fits` split the batch over all 6."""
-    from mspretrain.ops.fits import estimate_bytes
+    from mspretrain.preflight.fits import estimate_bytes
 
     cfg = cfgmod.load(None, ["model.vocab_size=256", "train.global_batch=3", "parallel.tp=2", "model.n_kv_heads=2",
                              "model.n_heads=2", "train.max_steps=1"])
     assert estimate_bytes(cfg, 6) > 0
-    from mspretrain.ops.plan import make_plan
+    from mspretrain.preflight.plan import make_plan
 
     plan = make_plan(cfg, devices=6, tokens=None, data_dir=None, tokens_per_s_per_device=None)
     assert (plan["dp"], plan["micro_batch"], plan["accumulation"]) == (3, 1, 1)

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from mspretrain.cli import main
-from mspretrain.config import PrepareConfig
-from mspretrain.data import corpus
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.shards import IndexedDataset, data_fingerprint
 from mspretrain.data.tokenizer import Tokenizer
+from mspretrain.demo import corpus
 from mspretrain.errors import UserError
 from mspretrain.prepare import dedup
 from mspretrain.prepare.clean import Cleaner

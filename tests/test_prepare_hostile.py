@@ -529,7 +529,7 @@ def test_an_edited_journal_is_refused_in_one_line(corpus, tmp_path, capsys, edit
     from mspretrain.prepare import resume
 
     if edit == "unknown-stage":  # (a check sum that fits: only a forger's; refused by the chain)
-        from mspretrain.config import PrepareConfig
+        from mspretrain.config.schema import PrepareConfig
 
         cfg = PrepareConfig(doc_per_line=True, vocab_size=400, valid_fraction=0.05)
         from mspretrain.prepare import sources
@@ -767,7 +767,7 @@ def test_a_score_record_offset_past_4_gib_is_written_and_read_back(tmp_path):
 
 def test_a_same_size_input_rewritten_with_a_new_mtime_is_not_resumed(corpus, tmp_path):
     """Issue 54 item 30: prepare resume's fingerprint must see a same-size rewrite (its mtime)."""
-    from mspretrain.config import PrepareConfig
+    from mspretrain.config.schema import PrepareConfig
     from mspretrain.errors import UserError
     from mspretrain.prepare import resume
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.prepare import publish, resume
 from mspretrain.prepare.prepare import prepare
 from tests.conftest import make_poems

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from mspretrain.errors import UserError
+from mspretrain.parallel.distributed import free_local_port
 from mspretrain.prepare import dedup, diskdedup
 from mspretrain.prepare.raypool import RayCluster
-from mspretrain.train.distributed import free_local_port
 from tests.conftest import make_poems
 from tests.helpers import dedup_corpus, dedup_reference, ray_cluster, refused, run_local, run_prepare, same_files
 

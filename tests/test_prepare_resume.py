@@ -292,7 +292,7 @@ def test_a_shard_writer_finishes_after_a_kill_inside_finalize(tmp_path, renamed)
 
 
 def test_the_refusal_names_the_first_difference(tmp_path):
-    from mspretrain.config import PrepareConfig
+    from mspretrain.config.schema import PrepareConfig
     from mspretrain.prepare.resume import difference, fingerprint
 
     f = tmp_path / "a.txt"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.prepare import pipeline, pool, rawlines, sources
 from mspretrain.prepare.prepare import prepare
 from tests.conftest import make_poems
@@ -221,7 +221,7 @@ def test_the_chain_of_stages_is_chosen_once_from_the_tokenizer_the_path_and_the_
 
 
 def test_one_lsh_settings_object_from_the_config():
-    from mspretrain.config import PrepareConfig
+    from mspretrain.config.schema import PrepareConfig
     from mspretrain.prepare import dedup
 
     assert dedup.LshSettings.of(PrepareConfig(near_dedup=False)) is None

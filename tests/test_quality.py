@@ -501,7 +501,7 @@ def test_word_features_train_score_and_drop_planted_junk(models, tmp_path):
     prepare_in_process(corpus, tmp_path / "out", f"prepare.quality_model={out}")
     r = read_scores(tmp_path / "out" / "quality.scores")
     line = np.searchsorted(line_starts(corpus), r["offset"])
-    from mspretrain.config import PrepareConfig
+    from mspretrain.config.schema import PrepareConfig
     from mspretrain.prepare.clean import Cleaner
 
     cleaned = [t for t in Cleaner(PrepareConfig()).clean_many(docs) if t is not None]

@@ -173,7 +173,7 @@ def test_manifest_with_only_the_required_keys(tmp_path, tiny_data):
 # --------------------------------------------------------------------------- TOML configs
 
 def test_toml_with_one_key_per_section_leaves_every_other_field_at_its_default(tmp_path):
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     base = cfgmod.Config()
     p = tmp_path / "c.toml"

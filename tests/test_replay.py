@@ -30,7 +30,7 @@ def test_unchanged_replay_of_20_steps_is_bit_exact(planted, capsys, tmp_path):
     code, out, err = cli(capsys, "replay", str(run), "--from-step", "2", "--steps", "20", "--out", str(tmp_path / "s"))
     assert code == 0, err
     assert "reproduced steps 3..22 bit for bit" in out
-    # against the run's own log, read here independently of ops/replay: the scratch run's metrics
+    # against the run's own log, read here independently of forensics/replay: the scratch run's metrics
     want, got = losses(run), losses(tmp_path / "s")
     assert [got[s] for s in range(3, 23)] == [want[s] for s in range(3, 23)]
     assert _snapshot(run) == before, "replay wrote into the run dir"
@@ -58,11 +58,11 @@ def test_drop_docs_removes_the_spike(planted, capsys):
 def test_drop_docs_loader_swaps_only_overlapping_samples(planted):
     """The wrapper against the plain loader and the plan, without MindSpore: rows that overlap the
     dropped document become the plan's next clean samples after the replay; the others are untouched."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.data.loader import Loader
     from mspretrain.data.shards import IndexedDataset
+    from mspretrain.forensics.drop_docs import DropDocsLoader
     from mspretrain.monitor.batch_log import plan_for
-    from mspretrain.ops.drop_docs import DropDocsLoader
 
     run, data, bad = planted
     cfg = cfgmod.load(run / "config.toml")
@@ -152,7 +152,7 @@ def test_a_full_disk_for_the_scratch_dir_is_one_line(planted, capsys, tmp_path, 
 def test_comparison_names_the_first_difference_and_other_worlds():
     """The verdicts of format_replay on hand-made results: it can say 'NOT reproduced', and on another
     world size it compares to 1e-5 and says why."""
-    from mspretrain.ops.replay import Interventions, Replay, Row, format_replay
+    from mspretrain.forensics.replay import Interventions, Replay, Row, format_replay
 
     rows = [Row(step=s, original=5.0 + s, replayed=5.0 + s, grad_norm=1.0, lr=1e-3) for s in range(3, 7)]
     r = Replay(run=Path("/r"), scratch=None, requested=2, start=2, end=6, world_original=1, world=1,
@@ -170,7 +170,7 @@ def test_comparison_names_the_first_difference_and_other_worlds():
 def test_precision_lr_and_loss_scale_interventions(planted, capsys, tmp_path):
     """--dtype fp16 --loss-scale 1024 --lr-scale 0.5: the scratch run's own batches.jsonl shows each
     step ran at half the original lr and at the given scale, in fp16; the losses are shown side by side."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     run, _, _ = planted
     scratch = tmp_path / "s"

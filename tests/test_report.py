@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mspretrain import config as cfgmod
 from mspretrain.cli import main
-from mspretrain.ops.report import build_report, read_metrics, summarize
+from mspretrain.config import schema as cfgmod
+from mspretrain.forensics.report import build_report, read_metrics, summarize
 from tests.conftest import ONE_LAYER
 
 PANELS = ("loss", "eval_ppl", "lr", "grad_norm", "loss_scale", "throughput", "memory")
@@ -275,7 +275,7 @@ def test_report_events_come_from_train_log_and_wall_time_covers_every_session(tm
 def test_report_says_what_its_numbers_are(tmp_path):
     # item 10: documents as numbers not JSON, the warm-up that ran, peak memory, one throughput curve,
     # and "no loss scaling" for an fp32 run instead of a flat line on a +-0.04 axis
-    from mspretrain.ops.report import _plot
+    from mspretrain.forensics.report import _plot
 
     run = synthetic_run(tmp_path, partial=False)
     cfgmod.save(cfgmod.load(None, ["train.max_steps=200", "schedule.warmup_steps=\"auto\""]), run / "config.toml")

@@ -3,12 +3,12 @@ import math
 
 import pytest
 
-from mspretrain import config as cfgmod
 from mspretrain.budget import build_schedule, total_steps
-from mspretrain.config import PrecisionConfig
+from mspretrain.config import schema as cfgmod
+from mspretrain.config.schema import PrecisionConfig
 from mspretrain.errors import UserError
 from mspretrain.schedule import Schedule, auto_warmup_steps, scaled_lr
-from mspretrain.train.loss_scale import LossScaler
+from mspretrain.step.loss_scale import LossScaler
 
 
 def test_cosine_closed_form():

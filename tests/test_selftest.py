@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mspretrain import config as cfgmod
 from mspretrain.cli import main
+from mspretrain.config import schema as cfgmod
 from mspretrain.model.decoder import Decoder
-from mspretrain.ops import selftest, selftest_node, selftest_numerics, selftest_result
+from mspretrain.preflight import selftest, selftest_node, selftest_numerics, selftest_result
 from tests.conftest import TINY
 
 ASCEND_ONLY = {"devices", "device memory", "flash attention fp16", "flash attention bf16", "train step bf16", "collectives",
@@ -222,7 +222,7 @@ def test_selftest_runs_the_zero2_ranks_before_binding_an_npu_and_its_reference_a
     """On Ascend the ZeRO-2 ranks (msrun children) run before the parent's setup_mindspore, like the
     collectives; the single-process reference runs after it, on the parent's NPU."""
     from mspretrain import device
-    from mspretrain.ops import zero2_worker
+    from mspretrain.preflight import zero2_worker
 
     order: list[str] = []
     w = {"a": np.zeros(2, np.float32)}
@@ -342,7 +342,7 @@ MSRUN = shutil.which("msrun", path=f"{Path(sys.executable).parent}:{os.environ.g
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
 def test_collectives_worker_on_two_cpu_processes(tmp_path):
     """The worker the 910B selftest launches, on 2 CPU workers: results checked, bandwidth measured."""
-    from mspretrain.ops import collectives_worker
+    from mspretrain.preflight import collectives_worker
 
     res = collectives_worker.launch(2, tmp_path, size_mb=4, target="cpu")
     assert res["devices"] == 2 and set(res["ops"]) == {"AllReduce", "AllGather", "Broadcast"}
@@ -362,7 +362,7 @@ def test_zero2_step_on_two_cpu_processes_matches_one_process(tmp_path):
     on 2 CPU workers: the same compiled TrainStep with split, single and bucketed parameters. The
     workers also run the tp and ZeRO-3 steps a 910B runs for the runtime order (issue 51.7; on CPU
     the selftest itself runs only the ZeRO-2 step, and MindSpore's collection is off)."""
-    from mspretrain.ops import exec_order, zero2_worker
+    from mspretrain.preflight import exec_order, zero2_worker
 
     ctx = selftest_result.Context(cfg=cfgmod.load(TINY), target="cpu", work=tmp_path, results={"npus": 2})
     ranks = selftest.zero2_ranks(ctx, steps=list(exec_order.STEPS))
@@ -406,7 +406,7 @@ def test_the_runtime_order_check_is_selected_by_device_and_reads_mindspores_verd
     (the same collectives: passed; another root on one rank: failed; no files: no verdict)."""
     import mindspore.utils
 
-    from mspretrain.ops import exec_order
+    from mspretrain.preflight import exec_order
 
     calls = []
     monkeypatch.setattr(mindspore.utils, "comm_exec_order_check", calls.append)
@@ -453,7 +453,7 @@ def test_the_selftest_wraps_a_zero2_a_tp_and_a_zero3_step_on_ascend_and_fails_on
     """
     import mindspore.utils
 
-    from mspretrain.ops import exec_order, selftest_order, zero2_worker
+    from mspretrain.preflight import exec_order, selftest_order, zero2_worker
 
     assert exec_order.steps("ascend") == ["zero2", "tp", "zero3"] and exec_order.steps("cpu") == ["zero2"]
     events: list[str] = []

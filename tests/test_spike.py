@@ -22,7 +22,7 @@ def planted(tmp_path_factory, tiny_data) -> tuple[Path, Path, int]:
 
 @pytest.fixture(scope="module")
 def analysis(planted):
-    from mspretrain.ops.spike import analyse
+    from mspretrain.forensics.spike import analyse
 
     return analyse(planted[0], SPIKE_STEP)
 
@@ -89,7 +89,7 @@ def test_spike_ranks_the_planted_document_first(planted, analysis):
 
 
 def test_spike_output(planted, analysis):
-    from mspretrain.ops.spike import format_analysis
+    from mspretrain.forensics.spike import format_analysis
 
     run, _, bad = planted
     text = format_analysis(analysis)
@@ -100,7 +100,7 @@ def test_spike_output(planted, analysis):
 
 
 def test_report_links_the_spike_record(planted, tmp_path):
-    from mspretrain.ops.report import build_report
+    from mspretrain.forensics.report import build_report
 
     run = tmp_path / "run"  # the report writes its PNGs into the run dir: a copy, not the shared run
     shutil.copytree(planted[0], run, ignore=shutil.ignore_patterns("checkpoints"))
@@ -137,7 +137,7 @@ def test_spike_after_the_fact_and_refusals(planted, capsys, tmp_path):
 def test_history_takes_the_oldest_checkpoint_when_none_is_old_enough(planted, tmp_path):
     """--history 8 before step 13 with only steps 8, 10 and 12 kept: replay from step 8 (4 steps
     of history), not from step 12 (none), which the newest-first fallback gave."""
-    from mspretrain.ops.replay import history_checkpoint
+    from mspretrain.forensics.replay import history_checkpoint
 
     run, _, _ = planted
     assert history_checkpoint(run, 12, 8).name == "step_000002"  # the documented case: >= 8 steps

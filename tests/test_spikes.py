@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 
-from mspretrain.config import SpikeConfig
+from mspretrain.config.schema import SpikeConfig
 from mspretrain.monitor.spikes import SpikeDetector, scan_metrics
 
 CFG = SpikeConfig(window=20, threshold=0.3, grad_norm_factor=5.0)

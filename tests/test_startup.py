@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from mspretrain import config as cfgmod
+from mspretrain.config import schema as cfgmod
 from mspretrain.errors import UserError
 
 BLOCK = 1 << 20  # the scheme's block: a constant of the documented scheme, written here on its own
@@ -204,7 +204,7 @@ def test_only_rank_0_scans_old_shards(monkeypatch, env, scans):
 
 
 def test_msrun_gets_an_explicit_cluster_timeout():
-    from mspretrain.train import distributed
+    from mspretrain.parallel import distributed
 
     line = distributed.msrun_command(8, ["train"])
     assert f"--cluster_time_out={distributed.CLUSTER_TIMEOUT_S}" in line.split()
@@ -219,7 +219,7 @@ def test_optimizer_state_is_not_rebuilt_from_host_copies(tiny_cfg, monkeypatch):
     from mindspore.common import parameter as P
 
     from mspretrain.model import decoder
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     m = cfgmod.resolve_model(tiny_cfg.model, 512)
     model = decoder.Decoder(m, dtype="fp16", seed=7, device="cpu")

@@ -1,4 +1,4 @@
-"""Tensor parallel (`parallel.tp`, model/parallel.py and train/tp.py): the vocabulary-parallel loss
+"""Tensor parallel (`parallel.tp`, model/parallel.py and step/tp.py): the vocabulary-parallel loss
 against the plain one with a loopback peer, the cut of every weight against its HF tensors, the
 mesh, the refusals; then msrun ranks against one process, and resumes across layouts."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ from tests.helpers import (
 
 
 def _cfg(**kw):
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
 
     return resolve_model(ModelConfig(**{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, **kw}), vocab_size=96)
 
@@ -240,9 +240,9 @@ def test_qwen3_qk_norms_stay_whole_and_their_partial_gradients_are_summed_over_t
 
 
 def test_refusals_name_the_fix():
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.model.parallel import check_tp
-    from mspretrain.train.tp import make_mesh
+    from mspretrain.step.tp import make_mesh
 
     with pytest.raises(UserError, match="does not divide model.n_kv_heads = 2.*not replicate") as e:
         check_tp(_cfg(), 4)
@@ -261,7 +261,7 @@ def test_refusals_name_the_fix():
 
 
 def test_mesh_puts_tp_ranks_side_by_side():
-    from mspretrain.train.tp import make_mesh
+    from mspretrain.step.tp import make_mesh
 
     m = make_mesh(3, 4, 2, "cpu", create=False)  # tp group 1 = ranks (2, 3); dp group of tp rank 1 = ranks (1, 3)
     assert (m.tp.ranks, m.tp.rank, m.tp.name) == ((2, 3), 1, "tp_1")
@@ -274,10 +274,10 @@ def test_a_tp_step_cuts_its_state_from_whole_tensors_or_zero_slices(world_of, ti
     """Rank 1 of tp 2 (one process: no collective runs) loads whole weights and an optimizer state
     stored as a ZeRO run's slices (`exp_avg.NAME@START:STOP`, any cut) or whole: each tensor's
     piece is its tensor-parallel cut; `keys_to_read` asks for every stored slice of what it owns."""
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import Decoder, state_numpy
     from mspretrain.model.parallel import Group, cut, split_model, tp_rows
-    from mspretrain.train.tp import Mesh, TPTrainStep
+    from mspretrain.step.tp import Mesh, TPTrainStep
 
     world_of(1, 2)
     cfg = resolve_model(tiny_cfg.model, vocab_size=512)
@@ -320,10 +320,10 @@ def test_the_tp_replica_hash_sums_one_parameter_at_a_time(world_of, tiny_cfg):
     with the bytes `full_weights` gives (rank 1 of tp 2, the tp sum a loopback)."""
     import hashlib
 
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import Decoder
     from mspretrain.model.parallel import Group, split_model
-    from mspretrain.train.tp import Mesh, TPTrainStep
+    from mspretrain.step.tp import Mesh, TPTrainStep
 
     world_of(1, 2)
     model = Decoder(resolve_model(tiny_cfg.model, vocab_size=512), seed=0)
@@ -346,11 +346,11 @@ def test_a_tp_steps_collectives_count_tensor_parallels_own(world_of, tiny_cfg):
     forward (2L + 1), each norm feeding a column-parallel layer and the final norm backward (2L + 1),
     the loss's three; per step the gradient norm's tp sum. Activations of one micro-batch (tokens x
     dim, fp32 here), the loss's fp32 per token (the CPU max: a slot per member)."""
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import Decoder
     from mspretrain.model.parallel import Group, split_model
+    from mspretrain.step.tp import Mesh, TPTrainStep
     from mspretrain.train.build import memory_options
-    from mspretrain.train.tp import Mesh, TPTrainStep
 
     world_of(1, 2)
     cfg = resolve_model(tiny_cfg.model, vocab_size=512)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, nn, ops
 
-from mspretrain.config import ModelConfig, OptimConfig, resolve_model
+from mspretrain.config.schema import ModelConfig, OptimConfig, resolve_model
 from mspretrain.model.decoder import Decoder, state_numpy
-from mspretrain.train.step import TrainStep, decay_mask
+from mspretrain.step.step import TrainStep, decay_mask
 from tests.conftest import assert_close_rel, assert_unchanged, assert_unshared, snapshot
 
 V, D = 50, 16

@@ -13,19 +13,19 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mspretrain import config as cfgmod
 from mspretrain.checkpoint import store
+from mspretrain.config import schema as cfgmod
 from mspretrain.data.loader import Batch
 from mspretrain.errors import UserError
 from mspretrain.monitor.console import ConsoleLine
 from mspretrain.monitor.meter import StepMeter
 from mspretrain.monitor.metrics import MetricsLogger
+from mspretrain.parallel.distributed import World
 from mspretrain.schedule import Schedule
+from mspretrain.step.loss_scale import LossScaler
+from mspretrain.step.step import StepResult
 from mspretrain.train.build import build_trainer, sampling_for_run
-from mspretrain.train.distributed import World
-from mspretrain.train.loss_scale import LossScaler
 from mspretrain.train.spike_policy import SpikePolicy
-from mspretrain.train.step import StepResult
 from mspretrain.train.trainer import Trainer
 from tests.conftest import NO_EVAL, ONE_LAYER, TINY, snapshot
 
@@ -249,7 +249,7 @@ def test_periodic_eval_writes_eval_ppl(tmp_path, tiny_data):
 
 
 def test_eval_at_end_false_drops_only_the_last_steps_eval(tmp_path):
-    from mspretrain.config import EvalConfig
+    from mspretrain.config.schema import EvalConfig
     from mspretrain.train.eval_schedule import PeriodicEval
 
     def steps(**kw) -> list[int]:
@@ -276,7 +276,7 @@ def test_pynative_matches_jit(tmp_path, tiny_data):
 
 
 def test_retention_keeps_last_and_every(tmp_path):
-    from mspretrain.config import Config
+    from mspretrain.config.schema import Config
 
     run = tmp_path / "r"
     for step in range(1, 8):

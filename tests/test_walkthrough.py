@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from mspretrain import config as cfgmod
+from mspretrain.config import schema as cfgmod
 from mspretrain.model.presets import param_count
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mspretrain.train.layout import assign_owners_grouped, cap_elements, flat_buckets, rank_buckets
+from mspretrain.parallel.layout import assign_owners_grouped, cap_elements, flat_buckets, rank_buckets
 from tests.conftest import FP16_MASTERS, NO_EVAL, TINY, assert_same_checkpoint, snapshot
 from tests.helpers import (
     FINAL,
@@ -76,7 +76,7 @@ def test_7b_owners_are_balanced_and_its_buckets_pad_little():
 
 
 def test_param_shapes_are_the_models():
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
     from mspretrain.model.decoder import Decoder, half_eligible
     from mspretrain.model.presets import is_half_eligible, param_count, param_shapes
 
@@ -96,10 +96,10 @@ def test_plan_bytes_are_the_buffers_the_step_allocates(tiny_cfg, dtype, param_dt
     also with frozen groups (train.trainable: state and buffers for the trained ones only)."""
     from dataclasses import replace
 
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import Decoder, half_eligible
-    from mspretrain.ops.plan import make_plan
-    from mspretrain.train.step import TrainStep
+    from mspretrain.preflight.plan import make_plan
+    from mspretrain.step.step import TrainStep
 
     model_cfg = resolve_model(tiny_cfg.model, vocab_size=512)
     gb = tiny_cfg.train.global_batch
@@ -233,7 +233,7 @@ def _loopback(x):
 
 def _run_three_steps(tiny_cfg, *, world: int, bucket_mb: float, accumulation: int, wire16: bool):
     from mspretrain.model.decoder import state_numpy
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     model = _tiny_model(tiny_cfg)
     step = TrainStep(model, tiny_cfg.optim, global_tokens=4 * 32, world=world, rank=0, bucket_mb=bucket_mb,
@@ -262,8 +262,8 @@ def test_bucketed_collectives_equal_per_parameter_bit_for_bit_on_one_process(tin
     parameter (bucket_mb = 0) and several multi-parameter buckets give bit-identical losses, grad
     norms, weights and Adam moments over 3 steps, and, with an fp32 wire, the bits of world 1; one
     bucket (the default) has the layout it should (run by the 2-worker jobs)."""
-    from mspretrain.train.layout import bucket_mb_for, plan_layout
-    from mspretrain.train.step import TrainStep
+    from mspretrain.parallel.layout import bucket_mb_for, plan_layout
+    from mspretrain.step.step import TrainStep
 
     caps = (0.0, 0.15, bucket_mb_for("auto", "cpu"))  # 0.15 MB = 39,321 elements: 5 buckets of 1-5 of the tiny model's 15 parameters
     sizes = [int(np.prod(s)) for s in _tiny_shapes(tiny_cfg)]
@@ -298,14 +298,14 @@ def test_bucketed_collectives_equal_per_parameter_bit_for_bit_on_one_process(tin
 
 
 def _tiny_model(tiny_cfg):
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import Decoder
 
     return Decoder(resolve_model(tiny_cfg.model, vocab_size=512), seed=0)
 
 
 def _tiny_shapes(tiny_cfg):
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.presets import param_shapes
 
     return [s for _, s in param_shapes(resolve_model(tiny_cfg.model, vocab_size=512))]
@@ -366,7 +366,7 @@ def test_bucketed_allreduce_equals_one_collective_per_parameter_on_2_workers(tmp
 
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_parameters_over_the_split_threshold_are_cut_into_balanced_slices_on_every_rank(world):
-    from mspretrain.train.layout import plan_layout, slice_bounds
+    from mspretrain.parallel.layout import plan_layout, slice_bounds
 
     rng = np.random.default_rng(world)
     sizes = [int(x) for x in rng.integers(1, 5000, 30)] + [152_064 * 7, 90_001, 64]  # an lm_head-like tail
@@ -408,9 +408,9 @@ def test_parameters_over_the_split_threshold_are_cut_into_balanced_slices_on_eve
 
 
 def test_split_mb_setting():
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.errors import UserError
-    from mspretrain.train.layout import split_elements_for
+    from mspretrain.parallel.layout import split_elements_for
 
     cap = cap_elements(256)
     assert split_elements_for("auto", cap) == cap and split_elements_for(0, cap) == 0 and split_elements_for(1.0, cap) == 262_144
@@ -424,7 +424,7 @@ def test_qwen_lm_head_state_is_spread_over_8_ranks():
     """The issue-31 case: the 152,064 x 3,584 embedding and lm_head (545 M parameters each) with
     the default threshold (the 256 MB Ascend bucket cap): every rank holds 1/8 of both."""
     from mspretrain.model.presets import is_half_eligible, param_shapes, preset
-    from mspretrain.train.layout import plan_layout, split_elements_for
+    from mspretrain.parallel.layout import plan_layout, split_elements_for
 
     shapes = param_shapes(preset("qwen2.5-7b"))
     sizes = [int(np.prod(s)) for _, s in shapes]
@@ -446,9 +446,9 @@ def test_qwen_lm_head_state_is_spread_over_8_ranks():
 
 def _state_step(tiny_cfg, world: int, rank: int, split_mb: float | str = 0.1, half: bool = False):
     """A TrainStep of rank `rank` of `world` (nothing compiled or communicated: its tables and state only)."""
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import Decoder, half_eligible
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     model = Decoder(resolve_model(tiny_cfg.model, vocab_size=512), dtype="fp16" if half else "fp32", seed=0)
     return TrainStep(model, tiny_cfg.optim, global_tokens=128, world=world, rank=rank, shard=True, shard_grads=True,
@@ -460,7 +460,7 @@ def test_split_optimizer_state_is_saved_per_slice_and_recut_for_any_world(tiny_c
     into 1 process (whole tensors), 3 ranks (other slices) and unsplit ranks, element for element;
     a checkpoint with a slice missing is refused in one line."""
     from mspretrain.errors import UserError
-    from mspretrain.train.step import parse_key
+    from mspretrain.step.step import parse_key
 
     full = {}  # logical key -> the full state, made up
     rng = np.random.default_rng(0)
@@ -576,10 +576,10 @@ def test_plan_bytes_are_the_buffers_of_the_heaviest_rank_with_split_parameters(t
     allocates: slices' moments, masters (fp32 ones too) and accumulation buffers."""
     from dataclasses import replace
 
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import Decoder, half_eligible
-    from mspretrain.ops.plan import make_plan
-    from mspretrain.train.step import TrainStep
+    from mspretrain.preflight.plan import make_plan
+    from mspretrain.step.step import TrainStep
 
     model_cfg = resolve_model(tiny_cfg.model, vocab_size=512)
     gb = tiny_cfg.train.global_batch

@@ -11,7 +11,7 @@ import pytest
 from mindspore import Tensor, ops
 
 from mspretrain.errors import UserError
-from mspretrain.train.layout import slice_bounds
+from mspretrain.parallel.layout import slice_bounds
 from tests.conftest import FP16_MASTERS, NO_EVAL, REFERENCE_ARGS, assert_close_rel, assert_same_checkpoint, copy_run_at
 from tests.helpers import FINAL, MSRUN, STEPS
 from tests.helpers import assert_two_ranks_equal_one_process as _assert_two_ranks_equal_one_process
@@ -23,7 +23,7 @@ from tests.helpers import step_dir as _step_dir
 
 
 def _tiny(**kw):
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
     from mspretrain.model.decoder import Decoder
 
     return Decoder(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **kw), vocab_size=96), seed=0)
@@ -32,7 +32,7 @@ def _tiny(**kw):
 def test_the_gather_picks_its_collectives_by_device(world_of):
     """Ascend: HCCL's AllGather forward, ReduceScatter backward; CPU (mccl has neither a
     ReduceScatter nor a second AllGather per graph): AllReduce both ways."""
-    from mspretrain.train.zero3 import ShardedGather
+    from mspretrain.step.zero3 import ShardedGather
 
     world_of(1, 4)
     npu = ShardedGather((10, 3), 4, 1, "ascend")
@@ -49,7 +49,7 @@ def test_gather_and_its_bprop_on_the_cpu_form_with_a_loopback_peer(world_of, ran
     """The CPU form with the AllReduce replaced by the identity (the peers contribute zeros): the
     forward puts this rank's slice at its place in the whole tensor, zeros elsewhere; the backward
     hands this rank exactly its slice of the whole gradient, and the anchor a zero gradient."""
-    from mspretrain.train.zero3 import ShardedGather
+    from mspretrain.step.zero3 import ShardedGather
 
     world_of(rank, 3)
     shape, n = (5, 4), 20  # c = 7: slices 7, 7, 6
@@ -77,7 +77,7 @@ def test_gather_and_its_bprop_on_the_ascend_form_with_a_loopback_peer(world_of, 
     peers' (each a gradient of ones). Forward: the whole tensor; backward: exactly this rank's slice
     of the summed gradient, once (issue 54.27: a bprop scaling it twice, or cutting another rank's
     chunk, passed every test before), and the anchor a zero gradient."""
-    from mspretrain.train.zero3 import ShardedGather
+    from mspretrain.step.zero3 import ShardedGather
 
     world_of(rank, 3)
     shape, n, world = (5, 4), 20, 3  # c = 7: slices 7, 7, 6 (the last padded by one)
@@ -113,7 +113,7 @@ def test_gather_and_its_bprop_on_the_ascend_form_with_a_loopback_peer(world_of, 
 
 def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_whole_tensors(world_of):
     from mspretrain.model.decoder import state_numpy
-    from mspretrain.train.zero3 import gathered, load_full_state, shard_model
+    from mspretrain.step.zero3 import gathered, load_full_state, shard_model
 
     world_of(1, 2)
     whole = {k: v.copy() for k, v in state_numpy(_tiny()).items()}
@@ -139,7 +139,7 @@ def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of
     k norm weights one each (k_norm's anchored on q_norm's output): every trained parameter is a
     slice, in the model's parameter order."""
     from mspretrain.model.decoder import state_numpy
-    from mspretrain.train.zero3 import gathered, shard_model, sharded_names
+    from mspretrain.step.zero3 import gathered, shard_model, sharded_names
 
     world_of(1, 2)
     whole = {k: v.copy() for k, v in state_numpy(_tiny(**family)).items()}
@@ -164,7 +164,7 @@ def test_the_replica_hash_reads_one_gathered_weight_at_a_time(world_of, tiny_cfg
     the collectives replaced by loopbacks (the peer contributes zeros), in both forms."""
     import hashlib
 
-    from mspretrain.train.zero3 import full_state, gathered, one_at_a_time, shard_model
+    from mspretrain.step.zero3 import full_state, gathered, one_at_a_time, shard_model
 
     world_of(0, 2)
     model = _tiny()
@@ -194,7 +194,7 @@ def test_the_replica_hash_reads_one_gathered_weight_at_a_time(world_of, tiny_cfg
 
 
 def test_shard_parameters_refuses_what_it_cannot_cut(world_of):
-    from mspretrain.train.zero3 import sharded_names
+    from mspretrain.step.zero3 import sharded_names
 
     model = _tiny()
     with pytest.raises(UserError, match="fewer than world"):  # a 64-element norm over 9 ranks: an empty slice
@@ -202,7 +202,7 @@ def test_shard_parameters_refuses_what_it_cannot_cut(world_of):
 
 
 def test_shard_parameters_is_a_no_op_on_one_process(tiny_cfg):
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     model = _tiny()
     shapes = [p.shape for p in model.trainable_params()]
@@ -219,10 +219,10 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
     computes): the largest layer's plus the larger of it and the lm_head."""
     from dataclasses import replace
 
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import Decoder, half_eligible
-    from mspretrain.ops.plan import format_plan, make_plan
-    from mspretrain.train.step import TrainStep
+    from mspretrain.preflight.plan import format_plan, make_plan
+    from mspretrain.step.step import TrainStep
 
     world_of(0, 2)
     model_cfg = resolve_model(tiny_cfg.model, vocab_size=512)
@@ -352,8 +352,8 @@ def test_prefetch_everywhere_but_the_cpu_with_recompute(world_of, device, recomp
     """On the CPU the runtime launches collectives as they become ready, and with layer recompute a
     block's re-gathers would be unordered against the next block's reduce-scatters (measured in the
     graph: 63 unordered pairs in the 2-layer model), so the chain starts from the block's input
-    there, as before the prefetch (2 unordered pairs, train/zero3.py)."""
-    from mspretrain.train.zero3 import shard_model
+    there, as before the prefetch (2 unordered pairs, step/zero3.py)."""
+    from mspretrain.step.zero3 import shard_model
 
     world_of(0, 2)
     model = _tiny()
@@ -496,7 +496,7 @@ WORKER = Path(__file__).with_name("zero3_worker.py")
 @pytest.fixture(scope="module")
 def families_two(tmp_path_factory) -> Path:
     """Both families' ZeRO-3 steps in one msrun job of 2 workers (one start-up for the two)."""
-    from mspretrain.ops.collectives_worker import run_workers
+    from mspretrain.preflight.collectives_worker import run_workers
 
     out = tmp_path_factory.mktemp("zero3-families")
     run_workers(2, out, [str(out)], script=str(WORKER), timeout_s=600, what="the ZeRO-3 family steps")

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mspretrain.train.layout import slice_bounds
+from mspretrain.parallel.layout import slice_bounds
 
 STEP = 2
 
 
 def _model(vocab: int):
-    from mspretrain.config import ModelConfig, resolve_model
+    from mspretrain.config.schema import ModelConfig, resolve_model
     from mspretrain.model.decoder import Decoder
 
     return Decoder(resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, family="qwen2", qkv_bias=True),
@@ -34,10 +34,10 @@ def zero3_checkpoint(tmp_path, monkeypatch, tiny_cfg, tiny_data) -> tuple[Path, 
 
     from mspretrain.checkpoint import shards, store
     from mspretrain.checkpoint.model_shards import model_shard_name, shard_metadata
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.model.decoder import load_numpy, state_numpy
     from mspretrain.paths import DataPaths
-    from mspretrain.train.zero3 import shard_model, slice_state
+    from mspretrain.step.zero3 import shard_model, slice_state
 
     rng = np.random.default_rng(0)
     base = _model(512)
@@ -222,11 +222,11 @@ def test_a_whole_file_is_recut_to_slices_that_end_inside_a_row(tmp_path):
 
 
 def test_optimizer_slices_that_overlap_and_leave_a_gap_are_refused():
-    """The optimizer state's reader (train/state_codec.py) checks coverage the same way."""
+    """The optimizer state's reader (step/state_codec.py) checks coverage the same way."""
     from types import SimpleNamespace
 
     from mspretrain.errors import UserError
-    from mspretrain.train.state_codec import OptimizerState
+    from mspretrain.step.state_codec import OptimizerState
 
     me = SimpleNamespace(o=SimpleNamespace(own=[0], bounds=[(4, 20)], split=[True]), params=(None,))
     x = np.arange(24, dtype=np.float32)

@@ -136,9 +136,9 @@ def main(out: Path) -> None:
     import numpy as np
     from mindspore.ops.operations import comm_ops
 
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.model.decoder import Decoder
-    from mspretrain.train.zero3 import shard_model
+    from mspretrain.step.zero3 import shard_model
 
     comm_ops.get_rank = lambda group=None: 0
     comm_ops.get_group_size = lambda group=None: 2

@@ -6,7 +6,7 @@ Each family trains STEPS steps (fp32) on the same global batches: at world 2 fus
 on its half of the rows; at world 1 the same two halves as two micro-batches of one step (each
 half's gradients summed with the other's once, as the two ranks' AllReduce sums them).
 Every rank writes OUT/rank_R.json (its losses and grad norms),
-rank 0 also each family's whole weights (gathered, train/zero3.py `full_state`) to OUT/FAMILY.npz
+rank 0 also each family's whole weights (gathered, step/zero3.py `full_state`) to OUT/FAMILY.npz
 and OUT/result.json.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ FAMILIES = {"qwen2": {"family": "qwen2", "qkv_bias": True}, "qwen3": {"family": 
 
 
 def model_config(family: str):
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     return cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
                                                    max_seq_len=SEQ, **FAMILIES[family]))
@@ -33,9 +33,9 @@ def model_config(family: str):
 
 def run_steps(family: str, world: int, rank: int) -> dict[str, Any]:
     """STEPS fp32 steps on this rank's rows of each global batch (world 1 or 2); ZeRO-3 when world > 1."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.model.decoder import Decoder
-    from mspretrain.train.step import TrainStep
+    from mspretrain.step.step import TrainStep
 
     tokens = np.random.default_rng(1).integers(0, VOCAB, (STEPS, ROWS, SEQ + 1)).astype(np.int32)
     model = Decoder(model_config(family), dtype="fp32", seed=0)
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0])
     from mspretrain.device import DeviceInfo, setup_mindspore
     from mspretrain.fsutil import atomic_write
-    from mspretrain.train import distributed
+    from mspretrain.parallel import distributed
 
     setup_mindspore(DeviceInfo(target="cpu", threads=1, flash_attention=False))
     world = distributed.init("cpu")

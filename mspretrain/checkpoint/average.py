@@ -40,10 +40,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from mspretrain import config as cfgmod
 from mspretrain.checkpoint import store
 from mspretrain.checkpoint.model_shards import MODEL_FILE, MODEL_SHARD_RE, _Index, model_shard_name
-from mspretrain.config import Config
+from mspretrain.config import schema as cfgmod
+from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
 from mspretrain.fsutil import fsync_path
 

@@ -9,8 +9,8 @@ import mmap
 import os
 from pathlib import Path
 
-from mspretrain import config as cfgmod
 from mspretrain.checkpoint import store
+from mspretrain.config import schema as cfgmod
 from mspretrain.model.presets import param_count
 
 CHUNK = 16 << 20  # read size for the disk measurements, as in store._sha256

@@ -23,7 +23,7 @@ import numpy as np
 from mspretrain.checkpoint import store
 from mspretrain.checkpoint.model import resolved_config
 from mspretrain.checkpoint.model_shards import model_files
-from mspretrain.config import Config, ModelConfig
+from mspretrain.config.schema import Config, ModelConfig
 from mspretrain.errors import UserError
 from mspretrain.fsutil import read_json_file
 from mspretrain.model.init_from import InitWeights, from_hf_dir, run_model_config
@@ -137,7 +137,7 @@ def _upcycled(init: InitWeights, cfg: Config, tok: Path, explicit: set[str] | No
 def explicit_model_keys(config_path: str | Path | None, overrides: Sequence[str] = (), preset: bool = False) -> set[str]:
     """The model keys the user wrote: the config file's [model] table and `model.*` overrides (every
     key with --model PRESET). Only these are compared with the init weights; the rest come from them."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     if preset:
         return {f.name for f in fields(ModelConfig)}
@@ -167,7 +167,7 @@ def init_for_run(path: str | Path | None, cfg: Config, data_dir: str | Path, run
       its saved model config (the config file need not repeat the init model's keys; those it
       writes must agree) and keeps its record; no hook.
     - Neither: `cfg` unchanged, (cfg, None, None)."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     run_dir, data_dir = Path(run_dir), Path(data_dir)
     existing = store.list_checkpoints(run_dir)

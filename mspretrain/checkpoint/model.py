@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from mspretrain.checkpoint.store import CheckpointRef, read_model_tensors, resolve_checkpoint
-from mspretrain.config import Config, resolve_model
+from mspretrain.config.schema import Config, resolve_model
 from mspretrain.errors import UserError
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ parameters (the file's own and every other rank's: each rank knows all of them),
 rebuilds a whole tensor or cuts any range of it without the other files' headers.
 
 Why per-rank files: at 14B+ a whole-model gather at save time costs the fp32/bf16 model on every
-rank's host (train/zero3.py `full_state`); here each rank writes what it holds and nothing crosses
+rank's host (step/zero3.py `full_state`); here each rank writes what it holds and nothing crosses
 ranks. Reading is by range (`read_pieces`): a ZeRO-3 rank of any world size reads only the
 stored pieces that overlap its own slice, with safetensors' lazy `get_slice` (rows of a whole
 tensor, a range of a 1-D slice), so a resume does not load the whole model on any rank either;

@@ -21,7 +21,7 @@ from mspretrain.checkpoint import shards
 from mspretrain.checkpoint.model_shards import model_shard_name
 from mspretrain.checkpoint.store import _sha256, optimizer_shard_name, prune, step_dir_name, write_checkpoint_dir
 from mspretrain.checkpoint.tensor_file import save_tensors
-from mspretrain.config import Config
+from mspretrain.config.schema import Config
 from mspretrain.fsutil import chmod_like_open, fsync_path
 from mspretrain.paths import RunPaths
 

@@ -39,10 +39,10 @@ import numpy as np
 from safetensors import safe_open
 
 from mspretrain import __version__
-from mspretrain import config as cfgmod
 from mspretrain.checkpoint.model_shards import MODEL_FILE, model_files_problem, read_whole
 from mspretrain.checkpoint.tensor_file import save_tensors
-from mspretrain.config import Config
+from mspretrain.config import schema as cfgmod
+from mspretrain.config.schema import Config
 from mspretrain.errors import UserError, env_number
 from mspretrain.fsutil import chmod_like_open, fsync_path, read_json_file
 from mspretrain.paths import DataPaths, RunPaths

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mspretrain.ops.audit import audit_run, format_audit
+    from mspretrain.forensics.audit import audit_run, format_audit
 
     result = audit_run(Path(args.run))
     if args.json:

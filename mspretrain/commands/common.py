@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from mspretrain import config as cfgmod
-from mspretrain.config import Config
+from mspretrain.config import schema as cfgmod
+from mspretrain.config.schema import Config
 
 
 def add_config_argument(p: argparse.ArgumentParser, required: bool = False) -> None:

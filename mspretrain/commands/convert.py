@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mspretrain.checkpoint.hf_folder import read_hf_folder
     from mspretrain.checkpoint.store import write_weights_only_checkpoint
-    from mspretrain.config import Config, DataConfig
+    from mspretrain.config.schema import Config, DataConfig
     from mspretrain.model.presets import param_count
     from mspretrain.outputs import OutputDir
 

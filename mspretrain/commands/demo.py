@@ -42,7 +42,7 @@ def config_path(args: argparse.Namespace) -> Path:
 
 
 def _config(args: argparse.Namespace):
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     path = config_path(args)
     if not path.is_file():
@@ -67,7 +67,7 @@ def check_run_dir(run_dir: Path, cfg, *, vocab_of_run: bool = False) -> None:
     the demo on it would rewrite its config.toml and report that run as the demo's.
     `vocab_of_run`: `cfg` is not resolved yet (no data dir to take the vocabulary from): resolve it
     with the run's, so the check can come before minutes of fetching and preparing."""
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
 
     saved = RunPaths(run_dir).config
     if not saved.is_file():
@@ -85,7 +85,7 @@ def check_run_dir(run_dir: Path, cfg, *, vocab_of_run: bool = False) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mspretrain.data.corpus import poetry_corpus
+    from mspretrain.demo.corpus import poetry_corpus
     from mspretrain.prepare.prepare import prepare
 
     t_start = time.perf_counter()
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     manifest = read_manifest(data_dir)
 
     # 2. a fresh model (same seed as training) gives the "before" perplexity
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.data.tokenizer import Tokenizer
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.eval.generate import SamplingParams, generate
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     del fresh
 
     # 3. train (resumes if a previous demo was interrupted; nothing to do if it finished)
-    from mspretrain.ops.fits import check_fits
+    from mspretrain.preflight.fits import check_fits
     from mspretrain.train.build import build_trainer
 
     say(f"-- train: {cfg.train.max_steps} steps of {cfg.train.global_batch} x {cfg.data.seq_len} tokens -> {run_dir}")

@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mspretrain.forensics.diagnose import as_json, diagnose, format_findings, hang_report
     from mspretrain.monitor.ranks import STALE_S
-    from mspretrain.ops.diagnose import as_json, diagnose, format_findings, hang_report
 
     if args.hang:
         if args.json:

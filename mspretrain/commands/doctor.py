@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mspretrain.ops.doctor import format_findings, run_checks
+    from mspretrain.preflight.doctor import format_findings, run_checks
 
     findings = run_checks(Path(args.run), load_config(args))
     print(json.dumps([asdict(f) for f in findings], indent=1) if args.json else format_findings(findings))

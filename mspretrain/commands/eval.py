@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 from mspretrain.commands.common import add_quiet_argument, bounded, refuse_data_dir, refuse_overrides
+from mspretrain.config.sections.observe import EVAL_MAX_BATCH
 from mspretrain.errors import UserError
 from mspretrain.paths import DataPaths
-from mspretrain.sections.observe import EVAL_MAX_BATCH
 
 EXAMPLES = """examples:
   mspretrain eval runs/demo
@@ -19,7 +19,7 @@ EXAMPLES = """examples:
   mspretrain eval runs/demo --tasks ceval-local --include-path my_tasks/ --num-fewshot 5 --limit 100 --log-samples --output-path evals/"""
 
 
-MAX_BATCH = EVAL_MAX_BATCH  # sequences per forward pass, as eval.batch_size (sections/observe.py)
+MAX_BATCH = EVAL_MAX_BATCH  # sequences per forward pass, as eval.batch_size (config/sections/observe.py)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -173,7 +173,7 @@ def run_harness(args: argparse.Namespace) -> int:
     resolved = harness.resolve_tasks(args.tasks.split(","), args.include_path)  # unknown names, missing data: before the model loads
     from mspretrain.checkpoint.model import load_model
     from mspretrain.device import plan_device
-    from mspretrain.train.distributed import init
+    from mspretrain.parallel.distributed import init
 
     loaded = load_model(args.path, log=(lambda s: None) if args.json else print)  # sets MindSpore up first
     world = init(plan_device(loaded.config).target)  # under msrun (`launch --nproc N -- eval`): the ranks share the documents

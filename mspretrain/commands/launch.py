@@ -6,18 +6,18 @@ interpreter (msrun starts `python` from PATH, so this venv's bin goes first on i
 Nothing here is needed to use msrun directly; it saves typing the line right.
 
 Two things msrun does not do, added here:
-- A watchdog (ops/watchdog.py): for `train`, the ranks' heartbeats in the run dir and their
+- A watchdog (launcher/watchdog.py): for `train`, the ranks' heartbeats in the run dir and their
   processes are watched; when a rank dies or is stopped, the whole job is ended within seconds with
   one line naming the rank, its step and its phase (msrun alone ends it 30-40 s later naming a pid).
 - Several "nodes" on one machine: msrun starts a scheduler on every node whose --master_addr is a
   local address (parallel/cluster/process_entity/_api.py: `is_master = _is_local_ip(master_addr)`),
   so on one host node 1 would start a second scheduler on node 0's port. Node ranks > 0 get
-  MSPRETRAIN_NO_SCHEDULER=1, and that scheduler process exits at once (train/distributed.py); each
+  MSPRETRAIN_NO_SCHEDULER=1, and that scheduler process exits at once (parallel/distributed.py); each
   node also logs into its own `LOG_DIR/node_N` (both schedulers would write LOG_DIR/scheduler.log).
   On separate hosts both are harmless.
 - Before msrun starts a rank (issue 38): a memory pool (device.max_device_memory) larger than the
   NPUs' HBM is refused in one line (a 32 GB 910B4 under the 910B configs' 58 GB), and a `train` on
-  Ascend gets HCCL_BUFFSIZE from its plan (train/hccl.py), unless the user exported one."""
+  Ascend gets HCCL_BUFFSIZE from its plan (parallel/hccl.py), unless the user exported one."""
 from __future__ import annotations
 
 import argparse
@@ -116,13 +116,13 @@ def check_worker_data(args: argparse.Namespace, cfg: Any) -> None:
 
 def check_worker_train(args: argparse.Namespace, cfg: Any, world: int) -> None:
     """A `train`'s own config checks, made here before msrun starts as train makes them before its
-    rendezvous (train/build.py `build_trainer`): the rules across sections (config.py `validate`:
+    rendezvous (train/build.py `build_trainer`): the rules across sections (config/schema.py `validate`:
     tensor parallel with ZeRO-3 or eval.choices_file, ...), the model tensor parallel must cut
     (model/parallel.py `check_tp`: kv heads, heads, ffn, vocabulary) and a world that parallel.tp
     divides. Each failed in every worker after msrun had started them (a traceback per rank, exit 1).
     With --init-from an HF folder the model is its config.json's; a checkpoint's is the ranks' to check."""
 
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.errors import UserError
 
     if args.command != "train":
@@ -138,7 +138,7 @@ def check_worker_train(args: argparse.Namespace, cfg: Any, world: int) -> None:
         target = "ascend" if any(os.path.exists(p) for p in ("/dev/davinci0", "/dev/davinci_manager")) else "cpu"
     cfgmod.validate(cfg, device=target)
     tp = cfg.parallel.tp
-    if tp > 1 and world % tp:  # the words of train/tp.py `make_mesh`
+    if tp > 1 and world % tp:  # the words of step/tp.py `make_mesh`
         raise UserError(f"parallel.tp = {tp} does not divide the {world} ranks of this job",
                         f"launch a multiple of {tp} ranks (world = tp x data-parallel ranks), or change parallel.tp")
     if tp == 1:
@@ -184,12 +184,12 @@ def check_device_pool(cfg: Any) -> None:
 def hccl_buffsize(args: argparse.Namespace, cfg: Any, nproc: int, nodes: int) -> tuple[int, int, str] | None:
     """(HCCL_BUFFSIZE in MB, the largest collective in bytes, the tp and dp groups' buffers as
     `GROUP_BUFFSIZE_ENV` reads them) for a `train` on Ascend, from the plan of its config at this
-    world size (ops/plan.py, train/hccl.py `communicators`); None when the run is not one (CPU,
+    world size (preflight/plan.py, parallel/hccl.py `communicators`); None when the run is not one (CPU,
     another command) or its plan cannot be made here (the train says why itself)."""
     from dataclasses import replace
 
     from mspretrain.errors import UserError
-    from mspretrain.ops.plan import make_plan
+    from mspretrain.preflight.plan import make_plan
 
     on_npu = any(os.path.exists(p) for p in ("/dev/davinci0", "/dev/davinci_manager"))
     if args.command != "train" or not (cfg.device.target == "ascend" or (cfg.device.target == "auto" and on_npu)):
@@ -207,7 +207,7 @@ def hccl_buffsize(args: argparse.Namespace, cfg: Any, nproc: int, nodes: int) ->
     except (UserError, OSError, ValueError):
         return None
     hc = plan.get("hccl")
-    from mspretrain.train.hccl import group_buffsize_env
+    from mspretrain.parallel.hccl import group_buffsize_env
 
     return (hc["buffsize_mb"], hc["largest_collective_bytes"], group_buffsize_env(hc["communicators"])) if hc else None
 
@@ -215,10 +215,10 @@ def hccl_buffsize(args: argparse.Namespace, cfg: Any, nproc: int, nodes: int) ->
 def run(args: argparse.Namespace) -> int:
     from mspretrain.cli import COMMANDS
     from mspretrain.errors import UserError
+    from mspretrain.launcher.watchdog import STOP_GRACE_S
     from mspretrain.monitor.ranks import STALE_S
-    from mspretrain.ops.fits import LOCAL_RANKS_ENV
-    from mspretrain.ops.watchdog import STOP_GRACE_S
-    from mspretrain.train.distributed import NO_SCHEDULER, msrun_command
+    from mspretrain.parallel.distributed import NO_SCHEDULER, msrun_command
+    from mspretrain.preflight.fits import LOCAL_RANKS_ENV
 
     cmd = list(args.command_args) + list(getattr(args, "overrides", ()))
     if cmd and cmd[0] == "--":
@@ -256,12 +256,12 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "PATH": search}
     hccl = hccl_buffsize(*worker, args.nproc, args.nodes) if worker is not None else None
     if hccl is not None:  # the user's own value wins; docs/operators.md section 5 says why it is set
-        from mspretrain.train.hccl import GROUP_BUFFSIZE_ENV, HCCL_BUFFSIZE_ENV
+        from mspretrain.parallel.hccl import GROUP_BUFFSIZE_ENV, HCCL_BUFFSIZE_ENV
 
         mb, largest, groups = hccl
         given = env.get(HCCL_BUFFSIZE_ENV)
         env.setdefault(HCCL_BUFFSIZE_ENV, str(mb))
-        if groups and not given:  # the tp and dp groups' own buffers (train/tp.py group_options); yours applies to all
+        if groups and not given:  # the tp and dp groups' own buffers (step/tp.py group_options); yours applies to all
             env.setdefault(GROUP_BUFFSIZE_ENV, groups)
         print(f"{HCCL_BUFFSIZE_ENV}={env[HCCL_BUFFSIZE_ENV]} ({'yours; ' if given else ''}the plan's: {mb} MB for a largest "
               f"collective of {largest / 2**20:,.0f} MB)" + (f"; groups {env[GROUP_BUFFSIZE_ENV]} MB" if env.get(GROUP_BUFFSIZE_ENV) else ""),
@@ -364,7 +364,7 @@ class _Terminated(Exception):
 def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_s: float, stop_grace_s: float):
     """Run msrun; with a run dir, watch the ranks and end the job when one dies or stops.
     Returns (msrun's exit code, the watchdog's verdict or None)."""
-    from mspretrain.ops.watchdog import POLL_S, JobProcesses, Watchdog, descendants, kill_tree, record_verdict
+    from mspretrain.launcher.watchdog import POLL_S, JobProcesses, Watchdog, descendants, kill_tree, record_verdict
 
     since = time.time()
     proc = subprocess.Popen(argv, env=env)
@@ -427,7 +427,7 @@ def supervise(argv: list[str], env: dict[str, str], run_dir: Path | None, stale_
         if dog is not None:
             dog.close()
         # Whatever path ended msrun, launch returns only once every process of the job has exited
-        # (ops/watchdog.py JobProcesses: msrun does not wait for the workers it kills), so the
+        # (launcher/watchdog.py JobProcesses: msrun does not wait for the workers it kills), so the
         # next command on the run dir never meets a rank still holding its lock.
         left = job.end(grace_s=max(0.0, grace_until - time.monotonic()), wait_s=JOB_END_WAIT_S)
         if left:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain.commands.common import add_config_argument, load_config
-from mspretrain.config import Config
+from mspretrain.config.schema import Config
 
 EXAMPLES = """examples:
   mspretrain plan --config configs/tiny.toml --data data/
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _measured_tokens_per_s(run_dir: Path) -> float | None:
-    from mspretrain.ops.report import read_metrics, series
+    from mspretrain.forensics.report import read_metrics, series
     from mspretrain.paths import RunPaths
 
     paths = RunPaths(run_dir)
@@ -56,7 +56,7 @@ def _measured_tokens_per_s(run_dir: Path) -> float | None:
 
 def _reapply_model_overrides(cfg: Config, args: argparse.Namespace) -> Config:
     """Re-apply model.* overrides on top of a preset so `--model llama2-7b model.n_layers=2` works."""
-    from mspretrain.config import apply_overrides
+    from mspretrain.config.schema import apply_overrides
 
     return apply_overrides(cfg, [o for o in getattr(args, "overrides", ()) if o.startswith("model.")])
 
@@ -130,7 +130,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mspretrain.errors import UserError
-    from mspretrain.ops.plan import format_plan, make_plan, preset_model
+    from mspretrain.preflight.plan import format_plan, make_plan, preset_model
 
     _check_numbers(args)
     cfg = load_config(args)
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                                      ascend=ascend)
     tps = args.tokens_per_s
     if tps is None and args.from_selftest:
-        from mspretrain.ops.selftest import measured_tokens_per_s, read_selftest
+        from mspretrain.preflight.selftest import measured_tokens_per_s, read_selftest
 
         tps = measured_tokens_per_s(read_selftest(args.from_selftest), cfg, source=args.from_selftest)
     if tps is None and args.from_run:
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"the measured tokens/s per device is {tps:g}", "pass --tokens-per-s X instead")
     # every value is checked as `train` would (NaN, ranges, choices); the budget alone may come
     # from --tokens or --data instead, and make_plan refuses a plan without any
-    from mspretrain.config import validate
+    from mspretrain.config.schema import validate
 
     validate(replace(cfg, train=replace(cfg.train, max_steps=cfg.train.max_steps or 1)))
     plan = make_plan(cfg, tokens_per_s_per_device=tps, assumed=assumed, **plan_args)
@@ -176,16 +176,16 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan, indent=1))
     else:
         print(format_plan(plan))
-        if cfg.parallel.tp > 1:  # the headline memory is tensor parallel's (Megatron's accounting, ops/layouts.py)
+        if cfg.parallel.tp > 1:  # the headline memory is tensor parallel's (Megatron's accounting, preflight/layouts.py)
             print(f"parallel.tp = {cfg.parallel.tp}: the memory above is the table's TP{cfg.parallel.tp} accounting "
                   "(not yet measured on a TP step); the batch is split over the data-parallel ranks")
     return 0
 
 
 def _check_tp(cfg: Config, devices: int) -> None:
-    """What `train` would refuse of `parallel.tp` on --devices ranks (train/tp.py make_mesh,
+    """What `train` would refuse of `parallel.tp` on --devices ranks (step/tp.py make_mesh,
     model/parallel.py check_tp), refused here in the same words before any plan is printed."""
-    from mspretrain.config import resolve_model
+    from mspretrain.config.schema import resolve_model
     from mspretrain.errors import UserError
     from mspretrain.model.parallel import check_tp
 

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mspretrain.checkpoint import lock
-    from mspretrain.ops.recover import recover
+    from mspretrain.forensics.recover import recover
 
     run_dir = existing_path(args.run_dir, "run dir", "pass the --run dir of `mspretrain train`")
     lock.acquire(run_dir, "recover")  # never rewrite a manifest under a live trainer

@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mspretrain.commands.common import refuse_overrides
     from mspretrain.errors import UserError
-    from mspretrain.ops.drop_docs import RULE, parse_doc_ids
-    from mspretrain.ops.replay import Interventions, format_replay, replay
+    from mspretrain.forensics.drop_docs import RULE, parse_doc_ids
+    from mspretrain.forensics.replay import Interventions, format_replay, replay
 
     refuse_overrides(args, "replay", "give interventions as options: --dtype, --lr-scale, --loss-scale, --drop-docs")
     if args.steps < 1:
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                             "e.g. --lr-scale 0.5 or --loss-scale 1024")
     docs: tuple[tuple[int, int], ...] = ()
     if args.drop_docs:
-        from mspretrain import config as cfgmod
+        from mspretrain.config import schema as cfgmod
 
         run_cfg = Path(args.run) / "config.toml"
         n_sources = max(1, len(cfgmod.load(run_cfg).data.sources)) if run_cfg.is_file() else 1

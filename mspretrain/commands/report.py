@@ -51,7 +51,7 @@ def _write(run_dir: Path, out: Path, separate: bool, page: str, pngs: dict[str, 
     (published whole, see outputs.py)."""
     from contextlib import nullcontext
 
-    from mspretrain.ops.report import write_pngs
+    from mspretrain.forensics.report import write_pngs
     from mspretrain.outputs import OutputDir
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} is a file, not a run dir", "pass the --run dir of `mspretrain train`")
     out = Path(args.out) if args.out else run_dir / "report" / "report.html"
     _check_out(out)
-    from mspretrain.ops.report import render_report
+    from mspretrain.forensics.report import render_report
 
     page, pngs = render_report(run_dir)  # every refusal comes before the first write
     if args.out:

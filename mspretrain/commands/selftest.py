@@ -37,8 +37,8 @@ def is_selftest_output(head: bytes) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mspretrain.ops.selftest import failed, format_table, run_selftest
     from mspretrain.outputs import check_output_file, write_output_file
+    from mspretrain.preflight.selftest import failed, format_table, run_selftest
 
     cfg = load_config(args)
     if args.out:  # refused before minutes of checks, not after

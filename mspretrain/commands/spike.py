@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mspretrain.commands.common import refuse_overrides
     from mspretrain.errors import UserError
-    from mspretrain.ops.spike import analyse, format_analysis
+    from mspretrain.forensics.spike import analyse, format_analysis
 
     refuse_overrides(args, "spike", "spike uses the run's saved config")
     if args.history < 0 or args.top < 1:

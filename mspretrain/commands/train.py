@@ -5,7 +5,7 @@ import argparse
 from typing import Sequence
 
 from mspretrain.commands.common import add_config_argument, add_quiet_argument, bounded, existing_path, load_config
-from mspretrain.config import Config
+from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
 
 EXAMPLES = """examples:
@@ -47,7 +47,7 @@ def with_preset(cfg: Config, name: str, overrides: Sequence[str] = ()) -> Config
     """`cfg` with a preset's architecture (vocab from the data dir), then the model.* overrides again."""
     from dataclasses import replace
 
-    from mspretrain import config as cfgmod
+    from mspretrain.config import schema as cfgmod
     from mspretrain.model.presets import preset
 
     cfg = replace(cfg, model=replace(preset(name), vocab_size=0))
@@ -64,11 +64,11 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, device=replace(cfg.device, cpu_quota=args.cpu_quota))
     existing_path(args.data, "data dir", "run `mspretrain prepare INPUT --out DATA_DIR` first")
     if cfg.device.cpu_quota:
-        from mspretrain.ops.isolate import apply_cpu_quota
+        from mspretrain.preflight.isolate import apply_cpu_quota
 
         apply_cpu_quota(cfg.device.cpu_quota, log=print)
     from mspretrain.checkpoint.init_source import explicit_model_keys, init_for_run
-    from mspretrain.ops.fits import check_fits
+    from mspretrain.preflight.fits import check_fits
     from mspretrain.train.build import build_trainer
 
     log = (lambda s: None) if args.quiet else print

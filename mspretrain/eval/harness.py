@@ -40,7 +40,7 @@ Design choices:
   any count below 2^24 exactly). Only rank 0 writes and prints. lm-eval's own code for this path
   imports torch. During training (`eval.harness_tasks`, data parallel and ZeRO-1/2) every rank
   scores every request instead, on the whole weights it holds; under ZeRO-3 or tensor parallel the
-  forward has collectives inside and the KV-cache decode has no such path, so config.py refuses
+  forward has collectives inside and the KV-cache decode has no such path, so config/schema.py refuses
   the harness in the loop there.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.model.layers import Linear, RMSNorm, SoftmaxFP32, WeightSource
 
 # Attention's whole weights when it does not use its own Parameters (ZeRO-3): wqkv's weight and

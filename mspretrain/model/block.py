@@ -1,5 +1,5 @@
 """The decoder block (attention and SwiGLU MLP, pre-norm residuals) and, under ZeRO-3, the
-prefetch of its weights (train/zero3.py has the whole design).
+prefetch of its weights (step/zero3.py has the whole design).
 
 ZeRO-3 prefetch. A sharded block gathers all its weights at the start of its construct as one
 chain, each gather after the previous one (`Block.pull`), the first after the `token` it is given,
@@ -16,7 +16,7 @@ import math
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.model.attention import Attention
 from mspretrain.model.layers import Linear, RMSNorm, WeightSource, one, relay
 from mspretrain.model.moe import MoE
@@ -44,9 +44,9 @@ class MLP(nn.Cell):
 
 class Block(nn.Cell):
     """construct(x, cos, sin, bias, discard) -> x: the block on its own Parameters. ZeRO-3
-    (train/zero3.py `shard_model` sets `sharded`): construct(x, ..., token) -> (x, token), the
+    (step/zero3.py `shard_model` sets `sharded`): construct(x, ..., token) -> (x, token), the
     block's weights gathered first (module docstring); `prefetch` False anchors the chain on x
-    instead of the token (no overlap: the CPU with layer recompute, see train/zero3.py)."""
+    instead of the token (no overlap: the CPU with layer recompute, see step/zero3.py)."""
 
     def __init__(self, cfg: ModelConfig, rng: WeightSource, dtype: ms.Type, use_flash: bool, sparse: bool = False) -> None:
         super().__init__()

@@ -59,7 +59,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Initializer
 
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.device import select_attention  # the kernel choice is the device's
 from mspretrain.errors import UserError, env_number
 from mspretrain.model.attention import Attention, rope_tables
@@ -229,7 +229,7 @@ class Decoder(nn.Cell):
                             "use precision.dtype=fp32 (or fp16) on CPU; bf16 is for Ascend")
         if cfg.vocab_size <= 0 or cfg.n_kv_heads <= 0 or cfg.ffn_dim <= 0:
             raise UserError("model config is not resolved (vocab_size, n_kv_heads or ffn_dim is 0)",
-                            "call mspretrain.config.resolve_model(cfg.model, tokenizer.vocab_size) first")
+                            "call mspretrain.config.schema.resolve_model(cfg.model, tokenizer.vocab_size) first")
         self.cfg = cfg
         self.dtype_name = dtype
         self.dtype = COMPUTE_DTYPES[dtype]
@@ -263,7 +263,7 @@ class Decoder(nn.Cell):
         self.window = cfg.sliding_window  # 0 = full attention
         self.local_heads = (cfg.n_heads, cfg.n_kv_heads)  # (q, kv) heads of this rank: fewer under tensor parallel
         self.fused_kernels = use_fused_kernels(device)
-        self.sharded = False  # ZeRO-3: the trained Parameters are this rank's slices (train/zero3.py shard_model)
+        self.sharded = False  # ZeRO-3: the trained Parameters are this rank's slices (step/zero3.py shard_model)
         if self.fused_kernels:  # one model definition: the norm and softmax cells switch kernel
             for _, cell in self.cells_and_names():
                 if isinstance(cell, RMSNorm):
@@ -278,7 +278,7 @@ class Decoder(nn.Cell):
         stats of each MoE layer, (L_moe, 2, E), for the expert-load metrics (issue 52.6)."""
         T = tokens.shape[1]
         token = None
-        if self.sharded:  # ZeRO-3 (train/zero3.py): the embedding gathered, the first block's gathers after it
+        if self.sharded:  # ZeRO-3 (step/zero3.py): the embedding gathered, the first block's gathers after it
             e, token = self.embed.pull(one(tokens))
             x = self.embed(tokens, e)
             token = relay(token, tokens)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.errors import UserError
 from mspretrain.families import NAMES, described
 from mspretrain.families import family as family_of

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.errors import UserError
 from mspretrain.fsutil import sha256_file
 

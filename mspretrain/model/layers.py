@@ -4,7 +4,7 @@ numerics (fp32 islands, the GEMM row sums), the weight-holding cells Linear, Emb
 Whole weights as arguments. Each weight-holding cell computes with its own Parameter, or with a
 whole weight handed to it (`construct(x, w)`): under ZeRO-3 the cell's Parameter is this rank's
 slice and the decoder block gathers the weights of all its cells first, as one chain
-(model/block.py `Block.pull`, train/zero3.py). `pull(token)` is a cell's part of that chain:
+(model/block.py `Block.pull`, step/zero3.py). `pull(token)` is a cell's part of that chain:
 its weight (and bias) gathered after `token`, and the token the next gather waits for.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ class WeightSource(Protocol):
 
 def one(x: Tensor) -> Tensor:
     """ZeRO-3's ordering token of `x`: its first element. A gather anchored on it waits for x as it
-    would on x itself, and the anchor's gradient its bprop returns (train/zero3.py `ShardedGather`,
+    would on x itself, and the anchor's gradient its bprop returns (step/zero3.py `ShardedGather`,
     zeros that wait for the reduce-scatter) is one element: anchored on the whole tensor, the
     frontend folded each into a constant of the whole weight's (or activation's) shape, three a
     layer held for the graph's life (issue 51)."""
@@ -117,7 +117,7 @@ class Linear(nn.Cell):
         self.out_dim = out_dim
         self.dtype = dtype
         self.weight = rng.parameter((out_dim, in_dim), std)
-        self.gather = None  # ZeRO-3: a ShardedGather, `weight` then this rank's slice (train/zero3.py)
+        self.gather = None  # ZeRO-3: a ShardedGather, `weight` then this rank's slice (step/zero3.py)
         self.bias_gather = None  # ZeRO-3, the same for the bias
         self.tp_out = None  # tensor parallel (model/parallel.py): the row-parallel layers' sum over tp ranks
         self.has_bias = bias

@@ -35,7 +35,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.model.layers import Linear, WeightSource
 
 MAX_BLOCK = 64  # rows per expert block at most (see the module docstring)
@@ -140,7 +140,7 @@ def load_metrics(per: np.ndarray, layers: list[int], top_k: int) -> dict[str, fl
     - `moe/layer_{i}/max_over_mean`: the busiest expert's assignments over the mean (1 = balanced,
       E/K at most: every token sends one of its K choices to that expert);
     - `moe/layer_{i}/top_share`: the share of the layer's tokens that chose the busiest expert (K/E
-      balanced, 1 = every token; a router collapse, ops/diagnose.py);
+      balanced, 1 = every token; a router collapse, forensics/diagnose.py);
     - `moe/balance_loss`: transformers' load-balancing loss over the step's tokens of all MoE
       layers together (`balance_loss`'s formula; the objective's is per micro-batch, so with
       accumulation the two differ), whether or not `router_aux_loss_coef` weights it in;

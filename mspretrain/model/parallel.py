@@ -47,7 +47,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.errors import UserError
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.config.schema import ModelConfig, resolve_model
 from mspretrain.errors import UserError
 from mspretrain.families import family
 

@@ -1,5 +1,5 @@
 """What tensor parallel cannot cut, as pure arithmetic on the model's shape (no MindSpore): shared by
-`train` (model/parallel.py `check_tp`) and `plan`'s layout table (ops/layouts.py `train_refusal`),
+`train` (model/parallel.py `check_tp`) and `plan`'s layout table (preflight/layouts.py `train_refusal`),
 so the table never recommends a tp that `train` refuses."""
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from mspretrain.config import ModelConfig
+from mspretrain.config.schema import ModelConfig
 from mspretrain.errors import UserError
 
 DENSE_OF = {"qwen3_moe": "qwen3"}  # MoE family -> the dense family whose checkpoints it upcycles

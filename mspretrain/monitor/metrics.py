@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from mspretrain.config import MetricsConfig
+from mspretrain.config.schema import MetricsConfig
 from mspretrain.fsutil import LOG_CAP, atomic_write, read_regular_text
 from mspretrain.paths import RunPaths
 

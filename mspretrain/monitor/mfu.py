@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from mspretrain.config import ModelConfig, resolve_model
+from mspretrain.config.schema import ModelConfig, resolve_model
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write, default_cache_dir, read_json_file
 

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 
 def parse_steps(text: str) -> tuple[int, int] | None:
-    """"10-20" -> (10, 20); "15" -> (15, 15); "" -> None (the config's own check, `sections/observe.parse_step_range`)."""
-    from mspretrain.sections.observe import parse_step_range
+    """"10-20" -> (10, 20); "15" -> (15, 15); "" -> None (the config's own check, `config/sections/observe.parse_step_range`)."""
+    from mspretrain.config.sections.observe import parse_step_range
 
     return parse_step_range(text)
 

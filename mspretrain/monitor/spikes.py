@@ -22,7 +22,7 @@ import statistics
 from collections import deque
 from typing import Any
 
-from mspretrain.config import SpikeConfig
+from mspretrain.config.schema import SpikeConfig
 
 
 class SpikeDetector:

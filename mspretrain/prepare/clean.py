@@ -38,7 +38,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write, default_cache_dir, read_regular_bytes
 

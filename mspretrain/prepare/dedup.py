@@ -131,7 +131,7 @@ def _c_minhash():
     if os.environ.get("MSPRETRAIN_MINHASH") == "numpy":
         return None
     try:
-        from mspretrain.data import _minhash
+        from mspretrain.prepare import _minhash
     except ImportError:
         return None
     return _minhash
@@ -170,7 +170,7 @@ def signatures(texts: list[str], seed: int, num_perm: int = NUM_PERM, perms: tup
     hv, counts = _shingle_hashes(texts)
     hv = _fmix32(hv)
     fast = _c_minhash()
-    if fast is not None:  # the same numbers in one pass (mspretrain/data/_minhash.c)
+    if fast is not None:  # the same numbers in one pass (mspretrain/prepare/_minhash.c)
         bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         raw = fast.signatures(np.ascontiguousarray(hv), bounds, np.ascontiguousarray(a), np.ascontiguousarray(b))
         return np.frombuffer(raw, dtype=np.uint32).reshape(len(texts), num_perm)

@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.shards import token_dtype
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError

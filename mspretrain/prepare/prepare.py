@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.fsutil import locked_beside

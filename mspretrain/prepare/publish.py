@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from mspretrain import __version__
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.origin import RECORD, origin_name, read_records
 from mspretrain.data.shards import DTYPE_CODES, HEADER_SIZE, MAGIC, data_fingerprint

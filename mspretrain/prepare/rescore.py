@@ -42,7 +42,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from mspretrain import __version__
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.errors import UserError
 from mspretrain.fsutil import read_json_file
 from mspretrain.prepare import sources

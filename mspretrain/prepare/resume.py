@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Callable
 
 from mspretrain import __version__
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.errors import UserError, env_number
 from mspretrain.fsutil import atomic_write, cut_back, read_json_file
 from mspretrain.prepare.publish import fsync_all

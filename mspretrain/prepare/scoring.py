@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.errors import UserError
 from mspretrain.prepare.decontam import EvalNgrams
 from mspretrain.prepare.quality import CharLM, Classifier, LangID

@@ -15,7 +15,7 @@ from collections import Counter
 
 import numpy as np
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.origin import OriginWriter
 from mspretrain.paths import SPLITS
 from mspretrain.prepare import sources
@@ -217,7 +217,7 @@ class RefSample:
     def feed(self, u: np.ndarray, chars: np.ndarray, chunk: int, index: np.ndarray) -> None:
         """One chunk's kept train documents, in input order: u (`u[:, 1]`), characters and their
         numbers in the chunk."""
-        if self._fast:  # the same loop in C (mspretrain/data/_sample.c): ~10x less per document
+        if self._fast:  # the same loop in C (mspretrain/prepare/_sample.c): ~10x less per document
             u, chars, index = (np.ascontiguousarray(a, dtype=t) for a, t in ((u, np.float64), (chars, np.int64), (index, np.int64)))
             need = self._size + u.size
             if self._entries.size < need:  # room for every document of the chunk (the heap grows by at most that)
@@ -267,12 +267,12 @@ class RefSample:
 
 
 def _c_sample():
-    """The C heap of `RefSample` (optional extension `mspretrain/data/_sample.c`), or None: then
+    """The C heap of `RefSample` (optional extension `mspretrain/prepare/_sample.c`), or None: then
     Python runs the same heap. `MSPRETRAIN_SAMPLE=python` switches it off (the tests compare both)."""
     if os.environ.get("MSPRETRAIN_SAMPLE") == "python":
         return None
     try:
-        from mspretrain.data import _sample
+        from mspretrain.prepare import _sample
     except ImportError:
         return None
     return _sample

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write, read_regular_bytes

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.origin import OriginWriter, origin_name, read_records
 from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.origin import OriginWriter, origin_name
 from mspretrain.data.shards import ShardWriter
 from mspretrain.errors import UserError

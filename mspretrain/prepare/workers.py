@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mspretrain.config import PrepareConfig
+from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import env_number
 from mspretrain.prepare import dedup, scoring, sources

@@ -30,13 +30,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mspretrain import __version__, budget
-from mspretrain import config as cfgmod
 from mspretrain.checkpoint import lock as run_lock
 from mspretrain.checkpoint import store
-from mspretrain.config import Config
+from mspretrain.config import schema as cfgmod
+from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
+from mspretrain.parallel.layout import bucket_mb_for
 from mspretrain.paths import DataPaths, RunPaths
-from mspretrain.train.layout import bucket_mb_for
 from mspretrain.train.trainer import StepCallback, Trainer
 from mspretrain.world import detect, select_launch
 
@@ -169,9 +169,9 @@ def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, all
                   callbacks: Sequence[StepCallback] = (), fits: FitCheck | None = None) -> Trainer:
     """The real trainer for `mspretrain train`, resumed from the run dir's newest verified checkpoint.
     A refused run (any UserError) leaves the run dir as it was: every check runs before the first write.
-    `fits(cfg, world, device, log=...)`: the memory check run before any allocation (`ops/fits.check_fits`,
-    which the commands and replay pass; it is given, not imported, because it reads `ops/plan`'s
-    memory model and ops/ builds on train/); None: none (tests' tiny models)."""
+    `fits(cfg, world, device, log=...)`: the memory check run before any allocation (`preflight/fits.check_fits`,
+    which the commands and replay pass; it is given, not imported, because it reads `preflight/plan`'s
+    memory model and preflight/ builds on step/); None: none (tests' tiny models)."""
     from mspretrain.monitor.console import RunLog
 
     for flag, path in (("--data", data_dir), ("--run", run_dir)):
@@ -241,14 +241,14 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.monitor.profiler import StepProfiler
     from mspretrain.monitor.source_ledger import SourceLedger
     from mspretrain.monitor.spike_record import SpikeRecord
+    from mspretrain.parallel import distributed
     from mspretrain.schedule import resume_notes
-    from mspretrain.train import distributed
+    from mspretrain.step.loss_scale import LossScaler
+    from mspretrain.step.step import TrainStep
+    from mspretrain.step.tp import TPTrainStep, make_mesh
     from mspretrain.train.checkpointing import CheckpointManager
     from mspretrain.train.eval_schedule import PeriodicEval
-    from mspretrain.train.loss_scale import LossScaler
     from mspretrain.train.spike_policy import SpikePolicy
-    from mspretrain.train.step import TrainStep
-    from mspretrain.train.tp import TPTrainStep, make_mesh
 
     device = plan_device(cfg)
     cfgmod.validate(cfg, device=device.target)

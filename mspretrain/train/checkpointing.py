@@ -28,7 +28,7 @@ from typing import Any, Callable
 from mspretrain.checkpoint import store
 from mspretrain.checkpoint.model_shards import read_pieces
 from mspretrain.checkpoint.saver import Saver
-from mspretrain.config import Config
+from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
 from mspretrain.paths import RunPaths
 
@@ -64,7 +64,7 @@ class CheckpointManager:
         self.last_save_step = step
         # tensor parallel: the whole weights are gathered over the tp group on every rank (a collective:
         # all ranks call it), so the model file is the one any layout writes and any layout resumes
-        # from; the optimizer state too (train/tp.py), written by tp rank 0 alone. ZeRO-3 gathers
+        # from; the optimizer state too (step/tp.py), written by tp rank 0 alone. ZeRO-3 gathers
         # nothing: each rank writes its own slices (checkpoint/model_shards.py)
         gathers = getattr(self.step_fn, "tp_size", 1) > 1
         if self.rank != 0 and not sharded and not gathers:
@@ -73,7 +73,7 @@ class CheckpointManager:
         part, meta = None, None  # ZeRO-3: this rank's weight slices and their file's metadata
         if getattr(self.step_fn, "zero3", False):
             from mspretrain.checkpoint.model_shards import shard_metadata
-            from mspretrain.train.zero3 import slice_state
+            from mspretrain.step.zero3 import slice_state
 
             part, shapes = slice_state(self.model, self.world, self.rank)
             meta = shard_metadata(step, shapes)
@@ -109,7 +109,7 @@ class CheckpointManager:
         # either form of the weights (model_shards.py); ZeRO-3 reads just this rank's ranges of them
         wanted = {}
         if getattr(self.step_fn, "zero3", False):
-            from mspretrain.train.zero3 import wanted_ranges
+            from mspretrain.step.zero3 import wanted_ranges
 
             wanted = wanted_ranges(self.model, self.world, self.rank)
         self.step_fn.load_weights(read_pieces(ckpt, wanted))

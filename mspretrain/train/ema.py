@@ -14,8 +14,8 @@ module does not read: refused in one line). Where they are:
   and owns all of it; rank 0 alone keeps the EMA and writes `ema.safetensors` (whole tensors, the
   model file's names);
 - ZeRO-1/2 (a sharded optimizer): the weights are whole on every rank, but each rank keeps the EMA
-  of exactly the units whose fp32 masters it owns, as the step decides them (train/zero_setup.py
-  `plan_zero`, train/layout.py `assign_owners`: a parameter whole to one owner, or a split one's
+  of exactly the units whose fp32 masters it owns, as the step decides them (step/zero_setup.py
+  `plan_zero`, parallel/layout.py `assign_owners`: a parameter whole to one owner, or a split one's
   slice on every rank, read from that slice's 1-D master), plus rank 0 the untrained parameters
   whole; it writes `ema-RRRRR-of-NNNNN.safetensors`, ZeRO-3's per-rank format below (a slice
   `NAME@START:STOP`, 1-D; a whole parameter under its plain name and shape);
@@ -122,12 +122,12 @@ def for_run(cfg: Any, model: Any, step_fn: Any, *, rank: int, world: int) -> Wei
                         "use precision.param_dtype=fp32, or average checkpoints afterwards with `mspretrain average`")
     params = list(model.get_parameters())
     if getattr(step_fn, "zero3", False):
-        from mspretrain.train.layout import slice_bounds
-        from mspretrain.train.zero3 import gathered, wanted_ranges
+        from mspretrain.parallel.layout import slice_bounds
+        from mspretrain.step.zero3 import gathered, wanted_ranges
 
         shapes = {name: tuple(g.shape) for name, g, _ in gathered(model)}
         keep, keys = [], []
-        for p in params:  # train/zero3.py slice_state's cut and names: a sharded weight's slice, frozen ones on rank 0
+        for p in params:  # step/zero3.py slice_state's cut and names: a sharded weight's slice, frozen ones on rank 0
             if p.name in shapes:
                 a, b = slice_bounds(math.prod(shapes[p.name]), world, rank)
                 keep.append(p)
@@ -147,12 +147,12 @@ def for_run(cfg: Any, model: Any, step_fn: Any, *, rank: int, world: int) -> Wei
 
 def _zero12(decay: float, params: list[Any], z: Any, masters: Any, *, rank: int, world: int) -> WeightEMA:
     """ZeRO-1/2: the EMA of exactly the units whose fp32 masters this rank owns (the step's own
-    ownership, train/zero_setup.py `plan_zero`: whole parameters, which are their own masters, and
-    this rank's slice of each split one, read from its 1-D master (`masters[k]`, train/state_codec.py),
+    ownership, step/zero_setup.py `plan_zero`: whole parameters, which are their own masters, and
+    this rank's slice of each split one, read from its 1-D master (`masters[k]`, step/state_codec.py),
     which the step's gather has just copied into every rank's weights: on Ascend the device-to-host
     read is the slice, not the whole parameter), and of the untrained parameters on rank 0, as
     ZeRO-3 keeps them."""
-    from mspretrain.train.zero_setup import slice_key
+    from mspretrain.step.zero_setup import slice_key
 
     o = z.ownership
     owned = {o.names[i]: k for k, i in enumerate(o.own)}  # at most one unit of a parameter per rank

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from mspretrain.config import EvalConfig
+from mspretrain.config.schema import EvalConfig
 
 
 class PeriodicEval:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mspretrain.config import SpikeConfig
+from mspretrain.config.schema import SpikeConfig
 from mspretrain.monitor.spikes import SpikeDetector
 
 CONTINUE, REWIND, STOP = "continue", "rewind", "stop"

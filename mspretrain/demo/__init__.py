@@ -1,0 +1,1 @@
+"""mspretrain.demo: what only `mspretrain demo` uses (its corpus download)."""

@@ -1,1 +1,0 @@
-"""mspretrain.ops: running a job — plan, report, recover, doctor, diagnose, selftest, CPU isolation."""

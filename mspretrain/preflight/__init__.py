@@ -1,0 +1,1 @@
+"""mspretrain.preflight: before a run — plan, costs and layouts, fits, doctor, selftest and its workers, CPU isolation."""

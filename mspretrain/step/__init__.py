@@ -1,0 +1,1 @@
+"""mspretrain.step: the compiled optimizer step and its ZeRO, tensor-parallel, loss-scale and state-codec parts."""
