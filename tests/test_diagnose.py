@@ -188,7 +188,7 @@ def test_watchdog_names_the_first_rank_gone_and_waits_out_a_stop(tmp_path):
 
 
 def test_launch_finds_the_run_dir_and_refuses_bad_timeouts(capsys):
-    from mspretrain.commands.launch import train_run_dir
+    from mspretrain.launcher.supervise import train_run_dir
 
     assert train_run_dir(["train", "--config", "c", "--run", "runs/x"]) == Path("runs/x")
     assert train_run_dir(["train", "--run=runs/y"]) == Path("runs/y")

@@ -68,7 +68,7 @@ def _until_exited(pid: int, timeout: float = 30.0) -> None:
 
 def test_node_rank_1_without_node_0_fails_in_bounded_time(tiny_data, capsys):
     from mspretrain.cli import main
-    from mspretrain.commands.launch import wait_for_master
+    from mspretrain.launcher.supervise import wait_for_master
 
     # A port bound here and never listened on: connecting is refused, and no other process (a
     # Ray node, an msrun scheduler of the other test lane) can take it meanwhile, as it could
@@ -94,7 +94,7 @@ def test_node_rank_1_without_node_0_fails_in_bounded_time(tiny_data, capsys):
 
 def test_sigterm_to_launch_ends_msrun_and_its_workers(tmp_path):
     """A stand-in for msrun that starts a worker in its own session (as msrun does) and sleeps."""
-    from mspretrain.commands.launch import supervise
+    from mspretrain.launcher.supervise import supervise
 
     pidfile = tmp_path / "worker.pid"
     fake = (f"import subprocess, time; p = subprocess.Popen(['sleep', '120'], start_new_session=True); "
@@ -137,7 +137,7 @@ def test_launch_returns_only_once_every_worker_has_exited_and_released_the_run_d
     own session as msrun's are, and exits 1 leaving it running: when supervise returns the worker
     has exited and the lock is free."""
     from mspretrain.checkpoint import lock
-    from mspretrain.commands.launch import supervise
+    from mspretrain.launcher.supervise import supervise
 
     run, pidfile = tmp_path / "run", tmp_path / "worker.pid"
     worker = (f"import os, time; from mspretrain.checkpoint.lock import acquire; acquire({str(run)!r}, 'train'); "
