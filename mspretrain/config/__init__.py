@@ -1,1 +1,1 @@
-"""The config package: the schema (`schema`, one module per subject in `sections/`) and its reference (`doc`)."""
+"""The config package: the schema (`schema`, joining one module per subject in `sections`) and its reference (`doc`)."""
