@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mspretrain import budget
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
 from mspretrain.fsutil import JSON_CAP, LOG_CAP, read_json_file, read_regular_text
@@ -141,7 +142,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     world = ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else 1
     last = records[-1]["step"] if records else 0
     tokens_logged = series(records, "tokens")[1]
-    tokens = int(tokens_logged[-1]) if tokens_logged else last * c.train.global_batch * c.data.seq_len
+    tokens = int(tokens_logged[-1]) if tokens_logged else budget.tokens_after(c, last)
     tps = series(records, "tokens_per_s")[1]
     elapsed = series(records, "elapsed_s")
     sessions = _session_seconds(elapsed, _session_starts(paths.log))
@@ -221,8 +222,6 @@ def _session_seconds(elapsed: tuple[list[int], list[float]], starts: set[int]) -
 def _run_budget(c: cfgmod.Config, manifest: dict, world: int) -> tuple[int | None, int]:
     """(total steps, warm-up) of the run as the trainer derived them (mspretrain/budget.py, auto
     warm-up resolved against the data's tokens); (None, the configured warm-up) if underivable."""
-    from mspretrain import budget
-
     try:
         b = budget.derive(c, world=world, data_tokens=int(manifest.get("tokens", {}).get("train", 0)) or None)
         return b.steps, b.warmup or 0
