@@ -12,7 +12,7 @@ from mspretrain import budget
 from mspretrain import config as cfgmod
 from mspretrain.cli import main
 from mspretrain.errors import UserError
-from mspretrain.ops.report import summarize
+from mspretrain.ops.report_summary import summarize
 from mspretrain.schedule import auto_warmup_steps
 from mspretrain.train.build import build_trainer
 from tests.conftest import TINY

@@ -434,7 +434,7 @@ def test_deeply_nested_json_is_one_line_in_every_reader(tmp_path, reader):
     from mspretrain.monitor.heartbeat import read_heartbeats
     from mspretrain.monitor.metrics import truncate_metrics
     from mspretrain.ops.diagnose import scan_metrics_file
-    from mspretrain.ops.report import read_metrics
+    from mspretrain.ops.report_summary import read_metrics
 
     deep = "[" * 100_000 + "]" * 100_000
     ok = '{"step": 1, "loss": 2.0}'
