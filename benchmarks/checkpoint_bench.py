@@ -183,7 +183,9 @@ def demo_step_and_resume(work: Path) -> dict:
     if lines:
         import json
 
-        step_s = cfg.train.global_batch * cfg.data.seq_len / json.loads(lines[-1])["tokens_per_s"]
+        from mspretrain.budget import tokens_per_step
+
+        step_s = tokens_per_step(cfg) / json.loads(lines[-1])["tokens_per_s"]
     t0 = time.perf_counter()
     t2 = build_trainer(cfgmod.apply_overrides(cfg, ["train.max_steps=13"]), data, run, log=lambda s: None)
     t2.train_step()

@@ -1,10 +1,12 @@
 """The numbers a run derives from its config before any compute, in one place.
 
-`train`, `plan` and `report` all ask this module for: the optimizer steps of the run, the warm-up
-(with the automatic rule's cap), the learning rate after scaling, the micro-batch per rank and the
-accumulation steps, and the tokens of one step. Each of them used to rebuild some of these from
-the pieces in `schedule.py`, and `plan`/`report` missed the cap on the automatic warm-up,
-so for a short budget they showed a warm-up the run did not use.
+`train`, `plan`, `report`, `recover`, `spike` and the monitors all ask this module for: the
+optimizer steps of the run, the warm-up (with the automatic rule's cap), the learning rate after
+scaling, the micro-batch per rank and the accumulation steps, the tokens of one step (and of S
+steps), and which rank and micro-batch hold each sample of a step. Nothing else multiplies
+`global_batch` by `seq_len` or splits the batch (tests/test_budget.py scans the package for it):
+each of them used to rebuild some of these, and `plan`/`report` missed the cap on the automatic
+warm-up, so for a short budget they showed a warm-up the run did not use.
 
 Design choices:
 - Layer 1 (pure arithmetic): imports `config`, `errors` and `schedule` only, no MindSpore,
@@ -32,6 +34,11 @@ def tokens_per_step(cfg: Config) -> int:
     return cfg.train.global_batch * cfg.data.seq_len
 
 
+def tokens_after(cfg: Config, steps: int) -> int:
+    """Tokens a run has consumed after `steps` optimizer steps (every step takes the same number)."""
+    return steps * tokens_per_step(cfg)
+
+
 def micro_batches(cfg: Config, world_size: int) -> tuple[int, int]:
     """(micro-batch per rank, accumulation steps) for a world size; errors name the fix."""
     t = cfg.train
@@ -45,6 +52,29 @@ def micro_batches(cfg: Config, world_size: int) -> tuple[int, int]:
             f"train.global_batch = {t.global_batch} is not divisible by ranks ({world_size}) x micro_batch ({mb})",
             "make global_batch a multiple of world size x micro_batch")
     return mb, per_rank // mb
+
+
+# Where each sample of a step's global batch goes. The loader deals the global order out one
+# micro-batch at a time: each `next_batch` of every rank covers the next micro x world positions,
+# of which rank r takes r, r + world, r + 2 world, ... (`data/loader.py`). So micro-batch m of a
+# step holds positions [m x micro x world, (m + 1) x micro x world).
+
+def step_samples(micro: int, accum: int, world: int) -> int:
+    """Samples of one optimizer step (train.global_batch) from its split (the inverse of `micro_batches`)."""
+    return micro * accum * world
+
+
+def position_of_row(row: int, *, rank: int, micro: int, world: int) -> int:
+    """Position in the step's global batch of row `row` of `rank`'s rows, counted in the order the
+    step takes them (micro-batch after micro-batch: its micro-batch is row // micro)."""
+    m, i = divmod(row, micro)
+    return m * micro * world + rank + world * i
+
+
+def row_of_position(position: int, *, micro: int, world: int) -> tuple[int, int]:
+    """(rank, row) holding `position` of a step's global batch: the inverse of `position_of_row`."""
+    m, q = divmod(position, micro * world)
+    return q % world, m * micro + q // world
 
 
 def total_steps(cfg: Config, tokens: int | None = None) -> int | None:
@@ -65,7 +95,7 @@ def warmup_steps(cfg: Config, total: int, data_tokens: int | None) -> int:
         if not data_tokens:
             raise UserError('schedule.warmup_steps = "auto" needs the data dir\'s token count',
                             "pass --data, or set schedule.warmup_steps to an integer")
-        warmup = auto_warmup_steps(data_tokens, cfg.train.global_batch, cfg.data.seq_len)
+        warmup = auto_warmup_steps(data_tokens, tokens_per_step(cfg))
         return min(warmup, max(1, total // 10))  # auto never eats more than a tenth of a short run
     warmup = int(s.warmup_steps)
     if warmup >= total:
@@ -128,7 +158,7 @@ def derive(cfg: Config, *, world: int = 1, data_tokens: int | None = None, token
         warmup, note = schedule.warmup, "from schedule.warmup_steps"
         if cfg.schedule.warmup_steps == "auto":
             note = f"auto: ceil(0.02 x {basis:,} / ({cfg.train.global_batch} x {cfg.data.seq_len}))"
-            if warmup < auto_warmup_steps(basis, cfg.train.global_batch, cfg.data.seq_len):
+            if warmup < auto_warmup_steps(basis, per_step):
                 note += f", capped at a tenth of the {steps:,} steps"
     return Budget(steps=steps, tokens=budget_tokens if steps else 0, tokens_source=source if steps else "none",
                   warmup=warmup, warmup_note=note, lr=lr, lr_note=lr_note, micro_batch=micro, accumulation=accum,

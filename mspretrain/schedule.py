@@ -18,9 +18,10 @@ import math
 from dataclasses import dataclass
 
 
-def auto_warmup_steps(tokens: int, global_batch: int, seq_len: int) -> int:
-    """The field report's rule: warm up over 2 % of one pass over the data."""
-    return max(1, math.ceil(0.02 * tokens / (global_batch * seq_len)))
+def auto_warmup_steps(tokens: int, step_tokens: int) -> int:
+    """The field report's rule: warm up over 2 % of one pass over the data (`tokens`), in steps of
+    `step_tokens` (`budget.tokens_per_step`)."""
+    return max(1, math.ceil(0.02 * tokens / step_tokens))
 
 
 def scaled_lr(lr: float, global_batch: int, scaling: str) -> float:

@@ -12,7 +12,7 @@ from mspretrain import budget
 from mspretrain.cli import main
 from mspretrain.config import schema as cfgmod
 from mspretrain.errors import UserError
-from mspretrain.forensics.report import summarize
+from mspretrain.forensics.report_summary import summarize
 from mspretrain.schedule import auto_warmup_steps
 from mspretrain.train.build import build_trainer
 from tests.conftest import TINY
@@ -67,7 +67,7 @@ def test_derive_without_a_budget_and_with_an_explicit_one():
     b = budget.derive(cfg, world=1, data_tokens=51200)  # no budget set: one pass over the data
     assert (b.steps, b.tokens, b.tokens_source) == (100, 51200, "data dir")
     b = budget.derive(cfg, tokens=5120, data_tokens=10**9)  # auto warm-up from the data, capped at a tenth of 10
-    assert (b.steps, b.warmup, b.tokens_source) == (10, 1, "--tokens") and auto_warmup_steps(10**9, 8, 64) > 1
+    assert (b.steps, b.warmup, b.tokens_source) == (10, 1, "--tokens") and auto_warmup_steps(10**9, 8 * 64) > 1
     # a budget that is not a whole number of steps rounds up (ceil): the run trains at least the tokens asked for
     assert budget.derive(cfg, tokens=5121, data_tokens=10**9).steps == 11
     assert budget.derive(cfg, world=1, data_tokens=51201).steps == 101
@@ -75,3 +75,53 @@ def test_derive_without_a_budget_and_with_an_explicit_one():
         budget.derive(cfg, world=3)
     with pytest.raises(UserError, match="not shorter than the run"):
         budget.derive(cfgmod.load(None, ["train.max_steps=5", "schedule.warmup_steps=5"]))
+
+
+def test_split_positions_round_trip():
+    """Every sample of a step has one (rank, row), and the rows of all ranks cover the step once."""
+    for micro, accum, world in ((1, 1, 1), (2, 3, 1), (1, 2, 4), (3, 2, 2)):
+        seen = set()
+        for rank in range(world):
+            for row in range(micro * accum):
+                p = budget.position_of_row(row, rank=rank, micro=micro, world=world)
+                assert budget.row_of_position(p, micro=micro, world=world) == (rank, row)
+                seen.add(p)
+        assert seen == set(range(budget.step_samples(micro, accum, world)))
+    # micro 2 x 2 ranks: micro-batch 0 is positions 0..3, rank 1 holds 1 and 3
+    assert [budget.position_of_row(k, rank=1, micro=2, world=2) for k in range(4)] == [1, 3, 5, 7]
+
+
+# Tokens per step and the batch split have one home (budget.py). A product of global_batch and
+# seq_len, a floor division of global_batch, or micro-batch x world anywhere else rebuilds them.
+# data/loader.py: its `world_micro_batch` (batch_size x world) is the loader's own definition.
+# preflight/plan.py: the parallel-plan work owns that file (its `gb * seq`); remove the entry with it.
+SPLIT_OK = {"mspretrain/data/loader.py": 1, "mspretrain/preflight/plan.py": 1}
+
+
+def _leaves(node, op) -> list[str]:
+    import ast
+
+    if isinstance(node, ast.BinOp) and isinstance(node.op, op):
+        return _leaves(node.left, op) + _leaves(node.right, op)
+    return [node.id] if isinstance(node, ast.Name) else [node.attr] if isinstance(node, ast.Attribute) else []
+
+
+def test_tokens_per_step_and_the_split_are_derived_only_in_budget():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found: dict[str, list[str]] = {}
+    for path in sorted([*(root / "mspretrain").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]):
+        rel = path.relative_to(root).as_posix()
+        if rel == "mspretrain/budget.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.BinOp):
+                continue
+            names = set(_leaves(node, ast.Mult)) if isinstance(node.op, ast.Mult) else set()
+            if isinstance(node.op, ast.FloorDiv) and {"global_batch", "gb"} & set(_leaves(node.left, ast.FloorDiv)) \
+                    or {"global_batch", "gb"} & names and {"seq_len", "seq"} & names \
+                    or {"micro", "micro_batch", "batch_size", "mb"} & names and "world" in names:
+                found.setdefault(rel, []).append(f"{rel}:{node.lineno}")
+    assert {k: len(v) for k, v in found.items()} == SPLIT_OK, found

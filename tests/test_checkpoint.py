@@ -177,6 +177,7 @@ def test_recover_rebuilds_deleted_train_state(tmp_path, tiny_data, capsys):
     assert main(base + ["train.max_steps=4"]) == 0
     ckpt = run / "checkpoints" / "step_000004"
     saved = json.loads((ckpt / "train_state.json").read_text())
+    saved_data = json.loads((ckpt / "data_state.json").read_text())
     (ckpt / "train_state.json").unlink()
     (ckpt / "data_state.json").unlink()
     assert store.verify(ckpt) is not None
@@ -187,6 +188,7 @@ def test_recover_rebuilds_deleted_train_state(tmp_path, tiny_data, capsys):
     rebuilt = json.loads((ckpt / "train_state.json").read_text())
     assert rebuilt["step"] == saved["step"] and rebuilt["tokens_seen"] == saved["tokens_seen"]
     assert rebuilt["loss_scale"]["scale"] == saved["loss_scale"]["scale"]
+    assert json.loads((ckpt / "data_state.json").read_text()) == saved_data  # position, micro-batch and world
     assert main(base + ["train.max_steps=6"]) == 0
     log = (run / "train.log").read_text()
     assert f"resumed from step_000004: step 4, {saved['tokens_seen']:,} tokens seen, loss scale {saved['loss_scale']['scale']:g}" in log

@@ -431,7 +431,7 @@ def test_deeply_nested_json_is_one_line_in_every_reader(tmp_path, reader):
     from mspretrain.config.schema import SpikeConfig
     from mspretrain.eval.choices import read_choices
     from mspretrain.forensics.diagnose import scan_metrics_file
-    from mspretrain.forensics.report import read_metrics
+    from mspretrain.forensics.report_summary import read_metrics
     from mspretrain.fsutil import read_json
     from mspretrain.monitor.heartbeat import read_heartbeats
     from mspretrain.monitor.metrics import truncate_metrics

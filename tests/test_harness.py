@@ -213,7 +213,9 @@ def test_harness_tasks_in_the_loop_resume_continues_one_curve(tiny_data, tmp_pat
     against tokens; a run killed after step 3 (its last save at 2) and resumed gives the same curve,
     each step once."""
     from mspretrain.cli import main
-    from mspretrain.forensics.report import harness_curves, read_metrics, render_report
+    from mspretrain.forensics.report import render_report
+    from mspretrain.forensics.report_plots import harness_curves
+    from mspretrain.forensics.report_summary import read_metrics
     from tests.conftest import ONE_LAYER, TINY
 
     args = ["--config", str(TINY), "--data", str(tiny_data), "--quiet", "train.max_steps=4", "eval.every=2", "eval.max_tokens=256",

@@ -32,9 +32,9 @@ def test_oom_advice_quotes_the_device_memory(tmp_path):
 
 
 def test_report_draws_device_memory_as_its_own_line(tmp_path):
-    from mspretrain.forensics import report
+    from mspretrain.forensics import report_plots
 
     recs = [{"step": s, "mem_mb": 900.0 + s, "device_mem_mb": 30000.0 + s, "device_mem_reserved_mb": 32000.0} for s in (1, 2, 3)]
-    fig = report._plot("memory", "Memory", {"records": recs, "events": []})
+    fig = report_plots.plot_panel("memory", "Memory", {"records": recs, "events": []})
     labels = [ln.get_label() for ln in fig.axes[0].get_lines()]
     assert labels == ["host RSS (peak)", "device allocated (peak)", "device reserved (peak)"]

@@ -18,7 +18,8 @@ from PIL import Image
 
 from mspretrain.cli import main
 from mspretrain.config import schema as cfgmod
-from mspretrain.forensics.report import build_report, read_metrics, summarize
+from mspretrain.forensics.report import build_report
+from mspretrain.forensics.report_summary import read_metrics, summarize
 from tests.conftest import ONE_LAYER
 
 PANELS = ("loss", "eval_ppl", "lr", "grad_norm", "loss_scale", "throughput", "memory")
@@ -275,7 +276,7 @@ def test_report_events_come_from_train_log_and_wall_time_covers_every_session(tm
 def test_report_says_what_its_numbers_are(tmp_path):
     # item 10: documents as numbers not JSON, the warm-up that ran, peak memory, one throughput curve,
     # and "no loss scaling" for an fp32 run instead of a flat line on a +-0.04 axis
-    from mspretrain.forensics.report import _plot
+    from mspretrain.forensics.report_plots import plot_panel
 
     run = synthetic_run(tmp_path, partial=False)
     cfgmod.save(cfgmod.load(None, ["train.max_steps=200", "schedule.warmup_steps=\"auto\""]), run / "config.toml")
@@ -290,9 +291,9 @@ def test_report_says_what_its_numbers_are(tmp_path):
     assert "train 300, valid 5" in page and '{"train"' not in page
     assert "cosine, warm-up 2 steps (auto)" in page
     assert 'alt="Peak memory (host RSS' in page and 'alt="Throughput (right axis: MFU)"' in page
-    fig = _plot("throughput", "t", s)
+    fig = plot_panel("throughput", "t", s)
     assert len(fig.axes[0].lines) == 1  # tokens/s and MFU are one curve with two axes
-    fig = _plot("loss_scale", "t", s)
+    fig = plot_panel("loss_scale", "t", s)
     ax = fig.axes[0]
     assert ax.get_ylim() == (0.0, 2.0)
     assert any("no loss scaling (fp32)" in t.get_text() for t in ax.texts)

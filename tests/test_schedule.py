@@ -40,7 +40,7 @@ def test_two_phase_rises_to_peak_then_decays():
 
 
 def test_auto_warmup_is_the_field_report_formula():
-    assert auto_warmup_steps(10_000_000, 8, 256) == math.ceil(0.02 * 10_000_000 / (8 * 256))
+    assert auto_warmup_steps(10_000_000, 8 * 256) == math.ceil(0.02 * 10_000_000 / (8 * 256))
     cfg = cfgmod.load(None, ["train.max_steps=1000", "train.global_batch=8", "data.seq_len=64"])
     sched = build_schedule(cfg, data_tokens=1_000_000)
     assert sched.warmup == math.ceil(0.02 * 1_000_000 / (8 * 64))

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _measured_tokens_per_s(run_dir: Path) -> float | None:
-    from mspretrain.forensics.report import read_metrics, series
+    from mspretrain.forensics.report_summary import read_metrics, series
     from mspretrain.paths import RunPaths
 
     paths = RunPaths(run_dir)

@@ -8,9 +8,10 @@ Design choices:
   row gather, no Python list per batch. `seq_len` is a run-time choice, not baked into the data.
 - Order: see `mixing.py`. The global order is a pure function of (seed, epoch, index) and of the
   per-source consumed counts, which are the whole state.
-- Data parallel: global sample positions are cut into global batches of `batch_size * world`;
-  rank r takes positions r, r + w, r + 2w, ... of each (strided, not contiguous blocks), so ranks
-  never overlap or skip, and rank r's batch is row r::w of the global batch.
+- Data parallel: global sample positions are cut into world micro-batches of `batch_size * world`
+  (`world_micro_batch`: one micro-batch of every rank; an optimizer step takes `accumulation` of
+  them, `budget.py`); rank r takes positions r, r + w, r + 2w, ... of each (strided, not
+  contiguous blocks), so ranks never overlap or skip, and rank r's batch is row r::w of it.
 - State is world-independent (global consumed counts; every rank holds the same state, rank 0
   saves it). Resuming on a different number of ranks is allowed: the global order continues at
   the same global sample, only the cut into per-rank batches changes (logged as a note).
@@ -167,7 +168,9 @@ class Loader:
         self.samples_per_epoch: dict[str, int] = {str(s.path): s.n for s in self._sources}
 
     @property
-    def global_batch(self) -> int:
+    def world_micro_batch(self) -> int:
+        """Samples one `next_batch` takes over all ranks: one micro-batch of every rank. Not
+        train.global_batch, the samples of one optimizer step (that many x the accumulation)."""
         return self.batch_size * self.world
 
     def next_batch(self) -> Batch:
@@ -175,12 +178,12 @@ class Loader:
         if len(self._sources) == 1:  # hot path: no schedule, ordinals c + rank + world * i
             src = self._sources[0]
             ids = src.strided_ids(c[0] + self.rank, self.world, self.batch_size)
-            c[0] += self.global_batch
+            c[0] += self.world_micro_batch
             tokens = src.windows[ids].astype(self.token_dtype, copy=False)  # (B, seq_len + 1)
             parts = [(src, slice(None), ids)]
         else:
             counts = np.asarray(c, dtype=np.int64)
-            sched = mix_schedule(counts, self._probs, self.global_batch)  # (B * world,) source per position
+            sched = mix_schedule(counts, self._probs, self.world_micro_batch)  # (B * world,) source per position
             ords_all = ordinals(sched, counts)
             src_of, ords = sched[self.rank :: self.world], ords_all[self.rank :: self.world]
             c[:] = (counts + np.bincount(sched, minlength=counts.size)).tolist()

@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from mspretrain.budget import row_of_position
 from mspretrain.data.order import SamplePlan
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.errors import UserError
-from mspretrain.monitor.spike_record import doc_ends, layout
+from mspretrain.monitor.spike_record import doc_ends
 from mspretrain.paths import DataPaths
 
 RULE = ("a sample whose window overlaps a dropped document is replaced by the next sample of the plan after the "
@@ -83,12 +84,12 @@ class DropDocsLoader:
         self.cursor, self.calls, self.first_step = list(end), 0, first_step
         self.swaps: list[Swap] = []
 
-    def __getattr__(self, name: str) -> Any:  # state(), load_state(), global_batch ...: the loader's own
+    def __getattr__(self, name: str) -> Any:  # state(), load_state(), world_micro_batch ...: the loader's own
         return getattr(self.loader, name)
 
     def next_batch(self) -> Any:
         pos = [int(s["consumed"]) for s in self.loader.state()["sources"]]
-        chunk = self.loader.batch_size * self.world
+        chunk = self.loader.world_micro_batch
         ids = self.plan.batch(pos, chunk)  # this call's positions of the global batch, all ranks
         batch = self.loader.next_batch()
         step = self.first_step + self.calls // self.accum
@@ -97,9 +98,9 @@ class DropDocsLoader:
         for p in np.flatnonzero([self.bad[j][w] for j, w in ids.tolist()]):
             sub = self._substitute()
             self.swaps.append(Swap(step, micro_offset + int(p), (int(ids[p, 0]), int(ids[p, 1])), sub))
-            rank, _ = layout(int(p), self.loader.batch_size, self.world)
+            rank, row = row_of_position(int(p), micro=self.loader.batch_size, world=self.world)
             if rank == self.rank:
-                self._put(batch, int(p) // self.world, sub)
+                self._put(batch, row, sub)
         return batch
 
     def _substitute(self) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """Rebuild `train_state.json` / `data_state.json` of a checkpoint whose weights are intact.
 
 Sources of truth, in order: the step in the directory name; `metrics.jsonl` for the loss
-scale and skipped steps at that step; the config for tokens per step; the loader's order being
+scale and skipped steps at that step; the config for tokens per step (`budget.py`); the loader's order being
 a pure function of (seed, position), the data position is `step × global_batch` samples.
 The RNG needs no state (training has no stochastic op; init and data order come from the
 seed). The spike detector restarts with an empty window: said, not hidden.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mspretrain import budget
 from mspretrain.checkpoint import store
 from mspretrain.checkpoint.model_shards import model_files
 from mspretrain.config.schema import load as load_config
@@ -109,7 +110,7 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
 
     ts_ok = _json_ok(d / store.TRAIN_STATE)
     if not ts_ok:
-        tokens = s * cfg.train.global_batch * cfg.data.seq_len
+        tokens = budget.tokens_after(cfg, s)
         skipped = int(m.get("skipped", 0))
         ts = {"step": s, "applied_steps": s - skipped, "tokens_seen": tokens, "skipped_steps": skipped,
               "rng": {"seed": cfg.train.seed, "note": "reseeded deterministically from the run seed"},
@@ -133,9 +134,11 @@ def recover(run_dir: Path, step: int | None = None) -> list[str]:
             raise UserError(f"cannot rebuild data_state.json: the run's data dir {data_dir!r} is not available",
                             "restore the data dir (run_meta.json names it) and run recover again")
         sources = resolve_sources(data_dir, cfg.data.sources)
-        mb = (cfg.train.micro_batch or cfg.train.global_batch // world)
+        # the loader's world is the data-parallel ranks (train/build.py: dp_size = world / tp)
+        dp = max(1, world // cfg.parallel.tp)
+        mb, _ = budget.micro_batches(cfg, dp)
         loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=mb, seed=cfg.train.seed,
-                        rank=0, world=world, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
+                        rank=0, world=dp, reset_attention_at_eos=cfg.data.reset_attention_at_eos,
                         token_dtype=cfg.data.token_dtype, log=lambda x: None)
         total = s * cfg.train.global_batch
         consumed = tuple(int(c) for c in consumed_after(normalise([w for _, w in sources]), total))

@@ -66,6 +66,7 @@ class Analysis:
     hash_ok: bool
     world: int
     micro: int
+    accum: int  # micro-batches per step (budget.micro_batches)
     global_batch: int
     sources: list[str]
     samples: list[dict[str, Any]]  # monitor/spike_record.batch_samples, plus "text"
@@ -146,7 +147,7 @@ def describe_batch(run: str | Path, step: int) -> Analysis:
     samples = batch_samples(ids, sources=[str(p) for p in sources], ends=ends, seq_len=cfg.data.seq_len,
                             micro=b.micro_batch, world=world)
     a = Analysis(run=run, step=step, pos=pos, hash_ok=rec.get("hash") in (None, batch_hash(ids)), world=world,
-                 micro=b.micro_batch, global_batch=g, sources=[str(p) for p in sources], samples=samples, docs={},
+                 micro=b.micro_batch, accum=b.accumulation, global_batch=g, sources=[str(p) for p in sources], samples=samples, docs={},
                  logged=metrics.get(step, {}))
     before = [metrics[s]["loss"] for s in range(max(1, step - cfg.spike.window), step) if "loss" in metrics.get(s, {})]
     a.reference = float(np.mean(before)) if before else None
@@ -303,7 +304,7 @@ def format_analysis(a: Analysis, *, top: int = 10) -> str:
     loss = a.logged.get("loss")
     head = (f"step {a.step} of {a.run}: loss {_fmt_loss(loss)}" + (" (flagged as a spike)" if "spike" in a.logged else "")
             + f"; global batch of {a.global_batch} samples at sample position {a.pos}, {a.world} rank(s) x "
-              f"{a.global_batch // (a.micro * a.world)} micro-batch(es) of {a.micro}")
+              f"{a.accum} micro-batch(es) of {a.micro}")
     lines = [head] + [f"note: {n}" for n in a.notes]
     if a.replay is not None:
         r = a.replay

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from mspretrain.budget import position_of_row, step_samples
 from mspretrain.data.order import SamplePlan
 
 
@@ -30,10 +31,9 @@ class SourceLedger:
     def __init__(self, plan: SamplePlan, *, world: int, rank: int, micro: int, accum: int, seq_len: int,
                  every: int) -> None:
         self.plan, self.seq_len, self.every = plan, seq_len, max(1, every)
-        self.global_batch = micro * accum * world
-        # this rank's rows of a global batch, in the order the step returns them: micro-batch m is
-        # positions [m*micro*world, (m+1)*micro*world) of the global order, and the rank takes r::world
-        self.rows = np.array([m * micro * world + rank + world * i for m in range(accum) for i in range(micro)])
+        self.global_batch = step_samples(micro, accum, world)
+        # this rank's rows of a global batch, in the order the step returns them (budget.py)
+        self.rows = np.array([position_of_row(k, rank=rank, micro=micro, world=world) for k in range(micro * accum)])
         n = len(plan.windows)
         self.loss_sum, self.count = np.zeros(n), np.zeros(n)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from mspretrain.budget import position_of_row, row_of_position
 from mspretrain.data.order import SamplePlan, batch_hash
 from mspretrain.data.origin import docs_in_window
 from mspretrain.data.shards import IndexedDataset
@@ -50,13 +51,6 @@ def window_docs(ends: np.ndarray, seq_len: int, window: int) -> list[int]:
     return [d for d, _, _ in docs_in_window(ends, seq_len, int(window))]
 
 
-def layout(position: int, micro: int, world: int) -> tuple[int, int]:
-    """(rank, micro-batch) of a global position: every `next_batch` of every rank takes micro * world
-    positions, of which rank r holds r, r + world, ... (`data/loader.py`)."""
-    chunk = micro * world
-    return (position % chunk) % world, position // chunk
-
-
 def plan_of_state(data_state: dict[str, Any]) -> SamplePlan:
     """The sample plan of a loader state (`Loader.state()`): its sources' windows, weights and seed."""
     src = data_state["sources"]
@@ -69,8 +63,8 @@ def batch_samples(ids: np.ndarray, *, sources: list[str], ends: list[np.ndarray]
     """One dict per sample of a global batch `ids` ((n, 2): source index, window), in global order."""
     out = []
     for p, (j, w) in enumerate(ids.tolist()):
-        rank, m = layout(p, micro, world)
-        out.append({"position": p, "rank": rank, "micro": m, "source": sources[j], "window": int(w),
+        rank, row = row_of_position(p, micro=micro, world=world)
+        out.append({"position": p, "rank": rank, "micro": row // micro, "source": sources[j], "window": int(w),
                     "documents": window_docs(ends[j], seq_len, w)})
     return out
 
@@ -111,7 +105,7 @@ class SpikeRecord:
         if rows is not None:
             micro, world, seq = int(data_state["batch_size"]), int(data_state["world"]), int(data_state["seq_len"])
             for k, nll in enumerate(np.asarray(rows, dtype=np.float64).reshape(-1).tolist()):
-                rec["samples"][(k // micro) * micro * world + (k % micro) * world]["loss"] = nll / seq
+                rec["samples"][position_of_row(k, rank=0, micro=micro, world=world)]["loss"] = nll / seq
         path = record_path(self.run_dir, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(rec, indent=1) + "\n")

@@ -203,7 +203,7 @@ def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, targ
     flops, rate_source = achieved_flops(m, cfg.data.seq_len, tokens_per_s)
     from mspretrain.monitor.mfu import flops_per_token
 
-    step_flops = cfg.train.global_batch * cfg.data.seq_len * flops_per_token(m, cfg.data.seq_len, cfg.train.trainable)
+    step_flops = budget.tokens_per_step(cfg) * flops_per_token(m, cfg.data.seq_len, cfg.train.trainable)
     bw = bus_gbps * 1e9
     e = 2 if cfg.precision.dtype in ("fp16", "bf16") else 4
     candidates = [_row("DP", 1, devices, 0, False), _row("ZeRO-1", 1, devices, 1, False), _row("ZeRO-2", 1, devices, 2, False),
