@@ -25,7 +25,8 @@ from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write, read_regular_bytes
 from mspretrain.prepare import dedup, sources
-from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.diskdedup import DiskDedup
+from mspretrain.prepare.results import ChunkSpool
 from mspretrain.prepare.resume import Journal
 from mspretrain.prepare.scoring import QualityStage
 from mspretrain.prepare.sink import Sink

@@ -17,9 +17,10 @@ from mspretrain.data.shards import ShardWriter, token_dtype
 from mspretrain.data.tokenizer import Tokenizer, train_sentencepiece
 from mspretrain.paths import SPLITS
 from mspretrain.prepare import clean, dedup, sources
-from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.diskdedup import DiskDedup
 from mspretrain.prepare.pool import batched, chunks, ordered, start_pool
 from mspretrain.prepare.progress import progress_bar
+from mspretrain.prepare.results import ChunkSpool
 from mspretrain.prepare.resume import Journal, point
 from mspretrain.prepare.sink import RefSample, Sink
 from mspretrain.prepare.spool import read_spool
@@ -108,7 +109,7 @@ def _piece_names(work: Path, j: Journal) -> list[str]:
     compressed file's chunks are `ITEM.NNNN`), from the chunk spool."""
     spool = ChunkSpool(work / "pass1.tmp", j.data["pass1"]["spool_bytes"], j.data["pass1"]["chunks"])
     spool.close()
-    return [meta.piece or f"{i:08d}" for i, meta in enumerate(spool.read(remove=False))]
+    return [meta.piece or f"{i:08d}" for i, meta in enumerate(spool.read())]
 
 
 def _gather_sample(work: Path, members: np.ndarray, names: list[str]) -> list[str]:

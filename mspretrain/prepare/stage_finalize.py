@@ -9,8 +9,9 @@ from mspretrain.data.origin import cut_to, origin_name
 from mspretrain.data.shards import ShardWriter
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.paths import SPLITS, DataPaths
+from mspretrain.prepare.modelfile import write_model
 from mspretrain.prepare.publish import build_manifest, fsync_all
-from mspretrain.prepare.quality import REFERENCE_LM, write_model
+from mspretrain.prepare.quality import REFERENCE_LM
 from mspretrain.prepare.resume import STATE_DIR, point
 from mspretrain.prepare.stage import PIECES, REPLAY_PIECES, Run, Stage
 

@@ -11,11 +11,11 @@ from itertools import zip_longest
 from typing import Callable, Iterator
 
 from mspretrain.prepare import clean, dedup, sources
-from mspretrain.prepare.diskdedup import ChunkSpool, place_records
+from mspretrain.prepare.diskdedup import place_records
 from mspretrain.prepare.pool import chunks_with_origin, ordered, start_pool
 from mspretrain.prepare.progress import progress_bar
 from mspretrain.prepare.rescore import attach
-from mspretrain.prepare.results import UnitResult
+from mspretrain.prepare.results import ChunkSpool, UnitResult
 from mspretrain.prepare.resume import point
 from mspretrain.prepare.scoring import SCORES, ScoreWriter
 from mspretrain.prepare.stage import PIECES, Run, Stage

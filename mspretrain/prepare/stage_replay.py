@@ -27,8 +27,9 @@ from mspretrain.data.shards import ShardWriter
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
-from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.diskdedup import DiskDedup
 from mspretrain.prepare.pool import ordered, start_pool
+from mspretrain.prepare.results import ChunkSpool
 from mspretrain.prepare.resume import Journal, point, truncate
 from mspretrain.prepare.sink import RefSample, Sink
 from mspretrain.prepare.spool import Spool
@@ -274,7 +275,7 @@ def replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup
 
     def items() -> Iterator[tuple]:
         done = 0
-        for i, meta in enumerate(spool.read(remove=False)):
+        for i, meta in enumerate(spool.read()):
             n = meta.n
             exact, near = dd.dropped(done, done + n)
             done += n
@@ -389,7 +390,7 @@ def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSp
     # here, not in workers: reading 24 bytes a document from the page cache costs this process
     # less than the same arrays pickled through a pool's pipes (measured: docs/benchmarks/prepare.md)
     done = 0
-    for i, meta in enumerate(spool.read(remove=False)):
+    for i, meta in enumerate(spool.read()):
         n = meta.n
         exact, near = dd.dropped(done, done + n)
         done += n
