@@ -32,6 +32,7 @@ import numpy as np
 
 from mspretrain.fsutil import atomic_writer, cut_back
 from mspretrain.prepare import dedup
+from mspretrain.prepare.tasks import PlaceRecords
 
 PART_BYTES = 64 << 20  # target size of one partition file (sorted in memory, ~3x this at once)
 BUFFER_BYTES = 16 << 20  # records buffered in memory before they are spread over the files
@@ -166,7 +167,7 @@ def chunk_records(keys: bytes, bands: np.ndarray | None, exact_parts: int, band_
     return (*out, *group(b, band_parts))
 
 
-def place_records(item: tuple) -> None:
+def place_records(item: PlaceRecords) -> None:
     """Write a chunk's records (`chunk_records`, saved at `path`) at the places the main process
     reserved in the partition files, their idx moved on by `base` (the chunk's first document);
     then remove `path`. Run by a worker: the main process never touches the records."""
