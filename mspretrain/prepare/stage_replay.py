@@ -364,11 +364,11 @@ class PieceReplay:
             w.seek_end()
         moved = self.sink.planned_move() if self.counting else self.moved
         if moved:
-            self.move(*moved)
+            self.move_last(*moved)
         self.r.files.drop(REPLAY_PIECES)
         return self.sink.count_move(moved, self.last_chars[moved[0]] if moved else 0) if self.counting else []
 
-    def move(self, a: str, b: str) -> None:
+    def move_last(self, a: str, b: str) -> None:
         """The split move (`Sink.finish`): the last document of split `a` appended to `b`.
         `peek_last` leaves the source's bytes until `finalize` cuts them to the counts of the
         commit after this, so a kill before that commit resumes from the last one."""
