@@ -21,7 +21,7 @@ from mspretrain.prepare.resume import point
 from mspretrain.prepare.sink import RefSample, Sink
 from mspretrain.prepare.spool import read_spool
 from mspretrain.prepare.stage import Run, Stage
-from mspretrain.prepare.stage_replay import PieceReplay
+from mspretrain.prepare.stage_replay import Outputs, PieceReplay
 from mspretrain.prepare.workdir import DEDUP, PIECES, split_spool
 from mspretrain.prepare.workers import init_worker, read_texts, tokenize_chunk
 
@@ -144,7 +144,7 @@ def _encode_pieces(r: Run, sink: Sink) -> tuple[dict[str, ShardWriter], dict[str
     if bar is not None and at is not None:
         bar.update(sum(sizes[: at["chunks"]]))
     try:
-        PieceReplay(r, "encode", dd, spool, sink, writers, origins,
+        PieceReplay(r, "encode", dd, spool, sink, Outputs(writers, None, origins),
                     done_chunk=(lambda i: bar.update(sizes[i])) if bar is not None else None).run()
     finally:
         if bar is not None:

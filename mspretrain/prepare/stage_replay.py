@@ -15,6 +15,7 @@ import pickle
 import time
 from abc import abstractmethod
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
@@ -38,6 +39,16 @@ from mspretrain.prepare.workers import init_worker, place_piece, read_small, rep
 REPLAY_LOG = "replay.log"  # in the state dir: `_replay_take`'s log of the sink's sample and held documents
 
 
+@dataclass
+class Outputs:
+    """What a replay writes, reopened at its last commit's lengths: the shard writers (a given
+    tokenizer's run), or the per-split spools of the kept texts (a trained tokenizer's run through
+    this process), and the origin writers; none on `ReplaySample`'s path (the encode stage writes)."""
+    writers: dict[str, ShardWriter] = field(default_factory=dict)
+    spools: dict[str, Spool] | None = None
+    origins: dict[str, OriginWriter] = field(default_factory=dict)
+
+
 class Replay(Stage):
     """Pass 1's results again, with their fate known, to the sink; resumed after a kill from
     the last commit. `tokens`: a given tokenizer's run, whose replay writes the shards (its next
@@ -53,18 +64,18 @@ class Replay(Stage):
         r.files.drop(DEDUP)  # (its records: the decisions are in the state dir)
         spool = r.chunk_spool()
         at = j.data.get("replay")  # resumed: the output files are cut back to the last commit
-        writers, spools, origins = self.outputs(r, at)
-        sink = Sink(r.cfg, writers if self.tokens else spools, 0 if self.tokens else r.cfg.tokenizer_sample_chars, origins)
+        out = self.outputs(r, at)
+        sink = Sink(r.cfg, out.writers if self.tokens else out.spools, 0 if self.tokens else r.cfg.tokenizer_sample_chars, out.origins)
         if at is not None:
             r.log(f"resuming the replay after chunk {at['chunks']:,} of {spool.chunks:,}")
-        for w in self.replay(r, dd, spool, sink, writers, spools, origins):
+        for w in self.replay(r, dd, spool, sink, out):
             r.warn(w)
-        for o in origins.values():
+        for o in out.origins.values():
             o.close()
-        for s in (spools or {}).values():
+        for s in (out.spools or {}).values():
             s.close()
         _check_kept(r, sink)
-        self.commit(r, then, sink, writers, origins)
+        self.commit(r, then, sink, out)
         r.files.drop_state(REPLAY_LOG)  # `_replay_take`'s, not needed after the stage's commit
         self.cleanup(r)
 
@@ -73,19 +84,18 @@ class Replay(Stage):
         r.files.drop(SPOOL)
         r.files.remove_later(PIECES)
 
-    def outputs(self, r: Run, at: dict | None) -> tuple[dict, dict | None, dict]:
-        """(shard writers, spools, origin writers) the replay writes, reopened at `at`'s lengths."""
+    def outputs(self, r: Run, at: dict | None) -> Outputs:
+        """What the replay writes, reopened at `at`'s lengths."""
         writers = {s: ShardWriter(r.files.path(s), r.dtype, at and at["writers"][s]) for s in SPLITS} if self.tokens else {}
         spools = None if self.tokens else {s: Spool(r.files.path(split_spool(s)), at and at["writers"][s]) for s in SPLITS}
-        return writers, spools, {s: OriginWriter(r.files.path(origin_name(s)), at and at["origins"][s]) for s in SPLITS}
+        return Outputs(writers, spools, {s: OriginWriter(r.files.path(origin_name(s)), at and at["origins"][s]) for s in SPLITS})
 
     @abstractmethod
-    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
-               origins: dict) -> list[str]:
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs) -> list[str]:
         """Every chunk to the sink; the notes of the split move (`Sink.finish`): ReplayTake, ReplayPieces, ReplaySample."""
 
-    def commit(self, r: Run, then: str | None, sink: Sink, writers: dict, origins: dict) -> None:
-        j, files = r.journal, r.files
+    def commit(self, r: Run, then: str | None, sink: Sink, out: Outputs) -> None:
+        j, files, writers, origins = r.journal, r.files, out.writers, out.origins
         if self.tokens:
             r.save_state(then, sink=sink, tok_info={"trained": False, "source": str(r.given.path)})
             j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(files.path(origin_name(s)) for s in SPLITS), j.state_dir],
@@ -106,9 +116,8 @@ class ReplayTake(Replay):
     def __init__(self, tokens: bool) -> None:
         self.tokens = tokens
 
-    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
-               origins: dict) -> list[str]:
-        return _replay_take(spool, sink, dd, writers if self.tokens else spools, origins, r.journal)
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs) -> list[str]:
+        return _replay_take(spool, sink, dd, out.writers if self.tokens else out.spools, out.origins, r.journal)
 
     def __repr__(self) -> str:
         return f"ReplayTake(tokens={self.tokens})"
@@ -119,24 +128,22 @@ class ReplayPieces(Replay):
 
     tokens = True
 
-    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
-               origins: dict) -> list[str]:
-        return PieceReplay(r, "replay", dd, spool, sink, writers, origins).run()
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs) -> list[str]:
+        return PieceReplay(r, "replay", dd, spool, sink, out).run()
 
 
 class ReplaySample(Replay):
     """A trained tokenizer's run with pass 1's chunks in files (their texts stay there until the
     encode stage): the counts, the split move and the tokenizer sample by reference."""
 
-    def outputs(self, r: Run, at: dict | None) -> tuple[dict, dict | None, dict]:
-        return {}, None, {}
+    def outputs(self, r: Run, at: dict | None) -> Outputs:
+        return Outputs()
 
-    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
-               origins: dict) -> list[str]:
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs) -> list[str]:
         notes, sink.moved, sink.sample = _replay_sample(r, dd, spool, sink)
         return notes
 
-    def commit(self, r: Run, then: str | None, sink: Sink, writers: dict, origins: dict) -> None:
+    def commit(self, r: Run, then: str | None, sink: Sink, out: Outputs) -> None:
         r.save_state(then, sink=sink)  # pass 1's chunk files and spool stay for the encode stage
         r.journal.commit(fsync=[r.journal.state_dir], stage=then, state=then, moved=list(sink.moved) if sink.moved else None)
 
@@ -263,10 +270,12 @@ class PieceReplay:
     with the trained tokenizer (`Run.tok`); the sink's counts and the move were settled by the
     replay (`_replay_sample`, the journal's "moved"), so only the per-file tallies are added here."""
 
-    def __init__(self, r: Run, stage: str, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict[str, ShardWriter],
-                 origins: dict[str, OriginWriter], done_chunk: Callable[[int], object] | None = None) -> None:
+    def __init__(self, r: Run, stage: str, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs,
+                 done_chunk: Callable[[int], object] | None = None) -> None:
+        """`out`: the shard and origin writers, reopened at the stage's last commit; `done_chunk`:
+        called with each chunk's number once it is placed (the encode stage's progress bar)."""
         self.r, self.stage, self.dd, self.spool, self.sink = r, stage, dd, spool, sink
-        self.writers, self.origins, self.done_chunk = writers, origins, done_chunk
+        self.writers, self.origins, self.done_chunk = out.writers, out.origins, done_chunk
         self.counting = stage == "replay"
         j = r.journal
         self.tok_path = None if self.counting else str(r.tok.path)
