@@ -187,3 +187,37 @@ def test_a_file_shorter_than_its_commit_is_refused_not_padded(tmp_path):
     with pytest.raises(UserError, match="holds 8 bytes, fewer than the 12"):
         cut_back(f, 12)
     assert f.read_bytes() == b"01234567"
+
+
+# what creates, renames or removes a file or dir (`Path`, `os`, `shutil`)
+_TOUCHES = {"rmtree", "unlink", "mkdir", "makedirs", "rename", "replace", "remove", "rmdir", "removedirs", "move",
+            "touch", "symlink_to", "hardlink_to", "link", "symlink", "copy", "copyfile", "copytree"}
+
+
+def test_only_the_work_dir_owner_creates_renames_or_removes_its_entries(tmp_path):
+    """Every stage reaches the work dir through `workdir.WorkDir` (`Run.files`): no stage module
+    removes, renames or creates an entry itself, nor joins a path onto the run's work dir
+    (`r.work / x`); and the owner hands out only the names it knows."""
+    import ast
+
+    from mspretrain.prepare import stage, workdir
+
+    bad = []
+    stages = sorted(Path(stage.__file__).parent.glob("stage_*.py"))
+    assert len(stages) >= 7
+    for path in stages:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _TOUCHES:
+                owner = node.func.value
+                if not (isinstance(owner, ast.Name) and owner.id in ("j", "journal")):  # the journal (beside the work dir) removes itself
+                    bad.append(f"{path.name}:{node.lineno} .{node.func.attr}()")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                if isinstance(node.left, ast.Attribute) and node.left.attr in ("work", "root"):  # `r.work / x`, `r.files.root / x`
+                    bad.append(f"{path.name}:{node.lineno} a path joined onto the work dir")
+    assert not bad, bad
+    files = workdir.WorkDir(tmp_path / "w", resume.Journal(tmp_path / "data"))
+    with pytest.raises(AssertionError, match="not an entry"):
+        files.path("stray.tmp")
+    (tmp_path / "w").mkdir()
+    assert files.fresh(workdir.PIECES).is_dir() and files.fresh(workdir.PIECES, make=False) == tmp_path / "w" / workdir.PIECES
+    assert not (tmp_path / "w" / workdir.PIECES).exists()

@@ -29,7 +29,8 @@ from typing import Sequence
 import numpy as np
 
 from mspretrain.errors import UserError
-from mspretrain.prepare.quality import codepoints, ngram_hashes, sha256_file
+from mspretrain.prepare.modelfile import sha256_file
+from mspretrain.prepare.quality import codepoints, ngram_hashes
 
 _NOT_WORD = re.compile(r"[\W_]+")
 SUFFIXES = (".csv", ".jsonl", ".json", ".ndjson")

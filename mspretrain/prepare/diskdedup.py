@@ -3,7 +3,7 @@
 Design choices:
 - Pass 1 only records, per cleaned document (numbered in input order: `idx`), its 128-bit exact
   key and, with near dedup, its LSH band keys; the decisions are taken after pass 1, and pass 1's
-  chunk results wait in a spool (`ChunkSpool`) until they are known.
+  chunk results wait in a spool (`results.ChunkSpool`) until they are known.
 - Records are spilled into `parts` files by the top bits of their key (`Partitions`): every
   record with a given key lands in the same file, in input order (appends are ordered, and the
   split into files is a stable sort). Each file is sorted on its own in memory; their number
@@ -25,7 +25,6 @@ Design choices:
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -33,6 +32,7 @@ import numpy as np
 
 from mspretrain.fsutil import atomic_writer, cut_back
 from mspretrain.prepare import dedup
+from mspretrain.prepare.tasks import PlaceRecords
 
 PART_BYTES = 64 << 20  # target size of one partition file (sorted in memory, ~3x this at once)
 BUFFER_BYTES = 16 << 20  # records buffered in memory before they are spread over the files
@@ -167,7 +167,7 @@ def chunk_records(keys: bytes, bands: np.ndarray | None, exact_parts: int, band_
     return (*out, *group(b, band_parts))
 
 
-def place_records(item: tuple) -> None:
+def place_records(item: PlaceRecords) -> None:
     """Write a chunk's records (`chunk_records`, saved at `path`) at the places the main process
     reserved in the partition files, their idx moved on by `base` (the chunk's first document);
     then remove `path`. Run by a worker: the main process never touches the records."""
@@ -475,43 +475,3 @@ class DiskDedup:
         near = self.near_bits.range(lo, hi) if self.near_bits is not None else np.zeros(hi - lo, dtype=bool)
         return exact, near & ~exact
 
-
-class ChunkSpool:
-    """Pass 1's chunk results (pickled, in order) on disk until the dedup decisions are known."""
-
-    def __init__(self, path: Path, size: int | None = None, chunks: int = 0) -> None:
-        """A new spool, or (`size`) one cut back to the `size` bytes holding its first `chunks`."""
-        self.path = path
-        if size is None:
-            self._f = open(path, "wb", buffering=1 << 20)
-        else:
-            cut_back(path, size)
-            self._f = open(path, "ab", buffering=1 << 20)
-        self.chunks = chunks
-
-    def add(self, result: dict) -> None:
-        pickle.dump(result, self._f, protocol=5)
-        self.chunks += 1
-
-    def flush(self) -> int:
-        """Write the buffer out; the spool's length in bytes."""
-        self._f.flush()
-        return self._f.tell()
-
-    def close(self) -> None:
-        self._f.close()
-
-    def read_from(self, offset: int = 0, first: int = 0) -> Iterator[tuple[dict, int]]:
-        """The chunks from number `first` on, which start at byte `offset` (a resumed replay's
-        commit), each with the byte offset where it ends (what the next commit records)."""
-        with open(self.path, "rb", buffering=1 << 20) as f:
-            f.seek(offset)
-            for _ in range(first, self.chunks):
-                yield pickle.load(f), f.tell()
-
-    def read(self, remove: bool = True) -> Iterator[dict]:
-        with open(self.path, "rb", buffering=1 << 20) as f:
-            for _ in range(self.chunks):
-                yield pickle.load(f)
-        if remove:
-            os.unlink(self.path)

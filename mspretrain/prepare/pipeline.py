@@ -24,7 +24,9 @@ so the output is byte-identical whatever the number of workers.
 
 The stages are objects (`stage.Stage`), one module each (`stage_scan`, `stage_read`,
 `stage_dedup`, `stage_replay`, `stage_encode`, `stage_finalize`, `stage_publish`); `chain` picks
-them once per run, and `run` starts the chain at the stage the journal names (`resume.py`).
+them once per run, and `run` starts the chain at the stage the journal names (`resume.py`). The
+work dir has one owner, `workdir.WorkDir` (`Run.files`): it names every entry a stage writes,
+and only it creates, renames or removes them.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from mspretrain.prepare.stage_publish import Publish
 from mspretrain.prepare.stage_read import ReadClean
 from mspretrain.prepare.stage_replay import ReplayPieces, ReplaySample, ReplayTake
 from mspretrain.prepare.stage_scan import ScoreScan
+from mspretrain.prepare.workdir import WorkDir
 
 LOCAL_PIECES = True  # False: every chunk's documents pass through this process, as with --ray (benchmarks compare)
 # Compressed files as whole-file units read by a worker (`sources.FileUnit`), on the per-chunk path:
@@ -110,7 +113,7 @@ def run(paths: list[Path], names: list[str], work: Path, cfg: PrepareConfig, giv
     tok = None
     if given is not None and not finished:
         tok = replace(given, path=given.save_to(work))  # the same model: no second parse (serial time before the workers start)
-    r = Run(paths=paths, names=names, work=work, cfg=cfg, given=given, tok=tok,
+    r = Run(paths=paths, names=names, files=WorkDir(work, j), cfg=cfg, given=given, tok=tok,
             dtype=token_dtype(given.vocab_size) if given is not None else token_dtype(cfg.vocab_size), workers=workers,
             progress=progress, log=log, warn=warn, stats=stats, journal=j, ray=ray, quality=quality, pieces=pieces, units=UNITS,
             t0=time.time(), total_bytes=sum(p.stat().st_size for p in paths), out=out, inputs=inputs, seq_len=seq_len,

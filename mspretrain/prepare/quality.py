@@ -17,15 +17,13 @@ Why these models:
   downloaded at run time), asked for the probability that a document is Chinese; a document whose
   script already says so (mostly Han, no kana or hangul) skips the model (`LangID`).
 
-Model files are `.npz` written without pickle; their SHA-256 goes into the run's fingerprint and
-the manifest, and a `NAME.sha256` file written beside each model is checked when it is loaded.
+Model files are `.npz` written without pickle (`modelfile.py`); their SHA-256 goes into the run's
+fingerprint and the manifest, and a `NAME.sha256` file written beside each model is checked when
+it is loaded.
 """
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -34,10 +32,8 @@ import numpy as np
 
 from mspretrain.errors import UserError
 from mspretrain.prepare.hash64 import _MULT, _mix
+from mspretrain.prepare.modelfile import CLASSIFIER_KIND, LM_KIND, load_model, model_bytes, save_model, write_model
 
-CLASSIFIER_KIND = "mspretrain-quality-classifier"
-LM_KIND = "mspretrain-char-lm"
-FORMAT = 1
 ORDERS = (1, 2, 3)  # character n-gram orders of the classifier's features
 CLASSIFIER_BITS = 20  # 1 M hashed features: ~4 MB of float32 weights
 LM_BITS = 21  # per order: 2 M hashed counts
@@ -78,118 +74,6 @@ def layout(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     doc = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
     room = starts[1:][doc] - np.arange(doc.size, dtype=np.int64)
     return room, doc
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-# ----------------------------------------------------------------------------- model files
-
-def _bytes(kind: str, meta: dict, arrays: dict[str, np.ndarray]) -> bytes:
-    """A model file's bytes (`np.savez`, no pickle; its zip entries carry a fixed date: the same
-    model, the same bytes)."""
-    import io
-
-    buf = io.BytesIO()
-    head = json.dumps({"kind": kind, "format": FORMAT, **meta}, ensure_ascii=False, sort_keys=True).encode()
-    np.savez(buf, meta=np.frombuffer(head, dtype=np.uint8), **arrays)
-    return buf.getvalue()
-
-
-def write_model(path: Path, data: bytes) -> str:
-    """Write a model's bytes and `PATH.sha256`; returns the SHA-256."""
-    from mspretrain.fsutil import atomic_write
-
-    digest = hashlib.sha256(data).hexdigest()
-    atomic_write(path, data)
-    atomic_write(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
-    return digest
-
-
-def _save(path: Path, kind: str, meta: dict, arrays: dict[str, np.ndarray]) -> str:
-    return write_model(path, _bytes(kind, meta, arrays))
-
-
-MODEL_CAP = 64 << 20  # a model file's bytes, and its members' inflated bytes (the LM's counts: 25 MB)
-META_CAP = 1 << 20  # the JSON head of a model file
-MEMBERS = {CLASSIFIER_KIND: ("meta", "weights", "bias"), LM_KIND: ("meta", "counts", "total")}
-
-
-def _members(data: bytes, what: str, p: Path, hint: str) -> None:
-    """Check a model file's zip before numpy inflates any of it: only the members its kind has,
-    each a plain numeric .npy whose header's shape fits, all of them at most MODEL_CAP bytes
-    inflated (a zip bomb of 2 MB declaring 1.5 GB is refused before a byte is inflated)."""
-    import io
-
-    from numpy.lib import format as npformat
-
-    bad = f"{what} {p} is corrupt or not a model file"
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            infos = z.infolist()
-            names = sorted(i.filename for i in infos)
-            if names not in (sorted(m + ".npy" for m in ms) for ms in MEMBERS.values()):
-                raise UserError(f"{bad} (its members are not a quality model's)", hint)
-            total = 0
-            for i in infos:
-                total += i.file_size
-                if total > MODEL_CAP or i.file_size > (META_CAP if i.filename == "meta.npy" else MODEL_CAP):
-                    raise UserError(f"{what} {p} inflates to more than the {MODEL_CAP:,} bytes a model file holds", hint)
-                with z.open(i) as f:
-                    version = npformat.read_magic(f)
-                    if version not in ((1, 0), (2, 0)):
-                        raise UserError(bad, hint)
-                    read = npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0
-                    shape, _, dtype = read(f, max_header_size=1 << 12)
-                    count = 1
-                    for d in shape:
-                        count *= int(d)
-                    if dtype.kind not in "fiu" or dtype.hasobject or count * dtype.itemsize > i.file_size:
-                        raise UserError(f"{bad} (member {i.filename})", hint)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError, RuntimeError, TypeError, OverflowError):
-        raise UserError(bad, hint) from None
-
-
-def _load(path: str | Path, kind: str, what: str, names: tuple[str, ...]) -> tuple[dict, dict[str, np.ndarray], str]:
-    """(meta, arrays, sha256) of a model file; one-line UserError when it is missing or not one.
-    Read with the guards of every input (a regular file, at most MODEL_CAP bytes: a directory, a
-    FIFO or /dev/zero is named as what it is), and its zip checked before numpy inflates it."""
-    import io
-
-    from mspretrain.fsutil import file_kind, loads_json, read_regular_bytes, read_regular_text, why_not
-
-    p = Path(path).expanduser()
-    hint = f"train it with `mspretrain quality {'train' if kind == CLASSIFIER_KIND else 'lm'}`, or fix the path in the config"
-    if file_kind(p) != "a file":
-        raise UserError(f"{what} {p} {why_not(p)}", hint)
-    data = read_regular_bytes(p, MODEL_CAP, what, hint)
-    digest = hashlib.sha256(data).hexdigest()
-    side = p.with_name(p.name + ".sha256")
-    if os.path.lexists(side):
-        want = read_regular_text(side, 1 << 12, "checksum file", hint, errors="replace").split()[:1]
-        if want != [digest]:
-            raise UserError(f"{what} {p} is corrupt: its SHA-256 is not the one in {side.name}", hint)
-    _members(data, what, p, hint)
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-        head = arrays.pop("meta")
-        if head.dtype != np.uint8 or head.ndim != 1:
-            raise ValueError
-        meta = loads_json(head.tobytes().decode(), f"{what} {p}'s head", hint)
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError, TypeError):
-        raise UserError(f"{what} {p} is corrupt or not a model file", hint) from None
-    if not isinstance(meta, dict) or meta.get("kind") != kind or meta.get("format") != FORMAT or set(names) - set(arrays):
-        raise UserError(f"{what} {p} is not a {kind} file (format {FORMAT})", hint)
-    for k in names:
-        if not np.all(np.isfinite(arrays[k])):
-            raise UserError(f"{what} {p} is corrupt: {k} holds non-finite numbers", hint)
-    return meta, arrays, digest
 
 
 def model_kind(path: Path) -> str | None:
@@ -248,7 +132,7 @@ class Classifier:
 
     @staticmethod
     def load(path: str | Path) -> "Classifier":
-        meta, a, digest = _load(path, CLASSIFIER_KIND, "quality model", ("weights", "bias"))
+        meta, a, digest = load_model(path, CLASSIFIER_KIND, "quality model", ("weights", "bias"))
         w = a["weights"].astype(np.float32)
         kind = meta.get("features", "chars")
         orders = meta.get("orders", [])
@@ -304,7 +188,7 @@ def train_classifier(pos: Sequence[str], neg: Sequence[str], l2: float = 1e-6, b
 def save_classifier(path: Path, w: np.ndarray, b: float, report: dict, kind: str = "chars") -> str:
     # a character model's meta is as before word features existed (the same bytes, the same SHA-256)
     meta = {"orders": list(ORDERS)} if kind == "chars" else {"features": kind, "orders": list(words_orders())}
-    return _save(path, CLASSIFIER_KIND, {**meta, "bits": int(w.size).bit_length() - 1, "report": report},
+    return save_model(path, CLASSIFIER_KIND, {**meta, "bits": int(w.size).bit_length() - 1, "report": report},
                  {"weights": w.astype(np.float32), "bias": np.array(b, dtype=np.float64)})
 
 
@@ -354,7 +238,7 @@ class CharLM:
 
     @staticmethod
     def load(path: str | Path) -> "CharLM":
-        meta, a, digest = _load(path, LM_KIND, "perplexity model", ("counts", "total"))
+        meta, a, digest = load_model(path, LM_KIND, "perplexity model", ("counts", "total"))
         c = a["counts"].astype(np.float32)
         if c.ndim != 2 or c.shape[0] != 3 or not c.shape[1] or c.shape[1] & (c.shape[1] - 1) or a["total"].size != 1:
             raise UserError(f"perplexity model {path} has a layout this version does not read", "train it again with `mspretrain quality lm`")
@@ -414,7 +298,7 @@ def train_lm(texts: Iterable[str], bits: int = LM_BITS) -> tuple[np.ndarray, flo
 
 
 def lm_bytes(counts: np.ndarray, total: float, report: dict) -> bytes:
-    return _bytes(LM_KIND, {"bits": int(counts.shape[1]).bit_length() - 1, "report": report},
+    return model_bytes(LM_KIND, {"bits": int(counts.shape[1]).bit_length() - 1, "report": report},
                   {"counts": counts, "total": np.array(total, dtype=np.float64)})
 
 

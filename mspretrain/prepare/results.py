@@ -2,14 +2,19 @@
 `workers.spill_chunk`) and for one compressed file it read whole (`workers.spill_unit`).
 
 Typed, instead of the dicts they were: the main process spools each `ChunkResult` (pickled,
-`diskdedup.ChunkSpool`) until the dedup decisions are known, and the replay reads it back
+`ChunkSpool`) until the dedup decisions are known, and the replay reads it back
 (`sink.Sink.take`, or only the counts and the piece's name on the pieces path). The per-document
 arrays are aligned with the chunk's cleaned documents, in input order."""
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
 
 import numpy as np
+
+from mspretrain.fsutil import cut_back
 
 
 @dataclass
@@ -67,3 +72,43 @@ class UnitResult:
     chunks: list[ChunkResult] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+
+
+class ChunkSpool:
+    """Pass 1's chunk results (pickled, in order) on disk until the dedup decisions are known."""
+
+    def __init__(self, path: Path, size: int | None = None, chunks: int = 0) -> None:
+        """A new spool, or (`size`) one cut back to the `size` bytes holding its first `chunks`."""
+        self.path = path
+        if size is None:
+            self._f = open(path, "wb", buffering=1 << 20)
+        else:
+            cut_back(path, size)
+            self._f = open(path, "ab", buffering=1 << 20)
+        self.chunks = chunks
+
+    def add(self, result: ChunkResult) -> None:
+        pickle.dump(result, self._f, protocol=5)
+        self.chunks += 1
+
+    def flush(self) -> int:
+        """Write the buffer out; the spool's length in bytes."""
+        self._f.flush()
+        return self._f.tell()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def read_from(self, offset: int = 0, first: int = 0) -> Iterator[tuple[ChunkResult, int]]:
+        """The chunks from number `first` on, which start at byte `offset` (a resumed replay's
+        commit), each with the byte offset where it ends (what the next commit records)."""
+        with open(self.path, "rb", buffering=1 << 20) as f:
+            f.seek(offset)
+            for _ in range(first, self.chunks):
+                yield pickle.load(f), f.tell()
+
+    def read(self) -> Iterator[ChunkResult]:
+        """Every chunk, in order (the spool stays: the stage runner removes it, `workdir.WorkDir`)."""
+        with open(self.path, "rb", buffering=1 << 20) as f:
+            for _ in range(self.chunks):
+                yield pickle.load(f)

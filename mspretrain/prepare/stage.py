@@ -2,7 +2,9 @@
 
 A stage is one step of the journal (`resume.Journal.stage` names it): it reads what the stages
 before it left (files in the work dir, the state file of the journal's `state`), does its work,
-resumable from its own last commit, and ends with a commit that names the next stage. The runner
+resumable from its own last commit, and ends with a commit that names the next stage. It writes
+only the paths the run's `workdir.WorkDir` hands it, and creates or removes entries of the work
+dir only through it: the work dir has one owner. The runner
 (`pipeline.run`) holds the chain, a plain list of stage objects chosen once per run, and starts
 at the stage the journal names: a run killed anywhere resumes at the stage it was in.
 """
@@ -11,10 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-import shutil
-import subprocess
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -25,13 +25,12 @@ from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write, read_regular_bytes
 from mspretrain.prepare import dedup, sources
-from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.diskdedup import DiskDedup
+from mspretrain.prepare.results import ChunkSpool
 from mspretrain.prepare.resume import Journal
 from mspretrain.prepare.scoring import QualityStage
 from mspretrain.prepare.sink import Sink
-
-PIECES = "pass1.pieces"  # pass 1's per-chunk files written by the workers (`workers.spill_chunk`)
-REPLAY_PIECES = "replay.pieces"  # the replay's per-chunk shard and origin pieces (`workers.replay_chunk`)
+from mspretrain.prepare.workdir import DEDUP, SPOOL, WorkDir
 
 
 @dataclass
@@ -40,7 +39,7 @@ class Run:
     the next within a process (the rest goes through the work dir and the journal)."""
     paths: list[Path]
     names: list[str]
-    work: Path
+    files: WorkDir  # the work dir: every path a stage writes, and every creation and removal of its entries
     cfg: PrepareConfig
     given: Tokenizer | None  # a given tokenizer (saved into the work dir), or None: one is trained
     tok: Tokenizer | None  # the tokenizer of the shards: the given one, or the trained one from the encode stage on
@@ -61,25 +60,24 @@ class Run:
     inputs: list[str]  # the inputs as given (the manifest's `inputs`)
     seq_len: int | None  # `--seq-len`: only to warn when a split is shorter than one window
     reference: bytes | None  # the perplexity model of `prepare.lm_reference`, written to the data dir
-    removing: list = field(default_factory=list)  # background removals of scratch dirs (`remove_later`)
     manifest: dict | None = None  # the finalize stage's result, the data dir's manifest
     _dd: DiskDedup | None = None
 
     @property
-    def spool_path(self) -> Path:
-        return self.work / "pass1.tmp"
+    def work(self) -> Path:
+        return self.files.root
 
     def dedup(self) -> DiskDedup:
         """The dedup state on disk (`diskdedup`: ~24 bytes per document for exact keys, ~16 per
         LSH band), one object from pass 1 to the replay."""
         if self._dd is None:
-            self._dd = DiskDedup(self.work / "dedup.tmp", self.total_bytes, dedup.LshSettings.of(self.cfg))
+            self._dd = DiskDedup(self.files.path(DEDUP), self.total_bytes, dedup.LshSettings.of(self.cfg))
         return self._dd
 
     def chunk_spool(self) -> ChunkSpool:
         """Pass 1's chunk results, as its last commit left them (read-only from then on)."""
         p1 = self.journal.data["pass1"]
-        spool = ChunkSpool(self.spool_path, p1["spool_bytes"], p1["chunks"])
+        spool = ChunkSpool(self.files.path(SPOOL), p1["spool_bytes"], p1["chunks"])
         spool.close()
         return spool
 
@@ -116,21 +114,6 @@ class Run:
             raise UserError(f"{path} is not the state file the interrupted prepare's last commit recorded (its SHA-256): "
                             "the work dir was changed after the kill", fix)
         return pickle.loads(data)
-
-    def remove_later(self, path: Path) -> None:
-        """Remove a scratch directory (pass 1's chunk files, the dedup partitions) in a child
-        process (`rm -rf`), while prepare goes on: freeing their pages costs the kernel ~0.4 ms
-        per chunk, serial time this process no longer spends. Renamed first, so that a kill
-        leaves a name `finalize` removes. The finalize stage waits for them."""
-        if not path.exists():
-            return
-        trash = path.with_name(path.name + ".trash")
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(path, trash)
-        try:
-            self.removing.append(subprocess.Popen(["rm", "-rf", "--", str(trash)], stdin=subprocess.DEVNULL))
-        except OSError:  # no `rm` here
-            shutil.rmtree(trash, ignore_errors=True)
 
 
 class Stage(ABC):

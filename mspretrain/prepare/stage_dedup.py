@@ -7,6 +7,7 @@ import time
 from mspretrain.prepare.pool import start_pool
 from mspretrain.prepare.resume import point
 from mspretrain.prepare.stage import Run, Stage
+from mspretrain.prepare.workdir import DEDUP
 from mspretrain.prepare.workers import init_worker
 
 
@@ -45,5 +46,5 @@ class Dedup(Stage):
         path = j.state_path("decisions.npy")
         dd.save_decisions(path)
         j.commit(fsync=[path, path.parent], stage=then)
-        r.remove_later(dd.root)
+        r.files.remove_later(DEDUP)
         r.log(f"dedup: {dd.n:,} cleaned documents decided on disk ({time.time() - t1:.1f} s)")

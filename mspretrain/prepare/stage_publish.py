@@ -23,7 +23,7 @@ class Publish(Stage):
         j = r.journal
         j.drop_state()  # (again after a kill: it may have been half removed)
         point("publish")
-        publish.publish(r.work, r.out)
+        r.files.publish(r.out)
         j.remove()
 
     def resume(self, r: Run) -> None:

@@ -12,28 +12,41 @@ from __future__ import annotations
 import heapq
 import io
 import pickle
-import shutil
 import time
 from abc import abstractmethod
 from collections import deque
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
 
-from mspretrain.config.schema import PrepareConfig
 from mspretrain.data.origin import OriginWriter, origin_name
 from mspretrain.data.shards import ShardWriter
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write
 from mspretrain.paths import SPLITS
-from mspretrain.prepare.diskdedup import ChunkSpool, DiskDedup
+from mspretrain.prepare.diskdedup import DiskDedup
 from mspretrain.prepare.pool import ordered, start_pool
+from mspretrain.prepare.results import ChunkSpool, ReplayResult
 from mspretrain.prepare.resume import Journal, point, truncate
 from mspretrain.prepare.sink import RefSample, Sink
 from mspretrain.prepare.spool import Spool
-from mspretrain.prepare.stage import PIECES, REPLAY_PIECES, Run, Stage
+from mspretrain.prepare.stage import Run, Stage
+from mspretrain.prepare.tasks import Copy, PlacePiece, ReplayTask
+from mspretrain.prepare.workdir import DEDUP, PIECES, REPLAY_PIECES, SPOOL, split_spool
 from mspretrain.prepare.workers import init_worker, place_piece, read_small, replay_chunk
+
+REPLAY_LOG = "replay.log"  # in the state dir: `_replay_take`'s log of the sink's sample and held documents
+
+
+@dataclass
+class Outputs:
+    """What a replay writes, reopened at its last commit's lengths: the shard writers (a given
+    tokenizer's run), or the per-split spools of the kept texts (a trained tokenizer's run through
+    this process), and the origin writers; none on `ReplaySample`'s path (the encode stage writes)."""
+    writers: dict[str, ShardWriter] = field(default_factory=dict)
+    spools: dict[str, Spool] | None = None
+    origins: dict[str, OriginWriter] = field(default_factory=dict)
 
 
 class Replay(Stage):
@@ -48,52 +61,51 @@ class Replay(Stage):
         j = r.journal
         dd = r.dedup()
         dd.load_decisions(j.state_path("decisions.npy"))
-        shutil.rmtree(dd.root, ignore_errors=True)
+        r.files.drop(DEDUP)  # (its records: the decisions are in the state dir)
         spool = r.chunk_spool()
         at = j.data.get("replay")  # resumed: the output files are cut back to the last commit
-        writers, spools, origins = self.outputs(r, at)
-        sink = Sink(r.cfg, writers if self.tokens else spools, 0 if self.tokens else r.cfg.tokenizer_sample_chars, origins)
+        out = self.outputs(r, at)
+        sink = Sink(r.cfg, out.writers if self.tokens else out.spools, 0 if self.tokens else r.cfg.tokenizer_sample_chars, out.origins)
         if at is not None:
             r.log(f"resuming the replay after chunk {at['chunks']:,} of {spool.chunks:,}")
-        for w in self.replay(r, dd, spool, sink, writers, spools, origins):
+        for w in self.replay(r, dd, spool, sink, out):
             r.warn(w)
-        for o in origins.values():
+        for o in out.origins.values():
             o.close()
-        for s in (spools or {}).values():
+        for s in (out.spools or {}).values():
             s.close()
         _check_kept(r, sink)
-        self.commit(r, then, sink, writers, origins)
-        j.state_path("replay.log").unlink(missing_ok=True)  # `_replay_take`'s, not needed after the stage's commit
+        self.commit(r, then, sink, out)
+        r.files.drop_state(REPLAY_LOG)  # `_replay_take`'s, not needed after the stage's commit
         self.cleanup(r)
 
     def cleanup(self, r: Run) -> None:
         """Pass 1's chunk spool and chunk files, not needed after the stage's commit."""
-        r.spool_path.unlink(missing_ok=True)
-        r.remove_later(r.work / PIECES)
+        r.files.drop(SPOOL)
+        r.files.remove_later(PIECES)
 
-    def outputs(self, r: Run, at: dict | None) -> tuple[dict, dict | None, dict]:
-        """(shard writers, spools, origin writers) the replay writes, reopened at `at`'s lengths."""
-        writers = {s: ShardWriter(r.work / s, r.dtype, at and at["writers"][s]) for s in SPLITS} if self.tokens else {}
-        spools = None if self.tokens else {s: Spool(r.work / f"{s}.spool", at and at["writers"][s]) for s in SPLITS}
-        return writers, spools, {s: OriginWriter(r.work / origin_name(s), at and at["origins"][s]) for s in SPLITS}
+    def outputs(self, r: Run, at: dict | None) -> Outputs:
+        """What the replay writes, reopened at `at`'s lengths."""
+        writers = {s: ShardWriter(r.files.path(s), r.dtype, at and at["writers"][s]) for s in SPLITS} if self.tokens else {}
+        spools = None if self.tokens else {s: Spool(r.files.path(split_spool(s)), at and at["writers"][s]) for s in SPLITS}
+        return Outputs(writers, spools, {s: OriginWriter(r.files.path(origin_name(s)), at and at["origins"][s]) for s in SPLITS})
 
     @abstractmethod
-    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
-               origins: dict) -> list[str]:
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs) -> list[str]:
         """Every chunk to the sink; the notes of the split move (`Sink.finish`): ReplayTake, ReplayPieces, ReplaySample."""
 
-    def commit(self, r: Run, then: str | None, sink: Sink, writers: dict, origins: dict) -> None:
-        j, work = r.journal, r.work
+    def commit(self, r: Run, then: str | None, sink: Sink, out: Outputs) -> None:
+        j, files, writers, origins = r.journal, r.files, out.writers, out.origins
         if self.tokens:
             r.save_state(then, sink=sink, tok_info={"trained": False, "source": str(r.given.path)})
-            j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(work / origin_name(s) for s in SPLITS), j.state_dir],
+            j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(files.path(origin_name(s)) for s in SPLITS), j.state_dir],
                      stage=then, state=then, writers={s: w.state() for s, w in writers.items()},
                      origin_records={s: o.records for s, o in origins.items()})
             for w in writers.values():
                 w.close()
         else:
             r.save_state(then, sink=sink)
-            j.commit(fsync=[*(work / f"{s}.spool" for s in SPLITS), *(work / origin_name(s) for s in SPLITS), j.state_dir],
+            j.commit(fsync=[*(files.path(split_spool(s)) for s in SPLITS), *(files.path(origin_name(s)) for s in SPLITS), j.state_dir],
                      stage=then, state=then, origin_records={s: o.records for s, o in origins.items()})
 
 
@@ -104,9 +116,8 @@ class ReplayTake(Replay):
     def __init__(self, tokens: bool) -> None:
         self.tokens = tokens
 
-    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
-               origins: dict) -> list[str]:
-        return _replay_take(spool, sink, dd, writers if self.tokens else spools, origins, r.journal)
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs) -> list[str]:
+        return _replay_take(spool, sink, dd, out.writers if self.tokens else out.spools, out.origins, r.journal)
 
     def __repr__(self) -> str:
         return f"ReplayTake(tokens={self.tokens})"
@@ -117,24 +128,22 @@ class ReplayPieces(Replay):
 
     tokens = True
 
-    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
-               origins: dict) -> list[str]:
-        return replay_pieces(r.work, r.cfg, r.dtype, dd, spool, sink, writers, origins, r.local_workers(), r.journal)
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs) -> list[str]:
+        return PieceReplay(r, "replay", dd, spool, sink, out).run()
 
 
 class ReplaySample(Replay):
     """A trained tokenizer's run with pass 1's chunks in files (their texts stay there until the
     encode stage): the counts, the split move and the tokenizer sample by reference."""
 
-    def outputs(self, r: Run, at: dict | None) -> tuple[dict, dict | None, dict]:
-        return {}, None, {}
+    def outputs(self, r: Run, at: dict | None) -> Outputs:
+        return Outputs()
 
-    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, writers: dict, spools: dict | None,
-               origins: dict) -> list[str]:
-        notes, sink.moved, sink.sample = _replay_sample(r.work, r.cfg, dd, spool, sink, r.journal)
+    def replay(self, r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs) -> list[str]:
+        notes, sink.moved, sink.sample = _replay_sample(r, dd, spool, sink)
         return notes
 
-    def commit(self, r: Run, then: str | None, sink: Sink, writers: dict, origins: dict) -> None:
+    def commit(self, r: Run, then: str | None, sink: Sink, out: Outputs) -> None:
         r.save_state(then, sink=sink)  # pass 1's chunk files and spool stay for the encode stage
         r.journal.commit(fsync=[r.journal.state_dir], stage=then, state=then, moved=list(sink.moved) if sink.moved else None)
 
@@ -182,7 +191,7 @@ def _replay_take(spool: ChunkSpool, sink: Sink, dd: DiskDedup, outs: dict, origi
     in the state dir instead, so that a commit writes only what changed since the last one: the
     sample's new members (texts), the numbers of those that left, and the held documents."""
     at = j.data.get("replay")
-    path = j.state_path("replay.log")
+    path = j.state_path(REPLAY_LOG)
     live: set[int] = set()  # the sample members (their `order`) the log holds as of the last commit
     if at is None:
         skip, docs, offset = 0, 0, 0
@@ -242,120 +251,145 @@ def _replay_take(spool: ChunkSpool, sink: Sink, dd: DiskDedup, outs: dict, origi
     return sink.finish()
 
 
-def replay_pieces(work: Path, cfg: PrepareConfig, dtype: np.dtype, dd: DiskDedup, spool: ChunkSpool, sink: Sink,
-                   writers: dict[str, ShardWriter], origins: dict[str, OriginWriter], workers: int, j: Journal,
-                   stage: str = "replay", tok_path: str | None = None, moved: tuple[str, str] | None | bool = False,
-                   done_chunk: Callable[[int], object] | None = None) -> list[str]:
-    """The replay when pass 1's chunks are in files: workers cut each chunk into its kept
-    documents' shard and origin pieces (`workers.replay_chunk`); here, per chunk, only the counts
-    and each piece's place in the outputs, in order, where a worker copies it (`workers.place_piece`,
-    in the kernel). Same bytes as `Sink.take`:
-    each split's documents in input order, and at the end the move of `Sink.finish`.
+class PieceReplay:
+    """The replay when pass 1's chunks are in files, run by two stages: workers cut each chunk
+    into its kept documents' shard and origin pieces (`workers.replay_chunk`, one `ReplayTask`);
+    here, per chunk, only the counts and each piece's place in the outputs, in order, where a
+    worker copies it (`workers.place_piece`, one `PlacePiece`: in the kernel). Same bytes as
+    `Sink.take`: each split's documents in input order, and at the end the move of `Sink.finish`.
 
-    Resumable: every `commit_seconds()` the journal's "replay" names the chunks done, the writers'
-    lengths and the sink's counters (a few hundred bytes: the pieces path holds no documents and
-    no tokenizer sample); `_replay` cut the outputs back to them, and the chunks after the commit
-    are cut and placed again (pass 1's chunk files stay until the replay's last commit).
+    Resumable: every `commit_seconds()` the journal's entry of the stage names the chunks done,
+    the writers' lengths and the sink's counters (a few hundred bytes: the pieces path holds no
+    documents and no tokenizer sample); `Replay.outputs` cut the outputs back to them, and the
+    chunks after the commit are cut and placed again (pass 1's chunk files stay until the
+    stage's last commit).
 
-    `stage` "encode" (a trained tokenizer's run, its pieces hold texts): the same after training,
-    with the workers encoding (`tok_path`); the sink's counts and the `moved` document were
-    settled by `_replay_sample` already, so only the per-file tallies are added here."""
-    src, dst = work / PIECES, work / REPLAY_PIECES
-    shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir()
-    counting = stage == "replay"
-    at = j.data.get(stage)
-    skip = at["chunks"] if at is not None else 0
-    last_chars: dict[str, int] = {}
-    if at is not None:
-        _restore_counts(sink, at["sink"])
-        last_chars.update(at["last_chars"])
-    counted: deque = deque()  # per chunk sent out: what `Sink.count` adds when its result is in
+    `stage` "replay" (`ReplayPieces`, a given tokenizer's run: the pieces hold tokens) counts
+    what the sink counts and plans the split move. "encode" (`EncodePieces`, a trained
+    tokenizer's run, its pieces hold texts): the same after training, with the workers encoding
+    with the trained tokenizer (`Run.tok`); the sink's counts and the move were settled by the
+    replay (`_replay_sample`, the journal's "moved"), so only the per-file tallies are added here."""
 
-    def items() -> Iterator[tuple]:
+    def __init__(self, r: Run, stage: str, dd: DiskDedup, spool: ChunkSpool, sink: Sink, out: Outputs,
+                 done_chunk: Callable[[int], object] | None = None) -> None:
+        """`out`: the shard and origin writers, reopened at the stage's last commit; `done_chunk`:
+        called with each chunk's number once it is placed (the encode stage's progress bar)."""
+        self.r, self.stage, self.dd, self.spool, self.sink = r, stage, dd, spool, sink
+        self.writers, self.origins, self.done_chunk = out.writers, out.origins, done_chunk
+        self.counting = stage == "replay"
+        j = r.journal
+        self.tok_path = None if self.counting else str(r.tok.path)
+        self.moved: tuple[str, str] | None = None if self.counting or not j.data.get("moved") else tuple(j.data["moved"])
+        self.src = r.files.path(PIECES)
+        self.dst = r.files.fresh(REPLAY_PIECES)
+        at = j.data.get(stage)
+        self.skip = at["chunks"] if at is not None else 0
+        self.last_chars: dict[str, int] = {}
+        if at is not None:
+            _restore_counts(sink, at["sink"])
+            self.last_chars.update(at["last_chars"])
+        self.counted: deque = deque()  # per chunk sent out: what `Sink.count` adds when its result is in
+        self.placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
+        self.workers = r.local_workers()
+        self.in_flight = 2 * self.workers + 1
+        self.pool = None
+
+    def tasks(self) -> Iterator[ReplayTask]:
+        """Every chunk after the last commit, with its dedup decisions."""
         done = 0
-        for i, meta in enumerate(spool.read(remove=False)):
+        for i, meta in enumerate(self.spool.read()):
             n = meta.n
-            exact, near = dd.dropped(done, done + n)
+            exact, near = self.dd.dropped(done, done + n)
             done += n
-            if i < skip:  # committed: only its documents' place in the dedup decisions is needed
+            if i < self.skip:  # committed: only its documents' place in the dedup decisions is needed
                 continue
-            if counting:
-                counted.append((meta, exact, near))
+            if self.counting:
+                self.counted.append((meta, exact, near))
             piece = meta.piece or f"{i:08d}"  # (named by work item since compressed files are items of several chunks)
-            yield (str(src / piece), str(dst / f"{i:08d}"), exact | near, cfg.valid_fraction, meta.has_origin, dtype,
-                   meta.text_piece)
+            yield ReplayTask(str(self.src / piece), str(self.dst / f"{i:08d}"), exact | near, self.r.cfg.valid_fraction,
+                             meta.has_origin, self.r.dtype, meta.text_piece)
 
-    placing: deque = deque()  # `place_piece` tasks out: each chunk's pieces copied into the outputs
+    def drain(self) -> None:
+        while self.placing:
+            self.placing.popleft().get()
 
-    def drain() -> None:
-        while placing:
-            placing.popleft().get()
+    def commit(self, chunks: int) -> None:
+        self.drain()  # every piece up to `chunks` in its place before the files are fsynced
+        writers, origins = self.writers, self.origins
+        self.r.journal.commit(
+            fsync=[*(f for w in writers.values() for f in w.files()), *(o.path for o in origins.values())], background=True,
+            **{self.stage: {"chunks": chunks, "writers": {s: w.state() for s, w in writers.items()},
+                            "origins": {s: o.records for s, o in origins.items()}, "last_chars": dict(self.last_chars),
+                            "sink": _counts(self.sink)}})
 
-    def commit(chunks: int) -> None:
-        drain()  # every piece up to `chunks` in its place before the files are fsynced
-        j.commit(fsync=[*(f for w in writers.values() for f in w.files()), *(o.path for o in origins.values())], background=True,
-                 **{stage: {"chunks": chunks, "writers": {s: w.state() for s, w in writers.items()},
-                         "origins": {s: o.records for s, o in origins.items()}, "last_chars": dict(last_chars),
-                         "sink": _counts(sink)}})
+    def place(self, i: int, res: ReplayResult) -> None:
+        """Chunk `i`'s pieces: counted, their places reserved in the outputs, copied there by a worker."""
+        sink = self.sink
+        if self.counting:
+            sink.count(*self.counted.popleft())  # in chunk order, as `Sink.take` counts, and only what is placed
+        if res.per_file is not None:
+            sink.per_file.merge(res.per_file)
+        copies = []
+        for split, p in res.splits.items():
+            if self.counting:
+                sink.docs[split] += p.docs
+                sink.chars[split] += p.chars
+            n_tok, n_len, n_org = p.sizes
+            writer, origin = self.writers[split], self.origins[split]
+            at_bin, at_len = writer.reserve(n_tok, n_len, p.max_token)
+            w_bin, w_len = writer.files()
+            copies += [Copy(str(w_bin), at_bin, p.at, n_tok), Copy(str(w_len), at_len, p.at + n_tok, n_len),
+                       Copy(str(origin.path), origin.reserve(n_org), p.at + n_tok + n_len, n_org)]
+            self.last_chars[split] = p.last_chars
+        task = PlacePiece(str(self.dst / f"{i:08d}"), copies)
+        if self.pool is None:
+            place_piece(task)
+        else:
+            self.placing.append(self.pool.apply_async(place_piece, (task,)))
+            while len(self.placing) > self.in_flight or (self.placing and self.placing[0].ready()):
+                self.placing.popleft().get()
 
-    in_flight = 2 * workers + 1
-    for o in origins.values():
-        o.seek_end()  # the header on disk before the workers write after it
-    todo = spool.chunks - skip
-    pool = start_pool(workers if todo > 1 else 1, init_worker, (cfg, tok_path, dtype.name))  # one chunk: no pool to start
-    try:
-        for i, res in enumerate(ordered(pool, replay_chunk, items(), in_flight), skip):
-            if counting:
-                sink.count(*counted.popleft())  # in chunk order, as `Sink.take` counts, and only what is placed
-            if res.per_file is not None:
-                sink.per_file.merge(res.per_file)
-            copies = []
-            for split, p in res.splits.items():
-                if counting:
-                    sink.docs[split] += p.docs
-                    sink.chars[split] += p.chars
-                n_tok, n_len, n_org = p.sizes
-                at_bin, at_len = writers[split].reserve(n_tok, n_len, p.max_token)
-                w_bin, w_len = writers[split].files()
-                copies += [(str(w_bin), at_bin, p.at, n_tok), (str(w_len), at_len, p.at + n_tok, n_len),
-                           (str(origins[split].path), origins[split].reserve(n_org), p.at + n_tok + n_len, n_org)]
-                last_chars[split] = p.last_chars
-            task = (str(dst / f"{i:08d}"), copies)
-            if pool is None:
-                place_piece(task)
-            else:
-                placing.append(pool.apply_async(place_piece, (task,)))
-                while len(placing) > in_flight or (placing and placing[0].ready()):
-                    placing.popleft().get()
-            if done_chunk is not None:
-                done_chunk(i)
-            point(f"{stage} {i + 1}", drain)
-            if j.due():
-                commit(i + 1)
-        drain()
-    finally:
-        if pool is not None:
-            pool.terminate()
-    for w in (*writers.values(), *origins.values()):
-        w.seek_end()
-    if counting:
-        moved = sink.planned_move()
-    if moved:
-        # `peek_last` leaves the source's bytes until `finalize` cuts them to the counts of the
-        # commit after this, so a kill before that commit resumes from the last one
-        a, b = moved
+    def run(self) -> list[str]:
+        """Every chunk to the outputs; the notes of the split move (`Sink.count_move`) when counting."""
+        j, stage = self.r.journal, self.stage
+        for o in self.origins.values():
+            o.seek_end()  # the header on disk before the workers write after it
+        todo = self.spool.chunks - self.skip
+        # one chunk: no pool to start
+        self.pool = start_pool(self.workers if todo > 1 else 1, init_worker, (self.r.cfg, self.tok_path, self.r.dtype.name))
+        try:
+            for i, res in enumerate(ordered(self.pool, replay_chunk, self.tasks(), self.in_flight), self.skip):
+                self.place(i, res)
+                if self.done_chunk is not None:
+                    self.done_chunk(i)
+                point(f"{stage} {i + 1}", self.drain)
+                if j.due():
+                    self.commit(i + 1)
+            self.drain()
+        finally:
+            if self.pool is not None:
+                self.pool.terminate()
+        for w in (*self.writers.values(), *self.origins.values()):
+            w.seek_end()
+        moved = self.sink.planned_move() if self.counting else self.moved
+        if moved:
+            self.move_last(*moved)
+        self.r.files.drop(REPLAY_PIECES)
+        return self.sink.count_move(moved, self.last_chars[moved[0]] if moved else 0) if self.counting else []
+
+    def move_last(self, a: str, b: str) -> None:
+        """The split move (`Sink.finish`): the last document of split `a` appended to `b`.
+        `peek_last` leaves the source's bytes until `finalize` cuts them to the counts of the
+        commit after this, so a kill before that commit resumes from the last one."""
+        writers, origins = self.writers, self.origins
         last = writers[a].peek_last()
         writers[b].add_flat(last, np.array([last.size], dtype=np.int32))
         if origins[a].records:
             origins[b].add(origins[a].peek_last())
-        point(f"{stage} moved", lambda: (writers[b].state(), origins[b].seek_end()))  # flushed: the tail a kill leaves
-    shutil.rmtree(dst, ignore_errors=True)
-    return sink.count_move(moved, last_chars[moved[0]] if moved else 0) if counting else []
+        point(f"{self.stage} moved", lambda: (writers[b].state(), origins[b].seek_end()))  # flushed: the tail a kill leaves
 
 
-def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSpool, sink: Sink, j: Journal
-                   ) -> tuple[list[str], tuple[str, str] | None, RefSample]:
+def _replay_sample(r: Run, dd: DiskDedup, spool: ChunkSpool, sink: Sink) -> tuple[list[str], tuple[str, str] | None, RefSample]:
     """The replay of a trained tokenizer's run when pass 1's chunks are in files (their texts
     stay there until the encode stage): per chunk, the dedup decisions and the split of its
     documents from their per-document arrays (`workers.read_small`: characters and split numbers,
@@ -365,7 +399,8 @@ def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSp
 
     Resumable: every `commit_seconds()` the journal's "replay" names the chunks done, the sink's
     counters and the sample's state, saved to a file of the state dir named by the commit."""
-    src = work / PIECES
+    j, cfg = r.journal, r.cfg
+    src = r.files.path(PIECES)
     at = j.data.get("replay")
     skip = at["chunks"] if at is not None else 0
     last_chars: dict[str, int] = {}
@@ -384,12 +419,12 @@ def _replay_sample(work: Path, cfg: PrepareConfig, dd: DiskDedup, spool: ChunkSp
         j.commit(replay={"chunks": chunks, "sink": _counts(sink), "last_chars": dict(last_chars), "sample_file": name,
                          "sample_chars": sample.chars, "order": sample.order})
         if old and old != name:
-            j.state_path(old).unlink(missing_ok=True)
+            r.files.drop_state(old)
 
     # here, not in workers: reading 24 bytes a document from the page cache costs this process
     # less than the same arrays pickled through a pool's pipes (measured: docs/benchmarks/prepare.md)
     done = 0
-    for i, meta in enumerate(spool.read(remove=False)):
+    for i, meta in enumerate(spool.read()):
         n = meta.n
         exact, near = dd.dropped(done, done + n)
         done += n

@@ -21,6 +21,7 @@ from mspretrain.prepare.clean import Cleaner
 from mspretrain.prepare.dedup import LshSettings
 from mspretrain.prepare.results import ChunkResult, ReplayResult, SplitPiece, UnitResult
 from mspretrain.prepare.scoring import QualityStage
+from mspretrain.prepare.tasks import PlacePiece, ReplayTask, SpillTask
 
 _W: dict = {}  # per-worker state, set by init_worker
 
@@ -186,7 +187,7 @@ SMALL = ("chars", "u", "origin")
 TOKEN_ARRAYS = ("tokens", "lengths", "fallback")
 
 
-def spill_chunk(fn, item: tuple) -> ChunkResult:
+def spill_chunk(fn, item: SpillTask) -> ChunkResult:
     """`fn` (`clean_chunk`) over `work`: its per-document arrays (and its texts, when there is no
     tokenizer yet) written to `path`, its dedup records grouped by partition file
     (`diskdedup.chunk_records`) to `path`.dd; returns the rest (counts, the records per partition
@@ -232,7 +233,7 @@ def _take(r: ChunkResult, name: str) -> np.ndarray:
     return a
 
 
-def spill_item(fn, item: tuple) -> ChunkResult | UnitResult:
+def spill_item(fn, item: SpillTask) -> ChunkResult | UnitResult:
     """`spill_chunk`, or `spill_unit` for a compressed file (`sources.FileUnit`).
     Test-only hook (like `resume.point`'s): MSPRETRAIN_PREPARE_TEST_WORKER_KILL=N makes the worker
     given work item N SIGKILL itself, as the out-of-memory killer would."""
@@ -244,7 +245,7 @@ def spill_item(fn, item: tuple) -> ChunkResult | UnitResult:
     return spill_unit(fn, item) if isinstance(item[0], sources.FileUnit) else spill_chunk(fn, item)
 
 
-def spill_unit(fn, item: tuple) -> UnitResult:
+def spill_unit(fn, item: SpillTask) -> UnitResult:
     """A compressed file, whole: decompressed here as a stream (what prepare's main process used
     to read), cut into chunks (`pool.chunks_with_origin`, of UNIT_CHUNK_* size), each through
     `spill_chunk` to `path`.NNNN (each result's `piece` names its file). Memory: one chunk at a
@@ -260,7 +261,7 @@ def spill_unit(fn, item: tuple) -> UnitResult:
     sizes = {"chars": pool.UNIT_CHUNK_CHARS, "docs": pool.UNIT_CHUNK_DOCS, "blocks": pool.RAW_GROUP_BY_REFERENCE}
     for k, work in enumerate(pool.chunks_with_origin(unit.batches(counts, warnings.append), **sizes)):
         piece = f"{path}.{k:04d}"
-        res = spill_chunk(fn, (work, piece, exact_parts, band_parts))
+        res = spill_chunk(fn, SpillTask(work, piece, exact_parts, band_parts))
         if res.raw is not None:  # a block's counts: the file's, here (the main process takes `counts`)
             sources.add_raw(counts, *res.raw[1:])
             res.raw = None
@@ -303,7 +304,7 @@ def _origin_dtype() -> np.dtype:
     return RECORD
 
 
-def replay_chunk(item: tuple) -> ReplayResult:
+def replay_chunk(item: ReplayTask) -> ReplayResult:
     """A spilled chunk (`spill_chunk`) with its dedup decisions: the kept documents of each split,
     in order, written to `dst` as [tokens | lengths (int32) | origin records] per split, and what
     `sink.Sink.take` counts for them. `drop`: bool per cleaned document (exact or near duplicate).
@@ -350,7 +351,7 @@ def replay_chunk(item: tuple) -> ReplayResult:
     return out
 
 
-def place_piece(item: tuple) -> None:
+def place_piece(item: PlacePiece) -> None:
     """Copy the sections of a piece file (`replay_chunk`) to the places the main process reserved
     in the output files, then remove the piece. `copies`: (output path, its offset, the piece's
     offset, bytes)."""
