@@ -130,21 +130,21 @@ ROWS: tuple[Param, ...] = (
           half=False, fp16_wire=False, tie="embed.weight"),
 )
 
-_FIRST_LAYER = next(k for k, r in enumerate(ROWS) if r.where != "model")
-_LAST_LAYER = max(k for k, r in enumerate(ROWS) if r.where != "model")
 _LAYER_PREFIX = re.compile(r"^layers\.(\d+)\.")
 
 
 def expand(m: ModelConfig) -> Iterator[tuple[str, Param, int | None]]:
     """(name, row, layer index or None) of every parameter of a resolved config, in the decoder's order."""
-    for r in ROWS[:_FIRST_LAYER]:
+    per_layer = [k for k, r in enumerate(ROWS) if r.where != "model"]
+    first, last = per_layer[0], per_layer[-1]
+    for r in ROWS[:first]:
         if r.exists(m):
             yield r.name, r, None
     for i in range(m.n_layers):
-        for r in ROWS[_FIRST_LAYER:_LAST_LAYER + 1]:
+        for r in ROWS[first:last + 1]:
             if r.exists(m, i):
                 yield r.name.format(i=i), r, i
-    for r in ROWS[_LAST_LAYER + 1:]:
+    for r in ROWS[last + 1:]:
         if r.exists(m):
             yield r.name, r, None
 
