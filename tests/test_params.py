@@ -81,11 +81,12 @@ def test_hf_names_and_shapes_are_what_transformers_saves(hf_saved, family, tied)
     assert list(back) == list(ours) and all(np.array_equal(back[k], ours[k]) for k in ours)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_roles_are_what_tensor_parallel_cuts(family):
     """model/parallel.py's `tp_rows` (what `split_model` cuts) for every parameter of a dense model with
-    a q/k/v bias or QK-norm, tp = 2: replicated and partial ones whole, column and vocabulary ones by
-    rows, row ones by columns; the partial ones are those `split_model` sums over tp. (MoE models are
+    a q/k/v bias or QK-norm, tp = 2, is the table's `tp_piece`: replicated and partial ones whole,
+    column and vocabulary ones by rows, row ones by columns; the partial ones are those
+    `split_model` sums over tp. (MoE models are
     refused under tp today, config.check_moe: their rows' roles are Megatron's, not yet cut.)"""
     from mspretrain.model.parallel import tp_rows
 
@@ -94,6 +95,7 @@ def test_roles_are_what_tensor_parallel_cuts(family):
     for name, shape in params.shapes(m):
         role = params.role_of(name)
         where = tp_rows(name, shape, m, 2, 1)
+        assert [params.tp_piece(name, m, 2, r) for r in (0, 1)] == [tp_rows(name, shape, m, 2, r) for r in (0, 1)], name
         want = {None: (Role.REPLICATED, Role.PARTIAL), 0: (Role.COLUMN, Role.VOCAB), 1: (Role.ROW,)}
         assert role in want[None if where is None else where[0]], (name, role, where)
         # model/parallel.py split_model's partial set

@@ -201,6 +201,25 @@ def tp_split(name: str) -> bool:
     return row_of(name).role not in (Role.REPLICATED, Role.PARTIAL)
 
 
+def tp_piece(name: str, m: ModelConfig, tp: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """Where tp rank `rank`'s piece of parameter `name` lies, from its role: (axis, [start, stop)
+    ranges along it, concatenated in order), or None for a whole one. A column row is cut in each
+    of its fused parts (q | k | v, gate | up), a row one along its input features, a vocab one by
+    rows; an expert stack the same within each expert (model/parallel.py `tp_rows` cuts so today)."""
+    r = row_of(name, m)
+    if tp == 1 or r.role in (Role.REPLICATED, Role.PARTIAL):
+        return None
+    shape, lead = tuple(r.shape(m)), 1 if r.experts else 0
+    span = lambda n, at=0: (at + rank * n // tp, at + (rank + 1) * n // tp)  # noqa: E731
+    if r.role is Role.ROW:
+        return lead + 1, [span(shape[lead + 1])]
+    out, at = [], 0
+    for n in r.parts(m) if r.parts else (shape[lead],):
+        out.append(span(n, at))
+        at += n
+    return lead, out
+
+
 def matmul_sizes(m: ModelConfig) -> list[tuple[str, float]]:
     """(name, parameters a token multiplies by) of every matmul weight (monitor/mfu.py): a dense
     matrix whole, an expert stack K of its E experts, and with tied embeddings the embedding once

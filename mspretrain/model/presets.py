@@ -3,8 +3,9 @@
 Design choices: a preset is a function returning a `ModelConfig` (architecture only), looked up
 by name through one plain dict; there is no registry to extend. Presets meant for a data dir's own
 tokenizer (`tiny`, `demo`) leave `vocab_size = 0` so it is taken from the data; the larger ones
-use Llama's 32,000. `param_count` is the closed form of HF `LlamaForCausalLM`'s count (tied
-embeddings counted once), checked against HF in the tests.
+use Llama's 32,000. `param_shapes` and `param_count` read the parameter table (model/params.py):
+the count equals transformers' `num_parameters()` of the family's class (tied embeddings counted
+once), checked against HF in the tests.
 """
 from __future__ import annotations
 
