@@ -122,3 +122,12 @@ def test_derived_facts_follow_the_rows(monkeypatch):
     assert expected_hf_shapes(m)["model.layers.2.self_attn.scale"] == (m.n_heads,)
     assert param_groups("layers.0.attn.scale") == {"attention"} and params.role_of("layers.0.attn.scale") is Role.PARTIAL
     assert not params.decays("layers.0.attn.scale", True) and not params.half_eligible("layers.0.attn.scale")
+
+
+def test_rows_sharing_a_name_agree_on_what_the_name_alone_decides():
+    """`row_of(name)` without the config (groups, decay, half precision, fp16 wire, tp role: the step and
+    the trainer know names only) is right for both rows of a name (a dense and an MoE layer's w13, w2)."""
+    for r in ROWS:
+        for o in ROWS:
+            if o.name == r.name:
+                assert (o.group, o.decay, o.half, o.fp16_wire, o.role) == (r.group, r.decay, r.half, r.fp16_wire, r.role), r.name
