@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> int:
 
         def __init__(self) -> None:
             super().__init__()
-            self.weights = ms.ParameterTuple([Parameter(Tensor(np.full((size,), 0.01, np.float32)), name=f"layers.{i}.w")
+            self.weights = ms.ParameterTuple([Parameter(Tensor(np.full((size,), 0.01, np.float32)), name=f"layers.{i}.mlp.w2.weight")
                                               for i in range(count)])
 
         def construct(self, x, positions=None, segments=None):

@@ -4,8 +4,9 @@ Every family is the same decoder block (model/decoder.py) with named switches; a
 which switches its transformers class has, the names it goes by in an HF folder, and the
 config.json defaults and keys that differ between the classes. The config's checks
 (config/sections/model.py), the HF bridge (model/hf.py: convert and export), the presets
-(model/presets.py, and through their switches the parameter shapes and FLOPs) and export's
-message read this table: a new family is one row here plus its transformers facts.
+(model/presets.py; through their switches the parameter table, model/params.py, gives the
+parameter shapes, HF tensor names and FLOPs) and export's message read this table: a new family
+is one row here plus its transformers facts.
 
 Layer 0 (imports nothing of the project but errors): the config schema checks against it.
 Facts are transformers' (configuration_*.py and modeling_*.py of each class, 4.x and 5.x).

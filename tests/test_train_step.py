@@ -23,7 +23,7 @@ class Bigram(nn.Cell):
     def __init__(self, emb: np.ndarray, w: np.ndarray) -> None:
         super().__init__()
         self.embed = Parameter(Tensor(emb), name="embed.weight")
-        self.w = Parameter(Tensor(w), name="proj.weight")
+        self.w = Parameter(Tensor(w), name="lm_head.weight")  # a name of model/params.py's table: the step reads its decay there
 
     def construct(self, tokens, positions=None, segments=None):
         return ops.matmul(ops.gather(self.embed, tokens, 0), self.w)
@@ -39,7 +39,8 @@ class Bigram16(Bigram):
 
 
 def test_decay_mask():
-    assert decay_mask(["embed.weight", "layers.0.attn_norm.weight", "x.bias", "layers.0.attn.wqkv.weight"], False) == [False, False, False, True]
+    names = ["embed.weight", "layers.0.attn_norm.weight", "layers.0.attn.wqkv.bias", "layers.0.attn.wqkv.weight"]
+    assert decay_mask(names, False) == [False, False, False, True]
     assert decay_mask(["embed.weight"], True) == [True]
 
 
@@ -85,7 +86,7 @@ def test_adamw_matches_torch(dtype, scale, clip):
     opt_state = step.optimizer_state()
     assert int(opt_state["opt_step"]) == 3
     # relative over the whole tensor: an absolute 1e-7 would pass moments 1000x too small
-    for ours_key, torch_p in (("proj.weight", tw), ("embed.weight", te)):
+    for ours_key, torch_p in (("lm_head.weight", tw), ("embed.weight", te)):
         for key in ("exp_avg", "exp_avg_sq"):
             assert_close_rel(opt_state[f"{key}.{ours_key}"], opt.state[torch_p][key].numpy(), 1e-2 if half else 1e-5, f"{key}.{ours_key}")
 

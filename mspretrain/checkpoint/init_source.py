@@ -115,7 +115,7 @@ def _upcycled(init: InitWeights, cfg: Config, tok: Path, explicit: set[str] | No
     """`train --init-from DENSE --upcycle`: the dense checkpoint is checked against the config's model
     seen as dense (its MoE keys aside), then becomes the MoE model: experts copied from each dense
     MLP, routers the run's seeded ones (model/upcycle.py)."""
-    from mspretrain.model.upcycle import MOE_KEYS, as_dense, check_upcycle, upcycle, with_experts
+    from mspretrain.model.upcycle import MOE_KEYS, as_dense, check_upcycle, fresh_names, upcycle, with_experts
 
     plan = plan_init(init, as_dense(cfg.model), tok, None if explicit is None else explicit - set(MOE_KEYS) - {"family"})
     moe = with_experts(plan.model, cfg.model)
@@ -125,7 +125,8 @@ def _upcycled(init: InitWeights, cfg: Config, tok: Path, explicit: set[str] | No
     def init_weights(model: Any) -> None:
         from mspretrain.model.decoder import load_numpy, state_numpy
 
-        routers = {k: v.copy() for k, v in state_numpy(model).items() if k.endswith(".mlp.router.weight")}
+        fresh = set(fresh_names(moe))
+        routers = {k: v.copy() for k, v in state_numpy(model).items() if k in fresh}
         load_numpy(model, upcycle(box.pop("tensors"), plan.model, moe, routers))
 
     log(f"upcycling {init.kind} {init.source_dir} into {moe.num_experts} experts, {moe.experts_per_token} per token "

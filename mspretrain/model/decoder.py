@@ -62,6 +62,7 @@ from mindspore.common.initializer import Initializer
 from mspretrain.config.schema import ModelConfig
 from mspretrain.device import select_attention  # the kernel choice is the device's
 from mspretrain.errors import UserError, env_number
+from mspretrain.model import params
 from mspretrain.model.attention import Attention, rope_tables
 from mspretrain.model.block import Block
 from mspretrain.model.layers import (
@@ -425,7 +426,7 @@ def half_eligible(model: Decoder) -> list[str]:
     weights and the lm_head stay fp32 (fp32 islands); so does the embedding, whose gradient is a
     scatter-add over repeated tokens that would round differently in half precision (measured:
     5e-6 in the loss after two steps) — the embedding is 2 % of a 7B model."""
-    return [p.name for p in model.get_parameters() if p.name.startswith("layers.") and "norm" not in p.name]
+    return [p.name for p in model.get_parameters() if params.half_eligible(p.name)]  # the table's `half` column
 
 
 def load_numpy(model: Decoder, tensors: dict[str, np.ndarray]) -> None:

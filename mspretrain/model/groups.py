@@ -1,10 +1,10 @@
 """Parameter groups for staged training (`train.trainable`): which of our parameter names belong
 to "embeddings", "attention", "mlp", "norms" or "lm_head".
 
-The mapping reads our names as model/decoder.py makes them (`embed.weight`,
-`layers.{i}.attn.wqkv.weight`, `layers.{i}.mlp_norm.weight`, `norm.weight`, `lm_head.weight`...),
-by their structure, not by substrings that a future name could match by accident; an unknown name
-is an error rather than a silent "frozen" or "trained".
+Each parameter's group is a column of the parameter table (model/params.py): a name is matched
+to its row by its structure (`layers.{i}.` and the rest exactly), not by substrings that a future
+name could match by accident; an unknown name is an error rather than a silent "frozen" or
+"trained".
 
 With tied embeddings `embed.weight` is also the lm_head: it belongs to both groups and is trained
 when either is selected (freezing it would silently freeze the other group too).
@@ -14,28 +14,16 @@ from __future__ import annotations
 from typing import Sequence
 
 from mspretrain.errors import UserError
+from mspretrain.model.params import groups_of
 
 GROUPS: tuple[str, ...] = ("embeddings", "attention", "mlp", "norms", "lm_head")
 ALL = "all"
 
 
 def param_groups(name: str, tied: bool = False) -> frozenset[str]:
-    """The groups one of our parameter names belongs to (one, or two for a tied embedding)."""
-    if name == "embed.weight":
-        return frozenset({"embeddings", "lm_head"} if tied else {"embeddings"})
-    if name == "lm_head.weight":
-        return frozenset({"lm_head"})
-    if name == "norm.weight":
-        return frozenset({"norms"})
-    parts = name.split(".")
-    if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit():
-        if parts[2] in ("attn_norm", "mlp_norm"):
-            return frozenset({"norms"})
-        if parts[2] == "attn":
-            return frozenset({"attention"})
-        if parts[2] == "mlp":
-            return frozenset({"mlp"})
-    raise ValueError(f"parameter {name!r} belongs to no trainable group (model/groups.py knows the Llama's names)")
+    """The groups one of our parameter names belongs to (one, or two for a tied embedding): its
+    row's `group` in the parameter table (model/params.py); an unknown name is a ValueError."""
+    return groups_of(name, tied)
 
 
 def check_trainable(trainable: Sequence[str]) -> None:

@@ -12,8 +12,9 @@ Design choices:
   their index json.
 - config.json is untrusted too: every field we use is type-checked (an int is not a bool),
   sizes must be positive and consistent, floats finite, `rope_scaling` null or plain.
-- Names map one to one except two fusions: q/k/v_proj rows concatenate into `attn.wqkv`,
-  gate/up_proj into `mlp.w13`. Both sides use the rotate-half RoPE layout, so nothing is permuted.
+- Names and shapes both ways are the parameter table's (model/params.py): one to one except the
+  fusions (q/k/v_proj rows concatenate into `attn.wqkv`, gate/up_proj into `mlp.w13`, an MoE
+  layer's per-expert tensors stack). Both sides use the rotate-half RoPE layout: nothing is permuted.
 - Anything we cannot represent exactly (other activations, an MLP or o_proj bias, RoPE scaling
   other than llama3's, per-layer sliding windows, mixtures of experts other than Qwen3-MoE) is refused rather than
   approximated: a silently different model is worse
@@ -40,7 +41,7 @@ from mspretrain.errors import UserError
 from mspretrain.families import NAMES, described
 from mspretrain.families import family as family_of
 from mspretrain.fsutil import TEXT_CAP, read_json, read_regular_bytes_check
-from mspretrain.model import hf_moe
+from mspretrain.model import hf_moe, params
 
 _ST_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # read as fp32
@@ -250,41 +251,9 @@ def config_to_hf(m: ModelConfig, special_ids: dict[str, int] | None = None) -> d
 
 # --------------------------------------------------------------------------- tensor names
 
-def _layer_names(i: int, m: ModelConfig) -> dict[str, str]:
-    """Our names -> HF's for the tensors that map one to one (the fused ones are handled apart)."""
-    p = f"model.layers.{i}."
-    names = {f"layers.{i}.attn_norm.weight": p + "input_layernorm.weight",
-             f"layers.{i}.attn.wo.weight": p + "self_attn.o_proj.weight",
-             f"layers.{i}.mlp_norm.weight": p + "post_attention_layernorm.weight"}
-    if not m.is_moe_layer(i):  # an MoE layer's MLP: model/hf_moe.py
-        names[f"layers.{i}.mlp.w2.weight"] = p + "mlp.down_proj.weight"
-    if m.qk_norm:
-        names.update({f"layers.{i}.attn.q_norm.weight": p + "self_attn.q_norm.weight",
-                      f"layers.{i}.attn.k_norm.weight": p + "self_attn.k_norm.weight"})
-    return names
-
-
 def expected_hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    hd = m.head_size
-    shapes = {"model.embed_tokens.weight": (m.vocab_size, m.dim), "model.norm.weight": (m.dim,)}
-    if not m.tie_embeddings:
-        shapes["lm_head.weight"] = (m.vocab_size, m.dim)
-    for i in range(m.n_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (m.dim,), p + "post_attention_layernorm.weight": (m.dim,),
-                       p + "self_attn.q_proj.weight": (m.n_heads * hd, m.dim),
-                       p + "self_attn.k_proj.weight": (m.n_kv_heads * hd, m.dim),
-                       p + "self_attn.v_proj.weight": (m.n_kv_heads * hd, m.dim),
-                       p + "self_attn.o_proj.weight": (m.dim, m.n_heads * hd),
-                       **(hf_moe.hf_shapes(m, i) if m.is_moe_layer(i) else
-                          {p + "mlp.gate_proj.weight": (m.ffn_dim, m.dim), p + "mlp.up_proj.weight": (m.ffn_dim, m.dim),
-                           p + "mlp.down_proj.weight": (m.dim, m.ffn_dim)})})
-        if m.qkv_bias:  # Qwen2
-            shapes.update({p + "self_attn.q_proj.bias": (m.n_heads * hd,), p + "self_attn.k_proj.bias": (m.n_kv_heads * hd,),
-                           p + "self_attn.v_proj.bias": (m.n_kv_heads * hd,)})
-        if m.qk_norm:  # Qwen3
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-    return shapes
+    """HF tensor names and shapes of a config: the parameter table's HF columns (model/params.py)."""
+    return params.hf_shapes(m)
 
 
 def hf_to_ours(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.ndarray]:
@@ -303,60 +272,23 @@ def hf_to_ours(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.n
         if tuple(tensors[name].shape) != shape:
             raise UserError(f"HF tensor {name} has shape {tuple(tensors[name].shape)}, config.json implies {shape}",
                             "the weights and config.json do not belong together")
-    f32 = lambda k: np.asarray(tensors[k], dtype=np.float32)  # noqa: E731
-    out = {"embed.weight": f32("model.embed_tokens.weight"), "norm.weight": f32("model.norm.weight")}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = f32("lm_head.weight")
-    for i in range(m.n_layers):
-        p = f"model.layers.{i}."
-        out.update({ours: f32(theirs) for ours, theirs in _layer_names(i, m).items()})
-        out[f"layers.{i}.attn.wqkv.weight"] = np.concatenate(
-            [f32(p + "self_attn.q_proj.weight"), f32(p + "self_attn.k_proj.weight"), f32(p + "self_attn.v_proj.weight")])
-        if m.qkv_bias:
-            out[f"layers.{i}.attn.wqkv.bias"] = np.concatenate(
-                [f32(p + "self_attn.q_proj.bias"), f32(p + "self_attn.k_proj.bias"), f32(p + "self_attn.v_proj.bias")])
-        if m.is_moe_layer(i):
-            out.update(hf_moe.hf_to_ours(f32, m, i))
-        else:
-            out[f"layers.{i}.mlp.w13.weight"] = np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")])
-    return out
+    return params.from_hf(lambda k: np.asarray(tensors[k], dtype=np.float32), m)
 
 
 def our_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes for a resolved config (what the model cell holds)."""
-    from mspretrain.model.presets import param_shapes  # the one list of our parameters
-
-    return dict(param_shapes(m))
+    return dict(params.shapes(m))
 
 
 def ours_to_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.ndarray]:
-    """Our tensor names/layout -> HF's, splitting the fused projections."""
+    """Our tensor names/layout -> HF's, splitting the fused projections and the expert stacks."""
     for name, shape in our_shapes(m).items():
         if name not in tensors:
             raise UserError(f"checkpoint has no tensor {name}", "the checkpoint and its config.toml do not match")
         if tuple(tensors[name].shape) != shape:
             raise UserError(f"checkpoint tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}",
                             "the checkpoint and its config.toml do not match")
-    hd = m.head_size
-    q_rows, kv_rows = m.n_heads * hd, m.n_kv_heads * hd
-    out = {"model.embed_tokens.weight": tensors["embed.weight"], "model.norm.weight": tensors["norm.weight"]}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = tensors["lm_head.weight"]
-    for i in range(m.n_layers):
-        p = f"model.layers.{i}."
-        out.update({theirs: tensors[ours] for ours, theirs in _layer_names(i, m).items()})
-        for kind in ("weight", "bias") if m.qkv_bias else ("weight",):
-            wqkv = tensors[f"layers.{i}.attn.wqkv.{kind}"]  # rows: (H + 2KV) * hd
-            out[p + f"self_attn.q_proj.{kind}"] = wqkv[:q_rows]
-            out[p + f"self_attn.k_proj.{kind}"] = wqkv[q_rows:q_rows + kv_rows]
-            out[p + f"self_attn.v_proj.{kind}"] = wqkv[q_rows + kv_rows:]
-        if m.is_moe_layer(i):
-            out.update(hf_moe.ours_to_hf(tensors, m, i))
-            continue
-        w13 = tensors[f"layers.{i}.mlp.w13.weight"]  # rows: 2F (gate, then up)
-        out[p + "mlp.gate_proj.weight"] = w13[:m.ffn_dim]
-        out[p + "mlp.up_proj.weight"] = w13[m.ffn_dim:]
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in params.to_hf(tensors, m).items()}
 
 
 # --------------------------------------------------------------------------- safetensors reading

@@ -1,5 +1,6 @@
 """The mixture-of-experts part of the HF bridge (model/hf.py calls it for a family with `moe`):
-config.json's MoE keys and the expert tensors' names, both directions.
+config.json's MoE keys, both directions. The expert tensors' names and their stacking are rows of
+the parameter table (model/params.py).
 
 Facts from transformers 5.x (models/qwen3_moe/configuration_qwen3_moe.py and modeling_qwen3_moe.py,
 conversion_mapping.py "qwen2_moe"): the config class calls `num_experts` `num_local_experts`
@@ -16,8 +17,6 @@ read (a folder of fused tensors is refused as unexpected tensors).
 from __future__ import annotations
 
 from typing import Any, Callable
-
-import numpy as np
 
 from mspretrain.config.schema import ModelConfig
 from mspretrain.errors import UserError
@@ -61,50 +60,3 @@ def config_to_hf(m: ModelConfig) -> dict[str, Any]:
             "moe_intermediate_size": m.expert_ffn, "norm_topk_prob": m.norm_topk_prob,
             "decoder_sparse_step": m.decoder_sparse_step, "mlp_only_layers": list(m.mlp_only_layers),
             "router_aux_loss_coef": m.router_aux_loss_coef, "output_router_logits": False}
-
-
-def hf_shapes(m: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of MoE layer i's MLP."""
-    p, F, D = f"model.layers.{i}.mlp.", m.expert_ffn, m.dim
-    out: dict[str, tuple[int, ...]] = {p + "gate.weight": (m.num_experts, D)}
-    for e in range(m.num_experts):
-        out.update({p + f"experts.{e}.gate_proj.weight": (F, D), p + f"experts.{e}.up_proj.weight": (F, D),
-                    p + f"experts.{e}.down_proj.weight": (D, F)})
-    if m.shared_expert_ffn_dim:  # Qwen2-MoE
-        S = m.shared_expert_ffn_dim
-        out.update({p + "shared_expert.gate_proj.weight": (S, D), p + "shared_expert.up_proj.weight": (S, D),
-                    p + "shared_expert.down_proj.weight": (D, S), p + "shared_expert_gate.weight": (1, D)})
-    return out
-
-
-def hf_to_ours(f32: Callable[[str], np.ndarray], m: ModelConfig, i: int) -> dict[str, np.ndarray]:
-    """MoE layer i's MLP tensors in our layout (names and shapes already checked)."""
-    p, E = f"model.layers.{i}.mlp.", m.num_experts
-    w13 = np.stack([np.concatenate([f32(p + f"experts.{e}.gate_proj.weight"), f32(p + f"experts.{e}.up_proj.weight")])
-                    for e in range(E)])
-    w2 = np.stack([f32(p + f"experts.{e}.down_proj.weight") for e in range(E)])
-    out = {f"layers.{i}.mlp.router.weight": f32(p + "gate.weight"), f"layers.{i}.mlp.w13.weight": w13,
-           f"layers.{i}.mlp.w2.weight": w2}
-    if m.shared_expert_ffn_dim:
-        q = f"layers.{i}.mlp."
-        out.update({q + "shared_w13.weight": np.concatenate([f32(p + "shared_expert.gate_proj.weight"), f32(p + "shared_expert.up_proj.weight")]),
-                    q + "shared_w2.weight": f32(p + "shared_expert.down_proj.weight"),
-                    q + "shared_gate.weight": f32(p + "shared_expert_gate.weight")})
-    return out
-
-
-def ours_to_hf(tensors: dict[str, np.ndarray], m: ModelConfig, i: int) -> dict[str, np.ndarray]:
-    """MoE layer i's MLP tensors under HF's on-disk names, one per expert."""
-    p, F = f"model.layers.{i}.mlp.", m.expert_ffn
-    w13, w2 = tensors[f"layers.{i}.mlp.w13.weight"], tensors[f"layers.{i}.mlp.w2.weight"]
-    out = {p + "gate.weight": tensors[f"layers.{i}.mlp.router.weight"]}
-    for e in range(m.num_experts):
-        out.update({p + f"experts.{e}.gate_proj.weight": w13[e, :F], p + f"experts.{e}.up_proj.weight": w13[e, F:],
-                    p + f"experts.{e}.down_proj.weight": w2[e]})
-    if m.shared_expert_ffn_dim:
-        q, S = f"layers.{i}.mlp.", m.shared_expert_ffn_dim
-        out.update({p + "shared_expert.gate_proj.weight": tensors[q + "shared_w13.weight"][:S],
-                    p + "shared_expert.up_proj.weight": tensors[q + "shared_w13.weight"][S:],
-                    p + "shared_expert.down_proj.weight": tensors[q + "shared_w2.weight"],
-                    p + "shared_expert_gate.weight": tensors[q + "shared_gate.weight"]})
-    return out

@@ -3,8 +3,9 @@
 Design choices: a preset is a function returning a `ModelConfig` (architecture only), looked up
 by name through one plain dict; there is no registry to extend. Presets meant for a data dir's own
 tokenizer (`tiny`, `demo`) leave `vocab_size = 0` so it is taken from the data; the larger ones
-use Llama's 32,000. `param_count` is the closed form of HF `LlamaForCausalLM`'s count (tied
-embeddings counted once), checked against HF in the tests.
+use Llama's 32,000. `param_shapes` and `param_count` read the parameter table (model/params.py):
+the count equals transformers' `num_parameters()` of the family's class (tied embeddings counted
+once), checked against HF in the tests.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable
 from mspretrain.config.schema import ModelConfig, resolve_model
 from mspretrain.errors import UserError
 from mspretrain.families import family
+from mspretrain.model import params
 
 
 def tiny() -> ModelConfig:
@@ -123,38 +125,16 @@ def param_count(cfg: ModelConfig) -> int:
 
 def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every trainable parameter, in the order `Decoder.trainable_params()` gives
-    them: the planner lays out owners and buckets from this exactly as the train step does."""
+    them: the planner lays out owners and buckets from this exactly as the train step does. The
+    rows of model/params.py, expanded for the config."""
     m = resolve_model(cfg)
     if m.vocab_size <= 0:
         raise UserError("model.vocab_size is 0 (taken from the tokenizer at train time), so the parameter shapes are unknown",
                         "pass model.vocab_size=N (e.g. the tokenizer's vocabulary size)")
-    hd = m.head_size
-    qkv_rows = (m.n_heads + 2 * m.n_kv_heads) * hd
-    out: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (m.vocab_size, m.dim))]
-    for i in range(m.n_layers):
-        out += [(f"layers.{i}.attn_norm.weight", (m.dim,)), (f"layers.{i}.attn.wqkv.weight", (qkv_rows, m.dim))]
-        if m.qkv_bias:
-            out.append((f"layers.{i}.attn.wqkv.bias", (qkv_rows,)))
-        out.append((f"layers.{i}.attn.wo.weight", (m.dim, m.n_heads * hd)))
-        if m.qk_norm:
-            out += [(f"layers.{i}.attn.q_norm.weight", (hd,)), (f"layers.{i}.attn.k_norm.weight", (hd,))]
-        out.append((f"layers.{i}.mlp_norm.weight", (m.dim,)))
-        if m.is_moe_layer(i):  # model/moe.py: router, then all experts' fused gate/up and down
-            E, F = m.num_experts, m.expert_ffn
-            out += [(f"layers.{i}.mlp.router.weight", (E, m.dim)), (f"layers.{i}.mlp.w13.weight", (E, 2 * F, m.dim)),
-                    (f"layers.{i}.mlp.w2.weight", (E, m.dim, F))]
-            if m.shared_expert_ffn_dim:  # Qwen2-MoE
-                S = m.shared_expert_ffn_dim
-                out += [(f"layers.{i}.mlp.shared_w13.weight", (2 * S, m.dim)), (f"layers.{i}.mlp.shared_w2.weight", (m.dim, S)),
-                        (f"layers.{i}.mlp.shared_gate.weight", (1, m.dim))]
-        else:
-            out += [(f"layers.{i}.mlp.w13.weight", (2 * m.ffn_dim, m.dim)), (f"layers.{i}.mlp.w2.weight", (m.dim, m.ffn_dim))]
-    out.append(("norm.weight", (m.dim,)))
-    if not m.tie_embeddings:
-        out.append(("lm_head.weight", (m.vocab_size, m.dim)))
-    return out
+    return params.shapes(m)
 
 
 def is_half_eligible(name: str) -> bool:
-    """The decoder layers' matrices (see `model.decoder.half_eligible`, which uses this rule)."""
-    return name.startswith("layers.") and "norm" not in name
+    """May be stored in the compute dtype (model/params.py's `half` column; `model.decoder.half_eligible`
+    reads the same)."""
+    return params.half_eligible(name)

@@ -18,8 +18,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from mspretrain.errors import UserError
+from mspretrain.model.params import ROWS, Role
 
-EMBED, LM_HEAD = "embed.weight", "lm_head.weight"
+# the parameters indexed by the vocabulary (model/params.py's vocab role): the embedding, then the lm_head
+VOCAB_ROWS = tuple(r.name for r in ROWS if r.role is Role.VOCAB)
+EMBED = VOCAB_ROWS[0]
 
 
 def new_row(base: np.ndarray, ids: Sequence[int], overall: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -49,7 +52,7 @@ def resize_vocab(tensors: dict[str, np.ndarray], vocab: int, splits: Sequence[Se
         return tensors, record
     usable = [[int(i) for i in ids if 0 <= int(i) < base_vocab and int(i) not in unusable] for ids in splits]
     out = dict(tensors)
-    for name in (EMBED, LM_HEAD):
+    for name in VOCAB_ROWS:
         if name not in tensors:  # tied: the embedding is the lm_head
             continue
         base = np.asarray(tensors[name], dtype=np.float32)

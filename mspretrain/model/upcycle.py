@@ -20,6 +20,7 @@ import numpy as np
 
 from mspretrain.config.schema import ModelConfig
 from mspretrain.errors import UserError
+from mspretrain.model import params
 
 DENSE_OF = {"qwen3_moe": "qwen3"}  # MoE family -> the dense family whose checkpoints it upcycles
 
@@ -65,19 +66,27 @@ def check_upcycle(dense: ModelConfig, moe: ModelConfig) -> None:
                         "upcycling changes only the MLPs: keep every other model key of the dense checkpoint")
 
 
+def fresh_names(moe: ModelConfig) -> list[str]:
+    """The MoE layers' parameters a dense checkpoint has no counterpart for (the router, a shared
+    expert): the MoE model's own seeded ones are kept. Every other MoE-layer row of the parameter
+    table (model/params.py) is an expert stack, copied from the dense tensor of the same name."""
+    return [name for name, r, _ in params.expand(moe) if r.where == "moe" and not r.experts]
+
+
 def upcycle(dense: dict[str, np.ndarray], dense_cfg: ModelConfig, moe_cfg: ModelConfig,
             routers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The MoE model's tensors (our names): the dense ones, each MoE layer's w13/w2 repeated over
-    its experts, the routers from `routers` (the seeded MoE model's, `layers.{i}.mlp.router.weight`)."""
+    """The MoE model's tensors (our names): the dense ones, each MoE layer's expert stacks (w13, w2)
+    the dense layer's matrix repeated over its experts, the `fresh_names` (routers) from `routers`
+    (the seeded MoE model's)."""
     check_upcycle(dense_cfg, moe_cfg)
     out = dict(dense)
     E = moe_cfg.num_experts
-    for i in range(moe_cfg.n_layers):
-        if not moe_cfg.is_moe_layer(i):
+    for name, r, _ in params.expand(moe_cfg):
+        if r.where != "moe":
             continue
-        p = f"layers.{i}.mlp."
-        for name in ("w13", "w2"):
-            w = np.asarray(dense[p + name + ".weight"], np.float32)
-            out[p + name + ".weight"] = np.ascontiguousarray(np.broadcast_to(w, (E,) + w.shape))
-        out[p + "router.weight"] = np.asarray(routers[p + "router.weight"], np.float32)
+        if r.experts:
+            w = np.asarray(dense[name], np.float32)
+            out[name] = np.ascontiguousarray(np.broadcast_to(w, (E,) + w.shape))
+        else:
+            out[name] = np.asarray(routers[name], np.float32)
     return out

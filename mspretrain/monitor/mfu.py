@@ -76,32 +76,22 @@ def active_matrices(cfg: ModelConfig) -> list[tuple[str, float]]:
     their size, the K routed experts of width `moe_ffn_dim` a token goes through, not all E; its
     router (E, D) and a Qwen2-MoE shared expert and gate every token runs count whole. So MFU and
     plan count active parameters (Qwen3-30B-A3B: ~3.3 B of 30.5 B, tests/test_moe_ops.py)."""
-    from mspretrain.model.presets import param_shapes
+    from mspretrain.model.params import matmul_sizes
 
     m = resolve_model(cfg)
     if not m.vocab_size:
         raise UserError("model.vocab_size is unknown, so FLOPs per token cannot be computed",
                         "set model.vocab_size or resolve the model against the data dir first")
-    out: list[tuple[str, float]] = []
-    for name, shape in param_shapes(m):
-        if name == "embed.weight" or len(shape) < 2:
-            continue
-        size = float(math.prod(shape))
-        if len(shape) == 3:  # stacked experts: K of E active per token
-            size = math.prod(shape[1:]) * float(m.experts_per_token)
-        out.append((name, size))
-    if m.tie_embeddings:  # tied: the embedding is the output projection
-        out.append(("embed.weight", float(m.dim * m.vocab_size)))  # in both groups (model/groups.py)
-    return out
+    return matmul_sizes(m)  # the `matmul` and `experts` columns of model/params.py's table
 
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that are matmul weights a token goes through: q, k, v, o and the MLP's (for an MoE
     layer the router and K experts', `active_matrices`) per layer, plus lm_head (counted once
-    whether tied or not: the embedding lookup is a gather, not a matmul). Read off the model's
-    parameter list (model/presets.py `param_shapes`, whose per-family tensors families.py
-    decides): every matrix but the input embedding. A family's extra tensors (Qwen2's q/k/v biases,
-    Qwen3's QK-norm weights) are vectors, elementwise, not matmul FLOPs (under 0.01 % of a 7B's)."""
+    whether tied or not: the embedding lookup is a gather, not a matmul). Read off the parameter
+    table (model/params.py, its `matmul` column): every matrix but the input embedding. A family's
+    extra tensors (Qwen2's q/k/v biases, Qwen3's QK-norm weights) are vectors, elementwise, not
+    matmul FLOPs (under 0.01 % of a 7B's)."""
     return int(round(sum(size for _, size in active_matrices(cfg))))
 
 

@@ -144,6 +144,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     (the largest); `gathered_weights` is what the gathers hold during a micro-batch
     (`gathered_bytes`); the collective buffers are the largest parameter's."""
     from mspretrain.model.groups import trainable_mask
+    from mspretrain.model.params import fp16_wire
     from mspretrain.model.presets import is_half_eligible, param_shapes
     from mspretrain.parallel.layout import bucket_mb_for, cap_elements, plan_layout, split_elements_for, zero3_layout
 
@@ -152,7 +153,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     half = cfg.precision.dtype in ("fp16", "bf16")
     half_params = half and cfg.precision.param_dtype == "compute"
     is_half = [half_params and is_half_eligible(n) for n, _ in shapes]
-    wire16 = [cfg.precision.allreduce_dtype == "fp16" and "lm_head" not in n for n, _ in shapes]
+    wire16 = [cfg.precision.allreduce_dtype == "fp16" and fp16_wire(n) for n, _ in shapes]
     # train.trainable: the step keeps optimizer state, gradients and buckets for the trained
     # parameters only (T); frozen ones are weights and nothing else. Indices below are into all.
     T = [i for i, k in enumerate(trainable_mask([n for n, _ in shapes], cfg.train.trainable, tied=m.tie_embeddings)) if k]

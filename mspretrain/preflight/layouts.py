@@ -85,6 +85,7 @@ def tp_memory(m: ModelConfig, cfg: Config, *, tp: int, dp: int, zero1: bool, mic
     """Bytes per device of tensor parallel `tp` x data parallel `dp` (the module docstring), in
     `memory_model`'s keys, with `peak`; and the trained elements one device holds (its gradients)."""
     from mspretrain.model.groups import trainable_mask
+    from mspretrain.model.params import tp_split
     from mspretrain.model.presets import is_half_eligible, param_shapes
     from mspretrain.parallel.layout import bucket_mb_for
     from mspretrain.preflight.costs import ASCEND_RESERVE_BYTES
@@ -94,8 +95,9 @@ def tp_memory(m: ModelConfig, cfg: Config, *, tp: int, dp: int, zero1: bool, mic
     half = cfg.precision.dtype in ("fp16", "bf16")
     half_params = half and cfg.precision.param_dtype == "compute"
     e = 2 if half else 4
-    # elements on one device: norms replicated, everything else split by tp (ceil: padding)
-    local = [(name, -(-math.prod(s) // tp) if "norm" not in name else math.prod(s)) for name, s in shapes]
+    # elements on one device: the replicated (and partial) roles whole, the others split by tp (ceil:
+    # padding), as model/params.py's role column says
+    local = [(name, -(-math.prod(s) // tp) if tp_split(name) else math.prod(s)) for name, s in shapes]
     pbytes = {name: 2 if half_params and is_half_eligible(name) else 4 for name, _ in shapes}
     share = dp if zero1 else 1  # ZeRO-1: moments and masters over the data-parallel group too
     tr = [(name, n) for (name, n), k in zip(local, trained) if k]

@@ -88,6 +88,7 @@ from mspretrain.config.schema import OptimConfig
 from mspretrain.model.groups import trainable_mask
 from mspretrain.model.layers import use_fused_kernels
 from mspretrain.model.parallel import PartialSum
+from mspretrain.model.params import decays
 from mspretrain.parallel.layout import assign_owners
 from mspretrain.step.state_codec import OptimizerState
 from mspretrain.step.zero_setup import make_collectives, plan_zero, slice_key
@@ -97,16 +98,8 @@ __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners", "parse_key"
 
 
 def decay_mask(names: list[str], decay_embeddings: bool) -> list[bool]:
-    """No weight decay on norms and biases; on embeddings only when asked."""
-    out = []
-    for n in names:
-        if "norm" in n or n.endswith("bias"):
-            out.append(False)
-        elif "embed" in n:
-            out.append(decay_embeddings)
-        else:
-            out.append(True)
-    return out
+    """No weight decay on norms and biases; on embeddings only when asked (model/params.py's `decay` column)."""
+    return [decays(n, decay_embeddings) for n in names]
 
 
 @dataclass
