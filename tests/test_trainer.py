@@ -311,6 +311,9 @@ def test_auto_warmup_uses_the_manifest_tokens_and_the_cap(tmp_path, tiny_data):
     expected = math.ceil(0.02 * manifest["tokens"]["train"] / (4 * 32))
     t = make(tiny_data, tmp_path / "r", 'schedule.warmup_steps="auto"', "train.max_steps=100000")
     assert t.schedule.warmup == expected and t.spikes.detector.warmup_steps == expected
+    # the observers as build_trainer wires them: their order is the order of their effects in each hook
+    assert [type(c).__name__ for c in t.callbacks] == ["Heartbeat", "StepMeter", "StepProfiler", "ConsoleLine", "PeriodicEval",
+                                                       "BatchLog", "SourceLedger", "SpikeRecord", "MetricsLogger"]
     heartbeat = next(c for c in t.callbacks if isinstance(c, Heartbeat))
     assert heartbeat._thread.is_alive()  # from build_trainer on, for launch's watchdog
     t.close()  # a trainer that will not train ends its heartbeat's thread (it wrote into pytest's tmp dirs)
