@@ -15,7 +15,7 @@ step after the first (which compiles):
   compute. With MindSpore's host pipeline (Ascend; on CPU `--host-pipeline`) the call returns at
   launch and this read waits for the compute. Either way the wait is the compute, not a cost;
 - read: the rest of `TrainStep.run`: the input tensors, the reads of the finished outputs, the result;
-- outside: wall - run, broken down by the loop's components;
+- outside: wall - run, broken down by the loop's parts and its callbacks' hooks;
 - host_share: as the trainer reports it in metrics.jsonl (1 - time in `run` / wall, per window).
 
 Two configs: `configs/demo.toml` on the quick demo's corpus (the 12,000 poems `mspretrain demo
@@ -66,17 +66,16 @@ class Clock:
 
 
 def instrument(trainer: Any, clock: Clock) -> None:
-    """Timers around the loop's components and the step's compiled call (instance attributes
-    only: nothing in the project is changed)."""
+    """Timers around the loop's parts, every hook of its callbacks and the step's compiled call
+    (instance attributes only: nothing in the project is changed)."""
+    from mspretrain.monitor.callback import Callback
+
     step_fn = trainer.step_fn
-    begin = trainer.profiler.step_begin
 
-    def step_begin(step: int) -> None:  # the loop's first call of an iteration: the step's start
-        clock.step = step
-        clock.begin[step] = time.perf_counter()
-        begin(step)
-
-    trainer.profiler.step_begin = step_begin
+    class Start(Callback):  # first in the list: its pre_load_batch is the step's start
+        def pre_load_batch(self, step: int) -> None:
+            clock.step = step
+            clock.begin[step] = time.perf_counter()
 
     def compiled(fn: Callable[..., Any], wait: bool) -> Callable[..., Any]:
         def call(*a: Any) -> Any:
@@ -96,21 +95,16 @@ def instrument(trainer: Any, clock: Clock) -> None:
         step_fn._accumulate = compiled(step_fn._accumulate, False)
         step_fn._apply = compiled(step_fn._apply, True)
     step_fn.run = clock.wrap("run", step_fn.run)
-    for obj, names in ((trainer.loader, ("next_batch", "state")), (trainer.meter, ("sample",)), (trainer.metrics, ("log",)),
-                       (trainer.spikes, ("observe",)), (trainer.scaler, ("update",)), (trainer.checkpoints, ("due",)),
-                       (trainer.evaluator, ("due",)), (trainer.profiler, ("step_end",)),
-                       (trainer.heartbeat, ("data", "running", "finished"))):
+    for obj, names in ((trainer.loader, ("next_batch", "state")), (trainer.spikes, ("observe",)),
+                       (trainer.scaler, ("update",)), (trainer.checkpoints, ("due",))):
         for n in names:
             setattr(obj, n, clock.wrap(f"{type(obj).__name__}.{n}", getattr(obj, n)))
-    console = trainer.console
-
-    class Console:  # ConsoleLine is called: a proxy with the timed call
-        due = staticmethod(console.due)
-        begin = staticmethod(console.begin)
-        __call__ = staticmethod(clock.wrap("ConsoleLine", console.__call__))
-
-    trainer.console = Console()
-    trainer.callbacks = [clock.wrap(type(c).__name__, c) for c in trainer.callbacks]
+    hooks = ("pre_load_batch", "pre_step", "post_train_batch", "post_step", "log_metrics")
+    for c in trainer.callbacks:  # each per-step hook a callback overrides
+        for n in hooks:
+            if getattr(type(c), n) is not getattr(Callback, n):
+                setattr(c, n, clock.wrap(f"{type(c).__name__}.{n}", getattr(c, n)))
+    trainer.callbacks.insert(0, Start())
 
 
 def measure(name: str, cfg_path: Path, data: Path, work: Path, steps: int, overrides: list[str]) -> dict[str, Any]:

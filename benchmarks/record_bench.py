@@ -41,8 +41,8 @@ def time_records(plan: SamplePlan, global_batch: int, steps: int, work: Path) ->
         state = {"sources": [{"consumed": c} for c in pos]}
         values = {"lr": 1e-4, "loss_scale": 1.0, "skipped": 0, "_row_nll": rows}
         t0 = time.perf_counter()
-        log(step, state, values)
-        ledger(step, state, values)
+        log.post_step(step, state, values)
+        ledger.post_step(step, state, values)
         times.append(time.perf_counter() - t0)
         pos = plan.advance(pos, global_batch)
     log.close()
@@ -68,8 +68,7 @@ def time_train_step(work: Path, steps: int) -> float:
         t0 = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - t0)
-    trainer.checkpoints.close()
-    trainer.metrics.close()
+    trainer.close()  # its checkpoints and callbacks (the metrics writer, the heartbeat's thread)
     return statistics.median(times[2:])  # the first steps compile
 
 

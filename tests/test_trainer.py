@@ -1,5 +1,5 @@
-"""The loop's bookkeeping, first with stand-in parts (no MindSpore: overflow accounting, callbacks,
-signals, the non-finite stop), then through `build_trainer` with the real ones (spike rewind,
+"""The loop's bookkeeping, first with stand-in parts (no MindSpore: overflow accounting, callbacks
+and the order of their hooks, signals, the non-finite stop), then through `build_trainer` with the real ones (spike rewind,
 periodic eval, pynative == jit, mixing data dirs); checkpoint retention."""
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from mspretrain.checkpoint import store
 from mspretrain.config import schema as cfgmod
 from mspretrain.data.loader import Batch
 from mspretrain.errors import UserError
+from mspretrain.monitor.callback import Callback
 from mspretrain.monitor.console import ConsoleLine
+from mspretrain.monitor.heartbeat import Heartbeat
 from mspretrain.monitor.meter import StepMeter
 from mspretrain.monitor.metrics import MetricsLogger
 from mspretrain.parallel.distributed import World
@@ -87,18 +89,63 @@ class FakeCheckpoints:
         return "scratch"
 
 
-class FakeEval:
-    def due(self, step: int, total: int) -> bool:
-        return step == total
+class FakeEval(Callback):
+    """Stands in for the periodic eval: its values at the last step."""
 
-    def __call__(self, model, step: int) -> dict:
-        return {"eval/ppl": 5.0, "eval/nll": 1.6}
+    def post_step(self, step: int, data_state: dict, values: dict) -> None:
+        if step == 3:
+            values.update({"eval/ppl": 5.0, "eval/nll": 1.6})
 
 
-class NoProfiler:
-    def step_begin(self, step: int) -> None: ...
-    def step_end(self, step: int) -> None: ...
-    def close(self) -> None: ...
+class Calls(Callback):
+    """A per-step callback from a function `(step, data_state, values)`."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def post_step(self, step: int, data_state: dict, values: dict) -> None:
+        self.fn(step, data_state, values)
+
+
+class Hooks(Callback):
+    """Records every hook the loop calls, in order, as (hook, step, ...)."""
+
+    def __init__(self, say: list) -> None:
+        self.seen: list[tuple] = []
+        self.say = say  # the run's log: where the hooks fall among the loop's own lines
+
+    def pre_train(self, start):
+        self.seen.append(("pre_train", start))
+
+    def pre_load_batch(self, step):
+        self.seen.append(("pre_load_batch", step))
+
+    def pre_step(self, step):
+        self.seen.append(("pre_step", step))
+
+    def post_train_batch(self, step, values):
+        self.seen.append(("post_train_batch", step, sorted(values)))
+
+    def post_step(self, step, data_state, values):
+        self.seen.append(("post_step", step, len(self.say)))
+
+    def log_metrics(self, step, values):
+        self.seen.append(("log_metrics", step, "eval/ppl" in values))
+
+    def pre_checkpoint(self, step):
+        self.seen.append(("pre_checkpoint", step))
+
+    def post_checkpoint_saved(self, step, path):
+        self.seen.append(("post_checkpoint_saved", step, path))
+
+    def post_train(self, step):
+        self.seen.append(("post_train", step))
+
+    def on_error(self, step, exc):
+        self.seen.append(("on_error", step, type(exc).__name__))
+
+    def close(self):
+        self.seen.append(("close",))
 
 
 def fake_trainer(run: Path, step_fn: FakeStep, *over: str, total: int = 3, callbacks=()) -> tuple[Trainer, list[str]]:
@@ -107,13 +154,13 @@ def fake_trainer(run: Path, step_fn: FakeStep, *over: str, total: int = 3, callb
     scaler = LossScaler.from_config(cfg.precision)
     meter = StepMeter(tokens_per_step=4 * 8, seq_len=8, devices=1, flops_per_token=1e6, peak_tflops=1.0,
                       price_per_device_hour=0.0, throughput_every=1, log_every=1, memory_every=100, target="cpu")
+    observers = (meter, ConsoleLine(lines.append, total=total, log_every=1, show_scale=scaler.mode != "none"),
+                 FakeEval(), *callbacks, MetricsLogger(run, sampling_for_run(cfg.metrics, total), log=lines.append))
     t = Trainer(cfg=cfg, run_dir=run, data_dir=run, world=World(), model=None, step_fn=step_fn, loader=FakeLoader(),
                 scaler=scaler, schedule=Schedule("cosine", lr=1e-3, warmup=2, total=total, min_lr=1e-4),
-                total_steps=total, accum_steps=2, tokens_per_step=4 * 8, meter=meter, checkpoints=FakeCheckpoints(2),
-                spikes=SpikePolicy(cfg.spike, warmup_steps=2, log=lines.append), evaluator=FakeEval(),
-                console=ConsoleLine(lines.append, total=total, log_every=1, show_scale=scaler.mode != "none"),
-                metrics=MetricsLogger(run, sampling_for_run(cfg.metrics, total), log=lines.append), profiler=NoProfiler(), log=lines.append,
-                banner=("hello",), callbacks=callbacks)
+                checkpoints=FakeCheckpoints(2), spikes=SpikePolicy(cfg.spike, warmup_steps=2, log=lines.append),
+                total_steps=total, accum_steps=2, tokens_per_step=4 * 8, log=lines.append, banner=("hello",),
+                callbacks=observers)
     return t, lines
 
 
@@ -141,11 +188,39 @@ def test_overflow_is_counted_and_does_not_advance_the_schedule(tmp_path):
 
 def test_callbacks_see_each_step_its_data_position_and_values(tmp_path):
     seen: list[tuple[int, dict, dict]] = []
-    t, _ = fake_trainer(tmp_path, FakeStep([True] * 3), callbacks=[lambda st, data, v: seen.append((st, data, dict(v)))])
+    t, _ = fake_trainer(tmp_path, FakeStep([True] * 3), callbacks=[Calls(lambda st, data, v: seen.append((st, data, dict(v))))])
     t.train()
     # the loader's state before the step: 2 micro-batches of 2 sequences per step
     assert [(st, d["samples"]) for st, d, _ in seen] == [(1, 0), (2, 4), (3, 8)]
     assert all(v["loss"] == 2.0 and "lr" in v for _, _, v in seen) and "eval/ppl" in seen[-1][2]
+
+
+def test_each_hook_is_called_once_per_step_in_the_loops_order(tmp_path):
+    """The hooks in order: the batch's around the data and the step, the throughput sample before
+    the observers, the metrics record after them, the checkpoints' around each save (every 2 steps
+    and the final one), and at the end `post_train` then `close`; on an error `on_error` then `close`."""
+    hooks = Hooks([])
+    t, lines = fake_trainer(tmp_path / "a", FakeStep([True] * 3), callbacks=[hooks])
+    hooks.say = lines
+    t.train()
+    seen = hooks.seen
+    assert seen[0] == ("pre_train", 0) and seen[-2:] == [("post_train", 3), ("close",)]
+    per_step = [[h for h in seen if len(h) > 1 and h[1] == s and h[0] not in ("pre_train", "post_train")] for s in (1, 2, 3)]
+    assert [h[0] for h in per_step[0]] == ["pre_load_batch", "pre_step", "post_train_batch", "post_step", "log_metrics"]
+    assert [h[0] for h in per_step[1]] == ["pre_load_batch", "pre_step", "post_train_batch", "post_step", "log_metrics",
+                                           "pre_checkpoint", "post_checkpoint_saved"]
+    assert per_step[1][-1] == ("post_checkpoint_saved", 2, Path("step_000002"))
+    assert per_step[2][-2:] == [("pre_checkpoint", 3), ("post_checkpoint_saved", 3, Path("step_000003"))]  # the final save
+    # the meter's sample is in the values when post_train_batch has run for it (it is given before `hooks`)
+    assert "tokens_per_s" in per_step[1][2][2]
+    # the console line of a step is logged (by the callback before `hooks`) when `hooks` sees post_step
+    assert lines[per_step[0][3][2] - 1].startswith("step 1/3 | loss 2.0000")
+    assert per_step[2][4] == ("log_metrics", 3, True)  # the record holds what the eval added in post_step
+    hooks = Hooks([])
+    t, _ = fake_trainer(tmp_path / "b", FakeStep([False] * 3, loss=float("nan")), "spike.max_nonfinite=2", callbacks=[hooks])
+    with pytest.raises(UserError):
+        t.train()
+    assert hooks.seen[-2:] == [("on_error", 2, "UserError"), ("close",)]
 
 
 def test_a_signal_finishes_the_step_and_a_second_stops_at_once(tmp_path):
@@ -156,12 +231,12 @@ def test_a_signal_finishes_the_step_and_a_second_stops_at_once(tmp_path):
                     os.kill(os.getpid(), signal.SIGINT)
         return cb
 
-    t, lines = fake_trainer(tmp_path / "a", FakeStep([True] * 3), callbacks=[ctrl_c(1)])
+    t, lines = fake_trainer(tmp_path / "a", FakeStep([True] * 3), callbacks=[Calls(ctrl_c(1))])
     s = t.train()
     assert s.stopped_by_signal and s.step == 2 and [st for st, _ in t.checkpoints.saved] == [2, 2]
     assert "received SIGINT: finishing step 3, then writing a checkpoint" in lines
     assert lines[-1].startswith("stopped by SIGINT after step 2; checkpoint written. Resume with: mspretrain train")
-    t, _ = fake_trainer(tmp_path / "b", FakeStep([True] * 3), callbacks=[ctrl_c(2)])
+    t, _ = fake_trainer(tmp_path / "b", FakeStep([True] * 3), callbacks=[Calls(ctrl_c(2))])
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         t.train()
@@ -186,8 +261,8 @@ def rewind_run(tmp_path_factory, tiny_data):
     t = make(tiny_data, run, "train.max_steps=6", "checkpoint.every=2", "spike.action=rewind",
              "checkpoint.async_save=false", "metrics.tensorboard=false", NO_EVAL)
     at_rewind: dict = {}
-    t.callbacks.append(lambda st, data, v: at_rewind.update(step=st, data=data, weights=snapshot(state_numpy(t.model)),
-                                                           samples=t.loader.state()["samples"]) if "rewind" in v else None)
+    t.callbacks.append(Calls(lambda st, data, v: at_rewind.update(step=st, data=data, weights=snapshot(state_numpy(t.model)),
+                                                                 samples=t.loader.state()["samples"]) if "rewind" in v else None))
     real_check = t.spikes.detector.check
     t.spikes.detector.check = lambda step, loss, gn=None: (
         [{"kind": "loss_spike", "message": f"step {step}: loss spike"}] if step == 5 and not at_rewind else real_check(step, loss, gn))
@@ -236,9 +311,13 @@ def test_auto_warmup_uses_the_manifest_tokens_and_the_cap(tmp_path, tiny_data):
     expected = math.ceil(0.02 * manifest["tokens"]["train"] / (4 * 32))
     t = make(tiny_data, tmp_path / "r", 'schedule.warmup_steps="auto"', "train.max_steps=100000")
     assert t.schedule.warmup == expected and t.spikes.detector.warmup_steps == expected
-    assert t.heartbeat._thread.is_alive()  # from build_trainer on, for launch's watchdog
+    # the observers as build_trainer wires them: their order is the order of their effects in each hook
+    assert [type(c).__name__ for c in t.callbacks] == ["Heartbeat", "StepMeter", "StepProfiler", "ConsoleLine", "PeriodicEval",
+                                                       "BatchLog", "SourceLedger", "SpikeRecord", "MetricsLogger"]
+    heartbeat = next(c for c in t.callbacks if isinstance(c, Heartbeat))
+    assert heartbeat._thread.is_alive()  # from build_trainer on, for launch's watchdog
     t.close()  # a trainer that will not train ends its heartbeat's thread (it wrote into pytest's tmp dirs)
-    assert not t.heartbeat._thread.is_alive()
+    assert not heartbeat._thread.is_alive()
 
 
 def test_periodic_eval_writes_eval_ppl(tmp_path, tiny_data):

@@ -254,11 +254,6 @@ def recorded_lrs(run: Path, steps: range) -> dict[int, float]:
     return out
 
 
-class _NoEval:
-    def due(self, step: int, total: int) -> bool:
-        return False
-
-
 def scratch_config(ckpt: Path, changes: Interventions) -> cfgmod.Config:
     cfg = cfgmod.load(ckpt / store.CONFIG_FILE)
     if changes.dtype and changes.dtype != cfg.precision.dtype:
@@ -280,9 +275,11 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
     from mspretrain.data.loader import resolve_sources
     from mspretrain.forensics.drop_docs import DropDocsLoader
     from mspretrain.monitor.batch_log import plan_for, position
+    from mspretrain.monitor.callback import Callback
     from mspretrain.preflight.fits import check_fits
     from mspretrain.step.loss_scale import LossScaler
     from mspretrain.train.build import build_trainer
+    from mspretrain.train.eval_schedule import PeriodicEval
 
     run = Path(run).expanduser().resolve()
     check_run(run)
@@ -309,13 +306,14 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
         record: dict[int, dict[str, float]] = {}
         holder: list[Any] = []
 
-        def on_step(step: int, data_state: dict[str, Any], values: dict[str, float]) -> None:
-            record[step] = dict(values)
-            if observer is not None:
-                observer(holder[0], step)
+        class OnStep(Callback):
+            def post_step(self, step: int, data_state: dict[str, Any], values: dict[str, Any]) -> None:
+                record[step] = dict(values)
+                if observer is not None:
+                    observer(holder[0], step)
 
         trainer = build_trainer(cfg, data_dir, scratch, allow_config_change=changes.dtype is not None, log=log,
-                                callbacks=(on_step,), fits=check_fits)
+                                callbacks=(OnStep(),), fits=check_fits)
         holder.append(trainer)
         result.world = trainer.world.size
         if trainer.step != start:
@@ -336,7 +334,7 @@ def replay(run: str | Path, from_step: int, steps: int, *, changes: Intervention
                                                 f"{' and '.join(what)} with --allow-{what[0]}-change)" if what else ""))
         trainer.total_steps = end  # the loop's horizon only
         trainer.schedule = _RecordedSchedule(trainer.schedule, lrs, trainer)  # each step at the lr it ran with
-        trainer.evaluator = _NoEval()
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, PeriodicEval)]  # no eval in a replay
         if changes.lr_scale is not None:
             trainer.schedule = _ScaledSchedule(trainer.schedule, changes.lr_scale)
         if changes.dtype is not None:  # the scaler of the new precision (fp32: none), not the restored one

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 from mspretrain.data.order import SamplePlan, batch_hash
 from mspretrain.fsutil import LOG_CAP, atomic_write, jsonl_dicts, read_regular_text
+from mspretrain.monitor.callback import Callback, DataState, Values
 
 FILE = "batches.jsonl"
 MAX_SOURCES = 1024
@@ -138,10 +139,10 @@ def truncate(path: Path, step: int) -> None:
     atomic_write(path, "".join(k + "\n" for k in kept))
 
 
-class BatchLog:
-    """Writes `batches.jsonl` on rank 0 (a no-op elsewhere); a trainer step callback.
+class BatchLog(Callback):
+    """Writes `batches.jsonl` on rank 0 (a no-op elsewhere); a train loop callback.
 
-    Called after every step with the loader state before the step and the step's values. The
+    `post_step` is called after every step with the loader state before the step and the step's values. The
     step that ran is always the previous record's + 1 (a rewind sets it back through its marker),
     which is why it is counted here rather than read from the loop's step counter, which a rewind
     has already moved when the callback runs."""
@@ -178,7 +179,7 @@ class BatchLog:
             session["changes"] = list(changes)
         self._write({"session": session})
 
-    def __call__(self, step: int, data_state: dict[str, Any], values: dict[str, float]) -> None:
+    def post_step(self, step: int, data_state: DataState, values: Values) -> None:
         ran = self._last + 1
         skipped = int(values.get("skipped", self._skipped))
         self.step(ran, [int(s["consumed"]) for s in data_state["sources"]], world=self.world,

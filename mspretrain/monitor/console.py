@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from mspretrain.monitor.callback import Callback, DataState, Values
+
 
 class RunLog:
     """Call with a line of text: rank 0 prints it and appends it to train.log once the run dir exists."""
@@ -49,13 +51,29 @@ class RunLog:
                 f.write(line)
 
 
-class ConsoleLine:
+class ConsoleLine(Callback):
     """`step N/T | loss | lr | gnorm [| scale] [| tok/s | mfu] [| eta]` every log_every steps,
-    at the first step of a session and at the last step of the run."""
+    at the first step of a session and at the last step of the run; a train loop callback. The
+    ranks other than 0 (`rank`), whose log is silent, print their own step time at those steps
+    instead, to their msrun worker log, for straggler diagnosis."""
 
-    def __init__(self, log: Callable[[str], None], *, total: int, log_every: int, show_scale: bool) -> None:
-        self.log, self.total, self.log_every, self.show_scale = log, total, log_every, show_scale
+    def __init__(self, log: Callable[[str], None], *, total: int, log_every: int, show_scale: bool, rank: int = 0) -> None:
+        self.log, self.total, self.log_every, self.show_scale, self.rank = log, total, log_every, show_scale, rank
         self.start, self._t0 = 0, time.perf_counter()
+        self._t_step = self._t0
+
+    # the loop's hooks (monitor/callback.py)
+    def pre_train(self, start: int) -> None:
+        self.begin(start)
+
+    def pre_load_batch(self, step: int) -> None:
+        self._t_step = time.perf_counter()
+
+    def post_step(self, step: int, data_state: DataState, values: Values) -> None:
+        if self.due(step):
+            self(step, values)
+            if self.rank != 0:
+                print(f"rank={self.rank} step={step} step_time={(time.perf_counter() - self._t_step):.3f}s", flush=True)
 
     def begin(self, start: int) -> None:
         """The session starts after step `start` (0, or the step resumed from)."""

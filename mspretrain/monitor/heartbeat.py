@@ -39,6 +39,7 @@ from typing import Any
 
 from mspretrain.errors import UserError
 from mspretrain.fsutil import atomic_write, read_regular_text
+from mspretrain.monitor.callback import Callback, Values
 
 HEARTBEAT_DIR = "heartbeat"
 PHASES = ("start", "compile", "data", "step", "eval", "save", "done", "failed")
@@ -55,9 +56,11 @@ def write_atomic(path: Path, text: str) -> None:
     atomic_write(path, text, fsync=False)
 
 
-class Heartbeat:
-    """One rank's heartbeat writer. `phase(name, step)` from the train loop; `close()` at the end
-    writes "done" (or the phase given) and stops the thread.
+class Heartbeat(Callback):
+    """One rank's heartbeat writer, a train loop callback: "data", "step" and the steps finished
+    from the step's hooks, "save" before a checkpoint, "done" after the loop, "failed" on an error;
+    "eval" from the periodic eval (`phase(name, step)`). `close()` writes "done" (or the phase
+    given) and stops the thread.
 
     `clock` is injectable so tests can show the rate limit without sleeping."""
 
@@ -105,6 +108,25 @@ class Heartbeat:
         self._stepped = True
         self._step = step
 
+    # the loop's hooks (monitor/callback.py); `step` there is the step being run
+    def pre_load_batch(self, step: int) -> None:
+        self.data(step - 1)
+
+    def pre_step(self, step: int) -> None:
+        self.running()
+
+    def post_train_batch(self, step: int, values: Values) -> None:
+        self.finished(step)
+
+    def pre_checkpoint(self, step: int) -> None:
+        self.phase("save", step)
+
+    def post_train(self, step: int) -> None:
+        self.close("done", step)
+
+    def on_error(self, step: int, exc: BaseException) -> None:
+        self.close("failed", step)
+
     def record(self) -> dict:
         return {"rank": self.rank, "world": self.world, "step": self._step, "phase": self._phase,
                 "collectives": self._step * self.per_step, "collectives_per_step": self.per_step,
@@ -146,25 +168,6 @@ class Heartbeat:
             self._thread.join(timeout=5)
         self.phase(phase, step)
         self._flush(force=True)
-
-
-class NullHeartbeat:
-    """No heartbeat (a Trainer wired by a test without a run's ranks)."""
-
-    def phase(self, name: str, step: int | None = None) -> None:
-        pass
-
-    def data(self, step: int) -> None:
-        pass
-
-    def running(self) -> None:
-        pass
-
-    def finished(self, step: int) -> None:
-        pass
-
-    def close(self, phase: str = "done", step: int | None = None) -> None:
-        pass
 
 
 def _int(v: Any, low: int = 0) -> bool:

@@ -4,7 +4,9 @@ steps, and memory, each at its own interval.
 Design choices:
 - The formulas are `monitor/mfu.throughput_metrics` (the one place for tokens/s, MFU, cost); this
   class only keeps the window: the tokens and the wall time since the last sample, and the part
-  of that time spent inside the compiled step (`add_step_time`).
+  of that time spent inside the compiled step (`add_step_time`). As a train loop callback it
+  times the step itself: from `pre_step` (the micro-batches are fetched) to `post_train_batch`
+  (the step ran and the loop moved its counters), and adds its sample to the step's values there.
 - The first step of a session includes graph compilation: it resets the window and reports
   nothing, so no figure mixes compile time with step time.
 - host_share = 1 - (time inside the compiled step / wall time): the data, metrics and logging
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 import time
 
+from mspretrain.monitor.callback import Callback, Values
 from mspretrain.monitor.memory import memory_metrics
 from mspretrain.monitor.mfu import observed_peak, throughput_metrics
 
 
-class StepMeter:
+class StepMeter(Callback):
     def __init__(self, *, tokens_per_step: int, seq_len: int, devices: int, flops_per_token: float,
                  peak_tflops: float, price_per_device_hour: float, throughput_every: int, log_every: int,
                  memory_every: int, target: str) -> None:
@@ -28,7 +31,20 @@ class StepMeter:
         self.flops_per_token, self.peak_tflops, self.price = flops_per_token, peak_tflops, price_per_device_hour
         self.throughput_every, self.log_every, self.memory_every = throughput_every, log_every, memory_every
         self.target = target
+        self.start, self._t_run = 0, 0.0
         self.begin()
+
+    # the loop's hooks (monitor/callback.py)
+    def pre_train(self, start: int) -> None:
+        self.start = start
+        self.begin()
+
+    def pre_step(self, step: int) -> None:
+        self._t_run = time.perf_counter()
+
+    def post_train_batch(self, step: int, values: Values) -> None:
+        self.add_step_time(time.perf_counter() - self._t_run)
+        values.update(self.sample(step, first=step == self.start + 1))
 
     def begin(self) -> None:
         """Open a window now (the start of a session)."""

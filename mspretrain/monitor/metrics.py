@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from mspretrain.config.schema import MetricsConfig
 from mspretrain.fsutil import LOG_CAP, atomic_write, read_regular_text
+from mspretrain.monitor.callback import Callback, Values
 from mspretrain.paths import RunPaths
 
 THROUGHPUT_KEYS = ("tokens_per_s", "samples_per_s", "mfu", "peak_tflops", "real_token_share",
@@ -135,7 +136,7 @@ def _summary_writer():
     return SummaryWriter
 
 
-class MetricsLogger:
+class MetricsLogger(Callback):
     """Samples metrics at their intervals and writes them off the training thread."""
 
     def __init__(self, run_dir: Path, cfg: MetricsConfig, *, enabled: bool = True,
@@ -190,6 +191,10 @@ class MetricsLogger:
                 record[key] = v
         if len(record) > 1:
             self._queue.put(record)
+
+    def log_metrics(self, step: int, values: Values) -> None:
+        """The train loop's hook (monitor/callback.py): the step's record, once every callback added its keys."""
+        self.log(step, values)
 
     def flush(self) -> None:
         """Block until every queued record is on disk (tests, report of a live run)."""

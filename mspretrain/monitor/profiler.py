@@ -19,6 +19,8 @@ import csv
 from pathlib import Path
 from typing import Any, Callable
 
+from mspretrain.monitor.callback import Callback, Values
+
 
 def parse_steps(text: str) -> tuple[int, int] | None:
     """"10-20" -> (10, 20); "15" -> (15, 15); "" -> None (the config's own check, `config/sections/observe.parse_step_range`)."""
@@ -58,7 +60,7 @@ def format_top(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-class StepProfiler:
+class StepProfiler(Callback):
     def __init__(self, run_dir: Path, steps: str, log: Callable[[str], None] = print) -> None:
         self.range = parse_steps(steps)
         self.out_dir = Path(run_dir) / "profile"
@@ -69,6 +71,13 @@ class StepProfiler:
     @property
     def active(self) -> bool:
         return self._prof is not None
+
+    # the loop's hooks (monitor/callback.py)
+    def pre_load_batch(self, step: int) -> None:
+        self.step_begin(step)
+
+    def post_train_batch(self, step: int, values: Values) -> None:
+        self.step_end(step)
 
     def step_begin(self, step: int) -> None:
         if self.range is None or self._prof is not None or step != self.range[0]:

@@ -17,16 +17,15 @@ Design choices:
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from mspretrain.budget import position_of_row, step_samples
 from mspretrain.data.order import SamplePlan
+from mspretrain.monitor.callback import Callback, DataState, Values
 
 
-class SourceLedger:
-    """A trainer step callback (rank 0's metrics; a no-op with one source)."""
+class SourceLedger(Callback):
+    """A train loop callback adding its keys in `post_step` (rank 0's metrics; a no-op with one source)."""
 
     def __init__(self, plan: SamplePlan, *, world: int, rank: int, micro: int, accum: int, seq_len: int,
                  every: int) -> None:
@@ -37,7 +36,7 @@ class SourceLedger:
         n = len(plan.windows)
         self.loss_sum, self.count = np.zeros(n), np.zeros(n)
 
-    def __call__(self, step: int, data_state: dict[str, Any], values: dict[str, Any]) -> None:
+    def post_step(self, step: int, data_state: DataState, values: Values) -> None:
         if len(self.plan.windows) < 2:
             return
         pos = [int(s["consumed"]) for s in data_state["sources"]]

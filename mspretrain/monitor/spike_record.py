@@ -11,7 +11,7 @@ documents the window overlaps (their index in the source's train split); the sam
 (rank 0) trained on also carry their mean token loss as the step computed it (`_row_nll`).
 
 Design choices:
-- A step callback (`Trainer.callbacks`), rank 0 only, doing nothing on an ordinary step: the
+- A train loop callback (`post_step`), rank 0 only, doing nothing on an ordinary step: the
   document ends of a source (O(documents) int64) are read on the first spike, not at start-up.
 - Everything comes from the callback's arguments: the loader state before the step names the
   sources, their window counts, the seed, the world and the micro-batch, so the plan is rebuilt
@@ -32,6 +32,7 @@ from mspretrain.data.order import SamplePlan, batch_hash
 from mspretrain.data.origin import docs_in_window
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.fsutil import atomic_write
+from mspretrain.monitor.callback import Callback, DataState, Values
 from mspretrain.paths import DataPaths, step_dir_name
 
 DIR = "spikes"
@@ -69,7 +70,7 @@ def batch_samples(ids: np.ndarray, *, sources: list[str], ends: list[np.ndarray]
     return out
 
 
-class SpikeRecord:
+class SpikeRecord(Callback):
     """Writes RUN_DIR/spikes/step_SSSSSS.json when a step's values carry `spike` (rank 0 only).
 
     `global_batch` is the run's (train.global_batch): the loader state knows the micro-batch and the
@@ -81,7 +82,7 @@ class SpikeRecord:
         self._last = resume_step
         self._ends: dict[str, np.ndarray] = {}
 
-    def __call__(self, step: int, data_state: dict[str, Any], values: dict[str, float]) -> None:
+    def post_step(self, step: int, data_state: DataState, values: Values) -> None:
         ran = step if self._last is None or "rewind" not in values else self._last + 1
         self._last = int(values["rewind"]) if "rewind" in values else ran
         if self.enabled and "spike" in values:

@@ -3,9 +3,10 @@
 In order: the config against the device, the data dir(s) and the vocabulary, MindSpore and the
 world of ranks, the run lock, the budget (steps, warm-up, lr, micro-batches: `mspretrain/budget.py`),
 the resume decision (the newest checkpoint that verifies; refused config changes; --restart), then
-the parts: model, compiled step, loader, scaler, and the loop's components, the run dir's files
-(config.toml with the resolved values as comments, run_meta.json, the tokenizer) and finally the
-checkpoint's state loaded into all of them.
+the parts: model, compiled step, loader, scaler, checkpoints, spike policy, then the run dir's
+files (config.toml with the resolved values as comments, run_meta.json, the tokenizer), the
+observers as the loop's callbacks (monitor/callback.py; their order is the order of their effects
+within each hook) and finally the checkpoint's state loaded into all of them.
 
 Design choices:
 - A config change that alters numerics (model shape, seq_len, global batch, seed) is refused on
@@ -35,9 +36,10 @@ from mspretrain.checkpoint import store
 from mspretrain.config import schema as cfgmod
 from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
+from mspretrain.monitor.callback import Callback
 from mspretrain.parallel.layout import bucket_mb_for
 from mspretrain.paths import DataPaths, RunPaths
-from mspretrain.train.trainer import StepCallback, Trainer
+from mspretrain.train.trainer import Trainer
 from mspretrain.world import detect, select_launch
 
 # the memory check build_trainer is given: (config, world size, device target, log=...) -> None or UserError
@@ -166,12 +168,14 @@ def resolved_notes(cfg: Config, b: budget.Budget, sampling: cfgmod.MetricsConfig
 def build_trainer(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, allow_config_change: bool = False,
                   allow_data_change: bool = False, restart: bool = False, log: Callable[[str], None] = print,
                   init_weights: Callable[[Any], None] | None = None, run_meta: dict[str, Any] | None = None,
-                  callbacks: Sequence[StepCallback] = (), fits: FitCheck | None = None) -> Trainer:
+                  callbacks: Sequence[Callback] = (), fits: FitCheck | None = None) -> Trainer:
     """The real trainer for `mspretrain train`, resumed from the run dir's newest verified checkpoint.
     A refused run (any UserError) leaves the run dir as it was: every check runs before the first write.
     `fits(cfg, world, device, log=...)`: the memory check run before any allocation (`preflight/fits.check_fits`,
     which the commands and replay pass; it is given, not imported, because it reads `preflight/plan`'s
-    memory model and preflight/ builds on step/); None: none (tests' tiny models)."""
+    memory model and preflight/ builds on step/); None: none (tests' tiny models).
+    `callbacks`: the caller's own per-step work, called after the run's observers and before the
+    metrics record is written (monitor/callback.py)."""
     from mspretrain.monitor.console import RunLog
 
     for flag, path in (("--data", data_dir), ("--run", run_dir)):
@@ -223,7 +227,7 @@ def _write_run_files(paths: RunPaths, cfg: Config, notes: dict[str, str], tokeni
 
 def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_config_change: bool,
            allow_data_change: bool, restart: bool, init_weights: Callable[[Any], None] | None,
-           run_meta: dict[str, Any] | None, callbacks: Sequence[StepCallback], fits: FitCheck | None) -> Trainer:
+           run_meta: dict[str, Any] | None, callbacks: Sequence[Callback], fits: FitCheck | None) -> Trainer:
     import mindspore as ms
 
     from mspretrain.checkpoint.saver import Saver
@@ -361,22 +365,25 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
                             resume_step=int(resume_state["step"]) if resume_from is not None else 0)
     banner = (f"{device.describe()}; world {world.size}; micro-batch {b.micro_batch} x {b.accumulation} accumulation"
               + memory_options(cfg, step_fn, world, b.accumulation), f"schedule {b.schedule.describe()}")
+    # this rank's step and phase, for `diagnose --hang` and launch's watchdog (its thread runs from here on)
+    heartbeat = Heartbeat(paths.root, world.rank, world.size,
+                          collectives_per_step=step_fn.collectives(b.accumulation)["calls"] if world.size > 1 else 0)
+    evaluator.attach(model, total=b.steps, phase=heartbeat.phase)
+    observers = (heartbeat, meter, StepProfiler(paths.root, cfg.profile.steps if world.is_main else "", log=say),
+                 ConsoleLine(say, total=b.steps, log_every=cfg.train.log_every, show_scale=scaler.mode != "none",
+                             rank=world.rank),
+                 evaluator, batches, ledger, spike_record, *callbacks,
+                 metrics)  # last: the metrics record holds every key the others added
     trainer = Trainer(
         cfg=cfg, run_dir=paths.root, data_dir=data_dir, world=world, model=model, step_fn=step_fn, loader=loader,
-        scaler=scaler, schedule=b.schedule, total_steps=b.steps, accum_steps=b.accumulation,
-        tokens_per_step=b.tokens_per_step, meter=meter, checkpoints=checkpoints,
-        spikes=SpikePolicy(cfg.spike, warmup_steps=b.warmup, log=say),
-        evaluator=evaluator,
-        console=ConsoleLine(say, total=b.steps, log_every=cfg.train.log_every, show_scale=scaler.mode != "none"),
-        metrics=metrics, profiler=StepProfiler(paths.root, cfg.profile.steps if world.is_main else "", log=say),
-        log=say, banner=banner, callbacks=(batches, ledger, spike_record, *callbacks),
-        heartbeat=Heartbeat(paths.root, world.rank, world.size,
-                            collectives_per_step=step_fn.collectives(b.accumulation)["calls"] if world.size > 1 else 0))
+        scaler=scaler, schedule=b.schedule, checkpoints=checkpoints,
+        spikes=SpikePolicy(cfg.spike, warmup_steps=b.warmup, log=say), total_steps=b.steps,
+        accum_steps=b.accumulation, tokens_per_step=b.tokens_per_step, log=say, banner=banner, callbacks=observers)
     if resume_from is not None and loaded is not None:
         try:
             trainer.restore(loaded, resume_from.name)
-        except BaseException:  # the heartbeat's thread runs from here on: a refused resume must not leave it behind
-            trainer.heartbeat.close("failed", 0)
+        except BaseException as exc:  # the heartbeat's thread runs from here on: a refused resume must not leave it behind
+            trainer.fail(exc)
             raise
         checkpoints.last_save_step = trainer.step
     return trainer

@@ -6,16 +6,20 @@ with `eval.choices_file`, multiple-choice accuracy (eval/choices.py) at the same
 trained (eval/harness.py), their scores as `harness/TASK/METRIC` (e.g. `harness/ceval-valid/acc`).
 
 The choices files and the harness tasks (names, data, lm-eval installed) are read and checked at construction, so a bad file or shot count fails in
-one line before the first step rather than at the first evaluation hours later."""
+one line before the first step rather than at the first evaluation hours later. The model, the
+run's last step and the heartbeat do not exist yet then: `attach` gives them once built, and the
+evaluator is a train loop callback from there on (`post_step`: it says "eval" to the heartbeat and
+adds its values to the step's)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Callable
 
 from mspretrain.config.schema import EvalConfig
+from mspretrain.monitor.callback import Callback, DataState, Values
 
 
-class PeriodicEval:
+class PeriodicEval(Callback):
     def __init__(self, cfg: EvalConfig, *, data_dir: Path, seq_len: int, log: Callable[[str], None],
                  jit_level: str = "O0", seed: int = 0) -> None:
         self.cfg, self.data_dir, self.seq_len, self.log = cfg, data_dir, seq_len, log
@@ -40,6 +44,19 @@ class PeriodicEval:
             # the tasks' data is read now (offline): a missing file fails before the first step
             self.harness = resolve_tasks(cfg.harness_tasks.split(","), cfg.harness_include_path or None)
             self.tokenizer = self.tokenizer or Tokenizer.load(data_dir)
+        self.model: Any = None
+        self.total = 0
+        self.phase: Callable[[str, int], None] = lambda name, step: None
+
+    def attach(self, model: Any, *, total: int, phase: Callable[[str, int], None]) -> None:
+        """The model to evaluate, the run's last step (evaluated unless eval.at_end = false) and the
+        heartbeat's `phase` (it says "eval" while the evaluation runs)."""
+        self.model, self.total, self.phase = model, total, phase
+
+    def post_step(self, step: int, data_state: DataState, values: Values) -> None:
+        if self.due(step, self.total):
+            self.phase("eval", step)
+            values.update(self(self.model, step))
 
     def due(self, step: int, total: int) -> bool:
         return bool(self.cfg.every and step % self.cfg.every == 0) or (self.cfg.at_end and step == total)

@@ -1,26 +1,22 @@
-"""The training loop: data → step → metrics → eval → checkpoint → signals. No numerics, no building.
+"""The training loop: data → step → spike policy → observers → checkpoint → signals. No numerics, no building.
 
-The loop is given its parts (`train/build.py: build_trainer` wires the real ones; tests may wire
-their own): the compiled step and the model, the loader, the loss scaler and the lr schedule, and
-small components, one concern each:
-- `meter` (monitor/meter.StepMeter): tokens/s, MFU, host share, memory, each at its interval;
-- `checkpoints` (train/checkpointing.CheckpointManager): when to save, save/load of the full state;
-- `spikes` (train/spike_policy.SpikePolicy): warn, rewind or stop on spikes and non-finite losses;
-- `evaluator` (train/eval_schedule.PeriodicEval): valid perplexity at its interval and at the end;
-- `heartbeat` (monitor/heartbeat.Heartbeat): this rank's step and phase (data, step, eval, save,
-  done) in RUN_DIR/heartbeat/, for `diagnose --hang` and launch's watchdog; told, never waited on;
-- `console` and `log` (monitor/console): the step line and the run log; `metrics`
-  (monitor/metrics.MetricsLogger): metrics.jsonl and TensorBoard; `profiler` (StepProfiler).
+The loop is given its parts (`train/build.py: build_trainer` wires the real ones; tests and
+`replay` wire their own), each typed by a Protocol of `train/parts.py`: the compiled step, the
+loader, the loss scaler, the lr schedule, the checkpoints (`train/checkpointing.CheckpointManager`:
+when to save, save/load of the full state) and the spike policy (`train/spike_policy.SpikePolicy`:
+warn, rewind or stop on spikes and non-finite losses). It drives those.
 
-Extension points (new per-step work is a component, not an edit of the loop):
-- `callbacks`: each is called after every step as `callback(step, data_state, values)`, with the
-  loader's state *before* the step (the loader is a pure function of it, so it names the global
-  batch's samples exactly) and the step's metrics values (loss, lr, grad_norm, ...; `_row_nll`:
-  this rank's per-sample NLL sums, keys with `_` are never written). Per-step records go here.
-  They run before the step's metrics record is written and may only add keys to `values`.
-- initial weights from another source: `build_trainer(..., init_weights=f)` calls `f(model)` on a
-  run that starts from step 0, after the model is built and before the compiled step and its
-  optimizer state are (a resumed run takes its weights from its checkpoint instead).
+Everything that only observes a step is a `monitor/callback.Callback`, given as `callbacks`, and
+the loop calls each hook of every callback, in their order, at one place (the hooks and when they
+run: monitor/callback.py). `build_trainer` gives, in this order: the heartbeat (monitor/heartbeat:
+this rank's step and phase for `diagnose --hang` and launch's watchdog), the step meter
+(monitor/meter: tokens/s, MFU, host share, memory), the profiler, the console line, the periodic
+eval (train/eval_schedule: valid perplexity at its interval and at the end), the batch log, the
+source ledger, the spike record, the caller's own callbacks, and last the metrics logger
+(metrics.jsonl and TensorBoard, in `log_metrics`, after every callback has added its keys).
+New per-step work is a callback, not an edit of the loop. Initial weights from another source:
+`build_trainer(..., init_weights=f)` calls `f(model)` on a run that starts from step 0, after the
+model is built and before the compiled step and its optimizer state are.
 
 Exactness: the state that decides the next step is the weights, the AdamW moments and counter, the
 loss-scale numbers, the loader's few integers, the spike detector's window and the step/applied
@@ -34,18 +30,20 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from mspretrain.checkpoint import store
+from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
-from mspretrain.monitor.heartbeat import NullHeartbeat
+from mspretrain.monitor.callback import Callback
 from mspretrain.paths import RunPaths
+from mspretrain.train.parts import BatchSource, Checkpoints, CompiledStep, LossScale, LrSchedule, SpikeGuard, StepOutcome
 from mspretrain.train.replicas import record_weights_hash
 from mspretrain.train.spike_policy import MAX_REWINDS, REWIND, STOP
+from mspretrain.world import World
 
-
-class StepCallback(Protocol):
-    def __call__(self, step: int, data_state: dict[str, Any], values: dict[str, float]) -> None: ...
+if TYPE_CHECKING:
+    from mindspore import nn
 
 
 @dataclass
@@ -64,19 +62,16 @@ class Summary:
 
 
 class Trainer:
-    def __init__(self, *, cfg: Any, run_dir: Path, data_dir: Path, world: Any, model: Any, step_fn: Any, loader: Any,
-                 scaler: Any, schedule: Any, total_steps: int, accum_steps: int, tokens_per_step: int,
-                 meter: Any, checkpoints: Any, spikes: Any, evaluator: Any, console: Any, metrics: Any,
-                 profiler: Any, log: Callable[[str], None], banner: tuple[str, ...] = (),
-                 callbacks: tuple[StepCallback, ...] = (), heartbeat: Any = None) -> None:
+    def __init__(self, *, cfg: Config, run_dir: Path, data_dir: Path, world: World, model: nn.Cell | None,
+                 step_fn: CompiledStep, loader: BatchSource, scaler: LossScale, schedule: LrSchedule,
+                 checkpoints: Checkpoints, spikes: SpikeGuard, total_steps: int, accum_steps: int, tokens_per_step: int,
+                 log: Callable[[str], None], banner: tuple[str, ...] = (), callbacks: Sequence[Callback] = ()) -> None:
         self.cfg, self.run_dir, self.data_dir, self.world = cfg, Path(run_dir), Path(data_dir), world
         self.model, self.step_fn, self.loader, self.scaler, self.schedule = model, step_fn, loader, scaler, schedule
+        self.checkpoints, self.spikes = checkpoints, spikes
         self.total_steps, self.accum_steps, self.tokens_per_step = total_steps, accum_steps, tokens_per_step
-        self.meter, self.checkpoints, self.spikes, self.evaluator = meter, checkpoints, spikes, evaluator
-        self.console, self.metrics, self.profiler, self.log = console, metrics, profiler, log
-        self.banner, self.callbacks = tuple(banner), list(callbacks)
-        # monitor/heartbeat.Heartbeat: this rank's step and phase for `diagnose --hang` and launch's watchdog
-        self.heartbeat = heartbeat if heartbeat is not None else NullHeartbeat()
+        self.log, self.banner = log, tuple(banner)
+        self.callbacks: list[Callback] = list(callbacks)
         self.step = self.applied = self.tokens_seen = self.skipped = self.rewinds = 0
         self._stop_signal: int | None = None
 
@@ -107,15 +102,28 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Checkpoint the state after `self.step` (see CheckpointManager.save)."""
-        self.heartbeat.phase("save", self.step)
-        return self.checkpoints.save(self.step, self.train_state())
+        for c in self.callbacks:
+            c.pre_checkpoint(self.step)
+        path = self.checkpoints.save(self.step, self.train_state())
+        for c in self.callbacks:
+            c.post_checkpoint_saved(self.step, path)
+        return path
 
     def close(self) -> None:
         """End a trainer that will not train (or has nothing to do): its files, and the heartbeat's
         thread, which runs from build_trainer on."""
         self.checkpoints.close()
-        self.metrics.close()
-        self.heartbeat.close("done", self.step)
+        for c in self.callbacks:
+            c.post_train(self.step)
+        for c in self.callbacks:
+            c.close()
+
+    def fail(self, exc: BaseException) -> None:
+        """End a trainer whose building failed after the callbacks started (a refused resume)."""
+        for c in self.callbacks:
+            c.on_error(self.step, exc)
+        for c in self.callbacks:
+            c.close()
 
     # ----------------------------------------------------------------- loop
     def train(self) -> Summary:
@@ -128,38 +136,31 @@ class Trainer:
             self.close()
             return summary
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.meter.begin()
-        self.console.begin(start)
+        for c in self.callbacks:
+            c.pre_train(start)
         t_begin = time.perf_counter()
+        error: BaseException | None = None
         try:
             while self.step < self.total_steps and self._stop_signal is None:
-                t_step = time.perf_counter()
-                data_state = self.loader.state() if self.callbacks else {}
-                self.profiler.step_begin(self.step + 1)
+                data_state = self.loader.state()
                 res, lr, scale = self.train_step()
-                self.profiler.step_end(self.step)
-                values: dict[str, float] = {"loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": scale,
-                                            "skipped": self.skipped, "tokens": self.tokens_seen,
-                                            "elapsed_s": round(time.perf_counter() - t_begin, 3)}
-                values.update(self.meter.sample(self.step, first=self.step == start + 1))
+                values: dict[str, Any] = {"loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": scale,
+                                          "skipped": self.skipped, "tokens": self.tokens_seen,
+                                          "elapsed_s": round(time.perf_counter() - t_begin, 3)}
+                for c in self.callbacks:  # the heartbeat, the meter's throughput and memory, the profiler
+                    c.post_train_batch(self.step, values)
                 values.update(res.moe or {})  # MoE: the step's expert-load metrics (model/moe.py load_metrics)
                 summary.tokens_per_s = values.get("tokens_per_s", summary.tokens_per_s)
                 summary.losses.append(res.loss)
                 rewound = self._after_spike_check(self.spikes.observe(self.step, res.loss, res.grad_norm, values), values)
-                if self.console.due(self.step):
-                    self.console(self.step, values)
-                    if not self.world.is_main:  # per-rank timing in the msrun worker logs, for straggler diagnosis
-                        print(f"rank={self.world.rank} step={self.step} step_time={(time.perf_counter() - t_step):.3f}s", flush=True)
-                if self.evaluator.due(self.step, self.total_steps):  # a run ends with an eval unless eval.at_end=false
-                    self.heartbeat.phase("eval", self.step)
-                    values.update(self.evaluator(self.model, self.step))
                 values["_row_nll"] = res.row_nll
-                try:
-                    for callback in self.callbacks:
-                        callback(self.step, data_state, values)
+                try:  # the console line, the eval, the batch log, the ledger, the spike record, the caller's
+                    for c in self.callbacks:
+                        c.post_step(self.step, data_state, values)
                 except OSError as exc:  # batches.jsonl, spikes/ on a full disk: stop cleanly, keep the steps
                     self._stop_on_write_error(exc, values)
-                self.metrics.log(self.step, values)
+                for c in self.callbacks:  # the metrics record, after every callback has added its keys
+                    c.log_metrics(self.step, values)
                 # After a rewind the step is the checkpoint's own: saving it again would replace the
                 # directory the other ranks are loading at that moment (seen under msrun as a rank
                 # that found it torn, did not rewind, and left the job), and would write nothing new.
@@ -170,18 +171,25 @@ class Trainer:
             record_weights_hash(self.run_dir, rank=self.world.rank, world=self.world.size, step=self.step, model=self.model,
                                 weights=self.step_fn.full_weights if getattr(self.step_fn, "zero3", False)
                                 or getattr(self.step_fn, "tp_size", 1) > 1 else None)
-            self.heartbeat.close("done", self.step)
+            for c in self.callbacks:
+                c.post_train(self.step)
         except store.SaveError as exc:
+            error = exc
             self.checkpoints.failed(exc)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            self.heartbeat.close("failed", self.step)  # no-op after "done"
+            if error is not None:
+                for c in self.callbacks:
+                    c.on_error(self.step, error)
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-            self.profiler.close()
-            self.metrics.close()
+            for c in self.callbacks:
+                c.close()
         return self._finish(summary, start)
 
-    def _stop_on_write_error(self, exc: OSError, values: dict[str, float]) -> None:
+    def _stop_on_write_error(self, exc: OSError, values: dict[str, Any]) -> None:
         """A run file could not be written (disk full, read-only): checkpoint the steps done if the
         disk still takes it (then write what was pending), else keep the last good checkpoint; stop
         in one line either way. Training on without the record would leave `audit` blind."""
@@ -194,9 +202,10 @@ class Trainer:
             saved = False
         if saved:
             try:
-                for callback in self.callbacks:
-                    getattr(callback, "retry", lambda: None)()
-                self.metrics.log(self.step, values)
+                for c in self.callbacks:
+                    c.retry()
+                for c in self.callbacks:
+                    c.log_metrics(self.step, values)
             except OSError:
                 pass
         kept = (f"checkpoint {RunPaths(self.run_dir).step_dir(self.step).name} saved" if saved
@@ -217,22 +226,22 @@ class Trainer:
                      f"Resume with: mspretrain train --config {RunPaths(self.run_dir).config} --data {self.data_dir} --run {self.run_dir}")
         return summary
 
-    def train_step(self) -> tuple[Any, float, float]:
+    def train_step(self) -> tuple[StepOutcome, float, float]:
         """Fetch this rank's micro-batches, run the compiled step, update the host counters."""
         lr = self.schedule(self.applied)
         scale = self.scaler.scale
+        step = self.step + 1
+        for c in self.callbacks:
+            c.pre_load_batch(step)
         micro = []
-        self.heartbeat.data(self.step)
         for _ in range(self.accum_steps):
             b = self.loader.next_batch()
             micro.append((b.tokens, b.positions, b.segments))
-        t_run = time.perf_counter()
-        self.heartbeat.running()
+        for c in self.callbacks:
+            c.pre_step(step)
         res = self.step_fn.run(micro, lr, scale)
-        self.meter.add_step_time(time.perf_counter() - t_run)
         self.scaler.update(res.finite)
-        self.step += 1
-        self.heartbeat.finished(self.step)
+        self.step = step
         self.tokens_seen += self.tokens_per_step
         if res.finite:
             self.applied += 1
@@ -242,7 +251,7 @@ class Trainer:
             self.log(f"step {self.step}: gradient overflow at loss scale {scale:g} — update skipped, scale now {self.scaler.scale:g}")
         return res, lr, scale
 
-    def _after_spike_check(self, action: str, values: dict[str, float]) -> bool:
+    def _after_spike_check(self, action: str, values: dict[str, Any]) -> bool:
         """Act on the spike detector's verdict; True when the state was rewound to a checkpoint."""
         if action == REWIND:
             rewound = self.rewind()
