@@ -277,7 +277,7 @@ def _flash_with_heads(old: Any, heads: int) -> Any:
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Refuse, in one line each, a model that `parallel.tp` cannot cut (module docstring)."""
-    from mspretrain.model.tp_rules import tp_refusal
+    from mspretrain.parallel.plan import tp_refusal
 
     refused = tp_refusal(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size, tp)  # plan's layout table asks the same
     if refused:

@@ -83,14 +83,15 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from mspretrain.checkpoint.model_shards import parse_key
 from mspretrain.config import OptimConfig
 from mspretrain.model.groups import trainable_mask
 from mspretrain.model.layers import use_fused_kernels
 from mspretrain.model.parallel import PartialSum
+from mspretrain.parallel.shard_key import parse_shard_key as parse_key
+from mspretrain.parallel.shard_key import shard_key as slice_key
 from mspretrain.train.layout import assign_owners
 from mspretrain.train.state_codec import OptimizerState
-from mspretrain.train.zero_setup import make_collectives, plan_zero, slice_key
+from mspretrain.train.zero_setup import make_collectives, plan_zero
 
 # assign_owners, parse_key and slice_key: the names tests and train/tp.py have imported from here
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners", "parse_key", "slice_key"]
@@ -621,7 +622,7 @@ class TrainStep:
 
     def state_keys(self, owned_only: bool = False) -> set[str]:
         """Tensor names of the optimizer state: all of it (logical names), or the part this rank
-        holds (as it writes them: a split parameter's slices by `slice_key`)."""
+        holds (as it writes them: a split parameter's slices by `shard_key`)."""
         return self.state.keys(owned_only)
 
     def optimizer_state(self) -> dict[str, np.ndarray]:

@@ -29,7 +29,8 @@ import numpy as np
 
 from mspretrain.errors import UserError
 from mspretrain.model.parallel import Group, cut, place, tp_rows
-from mspretrain.train.step import TrainStep, parse_key
+from mspretrain.parallel.shard_key import parse_shard_key
+from mspretrain.train.step import TrainStep
 
 CHUNK = 1 << 24  # elements per host-side tp sum (64 MB of fp32): one compiled collective, reused
 
@@ -219,7 +220,7 @@ class TPTrainStep(TrainStep):
     def keys_to_read(self, available: set[str]) -> set[str]:
         """Every stored key (whole or a ZeRO slice) of the state this rank's dp part needs."""
         want = {"opt_step"} | {f"{kind}.{self.names[i]}" for i in self.own for kind in self._kinds(i)}
-        return {k for k in available if parse_key(k)[0] in want}
+        return {k for k in available if parse_shard_key(k)[0] in want}
 
     def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
         """Whole tensors, or the slices a ZeRO run stored (`NAME@START:STOP` of the flattened whole),
@@ -227,7 +228,7 @@ class TPTrainStep(TrainStep):
         joined: dict[str, np.ndarray] = {}
         slices: dict[str, list[tuple[tuple[int, int], np.ndarray]]] = {}
         for key, value in tensors.items():
-            name, rng = parse_key(key)
+            name, rng = parse_shard_key(key)
             if rng is None:
                 joined[name] = np.asarray(value)
             else:

@@ -82,6 +82,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.errors import UserError
+from mspretrain.parallel.shard_key import shard_key
 from mspretrain.train.layout import slice_bounds
 
 __all__ = ["ShardedGather", "shard_model", "sharded_names", "gathered", "full_state", "load_full_state"]
@@ -258,7 +259,7 @@ def slice_state(model: nn.Cell, world: int, rank: int) -> tuple[dict[str, np.nda
         value = (p.asnumpy() if p.dtype in (ms.float32, ms.float16) else p.astype(ms.float32).asnumpy()).copy()
         if p.name in sharded:
             a, b = slice_bounds(math.prod(sharded[p.name]), world, rank)
-            out[f"{p.name}@{a}:{b}"] = value.reshape(-1)
+            out[shard_key(p.name, a, b)] = value.reshape(-1)
         elif rank == 0:
             out[p.name] = value
     return out, sharded
