@@ -122,7 +122,8 @@ def for_run(cfg: Any, model: Any, step_fn: Any, *, rank: int, world: int) -> Wei
                         "optimizer state, which the EMA does not read yet)",
                         "use precision.param_dtype=fp32, or average checkpoints afterwards with `mspretrain average`")
     params = list(model.get_parameters())
-    if getattr(step_fn, "zero3", False):
+    plan = step_fn.plan  # the run's parallel plan (mspretrain/parallel/plan.py)
+    if plan.zero3:
         from mspretrain.train.layout import slice_bounds
         from mspretrain.train.zero3 import gathered, wanted_ranges
 
@@ -138,9 +139,8 @@ def for_run(cfg: Any, model: Any, step_fn: Any, *, rank: int, world: int) -> Wei
                 keys.append(p.name)
         return WeightEMA(decay, keep, keys=keys, file_name=ema_shard_name(rank, world), shapes=shapes,
                          wanted=wanted_ranges(model, world, rank))
-    z = getattr(step_fn, "zero_setup", None)
-    if world > 1 and getattr(step_fn, "sharded", False) and z is not None:
-        return _zero12(decay, params, z, step_fn.own_masters, rank=rank, world=world)
+    if world > 1 and plan.sharded:
+        return _zero12(decay, params, step_fn.zero_setup, step_fn.own_masters, rank=rank, world=world)
     if rank != 0:  # the weights are whole on every rank and no rank owns a part: rank 0's EMA is the run's
         return None
     return WeightEMA(decay, params, keys=[p.name for p in params], file_name=EMA_FILE, shapes=None, wanted={})

@@ -168,8 +168,7 @@ class Trainer:
             summary.final_checkpoint = self.save()
             self.checkpoints.close()
             record_weights_hash(self.run_dir, rank=self.world.rank, world=self.world.size, step=self.step, model=self.model,
-                                weights=self.step_fn.full_weights if getattr(self.step_fn, "zero3", False)
-                                or getattr(self.step_fn, "tp_size", 1) > 1 else None)
+                                step_fn=self.step_fn)
             self.heartbeat.close("done", self.step)
         except store.SaveError as exc:
             self.checkpoints.failed(exc)
