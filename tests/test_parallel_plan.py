@@ -116,3 +116,25 @@ def test_no_probe_of_a_layout_attribute():
                     and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in LAYOUT_ATTRS):
                 probes.append(f"{path.relative_to(PKG)}:{node.lineno} {ast.unparse(node)}")
     assert not probes, "a getattr/hasattr probe of a layout attribute (declare it, or hand the plan): " + "; ".join(probes)
+
+
+def test_fits_and_plan_model_the_micro_batch_of_the_data_parallel_size():
+    """World 4 under tp 2 is 2 data-parallel ranks: `fits` (ops/fits.py) and `plan` model the micro-
+    batch train runs, global_batch / dp, not global_batch / world (half of it: another micro-batch)."""
+    from mspretrain import budget
+    from mspretrain import config as cfgmod
+    from mspretrain.ops.fits import estimate_bytes
+    from mspretrain.ops.plan import make_plan
+
+    over = ["model.vocab_size=256", "model.n_heads=4", "model.n_kv_heads=2", "train.global_batch=8", "train.max_steps=1"]
+    cfg = cfgmod.load(None, over + ["parallel.tp=2"])
+    run = budget.derive(cfg, world=ParallelPlan.for_config(cfg, world=4).dp, data_tokens=None)  # what train/build.py derives
+    plan = make_plan(cfg, devices=4, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    assert (plan["dp"], plan["micro_batch"], plan["accumulation"]) == (2, run.micro_batch, run.accumulation)
+    assert run.micro_batch * run.accumulation == 4 != budget.derive(cfg, world=4, data_tokens=None).micro_batch
+    # the memory check is the plan's figure of that micro-batch (+ the RoPE tables), and a bigger
+    # micro-batch is a bigger figure: the estimate follows the split
+    m = cfg.model
+    assert estimate_bytes(cfg, 4) == int(plan["memory_bytes"]["peak"]) + m.max_seq_len * m.head_size * 24
+    wide = cfgmod.load(None, over[:-2] + ["train.global_batch=16", "train.max_steps=1", "parallel.tp=2"])
+    assert estimate_bytes(wide, 4) > estimate_bytes(cfg, 4)
