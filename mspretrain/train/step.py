@@ -168,7 +168,7 @@ class TrainStep(StepUpdate):
         every = tuple(model.trainable_params())
         keep = trainable_mask([p.name for p in every], trainable, tied=decoder is not None and decoder.tied)
         # ZeRO-3: the trained parameters are cut into slices now, before any table below is built
-        self.zero3 = shard_params and world > 1
+        self.zero3 = plan.zero3  # shard_params over more than one data-parallel rank
         full_size = {p.name: int(np.prod(p.shape)) for p in every}
         if self.zero3:
             from mspretrain.train.zero3 import shard_model, sharded_names
