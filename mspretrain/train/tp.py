@@ -89,7 +89,7 @@ def group_options(kind: str, device: str, env: dict[str, str] | None = None) -> 
 
 
 class TPTrainStep(TrainStep):
-    """TrainStep over the dp group for a model cut by model/parallel.py `split_model`; whole
+    """TrainStep over the dp group for a model cut by its `apply_tp` (model/decoder.py); whole
     tensors in and out (module docstring). `full_weights` and `optimizer_state` are collectives:
     every rank calls them, in the same order."""
 
