@@ -528,7 +528,7 @@ def test_a_cut_model_sends_only_this_ranks_pieces_to_the_device(monkeypatch, wor
         model = decoder.Decoder(m, seed=0, device="ascend", dtype="fp16", host_weights=True)
         split_model(model, Group((0, 1), rank, device="ascend"))
         assert sum(moved) == sum(int(np.prod(p.shape)) * 4 for n, p in model.parameters_and_names()
-                                 if p.name in model.tp_shapes)  # the pieces, once each
+                                 if p.name in model.tp_split.whole_shapes)  # the pieces, once each
         assert sum(moved) < 0.55 * whole
     on = lambda *o: builds_on_host(cfgmod.load(None, list(o)), 8)
     assert on("optim.shard_parameters=true") and on("parallel.tp=2") and not on("optim.shard_gradients=true")

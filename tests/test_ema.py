@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from mspretrain.parallel.plan import ParallelPlan
 from tests.conftest import copy_run_at
 from tests.helpers import TINY, assert_refusal, cli
 
@@ -132,7 +133,7 @@ def test_zero3_ranks_keep_and_save_their_slices_which_read_back_at_any_world(tmp
         model = Decoder(cfg.model, seed=0)
         load_numpy(model, steps[0])
         shard_model(model, [p.name for p in model.trainable_params()], 2, rank, "cpu")
-        ema = for_run(cfg, model, SimpleNamespace(zero3=True), rank=rank, world=2)
+        ema = for_run(cfg, model, SimpleNamespace(plan=ParallelPlan(world=2, rank=rank, zero=3)), rank=rank, world=2)
         sharded = {name for name, _, _ in gathered(model)}
         for w in steps:  # each "step": this rank's slices take the step's weights
             for p in model.get_parameters():
@@ -162,7 +163,7 @@ def test_zero3_ranks_keep_and_save_their_slices_which_read_back_at_any_world(tmp
     for k in want:
         assert np.max(np.abs(got[k] - want[k])) <= 1e-7, k
     # one process resumes the two ranks' EMA whole
-    one = for_run(cfg, Decoder(cfg.model, seed=0), SimpleNamespace(zero3=False), rank=0, world=1)
+    one = for_run(cfg, Decoder(cfg.model, seed=0), SimpleNamespace(plan=ParallelPlan()), rank=0, world=1)
     one.load(ckpt, log=lambda s: None)
     for k, v in zip(one.keys, one.values):
         assert np.array_equal(v, want[k].reshape(-1)), k
@@ -212,7 +213,7 @@ def _zero2(cfg, world: int, rank: int):
     z = plan_zero(params, [math.prod(p.shape) for p in params], set(), None, world=world, rank=rank, device="cpu",
                   zero3=False, shard=True, shard_grads=True, allreduce_fp16=False, bucket_mb=0.05, split_mb=0.05)
     masters = OptimizerState(params, (), z.ownership).masters
-    return model, SimpleNamespace(zero3=False, sharded=True, zero_setup=z, own_masters=masters)
+    return model, SimpleNamespace(plan=ParallelPlan(world=world, rank=rank, zero=2), zero_setup=z, own_masters=masters)
 
 
 def _apply(model, step_fn, w: dict[str, np.ndarray]) -> None:
@@ -301,6 +302,6 @@ def test_zero2_ranks_keep_save_and_resume_the_ema_of_what_they_own(tmp_path, tin
                 name, rng = parse_key(key)
                 a, b = rng or (0, value.size)
                 assert np.array_equal(value, want[name].reshape(-1)[a:b]), (world, rank, key)
-    one = for_run(cfg, Decoder(cfg.model, seed=0), SimpleNamespace(zero3=False), rank=0, world=1)
+    one = for_run(cfg, Decoder(cfg.model, seed=0), SimpleNamespace(plan=ParallelPlan()), rank=0, world=1)
     one.load(ckpt, log=lambda s: None)
     assert all(np.array_equal(v, want[k].reshape(-1)) for k, v in zip(one.keys, one.values))

@@ -183,7 +183,7 @@ def test_split_model_holds_the_pieces_under_the_whole_names(world_of):
     for p in model.trainable_params():
         assert np.array_equal(p.asnumpy(), cut(whole[p.name], tp_rows(p.name, whole[p.name].shape, cfg, 2, 1))), p.name
     assert model.local_heads == (2, 1) and model.layers[0].mlp.ffn == cfg.ffn_dim // 2
-    assert set(model.tp_shapes) == {n for n in names if "norm" not in n}
+    assert set(model.tp_split.whole_shapes) == {n for n in names if "norm" not in n}
     assert "lm_head.weight" not in names  # tied: the head uses the embedding's rows
 
 
@@ -228,8 +228,8 @@ def test_qwen3_qk_norms_stay_whole_and_their_partial_gradients_are_summed_over_t
     world_of(0, 2)
     model = Decoder(_cfg(family="qwen3", qk_norm=True, head_dim=16), seed=0)
     split_model(model, Group((0, 1), 0))
-    assert model.tp_partial == {f"layers.{i}.attn.{n}.weight" for i in range(2) for n in ("q_norm", "k_norm")}
-    assert all(p.shape == (16,) for p in model.get_parameters() if p.name in model.tp_partial)
+    assert model.tp_split.partial == {f"layers.{i}.attn.{n}.weight" for i in range(2) for n in ("q_norm", "k_norm")}
+    assert all(p.shape == (16,) for p in model.get_parameters() if p.name in model.tp_split.partial)
     s = PartialSum([1, 3], [(2,), (3,)], Group((0, 1), 0))
     seen = []
     s.sum = lambda x: (seen.append(x.shape), x * 2)[1]

@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 
 from mspretrain.errors import UserError
 from mspretrain.fsutil import loads_json
+from mspretrain.parallel.shard_key import parse_shard_key as parse_key  # the stored keys' one reader (re-exported)
 
 MODEL_FILE = "model.safetensors"
 MODEL_SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
@@ -68,21 +69,6 @@ def model_files_problem(names: Iterable[str]) -> str | None:
 def shard_metadata(step: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
     """The safetensors metadata of a per-rank weight file (the module docstring)."""
     return {"format": "mspretrain", "step": str(step), "shapes": json.dumps({k: list(v) for k, v in sorted(shapes.items())})}
-
-
-_RANGE_RE = re.compile(r"^([0-9]{1,19}):([0-9]{1,19})$")
-
-
-def parse_key(key: str) -> tuple[str, tuple[int, int] | None]:
-    """(parameter name, [start, stop) or None for a whole tensor) of a stored key; a range that is
-    not two whole numbers start <= stop is a one-line error (a hostile or damaged file)."""
-    name, sep, rng = key.rpartition("@")
-    if not sep:
-        return key, None
-    m = _RANGE_RE.match(rng)
-    if not m or int(m.group(1)) > int(m.group(2)):
-        raise UserError(f"the checkpoint's tensor {key[:120]!r} names no element range START:STOP of whole numbers", _REREAD)
-    return name, (int(m.group(1)), int(m.group(2)))
 
 
 def check_tiling(name: str, ranges: Iterable[tuple[int, int]], lo: int, hi: int, fix: str = _REREAD) -> None:

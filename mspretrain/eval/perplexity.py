@@ -30,14 +30,17 @@ def _nll_fn(model: Any, jit_level: str = "O0") -> Callable[[Any], Any]:
     if fn is None:
         import mindspore as ms
 
+        from mspretrain.model.decoder import Decoder
         from mspretrain.model.loss import token_nll
 
-        tp_loss = getattr(model, "tp_loss", None)  # tensor parallel: the logits are this rank's vocabulary columns
+        # tensor parallel: the logits are this rank's vocabulary columns (the decoder's declared `tp_loss`)
+        tp_loss = model.tp_loss if isinstance(model, Decoder) else None
+        plain = model.fused_kernels if isinstance(model, Decoder) else False
 
         def nll(tokens):
             if tp_loss is not None:
                 return tp_loss(model(tokens[:, :-1]), tokens[:, 1:])[0]
-            return token_nll(model(tokens[:, :-1]), tokens[:, 1:], plain_sum=getattr(model, "fused_kernels", False))[0]
+            return token_nll(model(tokens[:, :-1]), tokens[:, 1:], plain_sum=plain)[0]
 
         fn = ms.jit(nll, jit_level=jit_level)
         cache[jit_level] = fn

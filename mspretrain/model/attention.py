@@ -61,13 +61,15 @@ class Attention(nn.Cell):
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(self.head_dim)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim, cfg.init_std, rng, dtype,
-                           bias=cfg.qkv_bias)
-        self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim, out_std, rng, dtype)
+        # tensor parallel (model/block.py `Block.apply_tp`): wqkv's q | k | v rows cut per block, wo's input columns
+        q, kv = cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim
+        self.wqkv = Linear(cfg.dim, q + 2 * kv, cfg.init_std, rng, dtype, bias=cfg.qkv_bias, role="column", blocks=(q, kv, kv))
+        self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim, out_std, rng, dtype, role="row")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # Qwen3: one RMSNorm weight over head_dim for all q heads, one for all k heads
-            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype)
+            # shared by all heads, a tp rank sees its own heads only: a partial gradient on each
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype, role="partial")
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype, role="partial")
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
         self.softmax = SoftmaxFP32()

@@ -12,11 +12,13 @@ that layer recompute gathers again in the backward.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from mspretrain.config.schema import ModelConfig
+from mspretrain.errors import UserError
 from mspretrain.model.attention import Attention
 from mspretrain.model.layers import Linear, RMSNorm, WeightSource, one, relay
 from mspretrain.model.moe import MoE
@@ -29,12 +31,18 @@ class MLP(nn.Cell):
     def __init__(self, cfg: ModelConfig, rng: WeightSource, dtype: ms.Type) -> None:
         super().__init__()
         self.ffn = cfg.ffn_dim
-        self.w13 = Linear(cfg.dim, 2 * cfg.ffn_dim, cfg.init_std, rng, dtype)
-        self.w2 = Linear(cfg.ffn_dim, cfg.dim, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng, dtype)
+        # tensor parallel: w13's gate | up rows cut per block (column), w2's input columns (row)
+        self.w13 = Linear(cfg.dim, 2 * cfg.ffn_dim, cfg.init_std, rng, dtype, role="column", blocks=(cfg.ffn_dim, cfg.ffn_dim))
+        self.w2 = Linear(cfg.ffn_dim, cfg.dim, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng, dtype, role="row")
 
     def construct(self, x: Tensor, ws: tuple = (None, None)) -> Tensor:
         gate, up = self.w13.parts(x, (self.ffn, self.ffn), ws[0])  # (B, T, F) each
         return self.w2(ops.silu(gate) * up, ws[1])
+
+    def apply_tp(self, group: Any) -> dict[str, Any]:
+        """Tensor parallel: this rank's ffn units (model/parallel.py)."""
+        self.ffn //= group.size
+        return {**self.w13.apply_tp(group), **self.w2.apply_tp(group)}
 
     def pull(self, token: Tensor) -> tuple[tuple, Tensor]:
         w13, _, token = self.w13.pull(token)
@@ -69,6 +77,30 @@ class Block(nn.Cell):
         (n1, attn, n2, mlp), last = self.pull(token if self.prefetch else one(x))
         h = x + self.attn(self.attn_norm(x, n1), cos, sin, bias, discard, attn)
         return h + self.mlp(self.mlp_norm(h, n2), mlp), relay(last, x)
+
+    def apply_tp(self, group: Any) -> dict[str, Any]:
+        """Tensor parallel (model/parallel.py): every cell cut by its declared role, the attention
+        to this rank's heads (its flash kernels' head count too), the MLP to its ffn units; returns
+        {parameter name: (whole shape, where)} of the cut parameters."""
+        if self.sparse:
+            raise UserError("tensor parallel does not cut a mixture-of-experts layer yet",
+                            "train an MoE model with parallel.tp=1 (whole replicas)")
+        from mspretrain.model.parallel import flash_with_heads
+
+        attn = self.attn
+        attn.n_heads, attn.n_kv = attn.n_heads // group.size, attn.n_kv // group.size
+        if attn.use_flash:  # the kernels' head_num: the local heads (Ascend only, not run here)
+            for prim in ("flash_causal", "flash_masked", "flash_band", "flash_band_masked"):
+                if hasattr(attn, prim):  # the ones its window and masks made (model/attention.py)
+                    setattr(attn, prim, flash_with_heads(getattr(attn, prim), attn.n_heads))
+        out: dict[str, Any] = {}
+        for cell in (self.attn_norm, attn.wqkv, attn.wo, self.mlp_norm):
+            out.update(cell.apply_tp(group))
+        if attn.qk_norm:
+            attn.q_norm.apply_tp(group)
+            attn.k_norm.apply_tp(group)
+        out.update(self.mlp.apply_tp(group))
+        return out
 
     def pull(self, token: Tensor) -> tuple[tuple, Tensor]:
         """ZeRO-3: every weight of the block whole, gathered in the order the forward uses them

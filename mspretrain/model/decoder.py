@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import mindspore as ms
 import numpy as np
@@ -73,6 +74,7 @@ from mspretrain.model.layers import (
     Linear,
     RMSNorm,
     SoftmaxPlain,
+    WeightCell,
     one,
     relay,
     use_fused_kernels,
@@ -253,7 +255,7 @@ class Decoder(nn.Cell):
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.dtype)
             self.tied = cfg.tie_embeddings
             if not self.tied:
-                self.lm_head = Linear(cfg.dim, cfg.vocab_size, cfg.init_std, rng, ms.float32)  # fp32 island
+                self.lm_head = Linear(cfg.dim, cfg.vocab_size, cfg.init_std, rng, ms.float32, role="vocab")  # fp32 island
         finally:
             _init_device[0] = None
         llama3 = ((cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
@@ -265,6 +267,10 @@ class Decoder(nn.Cell):
         self.local_heads = (cfg.n_heads, cfg.n_kv_heads)  # (q, kv) heads of this rank: fewer under tensor parallel
         self.fused_kernels = use_fused_kernels(device)
         self.sharded = False  # ZeRO-3: the trained Parameters are this rank's slices (step/zero3.py shard_model)
+        # tensor parallel (`apply_tp`): what the cut made (model/parallel.py TPSplit) and the loss over
+        # this rank's vocabulary columns the train step and eval use instead of `token_nll`
+        self.tp_split: Any = None
+        self.tp_loss: Any = None
         if self.fused_kernels:  # one model definition: the norm and softmax cells switch kernel
             for _, cell in self.cells_and_names():
                 if isinstance(cell, RMSNorm):
@@ -314,6 +320,30 @@ class Decoder(nn.Cell):
         for layer in self.layers:  # ZeRO-3: each block's gathers start from the previous block's token
             x, token = layer(x, cos, sin, bias, discard, token)
         return self._head(x, token)
+
+    def apply_tp(self, group: Any) -> Any:
+        """Cut this whole model into tp rank `group.rank`'s piece, in place (model/parallel.py has the
+        design): every weight cell by its declared role (model/layers.py), each block to its heads
+        and ffn units, the loss to this rank's vocabulary columns. Returns (and keeps as `tp_split`)
+        the cut's record, model/parallel.py `TPSplit`. The weights must be whole (a fresh Decoder or
+        one with whole weights loaded); a tied embedding is cut once (the head uses its rows)."""
+        from mspretrain.model.parallel import TPSplit, VocabParallelNLL, check_tp
+
+        check_tp(self.cfg, group.size)
+        n = group.size
+        cut: dict[str, Any] = {}
+        for layer in self.layers:
+            cut.update(layer.apply_tp(group))
+        cut.update(self.norm.apply_tp(group))  # the final norm feeds the vocabulary-parallel head only
+        cut.update(self.embed.apply_tp(group))
+        if not self.tied:
+            cut.update(self.lm_head.apply_tp(group))
+        self.local_heads = (self.cfg.n_heads // n, self.cfg.n_kv_heads // n)
+        V = self.cfg.vocab_size // n
+        self.tp_loss = VocabParallelNLL(group.rank * V, V, group, plain_sum=self.fused_kernels)
+        partial = frozenset(c.weight.name for _, c in self.cells_and_names() if isinstance(c, WeightCell) and c.role == "partial")
+        self.tp_split = TPSplit(group, {k: shape for k, (shape, _) in cut.items()}, {k: where for k, (_, where) in cut.items()}, partial)
+        return self.tp_split
 
     def _head(self, x: Tensor, token: Tensor | None = None) -> Tensor:
         B, T = x.shape[0], x.shape[1]

@@ -6,10 +6,19 @@ whole weight handed to it (`construct(x, w)`): under ZeRO-3 the cell's Parameter
 slice and the decoder block gathers the weights of all its cells first, as one chain
 (model/block.py `Block.pull`, step/zero3.py). `pull(token)` is a cell's part of that chain:
 its weight (and bias) gathered after `token`, and the token the next gather waits for.
+
+Declared split. Every weight-holding cell is a `WeightCell` and says at construction how tensor
+parallel cuts it (`role`, one of mspretrain/parallel/plan.py `ROLES`: "column", "row", "vocab",
+"replicated", "partial"; `blocks`, a fused column weight's row blocks), in the spirit of
+OLMo-core's `apply_tp` and torchtitan's parallelize plans: `apply_tp(group)` replaces its
+Parameters by this rank's pieces and attaches the collective its role needs (model/parallel.py has
+the design). The block and the decoder call their cells' (model/block.py, model/decoder.py
+`Decoder.apply_tp`). The ZeRO-3 gathers (`gather`, `bias_gather`) and the tp collective (`tp_out`)
+are declared here too, None until step/zero3.py or `apply_tp` sets them, so nothing probes a cell.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import mindspore as ms
 import numpy as np
@@ -106,20 +115,63 @@ class RMSNormFn(nn.Cell):
         return dx.astype(x.dtype), dw
 
 
-class Linear(nn.Cell):
+class WeightCell(nn.Cell):
+    """A cell holding a `weight` (and maybe a `bias`) Parameter, with its declared tensor-parallel
+    `role` and the slots the parallel layouts fill (module docstring)."""
+
+    def __init__(self, role: str, blocks: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        from mspretrain.parallel.plan import ROLES
+
+        if role not in ROLES:
+            raise ValueError(f"split role {role!r} is not one of {ROLES}")
+        self.role, self.blocks = role, blocks
+        self.has_bias = False
+        self.gather = None  # ZeRO-3: a ShardedGather, `weight` then this rank's slice (step/zero3.py)
+        self.bias_gather = None  # ZeRO-3, the same for the bias
+        self.tp_out = None  # tensor parallel: the collective on the output its role needs (`apply_tp`)
+
+    def _cut(self, attr: str, group: Any) -> tuple[tuple[int, ...], Any] | None:
+        """Replace Parameter `attr` by tp rank `group.rank`'s piece of it (same name, dtype and
+        requires_grad): (its whole shape, where the piece lies), or None for a whole one."""
+        from mspretrain.model.parallel import cut, piece_tensor
+        from mspretrain.parallel.plan import tp_where
+
+        p = getattr(self, attr)
+        where = tp_where(self.role, tuple(p.shape), self.blocks, group.size, group.rank)
+        if where is None:
+            return None
+        name, dtype, grad, shape = p.name, p.dtype, p.requires_grad, tuple(p.shape)
+        setattr(self, attr, Parameter(piece_tensor(cut(p.asnumpy(), where), dtype, group.device), name, grad))
+        getattr(self, attr).name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
+        return shape, where
+
+    def apply_tp(self, group: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Cut this cell's Parameters to tp rank `group.rank`'s pieces by its role; returns
+        {parameter name: (whole shape, where)} of the cut ones. The collective a role needs is the
+        subclass's to attach."""
+        out = {}
+        for attr in ("weight", "bias") if self.has_bias else ("weight",):
+            name = getattr(self, attr).name
+            done = self._cut(attr, group)
+            if done is not None:
+                out[name] = done
+        return out
+
+
+class Linear(WeightCell):
     """y = x @ W^T (+ b); W (out, in) fp32, cast to the compute dtype at use. The bias (Qwen2's q/k/v)
     starts at zero, as transformers' `_init_weights` sets it. `w`, `b`: the whole weight and bias
-    when the Parameters are ZeRO-3 slices (`pull`), else None (the Parameters)."""
+    when the Parameters are ZeRO-3 slices (`pull`), else None (the Parameters). `role`: how tensor
+    parallel cuts it ("column": its output rows, per row block of `blocks`; "row": its input
+    columns, its output then summed over tp; "vocab": the lm_head's rows; "replicated": whole)."""
 
     def __init__(self, in_dim: int, out_dim: int, std: float, rng: WeightSource, dtype: ms.Type,
-                 bias: bool = False) -> None:
-        super().__init__()
+                 bias: bool = False, role: str = "replicated", blocks: tuple[int, ...] | None = None) -> None:
+        super().__init__(role, blocks)
         self.out_dim = out_dim
         self.dtype = dtype
         self.weight = rng.parameter((out_dim, in_dim), std)
-        self.gather = None  # ZeRO-3: a ShardedGather, `weight` then this rank's slice (step/zero3.py)
-        self.bias_gather = None  # ZeRO-3, the same for the bias
-        self.tp_out = None  # tensor parallel (model/parallel.py): the row-parallel layers' sum over tp ranks
         self.has_bias = bias
         if bias:
             self.bias = Parameter(Tensor(np.zeros(out_dim, np.float32)), name="bias")
@@ -169,12 +221,25 @@ class Linear(nn.Cell):
                          for wi, bi, n in zip(ops.split(w, rows, 0), ops.split(b, rows, 0), rows))
         return tuple(self.matmul(x2, wi).reshape(lead + (n,)) for wi, n in zip(ops.split(w, rows, 0), rows))
 
+    def apply_tp(self, group: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+        if self.has_bias and self.role != "column":  # a row-parallel bias would be added tp times
+            raise ValueError(f"a {self.role} Linear with a bias is not cut by tensor parallel")
+        out = super().apply_tp(group)
+        if self.role == "column":
+            self.out_dim //= group.size
+        elif self.role == "row":
+            from mspretrain.model.parallel import ReduceFromTP
 
-class Embedding(nn.Cell):
-    def __init__(self, vocab: int, dim: int, std: float, rng: WeightSource) -> None:
-        super().__init__()
+            self.tp_out = ReduceFromTP(group)
+        return out
+
+
+class Embedding(WeightCell):
+    """The token embedding; `role` "vocab": tensor parallel cuts its rows (the vocabulary)."""
+
+    def __init__(self, vocab: int, dim: int, std: float, rng: WeightSource, role: str = "vocab") -> None:
+        super().__init__(role)
         self.weight = rng.parameter((vocab, dim), std)
-        self.gather = None  # ZeRO-3, as in Linear
         self.tp = None  # tensor parallel: the vocabulary-parallel lookup of this rank's rows (model/parallel.py)
 
     def pull(self, token: Tensor) -> tuple[Tensor, Tensor]:  # as Linear.pull
@@ -189,20 +254,28 @@ class Embedding(nn.Cell):
             return self.tp(w, tokens)
         return ops.gather(w, tokens, 0)  # (B, T) -> (B, T, D) fp32
 
+    def apply_tp(self, group: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+        from mspretrain.model.parallel import VocabLookup
 
-class RMSNorm(nn.Cell):
+        out = super().apply_tp(group)
+        rows = int(self.weight.shape[0])
+        self.tp = VocabLookup(group.rank * rows, rows, group)
+        return out
+
+
+class RMSNorm(WeightCell):
     """`fused` (set by Decoder on Ascend, `use_fused_kernels`): MindSpore's RmsNorm kernel, statistics
     and weight in fp32 as MindSpore Transformers' LlamaRMSNorm runs it (compute_type fp32), with
     its generated RmsNormGrad; else the CPU form above (`RMSNormFn`). RmsNorm has no CPU kernel in
-    MindSpore 2.10 (ops/auto_generate/gen_ops_def.py, `rms_norm`: "Supported Platforms: Ascend")."""
+    MindSpore 2.10 (ops/auto_generate/gen_ops_def.py, `rms_norm`: "Supported Platforms: Ascend").
+    `role`: "replicated" (whole on every tp rank; it feeds column-parallel layers, so its output
+    passes Megatron's `f`), or "partial" (Qwen3's QK-norms: whole, each rank's gradient a part)."""
 
-    def __init__(self, dim: int, eps: float, dtype: ms.Type) -> None:
-        super().__init__()
+    def __init__(self, dim: int, eps: float, dtype: ms.Type, role: str = "replicated") -> None:
+        super().__init__(role)
         self.fn = RMSNormFn(eps, dtype)
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
         self.fused = False
-        self.gather = None  # ZeRO-3, as in Linear
-        self.tp_out = None  # tensor parallel: Megatron's `f` before the column-parallel layer it feeds
 
     def pull(self, token: Tensor) -> tuple[Tensor, Tensor]:  # as Linear.pull
         if self.gather is None:
@@ -218,6 +291,13 @@ class RMSNorm(nn.Cell):
         else:
             y = self.fn(x, w)
         return y if self.tp_out is None else self.tp_out(y)
+
+    def apply_tp(self, group: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+        if self.role == "replicated":  # Megatron's `f` before the column-parallel layer it feeds
+            from mspretrain.model.parallel import CopyToTP
+
+            self.tp_out = CopyToTP(group)
+        return {}
 
 
 class SoftmaxPlain(nn.Cell):

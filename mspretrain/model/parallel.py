@@ -22,7 +22,7 @@ What is split, per layer (Megatron's column- and row-parallel linears, arXiv 190
   no tp all-reduce is needed (Megatron needs one only with sequence parallelism, where each rank
   sees a slice of the tokens). Qwen3's QK-norm weights are replicated too, but each is shared by
   all heads and a rank sees its H/tp (KV/tp) heads only: its gradient is a partial sum, summed
-  over tp by the train step (`PartialSum`, `model.tp_partial`) before the data-parallel reduction.
+  over tp by the train step (`PartialSum`, `TPSplit.partial`: the cells of role "partial") before the data-parallel reduction.
 
 GQA: the kv heads are split across tp, so n_kv_heads % tp == 0 is required; fewer kv heads than
 tp (replicating a kv head over several ranks, whose k/v gradients would then need an all-reduce
@@ -45,7 +45,7 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Tensor, nn, ops
 
 from mspretrain.config.schema import ModelConfig
 from mspretrain.errors import UserError
@@ -265,7 +265,7 @@ class _StackedNLL(nn.Cell):
 
 # --------------------------------------------------------------------------- the split
 
-def _flash_with_heads(old: Any, heads: int) -> Any:
+def flash_with_heads(old: Any, heads: int) -> Any:
     """A FlashAttentionScore like `old` (model/decoder.py Attention) with `heads` heads. 2.10's
     generated primitive keeps its arguments as attributes (gen_ops_prim.py, FlashAttentionScore
     __init__: `_set_prim_arg_with_handler`); input_layout is BNSD wherever model/attention.py builds one."""
@@ -276,31 +276,38 @@ def _flash_with_heads(old: Any, heads: int) -> Any:
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Refuse, in one line each, a model that `parallel.tp` cannot cut (module docstring)."""
-    from mspretrain.model.tp_rules import tp_refusal
+    """Refuse, in one line each, a model that `parallel.tp` cannot cut (module docstring); the rule's
+    one home is mspretrain/parallel/plan.py `tp_refusal`, which `plan`'s layout table asks too."""
+    from mspretrain.parallel.plan import tp_refusal
 
-    refused = tp_refusal(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size, tp)  # plan's layout table asks the same
+    refused = tp_refusal(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size, tp)
     if refused:
         raise UserError(*refused)
 
 
+@dataclass(frozen=True)
+class TPSplit:
+    """What `Decoder.apply_tp` made of a whole model: the tp group, the whole shapes of the cut
+    parameters and where this rank's piece of each lies (mspretrain/parallel/plan.py `tp_where`),
+    and the replicated parameters whose gradient is partial on each rank (cells of role "partial").
+    The train step (its grad norm, `PartialSum`) and step/tp.py (whole tensors in and out) read it."""
+    group: Group
+    whole_shapes: dict[str, tuple[int, ...]]
+    where: dict[str, tuple[int, list[tuple[int, int]]]]
+    partial: frozenset[str]
+
+
 def tp_rows(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:
-    """Where rank `rank`'s piece of the whole parameter `name` (of `shape`) lies: (axis, [start,
-    stop) ranges along it, concatenated in order), or None for a replicated one."""
-    if tp == 1:
-        return None
+    """Where rank `rank`'s piece of the whole parameter `name` (of `shape`) lies, by name alone: the
+    roles the cells declare (model/attention.py, model/block.py, model/decoder.py) for code that
+    holds names and no model (the tests' references). None for a whole one."""
+    from mspretrain.parallel.plan import COLUMN, REPLICATED, ROW, VOCAB, tp_where
+
     leaf = name.rsplit(".", 2)[-2:]  # ("wqkv", "weight"), ("embed", "weight"), ...
     H, KV, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.ffn_dim
-    span = lambda n, offset=0: (offset + rank * n // tp, offset + (rank + 1) * n // tp)
-    if leaf[0] in ("embed", "lm_head"):
-        return 0, [span(shape[0])]
-    if leaf[0] == "wqkv":  # weight and bias: rows q | k | v
-        return 0, [span(H * hd), span(KV * hd, H * hd), span(KV * hd, (H + KV) * hd)]
-    if leaf[0] == "w13":
-        return 0, [span(F), span(F, F)]
-    if leaf[0] in ("wo", "w2"):
-        return 1, [span(shape[1])]
-    return None  # the norms
+    role, blocks = {"embed": (VOCAB, None), "lm_head": (VOCAB, None), "wqkv": (COLUMN, (H * hd, KV * hd, KV * hd)),
+                    "w13": (COLUMN, (F, F)), "wo": (ROW, None), "w2": (ROW, None)}.get(leaf[0], (REPLICATED, None))
+    return tp_where(role, shape, blocks, tp, rank)
 
 
 def cut(whole: np.ndarray, where: tuple[int, list[tuple[int, int]]] | None) -> np.ndarray:
@@ -342,49 +349,7 @@ def piece_tensor(arr: np.ndarray, dtype: Any, device: str) -> Tensor:
     return t
 
 
-def split_model(model: Any, tp: Group) -> None:
-    """Cut a whole Decoder (model/decoder.py) into this rank's tensor-parallel piece, in place: every
-    split parameter becomes its piece (same name), the heads and ffn units become the local ones,
-    and the f/g collectives, the vocabulary-parallel lookup and `model.tp_loss` (the loss the
-    train step and eval use instead of `token_nll`) are set; `model.tp_shapes` holds the split
-    parameters' whole shapes. The model must be whole (a fresh Decoder or one with whole weights
-    loaded); a tied embedding is cut once (the head uses the embedding's rows)."""
-    cfg = model.cfg
-    check_tp(cfg, tp.size)
-    n, r = tp.size, tp.rank
-    shapes: dict[str, tuple[int, ...]] = {}  # the split parameters' whole shapes, by name
-    for _, cell in model.cells_and_names():
-        for attr in ("weight", "bias"):
-            p = getattr(cell, attr, None)
-            if not isinstance(p, Parameter):
-                continue
-            where = tp_rows(p.name, tuple(p.shape), cfg, n, r)
-            if where is None:
-                continue
-            name, dtype, grad = p.name, p.dtype, p.requires_grad
-            shapes[name] = tuple(p.shape)
-            setattr(cell, attr, Parameter(piece_tensor(cut(p.asnumpy(), where), dtype, tp.device), name, grad))
-            getattr(cell, attr).name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
-    H, KV, F, V = cfg.n_heads // n, cfg.n_kv_heads // n, cfg.ffn_dim // n, cfg.vocab_size // n
-    for layer in model.layers:
-        attn, mlp = layer.attn, layer.mlp
-        attn.n_heads, attn.n_kv = H, KV
-        attn.wqkv.out_dim = (H + 2 * KV) * attn.head_dim
-        if attn.use_flash:  # the kernels' head_num: the local heads (Ascend only, not run here)
-            for prim in ("flash_causal", "flash_masked", "flash_band", "flash_band_masked"):
-                if hasattr(attn, prim):
-                    setattr(attn, prim, _flash_with_heads(getattr(attn, prim), H))
-        attn.wo.tp_out = ReduceFromTP(tp)
-        mlp.ffn = F
-        mlp.w13.out_dim = 2 * F
-        mlp.w2.tp_out = ReduceFromTP(tp)
-        layer.attn_norm.tp_out = CopyToTP(tp)
-        layer.mlp_norm.tp_out = CopyToTP(tp)
-    model.local_heads = (H, KV)
-    model.norm.tp_out = CopyToTP(tp)  # the final norm feeds the vocabulary-parallel head only
-    model.embed.tp = VocabLookup(r * V, V, tp)
-    model.tp_loss = VocabParallelNLL(r * V, V, tp, plain_sum=getattr(model, "fused_kernels", False))
-    model.tp_shapes = shapes
-    # replicated weights whose gradient is partial on each rank (the QK-norms: see the module docstring)
-    model.tp_partial = {p.name for p in model.get_parameters() if ".q_norm." in p.name or ".k_norm." in p.name}
-    model.tp = tp
+def split_model(model: Any, tp: Group) -> TPSplit:
+    """Cut a whole Decoder (model/decoder.py) into this rank's tensor-parallel piece, in place: the
+    decoder's own `apply_tp` (each cell cut by its declared role, model/layers.py)."""
+    return model.apply_tp(tp)

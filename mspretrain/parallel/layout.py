@@ -366,7 +366,7 @@ def _bucket_indices(b: RankBucket) -> Iterable[int]:
 # ------------------------------------------------------------------ what `train` refuses of a layout
 # A pure check shared by `train` (step/zero3.py `sharded_names`) and `plan`'s layout table
 # (preflight/layouts.py), so the table never recommends a layout `train` refuses (tensor parallel's:
-# model/tp_rules.py).
+# parallel/plan.py `tp_refusal`).
 
 def zero3_refusal(sizes: dict[str, int], world: int) -> tuple[str, str] | None:
     """(cause, fix) when ZeRO-3 cannot cut the trained parameters `sizes` (name -> elements) over

@@ -48,7 +48,9 @@ def host_memory() -> tuple[int, int | None]:
 
 
 def estimate_bytes(cfg: Config, world: int) -> int:
-    """Peak host bytes of one training process: the plan's figure plus the RoPE tables."""
+    """Peak host bytes of one training process: the plan's figure plus the RoPE tables. `world`: all
+    the ranks; the plan models the micro-batch of the run's data-parallel size (world / parallel.tp,
+    mspretrain/parallel/plan.py), as train splits the batch."""
     from mspretrain.preflight.plan import make_plan
 
     plan = make_plan(cfg, devices=world, tokens=None, data_dir=None, tokens_per_s_per_device=None)  # memory needs no budget

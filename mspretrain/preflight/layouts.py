@@ -174,8 +174,8 @@ def train_refusal(cfg: Config, m: ModelConfig, row: dict[str, Any]) -> str | Non
     from mspretrain.config.schema import check_moe, check_parallel
     from mspretrain.model.groups import trainable_mask
     from mspretrain.model.presets import param_shapes
-    from mspretrain.model.tp_rules import tp_refusal
     from mspretrain.parallel.layout import zero3_refusal
+    from mspretrain.parallel.plan import tp_refusal
 
     c = layout_config(cfg, row)
     try:

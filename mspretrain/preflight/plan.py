@@ -28,6 +28,7 @@ from mspretrain.config.schema import Config, ModelConfig, resolve_model
 from mspretrain.device import ASCEND_910B_USABLE_GB
 from mspretrain.errors import UserError
 from mspretrain.model.presets import param_count, param_shapes, preset
+from mspretrain.parallel.plan import ParallelPlan
 from mspretrain.preflight.costs import (  # noqa: F401  (re-exported: the plan's callers and tests read them here)
     ASCEND_RESERVE_BYTES,
     ASSUMED_BUS_GBPS,
@@ -161,7 +162,9 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     if devices % tp:
         raise UserError(f"parallel.tp = {tp} does not divide --devices {devices}",
                         f"plan a multiple of {tp} devices (devices = tp x data-parallel ranks), or change parallel.tp")
-    dp = devices // tp  # the batch is split over the data-parallel ranks (train/build.py: dp_size)
+    # the batch is split over the data-parallel ranks: the run's parallel plan (mspretrain/parallel/plan.py),
+    # the very one train/build.py builds for these devices
+    dp = ParallelPlan.for_config(cfg, world=devices).dp
     # steps, warm-up, lr and the batch split exactly as `train` derives them (memory needs no budget)
     b = budget.derive(cfg, world=dp, data_tokens=manifest_tokens, tokens=tokens)
     micro, accum = b.micro_batch, b.accumulation

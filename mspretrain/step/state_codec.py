@@ -2,7 +2,7 @@
 this rank holds, written to and read from a checkpoint's tensors by name.
 
 Split out of `step/step.py`, whose compiled functions update these Parameters in place. A split
-parameter's state is stored per slice (`slice_key`); a rank reading it back (any world size:
+parameter's state is stored per slice (`shard_key`); a rank reading it back (any world size:
 another one cuts other slices, or none) assembles its own part from whichever stored slices
 overlap it (`load`). The logical keys (the names without `@...`) are those of an unsplit run,
 and the checks of a checkpoint against the model use them.
@@ -13,8 +13,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
-from mspretrain.checkpoint.model_shards import check_tiling, parse_key  # the stored keys' one parser (weights and optimizer state)
+from mspretrain.checkpoint.model_shards import check_tiling
 from mspretrain.errors import UserError
+from mspretrain.parallel.shard_key import parse_shard_key as parse_key  # the stored keys' one reader
 from mspretrain.step.zero_setup import Ownership
 
 
@@ -46,7 +47,7 @@ class OptimizerState:
 
     def keys(self, owned_only: bool = False) -> set[str]:
         """Tensor names of the optimizer state: all of it (logical names), or the part this rank
-        holds (as it writes them: a split parameter's slices by `slice_key`)."""
+        holds (as it writes them: a split parameter's slices by `shard_key`)."""
         o = self.o
         if owned_only:
             return {"opt_step"} | {o.key(k, kind) for k, i in enumerate(o.own) for kind in self.kinds(i)}

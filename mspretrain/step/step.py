@@ -1,7 +1,11 @@
 """The numerics of one optimizer step, compiled: forward, loss, accumulation, loss scale,
 reduction over ranks, clipping, AdamW. Nothing here knows about data files, logging or checkpoints.
 Who owns what and the collectives' tables are planned in `step/zero_setup.py`; the optimizer
-state (moments, masters, step counter) and its checkpoint names live in `step/state_codec.py`.
+state (moments, masters, step counter) and its checkpoint names live in `step/state_codec.py`;
+the loss it differentiates is `step/objective.py`'s, and the graph code of the reduction, the
+update and the gather `step/update.py`'s. The layout of the ranks (the data-parallel world and
+rank, the ZeRO level) is the run's parallel plan (mspretrain/parallel/plan.py, `self.plan`), and
+under tensor parallel what the cut made of the model (model/parallel.py `TPSplit`) is handed in.
 
 Two ways through a step, chosen by the number of micro-batches a rank runs per step:
 - one micro-batch (no accumulation): ONE compiled graph `fused(tokens, positions, segments,
@@ -83,15 +87,19 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from mspretrain.checkpoint.model_shards import parse_key
 from mspretrain.config.schema import OptimConfig
+from mspretrain.model.decoder import Decoder
 from mspretrain.model.groups import trainable_mask
-from mspretrain.model.layers import use_fused_kernels
-from mspretrain.model.parallel import PartialSum
+from mspretrain.model.parallel import PartialSum, TPSplit
 from mspretrain.model.params import decays
 from mspretrain.parallel.layout import assign_owners
+from mspretrain.parallel.plan import ParallelPlan
+from mspretrain.parallel.shard_key import parse_shard_key as parse_key
+from mspretrain.parallel.shard_key import shard_key as slice_key
+from mspretrain.step.objective import make_objective
 from mspretrain.step.state_codec import OptimizerState
-from mspretrain.step.zero_setup import make_collectives, plan_zero, slice_key
+from mspretrain.step.update import StepUpdate
+from mspretrain.step.zero_setup import make_collectives, plan_zero
 
 # assign_owners, parse_key and slice_key: the names tests and step/tp.py have imported from here
 __all__ = ["TrainStep", "StepResult", "decay_mask", "assign_owners", "parse_key", "slice_key"]
@@ -114,15 +122,7 @@ class StepResult:
     moe: dict[str, float] | None = None
 
 
-def _flat(parts: list[Tensor]) -> Tensor:
-    return parts[0] if len(parts) == 1 else ops.concat(parts)
-
-
-def _pieces(flat: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
-    return (flat,) if len(sizes) == 1 else ops.split(flat, list(sizes))
-
-
-class TrainStep:
+class TrainStep(StepUpdate):
     """Holds the optimizer state and the compiled step functions for one model."""
 
     def __init__(self, model: nn.Cell, optim: OptimConfig, *, global_tokens: int, world: int = 1,
@@ -130,7 +130,8 @@ class TrainStep:
                  shard_grads: bool = False, half_params: list[str] | None = None,
                  bucket_mb: float | str = "auto", device: str = "cpu", accumulation: int | None = None,
                  jit_level: str = "O0", trainable: list[str] | tuple[str, ...] | None = None,
-                 split_mb: float | str = "auto", shard_params: bool = False, comm: Any = None) -> None:
+                 split_mb: float | str = "auto", shard_params: bool = False, comm: Any = None,
+                 plan: ParallelPlan | None = None, tp: TPSplit | None = None) -> None:
         """half_params: names of parameters to store in the model's compute dtype from now on;
         their fp32 values become master copies held with the optimizer state (by their owner).
         bucket_mb: cap of one collective's flat buffer (0 = one collective per parameter; "auto": by
@@ -143,15 +144,24 @@ class TrainStep:
         shard_params: ZeRO-3 (implies shard_grads): the model's trained parameters become this rank's
         slices, gathered where they are used and reduce-scattered in the backward (step/zero3.py).
         comm: the data-parallel group (model/parallel.py `Group`) when it is not the world (tensor
-        parallel, step/tp.py); a model cut by model/parallel.py `split_model` carries its tp group."""
-        from mspretrain.model.loss import token_nll
-        from mspretrain.model.moe import balance_loss, moe_layers
-
+        parallel, step/tp.py).
+        plan: the run's parallel plan (mspretrain/parallel/plan.py, built by train/build.py): the
+        data-parallel world, rank and ZeRO level then come from it, not from `world`, `rank` and
+        the shard flags; without one the step makes the plan those arguments describe (`self.plan`).
+        tp: what `Decoder.apply_tp` made of the model (model/parallel.py `TPSplit`), under tensor parallel."""
+        if plan is None:  # the data-parallel plan these arguments describe (tensor parallel: step/tp.py passes its own)
+            plan = ParallelPlan(world=world, rank=rank, zero=3 if shard_params else 2 if shard_grads else 1 if shard else 0)
+        else:  # the step runs over the dp group: its world and rank are the plan's data-parallel ones
+            world, rank = plan.dp, plan.dp_rank
+            shard, shard_grads, shard_params = plan.zero >= 1, plan.zero >= 2, plan.zero == 3
+        self.plan = plan
         self.model = model
+        # a Decoder (model/decoder.py) declares its tying and its config; a toy model (the tests') has neither
+        decoder = model if isinstance(model, Decoder) else None
         every = tuple(model.trainable_params())
-        keep = trainable_mask([p.name for p in every], trainable, tied=bool(getattr(model, "tied", False)))
+        keep = trainable_mask([p.name for p in every], trainable, tied=decoder is not None and decoder.tied)
         # ZeRO-3: the trained parameters are cut into slices now, before any table below is built
-        self.zero3 = shard_params and world > 1
+        self.zero3 = plan.zero3  # shard_params over more than one data-parallel rank
         full_size = {p.name: int(np.prod(p.shape)) for p in every}
         if self.zero3:
             from mspretrain.step.zero3 import shard_model, sharded_names
@@ -199,11 +209,11 @@ class TrainStep:
         self._schedule, self._order, self._norm_order = z.schedule, z.order, z.norm_order
         # Tensor parallel (model/parallel.py): the squared norm is summed over the tp group, where a
         # replicated parameter (a norm weight, the same gradient on every tp rank) counts 1/tp times.
-        self.tp = getattr(model, "tp", None)
-        split = getattr(model, "tp_shapes", {})
+        self.tp = tp.group if tp is not None else None
+        split = tp.whole_shapes if tp is not None else {}
         self._sq_weight = [1.0 / self.tp.size if self.tp is not None and self.names[i] not in split else 1.0 for i in self._order]
         self.tp_sum = self.tp.all_reduce() if self.tp is not None else None
-        partial = [i for i, n in enumerate(self.names) if n in getattr(model, "tp_partial", ())]
+        partial = [i for i, n in enumerate(self.names) if tp is not None and n in tp.partial]
         self._tp_partial = PartialSum(partial, [self.params[i].shape for i in partial], self.tp) if partial else None
         # Chaining every collective after the previous one: MindSpore's CPU runtime launches ready
         # kernels as they come (actor dataflow), so without it two ranks may issue independent
@@ -231,45 +241,14 @@ class TrainStep:
         self._adamw = ops.AdamWeightDecay()
         self._jit = (lambda fn: ms.jit(fn, jit_level=jit_level)) if jit else None
 
-        # Ascend: plain reductions instead of the CPU's GEMM forms (model/decoder.py `use_fused_kernels`)
-        plain = self._plain_sums = use_fused_kernels(device)
-        inv_tokens = 1.0 / self.global_tokens
-        z = float(optim.z_loss)
-        tp_loss = getattr(model, "tp_loss", None)
-        # MoE (model/moe.py): transformers' load-balancing loss, weighted by router_aux_loss_coef
-        mcfg = getattr(model, "cfg", None)
-        balance = float(mcfg.router_aux_loss_coef) if getattr(mcfg, "num_experts", 0) else 0.0
-        sparse_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers)) if balance > 0 else 0
-        # MoE: every step also returns each MoE layer's routing stats (L_moe, 2, E), read back with
-        # the rows, for the expert-load metrics; a dense model's graphs are unchanged
-        layers_moe = moe_layers(mcfg) if getattr(mcfg, "num_experts", 0) else []
-        self.moe_layers, self.moe_k = layers_moe, (int(mcfg.experts_per_token) if layers_moe else 0)
-        moe_stats = bool(layers_moe)
-
-        def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
-            inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
-            per = None
-            if moe_stats:  # MoE: each layer's routing stats; their sum feeds the load-balancing loss
-                logits, per = model(inputs, positions, segments, True, True)
-                routed = per[0]
-                for i in range(1, len(layers_moe)):  # in layer order, as the decoder's own sum
-                    routed = routed + per[i]
-            else:
-                logits, routed = model(inputs, positions, segments), None  # (B, T, V) fp32
-            # (B, T) fp32 each; tensor parallel: from the local vocabulary columns (model/parallel.py)
-            nll, lse = token_nll(logits, targets, plain_sum=plain) if tp_loss is None else tp_loss(logits, targets)
-            nll_sum = nll.sum()
-            obj = nll_sum
-            if z > 0:
-                obj = obj + z * (lse * lse).sum()
-            if balance > 0:  # per micro-batch, weighted by its share of the tokens (docs/design.md, MoE)
-                n = inputs.shape[0] * inputs.shape[1]
-                obj = obj + balance_loss(routed, n * sparse_layers, mcfg.num_experts) * (balance * n)
-            if moe_stats:
-                return obj * (scale * inv_tokens), nll_sum, nll.sum(-1), ops.stop_gradient(per)
-            return obj * (scale * inv_tokens), nll_sum, nll.sum(-1)
-
-        self._grad_fn = ms.value_and_grad(objective, None, self.params, has_aux=True)
+        # the loss of a micro-batch (step/objective.py); tensor parallel: over this rank's vocabulary columns
+        objective = make_objective(model, optim, global_tokens=self.global_tokens, device=device,
+                                   cfg=decoder.cfg if decoder is not None else None,
+                                   tp_loss=decoder.tp_loss if tp is not None and decoder is not None else None)
+        self._plain_sums = objective.plain_sums
+        self.moe_layers, self.moe_k = objective.moe_layers, objective.moe_k
+        moe_stats = objective.moe_stats
+        self._grad_fn = ms.value_and_grad(objective.fn, None, self.params, has_aux=True)
 
         def fused(tokens, positions, segments, scale, lr, inv_scale):
             (_, nll_sum, rows), grads = self._grad_fn(tokens, positions, segments, scale)
@@ -293,176 +272,6 @@ class TrainStep:
         self._moe_stats = moe_stats
         if accumulation is not None and accumulation > 1:
             self._ensure_accum()
-
-    # ----------------------------------------------------------------- graph pieces
-    def _reduce(self, grads: list[Tensor], in_order: bool = False) -> tuple[list[Tensor], Tensor | None]:
-        """Sum the (scaled) gradients over ranks, bucket by bucket. `grads` is indexed like the
-        parameters, or (in_order) like `self._order`. Returns fp32 tensors in `self._order`: all
-        of them, or with sharded gradients only this rank's own. Also returns the last collective's
-        result. The collectives run in `self._schedule`'s order, the order in which the backward
-        pass completes their buckets, so the first starts while the backward pass still runs. On
-        CPU each bucket's flat copy is made after the previous collective's result (`self._chain`):
-        all ranks then issue them in one order, and one bucket is alive at a time. The returned last
-        result depends on every collective issued here (kept in every rank's graph, in one order)."""
-        if in_order:  # replicated buffers already in bucket order: a permutation of all indices
-            grads = [grads[self._order_pos[i]] for i in range(len(self.params))]
-        if self._tp_partial is not None:  # tensor parallel: the QK-norm gradients summed over tp first
-            grads = list(self._tp_partial(tuple(grads)))
-        if self.world == 1:
-            return [g.astype(ms.float32) for g in grads], None
-        if self.zero3:  # reduce-scattered in the backward pass already (step/zero3.py, ShardedGather.bprop)
-            out = [g.astype(ms.float32) for g in grads]
-            return out, ops.depend(out[0], tuple(out))  # what follows (the loss AllReduce) waits for all of them
-        out: list[Tensor] = []
-        # tensor parallel on CPU: the first reduction after the whole backward pass, whose tp
-        # all-reduces (model/parallel.py) every rank must issue before it, in one order
-        prev: Tensor | None = ops.depend(grads[0], tuple(grads)) if self._chain and self.tp is not None else None
-        issued: list[Tensor] = []  # every collective's result, used here or not
-        for kind, k in self._schedule:
-            if kind == 0:  # replicated gradients: AllReduce
-                indices, sizes, wire = self._ar[k]
-                flat = _flat([grads[i].reshape(-1).astype(wire) for i in indices])
-                if self._chain and prev is not None:
-                    flat = ops.depend(flat, prev)
-                red = self.allreduce(flat)
-                prev = red
-                issued.append(red)
-                for i, piece in zip(indices, _pieces(red, sizes)):
-                    out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
-            elif kind == 1:  # sharded gradients: each rank ends with its own segment
-                segments, sizes, length, used, wire, split = self._rs[k]
-                if split:  # the segments are the slices: the flattened gradient is the bucket, padded at its end
-                    parts = [grads[segments[0][0]].reshape(-1).astype(wire)]
-                    if length * self.world > sum(used):
-                        parts.append(ops.zeros((length * self.world - sum(used),), wire))
-                else:
-                    parts = []
-                    for r in range(self.world):
-                        parts += [grads[i].reshape(-1).astype(wire) for i in segments[r]]
-                        if length > used[r]:
-                            parts.append(ops.zeros((length - used[r],), wire))
-                flat = _flat(parts)
-                if self._chain and prev is not None:
-                    flat = ops.depend(flat, prev)
-                start = self.rank * length
-                mine = self._reduce_scatters[k](flat) if self._reduce_scatters else self.allreduce(flat)[start:start + length]
-                prev = mine
-                issued.append(mine)
-                if segments[self.rank]:
-                    own = mine if used[self.rank] == length else mine[:used[self.rank]]
-                    if split:  # this rank's slice, 1-D like its moments
-                        out.append(own.astype(ms.float32))
-                    else:
-                        for i, piece in zip(segments[self.rank], _pieces(own, sizes[self.rank])):
-                            out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
-            else:  # too lopsided to bucket: AllReduce, the owner keeps it
-                g = grads[k].astype(self.wire[k])
-                if self._chain and prev is not None:
-                    g = ops.depend(g, prev)
-                red = self.allreduce(g)
-                prev = red
-                issued.append(red)
-                if self.owner[k] == self.rank:
-                    out.append(red.astype(ms.float32))
-        # every collective's result, in schedule order, behind the one returned: a rank keeps the
-        # collectives it does not read (see `_chain` in __init__) and reaches them in one order
-        return out, ops.depend(prev, tuple(issued))
-
-    def _finish(self, grads: list[Tensor], loss_sum: Tensor, lr: Tensor, inv_scale: Tensor):
-        """Norm, overflow check, update of the owned parameters, then every rank gets every owner's
-        parameters. `grads`: reduced, still scaled, fp32, in `self._order`."""
-        # sum of squares in the scaled domain, as a dot product: no squared copy of the gradient
-        # (on MindSpore's CPU backend every full-size graph intermediate stays resident)
-        if self._plain_sums:  # Ascend: a reduction, not a (1, n) x (n, 1) matmul on the matrix unit
-            terms = [ops.square(grads[k]).sum() for k in self._norm_order]
-        else:
-            terms = [ops.matmul(grads[k].reshape(1, -1), grads[k].reshape(-1, 1)).reshape(()) for k in self._norm_order]
-        sq = ops.stack([s if self._sq_weight[k] == 1.0 else s * self._sq_weight[k] for s, k in zip(terms, self._norm_order)]).sum()
-        if self.shard_grads and self.allreduce is not None:
-            sq = self.allreduce(ops.depend(sq, loss_sum))  # the owners' partial sums: the same global norm on every rank
-        if self.tp is not None:  # tensor parallel: the pieces' sums over the tp group
-            sq = self.tp_sum(ops.depend(sq, loss_sum))
-        finite = ops.isfinite(sq)
-        norm = ops.sqrt(sq) * inv_scale
-        # Branch-free skip: on overflow the kernel runs as an exact no-op (beta1 = beta2 = 1,
-        # lr = decay = 0, gradient 0), instead of sitting under a graph `if finite:`. Inside such a
-        # branch MindSpore 2.10 reads Parameters (the accumulation buffers) stale from the second
-        # step on (measured: moments off by 2e-5 after two steps); and `where` keeps inf/NaN out.
-        gscale = inv_scale
-        if self.clip > 0:
-            gscale = inv_scale * ops.minimum(ops.ones((), ms.float32), self.clip / (norm + 1e-6))
-        step = self.opt_step + finite.astype(ms.int32)
-        ops.assign(self.opt_step, step)
-        t = ops.maximum(step, 1).astype(ms.float32)
-        bc1 = 1.0 - ops.pow(self.beta1, t)
-        root_bc2 = ops.sqrt(1.0 - ops.pow(self.beta2, t))
-        zero, one = ops.zeros((), ms.float32), ops.ones((), ms.float32)
-        # torch's AdamW in the bias-free kernel: lr·sqrt(bc2)/bc1, eps·sqrt(bc2), wd·bc1/sqrt(bc2)
-        lr_t = ops.where(finite, lr * root_bc2 / bc1, zero)
-        b1 = ops.where(finite, self.beta1 * one, one)
-        b2 = ops.where(finite, self.beta2 * one, one)
-        eps_t = self.eps * root_bc2
-        wd_factor = ops.where(finite, bc1 / root_bc2, zero)
-        # The gradient of a skipped step is 0 (an exact no-op update), without a `where` over the
-        # full tensor: MindSpore 2.10's CPU Select with a 0-d operand keeps three index lists of the
-        # output's size (24 B per element) for the graph's lifetime (select_cpu_kernel.cc,
-        # GetBroadCastIndex; docs/benchmarks/memory.md run 3: -23.5 B/param). A scale of 0 zeroes
-        # finite values; nan_to_num turns the inf * 0 = NaN of an overflowed gradient into 0.
-        gscale = ops.where(finite, gscale, zero)
-        for k, i in enumerate(self.own):
-            master = self.own_masters[k]
-            g = grads[self._own_pos[k]]
-            if self._own_cut[k] is not None:  # a whole (replicated) gradient of a split parameter: this rank's slice
-                g = g.reshape(-1)[self._own_cut[k][0]:self._own_cut[k][1]]
-            g = ops.nan_to_num(g * gscale, 0.0, 0.0, 0.0)
-            wd = self.wd[i] * wd_factor if self.wd[i] else 0.0
-            self._adamw(master, self.exp_avg[k], self.exp_avg_sq[k], lr_t, b1, b2, eps_t, wd, g)
-            if self._own_has_master[k] and (self.zero3 or not self._own_split[k]):  # a split one reaches its parameter in `_gather`
-                ops.assign(self.params[i], master.astype(self.params[i].dtype))
-        # the returned loss depends on the last collective: a collective whose result a rank does
-        # not use would otherwise be pruned from that rank's graph only, and the ranks' sequences
-        # of collectives would no longer pair up (measured: a hang-free mismatch error in mccl)
-        loss_sum = ops.depend(loss_sum, self._gather(ops.depend(ops.depend(loss_sum, finite), sq)))
-        return loss_sum, finite, norm
-
-    def _gather(self, after: Tensor) -> Tensor:
-        """Owners' parameters to every rank: bucketed AllGather, Broadcast for the rest."""
-        prev = after
-        for k, (segments, sizes, length, used, dtype, own_k) in enumerate(self._ag):
-            split = own_k >= 0
-            # `p * 1`, a computed tensor, not the Parameter: a Parameter handed straight to a
-            # collective is read before the update's assign (measured on CPU), a computed one after.
-            if split:  # this rank's updated slice, rounded to the parameter's dtype as a whole one is
-                i = segments[0][0]
-                parts = [(self.own_masters[own_k] * 1).astype(self._pdtype[i]).astype(dtype)]
-            else:
-                parts = [(self.params[i] * 1).reshape(-1).astype(dtype) for i in segments[self.rank]]
-            if length > used[self.rank]:
-                parts.append(ops.zeros((length - used[self.rank],), dtype))
-            if self._allgathers:
-                full = self._allgathers[k](ops.depend(_flat(parts), prev))
-            else:
-                before, after_ = self.rank * length, (self.world - 1 - self.rank) * length
-                parts = ([ops.zeros((before,), dtype)] if before else []) + parts + ([ops.zeros((after_,), dtype)] if after_ else [])
-                full = self.allreduce(ops.depend(_flat(parts), prev))
-            prev = full
-            if split:  # N segments of `length`: the flattened parameter, then the padding
-                i = segments[0][0]
-                n = self.sizes[i]
-                value = full if n == length * self.world else full[:n]
-                ops.assign(self.params[i], value.reshape(self.params[i].shape).astype(self.params[i].dtype))
-            else:
-                for r in range(self.world):
-                    if r != self.rank and segments[r]:
-                        start = r * length
-                        for i, piece in zip(segments[r], _pieces(full[start:start + used[r]], sizes[r])):
-                            ops.assign(self.params[i], piece.reshape(self.params[i].shape).astype(self.params[i].dtype))
-        for i, bcast in zip(self._ag_single, self._bcast):
-            out = bcast((ops.depend(self.params[i] * 1, prev),))[0]
-            if self.owner[i] != self.rank:
-                ops.assign(self.params[i], out)
-            prev = out
-        return prev
 
     def _ensure_accum(self) -> None:
         if self.accum is not None:
@@ -614,7 +423,7 @@ class TrainStep:
 
     def state_keys(self, owned_only: bool = False) -> set[str]:
         """Tensor names of the optimizer state: all of it (logical names), or the part this rank
-        holds (as it writes them: a split parameter's slices by `slice_key`)."""
+        holds (as it writes them: a split parameter's slices by `shard_key`)."""
         return self.state.keys(owned_only)
 
     def optimizer_state(self) -> dict[str, np.ndarray]:

@@ -28,8 +28,11 @@ from typing import Any
 import numpy as np
 
 from mspretrain.errors import UserError
-from mspretrain.model.parallel import Group, cut, place, tp_rows
-from mspretrain.step.step import TrainStep, parse_key
+from mspretrain.model.decoder import Decoder
+from mspretrain.model.parallel import Group, TPSplit, cut, place
+from mspretrain.parallel.plan import ParallelPlan
+from mspretrain.parallel.shard_key import parse_shard_key
+from mspretrain.step.step import TrainStep
 
 CHUNK = 1 << 24  # elements per host-side tp sum (64 MB of fp32): one compiled collective, reused
 
@@ -41,15 +44,16 @@ class Mesh:
 
 
 def make_mesh(rank: int, world: int, tp: int, device: str, create: bool = True) -> Mesh:
-    """This rank's tp and dp groups (module docstring); `create=False` names them without creating
-    them (no communication: a unit test, or the collective-sequence probe)."""
-    if world % tp:
-        raise UserError(f"parallel.tp = {tp} does not divide the {world} ranks of this job",
-                        f"launch a multiple of {tp} ranks (world = tp x data-parallel ranks), or change parallel.tp")
-    dp = world // tp
-    t, d = rank % tp, rank // tp
-    tp_ranks = tuple(d * tp + i for i in range(tp))
-    dp_ranks = tuple(j * tp + t for j in range(dp))
+    """This rank's tp and dp groups (module docstring), of the ranks the parallel plan names
+    (mspretrain/parallel/plan.py, which refuses a world tp does not divide); `create=False` names
+    them without creating them (no communication: a unit test, or the collective-sequence probe)."""
+    return mesh_for(ParallelPlan(world=world, rank=rank, tp=tp), device, create)
+
+
+def mesh_for(plan: ParallelPlan, device: str, create: bool = True) -> Mesh:
+    """The communication groups of `plan`'s tp and dp groups for this rank (`make_mesh`)."""
+    tp, dp, t, d = plan.tp, plan.dp, plan.tp_rank, plan.dp_rank
+    tp_ranks, dp_ranks = plan.tp_ranks, plan.dp_ranks
     if tp == 1 or dp == 1:  # one group is the world (plain primitives), the other a single rank
         return Mesh(Group(tp_ranks, t, device=device), Group(dp_ranks, d, device=device))
     if create:
@@ -85,30 +89,28 @@ def group_options(kind: str, device: str, env: dict[str, str] | None = None) -> 
 
 
 class TPTrainStep(TrainStep):
-    """TrainStep over the dp group for a model cut by model/parallel.py `split_model`; whole
+    """TrainStep over the dp group for a model cut by its `apply_tp` (model/decoder.py); whole
     tensors in and out (module docstring). `full_weights` and `optimizer_state` are collectives:
     every rank calls them, in the same order."""
 
-    def __init__(self, model: Any, optim: Any, *, mesh: Mesh, jit: bool = True, **kw: Any) -> None:
+    def __init__(self, model: Decoder, optim: Any, *, mesh: Mesh, jit: bool = True, plan: ParallelPlan | None = None,
+                 **kw: Any) -> None:
+        """`model`: cut by its `apply_tp` (model/decoder.py); `plan`: the run's (train/build.py), else
+        the one `mesh` and the shard flags describe."""
         self.mesh = mesh
-        self.whole_shapes: dict[str, tuple[int, ...]] = dict(model.tp_shapes)
+        self.split: TPSplit = model.tp_split
+        self.whole_shapes: dict[str, tuple[int, ...]] = dict(self.split.whole_shapes)
         kw.pop("split_mb", None)
+        if plan is None:
+            tp, dp = mesh.tp, mesh.dp
+            zero = 3 if kw.get("shard_params") else 2 if kw.get("shard_grads") else 1 if kw.get("shard") else 0
+            plan = ParallelPlan(world=tp.size * dp.size, rank=dp.rank * tp.size + tp.rank, tp=tp.size, zero=zero)
         super().__init__(model, optim, world=mesh.dp.size, rank=mesh.dp.rank, jit=jit, split_mb=0,
-                         comm=mesh.dp if mesh.dp.size > 1 else None, **kw)
+                         comm=mesh.dp if mesh.dp.size > 1 else None, plan=plan, tp=self.split, **kw)
         self._host_sum: Any = None
 
-    @property
-    def tp_size(self) -> int:
-        return self.mesh.tp.size
-
-    @property
-    def writes(self) -> bool:
-        """Whether this rank writes its dp rank's checkpoint files (tp rank 0 of its group)."""
-        return self.mesh.tp.rank == 0
-
     def _where(self, name: str) -> tuple[int, list[tuple[int, int]]] | None:
-        shape = self.whole_shapes.get(name)
-        return None if shape is None else tp_rows(name, shape, self.model.cfg, self.mesh.tp.size, self.mesh.tp.rank)
+        return self.split.where.get(name)
 
     # ----------------------------------------------------------------- whole tensors out
     def _sum_chunk(self, x: np.ndarray) -> np.ndarray:
@@ -186,7 +188,7 @@ class TPTrainStep(TrainStep):
         per_micro_calls = forward + recomputed + backward + len(loss)  # the norm's tp sum: once a step (+ 1)
         per_micro_bytes = (forward + recomputed + backward) * act + sum(loss)
         # the QK-norms' partial sum runs with each reduction: per micro-batch with sharded gradients
-        partial = [p for p in model.trainable_params() if p.name in model.tp_partial]
+        partial = [p for p in model.trainable_params() if p.name in self.split.partial]
         sums = (accumulation if self.shard_grads else 1) if partial else 0
         return {"calls": base["calls"] + accumulation * per_micro_calls + 1 + sums,
                 "bytes": base["bytes"] + accumulation * per_micro_bytes + 4
@@ -219,7 +221,7 @@ class TPTrainStep(TrainStep):
     def keys_to_read(self, available: set[str]) -> set[str]:
         """Every stored key (whole or a ZeRO slice) of the state this rank's dp part needs."""
         want = {"opt_step"} | {f"{kind}.{self.names[i]}" for i in self.own for kind in self._kinds(i)}
-        return {k for k in available if parse_key(k)[0] in want}
+        return {k for k in available if parse_shard_key(k)[0] in want}
 
     def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
         """Whole tensors, or the slices a ZeRO run stored (`NAME@START:STOP` of the flattened whole),
@@ -227,7 +229,7 @@ class TPTrainStep(TrainStep):
         joined: dict[str, np.ndarray] = {}
         slices: dict[str, list[tuple[tuple[int, int], np.ndarray]]] = {}
         for key, value in tensors.items():
-            name, rng = parse_key(key)
+            name, rng = parse_shard_key(key)
             if rng is None:
                 joined[name] = np.asarray(value)
             else:

@@ -82,7 +82,9 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.errors import UserError
+from mspretrain.model.layers import WeightCell
 from mspretrain.parallel.layout import slice_bounds
+from mspretrain.parallel.shard_key import shard_key
 
 __all__ = ["ShardedGather", "shard_model", "sharded_names", "gathered", "full_state", "load_full_state"]
 
@@ -172,15 +174,15 @@ def shard_model(model: nn.Cell, names: list[str], world: int, rank: int, device:
     order to keep, for under 0.1 % of the parameters. Their gathers are links of the block's chain
     like the others (model/block.py `Block.pull`)."""
     want = set(names)
-    for _, cell in model.cells_and_names():
-        p = getattr(cell, "weight", None)
-        if isinstance(p, Parameter) and p.name in want:
+    for cell in weight_cells(model):
+        p = cell.weight
+        if p.name in want:
             name = p.name
             cell.weight, cell.gather = _slice_of(p, world, rank, device)
             cell.weight.name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
             want.discard(name)
-        bias = getattr(cell, "bias", None) if getattr(cell, "has_bias", False) else None
-        if isinstance(bias, Parameter) and bias.name in want:
+        bias = cell.bias if cell.has_bias else None
+        if bias is not None and bias.name in want:
             if cell.gather is None:  # its gather is chained after its gathered weight's (Linear.pull)
                 raise UserError(f"optim.shard_parameters cannot shard {bias.name} while its weight is frozen",
                                 "train the weight too (train.trainable), or use optim.shard_gradients=true (ZeRO-2)")
@@ -204,13 +206,19 @@ def prefetches(block: nn.Cell, device: str) -> bool:
     return device == "ascend" or not getattr(block, "_has_config_recompute", False)
 
 
+def weight_cells(model: nn.Cell) -> list[WeightCell]:
+    """The model's weight-holding cells (model/layers.py `WeightCell`: Linear, Embedding, RMSNorm),
+    each declaring its ZeRO-3 gathers, in the model's cell order."""
+    return [c for _, c in model.cells_and_names() if isinstance(c, WeightCell)]
+
+
 def gathered(model: nn.Cell) -> list[tuple[str, ShardedGather, Parameter]]:
     """(parameter name, its gather, its slice) of every sharded parameter, in the model's parameter order."""
     out = []
-    for _, c in model.cells_and_names():
-        if getattr(c, "gather", None) is not None:
+    for c in weight_cells(model):
+        if c.gather is not None:
             out.append((c.weight.name, c.gather, c.weight))
-        if getattr(c, "bias_gather", None) is not None:
+        if c.bias_gather is not None:
             out.append((c.bias.name, c.bias_gather, c.bias))
     return out
 
@@ -258,7 +266,7 @@ def slice_state(model: nn.Cell, world: int, rank: int) -> tuple[dict[str, np.nda
         value = (p.asnumpy() if p.dtype in (ms.float32, ms.float16) else p.astype(ms.float32).asnumpy()).copy()
         if p.name in sharded:
             a, b = slice_bounds(math.prod(sharded[p.name]), world, rank)
-            out[f"{p.name}@{a}:{b}"] = value.reshape(-1)
+            out[shard_key(p.name, a, b)] = value.reshape(-1)
         elif rank == 0:
             out[p.name] = value
     return out, sharded

@@ -19,13 +19,7 @@ from mindspore import Parameter
 
 from mspretrain.model.parallel import Group
 from mspretrain.parallel.layout import Layout, bucket_mb_for, cap_elements, plan_layout, readiness, split_elements_for, zero3_layout
-
-
-def slice_key(key: str, start: int, stop: int) -> str:
-    """Checkpoint name of a slice's state: `exp_avg.lm_head.weight@0:68108288` holds elements
-    [start, stop) of the flattened state `exp_avg.lm_head.weight` (1-D). Whole tensors keep
-    their plain names, so a checkpoint without split parameters is written as before."""
-    return f"{key}@{start}:{stop}"
+from mspretrain.parallel.shard_key import shard_key
 
 
 @dataclass
@@ -45,9 +39,9 @@ class Ownership:
     zero3: bool
 
     def key(self, k: int, prefix: str) -> str:
-        """State key of owned unit k's `prefix` tensor: the plain name, or the slice's (`slice_key`)."""
+        """State key of owned unit k's `prefix` tensor: the plain name, or the slice's (`shard_key`)."""
         key = f"{prefix}.{self.names[self.own[k]]}"
-        return slice_key(key, *self.bounds[k]) if self.split[k] else key
+        return shard_key(key, *self.bounds[k]) if self.split[k] else key
 
     def flat_value(self, params: tuple[Parameter, ...], k: int) -> np.ndarray:
         """Owned unit k's current values in fp32, shaped like its state (a copy)."""

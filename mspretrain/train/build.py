@@ -38,6 +38,7 @@ from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
 from mspretrain.monitor.callback import Callback
 from mspretrain.parallel.layout import bucket_mb_for
+from mspretrain.parallel.plan import ParallelPlan
 from mspretrain.paths import DataPaths, RunPaths
 from mspretrain.train.trainer import Trainer
 from mspretrain.world import detect, select_launch
@@ -130,7 +131,7 @@ def memory_options(cfg: Config, step_fn: Any, world: Any, accum: int) -> str:
     if step_fn.sharded:
         sizes = step_fn.sizes  # whole parameters' (ZeRO-3 holds slices)
         mine = step_fn.owned_elements()
-        what = "weights, optimizer state and gradients" if getattr(step_fn, "zero3", False) else \
+        what = "weights, optimizer state and gradients" if step_fn.plan.zero3 else \
             f"optimizer state{' and gradients' if step_fn.shard_grads else ''}"
         parts.append(f"{what} sharded over "
                      f"{step_fn.world} ranks (rank {step_fn.rank} holds {mine / sum(sizes):.0%})")
@@ -235,7 +236,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.data.manifest import check_data_dir, read_manifest
     from mspretrain.device import plan_device, setup_mindspore
     from mspretrain.model.decoder import Decoder, half_eligible
-    from mspretrain.model.parallel import check_tp, split_model
+    from mspretrain.model.parallel import check_tp
     from mspretrain.monitor.batch_log import BatchLog, plan_for
     from mspretrain.monitor.console import ConsoleLine
     from mspretrain.monitor.heartbeat import Heartbeat
@@ -249,7 +250,7 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     from mspretrain.schedule import resume_notes
     from mspretrain.step.loss_scale import LossScaler
     from mspretrain.step.step import TrainStep
-    from mspretrain.step.tp import TPTrainStep, make_mesh
+    from mspretrain.step.tp import TPTrainStep, mesh_for
     from mspretrain.train.checkpointing import CheckpointManager
     from mspretrain.train.eval_schedule import PeriodicEval
     from mspretrain.train.spike_policy import SpikePolicy
@@ -272,9 +273,12 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     check_tp(cfg.model, cfg.parallel.tp)  # before the rendezvous: a model tp cannot cut is refused on every rank alike
     world = distributed.init(device.target)
     say.is_main = world.is_main
-    # tensor parallel: the data-parallel rank and size (loader, budget, checkpoint shards) are the mesh's
-    mesh = make_mesh(world.rank, world.size, cfg.parallel.tp, device.target) if cfg.parallel.tp > 1 else None
-    dp_rank, dp_size = (mesh.dp.rank, mesh.dp.size) if mesh is not None else (world.rank, world.size)
+    # the run's parallel plan (mspretrain/parallel/plan.py), built once: the step, the checkpoints, the
+    # EMA and the replica hash read it. Tensor parallel: the data-parallel rank and size (loader,
+    # budget, checkpoint shards) are the plan's, its groups made from the ranks it names (step/tp.py)
+    plan = ParallelPlan.for_config(cfg, world=world.size, rank=world.rank)
+    mesh = mesh_for(plan, device.target) if plan.tp > 1 else None
+    dp_rank, dp_size = plan.dp_rank, plan.dp
     if world.is_main:  # one writer per run dir; the other msrun ranks are the same job
         run_lock.acquire(paths.root, "train", log=say)
     b = budget.derive(cfg, world=dp_size, data_tokens=int(manifest["tokens"]["train"]))
@@ -312,12 +316,10 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
         init_weights(model)
     half = half_eligible(model) if cfg.precision.param_dtype == "compute" and cfg.precision.dtype != "fp32" else []
     if mesh is not None:
-        split_model(model, mesh.tp)  # whole weights (seeded or --init-from) cut to this rank's piece
-    step_type, where = (TrainStep, {"world": world.size, "rank": world.rank}) if mesh is None else (TPTrainStep, {"mesh": mesh})
-    step_fn = step_type(model, cfg.optim, global_tokens=b.tokens_per_step, **where,
+        model.apply_tp(mesh.tp)  # whole weights (seeded or --init-from) cut to this rank's piece
+    step_type, where = (TrainStep, {}) if mesh is None else (TPTrainStep, {"mesh": mesh})
+    step_fn = step_type(model, cfg.optim, global_tokens=b.tokens_per_step, **where, plan=plan,
                         jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16",
-                        shard=cfg.optim.shard_optimizer, shard_grads=cfg.optim.shard_gradients,
-                        shard_params=cfg.optim.shard_parameters,
                         bucket_mb=cfg.optim.bucket_mb, split_mb=cfg.optim.split_mb, device=device.target, accumulation=b.accumulation,
                         half_params=half, jit_level=cfg.device.jit_level, trainable=cfg.train.trainable)
     loader = Loader(sources, split="train", seq_len=cfg.data.seq_len, batch_size=b.micro_batch, seed=cfg.train.seed,
@@ -326,8 +328,8 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     tokenizer = DataPaths(data_dir).tokenizer
     saver = Saver(paths.root, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
                   async_save=cfg.checkpoint.async_save, log=say)
-    checkpoints = CheckpointManager(paths, saver, cfg=cfg, model=model, step_fn=step_fn, loader=loader, rank=dp_rank,
-                                    world=dp_size, tokenizer=tokenizer, allow_data_change=allow_data_change, log=say)
+    checkpoints = CheckpointManager(paths, saver, cfg=cfg, model=model, step_fn=step_fn, loader=loader, plan=plan,
+                                    tokenizer=tokenizer, allow_data_change=allow_data_change, log=say)
     # the checks that can still refuse a resume (data dir changed, train.trainable changed, a model
     # shape that does not fit the weights) run here, before the first byte is written to the run dir
     loaded = checkpoints.load(resume_from, restore_data=True) if resume_from is not None else None

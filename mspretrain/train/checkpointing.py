@@ -30,23 +30,28 @@ from mspretrain.checkpoint.model_shards import read_pieces
 from mspretrain.checkpoint.saver import Saver
 from mspretrain.config.schema import Config
 from mspretrain.errors import UserError
+from mspretrain.parallel.plan import ParallelPlan
 from mspretrain.paths import RunPaths
 
 
 class CheckpointManager:
     def __init__(self, paths: RunPaths, saver: Saver, *, cfg: Config, model: Any, step_fn: Any, loader: Any,
-                 rank: int, world: int, tokenizer: Path | None, allow_data_change: bool,
+                 plan: ParallelPlan, tokenizer: Path | None, allow_data_change: bool,
                  log: Callable[[str], None]) -> None:
+        """`plan`: the run's parallel plan (mspretrain/parallel/plan.py): who gathers for a save, who
+        writes which file; `rank` and `world` here are the data-parallel ones (a checkpoint is a
+        data-parallel run's, whatever the tp)."""
         self.paths, self.saver, self.cfg, self.log = paths, saver, cfg, log
         self.model, self.step_fn, self.loader = model, step_fn, loader
-        self.rank, self.world, self.tokenizer = rank, world, tokenizer
+        self.plan = plan
+        self.rank, self.world, self.tokenizer = plan.dp_rank, plan.dp, tokenizer
         self.allow_data_change = allow_data_change
         self.last_save_step: int | None = None  # every rank knows which step the newest save is for
         # train.ema_decay: the EMA of this rank's weights, saved with and restored from each checkpoint
         # (train/ema.py: None when off, and on ranks whose weights rank 0's EMA already covers)
         from mspretrain.train.ema import for_run
 
-        self.ema = for_run(cfg, model, step_fn, rank=rank, world=world)
+        self.ema = for_run(cfg, model, step_fn, rank=self.rank, world=self.world)
 
     def after_update(self) -> None:
         """An optimizer step was applied: the EMA of the weights (if kept) takes them."""
@@ -60,18 +65,18 @@ class CheckpointManager:
 
     def save(self, step: int, train_state: dict[str, Any]) -> Path | None:
         """Checkpoint the state after `step`; the copy to host blocks briefly, the write does not."""
-        sharded = self.step_fn.sharded
+        sharded = self.plan.sharded
         self.last_save_step = step
         # tensor parallel: the whole weights are gathered over the tp group on every rank (a collective:
         # all ranks call it), so the model file is the one any layout writes and any layout resumes
         # from; the optimizer state too (step/tp.py), written by tp rank 0 alone. ZeRO-3 gathers
         # nothing: each rank writes its own slices (checkpoint/model_shards.py)
-        gathers = getattr(self.step_fn, "tp_size", 1) > 1
+        gathers = self.plan.gathers_for_save
         if self.rank != 0 and not sharded and not gathers:
             return None
         t0 = time.perf_counter()
         part, meta = None, None  # ZeRO-3: this rank's weight slices and their file's metadata
-        if getattr(self.step_fn, "zero3", False):
+        if self.plan.writes_model_slices:
             from mspretrain.checkpoint.model_shards import shard_metadata
             from mspretrain.step.zero3 import slice_state
 
@@ -79,7 +84,7 @@ class CheckpointManager:
             meta = shard_metadata(step, shapes)
         whole = self.step_fn.full_weights() if gathers else None
         optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
-        if not getattr(self.step_fn, "writes", True) or (self.rank != 0 and not sharded):
+        if not self.plan.writes_files or (self.rank != 0 and not sharded):
             return None
         extra = self.ema.files(step) if self.ema is not None else None
         try:
@@ -108,7 +113,7 @@ class CheckpointManager:
         ts = store.read_json(ckpt / store.TRAIN_STATE)
         # either form of the weights (model_shards.py); ZeRO-3 reads just this rank's ranges of them
         wanted = {}
-        if getattr(self.step_fn, "zero3", False):
+        if self.plan.zero3:
             from mspretrain.step.zero3 import wanted_ranges
 
             wanted = wanted_ranges(self.model, self.world, self.rank)

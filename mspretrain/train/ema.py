@@ -46,6 +46,7 @@ import numpy as np
 from mspretrain.checkpoint.average import EMA_FILE, Source, ema_files, ema_shard_name, weight_view
 from mspretrain.checkpoint.model_shards import read_pieces, shard_metadata
 from mspretrain.errors import UserError
+from mspretrain.parallel.shard_key import is_slice, parse_shard_key, shard_key
 
 
 class WeightEMA:
@@ -81,7 +82,7 @@ class WeightEMA:
         if self.values is None:
             return {}
         # a slice is stored 1-D (`NAME@START:STOP`), a whole tensor in its own shape
-        tensors = {k: (e.copy() if "@" in k else e.reshape(p.shape).copy()) for k, e, p in zip(self.keys, self.values, self.params)}
+        tensors = {k: (e.copy() if is_slice(k) else e.reshape(p.shape).copy()) for k, e, p in zip(self.keys, self.values, self.params)}
         meta = shard_metadata(step, self.shapes) if self.shapes is not None else {"format": "mspretrain", "step": str(step)}
         return {self.file_name: (tensors, meta)}
 
@@ -96,7 +97,7 @@ class WeightEMA:
             stored = read_pieces(view, self.wanted)
         values = []
         for k, p in zip(self.keys, self.params):
-            name = k.partition("@")[0]
+            name = parse_shard_key(k)[0]
             if name not in stored or stored[name].size != math.prod(p.shape):
                 raise UserError(f"the EMA saved with {Path(ckpt).name} does not match the model's {name}",
                                 "resume with the model config the checkpoint was written with")
@@ -121,7 +122,8 @@ def for_run(cfg: Any, model: Any, step_fn: Any, *, rank: int, world: int) -> Wei
                         "optimizer state, which the EMA does not read yet)",
                         "use precision.param_dtype=fp32, or average checkpoints afterwards with `mspretrain average`")
     params = list(model.get_parameters())
-    if getattr(step_fn, "zero3", False):
+    plan = step_fn.plan  # the run's parallel plan (mspretrain/parallel/plan.py)
+    if plan.zero3:
         from mspretrain.parallel.layout import slice_bounds
         from mspretrain.step.zero3 import gathered, wanted_ranges
 
@@ -131,15 +133,14 @@ def for_run(cfg: Any, model: Any, step_fn: Any, *, rank: int, world: int) -> Wei
             if p.name in shapes:
                 a, b = slice_bounds(math.prod(shapes[p.name]), world, rank)
                 keep.append(p)
-                keys.append(f"{p.name}@{a}:{b}")
+                keys.append(shard_key(p.name, a, b))
             elif rank == 0:
                 keep.append(p)
                 keys.append(p.name)
         return WeightEMA(decay, keep, keys=keys, file_name=ema_shard_name(rank, world), shapes=shapes,
                          wanted=wanted_ranges(model, world, rank))
-    z = getattr(step_fn, "zero_setup", None)
-    if world > 1 and getattr(step_fn, "sharded", False) and z is not None:
-        return _zero12(decay, params, z, step_fn.own_masters, rank=rank, world=world)
+    if world > 1 and plan.sharded:
+        return _zero12(decay, params, step_fn.zero_setup, step_fn.own_masters, rank=rank, world=world)
     if rank != 0:  # the weights are whole on every rank and no rank owns a part: rank 0's EMA is the run's
         return None
     return WeightEMA(decay, params, keys=[p.name for p in params], file_name=EMA_FILE, shapes=None, wanted={})
@@ -152,8 +153,6 @@ def _zero12(decay: float, params: list[Any], z: Any, masters: Any, *, rank: int,
     which the step's gather has just copied into every rank's weights: on Ascend the device-to-host
     read is the slice, not the whole parameter), and of the untrained parameters on rank 0, as
     ZeRO-3 keeps them."""
-    from mspretrain.step.zero_setup import slice_key
-
     o = z.ownership
     owned = {o.names[i]: k for k, i in enumerate(o.own)}  # at most one unit of a parameter per rank
     trained = set(o.names)
@@ -164,7 +163,7 @@ def _zero12(decay: float, params: list[Any], z: Any, masters: Any, *, rank: int,
         k = owned.get(p.name)
         if k is not None and o.split[k]:
             keep.append(masters[k])
-            keys.append(slice_key(p.name, *o.bounds[k]))
+            keys.append(shard_key(p.name, *o.bounds[k]))
             wanted[p.name] = o.bounds[k]
         elif k is not None or (p.name not in trained and rank == 0):
             keep.append(p)

@@ -5,26 +5,24 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
-def record_weights_hash(run_dir: Path, *, rank: int, world: int, step: int, model: Any,
-                        weights: Callable[[], dict[str, Any]] | None = None) -> None:
-    """`weights`: the whole weights where the model holds slices or pieces (ZeRO-3, tensor
-    parallel: a collective every rank calls). Where `weights` is a step's `full_weights`, the
-    step's `weights_digest` is used instead: the same digest, read one parameter at a time, where
-    `full_weights` gathered the whole model onto every rank's host and device at once (61 GiB for
-    Qwen3-14B under ZeRO-3: the job exited non-zero after its final checkpoint, issue 51.4)."""
+def record_weights_hash(run_dir: Path, *, rank: int, world: int, step: int, model: Any, step_fn: Any = None) -> None:
+    """`step_fn`: the run's step. Where the model holds slices or pieces (ZeRO-3, tensor parallel:
+    its plan says so, mspretrain/parallel/plan.py) the digest is the step's `weights_digest`, a
+    collective every rank calls that reads one whole parameter at a time (`full_weights` gathered
+    the whole model onto every rank's host and device at once: 61 GiB for Qwen3-14B under ZeRO-3,
+    the job exited non-zero after its final checkpoint, issue 51.4); else the model's own weights."""
     if world == 1:
         return
-    digest = getattr(getattr(weights, "__self__", None), "weights_digest", None)
-    if digest is not None:
-        value = digest()
+    if step_fn is not None and (step_fn.plan.zero3 or step_fn.plan.gathers_for_save):
+        value = step_fn.weights_digest()
     else:
         from mspretrain.model.decoder import state_numpy
 
         h = hashlib.sha256()
-        for name, arr in sorted((weights() if weights is not None else state_numpy(model)).items()):
+        for name, arr in sorted(state_numpy(model).items()):
             h.update(name.encode())
             h.update(arr.tobytes())
         value = h.hexdigest()

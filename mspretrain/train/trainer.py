@@ -169,8 +169,7 @@ class Trainer:
             summary.final_checkpoint = self.save()
             self.checkpoints.close()
             record_weights_hash(self.run_dir, rank=self.world.rank, world=self.world.size, step=self.step, model=self.model,
-                                weights=self.step_fn.full_weights if getattr(self.step_fn, "zero3", False)
-                                or getattr(self.step_fn, "tp_size", 1) > 1 else None)
+                                step_fn=self.step_fn)
             for c in self.callbacks:
                 c.post_train(self.step)
         except store.SaveError as exc:

@@ -1,0 +1,181 @@
+"""The parallel plan of one run: how its ranks are laid out, built once and then only read.
+
+Pure arithmetic (no MindSpore), so `plan` and `fits` build the very plan `train` runs with.
+`train/build.py` makes it (`ParallelPlan.for_config`) right after the ranks are known and hands
+it to the step, the checkpoints, the EMA, the end-of-run replica hash and the memory check; the
+communication groups themselves are created from it in `step/tp.py` (`make_mesh`): the plan
+names ranks, it holds no MindSpore object.
+
+Dimensions. world = tp x dp. Rank r is tensor-parallel rank r % tp of tp group r // tp (a tp
+group's ranks are adjacent, as Megatron-LM's `initialize_model_parallel` orders them, so a tp
+group stays inside an 8-NPU server) and data-parallel rank r // tp of the dp group
+{j*tp + r % tp}. `ep` (expert parallel) and `cp` (context parallel) are the dimensions to come:
+fields of the plan already, fixed at 1, and any other value is refused in one line.
+
+ZeRO. `zero` is the level the config asks for (optim.shard_optimizer 1, shard_gradients 2,
+shard_parameters 3); it acts over the data-parallel group only, so with one dp rank nothing is
+sharded (`sharded`, `zero3`).
+
+Save roles (train/checkpointing.py). Under tp every rank takes part in gathering the whole
+weights and optimizer state over its tp group (`gathers_for_save`), and tp rank 0 of each group
+writes its dp rank's files (`writes_files`); under ZeRO-3 each dp rank writes its own weight slices
+(`writes_model_slices`); with a sharded optimizer each dp rank writes its optimizer shard; rank 0
+publishes the checkpoint (`publishes`).
+
+The tensor-parallel divisibility rule (`tp_refusal`) lives here: `train` (model/parallel.py
+`check_tp`) and `plan`'s layout table (preflight/layouts.py `train_refusal`) ask this one function,
+so the table never recommends a tp that `train` refuses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mspretrain.errors import UserError
+
+# How a weight-holding cell is cut across the tp ranks (model/layers.py declares one per cell;
+# model/params.py's `Role` enum has the same values):
+COLUMN = "column"  # output rows split (Megatron's column-parallel linear), per fused row block
+ROW = "row"  # input columns split (row-parallel linear); its output is summed over tp
+VOCAB = "vocab"  # vocabulary rows split (the embedding, the lm_head)
+REPLICATED = "replicated"  # whole on every tp rank, the same gradient everywhere (the norms)
+PARTIAL = "partial"  # whole on every tp rank, a partial gradient on each (Qwen3's QK-norms)
+ROLES = (COLUMN, ROW, VOCAB, REPLICATED, PARTIAL)
+
+
+def tp_refusal(n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int, tp: int) -> tuple[str, str] | None:
+    """(cause, fix) when tensor parallel `tp` cannot cut a model of this shape, else None."""
+    if tp == 1:
+        return None
+    if n_kv_heads % tp:
+        best = max(d for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0 and d <= tp)
+        return (f"parallel.tp = {tp} does not divide model.n_kv_heads = {n_kv_heads}: tensor parallel splits the kv heads "
+                "across ranks and does not replicate them",
+                f"use parallel.tp={best} (a divisor of n_kv_heads) and data parallel for the other ranks")
+    for key, value in (("n_heads", n_heads), ("ffn_dim", ffn_dim), ("vocab_size", vocab_size)):
+        if value % tp:
+            return (f"parallel.tp = {tp} does not divide model.{key} = {value}",
+                    f"use a parallel.tp that divides model.{key}"
+                    + (" (pad the vocabulary: model.vocab_size may exceed the tokenizer's)" if key == "vocab_size" else ""))
+    return None
+
+
+Where = tuple[int, list[tuple[int, int]]]  # (axis, [start, stop) ranges along it, concatenated in order)
+
+
+def tp_where(role: str, shape: tuple[int, ...], blocks: tuple[int, ...] | None, tp: int, rank: int) -> Where | None:
+    """Where tp rank `rank`'s piece of a whole parameter of `shape` lies, by its cell's `role`:
+    (axis, ranges), or None for a whole one. `blocks`: a column-parallel weight's fused row
+    blocks (q | k | v, gate | up), each cut by tp; None: one block."""
+    if tp == 1 or role in (REPLICATED, PARTIAL):
+        return None
+    span = lambda n, offset=0: (offset + rank * n // tp, offset + (rank + 1) * n // tp)
+    if role == VOCAB:
+        return 0, [span(shape[0])]
+    if role == ROW:
+        return 1, [span(shape[1])]
+    if role == COLUMN:
+        out, at = [], 0
+        for n in blocks or (shape[0],):
+            out.append(span(n, at))
+            at += n
+        return 0, out
+    raise ValueError(f"unknown split role {role!r}")
+
+
+def zero_level(optim: Any) -> int:
+    """The ZeRO level the config's optimizer section asks for (0: none)."""
+    return 3 if optim.shard_parameters else 2 if optim.shard_gradients else 1 if optim.shard_optimizer else 0
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """One run's layout of ranks (module docstring). Refused in one line when it cannot be run."""
+
+    world: int = 1
+    rank: int = 0
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        for key, value in (("ep", self.ep), ("cp", self.cp)):
+            if value != 1:
+                what = "expert" if key == "ep" else "context"
+                raise UserError(f"parallel.{key} = {value}: {what} parallel is not supported yet",
+                                f"use parallel.{key}=1 (data and tensor parallel split the ranks)")
+        if self.world < 1 or not 0 <= self.rank < self.world or self.tp < 1 or self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"not a parallel plan: {self!r}")
+        if self.world % self.tp:
+            raise UserError(f"parallel.tp = {self.tp} does not divide the {self.world} ranks of this job",
+                            f"launch a multiple of {self.tp} ranks (world = tp x data-parallel ranks), or change parallel.tp")
+
+    @classmethod
+    def for_config(cls, cfg: Any, world: int = 1, rank: int = 0) -> ParallelPlan:
+        """The plan a run of `cfg` on `world` ranks has, seen from `rank`."""
+        return cls(world=world, rank=rank, tp=cfg.parallel.tp, zero=zero_level(cfg.optim))
+
+    # ---- the dimensions and this rank's place in them
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_ranks(self) -> tuple[int, ...]:
+        """The world ranks of this rank's tp group, in group order."""
+        return tuple(self.dp_rank * self.tp + i for i in range(self.tp))
+
+    @property
+    def dp_ranks(self) -> tuple[int, ...]:
+        """The world ranks of this rank's dp group, in group order."""
+        return tuple(j * self.tp + self.tp_rank for j in range(self.dp))
+
+    # ---- ZeRO over the dp group
+    @property
+    def sharded(self) -> bool:
+        """The optimizer state is sharded over the dp ranks (ZeRO-1 and up, with more than one)."""
+        return self.zero >= 1 and self.dp > 1
+
+    @property
+    def zero3(self) -> bool:
+        """The weights themselves are sliced over the dp ranks (step/zero3.py)."""
+        return self.zero == 3 and self.dp > 1
+
+    # ---- save roles
+    @property
+    def gathers_for_save(self) -> bool:
+        """Every rank takes part in gathering the whole weights and state over its tp group."""
+        return self.tp > 1
+
+    @property
+    def writes_files(self) -> bool:
+        """This rank writes its dp rank's checkpoint files (tp rank 0 of its group)."""
+        return self.tp_rank == 0
+
+    @property
+    def writes_model_slices(self) -> bool:
+        """This rank writes its own weight slices (`model-R-of-N`, ZeRO-3) instead of whole weights."""
+        return self.zero3
+
+    @property
+    def publishes(self) -> bool:
+        """This rank writes the whole-run files and publishes the checkpoint (rank 0)."""
+        return self.rank == 0
+
+    def check_model(self, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int) -> None:
+        """Refuse, in one line, a model this plan's tp cannot cut."""
+        refused = tp_refusal(n_heads, n_kv_heads, ffn_dim, vocab_size, self.tp)
+        if refused:
+            raise UserError(*refused)
+
+    def describe(self) -> str:
+        return f"world {self.world} = tp {self.tp} x dp {self.dp}, ZeRO-{self.zero}"

@@ -1,0 +1,78 @@
+"""The loss a train step differentiates, for one micro-batch (step/step.py compiles it).
+
+Loss = summed token NLL (fp32 log-softmax) times `scale / global_tokens`, plus the z-loss
+(`optim.z_loss`, on the log-sum-exp) and, for a mixture of experts, transformers' load-balancing
+loss weighted by `router_aux_loss_coef`. Under tensor parallel the NLL and the log-sum-exp come
+from this rank's vocabulary columns (the decoder's `tp_loss`, model/parallel.py
+`VocabParallelNLL`), else from `model/loss.py` `token_nll`. Split out of step/step.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mindspore import Tensor, ops
+
+from mspretrain.config.schema import ModelConfig, OptimConfig
+from mspretrain.model.layers import use_fused_kernels
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The objective function `fn(tokens, positions, segments, scale)` -> (scaled loss, NLL sum,
+    per-row NLL[, per-layer routing stats]) and what the step needs to know of it."""
+    fn: Callable[..., Any]
+    plain_sums: bool  # Ascend: plain reductions instead of the CPU's GEMM forms
+    moe_layers: list[int]  # the MoE layers whose routing stats every step returns (empty: dense)
+    moe_k: int  # experts per token (0: dense)
+
+    @property
+    def moe_stats(self) -> bool:
+        return bool(self.moe_layers)
+
+
+def make_objective(model: Any, optim: OptimConfig, *, global_tokens: float, device: str,
+                   cfg: ModelConfig | None, tp_loss: Any = None) -> Objective:
+    """`cfg`: the decoder's config (None: a model without one, the tests' toys: dense, no MoE);
+    `tp_loss`: the vocabulary-parallel loss of a model cut by tensor parallel, else None."""
+    from mspretrain.model.loss import token_nll
+    from mspretrain.model.moe import balance_loss, moe_layers
+
+    # Ascend: plain reductions instead of the CPU's GEMM forms (model/decoder.py `use_fused_kernels`)
+    plain = use_fused_kernels(device)
+    inv_tokens = 1.0 / global_tokens
+    z = float(optim.z_loss)
+    mcfg = cfg
+    moe = mcfg is not None and bool(mcfg.num_experts)
+    # MoE (model/moe.py): transformers' load-balancing loss, weighted by router_aux_loss_coef
+    balance = float(mcfg.router_aux_loss_coef) if moe else 0.0
+    sparse_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers)) if balance > 0 else 0
+    # MoE: every step also returns each MoE layer's routing stats (L_moe, 2, E), read back with
+    # the rows, for the expert-load metrics; a dense model's graphs are unchanged
+    layers_moe = moe_layers(mcfg) if moe else []
+    moe_stats = bool(layers_moe)
+
+    def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+        per = None
+        if moe_stats:  # MoE: each layer's routing stats; their sum feeds the load-balancing loss
+            logits, per = model(inputs, positions, segments, True, True)
+            routed = per[0]
+            for i in range(1, len(layers_moe)):  # in layer order, as the decoder's own sum
+                routed = routed + per[i]
+        else:
+            logits, routed = model(inputs, positions, segments), None  # (B, T, V) fp32
+        # (B, T) fp32 each; tensor parallel: from the local vocabulary columns (model/parallel.py)
+        nll, lse = token_nll(logits, targets, plain_sum=plain) if tp_loss is None else tp_loss(logits, targets)
+        nll_sum = nll.sum()
+        obj = nll_sum
+        if z > 0:
+            obj = obj + z * (lse * lse).sum()
+        if balance > 0:  # per micro-batch, weighted by its share of the tokens (docs/design.md, MoE)
+            n = inputs.shape[0] * inputs.shape[1]
+            obj = obj + balance_loss(routed, n * sparse_layers, mcfg.num_experts) * (balance * n)
+        if moe_stats:
+            return obj * (scale * inv_tokens), nll_sum, nll.sum(-1), ops.stop_gradient(per)
+        return obj * (scale * inv_tokens), nll_sum, nll.sum(-1)
+
+    return Objective(objective, plain, layers_moe, int(mcfg.experts_per_token) if layers_moe else 0)
