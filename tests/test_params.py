@@ -81,25 +81,32 @@ def test_hf_names_and_shapes_are_what_transformers_saves(hf_saved, family, tied)
     assert list(back) == list(ours) and all(np.array_equal(back[k], ours[k]) for k in ours)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
-def test_roles_are_what_tensor_parallel_cuts(family):
-    """model/parallel.py's `tp_rows` (what `split_model` cuts) for every parameter of a dense model with
-    a q/k/v bias or QK-norm, tp = 2, is the table's `tp_piece`: replicated and partial ones whole,
-    column and vocabulary ones by rows, row ones by columns; the partial ones are those
-    `split_model` sums over tp. (MoE models are
-    refused under tp today, config.check_moe: their rows' roles are Megatron's, not yet cut.)"""
+@pytest.mark.parametrize("family,tied", CASES)
+def test_the_roles_the_cells_declare_are_the_tables(family, tied):
+    """Every weight cell of a built model declares the tensor-parallel role (model/layers.py
+    `WeightCell.role`, which `apply_tp` cuts by) that the table gives its parameters, and
+    model/parallel.py's name-only `tp_rows` (tests' references, checkpoint re-cuts) is the table's
+    `tp_piece`: replicated and partial ones whole, column and vocabulary ones by rows, row ones by
+    columns. A cell declared one way and a row saying another fails here."""
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.model.layers import WeightCell
     from mspretrain.model.parallel import tp_rows
 
-    m = tiny(family)
+    m = tiny(family, tied)
     assert {r.value for r in Role} == {"column", "row", "vocab", "replicated", "partial"}
-    for name, shape in params.shapes(m):
-        role = params.role_of(name)
-        where = tp_rows(name, shape, m, 2, 1)
-        assert [params.tp_piece(name, m, 2, r) for r in (0, 1)] == [tp_rows(name, shape, m, 2, r) for r in (0, 1)], name
-        want = {None: (Role.REPLICATED, Role.PARTIAL), 0: (Role.COLUMN, Role.VOCAB), 1: (Role.ROW,)}
-        assert role in want[None if where is None else where[0]], (name, role, where)
-        # model/parallel.py split_model's partial set
-        assert (role is Role.PARTIAL) == (".q_norm." in name or ".k_norm." in name), name
+    declared = {}
+    for _, cell in Decoder(m, seed=0).cells_and_names():
+        if isinstance(cell, WeightCell):
+            for p in cell.get_parameters(expand=False):
+                declared[p.name] = cell.role
+    assert declared and set(declared) <= {n for n, _ in params.shapes(m)}
+    for name, role in declared.items():
+        assert params.role_of(name).value == role, (name, role, params.role_of(name))
+    if not family_of(family).moe:  # tp refuses MoE today (config.check_moe)
+        for name, shape in params.shapes(m):
+            where = [tp_rows(name, shape, m, 2, r) for r in (0, 1)]
+            want = {None: (Role.REPLICATED, Role.PARTIAL), 0: (Role.COLUMN, Role.VOCAB), 1: (Role.ROW,)}
+            assert params.role_of(name) in want[None if where[0] is None else where[0][0]], (name, where)
 
 
 def test_derived_facts_follow_the_rows(monkeypatch):

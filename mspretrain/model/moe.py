@@ -71,8 +71,8 @@ class MoE(nn.Cell):
         self.shared_ffn = cfg.shared_expert_ffn_dim
         if self.shared_ffn:
             S = self.shared_ffn
-            self.shared_w13 = Linear(cfg.dim, 2 * S, cfg.init_std, rng, dtype)
-            self.shared_w2 = Linear(S, cfg.dim, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng, dtype)
+            self.shared_w13 = Linear(cfg.dim, 2 * S, cfg.init_std, rng, dtype, role="column", blocks=(S, S))
+            self.shared_w2 = Linear(S, cfg.dim, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng, dtype, role="row")
             self.shared_gate = Linear(cfg.dim, 1, cfg.init_std, rng, dtype)
 
     def route(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:

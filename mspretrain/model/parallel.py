@@ -298,16 +298,13 @@ class TPSplit:
 
 
 def tp_rows(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:
-    """Where rank `rank`'s piece of the whole parameter `name` (of `shape`) lies, by name alone: the
-    roles the cells declare (model/attention.py, model/block.py, model/decoder.py) for code that
-    holds names and no model (the tests' references). None for a whole one."""
-    from mspretrain.parallel.plan import COLUMN, REPLICATED, ROW, VOCAB, tp_where
+    """Where rank `rank`'s piece of the whole parameter `name` (of `shape`) lies, by name alone, for
+    code that holds names and no model (the tests' references, checkpoint re-cuts): the parameter
+    table's role and fused parts (model/params.py `tp_piece`), which tests/test_params.py holds
+    equal to the roles the cells declare. None for a whole one."""
+    from mspretrain.model.params import tp_piece
 
-    leaf = name.rsplit(".", 2)[-2:]  # ("wqkv", "weight"), ("embed", "weight"), ...
-    H, KV, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.ffn_dim
-    role, blocks = {"embed": (VOCAB, None), "lm_head": (VOCAB, None), "wqkv": (COLUMN, (H * hd, KV * hd, KV * hd)),
-                    "w13": (COLUMN, (F, F)), "wo": (ROW, None), "w2": (ROW, None)}.get(leaf[0], (REPLICATED, None))
-    return tp_where(role, shape, blocks, tp, rank)
+    return tp_piece(name, cfg, tp, rank)
 
 
 def cut(whole: np.ndarray, where: tuple[int, list[tuple[int, int]]] | None) -> np.ndarray:

@@ -34,17 +34,19 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 
 from mspretrain.config.schema import ModelConfig
+from mspretrain.parallel import plan as plan_roles
 
 Shape = Callable[[ModelConfig], tuple[int, ...]]
 
 
 class Role(str, Enum):
-    """How tensor parallel treats a parameter (model/parallel.py, Megatron-LM's terms)."""
-    COLUMN = "column"  # rows split over tp (output features: q/k/v heads, ffn units)
-    ROW = "row"  # columns split over tp (input features); the output summed over tp
-    VOCAB = "vocab"  # rows split over tp by vocabulary (embedding, lm_head)
-    REPLICATED = "replicated"  # whole on every rank, its gradient whole too
-    PARTIAL = "partial"  # whole on every rank, its gradient a partial sum over tp (shared by split heads)
+    """How tensor parallel treats a parameter (model/parallel.py, Megatron-LM's terms). The values
+    are the role names the cells declare (mspretrain/parallel/plan.py `ROLES`, one vocabulary)."""
+    COLUMN = plan_roles.COLUMN  # rows split over tp (output features: q/k/v heads, ffn units)
+    ROW = plan_roles.ROW  # columns split over tp (input features); the output summed over tp
+    VOCAB = plan_roles.VOCAB  # rows split over tp by vocabulary (embedding, lm_head)
+    REPLICATED = plan_roles.REPLICATED  # whole on every rank, its gradient whole too
+    PARTIAL = plan_roles.PARTIAL  # whole on every rank, its gradient a partial sum over tp (shared by split heads)
 
 
 @dataclass(frozen=True)

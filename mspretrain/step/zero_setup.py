@@ -18,6 +18,7 @@ import numpy as np
 from mindspore import Parameter
 
 from mspretrain.model.parallel import Group
+from mspretrain.model.params import fp16_wire
 from mspretrain.parallel.layout import Layout, bucket_mb_for, cap_elements, plan_layout, readiness, split_elements_for, zero3_layout
 from mspretrain.parallel.shard_key import shard_key
 
@@ -82,9 +83,10 @@ def plan_zero(params: tuple[Parameter, ...], sizes: list[int], half: set[str], c
     planned before any parameter is rounded to the compute dtype; the `half` ones will be stored
     in `compute_dtype` (None when there are none: a test model may have no dtype)."""
     names = [p.name for p in params]
-    # fp16 on the wire for every gradient but lm_head's (the field report's exemption)
+    # fp16 on the wire for every gradient but lm_head's (the field report's exemption; the parameter
+    # table's `fp16_wire` column, model/params.py)
     cap = cap_elements(bucket_mb_for(bucket_mb, device))
-    wire16 = [allreduce_fp16 and "lm_head" not in n for n in names]
+    wire16 = [allreduce_fp16 and fp16_wire(n) for n in names]
     if zero3:  # every parameter split, no bucket: the gathers and reductions live in the model's graph
         layout = zero3_layout(sizes, [n in half for n in names], wire16, world)
     else:
