@@ -5,6 +5,7 @@ a layout attribute comes back."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,9 @@ def test_shard_key_round_trip_and_hostile_keys():
             parse_shard_key(bad)
 
 
+@functools.lru_cache(maxsize=1)
 def _py_files() -> list[tuple[Path, ast.AST]]:
+    """Every module of the package, parsed once for both scans."""
     return [(p, ast.parse(p.read_text(encoding="utf-8"))) for p in sorted(PKG.rglob("*.py"))]
 
 

@@ -187,6 +187,28 @@ def test_split_model_holds_the_pieces_under_the_whole_names(world_of):
     assert "lm_head.weight" not in names  # tied: the head uses the embedding's rows
 
 
+def test_every_weight_cell_declares_the_split_its_name_says():
+    """The cells declare their tp role where they are built (model/layers.py `WeightCell`); the
+    by-name view (`tp_rows`, for code holding names only) must agree for every parameter of a model
+    with Qwen2's q/k/v bias and Qwen3's QK-norms, and every cell's role is one of the five."""
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.model.layers import WeightCell
+    from mspretrain.model.parallel import tp_rows
+    from mspretrain.parallel.plan import ROLES, tp_where
+
+    roles = {}
+    for cfg in (_cfg(family="qwen2", qkv_bias=True), _cfg(family="qwen3", qk_norm=True, head_dim=16)):
+        for _, cell in Decoder(cfg, seed=0).cells_and_names():
+            if isinstance(cell, WeightCell):
+                assert cell.role in ROLES
+                for p in (cell.weight, cell.bias) if cell.has_bias else (cell.weight,):
+                    roles[p.name] = cell.role
+                    for r in (0, 1):
+                        assert tp_where(cell.role, tuple(p.shape), cell.blocks, 2, r) == tp_rows(p.name, tuple(p.shape), cfg, 2, r), p.name
+    assert roles["layers.0.attn.wqkv.bias"] == "column" and roles["layers.1.attn.k_norm.weight"] == "partial"
+    assert {roles[n] for n in ("embed.weight", "lm_head.weight", "layers.0.mlp.w2.weight", "norm.weight")} == {"vocab", "row", "replicated"}
+
+
 def test_the_vocabulary_parallel_lookup_and_every_row_parallel_sum_on_one_process(world_of):
     """Issue 54.29, without msrun: (a) each tp rank's embedding looks up the rows of its vocabulary
     block [r·V/tp, (r+1)·V/tp) and zeros for the others, so the two ranks' partial lookups (their
