@@ -32,9 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers import prepare_subprocess
+from tests.helpers import make_corpus, prepare_subprocess
 from tests.junk import KINDS, held_in, junk, mixed
-from tests.test_prepare_resume import make_corpus
 
 KILLS = ["pass1 chunk", "dedup part", "dedup resolved", "replay", "trained", "encode", "finalized train", "publish"]
 GIVEN_KILLS = ["pass1 chunk", "dedup resolved", "replay", "finalized train"]
