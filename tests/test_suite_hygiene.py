@@ -21,7 +21,7 @@ def live_before(line: str) -> bool:
 
 
 def test_no_before_is_a_view_of_a_live_buffer():
-    bad = [f"{p.name}:{n}: {line.strip()}" for p in sorted(TESTS.glob("*.py")) if p.name != Path(__file__).name
+    bad = [f"{p.name}:{n}: {line.strip()}" for p in sorted(TESTS.rglob("*.py")) if p.name != Path(__file__).name
            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if live_before(line)]
     assert not bad, "take the 'before' with tests.conftest.snapshot():\n" + "\n".join(bad)
 
@@ -55,17 +55,17 @@ def modules_imported_across(tests: Path = TESTS) -> set[tuple[str, str]]:
     import ast
 
     found = set()
-    for p in sorted(tests.glob("*.py")):
+    for p in sorted(tests.rglob("*.py")):
         for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module == "tests":
-                names = [f"tests.{a.name}" for a in node.names]
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests"):
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             else:
                 continue
-            found |= {(p.name, n) for n in names if n.startswith("tests.test_")}
+            found |= {(p.name, n) for n in names if n.startswith("tests.") and n.rsplit(".", 1)[-1].startswith("test_")}
     return found
 
 
@@ -78,6 +78,6 @@ def test_the_lanes_name_files_that_exist():
     from tests.conftest import lane_one
 
     lane1 = lane_one()
-    assert {"tests/test_distributed.py", "tests/test_zero2.py"} <= lane1
+    assert {"tests/train/test_distributed.py", "tests/step/test_zero2.py"} <= lane1
     missing = sorted(f for f in lane1 if not (TESTS.parent / f).is_file())
     assert not missing, f"tests/lanes.txt names files that do not exist: {missing}"
