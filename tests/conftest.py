@@ -83,7 +83,7 @@ EVAL_AT_END = "eval.at_end=true"
 # uninterrupted run, checkpoints) is per parameter; a second layer repeats the first's nodes at
 # ~2.5 s of CPU per compilation in every worker. The stacking of layers is checked at 2 layers
 # against transformers (test_model.py, test_families.py), by the 2-layer ZeRO-3 families job
-# (tests/zero3_worker.py) and by the loopback ZeRO-3 and TP tests.
+# (tests/step/zero3_worker.py) and by the loopback ZeRO-3 and TP tests.
 ONE_LAYER = "model.n_layers=1"
 REFERENCE_ARGS = (f"train.max_steps={REFERENCE_STEPS}", "checkpoint.every=1", f"checkpoint.keep_last={REFERENCE_STEPS}",
                   "metrics.grad_norm_every=1", ONE_LAYER)
@@ -106,7 +106,7 @@ FP16_MASTERS = ("precision.dtype=fp16", "precision.param_dtype=compute", "precis
 @pytest.fixture(scope="session")
 def one_fp16(tmp_path_factory, tiny_data) -> Path:
     """The reference run's config in fp16 with fp16 matrices and fp32 masters, on one process: what
-    the fp16-masters msrun tests of tests/test_zero2.py and tests/test_zero3.py compare against
+    the fp16-masters msrun tests of tests/step/test_zero2.py and tests/step/test_zero3.py compare against
     (each trained it for itself before). Read-only."""
     from mspretrain.cli import main
 
@@ -117,8 +117,8 @@ def one_fp16(tmp_path_factory, tiny_data) -> Path:
 
 
 # A spike `rewind` run in one process (checkpoints every 4 steps, lr 10x the reference's so that
-# spikes come): what the 2-rank msrun rewind run (tests/test_distributed.py) and the two-node one
-# (tests/test_multinode.py) must equal. Both used to train this same run of their own.
+# spikes come): what the 2-rank msrun rewind run (tests/train/test_distributed.py) and the two-node one
+# (tests/launch/test_multinode.py) must equal. Both used to train this same run of their own.
 REWIND_ARGS = ("train.max_steps=14", "checkpoint.every=4", "spike.action=rewind", "spike.threshold=0.02", "spike.window=3",
                "schedule.warmup_steps=1", "optim.lr=0.01", NO_EVAL)
 
@@ -137,7 +137,7 @@ def rewind_one_process(tmp_path_factory, tiny_data) -> Path:
 def two_nodes_rewind(tmp_path_factory, tiny_data) -> Path:
     """`rewind_one_process`'s config on 2 ranks with the optimizer state sharded (ZeRO-1), launched
     as two "nodes" of one worker each (tests/helpers.py `two_nodes`): what the msrun spike-rewind
-    tests of tests/test_distributed.py and tests/test_multinode.py compare with one process. One
+    tests of tests/train/test_distributed.py and tests/launch/test_multinode.py compare with one process. One
     job for the two: each launched the same run of its own before (a 2-worker msrun and a two-node
     job; the rewind's code is the same on either launch). Read-only."""
     from tests.helpers import two_nodes
@@ -152,9 +152,9 @@ def two_nodes_rewind(tmp_path_factory, tiny_data) -> Path:
 def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
     """`reference_run`'s config on 2 ranks, fp32 wire, one AllReduce bucket (the default), launched
     as two "nodes" of one worker each (two `mspretrain launch --nodes 2` processes, see
-    tests/test_multinode.py): compared with one process (tests/test_distributed.py, and with its
-    log dirs and a resume on two nodes in tests/test_multinode.py) and with one AllReduce per
-    parameter on one 2-worker msrun (tests/test_zero2.py). One job for the three: the two-node
+    tests/launch/test_multinode.py): compared with one process (tests/train/test_distributed.py, and with its
+    log dirs and a resume on two nodes in tests/launch/test_multinode.py) and with one AllReduce per
+    parameter on one 2-worker msrun (tests/step/test_zero2.py). One job for the three: the two-node
     job and a 2-worker msrun of this config each trained the same 8 steps before. Read-only."""
     from tests.helpers import two_nodes
 
@@ -168,8 +168,8 @@ def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
 def walkthrough(tmp_path_factory) -> tuple[Path, str]:
     """scripts/walkthrough.sh (the quick start's sessions 1-6) run for real in a temp dir: its
     workdir and what it printed. Five MindSpore processes, each compiling its graphs (~1 min on a
-    quiet 2-core box, ~2.5 min at load 5): tests/test_walkthrough.py checks it and
-    tests/test_docs.py compares it with the docs (both in one lane of tests/lanes.txt, so it runs
+    quiet 2-core box, ~2.5 min at load 5): tests/docs/test_walkthrough.py checks it and
+    tests/docs/test_docs.py compares it with the docs (both in one lane of tests/lanes.txt, so it runs
     once). Read-only: test_docs runs its further commands in a copy."""
     import subprocess
     import sys
@@ -314,7 +314,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def world_of(monkeypatch):
-    """Collective primitives built as rank r of a world of n without `init()` (as tests/collective_probe.py does);
+    """Collective primitives built as rank r of a world of n without `init()` (as tests/step/collective_probe.py does);
     test_zero3.py and test_tp.py build their gathers and groups with it."""
     from mindspore.ops.operations import comm_ops
 

@@ -94,7 +94,7 @@ class Group:
         `P.Broadcast(b_rank, group=...)` with b_rank in range(len(group))). A world rank past the
         group's size fails with HCCL_E_PARA at the first step, one inside it broadcasts from the wrong
         member (issue 51). In the world group (name None) both are the same number. Only a 910B
-        confirms what HCCL does with it; tests/test_collective_sequence.py checks the compiled
+        confirms what HCCL does with it; tests/step/test_collective_sequence.py checks the compiled
         root on every rank of the tp x dp layouts."""
         if self.device == "ascend" or self.name is None:
             return ops.Broadcast(root, **self._kw)

@@ -3,7 +3,7 @@ files and from ZeRO-3's per-rank files, in bounded memory, as a verified checkpo
 generate, export and `train --init-from` take; refusals leave nothing behind.
 
 The checkpoints of most tests are written here with numpy (store.write_checkpoint_dir, and for
-ZeRO-3 the per-rank protocol of checkpoint/shards.py, as tests/test_zero3_checkpoint.py does): no
+ZeRO-3 the per-rank protocol of checkpoint/shards.py, as tests/checkpoint/test_zero3_checkpoint.py does): no
 MindSpore model is built for them. One test averages the real `reference_run`."""
 from __future__ import annotations
 

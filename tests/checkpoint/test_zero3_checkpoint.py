@@ -1,7 +1,7 @@
 """ZeRO-3's per-rank weight files (checkpoint/model_shards.py): written by two ranks built in this
-process (the collective primitives told they are rank r of 2, as tests/test_zero3.py does), published
+process (the collective primitives told they are rank r of 2, as tests/step/test_zero3.py does), published
 with a manifest, read back whole and re-cut to another world size, and used by `checkpoints
---verify`, `recover` and `export`. The msrun runs of tests/test_zero3.py resume from such files."""
+--verify`, `recover` and `export`. The msrun runs of tests/step/test_zero3.py resume from such files."""
 from __future__ import annotations
 
 import json

@@ -16,7 +16,7 @@ NUMERIC = {"MSPRETRAIN_INIT_THREADS", "MSPRETRAIN_FAULT_SAVE_DELAY", "MSPRETRAIN
 # hooks that name a choice or a path, not a number (each checked where it is read, or an on/off flag)
 OTHER = {"MSPRETRAIN_CACHE", "MSPRETRAIN_BPE", "MSPRETRAIN_SAMPLE", "MSPRETRAIN_MINHASH", "MSPRETRAIN_NO_SCHEDULER",
          "MSPRETRAIN_PREPARE_TEST_POINTS", "MSPRETRAIN_PREPARE_TEST_KILL", "MSPRETRAIN_TEST_KILL_BETWEEN_WRITES",
-         "MSPRETRAIN_HCCL_GROUP_MB"}  # launch's "tp=MB,dp=MB": parsed, and refused in one line, in train/hccl.py (tests/test_hccl.py)
+         "MSPRETRAIN_HCCL_GROUP_MB"}  # launch's "tp=MB,dp=MB": parsed, and refused in one line, in train/hccl.py (tests/train/test_hccl.py)
 BAD = ["abc", "1e999", "nan", "-1", "²", "1_000", "9" * 40, "inf", "0x10"]
 
 

@@ -8,7 +8,7 @@ default for a key that older files omit would otherwise pass everything and sile
 - a sentencepiece tokenizer without BOS/EOS/PAD: sentencepiece's own processor's ids;
 - a data dir manifest with only the required keys: no tokenizer check to skip the id scan, no bpc;
 - a TOML config with most keys absent: the dataclass defaults (docs/config-reference.md is checked
-  against those in tests/test_docs.py).
+  against those in tests/docs/test_docs.py).
 """
 from __future__ import annotations
 

@@ -247,17 +247,18 @@ def transcript(text: str) -> dict[str, list[str]]:
 EXCLUDED: dict[tuple[str, str], str] = {
     ("quickstart.md", "mspretrain demo"): "downloads the corpus (85 MB) and trains for minutes; the demo's numbers are "
                                           "measured by the demo itself and recorded in docs/benchmarks.md",
-    ("operators.md", "mspretrain selftest"): "a minute of checks; tests/test_selftest.py runs it",
-    ("operators.md", "msrun "): "two MindSpore workers and a scheduler (minutes at load); tests/test_distributed.py runs msrun",
-    ("operators.md", "mspretrain checkpoints runs/rec"): "needs a checkpoint corrupted by hand; tests/test_checkpoint_verify.py does that",
-    ("operators.md", "mspretrain recover runs/rec"): "the same corrupted run dir; tests/test_checkpoint.py runs recover",
+    ("operators.md", "mspretrain selftest"): "a minute of checks; tests/preflight/test_selftest.py runs it",
+    ("operators.md", "msrun "): "two MindSpore workers and a scheduler (minutes at load); tests/train/test_distributed.py runs msrun",
+    ("operators.md", "mspretrain checkpoints runs/rec"): "needs a checkpoint corrupted by hand; tests/checkpoint/test_checkpoint_verify.py does that",
+    ("operators.md", "mspretrain recover runs/rec"): "the same corrupted run dir; tests/checkpoint/test_checkpoint.py runs recover",
     ("operators.md", "mspretrain checkpoints runs/mine"): "ages of a 15-minute-old run; the same table is compared in quickstart.md",
     ("operators.md", "mspretrain diagnose msrun_log"): "the log dir of the msrun rehearsal (excluded above)",
     ("operators.md", "cat runs/dp/ranks/"): "the run dir of the msrun rehearsal (excluded above)",
-    ("operators.md", "mspretrain train"): "--cpu-quota and profiling runs; tests/test_isolate.py and tests/test_profiler.py run them",
+    ("operators.md", "mspretrain train"): ("--cpu-quota and profiling runs; tests/preflight/test_isolate.py and "
+                                     "tests/monitor/test_profiler.py run them"),
     ("operators.md", "mspretrain report"): "the quick start's report, compared there",
     ("operators.md", "mspretrain doctor --config"): "shows the Ascend failure of a CPU box in part (`...`); the disk check is "
-                                                    "tests/test_doc_promises.py::test_doctor_takes_the_checkpoint_size_from_the_plan",
+                                                    "tests/docs/test_doc_promises.py::test_doctor_takes_the_checkpoint_size_from_the_plan",
 }
 
 
@@ -289,7 +290,7 @@ def _how_run(doc: str, command: str) -> str | None:
 def test_every_console_session_is_run_or_excluded(path):
     for command, _ in console_sessions(path.read_text(encoding="utf-8")):
         assert _how_run(path.name, command) or _excluded(path.name, command), (
-            f"{path.name}: `$ {command}` is neither run by tests/test_docs.py nor in its EXCLUDED table with a reason")
+            f"{path.name}: `$ {command}` is neither run by tests/docs/test_docs.py nor in its EXCLUDED table with a reason")
 
 
 def _direct_sessions() -> list[tuple[str, str, list[str]]]:

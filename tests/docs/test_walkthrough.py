@@ -1,5 +1,5 @@
 """The quick start's newcomer path, run for real by scripts/walkthrough.sh in a temp dir (the
-session's `walkthrough` fixture, tests/conftest.py, which tests/test_docs.py reads too): own text →
+session's `walkthrough` fixture, tests/conftest.py, which tests/docs/test_docs.py reads too): own text →
 prepare → train → Ctrl-C → resume → eval → generate → export → transformers. The checks are the
 promises the docs make about each step's output."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A tiny run with a planted bad document whose batch trips the spike detector, shared by
-tests/test_replay.py and tests/test_spike.py (built once per session, cached under pytest's
+tests/forensics/test_replay.py and tests/forensics/test_spike.py (built once per session, cached under pytest's
 base temp dir, so the second module reuses the first one's run).
 
 The bad document is one character outside the poems' vocabulary repeated BAD_CHARS times: under the

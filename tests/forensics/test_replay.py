@@ -1,6 +1,6 @@
 """`mspretrain replay`: an unchanged replay is the run itself, bit for bit; dropping the planted bad
 document removes the spike it caused; every refusal is one line with exit code 2; RUN is never
-written. The run (tests/planted.py) is trained once and shared with tests/test_spike.py."""
+written. The run (tests/forensics/planted.py) is trained once and shared with tests/forensics/test_spike.py."""
 from __future__ import annotations
 
 import json

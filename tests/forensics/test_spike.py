@@ -1,4 +1,4 @@
-"""`mspretrain spike`: the planted bad document (tests/planted.py) is ranked first among the
+"""`mspretrain spike`: the planted bad document (tests/forensics/planted.py) is ranked first among the
 documents of the step it spiked, with its input file and offset; the spike record the detector
 wrote names the same batch; refusals are one line with exit code 2."""
 from __future__ import annotations

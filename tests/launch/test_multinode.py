@@ -49,7 +49,7 @@ def test_two_nodes_equal_one_process_and_resume(tmp_path, tiny_data, reference_r
 def test_two_nodes_spike_rewind_equals_one_process(rewind_one_process, two_nodes_rewind):
     """Checkpoints every 4 steps, a spike rewind reloading one of them, ZeRO-1 optimizer shards
     written by the two nodes' ranks: the same losses as one process, rewinds included. The run is
-    the session's `two_nodes_rewind` (conftest; tests/test_distributed.py audits it)."""
+    the session's `two_nodes_rewind` (conftest; tests/train/test_distributed.py audits it)."""
     one, two = rewind_one_process, two_nodes_rewind
 
     def series(run: Path) -> list[tuple[int, float]]:

@@ -3,7 +3,7 @@ cpu only): present, counted from the step's parameters, part of the peak, labell
 text, and absent from Ascend plans (docs/benchmarks/memory.md, runs 3 and 4); and the step keeps no
 `where` with a 0-d operand over a full tensor (the CPU Select kernel's 24 B per element).
 
-tests/test_zero2.py::test_plan_bytes_are_the_buffers_the_step_allocates checks the per-kind buffer
+tests/step/test_zero2.py::test_plan_bytes_are_the_buffers_the_step_allocates checks the per-kind buffer
 bytes against a real TrainStep; this extends it to the backend term, which is derived from the same
 step's tables (owned parameters, accumulation buffers)."""
 from __future__ import annotations

@@ -190,7 +190,7 @@ def test_encode_flat_equals_per_document_encode(prepared):
     assert flat.tolist() == [i for w in want for i in w]
     empty, no_lengths = tok.encode_flat([], tok.eos_id, np.dtype(np.uint16))
     assert empty.size == 0 and no_lengths.size == 0
-    # Without our C encoder (tests/test_bpe.py): SentencePiece's C++ buffers (private API,
+    # Without our C encoder (tests/data/test_bpe.py): SentencePiece's C++ buffers (private API,
     # probed at first use) and the public EncodeAsNumpy agree with it.
     buffers = Tokenizer.load(prepared[0])
     buffers._bpe_checked = True
@@ -326,7 +326,7 @@ def test_hard_kill_mid_write_then_rerun(raw, tmp_path):
     assert not (tmp_path / "data").exists()
     leftovers = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert leftovers and not any(p.name in ("manifest.json", "train.bin", "train.idx", "valid.idx", "valid.bin") for p in leftovers)
-    assert main(args) == 0  # the same command again resumes and finishes (tests/test_prepare_resume.py: byte-identical)
+    assert main(args) == 0  # the same command again resumes and finishes (tests/prepare/test_prepare_resume.py: byte-identical)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     assert (tmp_path / "data" / "manifest.json").is_file()
 

@@ -60,7 +60,7 @@ def test_ray_run_is_byte_identical_to_the_local_run(cluster, corpus, tmp_path, n
 @pytest.mark.slow
 def test_dedup_partitions_on_ray_decide_as_here(cluster, tmp_path, monkeypatch):
     """Many partitions, each sorted by a Ray task on the worker node: the same decisions as the
-    in-memory reference (tests/helpers.py `dedup_reference`, as in tests/test_diskdedup.py)."""
+    in-memory reference (tests/helpers.py `dedup_reference`, as in tests/prepare/test_diskdedup.py)."""
     monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)  # many partition files (the driver splits)
     docs = dedup_corpus(1500, seed=1)
     want_exact, want_near = dedup_reference(docs, 0.8)

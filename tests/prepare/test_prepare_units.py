@@ -66,7 +66,7 @@ def test_jsonl_by_reference_and_compressed_units_write_what_the_main_process_pat
     that its heap pops."""
     d = make_inputs(tmp_path / "in")
     # (only what changes no output is lowered here: workers may be spawned, without these values;
-    # too long lines and cut documents are compared in tests/test_sources.py)
+    # too long lines and cut documents are compared in tests/prepare/test_sources.py)
     monkeypatch.setattr(rawlines, "RAW_READ_BYTES", 2048)  # many blocks and chunks
     monkeypatch.setattr(pool, "RAW_GROUP_BY_REFERENCE", 2)
     monkeypatch.setattr(pool, "UNIT_CHUNK_DOCS", 40)  # several chunks per compressed file

@@ -272,7 +272,7 @@ def test_training_is_deterministic(models, tmp_path):
 
 @pytest.mark.slow
 def test_ray_run_with_every_filter_is_byte_identical_to_the_local_run(cluster, models, raw, tmp_path):
-    """A real two-node Ray cluster (tests/test_prepare_ray.py's): the models go to the node by
+    """A real two-node Ray cluster (tests/prepare/test_prepare_ray.py's): the models go to the node by
     content (py3langid's from the node's own install), and the data dir, sidecar included, is the
     local run's byte for byte."""
     from tests.helpers import run_local, run_prepare, same_files

@@ -9,7 +9,7 @@ in spite of the primitive's `no_eliminate` attribute. Measured here before the f
 14 traced, 5 or 6 kept); at world 2 every rank kept all of them, in another order. The CPU path
 chains every collective, so no run on CPU could see it: here the real step is compiled for each
 rank of every case in CASES (world, ZeRO stage, tensor parallel, model family; worlds 2, 4 and 8;
-one layer: tests/collective_probe.py says why) with the Ascend path's choices (tests/collective_probe.py, one process for all the cases the
+one layer: tests/step/collective_probe.py says why) with the Ascend path's choices (tests/step/collective_probe.py, one process for all the cases the
 session selected), and each rank's ordered list of collectives — kind, group, input and output
 types and shapes — is compared, for the fused graph and for the accumulate / apply pair, and
 counted against what the step's code issues.

@@ -93,7 +93,7 @@ def test_adamw_matches_torch(dtype, scale, clip):
 def _tiny(dtype="fp32", n_layers=1):
     """One layer for the compiled-step tests: what they check (accumulation, frozen groups, an
     overflow) is per parameter, and a second layer only repeats the first's nodes at ~2.5 s of
-    CPU per compilation (docs/benchmarks.md); tests/test_model.py checks the layers' stacking."""
+    CPU per compilation (docs/benchmarks.md); tests/model/test_model.py checks the layers' stacking."""
     cfg = resolve_model(ModelConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, max_seq_len=64), vocab_size=128)
     return Decoder(cfg, dtype=dtype, seed=7)
 

@@ -260,7 +260,7 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
         "calls": 2 * 15 * accumulation, "bytes": 2 * accumulation * sum(whole.values())}
 
 
-# ---- the prefetch, read from the compiled graph (tests/zero3_graph_probe.py: rank 0 of 2 on the Ascend path)
+# ---- the prefetch, read from the compiled graph (tests/step/zero3_graph_probe.py: rank 0 of 2 on the Ascend path)
 
 PROBE = Path(__file__).with_name("zero3_graph_probe.py")
 PER_BLOCK = 6  # gathers of a decoder block: attn_norm, wqkv, wo, mlp_norm, w13, w2 (model/block.py Block.pull)
@@ -488,7 +488,7 @@ def test_sharded_parameters_with_fp16_matrices_and_fp32_master_slices(tmp_path, 
     assert not any(k.startswith("master.lm_head") for k in keys)  # an fp32 slice is its own master
 
 
-# ---- Qwen2's q/k/v bias and Qwen3's QK-norm: 2 msrun ranks against one process (tests/zero3_worker.py)
+# ---- Qwen2's q/k/v bias and Qwen3's QK-norm: 2 msrun ranks against one process (tests/step/zero3_worker.py)
 
 WORKER = Path(__file__).with_name("zero3_worker.py")
 
@@ -511,7 +511,7 @@ def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, famil
     """fp32, 3 steps at lr 1e-2: both ranks' losses and grad norms, and the gathered weights (the
     bias and the QK-norm weights included, which moved from their zero / one initial values), equal
     one process's within 1e-5 (the one process runs the ranks' halves of each batch as two
-    micro-batches: tests/zero3_worker.py says why)."""
+    micro-batches: tests/step/zero3_worker.py says why)."""
     import json
 
     from tests.step.zero3_worker import run_steps
@@ -531,7 +531,7 @@ def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, famil
         assert np.abs(one["weights"][k] - (0.0 if "bias" in k else 1.0)).max() > 1e-3, k
     for k in sorted(two):
         if k.endswith("wqkv.bias"):  # the q and v rows within 1e-5; the k rows, ill-conditioned, within 1e-3
-            q, kv = 4 * 16, 2 * 16  # n_heads x head_dim, n_kv_heads x head_dim (tests/zero3_worker.py)
+            q, kv = 4 * 16, 2 * 16  # n_heads x head_dim, n_kv_heads x head_dim (tests/step/zero3_worker.py)
             # Measured in one process against itself, one micro-batch against two of the same rows:
             # 1.1e-4 relative on layer 0's k bias, 1.2e-6 on its q and v bias, 1.7e-6 on the weight.
             # The k bias's gradient nearly cancels (a shift common to a query's scores is lost in

@@ -1,9 +1,9 @@
 """Compile a tiny ZeRO-3 model's forward and backward as rank 0 of 2 on the Ascend path, in this CPU
-process, and print what tests/test_zero3.py checks of the prefetch, from the compiled graph's IR:
+process, and print what tests/step/test_zero3.py checks of the prefetch, from the compiled graph's IR:
 for each gather (AllGather) in the graph's order, the gathers and matmuls it waits for (its
 ancestors), for each matmul the gathers it waits for, and the reduce-scatters' order.
 
-How the graph is had without an NPU or a second process, as tests/collective_probe.py does it:
+How the graph is had without an NPU or a second process, as tests/step/collective_probe.py does it:
 `get_rank` / `get_group_size` replaced in comm_ops (the primitives read the world there);
 `MS_DEV_PRECOMPILE_ONLY=1` compiles without running; `MS_DEV_SAVE_GRAPHS=1` with
 `MS_DEV_DUMP_IR_PASSES=backend_pass` writes the IR after the last frontend pass, the graph the

@@ -1,4 +1,4 @@
-"""ZeRO-3 steps of the Qwen2 (q/k/v bias) and Qwen3 (QK-norm) tiny models, run by tests/test_zero3.py
+"""ZeRO-3 steps of the Qwen2 (q/k/v bias) and Qwen3 (QK-norm) tiny models, run by tests/step/test_zero3.py
 in 2 msrun workers (`run_workers`, as the selftest runs its ZeRO-2 worker) and, for the reference,
 in the test process itself at world 1 (`run_steps`).
 

@@ -8,7 +8,7 @@ transformers' loss of the HF model, its embeddings grown with the mean of the ba
 new piece's base-tokenizer split (computed here in float64), on the same batch; stage 1 leaves the
 decoder bit-identical to the HF weights; the exported folder's logits are ours. The step-0 checks
 on their own (the loss on text both tokenizers encode alike, base rows bit-identical) are
-tests/test_init_from.py's, on the hook this command uses."""
+tests/model/test_init_from.py's, on the hook this command uses."""
 from __future__ import annotations
 
 import json

@@ -225,7 +225,7 @@ def test_fp16_wire_overflow_skips_the_step_on_every_rank(tmp_path, tiny_data):
 def test_spike_rewind_under_msrun_matches_one_process(rewind_one_process, two_nodes_rewind):
     """Spike `rewind` on 2 sharded ranks: both reload the same checkpoint (the newest save of the
     run, waited for until rank 0 has published it) and the run equals one process's, rewinds included.
-    The 2 ranks are the session's `two_nodes_rewind` (conftest; tests/test_multinode.py checks its
+    The 2 ranks are the session's `two_nodes_rewind` (conftest; tests/launch/test_multinode.py checks its
     shards and final state)."""
     one, two = rewind_one_process, two_nodes_rewind
 

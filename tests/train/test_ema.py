@@ -106,7 +106,7 @@ def test_bad_decays_and_unsupported_layouts_are_refused_in_one_line(capsys, tiny
 
 
 def test_zero3_ranks_keep_and_save_their_slices_which_read_back_at_any_world(tmp_path, monkeypatch, tiny_cfg, capsys):
-    """Two ZeRO-3 ranks built in this process (as tests/test_zero3_checkpoint.py does) each keep the
+    """Two ZeRO-3 ranks built in this process (as tests/checkpoint/test_zero3_checkpoint.py does) each keep the
     EMA of their slices and save `ema-R-of-2` through the real Saver (rank 1 staged, rank 0
     publishing); average --from-ema joins them, and a one-process EMA loads them whole."""
     import mindspore as ms
