@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers import prepare_subprocess
+from tests.helpers.prepare import prepare_subprocess
 from tests.prepare.junk import KINDS, held_in, junk, mixed
 from tests.prepare.test_prepare_resume import make_corpus
 

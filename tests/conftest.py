@@ -43,6 +43,28 @@ def make_poems(n: int, seed: int = 0) -> list[str]:
     return poems
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A read-only dir that the session fixtures of every xdist worker of one run share (`make test`
+    runs two): the first worker to need it calls `build(dir)` under a lock, the other waits for it
+    and reuses it instead of training or preparing the same thing again. Under plain `pytest`, a
+    dir of its own base temp."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, the parent of each worker's popen-gwK/
+    out, done = root / f"shared-{name}", root / f"shared-{name}.built"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            shutil.rmtree(out, ignore_errors=True)  # what a worker that failed half-way left
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def corpus_file(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("corpus")
@@ -62,9 +84,8 @@ def tiny_cfg():
 def tiny_data(tmp_path_factory, corpus_file, tiny_cfg) -> Path:
     from mspretrain.prepare.prepare import prepare
 
-    out = tmp_path_factory.mktemp("data") / "tiny"
-    prepare([str(corpus_file)], out, tiny_cfg.prepare, workers=1, log=lambda s: None)
-    return out
+    return built_once(tmp_path_factory, "data", lambda d: prepare([str(corpus_file)], d / "tiny", tiny_cfg.prepare,
+                                                                   workers=1, log=lambda s: None)) / "tiny"
 
 
 # One tiny training run that several test files compare against (single process, fp32, cosine
@@ -94,10 +115,10 @@ def reference_run(tmp_path_factory, tiny_data) -> Path:
     """Read-only: copy it (shutil.copytree) before training on or damaging it."""
     from mspretrain.cli import main
 
-    run = tmp_path_factory.mktemp("reference") / "run"
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
-                 "train.log_every=1", *REFERENCE_ARGS]) == 0
-    return run
+    def build(d: Path) -> None:
+        assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(d / "run"), "--quiet",
+                     "train.log_every=1", *REFERENCE_ARGS]) == 0
+    return built_once(tmp_path_factory, "reference", build) / "run"
 
 
 FP16_MASTERS = ("precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static")
@@ -136,11 +157,11 @@ def rewind_one_process(tmp_path_factory, tiny_data) -> Path:
 @pytest.fixture(scope="session")
 def two_nodes_rewind(tmp_path_factory, tiny_data) -> Path:
     """`rewind_one_process`'s config on 2 ranks with the optimizer state sharded (ZeRO-1), launched
-    as two "nodes" of one worker each (tests/helpers.py `two_nodes`): what the msrun spike-rewind
+    as two "nodes" of one worker each (tests/helpers/runs.py `two_nodes`): what the msrun spike-rewind
     tests of tests/train/test_distributed.py and tests/launch/test_multinode.py compare with one process. One
     job for the two: each launched the same run of its own before (a 2-worker msrun and a two-node
     job; the rewind's code is the same on either launch). Read-only."""
-    from tests.helpers import two_nodes
+    from tests.helpers.runs import two_nodes
 
     tmp = tmp_path_factory.mktemp("two-rewind")
     run = tmp / "two"
@@ -156,7 +177,7 @@ def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
     log dirs and a resume on two nodes in tests/launch/test_multinode.py) and with one AllReduce per
     parameter on one 2-worker msrun (tests/step/test_zero2.py). One job for the three: the two-node
     job and a 2-worker msrun of this config each trained the same 8 steps before. Read-only."""
-    from tests.helpers import two_nodes
+    from tests.helpers.runs import two_nodes
 
     tmp = tmp_path_factory.mktemp("two-ranks")
     run = tmp / "two-fp32"
@@ -285,31 +306,56 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
                 assert_close_rel(a[k].reshape(b[k].shape) if a[k].size == b[k].size else a[k], b[k], rtol, f"{got.name} {k}")
 
 
-# `make test` runs two pytest processes side by side (scripts/test_lanes.sh): lane 1 the files in
-# tests/lanes.txt, lane 2 the others. An msrun job (2 workers + a scheduler) beside another would
-# starve both jobs' heartbeats on 2 cores, so every file with msrun tests is in lane 1, where its
-# jobs run one after another; a test that starts msrun anywhere else is refused at collection.
-LANES = ROOT / "tests" / "lanes.txt"
+# `make test` runs the suite in two pytest-xdist workers, one per core (`-n 2 --dist loadgroup`,
+# the Makefile): a worker takes one group of tests at a time, and a group is one test file (its
+# module fixtures are built once) except where tests must share a worker:
+# - "msrun": every file with an msrun test or a user of a session fixture that launches two ranks.
+#   An msrun job (2 workers + a scheduler) beside another would starve both jobs' heartbeats on 2
+#   cores: in one group, the jobs run one after another.
+# - one group per session fixture that runs a whole pipeline once for several files (`SHARED_RUNS`):
+#   the files that read it run in the worker that built it. (The shorter shared runs, the tiny data
+#   dir, `reference_run` and tests/forensics/planted.py's, are built once for both workers instead:
+#   `built_once`.)
+# Groups that hold a long job come first (msrun, then groups with `slow` tests), so that the short
+# files fill the end of both workers.
+TWO_RANK_RUNS = frozenset({"two_nodes_rewind", "two_ranks_fp32"})
+SHARED_RUNS = ("walkthrough",)
+MSRUN_GROUP = "msrun"
 
 
-def lane_one() -> set[str]:
-    """The test files of lane 1, as `tests/test_x.py`."""
-    lines = (line.strip() for line in LANES.read_text(encoding="utf-8").splitlines())
-    return {line for line in lines if line and not line.startswith("#")}
+def groups(items) -> dict[str, str]:
+    """The xdist group of each test file, as `tests/pkg/test_x.py` -> name."""
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    out = {}
+    for path, its in by_file.items():
+        names = set().union(*(getattr(i, "fixturenames", ()) for i in its))
+        if any(i.get_closest_marker("msrun") is not None for i in its) or names & TWO_RANK_RUNS:
+            out[path] = MSRUN_GROUP
+        else:
+            out[path] = next((f for f in SHARED_RUNS if f in names), path)
+    return out
 
 
 def pytest_collection_modifyitems(config, items):
     """A test skipped when msrun is missing starts msrun: mark it `msrun` even where the decorator
-    was forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers; and an msrun
-    test outside lane 1 is a usage error."""
-    lane1 = lane_one()
+    was forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers; then each
+    test gets its file's xdist group, and the groups with long jobs go first."""
     for item in items:
         if any("msrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.msrun)
-        path = item.nodeid.split("::")[0]
-        if item.get_closest_marker("msrun") is not None and path not in lane1:
-            raise pytest.UsageError(f"{item.nodeid} starts msrun: list {path} in tests/lanes.txt (lane 1 runs the msrun "
-                                    "tests one after another)")
+    group = groups(items)
+    slow = {group[i.nodeid.split("::")[0]] for i in items if i.get_closest_marker("slow") is not None}
+    first: dict[str, int] = {}
+    for n, item in enumerate(items):
+        name = group[item.nodeid.split("::")[0]]
+        item.add_marker(pytest.mark.xdist_group(name))
+        first.setdefault(name, n)
+
+    def rank(name: str) -> tuple[int, int]:
+        return (0 if name == MSRUN_GROUP else 1 if name in slow else 2, first[name])
+    items.sort(key=lambda i: rank(group[i.nodeid.split("::")[0]]))
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.helpers import TINY, assert_refusal, cli
+from tests.conftest import TINY
+from tests.helpers.cli import assert_refusal, cli
 
 SHAPES = {"embed.weight": (64, 16), "layers.0.attn.wq.weight": (16, 16), "norm.weight": (16,), "lm_head.weight": (64, 16)}
 

@@ -274,7 +274,7 @@ def test_export_and_eval_refuse_per_rank_files_that_overlap_and_leave_a_gap(zero
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from tests.helpers import assert_refusal, cli
+    from tests.helpers.cli import assert_refusal, cli
 
     run, whole = zero3_checkpoint
     ckpt = run / "checkpoints" / "step_000002"

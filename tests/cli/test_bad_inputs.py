@@ -29,7 +29,7 @@ from mspretrain.cli import main
 from mspretrain.errors import UserError
 from mspretrain.sections.base import hints
 from tests.conftest import ROOT, TINY, make_poems
-from tests.helpers import cli, refused
+from tests.helpers.cli import cli, refused
 
 
 def tree(d: Path) -> dict[str, bytes]:

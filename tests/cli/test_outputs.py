@@ -24,7 +24,7 @@ from mspretrain.cli import main
 from mspretrain.errors import UserError
 from mspretrain.outputs import MARKER, SCRATCH_MARK, OutputDir, check_set, write_output_file
 from tests.conftest import NO_EVAL, ONE_LAYER, ROOT, TINY, make_poems
-from tests.helpers import refused, state
+from tests.helpers.cli import refused, state
 
 
 def tree(d: Path) -> dict[str, str]:

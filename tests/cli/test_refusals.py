@@ -8,7 +8,7 @@ the run-dir lock writes the holder's PID into it, and that is the lock's job (ch
 
 Then every other writing command refused on a dir that is not its own (a data dir, an HF folder, a
 checkpoint, a user folder given as `--run`; replay, report, launch and demo refusals): there the
-whole tree around it is compared (`tests/helpers.py` `state`: names, bytes, modes and modification
+whole tree around it is compared (`tests/helpers/cli.py` `state`: names, bytes, modes and modification
 times, lock files included: a dir that is not a run must not even get a lock file).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 
 from mspretrain.cli import main
 from tests.conftest import NO_EVAL, TINY, make_poems
-from tests.helpers import checksum, refused, state
+from tests.helpers.cli import checksum, refused, state
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from mspretrain.data.tokenizer import Tokenizer
 from tests.conftest import TINY, make_poems
-from tests.helpers import assert_refusal, cli
+from tests.helpers.cli import assert_refusal, cli
 
 # Two training runs on a 66,001-token vocabulary (~60 s of CPU): `make test` runs them, `make test-fast` does not.
 pytestmark = pytest.mark.slow

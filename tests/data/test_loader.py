@@ -1,6 +1,6 @@
 """Loader: coverage per epoch (1, 2, 3 ranks), determinism, exact resume, mixing, EOS layout, errors.
 
-Data dirs are built with ShardWriter + a hand-written manifest (tests/helpers.py `make_dir`). Token values are unique
+Data dirs are built with ShardWriter + a hand-written manifest (tests/helpers/datadirs.py `make_dir`). Token values are unique
 positions (token[i] = i + offset), so a window identifies itself by its first token, and the
 expected windows come from slicing the raw `.bin` file, independently of the loader's views.
 """
@@ -16,7 +16,7 @@ from mspretrain.data.loader import Batch, Loader, resolve_sources
 from mspretrain.data.manifest import read_manifest
 from mspretrain.data.mixing import consumed_after, mix_schedule, normalise
 from mspretrain.errors import UserError
-from tests.helpers import EOS, SEQ, counting_dir, loader, make_dir, raw_windows
+from tests.helpers.datadirs import EOS, SEQ, counting_dir, loader, make_dir, raw_windows
 
 
 def take(ld: Loader, k: int) -> list[Batch]:

@@ -10,7 +10,7 @@ import pytest
 
 from mspretrain.data.manifest import check_data_dir, read_manifest
 from mspretrain.errors import UserError
-from tests.helpers import assert_user_error
+from tests.helpers.cli import assert_user_error
 
 GOOD = {"fingerprint": "abc", "tokens": {"train": 10, "valid": 2}, "vocab_size": 512, "special_ids": {"eos": 2}}
 

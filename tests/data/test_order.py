@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mspretrain.data.order import SamplePlan, batch_hash
-from tests.helpers import SEQ, counting_dir, loader, raw_windows
+from tests.helpers.datadirs import SEQ, counting_dir, loader, raw_windows
 
 
 def _check(srcs, world: int, batch: int, steps: int) -> None:

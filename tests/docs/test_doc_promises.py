@@ -13,7 +13,7 @@ import tomllib
 from mspretrain import config as cfgmod
 from mspretrain.errors import UserError
 from tests.conftest import ONE_LAYER
-from tests.helpers import cli
+from tests.helpers.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 

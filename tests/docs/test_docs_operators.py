@@ -12,7 +12,7 @@ import re
 import shlex
 from pathlib import Path
 
-from tests.helpers import cli
+from tests.helpers.cli import cli
 
 GOOD = ("春风明月江南山水花落日夜秋云天地人心来去长空白雪青松流年故乡归路远清香红叶梦中千里万家门前桥边"
         "柳色鸟声寒烟孤舟独坐高楼望断相思无限时光何处见君知我不同一生西东北上下古今朝暮雨晴暖冬夏新旧老少")

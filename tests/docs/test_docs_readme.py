@@ -7,7 +7,7 @@ flag, a changed default or a command that stops working fails here.
 The block under the same heading whose first line is `CLUSTER_MARKER` (a Ray cluster, an Ascend
 node) is not run: its commands must still parse with today's CLI.
 
-`mspretrain ...` lines run in this process (`tests/helpers.py` `cli`: no interpreter start-up, no
+`mspretrain ...` lines run in this process (`tests/helpers/cli.py` `cli`: no interpreter start-up, no
 second import of MindSpore); other commands (the heredoc that writes the corpus) run in bash with
 this venv's `python` first on PATH. Three short trainings of the tiny model: 93 s measured on 2 cores at load ~5.
 """
@@ -24,7 +24,8 @@ from typing import Callable
 
 import pytest
 
-from tests.helpers import ROOT, checksum, cli
+from tests.conftest import ROOT
+from tests.helpers.cli import checksum, cli
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,9 @@ from mspretrain.checkpoint.store import write_weights_only_checkpoint
 from mspretrain.config import Config, ModelConfig, resolve_model
 from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.model.decoder import Decoder, state_numpy
-from tests.helpers import HF_VOCAB, MSRUN, assert_refusal, cli, kill_tree, train_tokenizer
+from tests.helpers.cli import assert_refusal, cli
+from tests.helpers.hf import HF_VOCAB, train_tokenizer
+from tests.helpers.runs import MSRUN, kill_tree
 
 harness = pytest.importorskip("mspretrain.eval.harness")  # needs the eval extra (pinned in [test])
 lm_eval = pytest.importorskip("lm_eval")

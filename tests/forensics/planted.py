@@ -1,6 +1,6 @@
 """A tiny run with a planted bad document whose batch trips the spike detector, shared by
-tests/forensics/test_replay.py and tests/forensics/test_spike.py (built once per session, cached under pytest's
-base temp dir, so the second module reuses the first one's run).
+tests/forensics/test_replay.py and tests/forensics/test_spike.py (built once per run of the suite,
+`built_once`, so the second module reuses the first one's run, in either xdist worker).
 
 The bad document is one character outside the poems' vocabulary repeated BAD_CHARS times: under the
 tiny data dir's tokenizer it becomes byte-fallback tokens the model never sees otherwise, so at
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.conftest import NO_EVAL, TINY, make_poems
+from tests.conftest import NO_EVAL, TINY, built_once, make_poems
 
 BAD_CHAR, BAD_CHARS = "龘", 300
 SEED, SPIKE_STEP, STEPS = 360, 14, 24
@@ -52,19 +52,17 @@ def bad_doc(data: Path) -> int:
 def planted_run(tmp_path_factory, tiny_data: Path) -> tuple[Path, Path]:
     """(run dir, data dir). Trained through build_trainer, which writes batches.jsonl and the spike
     record (RUN/spikes/) as every training run does."""
-    root = tmp_path_factory.getbasetemp() / "planted"
-    run, done = root / "run", root / "DONE"
-    if done.is_file():
-        return run, root / "data"
-    from mspretrain import config as cfgmod
-    from mspretrain.train.build import build_trainer
+    def build(root: Path) -> None:
+        from mspretrain import config as cfgmod
+        from mspretrain.train.build import build_trainer
 
-    data = planted_data(root, tiny_data)
-    cfg = cfgmod.apply_overrides(cfgmod.load(TINY), list(ARGS))
-    trainer = build_trainer(cfg, data, run, log=lambda s: None)  # it writes the spike record itself
-    trainer.train()
-    done.write_text(json.dumps({"bad_doc": bad_doc(data)}))
-    return run, data
+        data = planted_data(root, tiny_data)
+        cfg = cfgmod.apply_overrides(cfgmod.load(TINY), list(ARGS))
+        trainer = build_trainer(cfg, data, root / "run", log=lambda s: None)  # it writes the spike record itself
+        trainer.train()
+        (root / "DONE").write_text(json.dumps({"bad_doc": bad_doc(data)}))
+    root = built_once(tmp_path_factory, "planted", build)
+    return root / "run", root / "data"
 
 
 def losses(run: Path) -> dict[int, float]:

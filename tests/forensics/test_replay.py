@@ -11,7 +11,7 @@ import pytest
 
 from mspretrain.errors import UserError
 from tests.forensics.planted import SPIKE_STEP, STEPS, losses, planted_run
-from tests.helpers import cli
+from tests.helpers.cli import cli
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.forensics.planted import SEED, SPIKE_STEP, planted_run
-from tests.helpers import cli
+from tests.helpers.cli import cli
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import NO_EVAL, REFERENCE_ARGS, REFERENCE_STEPS, assert_same_checkpoint, copy_run_at
-from tests.helpers import MSRUN, grad_norms, losses, replica_hashes, step_dir, two_nodes
+from tests.helpers.runs import MSRUN, grad_norms, losses, replica_hashes, step_dir, two_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")]
 

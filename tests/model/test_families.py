@@ -30,7 +30,8 @@ from mspretrain.model.hf import config_from_hf, hf_to_ours
 from mspretrain.model.loss import token_nll
 from mspretrain.model.presets import param_count, preset
 from mspretrain.train.step import TrainStep, decay_mask
-from tests.helpers import HF_VOCAB, assert_refusal, cli, train_tokenizer
+from tests.helpers.cli import assert_refusal, cli
+from tests.helpers.hf import HF_VOCAB, train_tokenizer
 
 V = HF_VOCAB
 
@@ -325,7 +326,7 @@ def test_mfu_counts_the_family_matmuls(name):
 
 def _flash_kernels(attn, seen: list, out_dtype=np.float16) -> None:
     """Every FlashAttentionScore of `attn` replaced by the documented-semantics stand-in, recording."""
-    from tests.helpers import flash_reference
+    from tests.helpers.kernels import flash_reference
 
     for name in ("flash_causal", "flash_masked", "flash_band", "flash_band_masked"):
         if hasattr(attn, name):
@@ -336,11 +337,11 @@ def test_sliding_window_on_the_flash_path_matches_the_math_path(monkeypatch):
     """Mistral's window on Ascend: band mode (sparse_mode 4, pre_tokens = window - 1, next_tokens 0)
     with the one compressed 2048x2048 mask; with documents, the full (B, 1, T, T) mask in sparse_mode
     0 with the same band bounds. Checked on CPU against the documented kernel semantics
-    (tests/helpers.py kernel_discard; unverified on hardware, like every flash layout test), and
+    (tests/helpers/kernels.py kernel_discard; unverified on hardware, like every flash layout test), and
     the window really masks (a window of T gives other logits)."""
     from mspretrain.config import ModelConfig, resolve_model
     from mspretrain.model import decoder as decoder_mod
-    from tests.helpers import rms_norm_reference
+    from tests.helpers.kernels import rms_norm_reference
 
     monkeypatch.setattr(decoder_mod.ops, "rms_norm", rms_norm_reference)  # Ascend's fused norm has no CPU kernel
 
@@ -386,7 +387,7 @@ def test_banded_window_equals_plain_attention_on_every_edge(window, documents):
     window 1, 2, T-1, T, T+1, with and without documents. The masks are also compared exactly, and
     pre_tokens = window (one more) would fail: the edge is tested, not only the bulk."""
     from mspretrain.config import ModelConfig, resolve_model
-    from tests.helpers import kernel_discard
+    from tests.helpers.kernels import kernel_discard
 
     cfg = resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=V, ffn_dim=96, max_seq_len=64,
                                     family="mistral", sliding_window=window))

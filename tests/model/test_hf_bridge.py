@@ -25,7 +25,8 @@ from mspretrain.data.tokenizer import Tokenizer
 from mspretrain.model.decoder import Decoder, state_numpy
 from mspretrain.model.hf import read_safetensors
 from mspretrain.model.loss import token_nll
-from tests.helpers import HF_VOCAB, assert_refusal, cli, train_tokenizer
+from tests.helpers.cli import assert_refusal, cli
+from tests.helpers.hf import HF_VOCAB, train_tokenizer
 
 V = HF_VOCAB
 

@@ -23,7 +23,8 @@ from mspretrain.config import ModelConfig
 from mspretrain.model.groups import param_groups, trainable_mask
 from mspretrain.model.resize import resize_vocab
 from tests.conftest import TINY
-from tests.helpers import HF_VOCAB, assert_refusal, assert_user_error, cli, tiny_hf_llama, train_tokenizer
+from tests.helpers.cli import assert_refusal, assert_user_error, cli
+from tests.helpers.hf import HF_VOCAB, tiny_hf_llama, train_tokenizer
 
 V = HF_VOCAB
 

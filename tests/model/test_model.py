@@ -259,7 +259,7 @@ def test_attention_selection_by_device():
 def test_flash_path_argument_layout(pair, monkeypatch):
     # Checked against our reading of the kernel's docs; unverified on hardware (see flash_reference).
     from mspretrain.model import decoder as decoder_mod
-    from tests.helpers import flash_reference, rms_norm_reference
+    from tests.helpers.kernels import flash_reference, rms_norm_reference
 
     monkeypatch.setattr(decoder_mod.ops, "rms_norm", rms_norm_reference)  # Ascend's fused norm has no CPU kernel
     cfg, hf, _ = pair

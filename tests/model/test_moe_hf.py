@@ -17,7 +17,7 @@ from mspretrain.config import ModelConfig
 from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.hf import read_hf_dir, write_hf_dir
 from mspretrain.model.moe import reference_moe
-from tests.helpers import assert_user_error
+from tests.helpers.cli import assert_user_error
 
 V = 256
 

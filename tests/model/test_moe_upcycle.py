@@ -14,7 +14,7 @@ import numpy as np
 from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.model.decoder import Decoder, load_numpy, state_numpy
 from mspretrain.model.upcycle import upcycle
-from tests.helpers import assert_user_error
+from tests.helpers.cli import assert_user_error
 
 DENSE = resolve_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=96, max_seq_len=32,
                                   family="qwen3", qk_norm=True))

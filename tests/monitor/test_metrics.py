@@ -10,7 +10,7 @@ import pytest
 from mspretrain.config import Config, MetricsConfig, ModelConfig, resolve_model
 from mspretrain.monitor import mfu
 from mspretrain.monitor.metrics import MetricsLogger, is_network_fs, mount_of, truncate_metrics
-from tests.helpers import read_tb_scalars
+from tests.helpers.runs import read_tb_scalars
 
 CFG = MetricsConfig(loss_every=1, lr_every=2, loss_scale_every=3, grad_norm_every=5, memory_every=7,
                     throughput_every=4)

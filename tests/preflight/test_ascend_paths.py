@@ -22,7 +22,7 @@ from mspretrain import world as world_mod
 from mspretrain.errors import UserError
 from mspretrain.model import attention, decoder, layers
 from mspretrain.train import distributed
-from tests.helpers import rms_norm_reference
+from tests.helpers.kernels import rms_norm_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_910B = sorted((ROOT / "configs").glob("*910b*.toml"))

@@ -158,13 +158,13 @@ def test_feature_check_fails_a_candidate_that_ignores_the_feature(monkeypatch, n
 @pytest.mark.parametrize("band_ignored", [False, True])
 def test_the_window_check_as_a_910b_runs_it_with_the_documented_kernel(monkeypatch, band_ignored):
     """The sliding-window check with the 910B's candidate (flash attention, fused kernels), its kernels
-    replaced by their documented semantics (FlashAttentionScore: tests/helpers.py `flash_reference`;
-    RmsNorm: tests/helpers.py `rms_norm_reference`), at the CPU's sequence length: band mode passes, and a kernel
+    replaced by their documented semantics (FlashAttentionScore: tests/helpers/kernels.py `flash_reference`;
+    RmsNorm: tests/helpers/kernels.py `rms_norm_reference`), at the CPU's sequence length: band mode passes, and a kernel
     that computes the whole causal triangle instead of the band fails. Unverified on hardware like
     every stand-in: `selftest` on a 910B runs the same comparison against the real kernel."""
     from mindspore import ops
 
-    from tests.helpers import flash_reference, rms_norm_reference
+    from tests.helpers.kernels import flash_reference, rms_norm_reference
 
     monkeypatch.setattr(ops, "rms_norm", rms_norm_reference)
     real, seen = selftest_numerics.feature_candidate, []

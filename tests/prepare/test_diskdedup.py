@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mspretrain.prepare import dedup, diskdedup
-from tests.helpers import dedup_corpus, dedup_reference
+from tests.helpers.prepare import dedup_corpus, dedup_reference
 
 
 @pytest.mark.parametrize("threshold", [0.5, 0.8])

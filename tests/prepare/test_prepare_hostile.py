@@ -25,7 +25,7 @@ import pytest
 
 from mspretrain.cli import main
 from tests.conftest import ROOT, make_poems
-from tests.helpers import assert_refusal, cli
+from tests.helpers.cli import assert_refusal, cli
 
 PREP = ["--doc-per-line", "--vocab-size", "400", "--workers", "1", "--quiet", "prepare.valid_fraction=0.05"]
 CEVAL = sorted((ROOT / "mspretrain" / "eval" / "data").glob("zh_ceval_*.csv"))
@@ -793,7 +793,7 @@ def test_a_special_file_planted_in_a_killed_runs_work_dir_is_refused(tmp_path):
     """The journal's class, one level down: a FIFO (or a link to /dev/zero) in place of a work
     file of a killed run would hang the resume or read without end; refused in one line, nothing
     touched."""
-    from tests.helpers import make_corpus, prepare_subprocess
+    from tests.helpers.prepare import make_corpus, prepare_subprocess
 
     raw = make_corpus(tmp_path / "raw")
     out = tmp_path / "data"
@@ -823,7 +823,7 @@ def test_a_users_empty_dot_partial_dir_is_never_removed(corpus, tmp_path, capsys
 def test_a_state_file_changed_after_the_kill_is_never_unpickled(tmp_path):
     """A stage's state (a pickle in the work dir) is unpickled only when its SHA-256 is the one the
     journal's commit recorded: one changed after the kill is refused in one line."""
-    from tests.helpers import make_corpus, prepare_subprocess
+    from tests.helpers.prepare import make_corpus, prepare_subprocess
 
     raw = make_corpus(tmp_path / "raw")
     out = tmp_path / "data"

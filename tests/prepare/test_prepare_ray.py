@@ -19,7 +19,9 @@ from mspretrain.prepare import dedup, diskdedup
 from mspretrain.prepare.raypool import RayCluster
 from mspretrain.train.distributed import free_local_port
 from tests.conftest import make_poems
-from tests.helpers import dedup_corpus, dedup_reference, ray_cluster, refused, run_local, run_prepare, same_files
+from tests.helpers.cli import refused
+from tests.helpers.prepare import dedup_corpus, dedup_reference
+from tests.helpers.ray import ray_cluster, run_local, run_prepare, same_files
 
 cluster = ray_cluster  # the fixture: a 2-node Ray cluster on 127.0.0.1, started once for this module
 
@@ -60,7 +62,7 @@ def test_ray_run_is_byte_identical_to_the_local_run(cluster, corpus, tmp_path, n
 @pytest.mark.slow
 def test_dedup_partitions_on_ray_decide_as_here(cluster, tmp_path, monkeypatch):
     """Many partitions, each sorted by a Ray task on the worker node: the same decisions as the
-    in-memory reference (tests/helpers.py `dedup_reference`, as in tests/prepare/test_diskdedup.py)."""
+    in-memory reference (tests/helpers/prepare.py `dedup_reference`, as in tests/prepare/test_diskdedup.py)."""
     monkeypatch.setattr(diskdedup, "PART_BYTES", 4096)  # many partition files (the driver splits)
     docs = dedup_corpus(1500, seed=1)
     want_exact, want_near = dedup_reference(docs, 0.8)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PREPARE_ARGS, PREPARE_TEST_ENV, chosen, files_of, killed_then_rerun, make_corpus, points_of
-from tests.helpers import prepare_subprocess as run
+from tests.helpers.prepare import PREPARE_ARGS, PREPARE_TEST_ENV, chosen, files_of, killed_then_rerun, make_corpus, points_of
+from tests.helpers.prepare import prepare_subprocess as run
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -112,8 +112,8 @@ def test_kill_in_pass1_over_compressed_units_resumes_byte_identical(tokenizer, t
     """SIGKILL inside a compressed file's chunks (its first chunks spooled, not committed: the
     file is read again whole) and later (the finished files are skipped, their counts and
     warnings from the journal), commits after every work item: the same bytes as a run never killed."""
-    from tests.helpers import files_of
-    from tests.helpers import prepare_subprocess as run
+    from tests.helpers.prepare import files_of
+    from tests.helpers.prepare import prepare_subprocess as run
 
     raw = tmp_path / "raw"
     raw.mkdir()

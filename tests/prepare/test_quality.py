@@ -20,8 +20,9 @@ import pytest
 
 from mspretrain.cli import main
 from tests.conftest import make_poems
-from tests.helpers import chosen, files_of, killed_then_rerun, points_of, ray_cluster
-from tests.helpers import prepare_subprocess as run
+from tests.helpers.prepare import chosen, files_of, killed_then_rerun, points_of
+from tests.helpers.prepare import prepare_subprocess as run
+from tests.helpers.ray import ray_cluster
 from tests.prepare.junk import KINDS, held_in, junk, mixed
 
 cluster = ray_cluster  # the fixture: a 2-node Ray cluster on 127.0.0.1, started once for this module
@@ -275,7 +276,7 @@ def test_ray_run_with_every_filter_is_byte_identical_to_the_local_run(cluster, m
     """A real two-node Ray cluster (tests/prepare/test_prepare_ray.py's): the models go to the node by
     content (py3langid's from the node's own install), and the data dir, sidecar included, is the
     local run's byte for byte."""
-    from tests.helpers import run_local, run_prepare, same_files
+    from tests.helpers.ray import run_local, run_prepare, same_files
 
     evals = tmp_path / "eval.jsonl"
     evals.write_text(json.dumps({"context": raw.joinpath("p1.txt").read_text(encoding="utf-8").splitlines()[3], "choices": ["甲", "乙"],
@@ -518,7 +519,7 @@ def test_word_features_train_score_and_drop_planted_junk(models, tmp_path):
 def test_ray_keeps_a_fraction_and_rethresholds_byte_identical(cluster, models, raw, tmp_path):
     """On the two-node cluster: the scan before pass 1 as Ray tasks, and `--scores-from`, whose
     records then travel with each work item (`rescore.attach`), write the local run's bytes."""
-    from tests.helpers import run_local, run_prepare, same_files
+    from tests.helpers.ray import run_local, run_prepare, same_files
 
     common = ["--doc-per-line", "--vocab-size", "400", f"prepare.quality_model={models['clf']}", f"prepare.lm_model={models['lm']}"]
     frac = [*common, "prepare.quality_top_fraction=0.7", "prepare.ppl_quantiles=[0, 0.9]"]

@@ -15,22 +15,8 @@ from mindspore import Tensor
 
 from mspretrain.errors import UserError
 from tests.conftest import EVAL_AT_END, TINY, assert_same_checkpoint, copy_run_at
-from tests.helpers import (
-    FINAL,
-    LONG,
-    MSRUN,
-    STEPS,
-    ended_within,
-    final_nll,
-    grad_norms,
-    kill_tree,
-    losses,
-    msrun,
-    replica_hashes,
-    start_launch,
-    step_dir,
-    wait_for_rank,
-)
+from tests.helpers.killed import LONG, ended_within, start_launch, wait_for_rank
+from tests.helpers.runs import FINAL, MSRUN, STEPS, final_nll, grad_norms, kill_tree, losses, msrun, replica_hashes, step_dir
 
 
 def _cfg(**kw):

@@ -9,7 +9,7 @@ import pytest
 
 from mspretrain.train.layout import assign_owners_grouped, cap_elements, flat_buckets, rank_buckets
 from tests.conftest import FP16_MASTERS, NO_EVAL, TINY, assert_same_checkpoint, snapshot
-from tests.helpers import (
+from tests.helpers.runs import (
     FINAL,
     MSRUN,
     assert_two_ranks_equal_one_process,

@@ -13,13 +13,13 @@ from mindspore import Tensor, ops
 from mspretrain.errors import UserError
 from mspretrain.train.layout import slice_bounds
 from tests.conftest import FP16_MASTERS, NO_EVAL, REFERENCE_ARGS, assert_close_rel, assert_same_checkpoint, copy_run_at
-from tests.helpers import FINAL, MSRUN, STEPS
-from tests.helpers import assert_two_ranks_equal_one_process as _assert_two_ranks_equal_one_process
-from tests.helpers import fp16_run_equals_one_process as _fp16_run_equals_one_process
-from tests.helpers import grad_norms as _grad_norms
-from tests.helpers import losses as _metrics
-from tests.helpers import msrun as _msrun
-from tests.helpers import step_dir as _step_dir
+from tests.helpers.runs import FINAL, MSRUN, STEPS
+from tests.helpers.runs import assert_two_ranks_equal_one_process as _assert_two_ranks_equal_one_process
+from tests.helpers.runs import fp16_run_equals_one_process as _fp16_run_equals_one_process
+from tests.helpers.runs import grad_norms as _grad_norms
+from tests.helpers.runs import losses as _metrics
+from tests.helpers.runs import msrun as _msrun
+from tests.helpers.runs import step_dir as _step_dir
 
 
 def _tiny(**kw):
@@ -382,8 +382,8 @@ def zero3_killed(tmp_path_factory, tiny_data) -> dict[str, Path]:
     the kill left it; `run`: the relaunched run. Read-only."""
     import time
 
-    from tests.helpers import kill_tree as _kill_tree
-    from tests.helpers import start_launch as _start_launch
+    from tests.helpers.killed import start_launch as _start_launch
+    from tests.helpers.runs import kill_tree as _kill_tree
 
     tmp = tmp_path_factory.mktemp("zero3")
     run = tmp / "zero3"

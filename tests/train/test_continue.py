@@ -27,7 +27,7 @@ import transformers
 
 from mspretrain.cli import main
 from tests.conftest import TINY
-from tests.helpers import HF_VOCAB, tiny_hf_llama, train_tokenizer
+from tests.helpers.hf import HF_VOCAB, tiny_hf_llama, train_tokenizer
 
 BASE_CHARS = [chr(c) for c in range(0x4E00, 0x4E00 + 40)]  # what the base tokenizer was trained on
 ADD = 16

@@ -13,25 +13,8 @@ from mspretrain import world as world_mod
 from mspretrain.errors import UserError
 from mspretrain.train import distributed
 from tests.conftest import NO_EVAL, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
-from tests.helpers import (
-    ARGS,
-    DEATH_BOUND_S,
-    FINAL,
-    LONG,
-    MSRUN,
-    STEPS,
-    ended_within,
-    final_nll,
-    grad_norms,
-    kill_tree,
-    losses,
-    msrun,
-    replica_hashes,
-    start_launch,
-    step_dir,
-    wait_for_beat_after,
-    wait_for_rank,
-)
+from tests.helpers.killed import DEATH_BOUND_S, LONG, ended_within, start_launch, wait_for_beat_after, wait_for_rank
+from tests.helpers.runs import ARGS, FINAL, MSRUN, STEPS, final_nll, grad_norms, kill_tree, losses, msrun, replica_hashes, step_dir
 
 
 def test_rank_detection():

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.conftest import copy_run_at
-from tests.helpers import TINY, assert_refusal, cli
+from tests.conftest import TINY, copy_run_at
+from tests.helpers.cli import assert_refusal, cli
 
 DECAY = 0.5  # strong, so that every step's weights show in the average
 ARGS = ("train.max_steps=4", "checkpoint.every=1", "checkpoint.keep_last=4", "model.n_layers=1", "eval.at_end=false",

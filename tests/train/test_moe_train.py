@@ -16,7 +16,8 @@ from mspretrain.config import ModelConfig, resolve_model
 from mspretrain.model.decoder import Decoder, state_numpy
 from mspretrain.model.moe import balance_loss
 from tests.conftest import TINY, assert_same_checkpoint, copy_run_at
-from tests.helpers import cli, losses, refused
+from tests.helpers.cli import cli, refused
+from tests.helpers.runs import losses
 
 STEPS = 6
 MOE = ("model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=4", "model.experts_per_token=2",
@@ -102,7 +103,7 @@ def test_moe_expert_load_in_metrics_and_tensorboard(moe_run):
     """issue 52.6: every logged step carries the step's expert-load metrics (docs/operators.md)."""
     import json
 
-    from tests.helpers import read_tb_scalars
+    from tests.helpers.runs import read_tb_scalars
 
     records = [json.loads(ln) for ln in (moe_run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]

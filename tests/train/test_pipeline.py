@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 from mspretrain.checkpoint import store
 from mspretrain.cli import main
 from tests.conftest import NO_EVAL, ONE_LAYER, TINY
-from tests.helpers import checksum, refused
+from tests.helpers.cli import checksum, refused
 
 
 def metrics(run: Path) -> list[dict]:
