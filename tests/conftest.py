@@ -89,8 +89,7 @@ def tiny_data(tmp_path_factory, corpus_file, tiny_cfg) -> Path:
 
 
 # One tiny training run that several test files compare against (single process, fp32, cosine
-# schedule over 8 steps, a checkpoint after every step, all kept). Before this, four tests each
-# trained their own copy with the same config except `max_steps`: three compilations saved.
+# schedule over 8 steps, a checkpoint after every step, all kept): one compilation for them all.
 REFERENCE_STEPS = 8
 # grad_norm_every=1: the grad norm of every step is compared (a gradient scale error that clipping
 # and Adam hide from the weights shows there); it does not change the numerics.
@@ -127,8 +126,7 @@ FP16_MASTERS = ("precision.dtype=fp16", "precision.param_dtype=compute", "precis
 @pytest.fixture(scope="session")
 def one_fp16(tmp_path_factory, tiny_data) -> Path:
     """The reference run's config in fp16 with fp16 matrices and fp32 masters, on one process: what
-    the fp16-masters msrun tests of tests/step/test_zero2.py and tests/step/test_zero3.py compare against
-    (each trained it for itself before). Read-only."""
+    the fp16-masters msrun tests of tests/step/test_zero2.py and tests/step/test_zero3.py compare against. Read-only."""
     from mspretrain.cli import main
 
     one = tmp_path_factory.mktemp("one-fp16") / "one-fp16"
@@ -139,7 +137,7 @@ def one_fp16(tmp_path_factory, tiny_data) -> Path:
 
 # A spike `rewind` run in one process (checkpoints every 4 steps, lr 10x the reference's so that
 # spikes come): what the 2-rank msrun rewind run (tests/train/test_distributed.py) and the two-node one
-# (tests/launch/test_multinode.py) must equal. Both used to train this same run of their own.
+# (tests/launch/test_multinode.py) must equal.
 REWIND_ARGS = ("train.max_steps=14", "checkpoint.every=4", "spike.action=rewind", "spike.threshold=0.02", "spike.window=3",
                "schedule.warmup_steps=1", "optim.lr=0.01", NO_EVAL)
 
@@ -159,8 +157,7 @@ def two_nodes_rewind(tmp_path_factory, tiny_data) -> Path:
     """`rewind_one_process`'s config on 2 ranks with the optimizer state sharded (ZeRO-1), launched
     as two "nodes" of one worker each (tests/helpers/runs.py `two_nodes`): what the msrun spike-rewind
     tests of tests/train/test_distributed.py and tests/launch/test_multinode.py compare with one process. One
-    job for the two: each launched the same run of its own before (a 2-worker msrun and a two-node
-    job; the rewind's code is the same on either launch). Read-only."""
+    job for the two (the rewind's code is the same on a 2-worker msrun and on two nodes). Read-only."""
     from tests.helpers.runs import two_nodes
 
     tmp = tmp_path_factory.mktemp("two-rewind")
@@ -175,8 +172,7 @@ def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
     as two "nodes" of one worker each (two `mspretrain launch --nodes 2` processes, see
     tests/launch/test_multinode.py): compared with one process (tests/train/test_distributed.py, and with its
     log dirs and a resume on two nodes in tests/launch/test_multinode.py) and with one AllReduce per
-    parameter on one 2-worker msrun (tests/step/test_zero2.py). One job for the three: the two-node
-    job and a 2-worker msrun of this config each trained the same 8 steps before. Read-only."""
+    parameter on one 2-worker msrun (tests/step/test_zero2.py). One job for the three. Read-only."""
     from tests.helpers.runs import two_nodes
 
     tmp = tmp_path_factory.mktemp("two-ranks")

@@ -1,4 +1,4 @@
-"""One writer per run dir (issue 18, item 1) and no silent restart over damaged checkpoints (item 4).
+"""One writer per run dir and no silent restart over damaged checkpoints.
 
 The lock test uses two real processes: a `mspretrain train` subprocess holds the run dir, a second
 trainer and `recover` are refused naming its PID and host, and after the holder is SIGKILLed

@@ -129,7 +129,7 @@ def test_checkpoints_recover_and_export_work_on_per_rank_weight_files(zero3_chec
         assert np.array_equal(exported[k], whole[k]), k
 
 
-# ------------------------------------------------------------------ hostile per-rank files (issue 54)
+# ------------------------------------------------------------------ hostile per-rank files
 
 def _write_ranks(d: Path, shapes: dict[str, list], *ranks: dict[str, np.ndarray]) -> Path:
     from safetensors.numpy import save_file

@@ -8,8 +8,7 @@ output dir exactly as it was are in test_refusals.py and test_outputs.py.)
 
 The inputs: prepare --overwrite and report --out on what they did not write, config floats,
 the data dir's tokenizer and ids, crashes that become one line, resource bombs, messages that
-say what happened, numbers that cannot run, and run files that are special files; then (issue 33's
-held-back variants, once tests/test_variants_inputs.py) every numeric flag of every command, every
+say what happened, numbers that cannot run, and run files that are special files; then every numeric flag of every command, every
 integer config key, hostile sizes, and special files where a command reads a path."""
 from __future__ import annotations
 
@@ -424,7 +423,7 @@ def test_fits_counts_every_rank_on_this_host(tiny_cfg):
     assert local_ranks(2, {}) == 2  # a bare msrun on CPU: every rank is here
     assert local_ranks(8, {LOCAL_RANKS_ENV: "4"}) == 4  # launch --nproc 4 --nodes 2
     assert local_ranks(2, {LOCAL_RANKS_ENV: "9"}) == 2
-    with pytest.raises(UserError, match=LOCAL_RANKS_ENV):  # a bad value is one line (issue 54), not silently the world
+    with pytest.raises(UserError, match=LOCAL_RANKS_ENV):  # a bad value is one line, not silently the world
         local_ranks(2, {LOCAL_RANKS_ENV: "x"})
 
 
@@ -711,8 +710,8 @@ def test_replay_refuses_a_special_metrics_file(reference_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["audit", "diagnose", "recover", "checkpoints"])
 def test_commands_that_read_no_config_refuse_overrides(reference_run, capsys, command):
-    """`mspretrain --help` used to promise overrides to every command; those that read no config
-    ignored them silently. Now they are refused in one line (issue 33, docs item)."""
+    """Commands that read no config refuse section.key=value overrides in one line (`mspretrain --help`
+    promises them only to those that take them)."""
     assert main([command, str(reference_run), "train.max_steps=5"]) == 2
     err = capsys.readouterr().err
     assert "takes no section.key=value overrides" in err and err.count("\n") == 2
@@ -726,8 +725,7 @@ def test_quickstart_creates_my_text_with_the_walkthroughs_own_lines():
 
 
 # =========================================================================== numbers that cannot run, hostile sizes, special files
-# (issue 33, held-back variants of classes 5-7: what a hostile-user pass found beyond the round-1
-# list; each is checked at the class level: every numeric flag of every command, every integer
+# (each checked at the class level: every numeric flag of every command, every integer
 # config key, every path a command reads). Refused in one `error:` line (exit 2) before anything runs.
 
 def _one_line(code: int, err: str) -> None:

@@ -1,5 +1,5 @@
 """The cache dir's files (`$MSPRETRAIN_CACHE`) and the Ascend version files doctor reads are read
-with the special-file and size guards of the other readers (issue 54): a FIFO, a link to
+with the special-file and size guards of the other readers: a FIFO, a link to
 /dev/zero, a directory or an oversized file under a cache name is a cache miss (rebuilt), in
 bounded time and memory, never a hang or gigabytes."""
 from __future__ import annotations

@@ -100,9 +100,9 @@ OLD_CHOICES = {
     "device.target": ("auto", "cpu", "ascend"),
     "device.jit_level": ("O0", "O1"),
     "spike.action": ("warn", "rewind"),
-    "train.trainable": ("all", "embeddings", "attention", "mlp", "norms", "lm_head"),  # new in issue 17
-    "model.family": ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"),  # new in issue 31; the MoE two in issue 52
-    "model.rope_scaling": ("none", "llama3"),  # new in issue 31
+    "train.trainable": ("all", "embeddings", "attention", "mlp", "norms", "lm_head"),
+    "model.family": ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"),
+    "model.rope_scaling": ("none", "llama3"),
 }
 
 

@@ -1,5 +1,5 @@
 """Every `MSPRETRAIN_*` environment hook that parses a number refuses a bad value in one line
-(issue 54: a non-numeric hook ended in a ValueError traceback), through the one parser
+(not a ValueError traceback), through the one parser
 (errors.py `env_number`); and every hook in the source is one this file knows, so a new numeric
 hook that parses on its own fails here first."""
 from __future__ import annotations

@@ -262,7 +262,7 @@ def test_a_torn_extend_output_is_refused_by_readers(tok_inputs, tmp_path, capsys
     base, corpus = tok_inputs
     out = tmp_path / "out"
     assert main(_extend(base, corpus, out)) == 0
-    shutil.copy(base, out / "tokenizer.model")  # what a kill between separate writes used to leave
+    shutil.copy(base, out / "tokenizer.model")  # what a kill between separate writes would leave
     refused(capsys, "tokenizer", "extend", str(out), "--train", str(corpus), "--add", "5", "--out", str(tmp_path / "o2"))
     refused(capsys, "prepare", str(corpus), "--tokenizer", str(out / "tokenizer.model"), "--out", str(tmp_path / "d"), "--quiet")
     # an output from before the marker existed (or torn) without a marker: not taken for a whole set
@@ -504,7 +504,7 @@ def test_prepare_never_deletes_a_dir_of_its_work_dirs_name_that_it_did_not_make(
     """`prepare --out data` removed `.data.partial/` whatever it held when no journal was beside it
     (the issue's `X.tmp` instance, for prepare's fixed work-dir name). It is deleted now only when
     prepare's mark is in it: prepare makes the dir under a temporary name with the mark inside and
-    renames it, so even an empty dir of that name is a user's, refused and kept (issue 54 item 2)."""
+    renames it, so even an empty dir of that name is a user's, refused and kept."""
     users = tmp_path / ".data.partial"
     users.mkdir()
     (users / "keep.txt").write_text("mine")

@@ -1,5 +1,5 @@
 """Byte-level BPE tokenizers (Qwen2/2.5, Qwen3, Llama-3 ship one as tokenizer.json) and vocabularies
-above 65,535 (issue 31): special ids from the file (a Qwen tokenizer has no BOS), prepare with the
+above 65,535: special ids from the file (a Qwen tokenizer has no BOS), prepare with the
 `tokenizers` library into int32 shards (Megatron dtype code 4), the loader and a train run on ids
 above 65,535, and `tokenizer extend`'s one-line refusal of a byte-level BPE."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the docs promise is what happens (issue 23): one test per promise that used to be broken.
+"""What the docs promise is what happens: one test per promise.
 
 One tiny run (4 steps) is shared by the tests that need a trained run; the rest read no model."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # --------------------------------------------------------------------------- no model needed
 
 def test_did_you_mean_is_deterministic_and_picks_the_closest_key():
-    # item 12: the hint used to come from a set's order (max_steps or max_tokens, run to run)
+    # the hint names one key, the same run to run (not whichever a set's order gives)
     for typo, want in (("max_step", "train.max_steps"), ("max_tokn", "train.max_tokens"), ("global_bach", "train.global_batch")):
         with pytest.raises(UserError) as exc:
             cfgmod.apply_overrides(cfgmod.Config(), [f"train.{typo}=5"])
@@ -29,7 +29,7 @@ def test_did_you_mean_is_deterministic_and_picks_the_closest_key():
 
 
 def test_a_config_key_spelled_as_an_option_gets_the_override_spelling(capsys):
-    # item 14: `--max-steps 5` names train.max_steps
+    # `--max-steps 5` names train.max_steps
     code, _, err = cli(capsys, "train", "--data", "d", "--run", "r", "--max-steps", "5")
     assert code == 2
     assert err.splitlines() == ["error: unrecognized arguments: --max-steps 5",
@@ -39,7 +39,7 @@ def test_a_config_key_spelled_as_an_option_gets_the_override_spelling(capsys):
 @pytest.mark.parametrize("argv", [["eval", "RUN", "foo.bar=1"], ["eval", "RUN", "eval.max_tokens=64"],
                                   ["generate", "RUN", "--prompt", "春风", "model.dim=8"], ["report", "RUN", "foo.bar=1"]])
 def test_commands_that_read_a_run_refuse_overrides(capsys, tmp_path, argv):
-    # item 2: they used to accept and silently ignore them
+    # refused, not accepted and silently ignored
     argv = [str(tmp_path) if a == "RUN" else a for a in argv]
     code, out, err = cli(capsys, *argv)
     assert code == 2 and out == ""
@@ -49,7 +49,6 @@ def test_commands_that_read_a_run_refuse_overrides(capsys, tmp_path, argv):
 
 
 def test_eval_refuses_a_negative_token_limit_and_a_data_dir(capsys, tiny_data):
-    # item 14
     code, _, err = cli(capsys, "eval", str(tiny_data), "--max-tokens", "-5")
     assert code == 2 and err.startswith("error: argument --max-tokens: -5 is outside [0, ")
     for command in (["eval", str(tiny_data)], ["generate", str(tiny_data), "--prompt", "春风"]):
@@ -58,7 +57,7 @@ def test_eval_refuses_a_negative_token_limit_and_a_data_dir(capsys, tiny_data):
 
 
 def test_doctor_takes_the_checkpoint_size_from_the_plan():
-    # item 6: doctor used 12 bytes per parameter where the plan (fp16 weights + fp32 masters) uses 14
+    # doctor used 12 bytes per parameter where the plan (fp16 weights + fp32 masters) uses 14
     from mspretrain.model.presets import param_count
     from mspretrain.ops.doctor import check_run_dir
     from mspretrain.ops.plan import make_plan
@@ -71,7 +70,7 @@ def test_doctor_takes_the_checkpoint_size_from_the_plan():
 
 
 def test_plan_with_a_preset_takes_the_vocabulary_from_the_data_dir(capsys, tiny_data):
-    # item 9: `plan --model 125m --data DIR` assumed Llama's 32,000
+    # `plan --model 125m --data DIR` assumed Llama's 32,000
     vocab = json.loads((tiny_data / "manifest.json").read_text())["vocab_size"]
     code, out, _ = cli(capsys, "plan", "--model", "125m", "--data", str(tiny_data), "--json")
     assert code == 0
@@ -82,7 +81,7 @@ def test_plan_with_a_preset_takes_the_vocabulary_from_the_data_dir(capsys, tiny_
 
 
 def test_train_takes_a_preset():
-    # item 9: `train --model 125m` trains the preset's architecture with the data's vocabulary
+    # `train --model 125m` trains the preset's architecture with the data's vocabulary
     from mspretrain.commands.train import with_preset
     from mspretrain.model.presets import gpt_125m
 
@@ -93,7 +92,7 @@ def test_train_takes_a_preset():
 
 
 def test_schedule_notes_on_resume_say_what_changes_and_how_to_keep_the_lr():
-    # item 8, the arithmetic: a finished 300-step cosine raised to 600 steps jumps back up
+    # the arithmetic: a finished 300-step cosine raised to 600 steps jumps back up
     from mspretrain.schedule import Schedule, resume_notes
 
     old = Schedule(kind="cosine", lr=1e-3, warmup=10, total=300, min_lr=1e-4)
@@ -131,7 +130,7 @@ def _records(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_every_run_ends_with_an_eval(run4):
-    # item 1: eval.every = 0 is "only at the end", and the end had none
+    # eval.every = 0 is "only at the end", and the end had none
     recs = _records(run4)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]  # one record per step: the eval is in step 4's
     assert "eval/ppl" in recs[-1] and all("eval/ppl" not in r for r in recs[:-1])
@@ -141,7 +140,7 @@ def test_every_run_ends_with_an_eval(run4):
 
 @pytest.mark.slow
 def test_run_config_shows_the_values_that_ran(run4):
-    # item 3: micro_batch and threads were 0 in RUN_DIR/config.toml while 4 and N ran
+    # micro_batch and threads were 0 in RUN_DIR/config.toml while 4 and N ran
     import os
 
     text = (run4 / "config.toml").read_text()
@@ -156,14 +155,14 @@ def test_run_config_shows_the_values_that_ran(run4):
 
 @pytest.mark.slow
 def test_short_runs_sample_every_metric(run4):
-    # item 10: grad norm every 50 and memory every 200 drew nothing in a 40-step run
+    # grad norm every 50 and memory every 200 drew nothing in a 40-step run
     recs = _records(run4)
     assert all("grad_norm" in r and "mem_mb" in r for r in recs)
 
 
 @pytest.mark.slow
 def test_eval_prints_which_tokens_it_scored(capsys, run4):
-    # item 11: the whole split vs the run's eval.max_tokens
+    # the whole split vs the run's eval.max_tokens
     from mspretrain.commands.eval import scope_note
 
     code, out, _ = cli(capsys, "eval", str(run4), "--quiet")
@@ -184,7 +183,7 @@ def test_eval_prints_which_tokens_it_scored(capsys, run4):
 
 @pytest.mark.slow
 def test_resume_with_a_raised_budget_prints_the_schedule_change_and_the_tail_keeps_the_lr(run4, tiny_data, tmp_path):
-    # item 8: the same run raised to 8 steps, then continued with the printed overrides
+    # the same run raised to 8 steps, then continued with the printed overrides
     import shutil
 
     from mspretrain.train.build import build_trainer as Trainer
@@ -206,7 +205,7 @@ def test_resume_with_a_raised_budget_prints_the_schedule_change_and_the_tail_kee
 
 
 def test_demo_prints_an_absolute_config_path(tmp_path, monkeypatch):
-    # item 14: next step (c) named configs/demo.toml relative to the cwd
+    # next step (c) named configs/demo.toml relative to the cwd
     import argparse
 
     from mspretrain.commands.demo import config_path
@@ -218,7 +217,7 @@ def test_demo_prints_an_absolute_config_path(tmp_path, monkeypatch):
 
 
 def test_generate_says_why_it_stopped():
-    # item 14: --no-stop --max-new-tokens 300 silently stopped at the context limit
+    # --no-stop --max-new-tokens 300 silently stopped at the context limit
     from mspretrain.commands.generate import _stop_reason
     from mspretrain.eval.generate import Generation
 

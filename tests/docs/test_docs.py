@@ -431,7 +431,7 @@ def test_walkthrough_sessions_print_what_the_docs_show(walkthrough_transcript, n
 
 
 # ----------------------------------------------------------------------------------------------
-# The raw msrun lines of the docs and `mspretrain launch` run msrun alike (issue 38, item 2).
+# The raw msrun lines of the docs and `mspretrain launch` run msrun alike.
 
 def msrun_lines(text: str) -> list[str]:
     """Every msrun invocation in a Markdown text's code blocks (any language: a launch transcript

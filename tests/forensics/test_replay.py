@@ -91,7 +91,7 @@ def test_drop_docs_loader_swaps_only_overlapping_samples(planted):
             assert np.array_equal(got[row], ds.tokens[sub * seq:sub * seq + seq + 1])
     assert [s.step for s in drop.swaps].count(SPIKE_STEP) == 2
     assert drop.state() == plain.state()  # the position is the loader's own
-    # naming every document leaves no clean sample: refused at once (it used to search forever)
+    # naming every document leaves no clean sample: refused at once (no endless search)
     every = [(0, d) for d in range(len(ds.lengths))]
     with pytest.raises(UserError, match="drops every sample"):
         DropDocsLoader(make(), plan=plan, sources=[data], docs=every, end=end, first_step=1, accum=1)
@@ -125,7 +125,7 @@ def test_refusals_are_one_line(planted, capsys, tmp_path):
 
 
 def test_a_full_disk_for_the_scratch_dir_is_one_line(planted, capsys, tmp_path, monkeypatch):
-    """Issue 33 class 7: the starting checkpoint copied into --out on a full disk, and a scratch dir
+    """The starting checkpoint copied into --out on a full disk, and a scratch dir
     that cannot be made, are one line each; the run is not touched."""
     import errno
     import os

@@ -211,7 +211,7 @@ def test_report_from_real_tiny_run(real_run):
     s = summarize(real_run)
     assert s["last_step"] == 12 and s["mean_tokens_per_s"] > 0 and s["cost"] > 0
     assert s["manifest"]["fingerprint"] == "fp-real"
-    # issue 17: a finished run's fresh metrics.jsonl is not "may still be going"
+    # a finished run's fresh metrics.jsonl is not "may still be going"
     assert s["ended"] and s["updated_s_ago"] < 600 and "may still be going" not in " ".join(page.text)
 
 
@@ -242,7 +242,7 @@ def test_report_screenshot_in_headless_chromium(tmp_path):
     assert (img < 200).mean() > 0.02  # text and plots were painted, not an empty page
 
 
-# ------------------------------------------------------------------ issue 23: what the report says
+# ------------------------------------------------------------------ what the report says
 
 def test_report_events_come_from_train_log_and_wall_time_covers_every_session(tmp_path):
     # item 5: a Ctrl-C and a resume showed as "Events: none", and wall time covered the last session only

@@ -165,7 +165,7 @@ def fp16_run_equals_one_process(two: Path, one: Path) -> tuple[dict, dict]:
     assert sorted(a) == sorted(b) == STEPS
     # The two ranks sum the gradients in another order, and fp16 weights can round the other way
     # from there (one fp16 ulp of a weight is ~1e-3 relative): measured 1.7e-5 at step 7 of 8 with
-    # the initial weights before issue 38, and 1.2e-5 at step 3 (ZeRO-2, bucket_mb 0) with the
+    # the initial weights drawn otherwise, and 1.2e-5 at step 3 (ZeRO-2, bucket_mb 0) with the
     # counter-based draw; a loss of ~6.2, so 3e-5 is 5e-6 relative.
     for step in a:
         assert abs(a[step] - b[step]) <= (3e-5 if step <= 5 else 1e-4), (step, a[step], b[step])

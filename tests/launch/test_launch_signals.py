@@ -1,4 +1,4 @@
-"""Issue 33 class 4, the launcher: the watchdog names the rank that exited first by exit evidence
+"""The launcher: the watchdog names the rank that exited first by exit evidence
 (pidfds), not by poll order or heartbeat age; node ranks > 0 wait for node 0 a bounded time with
 one line naming the address; a SIGTERM to `launch` reaches msrun and every worker."""
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_launch_returns_only_once_every_worker_has_exited_and_released_the_run_d
 
 
 def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tiny_data, tmp_path, monkeypatch, capsys):
-    """Issue 38: on a 32 GB 910B4 every rank would set the 58 GB pool and fail at its first large
+    """On a 32 GB 910B4 every rank would set the 58 GB pool and fail at its first large
     allocation; launch reads the HBM (npu-smi, monkeypatched here) first and refuses in one line."""
     from mspretrain import device
     from mspretrain.cli import main
@@ -179,7 +179,7 @@ def test_launch_refuses_a_pool_larger_than_the_npus_before_msrun_starts(tiny_dat
 
 @pytest.mark.parametrize("user", [None, "300"])
 def test_launch_exports_the_plans_hccl_buffsize_on_ascend(tiny_data, tmp_path, monkeypatch, capsys, user):
-    """Issue 38: a collective larger than HCCL_BUFFSIZE (200 MB by default) may run slower (CANN);
+    """A collective larger than HCCL_BUFFSIZE (200 MB by default) may run slower (CANN);
     launch exports the plan's size for a train on Ascend, and keeps a value the user exported."""
     from mspretrain import config as cfgmod
     from mspretrain import device

@@ -1,4 +1,4 @@
-"""Two "nodes" on one machine (issue 21 item 6): two `mspretrain launch --nodes 2 --node-rank 0|1`
+"""Two "nodes" on one machine: two `mspretrain launch --nodes 2 --node-rank 0|1`
 processes against 127.0.0.1, one worker each, run the multi-node paths for real (msrun's
 --node_rank, one scheduler for two msrun invocations, per-node log dirs) and must equal one process:
 losses, grad norms and checkpoints to 1e-5 (5e-5 for the final weights after the high-lr rewind

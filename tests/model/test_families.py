@@ -1,4 +1,4 @@
-"""Model families (issue 31): Llama-3.1 (llama3 RoPE), Qwen2/2.5 (q/k/v bias, tied), Qwen3 (QK-norm,
+"""Model families: Llama-3.1 (llama3 RoPE), Qwen2/2.5 (q/k/v bias, tied), Qwen3 (QK-norm,
 explicit head_dim), Mistral (GQA, sliding window), each a tiny random model built by transformers
 (no download): logits and loss within 1e-5 of transformers after `convert`; `export` reloads in
 transformers as the same class with logits within 1e-5; `--init-from` on the HF folder equals the
@@ -219,7 +219,7 @@ def _hf_dict(family: str) -> dict:
     ("llama3", "attention_bias", True, "attention_bias"),
     ("qwen3", "attention_bias", True, "attention_bias"),
     ("qwen2", "use_sliding_window", True, "use_sliding_window"),
-    ("qwen2", "model_type", "deepseek_v3", "model_type"),  # qwen2_moe and qwen3_moe convert (issue 52)
+    ("qwen2", "model_type", "deepseek_v3", "model_type"),  # qwen2_moe and qwen3_moe convert
     ("mistral", "model_type", "mixtral", "model_type"),
     ("qwen2", "num_experts", 8, "num_experts"),
     ("qwen2", "hidden_act", "gelu", "hidden_act"),
@@ -381,7 +381,7 @@ T_EDGE = 12
 @pytest.mark.parametrize("window", [1, 2, T_EDGE - 1, T_EDGE, T_EDGE + 1])
 @pytest.mark.parametrize("documents", [False, True])
 def test_banded_window_equals_plain_attention_on_every_edge(window, documents):
-    """Issue 38, item 3: the flash path's kernel arguments (recorded from Attention._flash), turned
+    """The flash path's kernel arguments (recorded from Attention._flash), turned
     into the mask the kernel applies by the documented semantics (kernel_discard), then fed to the
     model's plain fp32 attention, equal the model's own sliding-window attention within 1e-5, at
     window 1, 2, T-1, T, T+1, with and without documents. The masks are also compared exactly, and
@@ -503,7 +503,7 @@ def test_family_table_drives_config_presets_and_shapes():
         family("gpt2")
 
 
-# --------------------------------------------------------------------------- as transformers loads a folder (issue 54)
+# --------------------------------------------------------------------------- as transformers loads a folder
 
 def _resave(src: Path, dst: Path, edit) -> Path:
     """A copy of the HF folder `src` whose weights went through `edit(dict of torch tensors)`."""
@@ -577,7 +577,7 @@ def test_rope_parameters_and_legacy_rope_scaling_must_agree(rope_parameters, rop
 
 
 def test_train_help_lists_every_preset(capsys):
-    """`train --help` listed 6 presets and hid the family ones (issue 54): it names the table's."""
+    """`train --help` listed 6 presets and hid the family ones: it names the table's."""
     from mspretrain.model.presets import PRESETS
 
     rc, out, _ = cli(capsys, "train", "--help")

@@ -1,4 +1,4 @@
-"""Fuzzing the readers of untrusted files (issue 18 item 7): HF safetensors and config.json.
+"""Fuzzing the readers of untrusted files: HF safetensors and config.json.
 
 Property: whatever the bytes, the reader gives a correct load or one `UserError` whose message is
 one line; never another exception, never a huge allocation. Mutations of a valid file: random
@@ -253,7 +253,7 @@ def test_convert_refuses_hostile_hf_folders_in_one_line(tmp_path, capsys, case):
     assert not (tmp_path / "ck").exists()
 
 
-# --------------------------------------------------------------------------- batches.jsonl (issue 33)
+# --------------------------------------------------------------------------- batches.jsonl
 # Every reader of a run's batch record (audit, spike's step lookup, the resume-time truncation,
 # the records() iterator replay and spike use) gives a result or one one-line UserError on any
 # damage: named kinds first, then hypothesis edits of a valid history.

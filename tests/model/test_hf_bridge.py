@@ -163,7 +163,7 @@ def test_export_refuses_non_empty_out_and_unknown_format(our_ckpt, work, capsys)
     (busy / "keep.txt").write_text("x")
     assert_refusal(*cli(capsys, "export", ck, "--format", "hf", "--out", busy)[::2], "did not write")
     assert (busy / "keep.txt").is_file()
-    # --overwrite replaces only an earlier export: a user's file in --out is never deleted (issue 33)
+    # --overwrite replaces only an earlier export: a user's file in --out is never deleted
     assert_refusal(*cli(capsys, "export", ck, "--format", "hf", "--out", busy, "--overwrite")[::2], "did not write")
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
     (busy / "keep.txt").unlink()

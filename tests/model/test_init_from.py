@@ -1,4 +1,4 @@
-"""Continued pretraining from published weights (issue 20 items 1, 3, 4): init sources (an HF
+"""Continued pretraining from published weights: init sources (an HF
 Llama folder made here with transformers, its converted checkpoint, a run dir), the vocabulary
 resize against an independent reference, the one-line refusals, and the parameter groups."""
 from __future__ import annotations
@@ -177,9 +177,9 @@ def test_refusals_are_one_line(src):
     shutil.copytree(src["hf"], notok)
     (notok / "tokenizer.model").unlink()
     assert_user_error(lambda: plan_init(load_init(notok), tiny_model(), src["ext"]), "without a tokenizer")
-    # ... and a data tokenizer of the same size: nothing shows it is the weights' own (issue 33)
+    # ... and a data tokenizer of the same size: nothing shows it is the weights' own
     assert_user_error(lambda: plan_init(load_init(notok), tiny_model(), src["tok"]), "without a tokenizer", "same size")
-    # NaN / inf weights and integer tensors are refused naming the tensor (issue 33)
+    # NaN / inf weights and integer tensors are refused naming the tensor
     from safetensors.numpy import load_file, save_file
 
     weights = load_file(str(src["hf"] / "model.safetensors"))
@@ -339,7 +339,7 @@ def ext_data(src):
     return out
 
 
-@pytest.mark.slow  # three training runs of its own (28 s of make test-fast, issue 32)
+@pytest.mark.slow  # three training runs of its own (28 s of make test-fast)
 def test_train_init_from_two_stages(src, ext_data, capsys):
     """Stage 1 from the HF folder (grown vocabulary, embeddings + lm_head only), resumed without
     --init-from, then stage 2 (everything) from the stage-1 run; misuse is one line, exit 2."""

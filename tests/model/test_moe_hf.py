@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Qwen2-MoE (issue 52): the MoE MLP against a float64 reference in graph mode, and the HF bridge
+"""Qwen3-MoE and Qwen2-MoE: the MoE MLP against a float64 reference in graph mode, and the HF bridge
 both ways against transformers' Qwen3MoeForCausalLM (logits within 1e-5 in fp32, the same top-k
 experts for every token at every MoE layer; the export loads in transformers with the same logits)."""
 from __future__ import annotations

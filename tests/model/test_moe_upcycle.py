@@ -1,4 +1,4 @@
-"""Upcycling (issue 52 item 5): an MoE model built from a dense Qwen3 checkpoint equals it at step 0;
+"""Upcycling: an MoE model built from a dense Qwen3 checkpoint equals it at step 0;
 and an MoE model decodes with the K/V cache as its full forward computes."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 19 item 7: device memory from MindSpore's runtime statistics is its own metric next to host
+"""Device memory from MindSpore's runtime statistics is its own metric next to host
 RSS, reaches the report, and is quoted in diagnose's OOM advice."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What an operator sees of a mixture of experts (issue 52 item 6): MFU and plan count active
+"""What an operator sees of a mixture of experts: MFU and plan count active
 parameters, the trainer logs per-layer expert load, diagnose finds a router collapse."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-source ledger (issue 21 item 5): with two data sources, metrics carry each source's loss,
+"""Per-source ledger: with two data sources, metrics carry each source's loss,
 tokens and share, and they add up to what the run trained on."""
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def one_step(tmp_path_factory, tiny_data):
     return trainer, summary, run, lines
 
 
-@pytest.mark.slow  # `one_step` compiles and runs the scaled-down 7B step (38 s of make test-fast at load ~3, issue 32)
+@pytest.mark.slow  # `one_step` compiles and runs the scaled-down 7B step (38 s of make test-fast at load ~3)
 def test_one_real_fp16_step_of_the_scaled_down_config(one_step, tiny_data):
     trainer, summary, run, lines = one_step
     vocab = json.loads((tiny_data / "manifest.json").read_text())["vocab_size"]

@@ -85,9 +85,9 @@ def test_rank_table_binds_device_id_then_initialises_hccl(tmp_path, monkeypatch)
     assert ("init", "hccl") in calls
     assert world == world_mod.World(rank=3, size=8)
     assert not [c for c in calls if c[0] == "set_auto_parallel_context"]
-    # item 3: graph-kernel fusion is not switched on through the deprecated flag
+    # graph-kernel fusion is not switched on through the deprecated flag
     assert not [c for c in calls if c[0] == "set_context" and "enable_graph_kernel" in c[1]]
-    # item 4: determinism through set_deterministic, not set_context(deterministic=...)
+    # determinism through set_deterministic, not set_context(deterministic=...)
     assert ("set_deterministic", True) in calls
     assert not [c for c in calls if c[0] == "set_context" and "deterministic" in c[1]]
 
@@ -485,7 +485,7 @@ def test_visible_npus_and_the_reduction_bandwidth(tmp_path):
 
 
 def test_a_cut_model_sends_only_this_ranks_pieces_to_the_device(monkeypatch, world_of):
-    """Issue 51.2: ZeRO-3 and tensor parallel built every fp32 weight whole in HBM, then cut it
+    """ZeRO-3 and tensor parallel built every fp32 weight whole in HBM, then cut it
     (Qwen2.5-32B: 122 GiB against the 58 GiB pool), each cut a device->host copy of the whole
     weight. A CPU build with the Ascend path's choices (a process bound to an NPU, `Tensor.to`
     counting the bytes it is asked to move): drawn on the host (`host_weights`, what train/build.py
@@ -536,7 +536,7 @@ def test_a_cut_model_sends_only_this_ranks_pieces_to_the_device(monkeypatch, wor
 
 
 def test_a_cut_model_holds_one_whole_weight_at_a_time_on_the_host(monkeypatch, world_of, tiny_cfg):
-    """Issue 51.2, the host side: on an NPU a model built for a cut (`host_weights`) draws each weight
+    """The host side: on an NPU a model built for a cut (`host_weights`) draws each weight
     when it is first read (model/decoder.py LazyDraw, MindSpore's lazy initialisation), so ZeRO-3's
     slicing (through TrainStep, as train builds it) and tp's cut read, cut and drop one whole weight
     at a time instead of holding the whole fp32 model; the pieces are those of the eager build."""

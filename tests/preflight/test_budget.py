@@ -1,6 +1,6 @@
 """One budget below plan and run: `train`, `plan` and `report` show the same steps, warm-up, lr and
 batch split for a config, including a short run whose auto warm-up is capped at a tenth of it
-(plan and report used to rebuild the warm-up without that cap)."""
+(plan and report take it from the budget, not a warm-up of their own)."""
 from __future__ import annotations
 
 import json

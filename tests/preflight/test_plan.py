@@ -99,7 +99,7 @@ def test_no_budget_still_plans_memory(capsys):
     assert plan["memory_bytes"]["peak"] > 0
     text = format_plan(plan)
     assert "tokens     — (no budget" in text and "peak (largest set alive)" in text and "\nsteps " not in text
-    # issue 17: `plan --model llama2-7b --devices 8` was refused; and it used seq 64 x batch 8 silently
+    # `plan --model llama2-7b --devices 8` plans, at the preset's seq and batch (not a silent seq 64 x batch 8)
     assert main(["plan", "--model", "llama2-7b", "--devices", "8"]) == 0
     out = capsys.readouterr().out
     assert "layout     8 devices, global batch 8 = micro 1 x accum 1 x 8, seq 4096" in out
@@ -155,7 +155,7 @@ def test_plan_refuses_a_tp_that_train_would_refuse_and_says_what_its_figures_are
     assert main(base + ["--devices", "8", "parallel.tp=2"]) == 0
     out = capsys.readouterr().out
     assert "parallel.tp = 2: the memory above is the table's TP2 accounting" in out
-    # the batch is split over the 4 data-parallel ranks, not the 8 devices (issue 54.10)
+    # the batch is split over the 4 data-parallel ranks, not the 8 devices
     assert "global batch 64 = micro 1 x accum 16 x 4 data-parallel (tensor parallel 2)" in out
 
 

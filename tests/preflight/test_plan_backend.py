@@ -172,7 +172,7 @@ def test_run_config_notes_the_bucket_cap_that_ran(tiny_cfg):
     ("qwen2.5-7b-zh-continue-910b.toml", 8, 2079, 260),  # the split lm_head (152,064 x 3,584 fp32) in one collective
 ])
 def test_plan_sizes_hccl_buffsize_from_the_largest_collective(config, devices, largest_mb, buffsize):
-    """What `launch` exports as HCCL_BUFFSIZE (issue 38): a ZeRO bucket holds at least one parameter
+    """What `launch` exports as HCCL_BUFFSIZE: a ZeRO bucket holds at least one parameter
     per rank and a split parameter crosses whole, so the largest collective is far above the
     256 MB bucket cap; buckets sized to HCCL's 200 MB buffer would not change these."""
     from pathlib import Path

@@ -1,4 +1,4 @@
-"""Issue 30, item 7: the plan knows host memory, and `auto` plans for the machine it runs on."""
+"""The plan knows host memory, and `auto` plans for the machine it runs on."""
 from __future__ import annotations
 
 import json
@@ -28,7 +28,7 @@ def test_auto_plans_for_this_machine_unless_devices_ask_for_a_cluster(capsys):
 
 def test_on_cpu_each_rank_is_compared_with_its_share_of_this_machines_ram(capsys):
     """On CPU the host is the device and the ranks on this machine share its RAM: a 24 GB box
-    must not be told that two ranks of 9.6 GB fit in "64 GB usable" (what it used to print)."""
+    must not be told that two ranks of 9.6 GB fit in "64 GB usable" """
     import os
 
     from mspretrain.cli import main

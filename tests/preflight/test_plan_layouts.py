@@ -126,7 +126,7 @@ def test_the_table_stops_at_64_devices():
     assert "layouts" in _plan("qwen3-14b", devices=64) and "layouts" not in _plan("qwen3-14b", devices=128)
 
 
-# ---- issue 51.6 / 54.10: no layout the table recommends is one `train` refuses
+# ---- no layout the table recommends is one `train` refuses
 
 class _Param:
     def __init__(self, name: str, shape: tuple[int, ...]) -> None:
@@ -170,9 +170,9 @@ def _train_checks(cfg, m, row) -> None:
 @pytest.mark.parametrize("devices", [8, 16, 32])
 def test_every_recommended_layout_is_one_train_accepts(devices):
     """Every preset at 8, 16 and 32 devices (the 910B shape, global batch 256): the layout the table
-    recommends, and the faster unmeasured one it names, pass `train`'s own checks (issue 51: it
-    recommended ZeRO-3 for Qwen3 on 16 devices, whose 128-element QK-norm weights are fewer than
-    16² and which `train` refuses); a row `train` refuses is listed as not possible, with its words."""
+    recommends, and the faster unmeasured one it names, pass `train`'s own checks (ZeRO-3
+    for Qwen3 on 16 devices is one `train` refuses: its 128-element QK-norm weights are fewer than
+    16²); a row `train` refuses is listed as not possible, with its words."""
     from mspretrain.model.presets import PRESETS
     from mspretrain.ops.plan import make_plan
 
@@ -200,7 +200,7 @@ def test_every_recommended_layout_is_one_train_accepts(devices):
 
 
 def test_plan_of_a_preset_alone_is_a_shape_its_table_fits_and_names_it(capsys):
-    """Issue 54.10: `plan --model PRESET` alone plans bf16 on Ascend, a global batch the data-parallel
+    """`plan --model PRESET` alone plans bf16 on Ascend, a global batch the data-parallel
     ranks divide (the default 8 was refused on 16), and a window that fits (Qwen3-14B's 40,960-token
     context gave 10,891 GB); the warning names the layout its own table recommends; `--devices 16`
     plans host memory for the 8 ranks of a server (its HCCL line says 2 servers)."""
@@ -230,7 +230,7 @@ def test_plan_of_a_preset_alone_is_a_shape_its_table_fits_and_names_it(capsys):
 
 
 def test_fits_under_tensor_parallel_splits_the_batch_over_the_data_parallel_ranks():
-    """Issue 54.10: a valid `global_batch=3, tp=2` run on 6 ranks (3 data-parallel) was refused
+    """A valid `global_batch=3, tp=2` run on 6 ranks (3 data-parallel) was refused
     because `fits` split the batch over all 6."""
     from mspretrain.ops.fits import estimate_bytes
 
@@ -244,7 +244,7 @@ def test_fits_under_tensor_parallel_splits_the_batch_over_the_data_parallel_rank
 
 
 def test_qwen25_32b_on_16_devices_starts_with_its_slices_only():
-    """Issue 51.2: ZeRO-3 built the whole fp32 model on each device before slicing it (122 GiB for
+    """ZeRO-3 built the whole fp32 model on each device before slicing it (122 GiB for
     Qwen2.5-32B against 58): the plan recommended a layout that could not start. The model is now
     drawn on the host, one weight at a time as the cut reads it, and each device receives its slices:
     the plan's start-up figure is the slices (within the pool), the host's one whole fp32 weight per

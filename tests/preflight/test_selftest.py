@@ -360,7 +360,7 @@ def test_collectives_worker_on_two_cpu_processes(tmp_path):
 def test_zero2_step_on_two_cpu_processes_matches_one_process(tmp_path):
     """The ZeRO-2 check as a 910B runs it (ranks through msrun, the single-process reference here),
     on 2 CPU workers: the same compiled TrainStep with split, single and bucketed parameters. The
-    workers also run the tp and ZeRO-3 steps a 910B runs for the runtime order (issue 51.7; on CPU
+    workers also run the tp and ZeRO-3 steps a 910B runs for the runtime order (on CPU
     the selftest itself runs only the ZeRO-2 step, and MindSpore's collection is off)."""
     from mspretrain.ops import exec_order, zero2_worker
 
@@ -382,7 +382,7 @@ def test_zero2_step_on_two_cpu_processes_matches_one_process(tmp_path):
     assert selftest_node.check_zero2(ctx, ranks).status == "failed"
 
 
-# --------------------------------------------------------------------------- MindSpore's runtime order check (issue 51.7)
+# --------------------------------------------------------------------------- MindSpore's runtime order check
 
 _ORDER_HEADER = ("index,group,comm_rank,primitive,src_rank,dest_rank,root_rank,input_shape,input_type,output_shape,"
                  "output_type,input_size,output_size\n")
@@ -442,7 +442,7 @@ def _steps_rows(rank: int) -> dict[str, list[tuple[str, ...]]]:
 
 @pytest.mark.parametrize("broken", [None, "zero2", "tp", "zero3"])
 def test_the_selftest_wraps_a_zero2_a_tp_and_a_zero3_step_on_ascend_and_fails_on_any_steps_order(tmp_path, monkeypatch, broken):
-    """Issue 51.7. Which steps the workers run inside MindSpore's collection is chosen by device:
+    """Which steps the workers run inside MindSpore's collection is chosen by device:
     on Ascend the ZeRO-2, tp and ZeRO-3 steps, in that order, between one `comm_exec_order_check`
     "start" and its "end"; on CPU the ZeRO-2 step alone and no collection. The selftest then reads
     the rank_R/execute_order/comm_execute_order.csv under the workers' working directory, their

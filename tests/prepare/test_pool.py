@@ -1,5 +1,5 @@
-"""`pool.start_pool`'s pool: its worker-handler thread does not wake for every result (it used to
-spin on the result pipe, a third of `prepare`'s main-process CPU at its ceiling), and it still
+"""`pool.start_pool`'s pool: its worker-handler thread does not wake for every result (spinning
+on the result pipe would cost a third of `prepare`'s main-process CPU at its ceiling), and it still
 replaces a worker that exits; a killed worker ends the wait for its task."""
 from __future__ import annotations
 

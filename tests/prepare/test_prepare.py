@@ -1,5 +1,5 @@
 """`prepare` end to end on small text the tests write: round trip through the shards, the
-manifest, determinism, crash safety, every bad input of issue 3 through the CLI, the demo
+manifest, determinism, crash safety, every bad input through the CLI, the demo
 corpus builder (without the network)."""
 from __future__ import annotations
 
@@ -355,7 +355,7 @@ def _tree(d: Path) -> dict[str, bytes]:
 
 
 def test_overwrite_refuses_a_manifest_prepare_did_not_write(raw, tmp_path, capsys):
-    # issue 33: a checkpoint dir has a manifest.json without `outputs`; it was taken for an old
+    # a checkpoint dir has a manifest.json without `outputs`; it was taken for an old
     # prepare's and its manifest and tokenizer replaced.
     ckpt = tmp_path / "run" / "checkpoints" / "step_000010"
     ckpt.mkdir(parents=True)
@@ -369,7 +369,7 @@ def test_overwrite_refuses_a_manifest_prepare_did_not_write(raw, tmp_path, capsy
 
 
 def test_a_publish_killed_halfway_is_repaired_by_the_same_command(raw, tmp_path, monkeypatch):
-    # issue 33: the file-by-file publish (a user's file lives in the data dir) removes the old
+    # the file-by-file publish (a user's file lives in the data dir) removes the old
     # manifest first; a kill after that left a dir that every rerun refused.
     from mspretrain.prepare import publish as pub
 
@@ -401,7 +401,7 @@ def test_a_publish_killed_halfway_is_repaired_by_the_same_command(raw, tmp_path,
 
 
 def test_a_file_name_that_is_not_utf8_is_refused_before_any_work(tmp_path, capsys):
-    # issue 33: prepare crashed after all its work, writing the manifest
+    # a crash after all the work, while writing the manifest
     d = tmp_path / "in"
     d.mkdir()
     bad = os.fsdecode(bytes(d) + b"/\xff\xfenews.txt")

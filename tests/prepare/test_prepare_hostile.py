@@ -1,8 +1,8 @@
-"""Issue 54's classes for prepare, the quality filters and decontamination: nothing of the user's
+"""Hostile inputs to prepare, the quality filters and decontamination: nothing of the user's
 is replaced (quality --out, prepare's hidden names), one prepare per --out, a publish killed
 between its two renames finished by the same command, hostile files (journal, models, eval sets,
 manifests) refused in one line in bounded memory and time, the decontamination rule (short items,
-labelled options), and the assertions the slips of the issue's items 22-26 and 30 were missing.
+labelled options), and assertions that a slip in any of these would fail.
 
 Every refusal: exit 2, one `error:` line and one `hint:` line, no traceback, and the files as they
 were (`tree` before and after)."""
@@ -73,10 +73,10 @@ def train(d: Path, out: Path, *extra: str) -> list[str]:
             "--out", str(out), "--quiet", *extra]
 
 
-# ----------------------------------------------------------------------------- quality --out (items 1, 16, 9)
+# ----------------------------------------------------------------------------- quality --out
 
 def test_quality_out_creates_its_parents_and_replaces_only_its_own_model(labelled, tmp_path, capsys):
-    """Issue 54 item 16: `--out models/x.npz` works when models/ does not exist (operators §14);
+    """`--out models/x.npz` works when models/ does not exist (operators §14);
     a second run replaces its own model and checksum."""
     out = tmp_path / "models" / "sub" / "q.npz"
     code, stdout, err = cli(capsys, *train(labelled, out))
@@ -92,7 +92,7 @@ def test_quality_out_creates_its_parents_and_replaces_only_its_own_model(labelle
 @pytest.mark.parametrize("case", ["positive", "negative-hardlink", "sha256-is-input", "foreign-npz", "foreign-sidecar", "directory",
                                   "fifo", "symlink-to-input", "other-kind", "dev-zero", "parent-is-a-file"])
 def test_quality_out_never_replaces_an_input_or_a_file_it_did_not_write(labelled, tmp_path, capsys, case):
-    """Issue 54 item 1 (the class): the label file did become a zip, and a user's X.npz.sha256 was
+    """The label file did become a zip, and a user's X.npz.sha256 was
     replaced. Every variant is refused in one line and every file stays as it was."""
     d = tmp_path / "w"
     d.mkdir()
@@ -143,7 +143,7 @@ def test_quality_lm_refuses_its_input_as_out(labelled, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", ["same-file", "hard-link", "copy", "dir-holding-both"])
 def test_quality_train_refuses_the_same_documents_as_both_classes(labelled, tmp_path, capsys, case):
-    """Issue 54 item 9: the same file as both classes wrote a meaningless model (held-out recall
+    """The same file as both classes wrote a meaningless model (held-out recall
     0.02) and said to use it."""
     pos = labelled / "pos.txt"
     neg = pos
@@ -175,7 +175,7 @@ def test_a_model_that_cannot_tell_the_classes_apart_is_not_recommended(tmp_path,
     assert "does not tell --positive from --negative" in out and "use it with" not in out
 
 
-# ----------------------------------------------------------------------------- hostile model files (items 12, 14, 15)
+# ----------------------------------------------------------------------------- hostile model files
 
 def _npz(members: dict[str, np.ndarray | bytes]) -> bytes:
     buf = io.BytesIO()
@@ -242,7 +242,7 @@ HOSTILE_MODELS = {
 
 @pytest.mark.parametrize("case", [*HOSTILE_MODELS, "zip-bomb", "directory", "fifo", "dev-zero", "missing", "sidecar-fifo"])
 def test_hostile_quality_model_files_are_one_line_in_bounded_memory(tmp_path, capsys, case):
-    """Issue 54 items 12, 14, 15: a 2 MB zip bomb passed 1.5 GB; hostile members and heads were
+    """A 2 MB zip bomb passed 1.5 GB; hostile members and heads were
     tracebacks; a directory, FIFO or /dev/zero "did not exist"."""
     corpus = tmp_path / "c.txt"
     corpus.write_text(lines(make_poems(30)), encoding="utf-8")
@@ -285,7 +285,7 @@ def test_quality_lm_counts_a_long_reference_in_segments_exactly(monkeypatch):
     assert np.array_equal(whole[0], cut[0]) and whole[1:] == cut[1:]
 
 
-# ----------------------------------------------------------------------------- decontamination (items 8, 14, 15, 22)
+# ----------------------------------------------------------------------------- decontamination
 
 def _ceval_rows() -> list[dict]:
     rows = []
@@ -307,7 +307,7 @@ LABELS = [("A. ", "B. ", "C. ", "D. "), ("(A)", "(B)", "(C)", "(D)"), ("A、", "
 
 
 def test_every_shipped_ceval_question_with_its_option_labels_is_a_hit(ceval):
-    """Issue 54 item 8's bar: a document holding a shipped C-Eval question with its option labels
+    """A document holding a shipped C-Eval question with its option labels
     is dropped (the labels broke every 13-gram of a short question), in several label styles; and
     the options alone in order, labelled or not."""
     from mspretrain.prepare.decontam import MIN_WHOLE, normalize
@@ -324,7 +324,7 @@ def test_every_shipped_ceval_question_with_its_option_labels_is_a_hit(ceval):
 
 
 def test_a_document_sharing_only_12_characters_with_an_eval_item_is_kept(ceval):
-    """Issue 54 item 22: with 12-grams instead of 13 this document would be dropped."""
+    """With 12-grams instead of 13 this document would be dropped."""
     from mspretrain.prepare.decontam import EvalNgrams, normalize
 
     long = max(_ceval_rows(), key=lambda r: len(normalize(r["question"])))
@@ -339,7 +339,7 @@ def test_a_document_sharing_only_12_characters_with_an_eval_item_is_kept(ceval):
 
 
 def test_items_shorter_than_the_ngram_are_matched_whole(tmp_path):
-    """Issue 54 item 8: a set whose every item was shorter than n was accepted and removed nothing."""
+    """A set whose every item was shorter than n was accepted and removed nothing."""
     from mspretrain.prepare.decontam import EvalNgrams
 
     f = tmp_path / "short.jsonl"
@@ -357,7 +357,7 @@ def test_items_shorter_than_the_ngram_are_matched_whole(tmp_path):
 
 @pytest.mark.parametrize("case", ["tiny-items", "deep-json", "fifo", "dev-zero", "empty-dir", "not-utf8", "json-not-object"])
 def test_hostile_eval_sets_are_one_line(tmp_path, capsys, case):
-    """Issue 54 items 14, 15: deep JSON in a decontamination .jsonl was a traceback; a FIFO or
+    """Deep JSON in a decontamination .jsonl was a traceback; a FIFO or
     /dev/zero "did not exist"; a set of items too short to tell a copy from chance is refused."""
     corpus = tmp_path / "c.txt"
     corpus.write_text(lines(make_poems(30)), encoding="utf-8")
@@ -386,7 +386,7 @@ def test_hostile_eval_sets_are_one_line(tmp_path, capsys, case):
 def test_prepare_drops_a_labelled_ceval_copy_and_keeps_the_12_character_near_miss(tmp_path):
     """The bar end to end: prepare with the shipped C-Eval sets drops the document holding a
     question with its labelled options, keeps one sharing 12 characters, and says so in its own
-    summary (item 20)."""
+    summary."""
     from mspretrain.prepare.decontam import normalize
 
     rows = _ceval_rows()
@@ -411,7 +411,7 @@ def test_prepare_drops_a_labelled_ceval_copy_and_keeps_the_12_character_near_mis
 
 
 def test_inspect_shows_a_jsonl_record_as_text(tmp_path):
-    """Issue 54 item 20: --inspect printed `{"text": "\\u6625...` bytes; now the record's text."""
+    """--inspect printed `{"text": "\\u6625...` bytes; now the record's text."""
     from mspretrain.prepare.inspect import jsonl_text
 
     rec = json.dumps({"id": 3, "text": "春眠不觉晓，\n处处闻啼鸟。"})
@@ -420,7 +420,7 @@ def test_inspect_shows_a_jsonl_record_as_text(tmp_path):
     assert jsonl_text(rec[:60]).startswith("春眠不觉")  # a record cut where it was read
 
 
-# ----------------------------------------------------------------------------- prepare's hidden names, lock and journal (items 2, 3, 4, 11, 14)
+# ----------------------------------------------------------------------------- prepare's hidden names, lock and journal
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
@@ -445,7 +445,7 @@ def _copy_data(published: Path, where: Path) -> Path:
 
 
 def test_a_users_dot_old_dir_is_never_removed(published, corpus, tmp_path, capsys):
-    """Issue 54 item 2: `prepare --overwrite` removed a user's directory named `.NAME.old`."""
+    """`prepare --overwrite` removed a user's directory named `.NAME.old`."""
     out = _copy_data(published, tmp_path)
     for variant in ("dir", "file", "link"):
         old = tmp_path / ".data.old"
@@ -472,7 +472,7 @@ def test_a_users_dot_old_dir_is_never_removed(published, corpus, tmp_path, capsy
 @pytest.mark.parametrize("content", ["text", "json-object", "old-journal-shape", "our-format-edited", "fifo", "dev-zero", "deep-json",
                                      "directory"])
 def test_a_users_progress_json_is_never_replaced(corpus, tmp_path, capsys, content):
-    """Issue 54 items 2, 11, 14: `prepare --out NAME` overwrote and deleted a user's
+    """`prepare --out NAME` overwrote and deleted a user's
     `.NAME.progress.json`; a FIFO there hung; deep JSON was a traceback."""
     j = tmp_path / ".data.progress.json"
     if content == "text":
@@ -523,7 +523,7 @@ def _journal(tmp_path: Path, data: dict) -> None:
 
 @pytest.mark.parametrize("edit", ["negative-offset", "wrong-type", "unknown-stage", "deep"])
 def test_an_edited_journal_is_refused_in_one_line(corpus, tmp_path, capsys, edit):
-    """Issue 54 item 14: hostile journal content (deep JSON, unknown stage, negative offsets, wrong
+    """Hostile journal content (deep JSON, unknown stage, negative offsets, wrong
     types) was a traceback. A journal changed after prepare wrote it fails its check sum; one whose
     check sum was made to fit still names a stage the chain must have."""
     from mspretrain.prepare import resume
@@ -553,7 +553,7 @@ def test_an_edited_journal_is_refused_in_one_line(corpus, tmp_path, capsys, edit
 
 
 def test_a_second_prepare_on_the_same_out_is_refused_while_the_first_runs(corpus, tmp_path, capsys):
-    """Issue 54 item 4: two prepares on one --out resumed each other's live work dir and both died.
+    """Two prepares on one --out resumed each other's live work dir and both died.
     The --out is locked as `train` locks a run dir; a foreign lock file of that name is refused."""
     from mspretrain.fsutil import locked_beside
 
@@ -605,7 +605,7 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.sigkill
 def test_a_rethreshold_into_its_own_source_killed_between_the_renames_is_finished_by_the_same_command(corpus, tmp_path):
-    """Issue 54 item 3: `--out D --overwrite --scores-from D` killed between publish's two renames
+    """`--out D --overwrite --scores-from D` killed between publish's two renames
     left D only under its hidden name, and the same command was then refused."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     d = tmp_path / "d"
@@ -624,10 +624,10 @@ def test_a_rethreshold_into_its_own_source_killed_between_the_renames_is_finishe
     assert {p.name: p.read_bytes() for p in d.iterdir()} == want
 
 
-# ----------------------------------------------------------------------------- --scores-from (items 5, 14)
+# ----------------------------------------------------------------------------- --scores-from
 
 def test_fractions_from_a_source_of_longer_inputs_are_refused(tmp_path, capsys):
-    """Issue 54 item 5: the source's documents this run does not have (its inputs a prefix of the
+    """The source's documents this run does not have (its inputs a prefix of the
     source's) counted in the fraction's threshold, silently. Without a fraction, a prefix is fine
     (each document's scores are looked up)."""
     poems = [p.replace("\n", "，") for p in make_poems(240, seed=12)]
@@ -667,7 +667,7 @@ def test_a_hostile_scores_from_manifest_is_one_line(corpus, tmp_path, capsys, ma
     assert tree(tmp_path) == before
 
 
-# ----------------------------------------------------------------------------- the missing assertions (items 23-26, 30)
+# ----------------------------------------------------------------------------- the missing assertions
 
 def _stage(**kw):
     from mspretrain.prepare.quality import CharLM, Classifier
@@ -684,7 +684,7 @@ def _stage(**kw):
 
 
 def test_a_score_equal_to_its_threshold_is_kept():
-    """Issue 54 item 23: `min_zh_prob = 1.0` must keep the documents that are Chinese by script
+    """`min_zh_prob = 1.0` must keep the documents that are Chinese by script
     (P = 1.0); likewise a classifier score equal to quality_threshold and a perplexity on either
     edge of its band."""
     from mspretrain.prepare.scoring import REASONS, RECORD
@@ -712,7 +712,7 @@ def _source(tmp_path: Path, ppl: list[float], quality: list[float]):
 
 
 def test_fraction_edges_when_the_product_is_whole(tmp_path):
-    """Issue 54 item 24: `ppl_quantiles` lower edge when lo·n is whole: the floor(lo n)+1-th
+    """`ppl_quantiles` lower edge when lo·n is whole: the floor(lo n)+1-th
     smallest (ceil would give the lo n-th, keeping one more); the top fraction's ceil(f m)-th
     largest when f m is whole."""
     from mspretrain.prepare import rescore
@@ -726,7 +726,7 @@ def test_fraction_edges_when_the_product_is_whole(tmp_path):
 
 
 def test_the_feature_hashing_is_pinned_by_golden_values():
-    """Issue 54 item 25: a changed feature hash scored an old model file differently and was
+    """A changed feature hash scored an old model file differently and was
     accepted. These values were computed by the code that wrote the shipped model format (FORMAT 1)."""
     from mspretrain.prepare import quality
 
@@ -742,7 +742,7 @@ def test_the_feature_hashing_is_pinned_by_golden_values():
 
 
 def test_a_score_record_offset_past_4_gib_is_written_and_read_back(tmp_path):
-    """Issue 54 item 26: the record's byte offset in 32 bits went untested. Offsets of 2^32 and
+    """The record's byte offset in 32 bits went untested. Offsets of 2^32 and
     beyond go through `scoring.apply`, the sidecar and the source lookup unchanged."""
     from mspretrain.data.origin import RECORD as ORIGIN
     from mspretrain.prepare import scoring
@@ -766,7 +766,7 @@ def test_a_score_record_offset_past_4_gib_is_written_and_read_back(tmp_path):
 
 
 def test_a_same_size_input_rewritten_with_a_new_mtime_is_not_resumed(corpus, tmp_path):
-    """Issue 54 item 30: prepare resume's fingerprint must see a same-size rewrite (its mtime)."""
+    """Prepare resume's fingerprint must see a same-size rewrite (its mtime)."""
     from mspretrain.config import PrepareConfig
     from mspretrain.errors import UserError
     from mspretrain.prepare import resume
@@ -856,7 +856,7 @@ def test_a_corpus_jsonl_line_nested_past_the_stack_is_a_broken_record(tmp_path, 
 
 
 def test_filters_that_drop_every_document_are_named_as_the_cause(tmp_path, capsys):
-    """Issue 54 item 15: a model that dropped everything ended the run with "check the inputs";
+    """A model that dropped everything ended the run with "check the inputs";
     the refusal now names the filter and the setting to relax."""
     rng = np.random.default_rng(5)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "runs", "far", "away"]
@@ -886,7 +886,7 @@ def test_a_leftover_old_dir_is_not_put_back_over_a_data_dir_the_user_removed(pub
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
 def test_the_cache_dirs_character_table_is_read_with_the_guards(tmp_path, monkeypatch, kind):
-    """Issue 54 item 11 (prepare's part): the character table cached under $MSPRETRAIN_CACHE was
+    """The character table cached under $MSPRETRAIN_CACHE was
     read without the special-file and size guards: a FIFO there hung prepare, a link to /dev/zero
     grew without end. Now it is built instead, and the entry is left as it is."""
     from mspretrain.prepare import clean

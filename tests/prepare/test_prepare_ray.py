@@ -1,4 +1,4 @@
-"""`prepare --ray ADDRESS` (issue 29, item 5): a real two-node Ray cluster on 127.0.0.1 (a head
+"""`prepare --ray ADDRESS`: a real two-node Ray cluster on 127.0.0.1 (a head
 and one worker node, each a `ray start --block` process group started and killed here), and the
 data dir it writes compared byte for byte with a local run, with and without near dedup, with a
 trained and with a given tokenizer. The head offers no CPU, so every chunk runs on the worker node.

@@ -1,4 +1,4 @@
-"""Model-based quality filtering and decontamination in `prepare` (issue 39): the classifier from
+"""Model-based quality filtering and decontamination in `prepare`: the classifier from
 `mspretrain quality train` drops planted junk, the sidecar keeps every score, a decontaminated
 prepare leaves no 13-gram of the eval set in the shards (checked by decoding the shards and
 scanning them here, with code of this file's own), kill -9 during scoring resumes byte for byte,

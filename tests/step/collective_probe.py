@@ -137,7 +137,7 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
     # bucket, split parameter or gathered weight a rank reads), and a second layer only repeats the
     # first's nodes; one layer compiles in about half the time (30 ranks x 3 graphs). Planted, the
     # bug this file guards (`_reduce` returning its last result without the others behind it) still
-    # fails it at world 2: rank 1 kept 3 AllReduces, rank 0 2 (issue 40, measured).
+    # fails it at world 2: rank 1 kept 3 AllReduces, rank 0 2 (measured).
     m = cfgmod.resolve_model(replace(cfg.model, n_layers=1, **FAMILIES[family]), 512)
     tokens = ms.Tensor(np.zeros((2, 33), np.int32))
     one = ms.Tensor(1.0, ms.float32)

@@ -1,4 +1,4 @@
-"""Every rank compiles the same sequence of collectives (issue 38, item 1).
+"""Every rank compiles the same sequence of collectives.
 
 HCCL pairs the n-th collective of one rank with the n-th of every other: a rank whose graph lacks
 one hangs the job, or sums the wrong tensors where the sizes happen to match. On the Ascend path the
@@ -25,12 +25,12 @@ import pytest
 
 from tests.step.collective_probe import case_key, collectives_in_ir
 
-pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each, 1 layer) in one subprocess; 38 of 2 layers before issue 40
+pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each, 1 layer) in one subprocess
 
 PROBE = Path(__file__).with_name("collective_probe.py")
 ROOT = PROBE.parents[1]
 # A case is (world, ZeRO stage, tp, model family); each is here for a graph structure no other case
-# has (issue 40 dropped the cases another one covers: 38 rank compilations became 30).
+# has (the cases another one covers are left out).
 # - ZeRO-2, the shipped 910B configs: world 8, where the bug showed (ranks 6-7 kept one collective
 #   more than ranks 0-5), and world 2, where every rank kept all of them but in another order.
 #   World 4 is dropped: the same buckets, split parameters and singletons, cut among a number of
@@ -92,8 +92,8 @@ def test_every_rank_compiles_the_same_collectives_in_the_same_order(compiled, wo
 @pytest.mark.parametrize(",".join(PARAMS), CASES)
 def test_every_collective_names_a_group_of_its_rank_and_a_root_inside_it(compiled, world, zero, tp, family):
     """What HCCL reads of each collective besides its kind: the group (this rank must be one of its
-    members) and a Broadcast's root, the root's rank inside the group (issue 51: the owner's world
-    rank was given, `root_rank: 6` in a 4-member dp group: HCCL_E_PARA, or a broadcast from the
+    members) and a Broadcast's root, the root's rank inside the group (the owner's world
+    rank, `root_rank: 6` in a 4-member dp group, is HCCL_E_PARA, or a broadcast from the
     wrong member). A world-rank root fails here at tp 2 x dp 2 (dp_1 is ranks 1 and 3: root 3)."""
     for r, graphs in compiled[(world, zero, tp, family)].items():
         for graph in ("fused", "accumulate", "apply"):

@@ -42,7 +42,7 @@ def fp16_reference():
     return _run("fp16")
 
 
-@pytest.mark.slow  # fp16 and fp32 training runs of its own (63 s of make test-fast with its fixture at load ~3, issue 32)
+@pytest.mark.slow  # fp16 and fp32 training runs of its own (63 s of make test-fast with its fixture at load ~3)
 def test_half_parameters_with_masters_equal_fp32_parameters(fp16_reference):
     ref_losses, ref_weights, _ = fp16_reference
     losses, weights, step = _run("fp16", half=True)
@@ -60,7 +60,7 @@ def test_half_parameters_with_masters_equal_fp32_parameters(fp16_reference):
     assert step.state_keys() == set(state)  # unsharded: this rank holds all of it
 
 
-@pytest.mark.slow  # two training runs of its own (36 s of make test-fast at load ~3, issue 32)
+@pytest.mark.slow  # two training runs of its own (36 s of make test-fast at load ~3)
 def test_recompute_equals_stored_activations():
     ref_losses, ref_weights, _ = _run("fp32")
     losses, weights, _ = _run("fp32", recompute=True)
@@ -69,7 +69,7 @@ def test_recompute_equals_stored_activations():
         np.testing.assert_allclose(weights[name], ref, rtol=0, atol=1e-6)
 
 
-@pytest.mark.slow  # three fp16 training runs of its own (22 s of make test-fast, issue 32)
+@pytest.mark.slow  # three fp16 training runs of its own (22 s of make test-fast)
 def test_half_parameter_run_resumes_exactly(tmp_path, tiny_data):
     from mspretrain.cli import main
 

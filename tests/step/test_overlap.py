@@ -1,4 +1,4 @@
-"""Communication overlaps the backward pass (issue 30, item 1): buckets in gradient-readiness order,
+"""Communication overlaps the backward pass: buckets in gradient-readiness order,
 collectives chained only on CPU, and the compiled graph's execution order showing the first
 gradient collective issued before the last backward op."""
 from __future__ import annotations
@@ -57,8 +57,8 @@ def _execution_order(tmp_path: Path, device: str) -> dict:
 def test_first_gradient_collective_is_issued_before_the_last_backward_op(tmp_path):
     """The Ascend step (no chain between collectives) compiled by MindSpore's backend: the first
     AllReduce comes before the last op of the backward pass, so HCCL works while the backward pass
-    still computes. Before issue 30 every AllReduce came after the embedding's gradient (the bucket
-    holding it went first) and after every other backward op."""
+    still computes (not after the embedding's gradient, as when the bucket holding it went first,
+    and after every other backward op)."""
     got = _execution_order(tmp_path, "ascend")
     order = got["order"]
     collectives = [i for i, n in enumerate(order) if "AllReduce" in n]

@@ -107,7 +107,7 @@ def test_group_max_and_broadcast_on_cpu_are_sums(world_of):
     assert isinstance(g.broadcast(1).sum, ops.AllReduce)
     npu = Group((1, 3), 1, name="dp_1", device="ascend")
     assert isinstance(npu.broadcast(0), ops.Broadcast) and isinstance(npu.max().op, ops.AllReduce) and npu.max().native
-    # HCCL reads Broadcast's root as the rank inside the group (issue 51): member 1, not world rank 3
+    # HCCL reads Broadcast's root as the rank inside the group: member 1, not world rank 3
     assert npu.broadcast(1).attrs["root_rank"] == 1 and npu.broadcast(1).attrs["group"] == "dp_1"
 
 
@@ -174,7 +174,7 @@ def test_split_model_holds_the_pieces_under_the_whole_names(world_of):
 
 
 def test_the_vocabulary_parallel_lookup_and_every_row_parallel_sum_on_one_process(world_of):
-    """Issue 54.29, without msrun: (a) each tp rank's embedding looks up the rows of its vocabulary
+    """Without msrun: (a) each tp rank's embedding looks up the rows of its vocabulary
     block [r·V/tp, (r+1)·V/tp) and zeros for the others, so the two ranks' partial lookups (their
     sum a loopback) add up to the whole lookup (a wrong offset gives other rows); (b) a forward
     passes every row-parallel layer's output (wo, w2 of each layer) and the embedding through its
@@ -301,7 +301,7 @@ def test_a_tp_step_cuts_its_state_from_whole_tensors_or_zero_slices(world_of, ti
 
 
 def test_the_tp_replica_hash_sums_one_parameter_at_a_time(world_of, tiny_cfg):
-    """Issue 51.4: the end-of-run hash summed every piece into the whole model at once on every
+    """The end-of-run hash summed every piece into the whole model at once on every
     rank's host (`full_weights`); `weights_digest` sums one parameter at a time over the tp group,
     with the bytes `full_weights` gives (rank 1 of tp 2, the tp sum a loopback)."""
     import hashlib
@@ -327,8 +327,8 @@ def test_the_tp_replica_hash_sums_one_parameter_at_a_time(world_of, tiny_cfg):
 
 
 def test_a_tp_steps_collectives_count_tensor_parallels_own(world_of, tiny_cfg):
-    """Issue 54.15/21: the start-up line of a tp run with one data-parallel rank said "0 collectives
-    and 0.0 MB on the wire". Per micro-batch: the embedding's and each layer's wo and w2 all-reduce
+    """The start-up line of a tp run with one data-parallel rank counts tp's collectives (not "0
+    collectives and 0.0 MB on the wire"). Per micro-batch: the embedding's and each layer's wo and w2 all-reduce
     forward (2L + 1), each norm feeding a column-parallel layer and the final norm backward (2L + 1),
     the loss's three; per step the gradient norm's tp sum. Activations of one micro-batch (tokens x
     dim, fp32 here), the loss's fp32 per token (the CPU max: a slot per member)."""

@@ -224,7 +224,7 @@ def test_sharded_gradients_with_frozen_groups_match_one_process(tmp_path, tiny_d
     assert len(shards) == 2 and keys == {"opt_step"} | {f"{m}.{n}" for m in ("exp_avg", "exp_avg_sq") for n in ("embed.weight", "lm_head.weight")}
 
 
-# ---- the bucketed, flattened collectives against one collective per parameter (issue 16, Proof)
+# ---- the bucketed, flattened collectives against one collective per parameter
 
 def _loopback(x):
     """Stands in for a 2-rank AllReduce whose peer contributes zeros (graph code calls it like the primitive)."""

@@ -75,8 +75,7 @@ def test_gather_and_its_bprop_on_the_ascend_form_with_a_loopback_peer(world_of, 
     loopbacks: the gather returns every rank's padded slice in rank order (the peers' known
     values), the reduce-scatter this rank's c elements of the padded gradient summed with the
     peers' (each a gradient of ones). Forward: the whole tensor; backward: exactly this rank's slice
-    of the summed gradient, once (issue 54.27: a bprop scaling it twice, or cutting another rank's
-    chunk, passed every test before), and the anchor a zero gradient."""
+    of the summed gradient, once (not twice, not another rank's chunk), and the anchor a zero gradient."""
     from mspretrain.train.zero3 import ShardedGather
 
     world_of(rank, 3)
@@ -158,7 +157,7 @@ def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of
 
 @pytest.mark.parametrize("device", ["cpu", "ascend"])
 def test_the_replica_hash_reads_one_gathered_weight_at_a_time(world_of, tiny_cfg, device):
-    """Issue 51.4: the end-of-run hash gathered every weight whole at once (`full_state`). It now
+    """The end-of-run hash gathered every weight whole at once (`full_state`). It now
     reads them one at a time (`one_at_a_time`: one collective, then the next), with the same bytes
     in the same order as `full_state`, so the digest is the one the whole model gives. Rank 0 of 2,
     the collectives replaced by loopbacks (the peer contributes zeros), in both forms."""
@@ -250,7 +249,7 @@ def test_plan_counts_the_buffers_a_zero3_rank_allocates(tiny_cfg, world_of, dtyp
     mem = plan["memory_bytes"]
     persistent = sum(mem[k] for k in ("weights", "half_weights", "master_weights", "gradients", "adam_moments"))
     assert mem["peak"] >= persistent + mem["activations"] + mem["micro_gradients"] + want + mem["cpu_backend"]
-    # on Ascend the largest collective is the largest whole weight (the lm_head), not 0 (issue 51.6)
+    # on Ascend the largest collective is the largest whole weight (the lm_head), not 0
     npu = make_plan(replace(cfg, device=replace(cfg.device, target="ascend")), devices=2, tokens=10**6, data_dir=None,
                     tokens_per_s_per_device=None)
     assert npu["hccl"]["largest_collective_bytes"] == max(whole.values()) == whole["lm_head.weight"]
@@ -321,7 +320,7 @@ def test_prefetch_overlaps_the_next_blocks_gathers_with_compute_and_bounds_them(
 
 @pytest.mark.slow  # shares the probe's compilations above
 def test_reduce_scatters_can_run_during_the_backward(prefetch_graphs):
-    """Issue 51.5: in a readiness order of the compiled graph's dependencies (what ms_backend's
+    """In a readiness order of the compiled graph's dependencies (what ms_backend's
     default exec_order "bfs" follows; the backend's own order needs an NPU), 12 of the 15
     reduce-scatters of the 2-layer model come before the last backward matmul, in every variant:
     only the three whose gradients the last backward matmuls produce (the embedding's, block 0's
@@ -335,7 +334,7 @@ def test_reduce_scatters_can_run_during_the_backward(prefetch_graphs):
 
 @pytest.mark.slow  # shares the probe's compilations above
 def test_no_ordering_token_is_a_constant_of_a_whole_weight(prefetch_graphs):
-    """Issue 51.3: the bprop of a gather returns, as its anchor's gradient, zeros that wait for its
+    """The bprop of a gather returns, as its anchor's gradient, zeros that wait for its
     reduce-scatter; anchored on the previous whole gathered weight (or a block's input), the
     frontend folded each into a constant of that full shape (three a layer, ~18 GiB for Qwen3-14B
     in bf16, not in `plan`). Anchored on one element (model/layers.py `one`), the compiled forward

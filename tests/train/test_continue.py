@@ -1,4 +1,4 @@
-"""Issue 20 end to end, through the command line: a published Llama (made here with transformers:
+"""Continued pretraining end to end, through the command line: a published Llama (made here with transformers:
 random init, a real SentencePiece tokenizer, safetensors) -> `convert --from-hf` -> `tokenizer
 extend` -> `prepare --tokenizer` -> `train --init-from` stage 1 (embeddings and lm_head only) ->
 stage 2 (everything, from the stage-1 run) -> `export --format hf` -> transformers loads it.

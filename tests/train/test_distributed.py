@@ -230,7 +230,7 @@ def test_spike_rewind_under_msrun_matches_one_process(rewind_one_process, two_no
     assert len(hashes) == 2 and hashes[0] == hashes[1]
 
 
-# ---------------------------------------------------------------- a rank dies or stops (issue 21 item 4)
+# ---------------------------------------------------------------- a rank dies or stops
 
 STOP_GRACE = 25  # long enough to run `diagnose --hang` on the live hang first
 

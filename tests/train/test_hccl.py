@@ -45,7 +45,7 @@ def test_hccl_buffsize_holds_the_largest_collective_within_its_bounds():
 
 
 def test_every_communicator_is_counted_and_shares_the_room_outside_the_pool():
-    """Issue 51.6: each communicator takes 2 x its buffer of HBM outside the pool; under tp x dp a
+    """Each communicator takes 2 x its buffer of HBM outside the pool; under tp x dp a
     rank has three (the world's, its tp group's, its dp group's), each capped at a third of the
     room; the groups' sizes reach `create_group` (GroupOptions, Ascend only)."""
     from mspretrain.train.hccl import GROUP_BUFFSIZE_ENV, communicators, group_buffsize, group_buffsize_env
@@ -78,7 +78,7 @@ def _ascend_plan(config: str, *overrides: str, devices: int) -> dict:
 
 
 def test_the_plans_largest_collective_is_the_gather_when_it_is_larger_than_the_reduction():
-    """Issue 54.32: HCCL_BUFFSIZE must hold the largest collective of either kind. With fp16 gradients
+    """HCCL_BUFFSIZE must hold the largest collective of either kind. With fp16 gradients
     on the wire (precision.allreduce_dtype) the reductions move 2 bytes an element and the ZeRO
     AllGather of fp32 weights 4: the gather is the largest, and a buffer sized from the reductions
     alone is half of it."""
@@ -109,7 +109,7 @@ def _layout_of(plan: dict) -> tuple[int, int]:
 
 
 def test_zero3s_largest_collective_is_the_lm_head_gather_and_tp_counts_three_communicators():
-    """Issue 51.6: under ZeRO-3 the plan counted the largest collective as 0 MB (no bucket), so
+    """Under ZeRO-3 the plan counted the largest collective as 0 MB (no bucket), so
     `launch` exported HCCL's default 200; it is the whole lm_head (Qwen2.5-7B: 152,064 x 3,584 in
     fp32, 2,079 MB). Tensor parallel 2 x dp 4 plans three communicators."""
     zero3 = _ascend_plan("qwen2.5-7b-zh-continue-910b.toml", "optim.shard_parameters=true", devices=8)["hccl"]

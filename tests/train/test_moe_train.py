@@ -1,4 +1,4 @@
-"""Training a Qwen3-MoE model on one process (issue 52): the loss falls, a resumed run equals an
+"""Training a Qwen3-MoE model on one process: the loss falls, a resumed run equals an
 unbroken one, the load-balancing loss is transformers', and the layouts MoE cannot use yet are refused."""
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_train_upcycle_from_dense_checkpoint(tmp_path, tiny_data, capsys):
 
 
 def test_moe_expert_load_in_metrics_and_tensorboard(moe_run):
-    """issue 52.6: every logged step carries the step's expert-load metrics (docs/operators.md)."""
+    """Every logged step carries the step's expert-load metrics (docs/operators.md)."""
     import json
 
     from tests.helpers.runs import read_tb_scalars

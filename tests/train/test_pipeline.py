@@ -109,7 +109,7 @@ def _trainer(cfg_overrides, data, run):
     return Trainer(cfg, data, run, log=lambda s: None)
 
 
-@pytest.mark.slow  # three training runs of its own (16 s of make test-fast, issue 32)
+@pytest.mark.slow  # three training runs of its own (16 s of make test-fast)
 def test_interrupted_run_resumes_bit_identical(tmp_path, tiny_data):
     over = ["train.max_steps=6", "checkpoint.every=0", "metrics.grad_norm_every=1", ONE_LAYER, NO_EVAL]
     full = tmp_path / "full"
@@ -195,7 +195,7 @@ def demo_workdir(tmp_path_factory, corpus_file) -> dict:
             "full_after": checksum(work / "run")}
 
 
-@pytest.mark.slow  # the full and the quick demo: prepare, evaluations and training twice (issue 32, issue 40)
+@pytest.mark.slow  # the full and the quick demo: prepare, evaluations and training twice
 def test_demo_runs_end_to_end_on_a_local_corpus(demo_workdir, capsys):
     """The demo's orchestration (prepare → ppl before → train → ppl after → poems → next steps) without npm."""
     out = demo_workdir["quick_out"]

@@ -1,6 +1,6 @@
-"""Issue 30, item 5: a 7B job reaches its first step quickly. Initialisation streams each weight to
+"""A 7B job reaches its first step quickly. Initialisation streams each weight to
 the device on Ascend with the same numbers as on CPU, drawn by threads from per-block streams of
-the seed (issue 38, item 2); the largest token id per shard is recorded at
+the seed; the largest token id per shard is recorded at
 prepare time and checked instead of rescanned; old data dirs are scanned on rank 0 alone; msrun
 gets an explicit cluster timeout."""
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _reference_weights(m, seed: int) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_draw_is_the_documented_streams_whatever_the_thread_count(threads, monkeypatch):
-    """Issue 38, item 2: weights larger than one block (a remainder too) are drawn block by block by
+    """Weights larger than one block (a remainder too) are drawn block by block by
     a thread pool; 1 and 3 threads give the reference's bits (the same for every thread count), a
     later weight gets other streams, and a zero-size weight draws nothing. The default thread count
     follows the process's cores (capped) unless MSPRETRAIN_INIT_THREADS says otherwise."""
@@ -212,7 +212,7 @@ def test_msrun_gets_an_explicit_cluster_timeout():
 
 
 def test_optimizer_state_is_not_rebuilt_from_host_copies(tiny_cfg, monkeypatch):
-    """Issue 38, item 2: the same trap in TrainStep. Its zeroed moments and gradient accumulators
+    """The same trap in TrainStep. Its zeroed moments and gradient accumulators
     come from `ops.zeros` (device memory on an NPU) and the fp32 masters from a host array; a
     Parameter built from any of them at a reference count other than 4 is rebuilt through
     `asnumpy()` by MindSpore 2.10 (common/parameter.py l.377-394). Counted in that branch."""
