@@ -398,7 +398,10 @@ def test_write_output_file_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypat
 def test_a_full_disk_writing_the_run_files_is_one_line(tiny_data, tmp_path, capsys, monkeypatch):
     """config.toml / run_meta.json cannot be written (train, and replay's --out scratch run go
     through the same writer): one line, and no run files half written."""
+    # The run's writers bind atomic_write when first imported: first imported under the patch (this
+    # test first in its process, as under xdist), they would keep the fake for every later test.
     import mspretrain.fsutil as fsutil
+    from mspretrain.monitor import batch_log, heartbeat, metrics, mfu, spike_record  # noqa: F401
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
