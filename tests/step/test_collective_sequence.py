@@ -28,7 +28,7 @@ from tests.step.collective_probe import case_key, collectives_in_ir
 pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each, 1 layer) in one subprocess
 
 PROBE = Path(__file__).with_name("collective_probe.py")
-ROOT = PROBE.parents[1]
+ROOT = PROBE.parents[2]
 # A case is (world, ZeRO stage, tp, model family); each is here for a graph structure no other case
 # has (the cases another one covers are left out).
 # - ZeRO-2, the shipped 910B configs: world 8, where the bug showed (ranks 6-7 kept one collective
