@@ -21,7 +21,7 @@ $(VENV)/.base: pyproject.toml setup.py mspretrain/data/_bpe.c mspretrain/prepare
 # the tests import about a fifth of them, compiled at their first import (docs/benchmarks.md,
 # "The test suite": ~24 s of the 29 s of CPU pip spent on transformers + sympy + networkx alone).
 $(VENV)/.test: $(VENV)/.base pyproject.toml
-	@echo "make: installing the test dependencies into $(VENV): pytest, hypothesis, torch (CPU, ~200 MB), transformers, ruff, ray, lm-eval"
+	@echo "make: installing the test dependencies into $(VENV): pytest, pytest-xdist, hypothesis, torch (CPU, ~200 MB), transformers, ruff, ray, lm-eval"
 	$(PIP) install --no-compile -e '.[test]'
 	@touch $@
 
@@ -36,20 +36,30 @@ demo: $(VENV)/.base npm
 demo-quick: $(VENV)/.base npm
 	$(VENV)/bin/mspretrain demo --quick
 
-# Two lanes side by side, one pytest process per core (scripts/test_lanes.sh): lane 1 runs the
-# files listed in tests/lanes.txt (all msrun tests among them, one after another), lane 2 the
-# others; the run fails if either lane fails. One process instead: `.venv/bin/python -m pytest`.
+# Two pytest-xdist workers, one per core (much of the suite is one thread at a time: graph
+# compilation, Python, waits on subprocesses). --dist loadgroup: a worker takes a whole group at a
+# time, a group being one test file, or the files that must share a worker (every msrun test in
+# one, so that two msrun jobs never run at once; the readers of one shared session run): see
+# tests/conftest.py `groups`, which also puts the groups with long jobs first (hence
+# --no-loadscope-reorder). One process instead: `.venv/bin/python -m pytest`.
+# PYTHONDONTWRITEBYTECODE unset: every test starts Python processes (msrun workers, CLI runs, Ray
+# workers) that should cache the bytecode they compile; where it is set (this project's CI machines
+# set it), each compiles all it imports from source, every time (~9 s of CPU for torch + transformers
+# in each worker; docs/benchmarks.md, "The suite's time: bytecode, the final eval, one probe process").
 # Lint first ([tool.ruff] in pyproject.toml): it takes a second and names the line of a real bug
 # (an undefined name, an unused import) before the suite spends minutes compiling graphs.
+TEST_WORKERS ?= 2
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15
+
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check .
-	scripts/test_lanes.sh $(PY)
+	$(PYTEST)
 
 # The inner loop while editing: everything but the end-to-end runs, msrun and the SIGKILL tests
 # (markers in pyproject.toml). CI and a change that is ready to land run `make test`.
 test-fast: $(VENV)/.test
 	$(VENV)/bin/ruff check .
-	scripts/test_lanes.sh $(PY) "not slow and not msrun and not sigkill"
+	$(PYTEST) -m "not slow and not msrun and not sigkill"
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/prepare_bench.py

@@ -25,7 +25,7 @@ import sys, time
 import numpy as np
 from mspretrain.config.schema import OptimConfig
 from mspretrain.step.step import TrainStep
-from tests.test_train_step import Bigram
+from tests.step.test_train_step import Bigram
 rng = np.random.default_rng(0)
 emb = rng.normal(0, 0.5, (50, 16)).astype(np.float32); w = rng.normal(0, 0.5, (16, 50)).astype(np.float32)
 b = rng.integers(0, 50, (4, 9)).astype(np.int32)

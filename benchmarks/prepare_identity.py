@@ -17,7 +17,7 @@ one worker, every quality filter + decontamination, keeping a fraction (scan fir
 from a data dir's scores (`--scores-from`), and runs killed with SIGKILL in every stage then rerun
 (each must equal its uninterrupted run).
 A real Ray cluster is not started here (minutes on a small box): the `-main` runs take the
-path `--ray` takes (every chunk through the main process), and tests/test_prepare_ray.py checks
+path `--ray` takes (every chunk through the main process), and tests/prepare/test_prepare_ray.py checks
 a Ray run against the local one.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers import make_corpus, prepare_subprocess
-from tests.junk import KINDS, held_in, junk, mixed
+from tests.helpers.prepare import make_corpus, prepare_subprocess
+from tests.prepare.junk import KINDS, held_in, junk, mixed
 
 KILLS = ["pass1 chunk", "dedup part", "dedup resolved", "replay", "trained", "encode", "finalized train", "publish"]
 GIVEN_KILLS = ["pass1 chunk", "dedup resolved", "replay", "finalized train"]

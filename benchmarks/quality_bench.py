@@ -3,7 +3,7 @@ recall of each filter against the planted labels, each stage's documents per sec
 process (one worker), and prepare's throughput with the classifier against without it.
 
 Corpus: `make_poems` poems (tests/conftest.py, the good documents) mixed with the four kinds of
-tests/junk.py (machine-translated-looking, boilerplate, keyword spam, other languages), one
+tests/prepare/junk.py (machine-translated-looking, boilerplate, keyword spam, other languages), one
 document per line, plus planted copies of eval questions for decontamination. The models are
 trained (`mspretrain quality train` / `quality lm`) held-in: positives are other poems of the
 corpus's seed (`make_poems`' seed draws the poems' successor structure, a "language" per seed),
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mspretrain.cli import main as cli  # noqa: E402
-from tests.junk import KINDS, held_in, junk  # noqa: E402
+from tests.prepare.junk import KINDS, held_in, junk  # noqa: E402
 
 
 def write_lines(path: Path, docs: list[str]) -> None:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     from mspretrain.prepare.clean import Cleaner
     from mspretrain.prepare.scoring import REASONS, QualityStage, read_scores
 
-    # training data: other poems of the corpus's seed (tests/junk.py `held_in`), junk of another seed
+    # training data: other poems of the corpus's seed (tests/prepare/junk.py `held_in`), junk of another seed
     poems, pos = held_in(args.poems, 102)
     write_lines(tmp / "pos.txt", pos)
     write_lines(tmp / "neg.txt", [d for k in KINDS for d in junk(k, args.junk, 101)])

@@ -2,7 +2,7 @@
 junk-polluted corpus as it is and one on the same corpus filtered by `prepare.quality_model`,
 two seeds each: valid perplexity on a clean held-out set and `eval --choices` accuracy.
 
-Corpus: tests/junk.py `held_in` poems mixed with every planted junk kind (--junk per kind).
+Corpus: tests/prepare/junk.py `held_in` poems mixed with every planted junk kind (--junk per kind).
 One tokenizer for all (trained on clean poems, given with --tokenizer), so perplexities compare.
 Held-out set: other poems of the same seed. Choices: a poem's header and first line, then its
 true second line against three "word salad" lines of the same width (acc measures whether the
@@ -27,7 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.junk import _POEM_CHARS, KINDS, held_in, junk, mixed  # noqa: E402
+from tests.prepare.junk import _POEM_CHARS, KINDS, held_in, junk, mixed  # noqa: E402
 
 
 def cli(*args: str) -> str:

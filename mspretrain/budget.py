@@ -4,7 +4,7 @@
 optimizer steps of the run, the warm-up (with the automatic rule's cap), the learning rate after
 scaling, the micro-batch per rank and the accumulation steps, the tokens of one step (and of S
 steps), and which rank and micro-batch hold each sample of a step. Nothing else multiplies
-`global_batch` by `seq_len` or splits the batch (tests/test_budget.py scans the package for it):
+`global_batch` by `seq_len` or splits the batch (tests/preflight/test_budget.py scans the package for it):
 each of them used to rebuild some of these, and `plan`/`report` missed the cap on the automatic
 warm-up, so for a short budget they showed a warm-up the run did not use.
 

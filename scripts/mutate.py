@@ -43,7 +43,7 @@ class Mutant:
 
 
 STEP, LAYOUT, LLAMA = "mspretrain/step/step.py", "mspretrain/parallel/layout.py", "mspretrain/model/decoder.py"
-TRAIN_STEP = "tests/test_train_step.py"
+TRAIN_STEP = "tests/step/test_train_step.py"
 
 MUTANTS: list[Mutant] = [
     # ---- step: overflow, loss scale, clipping, AdamW
@@ -68,64 +68,65 @@ MUTANTS: list[Mutant] = [
     # ---- layout: owners and buckets of sharded/bucketed collectives
     Mutant("layout/owners_balance_counts_not_elements", LAYOUT, "        owner[i] = r\n        load[r] += sizes[i]\n",
            "        owner[i] = r\n        load[r] += 1\n",
-           ("tests/test_distributed.py", "tests/test_zero2.py", "-m", "not slow")),
+           ("tests/train/test_distributed.py", "tests/step/test_zero2.py", "-m", "not slow")),
     Mutant("layout/bucket_exceeds_cap", LAYOUT, "if cur and (cap <= 0 or total + n > cap):", "if cur and (cap <= 0 or total > cap):",
-           ("tests/test_zero2.py", "-m", "not slow")),
+           ("tests/step/test_zero2.py", "-m", "not slow")),
     Mutant("layout/padding_threshold", LAYOUT, "if 4 * sum(b.used(r) for r in range(world)) < 3 * b.numel:",
-           "if 2 * sum(b.used(r) for r in range(world)) < b.numel:", ("tests/test_zero2.py", "-m", "not slow")),
+           "if 2 * sum(b.used(r) for r in range(world)) < b.numel:", ("tests/step/test_zero2.py", "-m", "not slow")),
     # ---- budget
     Mutant("budget/token_budget_floors", "mspretrain/budget.py", "return math.ceil(tokens / per_step)", "return tokens // per_step",
-           ("tests/test_budget.py",)),
+           ("tests/preflight/test_budget.py",)),
     Mutant("budget/auto_warmup_cap_fifth", "mspretrain/budget.py", "return min(warmup, max(1, total // 10))",
-           "return min(warmup, max(1, total // 5))", ("tests/test_budget.py",)),
+           "return min(warmup, max(1, total // 5))", ("tests/preflight/test_budget.py",)),
     Mutant("budget/tokens_per_step_counts_the_shifted_token", "mspretrain/budget.py",
            "return cfg.train.global_batch * cfg.data.seq_len", "return cfg.train.global_batch * (cfg.data.seq_len + 1)",
-           ("tests/test_budget.py",)),
+           ("tests/preflight/test_budget.py",)),
     # ---- model
     Mutant("model/rope_frequencies", LLAMA, "np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)",
-           "np.arange(0, head_dim, 2, dtype=np.float64) / (head_dim - 2))", ("tests/test_model.py", "-k", "not recompute")),
+           "np.arange(0, head_dim, 2, dtype=np.float64) / (head_dim - 2))", ("tests/model/test_model.py", "-k", "not recompute")),
     Mutant("model/attention_scale", LLAMA, "self.scale = 1.0 / math.sqrt(self.head_dim)", "self.scale = 1.0 / self.head_dim",
-           ("tests/test_model.py", "-k", "not recompute")),
+           ("tests/model/test_model.py", "-k", "not recompute")),
     Mutant("model/rmsnorm_eps_outside_rsqrt", LLAMA, "return ops.rsqrt(row_sum(xf * xf) / x.shape[-1] + eps)",
-           "return ops.rsqrt(row_sum(xf * xf) / x.shape[-1]) + eps", ("tests/test_model.py", "-k", "not recompute")),
+           "return ops.rsqrt(row_sum(xf * xf) / x.shape[-1]) + eps", ("tests/model/test_model.py", "-k", "not recompute")),
     Mutant("model/residual_init_not_scaled", LLAMA, "out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)", "out_std = cfg.init_std",
-           ("tests/test_model.py", "-k", "not recompute")),
+           ("tests/model/test_model.py", "-k", "not recompute")),
     Mutant("model/hf_max_position_default", "mspretrain/model/hf.py", '"max_position_embeddings", source, 2048)',
-           '"max_position_embeddings", source, 4096)', ("tests/test_reader_defaults.py", "tests/test_hf_bridge.py", "-k", "config")),
+           '"max_position_embeddings", source, 4096)', ("tests/cli/test_reader_defaults.py", "tests/model/test_hf_bridge.py", "-k", "config")),
     Mutant("model/hf_rms_eps_default", "mspretrain/model/hf.py", '"rms_norm_eps", source, 1e-6)', '"rms_norm_eps", source, 1e-5)',
-           ("tests/test_reader_defaults.py", "tests/test_hf_bridge.py", "-k", "config")),
+           ("tests/cli/test_reader_defaults.py", "tests/model/test_hf_bridge.py", "-k", "config")),
     # ---- loader and sample order
     Mutant("loader/contiguous_rank_blocks", "mspretrain/data/loader.py",
            "ids = src.strided_ids(c[0] + self.rank, self.world, self.batch_size)",
-           "ids = src.strided_ids(c[0] + self.rank * self.batch_size, 1, self.batch_size)", ("tests/test_loader.py",)),
+           "ids = src.strided_ids(c[0] + self.rank * self.batch_size, 1, self.batch_size)", ("tests/data/test_loader.py",)),
     Mutant("loader/epoch_boundary", "mspretrain/data/loader.py", "e0, last = first // self.n, first + step * (count - 1)",
-           "e0, last = first // self.n, first + step * (count - 2)", ("tests/test_loader.py",)),
+           "e0, last = first // self.n, first + step * (count - 2)", ("tests/data/test_loader.py",)),
     Mutant("loader/plan_epoch", "mspretrain/data/order.py", "epochs = ords[rows] // n", "epochs = ords[rows] // (n + 1)",
-           ("tests/test_order.py", "tests/test_loader.py")),
+           ("tests/data/test_order.py", "tests/data/test_loader.py")),
     # ---- checkpoint
     Mutant("checkpoint/size_check_only_grown", "mspretrain/checkpoint/store.py", 'if size != files[name]["bytes"]:',
-           'if size > files[name]["bytes"]:', ("tests/test_checkpoint_verify.py", "tests/test_checkpoint.py", "-m", "not slow")),
+           'if size > files[name]["bytes"]:',
+           ("tests/checkpoint/test_checkpoint_verify.py", "tests/checkpoint/test_checkpoint.py", "-m", "not slow")),
     Mutant("checkpoint/last_file_hash_ignored", "mspretrain/checkpoint/store.py",
            'return f"{names[first_bad[0]]} sha256 mismatch" if first_bad[0] < len(names) else None',
            'return f"{names[first_bad[0]]} sha256 mismatch" if first_bad[0] < len(names) - 1 else None',
-           ("tests/test_checkpoint_verify.py", "tests/test_checkpoint.py", "-m", "not slow")),
+           ("tests/checkpoint/test_checkpoint_verify.py", "tests/checkpoint/test_checkpoint.py", "-m", "not slow")),
     Mutant("checkpoint/prune_may_drop_newest_verified", "mspretrain/checkpoint/store.py", "if step in keep or d == newest_ok:",
-           "if step in keep:", ("tests/test_checkpoint_verify.py",)),
+           "if step in keep:", ("tests/checkpoint/test_checkpoint_verify.py",)),
     # ---- audit
     Mutant("audit/missing_steps_off_by_one", "mspretrain/forensics/audit.py", "elif step > state.step + 1:", "elif step > state.step + 2:",
-           ("tests/test_audit.py", "-m", "not slow")),
+           ("tests/forensics/test_audit.py", "-m", "not slow")),
     Mutant("audit/repeated_metrics_line", "mspretrain/forensics/audit.py", "        if step <= last:\n", "        if step < last:\n",
-           ("tests/test_audit.py", "-m", "not slow")),
+           ("tests/forensics/test_audit.py", "-m", "not slow")),
     Mutant("audit/replayed_vs_skipped", "mspretrain/forensics/audit.py", 'samples replayed" if have < want else',
-           'samples replayed" if have > want else', ("tests/test_audit.py",)),
+           'samples replayed" if have > want else', ("tests/forensics/test_audit.py",)),
     # ---- eval
     Mutant("eval/acc_norm_not_normalised", "mspretrain/eval/choices.py",
            "return int(np.argmax(np.asarray(self.logprob) / np.asarray(self.tokens)))",
-           "return int(np.argmax(np.asarray(self.logprob)))", ("tests/test_choices.py", "-k", "normalisation")),
+           "return int(np.argmax(np.asarray(self.logprob)))", ("tests/eval/test_choices.py", "-k", "normalisation")),
     Mutant("eval/bpc_per_token", "mspretrain/eval/perplexity.py", 'res["bpc"] = res["nll"] / math.log(2) / chars_per_token',
-           'res["bpc"] = res["nll"] / math.log(2)', ("tests/test_eval.py",)),
+           'res["bpc"] = res["nll"] / math.log(2)', ("tests/eval/test_eval.py",)),
     Mutant("eval/perplexity_counts_padding", "mspretrain/eval/perplexity.py", "count += real * seq_len", "count += chunk.size * seq_len",
-           ("tests/test_eval.py",)),
+           ("tests/eval/test_eval.py",)),
 ]
 
 

@@ -6,7 +6,7 @@
 # shows. Run it from an activated venv (the one `make test` builds; transformers + torch come
 # with the test extras):
 #   scripts/walkthrough.sh [WORKDIR]        # default: a new temporary directory
-# tests/test_walkthrough.py runs it and checks the output.
+# tests/docs/test_walkthrough.py runs it and checks the output.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -43,6 +43,28 @@ def make_poems(n: int, seed: int = 0) -> list[str]:
     return poems
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A read-only dir that the session fixtures of every xdist worker of one run share (`make test`
+    runs two): the first worker to need it calls `build(dir)` under a lock, the other waits for it
+    and reuses it instead of training or preparing the same thing again. Under plain `pytest`, a
+    dir of its own base temp."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, the parent of each worker's popen-gwK/
+    out, done = root / f"shared-{name}", root / f"shared-{name}.built"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            shutil.rmtree(out, ignore_errors=True)  # what a worker that failed half-way left
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def corpus_file(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("corpus")
@@ -62,14 +84,12 @@ def tiny_cfg():
 def tiny_data(tmp_path_factory, corpus_file, tiny_cfg) -> Path:
     from mspretrain.prepare.prepare import prepare
 
-    out = tmp_path_factory.mktemp("data") / "tiny"
-    prepare([str(corpus_file)], out, tiny_cfg.prepare, workers=1, log=lambda s: None)
-    return out
+    return built_once(tmp_path_factory, "data", lambda d: prepare([str(corpus_file)], d / "tiny", tiny_cfg.prepare,
+                                                                   workers=1, log=lambda s: None)) / "tiny"
 
 
 # One tiny training run that several test files compare against (single process, fp32, cosine
-# schedule over 8 steps, a checkpoint after every step, all kept). Before this, four tests each
-# trained their own copy with the same config except `max_steps`: three compilations saved.
+# schedule over 8 steps, a checkpoint after every step, all kept): one compilation for them all.
 REFERENCE_STEPS = 8
 # grad_norm_every=1: the grad norm of every step is compared (a gradient scale error that clipping
 # and Adam hide from the weights shows there); it does not change the numerics.
@@ -83,7 +103,7 @@ EVAL_AT_END = "eval.at_end=true"
 # uninterrupted run, checkpoints) is per parameter; a second layer repeats the first's nodes at
 # ~2.5 s of CPU per compilation in every worker. The stacking of layers is checked at 2 layers
 # against transformers (test_model.py, test_families.py), by the 2-layer ZeRO-3 families job
-# (tests/zero3_worker.py) and by the loopback ZeRO-3 and TP tests.
+# (tests/step/zero3_worker.py) and by the loopback ZeRO-3 and TP tests.
 ONE_LAYER = "model.n_layers=1"
 REFERENCE_ARGS = (f"train.max_steps={REFERENCE_STEPS}", "checkpoint.every=1", f"checkpoint.keep_last={REFERENCE_STEPS}",
                   "metrics.grad_norm_every=1", ONE_LAYER)
@@ -94,10 +114,10 @@ def reference_run(tmp_path_factory, tiny_data) -> Path:
     """Read-only: copy it (shutil.copytree) before training on or damaging it."""
     from mspretrain.cli import main
 
-    run = tmp_path_factory.mktemp("reference") / "run"
-    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), "--quiet",
-                 "train.log_every=1", *REFERENCE_ARGS]) == 0
-    return run
+    def build(d: Path) -> None:
+        assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(d / "run"), "--quiet",
+                     "train.log_every=1", *REFERENCE_ARGS]) == 0
+    return built_once(tmp_path_factory, "reference", build) / "run"
 
 
 FP16_MASTERS = ("precision.dtype=fp16", "precision.param_dtype=compute", "precision.loss_scale=static")
@@ -106,8 +126,7 @@ FP16_MASTERS = ("precision.dtype=fp16", "precision.param_dtype=compute", "precis
 @pytest.fixture(scope="session")
 def one_fp16(tmp_path_factory, tiny_data) -> Path:
     """The reference run's config in fp16 with fp16 matrices and fp32 masters, on one process: what
-    the fp16-masters msrun tests of tests/test_zero2.py and tests/test_zero3.py compare against
-    (each trained it for itself before). Read-only."""
+    the fp16-masters msrun tests of tests/step/test_zero2.py and tests/step/test_zero3.py compare against. Read-only."""
     from mspretrain.cli import main
 
     one = tmp_path_factory.mktemp("one-fp16") / "one-fp16"
@@ -117,8 +136,8 @@ def one_fp16(tmp_path_factory, tiny_data) -> Path:
 
 
 # A spike `rewind` run in one process (checkpoints every 4 steps, lr 10x the reference's so that
-# spikes come): what the 2-rank msrun rewind run (tests/test_distributed.py) and the two-node one
-# (tests/test_multinode.py) must equal. Both used to train this same run of their own.
+# spikes come): what the 2-rank msrun rewind run (tests/train/test_distributed.py) and the two-node one
+# (tests/launch/test_multinode.py) must equal.
 REWIND_ARGS = ("train.max_steps=14", "checkpoint.every=4", "spike.action=rewind", "spike.threshold=0.02", "spike.window=3",
                "schedule.warmup_steps=1", "optim.lr=0.01", NO_EVAL)
 
@@ -136,11 +155,10 @@ def rewind_one_process(tmp_path_factory, tiny_data) -> Path:
 @pytest.fixture(scope="session")
 def two_nodes_rewind(tmp_path_factory, tiny_data) -> Path:
     """`rewind_one_process`'s config on 2 ranks with the optimizer state sharded (ZeRO-1), launched
-    as two "nodes" of one worker each (tests/helpers.py `two_nodes`): what the msrun spike-rewind
-    tests of tests/test_distributed.py and tests/test_multinode.py compare with one process. One
-    job for the two: each launched the same run of its own before (a 2-worker msrun and a two-node
-    job; the rewind's code is the same on either launch). Read-only."""
-    from tests.helpers import two_nodes
+    as two "nodes" of one worker each (tests/helpers/runs.py `two_nodes`): what the msrun spike-rewind
+    tests of tests/train/test_distributed.py and tests/launch/test_multinode.py compare with one process. One
+    job for the two (the rewind's code is the same on a 2-worker msrun and on two nodes). Read-only."""
+    from tests.helpers.runs import two_nodes
 
     tmp = tmp_path_factory.mktemp("two-rewind")
     run = tmp / "two"
@@ -152,11 +170,10 @@ def two_nodes_rewind(tmp_path_factory, tiny_data) -> Path:
 def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
     """`reference_run`'s config on 2 ranks, fp32 wire, one AllReduce bucket (the default), launched
     as two "nodes" of one worker each (two `mspretrain launch --nodes 2` processes, see
-    tests/test_multinode.py): compared with one process (tests/test_distributed.py, and with its
-    log dirs and a resume on two nodes in tests/test_multinode.py) and with one AllReduce per
-    parameter on one 2-worker msrun (tests/test_zero2.py). One job for the three: the two-node
-    job and a 2-worker msrun of this config each trained the same 8 steps before. Read-only."""
-    from tests.helpers import two_nodes
+    tests/launch/test_multinode.py): compared with one process (tests/train/test_distributed.py, and with its
+    log dirs and a resume on two nodes in tests/launch/test_multinode.py) and with one AllReduce per
+    parameter on one 2-worker msrun (tests/step/test_zero2.py). One job for the three. Read-only."""
+    from tests.helpers.runs import two_nodes
 
     tmp = tmp_path_factory.mktemp("two-ranks")
     run = tmp / "two-fp32"
@@ -168,8 +185,8 @@ def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
 def walkthrough(tmp_path_factory) -> tuple[Path, str]:
     """scripts/walkthrough.sh (the quick start's sessions 1-6) run for real in a temp dir: its
     workdir and what it printed. Five MindSpore processes, each compiling its graphs (~1 min on a
-    quiet 2-core box, ~2.5 min at load 5): tests/test_walkthrough.py checks it and
-    tests/test_docs.py compares it with the docs (both in one lane of tests/lanes.txt, so it runs
+    quiet 2-core box, ~2.5 min at load 5): tests/docs/test_walkthrough.py checks it and
+    tests/docs/test_docs.py compares it with the docs (both in the xdist group "walkthrough", conftest.groups, so it runs
     once). Read-only: test_docs runs its further commands in a copy."""
     import subprocess
     import sys
@@ -285,36 +302,61 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
                 assert_close_rel(a[k].reshape(b[k].shape) if a[k].size == b[k].size else a[k], b[k], rtol, f"{got.name} {k}")
 
 
-# `make test` runs two pytest processes side by side (scripts/test_lanes.sh): lane 1 the files in
-# tests/lanes.txt, lane 2 the others. An msrun job (2 workers + a scheduler) beside another would
-# starve both jobs' heartbeats on 2 cores, so every file with msrun tests is in lane 1, where its
-# jobs run one after another; a test that starts msrun anywhere else is refused at collection.
-LANES = ROOT / "tests" / "lanes.txt"
+# `make test` runs the suite in two pytest-xdist workers, one per core (`-n 2 --dist loadgroup`,
+# the Makefile): a worker takes one group of tests at a time, and a group is one test file (its
+# module fixtures are built once) except where tests must share a worker:
+# - "msrun": every file with an msrun test or a user of a session fixture that launches two ranks.
+#   An msrun job (2 workers + a scheduler) beside another would starve both jobs' heartbeats on 2
+#   cores: in one group, the jobs run one after another.
+# - one group per session fixture that runs a whole pipeline once for several files (`SHARED_RUNS`):
+#   the files that read it run in the worker that built it. (The shorter shared runs, the tiny data
+#   dir, `reference_run` and tests/forensics/planted.py's, are built once for both workers instead:
+#   `built_once`.)
+# Groups that hold a long job come first (msrun, then groups with `slow` tests), so that the short
+# files fill the end of both workers.
+TWO_RANK_RUNS = frozenset({"two_nodes_rewind", "two_ranks_fp32"})
+SHARED_RUNS = ("walkthrough",)
+MSRUN_GROUP = "msrun"
 
 
-def lane_one() -> set[str]:
-    """The test files of lane 1, as `tests/test_x.py`."""
-    lines = (line.strip() for line in LANES.read_text(encoding="utf-8").splitlines())
-    return {line for line in lines if line and not line.startswith("#")}
+def groups(items) -> dict[str, str]:
+    """The xdist group of each test file, as `tests/pkg/test_x.py` -> name."""
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    out = {}
+    for path, its in by_file.items():
+        names = set().union(*(getattr(i, "fixturenames", ()) for i in its))
+        if any(i.get_closest_marker("msrun") is not None for i in its) or names & TWO_RANK_RUNS:
+            out[path] = MSRUN_GROUP
+        else:
+            out[path] = next((f for f in SHARED_RUNS if f in names), path)
+    return out
 
 
 def pytest_collection_modifyitems(config, items):
     """A test skipped when msrun is missing starts msrun: mark it `msrun` even where the decorator
-    was forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers; and an msrun
-    test outside lane 1 is a usage error."""
-    lane1 = lane_one()
+    was forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers; then each
+    test gets its file's xdist group, and the groups with long jobs go first."""
     for item in items:
         if any("msrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.msrun)
-        path = item.nodeid.split("::")[0]
-        if item.get_closest_marker("msrun") is not None and path not in lane1:
-            raise pytest.UsageError(f"{item.nodeid} starts msrun: list {path} in tests/lanes.txt (lane 1 runs the msrun "
-                                    "tests one after another)")
+    group = groups(items)
+    slow = {group[i.nodeid.split("::")[0]] for i in items if i.get_closest_marker("slow") is not None}
+    first: dict[str, int] = {}
+    for n, item in enumerate(items):
+        name = group[item.nodeid.split("::")[0]]
+        item.add_marker(pytest.mark.xdist_group(name))
+        first.setdefault(name, n)
+
+    def rank(name: str) -> tuple[int, int]:
+        return (0 if name == MSRUN_GROUP else 1 if name in slow else 2, first[name])
+    items.sort(key=lambda i: rank(group[i.nodeid.split("::")[0]]))
 
 
 @pytest.fixture
 def world_of(monkeypatch):
-    """Collective primitives built as rank r of a world of n without `init()` (as tests/collective_probe.py does);
+    """Collective primitives built as rank r of a world of n without `init()` (as tests/step/collective_probe.py does);
     test_zero3.py and test_tp.py build their gathers and groups with it."""
     from mindspore.ops.operations import comm_ops
 

@@ -20,13 +20,13 @@ PKG = ROOT / "mspretrain"
 DESIGN = ROOT / "docs" / "design.md"
 
 # Imports against the layers that the house issue is removing while this test lands.
-# removed by issue 17; delete when empty. (importer, imported), as dotted names under mspretrain.
-ALLOWED: frozenset[tuple[str, str]] = frozenset()  # issue 17 removed the last ones (device reaching up)
+# delete when empty. (importer, imported), as dotted names under mspretrain.
+ALLOWED: frozenset[tuple[str, str]] = frozenset()
 
-# Import loops still to break (issue 40, item 2), as the imports (importer, imported) that close
+# Import loops still to break, as the imports (importer, imported) that close
 # them. Each needs a module moved that other work owned when this test landed: delete an entry
 # with the move that ends its loop (test_known_loops_are_exact fails on a stale one).
-KNOWN_LOOPS: frozenset[tuple[str, str]] = frozenset()  # issue 40 broke the last four
+KNOWN_LOOPS: frozenset[tuple[str, str]] = frozenset()
 
 
 def _layers_section(design: Path = DESIGN) -> str:
@@ -267,7 +267,7 @@ def test_every_folder_is_in_one_layer():
     assert not bad, "package folders across layers in docs/design.md's table (move the module, or split the folder):\n" + "\n".join(bad)
 
 
-# Files over 500 lines still to split (issue 50): kept exact, so a split must remove its entry and
+# Files over 500 lines still to split: kept exact, so a split must remove its entry and
 # no new long file slips in. Paths under mspretrain/.
 LONG_FILES: frozenset[str] = frozenset()
 MAX_LINES = 500

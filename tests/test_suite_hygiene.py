@@ -1,6 +1,6 @@
 """The suite's own rules, checked on its source: a "before" taken from a live buffer is a copy,
 the tests that start msrun are the ones `make test-fast` leaves out, no test module imports
-another, and tests/lanes.txt names files that exist."""
+another, and the msrun tests share one xdist group."""
 from __future__ import annotations
 
 import re
@@ -21,7 +21,7 @@ def live_before(line: str) -> bool:
 
 
 def test_no_before_is_a_view_of_a_live_buffer():
-    bad = [f"{p.name}:{n}: {line.strip()}" for p in sorted(TESTS.glob("*.py")) if p.name != Path(__file__).name
+    bad = [f"{p.name}:{n}: {line.strip()}" for p in sorted(TESTS.rglob("*.py")) if p.name != Path(__file__).name
            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if live_before(line)]
     assert not bad, "take the 'before' with tests.conftest.snapshot():\n" + "\n".join(bad)
 
@@ -36,7 +36,7 @@ def test_the_pattern_finds_what_it_should():
 
 
 def test_the_msrun_marker_covers_every_msrun_test(request):
-    from tests.helpers import MSRUN
+    from tests.helpers.runs import MSRUN
 
     if MSRUN is None:
         pytest.skip("msrun not installed")
@@ -46,7 +46,7 @@ def test_the_msrun_marker_covers_every_msrun_test(request):
             assert item.get_closest_marker("msrun") is not None, item.nodeid
 
 
-# A test module imports what it shares from tests/helpers.py (or tests/conftest.py), never from
+# A test module imports what it shares from tests/helpers/ (or tests/conftest.py), never from
 # another test module: importing one runs its module-level code and couples two subjects.
 
 
@@ -55,29 +55,51 @@ def modules_imported_across(tests: Path = TESTS) -> set[tuple[str, str]]:
     import ast
 
     found = set()
-    for p in sorted(tests.glob("*.py")):
+    for p in sorted(tests.rglob("*.py")):
         for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module == "tests":
-                names = [f"tests.{a.name}" for a in node.names]
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests"):
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             else:
                 continue
-            found |= {(p.name, n) for n in names if n.startswith("tests.test_")}
+            found |= {(p.name, n) for n in names if n.startswith("tests.") and n.rsplit(".", 1)[-1].startswith("test_")}
     return found
 
 
 def test_no_test_module_imports_another():
     bad = sorted(modules_imported_across())
-    assert not bad, "move what they share to tests/helpers.py:\n" + "\n".join(f"{a} imports {b}" for a, b in bad)
+    assert not bad, "move what they share to tests/helpers/:\n" + "\n".join(f"{a} imports {b}" for a, b in bad)
 
 
-def test_the_lanes_name_files_that_exist():
-    from tests.conftest import lane_one
+def test_every_msrun_test_runs_in_the_msrun_group(request):
+    """`make test`'s two xdist workers never run two msrun jobs at once: every test that starts one
+    (the `msrun` marker, or a user of a two-rank session run) is in the one "msrun" group."""
+    from tests.conftest import MSRUN_GROUP, TWO_RANK_RUNS
 
-    lane1 = lane_one()
-    assert {"tests/test_distributed.py", "tests/test_zero2.py"} <= lane1
-    missing = sorted(f for f in lane1 if not (TESTS.parent / f).is_file())
-    assert not missing, f"tests/lanes.txt names files that do not exist: {missing}"
+    def group(item) -> str | None:
+        mark = item.get_closest_marker("xdist_group")
+        return mark.args[0] if mark is not None else None
+
+    items = request.session.items
+    launching = [i for i in items if i.get_closest_marker("msrun") is not None or TWO_RANK_RUNS & set(i.fixturenames)]
+    assert all(group(i) is not None for i in items), "every test has its file's group (conftest.py `groups`)"
+    assert [i.nodeid for i in launching if group(i) != MSRUN_GROUP] == []
+
+
+def test_groups_put_a_launching_file_and_a_shared_run_together():
+    from types import SimpleNamespace
+
+    from tests.conftest import groups
+
+    def item(nodeid, fixtures=(), msrun=False):
+        return SimpleNamespace(nodeid=nodeid, fixturenames=list(fixtures),
+                               get_closest_marker=lambda name: object() if msrun and name == "msrun" else None)
+
+    got = groups([item("tests/a/test_x.py::t1"), item("tests/a/test_x.py::t2", msrun=True),
+                  item("tests/b/test_y.py::t", ["two_ranks_fp32"]), item("tests/b/test_z.py::t", ["walkthrough"]),
+                  item("tests/c/test_w.py::t", ["walkthrough", "tiny_data"]), item("tests/c/test_v.py::t", ["tiny_data"])])
+    assert got == {"tests/a/test_x.py": "msrun", "tests/b/test_y.py": "msrun", "tests/b/test_z.py": "walkthrough",
+                   "tests/c/test_w.py": "walkthrough", "tests/c/test_v.py": "tests/c/test_v.py"}

@@ -16,7 +16,7 @@ Design choices:
   `chunk` elements from every source (model_shards' reader, which reads just the stored pieces
   that overlap a range: rows of a whole tensor, a range of a ZeRO-3 slice), summed in float64,
   rounded once to float32 and streamed into the output file. Peak memory is a few chunks, not the
-  model (tests/test_average.py measures it).
+  model (tests/checkpoint/test_average.py measures it).
 - The output file is written by a streaming safetensors writer (`_StreamedSafetensors`): its header
   is known from the shapes alone, so no tensor needs to be whole in memory; every value is fp32.
 - Publishing reuses store.write_checkpoint_dir (tmp dir, fsync, manifest last, rename): the weights

@@ -36,7 +36,7 @@ from mspretrain.data.mixing import epoch_permutation, mix_schedule, normalise, o
 from mspretrain.data.shards import IndexedDataset
 from mspretrain.errors import UserError
 
-# check_data_dir is re-exported until train/trainer.py, commands/demo.py and tests/test_eval.py
+# check_data_dir is re-exported until train/trainer.py, commands/demo.py and tests/eval/test_eval.py
 # import it and read_manifest from data.manifest (their owners switch)
 __all__ = ["Batch", "Loader", "check_data_dir", "read_manifest", "resolve_sources"]
 

@@ -13,7 +13,7 @@ Design choices:
 - Tokens are built by lm-eval's `TemplateLM` (context and continuation encoded together and
   split, an empty context replaced by `prefix_token_id`), exactly as its `hf` model does, so a
   checkpoint scores the same here and through `lm_eval --model hf` on its `export --format hf`
-  folder (tests/test_harness.py holds the two within 1e-4 per request). Non-empty contexts get
+  folder (tests/eval/test_harness.py holds the two within 1e-4 per request). Non-empty contexts get
   no BOS/EOS in front, as in the `hf` model with the exported tokenizer (add_bos_token false);
   the prefix of an empty context (and of `loglikelihood_rolling`'s windows) is EOS, the token
   every document follows in training (`prepare` joins documents with it). To compare with the

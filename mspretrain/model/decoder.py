@@ -201,7 +201,7 @@ def _normal(streams: InitStreams, shape: tuple[int, ...], std: float) -> Paramet
     # holding the tensor adds 1 and passing `name=` as a keyword adds 1 more, so the former
     # `t = ...; Parameter(t, name="weight")` gave 6 (the probe's number), and so does any caller
     # that keeps a reference. The count is the interpreter's, not an API:
-    # tests/test_startup.py checks the Parameter holds the very buffer `Tensor.to` returned.
+    # tests/train/test_startup.py checks the Parameter holds the very buffer `Tensor.to` returned.
     if _init_device[0] == "lazy":
         # left uninitialised: Parameter.__new__ fills a lazy tensor at once unless the class's
         # `init_param` is False (common/parameter.py `_get_parameter_new_args`; what 2.10's

@@ -8,7 +8,7 @@ checkpoint/init_source.py; this module imports nothing above the model layer.
 
 An HF folder is converted in memory with model/hf.py's own functions, the ones
 `convert --from-hf` uses, so initialising from the folder and from its converted checkpoint give
-the same tensors bit for bit (tests/test_init_from.py).
+the same tensors bit for bit (tests/model/test_init_from.py).
 """
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ class Group:
         `P.Broadcast(b_rank, group=...)` with b_rank in range(len(group))). A world rank past the
         group's size fails with HCCL_E_PARA at the first step, one inside it broadcasts from the wrong
         member (issue 51). In the world group (name None) both are the same number. Only a 910B
-        confirms what HCCL does with it; tests/test_collective_sequence.py checks the compiled
+        confirms what HCCL does with it; tests/step/test_collective_sequence.py checks the compiled
         root on every rank of the tp x dp layouts."""
         if self.device == "ascend" or self.name is None:
             return ops.Broadcast(root, **self._kw)
@@ -300,7 +300,7 @@ class TPSplit:
 def tp_rows(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:
     """Where rank `rank`'s piece of the whole parameter `name` (of `shape`) lies, by name alone, for
     code that holds names and no model (the tests' references, checkpoint re-cuts): the parameter
-    table's role and fused parts (model/params.py `tp_piece`), which tests/test_params.py holds
+    table's role and fused parts (model/params.py `tp_piece`), which tests/model/test_params.py holds
     equal to the roles the cells declare. None for a whole one."""
     from mspretrain.model.params import tp_piece
 

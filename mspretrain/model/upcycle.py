@@ -5,7 +5,7 @@ dense SwiGLU (w13, w2), and its router is the MoE model's own seeded initialisat
 model/decoder.py InitStreams). With normalised top-k weights (`norm_topk_prob`, required here) the
 routing weights of a token sum to 1, so a mixture of identical experts is the dense MLP: at step 0
 the upcycled model's logits are the dense model's (up to the rounding of sum_k w_k * y, ~1e-7
-relative in fp32; tests/test_moe_upcycle.py). Training then lets the experts drift apart (the
+relative in fp32; tests/model/test_moe_upcycle.py). Training then lets the experts drift apart (the
 routers give each token's experts different gradients). Komatsuzaki et al., "Sparse Upcycling"
 (arXiv 2212.05055); Nemotron-4 15B upcycled (arXiv 2410.07524).
 

@@ -75,7 +75,7 @@ def active_matrices(cfg: ModelConfig) -> list[tuple[str, float]]:
     `mlp.w13.weight` (E, 2F, D) and `mlp.w2.weight` (E, D, F): the only 3-D weights) count K/E of
     their size, the K routed experts of width `moe_ffn_dim` a token goes through, not all E; its
     router (E, D) and a Qwen2-MoE shared expert and gate every token runs count whole. So MFU and
-    plan count active parameters (Qwen3-30B-A3B: ~3.3 B of 30.5 B, tests/test_moe_ops.py)."""
+    plan count active parameters (Qwen3-30B-A3B: ~3.3 B of 30.5 B, tests/monitor/test_moe_ops.py)."""
     from mspretrain.model.params import matmul_sizes
 
     m = resolve_model(cfg)

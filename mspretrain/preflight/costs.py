@@ -90,7 +90,7 @@ ASCEND_RESERVE_BYTES = GB
 #    index_list1_..3_): 24 bytes per element of every `where` with a 0-d operand over a full tensor.
 #    The step had two (the overflow mask of `_finish`, the first-micro-batch overwrite of
 #    `accumulate`); it no longer has any (run 3 measured, run 4 confirms), and
-#    tests/test_plan_backend.py keeps it that way.
+#    tests/preflight/test_plan_backend.py keeps it that way.
 # 1. The rest of the measured per-parameter slope, as a per-parameter constant: the pool's and the
 #    kernels' share that no tensor of the plan accounts for (it includes the model's split copies of
 #    the fused wqkv / w13 weights, 3.2 bytes/param measured). Fitted on one pair of one mode: the fp32
@@ -127,7 +127,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
                  recompute: bool, flash: bool, target: str, shard_params: bool = False) -> tuple[dict[str, float], Any]:
     """Bytes per device by kind, for the most loaded rank, plus `peak`: the largest set alive at once.
 
-    Exactly the buffers step/step.py allocates (tests/test_zero2.py checks them against a real
+    Exactly the buffers step/step.py allocates (tests/step/test_zero2.py checks them against a real
     TrainStep): parameters in their storage dtype; fp32 masters and Adam moments of the owned
     parameters; fp32 accumulation buffers only with accumulation (for the owned parameters with
     sharded gradients). Transients: one micro-batch's gradients (parameter dtype, all alive at the
@@ -267,7 +267,7 @@ def zero3_exposed_s(units: list[int], *, devices: int, bus_bytes_per_s: float, f
     """Seconds of one micro-batch's ZeRO-3 collectives that no compute hides; `units` from
     `zero3_units`, forward_s / backward_s the micro-batch's compute (the backward with the
     recomputation), spread evenly over the layers. A gather or reduce-scatter moves (N-1)/N of its
-    unit over the bus. As the compiled graph orders them (tests/test_zero3.py reads it):
+    unit over the bus. As the compiled graph orders them (tests/step/test_zero3.py reads it):
     - forward, prefetch: the embedding's and layer 0's gathers are exposed; layer k+1's run while
       layer k computes, the head's while the last layer does, so each is exposed by what exceeds one
       layer's forward. Without the prefetch every gather is exposed.

@@ -10,7 +10,7 @@ is taken among the measured layouts and a faster TP layout that fits is named be
 
 Memory:
 - DP and ZeRO rows: `preflight/costs.memory_model`, the buffers step/step.py allocates (checked against
-  real TrainSteps in tests/test_zero2.py and tests/test_zero3.py).
+  real TrainSteps in tests/step/test_zero2.py and tests/step/test_zero3.py).
 - TP rows: Megatron's accounting (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for
   the activations), in `memory_model`'s terms and phases: column-parallel (wqkv, its q/k/v bias,
   w13) and row-parallel (wo, w2) weights, their gradients, fp32 masters and Adam moments are split

@@ -71,7 +71,7 @@ def check_collectives(ctx: Context) -> Check:
     name = "collectives"
     if ctx.target != "ascend":
         return Check(name, NEEDS_ASCEND, "AllReduce/AllGather/Broadcast/ReduceScatter bandwidth is measured across the node's NPUs "
-                                         "through msrun with HCCL; CPU data parallel is covered by tests/test_distributed.py")
+                                         "through msrun with HCCL; CPU data parallel is covered by tests/train/test_distributed.py")
     from mspretrain.preflight import collectives_worker
 
     n = ctx.results.get("npus", 0) or visible_npus()
@@ -123,7 +123,7 @@ def check_zero2(ctx: Context, ranks: dict[str, Any] | Check | None) -> Check:
         return ranks
     if ranks is None:
         return Check(ZERO2, NEEDS_ASCEND, "a ZeRO-2 step (reduce-scatter, sharded AdamW, all-gather) on every NPU through msrun "
-                                          "against one process; tested on 2 CPU processes in tests/test_selftest.py")
+                                          "against one process; tested on 2 CPU processes in tests/preflight/test_selftest.py")
     from mspretrain.preflight import zero2_worker
 
     ref = zero2_worker.run_steps(ctx.target, 1, 0, zero2_worker.global_batches(ranks["devices"]))

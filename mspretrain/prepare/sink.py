@@ -203,7 +203,7 @@ class RefSample:
 
     With the optional C extension (`_sample.c`) the same loop runs in C over a numpy array of
     entries, ~3x less per document than the Python loop (`benchmarks/prepare_ceiling_bench.py
-    --trained`); the members are the same (tests/test_prepare.py runs both)."""
+    --trained`); the members are the same (tests/prepare/test_prepare.py runs both)."""
 
     DTYPE = np.dtype([("neg_u", "<f8"), ("order", "<i8"), ("chunk", "<i8"), ("index", "<i8"), ("chars", "<i8")])
 

@@ -283,7 +283,7 @@ def chars_per_token(proto_bytes: bytes, docs: Sequence[str]) -> float | None:
 
 def _between_writes() -> None:
     """A test hook: MSPRETRAIN_TEST_KILL_BETWEEN_WRITES=1 ends the process between the files' writes
-    (tests/test_outputs.py checks that the published set is then still the old one, whole)."""
+    (tests/cli/test_outputs.py checks that the published set is then still the old one, whole)."""
     import os
 
     if os.environ.get("MSPRETRAIN_TEST_KILL_BETWEEN_WRITES") == "1":

@@ -28,7 +28,7 @@ class OptimizerState:
         # Every state Parameter below gets a temporary and positional arguments: MindSpore 2.10's
         # Parameter.__new__ wraps its input only at refcount 4 and otherwise rebuilds it from
         # `asnumpy()` (model/decoder.py `_normal` says why), which would bring each zeroed moment
-        # and accumulator of an NPU back through host memory (tests/test_startup.py).
+        # and accumulator of an NPU back through host memory (tests/train/test_startup.py).
         # Master weights: an fp32 copy for each owned parameter stored in half precision, taken
         # here, before the step rounds the parameter; fp32 parameters are their own masters,
         # unless split (`Ownership.separate`).

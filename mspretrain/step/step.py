@@ -76,7 +76,7 @@ Half-precision parameters (`precision.param_dtype = "compute"`, `half_params` he
 matrices are stored in the compute dtype and an fp32 master copy of each lives with the optimizer
 state, on its owner rank; AdamW updates the master and writes the rounded value into the
 parameter. The forward pass reads exactly the rounded weights it would cast at use, so losses
-equal those of fp32 parameters bit for bit (tests/test_memory_options.py).
+equal those of fp32 parameters bit for bit (tests/step/test_memory_options.py).
 """
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ class TrainStep(StepUpdate):
         # world 4: 13 AllReduces traced, 5 kept on rank 0), and the ranks' sequences no longer pair
         # up (an HCCL hang, or the wrong sums where sizes match). `_reduce` therefore returns a
         # result that depends on every collective it issued, in schedule order, whichever it uses:
-        # tests/test_collective_sequence.py compiles the Ascend path for each rank (ZeRO-2 at worlds
+        # tests/step/test_collective_sequence.py compiles the Ascend path for each rank (ZeRO-2 at worlds
         # 2 and 8, ZeRO-1 at 4, ZeRO-3 at 2 and 4, tensor parallel at 2 and 4) and compares their
         # ordered collectives.
         self._chain = device != "ascend"

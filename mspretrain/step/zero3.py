@@ -30,14 +30,14 @@ final norm's and the lm_head's last. The backward mirrors it: the bprop returns,
 gradient, zeros that depend on its reduce-scatter; they are added into the gradient of the
 previous gathered weight, whose reduce-scatter therefore comes after, so the reduce-scatters run in
 exactly the reverse order of the gathers on every rank. On Ascend the same chain makes the compiled
-order a function of the data flow, which tests/test_collective_sequence.py compares rank by rank.
+order a function of the data flow, which tests/step/test_collective_sequence.py compares rank by rank.
 
 Prefetch (model/block.py). A block's chain starts from the token the previous block hands on:
 one element of its last gathered weight, made to depend on that block's input x_k (`relay`). So
 block k+1's gathers run as soon as block k's are done and block k has started, while block k
 computes, and block k+2's wait for x_{k+1}, the end of block k: at most two blocks' gathered
 weights at once (the head's gathers likewise after the last block's input). Measured in the
-compiled graph (tests/test_zero3.py, tests/zero3_graph_probe.py): block 1's gathers wait for none
+compiled graph (tests/step/test_zero3.py, tests/step/zero3_graph_probe.py): block 1's gathers wait for none
 of block 0's matmuls, the head's for all of block 0's and none of block 1's, and no matmul waits
 for a reduce-scatter (their order is carried by the weights' gradients, not the activations'), so
 the backward's reduce-scatters overlap the previous block's backward.

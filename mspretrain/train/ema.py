@@ -25,7 +25,7 @@ module does not read: refused in one line). Where they are:
 - tensor parallel: not supported yet (refused in one line).
 A resume reads this rank's part back by range (model_shards' `read_pieces`: its slices; under
 ZeRO-1/2 nothing of the parameters it does not own), so any layout and world size resumes any EMA
-files (tests/test_ema.py: ZeRO-2 files read back at world 2, at world 3 and on one process).
+files (tests/train/test_ema.py: ZeRO-2 files read back at world 2, at world 3 and on one process).
 The files are listed in the manifest like every other file. `mspretrain average RUN --last 1
 --from-ema` turns a checkpoint's EMA into a checkpoint of its own (checkpoint/average.py reads
 the files through model_shards' reader).
