@@ -273,7 +273,7 @@ def update_expert_bias(model: nn.Cell, layers: list[int], counts: np.ndarray, ra
     for i, c in zip(layers, np.asarray(counts, np.float64)):
         bias = model.layers[i].mlp.expert_bias
         step = (np.float32(rate) * np.sign(c.mean() - c)).astype(np.float32)
-        bias.set_data(Tensor(bias.asnumpy() + step))
+        ops.assign(bias, Tensor(bias.asnumpy() + step))  # in place: a compiled step holds the Parameter's memory (set_data is not seen)
 
 
 def reference_z_loss(logits: np.ndarray) -> float:
