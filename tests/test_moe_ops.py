@@ -207,6 +207,9 @@ def test_update_expert_bias_arithmetic():
     update_expert_bias(model, [0], np.array([[10.0, 2.0, 4.0, 0.0]]), 0.01)  # mean 4
     update_expert_bias(model, [0], np.array([[4.0, 4.0, 8.0, 0.0]]), 0.01)
     np.testing.assert_allclose(model.layers[0].mlp.expert_bias.asnumpy(), [-0.01, 0.01, -0.01, 0.02], atol=1e-7)  # sign(0) = 0: a mean load stays
+    from mspretrain.model.decoder import half_eligible
+
+    assert "layers.0.mlp.router.weight" in half_eligible(model) and "layers.0.mlp.expert_bias" not in half_eligible(model)  # fp32 state
 
 
 def test_aux_free_bias_balances_a_frozen_router():
