@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         say(args, f"exported step {ref.step} from {ref.dir} to {out} (HF {family(model_cfg.family).label}, fp32 safetensors)")
         if note:
             print(note)
+        if model_cfg.router_bias_update_rate > 0:  # HF Qwen3-MoE has no such tensor (docs/design.md, MoE)
+            print("note: the routing biases (model.router_bias_update_rate) are not exported: HF's model chooses experts without them")
     else:
         print(f"MINDIR logits max abs diff vs model: {meta['verified_max_abs_diff']:.3g} (tolerance {meta['tolerance']:g})")
         say(args, f"exported step {ref.step} from {ref.dir} to {out / meta['file']} (+ export.json)")

@@ -456,7 +456,8 @@ def half_eligible(model: Decoder) -> list[str]:
     weights and the lm_head stay fp32 (fp32 islands); so does the embedding, whose gradient is a
     scatter-add over repeated tokens that would round differently in half precision (measured:
     5e-6 in the loss after two steps) — the embedding is 2 % of a 7B model."""
-    return [p.name for p in model.get_parameters() if params.half_eligible(p.name)]  # the table's `half` column
+    # the table's `half` column; an MoE routing bias (requires_grad False, model/moe.py) is model state, fp32
+    return [p.name for p in model.get_parameters() if p.requires_grad and params.half_eligible(p.name)]
 
 
 def load_numpy(model: Decoder, tensors: dict[str, np.ndarray]) -> None:

@@ -30,10 +30,11 @@ over its MoE layers and `balance_loss` forms transformers' loss from the sums.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config.schema import ModelConfig
 from mspretrain.model.layers import Linear, WeightSource
@@ -74,15 +75,34 @@ class MoE(nn.Cell):
             self.shared_w13 = Linear(cfg.dim, 2 * S, cfg.init_std, rng, dtype, role="column", blocks=(S, S))
             self.shared_w2 = Linear(S, cfg.dim, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng, dtype, role="row")
             self.shared_gate = Linear(cfg.dim, 1, cfg.init_std, rng, dtype)
+        # the router options (each off by default, leaving the graph as it was): see `StatRows`
+        self.rows = stat_rows(cfg)
+        self.capacity_factor = float(cfg.capacity_factor)
+        if cfg.router_bias_update_rate > 0:
+            # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the top-k choice,
+            # model state outside the gradient (`update_expert_bias` moves it after each step)
+            self.expert_bias = Parameter(Tensor(np.zeros(cfg.num_experts, np.float32)), name="expert_bias", requires_grad=False)
+        else:
+            self.expert_bias = None
 
-    def route(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x2 (N, D) -> (probs (N, E) fp32, top-k weights (N, K) compute dtype, top-k experts (N, K) int32)."""
-        logits = self.router(x2)
-        probs = ops.softmax(logits.astype(ms.float32), -1)
-        top, idx = ops.topk(probs, self.top_k)
+    def route(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """x2 (N, D) -> (probs (N, E) fp32, top-k weights (N, K) compute dtype, top-k experts (N, K)
+        int32, and with the router z-loss the sum over the N tokens of logsumexp(logits)^2, else None)."""
+        logits = self.router(x2).astype(ms.float32)
+        probs = ops.softmax(logits, -1)
+        if self.expert_bias is None:
+            top, idx = ops.topk(probs, self.top_k)
+        else:  # DeepSeek-V3: the bias decides the choice only; the weights are the unbiased probabilities
+            _, idx = ops.topk(probs + self.expert_bias, self.top_k)
+            idx = ops.stop_gradient(idx)
+            top = ops.gather_d(probs, 1, idx)
         if self.norm_topk:
             top = top / top.sum(-1, keepdims=True)
-        return probs, top.astype(self.dtype), idx.astype(ms.int32)
+        z = None
+        if self.rows.z is not None:  # ST-MoE router z-loss (Zoph et al. 2022, eq. 5), summed here, averaged by the objective
+            lse = ops.logsumexp(logits, -1)
+            z = (lse * lse).sum()
+        return probs, top.astype(self.dtype), idx.astype(ms.int32), z
 
     def construct(self, x: Tensor) -> tuple[Tensor, Tensor]:
         B, T, D = x.shape
@@ -91,7 +111,9 @@ class MoE(nn.Cell):
         b = block_rows(A, E)
         R = -(-(A + E * (b - 1)) // b) * b  # static bound on the padded rows
         x2 = x.reshape(N, D)
-        probs, top, idx = self.route(x2)
+        probs, top, idx, z = self.route(x2)
+        if self.capacity_factor > 0:
+            return self._capacity(x, x2, probs, top, idx, z)
         e = ops.stop_gradient(idx.reshape(A))  # (A,) expert of each assignment, token-major
         onehot = ops.one_hot(e, E, Tensor(1, ms.int32), Tensor(0, ms.int32))  # (A, E)
         rank = ops.gather_d(ops.cumsum(onehot, 0), 1, e.reshape(A, 1)).reshape(A) - 1  # rank within its expert
@@ -116,13 +138,83 @@ class MoE(nn.Cell):
         up = self.bmm_t(xb, w13[:, F:])
         yb = self.bmm_t(ops.silu(gate) * up, w2).reshape(R, D)
         ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)  # (A, D), weighted
-        y = ya.reshape(N, K, D).sum(1)
+        return self._finish(x, x2, ya, probs, counts, z, None)
+
+    def _finish(self, x: Tensor, x2: Tensor, ya: Tensor, probs: Tensor, counts: Tensor, z: Tensor | None,
+                dropped: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The weighted expert outputs ya (A, D) summed per token, the shared expert, and the stats."""
+        B, T, D = x.shape
+        N, E = B * T, self.experts
+        y = ya.reshape(N, self.top_k, D).sum(1)
         if self.shared_ffn:
             g, u = self.shared_w13.parts(x2, (self.shared_ffn, self.shared_ffn))
             y = y + ops.sigmoid(self.shared_gate(x2)) * self.shared_w2(ops.silu(g) * u)
         y = y.reshape(B, T, D)
-        stats = ops.stack((probs.sum(0), ops.stop_gradient(counts.astype(ms.float32))))
-        return y, stats
+        rows = [probs.sum(0), ops.stop_gradient(counts.astype(ms.float32))]
+        if z is not None:  # the layer's z sum in every column (a column's value is the sum; the decoder adds layers)
+            rows.append(ops.broadcast_to(z.reshape(1), (E,)))
+        if dropped is not None:
+            rows.append(ops.stop_gradient(dropped.astype(ms.float32)))
+        return y, ops.stack(rows)
+
+    def _capacity(self, x: Tensor, x2: Tensor, probs: Tensor, top: Tensor, idx: Tensor, z: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The capacity-factor path (`model.capacity_factor` > 0): every expert takes at most
+        C = ceil(factor * N * K / E) assignments, in routing order as GShard's (first choices of
+        all tokens in token order, then the second choices, ...); an assignment beyond its expert's
+        C is dropped (its weighted output is 0: the token keeps its other experts and the residual).
+        Static shapes without padding: the buffer is (E, C, D), one batched MatMul with the stacked
+        weights as they are (no per-block gather). Stats gain the dropped assignments per expert."""
+        B, T, D = x.shape
+        N, E, K, F = B * T, self.experts, self.top_k, self.ffn
+        A = N * K
+        C = capacity(self.capacity_factor, N, K, E)
+        e = ops.stop_gradient(idx.transpose(1, 0).reshape(A))  # (A,) choice-major: routing priority
+        onehot = ops.one_hot(e, E, Tensor(1, ms.int32), Tensor(0, ms.int32))  # (A, E)
+        rank = ops.gather_d(ops.cumsum(onehot, 0), 1, e.reshape(A, 1)).reshape(A) - 1
+        counts = onehot.sum(0)  # (E,) chosen, before the drop (the balance loss's f_e)
+        dest = ops.select(rank < C, e * C + rank, ops.fill(ms.int32, (A,), E * C))  # E*C: dropped
+        dest = ops.stop_gradient(dest.reshape(K, N).transpose(1, 0).reshape(A))  # back to token-major
+        # which assignment fills each of the E*C rows (A: none); dropped ones all land on row E*C, cut off
+        src = ops.scatter_nd(dest.reshape(A, 1), ops.arange(1, A + 1, dtype=ms.int32), (E * C + 1,))[:E * C] - 1
+        src = ops.stop_gradient(ops.select(src < 0, ops.fill(ms.int32, (E * C,), A), src))
+        xa = ops.broadcast_to(x2.expand_dims(1), (N, K, D)).reshape(A, D)
+        xb = ops.gather(ops.concat((xa, ops.zeros((1, D), x.dtype)), 0), src, 0).reshape(E, C, D)
+        w13, w2 = self.w13.weight, self.w2.weight
+        if self.dtype != ms.float32:
+            w13, w2 = w13.astype(self.dtype), w2.astype(self.dtype)
+        gate = self.bmm_t(xb, w13[:, :F])  # (E, C, F)
+        up = self.bmm_t(xb, w13[:, F:])
+        yb = self.bmm_t(ops.silu(gate) * up, w2).reshape(E * C, D)
+        yb = ops.concat((yb, ops.zeros((1, D), yb.dtype)), 0)  # row E*C: a dropped assignment's output
+        ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)
+        dropped = ops.maximum(counts - C, 0)
+        return self._finish(x, x2, ya, probs, counts, z, dropped)
+
+
+def capacity(factor: float, tokens: int, k: int, experts: int) -> int:
+    """Assignments an expert takes at most: ceil(factor * tokens * K / E) (GShard/Switch), at least
+    1 and at most `tokens` (a token chooses an expert once, so more rows would stay empty)."""
+    return max(1, min(tokens, math.ceil(factor * tokens * k / experts)))
+
+
+@dataclass(frozen=True)
+class StatRows:
+    """The rows of an MoE layer's routing stats (E columns each): 0 the router probabilities summed
+    over the layer's tokens, 1 the top-k assignment counts (before any drop), then, only with their
+    option on (so a default run's stats and graph are as they were): `z` the sum over tokens of
+    logsumexp(router logits)^2 (every column holds it), `dropped` the assignments dropped per expert."""
+    z: int | None = None
+    dropped: int | None = None
+
+    @property
+    def count(self) -> int:
+        return 2 + (self.z is not None) + (self.dropped is not None)
+
+
+def stat_rows(cfg: ModelConfig) -> StatRows:
+    z = 2 if cfg.router_z_loss_coef > 0 else None
+    dropped = 2 + (z is not None) if cfg.capacity_factor > 0 else None
+    return StatRows(z, dropped)
 
 
 def balance_loss(stats: Tensor, rows: int, experts: int) -> Tensor:
@@ -132,10 +224,17 @@ def balance_loss(stats: Tensor, rows: int, experts: int) -> Tensor:
     return (stats[0] * stats[1]).sum() * (experts / float(rows) / float(rows))
 
 
-def load_metrics(per: np.ndarray, layers: list[int], top_k: int) -> dict[str, float]:
+def z_loss(stats: Tensor, row: int, rows: int) -> Tensor:
+    """The router z-loss from summed stats: the mean over `rows` (tokens x MoE layers) of
+    logsumexp(router logits)^2 (ST-MoE, Zoph et al. 2022, eq. 5; `StatRows.z`)."""
+    return stats[row, 0] * (1.0 / float(rows))
+
+
+def load_metrics(per: np.ndarray, layers: list[int], top_k: int, rows: StatRows | None = None) -> dict[str, float]:
     """The expert-load metrics of one step (issue 52.6; names in docs/operators.md) from each MoE
-    layer's routing stats summed over the step's micro-batches, per (L_moe, 2, E): router
-    probability sums and top-k assignment counts over this rank's tokens.
+    layer's routing stats summed over the step's micro-batches, per (L_moe, R, E): router
+    probability sums and top-k assignment counts over this rank's tokens, then the option rows
+    `rows` (StatRows) names.
 
     - `moe/layer_{i}/max_over_mean`: the busiest expert's assignments over the mean (1 = balanced,
       E/K at most: every token sends one of its K choices to that expert);
@@ -144,7 +243,11 @@ def load_metrics(per: np.ndarray, layers: list[int], top_k: int) -> dict[str, fl
     - `moe/balance_loss`: transformers' load-balancing loss over the step's tokens of all MoE
       layers together (`balance_loss`'s formula; the objective's is per micro-batch, so with
       accumulation the two differ), whether or not `router_aux_loss_coef` weights it in;
-    - `moe/dropped_tokens`: 0, routing is dropless (no capacity factor yet)."""
+    - `moe/z_loss` (only with `model.router_z_loss_coef` > 0): the router z-loss over the step's
+      tokens of all MoE layers, unweighted;
+    - `moe/dropped_tokens`: the (token, expert) assignments dropped over capacity in the step, all
+      MoE layers (a token dropped by j of its K experts counts j); 0 when routing is dropless."""
+    rows = rows or StatRows()
     per = np.asarray(per, dtype=np.float64)
     probs, counts = per[:, 0], per[:, 1]
     experts = per.shape[-1]
@@ -154,10 +257,44 @@ def load_metrics(per: np.ndarray, layers: list[int], top_k: int) -> dict[str, fl
         mean = c.sum() / experts
         out[f"moe/layer_{i}/max_over_mean"] = float(c.max() / mean) if mean > 0 else 0.0
         out[f"moe/layer_{i}/top_share"] = float(c.max() / tokens) if tokens > 0 else 0.0
-    rows = probs.sum()
-    out["moe/balance_loss"] = float((counts.sum(0) * probs.sum(0)).sum() * experts / rows / rows) if rows > 0 else 0.0
-    out["moe/dropped_tokens"] = 0.0
+    total = probs.sum()
+    out["moe/balance_loss"] = float((counts.sum(0) * probs.sum(0)).sum() * experts / total / total) if total > 0 else 0.0
+    if rows.z is not None:
+        out["moe/z_loss"] = float(per[:, rows.z, 0].sum() / total) if total > 0 else 0.0
+    out["moe/dropped_tokens"] = float(per[:, rows.dropped].sum()) if rows.dropped is not None else 0.0
     return out
+
+
+def update_expert_bias(model: nn.Cell, layers: list[int], counts: np.ndarray, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437, section 2.1.2), after an
+    optimizer step: each MoE layer's bias b_e += rate * sign(mean load - load_e), with load_e the
+    step's top-k assignments to e (`counts` (L_moe, E), summed over its micro-batches). In fp32 on
+    the host, outside the gradient; the bias is a model Parameter, so checkpoints carry it."""
+    for i, c in zip(layers, np.asarray(counts, np.float64)):
+        bias = model.layers[i].mlp.expert_bias
+        step = (np.float32(rate) * np.sign(c.mean() - c)).astype(np.float32)
+        ops.assign(bias, Tensor(bias.asnumpy() + step))  # in place: a compiled step holds the Parameter's memory (set_data is not seen)
+
+
+def reference_z_loss(logits: np.ndarray) -> float:
+    """The router z-loss of one layer's logits (N, E) in float64 (the tests' reference)."""
+    m = logits.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[:, 0]
+    return float((lse * lse).mean())
+
+
+def reference_capacity(idx: np.ndarray, experts: int, cap: int) -> np.ndarray:
+    """Which top-k assignments (N, K) survive capacity `cap` per expert, in GShard's routing order
+    (all first choices in token order, then the second choices, ...): a loop (the tests' reference)."""
+    used = np.zeros(experts, int)
+    keep = np.zeros(idx.shape, bool)
+    for j in range(idx.shape[1]):
+        for n in range(idx.shape[0]):
+            e = idx[n, j]
+            if used[e] < cap:
+                keep[n, j] = True
+            used[e] += 1
+    return keep
 
 
 def moe_layers(cfg: ModelConfig) -> list[int]:
@@ -165,15 +302,19 @@ def moe_layers(cfg: ModelConfig) -> list[int]:
     return [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
 
 
-def reference_moe(x: np.ndarray, router: np.ndarray, w13: np.ndarray, w2: np.ndarray, k: int, norm: bool) -> np.ndarray:
-    """The MoE MLP in float64 numpy, expert by expert (the tests' reference): x (N, D)."""
+def reference_moe(x: np.ndarray, router: np.ndarray, w13: np.ndarray, w2: np.ndarray, k: int, norm: bool,
+                  bias: np.ndarray | None = None, capacity_factor: float = 0.0) -> np.ndarray:
+    """The MoE MLP in float64 numpy, expert by expert (the tests' reference): x (N, D); `bias`
+    (E,) chooses the experts only (aux-loss-free balancing), `capacity_factor` drops assignments."""
     logits = x @ router.T
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    idx = np.argsort(-p, -1, kind="stable")[:, :k]
+    idx = np.argsort(-(p if bias is None else p + bias), -1, kind="stable")[:, :k]
     top = np.take_along_axis(p, idx, -1)
     if norm:
         top = top / top.sum(-1, keepdims=True)
+    if capacity_factor > 0:
+        top = top * reference_capacity(idx, router.shape[0], capacity(capacity_factor, x.shape[0], k, router.shape[0]))
     F = w13.shape[1] // 2
     y = np.zeros_like(x)
     for n in range(x.shape[0]):

@@ -2,7 +2,8 @@
 
 Loss = summed token NLL (fp32 log-softmax) times `scale / global_tokens`, plus the z-loss
 (`optim.z_loss`, on the log-sum-exp) and, for a mixture of experts, transformers' load-balancing
-loss weighted by `router_aux_loss_coef`. Under tensor parallel the NLL and the log-sum-exp come
+loss weighted by `router_aux_loss_coef` and the router z-loss weighted by `router_z_loss_coef`
+(both per micro-batch, weighted by its share of the tokens). Under tensor parallel the NLL and the log-sum-exp come
 from this rank's vocabulary columns (the decoder's `tp_loss`, model/parallel.py
 `VocabParallelNLL`), else from `model/loss.py` `token_nll`. Split out of step/step.py.
 """
@@ -15,6 +16,7 @@ from mindspore import Tensor, ops
 
 from mspretrain.config.schema import ModelConfig, OptimConfig
 from mspretrain.model.layers import use_fused_kernels
+from mspretrain.model.moe import StatRows, stat_rows
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class Objective:
     plain_sums: bool  # Ascend: plain reductions instead of the CPU's GEMM forms
     moe_layers: list[int]  # the MoE layers whose routing stats every step returns (empty: dense)
     moe_k: int  # experts per token (0: dense)
+    moe_rows: StatRows = StatRows()  # the rows of the routing stats (model/moe.py)
+    bias_rate: float = 0.0  # model.router_bias_update_rate: the step moves the routing biases after each update
 
     @property
     def moe_stats(self) -> bool:
@@ -36,7 +40,7 @@ def make_objective(model: Any, optim: OptimConfig, *, global_tokens: float, devi
     """`cfg`: the decoder's config (None: a model without one, the tests' toys: dense, no MoE);
     `tp_loss`: the vocabulary-parallel loss of a model cut by tensor parallel, else None."""
     from mspretrain.model.loss import token_nll
-    from mspretrain.model.moe import balance_loss, moe_layers
+    from mspretrain.model.moe import balance_loss, moe_layers, z_loss
 
     # Ascend: plain reductions instead of the CPU's GEMM forms (model/decoder.py `use_fused_kernels`)
     plain = use_fused_kernels(device)
@@ -46,7 +50,10 @@ def make_objective(model: Any, optim: OptimConfig, *, global_tokens: float, devi
     moe = mcfg is not None and bool(mcfg.num_experts)
     # MoE (model/moe.py): transformers' load-balancing loss, weighted by router_aux_loss_coef
     balance = float(mcfg.router_aux_loss_coef) if moe else 0.0
-    sparse_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers)) if balance > 0 else 0
+    # and the router z-loss (ST-MoE), weighted by router_z_loss_coef
+    zr = float(mcfg.router_z_loss_coef) if moe else 0.0
+    rows = stat_rows(mcfg) if moe else StatRows()
+    sparse_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers)) if balance > 0 or zr > 0 else 0
     # MoE: every step also returns each MoE layer's routing stats (L_moe, 2, E), read back with
     # the rows, for the expert-load metrics; a dense model's graphs are unchanged
     layers_moe = moe_layers(mcfg) if moe else []
@@ -71,8 +78,12 @@ def make_objective(model: Any, optim: OptimConfig, *, global_tokens: float, devi
         if balance > 0:  # per micro-batch, weighted by its share of the tokens (docs/design.md, MoE)
             n = inputs.shape[0] * inputs.shape[1]
             obj = obj + balance_loss(routed, n * sparse_layers, mcfg.num_experts) * (balance * n)
+        if zr > 0:  # as the balance loss: per micro-batch, weighted by its share of the tokens
+            n = inputs.shape[0] * inputs.shape[1]
+            obj = obj + z_loss(routed, rows.z, n * sparse_layers) * (zr * n)
         if moe_stats:
             return obj * (scale * inv_tokens), nll_sum, nll.sum(-1), ops.stop_gradient(per)
         return obj * (scale * inv_tokens), nll_sum, nll.sum(-1)
 
-    return Objective(objective, plain, layers_moe, int(mcfg.experts_per_token) if layers_moe else 0)
+    return Objective(objective, plain, layers_moe, int(mcfg.experts_per_token) if layers_moe else 0, rows,
+                     float(mcfg.router_bias_update_rate) if layers_moe else 0.0)

@@ -247,6 +247,12 @@ class TrainStep(StepUpdate):
                                    tp_loss=decoder.tp_loss if tp is not None and decoder is not None else None)
         self._plain_sums = objective.plain_sums
         self.moe_layers, self.moe_k = objective.moe_layers, objective.moe_k
+        self._moe_rows, self._bias_rate = objective.moe_rows, objective.bias_rate
+        if self._bias_rate > 0 and (world > 1 or tp is not None):  # the biases would need every rank's counts
+            from mspretrain.errors import UserError
+
+            raise UserError("model.router_bias_update_rate is not supported with more than one process yet",
+                            "train on one process, or set model.router_bias_update_rate = 0")
         moe_stats = objective.moe_stats
         self._grad_fn = ms.value_and_grad(objective.fn, None, self.params, has_aux=True)
 
@@ -349,7 +355,11 @@ class TrainStep(StepUpdate):
 
             per = sum(p.asnumpy().astype(np.float64) for _, p in row_parts)
             row_parts = [r for r, _ in row_parts]
-            moe = load_metrics(per, self.moe_layers, self.moe_k)
+            moe = load_metrics(per, self.moe_layers, self.moe_k, self._moe_rows)
+            if self._bias_rate > 0 and bool(finite.asnumpy()):  # aux-loss-free balancing (model/moe.py); a skipped step moves nothing
+                from mspretrain.model.moe import update_expert_bias
+
+                update_expert_bias(self.model, self.moe_layers, per[:, 1], self._bias_rate)
         return StepResult(loss=float(loss_sum.asnumpy()) / self.global_tokens,
                           grad_norm=float(norm.asnumpy()), finite=bool(finite.asnumpy()),
                           row_nll=np.concatenate([r.asnumpy() for r in row_parts]), moe=moe)

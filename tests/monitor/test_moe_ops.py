@@ -109,3 +109,130 @@ def test_report_plots_expert_load_only_for_moe_runs(tmp_path):
     (tmp_path / "dense").mkdir()
     (tmp_path / "dense" / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     assert "moe" not in render_report(tmp_path / "dense")[1]  # an optional panel: left out, not empty
+
+
+# ---- the router options (issue 52): float64 references of the maths, and the bias at work in a compiled step
+_OPT_BASE = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, family="qwen3_moe", qk_norm=True,
+                 num_experts=4, moe_ffn_dim=32)
+
+
+def _cfg(**kw):
+    from mspretrain.config.schema import ModelConfig, resolve_model
+
+    return resolve_model(ModelConfig(**{**_OPT_BASE, "experts_per_token": 2, **kw}))
+
+
+@pytest.mark.parametrize("opts", [dict(router_z_loss_coef=0.1), dict(capacity_factor=1.0, router_z_loss_coef=0.1),
+                                  dict(capacity_factor=0.5, experts_per_token=1), dict(router_bias_update_rate=0.01)])
+def test_router_options_against_float64(opts):
+    """Eager MoE layer vs model/moe.py's float64 references: the output with the routing bias choosing
+    and capacity dropping (GShard order), the z row = sum over tokens of logsumexp(logits)^2, the
+    dropped row = the assignments the reference loop drops, per expert."""
+    import mindspore as ms
+
+    from mspretrain.model.decoder import Decoder, state_numpy
+    from mspretrain.model.moe import capacity, reference_capacity, reference_moe, reference_z_loss
+
+    cfg = _cfg(**opts)
+    model = Decoder(cfg, seed=3)
+    mlp = model.layers[0].mlp
+    bias = None
+    if cfg.router_bias_update_rate:
+        bias = np.array([0.3, 0.0, 0.0, -0.2], np.float32)  # big enough to change choices
+        mlp.expert_bias.set_data(ms.Tensor(bias))
+    st = {k: v.astype(np.float64) for k, v in state_numpy(model).items()}
+    x = np.random.default_rng(0).standard_normal((2, 12, 64)).astype(np.float32)
+    y, stats = mlp(ms.Tensor(x))
+    y, stats = y.asnumpy().reshape(24, 64), stats.asnumpy()
+    x64 = x.reshape(24, 64).astype(np.float64)
+    router, K = st["layers.0.mlp.router.weight"], cfg.experts_per_token
+    want = reference_moe(x64, router, st["layers.0.mlp.w13.weight"], st["layers.0.mlp.w2.weight"], K, True,
+                         bias=bias, capacity_factor=cfg.capacity_factor)
+    np.testing.assert_allclose(y, want, atol=1e-6)
+    rows = 2
+    logits = x64 @ router.T
+    if cfg.router_z_loss_coef:
+        np.testing.assert_allclose(stats[rows], reference_z_loss(logits) * 24, rtol=1e-5)
+        rows += 1
+    if cfg.capacity_factor:
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        idx = np.argsort(-p, -1, kind="stable")[:, :K]
+        keep = reference_capacity(idx, 4, capacity(cfg.capacity_factor, 24, K, 4))
+        dropped = np.bincount(idx[~keep], minlength=4)
+        assert dropped.sum() > 0  # the case drops something
+        np.testing.assert_array_equal(stats[rows], dropped)
+        rows += 1
+    if bias is not None:  # the bias changed some choice (else this case proves nothing)
+        assert np.abs(want - reference_moe(x64, router, st["layers.0.mlp.w13.weight"], st["layers.0.mlp.w2.weight"], K, True)).max() > 1e-3
+    assert stats.shape == (rows, 4)
+
+
+def test_capacity_arithmetic():
+    from mspretrain.model.moe import capacity, reference_capacity
+
+    assert capacity(1.0, 24, 2, 4) == 12 and capacity(1.25, 10, 1, 4) == 4 and capacity(100.0, 8, 2, 4) == 8
+    # GShard order: every first choice before any second choice
+    idx = np.array([[0, 1], [0, 1], [1, 0]])
+    assert reference_capacity(idx, 2, 2).tolist() == [[True, True], [True, False], [True, False]]
+
+
+def test_objective_adds_the_router_z_loss():
+    """The objective with router_z_loss_coef c minus the one without is c * mean lse^2 over the
+    micro-batch's tokens x MoE layers, times scale / global tokens (eager, one forward each)."""
+    import mindspore as ms
+
+    from mspretrain.config.schema import OptimConfig
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.step.objective import make_objective
+
+    cfg = _cfg(router_z_loss_coef=0.5, router_aux_loss_coef=0.0)
+    model = Decoder(cfg, seed=3)
+    tokens = ms.Tensor(np.random.default_rng(1).integers(0, 64, (2, 17)).astype(np.int32))
+    scale, g = ms.Tensor(2.0, ms.float32), 100.0
+    on = make_objective(model, OptimConfig(), global_tokens=g, device="cpu", cfg=cfg)
+    off = make_objective(model, OptimConfig(), global_tokens=g, device="cpu", cfg=_cfg(router_aux_loss_coef=0.0))
+    a, per = on.fn(tokens, None, None, scale)[0].asnumpy(), on.fn(tokens, None, None, scale)[3].asnumpy()
+    b = off.fn(tokens, None, None, scale)[0].asnumpy()
+    z_mean = per[0, 2, 0] / 32
+    assert 1.0 < z_mean < 3.0  # ~log(E)^2 at initialisation
+    assert float(a - b) == pytest.approx(0.5 * z_mean * 32 * 2.0 / g, rel=1e-4)
+    assert on.moe_rows.z == 2 and off.moe_rows.z is None
+
+
+def test_update_expert_bias_arithmetic():
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.model.moe import update_expert_bias
+
+    model = Decoder(_cfg(router_bias_update_rate=0.01), seed=3)
+    update_expert_bias(model, [0], np.array([[10.0, 2.0, 4.0, 0.0]]), 0.01)  # mean 4
+    update_expert_bias(model, [0], np.array([[4.0, 4.0, 8.0, 0.0]]), 0.01)
+    np.testing.assert_allclose(model.layers[0].mlp.expert_bias.asnumpy(), [-0.01, 0.01, -0.01, 0.02], atol=1e-7)  # sign(0) = 0: a mean load stays
+    from mspretrain.model.decoder import half_eligible
+
+    assert "layers.0.mlp.router.weight" in half_eligible(model) and "layers.0.mlp.expert_bias" not in half_eligible(model)  # fp32 state
+
+
+def test_aux_free_bias_balances_a_frozen_router():
+    """One compiled step with all three options, lr 0 (the weights stay; only the biases move):
+    step 1 routes as without the bias (it starts at 0) and its max/mean load stays that high without
+    it; with it the load flattens within a few steps; z-loss and dropped counts are reported."""
+    from mspretrain.config.schema import OptimConfig
+    from mspretrain.model.decoder import Decoder
+    from mspretrain.step.step import TrainStep
+
+    cfg = _cfg(experts_per_token=1, router_bias_update_rate=0.002, router_z_loss_coef=0.1, capacity_factor=1.5)
+    model = Decoder(cfg, seed=3)
+    router = model.layers[0].mlp.router.weight.asnumpy().copy()
+    step = TrainStep(model, OptimConfig(), global_tokens=4 * 16)
+    batch = np.random.default_rng(0).integers(0, 64, (4, 17)).astype(np.int32)
+    ratios, dropped, z = [], [], []
+    for _ in range(8):
+        res = step.run([(batch, None, None)], lr=0.0, scale=1.0)
+        ratios.append(res.moe["moe/layer_0/max_over_mean"])
+        dropped.append(res.moe["moe/dropped_tokens"])
+        z.append(res.moe["moe/z_loss"])
+    np.testing.assert_array_equal(model.layers[0].mlp.router.weight.asnumpy(), router)
+    assert ratios[0] >= 1.5 and max(ratios[4:]) <= 1.25, ratios  # measured: 1.5625 -> 1.0625..1.125
+    assert dropped[0] > 0 and dropped[-1] == 0, dropped  # capacity 1.5 * 64 / 4 = 24: the busiest expert lost 1
+    assert len(set(z)) == 1 and 1.0 < z[0] < 3.0, z  # frozen weights: the same logits every step
+    assert model.layers[0].mlp.expert_bias.asnumpy().std() > 0

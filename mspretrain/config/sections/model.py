@@ -46,6 +46,9 @@ class ModelConfig(Section):
     mlp_only_layers: tuple[int, ...] = ()  # layers kept dense (SwiGLU of ffn_dim)
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss; 0 = off
     shared_expert_ffn_dim: int = 0  # qwen2_moe: the shared expert's SwiGLU width (HF shared_expert_intermediate_size)
+    router_z_loss_coef: float = 0.0  # ST-MoE router z-loss weight: mean over tokens of logsumexp(router logits)^2; 0 = off
+    router_bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing: per-expert routing bias step; 0 = off
+    capacity_factor: float = 0.0  # expert capacity ceil(factor * tokens * K / E), tokens beyond it dropped; 0 = dropless
 
     @property
     def head_size(self) -> int:
@@ -102,6 +105,18 @@ class ModelConfig(Section):
                      "qwen2_moe: shared_expert_intermediate_size of its config.json; qwen3_moe: 0")
             if self.router_aux_loss_coef < 0:
                 fail("model.router_aux_loss_coef", f"= {self.router_aux_loss_coef} is negative", "use Qwen3's 0.001, or 0 for no balancing loss")
+            if not self.router_z_loss_coef >= 0:
+                fail("model.router_z_loss_coef", f"= {self.router_z_loss_coef} is negative", "use ST-MoE's 0.001, or 0 for no router z-loss")
+            if not self.router_bias_update_rate >= 0:
+                fail("model.router_bias_update_rate", f"= {self.router_bias_update_rate} is negative",
+                     "use DeepSeek-V3's 0.001, or 0 for no auxiliary-loss-free balancing")
+            if not (self.capacity_factor == 0 or self.capacity_factor > 0):
+                fail("model.capacity_factor", f"= {self.capacity_factor} is negative", "use 1.25 (Switch Transformer), or 0 for dropless routing")
+        else:
+            for key in ("router_z_loss_coef", "router_bias_update_rate", "capacity_factor"):
+                if getattr(self, key):
+                    fail(f"model.{key}", f"= {getattr(self, key)} needs a mixture of experts (model.num_experts > 0)",
+                         f"set model.{key} = 0 for a dense model")
         if self.rope_scaling == "llama3":
             for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
                 if not getattr(self, name) > 0:
@@ -124,6 +139,7 @@ class ModelConfig(Section):
                     "ffn_dim": 1 << 18, "multiple_of": 1 << 16, "rope_theta": 1e12, "head_dim": 1 << 12,
                     "max_seq_len": 1 << 30, "rope_original_max_len": 1 << 30, "sliding_window": 1 << 30,
                     "rope_factor": 1e4, "num_experts": 1 << 12, "moe_ffn_dim": 1 << 18,
-                    "router_aux_loss_coef": 1e3, "shared_expert_ffn_dim": 1 << 18, "rope_low_freq_factor": 1e4, "rope_high_freq_factor": 1e4,
+                    "router_aux_loss_coef": 1e3, "router_z_loss_coef": 1e3, "router_bias_update_rate": 1.0, "capacity_factor": 1e3,
+                    "shared_expert_ffn_dim": 1 << 18, "rope_low_freq_factor": 1e4, "rope_high_freq_factor": 1e4,
                     "norm_eps": 1.0, "init_std": 10.0}, "a model shape no device holds")
         floor(self, {"norm_eps": 1e-12, "init_std": 1e-8}, "float32 rounds it to 0, or to weights of 0")
