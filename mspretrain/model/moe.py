@@ -17,8 +17,8 @@ Dropless routing with static shapes (the CPU path; graph mode compiles it once):
   blocks: (R/b, b, D) x (R/b, D, 2F). Cost: the active FLOPs times R/A (b is the mean group
   size, at most 64, so padding at most doubles the rows), plus a copy of one expert's weights per
   block (R/b copies of 3*F*D values). On CPU that copy is the price of static shapes without a
-  grouped matmul; it is not how Ascend should run (MindSpore 2.10's `grouped_matmul` and
-  `moe_token_permute` are the Ascend path of issue 52 item 2, NOT done here).
+  grouped matmul; Ascend runs MindSpore 2.10's `moe_token_permute` and `GroupedMatmul` instead
+  (model/moe_kernels.py `grouped_experts`, same inputs and output; `MoE.grouped`).
 - Outputs return to their assignments by a gather of the destination rows, are weighted and
   summed over the K choices per token. Gradients flow through the gathers (scatter-adds) into
   exactly the chosen experts' weights and into the router through the routing weights.
@@ -37,6 +37,7 @@ from mindspore import Tensor, nn, ops
 
 from mspretrain.config.schema import ModelConfig
 from mspretrain.model.layers import Linear, WeightSource
+from mspretrain.model.moe_kernels import grouped_experts
 
 MAX_BLOCK = 64  # rows per expert block at most (see the module docstring)
 
@@ -67,6 +68,7 @@ class MoE(nn.Cell):
         self.w13 = Stacked(cfg.num_experts, 2 * self.ffn, cfg.dim, cfg.init_std, rng)
         self.w2 = Stacked(cfg.num_experts, cfg.dim, self.ffn, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng)
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
+        self.grouped = False  # the Ascend kernels instead of the blocks (set by the Decoder, model/moe_kernels.py)
         # Qwen2-MoE: a shared expert every token goes through, scaled by sigmoid(x Wg^T) (Qwen2MoeSparseMoeBlock)
         self.shared_ffn = cfg.shared_expert_ffn_dim
         if self.shared_ffn:
@@ -92,30 +94,33 @@ class MoE(nn.Cell):
         R = -(-(A + E * (b - 1)) // b) * b  # static bound on the padded rows
         x2 = x.reshape(N, D)
         probs, top, idx = self.route(x2)
-        e = ops.stop_gradient(idx.reshape(A))  # (A,) expert of each assignment, token-major
-        onehot = ops.one_hot(e, E, Tensor(1, ms.int32), Tensor(0, ms.int32))  # (A, E)
-        rank = ops.gather_d(ops.cumsum(onehot, 0), 1, e.reshape(A, 1)).reshape(A) - 1  # rank within its expert
-        counts = onehot.sum(0)  # (E,)
-        padded = (counts + (b - 1)) // b * b
-        ends = ops.cumsum(padded, 0)
-        dest = ops.gather(ends - padded, e, 0) + rank  # (A,) its row in the padded buffer
-        # which assignment fills each padded row (A: none, the zero row)
-        src = ops.scatter_nd(dest.reshape(A, 1), ops.arange(1, A + 1, dtype=ms.int32), (R,)) - 1
-        src = ops.stop_gradient(ops.select(src < 0, ops.fill(ms.int32, (R,), A), src))
-        xa = ops.broadcast_to(x2.expand_dims(1), (N, K, D)).reshape(A, D)
-        xp = ops.gather(ops.concat((xa, ops.zeros((1, D), x.dtype)), 0), src, 0)  # (R, D)
-        # the expert of each block: the number of segments ending at or before its first row
-        starts = ops.arange(0, R, b, dtype=ms.int32).reshape(R // b, 1)
-        block_e = ops.minimum((starts >= ends.reshape(1, E)).astype(ms.int32).sum(1), E - 1)
-        block_e = ops.stop_gradient(block_e)
-        w13, w2 = ops.gather(self.w13.weight, block_e, 0), ops.gather(self.w2.weight, block_e, 0)
-        if self.dtype != ms.float32:
-            w13, w2 = w13.astype(self.dtype), w2.astype(self.dtype)
-        xb = xp.reshape(R // b, b, D)
-        gate = self.bmm_t(xb, w13[:, :F])  # (R/b, b, F)
-        up = self.bmm_t(xb, w13[:, F:])
-        yb = self.bmm_t(ops.silu(gate) * up, w2).reshape(R, D)
-        ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)  # (A, D), weighted
+        if self.grouped:  # Ascend: MindSpore's fused permutation and grouped matmul (model/moe_kernels.py)
+            ya, counts = grouped_experts(x2, idx, top, self.w13.weight, self.w2.weight, self.dtype)
+        else:  # the sorted, padded blocks (module docstring)
+            e = ops.stop_gradient(idx.reshape(A))  # (A,) expert of each assignment, token-major
+            onehot = ops.one_hot(e, E, Tensor(1, ms.int32), Tensor(0, ms.int32))  # (A, E)
+            rank = ops.gather_d(ops.cumsum(onehot, 0), 1, e.reshape(A, 1)).reshape(A) - 1  # rank within its expert
+            counts = onehot.sum(0)  # (E,)
+            padded = (counts + (b - 1)) // b * b
+            ends = ops.cumsum(padded, 0)
+            dest = ops.gather(ends - padded, e, 0) + rank  # (A,) its row in the padded buffer
+            # which assignment fills each padded row (A: none, the zero row)
+            src = ops.scatter_nd(dest.reshape(A, 1), ops.arange(1, A + 1, dtype=ms.int32), (R,)) - 1
+            src = ops.stop_gradient(ops.select(src < 0, ops.fill(ms.int32, (R,), A), src))
+            xa = ops.broadcast_to(x2.expand_dims(1), (N, K, D)).reshape(A, D)
+            xp = ops.gather(ops.concat((xa, ops.zeros((1, D), x.dtype)), 0), src, 0)  # (R, D)
+            # the expert of each block: the number of segments ending at or before its first row
+            starts = ops.arange(0, R, b, dtype=ms.int32).reshape(R // b, 1)
+            block_e = ops.minimum((starts >= ends.reshape(1, E)).astype(ms.int32).sum(1), E - 1)
+            block_e = ops.stop_gradient(block_e)
+            w13, w2 = ops.gather(self.w13.weight, block_e, 0), ops.gather(self.w2.weight, block_e, 0)
+            if self.dtype != ms.float32:
+                w13, w2 = w13.astype(self.dtype), w2.astype(self.dtype)
+            xb = xp.reshape(R // b, b, D)
+            gate = self.bmm_t(xb, w13[:, :F])  # (R/b, b, F)
+            up = self.bmm_t(xb, w13[:, F:])
+            yb = self.bmm_t(ops.silu(gate) * up, w2).reshape(R, D)
+            ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)  # (A, D), weighted
         y = ya.reshape(N, K, D).sum(1)
         if self.shared_ffn:
             g, u = self.shared_w13.parts(x2, (self.shared_ffn, self.shared_ffn))
