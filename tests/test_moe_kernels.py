@@ -8,7 +8,7 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Tensor
+from mindspore import Tensor, ops
 
 from mspretrain.config.schema import ModelConfig, resolve_model
 from mspretrain.errors import UserError
@@ -19,29 +19,26 @@ from mspretrain.model.moe import MoE, reference_moe
 
 def permute_contract(tokens: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
     """ops.moe_token_permute: rows grouped by expert (stable, token-major), and for each token-major
-    assignment the row that holds it."""
-    x, e = tokens.asnumpy(), idx.asnumpy().reshape(len(tokens), -1)
+    assignment the row that holds it. Differentiable in `tokens` (the indices are constants)."""
+    e = idx.asnumpy().reshape(tokens.shape[0], -1)
     k = e.shape[1]
     order = np.argsort(e.reshape(-1), kind="stable")
     where = np.empty_like(order)
     where[order] = np.arange(order.size)
-    return Tensor(x[order // k]), Tensor(where.astype(np.int32))
+    return ops.gather(tokens, Tensor((order // k).astype(np.int32)), 0), Tensor(where.astype(np.int32))
 
 
 def unpermute_contract(rows: Tensor, sorted_indices: Tensor) -> Tensor:
-    return Tensor(rows.asnumpy()[sorted_indices.asnumpy()])
+    return ops.gather(rows, sorted_indices, 0)
 
 
 def gmm_contract(x: Tensor, weight: Tensor, groups: Tensor) -> Tensor:
     """GroupedMatmul(split_item=3, group_type=0): rows groups[e-1]:groups[e] times weight[e] (E, in, out)."""
-    a, w, ends = x.asnumpy(), weight.asnumpy(), groups.asnumpy()
-    assert groups.dtype == ms.int64 and ends[-1] == len(a) and len(ends) == len(w)
-    out = np.zeros((len(a), w.shape[2]), a.dtype)
-    start = 0
-    for e, end in enumerate(ends):
-        out[start:end] = a[start:end] @ w[e]
-        start = end
-    return Tensor(out)
+    ends = groups.asnumpy()
+    assert groups.dtype == ms.int64 and ends[-1] == x.shape[0] and len(ends) == weight.shape[0]
+    starts = np.concatenate(([0], ends[:-1]))
+    parts = [ops.matmul(x[int(a):int(b)], weight[e]) for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
+    return ops.concat(parts, 0)
 
 
 def test_the_contracts_reproduce_mindsporess_docstring_examples():
@@ -75,8 +72,6 @@ def _cfg(**over) -> ModelConfig:
 
 
 def test_the_decoder_selects_the_kernel_path_by_device(monkeypatch):
-    from mindspore import ops
-
     from mspretrain.model.decoder import Decoder
     from tests.helpers import rms_norm_reference
 
@@ -155,3 +150,50 @@ def test_the_kernel_path_computes_what_the_cpu_path_computes(contracts, over):
         want = reference_moe(x.asnumpy().reshape(3, 64).astype(np.float64), layer.router.weight.asnumpy(),
                              layer.w13.weight.asnumpy(), layer.w2.weight.asnumpy(), 2, cfg.norm_topk_prob)
         np.testing.assert_allclose(y_k.asnumpy().reshape(3, 64), want, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------- selftest's `moe kernels` check
+
+def test_the_selftest_check_needs_ascend_on_cpu():
+    from pathlib import Path
+
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.preflight import selftest_moe
+    from mspretrain.preflight.selftest_result import NEEDS_ASCEND, Context
+
+    check = selftest_moe.check_moe_kernels(Context(cfg=cfgmod.Config(), target="cpu", work=Path("unused")))
+    assert check.name == "moe kernels" and check.status == NEEDS_ASCEND and "only on Ascend" in check.detail
+
+
+def test_the_selftest_check_as_a_910b_runs_it(contracts):
+    """check_moe_kernels with target ascend, the kernels replaced by their contracts: fp32 (output and
+    the experts' gradients) and fp16 (bf16 has no CPU kernels) pass, with the same routing."""
+    from pathlib import Path
+
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.preflight import selftest_moe
+    from mspretrain.preflight.selftest_result import PASSED, Context
+
+    ctx = Context(cfg=cfgmod.Config(), target="ascend", work=Path("unused"))
+    check = selftest_moe.check_moe_kernels(ctx, ("fp32", "fp16"))
+    assert check.status == PASSED, check.detail
+    fp32, fp16 = check.data["fp32"], check.data["fp16"]
+    assert fp32["same_routing"] and fp16["same_routing"]
+    assert fp32["output"]["max_abs_diff"] <= 1e-5 and fp32["grad_w13"]["max_abs_diff"] <= 1e-5 and "grad_w2" in fp32
+    assert 0 < fp16["output"]["max_abs_diff"] <= selftest_moe.MOE_TOLERANCE["fp16"]
+
+
+def test_the_selftest_check_fails_a_kernel_off_its_contract(monkeypatch, contracts):
+    """A grouped matmul that pairs the row segments with the wrong experts (off by one) fails the check."""
+    from pathlib import Path
+
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.preflight import selftest_moe
+    from mspretrain.preflight.selftest_result import FAILED, Context
+
+    def off_by_one(x, weight, groups):
+        return gmm_contract(x, ops.concat((weight[1:], weight[:1]), 0), groups)
+
+    monkeypatch.setattr(moe_kernels, "grouped_matmul", off_by_one)
+    ctx = Context(cfg=cfgmod.Config(), target="ascend", work=Path("unused"))
+    assert selftest_moe.check_moe_kernels(ctx, ("fp32",)).status == FAILED

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import mindspore as ms
 from mindspore import Tensor, ops
+from mindspore.ops.auto_generate import GroupedMatmul  # imported here: no import inside a graph
 
 from mspretrain.errors import UserError
 
@@ -100,8 +101,6 @@ def unpermute(rows: Tensor, sorted_indices: Tensor) -> Tensor:
 
 def grouped_matmul(x: Tensor, weight: Tensor, groups: Tensor) -> Tensor:
     """x (M, in) with its rows in expert segments ending at `groups`, weight (E, in, out) -> (M, out)."""
-    from mindspore.ops.auto_generate import GroupedMatmul
-
     return GroupedMatmul(split_item=3, group_type=0)([x], [weight], None, None, None, None, None, groups)[0]
 
 
