@@ -109,9 +109,8 @@ def grouped_experts(x2: Tensor, idx: Tensor, top: Tensor, w13: Tensor, w2: Tenso
     """The dropless expert computation on the fused kernels: x2 (N, D) tokens, idx (N, K) int32
     experts, top (N, K) weights, w13 (E, 2F, D) and w2 (E, D, F) stacked as model/moe.py holds them
     -> (ya (N*K, D) each assignment's weighted expert output, token-major; counts (E,) int32)."""
-    N, D = x2.shape
     E, F = w13.shape[0], w13.shape[1] // 2
-    A = N * idx.shape[1]
+    A = x2.shape[0] * idx.shape[1]
     counts = ops.stop_gradient(expert_counts(idx, E))
     groups = ops.stop_gradient(group_list(counts))
     if dtype != ms.float32:
