@@ -79,6 +79,8 @@ from mspretrain.model.layers import (
     relay,
     use_fused_kernels,
 )
+from mspretrain.model.moe import MoE
+from mspretrain.model.moe_kernels import select_grouped
 
 # Where `_normal` puts each new weight while a Decoder is being built: None (host memory, CPU), or a
 # MindSpore device name. On Ascend each weight goes into device memory as soon as it is drawn, so a
@@ -277,6 +279,8 @@ class Decoder(nn.Cell):
                     cell.fused = True
                 elif isinstance(cell, Attention):
                     cell.softmax = SoftmaxPlain()
+                elif isinstance(cell, MoE):  # the fused permutation and grouped matmul
+                    cell.grouped = select_grouped("auto", device)
 
     def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None,
                   routing: bool = False, per_layer: bool = False) -> Tensor | tuple[Tensor, Tensor]:

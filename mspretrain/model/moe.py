@@ -17,8 +17,8 @@ Dropless routing with static shapes (the CPU path; graph mode compiles it once):
   blocks: (R/b, b, D) x (R/b, D, 2F). Cost: the active FLOPs times R/A (b is the mean group
   size, at most 64, so padding at most doubles the rows), plus a copy of one expert's weights per
   block (R/b copies of 3*F*D values). On CPU that copy is the price of static shapes without a
-  grouped matmul; it is not how Ascend should run (MindSpore 2.10's `grouped_matmul` and
-  `moe_token_permute` are the Ascend path of issue 52 item 2, NOT done here).
+  grouped matmul; Ascend runs MindSpore 2.10's `moe_token_permute` and `GroupedMatmul` instead
+  (model/moe_kernels.py `grouped_experts`, same inputs and output; `MoE.grouped`).
 - Outputs return to their assignments by a gather of the destination rows, are weighted and
   summed over the K choices per token. Gradients flow through the gathers (scatter-adds) into
   exactly the chosen experts' weights and into the router through the routing weights.
@@ -38,6 +38,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config.schema import ModelConfig
 from mspretrain.model.layers import Linear, WeightSource
+from mspretrain.model.moe_kernels import grouped_experts
 
 MAX_BLOCK = 64  # rows per expert block at most (see the module docstring)
 
@@ -68,6 +69,7 @@ class MoE(nn.Cell):
         self.w13 = Stacked(cfg.num_experts, 2 * self.ffn, cfg.dim, cfg.init_std, rng)
         self.w2 = Stacked(cfg.num_experts, cfg.dim, self.ffn, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng)
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
+        self.grouped = False  # the Ascend kernels instead of the blocks (set by the Decoder, model/moe_kernels.py)
         # Qwen2-MoE: a shared expert every token goes through, scaled by sigmoid(x Wg^T) (Qwen2MoeSparseMoeBlock)
         self.shared_ffn = cfg.shared_expert_ffn_dim
         if self.shared_ffn:
@@ -114,6 +116,9 @@ class MoE(nn.Cell):
         probs, top, idx, z = self.route(x2)
         if self.capacity_factor > 0:
             return self._capacity(x, x2, probs, top, idx, z)
+        if self.grouped:  # Ascend: MindSpore's fused permutation and grouped matmul (model/moe_kernels.py)
+            ya, counts = grouped_experts(x2, idx, top, self.w13.weight, self.w2.weight, self.dtype)
+            return self._finish(x, x2, ya, probs, counts, z, None)
         e = ops.stop_gradient(idx.reshape(A))  # (A,) expert of each assignment, token-major
         onehot = ops.one_hot(e, E, Tensor(1, ms.int32), Tensor(0, ms.int32))  # (A, E)
         rank = ops.gather_d(ops.cumsum(onehot, 0), 1, e.reshape(A, 1)).reshape(A) - 1  # rank within its expert

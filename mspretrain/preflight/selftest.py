@@ -4,6 +4,8 @@
 "selftest"). The checks live by what they check:
 - `preflight/selftest_numerics.py`: two numeric paths compared on this device (flash against math
   attention, each family's feature against the fp32 CPU path, fp16/bf16 steps against fp32);
+- `preflight/selftest_moe.py`: the MoE layer on Ascend's fused permutation and grouped matmul
+  against the fp32 CPU path;
 - `preflight/selftest_node.py`: the node itself (NPUs, versions, doctor, HBM, collectives and a ZeRO-2
   step across its NPUs, the run dir's disk, one decoder layer timed for the plan);
 - `preflight/selftest_result.py`: a check's result and the JSON read back (`plan --from-selftest`).
@@ -20,6 +22,8 @@ from typing import Any, Callable
 
 from mspretrain.config import schema as cfgmod
 from mspretrain.config.schema import Config
+from mspretrain.preflight.selftest_moe import NAME as MOE_KERNELS
+from mspretrain.preflight.selftest_moe import check_moe_kernels
 from mspretrain.preflight.selftest_node import (
     ZERO2,
     check_checkpoint,
@@ -102,6 +106,7 @@ def run_selftest(cfg: Config, run_dir: Path, *, target: str | None = None, quick
         ("doctor", lambda: check_doctor(ctx)),
         ("flash attention fp16", lambda: check_attention(ctx, "fp16")),
         ("flash attention bf16", lambda: check_attention(ctx, "bf16")),
+        (MOE_KERNELS, lambda: check_moe_kernels(ctx)),
         *((name, lambda name=name: check_feature(ctx, name)) for name in features(feature_seq(target))),
         ("train step fp16", lambda: check_train_step(ctx, "fp16")),
         ("train step bf16", lambda: check_train_step(ctx, "bf16")),

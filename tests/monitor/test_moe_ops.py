@@ -111,7 +111,7 @@ def test_report_plots_expert_load_only_for_moe_runs(tmp_path):
     assert "moe" not in render_report(tmp_path / "dense")[1]  # an optional panel: left out, not empty
 
 
-# ---- the router options (issue 52): float64 references of the maths, and the bias at work in a compiled step
+# ---- the router options: float64 references of the maths, and the bias at work in a compiled step
 _OPT_BASE = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, family="qwen3_moe", qk_norm=True,
                  num_experts=4, moe_ffn_dim=32)
 

@@ -17,7 +17,7 @@ from mspretrain.model.decoder import Decoder
 from mspretrain.preflight import selftest, selftest_node, selftest_numerics, selftest_result
 from tests.conftest import TINY
 
-ASCEND_ONLY = {"devices", "device memory", "flash attention fp16", "flash attention bf16", "train step bf16", "collectives",
+ASCEND_ONLY = {"devices", "device memory", "flash attention fp16", "flash attention bf16", "moe kernels", "train step bf16", "collectives",
                "zero2 step"}
 FEATURES = {"sliding window", "qkv bias", "qk norm"}  # on CPU: fp16 math path against fp32
 CPU_RUNS = {"versions", "doctor", "train step fp16", "checkpoint", "decoder layer"} | FEATURES

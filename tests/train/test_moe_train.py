@@ -117,7 +117,7 @@ def test_moe_expert_load_in_metrics_and_tensorboard(moe_run):
     assert tags["moe/layer_0/max_over_mean"] == list(range(1, STEPS + 1))
 
 
-# ---- the router options (issue 52): z-loss, aux-loss-free bias, capacity factor; all on in one run
+# ---- the router options: z-loss, aux-loss-free bias, capacity factor; all on in one run
 OPTS = ("model.router_z_loss_coef=1.0", "model.router_bias_update_rate=0.01", "model.capacity_factor=1.0")
 
 
