@@ -200,6 +200,7 @@ def main() -> int:
         sides[name], params[name] = build()
         first[name] = sides[name]()
         compile_s[name] = time.perf_counter() - t0
+        print(f"  built {name}: first step {compile_s[name]:.1f}s", flush=True)
     hf_info = {}
     for impl in filter(None, args.hf_experts.split(",")):
         name = "hf" if impl == "default" else f"hf_{impl}"
@@ -207,6 +208,7 @@ def main() -> int:
         sides[name], params[name], hf_info[name] = hf_step(moe, data, None if impl == "default" else impl)
         first[name] = sides[name]()
         compile_s[name] = time.perf_counter() - t0
+        print(f"  built {name}: first step {compile_s[name]:.1f}s", flush=True)
     for name in sides:  # one warm step each after the first (allocators, caches)
         sides[name]()
     names = list(sides)
@@ -214,6 +216,7 @@ def main() -> int:
     for i in range(args.rounds):
         order = names[i % len(names):] + names[:i % len(names)]
         rounds.append({n: timed(sides[n], args.steps) for n in order})
+        print(f"  round {i + 1}: " + ", ".join(f"{n} {rounds[-1][n] * 1e3:.0f} ms" for n in names), flush=True)
     load.append(os.getloadavg()[0])
     tok = args.batch * args.seq
     tps = {n: statistics.median(tok / r[n] for r in rounds) for n in names}
