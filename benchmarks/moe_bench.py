@@ -30,8 +30,8 @@ Rounds rotate the order of the sides so a change in the machine's load hits all 
 median per-round ratio is reported, and the ratio of the best rounds (least disturbed). With
 `--profile DIR` MindSpore's profiler also runs over a few `moe` steps and prints the top op types.
 
-    python benchmarks/moe_bench.py                       # defaults: dim 256, 4 layers, 16 experts top-2, seq 256, batch 8
-    python benchmarks/moe_bench.py --experts 8 --moe-ffn 256 --rounds 7 --profile /tmp/moeprof
+    python benchmarks/moe_bench.py    # dim 256, 4 layers (4/2 heads), 8 experts top-2 of ffn 256, seq 256, batch 4, 3 rounds
+    python benchmarks/moe_bench.py --experts 16 --batch 8 --rounds 5 --profile /tmp/moeprof
 """
 from __future__ import annotations
 
@@ -163,13 +163,13 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8000)
-    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--experts-per-token", type=int, default=2)
     ap.add_argument("--moe-ffn", type=int, default=256, help="one expert's SwiGLU width (dense twin: K x this)")
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both frameworks (default: all cores)")
-    ap.add_argument("--rounds", type=int, default=5, help="rotating measurement rounds per side")
+    ap.add_argument("--rounds", type=int, default=3, help="rotating measurement rounds per side")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per round")
     ap.add_argument("--hf-experts", default="default,eager",
                     help="transformers sides: comma list of experts implementations (default = transformers' choice; '' = none)")
