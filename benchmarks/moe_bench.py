@@ -153,7 +153,7 @@ def profile_ops(step, out_dir: str, steps: int = 3, top: int = 15) -> list[tuple
     with open(files[0]) as f:
         rows = list(csv.DictReader(f))
     rows.sort(key=lambda r: -float(r["total_compute_time"]))
-    return [(r["op_type"], float(r["total_compute_time"]) / steps, float(r["percent"]) / 100) for r in rows[:top]]
+    return [(r["op_type"], float(r["total_compute_time"]) / steps, float(r["percent"])) for r in rows[:top]]
 
 
 def main() -> int:
