@@ -27,7 +27,10 @@ decay 0.1, none on norms):
   `F.cross_entropy` on fp32 logits, `clip_grad_norm_`, `torch.optim.AdamW` (foreach).
 
 Rounds rotate the order of the sides so a change in the machine's load hits all of them; the
-median per-round ratio is reported, and the ratio of the best rounds (least disturbed). With
+median per-round ratio is reported, and the ratio of the best rounds (least disturbed). On a box
+oversubscribed by other processes PyTorch's OpenMP threads can collapse (5-10x slower steps at 2
+threads than at 1, seen at load ~8-10 on 2 cores) while MindSpore's do not: compare at
+`--threads 1` there too before reading the transformers ratio (docs/benchmarks.md). With
 `--profile DIR` MindSpore's profiler also runs over a few `moe` steps and prints the top op types.
 
     python benchmarks/moe_bench.py    # dim 256, 4 layers (4/2 heads), 8 experts top-2 of ffn 256, seq 256, batch 4, 3 rounds
