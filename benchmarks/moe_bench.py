@@ -39,8 +39,6 @@ threads than at 1, seen at load ~8-10 on 2 cores) while MindSpore's do not: comp
 from __future__ import annotations
 
 import argparse
-import csv
-import glob
 import json
 import os
 import statistics
@@ -57,6 +55,7 @@ import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
 from mindspore import Tensor, ops  # noqa: E402
 
+from benchmarks.train_bench import profile_ours as profile_ops  # noqa: E402  MindSpore's op table, the same reading
 from mspretrain.config.schema import ModelConfig, OptimConfig, resolve_model  # noqa: E402
 from mspretrain.device import DeviceInfo, setup_mindspore  # noqa: E402
 from mspretrain.model.decoder import Decoder  # noqa: E402
@@ -142,21 +141,6 @@ def timed(step, n: int) -> float:
     for _ in range(n):
         step()
     return (time.perf_counter() - t0) / n
-
-
-def profile_ops(step, out_dir: str, steps: int = 3, top: int = 15) -> list[tuple[str, float, float]]:
-    """MindSpore's profiler over `steps` steps: (op type, ms per step, share of op time) of the top ops."""
-    prof = ms.Profiler(output_path=out_dir)
-    for _ in range(steps):
-        step()
-    prof.analyse()
-    files = glob.glob(os.path.join(out_dir, "**", "cpu_op_type_info_*.csv"), recursive=True)
-    if not files:
-        return []
-    with open(files[0]) as f:
-        rows = list(csv.DictReader(f))
-    rows.sort(key=lambda r: -float(r["total_compute_time"]))
-    return [(r["op_type"], float(r["total_compute_time"]) / steps, float(r["percent"])) for r in rows[:top]]
 
 
 def main() -> int:
