@@ -34,7 +34,7 @@ from typing import Any
 from mspretrain.errors import UserError
 
 # How a weight-holding cell is cut across the tp ranks (model/layers.py declares one per cell;
-# model/params.py's `Role` enum has the same values):
+# model/params.py's `Role` enum takes its values from these):
 COLUMN = "column"  # output rows split (Megatron's column-parallel linear), per fused row block
 ROW = "row"  # input columns split (row-parallel linear); its output is summed over tp
 VOCAB = "vocab"  # vocabulary rows split (the embedding, the lm_head)
