@@ -37,10 +37,11 @@ demo-quick: $(VENV)/.base npm
 	$(VENV)/bin/mspretrain demo --quick
 
 # Two pytest-xdist workers, one per core (much of the suite is one thread at a time: graph
-# compilation, Python, waits on subprocesses). --dist loadgroup: a worker takes a whole group at a
-# time, a group being one test file, or the files that must share a worker (every msrun test in
-# one, so that two msrun jobs never run at once; the readers of one shared session run): see
-# tests/conftest.py `groups`, which also puts the groups with long jobs first (hence
+# compilation, Python, waits on subprocesses). --dist loadfile: a worker takes a whole test file at
+# a time (its module fixtures built once), the next when it is done; jobs that launch ranks hold one
+# lock, so two msrun jobs never run at once, and the shared session runs are built once for both
+# workers (tests/conftest.py `one_msrun_at_a_time`, `built_once`); conftest puts the files with long
+# jobs first (hence
 # --no-loadscope-reorder). One process instead: `.venv/bin/python -m pytest`.
 # PYTHONDONTWRITEBYTECODE unset: every test starts Python processes (msrun workers, CLI runs, Ray
 # workers) that should cache the bytecode they compile; where it is set (this project's CI machines
@@ -49,7 +50,7 @@ demo-quick: $(VENV)/.base npm
 # Lint first ([tool.ruff] in pyproject.toml): it takes a second and names the line of a real bug
 # (an undefined name, an unused import) before the suite spends minutes compiling graphs.
 TEST_WORKERS ?= 2
-PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,7 @@ dir prepared from it once per session, and the tiny config. Expensive things are
 because MindSpore compiles each new graph in seconds."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -51,9 +52,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     import fcntl
     import shutil
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # pytest-N/, the parent of each worker's popen-gwK/
+    root = _shared_root(tmp_path_factory)
     out, done = root / f"shared-{name}", root / f"shared-{name}.built"
     with open(root / f"shared-{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -63,6 +62,34 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
             build(out)
             done.touch()
     return out
+
+
+def _shared_root(tmp_path_factory) -> Path:
+    """pytest-N/ under xdist (the parent of each worker's popen-gwK/), else this session's base temp."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@contextlib.contextmanager
+def one_msrun_at_a_time(tmp_path_factory):
+    """Held around every job that launches ranks (an msrun test, a two-rank session run): an msrun
+    job (2 workers + a scheduler) beside another would starve both jobs' heartbeats on 2 cores, and
+    the two xdist workers of `make test` may each reach a file with one. An flock shared by the
+    workers of one run: a job waits for the other to end."""
+    import fcntl
+
+    with open(_shared_root(tmp_path_factory) / "msrun.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _msrun_jobs_one_at_a_time(request, tmp_path_factory):
+    if request.node.get_closest_marker("msrun") is None:
+        yield
+        return
+    with one_msrun_at_a_time(tmp_path_factory):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -160,10 +187,10 @@ def two_nodes_rewind(tmp_path_factory, tiny_data) -> Path:
     job for the two (the rewind's code is the same on a 2-worker msrun and on two nodes). Read-only."""
     from tests.helpers.runs import two_nodes
 
-    tmp = tmp_path_factory.mktemp("two-rewind")
-    run = tmp / "two"
-    two_nodes(tmp, tiny_data, run, "optim.shard_optimizer=true", *REWIND_ARGS)
-    return run
+    def build(tmp: Path) -> None:
+        with one_msrun_at_a_time(tmp_path_factory):
+            two_nodes(tmp, tiny_data, tmp / "two", "optim.shard_optimizer=true", *REWIND_ARGS)
+    return built_once(tmp_path_factory, "two-rewind", build) / "two"
 
 
 @pytest.fixture(scope="session")
@@ -175,10 +202,10 @@ def two_ranks_fp32(tmp_path_factory, tiny_data) -> Path:
     parameter on one 2-worker msrun (tests/step/test_zero2.py). One job for the three. Read-only."""
     from tests.helpers.runs import two_nodes
 
-    tmp = tmp_path_factory.mktemp("two-ranks")
-    run = tmp / "two-fp32"
-    two_nodes(tmp, tiny_data, run, *REFERENCE_ARGS, "precision.allreduce_dtype=fp32")
-    return run
+    def build(tmp: Path) -> None:
+        with one_msrun_at_a_time(tmp_path_factory):
+            two_nodes(tmp, tiny_data, tmp / "two-fp32", *REFERENCE_ARGS, "precision.allreduce_dtype=fp32")
+    return built_once(tmp_path_factory, "two-ranks", build) / "two-fp32"
 
 
 @pytest.fixture(scope="session")
@@ -194,15 +221,17 @@ def walkthrough(tmp_path_factory) -> tuple[Path, str]:
     import torch  # noqa: F401  pinned test dependencies: missing must fail, not skip (pyproject [test])
     import transformers  # noqa: F401
 
-    work = tmp_path_factory.mktemp("walkthrough")
-    env = dict(os.environ, GLOG_v="3")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv's mspretrain and python
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "walkthrough.sh"), str(work)], env=env, capture_output=True,
-                          text=True, timeout=1200)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"walkthrough failed (exit {proc.returncode}):\n{out[-4000:]}"
-    assert "Traceback" not in out, out[-4000:]
-    return work, out
+    def build(work: Path) -> None:
+        env = dict(os.environ, GLOG_v="3")
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv's mspretrain and python
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "walkthrough.sh"), str(work)], env=env, capture_output=True,
+                              text=True, timeout=1200)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"walkthrough failed (exit {proc.returncode}):\n{out[-4000:]}"
+        assert "Traceback" not in out, out[-4000:]
+        (work.parent / f"{work.name}.out").write_text(out, encoding="utf-8")
+    work = built_once(tmp_path_factory, "walkthrough", build)
+    return work, (work.parent / f"{work.name}.out").read_text(encoding="utf-8")
 
 
 def copy_run_at(src: Path, dst: Path, step: int) -> Path:
@@ -302,25 +331,23 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
                 assert_close_rel(a[k].reshape(b[k].shape) if a[k].size == b[k].size else a[k], b[k], rtol, f"{got.name} {k}")
 
 
-# `make test` runs the suite in two pytest-xdist workers, one per core (`-n 2 --dist loadgroup`,
-# the Makefile): a worker takes one group of tests at a time, and a group is one test file (its
-# module fixtures are built once) except where tests must share a worker:
-# - "msrun": every file with an msrun test or a user of a session fixture that launches two ranks.
-#   An msrun job (2 workers + a scheduler) beside another would starve both jobs' heartbeats on 2
-#   cores: in one group, the jobs run one after another.
-# - one group per session fixture that runs a whole pipeline once for several files (`SHARED_RUNS`):
-#   the files that read it run in the worker that built it. (The shorter shared runs, the tiny data
-#   dir, `reference_run` and tests/forensics/planted.py's, are built once for both workers instead:
-#   `built_once`.)
-# Groups that hold a long job come first (msrun, then groups with `slow` tests), so that the short
-# files fill the end of both workers.
+# `make test` runs the suite in two pytest-xdist workers, one per core (`-n 2 --dist loadfile`, the
+# Makefile): a worker takes one test file at a time (its module fixtures are built once), the next
+# when it is done, so the two end together without a hand-balanced list. What files share across
+# workers: the tiny data dir, `reference_run`, tests/forensics/planted.py's run, the two-rank session
+# runs and the walkthrough are built once for both (`built_once`); two jobs that launch ranks never
+# run at once (`one_msrun_at_a_time`). `groups` names each file's class for the order (no longer
+# an xdist group: xdist 3.8's loadgroup under pytest 9 put every test of a group on either worker,
+# and two msrun jobs ran side by side): files with an msrun job first, then files with `slow`
+# tests, so the short files fill the end of both workers.
 TWO_RANK_RUNS = frozenset({"two_nodes_rewind", "two_ranks_fp32"})
 SHARED_RUNS = ("walkthrough",)
 MSRUN_GROUP = "msrun"
 
 
 def groups(items) -> dict[str, str]:
-    """The xdist group of each test file, as `tests/pkg/test_x.py` -> name."""
+    """Each test file's class for the order, as `tests/pkg/test_x.py` -> name: "msrun" for a file that
+    launches ranks, the shared run's name for its readers, else the file itself."""
     by_file: dict[str, list] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
@@ -336,8 +363,8 @@ def groups(items) -> dict[str, str]:
 
 def pytest_collection_modifyitems(config, items):
     """A test skipped when msrun is missing starts msrun: mark it `msrun` even where the decorator
-    was forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers; then each
-    test gets its file's xdist group, and the groups with long jobs go first."""
+    was forgotten, so that `make test-fast` (-m "not msrun ...") never starts workers (and takes
+    `one_msrun_at_a_time`); then the files with long jobs go first."""
     for item in items:
         if any("msrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.msrun)
@@ -345,9 +372,7 @@ def pytest_collection_modifyitems(config, items):
     slow = {group[i.nodeid.split("::")[0]] for i in items if i.get_closest_marker("slow") is not None}
     first: dict[str, int] = {}
     for n, item in enumerate(items):
-        name = group[item.nodeid.split("::")[0]]
-        item.add_marker(pytest.mark.xdist_group(name))
-        first.setdefault(name, n)
+        first.setdefault(group[item.nodeid.split("::")[0]], n)
 
     def rank(name: str) -> tuple[int, int]:
         return (0 if name == MSRUN_GROUP else 1 if name in slow else 2, first[name])

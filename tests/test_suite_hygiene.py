@@ -74,19 +74,39 @@ def test_no_test_module_imports_another():
     assert not bad, "move what they share to tests/helpers/:\n" + "\n".join(f"{a} imports {b}" for a, b in bad)
 
 
-def test_every_msrun_test_runs_in_the_msrun_group(request):
-    """`make test`'s two xdist workers never run two msrun jobs at once: every test that starts one
-    (the `msrun` marker, or a user of a two-rank session run) is in the one "msrun" group."""
-    from tests.conftest import MSRUN_GROUP, TWO_RANK_RUNS
+def test_every_job_that_launches_ranks_holds_the_msrun_lock(request):
+    """`make test`'s two xdist workers never run two msrun jobs at once: every msrun test takes
+    conftest's `one_msrun_at_a_time` (its autouse fixture), and the two-rank session runs build
+    under it; the msrun files come first in the order (`groups`)."""
+    import inspect
 
-    def group(item) -> str | None:
-        mark = item.get_closest_marker("xdist_group")
-        return mark.args[0] if mark is not None else None
+    from tests import conftest
 
     items = request.session.items
-    launching = [i for i in items if i.get_closest_marker("msrun") is not None or TWO_RANK_RUNS & set(i.fixturenames)]
-    assert all(group(i) is not None for i in items), "every test has its file's group (conftest.py `groups`)"
-    assert [i.nodeid for i in launching if group(i) != MSRUN_GROUP] == []
+    msrun = [i for i in items if i.get_closest_marker("msrun") is not None]
+    assert all("_msrun_jobs_one_at_a_time" in i.fixturenames for i in msrun)
+    for name in conftest.TWO_RANK_RUNS:
+        assert "one_msrun_at_a_time(" in inspect.getsource(getattr(conftest, name).__wrapped__), name
+    launching = {i.nodeid.split("::")[0] for i in msrun} | {
+        i.nodeid.split("::")[0] for i in items if conftest.TWO_RANK_RUNS & set(i.fixturenames)}
+    order = list(dict.fromkeys(i.nodeid.split("::")[0] for i in items))
+    assert set(order[:len(launching)]) == launching, "the files that launch ranks run first"
+
+
+def test_the_msrun_lock_excludes_a_second_holder(tmp_path_factory):
+    """The lock is an flock on one file of the run's shared temp dir: a second holder (the other
+    xdist worker: here another process) waits until the first lets go."""
+    import fcntl
+
+    from tests.conftest import _shared_root, one_msrun_at_a_time
+
+    path = _shared_root(tmp_path_factory) / "msrun.lock"
+    with one_msrun_at_a_time(tmp_path_factory):
+        with open(path, "w") as other:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(path, "w") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_groups_put_a_launching_file_and_a_shared_run_together():
