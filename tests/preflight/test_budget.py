@@ -110,7 +110,7 @@ def test_tokens_per_step_and_the_split_are_derived_only_in_budget():
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     found: dict[str, list[str]] = {}
     for path in sorted([*(root / "mspretrain").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]):
         rel = path.relative_to(root).as_posix()
