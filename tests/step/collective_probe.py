@@ -1,7 +1,7 @@
 """Compile the real train step for every rank of each given case (world, ZeRO stage, tp, model
 family), as the Ascend path builds it, and print each rank's ordered collectives per graph as JSON,
-`{"W-Z-TP-FAMILY": {rank: {...}}}` (run as a script by tests/step/test_collective_sequence.py, in one
-process of its own for all the cases the session selected: MindSpore is imported once).
+`{"W-Z-TP-FAMILY": {rank: {...}}}` (run as a script by tests/step/test_collective_sequence.py, two
+processes at once, each for its share of the cases the session selected: MindSpore is imported once per process).
 
 Why a separate process: it replaces `get_rank` / `get_group_size` in MindSpore's
 `ops/operations/comm_ops.py` (the collective primitives read the world there at construction:

@@ -9,8 +9,8 @@ in spite of the primitive's `no_eliminate` attribute. Measured here before the f
 14 traced, 5 or 6 kept); at world 2 every rank kept all of them, in another order. The CPU path
 chains every collective, so no run on CPU could see it: here the real step is compiled for each
 rank of every case in CASES (world, ZeRO stage, tensor parallel, model family; worlds 2, 4 and 8;
-one layer: tests/step/collective_probe.py says why) with the Ascend path's choices (tests/step/collective_probe.py, one process for all the cases the
-session selected), and each rank's ordered list of collectives — kind, group, input and output
+one layer: tests/step/collective_probe.py says why) with the Ascend path's choices (two probe
+processes share the cases the session selected), and each rank's ordered list of collectives — kind, group, input and output
 types and shapes — is compared, for the fused graph and for the accumulate / apply pair, and
 counted against what the step's code issues.
 """
@@ -25,7 +25,7 @@ import pytest
 
 from tests.step.collective_probe import case_key, collectives_in_ir
 
-pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each, 1 layer) in one subprocess
+pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each, 1 layer) in two subprocesses
 
 PROBE = Path(__file__).with_name("collective_probe.py")
 ROOT = PROBE.parents[2]
@@ -53,22 +53,44 @@ Ranks = dict[str, dict[str, list[list[str]]]]  # rank -> graph (and "traced") ->
 
 @pytest.fixture(scope="module")
 def compiled(request, tmp_path_factory) -> dict[Case, Ranks]:
-    """The cases of the tests this session runs (`-k` selects fewer), compiled by one probe process
-    when a test first asks for them; none selected, no process."""
+    """The cases of the tests this session runs (`-k` selects fewer), compiled when a test first asks
+    for them by two probe processes at once, the cases dealt between them by rank count (MindSpore's
+    compilation is one thread: one process alone left a core idle for ~6 minutes of `make test`);
+    none selected, no process."""
     selected = {tuple(item.callspec.params[k] for k in PARAMS) for item in request.session.items
                 if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
                 and all(k in item.callspec.params for k in PARAMS)}
     cases = [c for c in CASES if c in selected]
     if not cases:
         return {}
-    folder = tmp_path_factory.mktemp("ir")  # the probe writes a folder per case and rank below it
-    proc = subprocess.run([sys.executable, str(PROBE), "--out", str(folder),
-                           *(arg for c in cases for arg in ("--case", ",".join(map(str, c))))],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900 * len(cases))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    folder = tmp_path_factory.mktemp("ir")  # each probe writes a folder per case and rank below it
+    procs = [subprocess.Popen([sys.executable, str(PROBE), "--out", str(folder),
+                               *(arg for c in part for arg in ("--case", ",".join(map(str, c))))],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for part in deal(cases, 2) if part]
+    out: dict = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=900 * len(cases))
+        assert proc.returncode == 0, stderr[-3000:]
+        out.update(json.loads(stdout))
     assert sorted(out) == sorted(case_key(*c) for c in cases)
     return {c: out[case_key(*c)] for c in cases}
+
+
+def deal(cases: list[Case], n: int) -> list[list[Case]]:
+    """`cases` in n parts of about equal rank counts (a case compiles one rank after another):
+    largest first, each to the part with the fewest ranks so far."""
+    parts: list[list[Case]] = [[] for _ in range(n)]
+    for case in sorted(cases, key=lambda c: -c[0]):
+        min(parts, key=lambda p: sum(c[0] for c in p)).append(case)
+    return parts
+
+
+def test_the_cases_are_dealt_into_parts_of_about_equal_rank_counts():
+    parts = deal(CASES, 2)
+    assert sorted(c for p in parts for c in p) == sorted(CASES)
+    ranks = [sum(c[0] for c in p) for p in parts]
+    assert max(ranks) - min(ranks) <= 2, ranks
 
 
 @pytest.mark.parametrize(",".join(PARAMS), CASES)
