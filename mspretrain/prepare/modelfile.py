@@ -88,7 +88,9 @@ def _members(data: bytes, what: str, p: Path, hint: str) -> None:
                         count *= int(d)
                     if dtype.kind not in "fiu" or dtype.hasobject or count * dtype.itemsize > i.file_size:
                         raise UserError(f"{bad} (member {i.filename})", hint)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError, RuntimeError, TypeError, OverflowError):
+    # RuntimeError: zipfile's refusals of an encrypted member or an unknown compression method
+    # (the latter a NotImplementedError, a subclass)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, RuntimeError, TypeError, OverflowError):
         raise UserError(bad, hint) from None
 
 

@@ -223,6 +223,18 @@ def _lying_header() -> bytes:
     return buf.getvalue() + bytes(16)
 
 
+def _unknown_compression() -> bytes:
+    """A well-formed model file whose members name compression method 99 (zipfile: NotImplementedError)."""
+    data = bytearray(_npz({"meta.npy": _npz_member(_meta(CLF)), "bias.npy": _npz_member(np.array(0.0)),
+                           "weights.npy": _npz_member(np.zeros(16, np.float32))}))
+    for signature, field in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):  # local headers, central directory
+        at = data.find(signature)
+        while at >= 0:
+            data[at + field:at + field + 2] = (99).to_bytes(2, "little")
+            at = data.find(signature, at + 4)
+    return bytes(data)
+
+
 HOSTILE_MODELS = {
     "lying-header": lambda: _npz({"meta.npy": _npz_member(_meta(CLF)), "bias.npy": _npz_member(np.array(0.0)),
                                   "weights.npy": _lying_header()}),
@@ -237,6 +249,7 @@ HOSTILE_MODELS = {
     "meta-not-utf8": lambda: _npz({"meta": np.frombuffer(b"\xff\xfe{", dtype=np.uint8), "bias": np.array(0.0),
                                    "weights": np.zeros(16, np.float32)}),
     "empty-weights": lambda: _npz({"meta": _meta(CLF), "bias": np.array(0.0), "weights": np.zeros(0, np.float32)}),
+    "unknown-compression": _unknown_compression,
 }
 
 
