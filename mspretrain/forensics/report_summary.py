@@ -17,6 +17,7 @@ from mspretrain.config import schema as cfgmod
 from mspretrain.errors import UserError
 from mspretrain.fsutil import JSON_CAP, LOG_CAP, read_json_file, read_regular_text
 from mspretrain.monitor.spikes import scan_metrics
+from mspretrain.parallel.plan import ParallelPlan
 from mspretrain.paths import DataPaths, RunPaths
 
 
@@ -201,9 +202,11 @@ def _session_seconds(elapsed: tuple[list[int], list[float]], starts: set[int]) -
 
 def _run_budget(c: cfgmod.Config, manifest: dict, world: int) -> tuple[int | None, int]:
     """(total steps, warm-up) of the run as the trainer derived them (mspretrain/budget.py, auto
-    warm-up resolved against the data's tokens); (None, the configured warm-up) if underivable."""
+    warm-up resolved against the data's tokens, the batch split over the data-parallel ranks as
+    train/build.py splits it); (None, the configured warm-up) if underivable."""
     try:
-        b = budget.derive(c, world=world, data_tokens=int(manifest.get("tokens", {}).get("train", 0)) or None)
+        dp = ParallelPlan.for_config(c, world).dp
+        b = budget.derive(c, world=dp, data_tokens=int(manifest.get("tokens", {}).get("train", 0)) or None)
         return b.steps, b.warmup or 0
     except (UserError, ValueError, TypeError):
         return None, c.schedule.warmup_steps if isinstance(c.schedule.warmup_steps, int) else 0

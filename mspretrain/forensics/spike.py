@@ -137,7 +137,7 @@ def describe_batch(run: str | Path, step: int) -> Analysis:
     cfg = cfgmod.load(RunPaths(run).config)
     data_dir = run_data_dir(run)
     plan, tokens = plan_of_run(run, cfg)
-    world = int(rec.get("world", 1))
+    world = int(rec.get("world", 1))  # the loader's: the data-parallel ranks (train/build.py)
     b = budget.derive(cfg, world=world, data_tokens=tokens)
     g, pos = cfg.train.global_batch, [int(p) for p in rec["pos"]]
     ids = plan.batch(pos, g)

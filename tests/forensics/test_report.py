@@ -63,13 +63,13 @@ def write_data_dir(root: Path) -> Path:
     return d
 
 
-def synthetic_run(root: Path, *, partial: bool = True) -> Path:
+def synthetic_run(root: Path, *, partial: bool = True, world: int = 2, overrides: tuple[str, ...] = ()) -> Path:
     run = root / "run"
     run.mkdir()
     # 200 of 400 steps logged: the run is still going
-    cfg = cfgmod.load(None, ["train.max_steps=400", "cost.price_per_device_hour=3.0", "schedule.warmup_steps=10"])
+    cfg = cfgmod.load(None, ["train.max_steps=400", "cost.price_per_device_hour=3.0", "schedule.warmup_steps=10", *overrides])
     cfgmod.save(cfg, run / "config.toml")
-    (run / "run_meta.json").write_text(json.dumps({"data_dir": str(write_data_dir(root)), "world_size": 2,
+    (run / "run_meta.json").write_text(json.dumps({"data_dir": str(write_data_dir(root)), "world_size": world,
                                                    "hardware": {"device": "cpu", "cpus": 2}}))
     lines = []
     for s in range(1, 201):
@@ -225,6 +225,14 @@ def test_a_run_stopped_before_its_budget_is_not_still_going(tmp_path):
     with open(run / "train.log", "a") as f:  # resumed: a new session is under way
         f.write("2026-01-01 01:00:00 device cpu, 2 threads; world 1; micro-batch 8 x 1 accumulation\n")
     assert not summarize(run)["ended"]
+
+
+def test_a_tensor_parallel_runs_budget_splits_the_batch_over_its_data_parallel_ranks(tmp_path):
+    """4 ranks at tp 2 are 2 data-parallel ranks: a global batch of 2 splits over them (over all 4 it
+    would not, and the report lost the run's budget and its warm-up)."""
+    run = synthetic_run(tmp_path, world=4, overrides=("parallel.tp=2", "train.global_batch=2"))
+    summary = summarize(run)
+    assert summary["budget_steps"] == 400 and summary["warmup"] == 10
 
 
 CHROMIUM = shutil.which("chromium") or (Path("/usr/bin/chromium").exists() and "/usr/bin/chromium")
