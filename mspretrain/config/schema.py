@@ -301,7 +301,8 @@ def check_moe(cfg: Config) -> None:
                      f"unset {key}, or train with parallel.ep=1")
     if experts <= 0:
         return
-    for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("optim.shard_optimizer", cfg.optim.shard_optimizer),
+    # ZeRO-1 composes with expert parallel (step/ep.py); ZeRO-2/3 and plain data parallel's ZeRO with experts do not yet
+    for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("optim.shard_optimizer", cfg.optim.shard_optimizer and ep == 1),
                     ("optim.shard_gradients", cfg.optim.shard_gradients), ("optim.shard_parameters", cfg.optim.shard_parameters)):
         if on:
             fail(key, f"is not supported with a mixture-of-experts model (model.num_experts = {cfg.model.num_experts}) yet",

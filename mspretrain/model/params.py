@@ -224,10 +224,11 @@ def tp_piece(name: str, m: ModelConfig, tp: int, rank: int) -> tuple[int, list[t
     return lead, out
 
 
-def expert_parallel(name: str) -> bool:
-    """Expert parallel cuts it (a stacked-experts row): its gradient is reduced over the
-    expert-data-parallel group, not the world, and its squared norm summed over the ep group."""
-    return row_of(name).experts
+def expert_parallel(name: str, m: ModelConfig) -> bool:
+    """Expert parallel cuts it (a stacked-experts row; the config tells a dense layer's `mlp.w13`
+    from an MoE layer's): its gradient is reduced over the expert-data-parallel group, not the
+    world, and its squared norm summed over the ep group."""
+    return row_of(name, m).experts
 
 
 def ep_piece(name: str, m: ModelConfig, ep: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:

@@ -13,7 +13,10 @@ group's tokens (the combine's backward gathered their output gradients) and are 
 edp group only, with the same divisor (the loss is scaled by the global batch's tokens). The
 gradient norm counts each expert once: the expert part of the squared norm is summed over the ep
 group. The routing stats behind the load-balancing loss are summed over the data-parallel world
-(step/objective.py), so that loss is one process's on the whole batch.
+(step/objective.py), so that loss is one process's on the whole batch. ZeRO-1: the other
+parameters' state is sharded over the world as without ep; each rank keeps its own experts' state
+whole (parallel/layout.py `LOCAL`; with ep < dp the edp group's ranks hold the same experts' state:
+not sharded over it yet), and a checkpoint writes the experts' gathered state in dp rank 0's shard.
 
 Checkpoints: the expert stacks (and their Adam moments) are gathered over the ep group by the
 tensor-parallel machinery (step/tp.py `WholeTensors`: zero-padded pieces summed), and rank 0
@@ -100,3 +103,12 @@ class EPTrainStep(WholeTensors, TrainStep):
         calls += accumulation * (5 * layers + 1)
         nbytes += accumulation * (layers * per_layer + stats)
         return {"calls": calls, "bytes": nbytes}
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        """The state with the experts' whole (gathered over the ep group: every rank takes part).
+        Under ZeRO-1 each dp rank writes its own shard and every rank holds its experts' state, so
+        only dp rank 0's shard keeps the experts' (one writer per key; any layout reads it whole)."""
+        out = super().optimizer_state()
+        if self.plan.sharded and self.plan.dp_rank != 0:
+            out = {k: v for k, v in out.items() if k.split(".", 1)[-1] not in self.whole_shapes}
+        return out

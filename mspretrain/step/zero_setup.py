@@ -95,8 +95,8 @@ def plan_zero(params: tuple[Parameter, ...], sizes: list[int], half: set[str], c
     if zero3:  # every parameter split, no bucket: the gathers and reductions live in the model's graph
         layout = zero3_layout(sizes, [n in half for n in names], wire16, world)
     else:
-        layout = plan_layout(sizes, [n in half for n in names], wire16, world,
-                             shard=shard, shard_grads=shard_grads, cap=cap, split=split_elements_for(split_mb, cap))
+        layout = plan_layout(sizes, [n in half for n in names], wire16, world, shard=shard, shard_grads=shard_grads, cap=cap,
+                             split=split_elements_for(split_mb, cap), local=expert)
     owner = list(layout.owner) if layout.sharded else [rank] * len(params)
     # indices whose state (all of it, or a slice of a split parameter) lives here
     own = layout.owned(rank) if layout.sharded else list(range(len(params)))
@@ -127,8 +127,8 @@ def plan_zero(params: tuple[Parameter, ...], sizes: list[int], half: set[str], c
     experts = [i for i, e in enumerate(expert or ()) if e]
     ex = None
     if experts:  # expert parallel (ZeRO is refused with it): the stacks out of the world's buckets
-        if layout.sharded:
-            raise ValueError("expert parallel with a sharded optimizer is not built")
+        if layout.shard_grads:
+            raise ValueError("expert parallel with sharded gradients (ZeRO-2/3) is not built")
         ar = [(tuple(i for i in idx if i not in experts), tuple(n for i, n in zip(idx, sz) if i not in experts), w)
               for idx, sz, w in ar]
         ex = (tuple(experts), tuple(sizes[i] for i in experts), wire[experts[0]])

@@ -26,8 +26,7 @@ def test_the_table_cuts_expert_stacks_along_the_experts():
     assert ep_piece(W13, CFG, 1, 0) is None
     dense = resolve_model(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32))
     assert ep_piece(W13, dense, 2, 1) is None  # a dense layer's w13 of the same name is not an expert stack
-    assert expert_parallel(W2) is False  # without the config the name is the dense row's...
-    assert ep_piece(W2, CFG, 2, 0) is not None  # ...with it, the MoE row's
+    assert expert_parallel(W2, CFG) and not expert_parallel(W2, dense) and not expert_parallel(ROUTER, CFG)
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,7 @@ def _final_ir(folder: Path) -> str:
 
 def parse_case(text: str) -> tuple[int, int, int, str] | tuple[int, int, int, str, int]:
     """`W,Z,TP[,FAMILY[,EP]]` (FAMILY llama by default) -> (world, zero, tp, family[, ep]). EP > 1
-    (expert parallel, step/ep.py): an MoE family, tp 1 and ZeRO 0 (the plan refuses ZeRO with ep)."""
+    (expert parallel, step/ep.py): qwen3_moe, tp 1 and ZeRO 0 or 1 (the plan refuses ZeRO-2/3 with ep)."""
     parts = text.split(",")
     if len(parts) not in (3, 4, 5):
         raise argparse.ArgumentTypeError(f"--case W,Z,TP[,FAMILY[,EP]], not {text!r}")
@@ -91,8 +91,8 @@ def parse_case(text: str) -> tuple[int, int, int, str] | tuple[int, int, int, st
     ep = int(parts[4]) if len(parts) == 5 else 1
     moe = family == "qwen3_moe"
     if ep > 1:
-        if not moe or zero != 0 or tp != 1 or world % ep:
-            raise argparse.ArgumentTypeError(f"--case {text!r}: expert parallel needs qwen3_moe, ZeRO 0, tp 1, ep dividing the world")
+        if not moe or zero not in (0, 1) or tp != 1 or world % ep:
+            raise argparse.ArgumentTypeError(f"--case {text!r}: expert parallel needs qwen3_moe, ZeRO 0 or 1, tp 1, ep dividing the world")
         return world, zero, tp, family, ep
     if zero not in (1, 2, 3) or family not in FAMILIES or moe or world < 1 or tp < 1 or world % tp:
         raise argparse.ArgumentTypeError(f"--case {text!r}: ZeRO 1-3, tp dividing the world, family in {tuple(FAMILIES)[:3]}")
@@ -132,7 +132,7 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
     """Rank `rank` of the case: what its step issues per graph (`traced`) and each compiled graph's
     collectives, the IR dumped under `out` (a folder per case and rank, one per graph below it)."""
     if ep > 1:
-        return probe_ep_rank(world, ep, family, rank, out)
+        return probe_ep_rank(world, zero, ep, family, rank, out)
     import mindspore as ms
     import numpy as np
     from mindspore.ops.operations import comm_ops
@@ -223,14 +223,15 @@ def _compiled(folder: Path, members: dict[str, list[int]]) -> list[list]:
             for kind, group, t_in, t_out, root in collectives_in_ir(_final_ir(folder))]
 
 
-def probe_ep_rank(world: int, ep: int, family: str, rank: int, out: Path) -> dict:
+def probe_ep_rank(world: int, zero: int, ep: int, family: str, rank: int, out: Path) -> dict:
     """`probe_rank` for expert parallel (step/ep.py): the MoE model cut by `apply_ep` over the ep
-    group named as `expert_mesh` names it, the step over the world (no ZeRO: the plan refuses it
-    with ep). In the model's graph per MoE layer: the dispatch's AllGather of rows and of expert
-    ids and the combine's ReduceScatter forward, a ReduceScatter and an AllGather backward (the
-    bprops, model/expert_parallel.py); the routing stats' world AllReduce; in the step, the buckets
-    (the expert stacks' own over the edp group, when it has more than one rank), the loss and the
-    norm's ep sum."""
+    group named as `expert_mesh` names it, the step over the world (ZeRO 0 or 1: the plan refuses
+    ZeRO-2/3 with ep; under ZeRO-1 the experts' state stays with every rank, outside the gathers).
+    In the model's graph per MoE layer: the dispatch's AllGather of rows and of expert ids and the
+    combine's ReduceScatter forward, a ReduceScatter and an AllGather backward (the bprops,
+    model/expert_parallel.py); the routing stats' world AllReduce; in the step, the buckets (the
+    expert stacks' own over the edp group, when it has more than one rank), the loss, the norm's
+    ep sum and ZeRO-1's gathers of the other parameters."""
     import mindspore as ms
     import numpy as np
     from mindspore.ops.operations import comm_ops
@@ -240,7 +241,7 @@ def probe_ep_rank(world: int, ep: int, family: str, rank: int, out: Path) -> dic
     from mspretrain.parallel.plan import ParallelPlan
     from mspretrain.step.ep import EPTrainStep, expert_mesh
 
-    plan = ParallelPlan(world=world, rank=rank, ep=ep)
+    plan = ParallelPlan(world=world, rank=rank, ep=ep, zero=zero)
     mesh = expert_mesh(plan, "ascend", create=False)
     sizes = {g.name: g.size for g in (mesh.ep, mesh.edp) if g.name}
     mine = {g.name: g.rank for g in (mesh.ep, mesh.edp) if g.name}
@@ -263,7 +264,8 @@ def probe_ep_rank(world: int, ep: int, family: str, rank: int, out: Path) -> dic
     layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
     reduce = sum(1 for kind, _ in step._schedule if kind != 3 or step.edp_sum is not None)
     in_model = 5 * layers + 1
-    traced = {"fused": in_model + reduce + 2, "accumulate": in_model, "apply": reduce + 2}
+    gather = len(step._ag) + len(step._ag_single)
+    traced = {"fused": in_model + reduce + 2 + gather, "accumulate": in_model, "apply": reduce + 2 + gather}
     result: dict = {"traced": traced}
     members = {"hccl_world_group": list(range(world))}
     members.update({g.name: list(g.ranks) for g in (mesh.ep, mesh.edp) if g.name})

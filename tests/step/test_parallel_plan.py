@@ -65,13 +65,29 @@ def test_ranks_of_an_expert_parallel_plan():
     for kw, says in (({"world": 6, "ep": 4}, "parallel.ep = 4 does not divide the 6 data-parallel ranks"),
                      ({"world": 1, "ep": 2}, "parallel.ep = 2 does not divide the 1 data-parallel ranks"),
                      ({"world": 4, "ep": 2, "tp": 2}, "expert parallel with tensor parallel is not supported yet"),
-                     ({"world": 4, "ep": 2, "zero": 1}, "ZeRO-1 with parallel.ep = 2 is not supported yet")):
+                     ({"world": 4, "ep": 2, "zero": 2}, "ZeRO-2 with parallel.ep = 2 is not supported yet")):
         with pytest.raises(UserError, match=says):
             ParallelPlan(**kw)
     from mspretrain.config import schema as cfgmod
 
     cfg = cfgmod.load(None, ["parallel.ep=2", "model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=4"])
     assert ParallelPlan.for_config(cfg, world=4, rank=2).ep_ranks == (2, 3)
+    assert ParallelPlan(world=4, rank=0, ep=2, zero=1).sharded  # ZeRO-1 composes with ep
+
+
+def test_zero1_leaves_the_expert_stacks_local():
+    """ZeRO-1 under expert parallel (parallel/layout.py `LOCAL`): the expert stacks (each rank its own
+    experts) are owned by every rank whole, never split, in no gather; the others are sharded as ever."""
+    from mspretrain.parallel.layout import LOCAL, plan_layout
+
+    sizes, local = [1000, 50_000, 50_000, 1000], [False, True, True, False]
+    lay = plan_layout(sizes, [False] * 4, [False] * 4, 2, shard=True, shard_grads=False, cap=10_000, split=20_000, local=local)
+    assert lay.owner[1] == lay.owner[2] == LOCAL and not lay.is_split(1)
+    assert {lay.owner[0], lay.owner[3]} == {0, 1}
+    for r in (0, 1):
+        assert {1, 2} <= set(lay.owned(r)) and lay.unit(1, r) == (0, 50_000)
+    gathered = {i for b in lay.gather_rank for seg in b.segments for i in seg} | set(lay.gather_single)
+    assert gathered == {0, 3}
 
 
 def test_tp_where_by_role():

@@ -1,8 +1,8 @@
 """Expert parallel (`parallel.ep`, issue 52.3) against one process: a tiny Qwen3-MoE (1 layer, 4
 experts, top-2, balance loss on) trained 8 steps at ep=2 on 2 msrun CPU ranks equals the same
 run on one process (losses, grad norms, the routing metrics, every weight and moment); its step-4
-checkpoint resumes on one process, and the one process's step-4 checkpoint resumes at ep=2, each
-equal to the unbroken run. The refusals of the config and of the plan: one line, exit 2, nothing written."""
+checkpoint resumes on one process, and the one process's step-4 checkpoint resumes at ep=2 with
+ZeRO-1, each equal to the unbroken run. The refusals of the config and of the plan: one line, exit 2, nothing written."""
 from __future__ import annotations
 
 import json
@@ -69,12 +69,19 @@ def test_ep2_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one)
 
 
 @pytest.mark.msrun
-def test_one_process_checkpoint_resumes_at_ep2(tmp_path, tiny_data, moe_one):
-    """The one process's step-4 checkpoint (whole experts) resumed by 2 ranks at ep=2, each cutting its experts."""
+def test_one_process_checkpoint_resumes_at_ep2_with_zero1(tmp_path, tiny_data, moe_one):
+    """The one process's step-4 checkpoint (whole experts) resumed by 2 ranks at ep=2 with ZeRO-1, each
+    cutting its experts: the other parameters' optimizer state sharded over the 2 ranks, each rank's
+    experts' state its own; the checkpoints' shards hold every key once, the experts' whole."""
+    from safetensors.numpy import load_file
+
     run = copy_run_at(moe_one, tmp_path / "to-ep2", RESUME_AT)
-    msrun(tmp_path, tiny_data, run, "parallel.ep=2", NO_EVAL, args=ONE)
+    msrun(tmp_path, tiny_data, run, "parallel.ep=2", "optim.shard_optimizer=true", NO_EVAL, args=ONE)
     assert f"resumed from step_{RESUME_AT:06d}" in (run / "train.log").read_text()
     _equal_from(run, moe_one, RESUME_AT + 1)
+    shards = [set(load_file(str(f))) for f in sorted(step_dir(run, FINAL).glob("optimizer-*-of-*.safetensors"))]
+    assert len(shards) == 2 and not (shards[0] - {"opt_step"}) & shards[1]  # sharded, no key twice
+    assert "exp_avg.layers.0.mlp.w13.weight" in shards[0]
 
 
 def test_ep_refusals(tmp_path, tiny_data, capsys):
@@ -87,6 +94,7 @@ def test_ep_refusals(tmp_path, tiny_data, capsys):
              ((*MOE, "parallel.tp=2"), "parallel.ep=2", "parallel.tp is not supported with expert parallel"),
              ((*MOE, "model.capacity_factor=1.0"), "parallel.ep=2", "model.capacity_factor is not supported with expert parallel"),
              ((*MOE, "train.ema_decay=0.99"), "parallel.ep=2", "train.ema_decay is not supported with expert parallel"),
+             ((*MOE, "optim.shard_gradients=true"), "parallel.ep=2", "optim.shard_gradients is not supported with a mixture"),
              ((), "parallel.ep=0", "parallel.ep = 0 must be at least 1")]
     for extra, key, says in cases:
         err = refused(capsys, *base, *extra, key)
