@@ -282,11 +282,27 @@ def check_parallel(cfg: Config) -> None:
 
 
 def check_moe(cfg: Config) -> None:
-    """A mixture of experts (model.num_experts > 0) trains on whole replicas only for now: expert
-    parallel, ZeRO and tensor parallel over experts are issue 52's later items."""
-    if cfg.model.num_experts <= 0:
+    """A mixture of experts (model.num_experts > 0) trains on whole replicas or with expert
+    parallel (`parallel.ep`, which needs one); ZeRO and tensor parallel over experts are issue 52's
+    later items. That ep divides the data-parallel ranks is the parallel plan's rule (it knows the world)."""
+    ep, experts = cfg.parallel.ep, cfg.model.num_experts
+    if ep > 1:
+        if experts <= 0:
+            fail("parallel.ep", f"= {ep} needs a mixture-of-experts model (model.num_experts is {experts})",
+                 "set parallel.ep=1 for a dense model")
+        if experts % ep:
+            fail("parallel.ep", f"= {ep} does not divide model.num_experts = {experts}",
+                 "use a parallel.ep that divides the number of experts (each rank holds num_experts / ep)")
+        for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("model.capacity_factor", cfg.model.capacity_factor > 0),
+                        ("model.router_bias_update_rate", cfg.model.router_bias_update_rate > 0),
+                        ("train.ema_decay", cfg.train.ema_decay > 0)):  # the EMA of rank 0's weights would hold its experts only
+            if on:
+                fail(key, f"is not supported with expert parallel (parallel.ep = {ep}) yet",
+                     f"unset {key}, or train with parallel.ep=1")
+    if experts <= 0:
         return
-    for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("optim.shard_optimizer", cfg.optim.shard_optimizer),
+    # ZeRO-1 composes with expert parallel (step/ep.py); ZeRO-2/3 and plain data parallel's ZeRO with experts do not yet
+    for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("optim.shard_optimizer", cfg.optim.shard_optimizer and ep == 1),
                     ("optim.shard_gradients", cfg.optim.shard_gradients), ("optim.shard_parameters", cfg.optim.shard_parameters)):
         if on:
             fail(key, f"is not supported with a mixture-of-experts model (model.num_experts = {cfg.model.num_experts}) yet",

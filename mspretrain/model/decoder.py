@@ -273,6 +273,7 @@ class Decoder(nn.Cell):
         # this rank's vocabulary columns the train step and eval use instead of `token_nll`
         self.tp_split: Any = None
         self.tp_loss: Any = None
+        self.ep_split: Any = None  # expert parallel (`apply_ep`): model/expert_parallel.py ExpertSplit
         if self.fused_kernels:  # one model definition: the norm and softmax cells switch kernel
             for _, cell in self.cells_and_names():
                 if isinstance(cell, RMSNorm):
@@ -348,6 +349,18 @@ class Decoder(nn.Cell):
         partial = frozenset(c.weight.name for _, c in self.cells_and_names() if isinstance(c, WeightCell) and c.role == "partial")
         self.tp_split = TPSplit(group, {k: shape for k, (shape, _) in cut.items()}, {k: where for k, (_, where) in cut.items()}, partial)
         return self.tp_split
+
+    def apply_ep(self, group: Any) -> Any:
+        """Expert parallel: each MoE layer keeps ep rank `group.rank`'s experts, dispatching over `group`
+        (model/moe.py `MoE.apply_ep`); returns (and keeps as `ep_split`) model/expert_parallel.py `ExpertSplit`."""
+        from mspretrain.model.expert_parallel import ExpertSplit
+
+        cut: dict[str, Any] = {}
+        for layer in self.layers:
+            if layer.sparse:
+                cut.update(layer.mlp.apply_ep(group, self.cfg))
+        self.ep_split = ExpertSplit(group, {k: s for k, (s, _) in cut.items()}, {k: w for k, (_, w) in cut.items()})
+        return self.ep_split
 
     def _head(self, x: Tensor, token: Tensor | None = None) -> Tensor:
         B, T = x.shape[0], x.shape[1]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import mindspore as ms
 import numpy as np
@@ -38,7 +39,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config.schema import ModelConfig
 from mspretrain.model.layers import Linear, WeightSource
-from mspretrain.model.moe_kernels import grouped_experts
+from mspretrain.model.moe_kernels import expert_counts, grouped_experts
 
 MAX_BLOCK = 64  # rows per expert block at most (see the module docstring)
 
@@ -70,6 +71,9 @@ class MoE(nn.Cell):
         self.w2 = Stacked(cfg.num_experts, cfg.dim, self.ffn, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng)
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.grouped = False  # the Ascend kernels instead of the blocks (set by the Decoder, model/moe_kernels.py)
+        # expert parallel (`apply_ep`): the experts held here and the dispatch/combine collectives
+        self.local_experts, self.expert_lo = cfg.num_experts, 0
+        self.dispatch = self.dispatch_ids = self.combine = None
         # Qwen2-MoE: a shared expert every token goes through, scaled by sigmoid(x Wg^T) (Qwen2MoeSparseMoeBlock)
         self.shared_ffn = cfg.shared_expert_ffn_dim
         if self.shared_ffn:
@@ -106,19 +110,75 @@ class MoE(nn.Cell):
             z = (lse * lse).sum()
         return probs, top.astype(self.dtype), idx.astype(ms.int32), z
 
+    def apply_ep(self, group: Any, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Expert parallel (model/expert_parallel.py): keep ep rank `group.rank`'s E/ep experts of
+        each stack (model/params.py `ep_piece`: the parameter table says how an expert stack is
+        cut), the router and the shared expert whole, and attach the dispatch and combine
+        collectives of `group`. Returns {parameter name: (whole shape, where)} of the cut stacks."""
+        from mspretrain.model.expert_parallel import GatherIds, GatherRows, ScatterRows
+        from mspretrain.model.parallel import cut, piece_tensor
+        from mspretrain.model.params import ep_piece
+
+        out = {}
+        for cell in (self.w13, self.w2):
+            p = cell.weight
+            name, dtype, grad, shape = p.name, p.dtype, p.requires_grad, tuple(p.shape)
+            where = ep_piece(name, cfg, group.size, group.rank)
+            cell.weight = Parameter(piece_tensor(cut(p.asnumpy(), where), dtype, group.device), name, grad)
+            cell.weight.name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
+            out[name] = (shape, where)
+        (lo, hi), = out[self.w13.weight.name][1][1]
+        self.local_experts, self.expert_lo = hi - lo, lo
+        self.dispatch, self.dispatch_ids, self.combine = GatherRows(group), GatherIds(group), ScatterRows(group)
+        return out
+
     def construct(self, x: Tensor) -> tuple[Tensor, Tensor]:
         B, T, D = x.shape
-        N, E, K, F = B * T, self.experts, self.top_k, self.ffn
-        A = N * K
-        b = block_rows(A, E)
-        R = -(-(A + E * (b - 1)) // b) * b  # static bound on the padded rows
+        N = B * T
         x2 = x.reshape(N, D)
         probs, top, idx, z = self.route(x2)
         if self.capacity_factor > 0:
             return self._capacity(x, x2, probs, top, idx, z)
+        if self.combine is not None:  # expert parallel (`apply_ep`)
+            return self._expert_parallel(x, x2, probs, top, idx, z)
+        ya, counts = self._experts(x2, idx, top)
+        return self._finish(x, x2, ya.reshape(N, self.top_k, D).sum(1), probs, counts, z, None)
+
+    def _expert_parallel(self, x: Tensor, x2: Tensor, probs: Tensor, top: Tensor, idx: Tensor,
+                         z: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The ep group's tokens gathered, this rank's experts run on the assignments that chose
+        them, the partial outputs summed back to each token's rank (model/expert_parallel.py)."""
+        N, D = x2.shape
+        K = self.top_k
+        packed = self.dispatch(ops.concat((x2, top), -1))  # (n*N, D + K): every ep rank's tokens and weights
+        ids = self.dispatch_ids(idx, packed)  # (n*N, K) their experts
+        ya = self.local_outputs(packed[:, :D], packed[:, D:], ids)
+        y = self.combine(ya.reshape(-1, K, D).sum(1))  # (N, D): this rank's tokens, every expert's share summed
+        counts = ops.stop_gradient(expert_counts(idx, self.experts))  # this rank's tokens' choices (the stats)
+        return self._finish(x, x2, y, probs, counts, z, None)
+
+    def local_outputs(self, xg: Tensor, top: Tensor, ids: Tensor) -> Tensor:
+        """The weighted outputs (M*K, D) of this rank's experts [expert_lo, expert_lo + local) for
+        tokens xg (M, D) with whole-model expert ids (M, K) and weights top (M, K): an assignment
+        to another rank's expert weighs 0 (it runs local expert 0, static shapes). Summed over the
+        ep ranks, the whole MoE's (tests/model/test_moe_ep.py)."""
+        local = ids - self.expert_lo
+        inside = ops.logical_and(local >= 0, local < self.local_experts)
+        local = ops.stop_gradient(ops.select(inside, local, ops.zeros_like(local)))
+        ya, _ = self._experts(xg, local, top * inside.astype(top.dtype))
+        return ya
+
+    def _experts(self, x2: Tensor, idx: Tensor, top: Tensor) -> tuple[Tensor, Tensor]:
+        """Dropless: tokens x2 (N, D), their experts idx (N, K) among this cell's `local_experts`
+        stacked ones, weights top (N, K) -> (each assignment's weighted output (N*K, D) token-major,
+        the assignments per expert (local_experts,))."""
+        N, D = x2.shape
+        E, K, F = self.local_experts, self.top_k, self.ffn
+        A = N * K
+        b = block_rows(A, E)
+        R = -(-(A + E * (b - 1)) // b) * b  # static bound on the padded rows
         if self.grouped:  # Ascend: MindSpore's fused permutation and grouped matmul (model/moe_kernels.py)
-            ya, counts = grouped_experts(x2, idx, top, self.w13.weight, self.w2.weight, self.dtype)
-            return self._finish(x, x2, ya, probs, counts, z, None)
+            return grouped_experts(x2, idx, top, self.w13.weight, self.w2.weight, self.dtype)
         e = ops.stop_gradient(idx.reshape(A))  # (A,) expert of each assignment, token-major
         onehot = ops.one_hot(e, E, Tensor(1, ms.int32), Tensor(0, ms.int32))  # (A, E)
         rank = ops.gather_d(ops.cumsum(onehot, 0), 1, e.reshape(A, 1)).reshape(A) - 1  # rank within its expert
@@ -130,7 +190,7 @@ class MoE(nn.Cell):
         src = ops.scatter_nd(dest.reshape(A, 1), ops.arange(1, A + 1, dtype=ms.int32), (R,)) - 1
         src = ops.stop_gradient(ops.select(src < 0, ops.fill(ms.int32, (R,), A), src))
         xa = ops.broadcast_to(x2.expand_dims(1), (N, K, D)).reshape(A, D)
-        xp = ops.gather(ops.concat((xa, ops.zeros((1, D), x.dtype)), 0), src, 0)  # (R, D)
+        xp = ops.gather(ops.concat((xa, ops.zeros((1, D), x2.dtype)), 0), src, 0)  # (R, D)
         # the expert of each block: the number of segments ending at or before its first row
         starts = ops.arange(0, R, b, dtype=ms.int32).reshape(R // b, 1)
         block_e = ops.minimum((starts >= ends.reshape(1, E)).astype(ms.int32).sum(1), E - 1)
@@ -143,14 +203,13 @@ class MoE(nn.Cell):
         up = self.bmm_t(xb, w13[:, F:])
         yb = self.bmm_t(ops.silu(gate) * up, w2).reshape(R, D)
         ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)  # (A, D), weighted
-        return self._finish(x, x2, ya, probs, counts, z, None)
+        return ya, counts
 
-    def _finish(self, x: Tensor, x2: Tensor, ya: Tensor, probs: Tensor, counts: Tensor, z: Tensor | None,
+    def _finish(self, x: Tensor, x2: Tensor, y: Tensor, probs: Tensor, counts: Tensor, z: Tensor | None,
                 dropped: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The weighted expert outputs ya (A, D) summed per token, the shared expert, and the stats."""
+        """The experts' output y (N, D) (each token's weighted outputs summed), the shared expert, and the stats."""
         B, T, D = x.shape
-        N, E = B * T, self.experts
-        y = ya.reshape(N, self.top_k, D).sum(1)
+        E = self.experts
         if self.shared_ffn:
             g, u = self.shared_w13.parts(x2, (self.shared_ffn, self.shared_ffn))
             y = y + ops.sigmoid(self.shared_gate(x2)) * self.shared_w2(ops.silu(g) * u)
@@ -193,7 +252,7 @@ class MoE(nn.Cell):
         yb = ops.concat((yb, ops.zeros((1, D), yb.dtype)), 0)  # row E*C: a dropped assignment's output
         ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)
         dropped = ops.maximum(counts - C, 0)
-        return self._finish(x, x2, ya, probs, counts, z, dropped)
+        return self._finish(x, x2, ya.reshape(N, K, D).sum(1), probs, counts, z, dropped)
 
 
 def capacity(factor: float, tokens: int, k: int, experts: int) -> int:

@@ -59,7 +59,9 @@ class Param:
     role: Role
     when: Callable[[ModelConfig], bool] = lambda m: True  # a family switch it needs
     parts: Callable[[ModelConfig], tuple[int, ...]] | None = None  # rows of each fused HF tensor
-    experts: bool = False  # (E, ...): the HF tensors once per expert `{e}`, stacked
+    # (E, ...): the HF tensors once per expert `{e}`, stacked; expert parallel (parallel.ep) cuts
+    # such a row along that leading axis, each ep rank holding E/ep whole experts (`ep_piece`)
+    experts: bool = False
     decay: bool | None = True  # AdamW weight decay; None: optim.decay_embeddings decides
     half: bool = True  # may be stored in the compute dtype (precision.param_dtype = compute)
     fp16_wire: bool = True  # its gradient may be all-reduced in fp16 (precision.allreduce_dtype)
@@ -220,6 +222,24 @@ def tp_piece(name: str, m: ModelConfig, tp: int, rank: int) -> tuple[int, list[t
         out.append(span(n, at))
         at += n
     return lead, out
+
+
+def expert_parallel(name: str, m: ModelConfig) -> bool:
+    """Expert parallel cuts it (a stacked-experts row; the config tells a dense layer's `mlp.w13`
+    from an MoE layer's): its gradient is reduced over the expert-data-parallel group, not the
+    world, and its squared norm summed over the ep group."""
+    return row_of(name, m).experts
+
+
+def ep_piece(name: str, m: ModelConfig, ep: int, rank: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """Where ep rank `rank`'s piece of parameter `name` lies (model/parallel.py `cut`'s form): an
+    expert stack's experts [rank*E/ep, (rank+1)*E/ep) along axis 0, or None for a whole one
+    (everything else is replicated over the ep group: the router too)."""
+    r = row_of(name, m)
+    if ep == 1 or not r.experts:
+        return None
+    n = m.num_experts // ep
+    return 0, [(rank * n, (rank + 1) * n)]
 
 
 def matmul_sizes(m: ModelConfig) -> list[tuple[str, float]]:

@@ -239,6 +239,9 @@ def cap_elements(bucket_mb: float) -> int:
     return int(bucket_mb * 2**20 // 4) if bucket_mb > 0 else 0
 
 
+LOCAL = -2  # the owner of a parameter every rank holds its own piece of (`plan_layout`'s `local`)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Everything the step and the planner derive from the parameter sizes: owners and the
@@ -265,8 +268,9 @@ class Layout:
         return bool(self.split) and self.split[i]
 
     def owned(self, rank: int) -> list[int]:
-        """Parameters with optimizer state on `rank`: its whole ones and every split one (a slice)."""
-        return [i for i, r in enumerate(self.owner) if r == rank or self.is_split(i)]
+        """Parameters with optimizer state on `rank`: its whole ones, every split one (a slice) and
+        every local one (`LOCAL`: this rank's own piece, whole)."""
+        return [i for i, r in enumerate(self.owner) if r in (rank, LOCAL) or self.is_split(i)]
 
     def unit(self, i: int, rank: int) -> tuple[int, int]:
         """[start, stop) of the flattened parameter i whose state `rank` holds."""
@@ -318,16 +322,20 @@ class Layout:
 
 
 def plan_layout(sizes: list[int], half: list[bool], wire16: list[bool], world: int, *, shard: bool,
-                shard_grads: bool, cap: int, split: int = 0) -> Layout:
+                shard_grads: bool, cap: int, split: int = 0, local: list[bool] | None = None) -> Layout:
     """Owners and buckets for `world` data-parallel ranks (world 1: no collectives). split: with
-    sharding, parameters of at least this many elements are cut into a slice per rank (0: none)."""
+    sharding, parameters of at least this many elements are cut into a slice per rank (0: none).
+    local: parameters every rank holds a piece of its own of (expert parallel's expert stacks): with
+    sharding, owned whole by every rank (owner `LOCAL`), never cut and in no gather; their gradients
+    are in the flat buckets, which the step (step/zero_setup.py) takes them out of."""
     shard_grads = shard_grads and world > 1
     sharded = (shard or shard_grads) and world > 1
     pkeys = ["half" if h else "fp32" for h in half]
     wkeys = ["fp16" if w else "fp32" for w in wire16]
-    cut = splits(sizes, world, split) if sharded else [False] * len(sizes)
-    whole = [i for i in range(len(sizes)) if not cut[i]]
-    owner = [-1 if c else 0 for c in cut]  # -1: every rank owns a slice
+    local = local or [False] * len(sizes)
+    cut = [c and not lo for c, lo in zip(splits(sizes, world, split), local)] if sharded else [False] * len(sizes)
+    whole = [i for i in range(len(sizes)) if not cut[i] and not local[i]]
+    owner = [-1 if c else LOCAL if lo and sharded else 0 for c, lo in zip(cut, local)]  # -1: every rank owns a slice
     if sharded:
         for i, r in zip(whole, assign_owners_grouped([sizes[i] for i in whole], [pkeys[i] for i in whole], world)):
             owner[i] = r

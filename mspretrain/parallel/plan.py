@@ -9,8 +9,16 @@ names ranks, it holds no MindSpore object.
 Dimensions. world = tp x dp. Rank r is tensor-parallel rank r % tp of tp group r // tp (a tp
 group's ranks are adjacent, as Megatron-LM's `initialize_model_parallel` orders them, so a tp
 group stays inside an 8-NPU server) and data-parallel rank r // tp of the dp group
-{j*tp + r % tp}. `ep` (expert parallel) and `cp` (context parallel) are the dimensions to come:
-fields of the plan already, fixed at 1, and any other value is refused in one line.
+{j*tp + r % tp}. `cp` (context parallel) is a dimension to come: a field of the plan already,
+fixed at 1, and any other value is refused in one line.
+
+Expert parallel (`ep`, issue 52.3): the dp ranks are cut into ep groups of `ep` adjacent dp ranks
+(dp rank d is ep rank d % ep of ep group d // ep), whose ranks split a mixture of experts' E
+experts among them (ep rank e holds experts [e*E/ep, (e+1)*E/ep), `expert_span`); the ranks
+holding the same experts form the expert-data-parallel group {j*ep + d % ep} (`edp_ranks`), over
+which those experts' gradients are reduced. ep divides the dp ranks; tp > 1 and ZeRO-2/3 with
+ep > 1 are refused for now (the ep groups would be tp-strided and the experts' tp cut is not
+built; sharded gradients would need the experts' own reduce-scatter), ZeRO-1 composes.
 
 ZeRO. `zero` is the level the config asks for (optim.shard_optimizer 1, shard_gradients 2,
 shard_parameters 3); it acts over the data-parallel group only, so with one dp rank nothing is
@@ -100,21 +108,29 @@ class ParallelPlan:
     zero: int = 0
 
     def __post_init__(self) -> None:
-        for key, value in (("ep", self.ep), ("cp", self.cp)):
-            if value != 1:
-                what = "expert" if key == "ep" else "context"
-                raise UserError(f"parallel.{key} = {value}: {what} parallel is not supported yet",
-                                f"use parallel.{key}=1 (data and tensor parallel split the ranks)")
-        if self.world < 1 or not 0 <= self.rank < self.world or self.tp < 1 or self.zero not in (0, 1, 2, 3):
+        if self.cp != 1:
+            raise UserError(f"parallel.cp = {self.cp}: context parallel is not supported yet",
+                            "use parallel.cp=1 (data, tensor and expert parallel split the ranks)")
+        if self.world < 1 or not 0 <= self.rank < self.world or self.tp < 1 or self.ep < 1 or self.zero not in (0, 1, 2, 3):
             raise ValueError(f"not a parallel plan: {self!r}")
         if self.world % self.tp:
             raise UserError(f"parallel.tp = {self.tp} does not divide the {self.world} ranks of this job",
                             f"launch a multiple of {self.tp} ranks (world = tp x data-parallel ranks), or change parallel.tp")
+        if self.ep > 1:
+            if self.tp > 1:
+                raise UserError(f"parallel.ep = {self.ep} with parallel.tp = {self.tp}: expert parallel with tensor parallel is not supported yet",
+                                "use parallel.tp=1 with expert parallel (the ep groups split the data-parallel ranks)")
+            if self.dp % self.ep:
+                raise UserError(f"parallel.ep = {self.ep} does not divide the {self.dp} data-parallel ranks of this job",
+                                f"launch a multiple of {self.ep} ranks (data-parallel ranks = ep x expert-data-parallel), or change parallel.ep")
+            if self.zero > 1:
+                raise UserError(f"ZeRO-{self.zero} with parallel.ep = {self.ep} is not supported yet",
+                                "use optim.shard_optimizer=true alone (ZeRO-1) with expert parallel")
 
     @classmethod
     def for_config(cls, cfg: Any, world: int = 1, rank: int = 0) -> ParallelPlan:
         """The plan a run of `cfg` on `world` ranks has, seen from `rank`."""
-        return cls(world=world, rank=rank, tp=cfg.parallel.tp, zero=zero_level(cfg.optim))
+        return cls(world=world, rank=rank, tp=cfg.parallel.tp, ep=cfg.parallel.ep, zero=zero_level(cfg.optim))
 
     # ---- the dimensions and this rank's place in them
     @property
@@ -139,6 +155,35 @@ class ParallelPlan:
         """The world ranks of this rank's dp group, in group order."""
         return tuple(j * self.tp + self.tp_rank for j in range(self.dp))
 
+    # ---- expert parallel: ep groups of adjacent dp ranks, expert-data-parallel groups across them
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp(self) -> int:
+        """The ranks holding the same experts (expert-data-parallel size): dp / ep."""
+        return self.dp // self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
+
+    @property
+    def ep_ranks(self) -> tuple[int, ...]:
+        """The world ranks of this rank's ep group (they split the experts), in group order."""
+        return tuple((self.edp_rank * self.ep + i) * self.tp + self.tp_rank for i in range(self.ep))
+
+    @property
+    def edp_ranks(self) -> tuple[int, ...]:
+        """The world ranks holding this rank's experts (their gradients' reduction), in group order."""
+        return tuple((j * self.ep + self.ep_rank) * self.tp + self.tp_rank for j in range(self.edp))
+
+    def expert_span(self, experts: int) -> tuple[int, int]:
+        """[start, stop) of the experts this rank holds out of `experts` (all of them without ep)."""
+        n = experts // self.ep
+        return self.ep_rank * n, (self.ep_rank + 1) * n
+
     # ---- ZeRO over the dp group
     @property
     def sharded(self) -> bool:
@@ -153,8 +198,9 @@ class ParallelPlan:
     # ---- save roles
     @property
     def gathers_for_save(self) -> bool:
-        """Every rank takes part in gathering the whole weights and state over its tp group."""
-        return self.tp > 1
+        """Every rank takes part in gathering the whole weights and state over its tp group (its
+        ep group under expert parallel: the experts' slices)."""
+        return self.tp > 1 or self.ep > 1
 
     @property
     def writes_files(self) -> bool:
@@ -178,4 +224,5 @@ class ParallelPlan:
             raise UserError(*refused)
 
     def describe(self) -> str:
-        return f"world {self.world} = tp {self.tp} x dp {self.dp}, ZeRO-{self.zero}"
+        ep = f" (ep {self.ep} x expert-dp {self.edp})" if self.ep > 1 else ""
+        return f"world {self.world} = tp {self.tp} x dp {self.dp}{ep}, ZeRO-{self.zero}"

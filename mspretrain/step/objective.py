@@ -3,7 +3,8 @@
 Loss = summed token NLL (fp32 log-softmax) times `scale / global_tokens`, plus the z-loss
 (`optim.z_loss`, on the log-sum-exp) and, for a mixture of experts, transformers' load-balancing
 loss weighted by `router_aux_loss_coef` and the router z-loss weighted by `router_z_loss_coef`
-(both per micro-batch, weighted by its share of the tokens). Under tensor parallel the NLL and the log-sum-exp come
+(both per micro-batch of the whole data-parallel world: its routing stats summed over the ranks,
+weighted by its share of the tokens). Under tensor parallel the NLL and the log-sum-exp come
 from this rank's vocabulary columns (the decoder's `tp_loss`, model/parallel.py
 `VocabParallelNLL`), else from `model/loss.py` `token_nll`. Split out of step/step.py.
 """
@@ -36,9 +37,11 @@ class Objective:
 
 
 def make_objective(model: Any, optim: OptimConfig, *, global_tokens: float, device: str,
-                   cfg: ModelConfig | None, tp_loss: Any = None) -> Objective:
+                   cfg: ModelConfig | None, tp_loss: Any = None, stats_group: Any = None) -> Objective:
     """`cfg`: the decoder's config (None: a model without one, the tests' toys: dense, no MoE);
-    `tp_loss`: the vocabulary-parallel loss of a model cut by tensor parallel, else None."""
+    `tp_loss`: the vocabulary-parallel loss of a model cut by tensor parallel, else None;
+    `stats_group`: the data-parallel group (model/parallel.py `Group`) over which an MoE's routing
+    stats are summed before the balance and router z-losses are formed (None: one rank)."""
     from mspretrain.model.loss import token_nll
     from mspretrain.model.moe import balance_loss, moe_layers, z_loss
 
@@ -58,12 +61,25 @@ def make_objective(model: Any, optim: OptimConfig, *, global_tokens: float, devi
     # the rows, for the expert-load metrics; a dense model's graphs are unchanged
     layers_moe = moe_layers(mcfg) if moe else []
     moe_stats = bool(layers_moe)
+    # The routing stats of the whole data-parallel world (issue 52: the balance loss "counted over the
+    # global batch as Qwen3 does"): an AllReduce with an identity backward (model/parallel.py
+    # `ReduceFromTP`), so each rank's router receives exactly its own tokens' part of one process's
+    # gradient of the loss formed from the world's sums, and the data-parallel reduction adds them.
+    dp = stats_group.size if stats_group is not None and moe_stats else 1
+    stats_sum = None
+    if dp > 1:
+        from mspretrain.model.parallel import ReduceFromTP
+
+        stats_sum = ReduceFromTP(stats_group)
 
     def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
         per = None
         if moe_stats:  # MoE: each layer's routing stats; their sum feeds the load-balancing loss
             logits, per = model(inputs, positions, segments, True, True)
+            if stats_sum is not None:  # after the whole forward (its collectives), before any backward one
+                per = stats_sum(ops.depend(per, logits))
+                logits = ops.depend(logits, per)
             routed = per[0]
             for i in range(1, len(layers_moe)):  # in layer order, as the decoder's own sum
                 routed = routed + per[i]
@@ -76,10 +92,10 @@ def make_objective(model: Any, optim: OptimConfig, *, global_tokens: float, devi
         if z > 0:
             obj = obj + z * (lse * lse).sum()
         if balance > 0:  # per micro-batch, weighted by its share of the tokens (docs/design.md, MoE)
-            n = inputs.shape[0] * inputs.shape[1]
+            n = inputs.shape[0] * inputs.shape[1] * dp  # the world's tokens of this micro-batch
             obj = obj + balance_loss(routed, n * sparse_layers, mcfg.num_experts) * (balance * n)
         if zr > 0:  # as the balance loss: per micro-batch, weighted by its share of the tokens
-            n = inputs.shape[0] * inputs.shape[1]
+            n = inputs.shape[0] * inputs.shape[1] * dp
             obj = obj + z_loss(routed, rows.z, n * sparse_layers) * (zr * n)
         if moe_stats:
             return obj * (scale * inv_tokens), nll_sum, nll.sum(-1), ops.stop_gradient(per)

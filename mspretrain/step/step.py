@@ -90,7 +90,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mspretrain.config.schema import OptimConfig
 from mspretrain.model.decoder import Decoder
 from mspretrain.model.groups import trainable_mask
-from mspretrain.model.parallel import PartialSum, TPSplit
+from mspretrain.model.parallel import Group, PartialSum, TPSplit
 from mspretrain.model.params import decays
 from mspretrain.parallel.layout import assign_owners
 from mspretrain.parallel.plan import ParallelPlan
@@ -131,7 +131,7 @@ class TrainStep(StepUpdate):
                  bucket_mb: float | str = "auto", device: str = "cpu", accumulation: int | None = None,
                  jit_level: str = "O0", trainable: list[str] | tuple[str, ...] | None = None,
                  split_mb: float | str = "auto", shard_params: bool = False, comm: Any = None,
-                 plan: ParallelPlan | None = None, tp: TPSplit | None = None) -> None:
+                 plan: ParallelPlan | None = None, tp: TPSplit | None = None, ep: Any = None, edp: Any = None) -> None:
         """half_params: names of parameters to store in the model's compute dtype from now on;
         their fp32 values become master copies held with the optimizer state (by their owner).
         bucket_mb: cap of one collective's flat buffer (0 = one collective per parameter; "auto": by
@@ -148,7 +148,10 @@ class TrainStep(StepUpdate):
         plan: the run's parallel plan (mspretrain/parallel/plan.py, built by train/build.py): the
         data-parallel world, rank and ZeRO level then come from it, not from `world`, `rank` and
         the shard flags; without one the step makes the plan those arguments describe (`self.plan`).
-        tp: what `Decoder.apply_tp` made of the model (model/parallel.py `TPSplit`), under tensor parallel."""
+        tp: what `Decoder.apply_tp` made of the model (model/parallel.py `TPSplit`), under tensor parallel.
+        ep, edp: under expert parallel, what `Decoder.apply_ep` made of the model
+        (model/expert_parallel.py `ExpertSplit`, its `group` the ep group) and the expert-data-parallel
+        group (model/parallel.py `Group`; step/ep.py passes both)."""
         if plan is None:  # the data-parallel plan these arguments describe (tensor parallel: step/tp.py passes its own)
             plan = ParallelPlan(world=world, rank=rank, zero=3 if shard_params else 2 if shard_grads else 1 if shard else 0)
         else:  # the step runs over the dp group: its world and rank are the plan's data-parallel ones
@@ -189,7 +192,8 @@ class TrainStep(StepUpdate):
         # plain lists, so the fields it uses are copied onto the step
         z = self.zero_setup = plan_zero(self.params, self.sizes, half, model.dtype if half else None, world=world, rank=rank, device=device,
                                         zero3=self.zero3, shard=shard, shard_grads=shard_grads, allreduce_fp16=allreduce_fp16,
-                                        bucket_mb=bucket_mb, split_mb=split_mb)
+                                        bucket_mb=bucket_mb, split_mb=split_mb,
+                                        expert=[n in ep.whole_shapes for n in self.names] if ep is not None else None)
         self.layout, self.owner, o = z.layout, z.owner, z.ownership
         self.shard_grads, self.sharded = self.layout.shard_grads, self.layout.sharded
         self.own, self._own_split, self._own_bounds = o.own, o.split, o.bounds
@@ -213,6 +217,12 @@ class TrainStep(StepUpdate):
         split = tp.whole_shapes if tp is not None else {}
         self._sq_weight = [1.0 / self.tp.size if self.tp is not None and self.names[i] not in split else 1.0 for i in self._order]
         self.tp_sum = self.tp.all_reduce() if self.tp is not None else None
+        # Expert parallel: the expert stacks' gradients are reduced over the expert-data-parallel
+        # group (`edp_sum`, none with one rank there), their squares summed over the ep group (`ep_sum`)
+        self._ex = z.ex
+        self._expert_at = [ep is not None and self.names[i] in ep.whole_shapes for i in self._order]
+        self.ep_sum = ep.group.all_reduce() if ep is not None else None
+        self.edp_sum = edp.all_reduce() if ep is not None and edp is not None and edp.size > 1 else None
         partial = [i for i, n in enumerate(self.names) if tp is not None and n in tp.partial]
         self._tp_partial = PartialSum(partial, [self.params[i].shape for i in partial], self.tp) if partial else None
         # Chaining every collective after the previous one: MindSpore's CPU runtime launches ready
@@ -244,7 +254,8 @@ class TrainStep(StepUpdate):
         # the loss of a micro-batch (step/objective.py); tensor parallel: over this rank's vocabulary columns
         objective = make_objective(model, optim, global_tokens=self.global_tokens, device=device,
                                    cfg=decoder.cfg if decoder is not None else None,
-                                   tp_loss=decoder.tp_loss if tp is not None and decoder is not None else None)
+                                   tp_loss=decoder.tp_loss if tp is not None and decoder is not None else None,
+                                   stats_group=(comm or Group(tuple(range(world)), rank, device=device)) if world > 1 else None)
         self._plain_sums = objective.plain_sums
         self.moe_layers, self.moe_k = objective.moe_layers, objective.moe_k
         self._moe_rows, self._bias_rate = objective.moe_rows, objective.bias_rate

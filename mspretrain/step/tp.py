@@ -88,29 +88,23 @@ def group_options(kind: str, device: str, env: dict[str, str] | None = None) -> 
     return options
 
 
-class TPTrainStep(TrainStep):
-    """TrainStep over the dp group for a model cut by its `apply_tp` (model/decoder.py); whole
-    tensors in and out (module docstring). `full_weights` and `optimizer_state` are collectives:
+class WholeTensors:
+    """Whole tensors in and out of a train step whose model holds pieces of some parameters
+    (tensor parallel: every split weight; expert parallel, step/ep.py: the expert stacks): a
+    checkpoint holds the whole model, gathered over `piece_group` by summing zero-padded pieces
+    (module docstring), and a load cuts each rank's pieces out of whole tensors or ZeRO slices.
+    Mixed in before TrainStep, which supplies the rest; the subclass sets `piece_group` (a
+    model/parallel.py `Group`), `whole_shapes` and `piece_where` ({name: (axis, ranges)}) and
+    `_host_sum = None`. `full_weights`, `optimizer_state` and `weights_digest` are collectives:
     every rank calls them, in the same order."""
 
-    def __init__(self, model: Decoder, optim: Any, *, mesh: Mesh, jit: bool = True, plan: ParallelPlan | None = None,
-                 **kw: Any) -> None:
-        """`model`: cut by its `apply_tp` (model/decoder.py); `plan`: the run's (train/build.py), else
-        the one `mesh` and the shard flags describe."""
-        self.mesh = mesh
-        self.split: TPSplit = model.tp_split
-        self.whole_shapes: dict[str, tuple[int, ...]] = dict(self.split.whole_shapes)
-        kw.pop("split_mb", None)
-        if plan is None:
-            tp, dp = mesh.tp, mesh.dp
-            zero = 3 if kw.get("shard_params") else 2 if kw.get("shard_grads") else 1 if kw.get("shard") else 0
-            plan = ParallelPlan(world=tp.size * dp.size, rank=dp.rank * tp.size + tp.rank, tp=tp.size, zero=zero)
-        super().__init__(model, optim, world=mesh.dp.size, rank=mesh.dp.rank, jit=jit, split_mb=0,
-                         comm=mesh.dp if mesh.dp.size > 1 else None, plan=plan, tp=self.split, **kw)
-        self._host_sum: Any = None
+    piece_group: Any
+    whole_shapes: dict[str, tuple[int, ...]]
+    piece_where: dict[str, tuple[int, list[tuple[int, int]]]]
+    _host_sum: Any
 
     def _where(self, name: str) -> tuple[int, list[tuple[int, int]]] | None:
-        return self.split.where.get(name)
+        return self.piece_where.get(name)
 
     # ----------------------------------------------------------------- whole tensors out
     def _sum_chunk(self, x: np.ndarray) -> np.ndarray:
@@ -118,7 +112,7 @@ class TPTrainStep(TrainStep):
         from mindspore import Tensor
 
         if self._host_sum is None:
-            op = self.mesh.tp.all_reduce()
+            op = self.piece_group.all_reduce()
 
             def tp_sum(x: Tensor) -> Tensor:
                 return op(x)
@@ -128,14 +122,14 @@ class TPTrainStep(TrainStep):
 
     def _whole(self, pieces: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every split piece (by its parameter's name, e.g. `exp_avg.NAME` -> NAME) summed into its
-        whole tensor over the tp group; replicated ones as they are (the same on every tp rank)."""
+        whole tensor over the pieces' group; replicated ones as they are (the same on every tp rank)."""
         logical = {key: key.split(".", 1)[1] if key.split(".", 1)[0] in ("exp_avg", "exp_avg_sq", "master") else key
                    for key in pieces}
         split = [k for k in sorted(pieces) if logical[k] in self.whole_shapes]
         out = {k: v for k, v in pieces.items() if k not in split}
         placed = [place(np.asarray(pieces[k], np.float32), self._where(logical[k]), self.whole_shapes[logical[k]]).reshape(-1)
                   for k in split]
-        total = sum(p.size for p in placed)  # the same on every rank of this tp group
+        total = sum(p.size for p in placed)  # the same on every rank of the group
         if total:
             chunk = min(CHUNK, total)
             stream = np.empty(-(-total // chunk) * chunk, np.float32)
@@ -157,6 +151,82 @@ class TPTrainStep(TrainStep):
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         return self._whole({k: v.copy() for k, v in super().optimizer_state().items()})
+
+    def weights_digest(self) -> str:
+        """TrainStep.weights_digest over the whole tensors, each summed over the pieces' group alone
+        (`_whole` of one parameter), never the whole model on the host (issue 51.4). A collective:
+        every rank calls it."""
+        import hashlib
+
+        from mspretrain.model.decoder import state_numpy
+
+        h = hashlib.sha256()
+        pieces = state_numpy(self.model, keep_fp16=True)  # views of this rank's pieces (no copy)
+        for name in sorted(pieces):
+            arr = self._whole({name: pieces[name]})[name]
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(arr).tobytes())
+        return h.hexdigest()
+
+    # ----------------------------------------------------------------- whole tensors in
+    def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
+        for name, shape in self.whole_shapes.items():
+            if name in tensors and tuple(np.shape(tensors[name])) != shape:
+                raise UserError(f"tensor {name} has shape {tuple(np.shape(tensors[name]))}, the model expects {shape}",
+                                "the checkpoint was written for a different model config; use the config saved with it")
+        super().load_weights({k: cut(np.asarray(v), self._where(k)) if k in self.whole_shapes else v for k, v in tensors.items()})
+
+    def keys_to_read(self, available: set[str]) -> set[str]:
+        """Every stored key (whole or a ZeRO slice) of the state this rank's dp part needs."""
+        want = {"opt_step"} | {f"{kind}.{self.names[i]}" for i in self.own for kind in self._kinds(i)}
+        return {k for k in available if parse_shard_key(k)[0] in want}
+
+    def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
+        """Whole tensors, or the slices a ZeRO run stored (`NAME@START:STOP` of the flattened whole),
+        joined and cut to this rank's pieces, then loaded as TrainStep does."""
+        joined: dict[str, np.ndarray] = {}
+        slices: dict[str, list[tuple[tuple[int, int], np.ndarray]]] = {}
+        for key, value in tensors.items():
+            name, rng = parse_shard_key(key)
+            if rng is None:
+                joined[name] = np.asarray(value)
+            else:
+                slices.setdefault(name, []).append((rng, np.asarray(value).reshape(-1)))
+        for name, parts in slices.items():
+            parts.sort(key=lambda p: p[0])
+            if parts[0][0][0] != 0 or any(a[0][1] != b[0][0] for a, b in zip(parts, parts[1:])):
+                raise UserError(f"the checkpoint's slices of {name} do not cover it",
+                                "resume from another checkpoint (`mspretrain checkpoints RUN` lists them)")
+            joined[name] = np.concatenate([v for _, v in parts])
+        local = {}
+        for key, value in joined.items():
+            logical = key.split(".", 1)[1] if "." in key else key
+            shape = self.whole_shapes.get(logical)
+            local[key] = value if shape is None else cut(value.reshape(shape), self._where(logical))
+        super().load_optimizer_state(local, available=available)
+
+
+class TPTrainStep(WholeTensors, TrainStep):
+    """TrainStep over the dp group for a model cut by its `apply_tp` (model/decoder.py); whole
+    tensors in and out (module docstring). `full_weights` and `optimizer_state` are collectives:
+    every rank calls them, in the same order."""
+
+    def __init__(self, model: Decoder, optim: Any, *, mesh: Mesh, jit: bool = True, plan: ParallelPlan | None = None,
+                 **kw: Any) -> None:
+        """`model`: cut by its `apply_tp` (model/decoder.py); `plan`: the run's (train/build.py), else
+        the one `mesh` and the shard flags describe."""
+        self.mesh = mesh
+        self.split: TPSplit = model.tp_split
+        self.whole_shapes: dict[str, tuple[int, ...]] = dict(self.split.whole_shapes)
+        kw.pop("split_mb", None)
+        if plan is None:
+            tp, dp = mesh.tp, mesh.dp
+            zero = 3 if kw.get("shard_params") else 2 if kw.get("shard_grads") else 1 if kw.get("shard") else 0
+            plan = ParallelPlan(world=tp.size * dp.size, rank=dp.rank * tp.size + tp.rank, tp=tp.size, zero=zero)
+        super().__init__(model, optim, world=mesh.dp.size, rank=mesh.dp.rank, jit=jit, split_mb=0,
+                         comm=mesh.dp if mesh.dp.size > 1 else None, plan=plan, tp=self.split, **kw)
+        self._host_sum: Any = None
+        self.piece_group, self.piece_where = mesh.tp, dict(self.split.where)
 
     def collectives(self, accumulation: int = 1) -> dict[str, int]:
         """The data-parallel reduction's calls and bytes (TrainStep.collectives) plus tensor
@@ -193,56 +263,3 @@ class TPTrainStep(TrainStep):
         return {"calls": base["calls"] + accumulation * per_micro_calls + 1 + sums,
                 "bytes": base["bytes"] + accumulation * per_micro_bytes + 4
                 + sums * 4 * sum(int(np.prod(p.shape)) for p in partial)}
-
-    def weights_digest(self) -> str:
-        """TrainStep.weights_digest over the whole tensors, each summed over the tp group alone
-        (`_whole` of one parameter), never the whole model on the host (issue 51.4). A collective:
-        every rank calls it."""
-        import hashlib
-
-        from mspretrain.model.decoder import state_numpy
-
-        h = hashlib.sha256()
-        pieces = state_numpy(self.model, keep_fp16=True)  # views of this rank's pieces (no copy)
-        for name in sorted(pieces):
-            arr = self._whole({name: pieces[name]})[name]
-            h.update(name.encode())
-            h.update(np.ascontiguousarray(arr).tobytes())
-        return h.hexdigest()
-
-    # ----------------------------------------------------------------- whole tensors in
-    def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
-        for name, shape in self.whole_shapes.items():
-            if name in tensors and tuple(np.shape(tensors[name])) != shape:
-                raise UserError(f"tensor {name} has shape {tuple(np.shape(tensors[name]))}, the model expects {shape}",
-                                "the checkpoint was written for a different model config; use the config saved with it")
-        super().load_weights({k: cut(np.asarray(v), self._where(k)) if k in self.whole_shapes else v for k, v in tensors.items()})
-
-    def keys_to_read(self, available: set[str]) -> set[str]:
-        """Every stored key (whole or a ZeRO slice) of the state this rank's dp part needs."""
-        want = {"opt_step"} | {f"{kind}.{self.names[i]}" for i in self.own for kind in self._kinds(i)}
-        return {k for k in available if parse_shard_key(k)[0] in want}
-
-    def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
-        """Whole tensors, or the slices a ZeRO run stored (`NAME@START:STOP` of the flattened whole),
-        joined and cut to this rank's tensor-parallel pieces, then loaded as TrainStep does."""
-        joined: dict[str, np.ndarray] = {}
-        slices: dict[str, list[tuple[tuple[int, int], np.ndarray]]] = {}
-        for key, value in tensors.items():
-            name, rng = parse_shard_key(key)
-            if rng is None:
-                joined[name] = np.asarray(value)
-            else:
-                slices.setdefault(name, []).append((rng, np.asarray(value).reshape(-1)))
-        for name, parts in slices.items():
-            parts.sort(key=lambda p: p[0])
-            if parts[0][0][0] != 0 or any(a[0][1] != b[0][0] for a, b in zip(parts, parts[1:])):
-                raise UserError(f"the checkpoint's slices of {name} do not cover it",
-                                "resume from another checkpoint (`mspretrain checkpoints RUN` lists them)")
-            joined[name] = np.concatenate([v for _, v in parts])
-        local = {}
-        for key, value in joined.items():
-            logical = key.split(".", 1)[1] if "." in key else key
-            shape = self.whole_shapes.get(logical)
-            local[key] = value if shape is None else cut(value.reshape(shape), self._where(logical))
-        super().load_optimizer_state(local, available=available)

@@ -49,7 +49,8 @@ class StepUpdate:
         out: list[Tensor] = []
         # tensor parallel on CPU: the first reduction after the whole backward pass, whose tp
         # all-reduces (model/parallel.py) every rank must issue before it, in one order
-        prev: Tensor | None = ops.depend(grads[0], tuple(grads)) if self._chain and self.tp is not None else None
+        # (expert parallel likewise: its dispatch and combine collectives run in the backward pass)
+        prev: Tensor | None = ops.depend(grads[0], tuple(grads)) if self._chain and (self.tp is not None or self._ex is not None) else None
         issued: list[Tensor] = []  # every collective's result, used here or not
         for kind, k in self._schedule:
             if kind == 0:  # replicated gradients: AllReduce
@@ -88,6 +89,17 @@ class StepUpdate:
                     else:
                         for i, piece in zip(segments[self.rank], _pieces(own, sizes[self.rank])):
                             out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
+            elif kind == 3:  # expert stacks (expert parallel): over the ranks holding the same experts
+                indices, sizes, wire = self._ex
+                flat = _flat([grads[i].reshape(-1).astype(wire) for i in indices])
+                if self.edp_sum is not None:  # one rank holds them (ep = data-parallel ranks): nothing to sum
+                    if self._chain and prev is not None:
+                        flat = ops.depend(flat, prev)
+                    flat = self.edp_sum(flat)
+                    prev = flat
+                    issued.append(flat)
+                for i, piece in zip(indices, _pieces(flat, sizes)):
+                    out.append(piece.reshape(self.params[i].shape).astype(ms.float32))
             else:  # too lopsided to bucket: AllReduce, the owner keeps it
                 g = grads[k].astype(self.wire[k])
                 if self._chain and prev is not None:
@@ -110,7 +122,12 @@ class StepUpdate:
             terms = [ops.square(grads[k]).sum() for k in self._norm_order]
         else:
             terms = [ops.matmul(grads[k].reshape(1, -1), grads[k].reshape(-1, 1)).reshape(()) for k in self._norm_order]
-        sq = ops.stack([s if self._sq_weight[k] == 1.0 else s * self._sq_weight[k] for s, k in zip(terms, self._norm_order)]).sum()
+        if self._ex is None:
+            sq = ops.stack([s if self._sq_weight[k] == 1.0 else s * self._sq_weight[k] for s, k in zip(terms, self._norm_order)]).sum()
+        else:  # expert parallel: each expert once, its rank's sum of squares added over the ep group
+            dense = [s for s, k in zip(terms, self._norm_order) if not self._expert_at[k]]
+            mine = ops.stack([s for s, k in zip(terms, self._norm_order) if self._expert_at[k]]).sum()
+            sq = ops.stack(dense).sum() + self.ep_sum(ops.depend(mine, loss_sum))
         if self.shard_grads and self.allreduce is not None:
             sq = self.allreduce(ops.depend(sq, loss_sum))  # the owners' partial sums: the same global norm on every rank
         if self.tp is not None:  # tensor parallel: the pieces' sums over the tp group

@@ -74,14 +74,19 @@ class ZeroSetup:
     own_cut: list[tuple[int, int] | None]  # a whole gradient of a split parameter: the owned slice to cut
     order_shape: list[tuple[int, ...]]  # shape of each gradient in `order` (the accumulation buffers)
     order_pos: list[int]  # position of each parameter in `order`, -1 if absent
+    # expert parallel: the expert stacks' bucket (indices, sizes, wire dtype), reduced over the
+    # expert-data-parallel group instead of the world (schedule kind 3); None without experts cut
+    ex: tuple | None = None
 
 
 def plan_zero(params: tuple[Parameter, ...], sizes: list[int], half: set[str], compute_dtype: Any, *, world: int, rank: int,
               device: str, zero3: bool, shard: bool, shard_grads: bool, allreduce_fp16: bool,
-              bucket_mb: float | str, split_mb: float | str) -> ZeroSetup:
+              bucket_mb: float | str, split_mb: float | str, expert: list[bool] | None = None) -> ZeroSetup:
     """The step's tables for the trained `params` (whole `sizes`; ZeRO-3 holds slices of them),
     planned before any parameter is rounded to the compute dtype; the `half` ones will be stored
-    in `compute_dtype` (None when there are none: a test model may have no dtype)."""
+    in `compute_dtype` (None when there are none: a test model may have no dtype). `expert`: per
+    parameter, an expert stack cut by expert parallel (no ZeRO then): those leave the world's
+    buckets for one bucket of their own, reduced over the expert-data-parallel group."""
     names = [p.name for p in params]
     # fp16 on the wire for every gradient but lm_head's (the field report's exemption; the parameter
     # table's `fp16_wire` column, model/params.py)
@@ -90,8 +95,8 @@ def plan_zero(params: tuple[Parameter, ...], sizes: list[int], half: set[str], c
     if zero3:  # every parameter split, no bucket: the gathers and reductions live in the model's graph
         layout = zero3_layout(sizes, [n in half for n in names], wire16, world)
     else:
-        layout = plan_layout(sizes, [n in half for n in names], wire16, world,
-                             shard=shard, shard_grads=shard_grads, cap=cap, split=split_elements_for(split_mb, cap))
+        layout = plan_layout(sizes, [n in half for n in names], wire16, world, shard=shard, shard_grads=shard_grads, cap=cap,
+                             split=split_elements_for(split_mb, cap), local=expert)
     owner = list(layout.owner) if layout.sharded else [rank] * len(params)
     # indices whose state (all of it, or a slice of a split parameter) lives here
     own = layout.owned(rank) if layout.sharded else list(range(len(params)))
@@ -119,7 +124,16 @@ def plan_zero(params: tuple[Parameter, ...], sizes: list[int], half: set[str], c
     # Every reduction collective in gradient-readiness order (parallel/layout.py `readiness`): the
     # buckets come sorted, and a lopsided singleton takes its place among them. kind 0: an
     # AllReduce bucket, 1: a ReduceScatter bucket, 2: one parameter's AllReduce.
-    sched = ([(readiness(b.indices), 0, k) for k, b in enumerate(layout.reduce_flat)]
+    experts = [i for i, e in enumerate(expert or ()) if e]
+    ex = None
+    if experts:  # expert parallel (ZeRO is refused with it): the stacks out of the world's buckets
+        if layout.shard_grads:
+            raise ValueError("expert parallel with sharded gradients (ZeRO-2/3) is not built")
+        ar = [(tuple(i for i in idx if i not in experts), tuple(n for i, n in zip(idx, sz) if i not in experts), w)
+              for idx, sz, w in ar]
+        ex = (tuple(experts), tuple(sizes[i] for i in experts), wire[experts[0]])
+    sched = ([(readiness(b.indices), 0, k) for k, b in enumerate(layout.reduce_flat) if ar[k][0]]
+             + ([(readiness(experts), 3, 0)] if experts else [])
              + [(readiness(i for seg in b.segments for i in seg), 1, k) for k, b in enumerate(layout.reduce_rank)]
              + [(i, 2, i) for i in rs_single])
     schedule = [(kind, k) for _, kind, k in sorted(sched, key=lambda t: -t[0])]
@@ -127,7 +141,7 @@ def plan_zero(params: tuple[Parameter, ...], sizes: list[int], half: set[str], c
         order = list(range(len(params)))
     else:
         produced = {0: lambda k: list(ar[k][0]), 1: lambda k: list(rs[k][0][rank]),
-                    2: lambda i: [i] if owner[i] == rank else []}
+                    2: lambda i: [i] if owner[i] == rank else [], 3: lambda k: list(experts)}
         order = [i for kind, k in schedule for i in produced[kind](k)]
     # The squared norm sums per-parameter terms in parameter order whatever the bucket order, so
     # the bucketing (and the world size) does not change its rounding.
@@ -141,7 +155,7 @@ def plan_zero(params: tuple[Parameter, ...], sizes: list[int], half: set[str], c
     return ZeroSetup(layout=layout, owner=owner, ownership=ownership, wire=wire, pdtype=pdtype, ar=ar, rs=rs,
                      rs_single=rs_single, ag=ag, ag_single=list(layout.gather_single), schedule=schedule, order=order,
                      norm_order=norm_order, own_pos=[order.index(i) for i in own], own_cut=own_cut, order_shape=order_shape,
-                     order_pos=[order.index(i) if i in order else -1 for i in range(len(params))])
+                     order_pos=[order.index(i) if i in order else -1 for i in range(len(params))], ex=ex)
 
 
 @dataclass

@@ -144,6 +144,8 @@ def memory_options(cfg: Config, step_fn: Any, world: Any, accum: int) -> str:
         parts.append("layer recompute")
     if cfg.parallel.tp > 1:
         parts.append(f"tensor parallel over {cfg.parallel.tp} ranks x {world.size // cfg.parallel.tp} data-parallel")
+    if cfg.parallel.ep > 1:
+        parts.append(f"expert parallel over {cfg.parallel.ep} ranks x {world.size // cfg.parallel.ep} expert-data-parallel")
     return "; " + ", ".join(parts) if parts else ""
 
 
@@ -318,6 +320,12 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
     if mesh is not None:
         model.apply_tp(mesh.tp)  # whole weights (seeded or --init-from) cut to this rank's piece
     step_type, where = (TrainStep, {}) if mesh is None else (TPTrainStep, {"mesh": mesh})
+    if plan.ep > 1:  # expert parallel (step/ep.py): each MoE layer keeps this rank's experts
+        from mspretrain.step.ep import EPTrainStep, expert_mesh
+
+        emesh = expert_mesh(plan, device.target)
+        model.apply_ep(emesh.ep)
+        step_type, where = EPTrainStep, {"mesh": emesh}
     step_fn = step_type(model, cfg.optim, global_tokens=b.tokens_per_step, **where, plan=plan,
                         jit=cfg.train.mode == "jit", allreduce_fp16=cfg.precision.allreduce_dtype == "fp16",
                         bucket_mb=cfg.optim.bucket_mb, split_mb=cfg.optim.split_mb, device=device.target, accumulation=b.accumulation,

@@ -47,7 +47,10 @@ _NODE = re.compile(r"^\s*%\d+\([^)]*\) = (" + "|".join(COLLECTIVES) + r")\((.*)$
 _GROUP = re.compile(r'group: "([^"]*)"')
 _ROOT = re.compile(r"root_rank: I64\((-?\d+)\)")
 FAMILIES = {"llama": {}, "qwen2": {"family": "qwen2", "qkv_bias": True},
-            "qwen3": {"family": "qwen3", "qk_norm": True, "head_dim": 16}}
+            "qwen3": {"family": "qwen3", "qk_norm": True, "head_dim": 16},
+            # expert parallel's cases (EP > 1): 4 experts, top-2, the balance loss on (its stats' world sum)
+            "qwen3_moe": {"family": "qwen3_moe", "qk_norm": True, "head_dim": 16, "num_experts": 4, "experts_per_token": 2,
+                          "moe_ffn_dim": 32, "router_aux_loss_coef": 0.01}}
 _TYPES = re.compile(r"^\s*: \((.*)\) -> \((.*)\)\s*$")
 
 
@@ -77,26 +80,34 @@ def _final_ir(folder: Path) -> str:
     return files[0].read_text(encoding="utf-8")
 
 
-def parse_case(text: str) -> tuple[int, int, int, str]:
-    """`W,Z,TP,FAMILY` (FAMILY optional, llama by default) -> (world, zero, tp, family)."""
+def parse_case(text: str) -> tuple[int, int, int, str] | tuple[int, int, int, str, int]:
+    """`W,Z,TP[,FAMILY[,EP]]` (FAMILY llama by default) -> (world, zero, tp, family[, ep]). EP > 1
+    (expert parallel, step/ep.py): qwen3_moe, tp 1 and ZeRO 0 or 1 (the plan refuses ZeRO-2/3 with ep)."""
     parts = text.split(",")
-    if len(parts) not in (3, 4):
-        raise argparse.ArgumentTypeError(f"--case W,Z,TP[,FAMILY], not {text!r}")
-    world, zero, tp, family = (*map(int, parts[:3]), parts[3] if len(parts) == 4 else "llama")
-    if zero not in (1, 2, 3) or family not in FAMILIES or world < 1 or tp < 1 or world % tp:
-        raise argparse.ArgumentTypeError(f"--case {text!r}: ZeRO 1-3, tp dividing the world, family in {tuple(FAMILIES)}")
+    if len(parts) not in (3, 4, 5):
+        raise argparse.ArgumentTypeError(f"--case W,Z,TP[,FAMILY[,EP]], not {text!r}")
+    world, zero, tp = map(int, parts[:3])
+    family = parts[3] if len(parts) >= 4 else "llama"
+    ep = int(parts[4]) if len(parts) == 5 else 1
+    moe = family == "qwen3_moe"
+    if ep > 1:
+        if not moe or zero not in (0, 1) or tp != 1 or world % ep:
+            raise argparse.ArgumentTypeError(f"--case {text!r}: expert parallel needs qwen3_moe, ZeRO 0 or 1, tp 1, ep dividing the world")
+        return world, zero, tp, family, ep
+    if zero not in (1, 2, 3) or family not in FAMILIES or moe or world < 1 or tp < 1 or world % tp:
+        raise argparse.ArgumentTypeError(f"--case {text!r}: ZeRO 1-3, tp dividing the world, family in {tuple(FAMILIES)[:3]}")
     return world, zero, tp, family
 
 
-def case_key(world: int, zero: int, tp: int, family: str) -> str:
-    return f"{world}-{zero}-{tp}-{family}"
+def case_key(world: int, zero: int, tp: int, family: str, ep: int = 1) -> str:
+    return f"{world}-{zero}-{tp}-{family}" + (f"-ep{ep}" if ep > 1 else "")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     # (world, ZeRO stage, tensor parallel (step/tp.py: world = tp x dp), model family); family
     # qwen2 / qwen3 for ZeRO-3's gathers anchored on another gather's result (q/k/v bias, QK-norm)
-    ap.add_argument("--case", type=parse_case, action="append", required=True, help="W,Z,TP[,FAMILY]")
+    ap.add_argument("--case", type=parse_case, action="append", required=True, help="W,Z,TP[,FAMILY[,EP]]")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     os.environ.update({"GLOG_v": "3", "MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "backend_pass",
@@ -104,11 +115,12 @@ def main() -> None:
     import mindspore as ms
 
     result: dict[str, dict[str, dict]] = {}
-    for world, zero, tp, family in args.case:
-        key = case_key(world, zero, tp, family)
+    for case in args.case:
+        world, zero, tp, family, *ep = case
+        key = case_key(*case)
         result[key] = {}
         for rank in range(world):
-            result[key][str(rank)] = probe_rank(world, zero, tp, family, rank, args.out / key / f"rank{rank}")
+            result[key][str(rank)] = probe_rank(world, zero, tp, family, rank, args.out / key / f"rank{rank}", *ep)
             gc.collect()  # the rank's model and step, in reference cycles (cells, closures)
             # and MindSpore's own cache of every graph compiled so far (`ms_compile_cache`, the graph
             # executor's resources): ~75 MB a rank otherwise (measured, 12 ranks: 0.8 to 1.7 GB)
@@ -116,9 +128,11 @@ def main() -> None:
     json.dump(result, sys.stdout)
 
 
-def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path) -> dict:
+def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path, ep: int = 1) -> dict:
     """Rank `rank` of the case: what its step issues per graph (`traced`) and each compiled graph's
     collectives, the IR dumped under `out` (a folder per case and rank, one per graph below it)."""
+    if ep > 1:
+        return probe_ep_rank(world, zero, ep, family, rank, out)
     import mindspore as ms
     import numpy as np
     from mindspore.ops.operations import comm_ops
@@ -196,10 +210,73 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
         compile_graph()
         # each collective: [kind, group kind (tp / dp: the names differ between groups), input and
         # output types, root inside the group, the group's world ranks]
-        result[name] = [[kind, group.split("_")[0] if group[:3] in ("tp_", "dp_") else group, t_in, t_out, root,
-                         members.get(group or "hccl_world_group")]
-                        for kind, group, t_in, t_out, root in collectives_in_ir(_final_ir(folder))]
+        result[name] = _compiled(folder, members)
     return result  # every object of this rank is a local here: released on return, cycles by the caller's gc
+
+
+def _compiled(folder: Path, members: dict[str, list[int]]) -> list[list]:
+    """Each collective of the graph compiled into `folder`: [kind, group kind (tp / dp / ep / edp:
+    the names differ between groups), input and output types, root inside the group, the group's
+    world ranks]."""
+    return [[kind, group.split("_")[0] if group.split("_")[0] in ("tp", "dp", "ep", "edp") else group, t_in, t_out, root,
+             members.get(group or "hccl_world_group")]
+            for kind, group, t_in, t_out, root in collectives_in_ir(_final_ir(folder))]
+
+
+def probe_ep_rank(world: int, zero: int, ep: int, family: str, rank: int, out: Path) -> dict:
+    """`probe_rank` for expert parallel (step/ep.py): the MoE model cut by `apply_ep` over the ep
+    group named as `expert_mesh` names it, the step over the world (ZeRO 0 or 1: the plan refuses
+    ZeRO-2/3 with ep; under ZeRO-1 the experts' state stays with every rank, outside the gathers).
+    In the model's graph per MoE layer: the dispatch's AllGather of rows and of expert ids and the
+    combine's ReduceScatter forward, a ReduceScatter and an AllGather backward (the bprops,
+    model/expert_parallel.py); the routing stats' world AllReduce; in the step, the buckets (the
+    expert stacks' own over the edp group, when it has more than one rank), the loss, the norm's
+    ep sum and ZeRO-1's gathers of the other parameters."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore.ops.operations import comm_ops
+
+    from mspretrain.config import schema as cfgmod
+    from mspretrain.model.decoder import Decoder, half_eligible
+    from mspretrain.parallel.plan import ParallelPlan
+    from mspretrain.step.ep import EPTrainStep, expert_mesh
+
+    plan = ParallelPlan(world=world, rank=rank, ep=ep, zero=zero)
+    mesh = expert_mesh(plan, "ascend", create=False)
+    sizes = {g.name: g.size for g in (mesh.ep, mesh.edp) if g.name}
+    mine = {g.name: g.rank for g in (mesh.ep, mesh.edp) if g.name}
+    comm_ops.get_rank = lambda group=None, rank=rank, mine=mine: mine.get(group, rank)
+    comm_ops.get_group_size = lambda group=None, sizes=sizes, world=world: sizes.get(group, world)
+    from dataclasses import replace
+
+    cfg = cfgmod.load(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
+    m = cfgmod.resolve_model(replace(cfg.model, n_layers=1, **FAMILIES[family]), 512)
+    tokens = ms.Tensor(np.zeros((2, 33), np.int32))
+    one = ms.Tensor(1.0, ms.float32)
+    model = Decoder(m, dtype="bf16", attention="math", device="ascend", seed=0)
+    half = half_eligible(model)
+    model.apply_ep(mesh.ep)
+    step = EPTrainStep(model, cfg.optim, mesh=mesh, plan=plan, global_tokens=64, half_params=half, bucket_mb=0.01,
+                       device="ascend", trainable=["attention", "mlp", "norms", "lm_head"])
+    graphs = {"fused": lambda: step._fused(tokens, None, None, one, one, one),
+              "accumulate": lambda: step._accumulate(tokens, None, None, one, ms.Tensor(True)),
+              "apply": lambda: step._apply(one, one)}
+    layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    reduce = sum(1 for kind, _ in step._schedule if kind != 3 or step.edp_sum is not None)
+    in_model = 5 * layers + 1
+    gather = len(step._ag) + len(step._ag_single)
+    traced = {"fused": in_model + reduce + 2 + gather, "accumulate": in_model, "apply": reduce + 2 + gather}
+    result: dict = {"traced": traced}
+    members = {"hccl_world_group": list(range(world))}
+    members.update({g.name: list(g.ranks) for g in (mesh.ep, mesh.edp) if g.name})
+    for name, compile_graph in graphs.items():
+        folder = out / name
+        os.environ["MS_DEV_SAVE_GRAPHS_PATH"] = str(folder)
+        if name == "accumulate":
+            step._ensure_accum()
+        compile_graph()
+        result[name] = _compiled(folder, members)
+    return result
 
 
 if __name__ == "__main__":

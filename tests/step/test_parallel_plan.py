@@ -43,11 +43,51 @@ def test_plan_from_a_config_and_its_refusals():
     assert (p.tp, p.dp, p.zero, p.ep, p.cp) == (2, 2, 2, 1, 1)
     with pytest.raises(UserError, match="parallel.tp = 2 does not divide the 3 ranks"):
         ParallelPlan.for_config(cfg, world=3, rank=0)
-    for key in ("ep", "cp"):
-        with pytest.raises(UserError, match=f"parallel.{key} = 2: .* not supported yet"):
-            ParallelPlan(world=4, **{key: 2})
+    with pytest.raises(UserError, match="parallel.cp = 2: .* not supported yet"):
+        ParallelPlan(world=4, cp=2)
     with pytest.raises(UserError, match="does not divide model.n_kv_heads = 2"):
         ParallelPlan(world=4, tp=4).check_model(8, 2, 64, 256)
+
+
+def test_ranks_of_an_expert_parallel_plan():
+    # world 8, ep 2: ep groups of adjacent ranks split the experts; the edp groups hold the same ones
+    p = ParallelPlan(world=8, rank=5, ep=2)
+    assert (p.dp, p.ep_rank, p.edp, p.edp_rank) == (8, 1, 4, 2)
+    assert p.ep_ranks == (4, 5) and p.edp_ranks == (1, 3, 5, 7)
+    assert p.expert_span(4) == (2, 4) and p.expert_span(128) == (64, 128)
+    assert p.gathers_for_save and p.writes_files and not p.publishes
+    for r in range(8):  # every rank in one ep group and one edp group, at its own index
+        q = ParallelPlan(world=8, rank=r, ep=4)
+        assert q.ep_ranks[q.ep_rank] == r and q.edp_ranks[q.edp_rank] == r and len(set(q.ep_ranks) & set(q.edp_ranks)) == 1
+    two = ParallelPlan(world=2, rank=1, ep=2)  # ep = the world: the ep group is the world, the edp group one rank
+    assert two.ep_ranks == (0, 1) and two.edp_ranks == (1,) and "ep 2 x expert-dp 1" in two.describe()
+    assert ParallelPlan().expert_span(4) == (0, 4)
+    for kw, says in (({"world": 6, "ep": 4}, "parallel.ep = 4 does not divide the 6 data-parallel ranks"),
+                     ({"world": 1, "ep": 2}, "parallel.ep = 2 does not divide the 1 data-parallel ranks"),
+                     ({"world": 4, "ep": 2, "tp": 2}, "expert parallel with tensor parallel is not supported yet"),
+                     ({"world": 4, "ep": 2, "zero": 2}, "ZeRO-2 with parallel.ep = 2 is not supported yet")):
+        with pytest.raises(UserError, match=says):
+            ParallelPlan(**kw)
+    from mspretrain.config import schema as cfgmod
+
+    cfg = cfgmod.load(None, ["parallel.ep=2", "model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=4"])
+    assert ParallelPlan.for_config(cfg, world=4, rank=2).ep_ranks == (2, 3)
+    assert ParallelPlan(world=4, rank=0, ep=2, zero=1).sharded  # ZeRO-1 composes with ep
+
+
+def test_zero1_leaves_the_expert_stacks_local():
+    """ZeRO-1 under expert parallel (parallel/layout.py `LOCAL`): the expert stacks (each rank its own
+    experts) are owned by every rank whole, never split, in no gather; the others are sharded as ever."""
+    from mspretrain.parallel.layout import LOCAL, plan_layout
+
+    sizes, local = [1000, 50_000, 50_000, 1000], [False, True, True, False]
+    lay = plan_layout(sizes, [False] * 4, [False] * 4, 2, shard=True, shard_grads=False, cap=10_000, split=20_000, local=local)
+    assert lay.owner[1] == lay.owner[2] == LOCAL and not lay.is_split(1)
+    assert {lay.owner[0], lay.owner[3]} == {0, 1}
+    for r in (0, 1):
+        assert {1, 2} <= set(lay.owned(r)) and lay.unit(1, r) == (0, 50_000)
+    gathered = {i for b in lay.gather_rank for seg in b.segments for i in seg} | set(lay.gather_single)
+    assert gathered == {0, 3}
 
 
 def test_tp_where_by_role():

@@ -86,11 +86,19 @@ class ParallelConfig(Section):
     # matrices, the embedding and the lm_head among them. The world (msrun's worker count) is
     # tp x data-parallel ranks, tp ranks adjacent (ranks 0..tp-1 are the first tp group). 1 = off.
     tp: int = 1
+    # Expert parallel (a mixture of experts, model.num_experts > 0; model/moe.py): this many adjacent
+    # data-parallel ranks split every MoE layer's experts among them (each holds num_experts / ep),
+    # the tokens dispatched to the experts' ranks and combined back; the ranks holding the same
+    # experts reduce their gradients. Must divide num_experts and the data-parallel ranks
+    # (world / tp); with ZeRO-1 but not yet ZeRO-2/3 or parallel.tp > 1. 1 = off.
+    ep: int = 1
 
     def check(self) -> None:
         if self.tp < 1:
             fail("parallel.tp", f"= {self.tp} must be at least 1", "use 1 (off) or the ranks that split each layer, e.g. 2, 4 or 8")
-        cap(self, {"tp": 1024}, "more tensor-parallel ranks than any model has heads")
+        if self.ep < 1:
+            fail("parallel.ep", f"= {self.ep} must be at least 1", "use 1 (off) or the ranks that split the experts, e.g. 2, 4 or 8")
+        cap(self, {"tp": 1024, "ep": 1024}, "more ranks than any model has heads or experts")
 
 
 @dataclass(frozen=True)
