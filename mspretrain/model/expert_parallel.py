@@ -53,6 +53,17 @@ def native(group: Any) -> bool:
     return group.device == "ascend"
 
 
+def in_slot(x: Tensor, slot: int, size: int) -> Tensor:
+    """x (N, ...) in slot `slot` of a zero (size*N, ...) buffer: one rank's share of the CPU forms'
+    AllReduce, which sums every rank's share into the gathered rows."""
+    parts = [x]
+    if slot:
+        parts = [ops.zeros((slot * x.shape[0],) + x.shape[1:], x.dtype)] + parts
+    if size - slot - 1:
+        parts = parts + [ops.zeros(((size - slot - 1) * x.shape[0],) + x.shape[1:], x.dtype)]
+    return ops.concat(parts, 0)
+
+
 class GatherRows(nn.Cell):
     """x (N, ...) on each of the group's n ranks -> (n*N, ...): the ranks' rows in group order.
     Backward: the gradient summed over the group, this rank's N rows kept (a ReduceScatter)."""
@@ -69,12 +80,7 @@ class GatherRows(nn.Cell):
     def construct(self, x: Tensor) -> Tensor:
         if self.native:
             return self.gather(x)
-        parts = [x]
-        if self.slot:
-            parts = [ops.zeros((self.slot * x.shape[0],) + x.shape[1:], x.dtype)] + parts
-        if self.size - self.slot - 1:
-            parts = parts + [ops.zeros(((self.size - self.slot - 1) * x.shape[0],) + x.shape[1:], x.dtype)]
-        return self.sum(ops.concat(parts, 0))
+        return self.sum(in_slot(x, self.slot, self.size))
 
     def bprop(self, x: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor]:
         if self.native:
@@ -105,13 +111,7 @@ class ScatterRows(nn.Cell):
     def bprop(self, y: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor]:
         if self.native:
             return (self.gather(dout),)
-        n = dout.shape[0]
-        parts = [dout]
-        if self.slot:
-            parts = [ops.zeros((self.slot * n,) + dout.shape[1:], dout.dtype)] + parts
-        if self.size - self.slot - 1:
-            parts = parts + [ops.zeros(((self.size - self.slot - 1) * n,) + dout.shape[1:], dout.dtype)]
-        return (self.back(ops.concat(parts, 0)),)
+        return (self.back(in_slot(dout, self.slot, self.size)),)
 
 
 class GatherIds(nn.Cell):
@@ -127,11 +127,5 @@ class GatherIds(nn.Cell):
     def construct(self, idx: Tensor, after: Tensor) -> Tensor:
         x = ops.depend(ops.stop_gradient(idx).astype(ms.float32), after)  # issued after `after` (the rows' gather) on every rank
         if not self.native:
-            N = x.shape[0]
-            parts = [x]
-            if self.slot:
-                parts = [ops.zeros((self.slot * N,) + x.shape[1:], x.dtype)] + parts
-            if self.size - self.slot - 1:
-                parts = parts + [ops.zeros(((self.size - self.slot - 1) * N,) + x.shape[1:], x.dtype)]
-            x = ops.concat(parts, 0)
+            x = in_slot(x, self.slot, self.size)
         return ops.stop_gradient(self.op(x)).astype(ms.int32)

@@ -8,7 +8,7 @@ in spite of the primitive's `no_eliminate` attribute. Measured here before the f
 8: the fused graph traced 30 collectives and kept 21 on ranks 0-5, 22 on ranks 6-7 (accumulate:
 14 traced, 5 or 6 kept); at world 2 every rank kept all of them, in another order. The CPU path
 chains every collective, so no run on CPU could see it: here the real step is compiled for each
-rank of every case in CASES (world, ZeRO stage, tensor parallel, model family; worlds 2, 4 and 8;
+rank of every case in CASES (world, ZeRO stage, tensor parallel, model family, expert parallel; worlds 2, 4 and 8;
 one layer: tests/step/collective_probe.py says why) with the Ascend path's choices (two probe
 processes share the cases the session selected), and each rank's ordered list of collectives — kind, group, input and output
 types and shapes — is compared, for the fused graph and for the accumulate / apply pair, and
@@ -44,10 +44,14 @@ ROOT = PROBE.parents[2]
 #   less the QK-norm links, and Qwen3 at world 2, the same graph on fewer ranks).
 # - Tensor parallel (step/tp.py): tp 2 alone (the tp group is the world), and tp 2 x dp 2 with
 #   ZeRO-1 and ZeRO-2 (named tp and dp groups, the tp all-reduces inside the model's graph).
-CASES = [(2, 2, 1, "llama"), (8, 2, 1, "llama"), (4, 1, 1, "llama"), (2, 3, 1, "qwen2"), (4, 3, 1, "qwen3"),
-         (2, 1, 2, "llama"), (4, 1, 2, "llama"), (4, 2, 2, "llama")]
-PARAMS = ("world", "zero", "tp", "family")
-Case = tuple[int, int, int, str]
+CASES = [(2, 2, 1, "llama", 1), (8, 2, 1, "llama", 1), (4, 1, 1, "llama", 1), (2, 3, 1, "qwen2", 1), (4, 3, 1, "qwen3", 1),
+         (2, 1, 2, "llama", 1), (4, 1, 2, "llama", 1), (4, 2, 2, "llama", 1),
+         # - Expert parallel (step/ep.py, a Qwen3-MoE layer): ep 2 alone (the ep group is the world,
+         #   ZeRO 0), ep 2 x 2 expert-data-parallel ranks with ZeRO-1 (named ep and edp groups, the
+         #   experts' buckets over edp), and ep 4 x 2 at world 8 (four ranks in each dispatch).
+         (2, 0, 1, "qwen3_moe", 2), (4, 1, 1, "qwen3_moe", 2), (8, 1, 1, "qwen3_moe", 4)]
+PARAMS = ("world", "zero", "tp", "family", "ep")
+Case = tuple[int, int, int, str, int]
 Ranks = dict[str, dict[str, list[list[str]]]]  # rank -> graph (and "traced") -> its collectives
 
 
@@ -95,12 +99,12 @@ def test_the_cases_are_dealt_into_parts_of_about_equal_rank_counts():
 
 @pytest.mark.parametrize(",".join(PARAMS), CASES)
 @pytest.mark.parametrize("graph", ["fused", "accumulate", "apply"])
-def test_every_rank_compiles_the_same_collectives_in_the_same_order(compiled, world, zero, tp, family, graph):
-    ranks = compiled[(world, zero, tp, family)]
+def test_every_rank_compiles_the_same_collectives_in_the_same_order(compiled, world, zero, tp, family, ep, graph):
+    ranks = compiled[(world, zero, tp, family, ep)]
     assert sorted(ranks, key=int) == [str(r) for r in range(world)]
     reference = ranks["0"][graph]
     assert reference or (zero == 1 and graph == "accumulate"), f"no collective in rank 0's {graph} graph"
-    case = f"world {world}, ZeRO-{zero}, tp {tp}, {family}"
+    case = f"world {world}, ZeRO-{zero}, tp {tp}, ep {ep}, {family}"
     for r in range(1, world):
         mine = ranks[str(r)][graph]
         kinds = lambda seq: {k: sum(1 for c in seq if c[0] == k) for k in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast")}
@@ -112,15 +116,15 @@ def test_every_rank_compiles_the_same_collectives_in_the_same_order(compiled, wo
 
 
 @pytest.mark.parametrize(",".join(PARAMS), CASES)
-def test_every_collective_names_a_group_of_its_rank_and_a_root_inside_it(compiled, world, zero, tp, family):
+def test_every_collective_names_a_group_of_its_rank_and_a_root_inside_it(compiled, world, zero, tp, family, ep):
     """What HCCL reads of each collective besides its kind: the group (this rank must be one of its
     members) and a Broadcast's root, the root's rank inside the group (the owner's world
     rank, `root_rank: 6` in a 4-member dp group, is HCCL_E_PARA, or a broadcast from the
     wrong member). A world-rank root fails here at tp 2 x dp 2 (dp_1 is ranks 1 and 3: root 3)."""
-    for r, graphs in compiled[(world, zero, tp, family)].items():
+    for r, graphs in compiled[(world, zero, tp, family, ep)].items():
         for graph in ("fused", "accumulate", "apply"):
             for kind, group, _, _, root, members in graphs[graph]:
-                where = f"rank {r}, {graph} graph, {kind} in {group}, world {world}, ZeRO-{zero}, tp {tp}"
+                where = f"rank {r}, {graph} graph, {kind} in {group}, world {world}, ZeRO-{zero}, tp {tp}, ep {ep}"
                 assert members is not None and int(r) in members, f"{where}: a group this rank is not in"
                 if kind == "Broadcast":
                     assert 0 <= int(root) < len(members), f"{where}: root_rank {root} outside a group of {len(members)}"
@@ -129,13 +133,13 @@ def test_every_collective_names_a_group_of_its_rank_and_a_root_inside_it(compile
 
 
 @pytest.mark.parametrize(",".join(PARAMS), CASES)
-def test_every_rank_keeps_every_collective_the_step_issues(compiled, world, zero, tp, family):
+def test_every_rank_keeps_every_collective_the_step_issues(compiled, world, zero, tp, family, ep):
     """Identical lists, all pruned alike, would pass the comparison above: each graph must hold
     every collective the step's code issues (counted from its own tables by the probe)."""
-    for r, graphs in compiled[(world, zero, tp, family)].items():
+    for r, graphs in compiled[(world, zero, tp, family, ep)].items():
         for graph in ("fused", "accumulate", "apply"):
             kept = [c[0] for c in graphs[graph]]
-            assert len(kept) == graphs["traced"][graph], f"rank {r}, {graph} graph, world {world}, ZeRO-{zero}, tp {tp}, {family}: {kept}"
+            assert len(kept) == graphs["traced"][graph], f"rank {r}, {graph} graph, world {world}, ZeRO-{zero}, tp {tp}, ep {ep}, {family}: {kept}"
 
 
 def test_the_ir_reader_finds_kind_group_and_types():
