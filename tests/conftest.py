@@ -46,8 +46,8 @@ def make_poems(n: int, seed: int = 0) -> list[str]:
 
 def built_once(tmp_path_factory, name: str, build) -> Path:
     """A read-only dir that the session fixtures of every xdist worker of one run share (`make test`
-    runs three): the first worker to need it calls `build(dir)` under a lock, the others wait for it
-    and reuse it instead of training or preparing the same thing again. Under plain `pytest`, a
+    runs two): the first worker to need it calls `build(dir)` under a lock, the other waits for it
+    and reuses it instead of training or preparing the same thing again. Under plain `pytest`, a
     dir of its own base temp."""
     import fcntl
     import shutil
