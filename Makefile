@@ -36,10 +36,8 @@ demo: $(VENV)/.base npm
 demo-quick: $(VENV)/.base npm
 	$(VENV)/bin/mspretrain demo --quick
 
-# Three pytest-xdist workers on the 2 cores (much of the suite is one thread at a time: graph
-# compilation, Python; and about a fifth of two workers' time no core was busy: waits on
-# subprocesses, on an msrun job's start and end, on the msrun lock while its holder compiled on one
-# core; a third worker fills those gaps; docs/benchmarks.md, "The suite's time: round eight"). --dist loadfile: a worker takes a whole test file at
+# Two pytest-xdist workers, one per core (much of the suite is one thread at a time: graph
+# compilation, Python, waits on subprocesses). --dist loadfile: a worker takes a whole test file at
 # a time (its module fixtures built once), the next when it is done; jobs that launch ranks hold one
 # lock, so two msrun jobs never run at once, and the shared session runs are built once for both
 # workers (tests/conftest.py `one_msrun_at_a_time`, `built_once`); conftest puts the files with long
@@ -51,7 +49,7 @@ demo-quick: $(VENV)/.base npm
 # in each worker; docs/benchmarks.md, "The suite's time: bytecode, the final eval, one probe process").
 # Lint first ([tool.ruff] in pyproject.toml): it takes a second and names the line of a real bug
 # (an undefined name, an unused import) before the suite spends minutes compiling graphs.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: $(VENV)/.test

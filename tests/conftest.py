@@ -74,7 +74,7 @@ def _shared_root(tmp_path_factory) -> Path:
 def one_msrun_at_a_time(tmp_path_factory):
     """Held around every job that launches ranks (an msrun test, a two-rank session run): an msrun
     job (2 workers + a scheduler) beside another would starve both jobs' heartbeats on 2 cores, and
-    the xdist workers of `make test` may each reach a file with one. An flock shared by the
+    the two xdist workers of `make test` may each reach a file with one. An flock shared by the
     workers of one run: a job waits for the other to end."""
     import fcntl
 
@@ -331,15 +331,15 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
                 assert_close_rel(a[k].reshape(b[k].shape) if a[k].size == b[k].size else a[k], b[k], rtol, f"{got.name} {k}")
 
 
-# `make test` runs the suite in three pytest-xdist workers on 2 cores (`-n 3 --dist loadfile`, the
+# `make test` runs the suite in two pytest-xdist workers, one per core (`-n 2 --dist loadfile`, the
 # Makefile): a worker takes one test file at a time (its module fixtures are built once), the next
-# when it is done, so the workers end together without a hand-balanced list. What files share across
+# when it is done, so the two end together without a hand-balanced list. What files share across
 # workers: the tiny data dir, `reference_run`, tests/forensics/planted.py's run, the two-rank session
-# runs and the walkthrough are built once for all (`built_once`); two jobs that launch ranks never
+# runs and the walkthrough are built once for both (`built_once`); two jobs that launch ranks never
 # run at once (`one_msrun_at_a_time`). `groups` names each file's class for the order (no longer
 # an xdist group: xdist 3.8's loadgroup under pytest 9 put every test of a group on either worker,
 # and two msrun jobs ran side by side): files with an msrun job first, then files with `slow`
-# tests, so the short files fill the end of every worker.
+# tests, so the short files fill the end of both workers.
 TWO_RANK_RUNS = frozenset({"two_nodes_rewind", "two_ranks_fp32"})
 SHARED_RUNS = ("walkthrough",)
 MSRUN_GROUP = "msrun"
