@@ -306,7 +306,8 @@ def check_moe(cfg: Config) -> None:
                     ("optim.shard_gradients", cfg.optim.shard_gradients), ("optim.shard_parameters", cfg.optim.shard_parameters)):
         if on:
             fail(key, f"is not supported with a mixture-of-experts model (model.num_experts = {cfg.model.num_experts}) yet",
-                 f"unset {key}: MoE models train with plain data parallel (whole replicas) for now")
+                 f"unset {key}: MoE models train with plain data parallel for now, or with expert parallel "
+                 "(parallel.ep) and optim.shard_optimizer")
 
 
 def check_budget(t: TrainConfig) -> None:
