@@ -133,8 +133,6 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
     collectives, the IR dumped under `out` (a folder per case and rank, one per graph below it)."""
     if ep > 1:
         return probe_ep_rank(world, zero, ep, family, rank, out)
-    import mindspore as ms
-    import numpy as np
     from mindspore.ops.operations import comm_ops
 
     from mspretrain.config import schema as cfgmod
@@ -153,8 +151,6 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
     # bug this file guards (`_reduce` returning its last result without the others behind it) still
     # fails it at world 2: rank 1 kept 3 AllReduces, rank 0 2 (measured).
     m = cfgmod.resolve_model(replace(cfg.model, n_layers=1, **FAMILIES[family]), 512)
-    tokens = ms.Tensor(np.zeros((2, 33), np.int32))
-    one = ms.Tensor(1.0, ms.float32)
     dp = world // tp
     # Tensor parallel: the Ascend path's named groups (step/tp.py `make_mesh`), built without
     # create_group (no HCCL here); a group's size is what the primitives read at construction.
@@ -178,9 +174,6 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
         step = TPTrainStep(model, cfg.optim, mesh=mesh, **common)
     else:
         step = TrainStep(model, cfg.optim, world=world, rank=rank, shard_params=zero == 3, split_mb=0.05, **common)
-    graphs = {"fused": lambda: step._fused(tokens, None, None, one, one, one),
-              "accumulate": lambda: step._accumulate(tokens, None, None, one, ms.Tensor(True)),
-              "apply": lambda: step._apply(one, one)}
     # what the step's Python code issues per graph, from its own tables: the reductions
     # (`_reduce`, one per bucket or singleton), the loss AllReduce, the norm's AllReduce of the
     # owners' partial sums (sharded gradients), the gathers (`_gather`)
@@ -202,16 +195,30 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
     # group a collective names and that a Broadcast's root is a rank inside that group
     members = {"hccl_world_group": list(range(world)), f"tp_{d}": [d * tp + i for i in range(tp)],
                f"dp_{t}": [j * tp + t for j in range(dp)]}
+    result.update(compile_graphs(step, out, members))
+    return result  # every object of this rank is a local here: released on return, cycles by the caller's gc
+
+
+def compile_graphs(step, out: Path, members: dict[str, list[int]]) -> dict[str, list[list]]:
+    """Compile the step's three graphs (fused; accumulate / apply), each's IR dumped into a folder
+    of its own below `out`, and read each one's collectives (`_compiled`)."""
+    import mindspore as ms
+    import numpy as np
+
+    tokens = ms.Tensor(np.zeros((2, 33), np.int32))
+    one = ms.Tensor(1.0, ms.float32)
+    graphs = {"fused": lambda: step._fused(tokens, None, None, one, one, one),
+              "accumulate": lambda: step._accumulate(tokens, None, None, one, ms.Tensor(True)),
+              "apply": lambda: step._apply(one, one)}
+    out_graphs = {}
     for name, compile_graph in graphs.items():
         folder = out / name
         os.environ["MS_DEV_SAVE_GRAPHS_PATH"] = str(folder)
         if name == "accumulate":
             step._ensure_accum()
         compile_graph()
-        # each collective: [kind, group kind (tp / dp: the names differ between groups), input and
-        # output types, root inside the group, the group's world ranks]
-        result[name] = _compiled(folder, members)
-    return result  # every object of this rank is a local here: released on return, cycles by the caller's gc
+        out_graphs[name] = _compiled(folder, members)
+    return out_graphs
 
 
 def _compiled(folder: Path, members: dict[str, list[int]]) -> list[list]:
@@ -232,8 +239,6 @@ def probe_ep_rank(world: int, zero: int, ep: int, family: str, rank: int, out: P
     model/expert_parallel.py); the routing stats' world AllReduce; in the step, the buckets (the
     expert stacks' own over the edp group, when it has more than one rank), the loss, the norm's
     ep sum and ZeRO-1's gathers of the other parameters."""
-    import mindspore as ms
-    import numpy as np
     from mindspore.ops.operations import comm_ops
 
     from mspretrain.config import schema as cfgmod
@@ -251,16 +256,11 @@ def probe_ep_rank(world: int, zero: int, ep: int, family: str, rank: int, out: P
 
     cfg = cfgmod.load(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     m = cfgmod.resolve_model(replace(cfg.model, n_layers=1, **FAMILIES[family]), 512)
-    tokens = ms.Tensor(np.zeros((2, 33), np.int32))
-    one = ms.Tensor(1.0, ms.float32)
     model = Decoder(m, dtype="bf16", attention="math", device="ascend", seed=0)
     half = half_eligible(model)
     model.apply_ep(mesh.ep)
     step = EPTrainStep(model, cfg.optim, mesh=mesh, plan=plan, global_tokens=64, half_params=half, bucket_mb=0.01,
                        device="ascend", trainable=["attention", "mlp", "norms", "lm_head"])
-    graphs = {"fused": lambda: step._fused(tokens, None, None, one, one, one),
-              "accumulate": lambda: step._accumulate(tokens, None, None, one, ms.Tensor(True)),
-              "apply": lambda: step._apply(one, one)}
     layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
     reduce = sum(1 for kind, _ in step._schedule if kind != 3 or step.edp_sum is not None)
     in_model = 5 * layers + 1
@@ -269,13 +269,7 @@ def probe_ep_rank(world: int, zero: int, ep: int, family: str, rank: int, out: P
     result: dict = {"traced": traced}
     members = {"hccl_world_group": list(range(world))}
     members.update({g.name: list(g.ranks) for g in (mesh.ep, mesh.edp) if g.name})
-    for name, compile_graph in graphs.items():
-        folder = out / name
-        os.environ["MS_DEV_SAVE_GRAPHS_PATH"] = str(folder)
-        if name == "accumulate":
-            step._ensure_accum()
-        compile_graph()
-        result[name] = _compiled(folder, members)
+    result.update(compile_graphs(step, out, members))
     return result
 
 
