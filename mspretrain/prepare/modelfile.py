@@ -89,7 +89,7 @@ def _members(data: bytes, what: str, p: Path, hint: str) -> None:
                     if dtype.kind not in "fiu" or dtype.hasobject or count * dtype.itemsize > i.file_size:
                         raise UserError(f"{bad} (member {i.filename})", hint)
     # RuntimeError: zipfile's refusals of an encrypted member or an unknown compression method
-    # (the latter a NotImplementedError, a subclass)
+    # (zipfile raises the latter as a subclass of RuntimeError)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, RuntimeError, TypeError, OverflowError):
         raise UserError(bad, hint) from None
 
