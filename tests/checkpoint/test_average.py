@@ -225,6 +225,7 @@ def test_peak_memory_is_about_one_tensor_not_the_model(tmp_path):
     assert all(a[k].tobytes() == b[k].tobytes() for k in shapes)
 
 
+@pytest.mark.slow  # eval, generate, export and a training run on the average (~13 s of CPU): end to end
 def test_the_average_of_a_real_run_is_taken_by_eval_generate_export_and_init_from(tmp_path, capsys, reference_run, tiny_data):
     """reference_run's last 3 checkpoints (read-only: the output goes elsewhere)."""
     from mspretrain.checkpoint.model_shards import read_whole

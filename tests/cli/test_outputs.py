@@ -346,6 +346,7 @@ def test_report_out_writes_nothing_into_the_run(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- train
 
+@pytest.mark.slow  # a run, stopped, and its resume (~12 s of CPU): end to end
 def test_a_full_disk_in_batches_jsonl_stops_after_checkpointing(tiny_data, tmp_path, capsys, monkeypatch):
     """Step 3's record cannot be written: training stops in one line with a checkpoint of step 3
     (every step kept), batches.jsonl is whole through step 3, and the same command resumes."""

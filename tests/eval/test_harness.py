@@ -212,6 +212,7 @@ def test_unknown_tasks_and_stray_options_are_one_line(pair, capsys):
 
 # ----------------------------------------------------------------------------- in the loop
 
+@pytest.mark.slow  # two training runs with lm-eval in the loop (~27 s of CPU): end to end
 def test_harness_tasks_in_the_loop_resume_continues_one_curve(tiny_data, tmp_path):
     """eval.harness_tasks: lm-eval scores at every eval step in metrics.jsonl and the report's curve
     against tokens; a run killed after step 3 (its last save at 2) and resumed gives the same curve,

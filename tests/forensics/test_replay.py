@@ -24,6 +24,7 @@ def _snapshot(run: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(run)): (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow  # a 20-step replay run (~16 s of CPU): end to end
 def test_unchanged_replay_of_20_steps_is_bit_exact(planted, capsys, tmp_path):
     run, _, _ = planted
     before = _snapshot(run)

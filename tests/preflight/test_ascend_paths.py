@@ -535,6 +535,7 @@ def test_a_cut_model_sends_only_this_ranks_pieces_to_the_device(monkeypatch, wor
     assert not builds_on_host(cfgmod.load(None, ["optim.shard_parameters=true"]), 1)
 
 
+@pytest.mark.slow  # ZeRO-3 and tp builds through TrainStep, traced (~17 s of CPU)
 def test_a_cut_model_holds_one_whole_weight_at_a_time_on_the_host(monkeypatch, world_of, tiny_cfg):
     """The host side: on an NPU a model built for a cut (`host_weights`) draws each weight
     when it is first read (model/decoder.py LazyDraw, MindSpore's lazy initialisation), so ZeRO-3's

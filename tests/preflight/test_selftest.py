@@ -262,6 +262,7 @@ def cpu_selftest(tmp_path_factory):
     return code, doc, run, cfg_file
 
 
+@pytest.mark.slow  # the three read `cpu_selftest`, a whole selftest run (~11 s of CPU): end to end
 def test_cpu_selftest_end_to_end(cpu_selftest):
     code, doc, run, _ = cpu_selftest
     assert code == 0, [c for c in doc["checks"] if c["status"] == "failed"]
@@ -287,12 +288,14 @@ def test_cpu_selftest_end_to_end(cpu_selftest):
     assert not run.exists()  # scratch space removed, and the run dir the selftest created with it
 
 
+@pytest.mark.slow
 def test_table_says_it_is_not_a_verdict_on_cpu(cpu_selftest):
     _, doc, _, _ = cpu_selftest
     table = selftest.format_table(doc)
     assert "needs Ascend" in table and "not a verdict on a 910B node" in table
 
 
+@pytest.mark.slow
 def test_plan_from_selftest(cpu_selftest, tmp_path, capsys):
     _, doc, _, cfg_file = cpu_selftest
     path = tmp_path / "selftest.json"

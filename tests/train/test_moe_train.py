@@ -76,6 +76,7 @@ def test_moe_refuses_zero_and_tp(tmp_path, tiny_data, capsys):
         assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow  # a dense run, then two MoE runs from its checkpoint (~21 s of CPU): end to end
 def test_train_upcycle_from_dense_checkpoint(tmp_path, tiny_data, capsys):
     """`train --init-from DENSE --upcycle`: the MoE run's first loss (before any update) is the dense
     checkpoint's loss on the same batch, which a dense `--init-from` run of it logs too."""
@@ -149,6 +150,7 @@ def _router_z(run: Path, z_from: Path) -> float:
     return float(per[0, 2, 0]) / tokens.size
 
 
+@pytest.mark.slow  # a run of its own with every router option, and its resume (~17 s of CPU): end to end
 def test_router_options_in_a_run_and_resume(opts_run, moe_run, tmp_path, tiny_data, capsys):
     """All three options on: the loss still falls; capacity 1.0 drops some assignments and says how
     many; z-loss (weight 1) leaves the router's log-sum-exp well below the run without it; the
