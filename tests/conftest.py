@@ -77,9 +77,14 @@ def one_msrun_at_a_time(tmp_path_factory):
     the two xdist workers of `make test` may each reach a file with one. An flock shared by the
     workers of one run: a job waits for the other to end."""
     import fcntl
+    import time
 
     with open(_shared_root(tmp_path_factory) / "msrun.lock", "w") as lock:
+        start = time.monotonic()
         fcntl.flock(lock, fcntl.LOCK_EX)
+        from tests.cpu_plugin import record  # how long this worker waited for the other's job (tests/cpu_plugin.py)
+
+        record({"lock_wait": round(time.monotonic() - start, 3), "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")})
         yield
 
 
