@@ -76,7 +76,7 @@ def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, targe
     shapes = param_shapes(m)
     sizes = [math.prod(sh) for _, sh in shapes]
     total = sum(sizes)
-    trained = sum(layout.sizes)
+    trained = trained_elements(m, cfg)
     half = cfg.precision.dtype in ("fp16", "bf16") and cfg.precision.param_dtype == "compute"
     masters = sum(n for (name, _), n in zip(shapes, sizes) if half and is_half_eligible(name))
     out: dict[str, float] = {
@@ -91,6 +91,15 @@ def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, targe
     }
     out["total"] = sum(out.values())
     return out
+
+
+def trained_elements(m: ModelConfig, cfg: Config) -> int:
+    """Elements of the trained parameters (train.trainable), whole."""
+    from mspretrain.model.groups import trainable_mask
+
+    shapes = param_shapes(m)
+    return sum(math.prod(s) for (_, s), k in zip(shapes, trainable_mask([n for n, _ in shapes], cfg.train.trainable,
+                                                                          tied=m.tie_embeddings)) if k)
 
 
 def checkpoint_bytes(params: int, half_params: str | None = None, trained: int | None = None) -> int:
@@ -192,12 +201,12 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
     usable_gb = device_mem_gb or cfg.device.max_device_memory or (
         ASCEND_910B_USABLE_GB if target == "ascend" else round(host_ram_gb() / devices, 1) if target == "cpu" else 64.0)
     calls, wire_bytes = layout.traffic(accum)
-    trained = sum(layout.sizes)  # the layout is built over the trained parameters only
+    trained = trained_elements(m, cfg)  # whole parameters (under expert parallel the layout holds this rank's experts)
     other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash)
     plan: dict[str, Any] = {
         "model": {"dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
                   "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
-        "params": P, "devices": devices, "tp": tp, "dp": dp, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
+        "params": P, "devices": devices, "tp": tp, "dp": dp, "ep": cfg.parallel.ep, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
         "seq_len": seq, "dtype": cfg.precision.dtype, "zero": zero or shard_grads, "shard_gradients": shard_grads and devices > 1,
         "shard_parameters": shard_params and devices > 1,
         "recompute": recompute, "flash_attention": flash,
@@ -244,7 +253,9 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         if plan["build_bytes"]["device"] / GB > usable_gb:
             plan["warnings"].append(f"start-up: the fp32 weights ({plan['build_bytes']['device'] / GB:.1f} GB) are built whole on "
                                     f"each device before any cut, more than {usable_gb:g} GB: use optim.shard_parameters=true "
-                                    "or parallel.tp, whose ranks receive only their pieces")
+                                    "or parallel.tp, whose ranks receive only their pieces"
+                                    + ("; expert parallel (parallel.ep) cuts the experts only after the whole model is built on "
+                                       "the device (train/build.py `builds_on_host`): not yet startable at this size" if m.num_experts else ""))
     if target == "cpu":  # the host is the device: the whole process
         h = plan["host_bytes"]
         mem["process_peak"] = (mem["peak"] + h["process_baseline"] + h["checkpoint_snapshot"] + h["loader_maps"]) / devices
@@ -323,6 +334,7 @@ def format_plan(plan: dict) -> str:
         f"layout     {plan['devices']} devices, global batch {plan['global_batch']} = micro {plan['micro_batch']} "
         f"x accum {plan['accumulation']} x {plan.get('dp', plan['devices'])}"
         + (f" data-parallel (tensor parallel {plan['tp']})" if plan.get("tp", 1) > 1 else "")
+        + (f" data-parallel (expert parallel {plan['ep']})" if plan.get("ep", 1) > 1 else "")
         + f", seq {plan['seq_len']}, {plan['dtype']}"
         + (_sharding(plan) if plan["zero"] else "")
         + (", recompute" if plan["recompute"] else "")
