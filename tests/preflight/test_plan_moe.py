@@ -73,6 +73,7 @@ def test_ep_plan_bytes_are_the_buffers_the_ep_step_allocates(monkeypatch, tiny_c
     mem, layout = memory_model(m, cfg, devices=world, micro=1, accum=accumulation, zero=zero >= 1, shard_grads=False,
                                recompute=False, flash=False, target="ascend")
     have = step.buffer_bytes()
+    assert step.sharded == layout.sharded == (zero >= 1)
     for kind in ("weights", "master_weights", "adam_moments", "gradients"):
         assert mem[kind] == have[kind], kind
     assert (mem["gradients"] > 0) == (accumulation > 1)
