@@ -26,6 +26,19 @@ no MindSpore import.
                      each). With full recomputation only each layer's input (e*s*b*h) is kept, plus
                      one layer's activations while it is recomputed. Plus fp32 logits and
                      log-probabilities: 8*s*b*V.
+                     An MoE layer (model/moe.py) in place of the dense MLP's 4f: per assignment its
+                     rank's experts run (A = ep*s*b*K: under expert parallel's AllGather dispatch,
+                     model/expert_parallel.py, every rank runs its experts on the ep group's tokens,
+                     the others' assignments masked) the permuted rows and the unpermuted output
+                     (2h) and the SwiGLU's gate, up, silu and product (4 x moe_ffn_dim), what their
+                     backward reads: e*A*(2h + 4F); the dispatch buffers (packed rows and weights,
+                     the combine's input: e*ep*s*b*(2h + K)) and the gathered expert ids (4*ep*s*b*K)
+                     with ep > 1; the router's fp32 probabilities (8*s*b*E); a shared expert's SwiGLU.
+    expert parallel  parallel.ep: each rank holds E/ep experts of every expert stack, as the step
+                     does (step/ep.py); under ZeRO-1 their state stays whole on each rank (owner
+                     LOCAL, parallel/layout.py), the other parameters' is sharded over the world.
+                     Their gradients leave the world's buckets for one of their own: a flat copy of
+                     all of them (and the edp AllReduce's result with more than one rank there).
     collective buckets  the largest bucket's flat copy and its result; on CPU (world > 1) a measured
                         6.2 x the largest bucket (CPU_BUCKET_FACTOR), with buckets of 32 MB there
                         (optim.bucket_mb = "auto": 256 MB on Ascend, 32 MB on CPU)

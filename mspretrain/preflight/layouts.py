@@ -4,7 +4,9 @@ and step time, and the cheapest layout that fits.
 Layouts (for 2 to `MAX_DEVICES` devices): plain data parallel (DP), ZeRO-1, ZeRO-2 and ZeRO-3
 over all N devices (what `train` runs: optim.shard_optimizer / shard_gradients / shard_parameters);
 tensor parallel t x data parallel N/t for t = 2, 4, 8 (t dividing N), plain and with ZeRO-1 over
-the data-parallel group (`train` runs them: parallel.tp, step/tp.py). The TP rows' memory is
+the data-parallel group (`train` runs them: parallel.tp, step/tp.py); for a mixture of experts,
+expert parallel ep x expert-data-parallel N/ep for every ep > 1 dividing the experts and N, plain
+and with ZeRO-1 (parallel.ep, step/ep.py). The TP rows' memory is
 Megatron's accounting, not yet checked against a TP step's measured buffers, so the recommendation
 is taken among the measured layouts and a faster TP layout that fits is named beside it.
 
@@ -37,6 +39,11 @@ else `ASSUMED_BUS_GBPS`); ring costs: AllReduce 2(n-1)/n x bytes, AllGather / Re
   the next layer's gathers run during a layer's forward and a layer's reduce-scatters during the
   previous layer's backward, so the first layer's gathers, the last reduce-scatters and the
   recomputation's gathers are what stays exposed (the CPU with recompute has no prefetch: all).
+- EP: the experts' FLOPs counted ep times (each rank runs its experts on the whole ep group's
+  assignments, the others' masked: `expert_flops_share`); the other parameters' gradient reduction
+  over the world as DP / ZeRO-1 (`world_part`), the experts' bucket AllReduced over the edp group
+  (exposed), and the dispatch and combine collectives of every MoE layer (`ep_comm_s`, exposed).
+  Memory: `memory_model` with `ep` (the EP step's buffers: tests/preflight/test_plan_moe.py).
 - TP: per layer and micro-batch 2 AllReduces forward and 2 backward of b*s*h elements in the
   compute dtype over the t ranks (Megatron paper, section 3), 2 more with recompute, exposed (they
   sit between the matmuls); plus the data-parallel gradient AllReduce of 1/t of the gradients over
