@@ -68,7 +68,7 @@ PROCESS_BASELINE_BYTES = 0.92 * GB
 def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, target: str, tokens: int | None,
                 cut: bool = False) -> dict[str, float]:
     """Host bytes per node by kind (see the module docstring); `devices` ranks on the node. `cut`:
-    the model is cut on each rank's host (ZeRO-3, tensor parallel: train/build.py `builds_on_host`),
+    the model is cut on each rank's host (ZeRO-3, tensor or expert parallel: train/build.py `builds_on_host`),
     each weight drawn when the cut reads it (model/decoder.py LazyDraw): one whole fp32 weight per
     rank at a time, as the streamed build."""
     from mspretrain.model.presets import is_half_eligible, param_shapes
@@ -192,11 +192,15 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
 
     # under tensor parallel the data-parallel layout is that of one tp rank's pieces over dp ranks
     # (its buckets, traffic and HCCL buffer); the memory is the TP rows' (preflight/layouts.py)
-    mem, layout = memory_model(tp_local_model(m, tp), cfg, devices=dp, micro=micro, accum=accum, zero=zero,
-                               shard_grads=shard_grads, recompute=recompute, flash=flash, target=target, shard_params=shard_params)
-    if tp > 1:
-        mem, _ = tp_memory(m, cfg, tp=tp, dp=dp, zero1=zero or shard_grads, micro=micro, accum=accum,
-                           recompute=recompute, flash=flash, target=target)
+    def memory_of(c: Config) -> tuple[dict[str, float], Any]:
+        mem, layout = memory_model(tp_local_model(m, tp), c, devices=dp, micro=micro, accum=accum, zero=zero,
+                                   shard_grads=shard_grads, recompute=recompute, flash=flash, target=target, shard_params=shard_params)
+        if tp > 1:
+            mem, _ = tp_memory(m, c, tp=tp, dp=dp, zero1=zero or shard_grads, micro=micro, accum=accum,
+                               recompute=recompute, flash=flash, target=target)
+        return mem, layout
+
+    mem, layout = memory_of(cfg)
     # a device size given on the command line wins (it used to be ignored for Ascend configs)
     usable_gb = device_mem_gb or cfg.device.max_device_memory or (
         ASCEND_910B_USABLE_GB if target == "ascend" else round(host_ram_gb() / devices, 1) if target == "cpu" else 64.0)
@@ -242,20 +246,26 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
                         "hbm_bytes": sum(2 * c["buffsize_mb"] * 2**20 for c in hc)}
     # host memory of one node: its ranks (8 a server on Ascend; all of them on CPU, one host)
     plan["host_ranks"] = per_node
-    cut = devices > 1 and (shard_params or tp > 1)
+    # the layouts train/build.py `builds_on_host` cuts on the host: ZeRO-3, tensor and expert parallel
+    cut = devices > 1 and (shard_params or tp > 1 or cfg.parallel.ep > 1)
     plan["host_bytes"] = host_memory(m, cfg, layout, devices=per_node, target=target, tokens=b.tokens, cut=cut)
     if target == "ascend":
         # start-up on the device: the weights as built there, before any step. A cut model sends only
-        # this rank's pieces (train/build.py `builds_on_host`); otherwise each weight is streamed
-        # to the device whole as it is drawn (fp32), the whole model per rank
+        # this rank's pieces (train/build.py `builds_on_host`: ZeRO-3 slices, tp pieces, E/ep experts
+        # and the rest whole), in fp32: the step rounds its half-precision matrices after it is built
+        # (step/step.py); otherwise each weight is streamed to the device whole as it is drawn, the
+        # whole fp32 model per rank
         largest = max(math.prod(s) for _, s in param_shapes(m))
-        plan["build_bytes"] = {"device": mem["weights"] if cut else 4 * P, "host_per_rank": 4 * largest, "cut": cut}
-        if plan["build_bytes"]["device"] / GB > usable_gb:
-            plan["warnings"].append(f"start-up: the fp32 weights ({plan['build_bytes']['device'] / GB:.1f} GB) are built whole on "
-                                    f"each device before any cut, more than {usable_gb:g} GB: use optim.shard_parameters=true "
-                                    "or parallel.tp, whose ranks receive only their pieces"
-                                    + ("; expert parallel (parallel.ep) cuts the experts only after the whole model is built on "
-                                       "the device (train/build.py `builds_on_host`): not yet startable at this size" if m.num_experts else ""))
+        fp32 = cfg if not half_params else replace(cfg, precision=replace(cfg.precision, param_dtype="fp32"))
+        built = (mem if fp32 is cfg else memory_of(fp32)[0])["weights"] if cut else 4 * P
+        plan["build_bytes"] = {"device": built, "host_per_rank": 4 * largest, "cut": cut}
+        if built / GB > usable_gb and cut:
+            plan["warnings"].append(f"start-up: this rank's fp32 pieces of the weights ({built / GB:.1f} GB) are more than "
+                                    f"{usable_gb:g} GB: cut them over more devices")
+        elif built / GB > usable_gb:
+            plan["warnings"].append(f"start-up: the fp32 weights ({built / GB:.1f} GB) are built whole on each device before "
+                                    f"any cut, more than {usable_gb:g} GB: use optim.shard_parameters=true, parallel.tp"
+                                    + (" or parallel.ep" if m.num_experts else "") + ", whose ranks receive only their pieces")
     if target == "cpu":  # the host is the device: the whole process
         h = plan["host_bytes"]
         mem["process_peak"] = (mem["peak"] + h["process_baseline"] + h["checkpoint_snapshot"] + h["loader_maps"]) / devices
@@ -378,7 +388,8 @@ def format_plan(plan: dict) -> str:
     if "build_bytes" in plan:
         bb = plan["build_bytes"]
         lines.append(f"start-up   {_gb(bb['device'])} of weights on each device before the first step"
-                     + (" (this rank's pieces: each weight drawn on the host, cut, its piece sent)" if bb["cut"]
+                     + (" (this rank's pieces: each weight drawn on the host, cut, its piece sent"
+                        + ("; under expert parallel its experts, the rest whole)" if plan.get("ep", 1) > 1 else ")") if bb["cut"]
                         else " (each weight streamed whole, fp32)"))
     c = plan["collectives_per_step"]
     if plan["devices"] > 1:

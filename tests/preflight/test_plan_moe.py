@@ -149,6 +149,24 @@ def test_the_recipe_runs_plans_recommendation_on_16_910b():
     assert plan["seq_len"] == 4096 and (plan["micro_batch"], plan["accumulation"]) == (1, 1)
 
 
+def test_the_recipe_starts_with_its_experts_only(capsys):
+    """Expert parallel is cut on the host (train/build.py `builds_on_host`, model/decoder.py
+    `Decoder.apply_ep`): at start-up each of the 16 devices holds its 8 experts a layer and the 1.5 B
+    other parameters whole, in fp32, 12.5 GB, not the whole model's 113.7 GB, and plan says so
+    without a start-up warning."""
+    from mspretrain.model.params import expert_parallel
+    from mspretrain.preflight.plan import format_plan, make_plan
+
+    cfg = cfgmod.load(RECIPE)
+    plan = make_plan(cfg, devices=16, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    shapes = param_shapes(cfg.model)
+    local = sum(math.prod(s) // (16 if expert_parallel(n, cfg.model) else 1) for n, s in shapes)
+    bb = plan["build_bytes"]
+    assert bb["cut"] and bb["device"] == 4 * local and round(bb["device"] / GB, 1) == 12.5
+    assert 4 * plan["params"] / GB > 113 and not any(w.startswith("start-up") for w in plan["warnings"])
+    assert "start-up   12.49 GB of weights on each device" in format_plan(plan) and "its experts, the rest whole" in format_plan(plan)
+
+
 def test_train_takes_the_preset(tmp_path, tiny_data, capsys):
     """`train --model qwen3-30b-a3b` runs the preset's shape: on this CPU its memory check refuses it
     in one line (the whole 30.5 B model), before any file is written."""
