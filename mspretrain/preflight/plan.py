@@ -93,6 +93,33 @@ def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, targe
     return out
 
 
+def ep_communicators(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, micro: int, per_node: int,
+                     target: str) -> list[tuple[str, int, int, int]]:
+    """The communicators of an expert-parallel run (parallel/hccl.py `communicators`' form: name,
+    largest collective in bytes, its ranks in one server, the servers it spans), from the parallel
+    plan's groups (parallel/plan.py: ep groups are consecutive ranks, edp groups strided by ep):
+    - the world: the other parameters' buckets (preflight/layouts.py `world_part`);
+    - the ep group: per MoE layer the dispatch's AllGather of the packed rows, ep x N x (D + K) in
+      the compute dtype, its largest collective (model/expert_parallel.py; the combine's
+      ReduceScatter takes ep x N x D); the world's own when ep is the world;
+    - the edp group (more than one rank): the experts' gradient bucket's AllReduce."""
+    from mspretrain.preflight.layouts import expert_mask, world_part
+
+    ep = cfg.parallel.ep
+    edp = devices // ep
+    world, experts_bytes = world_part(layout, expert_mask(m, cfg), cfg, target)
+    e = 2 if cfg.precision.dtype in ("fp16", "bf16") else 4
+    dispatch = ep * micro * cfg.data.seq_len * (m.dim + m.experts_per_token) * e
+    nodes = -(-devices // per_node)
+    if ep == devices:  # the ep group is the world (plain primitives) and the edp groups are one rank
+        return [("world", max(max(world.largest_bucket_bytes()), dispatch), per_node, nodes)]
+    ep_nodes = len({r // per_node for r in range(ep)})  # ranks 0..ep-1: the first ep group
+    edp_nodes = len({j * ep // per_node for j in range(edp)})  # ranks 0, ep, 2 ep, ...: the first edp group
+    return [("world", max(world.largest_bucket_bytes()), per_node, nodes),
+            ("ep", dispatch, -(-ep // ep_nodes), ep_nodes),
+            ("edp", experts_bytes, -(-edp // edp_nodes), edp_nodes)]
+
+
 def trained_elements(m: ModelConfig, cfg: Config) -> int:
     """Elements of the trained parameters (train.trainable), whole."""
     from mspretrain.model.groups import trainable_mask
@@ -231,9 +258,12 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         from mspretrain.parallel.hccl import communicators
 
         # every communicator the run creates, with its largest collective: the world's (ZeRO / DP,
-        # or the tp group when it is the world), and under tp x dp the tp and the dp groups
+        # or the tp group when it is the world), under tp x dp the tp and the dp groups, under
+        # expert parallel the ep and edp groups that are neither the world nor one rank (step/ep.py)
         dp_largest = max(layout.largest_bucket_bytes())
-        if tp == 1:
+        if cfg.parallel.ep > 1:
+            comms = ep_communicators(m, cfg, layout, devices=devices, micro=micro, per_node=per_node, target=target)
+        elif tp == 1:
             comms = [("world", dp_largest, per_node, node_count)]
         else:
             tp_largest = tp_layout_bytes(m, cfg, micro)

@@ -167,6 +167,33 @@ def test_the_recipe_starts_with_its_experts_only(capsys):
     assert "start-up   12.49 GB of weights on each device" in format_plan(plan) and "its experts, the rest whole" in format_plan(plan)
 
 
+def test_an_ep_run_plans_a_buffer_for_each_of_its_communicators():
+    """HCCL buffers (parallel/hccl.py `communicators`) of expert-parallel runs on 16 x 910B: EP16
+    is the world alone (its ep group is the world, its edp groups one rank), whose largest
+    collective covers the dispatch; EP8 x EDP2 has the ep groups (the dispatch's AllGather of the
+    packed rows, inside a server) and the edp groups (the experts' gradient bucket, across the two
+    servers) too, each capped so that the three share the HBM room; `launch` passes them as
+    ep=MB,edp=MB and `group_buffsize` reads them (step/ep.py's `create_group` options)."""
+    from mspretrain.parallel.hccl import GROUP_BUFFSIZE_ENV, HCCL_ROOM_MB, group_buffsize, group_buffsize_env
+    from mspretrain.preflight.plan import make_plan
+
+    def comms(*overrides: str) -> dict:
+        plan = make_plan(cfgmod.load(RECIPE, list(overrides)), devices=16, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+        return {c["name"]: c for c in plan["hccl"]["communicators"]}
+
+    rows = 4096 * (2048 + 8) * 2  # a rank's packed rows (N, D + K) in bf16
+    ep16 = comms()
+    assert list(ep16) == ["world"] and ep16["world"]["largest_bytes"] >= 16 * rows
+    ep8 = comms("parallel.ep=8")
+    assert list(ep8) == ["world", "ep", "edp"]
+    assert ep8["ep"]["largest_bytes"] == 8 * rows and ep8["ep"]["buffsize_mb"] == 200  # 1/8 of it a rank: HCCL's default
+    assert ep8["edp"]["largest_bytes"] == 4 * 48 * 16 * 3 * 2048 * 768  # this rank's 16 experts a layer, fp32 on the wire
+    assert ep8["world"]["largest_bytes"] == ep16["world"]["largest_bytes"]  # the other parameters' buckets
+    assert sum(2 * c["buffsize_mb"] for c in ep8.values()) <= HCCL_ROOM_MB < 2 * 3 * 1024
+    env = {GROUP_BUFFSIZE_ENV: group_buffsize_env(list(ep8.values()))}
+    assert env[GROUP_BUFFSIZE_ENV] == "ep=200,edp=341" and (group_buffsize("ep", env), group_buffsize("edp", env)) == (200, 341)
+
+
 def test_train_takes_the_preset(tmp_path, tiny_data, capsys):
     """`train --model qwen3-30b-a3b` runs the preset's shape: on this CPU its memory check refuses it
     in one line (the whole 30.5 B model), before any file is written."""
