@@ -176,6 +176,20 @@ class LazyDraw(Initializer):
             arr[...] = x
 
 
+def whole_value(p: Parameter) -> np.ndarray:
+    """A parameter's whole value on the host, for a cut to read (expert parallel: `Decoder.apply_ep`).
+    An undrawn one (`LazyDraw`) is drawn into a fresh array the caller alone holds, the Parameter
+    left undrawn: `asnumpy` would draw it into the Parameter itself, and a dropped MindSpore 2.10
+    Parameter is freed by Python's cycle collector, not by its reference count (measured: its drawn
+    array stays alive after the last reference goes, until `gc.collect()`), so each whole weight a
+    cut read would outlive its replacement for as long as the collector waits."""
+    if p.has_init and isinstance(p.init, LazyDraw):
+        x = np.empty(tuple(p.shape), np.float32)
+        p.init(x)  # LazyDraw._initialize: the eager build's numbers
+        return x
+    return p.asnumpy()
+
+
 def _draw(streams: InitStreams, shape: tuple[int, ...], std: float) -> Tensor:
     """normal(0, std) float32 of `shape`, the next weight of `streams` (InitStreams: the streams of
     the run seed, drawn in parallel, docs/operators.md start-up), as a Tensor on `_init_device[0]`
@@ -352,15 +366,38 @@ class Decoder(nn.Cell):
 
     def apply_ep(self, group: Any) -> Any:
         """Expert parallel: each MoE layer keeps ep rank `group.rank`'s experts, dispatching over `group`
-        (model/moe.py `MoE.apply_ep`); returns (and keeps as `ep_split`) model/expert_parallel.py `ExpertSplit`."""
+        (model/moe.py `MoE.apply_ep`); returns (and keeps as `ep_split`) model/expert_parallel.py `ExpertSplit`.
+        A model built for the cut (`host_weights`, on an NPU: each weight drawn when first read,
+        `LazyDraw`): each expert stack is drawn on the host, cut, and only this rank's E/ep experts
+        go to the device; then every weight the cut did not read (attention, router, embedding,
+        lm_head: replicated over the ep group) is drawn and sent whole, one at a time (`_send_undrawn`),
+        so neither the host nor the device ever holds the whole model (train/build.py `builds_on_host`)."""
         from mspretrain.model.expert_parallel import ExpertSplit
 
         cut: dict[str, Any] = {}
         for layer in self.layers:
             if layer.sparse:
                 cut.update(layer.mlp.apply_ep(group, self.cfg))
+        self._send_undrawn(group.device)
         self.ep_split = ExpertSplit(group, {k: s for k, (s, _) in cut.items()}, {k: w for k, (_, w) in cut.items()})
         return self.ep_split
+
+    def _send_undrawn(self, device: str) -> None:
+        """Every weight still undrawn (`LazyDraw`: a model built with `host_weights` on an NPU) drawn on
+        the host and replaced by a Parameter on the device (model/parallel.py `piece_tensor`, the piece
+        being the whole), one at a time: the host holds one whole weight, the device what the eager
+        build streamed there (`_draw`). The numbers are the eager build's (a weight's streams are fixed
+        by its index at creation). A model with nothing undrawn (the CPU, a loaded `--init-from`) is left as it is."""
+        from mspretrain.model.parallel import piece_tensor
+
+        for _, cell in self.cells_and_names():
+            for attr in [k for k, p in cell.parameters_and_names(expand=False) if p.has_init]:
+                p = getattr(cell, attr)
+                name, grad = p.name, p.requires_grad
+                # positionally, a temporary (see `_normal`); the whole array is dropped with it, the old Parameter undrawn
+                setattr(cell, attr, Parameter(piece_tensor(whole_value(p), p.dtype, device), name, grad))
+                getattr(cell, attr).name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
+                del p
 
     def _head(self, x: Tensor, token: Tensor | None = None) -> Tensor:
         B, T = x.shape[0], x.shape[1]

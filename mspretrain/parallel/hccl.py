@@ -118,14 +118,17 @@ def communicators(comms: list[tuple[str, int, int, int]]) -> list[dict]:
     outside the pool (CANN, HCCL_BUFFSIZE), so the room (HCCL_ROOM_MB) is shared: each is capped
     at HCCL_ROOM_MB / (2 x the communicators), never below HCCL's default. The world's is what
     `launch` exports as HCCL_BUFFSIZE (the default of every communicator); the tp and dp groups'
-    go to `create_group` (step/tp.py make_mesh, `GROUP_BUFFSIZE_ENV`)."""
+    go to `create_group` (step/tp.py make_mesh; the ep and edp groups', step/ep.py expert_mesh;
+    `GROUP_BUFFSIZE_ENV`)."""
     cap = HCCL_ROOM_MB // (2 * max(1, len(comms)))
     return [{"name": name, "largest_bytes": int(largest), "buffsize_mb": buffsize_mb(largest, per_node, nodes, cap)}
             for name, largest, per_node, nodes in comms]
 
 
-# `launch` passes the tp and dp groups' buffers to the workers: "tp=MB,dp=MB"
+# `launch` passes the groups' buffers to the workers: "tp=MB,dp=MB" (tensor parallel), "ep=MB,edp=MB"
+# (expert parallel, preflight/plan.py `ep_communicators`)
 GROUP_BUFFSIZE_ENV = "MSPRETRAIN_HCCL_GROUP_MB"
+GROUP_KINDS = ("tp", "dp", "ep", "edp")
 
 
 def group_buffsize_env(comms: list[dict]) -> str:
@@ -133,16 +136,16 @@ def group_buffsize_env(comms: list[dict]) -> str:
 
 
 def group_buffsize(kind: str, env: dict[str, str]) -> int | None:
-    """The buffer (MB) `launch` planned for the `kind` ("tp" / "dp") group, or None when it is not
+    """The buffer (MB) `launch` planned for the `kind` ("tp" / "dp" / "ep" / "edp") group, or None when it is not
     set (the group then takes HCCL_BUFFSIZE, HCCL's default for every communicator). A value that
-    is not `launch`'s "tp=MB,dp=MB" (set by hand) is one line naming the variable, as every other
+    is not `launch`'s "tp=MB,dp=MB" or "ep=MB,edp=MB" (set by hand) is one line naming the variable, as every other
     MSPRETRAIN_* hook (errors.env_number), not a silent fallback to another buffer."""
     text = env.get(GROUP_BUFFSIZE_ENV, "").strip()
     found: int | None = None
     for part in text.split(",") if text else []:
         name, eq, value = (x.strip() for x in part.partition("="))
-        if not (eq and name in ("tp", "dp") and value.isascii() and value.isdigit() and 0 < int(value) <= HCCL_ROOM_MB):
-            raise UserError(f"{GROUP_BUFFSIZE_ENV}={text!r}: {part.strip()!r} is not tp=MB or dp=MB with MB in 1..{HCCL_ROOM_MB}",
+        if not (eq and name in GROUP_KINDS and value.isascii() and value.isdigit() and 0 < int(value) <= HCCL_ROOM_MB):
+            raise UserError(f"{GROUP_BUFFSIZE_ENV}={text!r}: {part.strip()!r} is not tp=MB, dp=MB, ep=MB or edp=MB with MB in 1..{HCCL_ROOM_MB}",
                             f"unset {GROUP_BUFFSIZE_ENV} (`mspretrain launch` sets it from the plan) or give e.g. tp=200,dp=200")
         if name == kind:
             found = int(value)

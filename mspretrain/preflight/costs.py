@@ -26,6 +26,19 @@ no MindSpore import.
                      each). With full recomputation only each layer's input (e*s*b*h) is kept, plus
                      one layer's activations while it is recomputed. Plus fp32 logits and
                      log-probabilities: 8*s*b*V.
+                     An MoE layer (model/moe.py) in place of the dense MLP's 4f: per assignment its
+                     rank's experts run (A = ep*s*b*K: under expert parallel's AllGather dispatch,
+                     model/expert_parallel.py, every rank runs its experts on the ep group's tokens,
+                     the others' assignments masked) the permuted rows and the unpermuted output
+                     (2h) and the SwiGLU's gate, up, silu and product (4 x moe_ffn_dim), what their
+                     backward reads: e*A*(2h + 4F); the dispatch buffers (packed rows and weights,
+                     the combine's input: e*ep*s*b*(2h + K)) and the gathered expert ids (4*ep*s*b*K)
+                     with ep > 1; the router's fp32 probabilities (8*s*b*E); a shared expert's SwiGLU.
+    expert parallel  parallel.ep: each rank holds E/ep experts of every expert stack, as the step
+                     does (step/ep.py); under ZeRO-1 their state stays whole on each rank (owner
+                     LOCAL, parallel/layout.py), the other parameters' is sharded over the world.
+                     Their gradients leave the world's buckets for one of their own: a flat copy of
+                     all of them (and the edp AllReduce's result with more than one rank there).
     collective buckets  the largest bucket's flat copy and its result; on CPU (world > 1) a measured
                         6.2 x the largest bucket (CPU_BUCKET_FACTOR), with buckets of 32 MB there
                         (optim.bucket_mb = "auto": 256 MB on Ascend, 32 MB on CPU)
@@ -62,19 +75,33 @@ MINDFORMERS_LLAMA2_7B = {
 }
 
 
+def moe_mlp_activation_bytes(m: ModelConfig, tokens: int, e: int, ep: int = 1) -> int:
+    """What one MoE layer's MLP keeps for its backward, for `tokens` tokens of one rank (see the
+    module docstring's MoE terms): the routed experts' rows, the ep group's dispatch buffers, the
+    router's fp32 probabilities and a shared expert's SwiGLU."""
+    D, F, K, E = m.dim, m.expert_ffn, m.experts_per_token, m.num_experts
+    A = ep * tokens * K  # assignments this rank's local experts run on (every rank sees the ep group's tokens)
+    routed = e * A * (2 * D + 4 * F)
+    dispatch = e * ep * tokens * (2 * D + K) + 4 * ep * tokens * K if ep > 1 else 0
+    return routed + dispatch + 2 * 4 * tokens * E + e * tokens * 4 * m.shared_expert_ffn_dim
+
+
 def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str, recompute: bool,
-                     flash: bool = False) -> int:
-    """Activation memory of one micro-batch on one device (see the module docstring)."""
+                     flash: bool = False, ep: int = 1) -> int:
+    """Activation memory of one micro-batch on one device (see the module docstring); an MoE
+    layer's MLP is `moe_mlp_activation_bytes` (under expert parallel `ep`) in place of 4f."""
     m = resolve_model(m)
     e = 4 if dtype == "fp32" else 2
     s, b, h, f, a = seq_len, micro_batch, m.dim, m.ffn_dim, m.n_heads
     kv = m.n_kv_heads * m.head_size
     attention = 64 * a * s * b if flash else (4 if e == 4 else 4 + e) * a * s * s * b
-    per_layer = e * s * b * (6 * h + 2 * kv + 4 * f) + attention
+    dense = e * s * b * (6 * h + 2 * kv + 4 * f) + attention
+    moe = e * s * b * (6 * h + 2 * kv) + attention + moe_mlp_activation_bytes(m, s * b, e, ep) if m.num_experts else 0
+    layers = [moe if m.is_moe_layer(i) else dense for i in range(m.n_layers)]
     logits = 8 * s * b * m.vocab_size
     if recompute:
-        return m.n_layers * e * s * b * h + per_layer + logits
-    return m.n_layers * per_layer + logits
+        return m.n_layers * e * s * b * h + max(layers) + logits
+    return sum(layers) + logits
 
 
 
@@ -124,7 +151,8 @@ def cpu_backend_bytes(sizes: Sequence[int], half_matrix: Sequence[bool], half: b
 
 
 def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum: int, zero: bool, shard_grads: bool,
-                 recompute: bool, flash: bool, target: str, shard_params: bool = False) -> tuple[dict[str, float], Any]:
+                 recompute: bool, flash: bool, target: str, shard_params: bool = False,
+                 ep: int | None = None) -> tuple[dict[str, float], Any]:
     """Bytes per device by kind, for the most loaded rank, plus `peak`: the largest set alive at once.
 
     Exactly the buffers step/step.py allocates (tests/step/test_zero2.py checks them against a real
@@ -144,12 +172,16 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     (the largest); `gathered_weights` is what the gathers hold during a micro-batch
     (`gathered_bytes`); the collective buffers are the largest parameter's."""
     from mspretrain.model.groups import trainable_mask
-    from mspretrain.model.params import fp16_wire
+    from mspretrain.model.params import expert_parallel, fp16_wire
     from mspretrain.model.presets import is_half_eligible, param_shapes
     from mspretrain.parallel.layout import bucket_mb_for, cap_elements, plan_layout, split_elements_for, zero3_layout
 
     shapes = param_shapes(m)
-    sizes = [math.prod(s) for _, s in shapes]
+    # expert parallel (parallel.ep): each rank holds E/ep experts of every expert stack
+    # (model/moe.py `apply_ep`): the step's sizes are those pieces (step/step.py `full_size`)
+    ep = cfg.parallel.ep if ep is None else ep
+    expert = [ep > 1 and expert_parallel(n, m) for n, _ in shapes]
+    sizes = [math.prod(s) // (ep if x else 1) for (_, s), x in zip(shapes, expert)]
     half = cfg.precision.dtype in ("fp16", "bf16")
     half_params = half and cfg.precision.param_dtype == "compute"
     is_half = [half_params and is_half_eligible(n) for n, _ in shapes]
@@ -163,7 +195,8 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
         layout = zero3_layout([sizes[i] for i in T], [is_half[i] for i in T], [wire16[i] for i in T], devices)
     else:
         layout = plan_layout([sizes[i] for i in T], [is_half[i] for i in T], [wire16[i] for i in T], devices,
-                             shard=zero, shard_grads=shard_grads, cap=cap, split=split_elements_for(cfg.optim.split_mb, cap))
+                             shard=zero, shard_grads=shard_grads, cap=cap, split=split_elements_for(cfg.optim.split_mb, cap),
+                             local=[expert[i] for i in T] if ep > 1 else None)
     # the heaviest rank's state: (parameter index into all, elements it holds: all, or its slice
     # of a split parameter, whose fp32 master is a tensor of its own even for an fp32 parameter)
     heavy = layout.heaviest_rank() if layout.sharded else 0
@@ -179,11 +212,19 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
         "gradients": (sum(4 * n for _, n, _ in owned) if layout.shard_grads else sum(4 * sizes[i] for i in T)) if accum > 1 else 0,
         "micro_gradients": sum(held.get(i, sizes[i]) * pbytes[i] for i in T),
         "adam_moments": sum(8 * n for _, n, _ in owned),
-        "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash),
+        "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash, ep),
     }
     # the prefetch everywhere but the CPU with recompute (step/zero3.py `prefetches`)
     mem["gathered_weights"] = gathered_bytes(shapes, sizes, pbytes, T, recompute, prefetch=target != "cpu") if zero3 else 0
     red, gat = layout.largest_bucket_bytes()
+    # expert parallel: the step takes the expert stacks out of the world's flat buckets into one
+    # bucket of their own (step/zero_setup.py `ex`): a flat copy of all this rank's expert
+    # gradients, and its AllReduce's result over the expert-data-parallel group when it has ranks
+    xs = {j for j, i in enumerate(T) if expert[i]}
+    wb = lambda j: 2 if layout.wire16[j] else 4  # noqa: E731
+    expert_t = sum(layout.sizes[j] * wb(j) for j in xs) * (2 if devices // ep > 1 else 1) if xs and devices > 1 else 0
+    if xs and layout.reduce_flat:
+        red = max(sum(n * wb(j) for j, n in zip(b.indices, b.sizes) if j not in xs) for b in layout.reduce_flat)
     if zero3:  # one collective per parameter: the largest one's gather and its gradient's reduction
         red = gat = max(sizes[i] * pbytes[i] for i in T)
     # a flat copy and the result: AllReduce's result is the whole bucket; ReduceScatter's (Ascend) 1/N
@@ -191,7 +232,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     gather_t = gat + gat / devices if devices > 1 else 0
     if devices > 1 and target == "cpu":  # measured, not derived: see CPU_BUCKET_FACTOR
         reduce_t = gather_t = CPU_BUCKET_FACTOR * max(red, gat)
-    mem["collective_buffers"] = max(reduce_t, gather_t)
+    mem["collective_buffers"] = max(reduce_t, gather_t, expert_t)
     mem["update_temporaries"] = 8 * max(n for _, n, _ in owned)
     mem["framework_reserve"] = ASCEND_RESERVE_BYTES if target == "ascend" else 0
     mem["cpu_backend"] = (cpu_backend_bytes(sizes, [is_half_eligible(n) for n, _ in shapes], half)

@@ -4,7 +4,9 @@ and step time, and the cheapest layout that fits.
 Layouts (for 2 to `MAX_DEVICES` devices): plain data parallel (DP), ZeRO-1, ZeRO-2 and ZeRO-3
 over all N devices (what `train` runs: optim.shard_optimizer / shard_gradients / shard_parameters);
 tensor parallel t x data parallel N/t for t = 2, 4, 8 (t dividing N), plain and with ZeRO-1 over
-the data-parallel group (`train` runs them: parallel.tp, step/tp.py). The TP rows' memory is
+the data-parallel group (`train` runs them: parallel.tp, step/tp.py); for a mixture of experts,
+expert parallel ep x expert-data-parallel N/ep for every ep > 1 dividing the experts and N, plain
+and with ZeRO-1 (parallel.ep, step/ep.py). The TP rows' memory is
 Megatron's accounting, not yet checked against a TP step's measured buffers, so the recommendation
 is taken among the measured layouts and a faster TP layout that fits is named beside it.
 
@@ -37,6 +39,11 @@ else `ASSUMED_BUS_GBPS`); ring costs: AllReduce 2(n-1)/n x bytes, AllGather / Re
   the next layer's gathers run during a layer's forward and a layer's reduce-scatters during the
   previous layer's backward, so the first layer's gathers, the last reduce-scatters and the
   recomputation's gathers are what stays exposed (the CPU with recompute has no prefetch: all).
+- EP: the experts' FLOPs counted ep times (each rank runs its experts on the whole ep group's
+  assignments, the others' masked: `expert_flops_share`); the other parameters' gradient reduction
+  over the world as DP / ZeRO-1 (`world_part`), the experts' bucket AllReduced over the edp group
+  (exposed), and the dispatch and combine collectives of every MoE layer (`ep_comm_s`, exposed).
+  Memory: `memory_model` with `ep` (the EP step's buffers: tests/preflight/test_plan_moe.py).
 - TP: per layer and micro-batch 2 AllReduces forward and 2 backward of b*s*h elements in the
   compute dtype over the t ranks (Megatron paper, section 3), 2 more with recompute, exposed (they
   sit between the matmuls); plus the data-parallel gradient AllReduce of 1/t of the gradients over
@@ -151,6 +158,7 @@ def tp_local_model(m: ModelConfig, tp: int) -> ModelConfig:
 def layout_settings(row: dict[str, Any]) -> list[str]:
     """The config overrides that make `train` run the layout of a table row."""
     out = [f"parallel.tp={row['tp']}"] if row["tp"] > 1 else []
+    out += [f"parallel.ep={row['ep']}"] if row.get("ep", 1) > 1 else []
     out += [key + "=true" for key, z in (("optim.shard_optimizer", 1), ("optim.shard_gradients", 2),
                                          ("optim.shard_parameters", 3)) if row["zero"] >= z]
     return out + (["train.recompute=true"] if row.get("recompute") else [])
@@ -159,7 +167,7 @@ def layout_settings(row: dict[str, Any]) -> list[str]:
 def layout_config(cfg: Config, row: dict[str, Any]) -> Config:
     """`cfg` set to run the layout of a table row (what `layout_settings` says)."""
     z = row["zero"]
-    return replace(cfg, parallel=replace(cfg.parallel, tp=row["tp"]),
+    return replace(cfg, parallel=replace(cfg.parallel, tp=row["tp"], ep=row.get("ep", 1)),
                    optim=replace(cfg.optim, shard_optimizer=z >= 1, shard_gradients=z >= 2, shard_parameters=z == 3),
                    train=replace(cfg.train, recompute=bool(row.get("recompute", cfg.train.recompute))))
 
@@ -193,8 +201,64 @@ def train_refusal(cfg: Config, m: ModelConfig, row: dict[str, Any]) -> str | Non
     return refused[0] if refused else None
 
 
-def _row(name: str, tp: int, dp: int, zero: int, unmeasured: bool) -> dict[str, Any]:
-    return {"name": name, "tp": tp, "dp": dp, "zero": zero, "unmeasured": unmeasured}
+def _row(name: str, tp: int, dp: int, zero: int, unmeasured: bool, ep: int = 1) -> dict[str, Any]:
+    return {"name": name, "tp": tp, "dp": dp, "zero": zero, "unmeasured": unmeasured, "ep": ep}
+
+
+def ep_sizes(m: ModelConfig, devices: int) -> list[int]:
+    """The expert-parallel sizes of the table: ep > 1 dividing the experts and the (data-parallel) devices."""
+    return [ep for ep in range(2, devices + 1) if m.num_experts and m.num_experts % ep == 0 and devices % ep == 0]
+
+
+def ep_comm_s(m: ModelConfig, cfg: Config, *, ep: int, micro: int, accum: int, recompute: bool, target: str,
+              bus_bytes_per_s: float) -> float:
+    """Seconds of the dispatch and combine collectives of one step under expert parallel `ep`
+    (model/expert_parallel.py, per MoE layer and micro-batch of N tokens a rank): forward the
+    AllGather of the packed rows (N, D + K) and of the expert ids (N, K) int32 and the combine's
+    ReduceScatter of (ep*N, D); backward a ReduceScatter of the rows' gradient and an AllGather of
+    the combine's; with recompute the forward's again. Each moves (ep-1)/ep of its ep*N-row
+    buffer; exposed (the experts wait for the dispatch, the next layer for the combine). The
+    CPU forms (AllReduce of zero-padded buffers) move ep times the bytes."""
+    e = 2 if cfg.precision.dtype in ("fp16", "bf16") else 4
+    N, D, K = micro * cfg.data.seq_len, m.dim, m.experts_per_token
+    layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    forward = (ep - 1) * N * ((D + K) * e + 4 * K + D * e)
+    backward = (ep - 1) * N * ((D + K) * e + D * e)
+    return accum * layers * (forward * (2 if recompute else 1) + backward) * (ep if target == "cpu" else 1) / bus_bytes_per_s
+
+
+def expert_mask(m: ModelConfig, cfg: Config) -> list[bool]:
+    """Per trained parameter (the layout's order): an expert stack (model/params.py `expert_parallel`)."""
+    from mspretrain.model.groups import trainable_mask
+    from mspretrain.model.params import expert_parallel
+    from mspretrain.model.presets import param_shapes
+
+    names = [n for n, _ in param_shapes(m)]
+    trained = trainable_mask(names, cfg.train.trainable, tied=m.tie_embeddings)
+    return [expert_parallel(n, m) for n, k in zip(names, trained) if k]
+
+
+def world_part(layout: Any, experts: list[bool], cfg: Config, target: str) -> tuple[Any, int]:
+    """Under expert parallel: the data-parallel world's layout of the other parameters (what
+    `overlap_estimate` and ZeRO-1's gather time), and the bytes of the experts' own bucket."""
+    from mspretrain.parallel.layout import bucket_mb_for, cap_elements, plan_layout, split_elements_for
+
+    keep = [j for j, x in enumerate(experts) if not x]
+    cap = cap_elements(bucket_mb_for(cfg.optim.bucket_mb, target))
+    part = plan_layout([layout.sizes[j] for j in keep], [layout.half[j] for j in keep], [layout.wire16[j] for j in keep],
+                       layout.world, shard=layout.sharded, shard_grads=layout.shard_grads, cap=cap,
+                       split=split_elements_for(cfg.optim.split_mb, cap))
+    return part, sum(n * (2 if w else 4) for n, w, x in zip(layout.sizes, layout.wire16, experts) if x)
+
+
+def expert_flops_share(m: ModelConfig, seq: int, trainable: Any = None) -> float:
+    """The routed experts' share of the FLOPs per token (monitor/mfu.py's count: K of E experts)."""
+    from mspretrain.model.params import expert_parallel
+    from mspretrain.model.presets import param_shapes
+    from mspretrain.monitor.mfu import flops_per_token
+
+    routed = sum(math.prod(s[1:]) for n, s in param_shapes(m) if expert_parallel(n, m)) * m.experts_per_token
+    return 6.0 * routed / flops_per_token(m, seq, trainable) if routed else 0.0
 
 
 def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, target: str, usable_gb: float,
@@ -210,6 +274,9 @@ def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, targ
     e = 2 if cfg.precision.dtype in ("fp16", "bf16") else 4
     candidates = [_row("DP", 1, devices, 0, False), _row("ZeRO-1", 1, devices, 1, False), _row("ZeRO-2", 1, devices, 2, False),
                   _row("ZeRO-3", 1, devices, 3, False)]
+    for ep in ep_sizes(m, devices):  # expert parallel (parallel.ep): ep groups x expert-data-parallel groups
+        name = f"EP{ep}" + (f" x EDP{devices // ep}" if devices > ep else "")
+        candidates += [_row(name, 1, devices, 0, False, ep), _row(f"{name} ZeRO-1", 1, devices, 1, False, ep)]
     for t in TP_SIZES:
         if t <= devices and devices % t == 0:
             candidates += [_row(f"TP{t} x DP{devices // t}", t, devices // t, 0, True),
@@ -223,13 +290,20 @@ def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, targ
             rows.append({**row, "skipped": why})
             continue
         micro, accum = budget.micro_batches(cfg, row["dp"])
+        ep = row["ep"]
+        # the AllGather form of the dispatch: each rank runs its experts on the whole ep group's
+        # assignments (the others' masked), ep times an AllToAll's expert FLOPs (model/expert_parallel.py)
+        ep_factor = 1 + (ep - 1) * expert_flops_share(m, cfg.data.seq_len, cfg.train.trainable)
         for recompute in ((False, True) if not cfg.train.recompute else (True,)):
-            compute_s = step_flops / (devices * flops) * (4 / 3 if recompute else 1)
+            compute_s = step_flops / (devices * flops) * (4 / 3 if recompute else 1) * ep_factor
             backward_s = compute_s * (BACKWARD_SHARE_RECOMPUTE if recompute else BACKWARD_SHARE) / accum
             if row["tp"] == 1:
                 z = row["zero"]
                 mem, layout = memory_model(m, cfg, devices=devices, micro=micro, accum=accum, zero=z >= 1, shard_grads=z >= 2,
-                                           recompute=recompute, flash=flash, target=target, shard_params=z == 3)
+                                           recompute=recompute, flash=flash, target=target, shard_params=z == 3, ep=ep)
+                experts_bytes = 0
+                if ep > 1:  # the world's buckets without the expert stacks; theirs is reduced over the edp group
+                    layout, experts_bytes = world_part(layout, expert_mask(m, cfg), cfg, target)
                 pbytes = sum(n * (2 if layout.half[i] else 4) for i, n in enumerate(layout.sizes))
                 if z == 3:  # what the compute does not hide of the gathers and reduce-scatters (costs.py)
                     comm = accum * zero3_exposed_s(zero3_units_of(m, cfg), devices=devices, bus_bytes_per_s=bw,
@@ -240,6 +314,11 @@ def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, targ
                     comm = (est["comm_s"] if accum > 1 and not layout.shard_grads
                             else est["exposed_s"] * (accum if layout.shard_grads else 1))
                     comm += _ring("AllGather", devices) * pbytes / bw if z >= 1 else 0
+                if ep > 1:  # the experts' bucket over the edp group after the backward pass, and the dispatch
+                    edp = devices // ep
+                    comm += _ring("AllReduce", edp) * experts_bytes / bw if edp > 1 else 0.0
+                    comm += ep_comm_s(m, cfg, ep=ep, micro=micro, accum=accum, recompute=recompute, target=target,
+                                      bus_bytes_per_s=bw)
             else:
                 t, d = row["tp"], row["dp"]
                 mem, grads = tp_memory(m, cfg, tp=t, dp=d, zero1=row["zero"] == 1, micro=micro, accum=accum,

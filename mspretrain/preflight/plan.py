@@ -68,7 +68,7 @@ PROCESS_BASELINE_BYTES = 0.92 * GB
 def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, target: str, tokens: int | None,
                 cut: bool = False) -> dict[str, float]:
     """Host bytes per node by kind (see the module docstring); `devices` ranks on the node. `cut`:
-    the model is cut on each rank's host (ZeRO-3, tensor parallel: train/build.py `builds_on_host`),
+    the model is cut on each rank's host (ZeRO-3, tensor or expert parallel: train/build.py `builds_on_host`),
     each weight drawn when the cut reads it (model/decoder.py LazyDraw): one whole fp32 weight per
     rank at a time, as the streamed build."""
     from mspretrain.model.presets import is_half_eligible, param_shapes
@@ -76,7 +76,7 @@ def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, targe
     shapes = param_shapes(m)
     sizes = [math.prod(sh) for _, sh in shapes]
     total = sum(sizes)
-    trained = sum(layout.sizes)
+    trained = trained_elements(m, cfg)
     half = cfg.precision.dtype in ("fp16", "bf16") and cfg.precision.param_dtype == "compute"
     masters = sum(n for (name, _), n in zip(shapes, sizes) if half and is_half_eligible(name))
     out: dict[str, float] = {
@@ -91,6 +91,42 @@ def host_memory(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, targe
     }
     out["total"] = sum(out.values())
     return out
+
+
+def ep_communicators(m: ModelConfig, cfg: Config, layout: Any, *, devices: int, micro: int, per_node: int,
+                     target: str) -> list[tuple[str, int, int, int]]:
+    """The communicators of an expert-parallel run (parallel/hccl.py `communicators`' form: name,
+    largest collective in bytes, its ranks in one server, the servers it spans), from the parallel
+    plan's groups (parallel/plan.py: ep groups are consecutive ranks, edp groups strided by ep):
+    - the world: the other parameters' buckets (preflight/layouts.py `world_part`);
+    - the ep group: per MoE layer the dispatch's AllGather of the packed rows, ep x N x (D + K) in
+      the compute dtype, its largest collective (model/expert_parallel.py; the combine's
+      ReduceScatter takes ep x N x D); the world's own when ep is the world;
+    - the edp group (more than one rank): the experts' gradient bucket's AllReduce."""
+    from mspretrain.preflight.layouts import expert_mask, world_part
+
+    ep = cfg.parallel.ep
+    edp = devices // ep
+    world, experts_bytes = world_part(layout, expert_mask(m, cfg), cfg, target)
+    e = 2 if cfg.precision.dtype in ("fp16", "bf16") else 4
+    dispatch = ep * micro * cfg.data.seq_len * (m.dim + m.experts_per_token) * e
+    nodes = -(-devices // per_node)
+    if ep == devices:  # the ep group is the world (plain primitives) and the edp groups are one rank
+        return [("world", max(max(world.largest_bucket_bytes()), dispatch), per_node, nodes)]
+    ep_nodes = len({r // per_node for r in range(ep)})  # ranks 0..ep-1: the first ep group
+    edp_nodes = len({j * ep // per_node for j in range(edp)})  # ranks 0, ep, 2 ep, ...: the first edp group
+    return [("world", max(world.largest_bucket_bytes()), per_node, nodes),
+            ("ep", dispatch, -(-ep // ep_nodes), ep_nodes),
+            ("edp", experts_bytes, -(-edp // edp_nodes), edp_nodes)]
+
+
+def trained_elements(m: ModelConfig, cfg: Config) -> int:
+    """Elements of the trained parameters (train.trainable), whole."""
+    from mspretrain.model.groups import trainable_mask
+
+    shapes = param_shapes(m)
+    return sum(math.prod(s) for (_, s), k in zip(shapes, trainable_mask([n for n, _ in shapes], cfg.train.trainable,
+                                                                          tied=m.tie_embeddings)) if k)
 
 
 def checkpoint_bytes(params: int, half_params: str | None = None, trained: int | None = None) -> int:
@@ -183,21 +219,25 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
 
     # under tensor parallel the data-parallel layout is that of one tp rank's pieces over dp ranks
     # (its buckets, traffic and HCCL buffer); the memory is the TP rows' (preflight/layouts.py)
-    mem, layout = memory_model(tp_local_model(m, tp), cfg, devices=dp, micro=micro, accum=accum, zero=zero,
-                               shard_grads=shard_grads, recompute=recompute, flash=flash, target=target, shard_params=shard_params)
-    if tp > 1:
-        mem, _ = tp_memory(m, cfg, tp=tp, dp=dp, zero1=zero or shard_grads, micro=micro, accum=accum,
-                           recompute=recompute, flash=flash, target=target)
+    def memory_of(c: Config) -> tuple[dict[str, float], Any]:
+        mem, layout = memory_model(tp_local_model(m, tp), c, devices=dp, micro=micro, accum=accum, zero=zero,
+                                   shard_grads=shard_grads, recompute=recompute, flash=flash, target=target, shard_params=shard_params)
+        if tp > 1:
+            mem, _ = tp_memory(m, c, tp=tp, dp=dp, zero1=zero or shard_grads, micro=micro, accum=accum,
+                               recompute=recompute, flash=flash, target=target)
+        return mem, layout
+
+    mem, layout = memory_of(cfg)
     # a device size given on the command line wins (it used to be ignored for Ascend configs)
     usable_gb = device_mem_gb or cfg.device.max_device_memory or (
         ASCEND_910B_USABLE_GB if target == "ascend" else round(host_ram_gb() / devices, 1) if target == "cpu" else 64.0)
     calls, wire_bytes = layout.traffic(accum)
-    trained = sum(layout.sizes)  # the layout is built over the trained parameters only
+    trained = trained_elements(m, cfg)  # whole parameters (under expert parallel the layout holds this rank's experts)
     other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash)
     plan: dict[str, Any] = {
         "model": {"dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
                   "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
-        "params": P, "devices": devices, "tp": tp, "dp": dp, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
+        "params": P, "devices": devices, "tp": tp, "dp": dp, "ep": cfg.parallel.ep, "global_batch": gb, "micro_batch": micro, "accumulation": accum,
         "seq_len": seq, "dtype": cfg.precision.dtype, "zero": zero or shard_grads, "shard_gradients": shard_grads and devices > 1,
         "shard_parameters": shard_params and devices > 1,
         "recompute": recompute, "flash_attention": flash,
@@ -218,9 +258,12 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         from mspretrain.parallel.hccl import communicators
 
         # every communicator the run creates, with its largest collective: the world's (ZeRO / DP,
-        # or the tp group when it is the world), and under tp x dp the tp and the dp groups
+        # or the tp group when it is the world), under tp x dp the tp and the dp groups, under
+        # expert parallel the ep and edp groups that are neither the world nor one rank (step/ep.py)
         dp_largest = max(layout.largest_bucket_bytes())
-        if tp == 1:
+        if cfg.parallel.ep > 1:
+            comms = ep_communicators(m, cfg, layout, devices=devices, micro=micro, per_node=per_node, target=target)
+        elif tp == 1:
             comms = [("world", dp_largest, per_node, node_count)]
         else:
             tp_largest = tp_layout_bytes(m, cfg, micro)
@@ -233,18 +276,26 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
                         "hbm_bytes": sum(2 * c["buffsize_mb"] * 2**20 for c in hc)}
     # host memory of one node: its ranks (8 a server on Ascend; all of them on CPU, one host)
     plan["host_ranks"] = per_node
-    cut = devices > 1 and (shard_params or tp > 1)
+    # the layouts train/build.py `builds_on_host` cuts on the host: ZeRO-3, tensor and expert parallel
+    cut = devices > 1 and (shard_params or tp > 1 or cfg.parallel.ep > 1)
     plan["host_bytes"] = host_memory(m, cfg, layout, devices=per_node, target=target, tokens=b.tokens, cut=cut)
     if target == "ascend":
         # start-up on the device: the weights as built there, before any step. A cut model sends only
-        # this rank's pieces (train/build.py `builds_on_host`); otherwise each weight is streamed
-        # to the device whole as it is drawn (fp32), the whole model per rank
+        # this rank's pieces (train/build.py `builds_on_host`: ZeRO-3 slices, tp pieces, E/ep experts
+        # and the rest whole), in fp32: the step rounds its half-precision matrices after it is built
+        # (step/step.py); otherwise each weight is streamed to the device whole as it is drawn, the
+        # whole fp32 model per rank
         largest = max(math.prod(s) for _, s in param_shapes(m))
-        plan["build_bytes"] = {"device": mem["weights"] if cut else 4 * P, "host_per_rank": 4 * largest, "cut": cut}
-        if plan["build_bytes"]["device"] / GB > usable_gb:
-            plan["warnings"].append(f"start-up: the fp32 weights ({plan['build_bytes']['device'] / GB:.1f} GB) are built whole on "
-                                    f"each device before any cut, more than {usable_gb:g} GB: use optim.shard_parameters=true "
-                                    "or parallel.tp, whose ranks receive only their pieces")
+        fp32 = cfg if not half_params else replace(cfg, precision=replace(cfg.precision, param_dtype="fp32"))
+        built = (mem if fp32 is cfg else memory_of(fp32)[0])["weights"] if cut else 4 * P
+        plan["build_bytes"] = {"device": built, "host_per_rank": 4 * largest, "cut": cut}
+        if built / GB > usable_gb and cut:
+            plan["warnings"].append(f"start-up: this rank's fp32 pieces of the weights ({built / GB:.1f} GB) are more than "
+                                    f"{usable_gb:g} GB: cut them over more devices")
+        elif built / GB > usable_gb:
+            plan["warnings"].append(f"start-up: the fp32 weights ({built / GB:.1f} GB) are built whole on each device before "
+                                    f"any cut, more than {usable_gb:g} GB: use optim.shard_parameters=true, parallel.tp"
+                                    + (" or parallel.ep" if m.num_experts else "") + ", whose ranks receive only their pieces")
     if target == "cpu":  # the host is the device: the whole process
         h = plan["host_bytes"]
         mem["process_peak"] = (mem["peak"] + h["process_baseline"] + h["checkpoint_snapshot"] + h["loader_maps"]) / devices
@@ -323,6 +374,7 @@ def format_plan(plan: dict) -> str:
         f"layout     {plan['devices']} devices, global batch {plan['global_batch']} = micro {plan['micro_batch']} "
         f"x accum {plan['accumulation']} x {plan.get('dp', plan['devices'])}"
         + (f" data-parallel (tensor parallel {plan['tp']})" if plan.get("tp", 1) > 1 else "")
+        + (f" data-parallel (expert parallel {plan['ep']})" if plan.get("ep", 1) > 1 else "")
         + f", seq {plan['seq_len']}, {plan['dtype']}"
         + (_sharding(plan) if plan["zero"] else "")
         + (", recompute" if plan["recompute"] else "")
@@ -366,7 +418,8 @@ def format_plan(plan: dict) -> str:
     if "build_bytes" in plan:
         bb = plan["build_bytes"]
         lines.append(f"start-up   {_gb(bb['device'])} of weights on each device before the first step"
-                     + (" (this rank's pieces: each weight drawn on the host, cut, its piece sent)" if bb["cut"]
+                     + (" (this rank's pieces: each weight drawn on the host, cut, its piece sent"
+                        + ("; under expert parallel its experts, the rest whole)" if plan.get("ep", 1) > 1 else ")") if bb["cut"]
                         else " (each weight streamed whole, fp32)"))
     c = plan["collectives_per_step"]
     if plan["devices"] > 1:

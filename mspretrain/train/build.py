@@ -121,8 +121,9 @@ def find_resume(paths: RunPaths, *, is_main: bool, restart: bool, log: Callable[
 
 def builds_on_host(cfg: Config, world_size: int) -> bool:
     """Whether the model is drawn in host memory and only this rank's pieces go to the device:
-    when it will be cut (ZeRO-3 over more than one rank, tensor parallel)."""
-    return world_size > 1 and (cfg.optim.shard_parameters or cfg.parallel.tp > 1)
+    when it will be cut (ZeRO-3 over more than one rank, tensor parallel, expert parallel: each
+    rank keeps E/ep experts, model/decoder.py `Decoder.apply_ep`)."""
+    return world_size > 1 and (cfg.optim.shard_parameters or cfg.parallel.tp > 1 or cfg.parallel.ep > 1)
 
 
 def memory_options(cfg: Config, step_fn: Any, world: Any, accum: int) -> str:
@@ -304,11 +305,12 @@ def _build(cfg: Config, data_dir: Path, paths: RunPaths, say: Any, *, allow_conf
 
     ms.set_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed % (2**32))
-    # a model cut for ZeRO-3 or tensor parallel is drawn on the host and only this rank's pieces go to
-    # the device (model/parallel.py `piece_tensor`): built whole in HBM it did not fit above ~15.6 B
-    # parameters (issue 51.2). On an NPU each weight is drawn when the cut first reads it
-    # (model/decoder.py `LazyDraw`), so the host holds one whole fp32 weight at a time (`plan`:
-    # model initialisation); on the CPU the host is the device and the weights are drawn at once
+    # a model cut for ZeRO-3, tensor or expert parallel is drawn on the host and only this rank's pieces
+    # go to the device (model/parallel.py `piece_tensor`): built whole in HBM it did not fit above
+    # ~15.6 B parameters (issue 51.2; Qwen3-30B-A3B: 113.7 GB whole, 12.5 GB of pieces at ep 16).
+    # On an NPU each weight is drawn when the cut first reads it (model/decoder.py `LazyDraw`), so
+    # the host holds one whole fp32 weight at a time (`plan`: model initialisation); on the CPU the
+    # host is the device and the weights are drawn at once
     model = Decoder(cfg.model, dtype=cfg.precision.dtype, attention="auto", device=device.target, seed=cfg.train.seed,
                     host_weights=builds_on_host(cfg, world.size))
     if cfg.train.recompute:

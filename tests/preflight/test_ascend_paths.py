@@ -590,3 +590,64 @@ def test_a_cut_model_holds_one_whole_weight_at_a_time_on_the_host(monkeypatch, w
     assert most[0] <= 1 and len(alive) == sum("norm" not in n for n in whole)
     for p in model.trainable_params():
         assert np.array_equal(p.asnumpy(), cut(whole[p.name], tp_rows(p.name, whole[p.name].shape, m, 2, 1))), p.name
+
+
+def test_an_expert_parallel_model_is_drawn_a_weight_at_a_time_and_sends_only_its_experts(monkeypatch, world_of):
+    """Expert parallel on an NPU (train/build.py `builds_on_host`): the model is built undrawn
+    (`host_weights`, LazyDraw) and `apply_ep` draws each expert stack on the host, keeps this rank's
+    E/ep experts and sends them alone, then draws and sends every other weight whole, one at a time:
+    the host never holds two whole weights, the device receives this rank's pieces once each (not
+    the whole fp32 model, what the eager build streamed: 114 GB for Qwen3-30B-A3B), and the
+    pieces are bit-identical to the eager build's cut."""
+    import weakref
+
+    from mspretrain.model.parallel import Group, cut
+    from mspretrain.model.params import ep_piece
+    from mspretrain.train.build import builds_on_host
+
+    class _OnNPU:
+        device_target = "Ascend"
+
+    m = cfgmod.resolve_model(cfgmod.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, family="qwen3_moe", qk_norm=True,
+                                                head_dim=16, num_experts=4, experts_per_token=2, moe_ffn_dim=32), 96)
+    whole = decoder.state_numpy(decoder.Decoder(m, seed=3, device="ascend", dtype="fp16"))  # eager, on the host
+    experts = {n for n in whole if ep_piece(n, m, 2, 0) is not None}
+    assert len(experts) == 4  # w13 and w2 of both layers
+    moved: list[int] = []
+    real_to = ms.Tensor.to
+
+    def to(self, where, *args, **kw):
+        if where != "Ascend":  # a dtype: astype's own call
+            return real_to(self, where, *args, **kw)
+        moved.append(int(np.prod(self.shape)) * self.itemsize)
+        return self
+
+    monkeypatch.setattr(ms.Tensor, "to", to)
+    monkeypatch.setattr(ms, "get_current_device", lambda: _OnNPU())
+    alive: list = []
+    most = [0]
+    real_init = decoder.LazyDraw._initialize
+
+    def init(self, arr):  # no gc.collect(): the whole weights are freed by their reference counts
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+        real_init(self, arr)
+        alive.append(weakref.ref(arr))
+
+    monkeypatch.setattr(decoder.LazyDraw, "_initialize", init)
+    drawn = sum("norm" not in n for n in whole)  # the norms start at one, not drawn
+    for rank in (0, 1):
+        world_of(rank, 2)
+        alive.clear()
+        moved.clear()
+        most[0] = 0
+        model = decoder.Decoder(m, seed=3, device="ascend", dtype="fp16", host_weights=True)
+        assert moved == [] and not alive  # nothing drawn, nothing sent
+        split = model.apply_ep(Group((0, 1), rank, device="ascend"))
+        assert len(alive) == drawn and most[0] <= 1  # each weight drawn once, one whole at a time
+        assert set(split.whole_shapes) == experts and not any(p.has_init for p in model.get_parameters())
+        for p in model.get_parameters():
+            assert np.array_equal(p.asnumpy(), cut(whole[p.name], ep_piece(p.name, m, 2, rank))), p.name
+        pieces = {p.name: int(np.prod(p.shape)) * 4 for p in model.get_parameters() if "norm" not in p.name}
+        assert sorted(moved) == sorted(pieces.values())  # this rank's pieces, each once
+        assert sum(pieces[n] for n in experts) * 2 == sum(whole[n].nbytes for n in experts)
+    assert builds_on_host(cfgmod.load(None, ["parallel.ep=2"]), 2) and not builds_on_host(cfgmod.load(None, ["parallel.ep=2"]), 1)

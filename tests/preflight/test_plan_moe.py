@@ -1,0 +1,208 @@
+"""`plan` for mixtures of experts (issue 52.7): the expert stacks per device under expert parallel
+(parallel.ep), checked against the buffers a real expert-parallel TrainStep allocates; the routed
+experts' activations and the dispatch by hand; the EP rows of the layout table; Qwen3-30B-A3B on
+8 and 16 x 910B at seq 4096, and the shipped recipe's layout is the one `plan` recommends.
+
+The EP steps are built in this one process as tests/step/collective_probe.py builds each rank of a
+world (MindSpore's `get_rank` / `get_group_size` replaced where the collective primitives read
+them at construction, no `init()`): nothing is compiled or run, only the step's buffers counted."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mspretrain.config import schema as cfgmod
+from mspretrain.model.presets import param_shapes, preset
+
+GB = 2**30
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "qwen3-30b-a3b-zh-continue-910b.toml"
+# the 910B shape of docs/plan.md's big presets (test_plan_layouts.py BIG), global batch set per test
+SHAPE = ["data.seq_len=4096", "train.micro_batch=1", "precision.dtype=bf16", "precision.param_dtype=compute",
+         "precision.loss_scale=none", "device.target=ascend", "train.max_steps=1000"]
+# one MoE layer, 4 experts of width 32, top-2 (the EP cases of tests/step/collective_probe.py)
+TINY_MOE = {"family": "qwen3_moe", "qk_norm": True, "head_dim": 16, "num_experts": 4, "experts_per_token": 2,
+            "moe_ffn_dim": 32, "n_layers": 1}
+
+
+def _qwen3_moe_plan(devices: int, *overrides: str) -> dict:
+    from mspretrain.preflight.plan import make_plan
+
+    cfg = replace(cfgmod.load(None, [*SHAPE, f"train.global_batch={devices}", *overrides]), model=preset("qwen3-30b-a3b"))
+    return make_plan(cfg, devices=devices, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+
+
+def _ep_step(monkeypatch, tiny_cfg, *, world: int, ep: int, zero: int, accumulation: int):
+    """Rank 0's EPTrainStep of a tiny bf16 MoE (bf16 matrices, fp32 masters) on `world` ranks."""
+    from mindspore.ops.operations import comm_ops
+
+    from mspretrain.model.decoder import Decoder, half_eligible
+    from mspretrain.parallel.plan import ParallelPlan
+    from mspretrain.step.ep import EPTrainStep, expert_mesh
+
+    plan = ParallelPlan(world=world, rank=0, ep=ep, zero=zero)
+    mesh = expert_mesh(plan, "ascend", create=False)
+    sizes = {g.name: g.size for g in (mesh.ep, mesh.edp) if g.name}
+    monkeypatch.setattr(comm_ops, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(comm_ops, "get_group_size", lambda group=None: sizes.get(group, world))
+    m = cfgmod.resolve_model(replace(tiny_cfg.model, **TINY_MOE), 512)
+    model = Decoder(m, dtype="bf16", attention="math", device="ascend", seed=0)
+    half = half_eligible(model)
+    model.apply_ep(mesh.ep)
+    gb = tiny_cfg.train.global_batch
+    step = EPTrainStep(model, tiny_cfg.optim, mesh=mesh, plan=plan, global_tokens=gb * tiny_cfg.data.seq_len,
+                       half_params=half, accumulation=accumulation, bucket_mb=0.01, device="ascend")
+    cfg = replace(tiny_cfg, model=m, parallel=replace(tiny_cfg.parallel, ep=ep),
+                  precision=replace(tiny_cfg.precision, dtype="bf16", param_dtype="compute"),
+                  optim=replace(tiny_cfg.optim, shard_optimizer=zero >= 1, bucket_mb=0.01),
+                  train=replace(tiny_cfg.train, micro_batch=gb // world // accumulation),
+                  device=replace(tiny_cfg.device, target="ascend"))
+    return step, cfg, m
+
+
+@pytest.mark.parametrize("world,ep,zero,accumulation", [(2, 2, 0, 2), (4, 2, 1, 1), (4, 4, 1, 2)])
+def test_ep_plan_bytes_are_the_buffers_the_ep_step_allocates(monkeypatch, tiny_cfg, world, ep, zero, accumulation):
+    """Weights, fp32 masters, Adam moments and accumulation buffers of rank 0 (the heaviest: every
+    rank holds E/ep experts), as memory_model counts them, equal the EP step's own (ep x edp, ZeRO
+    0 or 1: the other parameters' state over the world, the experts' kept whole by each rank)."""
+    from mspretrain.preflight.costs import memory_model
+
+    step, cfg, m = _ep_step(monkeypatch, tiny_cfg, world=world, ep=ep, zero=zero, accumulation=accumulation)
+    mem, layout = memory_model(m, cfg, devices=world, micro=1, accum=accumulation, zero=zero >= 1, shard_grads=False,
+                               recompute=False, flash=False, target="ascend")
+    have = step.buffer_bytes()
+    assert step.sharded == layout.sharded == (zero >= 1)
+    for kind in ("weights", "master_weights", "adam_moments", "gradients"):
+        assert mem[kind] == have[kind], kind
+    assert (mem["gradients"] > 0) == (accumulation > 1)
+    # this rank's expert stacks are E/ep of the whole ones: the layout's sizes are the step's
+    assert list(layout.sizes) == list(step.sizes)
+    whole = dict(param_shapes(m))
+    local = dict(zip(step.names, step.sizes))
+    assert step.whole_shapes and all(math.prod(whole[n]) == math.prod(s) == ep * local[n] for n, s in step.whole_shapes.items())
+
+
+def test_routed_activations_and_the_dispatch_by_hand():
+    """An MoE layer keeps, per assignment its rank's experts run (ep x tokens x K under the
+    AllGather form: every rank sees the ep group's tokens), the permuted rows and the unpermuted
+    output (2D) and the four F-wide SwiGLU tensors; plus the dispatch (packed rows and the combine's
+    input) and the expert ids, and the router's fp32 probabilities."""
+    from mspretrain.preflight.costs import activation_bytes, moe_mlp_activation_bytes
+
+    m = cfgmod.resolve_model(replace(cfgmod.load(None).model, **TINY_MOE), 512)
+    D, F, K, E, N, e = m.dim, 32, 2, 4, 64, 2
+    assert moe_mlp_activation_bytes(m, N, e, 1) == e * N * K * (2 * D + 4 * F) + 8 * N * E
+    assert moe_mlp_activation_bytes(m, N, e, 4) == (e * 4 * N * K * (2 * D + 4 * F) + e * 4 * N * (2 * D + K)
+                                                    + 4 * 4 * N * K + 8 * N * E)
+    dense = replace(m, family="qwen3", num_experts=0)
+    # the MoE layer's MLP in place of the dense SwiGLU's 4f (same attention, norms, logits)
+    diff = activation_bytes(m, N, 1, "bf16", False, ep=4) - activation_bytes(dense, N, 1, "bf16", False)
+    assert diff == moe_mlp_activation_bytes(m, N, e, 4) - e * N * 4 * m.ffn_dim
+
+
+def test_qwen3_30b_a3b_on_16_910b_recommends_ep16_zero1_within_52_gb():
+    table = _qwen3_moe_plan(16)["layouts"]
+    rows = {r["name"]: r for r in table["rows"]}
+    best = rows[table["recommended"]]
+    assert table["recommended"] == "EP16 ZeRO-1" and best["recompute"], table["recommended"]
+    assert best["peak_bytes"] <= 52 * GB and not best["unmeasured"], best["peak_bytes"] / GB
+    # every ep dividing the 128 experts and the 16 ranks, with and without ZeRO-1
+    assert {f"EP{e} x EDP{16 // e}" for e in (2, 4, 8)} | {"EP16", "EP16 ZeRO-1"} <= set(rows)
+    # expert state per device: 8 of 128 experts x 48 layers x 3 x 2048 x 768, fp32 moments and masters
+    experts = 48 * 8 * 3 * 2048 * 768
+    assert best["memory_bytes"]["adam_moments"] > 8 * experts and best["memory_bytes"]["master_weights"] > 4 * experts
+    assert not rows["EP16"]["fits"]  # the other 1.5 B parameters' state replicated: 64 GB
+
+
+def test_qwen3_30b_a3b_on_8_910b_has_no_layout_within_52_gb_and_says_so(capsys):
+    """The arithmetic of the unmet bar: 30.5 B parameters at 16 bytes of weights, gradients, fp32
+    masters and moments are 57 GB a device on 8 whatever the layout, before any activation.
+    EP8 x ZeRO-1 holds 16 experts' whole state (the expert-data-parallel group has one rank), so
+    no row fits, and plan recommends nothing rather than a layout that would not run."""
+    plan = _qwen3_moe_plan(8)
+    table = plan["layouts"]
+    assert table["recommended"] is None and table["recommended_unmeasured"] is None
+    fitted = [r for r in table["rows"] if "skipped" not in r]
+    assert min(r["peak_bytes"] for r in fitted) / GB > 58
+    ep8 = next(r for r in fitted if r["name"] == "EP8 ZeRO-1")
+    state = sum(ep8["memory_bytes"][k] for k in ("weights", "master_weights", "adam_moments"))
+    assert state / GB > 52  # the persistent state alone
+    assert 16 * plan["params"] / 8 / GB > 52
+
+
+def test_the_recipe_runs_plans_recommendation_on_16_910b():
+    from mspretrain.preflight.layouts import layout_settings
+    from mspretrain.preflight.plan import make_plan
+
+    cfg = cfgmod.load(RECIPE)
+    cfgmod.validate(cfg, budget=True)
+    assert cfg.model == preset("qwen3-30b-a3b")
+    plan = make_plan(cfg, devices=16, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    table = plan["layouts"]
+    best = next(r for r in table["rows"] if r["name"] == table["recommended"])
+    want = dict(s.split("=") for s in layout_settings(best))
+    assert want == {"parallel.ep": str(cfg.parallel.ep), "optim.shard_optimizer": "true", "train.recompute": "true"}
+    assert cfg.optim.shard_optimizer and cfg.train.recompute
+    assert plan["memory_bytes"]["peak"] == best["peak_bytes"] <= 52 * GB
+    assert plan["seq_len"] == 4096 and (plan["micro_batch"], plan["accumulation"]) == (1, 1)
+
+
+def test_the_recipe_starts_with_its_experts_only(capsys):
+    """Expert parallel is cut on the host (train/build.py `builds_on_host`, model/decoder.py
+    `Decoder.apply_ep`): at start-up each of the 16 devices holds its 8 experts a layer and the 1.5 B
+    other parameters whole, in fp32, 12.5 GB, not the whole model's 113.7 GB, and plan says so
+    without a start-up warning."""
+    from mspretrain.model.params import expert_parallel
+    from mspretrain.preflight.plan import format_plan, make_plan
+
+    cfg = cfgmod.load(RECIPE)
+    plan = make_plan(cfg, devices=16, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    shapes = param_shapes(cfg.model)
+    local = sum(math.prod(s) // (16 if expert_parallel(n, cfg.model) else 1) for n, s in shapes)
+    bb = plan["build_bytes"]
+    assert bb["cut"] and bb["device"] == 4 * local and round(bb["device"] / GB, 1) == 12.5
+    assert 4 * plan["params"] / GB > 113 and not any(w.startswith("start-up") for w in plan["warnings"])
+    assert "start-up   12.49 GB of weights on each device" in format_plan(plan) and "its experts, the rest whole" in format_plan(plan)
+
+
+def test_an_ep_run_plans_a_buffer_for_each_of_its_communicators():
+    """HCCL buffers (parallel/hccl.py `communicators`) of expert-parallel runs on 16 x 910B: EP16
+    is the world alone (its ep group is the world, its edp groups one rank), whose largest
+    collective covers the dispatch; EP8 x EDP2 has the ep groups (the dispatch's AllGather of the
+    packed rows, inside a server) and the edp groups (the experts' gradient bucket, across the two
+    servers) too, each capped so that the three share the HBM room; `launch` passes them as
+    ep=MB,edp=MB and `group_buffsize` reads them (step/ep.py's `create_group` options)."""
+    from mspretrain.parallel.hccl import GROUP_BUFFSIZE_ENV, HCCL_ROOM_MB, group_buffsize, group_buffsize_env
+    from mspretrain.preflight.plan import make_plan
+
+    def comms(*overrides: str) -> dict:
+        plan = make_plan(cfgmod.load(RECIPE, list(overrides)), devices=16, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+        return {c["name"]: c for c in plan["hccl"]["communicators"]}
+
+    rows = 4096 * (2048 + 8) * 2  # a rank's packed rows (N, D + K) in bf16
+    ep16 = comms()
+    assert list(ep16) == ["world"] and ep16["world"]["largest_bytes"] >= 16 * rows
+    ep8 = comms("parallel.ep=8")
+    assert list(ep8) == ["world", "ep", "edp"]
+    assert ep8["ep"]["largest_bytes"] == 8 * rows and ep8["ep"]["buffsize_mb"] == 200  # 1/8 of it a rank: HCCL's default
+    assert ep8["edp"]["largest_bytes"] == 4 * 48 * 16 * 3 * 2048 * 768  # this rank's 16 experts a layer, fp32 on the wire
+    assert ep8["world"]["largest_bytes"] == ep16["world"]["largest_bytes"]  # the other parameters' buckets
+    assert sum(2 * c["buffsize_mb"] for c in ep8.values()) <= HCCL_ROOM_MB < 2 * 3 * 1024
+    env = {GROUP_BUFFSIZE_ENV: group_buffsize_env(list(ep8.values()))}
+    assert env[GROUP_BUFFSIZE_ENV] == "ep=200,edp=341" and (group_buffsize("ep", env), group_buffsize("edp", env)) == (200, 341)
+
+
+def test_train_takes_the_preset(tmp_path, tiny_data, capsys):
+    """`train --model qwen3-30b-a3b` runs the preset's shape: on this CPU its memory check refuses it
+    in one line (the whole 30.5 B model), before any file is written."""
+    from mspretrain.cli import main
+    from mspretrain.commands.train import with_preset
+
+    cfg = with_preset(cfgmod.load(None), "qwen3-30b-a3b")
+    assert (cfg.model.num_experts, cfg.model.experts_per_token, cfg.model.moe_ffn_dim, cfg.model.family) == (128, 8, 768, "qwen3_moe")
+    rc = main(["train", "--model", "qwen3-30b-a3b", "--data", str(tiny_data), "--run", str(tmp_path / "run"), "train.max_steps=1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "dim 2,048 x 48 layers" in err, err
+    assert not (tmp_path / "run").exists()
