@@ -155,8 +155,9 @@ class MoE(nn.Cell):
 
     def _expert_parallel(self, x: Tensor, x2: Tensor, probs: Tensor, top: Tensor, idx: Tensor,
                          z: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The ep group's tokens gathered, this rank's experts run on the assignments that chose
-        them, the partial outputs summed back to each token's rank (model/expert_parallel.py)."""
+        """This rank's experts run on the ep group's assignments that chose them, the outputs summed
+        back to each token's rank: on Ascend the tokens sent to the ranks of their experts and back
+        by AlltoAll, on CPU gathered to every rank and reduce-scattered back (model/expert_parallel.py)."""
         N, D = x2.shape
         K = self.top_k
         if self.all_to_all:
