@@ -38,6 +38,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config.schema import ModelConfig
+from mspretrain.model.expert_parallel import send_slots
 from mspretrain.model.layers import Linear, WeightSource
 from mspretrain.model.moe_kernels import expert_counts, grouped_experts
 
@@ -74,6 +75,7 @@ class MoE(nn.Cell):
         # expert parallel (`apply_ep`): the experts held here and the dispatch/combine collectives
         self.local_experts, self.expert_lo = cfg.num_experts, 0
         self.dispatch = self.dispatch_ids = self.combine = None
+        self.all_to_all, self.ep_size = False, 1  # the AllToAll form (Ascend) or the gather form
         # Qwen2-MoE: a shared expert every token goes through, scaled by sigmoid(x Wg^T) (Qwen2MoeSparseMoeBlock)
         self.shared_ffn = cfg.shared_expert_ffn_dim
         if self.shared_ffn:
@@ -116,7 +118,7 @@ class MoE(nn.Cell):
         cut), the router and the shared expert whole, and attach the dispatch and combine
         collectives of `group`. Returns {parameter name: (whole shape, where)} of the cut stacks."""
         from mspretrain.model.decoder import whole_value
-        from mspretrain.model.expert_parallel import GatherIds, GatherRows, ScatterRows
+        from mspretrain.model.expert_parallel import AllToAllIds, AllToAllRows, GatherIds, GatherRows, ScatterRows, native
         from mspretrain.model.parallel import cut, piece_tensor
         from mspretrain.model.params import ep_piece
 
@@ -131,7 +133,14 @@ class MoE(nn.Cell):
             out[name] = (shape, where)
         (lo, hi), = out[self.w13.weight.name][1][1]
         self.local_experts, self.expert_lo = hi - lo, lo
-        self.dispatch, self.dispatch_ids, self.combine = GatherRows(group), GatherIds(group), ScatterRows(group)
+        self.ep_size = group.size
+        # by device (model/expert_parallel.py): HCCL's AlltoAll on Ascend; on CPU (mccl has no AlltoAll
+        # kernel) the gather form's AllReduce sums
+        self.all_to_all = native(group)
+        if self.all_to_all:
+            self.dispatch, self.dispatch_ids, self.combine = AllToAllRows(group), AllToAllIds(group), AllToAllRows(group)
+        else:
+            self.dispatch, self.dispatch_ids, self.combine = GatherRows(group), GatherIds(group), ScatterRows(group)
         return out
 
     def construct(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -148,16 +157,48 @@ class MoE(nn.Cell):
 
     def _expert_parallel(self, x: Tensor, x2: Tensor, probs: Tensor, top: Tensor, idx: Tensor,
                          z: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The ep group's tokens gathered, this rank's experts run on the assignments that chose
-        them, the partial outputs summed back to each token's rank (model/expert_parallel.py)."""
+        """This rank's experts run on the ep group's assignments that chose them, the outputs summed
+        back to each token's rank: on Ascend the tokens sent to the ranks of their experts and back
+        by AlltoAll, on CPU gathered to every rank and reduce-scattered back (model/expert_parallel.py)."""
         N, D = x2.shape
         K = self.top_k
-        packed = self.dispatch(ops.concat((x2, top), -1))  # (n*N, D + K): every ep rank's tokens and weights
-        ids = self.dispatch_ids(idx, packed)  # (n*N, K) their experts
-        ya = self.local_outputs(packed[:, :D], packed[:, D:], ids)
-        y = self.combine(ya.reshape(-1, K, D).sum(1))  # (N, D): this rank's tokens, every expert's share summed
+        if self.all_to_all:
+            buf, ids, dest = self.a2a_send(x2, top, idx)
+            recv = self.dispatch(buf)  # (n*N, D + K): slot s holds rank s's tokens that chose an expert here
+            y = self.a2a_receive(self.combine(self.a2a_local(recv, self.dispatch_ids(ids, recv))), dest)
+        else:
+            packed = self.dispatch(ops.concat((x2, top), -1))  # (n*N, D + K): every ep rank's tokens and weights
+            ids = self.dispatch_ids(idx, packed)  # (n*N, K) their experts
+            ya = self.local_outputs(packed[:, :D], packed[:, D:], ids)
+            y = self.combine(ya.reshape(-1, K, D).sum(1))  # (N, D): this rank's tokens, every expert's share summed
         counts = ops.stop_gradient(expert_counts(idx, self.experts))  # this rank's tokens' choices (the stats)
         return self._finish(x, x2, y, probs, counts, z, None)
+
+    def a2a_send(self, x2: Tensor, top: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The AllToAll form's send side (model/expert_parallel.py `send_slots`): this rank's tokens and
+        routing weights packed (n*N, D + K) in the ranks' slots, their whole-model expert ids (n*N, K)
+        (-1 on an empty row), and each token's row per rank (N, n) for `a2a_receive`."""
+        N, D = x2.shape
+        K = self.top_k
+        src, dest = send_slots(idx, self.local_experts, self.ep_size)
+        packed = ops.concat((x2, top), -1)
+        buf = ops.gather(ops.concat((packed, ops.zeros((1, D + K), packed.dtype)), 0), src, 0)
+        ids = ops.gather(ops.concat((idx, ops.fill(ms.int32, (1, K), -1)), 0), src, 0)
+        return buf, ops.stop_gradient(ids), dest
+
+    def a2a_local(self, recv: Tensor, ids: Tensor) -> Tensor:
+        """The received rows (M, D + K) with their expert ids (M, K) -> (M, D): each row's weighted
+        outputs of this rank's experts summed (another rank's expert or an empty row weighs 0)."""
+        D, K = recv.shape[1] - self.top_k, self.top_k
+        return self.local_outputs(recv[:, :D], recv[:, D:], ids).reshape(-1, K, D).sum(1)
+
+    def a2a_receive(self, back: Tensor, dest: Tensor) -> Tensor:
+        """The rows returned by the reverse exchange (n*N, D), in the send buffer's layout -> (N, D):
+        each token's outputs from the ranks it was sent to, summed (row n*N: a zero row)."""
+        N, n = dest.shape
+        D = back.shape[1]
+        ext = ops.concat((back, ops.zeros((1, D), back.dtype)), 0)
+        return ops.gather(ext, dest.reshape(N * n), 0).reshape(N, n, D).sum(1)
 
     def local_outputs(self, xg: Tensor, top: Tensor, ids: Tensor) -> Tensor:
         """The weighted outputs (M*K, D) of this rank's experts [expert_lo, expert_lo + local) for

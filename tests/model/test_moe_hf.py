@@ -152,3 +152,47 @@ def test_preset_is_qwen3_30b_a3b_as_transformers_counts_it():
     with torch.device("meta"):  # shapes only, no memory
         hf = transformers.Qwen3MoeForCausalLM(hc)
     assert param_count(m) == hf.num_parameters() == 30_532_122_624
+
+
+def test_balance_loss_per_micro_batch_and_per_step_against_transformers(hf_moe, ours):
+    """What the load-balancing loss is counted over (issue 52.1), against transformers'
+    `load_balancing_loss_func` of the router logits: the objective's term of a micro-batch is that
+    micro-batch's loss (under data parallel the micro-batch is the world's: its stats are summed over
+    the ranks, tests/train/test_moe_ep.py), so with accumulation the step trains on the token-weighted
+    mean of the micro-batches' losses; the `moe/balance_loss` metric, from the stats summed over the
+    step's micro-batches, is the loss of the concatenated batch (docs/design.md says why the
+    objective cannot be that one in one step's graphs)."""
+    from dataclasses import replace
+
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from mspretrain.config.sections.train import OptimConfig
+    from mspretrain.model.moe import load_metrics, moe_layers
+    from mspretrain.step.objective import make_objective
+
+    _, hf = hf_moe
+    cfg, model = ours
+    E, K = cfg.num_experts, cfg.experts_per_token
+    tokens = np.random.default_rng(4).integers(0, V, (2, 25)).astype(np.int32)
+    micro = [tokens[:1], tokens[1:]]
+    T = 2 * 24  # the step's tokens
+
+    def objective(coef: float):
+        return make_objective(model, OptimConfig(), global_tokens=T, device="cpu", cfg=replace(cfg, router_aux_loss_coef=coef)).fn
+
+    with_loss, without = objective(1000.0), objective(0.0)  # a large weight: the term stands out of the NLL in fp32
+    ones = ms.Tensor(1.0, ms.float32)
+    per, terms = 0, []
+    for m in micro:
+        obj, _, _, stats = with_loss(ms.Tensor(m), None, None, ones)
+        terms.append((float(obj.asnumpy()) - float(without(ms.Tensor(m), None, None, ones)[0].asnumpy())) * T / (1000.0 * 24))
+        per = per + stats.asnumpy()
+    with torch.no_grad():
+        logits = [hf(torch.tensor(m[:, :-1].astype(np.int64)), output_router_logits=True).router_logits for m in micro]
+    for term, lg in zip(terms, logits):
+        assert term == pytest.approx(float(load_balancing_loss_func(lg, E, K)), rel=1e-4)
+    whole = tuple(torch.cat([lg[i] for lg in logits]) for i in range(len(logits[0])))
+    want = float(load_balancing_loss_func(whole, E, K))
+    got = load_metrics(per, moe_layers(cfg), K)["moe/balance_loss"]
+    assert got == pytest.approx(want, rel=1e-5)
+    assert abs(sum(terms) / 2 - want) > 1e-4 * want  # the objective's mean of micro-batches is not the step's

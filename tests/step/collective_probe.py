@@ -41,7 +41,7 @@ import os
 import sys
 from pathlib import Path
 
-COLLECTIVES = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast")
+COLLECTIVES = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "AlltoAll")
 FAMILIES = {"llama": {}, "qwen2": {"family": "qwen2", "qkv_bias": True},
             "qwen3": {"family": "qwen3", "qk_norm": True, "head_dim": 16},
             # expert parallel's cases (EP > 1): 4 experts, top-2, the balance loss on (its stats' world sum)
@@ -266,9 +266,9 @@ def probe_ep_rank(world: int, zero: int, ep: int, family: str, rank: int, out: P
     """`probe_rank` for expert parallel (step/ep.py): the MoE model cut by `apply_ep` over the ep
     group named as `expert_mesh` names it, the step over the world (ZeRO 0 or 1: the plan refuses
     ZeRO-2/3 with ep; under ZeRO-1 the experts' state stays with every rank, outside the gathers).
-    In the model's graph per MoE layer: the dispatch's AllGather of rows and of expert ids and the
-    combine's ReduceScatter forward, a ReduceScatter and an AllGather backward (the bprops,
-    model/expert_parallel.py); the routing stats' world AllReduce; in the step, the buckets (the
+    In the model's graph per MoE layer, the Ascend form (model/expert_parallel.py `AllToAllRows`):
+    the dispatch's AlltoAll of rows and of expert ids and the combine's AlltoAll forward, the two
+    reverse AlltoAlls backward (the bprops); the routing stats' world AllReduce; in the step, the buckets (the
     expert stacks' own over the edp group, when it has more than one rank), the loss, the norm's
     ep sum and ZeRO-1's gathers of the other parameters."""
     from mindspore.ops.operations import comm_ops

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.step.collective_probe import case_key, collectives_in_graph
+from tests.step.collective_probe import COLLECTIVES, case_key, collectives_in_graph
 
 pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each, 1 layer) in two subprocesses
 
@@ -107,7 +107,7 @@ def test_every_rank_compiles_the_same_collectives_in_the_same_order(compiled, wo
     case = f"world {world}, ZeRO-{zero}, tp {tp}, ep {ep}, {family}"
     for r in range(1, world):
         mine = ranks[str(r)][graph]
-        kinds = lambda seq: {k: sum(1 for c in seq if c[0] == k) for k in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast")}
+        kinds = lambda seq: {k: sum(1 for c in seq if c[0] == k) for k in COLLECTIVES}
         assert kinds(mine) == kinds(reference), f"rank {r} vs rank 0, {graph} graph, {case}"
         # kind, group kind, types and root inside the group (not the group's members: a dp group's
         # world ranks differ between tp ranks), in order

@@ -1,8 +1,9 @@
 """Expert parallel (`parallel.ep`, issue 52.3) against one process: a tiny Qwen3-MoE (1 layer, 4
 experts, top-2, balance loss on) trained 8 steps at ep=2 on 2 msrun CPU ranks equals the same
 run on one process (losses, grad norms, the routing metrics, every weight and moment); its step-4
-checkpoint resumes on one process, and the one process's step-4 checkpoint resumes at ep=2 with
-ZeRO-1, each equal to the unbroken run. The refusals of the config and of the plan: one line, exit 2, nothing written."""
+checkpoint resumes on one process, and the one process's step-4 checkpoint resumes on 4 ranks at
+ep=2 x 2 expert-data-parallel ranks with ZeRO-1, each equal to the unbroken run. The refusals of
+the config and of the plan: one line, exit 2, nothing written."""
 from __future__ import annotations
 
 import json
@@ -69,18 +70,21 @@ def test_ep2_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one)
 
 
 @pytest.mark.msrun
-def test_one_process_checkpoint_resumes_at_ep2_with_zero1(tmp_path, tiny_data, moe_one):
-    """The one process's step-4 checkpoint (whole experts) resumed by 2 ranks at ep=2 with ZeRO-1, each
-    cutting its experts: the other parameters' optimizer state sharded over the 2 ranks, each rank's
-    experts' state its own; the checkpoints' shards hold every key once, the experts' whole."""
+def test_one_process_checkpoint_resumes_at_ep2_by_edp2_with_zero1(tmp_path, tiny_data, moe_one):
+    """The one process's step-4 checkpoint (whole experts) resumed by 4 ranks at ep=2 x 2 expert-data-
+    parallel ranks with ZeRO-1: two ep groups (ranks 0-1, 2-3) each cutting the experts, the ranks
+    holding the same experts (0 and 2, 1 and 3) summing their gradients over their edp group; the
+    other parameters' optimizer state sharded over the 4 ranks, each rank's experts' state its own.
+    Steps 5-8 and the final weights and moments equal the unbroken one-process run within 1e-5; the
+    checkpoints' shards hold every key once, the experts' whole in dp rank 0's."""
     from safetensors.numpy import load_file
 
     run = copy_run_at(moe_one, tmp_path / "to-ep2", RESUME_AT)
-    msrun(tmp_path, tiny_data, run, "parallel.ep=2", "optim.shard_optimizer=true", NO_EVAL, args=ONE)
+    msrun(tmp_path, tiny_data, run, "parallel.ep=2", "optim.shard_optimizer=true", NO_EVAL, args=ONE, nproc=4)
     assert f"resumed from step_{RESUME_AT:06d}" in (run / "train.log").read_text()
     _equal_from(run, moe_one, RESUME_AT + 1)
-    shards = [set(load_file(str(f))) for f in sorted(step_dir(run, FINAL).glob("optimizer-*-of-*.safetensors"))]
-    assert len(shards) == 2 and not (shards[0] - {"opt_step"}) & shards[1]  # sharded, no key twice
+    shards = [set(load_file(str(f))) - {"opt_step"} for f in sorted(step_dir(run, FINAL).glob("optimizer-*-of-*.safetensors"))]
+    assert len(shards) == 4 and sum(map(len, shards)) == len(set().union(*shards))  # sharded, no key twice
     assert "exp_avg.layers.0.mlp.w13.weight" in shards[0]
 
 
