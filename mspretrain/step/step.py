@@ -259,11 +259,15 @@ class TrainStep(StepUpdate):
         self._plain_sums = objective.plain_sums
         self.moe_layers, self.moe_k = objective.moe_layers, objective.moe_k
         self._moe_rows, self._bias_rate = objective.moe_rows, objective.bias_rate
-        if self._bias_rate > 0 and (world > 1 or tp is not None):  # the biases would need every rank's counts
+        # The biases move by the step's counts: with data parallel (any ZeRO) the routing stats the
+        # step returns are the world's sums (step/objective.py), the same on every rank, so every
+        # rank moves its whole copy of the biases as one process would. Under expert parallel or
+        # tensor parallel (config/schema.py `check_moe` refuses both with the bias) they are not.
+        if self._bias_rate > 0 and (ep is not None or tp is not None):
             from mspretrain.errors import UserError
 
-            raise UserError("model.router_bias_update_rate is not supported with more than one process yet",
-                            "train on one process, or set model.router_bias_update_rate = 0")
+            raise UserError("model.router_bias_update_rate is not supported with expert or tensor parallel yet",
+                            "train with parallel.ep=1 and parallel.tp=1, or set model.router_bias_update_rate = 0")
         moe_stats = objective.moe_stats
         self._grad_fn = ms.value_and_grad(objective.fn, None, self.params, has_aux=True)
 

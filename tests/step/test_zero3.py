@@ -132,11 +132,17 @@ def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_
         load_full_state(model, {**whole, "norm.weight": np.ones(65, np.float32)}, 2, 1)
 
 
-@pytest.mark.parametrize("family", [{"family": "qwen2", "qkv_bias": True}, {"family": "qwen3", "qk_norm": True, "head_dim": 16}])
+MOE_FAMILY = {"family": "qwen3_moe", "qk_norm": True, "head_dim": 16, "num_experts": 4, "experts_per_token": 2,
+              "moe_ffn_dim": 32, "router_bias_update_rate": 1e-3}
+
+
+@pytest.mark.parametrize("family", [{"family": "qwen2", "qkv_bias": True}, {"family": "qwen3", "qk_norm": True, "head_dim": 16},
+                                    MOE_FAMILY])
 def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of, family):
     """Qwen2's q/k/v bias gets a gather of its own (`bias_gather`, after its weight's); Qwen3's q and
-    k norm weights one each (k_norm's anchored on q_norm's output): every trained parameter is a
-    slice, in the model's parameter order."""
+    k norm weights one each (k_norm's anchored on q_norm's output); Qwen3-MoE's router and 3-D
+    expert stacks one each (model/moe.py `MoE.pull`), its aux-loss-free bias (not trained) stays
+    whole: every trained parameter is a slice, in the model's parameter order."""
     from mspretrain.model.decoder import state_numpy
     from mspretrain.step.zero3 import gathered, shard_model, sharded_names
 
@@ -153,6 +159,11 @@ def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of
         assert p.shape == (b - a,) and np.array_equal(p.asnumpy(), whole[p.name].reshape(-1)[a:b]), p.name
     wqkv = model.layers[0].attn.wqkv
     assert (wqkv.bias_gather is not None) == ("qkv_bias" in family)
+    if "num_experts" in family:
+        assert {"layers.0.mlp.router.weight", "layers.0.mlp.w13.weight", "layers.0.mlp.w2.weight"} <= set(names)
+        assert [g.shape for n, g, _ in gathered(model) if n == "layers.0.mlp.w13.weight"] == [(4, 64, 64)]
+        bias = model.layers[0].mlp.expert_bias  # model state outside the gradient: whole on every rank
+        assert bias.shape == (4,) and bias.name not in names
 
 
 @pytest.mark.parametrize("device", ["cpu", "ascend"])
