@@ -89,9 +89,14 @@ def test_zero3_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_on
     """ZeRO-3 on 2 ranks at ep=1: every weight (the router and the 3-D expert stacks too) a slice
     per rank, each MoE layer's gathered with the block's others; the routing stats summed over the
     ranks. Losses, grad norms, routing metrics and the final weights and moments equal the one
-    process's; each rank writes its slices under whole-model names (`NAME@START:STOP`), and one
+    process's; each rank writes its slices under whole-model names (`NAME@START:STOP`), which
+    `checkpoints --verify` and `export` read (the one process's export within 1e-5), and one
     process resumes the step-4 checkpoint to the same end."""
+    import numpy as np
     from safetensors.numpy import load_file
+
+    from mspretrain.cli import main
+    from mspretrain.model.hf import read_hf_dir
 
     run = tmp_path / "zero3"
     msrun(tmp_path, tiny_data, run, "optim.shard_parameters=true", NO_EVAL, args=ONE)
@@ -107,6 +112,16 @@ def test_zero3_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_on
     assert not weights[0] & weights[1]
     hashes = replica_hashes(run)
     assert len(hashes) == 2 and hashes[0] == hashes[1]
+    # the per-rank files verify and export (per-expert HF tensors) the model one process exports
+    assert main(["checkpoints", str(run), "--verify"]) == 0
+    exported = {}
+    for r in (run, moe_one):
+        assert main(["export", str(r), "--format", "hf", "--out", str(tmp_path / f"hf-{r.name}"), "--quiet"]) == 0
+        exported[r] = read_hf_dir(tmp_path / f"hf-{r.name}")[1]
+    assert sorted(exported[run]) == sorted(exported[moe_one])
+    assert exported[run]["layers.0.mlp.w13.weight"].shape == (4, 64, 64)  # read back from per-expert HF tensors
+    for k, v in exported[moe_one].items():
+        np.testing.assert_allclose(exported[run][k], v, rtol=0, atol=1e-5, err_msg=k)
     resumed = resume_on_one_process(run, tiny_data, tmp_path, RESUME_AT, *MOE)
     _equal_from(resumed, moe_one, RESUME_AT + 1)
 
