@@ -283,7 +283,7 @@ def check_parallel(cfg: Config) -> None:
 
 def check_moe(cfg: Config) -> None:
     """A mixture of experts (model.num_experts > 0) trains with data parallel and any ZeRO level, or
-    with expert parallel (`parallel.ep`, which needs one) and ZeRO-1; ZeRO-2/3 with expert parallel
+    with expert parallel (`parallel.ep`, which needs one) and ZeRO-1/2; ZeRO-3 with expert parallel
     and tensor parallel over experts are issue 52's later items. That ep divides the data-parallel
     ranks is the parallel plan's rule (it knows the world)."""
     ep, experts = cfg.parallel.ep, cfg.model.num_experts
@@ -303,15 +303,14 @@ def check_moe(cfg: Config) -> None:
     if experts <= 0:
         return
     # ZeRO-1/2/3 compose with plain data parallel (the expert stacks are parameters like any other:
-    # step/zero3.py gathers them per layer); ZeRO-1 with expert parallel (step/ep.py); ZeRO-2/3 with
-    # expert parallel do not yet (the edp group's reduce-scatter of the expert stacks is not built)
-    for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("optim.shard_gradients", cfg.optim.shard_gradients and ep > 1),
-                    ("optim.shard_parameters", cfg.optim.shard_parameters and ep > 1)):
+    # step/zero3.py gathers them per layer); ZeRO-1/2 with expert parallel (step/ep.py); ZeRO-3 with
+    # expert parallel does not yet (the experts' slices over the edp group are not built)
+    for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("optim.shard_parameters", cfg.optim.shard_parameters and ep > 1)):
         if on:
             with_ep = f" and expert parallel (parallel.ep = {ep})" if key != "parallel.tp" else ""
             fail(key, f"is not supported with a mixture-of-experts model (model.num_experts = {experts}){with_ep} yet",
                  f"unset {key}: MoE models train with data parallel and any ZeRO (parallel.ep=1), or with expert "
-                 "parallel (parallel.ep) and optim.shard_optimizer")
+                 "parallel (parallel.ep) and optim.shard_optimizer or optim.shard_gradients")
 
 
 def check_budget(t: TrainConfig) -> None:

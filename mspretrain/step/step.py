@@ -221,8 +221,12 @@ class TrainStep(StepUpdate):
         # group (`edp_sum`, none with one rank there), their squares summed over the ep group (`ep_sum`)
         self._ex = z.ex
         self._expert_at = [ep is not None and self.names[i] in ep.whole_shapes for i in self._order]
-        self.ep_sum = ep.group.all_reduce() if ep is not None else None
+        # ZeRO-2 (sharded gradients): the norm's squares are summed over the world, each rank's owned
+        # part, and the expert part of edp rank 0 of each ep group only (the edp ranks hold the same
+        # experts' gradients whole: each expert once); else the replicated part plus the ep group's sum
+        self.ep_sum = ep.group.all_reduce() if ep is not None and not self.shard_grads else None
         self.edp_sum = edp.all_reduce() if ep is not None and edp is not None and edp.size > 1 else None
+        self._expert_sq = ep is not None and (not self.shard_grads or edp is None or edp.rank == 0)
         partial = [i for i, n in enumerate(self.names) if tp is not None and n in tp.partial]
         self._tp_partial = PartialSum(partial, [self.params[i].shape for i in partial], self.tp) if partial else None
         # Chaining every collective after the previous one: MindSpore's CPU runtime launches ready

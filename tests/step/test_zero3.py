@@ -516,14 +516,16 @@ def families_two(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "qwen3_moe_ep"])
 def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, family):
     """fp32, 3 steps at lr 1e-2: both ranks' losses and grad norms, and the gathered weights (the
     bias and the QK-norm weights included, which moved from their zero / one initial values), equal
     one process's within 1e-5 (the one process runs the ranks' halves of each batch as two
     micro-batches: tests/step/zero3_worker.py says why). The one-layer Qwen3-MoE runs ZeRO-2 with
     its expert stacks split over the ranks, the balance loss on and the aux-loss-free routing bias
-    moved by the world's expert counts (the bias, never trained, moved off zero all the same)."""
+    moved by the world's expert counts (the bias, never trained, moved off zero all the same); and
+    at ep 2 (each rank 2 of the 4 experts) with ZeRO-2 and 2 micro-batches a rank (the edp sum and
+    the rank buckets every micro-batch), without the bias (refused with ep)."""
     import json
 
     from tests.step.zero3_worker import run_steps
@@ -536,6 +538,8 @@ def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, famil
         assert got["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
         if family == "qwen3_moe":  # the 3-D expert stacks and the router as slices of ZeRO-2's split parameters
             assert {"layers.0.mlp.w13.weight", "layers.0.mlp.w2.weight"} <= set(got["split"]), got["split"]
+        if family == "qwen3_moe_ep":  # each rank's experts whole (LOCAL), the rest split as without ep
+            assert "layers.0.mlp.w13.weight" not in got["split"] and "embed.weight" in got["split"], got["split"]
     with np.load(families_two / f"{family}.npz") as z:
         two = {k: z[k] for k in z.files}
     assert sorted(two) == sorted(one["weights"])

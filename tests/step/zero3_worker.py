@@ -30,6 +30,8 @@ FAMILIES = {"qwen2": {"family": "qwen2", "qkv_bias": True}, "qwen3": {"family": 
             "qwen3_moe": {"family": "qwen3_moe", "qk_norm": True, "head_dim": 16, "n_layers": 1, "num_experts": 4,
                           "experts_per_token": 2, "moe_ffn_dim": 32, "router_aux_loss_coef": 0.01,
                           "router_bias_update_rate": 1e-2}}
+MOE = {**FAMILIES["qwen3_moe"], "router_bias_update_rate": 0.0}  # the bias is refused with expert parallel
+FAMILIES["qwen3_moe_ep"] = MOE  # expert parallel over the 2 ranks (one expert-data-parallel rank each) with ZeRO-2
 
 
 def model_config(family: str):
@@ -41,22 +43,33 @@ def model_config(family: str):
 
 def run_steps(family: str, world: int, rank: int) -> dict[str, Any]:
     """STEPS fp32 steps on this rank's rows of each global batch (world 1 or 2); ZeRO-3 (the MoE:
-    ZeRO-2) when world > 1."""
+    ZeRO-2; "qwen3_moe_ep": ZeRO-2 and expert parallel, 2 micro-batches a rank) when world > 1."""
     from mspretrain.config import schema as cfgmod
     from mspretrain.model.decoder import Decoder
+    from mspretrain.parallel.plan import ParallelPlan
     from mspretrain.step.step import TrainStep
 
     tokens = np.random.default_rng(1).integers(0, VOCAB, (STEPS, ROWS, SEQ + 1)).astype(np.int32)
     model = Decoder(model_config(family), dtype="fp32", seed=0)
     half = ROWS // 2
-    moe = "num_experts" in FAMILIES[family]
+    moe, ep = "num_experts" in FAMILIES[family], family.endswith("_ep")
     zero = {"shard_grads": world > 1, "bucket_mb": 0.02, "split_mb": 0.01} if moe else {"shard_params": world > 1}
-    step = TrainStep(model, cfgmod.OptimConfig(lr=LR), global_tokens=ROWS * SEQ, world=world, rank=rank,
-                     device="cpu", accumulation=1 if moe else 2 // world, **zero)
+    kind, where = TrainStep, {}
+    if ep and world > 1:
+        from mspretrain.step.ep import EPTrainStep, expert_mesh
+
+        plan = ParallelPlan(world=world, rank=rank, ep=world, zero=2)
+        mesh = expert_mesh(plan, "cpu")
+        model.apply_ep(mesh.ep)
+        kind, where = EPTrainStep, {"mesh": mesh, "plan": plan}
+    step = kind(model, cfgmod.OptimConfig(lr=LR), global_tokens=ROWS * SEQ, world=world, rank=rank,
+                device="cpu", accumulation=(2 if ep else 1) if moe else 2 // world, **zero, **where)
     mine = [rank] if world == 2 else [0, 1]  # the halves of the rows this process runs
     losses, norms = [], []
     for s in range(STEPS):
-        if moe and world == 1:  # the world's micro-batch: both halves at once
+        if ep:  # micro-batch k: row k of each rank's half (world 1: both, the world's micro-batch k)
+            batches = [(tokens[s, [r * half + k for r in mine]], None, None) for k in range(half)]
+        elif moe and world == 1:  # the world's micro-batch: both halves at once
             batches = [(tokens[s], None, None)]
         else:
             batches = [(tokens[s, k * half:(k + 1) * half], None, None) for k in mine]

@@ -128,7 +128,8 @@ def test_zero3_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_on
 
 def test_ep_refusals(tmp_path, tiny_data, capsys):
     """One line each naming the key, exit 2, no run dir: a dense model, an ep that does not divide the
-    experts or the data-parallel ranks (one process here), tp or the capacity factor with ep, ep 0."""
+    experts or the data-parallel ranks (one process here), tp, the capacity factor, the EMA or ZeRO-3
+    with ep, ep 0."""
     base = ("train", "--config", TINY, "--data", tiny_data, "--run", tmp_path / "r", "train.max_steps=1")
     cases = [((), "parallel.ep=2", "needs a mixture-of-experts model"),
              (MOE, "parallel.ep=3", "does not divide model.num_experts = 4"),
@@ -136,7 +137,6 @@ def test_ep_refusals(tmp_path, tiny_data, capsys):
              ((*MOE, "parallel.tp=2"), "parallel.ep=2", "parallel.tp is not supported with expert parallel"),
              ((*MOE, "model.capacity_factor=1.0"), "parallel.ep=2", "model.capacity_factor is not supported with expert parallel"),
              ((*MOE, "train.ema_decay=0.99"), "parallel.ep=2", "train.ema_decay is not supported with expert parallel"),
-             ((*MOE, "optim.shard_gradients=true"), "parallel.ep=2", "optim.shard_gradients is not supported with a mixture"),
              ((*MOE, "optim.shard_parameters=true"), "parallel.ep=2", "and expert parallel (parallel.ep = 2) yet"),
              ((), "parallel.ep=0", "parallel.ep = 0 must be at least 1")]
     for extra, key, says in cases:
