@@ -524,8 +524,7 @@ def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, famil
     micro-batches: tests/step/zero3_worker.py says why). The one-layer Qwen3-MoE runs ZeRO-2 with
     its expert stacks split over the ranks, the balance loss on and the aux-loss-free routing bias
     moved by the world's expert counts (the bias, never trained, moved off zero all the same); and
-    at ep 2 (each rank 2 of the 4 experts) with ZeRO-2 and 2 micro-batches a rank (the edp sum and
-    the rank buckets every micro-batch), without the bias (refused with ep)."""
+    at ep 2 (each rank 2 of the 4 experts) with ZeRO-2, without the bias (refused with ep)."""
     import json
 
     from tests.step.zero3_worker import run_steps

@@ -43,7 +43,7 @@ def model_config(family: str):
 
 def run_steps(family: str, world: int, rank: int) -> dict[str, Any]:
     """STEPS fp32 steps on this rank's rows of each global batch (world 1 or 2); ZeRO-3 (the MoE:
-    ZeRO-2; "qwen3_moe_ep": ZeRO-2 and expert parallel, 2 micro-batches a rank) when world > 1."""
+    ZeRO-2; "qwen3_moe_ep": ZeRO-2 and expert parallel) when world > 1."""
     from mspretrain.config import schema as cfgmod
     from mspretrain.model.decoder import Decoder
     from mspretrain.parallel.plan import ParallelPlan
@@ -63,13 +63,11 @@ def run_steps(family: str, world: int, rank: int) -> dict[str, Any]:
         model.apply_ep(mesh.ep)
         kind, where = EPTrainStep, {"mesh": mesh, "plan": plan}
     step = kind(model, cfgmod.OptimConfig(lr=LR), global_tokens=ROWS * SEQ, world=world, rank=rank,
-                device="cpu", accumulation=(2 if ep else 1) if moe else 2 // world, **zero, **where)
+                device="cpu", accumulation=1 if moe else 2 // world, **zero, **where)
     mine = [rank] if world == 2 else [0, 1]  # the halves of the rows this process runs
     losses, norms = [], []
     for s in range(STEPS):
-        if ep:  # micro-batch k: row k of each rank's half (world 1: both, the world's micro-batch k)
-            batches = [(tokens[s, [r * half + k for r in mine]], None, None) for k in range(half)]
-        elif moe and world == 1:  # the world's micro-batch: both halves at once
+        if moe and world == 1:  # the world's micro-batch: both halves at once
             batches = [(tokens[s], None, None)]
         else:
             batches = [(tokens[s, k * half:(k + 1) * half], None, None) for k in mine]
