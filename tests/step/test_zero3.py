@@ -203,6 +203,30 @@ def test_the_replica_hash_reads_one_gathered_weight_at_a_time(world_of, tiny_cfg
     assert digest(got.items()) == digest(sorted(whole.items()))
 
 
+@pytest.mark.parametrize("family", [
+    {**MOE_FAMILY, "mlp_only_layers": (1,), "capacity_factor": 1.0},  # a dense block after the MoE one; the capacity path
+    {"family": "qwen2_moe", "qkv_bias": True, "num_experts": 4, "experts_per_token": 2, "moe_ffn_dim": 32,
+     "shared_expert_ffn_dim": 32}])  # the shared expert's three weights gathered too
+def test_the_sharded_moe_forward_is_the_whole_models(world_of, family):
+    """ZeRO-3's MoE path at world 1, the gathers' AllReduce a loopback (the slice is the whole
+    weight): MoE.pull's weights (router, stacks, a shared expert's), the sharded block's and the
+    decoder's routing stats give the whole model's logits and per-layer stats, bit for bit (pynative)."""
+    import mindspore as ms
+
+    from mspretrain.step.zero3 import gathered, shard_model
+
+    world_of(0, 1)
+    whole, model = _tiny(**family), _tiny(**family)
+    shard_model(model, [p.name for p in model.trainable_params()], 1, 0, "cpu")
+    for _, g, _ in gathered(model):
+        g.all_reduce = lambda x: x
+    assert any(n.endswith("mlp.w13.weight") for n, _, _ in gathered(model))
+    tokens = ms.Tensor(np.random.default_rng(0).integers(0, 96, (2, 12)).astype(np.int32))
+    (a, per_a), (b, per_b) = whole(tokens, None, None, True, True), model(tokens, None, None, True, True)
+    assert np.array_equal(a.asnumpy(), b.asnumpy()) and np.array_equal(per_a.asnumpy(), per_b.asnumpy())
+    assert per_b.shape[0] == (1 if "mlp_only_layers" in family else 2)  # one stats row per MoE layer
+
+
 def test_shard_parameters_refuses_what_it_cannot_cut(world_of):
     from mspretrain.step.zero3 import sharded_names
 
