@@ -282,9 +282,10 @@ def check_parallel(cfg: Config) -> None:
 
 
 def check_moe(cfg: Config) -> None:
-    """A mixture of experts (model.num_experts > 0) trains on whole replicas or with expert
-    parallel (`parallel.ep`, which needs one); ZeRO and tensor parallel over experts are issue 52's
-    later items. That ep divides the data-parallel ranks is the parallel plan's rule (it knows the world)."""
+    """A mixture of experts (model.num_experts > 0) trains with data parallel and any ZeRO level, or
+    with expert parallel (`parallel.ep`, which needs one) and ZeRO-1/2; ZeRO-3 with expert parallel
+    and tensor parallel over experts are issue 52's later items. That ep divides the data-parallel
+    ranks is the parallel plan's rule (it knows the world)."""
     ep, experts = cfg.parallel.ep, cfg.model.num_experts
     if ep > 1:
         if experts <= 0:
@@ -301,13 +302,15 @@ def check_moe(cfg: Config) -> None:
                      f"unset {key}, or train with parallel.ep=1")
     if experts <= 0:
         return
-    # ZeRO-1 composes with expert parallel (step/ep.py); ZeRO-2/3 and plain data parallel's ZeRO with experts do not yet
-    for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("optim.shard_optimizer", cfg.optim.shard_optimizer and ep == 1),
-                    ("optim.shard_gradients", cfg.optim.shard_gradients), ("optim.shard_parameters", cfg.optim.shard_parameters)):
+    # ZeRO-1/2/3 compose with plain data parallel (the expert stacks are parameters like any other:
+    # step/zero3.py gathers them per layer); ZeRO-1/2 with expert parallel (step/ep.py); ZeRO-3 with
+    # expert parallel does not yet (the experts' slices over the edp group are not built)
+    for key, on in (("parallel.tp", cfg.parallel.tp > 1), ("optim.shard_parameters", cfg.optim.shard_parameters and ep > 1)):
         if on:
-            fail(key, f"is not supported with a mixture-of-experts model (model.num_experts = {cfg.model.num_experts}) yet",
-                 f"unset {key}: MoE models train with plain data parallel for now, or with expert parallel "
-                 "(parallel.ep) and optim.shard_optimizer")
+            with_ep = f" and expert parallel (parallel.ep = {ep})" if key != "parallel.tp" else ""
+            fail(key, f"is not supported with a mixture-of-experts model (model.num_experts = {experts}){with_ep} yet",
+                 f"unset {key}: MoE models train with data parallel and any ZeRO (parallel.ep=1), or with expert "
+                 "parallel (parallel.ep) and optim.shard_optimizer or optim.shard_gradients")
 
 
 def check_budget(t: TrainConfig) -> None:

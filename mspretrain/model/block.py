@@ -52,7 +52,8 @@ class MLP(nn.Cell):
 
 class Block(nn.Cell):
     """construct(x, cos, sin, bias, discard) -> x: the block on its own Parameters. ZeRO-3
-    (step/zero3.py `shard_model` sets `sharded`): construct(x, ..., token) -> (x, token), the
+    (step/zero3.py `shard_model` sets `sharded`): construct(x, ..., token) -> (x, token) (an MoE
+    block: (x, token, routing stats)), the
     block's weights gathered first (module docstring); `prefetch` False anchors the chain on x
     instead of the token (no overlap: the CPU with layer recompute, see step/zero3.py)."""
 
@@ -76,6 +77,9 @@ class Block(nn.Cell):
             return x + self.mlp(self.mlp_norm(x))
         (n1, attn, n2, mlp), last = self.pull(token if self.prefetch else one(x))
         h = x + self.attn(self.attn_norm(x, n1), cos, sin, bias, discard, attn)
+        if self.sparse:  # MoE (model/moe.py `MoE.pull`): (x, token, routing stats)
+            y, stats = self.mlp(self.mlp_norm(h, n2), mlp)
+            return h + y, relay(last, x), stats
         return h + self.mlp(self.mlp_norm(h, n2), mlp), relay(last, x)
 
     def apply_tp(self, group: Any) -> dict[str, Any]:

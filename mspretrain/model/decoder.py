@@ -322,23 +322,27 @@ class Decoder(nn.Cell):
             cos = ops.broadcast_to(cos, (B, T, H + KV, hd))  # q and k heads get RoPE in one call
             sin = ops.broadcast_to(sin, (B, T, H + KV, hd))
             bias = ops.broadcast_to(bias, (B, H, T, T))
-        if token is None:
-            stats = None
-            each = []
-            for layer in self.layers:
+        stats = None
+        each = []
+        for layer in self.layers:
+            if token is None:
                 x = layer(x, cos, sin, bias, discard)
                 if layer.sparse:  # MoE: (x, routing stats)
                     x, s = x
                     stats = s if stats is None else stats + s
                     each.append(s)
-            if routing and per_layer:
-                return self._head(x), ops.stack(each)
-            if routing:
-                return self._head(x), stats
-            return self._head(x)
-        for layer in self.layers:  # ZeRO-3: each block's gathers start from the previous block's token
-            x, token = layer(x, cos, sin, bias, discard, token)
-        return self._head(x, token)
+            elif layer.sparse:  # ZeRO-3: each block's gathers start from the previous block's token
+                x, token, s = layer(x, cos, sin, bias, discard, token)
+                stats = s if stats is None else stats + s
+                each.append(s)
+            else:
+                x, token = layer(x, cos, sin, bias, discard, token)
+        logits = self._head(x, token)
+        if routing and per_layer:
+            return logits, ops.stack(each)
+        if routing:
+            return logits, stats
+        return logits
 
     def apply_tp(self, group: Any) -> Any:
         """Cut this whole model into tp rank `group.rank`'s piece, in place (model/parallel.py has the

@@ -39,18 +39,26 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config.schema import ModelConfig
 from mspretrain.model.expert_parallel import send_slots
-from mspretrain.model.layers import Linear, WeightSource
+from mspretrain.model.layers import Linear, WeightCell, WeightSource, one
 from mspretrain.model.moe_kernels import expert_counts, grouped_experts
 
 MAX_BLOCK = 64  # rows per expert block at most (see the module docstring)
 
 
-class Stacked(nn.Cell):
-    """One weight (E, out, in) for all experts, named `weight` like Linear's (so `mlp.w13.weight`)."""
+class Stacked(WeightCell):
+    """One weight (E, out, in) for all experts, named `weight` like Linear's (so `mlp.w13.weight`).
+    A WeightCell so that ZeRO-3 slices and gathers it like any other weight (step/zero3.py); tensor
+    parallel does not cut it (model/block.py refuses tp for an MoE layer), expert parallel does (`MoE.apply_ep`)."""
 
     def __init__(self, experts: int, out_dim: int, in_dim: int, std: float, rng: WeightSource) -> None:
-        super().__init__()
+        super().__init__("replicated")
         self.weight = rng.parameter((experts, out_dim, in_dim), std)
+
+    def pull(self, token: Tensor) -> tuple[Tensor, Tensor]:  # as model/layers.py RMSNorm.pull
+        if self.gather is None:
+            return self.weight, token
+        w = self.gather(self.weight, token)
+        return w, one(w)
 
 
 def block_rows(assignments: int, experts: int) -> int:
@@ -93,10 +101,11 @@ class MoE(nn.Cell):
         else:
             self.expert_bias = None
 
-    def route(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    def route(self, x2: Tensor, wr: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """x2 (N, D) -> (probs (N, E) fp32, top-k weights (N, K) compute dtype, top-k experts (N, K)
-        int32, and with the router z-loss the sum over the N tokens of logsumexp(logits)^2, else None)."""
-        logits = self.router(x2).astype(ms.float32)
+        int32, and with the router z-loss the sum over the N tokens of logsumexp(logits)^2, else None).
+        wr: the router's whole weight under ZeRO-3 (`pull`), else None (its Parameter)."""
+        logits = self.router(x2, wr).astype(ms.float32)
         probs = ops.softmax(logits, -1)
         if self.expert_bias is None:
             top, idx = ops.topk(probs, self.top_k)
@@ -143,17 +152,36 @@ class MoE(nn.Cell):
             self.dispatch, self.dispatch_ids, self.combine = GatherRows(group), GatherIds(group), ScatterRows(group)
         return out
 
-    def construct(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def pull(self, token: Tensor) -> tuple[tuple, Tensor]:
+        """ZeRO-3 (step/zero3.py): this layer's whole weights, gathered one after the other from
+        `token` (router, w13, w2, then the shared expert's w13, w2 and gate, None without one), and
+        the token after the last; `construct(x, ws)` takes the tuple."""
+        wr, _, token = self.router.pull(token)
+        w13, token = self.w13.pull(token)
+        w2, token = self.w2.pull(token)
+        if not self.shared_ffn:
+            return (wr, w13, w2, None, None, None), token
+        s13, _, token = self.shared_w13.pull(token)
+        s2, _, token = self.shared_w2.pull(token)
+        sg, _, token = self.shared_gate.pull(token)
+        return (wr, w13, w2, s13, s2, sg), token
+
+    def construct(self, x: Tensor, ws: tuple | None = None) -> tuple[Tensor, Tensor]:
+        """ws: the whole weights under ZeRO-3 (`pull`), else None (the Parameters)."""
         B, T, D = x.shape
         N = B * T
         x2 = x.reshape(N, D)
-        probs, top, idx, z = self.route(x2)
+        if ws is None:  # route(x2) as it was called before ZeRO-3 (tests/model/test_moe_hf.py wraps it)
+            probs, top, idx, z = self.route(x2)
+            ws = (None, self.w13.weight, self.w2.weight, None, None, None)
+        else:
+            probs, top, idx, z = self.route(x2, ws[0])
         if self.capacity_factor > 0:
-            return self._capacity(x, x2, probs, top, idx, z)
+            return self._capacity(x, x2, probs, top, idx, z, ws)
         if self.combine is not None:  # expert parallel (`apply_ep`)
             return self._expert_parallel(x, x2, probs, top, idx, z)
-        ya, counts = self._experts(x2, idx, top)
-        return self._finish(x, x2, ya.reshape(N, self.top_k, D).sum(1), probs, counts, z, None)
+        ya, counts = self._experts(x2, idx, top, ws[1], ws[2])
+        return self._finish(x, x2, ya.reshape(N, self.top_k, D).sum(1), probs, counts, z, None, ws)
 
     def _expert_parallel(self, x: Tensor, x2: Tensor, probs: Tensor, top: Tensor, idx: Tensor,
                          z: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -208,20 +236,20 @@ class MoE(nn.Cell):
         local = ids - self.expert_lo
         inside = ops.logical_and(local >= 0, local < self.local_experts)
         local = ops.stop_gradient(ops.select(inside, local, ops.zeros_like(local)))
-        ya, _ = self._experts(xg, local, top * inside.astype(top.dtype))
+        ya, _ = self._experts(xg, local, top * inside.astype(top.dtype), self.w13.weight, self.w2.weight)
         return ya
 
-    def _experts(self, x2: Tensor, idx: Tensor, top: Tensor) -> tuple[Tensor, Tensor]:
+    def _experts(self, x2: Tensor, idx: Tensor, top: Tensor, w13s: Tensor, w2s: Tensor) -> tuple[Tensor, Tensor]:
         """Dropless: tokens x2 (N, D), their experts idx (N, K) among this cell's `local_experts`
-        stacked ones, weights top (N, K) -> (each assignment's weighted output (N*K, D) token-major,
-        the assignments per expert (local_experts,))."""
+        stacked ones (w13s, w2s: the stacks, whole), weights top (N, K) -> (each assignment's
+        weighted output (N*K, D) token-major, the assignments per expert (local_experts,))."""
         N, D = x2.shape
         E, K, F = self.local_experts, self.top_k, self.ffn
         A = N * K
         b = block_rows(A, E)
         R = -(-(A + E * (b - 1)) // b) * b  # static bound on the padded rows
         if self.grouped:  # Ascend: MindSpore's fused permutation and grouped matmul (model/moe_kernels.py)
-            return grouped_experts(x2, idx, top, self.w13.weight, self.w2.weight, self.dtype)
+            return grouped_experts(x2, idx, top, w13s, w2s, self.dtype)
         e = ops.stop_gradient(idx.reshape(A))  # (A,) expert of each assignment, token-major
         onehot = ops.one_hot(e, E, Tensor(1, ms.int32), Tensor(0, ms.int32))  # (A, E)
         rank = ops.gather_d(ops.cumsum(onehot, 0), 1, e.reshape(A, 1)).reshape(A) - 1  # rank within its expert
@@ -238,7 +266,7 @@ class MoE(nn.Cell):
         starts = ops.arange(0, R, b, dtype=ms.int32).reshape(R // b, 1)
         block_e = ops.minimum((starts >= ends.reshape(1, E)).astype(ms.int32).sum(1), E - 1)
         block_e = ops.stop_gradient(block_e)
-        w13, w2 = ops.gather(self.w13.weight, block_e, 0), ops.gather(self.w2.weight, block_e, 0)
+        w13, w2 = ops.gather(w13s, block_e, 0), ops.gather(w2s, block_e, 0)
         if self.dtype != ms.float32:
             w13, w2 = w13.astype(self.dtype), w2.astype(self.dtype)
         xb = xp.reshape(R // b, b, D)
@@ -249,13 +277,14 @@ class MoE(nn.Cell):
         return ya, counts
 
     def _finish(self, x: Tensor, x2: Tensor, y: Tensor, probs: Tensor, counts: Tensor, z: Tensor | None,
-                dropped: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The experts' output y (N, D) (each token's weighted outputs summed), the shared expert, and the stats."""
+                dropped: Tensor | None, ws: tuple = (None,) * 6) -> tuple[Tensor, Tensor]:
+        """The experts' output y (N, D) (each token's weighted outputs summed), the shared expert
+        (its whole weights ws[3:] under ZeRO-3, else None: its Parameters), and the stats."""
         B, T, D = x.shape
         E = self.experts
         if self.shared_ffn:
-            g, u = self.shared_w13.parts(x2, (self.shared_ffn, self.shared_ffn))
-            y = y + ops.sigmoid(self.shared_gate(x2)) * self.shared_w2(ops.silu(g) * u)
+            g, u = self.shared_w13.parts(x2, (self.shared_ffn, self.shared_ffn), ws[3])
+            y = y + ops.sigmoid(self.shared_gate(x2, ws[5])) * self.shared_w2(ops.silu(g) * u, ws[4])
         y = y.reshape(B, T, D)
         rows = [probs.sum(0), ops.stop_gradient(counts.astype(ms.float32))]
         if z is not None:  # the layer's z sum in every column (a column's value is the sum; the decoder adds layers)
@@ -264,7 +293,8 @@ class MoE(nn.Cell):
             rows.append(ops.stop_gradient(dropped.astype(ms.float32)))
         return y, ops.stack(rows)
 
-    def _capacity(self, x: Tensor, x2: Tensor, probs: Tensor, top: Tensor, idx: Tensor, z: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _capacity(self, x: Tensor, x2: Tensor, probs: Tensor, top: Tensor, idx: Tensor, z: Tensor | None,
+                  ws: tuple) -> tuple[Tensor, Tensor]:
         """The capacity-factor path (`model.capacity_factor` > 0): every expert takes at most
         C = ceil(factor * N * K / E) assignments, in routing order as GShard's (first choices of
         all tokens in token order, then the second choices, ...); an assignment beyond its expert's
@@ -286,7 +316,7 @@ class MoE(nn.Cell):
         src = ops.stop_gradient(ops.select(src < 0, ops.fill(ms.int32, (E * C,), A), src))
         xa = ops.broadcast_to(x2.expand_dims(1), (N, K, D)).reshape(A, D)
         xb = ops.gather(ops.concat((xa, ops.zeros((1, D), x.dtype)), 0), src, 0).reshape(E, C, D)
-        w13, w2 = self.w13.weight, self.w2.weight
+        w13, w2 = ws[1], ws[2]
         if self.dtype != ms.float32:
             w13, w2 = w13.astype(self.dtype), w2.astype(self.dtype)
         gate = self.bmm_t(xb, w13[:, :F])  # (E, C, F)
@@ -295,7 +325,7 @@ class MoE(nn.Cell):
         yb = ops.concat((yb, ops.zeros((1, D), yb.dtype)), 0)  # row E*C: a dropped assignment's output
         ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)
         dropped = ops.maximum(counts - C, 0)
-        return self._finish(x, x2, ya.reshape(N, K, D).sum(1), probs, counts, z, dropped)
+        return self._finish(x, x2, ya.reshape(N, K, D).sum(1), probs, counts, z, dropped, ws)
 
 
 def capacity(factor: float, tokens: int, k: int, experts: int) -> int:

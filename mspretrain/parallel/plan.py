@@ -16,9 +16,9 @@ Expert parallel (`ep`, issue 52.3): the dp ranks are cut into ep groups of `ep` 
 (dp rank d is ep rank d % ep of ep group d // ep), whose ranks split a mixture of experts' E
 experts among them (ep rank e holds experts [e*E/ep, (e+1)*E/ep), `expert_span`); the ranks
 holding the same experts form the expert-data-parallel group {j*ep + d % ep} (`edp_ranks`), over
-which those experts' gradients are reduced. ep divides the dp ranks; tp > 1 and ZeRO-2/3 with
+which those experts' gradients are reduced. ep divides the dp ranks; tp > 1 and ZeRO-3 with
 ep > 1 are refused for now (the ep groups would be tp-strided and the experts' tp cut is not
-built; sharded gradients would need the experts' own reduce-scatter), ZeRO-1 composes.
+built; sharded parameters would need the experts' slices over the edp group), ZeRO-1/2 compose.
 
 ZeRO. `zero` is the level the config asks for (optim.shard_optimizer 1, shard_gradients 2,
 shard_parameters 3); it acts over the data-parallel group only, so with one dp rank nothing is
@@ -123,9 +123,9 @@ class ParallelPlan:
             if self.dp % self.ep:
                 raise UserError(f"parallel.ep = {self.ep} does not divide the {self.dp} data-parallel ranks of this job",
                                 f"launch a multiple of {self.ep} ranks (data-parallel ranks = ep x expert-data-parallel), or change parallel.ep")
-            if self.zero > 1:
+            if self.zero > 2:
                 raise UserError(f"ZeRO-{self.zero} with parallel.ep = {self.ep} is not supported yet",
-                                "use optim.shard_optimizer=true alone (ZeRO-1) with expert parallel")
+                                "use optim.shard_gradients=true (ZeRO-2) or less with expert parallel")
 
     @classmethod
     def for_config(cls, cfg: Any, world: int = 1, rank: int = 0) -> ParallelPlan:

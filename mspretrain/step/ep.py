@@ -17,6 +17,10 @@ group. The routing stats behind the load-balancing loss are summed over the data
 parameters' state is sharded over the world as without ep; each rank keeps its own experts' state
 whole (parallel/layout.py `LOCAL`; with ep < dp the edp group's ranks hold the same experts' state:
 not sharded over it yet), and a checkpoint writes the experts' gathered state in dp rank 0's shard.
+ZeRO-2: the other parameters' gradients are reduce-scattered over the world every micro-batch as
+without ep; the expert stacks' are summed over the edp group every micro-batch and kept whole (in
+no rank bucket); the squared norm is the world's sum of each rank's owned part, the experts' part
+counted by edp rank 0 of each ep group only. ZeRO-3 with ep is not built (refused).
 
 Checkpoints: the expert stacks (and their Adam moments) are gathered over the ep group by the
 tensor-parallel machinery (step/tp.py `WholeTensors`: zero-padded pieces summed), and rank 0
@@ -90,8 +94,14 @@ class EPTrainStep(WholeTensors, TrainStep):
         e = 2 if model.dtype in (ms.float16, ms.bfloat16) else 4
         expert_elems = sum(int(np.prod(s)) // n for s in self.whole_shapes.values())
         wire = 2 if self._ex is not None and self._ex[2] == ms.float16 else 4
-        calls = base["calls"] + 1 + (1 if self.edp_sum is not None else 0)  # the norm's ep sum, the edp bucket
-        nbytes = base["bytes"] + 4 - (0 if self.edp_sum is not None else expert_elems * wire)
+        # the norm's ep sum (ZeRO-2: none, the world's sum of the owned squares adds the experts'), the
+        # edp bucket (ZeRO-2: every micro-batch; the layout's rank buckets do not hold the stacks)
+        times = accumulation if self.shard_grads else 1
+        calls = base["calls"] + (1 if self.ep_sum is not None else 0) + (times if self.edp_sum is not None else 0)
+        if self.shard_grads:
+            nbytes = base["bytes"] + (times * expert_elems * wire if self.edp_sum is not None else 0)
+        else:
+            nbytes = base["bytes"] + 4 - (0 if self.edp_sum is not None else expert_elems * wire)
         cfg = model.cfg
         layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
         tokens = int(self.global_tokens) // max(1, self.world * accumulation)  # one rank's micro-batch

@@ -221,8 +221,12 @@ class TrainStep(StepUpdate):
         # group (`edp_sum`, none with one rank there), their squares summed over the ep group (`ep_sum`)
         self._ex = z.ex
         self._expert_at = [ep is not None and self.names[i] in ep.whole_shapes for i in self._order]
-        self.ep_sum = ep.group.all_reduce() if ep is not None else None
+        # ZeRO-2 (sharded gradients): the norm's squares are summed over the world, each rank's owned
+        # part, and the expert part of edp rank 0 of each ep group only (the edp ranks hold the same
+        # experts' gradients whole: each expert once); else the replicated part plus the ep group's sum
+        self.ep_sum = ep.group.all_reduce() if ep is not None and not self.shard_grads else None
         self.edp_sum = edp.all_reduce() if ep is not None and edp is not None and edp.size > 1 else None
+        self._expert_sq = ep is not None and (not self.shard_grads or edp is None or edp.rank == 0)
         partial = [i for i, n in enumerate(self.names) if tp is not None and n in tp.partial]
         self._tp_partial = PartialSum(partial, [self.params[i].shape for i in partial], self.tp) if partial else None
         # Chaining every collective after the previous one: MindSpore's CPU runtime launches ready
@@ -259,11 +263,15 @@ class TrainStep(StepUpdate):
         self._plain_sums = objective.plain_sums
         self.moe_layers, self.moe_k = objective.moe_layers, objective.moe_k
         self._moe_rows, self._bias_rate = objective.moe_rows, objective.bias_rate
-        if self._bias_rate > 0 and (world > 1 or tp is not None):  # the biases would need every rank's counts
+        # The biases move by the step's counts: with data parallel (any ZeRO) the routing stats the
+        # step returns are the world's sums (step/objective.py), the same on every rank, so every
+        # rank moves its whole copy of the biases as one process would. Under expert parallel or
+        # tensor parallel (config/schema.py `check_moe` refuses both with the bias) they are not.
+        if self._bias_rate > 0 and (ep is not None or tp is not None):
             from mspretrain.errors import UserError
 
-            raise UserError("model.router_bias_update_rate is not supported with more than one process yet",
-                            "train on one process, or set model.router_bias_update_rate = 0")
+            raise UserError("model.router_bias_update_rate is not supported with expert or tensor parallel yet",
+                            "train with parallel.ep=1 and parallel.tp=1, or set model.router_bias_update_rate = 0")
         moe_stats = objective.moe_stats
         self._grad_fn = ms.value_and_grad(objective.fn, None, self.params, has_aux=True)
 

@@ -127,7 +127,12 @@ class StepUpdate:
         else:  # expert parallel: each expert once, its rank's sum of squares added over the ep group
             dense = [s for s, k in zip(terms, self._norm_order) if not self._expert_at[k]]
             mine = ops.stack([s for s, k in zip(terms, self._norm_order) if self._expert_at[k]]).sum()
-            sq = ops.stack(dense).sum() + self.ep_sum(ops.depend(mine, loss_sum))
+            if self.ep_sum is not None:
+                sq = ops.stack(dense).sum() + self.ep_sum(ops.depend(mine, loss_sum))
+            elif self._expert_sq:  # sharded gradients: the world sum below adds the ep group's (step/step.py)
+                sq = ops.stack(dense).sum() + mine
+            else:  # an edp rank > 0: its experts' squares are edp rank 0's
+                sq = ops.stack(dense).sum()
         if self.shard_grads and self.allreduce is not None:
             sq = self.allreduce(ops.depend(sq, loss_sum))  # the owners' partial sums: the same global norm on every rank
         if self.tp is not None:  # tensor parallel: the pieces' sums over the tp group

@@ -126,9 +126,9 @@ def plan_zero(params: tuple[Parameter, ...], sizes: list[int], half: set[str], c
     # AllReduce bucket, 1: a ReduceScatter bucket, 2: one parameter's AllReduce.
     experts = [i for i, e in enumerate(expert or ()) if e]
     ex = None
-    if experts:  # expert parallel (ZeRO is refused with it): the stacks out of the world's buckets
-        if layout.shard_grads:
-            raise ValueError("expert parallel with sharded gradients (ZeRO-2/3) is not built")
+    if experts:  # expert parallel: the stacks out of the world's buckets (ZeRO-2: they are in none, `LOCAL`)
+        if zero3:
+            raise ValueError("expert parallel with sharded parameters (ZeRO-3) is not built")
         ar = [(tuple(i for i in idx if i not in experts), tuple(n for i, n in zip(idx, sz) if i not in experts), w)
               for idx, sz, w in ar]
         ex = (tuple(experts), tuple(sizes[i] for i in experts), wire[experts[0]])

@@ -65,7 +65,7 @@ def test_ranks_of_an_expert_parallel_plan():
     for kw, says in (({"world": 6, "ep": 4}, "parallel.ep = 4 does not divide the 6 data-parallel ranks"),
                      ({"world": 1, "ep": 2}, "parallel.ep = 2 does not divide the 1 data-parallel ranks"),
                      ({"world": 4, "ep": 2, "tp": 2}, "expert parallel with tensor parallel is not supported yet"),
-                     ({"world": 4, "ep": 2, "zero": 2}, "ZeRO-2 with parallel.ep = 2 is not supported yet")):
+                     ({"world": 4, "ep": 2, "zero": 3}, "ZeRO-3 with parallel.ep = 2 is not supported yet")):
         with pytest.raises(UserError, match=says):
             ParallelPlan(**kw)
     from mspretrain.config import schema as cfgmod

@@ -132,11 +132,17 @@ def test_shard_model_cuts_each_trained_weight_into_this_ranks_slice_and_reloads_
         load_full_state(model, {**whole, "norm.weight": np.ones(65, np.float32)}, 2, 1)
 
 
-@pytest.mark.parametrize("family", [{"family": "qwen2", "qkv_bias": True}, {"family": "qwen3", "qk_norm": True, "head_dim": 16}])
+MOE_FAMILY = {"family": "qwen3_moe", "qk_norm": True, "head_dim": 16, "num_experts": 4, "experts_per_token": 2,
+              "moe_ffn_dim": 32, "router_bias_update_rate": 1e-3}
+
+
+@pytest.mark.parametrize("family", [{"family": "qwen2", "qkv_bias": True}, {"family": "qwen3", "qk_norm": True, "head_dim": 16},
+                                    MOE_FAMILY])
 def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of, family):
     """Qwen2's q/k/v bias gets a gather of its own (`bias_gather`, after its weight's); Qwen3's q and
-    k norm weights one each (k_norm's anchored on q_norm's output): every trained parameter is a
-    slice, in the model's parameter order."""
+    k norm weights one each (k_norm's anchored on q_norm's output); Qwen3-MoE's router and 3-D
+    expert stacks one each (model/moe.py `MoE.pull`), its aux-loss-free bias (not trained) stays
+    whole: every trained parameter is a slice, in the model's parameter order."""
     from mspretrain.model.decoder import state_numpy
     from mspretrain.step.zero3 import gathered, shard_model, sharded_names
 
@@ -153,6 +159,11 @@ def test_qwen_bias_and_qk_norm_are_sliced_and_gathered_like_the_weights(world_of
         assert p.shape == (b - a,) and np.array_equal(p.asnumpy(), whole[p.name].reshape(-1)[a:b]), p.name
     wqkv = model.layers[0].attn.wqkv
     assert (wqkv.bias_gather is not None) == ("qkv_bias" in family)
+    if "num_experts" in family:
+        assert {"layers.0.mlp.router.weight", "layers.0.mlp.w13.weight", "layers.0.mlp.w2.weight"} <= set(names)
+        assert [g.shape for n, g, _ in gathered(model) if n == "layers.0.mlp.w13.weight"] == [(4, 64, 64)]
+        bias = model.layers[0].mlp.expert_bias  # model state outside the gradient: whole on every rank
+        assert bias.shape == (4,) and bias.name not in names
 
 
 @pytest.mark.parametrize("device", ["cpu", "ascend"])
@@ -190,6 +201,30 @@ def test_the_replica_hash_reads_one_gathered_weight_at_a_time(world_of, tiny_cfg
         assert got[name].dtype == whole[name].dtype and np.array_equal(got[name], whole[name]), name
     digest = lambda pairs: hashlib.sha256(b"".join(n.encode() + a.tobytes() for n, a in pairs)).hexdigest()
     assert digest(got.items()) == digest(sorted(whole.items()))
+
+
+@pytest.mark.parametrize("family", [
+    {**MOE_FAMILY, "mlp_only_layers": (1,), "capacity_factor": 1.0},  # a dense block after the MoE one; the capacity path
+    {"family": "qwen2_moe", "qkv_bias": True, "num_experts": 4, "experts_per_token": 2, "moe_ffn_dim": 32,
+     "shared_expert_ffn_dim": 32}])  # the shared expert's three weights gathered too
+def test_the_sharded_moe_forward_is_the_whole_models(world_of, family):
+    """ZeRO-3's MoE path at world 1, the gathers' AllReduce a loopback (the slice is the whole
+    weight): MoE.pull's weights (router, stacks, a shared expert's), the sharded block's and the
+    decoder's routing stats give the whole model's logits and per-layer stats, bit for bit (pynative)."""
+    import mindspore as ms
+
+    from mspretrain.step.zero3 import gathered, shard_model
+
+    world_of(0, 1)
+    whole, model = _tiny(**family), _tiny(**family)
+    shard_model(model, [p.name for p in model.trainable_params()], 1, 0, "cpu")
+    for _, g, _ in gathered(model):
+        g.all_reduce = lambda x: x
+    assert any(n.endswith("mlp.w13.weight") for n, _, _ in gathered(model))
+    tokens = ms.Tensor(np.random.default_rng(0).integers(0, 96, (2, 12)).astype(np.int32))
+    (a, per_a), (b, per_b) = whole(tokens, None, None, True, True), model(tokens, None, None, True, True)
+    assert np.array_equal(a.asnumpy(), b.asnumpy()) and np.array_equal(per_a.asnumpy(), per_b.asnumpy())
+    assert per_b.shape[0] == (1 if "mlp_only_layers" in family else 2)  # one stats row per MoE layer
 
 
 def test_shard_parameters_refuses_what_it_cannot_cut(world_of):
@@ -494,23 +529,26 @@ WORKER = Path(__file__).with_name("zero3_worker.py")
 
 @pytest.fixture(scope="module")
 def families_two(tmp_path_factory) -> Path:
-    """Both families' ZeRO-3 steps in one msrun job of 2 workers (one start-up for the two)."""
+    """The families' ZeRO-3 (MoE: ZeRO-2) steps in one msrun job of 2 workers (one start-up for all)."""
     from mspretrain.preflight.collectives_worker import run_workers
 
     out = tmp_path_factory.mktemp("zero3-families")
-    run_workers(2, out, [str(out)], script=str(WORKER), timeout_s=600, what="the ZeRO-3 family steps")
+    run_workers(2, out, [str(out)], script=str(WORKER), timeout_s=600, what="the ZeRO-2/3 family steps")
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.msrun
 @pytest.mark.skipif(MSRUN is None, reason="msrun not installed with MindSpore")
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "qwen3_moe_ep"])
 def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, family):
     """fp32, 3 steps at lr 1e-2: both ranks' losses and grad norms, and the gathered weights (the
     bias and the QK-norm weights included, which moved from their zero / one initial values), equal
     one process's within 1e-5 (the one process runs the ranks' halves of each batch as two
-    micro-batches: tests/step/zero3_worker.py says why)."""
+    micro-batches: tests/step/zero3_worker.py says why). The one-layer Qwen3-MoE runs ZeRO-2 with
+    its expert stacks split over the ranks, the balance loss on and the aux-loss-free routing bias
+    moved by the world's expert counts (the bias, never trained, moved off zero all the same); and
+    at ep 2 (each rank 2 of the 4 experts) with ZeRO-2, without the bias (refused with ep)."""
     import json
 
     from tests.step.zero3_worker import run_steps
@@ -521,6 +559,10 @@ def test_qwen_bias_and_qk_norm_under_zero3_match_one_process(families_two, famil
         for a, b in zip(got["losses"], one["losses"]):
             assert abs(a - b) <= 1e-5, (got["losses"], one["losses"])
         assert got["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+        if family == "qwen3_moe":  # the 3-D expert stacks and the router as slices of ZeRO-2's split parameters
+            assert {"layers.0.mlp.w13.weight", "layers.0.mlp.w2.weight"} <= set(got["split"]), got["split"]
+        if family == "qwen3_moe_ep":  # each rank's experts whole (LOCAL), the rest split as without ep
+            assert "layers.0.mlp.w13.weight" not in got["split"] and "embed.weight" in got["split"], got["split"]
     with np.load(families_two / f"{family}.npz") as z:
         two = {k: z[k] for k in z.files}
     assert sorted(two) == sorted(one["weights"])

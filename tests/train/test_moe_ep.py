@@ -88,9 +88,52 @@ def test_one_process_checkpoint_resumes_at_ep2_by_edp2_with_zero1(tmp_path, tiny
     assert "exp_avg.layers.0.mlp.w13.weight" in shards[0]
 
 
+@pytest.mark.msrun
+def test_zero3_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one):
+    """ZeRO-3 on 2 ranks at ep=1: every weight (the router and the 3-D expert stacks too) a slice
+    per rank, each MoE layer's gathered with the block's others; the routing stats summed over the
+    ranks. Losses, grad norms, routing metrics and the final weights and moments equal the one
+    process's; each rank writes its slices under whole-model names (`NAME@START:STOP`), which
+    `checkpoints --verify` and `export` read (the one process's export within 1e-5), and one
+    process resumes the step-4 checkpoint to the same end."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from mspretrain.cli import main
+    from mspretrain.model.hf import read_hf_dir
+
+    run = tmp_path / "zero3"
+    msrun(tmp_path, tiny_data, run, "optim.shard_parameters=true", NO_EVAL, args=ONE)
+    assert "weights, optimizer state and gradients sharded over 2 ranks" in (run / "train.log").read_text()
+    _equal_from(run, moe_one, 1)
+    want, got = _moe_metrics(moe_one), _moe_metrics(run)
+    for step in want:
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+    weights = [set(load_file(str(step_dir(run, FINAL) / f"model-0000{r}-of-00002.safetensors"))) for r in (0, 1)]
+    n = 4 * 64 * 64  # layers.0.mlp.w13.weight: (experts, 2 x moe_ffn_dim, dim)
+    assert f"layers.0.mlp.w13.weight@0:{n // 2}" in weights[0] and f"layers.0.mlp.w13.weight@{n // 2}:{n}" in weights[1]
+    assert not weights[0] & weights[1]
+    hashes = replica_hashes(run)
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    # the per-rank files verify and export (per-expert HF tensors) the model one process exports
+    assert main(["checkpoints", str(run), "--verify"]) == 0
+    exported = {}
+    for r in (run, moe_one):
+        assert main(["export", str(r), "--format", "hf", "--out", str(tmp_path / f"hf-{r.name}"), "--quiet"]) == 0
+        exported[r] = read_hf_dir(tmp_path / f"hf-{r.name}")[1]
+    assert sorted(exported[run]) == sorted(exported[moe_one])
+    assert exported[run]["layers.0.mlp.w13.weight"].shape == (4, 64, 64)  # read back from per-expert HF tensors
+    for k, v in exported[moe_one].items():
+        np.testing.assert_allclose(exported[run][k], v, rtol=0, atol=1e-5, err_msg=k)
+    resumed = resume_on_one_process(run, tiny_data, tmp_path, RESUME_AT, *MOE)
+    _equal_from(resumed, moe_one, RESUME_AT + 1)
+
+
 def test_ep_refusals(tmp_path, tiny_data, capsys):
     """One line each naming the key, exit 2, no run dir: a dense model, an ep that does not divide the
-    experts or the data-parallel ranks (one process here), tp or the capacity factor with ep, ep 0."""
+    experts or the data-parallel ranks (one process here), tp, the capacity factor, the EMA or ZeRO-3
+    with ep, ep 0."""
     base = ("train", "--config", TINY, "--data", tiny_data, "--run", tmp_path / "r", "train.max_steps=1")
     cases = [((), "parallel.ep=2", "needs a mixture-of-experts model"),
              (MOE, "parallel.ep=3", "does not divide model.num_experts = 4"),
@@ -98,7 +141,7 @@ def test_ep_refusals(tmp_path, tiny_data, capsys):
              ((*MOE, "parallel.tp=2"), "parallel.ep=2", "parallel.tp is not supported with expert parallel"),
              ((*MOE, "model.capacity_factor=1.0"), "parallel.ep=2", "model.capacity_factor is not supported with expert parallel"),
              ((*MOE, "train.ema_decay=0.99"), "parallel.ep=2", "train.ema_decay is not supported with expert parallel"),
-             ((*MOE, "optim.shard_gradients=true"), "parallel.ep=2", "optim.shard_gradients is not supported with a mixture"),
+             ((*MOE, "optim.shard_parameters=true"), "parallel.ep=2", "and expert parallel (parallel.ep = 2) yet"),
              ((), "parallel.ep=0", "parallel.ep = 0 must be at least 1")]
     for extra, key, says in cases:
         err = refused(capsys, *base, *extra, key)

@@ -90,7 +90,7 @@ class ParallelConfig(Section):
     # data-parallel ranks split every MoE layer's experts among them (each holds num_experts / ep),
     # the tokens dispatched to the experts' ranks and combined back; the ranks holding the same
     # experts reduce their gradients. Must divide num_experts and the data-parallel ranks
-    # (world / tp); with ZeRO-1 but not yet ZeRO-2/3 or parallel.tp > 1. 1 = off.
+    # (world / tp); with ZeRO-1/2 but not yet ZeRO-3 or parallel.tp > 1. 1 = off.
     ep: int = 1
 
     def check(self) -> None:
