@@ -61,7 +61,9 @@ def expert_mesh(plan: ParallelPlan, device: str, create: bool = True) -> ExpertM
         if create:
             from mindspore.communication import create_group
 
-            create_group(name, list(ranks), group_options("dp", device))
+            # each group its own HCCL buffer: `launch` plans the ep group's for the dispatch and the edp
+            # group's for the expert bucket (parallel/hccl.py `communicators`, MSPRETRAIN_HCCL_GROUP_MB ep=MB,edp=MB)
+            create_group(name, list(ranks), group_options(kind, device))
         return Group(ranks, rank, name=name, device=device)
 
     return ExpertMesh(ep=group("ep", plan.edp_rank, plan.ep_ranks, plan.ep_rank),

@@ -194,6 +194,29 @@ def test_an_ep_run_plans_a_buffer_for_each_of_its_communicators():
     assert env[GROUP_BUFFSIZE_ENV] == "ep=200,edp=341" and (group_buffsize("ep", env), group_buffsize("edp", env)) == (200, 341)
 
 
+def test_each_ep_group_is_created_with_its_own_planned_buffer(monkeypatch):
+    """step/ep.py `expert_mesh` creates the ep and the edp group with the HCCL buffer `launch`
+    planned for each (MSPRETRAIN_HCCL_GROUP_MB ep=MB,edp=MB), not the dp group's; on CPU none.
+    No HCCL: `create_group` is recorded, not called."""
+    import mindspore.communication as comm
+
+    from mspretrain.parallel.hccl import GROUP_BUFFSIZE_ENV
+    from mspretrain.parallel.plan import ParallelPlan
+    from mspretrain.step.ep import expert_mesh
+
+    made: dict = {}
+    monkeypatch.setattr(comm, "create_group", lambda name, ranks, options=None: made.update({name: (ranks, options)}))
+    monkeypatch.setenv(GROUP_BUFFSIZE_ENV, "ep=200,edp=341,dp=100")
+    mesh = expert_mesh(ParallelPlan(world=16, rank=9, ep=8), "ascend")  # EP8 x EDP2: rank 9 is ep rank 1 of the second server
+    assert (mesh.ep.name, mesh.edp.name) == ("ep_1", "edp_1")
+    assert made["ep_1"][0] == list(range(8, 16)) and made["edp_1"][0] == [1, 9]
+    assert made["ep_1"][1].hccl_config == {"hccl_buffer_size": 200}
+    assert made["edp_1"][1].hccl_config == {"hccl_buffer_size": 341}
+    made.clear()
+    expert_mesh(ParallelPlan(world=16, rank=9, ep=8), "cpu")
+    assert set(made) == {"ep_1", "edp_1"} and all(options is None for _, options in made.values())
+
+
 def test_train_takes_the_preset(tmp_path, tiny_data, capsys):
     """`train --model qwen3-30b-a3b` runs the preset's shape: on this CPU its memory check refuses it
     in one line (the whole 30.5 B model), before any file is written."""
