@@ -5,7 +5,8 @@ experts' activations and the dispatch by hand; the EP rows of the layout table; 
 
 The EP steps are built in this one process as tests/step/collective_probe.py builds each rank of a
 world (MindSpore's `get_rank` / `get_group_size` replaced where the collective primitives read
-them at construction, no `init()`): nothing is compiled or run, only the step's buffers counted."""
+them at construction, no `init()`): nothing is compiled, the step's buffers and collectives are
+counted, and one test runs its gradient reduction eagerly with the world's AllReduce a loopback."""
 from __future__ import annotations
 
 import math
