@@ -58,7 +58,6 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Initializer
 
 from mspretrain.config.schema import ModelConfig
 from mspretrain.device import select_attention  # the kernel choice is the device's
@@ -79,6 +78,7 @@ from mspretrain.model.layers import (
     relay,
     use_fused_kernels,
 )
+from mspretrain.model.lazy import LazyDraw, whole_value
 from mspretrain.model.moe import MoE
 from mspretrain.model.moe_kernels import select_grouped
 
@@ -155,39 +155,6 @@ class InitStreams:
         else:
             with ThreadPoolExecutor(min(self.threads, len(blocks))) as pool:
                 list(pool.map(block, blocks))  # list(): re-raises a block's exception here
-
-
-class LazyDraw(Initializer):
-    """Weight k of `streams`, drawn only when its Parameter's data is first read (MindSpore 2.10's
-    lazy initialisation: a Tensor built with `init=` is filled by `Tensor.init_data`, which
-    `asnumpy` calls, common/tensor.py). For a model that will be cut on the host (ZeRO-3, tensor
-    parallel on an NPU: `Decoder(host_weights=True)`): the cut reads one weight, keeps its piece and
-    drops the whole, so a rank's host holds one whole weight at a time, not the whole fp32 model
-    (issue 51.2). The numbers are `InitStreams.draw`'s: the index k is taken at creation."""
-
-    def __init__(self, streams: InitStreams, k: int, std: float) -> None:
-        super().__init__()
-        self.streams, self.k, self.std = streams, k, std
-
-    def _initialize(self, arr: np.ndarray) -> None:
-        x = np.ascontiguousarray(arr) if not arr.flags["C_CONTIGUOUS"] else arr
-        self.streams.fill(self.k, x, self.std)
-        if x is not arr:
-            arr[...] = x
-
-
-def whole_value(p: Parameter) -> np.ndarray:
-    """A parameter's whole value on the host, for a cut to read (expert parallel: `Decoder.apply_ep`).
-    An undrawn one (`LazyDraw`) is drawn into a fresh array the caller alone holds, the Parameter
-    left undrawn: `asnumpy` would draw it into the Parameter itself, and a dropped MindSpore 2.10
-    Parameter is freed by Python's cycle collector, not by its reference count (measured: its drawn
-    array stays alive after the last reference goes, until `gc.collect()`), so each whole weight a
-    cut read would outlive its replacement for as long as the collector waits."""
-    if p.has_init and isinstance(p.init, LazyDraw):
-        x = np.empty(tuple(p.shape), np.float32)
-        p.init(x)  # LazyDraw._initialize: the eager build's numbers
-        return x
-    return p.asnumpy()
 
 
 def _draw(streams: InitStreams, shape: tuple[int, ...], std: float) -> Tensor:

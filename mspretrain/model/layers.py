@@ -134,6 +134,7 @@ class WeightCell(nn.Cell):
     def _cut(self, attr: str, group: Any) -> tuple[tuple[int, ...], Any] | None:
         """Replace Parameter `attr` by tp rank `group.rank`'s piece of it (same name, dtype and
         requires_grad): (its whole shape, where the piece lies), or None for a whole one."""
+        from mspretrain.model.lazy import whole_value
         from mspretrain.model.parallel import cut, piece_tensor
         from mspretrain.parallel.plan import tp_where
 
@@ -142,7 +143,9 @@ class WeightCell(nn.Cell):
         if where is None:
             return None
         name, dtype, grad, shape = p.name, p.dtype, p.requires_grad, tuple(p.shape)
-        setattr(self, attr, Parameter(piece_tensor(cut(p.asnumpy(), where), dtype, group.device), name, grad))
+        # whole_value: a lazily drawn weight is drawn into an array freed as soon as it is cut, not
+        # into the dropped Parameter (which only the cycle collector frees: model/lazy.py)
+        setattr(self, attr, Parameter(piece_tensor(cut(whole_value(p), where), dtype, group.device), name, grad))
         getattr(self, attr).name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
         return shape, where
 

@@ -126,8 +126,8 @@ class MoE(nn.Cell):
         each stack (model/params.py `ep_piece`: the parameter table says how an expert stack is
         cut), the router and the shared expert whole, and attach the dispatch and combine
         collectives of `group`. Returns {parameter name: (whole shape, where)} of the cut stacks."""
-        from mspretrain.model.decoder import whole_value
         from mspretrain.model.expert_parallel import AllToAllIds, AllToAllRows, GatherIds, GatherRows, ScatterRows, native
+        from mspretrain.model.lazy import whole_value
         from mspretrain.model.parallel import cut, piece_tensor
         from mspretrain.model.params import ep_piece
 
@@ -136,7 +136,7 @@ class MoE(nn.Cell):
             p = cell.weight
             name, dtype, grad, shape = p.name, p.dtype, p.requires_grad, tuple(p.shape)
             where = ep_piece(name, cfg, group.size, group.rank)
-            # whole_value: a lazily drawn stack is drawn into an array freed as soon as it is cut (model/decoder.py)
+            # whole_value: a lazily drawn stack is drawn into an array freed as soon as it is cut (model/lazy.py)
             cell.weight = Parameter(piece_tensor(cut(whole_value(p), where), dtype, group.device), name, grad)
             cell.weight.name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
             out[name] = (shape, where)

@@ -219,10 +219,12 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     red, gat = layout.largest_bucket_bytes()
     # expert parallel: the step takes the expert stacks out of the world's flat buckets into one
     # bucket of their own (step/zero_setup.py `ex`): a flat copy of all this rank's expert
-    # gradients, and its AllReduce's result over the expert-data-parallel group when it has ranks
+    # gradients and its AllReduce's result over the expert-data-parallel group; with one rank
+    # there (ep = devices) nothing is summed and the step takes each gradient as it is, no bucket
+    # (step/update.py kind 3, step/ep.py `expert_bucket_bytes`)
     xs = {j for j, i in enumerate(T) if expert[i]}
     wb = lambda j: 2 if layout.wire16[j] else 4  # noqa: E731
-    expert_t = sum(layout.sizes[j] * wb(j) for j in xs) * (2 if devices // ep > 1 else 1) if xs and devices > 1 else 0
+    expert_t = 2 * sum(layout.sizes[j] * wb(j) for j in xs) if xs and devices // ep > 1 else 0
     if xs and layout.reduce_flat:
         red = max(sum(n * wb(j) for j, n in zip(b.indices, b.sizes) if j not in xs) for b in layout.reduce_flat)
     if zero3:  # one collective per parameter: the largest one's gather and its gradient's reduction

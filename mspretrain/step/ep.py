@@ -61,7 +61,9 @@ def expert_mesh(plan: ParallelPlan, device: str, create: bool = True) -> ExpertM
         if create:
             from mindspore.communication import create_group
 
-            create_group(name, list(ranks), group_options("dp", device))
+            # each group its own HCCL buffer: `launch` plans the ep group's for the dispatch and the edp
+            # group's for the expert bucket (parallel/hccl.py `communicators`, MSPRETRAIN_HCCL_GROUP_MB ep=MB,edp=MB)
+            create_group(name, list(ranks), group_options(kind, device))
         return Group(ranks, rank, name=name, device=device)
 
     return ExpertMesh(ep=group("ep", plan.edp_rank, plan.ep_ranks, plan.ep_rank),
@@ -86,7 +88,9 @@ class EPTrainStep(WholeTensors, TrainStep):
         the expert stacks (TrainStep.collectives' layout counts them there), the stacks' own bucket
         over the edp group (none with one rank), the norm's ep sum; per micro-batch and MoE layer the
         dispatch (rows, ids), the combine and their two backward collectives, and the routing stats'
-        world sum (model/expert_parallel.py, step/objective.py). CPU forms sum ep-times-larger buffers."""
+        world sum (model/expert_parallel.py, step/objective.py), in the form the device runs (MoE's
+        `all_to_all`): the AllToAll form's send buffers hold a slot of N rows per ep rank, the CPU
+        gather form's AllReduce sums the whole group's buffer, so both hand over ep-times-N rows."""
         import mindspore as ms
 
         base = super().collectives(accumulation)
@@ -106,13 +110,33 @@ class EPTrainStep(WholeTensors, TrainStep):
         layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
         tokens = int(self.global_tokens) // max(1, self.world * accumulation)  # one rank's micro-batch
         D, K, E = cfg.dim, cfg.experts_per_token, cfg.num_experts
-        group = 1 if self.mesh.ep.device == "ascend" else n  # the CPU's AllReduce forms take the whole group's buffer
+        # one rank's N tokens: packed rows (D + K), expert ids (K, fp32 on the wire), outputs (D)
         rows, ids, out = tokens * (D + K) * e, tokens * K * 4, tokens * D * e
-        per_layer = rows * group + ids * group + out * n + out * group + rows * n
+        # Both forms hand over n*N rows each way, so one count serves both devices:
+        # - Ascend, the AllToAll form (model/moe.py MoE._expert_parallel, a2a_send): forward the
+        #   (n*N, D + K) send buffer, its (n*N, K) ids and the combine's (n*N, D) return; backward the
+        #   combine's and the dispatch's reverse exchanges of the same buffers (AllToAllRows.bprop);
+        # - CPU, the gather form as AllReduce sums (mccl): GatherRows and GatherIds sum each rank's rows
+        #   in its slot of an n*N buffer, ScatterRows the (n*N, D) partial outputs; backward ScatterRows'
+        #   gather and GatherRows' reduce-scatter, the same sums of n*N rows.
+        # (HCCL's gather form, no longer run, handed over N rows to gather and n*N to scatter.)
+        forward, backward = rows * n + ids * n + out * n, out * n + rows * n
+        per_layer = forward + backward
         stats = layers * self._moe_rows.count * E * 4
         calls += accumulation * (5 * layers + 1)
         nbytes += accumulation * (layers * per_layer + stats)
         return {"calls": calls, "bytes": nbytes}
+
+    def expert_bucket_bytes(self) -> int:
+        """Bytes of the expert stacks' bucket `_reduce` makes (step/update.py kind 3): the flat copy of
+        this rank's expert gradients on the wire and the edp group's sum of it; none with one edp
+        rank, where each gradient is taken as it is (plan's `collective_buffers`, preflight/costs.py)."""
+        import mindspore as ms
+
+        if self._ex is None or self.edp_sum is None:
+            return 0
+        _, sizes, wire = self._ex
+        return 2 * sum(sizes) * (2 if wire == ms.float16 else 4)
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         """The state with the experts' whole (gathered over the ep group: every rank takes part).

@@ -67,7 +67,7 @@ def mesh_for(plan: ParallelPlan, device: str, create: bool = True) -> Mesh:
 
 
 def group_options(kind: str, device: str, env: dict[str, str] | None = None) -> Any:
-    """`create_group`'s options for the `kind` ("tp" / "dp") group: on Ascend the HCCL buffer
+    """`create_group`'s options for the `kind` ("tp" / "dp" / "ep" / "edp") group: on Ascend the HCCL buffer
     `launch` planned for it (parallel/hccl.py `communicators`: each communicator takes 2 x its buffer of
     HBM outside the pool, so each is sized for its own largest collective), None otherwise (CPU,
     or no plan: the group takes HCCL_BUFFSIZE). MindSpore 2.10 communication/management.py,

@@ -154,10 +154,12 @@ def _slice_of(p: Parameter, world: int, rank: int, device: str) -> tuple[Paramet
     """This rank's 1-D slice of `p` (same name, dtype, requires_grad) and its gather."""
     n = int(np.prod(p.shape))
     a, b = slice_bounds(n, world, rank)
+    from mspretrain.model.lazy import whole_value
     from mspretrain.model.parallel import piece_tensor
 
-    # only the slice goes to the device (piece_tensor); the model was drawn on the host (train/build.py)
-    piece = Parameter(piece_tensor(p.asnumpy().reshape(-1)[a:b].copy(), p.dtype, device), p.name, p.requires_grad)
+    # only the slice goes to the device (piece_tensor); the model was drawn on the host (train/build.py),
+    # a lazily drawn weight into an array freed with this frame, not into `p` (model/lazy.py `whole_value`)
+    piece = Parameter(piece_tensor(whole_value(p).reshape(-1)[a:b].copy(), p.dtype, device), p.name, p.requires_grad)
     return piece, ShardedGather(tuple(p.shape), world, rank, device)
 
 

@@ -5,7 +5,8 @@ experts' activations and the dispatch by hand; the EP rows of the layout table; 
 
 The EP steps are built in this one process as tests/step/collective_probe.py builds each rank of a
 world (MindSpore's `get_rank` / `get_group_size` replaced where the collective primitives read
-them at construction, no `init()`): nothing is compiled or run, only the step's buffers counted."""
+them at construction, no `init()`): nothing is compiled, the step's buffers and collectives are
+counted, and one test runs its gradient reduction eagerly with the world's AllReduce a loopback."""
 from __future__ import annotations
 
 import math
@@ -34,8 +35,10 @@ def _qwen3_moe_plan(devices: int, *overrides: str) -> dict:
     return make_plan(cfg, devices=devices, tokens=None, data_dir=None, tokens_per_s_per_device=None)
 
 
-def _ep_step(monkeypatch, tiny_cfg, *, world: int, ep: int, zero: int, accumulation: int):
-    """Rank 0's EPTrainStep of a tiny bf16 MoE (bf16 matrices, fp32 masters) on `world` ranks."""
+def _ep_step(monkeypatch, tiny_cfg, *, world: int, ep: int, zero: int, accumulation: int, moe: dict | None = None,
+             device: str = "ascend", **kw):
+    """Rank 0's EPTrainStep of a tiny bf16 MoE (bf16 matrices, fp32 masters; fp16 on CPU) on `world` ranks;
+    `moe` overrides TINY_MOE, `kw` goes to the step."""
     from mindspore.ops.operations import comm_ops
 
     from mspretrain.model.decoder import Decoder, half_eligible
@@ -43,17 +46,17 @@ def _ep_step(monkeypatch, tiny_cfg, *, world: int, ep: int, zero: int, accumulat
     from mspretrain.step.ep import EPTrainStep, expert_mesh
 
     plan = ParallelPlan(world=world, rank=0, ep=ep, zero=zero)
-    mesh = expert_mesh(plan, "ascend", create=False)
+    mesh = expert_mesh(plan, device, create=False)
     sizes = {g.name: g.size for g in (mesh.ep, mesh.edp) if g.name}
     monkeypatch.setattr(comm_ops, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(comm_ops, "get_group_size", lambda group=None: sizes.get(group, world))
-    m = cfgmod.resolve_model(replace(tiny_cfg.model, **TINY_MOE), 512)
-    model = Decoder(m, dtype="bf16", attention="math", device="ascend", seed=0)
+    m = cfgmod.resolve_model(replace(tiny_cfg.model, **{**TINY_MOE, **(moe or {})}), 512)
+    model = Decoder(m, dtype="bf16" if device == "ascend" else "fp16", attention="math", device=device, seed=0)  # no bf16 on CPU
     half = half_eligible(model)
     model.apply_ep(mesh.ep)
     gb = tiny_cfg.train.global_batch
     step = EPTrainStep(model, tiny_cfg.optim, mesh=mesh, plan=plan, global_tokens=gb * tiny_cfg.data.seq_len,
-                       half_params=half, accumulation=accumulation, bucket_mb=0.01, device="ascend")
+                       half_params=half, accumulation=accumulation, bucket_mb=0.01, device=device, **kw)
     cfg = replace(tiny_cfg, model=m, parallel=replace(tiny_cfg.parallel, ep=ep),
                   precision=replace(tiny_cfg.precision, dtype="bf16", param_dtype="compute"),
                   optim=replace(tiny_cfg.optim, shard_optimizer=zero >= 1, bucket_mb=0.01),
@@ -82,6 +85,80 @@ def test_ep_plan_bytes_are_the_buffers_the_ep_step_allocates(monkeypatch, tiny_c
     whole = dict(param_shapes(m))
     local = dict(zip(step.names, step.sizes))
     assert step.whole_shapes and all(math.prod(whole[n]) == math.prod(s) == ep * local[n] for n, s in step.whole_shapes.items())
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
+def test_the_expert_bucket_is_planned_as_the_step_makes_it(monkeypatch, tiny_cfg, world, ep):
+    """The expert stacks' gradient bucket (a flat copy and the edp group's sum of it) is in plan's
+    collective buffers exactly when the step makes it: with edp ranks to sum over (EP2 x EDP2),
+    not at ep = world, where the step takes each expert gradient as it is (step/update.py kind 3).
+    Experts wide enough that their bucket would be the largest collective buffer."""
+    from mindspore import float16
+
+    from mspretrain.preflight.costs import memory_model
+
+    step, cfg, m = _ep_step(monkeypatch, tiny_cfg, world=world, ep=ep, zero=0, accumulation=1, moe={"moe_ffn_dim": 256})
+    mem, _ = memory_model(m, cfg, devices=world, micro=1, accum=1, zero=False, shard_grads=False,
+                          recompute=False, flash=False, target="ascend")
+    expert = sum(n for name, n in zip(step.names, step.sizes) if name in step.whole_shapes)
+    assert step.expert_bucket_bytes() == (0 if world == ep else 2 * 4 * expert)
+    largest = max(sum(sizes) * (2 if wire == float16 else 4) for _, sizes, wire in step._ar if sizes)
+    assert 4 * expert > 2 * largest  # the flat copy alone outweighs the world's largest bucket and its result
+    assert mem["collective_buffers"] == max(2 * largest, step.expert_bucket_bytes())
+
+
+def test_ep_world_leaves_the_expert_gradients_unrounded_on_an_fp16_wire(monkeypatch, tiny_cfg):
+    """precision.allreduce_dtype=fp16 rounds what is sent; at ep = world the expert stacks' gradients
+    are sent nowhere (one edp rank), so `_reduce` hands them on bit for bit, without a flat copy,
+    while the world's buckets cross in fp16. Eager, the world's AllReduce a loopback (no init())."""
+    import mindspore as ms
+    import numpy as np
+
+    from mspretrain.model.params import fp16_wire
+    from mspretrain.step import update
+
+    step, _, _ = _ep_step(monkeypatch, tiny_cfg, world=2, ep=2, zero=0, accumulation=1, allreduce_fp16=True, jit=False)
+    assert step.edp_sum is None and step._ex[2] == ms.float16
+    flats: list = []
+    real_flat = update._flat
+    monkeypatch.setattr(update, "_flat", lambda parts: flats.append(len(parts)) or real_flat(parts))
+    step.allreduce = lambda x: x
+    rng = np.random.default_rng(0)
+    grads = [(1 + rng.random(p.shape, np.float32) * 1e-3).astype(np.float32) for p in step.params]
+    out, _ = step._reduce([ms.Tensor(g) for g in grads])
+    got = {step.names[i]: o.asnumpy() for i, o in zip(step._order, out)}
+    for i, name in enumerate(step.names):
+        if name in step.whole_shapes:
+            assert got[name].dtype == np.float32 and np.array_equal(got[name], grads[i]), name
+        elif fp16_wire(name):  # the world's buckets: rounded to fp16 on the wire
+            assert np.array_equal(got[name], grads[i].astype(np.float16).astype(np.float32)), name
+    assert len(flats) == sum(kind == 0 for kind, _ in step._schedule)  # the world's buckets only
+
+
+@pytest.mark.parametrize("device", ["ascend", "cpu"])
+def test_the_ep_steps_collectives_count_the_form_its_device_runs(monkeypatch, tiny_cfg, device):
+    """EPTrainStep.collectives per MoE layer and micro-batch: Ascend runs the AllToAll form
+    (AllToAllRows / AllToAllIds: each send buffer n*N rows), CPU the gather form as AllReduce sums
+    (each buffer the group's n*N rows): forward rows + ids + outputs, backward outputs + rows, each
+    n*N of one rank's N tokens; 5 calls. ep 2 = world (ZeRO 0): plus the norm's ep sum and the
+    routing stats' world sum, the expert stacks out of the world's buckets and sent nowhere."""
+    from mspretrain.model.expert_parallel import AllToAllIds, AllToAllRows, GatherIds, GatherRows, ScatterRows
+    from mspretrain.step.step import TrainStep
+
+    accumulation = 2
+    step, _, m = _ep_step(monkeypatch, tiny_cfg, world=2, ep=2, zero=0, accumulation=accumulation, device=device)
+    moe = step.model.layers[0].mlp
+    kinds = (AllToAllRows, AllToAllIds, AllToAllRows) if device == "ascend" else (GatherRows, GatherIds, ScatterRows)
+    assert tuple(type(c) for c in (moe.dispatch, moe.dispatch_ids, moe.combine)) == kinds and moe.all_to_all == (device == "ascend")
+    n, N = 2, tiny_cfg.train.global_batch * tiny_cfg.data.seq_len // (2 * accumulation)
+    D, K, E = m.dim, m.experts_per_token, m.num_experts
+    rows, ids, out = n * N * (D + K) * 2, n * N * K * 4, n * N * D * 2  # bf16 (CPU: fp16) rows and outputs, fp32 ids
+    base = TrainStep.collectives(step, accumulation)
+    expert = sum(math.prod(s) // n for s in step.whole_shapes.values())
+    stats = step._moe_rows.count * E * 4
+    assert step.collectives(accumulation) == {
+        "calls": base["calls"] + 1 + accumulation * (5 + 1),
+        "bytes": base["bytes"] + 4 - 4 * expert + accumulation * (rows + ids + out + out + rows + stats)}
 
 
 def test_routed_activations_and_the_dispatch_by_hand():
@@ -192,6 +269,29 @@ def test_an_ep_run_plans_a_buffer_for_each_of_its_communicators():
     assert sum(2 * c["buffsize_mb"] for c in ep8.values()) <= HCCL_ROOM_MB < 2 * 3 * 1024
     env = {GROUP_BUFFSIZE_ENV: group_buffsize_env(list(ep8.values()))}
     assert env[GROUP_BUFFSIZE_ENV] == "ep=200,edp=341" and (group_buffsize("ep", env), group_buffsize("edp", env)) == (200, 341)
+
+
+def test_each_ep_group_is_created_with_its_own_planned_buffer(monkeypatch):
+    """step/ep.py `expert_mesh` creates the ep and the edp group with the HCCL buffer `launch`
+    planned for each (MSPRETRAIN_HCCL_GROUP_MB ep=MB,edp=MB), not the dp group's; on CPU none.
+    No HCCL: `create_group` is recorded, not called."""
+    import mindspore.communication as comm
+
+    from mspretrain.parallel.hccl import GROUP_BUFFSIZE_ENV
+    from mspretrain.parallel.plan import ParallelPlan
+    from mspretrain.step.ep import expert_mesh
+
+    made: dict = {}
+    monkeypatch.setattr(comm, "create_group", lambda name, ranks, options=None: made.update({name: (ranks, options)}))
+    monkeypatch.setenv(GROUP_BUFFSIZE_ENV, "ep=200,edp=341,dp=100")
+    mesh = expert_mesh(ParallelPlan(world=16, rank=9, ep=8), "ascend")  # EP8 x EDP2: rank 9 is ep rank 1 of the second server
+    assert (mesh.ep.name, mesh.edp.name) == ("ep_1", "edp_1")
+    assert made["ep_1"][0] == list(range(8, 16)) and made["edp_1"][0] == [1, 9]
+    assert made["ep_1"][1].hccl_config == {"hccl_buffer_size": 200}
+    assert made["edp_1"][1].hccl_config == {"hccl_buffer_size": 341}
+    made.clear()
+    expert_mesh(ParallelPlan(world=16, rank=9, ep=8), "cpu")
+    assert set(made) == {"ep_1", "edp_1"} and all(options is None for _, options in made.values())
 
 
 def test_train_takes_the_preset(tmp_path, tiny_data, capsys):
