@@ -78,7 +78,7 @@ from mspretrain.model.layers import (
     relay,
     use_fused_kernels,
 )
-from mspretrain.model.lazy import LazyDraw, whole_value
+from mspretrain.model.lazy import LazyDraw, send_undrawn
 from mspretrain.model.moe import MoE
 from mspretrain.model.moe_kernels import select_grouped
 
@@ -341,7 +341,7 @@ class Decoder(nn.Cell):
         A model built for the cut (`host_weights`, on an NPU: each weight drawn when first read,
         `LazyDraw`): each expert stack is drawn on the host, cut, and only this rank's E/ep experts
         go to the device; then every weight the cut did not read (attention, router, embedding,
-        lm_head: replicated over the ep group) is drawn and sent whole, one at a time (`_send_undrawn`),
+        lm_head: replicated over the ep group) is drawn and sent whole, one at a time (model/lazy.py `send_undrawn`),
         so neither the host nor the device ever holds the whole model (train/build.py `builds_on_host`)."""
         from mspretrain.model.expert_parallel import ExpertSplit
 
@@ -349,26 +349,9 @@ class Decoder(nn.Cell):
         for layer in self.layers:
             if layer.sparse:
                 cut.update(layer.mlp.apply_ep(group, self.cfg))
-        self._send_undrawn(group.device)
+        send_undrawn(self, group.device)
         self.ep_split = ExpertSplit(group, {k: s for k, (s, _) in cut.items()}, {k: w for k, (_, w) in cut.items()})
         return self.ep_split
-
-    def _send_undrawn(self, device: str) -> None:
-        """Every weight still undrawn (`LazyDraw`: a model built with `host_weights` on an NPU) drawn on
-        the host and replaced by a Parameter on the device (model/parallel.py `piece_tensor`, the piece
-        being the whole), one at a time: the host holds one whole weight, the device what the eager
-        build streamed there (`_draw`). The numbers are the eager build's (a weight's streams are fixed
-        by its index at creation). A model with nothing undrawn (the CPU, a loaded `--init-from`) is left as it is."""
-        from mspretrain.model.parallel import piece_tensor
-
-        for _, cell in self.cells_and_names():
-            for attr in [k for k, p in cell.parameters_and_names(expand=False) if p.has_init]:
-                p = getattr(cell, attr)
-                name, grad = p.name, p.requires_grad
-                # positionally, a temporary (see `_normal`); the whole array is dropped with it, the old Parameter undrawn
-                setattr(cell, attr, Parameter(piece_tensor(whole_value(p), p.dtype, device), name, grad))
-                getattr(cell, attr).name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
-                del p
 
     def _head(self, x: Tensor, token: Tensor | None = None) -> Tensor:
         B, T = x.shape[0], x.shape[1]

@@ -44,3 +44,23 @@ def whole_value(p: Parameter) -> np.ndarray:
         p.init(x)  # LazyDraw._initialize: the eager build's numbers
         return x
     return p.asnumpy()
+
+
+def send_undrawn(model: Any, device: str) -> None:
+    """Every weight of `model` (a Cell) still undrawn (`LazyDraw`: a model built with `host_weights` on
+    an NPU) drawn on the host and replaced by a Parameter on the device (model/parallel.py
+    `piece_tensor`, the piece being the whole), one at a time: the host holds one whole weight, the
+    device what the eager build streamed there (model/decoder.py `_draw`). The numbers are the eager
+    build's (a weight's streams are fixed by its index at creation). A model with nothing undrawn
+    (the CPU, a loaded `--init-from`) is left as it is. Expert parallel's cut calls it after cutting
+    the expert stacks (model/decoder.py `Decoder.apply_ep`)."""
+    from mspretrain.model.parallel import piece_tensor
+
+    for _, cell in model.cells_and_names():
+        for attr in [k for k, p in cell.parameters_and_names(expand=False) if p.has_init]:
+            p = getattr(cell, attr)
+            name, grad = p.name, p.requires_grad
+            # positionally, a temporary (see decoder.py `_normal`); the whole array is dropped with it, the old Parameter undrawn
+            setattr(cell, attr, Parameter(piece_tensor(whole_value(p), p.dtype, device), name, grad))
+            getattr(cell, attr).name = name  # the Cell may prefix a Parameter assigned later: keep the model's name
+            del p
