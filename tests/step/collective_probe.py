@@ -6,18 +6,16 @@ processes at once, each for its share of the cases the session selected: MindSpo
 Why a separate process: it replaces `get_rank` / `get_group_size` in MindSpore's
 `ops/operations/comm_ops.py` (the collective primitives read the world there at construction:
 AllGather's `rank`/`rank_size`, ReduceScatter's `rank_size`), so that rank r of a world of N is
-built in one CPU process without `init()`, and it sets `MS_DEV_PRECOMPILE_ONLY=1`:
-`_JitExecutor.__call__` compiles the graph and returns None without running it
-(mindspore/graph/api.py, `__call__` and `compile_frontend`), so no collective kernel is launched and
-no communication library is needed. The graph read is the one the frontend pipeline leaves in the
-graph executor under the compilation's phase (`_JitExecutor.compile` returns the phase, recorded
-here by a wrapper: `_phases`), as MindSpore's own `_get_func_graph_proto(..., "anf_ir")` serialises it
-(an `anf_ir_pb2.ModelProto`, mindspore/train/anf_ir_pb2.py): the graph the backend is handed, every
-frontend pruning (`jit_opt_a` removes a node whose result nothing uses, despite the primitive's
-`no_eliminate` attribute) already done. Until round nine the probe had MindSpore write that graph as
-text (`MS_DEV_SAVE_GRAPHS=1`, `MS_DEV_DUMP_IR_PASSES=backend_pass`) and parsed the file: the same
-collectives in the same order for every rank of every case (compared once, all 44 ranks), at ~2.5 s
-more CPU a rank, which IR saving costs the compiler even when one pass is written.
+built in one CPU process without `init()`, and it sets MindSpore's IR dump switches, read by the
+compiler:
+- `MS_DEV_PRECOMPILE_ONLY=1`: `_JitExecutor.__call__` compiles the graph and returns None without
+  running it (mindspore/graph/api.py, `__call__` and `compile_frontend`), so no collective kernel is
+  launched and no communication library is needed.
+- `MS_DEV_SAVE_GRAPHS=1` with `MS_DEV_DUMP_IR_PASSES=backend_pass`: only the IR after the last
+  frontend pass (`NN_backend_pass_NNNN.ir`) is written, into `MS_DEV_SAVE_GRAPHS_PATH`, which the
+  compiler reads per compilation (one folder per case, rank and graph here). That is the graph the
+  backend is handed: every frontend pruning (`jit_opt_a` removes a node whose result nothing uses,
+  despite the primitive's `no_eliminate` attribute) has already happened.
 The device is "ascend" for the step and the model (ReduceScatter and AllGather instead of the CPU's
 AllReduce forms, no chaining of collectives: step/step.py `_chain`), attention is the math path
 (the flash kernel's infer needs no NPU, but nothing here is about attention).
@@ -26,8 +24,8 @@ Several cases in one process: nothing the step builds is kept per world outside 
 rank (the primitives read `get_rank` / `get_group_size` when they are constructed, which happens
 anew for each rank's model and step; the tp and dp group names are fixed strings the replaced
 functions map to this rank's sizes; MindSpore's compile cache keys a graph on its object's id and
-creation time, and every compilation's phase must be new: a phase seen before, a graph served from
-that cache to another rank, fails the probe in `_last_phase`). Each rank's step and model are locals of `probe_rank`,
+creation time, and each rank's IR is read from a folder of its own, which a reused graph would
+leave empty: `_final_ir` fails then). Each rank's step and model are locals of `probe_rank`,
 freed before the next rank (on return, then `gc.collect()` for their reference cycles), and
 MindSpore's cache of compiled graphs is emptied (`ms.ms_memory_recycle`), so the memory stays about
 that of one rank's compilation and no graph of one rank can be served to another.
@@ -38,78 +36,48 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 COLLECTIVES = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "AlltoAll")
+# `  %12(CNode_34$prev) = ReduceScatter(%11) primitive_attrs: {group: "hccl_world_group", ...}`
+# followed by `      : (<Tensor[Float32], (32768)>) -> (<Tensor[Float32], (8192)>)`
+_NODE = re.compile(r"^\s*%\d+\([^)]*\) = (" + "|".join(COLLECTIVES) + r")\((.*)$")
+_GROUP = re.compile(r'group: "([^"]*)"')
+_ROOT = re.compile(r"root_rank: I64\((-?\d+)\)")
 FAMILIES = {"llama": {}, "qwen2": {"family": "qwen2", "qkv_bias": True},
             "qwen3": {"family": "qwen3", "qk_norm": True, "head_dim": 16},
             # expert parallel's cases (EP > 1): 4 experts, top-2, the balance loss on (its stats' world sum)
             "qwen3_moe": {"family": "qwen3_moe", "qk_norm": True, "head_dim": 16, "num_experts": 4, "experts_per_token": 2,
                           "moe_ffn_dim": 32, "router_aux_loss_coef": 0.01}}
-_phases: list[tuple[object, str]] = []  # (executor, phase) of every compilation of this process, in order
+_TYPES = re.compile(r"^\s*: \((.*)\) -> \((.*)\)\s*$")
 
 
-def type_name(t) -> str:
-    """An anf_ir `TypeProto` as text: `Tensor[FLOAT32](32768)`, `Tuple[Tensor[...], ...]`."""
-    from mindspore.train import anf_ir_pb2 as pb
-
-    kind = pb.DataType.Name(t.data_type).removeprefix("DT_")
-    if t.HasField("tensor_type"):
-        dims = ",".join(str(d.size) for d in t.tensor_type.shape.dim)
-        return f"Tensor[{pb.DataType.Name(t.tensor_type.elem_type).removeprefix('DT_')}]({dims})"
-    if t.HasField("sequence_type"):
-        return f"{kind.title()}[{', '.join(type_name(e) for e in t.sequence_type.elem_types)}]"
-    return kind
-
-
-def collectives_in_graph(graph) -> list[list[str]]:
-    """[kind, group, input types, output type, root] of every collective node of an anf_ir
-    `GraphProto`, in the graph's node order (the backend's execution order follows it for nodes no
-    data dependency orders otherwise). `root`: a Broadcast's `root_rank` attribute, which HCCL reads as
-    the root's rank inside the group (model/parallel.py `Group.broadcast`); "" for the others."""
-    types = {p.name: type_name(p.type) for p in graph.parameters}
-    types.update((n.name, type_name(n.output_type)) for n in graph.node)
+def collectives_in_ir(text: str) -> list[list[str]]:
+    """[kind, group, input types, output types, root] of every collective node, in the IR's order
+    (the order of the graph's node list, which the backend's execution order follows for nodes with
+    no data dependency forcing another). `root`: a Broadcast's `root_rank` attribute, which HCCL
+    reads as the root's rank inside the group (model/parallel.py `Group.broadcast`); "" for the others."""
     out: list[list[str]] = []
-    for node in graph.node:
-        if node.op_type not in COLLECTIVES:
+    lines = text.splitlines()
+    for n, line in enumerate(lines):
+        m = _NODE.match(line)
+        if not m:
             continue
-        attrs = {a.name: a.value for a in node.attribute}
-        group = attrs["group"].str_val if "group" in attrs else ""
-        root = str(attrs["root_rank"].int_val) if node.op_type == "Broadcast" and "root_rank" in attrs else ""
-        inputs = ", ".join(types.get(i.name, "const") for i in node.input if i.type == i.DATA_EDGE)
-        out.append([node.op_type, group, inputs, type_name(node.output_type), root])
+        group = _GROUP.search(m.group(2))
+        types = _TYPES.match(lines[n + 1]) if n + 1 < len(lines) else None
+        root = _ROOT.search(m.group(2))
+        out.append([m.group(1), group.group(1) if group else "", types.group(1) if types else "?",
+                    types.group(2) if types else "?", root.group(1) if root else ""])
     return out
 
 
-def _record_phases() -> None:
-    """Wrap `_JitExecutor.compile` (mindspore/graph/api.py: it returns the phase under which the graph
-    executor keeps the compiled graph) so that each compilation's phase is recorded."""
-    from mindspore.graph import api
-
-    compile_ = api._JitExecutor.compile
-
-    def compile(self, *args, **kwargs):
-        phase = compile_(self, *args, **kwargs)
-        _phases.append((self, phase))
-        return phase
-    api._JitExecutor.compile = compile
-
-
-def _last_phase(before: int):
-    """The graph of the one compilation since `_phases` held `before` entries, as a GraphProto: a
-    compilation there must be, under a phase no earlier one had (a reused graph would be another rank's)."""
-    from mindspore.train import anf_ir_pb2
-
-    new = _phases[before:]
-    if len(new) != 1:
-        raise SystemExit(f"expected one compilation, found {len(new)}")
-    executor, phase = new[0]
-    if any(p == phase for _, p in _phases[:before]):
-        raise SystemExit(f"phase {phase} was compiled before: a cached graph, not this rank's")
-    model = anf_ir_pb2.ModelProto()
-    model.ParseFromString(executor._graph_executor.get_func_graph_proto(phase, "anf_ir", False))
-    return model.graph
+def _final_ir(folder: Path) -> str:
+    files = sorted(folder.glob("*backend_pass*.ir"))
+    if len(files) != 1:
+        raise SystemExit(f"expected one backend_pass IR file in {folder}, found {[f.name for f in files]}")
+    return files[0].read_text(encoding="utf-8")
 
 
 def parse_case(text: str) -> tuple[int, int, int, str] | tuple[int, int, int, str, int]:
@@ -142,10 +110,9 @@ def main() -> None:
     ap.add_argument("--case", type=parse_case, action="append", required=True, help="W,Z,TP[,FAMILY[,EP]]")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    os.environ.update({"GLOG_v": "3", "MS_DEV_PRECOMPILE_ONLY": "1"})
+    os.environ.update({"GLOG_v": "3", "MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "backend_pass",
+                       "MS_DEV_PRECOMPILE_ONLY": "1"})
     import mindspore as ms
-
-    _record_phases()
 
     result: dict[str, dict[str, dict]] = {}
     for case in args.case:
@@ -233,8 +200,8 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
 
 
 def compile_graphs(step, out: Path, members: dict[str, list[int]]) -> dict[str, list[list]]:
-    """Compile the step's three graphs (fused; accumulate / apply) and read each one's collectives
-    (`_compiled`). `out` is unused since the graphs are read from the executor (kept for the callers)."""
+    """Compile the step's three graphs (fused; accumulate / apply), each's IR dumped into a folder
+    of its own below `out`, and read each one's collectives (`_compiled`)."""
     import mindspore as ms
     import numpy as np
 
@@ -245,21 +212,22 @@ def compile_graphs(step, out: Path, members: dict[str, list[int]]) -> dict[str, 
               "apply": lambda: step._apply(one, one)}
     out_graphs = {}
     for name, compile_graph in graphs.items():
+        folder = out / name
+        os.environ["MS_DEV_SAVE_GRAPHS_PATH"] = str(folder)
         if name == "accumulate":
             step._ensure_accum()
-        before = len(_phases)
         compile_graph()
-        out_graphs[name] = _compiled(_last_phase(before), members)
+        out_graphs[name] = _compiled(folder, members)
     return out_graphs
 
 
-def _compiled(graph, members: dict[str, list[int]]) -> list[list]:
+def _compiled(folder: Path, members: dict[str, list[int]]) -> list[list]:
     """Each collective of the graph compiled into `folder`: [kind, group kind (tp / dp / ep / edp:
     the names differ between groups), input and output types, root inside the group, the group's
     world ranks]."""
     return [[kind, group.split("_")[0] if group.split("_")[0] in ("tp", "dp", "ep", "edp") else group, t_in, t_out, root,
              members.get(group or "hccl_world_group")]
-            for kind, group, t_in, t_out, root in collectives_in_graph(graph)]
+            for kind, group, t_in, t_out, root in collectives_in_ir(_final_ir(folder))]
 
 
 def probe_ep_rank(world: int, zero: int, ep: int, family: str, rank: int, out: Path) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.step.collective_probe import COLLECTIVES, case_key, collectives_in_graph
+from tests.step.collective_probe import COLLECTIVES, case_key, collectives_in_ir
 
 pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each, 1 layer) in two subprocesses
 
@@ -142,38 +142,15 @@ def test_every_rank_keeps_every_collective_the_step_issues(compiled, world, zero
             assert len(kept) == graphs["traced"][graph], f"rank {r}, {graph} graph, world {world}, ZeRO-{zero}, tp {tp}, ep {ep}, {family}: {kept}"
 
 
-def test_the_graph_reader_finds_kind_group_types_and_root():
-    """`collectives_in_graph` on a hand-built anf_ir graph (the form MindSpore serialises a compiled
-    graph in): a collective's input types come from the node or parameter it reads, in node order;
-    a node whose name merely starts like a collective's is not one."""
-    from mindspore.train import anf_ir_pb2 as pb
-
-    def tensor(t, elem, *dims):
-        t.data_type = pb.DT_TENSOR
-        t.tensor_type.elem_type = elem
-        for d in dims:
-            t.tensor_type.shape.dim.add().size = d
-
-    g = pb.GraphProto()
-    p = g.parameters.add(name="grads")
-    tensor(p.type, pb.DT_FLOAT32, 32768)
-
-    def node(name, op, src, *attrs):
-        n = g.node.add(name=name, op_type=op)
-        n.input.add(name=src, type=pb.InputProto.DATA_EDGE)
-        for key, kind, val in attrs:
-            a = n.attribute.add(name=key)
-            a.value.dtype = kind
-            setattr(a.value, "str_val" if kind == pb.DT_STRING else "int_val", val)
-        return n
-    tensor(node("7", "ReduceScatter", "grads", ("group", pb.DT_STRING, "hccl_world_group"),
-                ("rank_size", pb.DT_INT64, 4)).output_type, pb.DT_FLOAT32, 8192)
-    tensor(node("8", "AllReduceish", "7").output_type, pb.DT_FLOAT32, 8192)
-    tensor(node("9", "AllReduce", "8", ("group", pb.DT_STRING, "g2")).output_type, pb.DT_BFLOAT16, 4)
-    out = node("10", "Broadcast", "9", ("root_rank", pb.DT_INT64, 1), ("group", pb.DT_STRING, "dp_1")).output_type
-    out.data_type = pb.DT_TUPLE
-    tensor(out.sequence_type.elem_types.add(), pb.DT_FLOAT32, 4)
-    assert collectives_in_graph(g) == [
-        ["ReduceScatter", "hccl_world_group", "Tensor[FLOAT32](32768)", "Tensor[FLOAT32](8192)", ""],
-        ["AllReduce", "g2", "Tensor[FLOAT32](8192)", "Tensor[BFLOAT16](4)", ""],
-        ["Broadcast", "dp_1", "Tensor[BFLOAT16](4)", "Tuple[Tensor[FLOAT32](4)]", "1"]]
+def test_the_ir_reader_finds_kind_group_and_types():
+    text = ('  %7(CNode_1$prev) = ReduceScatter(%6) primitive_attrs: {group: "hccl_world_group", rank_size: I64(4)}\n'
+            "      : (<Tensor[Float32], (32768)>) -> (<Tensor[Float32], (8192)>)\n"
+            "  %8(CNode_2$x) = AllReduceish(%7)\n"
+            '  %9(CNode_3) = AllReduce(%8) primitive_attrs: {group: "g2", op: "sum"}\n'
+            "      : (<Tensor[BFloat16], (4)>) -> (<Tensor[BFloat16], (4)>)\n")
+    text += ('  %10(CNode_4) = Broadcast(%9) primitive_attrs: {root_rank: I64(1), group: "dp_1", no_eliminate: Bool(1)}\n'
+             "      : (<Tuple[Tensor[Float32]]>) -> (<Tuple[Tensor[Float32]]>)\n")
+    assert collectives_in_ir(text) == [
+        ["ReduceScatter", "hccl_world_group", "<Tensor[Float32], (32768)>", "<Tensor[Float32], (8192)>", ""],
+        ["AllReduce", "g2", "<Tensor[BFloat16], (4)>", "<Tensor[BFloat16], (4)>", ""],
+        ["Broadcast", "dp_1", "<Tuple[Tensor[Float32]]>", "<Tuple[Tensor[Float32]]>", "1"]]
