@@ -1,6 +1,6 @@
 """Compile the real train step for every rank of each given case (world, ZeRO stage, tp, model
-family), as the Ascend path builds it, and print each rank's ordered collectives per graph as JSON,
-`{"W-Z-TP-FAMILY": {rank: {...}}}` (run as a script by tests/step/test_collective_sequence.py, two
+family, expert parallel), as the Ascend path builds it, and print each rank's ordered collectives
+per graph as JSON, `{"W-Z-TP-FAMILY[-epN]": {rank: {...}}}` (run as a script by tests/step/test_collective_sequence.py, two
 processes at once, each for its share of the cases the session selected: MindSpore is imported once per process).
 
 Why a separate process: it replaces `get_rank` / `get_group_size` in MindSpore's
@@ -48,7 +48,8 @@ _GROUP = re.compile(r'group: "([^"]*)"')
 _ROOT = re.compile(r"root_rank: I64\((-?\d+)\)")
 FAMILIES = {"llama": {}, "qwen2": {"family": "qwen2", "qkv_bias": True},
             "qwen3": {"family": "qwen3", "qk_norm": True, "head_dim": 16},
-            # expert parallel's cases (EP > 1): 4 experts, top-2, the balance loss on (its stats' world sum)
+            # the MoE cases (expert parallel, and ZeRO-3 at ep 1): 4 experts, top-2, the balance loss on
+            # (its stats' world sum)
             "qwen3_moe": {"family": "qwen3_moe", "qk_norm": True, "head_dim": 16, "num_experts": 4, "experts_per_token": 2,
                           "moe_ffn_dim": 32, "router_aux_loss_coef": 0.01}}
 _TYPES = re.compile(r"^\s*: \((.*)\) -> \((.*)\)\s*$")
@@ -82,7 +83,8 @@ def _final_ir(folder: Path) -> str:
 
 def parse_case(text: str) -> tuple[int, int, int, str] | tuple[int, int, int, str, int]:
     """`W,Z,TP[,FAMILY[,EP]]` (FAMILY llama by default) -> (world, zero, tp, family[, ep]). EP > 1
-    (expert parallel, step/ep.py): qwen3_moe, tp 1 and ZeRO 0 or 1 (the plan refuses ZeRO-2/3 with ep)."""
+    (expert parallel, step/ep.py): qwen3_moe, tp 1 and ZeRO 0, 1 or 2 (the plan refuses ZeRO-3 with
+    ep). qwen3_moe at ep 1: ZeRO 1-3 over the world, tp 1 (model/block.py refuses tp for an MoE layer)."""
     parts = text.split(",")
     if len(parts) not in (3, 4, 5):
         raise argparse.ArgumentTypeError(f"--case W,Z,TP[,FAMILY[,EP]], not {text!r}")
@@ -91,11 +93,11 @@ def parse_case(text: str) -> tuple[int, int, int, str] | tuple[int, int, int, st
     ep = int(parts[4]) if len(parts) == 5 else 1
     moe = family == "qwen3_moe"
     if ep > 1:
-        if not moe or zero not in (0, 1) or tp != 1 or world % ep:
-            raise argparse.ArgumentTypeError(f"--case {text!r}: expert parallel needs qwen3_moe, ZeRO 0 or 1, tp 1, ep dividing the world")
+        if not moe or zero not in (0, 1, 2) or tp != 1 or world % ep:
+            raise argparse.ArgumentTypeError(f"--case {text!r}: expert parallel needs qwen3_moe, ZeRO 0-2, tp 1, ep dividing the world")
         return world, zero, tp, family, ep
-    if zero not in (1, 2, 3) or family not in FAMILIES or moe or world < 1 or tp < 1 or world % tp:
-        raise argparse.ArgumentTypeError(f"--case {text!r}: ZeRO 1-3, tp dividing the world, family in {tuple(FAMILIES)[:3]}")
+    if zero not in (1, 2, 3) or family not in FAMILIES or world < 1 or tp < 1 or world % tp or (moe and tp != 1):
+        raise argparse.ArgumentTypeError(f"--case {text!r}: ZeRO 1-3, tp dividing the world (1 for qwen3_moe), family in {tuple(FAMILIES)}")
     return world, zero, tp, family
 
 
@@ -105,8 +107,9 @@ def case_key(world: int, zero: int, tp: int, family: str, ep: int = 1) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    # (world, ZeRO stage, tensor parallel (step/tp.py: world = tp x dp), model family); family
-    # qwen2 / qwen3 for ZeRO-3's gathers anchored on another gather's result (q/k/v bias, QK-norm)
+    # (world, ZeRO stage, tensor parallel (step/tp.py: world = tp x dp), model family, expert
+    # parallel); family qwen2 / qwen3 for ZeRO-3's gathers anchored on another gather's result (q/k/v
+    # bias, QK-norm), qwen3_moe for an MoE layer (ep > 1: step/ep.py; ep 1: ZeRO over the world)
     ap.add_argument("--case", type=parse_case, action="append", required=True, help="W,Z,TP[,FAMILY[,EP]]")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -147,7 +150,7 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
 
     # One layer, not tiny.toml's two: what this checks is per rank and per collective (which
     # bucket, split parameter or gathered weight a rank reads), and a second layer only repeats the
-    # first's nodes; one layer compiles in about half the time (30 ranks x 3 graphs). Planted, the
+    # first's nodes; one layer compiles in about half the time (50 ranks x 3 graphs). Planted, the
     # bug this file guards (`_reduce` returning its last result without the others behind it) still
     # fails it at world 2: rank 1 kept 3 AllReduces, rank 0 2 (measured).
     m = cfgmod.resolve_model(replace(cfg.model, n_layers=1, **FAMILIES[family]), 512)
@@ -179,7 +182,11 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
     # owners' partial sums (sharded gradients), the gathers (`_gather`)
     sg = int(step.shard_grads)
     reduce, gather = len(step._schedule), len(step._ag) + len(step._ag_single)
-    traced = {"fused": reduce + 1 + sg + gather, "accumulate": reduce * sg, "apply": reduce * (1 - sg) + 1 + sg + gather}
+    # an MoE (qwen3_moe at ep 1): each micro-batch's routing stats summed over the world in the
+    # model's graph (step/objective.py `stats_sum`, before any backward collective)
+    stats = int(step._moe_stats and step.world > 1)
+    traced = {"fused": reduce + 1 + sg + gather + stats, "accumulate": reduce * sg + stats,
+              "apply": reduce * (1 - sg) + 1 + sg + gather}
     if tp > 1:  # the model's f and g (one collective each) and the loss's three, then the norm's tp sum
         in_model = sum(isinstance(c, (CopyToTP, ReduceFromTP)) for _, c in model.cells_and_names()) + 3
         if dp == 1:
@@ -187,8 +194,14 @@ def probe_rank(world: int, zero: int, tp: int, family: str, rank: int, out: Path
         traced = {"fused": traced["fused"] + in_model + 1, "accumulate": traced["accumulate"] + in_model,
                   "apply": traced["apply"] + 1}
     if step.zero3:  # in the model's graph: a gather per sharded weight forward, a reduce-scatter backward
-        weights = len(gathered(model))
-        traced = {"fused": 2 * weights + 2, "accumulate": 2 * weights, "apply": 2}
+        names = [name for name, _, _ in gathered(model)]
+        # every trained parameter is sliced and gathered where it is used (an MoE's router and its
+        # `Stacked` w13 / w2: model/moe.py `MoE.pull`): one left out of `gathered` would be left out
+        # of the count too, and a graph lacking its gather would pass
+        if sorted(names) != sorted(step.names):
+            raise SystemExit(f"ZeRO-3 gathers {sorted(set(names) ^ set(step.names))} not as trained")
+        weights = len(names)
+        traced = {"fused": 2 * weights + 2 + stats, "accumulate": 2 * weights + stats, "apply": 2}
     result: dict = {"traced": traced}
     # the world ranks of every group this rank's collectives may name (the world group's and the
     # named tp / dp groups), so the test can check what HCCL reads: that the rank is a member of the
@@ -232,13 +245,14 @@ def _compiled(folder: Path, members: dict[str, list[int]]) -> list[list]:
 
 def probe_ep_rank(world: int, zero: int, ep: int, family: str, rank: int, out: Path) -> dict:
     """`probe_rank` for expert parallel (step/ep.py): the MoE model cut by `apply_ep` over the ep
-    group named as `expert_mesh` names it, the step over the world (ZeRO 0 or 1: the plan refuses
-    ZeRO-2/3 with ep; under ZeRO-1 the experts' state stays with every rank, outside the gathers).
+    group named as `expert_mesh` names it, the step over the world (ZeRO 0, 1 or 2: the plan refuses
+    ZeRO-3 with ep; the experts' state stays with every rank, outside the gathers, and under ZeRO-2
+    their gradients in no rank bucket: summed over edp every micro-batch, the rest reduce-scattered).
     In the model's graph per MoE layer, the Ascend form (model/expert_parallel.py `AllToAllRows`):
     the dispatch's AlltoAll of rows and of expert ids and the combine's AlltoAll forward, the two
     reverse AlltoAlls backward (the bprops); the routing stats' world AllReduce; in the step, the buckets (the
     expert stacks' own over the edp group, when it has more than one rank), the loss, the norm's
-    ep sum and ZeRO-1's gathers of the other parameters."""
+    ep sum (ZeRO-2: its world sum) and ZeRO-1/2's gathers of the other parameters."""
     from mindspore.ops.operations import comm_ops
 
     from mspretrain.config import schema as cfgmod
@@ -262,10 +276,19 @@ def probe_ep_rank(world: int, zero: int, ep: int, family: str, rank: int, out: P
     step = EPTrainStep(model, cfg.optim, mesh=mesh, plan=plan, global_tokens=64, half_params=half, bucket_mb=0.01,
                        device="ascend", trainable=["attention", "mlp", "norms", "lm_head"])
     layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    # `_reduce`: the world's buckets and singletons (ZeRO-2: reduce-scattered), the expert stacks'
+    # bucket over edp (kind 3) when edp has more than one rank
     reduce = sum(1 for kind, _ in step._schedule if kind != 3 or step.edp_sum is not None)
     in_model = 5 * layers + 1
     gather = len(step._ag) + len(step._ag_single)
-    traced = {"fused": in_model + reduce + 2 + gather, "accumulate": in_model, "apply": reduce + 2 + gather}
+    # the loss's world sum and the norm's one sum: over ep of the experts' squares (ZeRO 0/1,
+    # `ep_sum`) or over the world of the owned squares (ZeRO-2); ZeRO-2 reduces every micro-batch
+    # (in `accumulate`), the others once a step (in `apply`)
+    if step.shard_grads and step.ep_sum is not None:
+        raise SystemExit("ZeRO-2 with ep: the norm has an ep sum besides the world's")
+    sg = int(step.shard_grads)
+    traced = {"fused": in_model + reduce + 2 + gather, "accumulate": in_model + reduce * sg,
+              "apply": reduce * (1 - sg) + 2 + gather}
     result: dict = {"traced": traced}
     members = {"hccl_world_group": list(range(world))}
     members.update({g.name: list(g.ranks) for g in (mesh.ep, mesh.edp) if g.name})

@@ -8,10 +8,11 @@ in spite of the primitive's `no_eliminate` attribute. Measured here before the f
 8: the fused graph traced 30 collectives and kept 21 on ranks 0-5, 22 on ranks 6-7 (accumulate:
 14 traced, 5 or 6 kept); at world 2 every rank kept all of them, in another order. The CPU path
 chains every collective, so no run on CPU could see it: here the real step is compiled for each
-rank of every case in CASES (world, ZeRO stage, tensor parallel, model family, expert parallel; worlds 2, 4 and 8;
-one layer: tests/step/collective_probe.py says why) with the Ascend path's choices (two probe
-processes share the cases the session selected), and each rank's ordered list of collectives — kind, group, input and output
-types and shapes — is compared, for the fused graph and for the accumulate / apply pair, and
+rank of every case in CASES (world, ZeRO stage, tensor parallel, model family, expert parallel:
+worlds 2, 4 and 8; ZeRO-1/2/3, tp 2, ep 2 and 4 with ZeRO 0-2, ZeRO-3 on an MoE; one layer:
+tests/step/collective_probe.py says why) with the Ascend path's choices (two probe processes share
+the cases the session selected), and each rank's ordered list of collectives — kind, group, input
+and output types and shapes — is compared, for the fused graph and for the accumulate / apply pair, and
 counted against what the step's code issues.
 """
 from __future__ import annotations
@@ -25,12 +26,12 @@ import pytest
 
 from tests.step.collective_probe import COLLECTIVES, case_key, collectives_in_ir
 
-pytestmark = pytest.mark.slow  # 30 rank compilations (3 graphs each, 1 layer) in two subprocesses
+pytestmark = pytest.mark.slow  # 50 rank compilations (3 graphs each, 1 layer) in two subprocesses
 
 PROBE = Path(__file__).with_name("collective_probe.py")
 ROOT = PROBE.parents[2]
-# A case is (world, ZeRO stage, tp, model family); each is here for a graph structure no other case
-# has (the cases another one covers are left out).
+# A case is (world, ZeRO stage, tp, model family, ep); each is here for a graph structure no other
+# case has (the cases another one covers are left out).
 # - ZeRO-2, the shipped 910B configs: world 8, where the bug showed (ranks 6-7 kept one collective
 #   more than ranks 0-5), and world 2, where every rank kept all of them but in another order.
 #   World 4 is dropped: the same buckets, split parameters and singletons, cut among a number of
@@ -48,8 +49,16 @@ CASES = [(2, 2, 1, "llama", 1), (8, 2, 1, "llama", 1), (4, 1, 1, "llama", 1), (2
          (2, 1, 2, "llama", 1), (4, 1, 2, "llama", 1), (4, 2, 2, "llama", 1),
          # - Expert parallel (step/ep.py, a Qwen3-MoE layer): ep 2 alone (the ep group is the world,
          #   ZeRO 0), ep 2 x 2 expert-data-parallel ranks with ZeRO-1 (named ep and edp groups, the
-         #   experts' buckets over edp), and ep 4 x 2 at world 8 (four ranks in each dispatch).
-         (2, 0, 1, "qwen3_moe", 2), (4, 1, 1, "qwen3_moe", 2), (8, 1, 1, "qwen3_moe", 4)]
+         #   experts' buckets over edp), ep 4 x 2 at world 8 (four ranks in each dispatch), and ep 2 x
+         #   edp 2 with ZeRO-2 (step/update.py: every micro-batch, so in `accumulate` too, the experts'
+         #   edp AllReduce among the world's reduce-scatters, and the norm's world sum instead of the
+         #   ep sum; edp 2 is the cheapest world where that AllReduce exists, ep 2 the cheapest cut).
+         (2, 0, 1, "qwen3_moe", 2), (4, 1, 1, "qwen3_moe", 2), (8, 1, 1, "qwen3_moe", 4), (4, 2, 1, "qwen3_moe", 2),
+         # - ZeRO-3 on an MoE at ep 1 (model/moe.py `MoE.pull`: the router and the `Stacked` w13 / w2
+         #   gathered one after the other, their gradients reduce-scattered; the routing stats' world
+         #   AllReduce between the forward's gathers and the backward's reduce-scatters), world 2: the
+         #   gathers' chain is per layer as for Qwen2 / Qwen3, more ranks add no kind of node.
+         (2, 3, 1, "qwen3_moe", 1)]
 PARAMS = ("world", "zero", "tp", "family", "ep")
 Case = tuple[int, int, int, str, int]
 Ranks = dict[str, dict[str, list[list[str]]]]  # rank -> graph (and "traced") -> its collectives
