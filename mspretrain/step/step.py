@@ -244,8 +244,8 @@ class TrainStep(StepUpdate):
         # up (an HCCL hang, or the wrong sums where sizes match). `_reduce` therefore returns a
         # result that depends on every collective it issued, in schedule order, whichever it uses:
         # tests/step/test_collective_sequence.py compiles the Ascend path for each rank (ZeRO-2 at worlds
-        # 2 and 8, ZeRO-1 at 4, ZeRO-3 at 2 and 4, tensor parallel at 2 and 4) and compares their
-        # ordered collectives.
+        # 2 and 8, ZeRO-1 at 4, ZeRO-3 at 2 and 4 and on an MoE at 2, tensor parallel at 2 and 4,
+        # expert parallel at 2, 4 and 8 with ZeRO 0-2) and compares their ordered collectives.
         self._chain = device != "ascend"
         self._own_pos, self._own_cut = z.own_pos, z.own_cut
         self._order_shape, self._order_pos = z.order_shape, z.order_pos
