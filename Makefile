@@ -41,8 +41,8 @@ demo-quick: $(VENV)/.base npm
 # a time (its module fixtures built once), the next when it is done; jobs that launch ranks hold one
 # lock, so two msrun jobs never run at once, and the shared session runs are built once for both
 # workers (tests/conftest.py `one_msrun_at_a_time`, `built_once`); conftest puts the files with long
-# jobs first (hence
-# --no-loadscope-reorder). One process instead: `.venv/bin/python -m pytest`.
+# jobs first (hence --no-loadscope-reorder) and hands the files that launch ranks to one worker at a
+# time while the other has any other file to run (tests/helpers/schedule.py). One process instead: `.venv/bin/python -m pytest`.
 # PYTHONDONTWRITEBYTECODE unset: every test starts Python processes (msrun workers, CLI runs, Ray
 # workers) that should cache the bytecode they compile; where it is set (this project's CI machines
 # set it), each compiles all it imports from source, every time (~9 s of CPU for torch + transformers

@@ -338,7 +338,9 @@ def assert_same_checkpoint(got: Path, want: Path, rtol: float) -> None:
 
 # `make test` runs the suite in two pytest-xdist workers, one per core (`-n 2 --dist loadfile`, the
 # Makefile): a worker takes one test file at a time (its module fixtures are built once), the next
-# when it is done, so the two end together without a hand-balanced list. What files share across
+# when it is done, so the two end together without a hand-balanced list; a file that launches ranks
+# is not handed to one worker while the other has one left (`pytest_xdist_make_scheduler` below,
+# tests/helpers/schedule.py). What files share across
 # workers: the tiny data dir, `reference_run`, tests/forensics/planted.py's run, the two-rank session
 # runs and the walkthrough are built once for both (`built_once`); two jobs that launch ranks never
 # run at once (`one_msrun_at_a_time`). `groups` names each file's class for the order (no longer
@@ -374,6 +376,10 @@ def pytest_collection_modifyitems(config, items):
         if any("msrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.msrun)
     group = groups(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # for the controller's scheduler (tests/helpers/schedule.py)
+        from tests.helpers.schedule import write_msrun_files
+
+        write_msrun_files(_shared_root(config._tmp_path_factory), [f for f, g in group.items() if g == MSRUN_GROUP])
     slow = {group[i.nodeid.split("::")[0]] for i in items if i.get_closest_marker("slow") is not None}
     first: dict[str, int] = {}
     for n, item in enumerate(items):
@@ -382,6 +388,17 @@ def pytest_collection_modifyitems(config, items):
     def rank(name: str) -> tuple[int, int]:
         return (0 if name == MSRUN_GROUP else 1 if name in slow else 2, first[name])
     items.sort(key=lambda i: rank(group[i.nodeid.split("::")[0]]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (`make test`): files that launch ranks handed to one worker at a time
+    (tests/helpers/schedule.py says why); any other mode: xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.helpers.schedule import make_scheduler
+
+    return make_scheduler(config, log)
 
 
 @pytest.fixture

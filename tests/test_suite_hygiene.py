@@ -123,3 +123,28 @@ def test_groups_put_a_launching_file_and_a_shared_run_together():
                   item("tests/c/test_w.py::t", ["walkthrough", "tiny_data"]), item("tests/c/test_v.py::t", ["tiny_data"])])
     assert got == {"tests/a/test_x.py": "msrun", "tests/b/test_y.py": "msrun", "tests/b/test_z.py": "walkthrough",
                    "tests/c/test_w.py": "walkthrough", "tests/c/test_v.py": "tests/c/test_v.py"}
+
+
+def test_a_worker_is_not_handed_a_launching_file_while_the_other_has_one_left():
+    from collections import OrderedDict
+
+    from tests.helpers.schedule import next_scope
+
+    msrun = frozenset({"a.py", "b.py"})
+    queue = OrderedDict((f, {}) for f in ("a.py", "b.py", "c.py", "d.py"))
+    assert next_scope(queue, [], msrun) == "a.py"  # nobody else busy: the queue's order
+    running = {"x.py": {"t1": True, "t2": False}}
+    assert next_scope(queue, [running], msrun | {"x.py"}) == "c.py"  # the other runs a launching file
+    done = {"x.py": {"t1": True, "t2": True}}
+    assert next_scope(queue, [done], msrun | {"x.py"}) == "a.py"  # ... which it has finished
+    only = OrderedDict((f, {}) for f in ("a.py", "b.py"))
+    assert next_scope(only, [running], msrun | {"x.py"}) == "a.py"  # nothing else left: wait on the lock
+
+
+def test_the_workers_list_of_launching_files_reaches_the_controller(tmp_path):
+    from tests.helpers.schedule import read_msrun_files, write_msrun_files
+
+    assert read_msrun_files(tmp_path) == frozenset()
+    write_msrun_files(tmp_path, ["tests/step/test_tp.py", "tests/step/test_zero2.py"])
+    assert read_msrun_files(tmp_path) == {"tests/step/test_tp.py", "tests/step/test_zero2.py"}
+    assert [p.name for p in tmp_path.iterdir()] == ["msrun-files.json"]
