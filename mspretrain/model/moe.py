@@ -48,10 +48,12 @@ MAX_BLOCK = 64  # rows per expert block at most (see the module docstring)
 class Stacked(WeightCell):
     """One weight (E, out, in) for all experts, named `weight` like Linear's (so `mlp.w13.weight`).
     A WeightCell so that ZeRO-3 slices and gathers it like any other weight (step/zero3.py); tensor
-    parallel does not cut it (model/block.py refuses tp for an MoE layer), expert parallel does (`MoE.apply_ep`)."""
+    parallel does not cut it (model/block.py refuses tp for an MoE layer), expert parallel does (`MoE.apply_ep`).
+    `role`: the parameter table's for its name (model/params.py: w13 column, w2 row, as a dense MLP's,
+    tests/model/test_params.py), which a tensor-parallel cut of the experts' ffn would follow."""
 
-    def __init__(self, experts: int, out_dim: int, in_dim: int, std: float, rng: WeightSource) -> None:
-        super().__init__("replicated")
+    def __init__(self, experts: int, out_dim: int, in_dim: int, std: float, rng: WeightSource, role: str) -> None:
+        super().__init__(role)
         self.weight = rng.parameter((experts, out_dim, in_dim), std)
 
     def pull(self, token: Tensor) -> tuple[Tensor, Tensor]:  # as model/layers.py RMSNorm.pull
@@ -76,8 +78,8 @@ class MoE(nn.Cell):
         self.dtype = dtype
         # draw order (model/decoder.py InitStreams): router, w13, w2
         self.router = Linear(cfg.dim, cfg.num_experts, cfg.init_std, rng, dtype)  # (E, D), HF mlp.gate.weight
-        self.w13 = Stacked(cfg.num_experts, 2 * self.ffn, cfg.dim, cfg.init_std, rng)
-        self.w2 = Stacked(cfg.num_experts, cfg.dim, self.ffn, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng)
+        self.w13 = Stacked(cfg.num_experts, 2 * self.ffn, cfg.dim, cfg.init_std, rng, "column")
+        self.w2 = Stacked(cfg.num_experts, cfg.dim, self.ffn, cfg.init_std / math.sqrt(2 * cfg.n_layers), rng, "row")
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.grouped = False  # the Ascend kernels instead of the blocks (set by the Decoder, model/moe_kernels.py)
         # expert parallel (`apply_ep`): the experts held here and the dispatch/combine collectives

@@ -69,10 +69,12 @@ def test_balance_loss_is_transformers(tmp_path):
     assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_moe_refuses_zero_and_tp(tmp_path, tiny_data, capsys):
-    for key in ("optim.shard_optimizer=true", "parallel.tp=2"):
-        err = refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", tmp_path / "r", *ARGS, key)
-        assert "mixture-of-experts" in err
+def test_moe_refuses_tp_and_zero3_with_expert_parallel(tmp_path, tiny_data, capsys):
+    """What an MoE model does not take yet (ZeRO-1/2/3 at ep 1 and ZeRO-2 with ep it does:
+    tests/train/test_moe_ep.py, tests/step/test_zero3.py): one line, nothing written."""
+    for keys in (("parallel.tp=2",), ("optim.shard_parameters=true", "parallel.ep=2")):
+        err = refused(capsys, "train", "--config", TINY, "--data", tiny_data, "--run", tmp_path / "r", *ARGS, *keys)
+        assert "mixture-of-experts" in err and keys[0].split("=")[0] in err, err
         assert not (tmp_path / "r").exists()
 
 
