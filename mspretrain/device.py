@@ -34,7 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mspretrain.config.schema import Config
-from mspretrain.errors import UserError
+from mspretrain.errors import UserError, env_number
+
+LOCAL_RANKS_ENV = "MSPRETRAIN_LOCAL_RANKS"  # set by `mspretrain launch` for its msrun workers
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class DeviceInfo:
         return f"{self.max_device_memory_gb:g}GB" if self.target == "ascend" and self.max_device_memory_gb > 0 else None
 
     def describe(self) -> str:
-        opts = [f"device {self.target}", f"{self.threads} threads",
+        opts = [f"device {self.target}", f"{self.threads} thread{'s' if self.threads != 1 else ''}",
                 f"attention {'flash (FlashAttentionScore)' if self.flash_attention else 'math'}",
                 f"jit_level {self.jit_level}", f"deterministic {'on' if self.deterministic else 'off'}"]
         return ", ".join(opts) + "".join(f"; {n}" for n in self.notes)
@@ -208,12 +210,26 @@ def overflow_mode_problem(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
+def cpu_threads(env: Mapping[str, str] | None = None) -> int:
+    """Kernel threads of one training process when `device.threads` is 0: this host's cores shared by
+    its ranks (what `launch` exported, else msrun's MS_WORKER_NUM, else 1).
+
+    Each msrun rank is a process with its own kernel pool. With every pool the size of the box, the
+    ranks' idle kernel threads spin on the cores their peers are computing on: a 2-rank job on 2
+    cores spent ~8 % more CPU at `threads = 2` than at 1, with identical losses
+    (docs/benchmarks.md, "Threads per msrun rank")."""
+    env = os.environ if env is None else env
+    name = LOCAL_RANKS_ENV if env.get(LOCAL_RANKS_ENV, "").strip() else "MS_WORKER_NUM"
+    n = env_number(name, 1, kind=int, minimum=1, value=env.get(name, ""))
+    return max(1, (os.cpu_count() or 1) // max(int(n), 1))
+
+
 def plan_device(cfg: Config, *, target: str | None = None) -> DeviceInfo:
     """Decide the device and its options from the config, without touching MindSpore.
 
     `target`: an already resolved target (tests pass "ascend" to see what a 910B would run)."""
     target = target or resolve_target(cfg.device.target)
-    threads = cfg.device.threads or (os.cpu_count() or 1)
+    threads = cfg.device.threads or cpu_threads()
     dtype = cfg.precision.dtype
     head_dim = cfg.model.head_size if cfg.model.n_heads else 0
     flash = select_attention("auto", target, dtype, head_dim)

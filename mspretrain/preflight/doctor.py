@@ -115,7 +115,7 @@ def check_launcher_and_threads(cfg: Config) -> list[Finding]:
                        "activate the venv MindSpore is installed in (msrun ships with it); msrun workers run `python` from PATH"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     omp = os.environ.get("OMP_NUM_THREADS")
-    detail = f"{cores} usable cores; OMP_NUM_THREADS={omp or 'unset'}; device.threads={cfg.device.threads or 'all'}"
+    detail = f"{cores} usable cores; OMP_NUM_THREADS={omp or 'unset'}; device.threads={cfg.device.threads or 'auto (cores / ranks)'}"
     bad = (omp and omp.isdigit() and int(omp) > cores) or cfg.device.threads > cores
     out.append(Finding("warn" if bad else "ok", "threads", detail,
                        f"keep OMP_NUM_THREADS and device.threads <= {cores}: oversubscribed threads slow every step"))

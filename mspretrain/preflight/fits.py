@@ -21,10 +21,10 @@ import os
 from typing import Callable
 
 from mspretrain.config.schema import Config
+from mspretrain.device import LOCAL_RANKS_ENV
 from mspretrain.errors import UserError, env_number
 
 GB = 1 << 30
-LOCAL_RANKS_ENV = "MSPRETRAIN_LOCAL_RANKS"  # set by `mspretrain launch` for its msrun workers
 
 
 def local_ranks(world: int, env: dict[str, str] | None = None) -> int:

@@ -1179,3 +1179,19 @@ def test_replay_scales_that_float32_rounds_to_zero_are_refused(capsys, flag):
     code, _, err = cli(capsys, "replay", "no-such-run", "--from-step", "2", "--steps", "1", flag, "1e-320")
     _one_line(code, err)
     assert flag in err and "must be a positive finite number from" in err, err
+
+
+def test_cpu_kernel_threads_are_the_hosts_cores_shared_by_its_ranks(monkeypatch):
+    """device.threads = 0: each rank's kernel pool is its share of the cores, so msrun ranks on one
+    box do not spin on each other's cores; a bad exported count is one line naming the variable."""
+    from mspretrain.device import LOCAL_RANKS_ENV, cpu_threads
+    from mspretrain.errors import UserError
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert cpu_threads({}) == 8  # one process
+    assert cpu_threads({LOCAL_RANKS_ENV: "2"}) == 4  # launch --nproc 2
+    assert cpu_threads({"MS_WORKER_NUM": "4"}) == 2  # a bare msrun (one host on CPU)
+    assert cpu_threads({LOCAL_RANKS_ENV: "2", "MS_WORKER_NUM": "16"}) == 4  # launch over 8 nodes
+    assert cpu_threads({LOCAL_RANKS_ENV: "16"}) == 1
+    with pytest.raises(UserError, match="MS_WORKER_NUM"):
+        cpu_threads({"MS_WORKER_NUM": "x"})

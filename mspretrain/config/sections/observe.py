@@ -52,7 +52,7 @@ class DeviceConfig(Section):
     SECTION = "device"
 
     target: Literal["auto", "cpu", "ascend"] = "auto"  # "auto" | "cpu" | "ascend"
-    threads: int = 0  # 0 = all cores
+    threads: int = 0  # 0 = this host's cores shared by its ranks (all cores for one process)
     cpu_quota: float = 0.0  # percent of all cores for the training process (cgroup v2); 0 = off
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = from the built-in table / measured
     # mindspore.set_deterministic: reproducible kernels and (on Ascend) HCCL_DETERMINISTIC=true with
