@@ -26,9 +26,13 @@ sharded (`sharded`, `zero3`).
 
 Save roles (train/checkpointing.py). Under tp every rank takes part in gathering the whole
 weights and optimizer state over its tp group (`gathers_for_save`), and tp rank 0 of each group
-writes its dp rank's files (`writes_files`); under ZeRO-3 each dp rank writes its own weight slices
-(`writes_model_slices`); with a sharded optimizer each dp rank writes its optimizer shard; rank 0
-publishes the checkpoint (`publishes`).
+writes its dp rank's files (`writes_files`); under ZeRO-3 and expert parallel each dp rank writes
+its own weight slices (`writes_model_slices`: ZeRO-3's slices of every weight, expert parallel's
+experts, `NAME@START:STOP` of the whole stack, checkpoint/model_shards.py); with a sharded optimizer
+or expert parallel each dp rank writes its own optimizer file (`per_rank_files`); rank 0 publishes
+the checkpoint (`publishes`). Expert parallel gathers nothing: a whole-model gather would put every
+expert on every rank's host at each save (Qwen3-30B-A3B: 116 GB of fp32 weights, three times that
+of optimizer state, per rank).
 
 The tensor-parallel divisibility rule (`tp_refusal`) lives here: `train` (model/parallel.py
 `check_tp`) and `plan`'s layout table (preflight/layouts.py `train_refusal`) ask this one function,
@@ -198,9 +202,20 @@ class ParallelPlan:
     # ---- save roles
     @property
     def gathers_for_save(self) -> bool:
-        """Every rank takes part in gathering the whole weights and state over its tp group (its
-        ep group under expert parallel: the experts' slices)."""
-        return self.tp > 1 or self.ep > 1
+        """Every rank takes part in gathering the whole weights and state over its tp group."""
+        return self.tp > 1
+
+    @property
+    def holds_pieces(self) -> bool:
+        """This rank's model holds pieces of some weights (ZeRO-3 slices, tp pieces, ep's experts):
+        a digest of the whole weights is a collective (train/replicas.py)."""
+        return self.zero3 or self.tp > 1 or self.ep > 1
+
+    @property
+    def per_rank_files(self) -> bool:
+        """Every dp rank writes its own files for rank 0 to publish (checkpoint/shards.py): its
+        optimizer shard (ZeRO-1 and up), its experts' weights and state (expert parallel)."""
+        return self.sharded or self.ep > 1
 
     @property
     def writes_files(self) -> bool:
@@ -209,8 +224,9 @@ class ParallelPlan:
 
     @property
     def writes_model_slices(self) -> bool:
-        """This rank writes its own weight slices (`model-R-of-N`, ZeRO-3) instead of whole weights."""
-        return self.zero3
+        """This rank writes its own weight slices (`model-R-of-N`: ZeRO-3's, expert parallel's
+        experts) instead of whole weights."""
+        return self.zero3 or self.ep > 1
 
     @property
     def publishes(self) -> bool:

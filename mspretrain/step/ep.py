@@ -22,11 +22,17 @@ without ep; the expert stacks' are summed over the edp group every micro-batch a
 no rank bucket); the squared norm is the world's sum of each rank's owned part, the experts' part
 counted by edp rank 0 of each ep group only. ZeRO-3 with ep is not built (refused).
 
-Checkpoints: the expert stacks (and their Adam moments) are gathered over the ep group by the
-tensor-parallel machinery (step/tp.py `WholeTensors`: zero-padded pieces summed), and rank 0
-writes the whole model under the whole-model names, as a data-parallel run does; a load cuts
-this rank's experts from whole tensors. So one process resumes an ep run and an ep run resumes
-one process's checkpoint (tests/train/test_moe_ep.py).
+Checkpoints: nothing is gathered. Each data-parallel rank writes its own files (parallel/plan.py
+`per_rank_files`, checkpoint/shards.py): the ranks of the first edp replica (edp rank 0, one per
+ep rank) their experts' slice of each expert stack, `NAME@START:STOP` of the flattened whole stack
+(experts [e0, e1) are one contiguous range of it), in their weight file `model-R-of-N` and, with
+their Adam moments (and fp32 masters), in their optimizer file; rank 0 the other weights whole
+(and, without ZeRO, their state). This is ZeRO-3's form (checkpoint/model_shards.py): every reader
+joins or cuts it at any layout, and a rank resuming at expert parallel reads only its experts'
+ranges (`expert_ranges`). A whole-model gather put every expert on every rank's host at each save:
+for Qwen3-30B-A3B at ep 16 that was 116 GB of fp32 weights and three times that of optimizer state
+per rank (now: its 1/16 of the experts). One process resumes an ep run, an ep run resumes one
+process's checkpoint, and ZeRO-3 either (tests/train/test_moe_ep.py).
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from mspretrain.errors import UserError
 from mspretrain.model.decoder import Decoder
 from mspretrain.model.parallel import Group
 from mspretrain.parallel.plan import ParallelPlan
@@ -138,11 +145,119 @@ class EPTrainStep(WholeTensors, TrainStep):
         _, sizes, wire = self._ex
         return 2 * sum(sizes) * (2 if wire == ms.float16 else 4)
 
-    def optimizer_state(self) -> dict[str, np.ndarray]:
-        """The state with the experts' whole (gathered over the ep group: every rank takes part).
-        Under ZeRO-1 each dp rank writes its own shard and every rank holds its experts' state, so
-        only dp rank 0's shard keeps the experts' (one writer per key; any layout reads it whole)."""
-        out = super().optimizer_state()
-        if self.plan.sharded and self.plan.dp_rank != 0:
-            out = {k: v for k, v in out.items() if k.split(".", 1)[-1] not in self.whole_shapes}
+    # ----------------------------------------------------------------- checkpoints: this rank's own
+    def expert_ranges(self) -> dict[str, tuple[int, int]]:
+        """{stack name: [start, stop) of the flattened whole stack} this rank holds: its experts'
+        rows, one contiguous range (the cut is along the experts, model/params.py `ep_piece`)."""
+        out = {}
+        for name, shape in self.whole_shapes.items():
+            axis, ranges = self.piece_where[name]
+            assert axis == 0 and len(ranges) == 1, (name, axis, ranges)  # ep cuts whole experts
+            row = int(np.prod(shape[1:]))
+            out[name] = (ranges[0][0] * row, ranges[0][1] * row)
         return out
+
+    def _writes_experts(self) -> bool:
+        return self.plan.edp_rank == 0  # one writer per expert: the edp replicas hold the same
+
+    def model_slices(self) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, ...]]]:
+        """This rank's weight file (copies) and the whole shapes of the stacks it slices: its experts
+        (edp rank 0 of each ep group), and on rank 0 every other weight whole (fp16 ones as fp16)."""
+        from mspretrain.model.decoder import state_numpy
+        from mspretrain.parallel.shard_key import shard_key
+
+        ranges, out = self.expert_ranges(), {}
+        for name, value in state_numpy(self.model, keep_fp16=True).items():
+            if name in ranges:
+                if self._writes_experts():
+                    out[shard_key(name, *ranges[name])] = value.reshape(-1).copy()
+            elif self.plan.dp_rank == 0:
+                out[name] = value.copy()
+        return out, dict(self.whole_shapes)
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        """This rank's optimizer file (views): its experts' moments and masters as slices of the whole
+        stacks (edp rank 0 of each ep group), the other parameters' state as TrainStep keeps it (this
+        rank's shard under ZeRO; without ZeRO every rank holds all of it, and rank 0 writes it)."""
+        from mspretrain.parallel.shard_key import shard_key
+
+        ranges, out = self.expert_ranges(), {}
+        for key, value in TrainStep.optimizer_state(self).items():
+            name = key.split(".", 1)[-1]
+            if name in ranges:
+                if self._writes_experts():
+                    out[shard_key(key, *ranges[name])] = value.reshape(-1)
+            elif key == "opt_step" or self.plan.sharded or self.plan.dp_rank == 0:
+                out[key] = value
+        return out
+
+    def keys_to_read(self, available: set[str]) -> set[str]:
+        """The stored keys of this rank's state: the other parameters' as TrainStep reads them, and
+        of each expert stack's state only the slices (or whole tensors) overlapping this rank's experts."""
+        from mspretrain.parallel.shard_key import parse_shard_key
+
+        ranges = self.expert_ranges()
+        out = set()
+        for key in available:
+            logical, rng = parse_shard_key(key)
+            name = logical.split(".", 1)[-1]
+            if name not in ranges:
+                continue
+            a, b = ranges[name]
+            if rng is None or (rng[0] < b and a < rng[1]):
+                out.add(key)
+        rest = {k for k in available if parse_shard_key(k)[0].split(".", 1)[-1] not in ranges}
+        return out | TrainStep.keys_to_read(self, rest)
+
+    def load_optimizer_state(self, tensors: dict[str, np.ndarray], available: set[str] | None = None) -> None:
+        """The experts' state assembled from the stored slices or whole tensors overlapping this rank's
+        range (one key each, checked to tile it), the rest loaded as TrainStep does."""
+        from mspretrain.checkpoint.model_shards import check_tiling
+        from mspretrain.parallel.shard_key import parse_shard_key
+
+        ranges, local, pieces = self.expert_ranges(), {}, {}
+        for key, value in tensors.items():
+            logical, rng = parse_shard_key(key)
+            name = logical.split(".", 1)[-1]
+            if name not in ranges:
+                local[key] = value
+                continue
+            shape = self.whole_shapes[name]
+            flat = np.asarray(value).reshape(-1)
+            got = rng or (0, int(np.prod(shape)))
+            if flat.size != got[1] - got[0]:
+                raise UserError(f"the checkpoint's {key[:120]} holds {flat.size:,} elements, not the {got[1] - got[0]:,} it should",
+                                "resume from another checkpoint (`mspretrain checkpoints RUN --verify` lists them)")
+            pieces.setdefault(logical, []).append((got, flat))
+        for logical, parts in pieces.items():
+            name = logical.split(".", 1)[-1]
+            (a, b), shape = ranges[name], self.whole_shapes[name]
+            check_tiling(logical, [rng for rng, _ in parts], a, b,
+                         "resume from another checkpoint (`mspretrain checkpoints RUN --verify` lists them)")
+            mine = np.empty(b - a, np.float32)
+            for (ra, rb), flat in parts:
+                lo, hi = max(a, ra), min(b, rb)
+                if lo < hi:
+                    mine[lo - a:hi - a] = flat[lo - ra:hi - ra]
+            local[logical] = mine.reshape((-1,) + tuple(shape[1:]))
+        TrainStep.load_optimizer_state(self, local, available=available)
+
+    def load_weights(self, tensors: dict[str, np.ndarray]) -> None:
+        """Whole tensors into the model's pieces (each expert stack cut to this rank's experts), or an
+        expert stack's range as `read_pieces` gives it for `expert_ranges` (1-D: reshaped)."""
+        from mspretrain.model.parallel import cut
+
+        ranges, local = self.expert_ranges(), {}
+        for name, value in tensors.items():
+            if name not in ranges:
+                local[name] = value
+                continue
+            shape, (a, b) = self.whole_shapes[name], ranges[name]
+            if tuple(np.shape(value)) == shape:
+                local[name] = cut(np.asarray(value), self.piece_where[name])
+            elif np.ndim(value) == 1 and np.size(value) == b - a:
+                local[name] = np.asarray(value).reshape((-1,) + tuple(shape[1:]))
+            else:
+                raise UserError(f"tensor {name} has shape {tuple(np.shape(value))}, the model expects {shape}",
+                                "the checkpoint was written for a different model config; use the config saved with it")
+        TrainStep.load_weights(self, local)

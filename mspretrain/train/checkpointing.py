@@ -8,10 +8,11 @@ restores all of it on resume or rewind.
 Design choices:
 - The snapshot is a host *copy*: on CPU asnumpy() returns a view of the live parameter memory, and
   the next step would change the weights while the writer thread is still writing them.
-- Only rank 0 writes, except with a sharded optimizer where every rank writes its optimizer shard
-  and rank 0 publishes the checkpoint once all are there (checkpoint/shards.py). Under ZeRO-3 each
-  rank also writes its weight slices to a file of its own (`model-R-of-N.safetensors`,
-  checkpoint/model_shards.py): no gather, no whole model on any host. Every layout reads either
+- Only rank 0 writes, except with a sharded optimizer or expert parallel, where every rank writes its
+  optimizer file and rank 0 publishes the checkpoint once all are there (checkpoint/shards.py).
+  Under ZeRO-3 each rank also writes its weight slices to a file of its own
+  (`model-R-of-N.safetensors`, checkpoint/model_shards.py), under expert parallel its experts'
+  slices of the stacks: no gather, no whole model on any host. Every layout reads either
   form of the weights back: whole tensors, or (ZeRO-3, any world size) just this rank's ranges.
 - A rewind must reload the same checkpoint on every rank: "newest on disk" could differ between
   ranks while rank 0's writer is at work, so under msrun every rank takes the step of this run's
@@ -65,22 +66,26 @@ class CheckpointManager:
 
     def save(self, step: int, train_state: dict[str, Any]) -> Path | None:
         """Checkpoint the state after `step`; the copy to host blocks briefly, the write does not."""
-        sharded = self.plan.sharded
+        sharded = self.plan.per_rank_files  # every dp rank writes its own files (ZeRO, expert parallel)
         self.last_save_step = step
         # tensor parallel: the whole weights are gathered over the tp group on every rank (a collective:
         # all ranks call it), so the model file is the one any layout writes and any layout resumes
-        # from; the optimizer state too (step/tp.py), written by tp rank 0 alone. ZeRO-3 gathers
-        # nothing: each rank writes its own slices (checkpoint/model_shards.py)
+        # from; the optimizer state too (step/tp.py), written by tp rank 0 alone. ZeRO-3 and expert
+        # parallel gather nothing: each rank writes its own slices (checkpoint/model_shards.py)
         gathers = self.plan.gathers_for_save
         if self.rank != 0 and not sharded and not gathers:
             return None
         t0 = time.perf_counter()
-        part, meta = None, None  # ZeRO-3: this rank's weight slices and their file's metadata
+        part, meta = None, None  # ZeRO-3, expert parallel: this rank's weight slices and their file's metadata
         if self.plan.writes_model_slices:
             from mspretrain.checkpoint.model_shards import shard_metadata
-            from mspretrain.step.zero3 import slice_state
 
-            part, shapes = slice_state(self.model, self.world, self.rank)
+            if self.plan.zero3:
+                from mspretrain.step.zero3 import slice_state
+
+                part, shapes = slice_state(self.model, self.world, self.rank)
+            else:  # expert parallel (step/ep.py): its experts' slices, the rest whole on rank 0
+                part, shapes = self.step_fn.model_slices()
             meta = shard_metadata(step, shapes)
         whole = self.step_fn.full_weights() if gathers else None
         optim = {k: v.copy() for k, v in self.step_fn.optimizer_state().items()}
@@ -117,6 +122,8 @@ class CheckpointManager:
             from mspretrain.step.zero3 import wanted_ranges
 
             wanted = wanted_ranges(self.model, self.world, self.rank)
+        elif self.plan.ep > 1:  # this rank's experts' rows of each stack, not the whole stacks
+            wanted = self.step_fn.expert_ranges()
         self.step_fn.load_weights(read_pieces(ckpt, wanted))
         available = store.optimizer_keys(ckpt)
         if not available:

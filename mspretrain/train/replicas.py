@@ -16,7 +16,7 @@ def record_weights_hash(run_dir: Path, *, rank: int, world: int, step: int, mode
     the job exited non-zero after its final checkpoint, issue 51.4); else the model's own weights."""
     if world == 1:
         return
-    if step_fn is not None and (step_fn.plan.zero3 or step_fn.plan.gathers_for_save):
+    if step_fn is not None and step_fn.plan.holds_pieces:
         value = step_fn.weights_digest()
     else:
         from mspretrain.model.decoder import state_numpy

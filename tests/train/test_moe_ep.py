@@ -50,7 +50,7 @@ def test_ep2_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one)
     """ep=2 on 2 ranks: each rank holds 2 of the 4 experts, the tokens dispatched over both ranks.
     The balance loss is the one process's on the whole batch (its routing stats summed over the
     ranks), so the routing metrics agree too; the checkpoints hold whole experts under whole-model
-    names, which one process resumes."""
+    names (each rank's experts' slices in its own files, nothing gathered), which one process resumes."""
     run = tmp_path / "ep2"
     msrun(tmp_path, tiny_data, run, "parallel.ep=2", EVAL_AT_END, args=ONE)
     assert "expert parallel over 2 ranks" in (run / "train.log").read_text()
@@ -65,6 +65,17 @@ def test_ep2_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one)
     assert last(run) == pytest.approx(last(moe_one), rel=1e-5)  # the evaluation runs expert parallel too
     hashes = replica_hashes(run)
     assert len(hashes) == 2 and hashes[0] == hashes[1]  # the whole model's digest, gathered over the ep group
+    # nothing gathered for a save: each rank wrote its experts' slice of the stacks (weights and
+    # moments), rank 0 the rest; one process reads them whole
+    from safetensors import safe_open
+
+    n = 4 * 64 * 64  # layers.0.mlp.w13.weight: (experts, 2 x moe_ffn_dim, dim)
+    for r, lo, hi in ((0, 0, n // 2), (1, n // 2, n)):
+        for kind, prefix in (("model", ""), ("optimizer", "exp_avg.")):
+            with safe_open(str(step_dir(run, FINAL) / f"{kind}-0000{r}-of-00002.safetensors"), "numpy") as f:
+                keys = set(f.keys())
+            assert f"{prefix}layers.0.mlp.w13.weight@{lo}:{hi}" in keys and f"{prefix}layers.0.mlp.w13.weight" not in keys
+            assert (f"{prefix}layers.0.attn.wo.weight" in keys) == (r == 0)
     resumed = resume_on_one_process(run, tiny_data, tmp_path, RESUME_AT, *MOE)
     _equal_from(resumed, moe_one, RESUME_AT + 1)
 
@@ -76,7 +87,7 @@ def test_one_process_checkpoint_resumes_at_ep2_by_edp2_with_zero1(tmp_path, tiny
     holding the same experts (0 and 2, 1 and 3) summing their gradients over their edp group; the
     other parameters' optimizer state sharded over the 4 ranks, each rank's experts' state its own.
     Steps 5-8 and the final weights and moments equal the unbroken one-process run within 1e-5; the
-    checkpoints' shards hold every key once, the experts' whole in dp rank 0's."""
+    checkpoints' shards hold every key once, the experts' slices in the files of edp rank 0's ranks."""
     from safetensors.numpy import load_file
 
     run = copy_run_at(moe_one, tmp_path / "to-ep2", RESUME_AT)
@@ -85,7 +96,9 @@ def test_one_process_checkpoint_resumes_at_ep2_by_edp2_with_zero1(tmp_path, tiny
     _equal_from(run, moe_one, RESUME_AT + 1)
     shards = [set(load_file(str(f))) - {"opt_step"} for f in sorted(step_dir(run, FINAL).glob("optimizer-*-of-*.safetensors"))]
     assert len(shards) == 4 and sum(map(len, shards)) == len(set().union(*shards))  # sharded, no key twice
-    assert "exp_avg.layers.0.mlp.w13.weight" in shards[0]
+    n = 4 * 64 * 64  # the experts' state: the slices of edp rank 0's ranks (dp ranks 0 and 1), nothing whole
+    assert "exp_avg.layers.0.mlp.w13.weight@0:8192" in shards[0] and f"exp_avg.layers.0.mlp.w13.weight@{n // 2}:{n}" in shards[1]
+    assert not any(k.startswith("exp_avg.layers.0.mlp.w13") for k in shards[2] | shards[3])
 
 
 @pytest.mark.msrun
