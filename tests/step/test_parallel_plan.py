@@ -33,6 +33,7 @@ def test_ranks_of_a_tp_x_dp_plan():
     assert ParallelPlan(world=2, rank=1, zero=3).zero3 and ParallelPlan(world=2, rank=1, zero=3).writes_model_slices
     one = ParallelPlan()
     assert (one.dp, one.sharded, one.gathers_for_save, one.writes_files, one.publishes) == (1, False, False, True, True)
+    assert not (one.per_rank_files or one.holds_pieces or ParallelPlan(world=4, rank=1).per_rank_files)  # plain dp: rank 0 writes
 
 
 def test_plan_from_a_config_and_its_refusals():
@@ -55,7 +56,9 @@ def test_ranks_of_an_expert_parallel_plan():
     assert (p.dp, p.ep_rank, p.edp, p.edp_rank) == (8, 1, 4, 2)
     assert p.ep_ranks == (4, 5) and p.edp_ranks == (1, 3, 5, 7)
     assert p.expert_span(4) == (2, 4) and p.expert_span(128) == (64, 128)
-    assert p.gathers_for_save and p.writes_files and not p.publishes
+    # a save gathers nothing: every dp rank writes its own files, its experts' slices among them
+    assert not p.gathers_for_save and p.per_rank_files and p.writes_model_slices and p.holds_pieces
+    assert p.writes_files and not p.publishes
     for r in range(8):  # every rank in one ep group and one edp group, at its own index
         q = ParallelPlan(world=8, rank=r, ep=4)
         assert q.ep_ranks[q.ep_rank] == r and q.edp_ranks[q.edp_rank] == r and len(set(q.ep_ranks) & set(q.edp_ranks)) == 1
