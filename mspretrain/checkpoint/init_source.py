@@ -43,7 +43,7 @@ def load_init(path: str | Path, log: Callable[[str], None] = lambda s: None) -> 
     if looks_hf and not (p / store.MANIFEST).is_file():
         return from_hf_dir(p)  # names what is missing: config.json, safetensors, a bad file
     ref = store.resolve_checkpoint(p, log=log)  # verifies the manifest (SHA-256 of every file)
-    tensors = store.read_model_tensors(ref)
+    tensors = store.read_model_tensors(ref, mapped=True)  # mapped: each rank reads what its cut keeps
     from mspretrain.model.hf import check_weights
 
     check_weights(tensors, ref.dir)  # a checkpoint saved after a NaN step verifies, but cannot train
@@ -203,8 +203,13 @@ def init_for_run(path: str | Path | None, cfg: Config, data_dir: str | Path, run
 
     def init_weights(model: Any) -> None:
         from mspretrain.model.decoder import load_numpy
+        from mspretrain.model.lazy import load_when_read, undrawn
 
-        load_numpy(model, box.pop("tensors"))  # pop: the host copy is freed once the model holds it
+        tensors = box.pop("tensors")  # pop: the host copy (or mapping) is freed once the model holds it
+        if undrawn(model):  # built for a cut on an NPU: each weight read when the cut reads it
+            load_when_read(model, tensors)
+        else:
+            load_numpy(model, tensors)
 
     resized = plan.meta["resized"]
     log(f"initialising from {init.kind} {init.source_dir}: {len(plan.tensors)} tensors, vocab {init.config.vocab_size}"

@@ -435,9 +435,23 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda s: 
     return CheckpointRef(dir=ckpt, step=int(m.get("step", 0)), config=cfg, data_dir=data_dir, tokenizer_path=tok)
 
 
-def read_model_tensors(ref: CheckpointRef) -> dict[str, np.ndarray]:
+def read_model_tensors(ref: CheckpointRef, *, mapped: bool = False) -> dict[str, np.ndarray]:
     """Weights by name as fp32 (runs with fp16 parameters store those as fp16), whole: from
-    model.safetensors or joined from the per-rank files of a ZeRO-3 run (model_shards.py)."""
+    model.safetensors or joined from the per-rank files of a ZeRO-3 or expert-parallel run
+    (model_shards.py).
+
+    mapped: a model.safetensors is mapped, not read (tensor_file.py `mapped_tensors`: read-only
+    views in the stored dtype, fp16 ones too), for `train --init-from`, where every rank of a
+    host starts from the same file: read whole, each rank held the whole fp32 model (Qwen3-30B-A3B:
+    122 GB a rank, ~1 TB on a host of 8) before its cut kept a sixteenth of the experts."""
+    if mapped and (ref.dir / MODEL_FILE).is_file():
+        from mspretrain.checkpoint.tensor_file import mapped_tensors
+
+        try:
+            return mapped_tensors(ref.dir / MODEL_FILE)
+        except (ValueError, KeyError, OSError) as exc:
+            raise UserError(f"cannot map {MODEL_FILE} in {ref.dir} ({exc})",
+                            "resume from another checkpoint (`mspretrain checkpoints RUN --verify` lists them)") from None
     return {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in read_whole(ref.dir).items()}
 
 

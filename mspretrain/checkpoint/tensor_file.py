@@ -49,3 +49,39 @@ def sort_metadata(path: str | Path) -> bool:
         f.seek(8)
         f.write(new)  # same length as `body`: the padding and the data stay where they are
         return True
+
+
+_MAPPABLE = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+             "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def mapped_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only `np.memmap` of its bytes in the file: no
+    copy, the pages read when first touched and shared through the page cache by every process
+    that maps the file (the ranks of one host starting from the same weights). A dtype numpy has
+    no memmap for (bf16) is read whole by safetensors instead. Raises ValueError on a header whose
+    offsets do not fit the file (the caller has verified the file's SHA-256 first)."""
+    import os
+
+    from safetensors import safe_open
+
+    path = Path(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    start = 8 + length
+    out: dict[str, np.ndarray] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape, (lo, hi) = tuple(int(d) for d in entry["shape"]), (int(x) for x in entry["data_offsets"])
+        dtype = _MAPPABLE.get(entry["dtype"])
+        if dtype is None:
+            with safe_open(str(path), framework="numpy") as g:
+                out[name] = g.get_tensor(name)
+            continue
+        if hi - lo != int(np.prod(shape)) * np.dtype(dtype).itemsize or start + hi > size or lo > hi:
+            raise ValueError(f"{path.name}: tensor {name} does not fit its data offsets")
+        out[name] = np.memmap(path, dtype, "r", offset=start + lo, shape=shape) if hi > lo else np.empty(shape, dtype)
+    return out

@@ -78,7 +78,7 @@ from mspretrain.model.layers import (
     relay,
     use_fused_kernels,
 )
-from mspretrain.model.lazy import LazyDraw, send_undrawn
+from mspretrain.model.lazy import LazyDraw, check_names_and_shapes, send_undrawn
 from mspretrain.model.moe import MoE
 from mspretrain.model.moe_kernels import select_grouped
 
@@ -471,20 +471,7 @@ def half_eligible(model: Decoder) -> list[str]:
 def load_numpy(model: Decoder, tensors: dict[str, np.ndarray]) -> None:
     """Strict load: a missing, unexpected or mis-shaped tensor raises UserError naming it."""
     params = {p.name: p for p in model.get_parameters()}
-    missing = sorted(set(params) - set(tensors))
-    unexpected = sorted(set(tensors) - set(params))
-    if missing:
-        raise UserError(f"checkpoint has no tensor {missing[0]}" + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""),
-                        "the checkpoint was written for a different model config; use the config saved with it")
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise UserError(f"checkpoint has an unexpected tensor {unexpected[0]}" + more,
-                        "the checkpoint was written for a different model config (tie_embeddings? n_layers?)")
-    for name, p in params.items():
-        arr = np.asarray(tensors[name])
-        if tuple(arr.shape) != tuple(p.shape):
-            raise UserError(f"tensor {name} has shape {tuple(arr.shape)}, the model expects {tuple(p.shape)}",
-                            "the checkpoint was written for a different model config; use the config saved with it")
+    check_names_and_shapes(params, tensors)
     for name, p in params.items():
         t = Tensor(np.ascontiguousarray(tensors[name], dtype=np.float32))
         p.set_data(t if p.dtype == ms.float32 else t.astype(p.dtype))
