@@ -46,7 +46,7 @@ def _equal_from(run: Path, one: Path, first: int) -> None:
 
 
 @pytest.mark.msrun
-def test_ep2_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one):
+def test_ep2_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one, capsys):
     """ep=2 on 2 ranks: each rank holds 2 of the 4 experts, the tokens dispatched over both ranks.
     The balance loss is the one process's on the whole batch (its routing stats summed over the
     ranks), so the routing metrics agree too; the checkpoints hold whole experts under whole-model
@@ -76,6 +76,16 @@ def test_ep2_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one)
                 keys = set(f.keys())
             assert f"{prefix}layers.0.mlp.w13.weight@{lo}:{hi}" in keys and f"{prefix}layers.0.mlp.w13.weight" not in keys
             assert (f"{prefix}layers.0.attn.wo.weight" in keys) == (r == 0)
+    # and every reader takes them: `checkpoints --verify`, `eval` (the one process's numbers)
+    from mspretrain.cli import main
+
+    assert main(["checkpoints", str(run), "--verify"]) == 0
+    scores = []
+    for r in (run, moe_one):
+        capsys.readouterr()
+        assert main(["eval", str(r), "--json", "--batch-size", "3", "--quiet"]) == 0
+        scores.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert scores[0]["nll"] == pytest.approx(scores[1]["nll"], rel=1e-5) and scores[0]["tokens"] == scores[1]["tokens"]
     resumed = resume_on_one_process(run, tiny_data, tmp_path, RESUME_AT, *MOE)
     _equal_from(resumed, moe_one, RESUME_AT + 1)
 
