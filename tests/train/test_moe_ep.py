@@ -2,7 +2,9 @@
 top-2, balance loss on) against the same 8 steps on one process (`moe_one`: losses, grad norms, the
 routing metrics, every weight and moment within 1e-5), and resumed across layouts (52.4):
 
-- ep 2 on 2 ranks, 8 steps; its step-4 checkpoint resumed on one process;
+- ep 2 on 2 ranks, 8 steps; its step-4 checkpoint resumed on one process, whose step-6 checkpoint
+  is resumed at ep 4 on 4 ranks (issue 52.4's chain ep 2 -> 1 process -> ep 4 -> ZeRO-3, whose last
+  link is the killed run's below);
 - ep 2 x 2 expert-data-parallel ranks with ZeRO-1 on 4 ranks, 8 steps;
 - ZeRO-3 at ep 1 on 2 ranks, 8 steps (per-rank weight files; verify, export); resumed on one process;
 - ep 2 with ZeRO-1 on 2 ranks killed (SIGKILL of rank 1) while rank 0 holds step 5's save open:
@@ -65,12 +67,18 @@ def _equal_from(run: Path, one: Path, first: int) -> None:
     assert_same_checkpoint(step_dir(run, FINAL), step_dir(one, FINAL), 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.msrun
-def test_ep2_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one):
+def test_ep2_equals_one_process_then_resumes_on_one_and_at_ep4(tmp_path, tiny_data, moe_one):
     """ep=2 on 2 ranks: each rank holds 2 of the 4 experts, the tokens dispatched over both ranks.
     The balance loss is the one process's on the whole batch (its routing stats summed over the
     ranks), so the routing metrics agree too; the checkpoints hold whole experts under whole-model
-    names, which one process resumes."""
+    names, which one process resumes (steps 5-8). Then issue 52.4's chain goes on: that one
+    process's step-6 checkpoint cut at ep=4 on 4 ranks (one expert a rank, each rank reading its
+    expert's weights and moments from the whole tensors) does steps 7-8, and every resumed leg ends
+    with the unbroken run's weights and moments within 1e-5 (ep -> ZeRO-3: the killed run's test)."""
+    from safetensors.numpy import load_file
+
     run = tmp_path / "ep2"
     msrun(tmp_path, tiny_data, run, "parallel.ep=2", EVAL_AT_END, args=ONE)
     assert "expert parallel over 2 ranks" in (run / "train.log").read_text()
@@ -83,6 +91,15 @@ def test_ep2_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one)
     assert len(hashes) == 2 and hashes[0] == hashes[1]  # the whole model's digest, gathered over the ep group
     resumed = resume_on_one_process(run, tiny_data, tmp_path, RESUME_AT, *MOE)
     _equal_from(resumed, moe_one, RESUME_AT + 1)
+
+    at = FINAL - 2
+    ep4 = copy_run_at(resumed, tmp_path / "to-ep4", at)
+    msrun(tmp_path, tiny_data, ep4, "parallel.ep=4", NO_EVAL, args=ONE, nproc=4)
+    log = (ep4 / "train.log").read_text()
+    assert f"resumed from step_{at:06d}" in log and "expert parallel over 4 ranks x 1 expert-data-parallel" in log
+    _equal_from(ep4, moe_one, at + 1)
+    _same_moe_metrics(ep4, moe_one, range(at + 1, FINAL + 1))
+    assert load_file(str(step_dir(ep4, FINAL) / "model.safetensors"))["layers.0.mlp.w13.weight"].shape == (4, 64, 64)
 
 
 @pytest.mark.slow
@@ -107,25 +124,6 @@ def test_ep2_by_edp2_with_zero1_on_4_ranks_equals_one_process(tmp_path, tiny_dat
     shards = [set(load_file(str(f))) - {"opt_step"} for f in sorted(step_dir(run, FINAL).glob("optimizer-*-of-*.safetensors"))]
     assert len(shards) == 4 and sum(map(len, shards)) == len(set().union(*shards))  # sharded, no key twice
     assert "exp_avg.layers.0.mlp.w13.weight" in shards[0]
-
-
-@pytest.mark.slow
-@pytest.mark.msrun
-def test_one_process_checkpoint_resumes_at_ep4_on_4_ranks(tmp_path, tiny_data, moe_one):
-    """The resume chain's middle link (issue 52.4: ep 2 -> 1 process -> ep 4 -> ZeRO-3; the first is
-    the test above, ep -> ZeRO-3 the killed run's below): the one process's step-6 checkpoint (whole
-    experts) cut at ep=4 on 4 ranks, one expert a rank. Steps 7-8 and the final weights and moments
-    equal the unbroken run within 1e-5, and the checkpoint it writes holds the experts whole again."""
-    from safetensors.numpy import load_file
-
-    at = FINAL - 2
-    run = copy_run_at(moe_one, tmp_path / "to-ep4", at)
-    msrun(tmp_path, tiny_data, run, "parallel.ep=4", NO_EVAL, args=ONE, nproc=4)
-    log = (run / "train.log").read_text()
-    assert f"resumed from step_{at:06d}" in log and "expert parallel over 4 ranks x 1 expert-data-parallel" in log
-    _equal_from(run, moe_one, at + 1)
-    _same_moe_metrics(run, moe_one, range(at + 1, FINAL + 1))
-    assert load_file(str(step_dir(run, FINAL) / "model.safetensors"))["layers.0.mlp.w13.weight"].shape == (4, 64, 64)
 
 
 @pytest.mark.msrun
