@@ -95,7 +95,7 @@ def tp_memory(m: ModelConfig, cfg: Config, *, tp: int, dp: int, zero1: bool, mic
     from mspretrain.model.params import tp_split
     from mspretrain.model.presets import is_half_eligible, param_shapes
     from mspretrain.parallel.layout import bucket_mb_for
-    from mspretrain.preflight.costs import ASCEND_RESERVE_BYTES
+    from mspretrain.preflight.costs import ASCEND_RESERVE_BYTES, moment_bytes, update_bytes
 
     shapes = param_shapes(m)
     trained = trainable_mask([n for n, _ in shapes], cfg.train.trainable, tied=m.tie_embeddings)
@@ -122,12 +122,12 @@ def tp_memory(m: ModelConfig, cfg: Config, *, tp: int, dp: int, zero1: bool, mic
         "master_weights": sum(4 * n for name, n in tr if pbytes[name] == 2) / share,
         "gradients": sum(4 * n for _, n in tr) if accum > 1 else 0,
         "micro_gradients": sum(n * pbytes[name] for name, n in tr),
-        "adam_moments": sum(8 * n for _, n in tr) / share,
+        "adam_moments": sum(moment_bytes(cfg, target) * n for _, n in tr) / share,
         "activations": acts,
         "gathered_weights": 0,
         # the data-parallel bucket (flat copy and result) or the TP AllReduce of one b*s*h activation
         "collective_buffers": max(2 * min(bucket, max(4 * n for _, n in tr)) if dp > 1 else 0, 2 * e * s * b * h),
-        "update_temporaries": 8 * max(n for _, n in tr),
+        "update_temporaries": update_bytes(cfg) * max(n for _, n in tr),
         "framework_reserve": ASCEND_RESERVE_BYTES if target == "ascend" else 0,
         "cpu_backend": 0,
     }

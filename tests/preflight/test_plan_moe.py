@@ -36,7 +36,7 @@ def _qwen3_moe_plan(devices: int, *overrides: str) -> dict:
 
 
 def _ep_step(monkeypatch, tiny_cfg, *, world: int, ep: int, zero: int, accumulation: int, moe: dict | None = None,
-             device: str = "ascend", **kw):
+             device: str = "ascend", moments: str = "fp32", **kw):
     """Rank 0's EPTrainStep of a tiny bf16 MoE (bf16 matrices, fp32 masters; fp16 on CPU) on `world` ranks;
     `moe` overrides TINY_MOE, `kw` goes to the step."""
     from mindspore.ops.operations import comm_ops
@@ -55,28 +55,35 @@ def _ep_step(monkeypatch, tiny_cfg, *, world: int, ep: int, zero: int, accumulat
     half = half_eligible(model)
     model.apply_ep(mesh.ep)
     gb = tiny_cfg.train.global_batch
-    step = EPTrainStep(model, tiny_cfg.optim, mesh=mesh, plan=plan, global_tokens=gb * tiny_cfg.data.seq_len,
+    optim = replace(tiny_cfg.optim, moment_dtype=moments, shard_optimizer=zero >= 1, shard_gradients=zero >= 2)
+    step = EPTrainStep(model, optim, mesh=mesh, plan=plan, global_tokens=gb * tiny_cfg.data.seq_len,
                        half_params=half, accumulation=accumulation, bucket_mb=0.01, device=device, **kw)
     cfg = replace(tiny_cfg, model=m, parallel=replace(tiny_cfg.parallel, ep=ep),
                   precision=replace(tiny_cfg.precision, dtype="bf16", param_dtype="compute"),
-                  optim=replace(tiny_cfg.optim, shard_optimizer=zero >= 1, bucket_mb=0.01),
+                  optim=replace(optim, bucket_mb=0.01),
                   train=replace(tiny_cfg.train, micro_batch=gb // world // accumulation),
                   device=replace(tiny_cfg.device, target="ascend"))
     return step, cfg, m
 
 
-@pytest.mark.parametrize("world,ep,zero,accumulation", [(2, 2, 0, 2), (4, 2, 1, 1), (4, 4, 1, 2)])
-def test_ep_plan_bytes_are_the_buffers_the_ep_step_allocates(monkeypatch, tiny_cfg, world, ep, zero, accumulation):
+@pytest.mark.parametrize("world,ep,zero,accumulation,moments", [(2, 2, 0, 2, "fp32"), (4, 2, 1, 1, "fp32"), (4, 4, 1, 2, "bf16"),
+                                                                  (4, 2, 2, 2, "bf16")])
+def test_ep_plan_bytes_are_the_buffers_the_ep_step_allocates(monkeypatch, tiny_cfg, world, ep, zero, accumulation, moments):
     """Weights, fp32 masters, Adam moments and accumulation buffers of rank 0 (the heaviest: every
     rank holds E/ep experts), as memory_model counts them, equal the EP step's own (ep x edp, ZeRO
-    0 or 1: the other parameters' state over the world, the experts' kept whole by each rank)."""
+    0, 1 or 2: the other parameters' state (and with ZeRO-2 their accumulation buffers) over the
+    world, the experts' kept whole by each rank); with optim.moment_dtype = "bf16" the moments are
+    the step's bf16 Parameters (2 + 2 bytes an element on an NPU)."""
+    import mindspore as ms
+
     from mspretrain.preflight.costs import memory_model
 
-    step, cfg, m = _ep_step(monkeypatch, tiny_cfg, world=world, ep=ep, zero=zero, accumulation=accumulation)
-    mem, layout = memory_model(m, cfg, devices=world, micro=1, accum=accumulation, zero=zero >= 1, shard_grads=False,
+    step, cfg, m = _ep_step(monkeypatch, tiny_cfg, world=world, ep=ep, zero=zero, accumulation=accumulation, moments=moments)
+    mem, layout = memory_model(m, cfg, devices=world, micro=1, accum=accumulation, zero=zero >= 1, shard_grads=zero >= 2,
                                recompute=False, flash=False, target="ascend")
     have = step.buffer_bytes()
-    assert step.sharded == layout.sharded == (zero >= 1)
+    assert {p.dtype for p in step.exp_avg} == {ms.bfloat16 if moments == "bf16" else ms.float32}
+    assert step.sharded == layout.sharded == (zero >= 1) and step.shard_grads == layout.shard_grads == (zero >= 2)
     for kind in ("weights", "master_weights", "adam_moments", "gradients"):
         assert mem[kind] == have[kind], kind
     assert (mem["gradients"] > 0) == (accumulation > 1)
@@ -306,3 +313,11 @@ def test_train_takes_the_preset(tmp_path, tiny_data, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "dim 2,048 x 48 layers" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_moment_dtype_is_one_line(capsys):
+    """optim.moment_dtype takes "fp32" or "bf16": anything else is refused in one line, exit 2."""
+    from tests.helpers.cli import refused
+
+    err = refused(capsys, "plan", "--config", RECIPE, "--devices", "8", "optim.moment_dtype=fp16")
+    assert "optim.moment_dtype" in err and "is not one of fp32, bf16" in err, err

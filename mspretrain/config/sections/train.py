@@ -22,6 +22,11 @@ class OptimConfig(Section):
     decay_embeddings: bool = False
     lr_scaling: Literal["none", "sqrt"] = "none"  # "none" | "sqrt": lr * sqrt(global_batch / 32)
     z_loss: float = 0.0
+    # The dtype the Adam moments are stored in: "fp32", or "bf16" (2 + 2 bytes a parameter instead
+    # of 4 + 4; each step reads them into fp32, updates in fp32 and rounds them back, as DeepSeek-V3
+    # does: arXiv 2412.19437, section 3.3). Checkpoints hold them as fp32 either way, so a run can
+    # resume with the other setting (fp32 moments are rounded to bf16 on load). step/update.py.
+    moment_dtype: Literal["fp32", "bf16"] = "fp32"
     # ZeRO-1: each data-parallel rank keeps the Adam moments (and fp32 masters) of the parameters
     # it owns (about 1/N of them), updates those and all-gathers them; no effect with one rank.
     shard_optimizer: bool = False
