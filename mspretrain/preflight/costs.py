@@ -28,7 +28,8 @@ no MindSpore import.
                      64*a*s*b with Ascend's FlashAttentionScore (fp32 row max and sum, 8 lanes
                      each). With full recomputation only each layer's input (e*s*b*h) is kept, plus
                      one layer's activations while it is recomputed. Plus fp32 logits and
-                     log-probabilities: 8*s*b*V.
+                     log-probabilities: 8*s*b*V; with optim.loss_chunk_tokens = c (not on a CPU
+                     target: `logit_tokens`) 8*c*V and the head's fp32 input 4*s*b*h.
                      An MoE layer (model/moe.py) in place of the dense MLP's 4f: per assignment its
                      rank's experts run (A = ep*s*b*K: under expert parallel's AllGather dispatch,
                      model/expert_parallel.py, every rank runs its experts on the ep group's tokens,
@@ -91,6 +92,16 @@ def moe_mlp_activation_bytes(m: ModelConfig, tokens: int, e: int, ep: int = 1) -
     return routed + dispatch + 2 * 4 * tokens * E + e * tokens * 4 * m.shared_expert_ffn_dim
 
 
+def logit_tokens(tokens: int, loss_chunk: int) -> int:
+    """Tokens whose fp32 logits (and their gradient) are alive at once: a chunk's with the chunked
+    loss (model/loss.py `ChunkedNLL`, each chunk recomputed in the backward), else the micro-batch's.
+    Not measured on a 910B. On MindSpore 2.10's CPU backend the chunked step holds more, not less
+    (benchmarks/chunked_loss_memory.py: 1.15 x the unchunked step's first-call growth at V 65,536,
+    2 x 1,024 tokens, chunk 256; the CPU keeps a graph's intermediates resident), so a CPU target
+    plans the whole micro-batch's."""
+    return min(loss_chunk, tokens) if loss_chunk > 0 else tokens
+
+
 def moment_bytes(cfg: Config, target: str) -> int:
     """Bytes of Adam moments per owned element (optim.moment_dtype): fp32 m and v, or bf16 ones,
     which the CPU holds in fp32 Parameters (step/state_codec.py: its Assign has no bf16 kernel)."""
@@ -104,9 +115,11 @@ def update_bytes(cfg: Config) -> int:
 
 
 def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str, recompute: bool,
-                     flash: bool = False, ep: int = 1) -> int:
+                     flash: bool = False, ep: int = 1, loss_chunk: int = 0) -> int:
     """Activation memory of one micro-batch on one device (see the module docstring); an MoE
-    layer's MLP is `moe_mlp_activation_bytes` (under expert parallel `ep`) in place of 4f."""
+    layer's MLP is `moe_mlp_activation_bytes` (under expert parallel `ep`) in place of 4f.
+    `loss_chunk` (optim.loss_chunk_tokens; pass 0 for a CPU target, see `logit_tokens`): the fp32
+    logits of that many tokens at once, plus the head's fp32 input the chunks are recomputed from."""
     m = resolve_model(m)
     e = 4 if dtype == "fp32" else 2
     s, b, h, f, a = seq_len, micro_batch, m.dim, m.ffn_dim, m.n_heads
@@ -115,7 +128,7 @@ def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
     dense = e * s * b * (6 * h + 2 * kv + 4 * f) + attention
     moe = e * s * b * (6 * h + 2 * kv) + attention + moe_mlp_activation_bytes(m, s * b, e, ep) if m.num_experts else 0
     layers = [moe if m.is_moe_layer(i) else dense for i in range(m.n_layers)]
-    logits = 8 * s * b * m.vocab_size
+    logits = 8 * logit_tokens(s * b, loss_chunk) * m.vocab_size + (4 * s * b * h if 0 < loss_chunk < s * b else 0)
     if recompute:
         return m.n_layers * e * s * b * h + max(layers) + logits
     return sum(layers) + logits
@@ -229,7 +242,8 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
         "gradients": (sum(4 * n for _, n, _ in owned) if layout.shard_grads else sum(4 * sizes[i] for i in T)) if accum > 1 else 0,
         "micro_gradients": sum(held.get(i, sizes[i]) * pbytes[i] for i in T),
         "adam_moments": sum(moment_bytes(cfg, target) * n for _, n, _ in owned),
-        "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash, ep),
+        "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash, ep,
+                                        cfg.optim.loss_chunk_tokens if target != "cpu" else 0),
     }
     # the prefetch everywhere but the CPU with recompute (step/zero3.py `prefetches`)
     mem["gathered_weights"] = gathered_bytes(shapes, sizes, pbytes, T, recompute, prefetch=target != "cpu") if zero3 else 0

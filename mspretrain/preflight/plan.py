@@ -233,7 +233,8 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         ASCEND_910B_USABLE_GB if target == "ascend" else round(host_ram_gb() / devices, 1) if target == "cpu" else 64.0)
     calls, wire_bytes = layout.traffic(accum)
     trained = trained_elements(m, cfg)  # whole parameters (under expert parallel the layout holds this rank's experts)
-    other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash)
+    other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash,
+                             loss_chunk=cfg.optim.loss_chunk_tokens if target != "cpu" else 0)
     plan: dict[str, Any] = {
         "model": {"dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
                   "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
