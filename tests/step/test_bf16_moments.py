@@ -126,3 +126,15 @@ def test_an_overflowed_step_leaves_bf16_moments_and_weights_bit_identical(start,
     assert not res.finite
     assert_unchanged(before_w, {"e": model.embed.asnumpy(), "w": model.w.asnumpy()})
     assert_unchanged(before, step.optimizer_state())
+
+
+def test_plan_counts_what_the_cpu_step_holds(uninterrupted):
+    """On CPU the bf16 moments are fp32 Parameters (8 bytes an element, as `plan` counts for a CPU
+    target); an NPU's are bf16 (4: tests/preflight/test_plan_moe.py counts an Ascend step's)."""
+    from mspretrain.config.schema import Config
+    from mspretrain.preflight.costs import moment_bytes
+
+    _, step, _ = uninterrupted
+    cfg = replace(Config(), optim=OPTIM)
+    assert step.buffer_bytes()["adam_moments"] == moment_bytes(cfg, "cpu") * step.owned_elements() == 8 * (V * D * 2)
+    assert moment_bytes(cfg, "ascend") == 4 and moment_bytes(replace(cfg, optim=replace(OPTIM, moment_dtype="fp32")), "ascend") == 8
