@@ -333,7 +333,11 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         fixes = [f for f, ok in (("--recompute", not recompute), ("optim.shard_gradients=true", not shard_grads and devices > 1 and accum > 1),
                                  ("--zero", not zero and devices > 1),
                                  ("precision.param_dtype=compute", half and not half_params),
-                                 ("a smaller train.micro_batch", micro > 1)) if ok]
+                                 ("a smaller train.micro_batch", micro > 1),
+                                 # off the CPU, whose step holds bf16 moments in fp32 and a chunked loss's recomputation
+                                 ("optim.moment_dtype=bf16", cfg.optim.moment_dtype == "fp32" and target != "cpu"),
+                                 ("optim.loss_chunk_tokens=512", not cfg.optim.loss_chunk_tokens and target != "cpu" and tp == 1
+                                  and 8 * seq * micro * m.vocab_size > GB)) if ok]
         table = plan.get("layouts") or {}
         best = table.get("recommended") or table.get("recommended_unmeasured")
         if best:  # the layout its own table recommends, with the settings that select it

@@ -213,6 +213,8 @@ def test_qwen3_30b_a3b_on_8_910b_fits_with_bf16_moments_and_the_chunked_loss():
     plan = _qwen3_moe_plan(8)
     table = plan["layouts"]
     assert table["recommended"] is None and table["recommended_unmeasured"] is None
+    # and the warning names the two options
+    assert any("optim.moment_dtype=bf16" in w and "optim.loss_chunk_tokens=512" in w for w in plan["warnings"]), plan["warnings"]
     fitted = [r for r in table["rows"] if "skipped" not in r]
     assert min(r["peak_bytes"] for r in fitted) / GB > 58
     ep8 = next(r for r in fitted if r["name"] == "EP8 ZeRO-1")
