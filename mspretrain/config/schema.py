@@ -269,6 +269,9 @@ def check_parallel(cfg: Config) -> None:
              "score the checkpoints afterwards with `mspretrain eval RUN --tasks ...` (it runs data parallel under `launch`)")
     if cfg.parallel.tp == 1:
         return
+    if cfg.optim.loss_chunk_tokens:
+        fail("optim.loss_chunk_tokens", f"= {cfg.optim.loss_chunk_tokens} does not compose with parallel.tp = {cfg.parallel.tp} "
+             "(its loss is vocabulary-parallel: the logits are split already)", "set optim.loss_chunk_tokens=0 with tensor parallel")
     if cfg.optim.shard_parameters:
         fail("optim.shard_parameters", f"(ZeRO-3) does not compose with parallel.tp = {cfg.parallel.tp} yet",
               "use optim.shard_gradients=true (ZeRO-2) with tensor parallel, or parallel.tp=1 with ZeRO-3")

@@ -265,10 +265,12 @@ class Decoder(nn.Cell):
                     cell.grouped = select_grouped("auto", device)
 
     def construct(self, tokens: Tensor, positions: Tensor | None = None, segments: Tensor | None = None,
-                  routing: bool = False, per_layer: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                  routing: bool = False, per_layer: bool = False, logits: bool = True) -> Tensor | tuple[Tensor, Tensor]:
         """`routing` (MoE, model/moe.py; a constant): (logits, routing stats (2, E) summed over the MoE
         layers) for the load-balancing loss of the train step; with `per_layer` (a constant) the
-        stats of each MoE layer, (L_moe, 2, E), for the expert-load metrics (issue 52.6)."""
+        stats of each MoE layer, (L_moe, 2, E), for the expert-load metrics (issue 52.6).
+        `logits` False (a constant): (h (B*T, D) fp32, head weight (V, D)) in place of the logits, for
+        the chunked loss (optim.loss_chunk_tokens, model/loss.py `ChunkedNLL`)."""
         T = tokens.shape[1]
         token = None
         if self.sharded:  # ZeRO-3 (step/zero3.py): the embedding gathered, the first block's gathers after it
@@ -304,12 +306,12 @@ class Decoder(nn.Cell):
                 each.append(s)
             else:
                 x, token = layer(x, cos, sin, bias, discard, token)
-        logits = self._head(x, token)
+        out = self._head(x, token, logits)
         if routing and per_layer:
-            return logits, ops.stack(each)
+            return out, ops.stack(each)
         if routing:
-            return logits, stats
-        return logits
+            return out, stats
+        return out
 
     def apply_tp(self, group: Any) -> Any:
         """Cut this whole model into tp rank `group.rank`'s piece, in place (model/parallel.py has the
@@ -353,7 +355,7 @@ class Decoder(nn.Cell):
         self.ep_split = ExpertSplit(group, {k: s for k, (s, _) in cut.items()}, {k: w for k, (_, w) in cut.items()})
         return self.ep_split
 
-    def _head(self, x: Tensor, token: Tensor | None = None) -> Tensor:
+    def _head(self, x: Tensor, token: Tensor | None = None, logits: bool = True) -> Tensor | tuple[Tensor, Tensor]:
         B, T = x.shape[0], x.shape[1]
         if token is None:
             h = self.norm(x).astype(ms.float32).reshape(B * T, -1)  # (B*T, D) fp32: lm_head is an fp32 island
@@ -362,6 +364,8 @@ class Decoder(nn.Cell):
             wn, token = self.norm.pull(token if self.layers[0].prefetch else one(x))
             h = self.norm(x, wn).astype(ms.float32).reshape(B * T, -1)
             w = self.embed.pull(token)[0] if self.tied else self.lm_head.pull(token)[0]
+        if not logits:  # the chunked loss takes the head's input and weight
+            return h, w
         return self.head_matmul(h, w).reshape(B, T, -1)  # (B, T, V) fp32
 
     # ----------------------------------------------------------------- incremental decoding

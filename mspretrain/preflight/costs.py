@@ -14,7 +14,10 @@ no MindSpore import.
     gradients        fp32 accumulation buffers: only with accumulation; owned parameters only
                      with optim.shard_gradients
     micro gradients  one micro-batch's gradients in the parameter dtype (alive at the end of backward)
-    Adam moments     8 bytes per owned parameter (a split parameter: per element of the slice)
+    Adam moments     8 bytes per owned parameter (a split parameter: per element of the slice);
+                     4 with optim.moment_dtype = "bf16" (2 + 2: step/state_codec.py's bf16
+                     Parameters on an NPU; on CPU they stay fp32 Parameters holding bf16 values, so
+                     a CPU target counts 8)
     activations      per micro-batch of b sequences of length s, per layer (e = 2 bytes for
                      fp16/bf16 compute, 4 for fp32; h = dim, f = ffn_dim, kv = n_kv_heads*head_dim,
                      a = n_heads):  e*s*b*(6h + 2kv + 4f) + attention
@@ -25,7 +28,8 @@ no MindSpore import.
                      64*a*s*b with Ascend's FlashAttentionScore (fp32 row max and sum, 8 lanes
                      each). With full recomputation only each layer's input (e*s*b*h) is kept, plus
                      one layer's activations while it is recomputed. Plus fp32 logits and
-                     log-probabilities: 8*s*b*V.
+                     log-probabilities: 8*s*b*V; with optim.loss_chunk_tokens = c (not on a CPU
+                     target: `logit_tokens`) 8*c*V and the head's fp32 input 4*s*b*h.
                      An MoE layer (model/moe.py) in place of the dense MLP's 4f: per assignment its
                      rank's experts run (A = ep*s*b*K: under expert parallel's AllGather dispatch,
                      model/expert_parallel.py, every rank runs its experts on the ep group's tokens,
@@ -42,7 +46,9 @@ no MindSpore import.
     collective buckets  the largest bucket's flat copy and its result; on CPU (world > 1) a measured
                         6.2 x the largest bucket (CPU_BUCKET_FACTOR), with buckets of 32 MB there
                         (optim.bucket_mb = "auto": 256 MB on Ascend, 32 MB on CPU)
-    update temporaries  8 bytes x the largest owned parameter or slice (scaled gradient, masked copy)
+    update temporaries  8 bytes x the largest owned parameter or slice (scaled gradient, masked copy);
+                        with bf16 moments 12 more (the fp32 moments read from bf16 and the update
+                        before it is applied: step/update.py `_adamw_rounded`; not measured on a 910B)
     HCCL + workspace    Ascend: 1 GiB of kernel workspace and HCCL's communication buffers
                         (HCCL_BUFFSIZE, 200 MB per communicator by default; assumed, not measured).
                         JSON key `framework_reserve` (kept for scripts that read it)
@@ -86,10 +92,34 @@ def moe_mlp_activation_bytes(m: ModelConfig, tokens: int, e: int, ep: int = 1) -
     return routed + dispatch + 2 * 4 * tokens * E + e * tokens * 4 * m.shared_expert_ffn_dim
 
 
+def logit_tokens(tokens: int, loss_chunk: int) -> int:
+    """Tokens whose fp32 logits (and their gradient) are alive at once: a chunk's with the chunked
+    loss (model/loss.py `ChunkedNLL`, each chunk recomputed in the backward), else the micro-batch's.
+    Not measured on a 910B. On MindSpore 2.10's CPU backend the chunked step holds more, not less
+    (benchmarks/chunked_loss_memory.py: 1.15 x the unchunked step's first-call growth at V 65,536,
+    2 x 1,024 tokens, chunk 256; the CPU keeps a graph's intermediates resident), so a CPU target
+    plans the whole micro-batch's."""
+    return min(loss_chunk, tokens) if loss_chunk > 0 else tokens
+
+
+def moment_bytes(cfg: Config, target: str) -> int:
+    """Bytes of Adam moments per owned element (optim.moment_dtype): fp32 m and v, or bf16 ones,
+    which the CPU holds in fp32 Parameters (step/state_codec.py: its Assign has no bf16 kernel)."""
+    return 4 if cfg.optim.moment_dtype == "bf16" and target != "cpu" else 8
+
+
+def update_bytes(cfg: Config) -> int:
+    """The update's temporaries per element of the largest owned tensor: the scaled gradient and its
+    masked copy; bf16 moments add their fp32 reads and the update (step/update.py `_adamw_rounded`)."""
+    return 8 + (12 if cfg.optim.moment_dtype == "bf16" else 0)
+
+
 def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str, recompute: bool,
-                     flash: bool = False, ep: int = 1) -> int:
+                     flash: bool = False, ep: int = 1, loss_chunk: int = 0) -> int:
     """Activation memory of one micro-batch on one device (see the module docstring); an MoE
-    layer's MLP is `moe_mlp_activation_bytes` (under expert parallel `ep`) in place of 4f."""
+    layer's MLP is `moe_mlp_activation_bytes` (under expert parallel `ep`) in place of 4f.
+    `loss_chunk` (optim.loss_chunk_tokens; pass 0 for a CPU target, see `logit_tokens`): the fp32
+    logits of that many tokens at once, plus the head's fp32 input the chunks are recomputed from."""
     m = resolve_model(m)
     e = 4 if dtype == "fp32" else 2
     s, b, h, f, a = seq_len, micro_batch, m.dim, m.ffn_dim, m.n_heads
@@ -98,7 +128,7 @@ def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
     dense = e * s * b * (6 * h + 2 * kv + 4 * f) + attention
     moe = e * s * b * (6 * h + 2 * kv) + attention + moe_mlp_activation_bytes(m, s * b, e, ep) if m.num_experts else 0
     layers = [moe if m.is_moe_layer(i) else dense for i in range(m.n_layers)]
-    logits = 8 * s * b * m.vocab_size
+    logits = 8 * logit_tokens(s * b, loss_chunk) * m.vocab_size + (4 * s * b * h if 0 < loss_chunk < s * b else 0)
     if recompute:
         return m.n_layers * e * s * b * h + max(layers) + logits
     return sum(layers) + logits
@@ -211,8 +241,9 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
         "master_weights": sum(4 * n for i, n, cut in owned if is_half[i] or (cut and not zero3)),
         "gradients": (sum(4 * n for _, n, _ in owned) if layout.shard_grads else sum(4 * sizes[i] for i in T)) if accum > 1 else 0,
         "micro_gradients": sum(held.get(i, sizes[i]) * pbytes[i] for i in T),
-        "adam_moments": sum(8 * n for _, n, _ in owned),
-        "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash, ep),
+        "adam_moments": sum(moment_bytes(cfg, target) * n for _, n, _ in owned),
+        "activations": activation_bytes(m, cfg.data.seq_len, micro, cfg.precision.dtype, recompute, flash, ep,
+                                        cfg.optim.loss_chunk_tokens if target != "cpu" else 0),
     }
     # the prefetch everywhere but the CPU with recompute (step/zero3.py `prefetches`)
     mem["gathered_weights"] = gathered_bytes(shapes, sizes, pbytes, T, recompute, prefetch=target != "cpu") if zero3 else 0
@@ -235,7 +266,7 @@ def memory_model(m: ModelConfig, cfg: Config, *, devices: int, micro: int, accum
     if devices > 1 and target == "cpu":  # measured, not derived: see CPU_BUCKET_FACTOR
         reduce_t = gather_t = CPU_BUCKET_FACTOR * max(red, gat)
     mem["collective_buffers"] = max(reduce_t, gather_t, expert_t)
-    mem["update_temporaries"] = 8 * max(n for _, n, _ in owned)
+    mem["update_temporaries"] = update_bytes(cfg) * max(n for _, n, _ in owned)
     mem["framework_reserve"] = ASCEND_RESERVE_BYTES if target == "ascend" else 0
     mem["cpu_backend"] = (cpu_backend_bytes(sizes, [is_half_eligible(n) for n, _ in shapes], half)
                           if target == "cpu" else 0)

@@ -6,7 +6,9 @@ over all N devices (what `train` runs: optim.shard_optimizer / shard_gradients /
 tensor parallel t x data parallel N/t for t = 2, 4, 8 (t dividing N), plain and with ZeRO-1 over
 the data-parallel group (`train` runs them: parallel.tp, step/tp.py); for a mixture of experts,
 expert parallel ep x expert-data-parallel N/ep for every ep > 1 dividing the experts and N, plain
-and with ZeRO-1 (parallel.ep, step/ep.py). The TP rows' memory is
+and with ZeRO-1 or ZeRO-2 over the other parameters (parallel.ep, step/ep.py; ZeRO-2 shards their
+accumulation buffers, which only matters with gradient accumulation). The Adam moments' dtype is
+the config's (optim.moment_dtype: `plan ... optim.moment_dtype=bf16` asks "what if"). The TP rows' memory is
 Megatron's accounting, not yet checked against a TP step's measured buffers, so the recommendation
 is taken among the measured layouts and a faster TP layout that fits is named beside it.
 
@@ -95,7 +97,7 @@ def tp_memory(m: ModelConfig, cfg: Config, *, tp: int, dp: int, zero1: bool, mic
     from mspretrain.model.params import tp_split
     from mspretrain.model.presets import is_half_eligible, param_shapes
     from mspretrain.parallel.layout import bucket_mb_for
-    from mspretrain.preflight.costs import ASCEND_RESERVE_BYTES
+    from mspretrain.preflight.costs import ASCEND_RESERVE_BYTES, moment_bytes, update_bytes
 
     shapes = param_shapes(m)
     trained = trainable_mask([n for n, _ in shapes], cfg.train.trainable, tied=m.tie_embeddings)
@@ -122,12 +124,12 @@ def tp_memory(m: ModelConfig, cfg: Config, *, tp: int, dp: int, zero1: bool, mic
         "master_weights": sum(4 * n for name, n in tr if pbytes[name] == 2) / share,
         "gradients": sum(4 * n for _, n in tr) if accum > 1 else 0,
         "micro_gradients": sum(n * pbytes[name] for name, n in tr),
-        "adam_moments": sum(8 * n for _, n in tr) / share,
+        "adam_moments": sum(moment_bytes(cfg, target) * n for _, n in tr) / share,
         "activations": acts,
         "gathered_weights": 0,
         # the data-parallel bucket (flat copy and result) or the TP AllReduce of one b*s*h activation
         "collective_buffers": max(2 * min(bucket, max(4 * n for _, n in tr)) if dp > 1 else 0, 2 * e * s * b * h),
-        "update_temporaries": 8 * max(n for _, n in tr),
+        "update_temporaries": update_bytes(cfg) * max(n for _, n in tr),
         "framework_reserve": ASCEND_RESERVE_BYTES if target == "ascend" else 0,
         "cpu_backend": 0,
     }
@@ -270,13 +272,17 @@ def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, targ
     from mspretrain.monitor.mfu import flops_per_token
 
     step_flops = budget.tokens_per_step(cfg) * flops_per_token(m, cfg.data.seq_len, cfg.train.trainable)
+    # the chunked loss (optim.loss_chunk_tokens) runs the head's matmul again in the backward: 2*D*V a token
+    head_factor = 1 + (2 * m.dim * m.vocab_size / flops_per_token(m, cfg.data.seq_len, cfg.train.trainable)
+                       if cfg.optim.loss_chunk_tokens else 0)
     bw = bus_gbps * 1e9
     e = 2 if cfg.precision.dtype in ("fp16", "bf16") else 4
     candidates = [_row("DP", 1, devices, 0, False), _row("ZeRO-1", 1, devices, 1, False), _row("ZeRO-2", 1, devices, 2, False),
                   _row("ZeRO-3", 1, devices, 3, False)]
     for ep in ep_sizes(m, devices):  # expert parallel (parallel.ep): ep groups x expert-data-parallel groups
         name = f"EP{ep}" + (f" x EDP{devices // ep}" if devices > ep else "")
-        candidates += [_row(name, 1, devices, 0, False, ep), _row(f"{name} ZeRO-1", 1, devices, 1, False, ep)]
+        candidates += [_row(name, 1, devices, 0, False, ep), _row(f"{name} ZeRO-1", 1, devices, 1, False, ep),
+                       _row(f"{name} ZeRO-2", 1, devices, 2, False, ep)]
     for t in TP_SIZES:
         if t <= devices and devices % t == 0:
             candidates += [_row(f"TP{t} x DP{devices // t}", t, devices // t, 0, True),
@@ -295,7 +301,7 @@ def layout_table(cfg: Config, m: ModelConfig, *, devices: int, flash: bool, targ
         # assignments (the others' masked), ep times an AllToAll's expert FLOPs (model/expert_parallel.py)
         ep_factor = 1 + (ep - 1) * expert_flops_share(m, cfg.data.seq_len, cfg.train.trainable)
         for recompute in ((False, True) if not cfg.train.recompute else (True,)):
-            compute_s = step_flops / (devices * flops) * (4 / 3 if recompute else 1) * ep_factor
+            compute_s = step_flops / (devices * flops) * (4 / 3 if recompute else 1) * ep_factor * head_factor
             backward_s = compute_s * (BACKWARD_SHARE_RECOMPUTE if recompute else BACKWARD_SHARE) / accum
             if row["tp"] == 1:
                 z = row["zero"]

@@ -233,7 +233,8 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         ASCEND_910B_USABLE_GB if target == "ascend" else round(host_ram_gb() / devices, 1) if target == "cpu" else 64.0)
     calls, wire_bytes = layout.traffic(accum)
     trained = trained_elements(m, cfg)  # whole parameters (under expert parallel the layout holds this rank's experts)
-    other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash)
+    other = activation_bytes(m, seq, micro, cfg.precision.dtype, not recompute, flash,
+                             loss_chunk=cfg.optim.loss_chunk_tokens if target != "cpu" else 0)
     plan: dict[str, Any] = {
         "model": {"dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
                   "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings},
@@ -241,6 +242,7 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         "seq_len": seq, "dtype": cfg.precision.dtype, "zero": zero or shard_grads, "shard_gradients": shard_grads and devices > 1,
         "shard_parameters": shard_params and devices > 1,
         "recompute": recompute, "flash_attention": flash,
+        "moment_dtype": ("bf16" if target != "cpu" else "bf16 values in fp32") if cfg.optim.moment_dtype == "bf16" else "fp32",
         "tokens": b.tokens, "tokens_source": b.tokens_source, "steps": b.steps, "warmup_steps": b.warmup,
         "warmup_note": b.warmup_note, "lr": b.lr, "lr_note": b.lr_note, "assumed": list(assumed),
         "memory_bytes": mem, "activations_other_bytes": other, "device_mem_gb": usable_gb,
@@ -331,7 +333,11 @@ def make_plan(cfg: Config, *, devices: int, tokens: int | None, data_dir: Path |
         fixes = [f for f, ok in (("--recompute", not recompute), ("optim.shard_gradients=true", not shard_grads and devices > 1 and accum > 1),
                                  ("--zero", not zero and devices > 1),
                                  ("precision.param_dtype=compute", half and not half_params),
-                                 ("a smaller train.micro_batch", micro > 1)) if ok]
+                                 ("a smaller train.micro_batch", micro > 1),
+                                 # off the CPU, whose step holds bf16 moments in fp32 and a chunked loss's recomputation
+                                 ("optim.moment_dtype=bf16", cfg.optim.moment_dtype == "fp32" and target != "cpu"),
+                                 ("optim.loss_chunk_tokens=512", not cfg.optim.loss_chunk_tokens and target != "cpu" and tp == 1
+                                  and 8 * seq * micro * m.vocab_size > GB)) if ok]
         table = plan.get("layouts") or {}
         best = table.get("recommended") or table.get("recommended_unmeasured")
         if best:  # the layout its own table recommends, with the settings that select it
@@ -394,7 +400,7 @@ def format_plan(plan: dict) -> str:
                        ("half_weights", "half-precision weight copies"), ("master_weights", "fp32 master weights"),
                        ("gradients", "accumulation buffers (fp32)"),
                        ("micro_gradients", "micro-batch gradients" + (" (half)" if half_params else "")),
-                       ("adam_moments", "Adam moments (fp32)"),
+                       ("adam_moments", f"Adam moments ({plan.get('moment_dtype', 'fp32')})"),
                        ("activations", "activations" + (" (recompute)" if plan["recompute"] else "")),
                        ("gathered_weights", "gathered weights (ZeRO-3)"),
                        ("collective_buffers", "collective buckets"), ("update_temporaries", "update temporaries"),

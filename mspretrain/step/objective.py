@@ -42,7 +42,7 @@ def make_objective(model: Any, optim: OptimConfig, *, global_tokens: float, devi
     `tp_loss`: the vocabulary-parallel loss of a model cut by tensor parallel, else None;
     `stats_group`: the data-parallel group (model/parallel.py `Group`) over which an MoE's routing
     stats are summed before the balance and router z-losses are formed (None: one rank)."""
-    from mspretrain.model.loss import token_nll
+    from mspretrain.model.loss import ChunkedNLL, token_nll
     from mspretrain.model.moe import balance_loss, moe_layers, z_loss
 
     # Ascend: plain reductions instead of the CPU's GEMM forms (model/decoder.py `use_fused_kernels`)
@@ -72,21 +72,36 @@ def make_objective(model: Any, optim: OptimConfig, *, global_tokens: float, devi
 
         stats_sum = ReduceFromTP(stats_group)
 
+    # optim.loss_chunk_tokens: the head and the NLL over chunks of tokens, each recomputed in the
+    # backward (model/loss.py `ChunkedNLL`); a Decoder's, without tensor parallel (config refuses both)
+    chunk = int(optim.loss_chunk_tokens) if cfg is not None and tp_loss is None else 0
+    chunked = ChunkedNLL(chunk, plain) if chunk else None
+    whole = not chunk  # the decoder returns the logits, else (h, head weight)
+
     def objective(tokens: Tensor, positions: Tensor | None, segments: Tensor | None, scale: Tensor):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
         per = None
         if moe_stats:  # MoE: each layer's routing stats; their sum feeds the load-balancing loss
-            logits, per = model(inputs, positions, segments, True, True)
+            logits, per = model(inputs, positions, segments, True, True, whole)
             if stats_sum is not None:  # after the whole forward (its collectives), before any backward one
-                per = stats_sum(ops.depend(per, logits))
-                logits = ops.depend(logits, per)
+                first = logits if whole else logits[0]
+                per = stats_sum(ops.depend(per, first))
+                logits = ops.depend(logits, per) if whole else (ops.depend(logits[0], per), logits[1])
             routed = per[0]
             for i in range(1, len(layers_moe)):  # in layer order, as the decoder's own sum
                 routed = routed + per[i]
         else:
-            logits, routed = model(inputs, positions, segments), None  # (B, T, V) fp32
+            # (B, T, V) fp32, or chunked (h, head weight); a toy model (the tests') takes three arguments
+            logits = model(inputs, positions, segments) if whole else model(inputs, positions, segments, False, False, False)
+            routed = None
         # (B, T) fp32 each; tensor parallel: from the local vocabulary columns (model/parallel.py)
-        nll, lse = token_nll(logits, targets, plain_sum=plain) if tp_loss is None else tp_loss(logits, targets)
+        if chunked is not None:
+            nll, lse = chunked(logits[0], logits[1], targets.reshape(-1))
+            nll, lse = nll.reshape(targets.shape), lse.reshape(targets.shape)
+        elif tp_loss is None:
+            nll, lse = token_nll(logits, targets, plain_sum=plain)
+        else:
+            nll, lse = tp_loss(logits, targets)
         nll_sum = nll.sum()
         obj = nll_sum
         if z > 0:

@@ -6,10 +6,20 @@ parameter's state is stored per slice (`shard_key`); a rank reading it back (any
 another one cuts other slices, or none) assembles its own part from whichever stored slices
 overlap it (`load`). The logical keys (the names without `@...`) are those of an unsplit run,
 and the checks of a checkpoint against the model use them.
+
+Moments in bf16 (`optim.moment_dtype = "bf16"`, step/update.py `_adamw_rounded`): held as bf16
+Parameters on an NPU; on CPU as fp32 Parameters holding bf16 values, because MindSpore 2.10's CPU
+Assign has no bf16 kernel (measured: "Select CPU operator[Assign] fail! Unsupported data type"),
+while its CPU Cast fp32 -> bf16 rounds to nearest even exactly as ml_dtypes does (measured on 1e5
+values across the exponent range): the same numbers, not the saved bytes. A checkpoint stores
+moments as fp32 either way (a bf16 value is exact in fp32), so a bf16 run resumes bit-exactly, an
+fp32 checkpoint resumed with bf16 moments is rounded to bf16 on load (what the option means), and
+a bf16 checkpoint resumed with fp32 moments is read exactly.
 """
 from __future__ import annotations
 
 import mindspore as ms
+import ml_dtypes
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
@@ -22,9 +32,13 @@ from mspretrain.step.zero_setup import Ownership
 class OptimizerState:
     """The state Parameters of the owned units (`Ownership`) of the trained `params`."""
 
-    def __init__(self, params: tuple[Parameter, ...], frozen: tuple[Parameter, ...], ownership: Ownership) -> None:
+    def __init__(self, params: tuple[Parameter, ...], frozen: tuple[Parameter, ...], ownership: Ownership,
+                 moment_dtype: str = "fp32", device: str = "cpu") -> None:
         self.params, self.frozen, self.o = params, frozen, ownership
         o = ownership
+        # bf16 moments: their values are rounded to bf16 (`rounded`); stored in bf16 off the CPU
+        self.rounded = moment_dtype == "bf16"
+        self.moment_dtype = ms.bfloat16 if self.rounded and device != "cpu" else ms.float32
         # Every state Parameter below gets a temporary and positional arguments: MindSpore 2.10's
         # Parameter.__new__ wraps its input only at refcount 4 and otherwise rebuilds it from
         # `asnumpy()` (model/decoder.py `_normal` says why), which would bring each zeroed moment
@@ -37,7 +51,7 @@ class OptimizerState:
             for k, (i, sep) in enumerate(zip(o.own, o.separate))])
         # a slice's state is 1-D, a whole parameter's has its shape
         shape = lambda k: (o.bounds[k][1] - o.bounds[k][0],) if o.split[k] else params[o.own[k]].shape  # noqa: E731
-        zeros = lambda k, prefix: Parameter(ops.zeros(shape(k), ms.float32), o.key(k, prefix), False)  # noqa: E731
+        zeros = lambda k, prefix: Parameter(ops.zeros(shape(k), self.moment_dtype), o.key(k, prefix), False)  # noqa: E731
         self.exp_avg = ms.ParameterTuple([zeros(k, "exp_avg") for k in range(len(o.own))])
         self.exp_avg_sq = ms.ParameterTuple([zeros(k, "exp_avg_sq") for k in range(len(o.own))])
         self.opt_step = Parameter(Tensor(0, ms.int32), name="opt_step", requires_grad=False)
@@ -58,8 +72,8 @@ class OptimizerState:
         o = self.o
         out: dict[str, np.ndarray] = {"opt_step": np.asarray(self.opt_step.asnumpy(), dtype=np.int64)}
         for k, (m, v, master, has_master) in enumerate(zip(self.exp_avg, self.exp_avg_sq, self.masters, o.has_master)):
-            out[o.key(k, "exp_avg")] = m.asnumpy()
-            out[o.key(k, "exp_avg_sq")] = v.asnumpy()
+            out[o.key(k, "exp_avg")] = _fp32(m)
+            out[o.key(k, "exp_avg_sq")] = _fp32(v)
             if has_master:
                 out[o.key(k, "master")] = master.asnumpy()
         return out
@@ -134,9 +148,22 @@ class OptimizerState:
                             "resume with the model config the checkpoint was written with")
         self.opt_step.set_data(Tensor(int(np.asarray(tensors["opt_step"]).reshape(-1)[0]), ms.int32))
         for k, (i, m, v, master) in enumerate(zip(o.own, self.exp_avg, self.exp_avg_sq, self.masters)):
-            m.set_data(Tensor(self._assemble(tensors, f"exp_avg.{o.names[i]}", k)))
-            v.set_data(Tensor(self._assemble(tensors, f"exp_avg_sq.{o.names[i]}", k)))
+            m.set_data(self._moment(self._assemble(tensors, f"exp_avg.{o.names[i]}", k)))
+            v.set_data(self._moment(self._assemble(tensors, f"exp_avg_sq.{o.names[i]}", k)))
             if o.has_master[k]:
                 master.set_data(Tensor(self._assemble(tensors, f"master.{o.names[i]}", k)))
             elif o.separate[k]:  # an fp32 split parameter: its master is the slice of the weights just loaded
                 master.set_data(Tensor(o.flat_value(self.params, k)))
+
+    def _moment(self, value: np.ndarray) -> Tensor:
+        """A stored (fp32) moment as this state holds it: rounded to bf16 with bf16 moments (exact
+        for a bf16 run's own checkpoint; an fp32 run's is converted), in the storage dtype."""
+        if not self.rounded:
+            return Tensor(value)
+        half = value.astype(ml_dtypes.bfloat16)  # round to nearest even, as MindSpore's Cast does
+        return Tensor(half) if self.moment_dtype == ms.bfloat16 else Tensor(half.astype(np.float32))
+
+
+def _fp32(p: Parameter) -> np.ndarray:
+    """A moment as a checkpoint stores it: fp32 (a view of live memory on CPU; a bf16 one is copied)."""
+    return p.asnumpy() if p.dtype == ms.float32 else p.asnumpy().astype(np.float32)

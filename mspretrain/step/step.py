@@ -199,7 +199,8 @@ class TrainStep(StepUpdate):
         self.own, self._own_split, self._own_bounds = o.own, o.split, o.bounds
         self._own_has_master, self._own_separate = o.has_master, o.separate
         # ---- the optimizer state (step/state_codec.py): masters are taken before the rounding below
-        self.state = OptimizerState(self.params, self.frozen, o)
+        self.state = OptimizerState(self.params, self.frozen, o, optim.moment_dtype, device)
+        self._moments_rounded, self._moment_dtype = self.state.rounded, self.state.moment_dtype
         self.own_masters, self.exp_avg, self.exp_avg_sq = self.state.masters, self.state.exp_avg, self.state.exp_avg_sq
         self.opt_step = self.state.opt_step
         for p in self.params + self.frozen:

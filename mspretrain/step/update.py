@@ -175,7 +175,10 @@ class StepUpdate:
                 g = g.reshape(-1)[self._own_cut[k][0]:self._own_cut[k][1]]
             g = ops.nan_to_num(g * gscale, 0.0, 0.0, 0.0)
             wd = self.wd[i] * wd_factor if self.wd[i] else 0.0
-            self._adamw(master, self.exp_avg[k], self.exp_avg_sq[k], lr_t, b1, b2, eps_t, wd, g)
+            if self._moments_rounded:
+                self._adamw_rounded(master, self.exp_avg[k], self.exp_avg_sq[k], lr_t, b1, b2, eps_t, wd, g)
+            else:
+                self._adamw(master, self.exp_avg[k], self.exp_avg_sq[k], lr_t, b1, b2, eps_t, wd, g)
             if self._own_has_master[k] and (self.zero3 or not self._own_split[k]):  # a split one reaches its parameter in `_gather`
                 ops.assign(self.params[i], master.astype(self.params[i].dtype))
         # the returned loss depends on the last collective: a collective whose result a rank does
@@ -183,6 +186,21 @@ class StepUpdate:
         # of collectives would no longer pair up (measured: a hang-free mismatch error in mccl)
         loss_sum = ops.depend(loss_sum, self._gather(ops.depend(ops.depend(loss_sum, finite), sq)))
         return loss_sum, finite, norm
+
+    def _adamw_rounded(self, master, m, v, lr, b1, b2, eps, wd, g) -> None:
+        """AdamWeightDecay's arithmetic (the same bias-free arguments) with the moments stored in
+        bf16 (optim.moment_dtype; DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3:
+        "we adopt the BF16 data format instead of FP32 to track the first and second moments in the
+        AdamW optimizer, without incurring observable performance degradation"): read into fp32,
+        updated in fp32, this step's update taken from the fp32 values, then rounded to bf16 (round
+        to nearest even) for storage. On CPU the Parameters are fp32 holding bf16 values
+        (step/state_codec.py says why), so the value goes through bf16 and back. A skipped step
+        (b1 = b2 = 1, g = 0, lr = wd = 0) rewrites the same bf16 values and the same master."""
+        m32 = b1 * m.astype(ms.float32) + (1.0 - b1) * g
+        v32 = b2 * v.astype(ms.float32) + (1.0 - b2) * ops.square(g)
+        ops.assign(master, master - lr * (m32 / (ops.sqrt(v32) + eps) + wd * master))
+        ops.assign(m, m32.astype(ms.bfloat16).astype(self._moment_dtype))
+        ops.assign(v, v32.astype(ms.bfloat16).astype(self._moment_dtype))
 
     def _gather(self, after: Tensor) -> Tensor:
         """Owners' parameters to every rank: bucketed AllGather, Broadcast for the rest."""

@@ -90,6 +90,7 @@ def test_malformed_file_is_one_line_error(tmp_path):
 OLD_CHOICES = {
     "data.token_dtype": ("int32", "int64"),
     "optim.lr_scaling": ("none", "sqrt"),
+    "optim.moment_dtype": ("fp32", "bf16"),
     "schedule.kind": ("cosine", "two_phase", "wsd", "constant"),
     "train.mode": ("jit", "pynative"),
     "precision.dtype": ("fp32", "fp16", "bf16"),

@@ -1,7 +1,7 @@
 """`plan` for mixtures of experts (issue 52.7): the expert stacks per device under expert parallel
 (parallel.ep), checked against the buffers a real expert-parallel TrainStep allocates; the routed
 experts' activations and the dispatch by hand; the EP rows of the layout table; Qwen3-30B-A3B on
-8 and 16 x 910B at seq 4096, and the shipped recipe's layout is the one `plan` recommends.
+8 and 16 x 910B at seq 4096, and the shipped recipes' layouts are the ones `plan` recommends.
 
 The EP steps are built in this one process as tests/step/collective_probe.py builds each rank of a
 world (MindSpore's `get_rank` / `get_group_size` replaced where the collective primitives read
@@ -20,6 +20,7 @@ from mspretrain.model.presets import param_shapes, preset
 
 GB = 2**30
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "qwen3-30b-a3b-zh-continue-910b.toml"
+RECIPE8 = RECIPE.with_name("qwen3-30b-a3b-zh-continue-8x910b.toml")
 # the 910B shape of docs/plan.md's big presets (test_plan_layouts.py BIG), global batch set per test
 SHAPE = ["data.seq_len=4096", "train.micro_batch=1", "precision.dtype=bf16", "precision.param_dtype=compute",
          "precision.loss_scale=none", "device.target=ascend", "train.max_steps=1000"]
@@ -36,7 +37,7 @@ def _qwen3_moe_plan(devices: int, *overrides: str) -> dict:
 
 
 def _ep_step(monkeypatch, tiny_cfg, *, world: int, ep: int, zero: int, accumulation: int, moe: dict | None = None,
-             device: str = "ascend", **kw):
+             device: str = "ascend", moments: str = "fp32", **kw):
     """Rank 0's EPTrainStep of a tiny bf16 MoE (bf16 matrices, fp32 masters; fp16 on CPU) on `world` ranks;
     `moe` overrides TINY_MOE, `kw` goes to the step."""
     from mindspore.ops.operations import comm_ops
@@ -55,28 +56,35 @@ def _ep_step(monkeypatch, tiny_cfg, *, world: int, ep: int, zero: int, accumulat
     half = half_eligible(model)
     model.apply_ep(mesh.ep)
     gb = tiny_cfg.train.global_batch
-    step = EPTrainStep(model, tiny_cfg.optim, mesh=mesh, plan=plan, global_tokens=gb * tiny_cfg.data.seq_len,
+    optim = replace(tiny_cfg.optim, moment_dtype=moments, shard_optimizer=zero >= 1, shard_gradients=zero >= 2)
+    step = EPTrainStep(model, optim, mesh=mesh, plan=plan, global_tokens=gb * tiny_cfg.data.seq_len,
                        half_params=half, accumulation=accumulation, bucket_mb=0.01, device=device, **kw)
     cfg = replace(tiny_cfg, model=m, parallel=replace(tiny_cfg.parallel, ep=ep),
                   precision=replace(tiny_cfg.precision, dtype="bf16", param_dtype="compute"),
-                  optim=replace(tiny_cfg.optim, shard_optimizer=zero >= 1, bucket_mb=0.01),
+                  optim=replace(optim, bucket_mb=0.01),
                   train=replace(tiny_cfg.train, micro_batch=gb // world // accumulation),
                   device=replace(tiny_cfg.device, target="ascend"))
     return step, cfg, m
 
 
-@pytest.mark.parametrize("world,ep,zero,accumulation", [(2, 2, 0, 2), (4, 2, 1, 1), (4, 4, 1, 2)])
-def test_ep_plan_bytes_are_the_buffers_the_ep_step_allocates(monkeypatch, tiny_cfg, world, ep, zero, accumulation):
+@pytest.mark.parametrize("world,ep,zero,accumulation,moments", [(2, 2, 0, 2, "fp32"), (4, 2, 1, 1, "fp32"), (4, 4, 1, 2, "bf16"),
+                                                                  (4, 2, 2, 2, "bf16")])
+def test_ep_plan_bytes_are_the_buffers_the_ep_step_allocates(monkeypatch, tiny_cfg, world, ep, zero, accumulation, moments):
     """Weights, fp32 masters, Adam moments and accumulation buffers of rank 0 (the heaviest: every
     rank holds E/ep experts), as memory_model counts them, equal the EP step's own (ep x edp, ZeRO
-    0 or 1: the other parameters' state over the world, the experts' kept whole by each rank)."""
+    0, 1 or 2: the other parameters' state (and with ZeRO-2 their accumulation buffers) over the
+    world, the experts' kept whole by each rank); with optim.moment_dtype = "bf16" the moments are
+    the step's bf16 Parameters (2 + 2 bytes an element on an NPU)."""
+    import mindspore as ms
+
     from mspretrain.preflight.costs import memory_model
 
-    step, cfg, m = _ep_step(monkeypatch, tiny_cfg, world=world, ep=ep, zero=zero, accumulation=accumulation)
-    mem, layout = memory_model(m, cfg, devices=world, micro=1, accum=accumulation, zero=zero >= 1, shard_grads=False,
+    step, cfg, m = _ep_step(monkeypatch, tiny_cfg, world=world, ep=ep, zero=zero, accumulation=accumulation, moments=moments)
+    mem, layout = memory_model(m, cfg, devices=world, micro=1, accum=accumulation, zero=zero >= 1, shard_grads=zero >= 2,
                                recompute=False, flash=False, target="ascend")
     have = step.buffer_bytes()
-    assert step.sharded == layout.sharded == (zero >= 1)
+    assert {p.dtype for p in step.exp_avg} == {ms.bfloat16 if moments == "bf16" else ms.float32}
+    assert step.sharded == layout.sharded == (zero >= 1) and step.shard_grads == layout.shard_grads == (zero >= 2)
     for kind in ("weights", "master_weights", "adam_moments", "gradients"):
         assert mem[kind] == have[kind], kind
     assert (mem["gradients"] > 0) == (accumulation > 1)
@@ -179,34 +187,51 @@ def test_routed_activations_and_the_dispatch_by_hand():
     assert diff == moe_mlp_activation_bytes(m, N, e, 4) - e * N * 4 * m.ffn_dim
 
 
-def test_qwen3_30b_a3b_on_16_910b_recommends_ep16_zero1_within_52_gb():
+def test_qwen3_30b_a3b_on_16_910b_recommends_ep16_zero2_within_52_gb():
     table = _qwen3_moe_plan(16)["layouts"]
     rows = {r["name"]: r for r in table["rows"]}
     best = rows[table["recommended"]]
-    assert table["recommended"] == "EP16 ZeRO-1" and best["recompute"], table["recommended"]
+    assert table["recommended"] == "EP16 ZeRO-2" and best["recompute"], table["recommended"]
     assert best["peak_bytes"] <= 52 * GB and not best["unmeasured"], best["peak_bytes"] / GB
-    # every ep dividing the 128 experts and the 16 ranks, with and without ZeRO-1
-    assert {f"EP{e} x EDP{16 // e}" for e in (2, 4, 8)} | {"EP16", "EP16 ZeRO-1"} <= set(rows)
+    # every ep dividing the 128 experts and the 16 ranks, plain and with ZeRO-1 or ZeRO-2
+    assert {f"EP{e} x EDP{16 // e}{z}" for e in (2, 4, 8) for z in ("", " ZeRO-1", " ZeRO-2")} <= set(rows)
+    assert {"EP16", "EP16 ZeRO-1"} <= set(rows)
+    # without accumulation ZeRO-2 holds what ZeRO-1 does; its reduce-scatter moves half an all-reduce's bytes
+    assert best["peak_bytes"] == rows["EP16 ZeRO-1"]["peak_bytes"] and best["comm_s"] < rows["EP16 ZeRO-1"]["comm_s"]
     # expert state per device: 8 of 128 experts x 48 layers x 3 x 2048 x 768, fp32 moments and masters
     experts = 48 * 8 * 3 * 2048 * 768
     assert best["memory_bytes"]["adam_moments"] > 8 * experts and best["memory_bytes"]["master_weights"] > 4 * experts
     assert not rows["EP16"]["fits"]  # the other 1.5 B parameters' state replicated: 64 GB
 
 
-def test_qwen3_30b_a3b_on_8_910b_has_no_layout_within_52_gb_and_says_so(capsys):
-    """The arithmetic of the unmet bar: 30.5 B parameters at 16 bytes of weights, gradients, fp32
-    masters and moments are 57 GB a device on 8 whatever the layout, before any activation.
-    EP8 x ZeRO-1 holds 16 experts' whole state (the expert-data-parallel group has one rank), so
-    no row fits, and plan recommends nothing rather than a layout that would not run."""
+def test_qwen3_30b_a3b_on_8_910b_fits_with_bf16_moments_and_the_chunked_loss():
+    """With fp32 moments nothing fits 8 devices: 30.5 B parameters at 16 bytes of weights,
+    gradients, fp32 masters and moments are 57 GB a device whatever the layout (EP8 x ZeRO-1 holds
+    16 experts' whole state: its expert-data-parallel group has one rank), and plan recommends
+    nothing. bf16 moments (2 + 2 bytes) and the chunked loss (one 512-token chunk's fp32 logits
+    alive, not 4,096 tokens') bring ZeRO-3 under 52 GB; EP8 stays above (16 experts' state whole)."""
     plan = _qwen3_moe_plan(8)
     table = plan["layouts"]
     assert table["recommended"] is None and table["recommended_unmeasured"] is None
+    # and the warning names the two options
+    assert any("optim.moment_dtype=bf16" in w and "optim.loss_chunk_tokens=512" in w for w in plan["warnings"]), plan["warnings"]
     fitted = [r for r in table["rows"] if "skipped" not in r]
     assert min(r["peak_bytes"] for r in fitted) / GB > 58
     ep8 = next(r for r in fitted if r["name"] == "EP8 ZeRO-1")
-    state = sum(ep8["memory_bytes"][k] for k in ("weights", "master_weights", "adam_moments"))
-    assert state / GB > 52  # the persistent state alone
+    assert sum(ep8["memory_bytes"][k] for k in ("weights", "master_weights", "adam_moments")) / GB > 52
     assert 16 * plan["params"] / 8 / GB > 52
+
+    small = _qwen3_moe_plan(8, "optim.moment_dtype=bf16", "optim.loss_chunk_tokens=512")["layouts"]
+    rows = {r["name"]: r for r in small["rows"]}
+    best = rows[small["recommended"]]
+    assert small["recommended"] == "ZeRO-3" and best["recompute"] and best["peak_bytes"] <= 52 * GB, best["peak_bytes"] / GB
+    z3 = next(r for r in fitted if r["name"] == "ZeRO-3")
+    # what each feature took off: the moments' half, the logits of 4,096 - 512 tokens (x 8 bytes)
+    moments = z3["memory_bytes"]["adam_moments"] - best["memory_bytes"]["adam_moments"]
+    assert moments == best["memory_bytes"]["adam_moments"]
+    logits = z3["memory_bytes"]["activations"] - best["memory_bytes"]["activations"]
+    assert logits == 8 * (4096 - 512) * 151936 - 4 * 4096 * 2048
+    assert min(r["peak_bytes"] for n, r in rows.items() if n.startswith("EP8")) > 52 * GB
 
 
 def test_the_recipe_runs_plans_recommendation_on_16_910b():
@@ -220,10 +245,30 @@ def test_the_recipe_runs_plans_recommendation_on_16_910b():
     table = plan["layouts"]
     best = next(r for r in table["rows"] if r["name"] == table["recommended"])
     want = dict(s.split("=") for s in layout_settings(best))
-    assert want == {"parallel.ep": str(cfg.parallel.ep), "optim.shard_optimizer": "true", "train.recompute": "true"}
-    assert cfg.optim.shard_optimizer and cfg.train.recompute
+    assert want == {"parallel.ep": str(cfg.parallel.ep), "optim.shard_optimizer": "true", "optim.shard_gradients": "true",
+                    "train.recompute": "true"}
+    assert cfg.optim.shard_optimizer and cfg.optim.shard_gradients and cfg.train.recompute
     assert plan["memory_bytes"]["peak"] == best["peak_bytes"] <= 52 * GB
     assert plan["seq_len"] == 4096 and (plan["micro_batch"], plan["accumulation"]) == (1, 1)
+
+
+def test_the_8_device_recipe_runs_plans_recommendation_within_52_gb():
+    from mspretrain.preflight.layouts import layout_settings
+    from mspretrain.preflight.plan import format_plan, make_plan
+
+    cfg = cfgmod.load(RECIPE8)
+    cfgmod.validate(cfg, budget=True)
+    assert cfg.model == preset("qwen3-30b-a3b") and cfg.parallel.ep == 1
+    assert (cfg.optim.moment_dtype, cfg.optim.loss_chunk_tokens) == ("bf16", 512)
+    plan = make_plan(cfg, devices=8, tokens=None, data_dir=None, tokens_per_s_per_device=None)
+    table = plan["layouts"]
+    best = next(r for r in table["rows"] if r["name"] == table["recommended"])
+    assert set(layout_settings(best)) == {"optim.shard_optimizer=true", "optim.shard_gradients=true",
+                                          "optim.shard_parameters=true", "train.recompute=true"}
+    assert cfg.optim.shard_parameters and cfg.train.recompute
+    assert plan["memory_bytes"]["peak"] == best["peak_bytes"] <= 52 * GB
+    assert plan["seq_len"] == 4096 and (plan["micro_batch"], plan["accumulation"]) == (1, 1)
+    assert "Adam moments (bf16)" in format_plan(plan) and not any("WILL NOT FIT" in w for w in plan["warnings"])
 
 
 def test_the_recipe_starts_with_its_experts_only(capsys):
@@ -306,3 +351,11 @@ def test_train_takes_the_preset(tmp_path, tiny_data, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "dim 2,048 x 48 layers" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_moment_dtype_is_one_line(capsys):
+    """optim.moment_dtype takes "fp32" or "bf16": anything else is refused in one line, exit 2."""
+    from tests.helpers.cli import refused
+
+    err = refused(capsys, "plan", "--config", RECIPE, "--devices", "8", "optim.moment_dtype=fp16")
+    assert "optim.moment_dtype" in err and "is not one of fp32, bf16" in err, err

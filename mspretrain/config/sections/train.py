@@ -22,6 +22,16 @@ class OptimConfig(Section):
     decay_embeddings: bool = False
     lr_scaling: Literal["none", "sqrt"] = "none"  # "none" | "sqrt": lr * sqrt(global_batch / 32)
     z_loss: float = 0.0
+    # The dtype the Adam moments are stored in: "fp32", or "bf16" (2 + 2 bytes a parameter instead
+    # of 4 + 4; each step reads them into fp32, updates in fp32 and rounds them back, as DeepSeek-V3
+    # does: arXiv 2412.19437, section 3.3). Checkpoints hold them as fp32 either way, so a run can
+    # resume with the other setting (fp32 moments are rounded to bf16 on load). step/update.py.
+    moment_dtype: Literal["fp32", "bf16"] = "fp32"
+    # The LM head and the loss over this many tokens at a time, each chunk's fp32 logits recomputed
+    # in the backward pass (model/loss.py `ChunkedNLL`): one chunk's logits alive instead of the
+    # micro-batch's (2.5 GB at 4,096 tokens x Qwen's 151,936-token vocabulary), for one more head
+    # matmul. 0: the whole micro-batch at once. Not with parallel.tp (its loss is vocabulary-parallel).
+    loss_chunk_tokens: int = 0
     # ZeRO-1: each data-parallel rank keeps the Adam moments (and fp32 masters) of the parameters
     # it owns (about 1/N of them), updates those and all-gathers them; no effect with one rank.
     shard_optimizer: bool = False
@@ -73,6 +83,9 @@ class OptimConfig(Section):
                       'write optim.split_mb=256 (MB), 0 to keep every parameter whole, or optim.split_mb="auto"')
         elif not (self.split_mb >= 0 and math.isfinite(self.split_mb)):
             fail("optim.split_mb", f"= {self.split_mb} must be a non-negative number", "use e.g. 256, or 0 to keep every parameter whole")
+        if self.loss_chunk_tokens < 0:
+            fail("optim.loss_chunk_tokens", f"= {self.loss_chunk_tokens} must not be negative",
+                 "use e.g. 512 (tokens per chunk), or 0 for the whole micro-batch at once")
         cap(self, {"lr": 10.0, "weight_decay": 10.0, "eps": 1.0, "grad_clip": 1e6, "z_loss": 1.0},
              "an update this size makes the weights inf in a step")
         floor(self, {"eps": 1e-30}, "float32 rounds it to 0: Adam then divides by 0 for a parameter with no gradient")
