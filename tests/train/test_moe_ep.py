@@ -212,7 +212,7 @@ def _killed_ep2(tmp: Path, tiny_data: Path) -> dict:
     try:
         beat = wait_for_rank(run, 1, KILL_AT, proc)
         deadline = time.time() + 120
-        while not (held / "model.safetensors").is_file():  # rank 0's save of KILL_AT is held from here
+        while not (held / "model-00000-of-00002.safetensors").is_file():  # rank 0's save of KILL_AT is held from here
             assert proc.poll() is None and time.time() < deadline, proc.communicate() if proc.poll() is not None else "no held save"
             time.sleep(0.2)
         t0 = time.time()
