@@ -59,7 +59,7 @@ from benchmarks.train_bench import profile_ours as profile_ops  # noqa: E402  Mi
 from mspretrain.config.schema import ModelConfig, OptimConfig, resolve_model  # noqa: E402
 from mspretrain.device import DeviceInfo, setup_mindspore  # noqa: E402
 from mspretrain.model.decoder import Decoder  # noqa: E402
-from mspretrain.model.moe import MoE  # noqa: E402
+from mspretrain.model.moe import MoE, swiglu  # noqa: E402
 from mspretrain.step.step import TrainStep  # noqa: E402
 
 
@@ -71,10 +71,7 @@ class FixedMoE(MoE):
         N, E, K, F = B * T, self.experts, self.top_k, self.ffn
         A = N * K
         xa = ops.broadcast_to(x.reshape(N, 1, D), (N, K, D)).reshape(E, A // E, D)
-        w13 = self.w13.weight
-        gate = self.bmm_t(xa, w13[:, :F])
-        up = self.bmm_t(xa, w13[:, F:])
-        y = self.bmm_t(ops.silu(gate) * up, self.w2.weight).reshape(N, K, D).sum(1)
+        y = swiglu(self.bmm_t, xa, self.w13.weight, self.w2.weight, F).reshape(N, K, D).sum(1)  # the MoE's SwiGLU form
         return y.reshape(B, T, D), ops.zeros((2, E), ms.float32)
 
 
