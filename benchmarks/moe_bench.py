@@ -27,7 +27,9 @@ decay 0.1, none on norms):
   `F.cross_entropy` on fp32 logits, `clip_grad_norm_`, `torch.optim.AdamW` (foreach).
 
 Rounds rotate the order of the sides so a change in the machine's load hits all of them; the
-median per-round ratio is reported, and the ratio of the best rounds (least disturbed). On a box
+median per-round ratio is reported, and the ratio of the best rounds (least disturbed). Each side's
+step is timed by wall clock and by the process's CPU time (`timed`), ratios by both: on a box
+shared with other jobs the wall time mostly measures the waits for a core. On a box
 oversubscribed by other processes PyTorch's OpenMP threads can collapse (5-10x slower steps at 2
 threads than at 1, seen at load ~8-10 on 2 cores) while MindSpore's do not: compare at
 `--threads 1` there too before reading the transformers ratio (docs/benchmarks.md). With
