@@ -27,7 +27,9 @@ decay 0.1, none on norms):
   `F.cross_entropy` on fp32 logits, `clip_grad_norm_`, `torch.optim.AdamW` (foreach).
 
 Rounds rotate the order of the sides so a change in the machine's load hits all of them; the
-median per-round ratio is reported, and the ratio of the best rounds (least disturbed). On a box
+median per-round ratio is reported, and the ratio of the best rounds (least disturbed). Each side's
+step is timed by wall clock and by the process's CPU time (`timed`), ratios by both: on a box
+shared with other jobs the wall time mostly measures the waits for a core. On a box
 oversubscribed by other processes PyTorch's OpenMP threads can collapse (5-10x slower steps at 2
 threads than at 1, seen at load ~8-10 on 2 cores) while MindSpore's do not: compare at
 `--threads 1` there too before reading the transformers ratio (docs/benchmarks.md). With
@@ -59,7 +61,7 @@ from benchmarks.train_bench import profile_ours as profile_ops  # noqa: E402  Mi
 from mspretrain.config.schema import ModelConfig, OptimConfig, resolve_model  # noqa: E402
 from mspretrain.device import DeviceInfo, setup_mindspore  # noqa: E402
 from mspretrain.model.decoder import Decoder  # noqa: E402
-from mspretrain.model.moe import MoE  # noqa: E402
+from mspretrain.model.moe import MoE, swiglu  # noqa: E402
 from mspretrain.step.step import TrainStep  # noqa: E402
 
 
@@ -71,10 +73,7 @@ class FixedMoE(MoE):
         N, E, K, F = B * T, self.experts, self.top_k, self.ffn
         A = N * K
         xa = ops.broadcast_to(x.reshape(N, 1, D), (N, K, D)).reshape(E, A // E, D)
-        w13 = self.w13.weight
-        gate = self.bmm_t(xa, w13[:, :F])
-        up = self.bmm_t(xa, w13[:, F:])
-        y = self.bmm_t(ops.silu(gate) * up, self.w2.weight).reshape(N, K, D).sum(1)
+        y = swiglu(self.bmm_t, xa, self.w13.weight, self.w2.weight, F).reshape(N, K, D).sum(1)  # the MoE's SwiGLU form
         return y.reshape(B, T, D), ops.zeros((2, E), ms.float32)
 
 
@@ -136,11 +135,15 @@ def hf_step(cfg: ModelConfig, data: np.ndarray, experts: str | None = None):
     return step, sum(p.numel() for p in model.parameters()), info
 
 
-def timed(step, n: int) -> float:
-    t0 = time.perf_counter()
+def timed(step, n: int) -> tuple[float, float]:
+    """Seconds per step: wall, and the process's CPU time (all its threads: on a box shared with
+    other jobs the wall time counts the waits for a core, the CPU time the work; at one thread the
+    CPU time is the wall time the step would take on a core of its own, and MindSpore's idle
+    kernel threads, which spin, count against us)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         step()
-    return (time.perf_counter() - t0) / n
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
 def main() -> int:
@@ -200,25 +203,33 @@ def main() -> int:
         sides[name]()
     names = list(sides)
     rounds: list[dict[str, float]] = []
+    cpu_rounds: list[dict[str, float]] = []
     for i in range(args.rounds):
         order = names[i % len(names):] + names[:i % len(names)]
-        rounds.append({n: timed(sides[n], args.steps) for n in order})
-        print(f"  round {i + 1}: " + ", ".join(f"{n} {rounds[-1][n] * 1e3:.0f} ms" for n in names), flush=True)
+        both = {n: timed(sides[n], args.steps) for n in order}
+        rounds.append({n: both[n][0] for n in names})
+        cpu_rounds.append({n: both[n][1] for n in names})
+        print(f"  round {i + 1}: " + ", ".join(f"{n} {rounds[-1][n] * 1e3:.0f} ms (cpu {cpu_rounds[-1][n] * 1e3:.0f})"
+                                              for n in names), flush=True)
     load.append(os.getloadavg()[0])
     tok = args.batch * args.seq
     tps = {n: statistics.median(tok / r[n] for r in rounds) for n in names}
     best = {n: tok / min(r[n] for r in rounds) for n in names}
 
-    def ratio(a: str, b: str) -> tuple[float, float]:
+    def ratio(a: str, b: str, rs: list[dict[str, float]] = rounds) -> tuple[float, float]:
         """tokens/s of a over b: median of the per-round ratios, and of the best rounds."""
-        return statistics.median(r[b] / r[a] for r in rounds), best[a] / best[b]
+        return statistics.median(r[b] / r[a] for r in rs), min(r[b] for r in rs) / min(r[a] for r in rs)
 
     share = statistics.median((r["moe"] - r["fixed"]) / r["moe"] for r in rounds)
+    cpu_share = statistics.median((r["moe"] - r["fixed"]) / r["moe"] for r in cpu_rounds)
     res = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "profile")}, "load_average": load,
            "params": params, "first_loss": first, "compile_s": compile_s, "tokens_per_s": tps, "best_tokens_per_s": best,
            "moe_over_dense": ratio("moe", "dense"), "routing_share": share,
            "routing_ms": statistics.median((r["moe"] - r["fixed"]) * 1e3 for r in rounds),
-           "rounds_ms": [{n: r[n] * 1e3 for n in names} for r in rounds], "hf": hf_info}
+           "rounds_ms": [{n: r[n] * 1e3 for n in names} for r in rounds], "hf": hf_info,
+           "cpu_rounds_ms": [{n: r[n] * 1e3 for n in names} for r in cpu_rounds], "cpu_routing_share": cpu_share,
+           "cpu_tokens_per_s": {n: statistics.median(tok / r[n] for r in cpu_rounds) for n in names},
+           "cpu_moe_over_dense": ratio("moe", "dense", cpu_rounds)}
     print("parameters: " + ", ".join(f"{n} {p:,}" for n, p in params.items()))
     print("first loss: " + ", ".join(f"{n} {v:.4f}" for n, v in first.items()))
     print("first step (compile): " + ", ".join(f"{n} {v:.1f}s" for n, v in compile_s.items()))
@@ -227,15 +238,19 @@ def main() -> int:
               f"experts {info['experts_implementation']}")
     print(f"tokens/s (median of {args.rounds} rounds): " + ", ".join(f"{n} {tps[n]:,.0f}" for n in names))
     print(f"rounds ms ({'/'.join(names)}): " + ", ".join("/".join(f"{r[n] * 1e3:.0f}" for n in names) for r in rounds))
+    print(f"cpu ms per step ({'/'.join(names)}): " + ", ".join("/".join(f"{r[n] * 1e3:.0f}" for n in names) for r in cpu_rounds))
+    print("tokens per CPU second (median): " + ", ".join(f"{n} {v:,.0f}" for n, v in res["cpu_tokens_per_s"].items()))
     m, b = res["moe_over_dense"]
-    print(f"(a) MoE / dense of the same active size: {m:.2f}x (best rounds {b:.2f}x)")
+    (cm, cb) = res["cpu_moe_over_dense"]
+    print(f"(a) MoE / dense of the same active size: {m:.2f}x (best rounds {b:.2f}x); by CPU time {cm:.2f}x ({cb:.2f}x)")
     for name in hf_info:
         res[f"ours_over_{name}"] = ratio("moe", name)
-        m, b = res[f"ours_over_{name}"]
+        res[f"cpu_ours_over_{name}"] = ratio("moe", name, cpu_rounds)
+        (m, b), (cm, cb) = res[f"ours_over_{name}"], res[f"cpu_ours_over_{name}"]
         print(f"(b) ours / transformers Qwen3MoeForCausalLM (PyTorch eager, experts "
-              f"{hf_info[name]['experts_implementation']}): {m:.2f}x (best rounds {b:.2f}x)")
+              f"{hf_info[name]['experts_implementation']}): {m:.2f}x (best rounds {b:.2f}x); by CPU time {cm:.2f}x ({cb:.2f}x)")
     print(f"(c) routing's share of our MoE step ((moe - fixed) / moe, median of rounds): {share:.1%} "
-          f"({res['routing_ms']:.0f} ms of {statistics.median(r['moe'] for r in rounds) * 1e3:.0f} ms)")
+          f"({res['routing_ms']:.0f} ms of {statistics.median(r['moe'] for r in rounds) * 1e3:.0f} ms); by CPU time {cpu_share:.1%}")
     print(f"load average: {load[0]:.1f} before, {load[1]:.1f} after the timed rounds")
     if args.profile:
         top = profile_ops(sides["moe"], args.profile)

@@ -13,10 +13,12 @@ Dropless routing with static shapes (the CPU path; graph mode compiles it once):
 - Each expert's segment is padded to a multiple of a block of `b` rows, so every block holds the
   rows of one expert. The padded buffer has a static bound R = A + E*(b-1) rows (rounded up to
   whole blocks); rows no assignment fills read a zero row.
-- Per block, the block's expert weights are gathered and one batched MatMul runs the SwiGLU of all
-  blocks: (R/b, b, D) x (R/b, D, 2F). Cost: the active FLOPs times R/A (b is the mean group
-  size, at most 64, so padding at most doubles the rows), plus a copy of one expert's weights per
-  block (R/b copies of 3*F*D values). On CPU that copy is the price of static shapes without a
+- The padded rows are gathered from the tokens themselves (row -> assignment -> token), not from
+  K copies of them. Per block, the block's expert weights are gathered and one batched MatMul
+  runs the SwiGLU of all blocks: (R/b, b, D) x (R/b, D, 2F), the gate and up halves sliced from
+  its output (`swiglu`). Cost: the active FLOPs times R/A (b is the mean group size, at most 64,
+  so padding at most doubles the rows), plus a copy of one expert's weights per block (R/b copies
+  of 3*F*D values). On CPU that copy is the price of static shapes without a
   grouped matmul; Ascend runs MindSpore 2.10's `moe_token_permute` and `GroupedMatmul` instead
   (model/moe_kernels.py `grouped_experts`, same inputs and output; `MoE.grouped`).
 - Outputs return to their assignments by a gather of the destination rows, are weighted and
@@ -259,11 +261,11 @@ class MoE(nn.Cell):
         padded = (counts + (b - 1)) // b * b
         ends = ops.cumsum(padded, 0)
         dest = ops.gather(ends - padded, e, 0) + rank  # (A,) its row in the padded buffer
-        # which assignment fills each padded row (A: none, the zero row)
+        # which token fills each padded row (N: none, the zero row): assignment i is token i // K's.
+        # Gathered from the tokens, not from K copies of them (no (A, D) copy, forward or backward)
         src = ops.scatter_nd(dest.reshape(A, 1), ops.arange(1, A + 1, dtype=ms.int32), (R,)) - 1
-        src = ops.stop_gradient(ops.select(src < 0, ops.fill(ms.int32, (R,), A), src))
-        xa = ops.broadcast_to(x2.expand_dims(1), (N, K, D)).reshape(A, D)
-        xp = ops.gather(ops.concat((xa, ops.zeros((1, D), x2.dtype)), 0), src, 0)  # (R, D)
+        tok = ops.stop_gradient(ops.select(src < 0, ops.fill(ms.int32, (R,), N), src // K))
+        xp = ops.gather(ops.concat((x2, ops.zeros((1, D), x2.dtype)), 0), tok, 0)  # (R, D)
         # the expert of each block: the number of segments ending at or before its first row
         starts = ops.arange(0, R, b, dtype=ms.int32).reshape(R // b, 1)
         block_e = ops.minimum((starts >= ends.reshape(1, E)).astype(ms.int32).sum(1), E - 1)
@@ -271,10 +273,7 @@ class MoE(nn.Cell):
         w13, w2 = ops.gather(w13s, block_e, 0), ops.gather(w2s, block_e, 0)
         if self.dtype != ms.float32:
             w13, w2 = w13.astype(self.dtype), w2.astype(self.dtype)
-        xb = xp.reshape(R // b, b, D)
-        gate = self.bmm_t(xb, w13[:, :F])  # (R/b, b, F)
-        up = self.bmm_t(xb, w13[:, F:])
-        yb = self.bmm_t(ops.silu(gate) * up, w2).reshape(R, D)
+        yb = swiglu(self.bmm_t, xp.reshape(R // b, b, D), w13, w2, F).reshape(R, D)
         ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)  # (A, D), weighted
         return ya, counts
 
@@ -315,19 +314,26 @@ class MoE(nn.Cell):
         dest = ops.stop_gradient(dest.reshape(K, N).transpose(1, 0).reshape(A))  # back to token-major
         # which assignment fills each of the E*C rows (A: none); dropped ones all land on row E*C, cut off
         src = ops.scatter_nd(dest.reshape(A, 1), ops.arange(1, A + 1, dtype=ms.int32), (E * C + 1,))[:E * C] - 1
-        src = ops.stop_gradient(ops.select(src < 0, ops.fill(ms.int32, (E * C,), A), src))
-        xa = ops.broadcast_to(x2.expand_dims(1), (N, K, D)).reshape(A, D)
-        xb = ops.gather(ops.concat((xa, ops.zeros((1, D), x.dtype)), 0), src, 0).reshape(E, C, D)
+        tok = ops.stop_gradient(ops.select(src < 0, ops.fill(ms.int32, (E * C,), N), src // K))  # N: the zero row
+        xb = ops.gather(ops.concat((x2, ops.zeros((1, D), x.dtype)), 0), tok, 0).reshape(E, C, D)
         w13, w2 = ws[1], ws[2]
         if self.dtype != ms.float32:
             w13, w2 = w13.astype(self.dtype), w2.astype(self.dtype)
-        gate = self.bmm_t(xb, w13[:, :F])  # (E, C, F)
-        up = self.bmm_t(xb, w13[:, F:])
-        yb = self.bmm_t(ops.silu(gate) * up, w2).reshape(E * C, D)
+        yb = swiglu(self.bmm_t, xb, w13, w2, F).reshape(E * C, D)
         yb = ops.concat((yb, ops.zeros((1, D), yb.dtype)), 0)  # row E*C: a dropped assignment's output
         ya = ops.gather(yb, dest, 0) * top.reshape(A, 1)
         dropped = ops.maximum(counts - C, 0)
         return self._finish(x, x2, ya.reshape(N, K, D).sum(1), probs, counts, z, dropped, ws)
+
+
+def swiglu(bmm_t: Any, xb: Tensor, w13: Tensor, w2: Tensor, F: int) -> Tensor:
+    """The experts' SwiGLU on row blocks xb (G, b, D), one expert's weights per block: w13 (G, 2F, D)
+    gate | up, w2 (G, D, F) -> (G, b, D). One BatchMatMul over w13 whole, the gate and up halves
+    sliced from its output: slicing the (per-block copies of the) weights instead cost a copy of
+    each half forward and a zero-filled (G, 2F, D) StridedSliceGrad per half backward
+    (docs/benchmarks.md, issue 52's MoE step)."""
+    h = bmm_t(xb, w13)  # (G, b, 2F)
+    return bmm_t(ops.silu(h[:, :, :F]) * h[:, :, F:], w2)
 
 
 def capacity(factor: float, tokens: int, k: int, experts: int) -> int:
