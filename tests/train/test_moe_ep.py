@@ -44,6 +44,22 @@ def moe_one(tmp_path_factory, tiny_data) -> Path:
     return run
 
 
+# the 8 x 910B recipe's memory options (configs/qwen3-30b-a3b-zh-continue-8x910b.toml): bf16 Adam
+# moments, the LM head and loss in chunks of tokens (here 24 of a micro-batch's 64: a ragged last one)
+RECIPE = ("optim.moment_dtype=bf16", "optim.loss_chunk_tokens=24")
+BF16_STEP = 2.0 ** -7  # neighbouring bf16 values: the moments' tolerance under RECIPE (conftest.py assert_same_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def moe_one_recipe(tmp_path_factory, tiny_data) -> Path:
+    """The one-process run with RECIPE's options, which the ZeRO-3 run must equal."""
+    from mspretrain.cli import main
+
+    run = tmp_path_factory.mktemp("moe_one_recipe") / "run"
+    assert main(["train", "--config", str(TINY), "--data", str(tiny_data), "--run", str(run), *ONE, *RECIPE, NO_EVAL]) == 0
+    return run
+
+
 def _moe_metrics(run: Path) -> dict[int, dict[str, float]]:
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: {k: v for k, v in r.items() if k.startswith("moe/")} for r in recs if "loss" in r}
@@ -58,13 +74,14 @@ def _same_moe_metrics(run: Path, one: Path, steps: range | None = None) -> None:
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
 
 
-def _equal_from(run: Path, one: Path, first: int) -> None:
-    """Losses and grad norms of steps first..FINAL within 1e-5, and the final checkpoint's weights and moments."""
+def _equal_from(run: Path, one: Path, first: int, moments_rtol: float | None = None) -> None:
+    """Losses and grad norms of steps first..FINAL within 1e-5, and the final checkpoint's weights and
+    moments (the moments within `moments_rtol` if given)."""
     a, b, ga, gb = losses(one), losses(run), grad_norms(one), grad_norms(run)
     for step in range(first, FINAL + 1):
         assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])
         assert gb[step] == pytest.approx(ga[step], rel=1e-5), (step, ga[step], gb[step])
-    assert_same_checkpoint(step_dir(run, FINAL), step_dir(one, FINAL), 1e-5)
+    assert_same_checkpoint(step_dir(run, FINAL), step_dir(one, FINAL), 1e-5, moments_rtol)
 
 
 @pytest.mark.slow
@@ -156,13 +173,15 @@ def test_ep2_by_edp2_with_zero1_on_4_ranks_equals_one_process(tmp_path, tiny_dat
 
 
 @pytest.mark.msrun
-def test_zero3_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one):
-    """ZeRO-3 on 2 ranks at ep=1: every weight (the router and the 3-D expert stacks too) a slice
-    per rank, each MoE layer's gathered with the block's others; the routing stats summed over the
-    ranks. Losses, grad norms, routing metrics and the final weights and moments equal the one
-    process's; each rank writes its slices under whole-model names (`NAME@START:STOP`), which
-    `checkpoints --verify` and `export` read (the one process's export within 1e-5), and one
-    process resumes the step-4 checkpoint to the same end."""
+def test_zero3_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_one_recipe):
+    """ZeRO-3 on 2 ranks at ep=1, with the 8 x 910B recipe's bf16 moments and chunked loss (RECIPE):
+    every weight (the router and the 3-D expert stacks too) a slice per rank, each MoE layer's
+    gathered with the block's others; the routing stats summed over the ranks. Losses, grad norms,
+    routing metrics and the final weights equal the one process's (the bf16 moments within one
+    bf16 step); each rank writes
+    its slices under whole-model names (`NAME@START:STOP`), which `checkpoints --verify` and
+    `export` read (the one process's export within 1e-5), and one process resumes the step-4
+    checkpoint to the same end."""
     import numpy as np
     from safetensors.numpy import load_file
 
@@ -170,10 +189,10 @@ def test_zero3_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_on
     from mspretrain.model.hf import read_hf_dir
 
     run = tmp_path / "zero3"
-    msrun(tmp_path, tiny_data, run, "optim.shard_parameters=true", NO_EVAL, args=ONE)
+    msrun(tmp_path, tiny_data, run, "optim.shard_parameters=true", *RECIPE, NO_EVAL, args=ONE)
     assert "weights, optimizer state and gradients sharded over 2 ranks" in (run / "train.log").read_text()
-    _equal_from(run, moe_one, 1)
-    _same_moe_metrics(run, moe_one)
+    _equal_from(run, moe_one_recipe, 1, BF16_STEP)
+    _same_moe_metrics(run, moe_one_recipe)
     weights = [set(load_file(str(step_dir(run, FINAL) / f"model-0000{r}-of-00002.safetensors"))) for r in (0, 1)]
     n = 4 * 64 * 64  # layers.0.mlp.w13.weight: (experts, 2 x moe_ffn_dim, dim)
     assert f"layers.0.mlp.w13.weight@0:{n // 2}" in weights[0] and f"layers.0.mlp.w13.weight@{n // 2}:{n}" in weights[1]
@@ -183,15 +202,15 @@ def test_zero3_equals_one_process_and_resumes_on_one(tmp_path, tiny_data, moe_on
     # the per-rank files verify and export (per-expert HF tensors) the model one process exports
     assert main(["checkpoints", str(run), "--verify"]) == 0
     exported = {}
-    for r in (run, moe_one):
+    for r in (run, moe_one_recipe):
         assert main(["export", str(r), "--format", "hf", "--out", str(tmp_path / f"hf-{r.name}"), "--quiet"]) == 0
         exported[r] = read_hf_dir(tmp_path / f"hf-{r.name}")[1]
-    assert sorted(exported[run]) == sorted(exported[moe_one])
+    assert sorted(exported[run]) == sorted(exported[moe_one_recipe])
     assert exported[run]["layers.0.mlp.w13.weight"].shape == (4, 64, 64)  # read back from per-expert HF tensors
-    for k, v in exported[moe_one].items():
+    for k, v in exported[moe_one_recipe].items():
         np.testing.assert_allclose(exported[run][k], v, rtol=0, atol=1e-5, err_msg=k)
-    resumed = resume_on_one_process(run, tiny_data, tmp_path, RESUME_AT, *MOE)
-    _equal_from(resumed, moe_one, RESUME_AT + 1)
+    resumed = resume_on_one_process(run, tiny_data, tmp_path, RESUME_AT, *MOE, *RECIPE)
+    _equal_from(resumed, moe_one_recipe, RESUME_AT + 1, BF16_STEP)
 
 
 def _killed_ep2(tmp: Path, tiny_data: Path) -> dict:
