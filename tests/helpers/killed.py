@@ -73,3 +73,17 @@ def ended_within(proc: subprocess.Popen, t0: float) -> tuple[str, float]:
         kill_tree(proc)
         raise AssertionError(f"the job still ran {DEATH_BOUND_S + 30} s after the signal") from None
     return err, time.time() - t0
+
+
+def signal_rank(proc: subprocess.Popen, pid: int, sig: int) -> tuple[str, float]:
+    """Send `sig` to rank process `pid` of the job `proc` and wait for the job to end: (its stderr,
+    the seconds it took, `ended_within`). The job is killed whole if it is still running after that."""
+    import time
+
+    try:
+        t0 = time.time()
+        os.kill(pid, sig)
+        return ended_within(proc, t0)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)

@@ -13,7 +13,7 @@ from mspretrain import world as world_mod
 from mspretrain.errors import UserError
 from mspretrain.parallel import distributed
 from tests.conftest import NO_EVAL, TINY, assert_close_rel, assert_same_checkpoint, copy_run_at, relative_error
-from tests.helpers.killed import DEATH_BOUND_S, LONG, ended_within, start_launch, wait_for_beat_after, wait_for_rank
+from tests.helpers.killed import DEATH_BOUND_S, LONG, ended_within, signal_rank, start_launch, wait_for_beat_after, wait_for_rank
 from tests.helpers.runs import ARGS, FINAL, MSRUN, STEPS, final_nll, grad_norms, kill_tree, losses, msrun, replica_hashes, step_dir
 
 
@@ -254,12 +254,10 @@ def killed_then_stopped(tmp_path_factory, tiny_data) -> dict:
     proc = start_launch(tmp, tiny_data, run, *LONG)
     try:
         beat = wait_for_rank(run, 1, 5, proc)
-        t0 = time.time()
-        os.kill(beat["pid"], signal.SIGKILL)
-        err, took = ended_within(proc, t0)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    except BaseException:
+        kill_tree(proc)
+        raise
+    err, took = signal_rank(proc, beat["pid"], signal.SIGKILL)
     killed_pid = beat["pid"]
     out["killed"] = {"rc": proc.returncode, "err": err, "took": took, "before": losses(run)}
     # The relaunch resumes from the newest verified checkpoint, and the steps it redoes must give the

@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import EVAL_AT_END, NO_EVAL, REFERENCE_ARGS, TINY, assert_same_checkpoint, copy_run_at
 from tests.helpers.cli import refused
-from tests.helpers.killed import DEATH_BOUND_S, ended_within, start_launch, wait_for_rank
+from tests.helpers.killed import DEATH_BOUND_S, signal_rank, start_launch, wait_for_rank
 from tests.helpers.runs import FINAL, grad_norms, kill_tree, losses, msrun, replica_hashes, resume_on_one_process, step_dir
 
 MOE = ("model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=4", "model.experts_per_token=2",
@@ -218,7 +218,6 @@ def _killed_ep2(tmp: Path, tiny_data: Path) -> dict:
     rank 0 holds the save of step KILL_AT open mid-write (MSPRETRAIN_FAULT_SAVE_DELAY). Only drives
     the job and records what it saw and what it left in checkpoints/; the test asserts (and holds
     the msrun lock: conftest's autouse fixture)."""
-    import os
     import signal
     import time
 
@@ -234,12 +233,10 @@ def _killed_ep2(tmp: Path, tiny_data: Path) -> dict:
         while not (held / "model-00000-of-00002.safetensors").is_file():  # rank 0's save of KILL_AT is held from here
             assert proc.poll() is None and time.time() < deadline, proc.communicate() if proc.poll() is not None else "no held save"
             time.sleep(0.2)
-        t0 = time.time()
-        os.kill(beat["pid"], signal.SIGKILL)
-        err, took = ended_within(proc, t0)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    except BaseException:
+        kill_tree(proc)
+        raise
+    err, took = signal_rank(proc, beat["pid"], signal.SIGKILL)
     ckpts = run / "checkpoints"
     left = {p.name: sorted(f.name for f in p.iterdir()) for p in sorted(ckpts.iterdir()) if p.is_dir()}
     return {"run": run, "rc": proc.returncode, "err": err, "took": took, "before": losses(run), "left": left}
