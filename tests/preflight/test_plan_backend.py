@@ -72,14 +72,14 @@ def test_cpu_backend_term_is_counted_from_the_steps_tables(tiny_cfg, dtype, para
 def test_the_step_has_no_0d_where_over_a_full_tensor():
     """MindSpore 2.10's CPU Select with a 0-d operand keeps 24 B per output element for the graph's
     life (run 3: the overflow mask of `_finish` and the overwrite of `accumulate` cost 24 B/param
-    each). The step masks with a scaled multiply and a full-size condition instead, and the plan has
+    each). The step masks with a scaled multiply (MulNoNan: 0 where the scale is 0) and a full-size condition instead, and the plan has
     no term for it: a `where(finite, grads[...]` or `where(first, g, ...)` coming back must fail here."""
     from mspretrain.step.step import TrainStep
 
     finish = inspect.getsource(TrainStep._finish)
     accumulate = inspect.getsource(TrainStep._ensure_accum)
     assert not re.search(r"ops\.where\(finite,\s*(grads\[|g\b)", finish)
-    assert re.search(r"ops\.nan_to_num\(g \* gscale", finish)  # g: the owned gradient (or its slice of a split one)
+    assert re.search(r"_MUL_NO_NAN\(g, gscale\)", finish)  # g: the owned gradient (or its slice of a split one)
     assert not re.search(r"ops\.where\(first,\s*g,", accumulate)  # (the 0-d loss sum may keep its scalar where)
     assert re.search(r"ops\.where\(ops\.broadcast_to\(first, acc\.shape\)", accumulate)
 

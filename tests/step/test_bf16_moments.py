@@ -2,7 +2,7 @@
 the update against torch.optim.AdamW with its moments rounded to bf16 after every step (ml_dtypes'
 round to nearest even), an overflowed step a bit-exact no-op, a resume equal to the uninterrupted
 run bit for bit, and checkpoints of either moment dtype read by a run of the other. One Bigram
-(tests/step/test_train_step.py's), three small compiled steps. The default (fp32) path is the
+(tests/helpers/bigram.py's), three small compiled steps. The default (fp32) path is the
 unchanged `AdamWeightDecay` kernel: test_train_step.py::test_adamw_matches_torch still holds it."""
 from dataclasses import replace
 
@@ -14,7 +14,7 @@ import pytest
 from mspretrain.config.schema import OptimConfig
 from mspretrain.step.step import TrainStep
 from tests.conftest import assert_close_rel, assert_unchanged, snapshot
-from tests.step.test_train_step import Bigram, D, V
+from tests.helpers.bigram import Bigram, D, V
 
 LR = 1e-2
 OPTIM = OptimConfig(lr=LR, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=0.05, moment_dtype="bf16")

@@ -4,38 +4,14 @@
 - k micro-batches == one batch of k*b (loss, grad norm, weights and Adam moments after 3 steps);
 - an overflowed fp16 step changes no weight and no moment, and does not advance AdamW.
 """
-import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Parameter, Tensor, nn, ops
 
 from mspretrain.config.schema import ModelConfig, OptimConfig, resolve_model
 from mspretrain.model.decoder import Decoder, state_numpy
 from mspretrain.step.step import TrainStep, decay_mask
 from tests.conftest import assert_close_rel, assert_unchanged, assert_unshared, snapshot
-
-V, D = 50, 16
-
-
-class Bigram(nn.Cell):
-    """logits = embed[tokens] @ w: small enough to mirror exactly in PyTorch."""
-
-    def __init__(self, emb: np.ndarray, w: np.ndarray) -> None:
-        super().__init__()
-        self.embed = Parameter(Tensor(emb), name="embed.weight")
-        self.w = Parameter(Tensor(w), name="lm_head.weight")  # a name of model/params.py's table: the step reads its decay there
-
-    def construct(self, tokens, positions=None, segments=None):
-        return ops.matmul(ops.gather(self.embed, tokens, 0), self.w)
-
-
-class Bigram16(Bigram):
-    """The same in fp16 compute with fp32 parameters (what precision.dtype=fp16 does): small
-    gradients of the loss times a real loss scale are what fp16 needs the scale for."""
-
-    def construct(self, tokens, positions=None, segments=None):
-        x = ops.gather(self.embed, tokens, 0).astype(ms.float16)
-        return ops.matmul(x, self.w.astype(ms.float16)).astype(ms.float32)
+from tests.helpers.bigram import Bigram, Bigram16, D, V
 
 
 def test_decay_mask():
